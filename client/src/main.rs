@@ -1,0 +1,209 @@
+//! `sandcellctl`: run code through sandcelld from the shell. See sandcellctl(1).
+//!
+//! Exit status of `run` and `exec`: 0 ok; 1 the cell raised an error; 2 usage or connection
+//! problem; 3 the daemon refused the call (a named error, printed); 4 timeout; 5 interrupted
+//! or cancelled; 6 out of memory or fuel (memory_exhausted, oom, fuel_exhausted); 7 worker
+//! crashed; 10 the cell exited the interpreter (`sys.exit`, `quit`).
+
+use clap::{Parser, Subcommand};
+use sandcell_client::{Client, Error, Limits, Status};
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Run Python and R code cells through sandcelld.
+#[derive(Debug, Parser)]
+#[command(name = "sandcellctl", version, about)]
+struct Args {
+    /// Socket of sandcelld [env: SANDCELL_SOCKET; default /run/sandcell/org.sandcell.Kernel].
+    #[arg(long, global = true, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Print frames as JSON lines instead of plain output.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Run FILE (or - for stdin) in a fresh sandbox, streaming its output.
+    Run {
+        /// python or r; inferred from a .R/.r or .py extension, else python.
+        #[arg(long, short)]
+        language: Option<String>,
+        /// Lower the wall-time limit of the cell, seconds.
+        #[arg(long, value_name = "SECONDS")]
+        wall_time: Option<f64>,
+        /// The code file, or - for standard input.
+        file: PathBuf,
+    },
+    /// Open a detached session that lives IDLE seconds without cells; prints its id.
+    Open {
+        /// python or r.
+        #[arg(long, short, default_value = "python")]
+        language: String,
+        /// Idle lifetime in seconds.
+        #[arg(long, default_value_t = 600)]
+        idle: u64,
+    },
+    /// Run FILE (or -) as the next cell of SESSION.
+    Exec {
+        /// Session id from `open`.
+        session: String,
+        /// The code file, or -.
+        file: PathBuf,
+    },
+    /// Interrupt CELL of SESSION.
+    Interrupt {
+        /// Session id.
+        session: String,
+        /// Cell number.
+        cell: u64,
+    },
+    /// Close SESSION.
+    Close {
+        /// Session id.
+        session: String,
+    },
+}
+
+fn read_code(file: &PathBuf) -> std::io::Result<String> {
+    if file.as_os_str() == "-" {
+        let mut s = String::new();
+        std::io::stdin().read_to_string(&mut s)?;
+        Ok(s)
+    } else {
+        std::fs::read_to_string(file)
+    }
+}
+
+fn exit_for(status: Status) -> u8 {
+    match status {
+        Status::Ok => 0,
+        Status::Error => 1,
+        Status::Timeout => 4,
+        Status::Interrupted | Status::Cancelled => 5,
+        Status::MemoryExhausted | Status::Oom | Status::FuelExhausted => 6,
+        Status::WorkerCrashed => 7,
+        Status::Exited => 10,
+    }
+}
+
+fn fail(e: Error) -> ExitCode {
+    eprintln!("sandcellctl: {e}");
+    ExitCode::from(match e {
+        Error::Kernel(_) => 3,
+        _ => 2,
+    })
+}
+
+async fn stream(c: &mut Client, json: bool) -> Result<u8, Error> {
+    let mut out = std::io::stdout();
+    let mut err = std::io::stderr();
+    loop {
+        let f = c.next_frame().await?;
+        if json {
+            let _ = writeln!(out, "{}", serde_json::to_string(&f).expect("frames serialise"));
+            let _ = out.flush();
+        }
+        if let Some(o) = &f.output
+            && !json
+        {
+            match o.stream {
+                sandcell_proto::kernel::Stream::Stdout => {
+                    let _ = out.write_all(o.text.as_bytes());
+                    let _ = out.flush();
+                }
+                sandcell_proto::kernel::Stream::Stderr => {
+                    let _ = err.write_all(o.text.as_bytes());
+                }
+            }
+        }
+        if let Some(r) = f.result {
+            if !json && r.status != Status::Ok {
+                let mut line = format!("sandcellctl: cell {} {}", r.cell, r.status.as_str());
+                if let Some(e) = &r.error {
+                    line.push_str(&format!(": {}: {}", e.kind, e.message));
+                    if let Some(tb) = &e.traceback {
+                        let _ = writeln!(err, "{tb}");
+                    }
+                }
+                if let Some(code) = r.exit_code {
+                    line.push_str(&format!(" (exit code {code})"));
+                }
+                for (name, s) in [("stdout", r.stdout), ("stderr", r.stderr)] {
+                    if s.truncated {
+                        line.push_str(&format!("; {name} truncated: kept {} of {} bytes", s.kept, s.seen));
+                    }
+                }
+                let _ = writeln!(err, "{line}");
+            } else if !json {
+                for (name, s) in [("stdout", r.stdout), ("stderr", r.stderr)] {
+                    if s.truncated {
+                        let _ = writeln!(err, "sandcellctl: {name} truncated: kept {} of {} bytes", s.kept, s.seen);
+                    }
+                }
+            }
+            return Ok(exit_for(r.status));
+        }
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    let socket = args.socket.clone().unwrap_or_else(sandcell_client::default_socket);
+    let mut c = match Client::connect(&socket).await {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    let r: Result<u8, Error> = async {
+        match &args.cmd {
+            Cmd::Run { language, wall_time, file } => {
+                let code = read_code(file).map_err(|e| Error::Protocol(zlink::Error::Io(e)))?;
+                let lang = language.clone().unwrap_or_else(|| {
+                    match file.extension().and_then(|e| e.to_str()) {
+                        Some("R" | "r") => "r".into(),
+                        _ => "python".into(),
+                    }
+                });
+                let limits = wall_time.map(|w| Limits { wall_time_seconds: Some(w), ..Default::default() });
+                c.run(&lang, &code, limits.as_ref()).await?;
+                stream(&mut c, args.json).await
+            }
+            Cmd::Open { language, idle } => {
+                let o = c.open(language, None, Some(*idle)).await?;
+                if args.json {
+                    println!("{}", serde_json::to_string(&o).expect("serialises"));
+                } else {
+                    println!("{}", o.session);
+                }
+                Ok(0)
+            }
+            Cmd::Exec { session, file } => {
+                let code = read_code(file).map_err(|e| Error::Protocol(zlink::Error::Io(e)))?;
+                c.execute(session, &code).await?;
+                stream(&mut c, args.json).await
+            }
+            Cmd::Interrupt { session, cell } => {
+                let r = c.interrupt(session, *cell).await?;
+                if args.json {
+                    println!("{}", serde_json::to_string(&r).expect("serialises"));
+                } else {
+                    println!("{}", r.reason);
+                }
+                Ok(if r.delivered { 0 } else { 1 })
+            }
+            Cmd::Close { session } => {
+                c.close(session).await?;
+                Ok(0)
+            }
+        }
+    }
+    .await;
+    match r {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => fail(e),
+    }
+}

@@ -1,0 +1,219 @@
+//! Step 8: Landlock.
+//!
+//! The ruleset *handles* every right the running kernel knows (file system, TCP, scopes) and
+//! *grants* only:
+//!
+//! | paths | rights |
+//! |-------|--------|
+//! | `read_paths` | read files, list directories |
+//! | `exec_paths` | the same, plus execute |
+//! | `session_dir`, `write_paths` | read, write, create, remove, rename, truncate; never execute, never make devices, sockets or (ABI 9) connect to a unix socket |
+//! | TCP | nothing: every bind and connect is denied (ABI 4+) |
+//! | scopes | abstract unix sockets and signals are confined to the worker's own domain (ABI 6+) |
+//!
+//! Write paths are never executable (W^X): a cell that drops a binary into its session
+//! directory cannot run it (R's `system()` still runs `/bin/sh` from `exec_paths`).
+//!
+//! The ABI is read from the kernel and the rights chosen for exactly that ABI, then the ruleset
+//! is applied with [`CompatLevel::HardRequirement`], so nothing the code asked for is silently
+//! dropped. The `landlock` crate recommends fixing the ABI at build time; sandcell instead
+//! enforces everything the kernel offers and sets a floor ([`crate::MIN_STRICT_LANDLOCK_ABI`])
+//! for strict enforcement, because the daemon runs on kernels it did not choose.
+//!
+//! What Landlock ABI 7 does not cover, and who does: connecting to a *pathname* unix socket
+//! (until ABI 9's `ResolveUnix`) and UDP (until ABI 10): seccomp denies `socket(2)` entirely
+//! (see [`crate::seccomp`]).
+
+use crate::{Error, MIN_STRICT_LANDLOCK_ABI, Plan};
+use landlock::{
+    ABI, Access, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, PathBeneath, PathFd,
+    Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetStatus, Scope,
+};
+use std::path::{Path, PathBuf};
+
+/// What [`apply`] enforced.
+#[derive(Debug)]
+pub struct Applied {
+    /// The Landlock ABI whose rights were handled.
+    pub abi: i32,
+    /// Paths of the plan that did not exist (no rule added).
+    pub missing_paths: Vec<PathBuf>,
+}
+
+/// The running kernel's Landlock ABI, or `None` when Landlock is not built in (`ENOSYS`) or not
+/// enabled at boot (`EOPNOTSUPP`).
+pub fn kernel_abi() -> Option<i32> {
+    // SAFETY: with a null attribute, size 0 and LANDLOCK_CREATE_RULESET_VERSION (1), the call
+    // only returns the ABI version; no memory is read or written.
+    let v = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<libc::c_void>(),
+            0usize,
+            1u32,
+        )
+    };
+    (v > 0).then_some(v as i32)
+}
+
+/// Rights granted on read-only paths.
+fn read_rights() -> BitFlags<AccessFs> {
+    AccessFs::ReadFile | AccessFs::ReadDir
+}
+
+/// Rights granted on executable paths.
+fn exec_rights() -> BitFlags<AccessFs> {
+    read_rights() | AccessFs::Execute
+}
+
+/// Rights granted on the session directory and write paths for `abi`: everything handled but
+/// execute, device nodes, and unix sockets.
+fn write_rights(abi: ABI) -> BitFlags<AccessFs> {
+    AccessFs::from_all(abi)
+        & !(AccessFs::Execute
+            | AccessFs::MakeChar
+            | AccessFs::MakeBlock
+            | AccessFs::MakeSock
+            | AccessFs::ResolveUnix)
+}
+
+/// Restricts the calling thread (and its future children) to `plan`'s paths.
+///
+/// Errors: [`Error::Unavailable`] when Landlock is missing, or older than
+/// [`MIN_STRICT_LANDLOCK_ABI`] with `strict`; [`Error::Step`] (`landlock`) when the ruleset
+/// cannot be built or applied, or the session directory does not exist.
+pub fn apply(plan: &Plan, strict: bool) -> Result<Applied, Error> {
+    let Some(version) = kernel_abi() else {
+        return Err(Error::Unavailable {
+            layer: "landlock",
+            reason: "the kernel has no landlock (boot with lsm=...,landlock; Linux 6.12+)".into(),
+        });
+    };
+    if strict && version < MIN_STRICT_LANDLOCK_ABI {
+        return Err(Error::Unavailable {
+            layer: "landlock",
+            reason: format!(
+                "abi {version} is older than the required {MIN_STRICT_LANDLOCK_ABI} (signal and \
+                 abstract-socket scopes): run Linux 6.12 or newer"
+            ),
+        });
+    }
+    let abi = ABI::from(version);
+    let failed = |what: &str, e: &dyn std::fmt::Display| Error::Step {
+        step: "landlock",
+        source: std::io::Error::other(format!("{what}: {e}")),
+    };
+
+    let mut ruleset = Ruleset::default()
+        .set_compatibility(CompatLevel::HardRequirement)
+        .handle_access(AccessFs::from_all(abi))
+        .map_err(|e| failed("handling file-system rights", &e))?;
+    if !AccessNet::from_all(abi).is_empty() {
+        ruleset = ruleset
+            .handle_access(AccessNet::from_all(abi))
+            .map_err(|e| failed("handling network rights", &e))?;
+    }
+    if !Scope::from_all(abi).is_empty() {
+        ruleset = ruleset
+            .scope(Scope::from_all(abi))
+            .map_err(|e| failed("adding scopes", &e))?;
+    }
+    let mut created = ruleset
+        .create()
+        .map_err(|e| failed("creating the ruleset", &e))?;
+
+    let mut missing = Vec::new();
+    let groups: [(&[PathBuf], BitFlags<AccessFs>); 3] = [
+        (&plan.read_paths, read_rights()),
+        (&plan.exec_paths, exec_rights()),
+        (&plan.write_paths, write_rights(abi)),
+    ];
+    if !plan.session_dir.is_dir() {
+        return Err(failed(
+            "session directory",
+            &format!("{} is not a directory", plan.session_dir.display()),
+        ));
+    }
+    let session = [plan.session_dir.clone()];
+    for (paths, rights) in groups
+        .into_iter()
+        .chain([(&session[..], write_rights(abi))])
+    {
+        for path in paths {
+            match rule(path, rights, abi) {
+                Ok(Some(r)) => {
+                    created = created
+                        .add_rule(r)
+                        .map_err(|e| failed(&format!("rule for {}", path.display()), &e))?;
+                }
+                Ok(None) => missing.push(path.clone()),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    let status = created
+        .restrict_self()
+        .map_err(|e| failed("landlock_restrict_self", &e))?;
+    if status.ruleset != RulesetStatus::FullyEnforced {
+        return Err(failed("enforcement", &format!("{:?}", status.ruleset)));
+    }
+    Ok(Applied {
+        abi: version.min(abi as i32),
+        missing_paths: missing,
+    })
+}
+
+/// A rule granting `rights` beneath `path` (only the file rights if `path` is not a
+/// directory), or `None` if `path` does not exist.
+fn rule(
+    path: &Path,
+    rights: BitFlags<AccessFs>,
+    abi: ABI,
+) -> Result<Option<PathBeneath<PathFd>>, Error> {
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(Error::Step {
+                step: "landlock",
+                source: std::io::Error::new(e.kind(), format!("stat {}: {e}", path.display())),
+            });
+        }
+    };
+    let rights = if meta.is_dir() {
+        rights
+    } else {
+        rights & AccessFs::from_file(abi)
+    };
+    // PathFd opens with O_PATH | O_CLOEXEC; it is closed when the rule is dropped.
+    let fd = PathFd::new(path).map_err(|e| Error::Step {
+        step: "landlock",
+        source: std::io::Error::other(format!("open {}: {e}", path.display())),
+    })?;
+    Ok(Some(PathBeneath::new(fd, rights)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn write_paths_are_never_executable() {
+        for v in 1..=10 {
+            let abi = ABI::from(v);
+            let w = write_rights(abi);
+            assert!(!w.contains(AccessFs::Execute), "abi {v}");
+            assert!(
+                !w.contains(AccessFs::MakeChar | AccessFs::MakeBlock),
+                "abi {v}"
+            );
+            assert!(
+                w.contains(AccessFs::WriteFile | AccessFs::MakeReg),
+                "abi {v}"
+            );
+        }
+        assert!(!read_rights().contains(AccessFs::Execute));
+        assert!(exec_rights().contains(AccessFs::Execute));
+    }
+}

@@ -1,0 +1,463 @@
+//! The confinement sequence of a sandcell worker.
+//!
+//! `sandcelld` decides *what* a worker may do and writes it into a [`Plan`]; the worker
+//! executable (trusted code, started by the daemon as root inside its session cgroup) calls
+//! [`enter`] as the first thing in `main`, before it loads an interpreter or reads a request.
+//! After `enter` returns, the process is confined for good; nothing it does can undo it.
+//!
+//! The plan travels in the environment variable [`PLAN_ENV`] as JSON; [`Plan::from_env`] reads
+//! and removes it.
+//!
+//! # The sequence
+//!
+//! [`enter`] is one straight function in the style of Firecracker's jailer
+//! (`src/jailer/src/env.rs`, `Env::run`): each step is a call into its own module, in this
+//! order, and the order matters (each step says why it sits where it does):
+//!
+//! | # | step | module | needs |
+//! |---|------|--------|-------|
+//! | 0 | the plan is sane; one thread only | here | - |
+//! | 1 | close every fd not in `keep_fds`; no terminal | [`fds`] | - |
+//! | 2 | rlimits (core 0, nofile, fsize, nproc, optional AS) | [`rlimits`] | root to raise hard limits |
+//! | 3 | unshare network and IPC namespaces | [`namespaces`] | CAP_SYS_ADMIN |
+//! | 4 | drop the bounding and ambient sets, lock securebits | [`caps`] | CAP_SETPCAP |
+//! | 5 | setgroups([]), setresgid, setresuid | [`identity`] | CAP_SETGID, CAP_SETUID |
+//! | 6 | clear permitted/effective/inheritable, verify all five sets empty | [`caps`] | - |
+//! | 7 | no_new_privs | [`caps`] | - |
+//! | 8 | Landlock: file system, TCP, scopes | [`landlock`] | no_new_privs |
+//! | 9 | close again whatever steps 1-8 opened | [`fds`] | - |
+//! | 10 | seccomp, last | [`seccomp`] | no_new_privs |
+//!
+//! The cgroup is not a step here: the daemon puts the child in its session group between fork
+//! and exec, before this code runs (see `daemon/src/cgroup/mod.rs`).
+//!
+//! # Enforcement
+//!
+//! Under [`Enforcement::Strict`] every step must succeed and every layer must be present
+//! (Landlock at least [`MIN_STRICT_LANDLOCK_ABI`]); anything else is an [`Error`] and the
+//! worker exits with [`EXIT_CONFINE_FAILED`] before running anything. Under
+//! [`Enforcement::BestEffort`] (the daemon's loudly named development flag), a layer that the
+//! kernel or the caller's privileges cannot provide is skipped and listed in
+//! [`Report::skipped`]; steps 0, 1 and 2 are never skipped.
+
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use std::time::Instant;
+
+pub mod caps;
+pub mod fds;
+pub mod identity;
+pub mod landlock;
+pub mod namespaces;
+pub mod rlimits;
+pub mod seccomp;
+
+/// Environment variable that carries the JSON [`Plan`] from the daemon to a worker.
+pub const PLAN_ENV: &str = "SANDCELL_CONFINE";
+
+/// Lowest Landlock ABI accepted under [`Enforcement::Strict`].
+///
+/// ABI 6 (Linux 6.12) adds the signal and abstract-unix-socket scopes. Without the signal
+/// scope, a worker could signal every other process of its uid, including another session's
+/// worker when workers share a uid; the file-system rights of ABI 1-3 alone do not stop that,
+/// and seccomp cannot (the target pid is a run-time value). Hosts with an older kernel can run
+/// only with the development flag.
+pub const MIN_STRICT_LANDLOCK_ABI: i32 = 6;
+
+/// Which system-call policy a worker gets (see [`seccomp`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SyscallProfile {
+    /// A WebAssembly host (the Python worker): no fork, no exec, no sockets; threads allowed.
+    Wasm,
+    /// A native interpreter (R): fork and exec allowed (R's `system()`), no sockets (R only
+    /// calls `socket(AF_UNIX)` for glibc's nscd lookup and falls back to files, measured with
+    /// strace), stream socketpairs only, no namespaces, no tracing.
+    Native,
+}
+
+/// What to do when a layer the plan asks for is not available in the running kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Enforcement {
+    /// Fail: the worker exits before running anything (production).
+    Strict,
+    /// Skip the missing layer and say so in [`Report::skipped`] (`--insecure-dev`, unprivileged
+    /// development).
+    BestEffort,
+}
+
+/// Everything a worker needs to confine itself.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Plan {
+    /// Identity to switch to; `None` keeps the current one (development without root only;
+    /// refused under [`Enforcement::Strict`], as is 0).
+    pub uid: Option<u32>,
+    /// Group to switch to; supplementary groups are always cleared when switching. Same rules
+    /// as `uid`.
+    pub gid: Option<u32>,
+    /// The session's private directory: the only place the worker may write besides
+    /// `write_paths`. Must exist. Read, write, create, remove; never execute.
+    pub session_dir: PathBuf,
+    /// Paths the worker may read (and list), recursively. Missing paths are skipped and listed
+    /// in [`Report::missing_paths`].
+    pub read_paths: Vec<PathBuf>,
+    /// Paths the worker may read and execute files from, recursively. Missing paths are skipped.
+    pub exec_paths: Vec<PathBuf>,
+    /// Extra paths the worker may write besides the session directory (e.g. `/dev/null`).
+    /// Missing paths are skipped.
+    pub write_paths: Vec<PathBuf>,
+    /// Descriptors to keep open; every other one is closed (runc CVE-2024-21626). Each must be
+    /// open when [`enter`] runs and none may be a terminal.
+    pub keep_fds: Vec<i32>,
+    /// RLIMIT_NOFILE (soft and hard).
+    pub max_open_files: u64,
+    /// RLIMIT_FSIZE in bytes (soft and hard).
+    pub max_file_bytes: u64,
+    /// RLIMIT_NPROC (soft and hard). Counts every task of the uid, threads included, so it
+    /// must leave room for the engine's threads. A backstop only: pids.max in the cgroup is the
+    /// real limit, since RLIMIT_NPROC is per uid, not per session.
+    pub max_processes: u64,
+    /// RLIMIT_AS in bytes, if any (turns an R over-allocation into a catchable error; do not
+    /// set it for wasmtime, which reserves large virtual regions).
+    pub max_address_space: Option<u64>,
+    /// Enter an empty network namespace (only a loopback interface, down).
+    pub new_net_namespace: bool,
+    /// Enter a new IPC namespace (no System V IPC or POSIX queues shared with the host).
+    pub new_ipc_namespace: bool,
+    /// The system-call policy.
+    pub syscalls: SyscallProfile,
+    /// What to do when a layer is missing.
+    pub enforcement: Enforcement,
+}
+
+/// Why confinement failed. The worker prints it and exits with [`EXIT_CONFINE_FAILED`].
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The plan was missing, not valid JSON, or not acceptable under its enforcement.
+    #[error("reading confinement plan from {PLAN_ENV}: {0}")]
+    Plan(String),
+    /// One step of the sequence failed.
+    #[error("confinement step {step} failed: {source}")]
+    Step {
+        /// The step's name, as in the table of the crate documentation.
+        step: &'static str,
+        /// The OS error, or a description wrapped in one.
+        source: std::io::Error,
+    },
+    /// A layer the plan requires is not available.
+    #[error("confinement layer {layer} unavailable: {reason}")]
+    Unavailable {
+        /// `landlock`, `seccomp`, ...
+        layer: &'static str,
+        /// What is missing and what to configure.
+        reason: String,
+    },
+}
+
+/// Exit status of a worker whose confinement failed.
+pub const EXIT_CONFINE_FAILED: i32 = 97;
+
+impl Plan {
+    /// Reads the plan from [`PLAN_ENV`] and removes the variable from the environment.
+    pub fn from_env() -> Result<Plan, Error> {
+        let raw = std::env::var(PLAN_ENV).map_err(|e| Error::Plan(e.to_string()))?;
+        // SAFETY: called at the start of main, before the worker starts any thread.
+        unsafe { std::env::remove_var(PLAN_ENV) };
+        serde_json::from_str(&raw).map_err(|e| Error::Plan(e.to_string()))
+    }
+
+    /// Checks what can be checked without touching the process.
+    ///
+    /// Errors: under [`Enforcement::Strict`], a missing or zero uid/gid; in every mode, a
+    /// relative `session_dir` or a negative fd.
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.enforcement == Enforcement::Strict {
+            match (self.uid, self.gid) {
+                (Some(u), Some(g)) if u != 0 && g != 0 => {}
+                _ => {
+                    return Err(Error::Plan(format!(
+                        "strict enforcement needs a non-root uid and gid, plan has uid {:?} gid {:?} \
+                         (set worker_uid/worker_gid in sandcelld.toml)",
+                        self.uid, self.gid
+                    )));
+                }
+            }
+        }
+        if !self.session_dir.is_absolute() {
+            return Err(Error::Plan(format!(
+                "session_dir {} is not absolute",
+                self.session_dir.display()
+            )));
+        }
+        if let Some(fd) = self.keep_fds.iter().find(|fd| **fd < 0) {
+            return Err(Error::Plan(format!("keep_fds contains negative fd {fd}")));
+        }
+        Ok(())
+    }
+}
+
+/// How long one step of [`enter`] took.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepTime {
+    /// Step name (see the crate documentation's table).
+    pub step: String,
+    /// Wall time in microseconds.
+    pub micros: u64,
+}
+
+/// What [`enter`] applied, for the worker's self-description and the hostile-cell tests.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Report {
+    /// Landlock ABI level enforced, or `None` when not applied.
+    pub landlock_abi: Option<i32>,
+    /// Whether the seccomp filters are installed.
+    pub seccomp: bool,
+    /// Layers skipped under [`Enforcement::BestEffort`], each `"<layer>: <reason>"`.
+    pub skipped: Vec<String>,
+    /// Paths of the plan that did not exist and got no Landlock rule.
+    pub missing_paths: Vec<PathBuf>,
+    /// Descriptors found open beyond `keep_fds` and closed by step 1 (their numbers only).
+    pub closed_fds: Vec<i32>,
+    /// Time spent in each step, in order.
+    pub steps: Vec<StepTime>,
+}
+
+/// Applies the plan to the calling process. Must be called while the process has one thread
+/// (Landlock and seccomp apply to the calling thread only, and a second thread would keep the
+/// old identity's view of everything).
+///
+/// Errors: see [`Error`]; the process may be partially confined after an error and must exit
+/// (with [`EXIT_CONFINE_FAILED`]) instead of running anything.
+pub fn enter(plan: &Plan) -> Result<Report, Error> {
+    let mut report = Report::default();
+    let mut clock = Clock::start();
+    let strict = plan.enforcement == Enforcement::Strict;
+
+    // 0. The plan is acceptable, and we are alone: every later step changes only the calling
+    //    thread (setresuid via glibc aside), so a second thread would escape all of them.
+    plan.validate()?;
+    ensure_single_threaded().map_err(step("threads"))?;
+    clock.lap(&mut report, "preflight");
+
+    // 1. Descriptors. Close everything the daemon did not hand over on purpose: an inherited
+    //    directory fd (runc CVE-2024-21626: a leaked cgroup fd let the container open host paths
+    //    relative to it) or socket is an escape hatch no later layer closes. Then make sure no
+    //    kept fd is a terminal and there is no controlling terminal (bubblewrap CVE-2017-5226:
+    //    TIOCSTI on an inherited tty pushes commands into the user's shell).
+    report.closed_fds = fds::close_all_except(&plan.keep_fds).map_err(step("fds"))?;
+    fds::ensure_no_terminal(&plan.keep_fds).map_err(step("terminal"))?;
+    clock.lap(&mut report, "fds");
+
+    // 2. Resource limits, while still root so hard limits can be set to any value and can
+    //    never be raised again by the worker.
+    rlimits::apply(plan).map_err(step("rlimits"))?;
+    clock.lap(&mut report, "rlimits");
+
+    // 3. Namespaces (needs CAP_SYS_ADMIN, so before the identity switch): an empty network
+    //    namespace means no route anywhere even if a socket were obtained; a private IPC
+    //    namespace hides the host's System V shared memory and message queues.
+    let ns = namespaces::unshare(plan.new_net_namespace, plan.new_ipc_namespace);
+    layer(&mut report, strict, "namespaces", ns)?;
+    clock.lap(&mut report, "namespaces");
+
+    // 4. Capabilities, part one (needs CAP_SETPCAP, so before the identity switch): empty the
+    //    bounding and ambient sets so no later execve can gain a capability, and lock
+    //    securebits so root-uid semantics cannot bring them back.
+    let bounding = caps::drop_bounding_and_lock();
+    layer(&mut report, strict, "bounding-caps", bounding)?;
+    clock.lap(&mut report, "bounding-caps");
+
+    // 5. Identity: supplementary groups first (setgroups needs CAP_SETGID, lost with the uid),
+    //    then gid, then uid. The kernel clears permitted/effective on the uid switch.
+    match (plan.uid, plan.gid) {
+        (Some(uid), Some(gid)) => identity::switch(uid, gid).map_err(step("identity"))?,
+        // Plan::validate refused this under Strict.
+        _ => report
+            .skipped
+            .push("identity: the plan keeps the caller's uid/gid".into()),
+    }
+    clock.lap(&mut report, "identity");
+
+    // 6. Capabilities, part two: clear whatever is left in permitted, effective and inheritable
+    //    and verify all five sets are empty. Not skippable: it cannot fail for lack of privilege.
+    caps::clear_and_verify(!strict).map_err(step("capabilities"))?;
+    clock.lap(&mut report, "capabilities");
+
+    // 7. no_new_privs: execve can never again grant privileges (setuid bits, file caps). Also a
+    //    precondition of Landlock and seccomp for an unprivileged process.
+    caps::set_no_new_privs().map_err(step("no_new_privs"))?;
+    clock.lap(&mut report, "no_new_privs");
+
+    // 8. Landlock: read-only, read+exec and read-write trees; no TCP bind/connect; signal and
+    //    abstract-socket scopes. Rules open the paths, so it runs before the final fd sweep.
+    match landlock::apply(plan, strict) {
+        Ok(applied) => {
+            report.landlock_abi = Some(applied.abi);
+            report.missing_paths = applied.missing_paths;
+        }
+        Err(e) => layer(&mut report, strict, "landlock", Err(e))?,
+    }
+    clock.lap(&mut report, "landlock");
+
+    // 9. Close again anything steps 2-8 opened and failed to close (they should not have).
+    fds::close_all_except(&plan.keep_fds).map_err(step("fds-final"))?;
+    clock.lap(&mut report, "fds-final");
+
+    // 10. seccomp, last: it also denies calls the earlier steps needed (unshare, socket).
+    match seccomp::install(plan.syscalls) {
+        Ok(()) => report.seccomp = true,
+        Err(e) => layer(&mut report, strict, "seccomp", Err(e))?,
+    }
+    clock.lap(&mut report, "seccomp");
+
+    Ok(report)
+}
+
+/// Fails unless the calling process has exactly one thread (`/proc/self/stat` field 20).
+fn ensure_single_threaded() -> std::io::Result<()> {
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    // The command name (field 2) is in parentheses and may contain spaces: count from the
+    // last ')'. Field 3 is the first after it, so num_threads (20) is the 18th.
+    let threads = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(17))
+        .and_then(|n| n.parse::<u64>().ok())
+        .ok_or_else(|| std::io::Error::other("cannot parse /proc/self/stat"))?;
+    if threads != 1 {
+        return Err(std::io::Error::other(format!(
+            "the process has {threads} threads; enter() must run before any thread starts"
+        )));
+    }
+    Ok(())
+}
+
+/// Turns an OS error into [`Error::Step`] for `name`.
+fn step(name: &'static str) -> impl Fn(std::io::Error) -> Error {
+    move |source| Error::Step { step: name, source }
+}
+
+/// Applies the enforcement rule to the outcome of a skippable layer: under strict enforcement an
+/// error is fatal; otherwise it is recorded in [`Report::skipped`].
+fn layer(
+    report: &mut Report,
+    strict: bool,
+    name: &'static str,
+    outcome: Result<(), Error>,
+) -> Result<(), Error> {
+    match outcome {
+        Ok(()) => Ok(()),
+        Err(e) if strict => Err(e),
+        Err(e) => {
+            report.skipped.push(format!("{name}: {e}"));
+            Ok(())
+        }
+    }
+}
+
+/// Step timer for [`Report::steps`].
+struct Clock(Instant);
+
+impl Clock {
+    fn start() -> Clock {
+        Clock(Instant::now())
+    }
+    fn lap(&mut self, report: &mut Report, name: &str) {
+        let now = Instant::now();
+        report.steps.push(StepTime {
+            step: name.to_owned(),
+            micros: now.duration_since(self.0).as_micros() as u64,
+        });
+        self.0 = now;
+    }
+}
+
+/// What the host offers, found by [`self_check`].
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SelfCheck {
+    /// Landlock ABI of the running kernel, `None` if Landlock is not built in or not enabled.
+    pub landlock_abi: Option<i32>,
+    /// Whether a seccomp filter could be installed in a forked child and denied a call there.
+    pub seccomp: bool,
+    /// Whether `PR_SET_NO_NEW_PRIVS` could be set in a forked child.
+    pub no_new_privs: bool,
+    /// Whether a forked child could unshare network and IPC namespaces (needs root).
+    pub namespaces: bool,
+    /// Whether the caller can switch identity (effective uid 0).
+    pub root: bool,
+    /// What stands between this host and [`Enforcement::Strict`], each with an operator hint.
+    /// Empty when strict enforcement will work.
+    pub problems: Vec<String>,
+}
+
+impl SelfCheck {
+    /// Succeeds when every worker could be confined under [`Enforcement::Strict`].
+    ///
+    /// Errors: [`Error::Unavailable`] naming the first problem found, with its hint.
+    pub fn require_strict(&self) -> Result<(), Error> {
+        match self.problems.first() {
+            None => Ok(()),
+            Some(p) => Err(Error::Unavailable {
+                layer: "self-check",
+                reason: p.clone(),
+            }),
+        }
+    }
+}
+
+/// Checks, at daemon start, that the kernel and the daemon's privileges allow strict
+/// confinement. Safe to call from a multi-threaded process: probes that change process state
+/// run in forked children that only make raw system calls and `_exit`.
+///
+/// Errors: only if `fork` itself fails; what is missing is reported in [`SelfCheck::problems`].
+pub fn self_check() -> Result<SelfCheck, Error> {
+    let mut check = SelfCheck {
+        landlock_abi: landlock::kernel_abi(),
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        root: unsafe { libc::geteuid() } == 0,
+        ..SelfCheck::default()
+    };
+    let probes = seccomp::probe_in_child().map_err(step("self-check"))?;
+    check.seccomp = probes.seccomp;
+    check.no_new_privs = probes.no_new_privs;
+    check.namespaces = probes.namespaces;
+
+    match check.landlock_abi {
+        None => check.problems.push(
+            "landlock is not enabled in the running kernel: boot with lsm=...,landlock \
+             (CONFIG_SECURITY_LANDLOCK=y), Linux 6.12 or newer"
+                .into(),
+        ),
+        Some(abi) if abi < MIN_STRICT_LANDLOCK_ABI => check.problems.push(format!(
+            "landlock abi {abi} is older than the required {MIN_STRICT_LANDLOCK_ABI} \
+             (signal and abstract-socket scopes): run Linux 6.12 or newer"
+        )),
+        Some(_) => {}
+    }
+    if !check.no_new_privs {
+        check
+            .problems
+            .push("prctl(PR_SET_NO_NEW_PRIVS) failed in a test child".into());
+    }
+    if !check.seccomp {
+        check.problems.push(
+            "seccomp filters are unavailable: the kernel needs CONFIG_SECCOMP_FILTER=y, and a \
+             container runtime must not forbid seccomp(2)"
+                .into(),
+        );
+    }
+    if !check.root {
+        check.problems.push(
+            "sandcelld is not running as root: it cannot switch workers to their uid \
+             (run it from sandcelld.service, or pass the development flag)"
+                .into(),
+        );
+    } else if !check.namespaces {
+        check.problems.push(
+            "unshare(CLONE_NEWNET|CLONE_NEWIPC) failed in a test child: the daemon lacks \
+             CAP_SYS_ADMIN (check CapabilityBoundingSet= in sandcelld.service)"
+                .into(),
+        );
+    }
+    Ok(check)
+}

@@ -1,0 +1,476 @@
+//! cgroup v2: the production layout (kernel `Documentation/admin-guide/cgroup-v2.rst`).
+//!
+//! ```text
+//! <delegated root>                 the service's own group (systemd Delegate=yes)
+//! ├── supervisor/                  sandcelld itself, moved here at start
+//! └── sessions/                    no processes; +memory +pids [+cpu] for its children
+//!     └── <id>/                    one worker: memory.max, memory.swap.max=0, pids.max,
+//!                                  cpu.max, memory.oom.group=1
+//! ```
+//!
+//! Why `supervisor/`: the "no internal processes" rule. A group that distributes controllers
+//! to its children (`cgroup.subtree_control`) may not hold processes itself, so the daemon
+//! leaves the delegated root before enabling `+memory +pids +cpu` there.
+//!
+//! The delegated root is the daemon's own group, read from `/proc/self/cgroup` (`0::<path>`);
+//! when that path already ends in `/supervisor` (a restarted daemon inside the same unit), its
+//! parent is the root. A daemon in the root cgroup (`/`) has nothing delegated and is refused.
+//!
+//! Reading results: OOM kills from `memory.events` (`oom_kill`, counting the subtree),
+//! peak from `memory.peak` (Linux 5.19+), kill with `cgroup.kill` (Linux 5.14+, falling back
+//! to a pidfd kill loop), emptiness from `cgroup.events` (`populated 0`).
+//!
+//! Direct cgroupfs rather than the `cgroups-rs` crate: cgroups-rs 0.5 hard-codes the v2 root
+//! to `/sys/fs/cgroup` (no delegated subtree), reads OOM events from v1 files on v2, and pulls
+//! in zbus 5 and a second nix; the files used here are few and documented.
+
+use super::host::{self, Host};
+use super::{Backend, Error, GroupLimits, SessionGroup};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The v2 backend, rooted at a delegated subtree.
+#[derive(Debug)]
+pub struct V2 {
+    host: Host,
+    /// File-system path of the delegated root.
+    root: PathBuf,
+    /// Path of the delegated root relative to the cgroup2 mount, as `/proc/<pid>/cgroup`
+    /// shows it (`/system.slice/sandcelld.service`).
+    root_rel: String,
+    /// Whether the cpu controller is enabled for sessions.
+    cpu: bool,
+}
+
+/// Controllers a session needs, and the optional one.
+const REQUIRED: [&str; 2] = ["memory", "pids"];
+const OPTIONAL_CPU: &str = "cpu";
+
+impl V2 {
+    /// Whether `root` (a group directory) offers memory and pids in `cgroup.controllers`.
+    pub fn usable(root: &Path) -> bool {
+        host::read(&root.join("cgroup.controllers"), "read")
+            .map(|c| {
+                let have: Vec<&str> = c.split_whitespace().collect();
+                REQUIRED.iter().all(|r| have.contains(r))
+            })
+            .unwrap_or(false)
+    }
+
+    /// Sets up the delegated root at `root` (file-system path; `root_rel` as in
+    /// `/proc/<pid>/cgroup`): moves every process of the root into `supervisor/`, enables the
+    /// controllers for `sessions/`'s children.
+    ///
+    /// Errors: [`Error::Unsupported`] with a hint when memory or pids is not delegated;
+    /// [`Error::Io`] for a file that cannot be written (`EBUSY` on `cgroup.subtree_control`
+    /// means processes outside sandcelld's control sit in the root).
+    pub fn open(host: Host, root: PathBuf, root_rel: String) -> Result<V2, Error> {
+        let controllers = host::read(&root.join("cgroup.controllers"), "read controllers of")?;
+        let have: Vec<&str> = controllers.split_whitespace().collect();
+        if let Some(missing) = REQUIRED.iter().find(|r| !have.contains(r)) {
+            return Err(Error::Unsupported(format!(
+                "controller {missing} is not available in {} (has: {controllers:?}); run \
+                 sandcelld under systemd with Delegate=yes, or delegate memory and pids to it",
+                root.display()
+            )));
+        }
+        let cpu = have.contains(&OPTIONAL_CPU);
+        let enable = if cpu {
+            "+memory +pids +cpu"
+        } else {
+            "+memory +pids"
+        };
+
+        let supervisor = root.join("supervisor");
+        host::mkdir(&supervisor, true)?;
+        // Every process in the root (sandcelld itself, and anything systemd started with it)
+        // moves to supervisor/; writing a pid to cgroup.procs moves the whole process.
+        let procs = supervisor.join("cgroup.procs");
+        for pid in host::listed_pids(&[root.join("cgroup.procs")]) {
+            host::write(&procs, &pid.to_string())?;
+        }
+        host::write(&root.join("cgroup.subtree_control"), enable)?;
+        let sessions = root.join("sessions");
+        host::mkdir(&sessions, true)?;
+        host::write(&sessions.join("cgroup.subtree_control"), enable)?;
+        Ok(V2 {
+            host,
+            root,
+            root_rel,
+            cpu,
+        })
+    }
+
+    fn sessions(&self) -> PathBuf {
+        self.root.join("sessions")
+    }
+}
+
+impl Backend for V2 {
+    fn mode(&self) -> &'static str {
+        "v2"
+    }
+
+    fn supports_cpu(&self) -> bool {
+        self.cpu
+    }
+
+    fn create(&self, id: &str, limits: &GroupLimits) -> Result<Box<dyn SessionGroup>, Error> {
+        host::check_id(id)?;
+        if limits.cpu_max.is_some() && !self.cpu {
+            return Err(Error::Unsupported(
+                "a cpu limit was asked for but the cpu controller is not delegated; delegate it \
+                 or set worker_cpus = 0"
+                    .into(),
+            ));
+        }
+        let dir = self.sessions().join(id);
+        host::mkdir(&dir, false)?;
+        let group = V2Group {
+            host: self.host.clone(),
+            rel: format!("{}/sessions/{id}", self.root_rel.trim_end_matches('/')),
+            dir,
+            limits: limits.clone(),
+        };
+        if let Err(e) = group.apply_limits() {
+            let _ = host::rmdir(&group.dir, Duration::ZERO);
+            return Err(e);
+        }
+        Ok(Box::new(group))
+    }
+
+    fn sweep_stale(&self) -> Result<usize, Error> {
+        // Every group gets its kill and removal even if an earlier one fails; the first error
+        // is returned after all were tried.
+        let mut swept = 0;
+        let mut first_error = None;
+        for name in host::subdirs(&self.sessions())? {
+            let dir = self.sessions().join(&name);
+            match kill_tree(&dir, Duration::from_secs(5)).and_then(|()| remove_tree(&dir)) {
+                Ok(()) => swept += 1,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        first_error.map_or(Ok(swept), Err)
+    }
+}
+
+/// One session's v2 group.
+#[derive(Debug)]
+pub struct V2Group {
+    host: Host,
+    dir: PathBuf,
+    rel: String,
+    limits: GroupLimits,
+}
+
+impl V2Group {
+    fn apply_limits(&self) -> Result<(), Error> {
+        let l = &self.limits;
+        host::write(&self.dir.join("memory.max"), &l.memory_bytes.to_string())?;
+        // No swap: memory.max must be the whole budget (seed 000). The file is missing when
+        // the kernel does no swap accounting; then there is nothing to extend the limit with
+        // only if the host has no swap, which verify_member cannot know: say so in the error.
+        host::write(&self.dir.join("memory.swap.max"), "0").map_err(|e| {
+            Error::Unsupported(format!(
+                "{e}: boot with swap accounting (cgroup v2 has it unless swapaccount=0) so \
+                 memory.swap.max exists"
+            ))
+        })?;
+        host::write(&self.dir.join("pids.max"), &l.max_pids.to_string())?;
+        if let Some((quota, period)) = l.cpu_max {
+            host::write(&self.dir.join("cpu.max"), &format!("{quota} {period}"))?;
+        }
+        // An OOM kill takes the whole group: a half-killed worker is worse than none.
+        host::write(&self.dir.join("memory.oom.group"), "1")?;
+        Ok(())
+    }
+
+    fn is_member(host: &Host, rel: &str, pid: u32) -> bool {
+        host.memberships(Some(pid))
+            .map(|m| m.iter().any(|m| m.id == 0 && m.path == rel))
+            .unwrap_or(false)
+    }
+}
+
+impl SessionGroup for V2Group {
+    fn procs_files(&self) -> Vec<PathBuf> {
+        vec![self.dir.join("cgroup.procs")]
+    }
+
+    fn verify_member(&self, pid: u32) -> Result<(), Error> {
+        let m = self.host.memberships(Some(pid))?;
+        let path = m.iter().find(|m| m.id == 0).map(|m| m.path.as_str());
+        if path != Some(self.rel.as_str()) {
+            return Err(Error::Verify(format!(
+                "process {pid} is in {path:?}, not in {}",
+                self.rel
+            )));
+        }
+        let want = host::page_floor(self.limits.memory_bytes);
+        let got = host::number(&self.dir.join("memory.max"));
+        if got != Some(want) {
+            return Err(Error::Verify(format!(
+                "memory.max is {got:?}, expected {want}"
+            )));
+        }
+        let got = host::number(&self.dir.join("pids.max"));
+        if got != Some(self.limits.max_pids) {
+            return Err(Error::Verify(format!(
+                "pids.max is {got:?}, expected {}",
+                self.limits.max_pids
+            )));
+        }
+        let got = host::number(&self.dir.join("memory.swap.max"));
+        if got != Some(0) {
+            return Err(Error::Verify(format!(
+                "memory.swap.max is {got:?}, expected 0"
+            )));
+        }
+        Ok(())
+    }
+
+    fn oom_kills(&self) -> u64 {
+        host::read(&self.dir.join("memory.events"), "read")
+            .ok()
+            .and_then(|t| host::keyed(&t, "oom_kill"))
+            .unwrap_or(0)
+    }
+
+    fn memory_current(&self) -> Option<u64> {
+        host::number(&self.dir.join("memory.current"))
+    }
+
+    fn memory_peak(&self) -> Option<u64> {
+        host::number(&self.dir.join("memory.peak"))
+    }
+
+    fn kill_all(&self, timeout: Duration) -> Result<(), Error> {
+        let (host, rel) = (self.host.clone(), self.rel.clone());
+        kill_tree_with(&self.dir, timeout, &move |pid| {
+            V2Group::is_member(&host, &rel, pid)
+        })
+    }
+
+    fn remove(&self) -> Result<(), Error> {
+        host::rmdir(&self.dir, Duration::from_secs(1))
+    }
+}
+
+/// Kills everything in the group at `dir` and its descendants; see [`kill_tree_with`].
+fn kill_tree(dir: &Path, timeout: Duration) -> Result<(), Error> {
+    // A stale group's members are whatever cgroup.procs lists; no membership path is known
+    // for a group a previous daemon made, so a pid read from the file is trusted once pinned.
+    kill_tree_with(dir, timeout, &|_| true)
+}
+
+/// Writes `1` to `cgroup.kill` (SIGKILL to the subtree, atomic with respect to forks); on
+/// kernels without it (before 5.14) loops over `cgroup.procs` with pidfds. Then waits for
+/// `cgroup.events` to say `populated 0`.
+///
+/// Errors: [`Error::Verify`] if the group is still populated after `timeout`.
+fn kill_tree_with(
+    dir: &Path,
+    timeout: Duration,
+    is_member: &dyn Fn(u32) -> bool,
+) -> Result<(), Error> {
+    let start = Instant::now();
+    let procs = [dir.join("cgroup.procs")];
+    match host::write(&dir.join("cgroup.kill"), "1") {
+        Ok(()) => {}
+        Err(Error::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            host::kill_loop(&procs, is_member, timeout)?;
+        }
+        Err(e) => return Err(e),
+    }
+    loop {
+        let populated = host::read(&dir.join("cgroup.events"), "read")
+            .ok()
+            .and_then(|t| host::keyed(&t, "populated"));
+        let empty = match populated {
+            Some(p) => p == 0,
+            None => host::listed_pids(&procs).is_empty(),
+        };
+        if empty {
+            return Ok(());
+        }
+        if start.elapsed() >= timeout {
+            return Err(Error::Verify(format!(
+                "{} still populated {timeout:?} after cgroup.kill",
+                dir.display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Removes `dir` and any child groups, deepest first.
+fn remove_tree(dir: &Path) -> Result<(), Error> {
+    for child in host::subdirs(dir)? {
+        remove_tree(&dir.join(child))?;
+    }
+    host::rmdir(dir, Duration::from_secs(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake delegated root in a temp dir: regular files stand in for interface files.
+    fn fake_root(controllers: &str) -> PathBuf {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let root =
+            std::env::temp_dir().join(format!("sandcell-v2-test-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::write(root.join("cgroup.controllers"), controllers).unwrap();
+        std::fs::write(root.join("cgroup.procs"), "101\n102\n").unwrap();
+        root
+    }
+
+    #[test]
+    fn open_moves_processes_and_enables_controllers() {
+        let root = fake_root("cpuset cpu io memory hugetlb pids rdma misc\n");
+        let v2 = V2::open(
+            Host::default(),
+            root.clone(),
+            "/system.slice/sandcelld.service".into(),
+        )
+        .unwrap();
+        assert!(v2.supports_cpu());
+        // Each pid written separately (the fake file keeps the last write).
+        assert_eq!(
+            std::fs::read_to_string(root.join("supervisor/cgroup.procs")).unwrap(),
+            "102"
+        );
+        assert_eq!(
+            std::fs::read_to_string(root.join("cgroup.subtree_control")).unwrap(),
+            "+memory +pids +cpu"
+        );
+        assert_eq!(
+            std::fs::read_to_string(root.join("sessions/cgroup.subtree_control")).unwrap(),
+            "+memory +pids +cpu"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn open_refuses_without_memory_or_pids() {
+        let root = fake_root("cpu io pids\n");
+        let err = V2::open(Host::default(), root.clone(), "/x".into()).unwrap_err();
+        assert!(err.to_string().contains("memory"), "{err}");
+        assert!(err.to_string().contains("Delegate=yes"), "{err}");
+        assert!(!V2::usable(&root));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn create_writes_limits_and_refuses_duplicates() {
+        let root = fake_root("memory pids\n");
+        let v2 = V2::open(Host::default(), root.clone(), "/svc".into()).unwrap();
+        assert!(!v2.supports_cpu());
+        let limits = GroupLimits {
+            memory_bytes: 64 << 20,
+            max_pids: 16,
+            cpu_max: None,
+        };
+        let g = v2.create("s1", &limits).unwrap();
+        let dir = root.join("sessions/s1");
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+        assert_eq!(read("memory.max"), (64u64 << 20).to_string());
+        assert_eq!(read("memory.swap.max"), "0");
+        assert_eq!(read("pids.max"), "16");
+        assert_eq!(read("memory.oom.group"), "1");
+        assert_eq!(g.procs_files(), vec![dir.join("cgroup.procs")]);
+        assert!(v2.create("s1", &limits).is_err(), "duplicate id accepted");
+        assert!(v2.create("../x", &limits).is_err(), "path id accepted");
+        let cpu = GroupLimits {
+            cpu_max: Some((50_000, 100_000)),
+            ..limits
+        };
+        assert!(
+            v2.create("s2", &cpu)
+                .unwrap_err()
+                .to_string()
+                .contains("cpu")
+        );
+
+        std::fs::write(
+            dir.join("memory.events"),
+            "low 0\nhigh 0\nmax 4\noom 1\noom_kill 1\n",
+        )
+        .unwrap();
+        assert_eq!(g.oom_kills(), 1);
+        std::fs::write(dir.join("memory.peak"), "12345\n").unwrap();
+        assert_eq!(g.memory_peak(), Some(12345));
+        assert_eq!(g.memory_current(), None);
+
+        // kill_all: cgroup.kill written, waits for populated 0.
+        std::fs::write(dir.join("cgroup.events"), "populated 0\nfrozen 0\n").unwrap();
+        g.kill_all(Duration::from_millis(100)).unwrap();
+        assert_eq!(read("cgroup.kill"), "1");
+        std::fs::write(dir.join("cgroup.events"), "populated 1\nfrozen 0\n").unwrap();
+        assert!(
+            g.kill_all(Duration::from_millis(20)).is_err(),
+            "populated group reported empty"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn verify_member_reads_proc() {
+        let root = fake_root("memory pids\n");
+        let proc_root = root.join("proc");
+        std::fs::create_dir_all(proc_root.join("77")).unwrap();
+        let host = Host {
+            proc_root: proc_root.clone(),
+        };
+        let v2 = V2::open(host, root.clone(), "/svc".into()).unwrap();
+        let limits = GroupLimits {
+            memory_bytes: 64 << 20,
+            max_pids: 16,
+            cpu_max: None,
+        };
+        let g = v2.create("s1", &limits).unwrap();
+        std::fs::write(proc_root.join("77/cgroup"), "0::/svc/sessions/s1\n").unwrap();
+        g.verify_member(77).unwrap();
+        std::fs::write(proc_root.join("77/cgroup"), "0::/svc/supervisor\n").unwrap();
+        assert!(
+            g.verify_member(77).is_err(),
+            "member of the wrong group accepted"
+        );
+        std::fs::write(proc_root.join("77/cgroup"), "0::/svc/sessions/s1\n").unwrap();
+        std::fs::write(root.join("sessions/s1/pids.max"), "max").unwrap();
+        assert!(g.verify_member(77).is_err(), "missing pids limit accepted");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn sweep_kills_every_session_group() {
+        let root = fake_root("memory pids\n");
+        let v2 = V2::open(Host::default(), root.clone(), "/svc".into()).unwrap();
+        for id in ["a", "b"] {
+            let dir = root.join("sessions").join(id);
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("cgroup.events"), "populated 0\n").unwrap();
+        }
+        // Fake interface files make rmdir fail with ENOTEMPTY on a regular file system;
+        // remove_tree only removes directories, so clear the files the way cgroupfs would.
+        let err = v2.sweep_stale();
+        assert!(
+            err.is_err(),
+            "regular directories with files cannot be rmdir'ed"
+        );
+        for id in ["a", "b"] {
+            let dir = root.join("sessions").join(id);
+            assert_eq!(
+                std::fs::read_to_string(dir.join("cgroup.kill")).unwrap(),
+                "1"
+            );
+        }
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

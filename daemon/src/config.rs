@@ -1,0 +1,467 @@
+//! Operator configuration: `/etc/sandcell/sandcelld.toml`, then `SANDCELL_*` environment
+//! overrides (higher precedence), then validation.
+//!
+//! The limits and their defaults are seed 000's operator table (an LLM gateway's embedded
+//! Eryx interpreter), renamed for a service whose unit is the session:
+//!
+//! | key | default | meaning |
+//! |---|---|---|
+//! | `max_source_bytes` | 65,536 | UTF-8 source bytes of one cell |
+//! | `execution_wall_time_seconds` | 10 | wall time of one cell |
+//! | `max_fuel` | 10,000,000,000 | WebAssembly fuel of one Python cell |
+//! | `max_guest_memory_bytes` | 134,217,728 | Eryx guest memory of one session; admission charge |
+//! | `max_stdout_bytes` | 65,536 | stdout bytes kept per cell |
+//! | `max_stderr_bytes` | 65,536 | stderr bytes kept per cell |
+//! | `max_concurrent_sessions` | 2 | sessions (workers) alive at once, one-shot runs included |
+//! | `max_aggregate_guest_memory_bytes` | 268,435,456 | admission budget of guest memory |
+//! | `max_worker_memory_bytes` | 1,073,741,824 | cgroup memory.max of one worker |
+//! | `max_aggregate_worker_memory_bytes` | 2,147,483,648 | admission budget of worker memory |
+//!
+//! Every key `k` has the override `SANDCELL_<K>` (upper case), e.g. `SANDCELL_MAX_FUEL`.
+//! Validation (seed 000): every number positive; one session's charges fit their aggregate
+//! budgets; worker memory exceeds guest memory; source at most 524,288 bytes and kept
+//! stdout+stderr at most 2,097,152 bytes (the worker protocol's ceilings).
+
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// Default configuration file.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/sandcell/sandcelld.toml";
+
+/// Protocol ceiling for one cell's source, bytes (seed 000).
+pub const SOURCE_CEILING: u64 = 524_288;
+/// Protocol ceiling for kept stdout + stderr of one cell, bytes (seed 000).
+pub const OUTPUT_CEILING: u64 = 2_097_152;
+
+/// The operator's limits. All sizes in bytes, times in seconds.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// UTF-8 source bytes of one cell.
+    pub max_source_bytes: u64,
+    /// Wall time of one cell, seconds.
+    pub execution_wall_time_seconds: f64,
+    /// WebAssembly fuel of one Python cell.
+    pub max_fuel: u64,
+    /// Eryx guest memory of one Python session, and its admission charge.
+    pub max_guest_memory_bytes: u64,
+    /// stdout bytes kept per cell.
+    pub max_stdout_bytes: u64,
+    /// stderr bytes kept per cell.
+    pub max_stderr_bytes: u64,
+    /// Sessions alive at once (one-shot runs included).
+    pub max_concurrent_sessions: u64,
+    /// Admission budget of guest memory.
+    pub max_aggregate_guest_memory_bytes: u64,
+    /// cgroup memory limit of one worker.
+    pub max_worker_memory_bytes: u64,
+    /// Admission budget of worker memory.
+    pub max_aggregate_worker_memory_bytes: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_source_bytes: 65_536,
+            execution_wall_time_seconds: 10.0,
+            max_fuel: 10_000_000_000,
+            max_guest_memory_bytes: 134_217_728,
+            max_stdout_bytes: 65_536,
+            max_stderr_bytes: 65_536,
+            max_concurrent_sessions: 2,
+            max_aggregate_guest_memory_bytes: 268_435_456,
+            max_worker_memory_bytes: 1_073_741_824,
+            max_aggregate_worker_memory_bytes: 2_147_483_648,
+        }
+    }
+}
+
+/// Settings of the daemon itself (not limits).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Daemon {
+    /// Exit after this many seconds with no session and no connection, when socket-activated;
+    /// 0 never exits.
+    pub idle_exit_seconds: u64,
+    /// Seconds a worker has to become ready.
+    pub worker_start_timeout_seconds: f64,
+    /// Grace after a cell's wall time before the daemon interrupts, then kills, the worker.
+    pub kill_grace_seconds: f64,
+    /// Directory of worker executables (`SANDCELL_WORKER_DIR`).
+    pub worker_dir: PathBuf,
+    /// Prepared Eryx runtime directory (see `sandcell-python-runtime prepare`).
+    pub python_runtime_dir: PathBuf,
+    /// Parent of session directories; created 0711 root-owned.
+    pub state_dir: PathBuf,
+    /// Languages served.
+    pub languages: Vec<String>,
+    /// First uid of the per-session worker identity range.
+    pub worker_uid_base: u32,
+    /// Number of uids in the range (caps sessions alive at once too).
+    pub worker_uid_count: u32,
+    /// pids.max of a session's cgroup.
+    pub max_worker_pids: u64,
+    /// cpu.max quota of a session as a fraction of one CPU (e.g. 1.0 = one core); 0 = no cap.
+    pub worker_cpus: f64,
+    /// On cgroup v1 hosts, the group (in each of the memory, pids and cpu hierarchies) under
+    /// which `sessions/<id>` groups are made; one name per daemon instance. Ignored on v2, where
+    /// the delegated root is the service's own group.
+    pub cgroup_name: String,
+}
+
+impl Default for Daemon {
+    fn default() -> Self {
+        Self {
+            idle_exit_seconds: 120,
+            worker_start_timeout_seconds: 20.0,
+            kill_grace_seconds: 2.0,
+            worker_dir: PathBuf::from("/usr/libexec/sandcell"),
+            python_runtime_dir: PathBuf::from("/var/lib/sandcell/python-runtime"),
+            state_dir: PathBuf::from("/var/lib/sandcell"),
+            languages: vec!["python".into(), "r".into()],
+            worker_uid_base: 3_000_000_000,
+            worker_uid_count: 65_536,
+            max_worker_pids: 64,
+            worker_cpus: 1.0,
+            cgroup_name: "sandcell".into(),
+        }
+    }
+}
+
+/// The whole configuration file.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// `[limits]`.
+    pub limits: Limits,
+    /// `[daemon]`.
+    pub daemon: Daemon,
+}
+
+/// A configuration error; the message names the offending key.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The file could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML or has an unknown key or a value of the wrong type.
+    #[error("parsing {path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message (names the key).
+        message: String,
+    },
+    /// An environment override is not a valid value.
+    #[error("environment variable {var}: {reason}")]
+    Env {
+        /// The variable.
+        var: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A value is out of range.
+    #[error("invalid value for {key}: {reason}")]
+    Invalid {
+        /// The key.
+        key: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+impl Config {
+    /// Loads `path` (a missing file is fine only when `required` is false), applies the
+    /// environment `env` (pairs of name and value; pass `std::env::vars()`), and validates.
+    pub fn load(
+        path: &Path,
+        required: bool,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, Error> {
+        let mut cfg = match std::fs::read_to_string(path) {
+            Ok(text) => Self::parse(path, &text)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => Config::default(),
+            Err(source) => {
+                return Err(Error::Read {
+                    path: path.to_owned(),
+                    source,
+                });
+            }
+        };
+        cfg.apply_env(env)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Parses TOML text; unknown keys are errors.
+    pub fn parse(path: &Path, text: &str) -> Result<Config, Error> {
+        toml::from_str(text).map_err(|e| Error::Parse {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })
+    }
+
+    /// Applies `SANDCELL_<KEY>` overrides. Unknown `SANDCELL_` variables are ignored, since
+    /// the prefix is shared with the CLI (`SANDCELL_SOCKET`) and development knobs.
+    pub fn apply_env(
+        &mut self,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<(), Error> {
+        for (var, value) in env {
+            let Some(key) = var.strip_prefix("SANDCELL_") else {
+                continue;
+            };
+            let key = key.to_ascii_lowercase();
+            let l = &mut self.limits;
+            let d = &mut self.daemon;
+            let u64v = || parse_num::<u64>(&var, &value);
+            match key.as_str() {
+                "max_source_bytes" => l.max_source_bytes = u64v()?,
+                "execution_wall_time_seconds" => {
+                    l.execution_wall_time_seconds = parse_num(&var, &value)?
+                }
+                "max_fuel" => l.max_fuel = u64v()?,
+                "max_guest_memory_bytes" => l.max_guest_memory_bytes = u64v()?,
+                "max_stdout_bytes" => l.max_stdout_bytes = u64v()?,
+                "max_stderr_bytes" => l.max_stderr_bytes = u64v()?,
+                "max_concurrent_sessions" => l.max_concurrent_sessions = u64v()?,
+                "max_aggregate_guest_memory_bytes" => l.max_aggregate_guest_memory_bytes = u64v()?,
+                "max_worker_memory_bytes" => l.max_worker_memory_bytes = u64v()?,
+                "max_aggregate_worker_memory_bytes" => {
+                    l.max_aggregate_worker_memory_bytes = u64v()?
+                }
+                "idle_exit_seconds" => d.idle_exit_seconds = u64v()?,
+                "worker_start_timeout_seconds" => {
+                    d.worker_start_timeout_seconds = parse_num(&var, &value)?
+                }
+                "kill_grace_seconds" => d.kill_grace_seconds = parse_num(&var, &value)?,
+                "worker_dir" => d.worker_dir = PathBuf::from(&value),
+                "python_runtime_dir" => d.python_runtime_dir = PathBuf::from(&value),
+                "state_dir" => d.state_dir = PathBuf::from(&value),
+                "languages" => {
+                    d.languages = value
+                        .split(',')
+                        .map(|s| s.trim().to_owned())
+                        .filter(|s| !s.is_empty())
+                        .collect()
+                }
+                "worker_uid_base" => d.worker_uid_base = parse_num(&var, &value)?,
+                "worker_uid_count" => d.worker_uid_count = parse_num(&var, &value)?,
+                "max_worker_pids" => d.max_worker_pids = u64v()?,
+                "worker_cpus" => d.worker_cpus = parse_num(&var, &value)?,
+                "cgroup_name" => d.cgroup_name = value.clone(),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses nonsense: zeros, per-session charges above their budgets, values above the
+    /// protocol ceilings.
+    pub fn validate(&self) -> Result<(), Error> {
+        let l = &self.limits;
+        let positive: [(&'static str, u64); 9] = [
+            ("max_source_bytes", l.max_source_bytes),
+            ("max_fuel", l.max_fuel),
+            ("max_guest_memory_bytes", l.max_guest_memory_bytes),
+            ("max_stdout_bytes", l.max_stdout_bytes),
+            ("max_stderr_bytes", l.max_stderr_bytes),
+            ("max_concurrent_sessions", l.max_concurrent_sessions),
+            (
+                "max_aggregate_guest_memory_bytes",
+                l.max_aggregate_guest_memory_bytes,
+            ),
+            ("max_worker_memory_bytes", l.max_worker_memory_bytes),
+            (
+                "max_aggregate_worker_memory_bytes",
+                l.max_aggregate_worker_memory_bytes,
+            ),
+        ];
+        for (key, v) in positive {
+            if v == 0 {
+                return Err(Error::Invalid {
+                    key,
+                    reason: "must be positive".into(),
+                });
+            }
+        }
+        let wall = l.execution_wall_time_seconds;
+        if !(wall.is_finite() && wall > 0.0 && wall <= 86_400.0) {
+            return Err(Error::Invalid {
+                key: "execution_wall_time_seconds",
+                reason: format!("{wall} is not in (0, 86400]"),
+            });
+        }
+        if l.max_source_bytes > SOURCE_CEILING {
+            return Err(Error::Invalid {
+                key: "max_source_bytes",
+                reason: format!(
+                    "{} exceeds the protocol ceiling {SOURCE_CEILING}",
+                    l.max_source_bytes
+                ),
+            });
+        }
+        if l.max_stdout_bytes + l.max_stderr_bytes > OUTPUT_CEILING {
+            return Err(Error::Invalid {
+                key: "max_stdout_bytes",
+                reason: format!(
+                    "stdout + stderr ({}) exceed the protocol ceiling {OUTPUT_CEILING}",
+                    l.max_stdout_bytes + l.max_stderr_bytes
+                ),
+            });
+        }
+        if l.max_guest_memory_bytes > l.max_aggregate_guest_memory_bytes {
+            return Err(Error::Invalid {
+                key: "max_guest_memory_bytes",
+                reason: "exceeds max_aggregate_guest_memory_bytes".into(),
+            });
+        }
+        if l.max_worker_memory_bytes > l.max_aggregate_worker_memory_bytes {
+            return Err(Error::Invalid {
+                key: "max_worker_memory_bytes",
+                reason: "exceeds max_aggregate_worker_memory_bytes".into(),
+            });
+        }
+        if l.max_worker_memory_bytes <= l.max_guest_memory_bytes {
+            return Err(Error::Invalid {
+                key: "max_worker_memory_bytes",
+                reason: "must exceed max_guest_memory_bytes".into(),
+            });
+        }
+        let d = &self.daemon;
+        for (key, v) in [
+            (
+                "worker_start_timeout_seconds",
+                d.worker_start_timeout_seconds,
+            ),
+            ("kill_grace_seconds", d.kill_grace_seconds),
+        ] {
+            if !(v.is_finite() && v > 0.0 && v <= 3600.0) {
+                return Err(Error::Invalid {
+                    key,
+                    reason: format!("{v} is not in (0, 3600]"),
+                });
+            }
+        }
+        if !(d.worker_cpus.is_finite() && d.worker_cpus >= 0.0 && d.worker_cpus <= 1024.0) {
+            return Err(Error::Invalid {
+                key: "worker_cpus",
+                reason: format!("{} is not in [0, 1024]", d.worker_cpus),
+            });
+        }
+        if d.worker_uid_count == 0
+            || d.worker_uid_base < 1000
+            || d.worker_uid_base
+                .checked_add(d.worker_uid_count)
+                .is_none_or(|end| end >= u32::MAX - 1)
+        {
+            return Err(Error::Invalid {
+                key: "worker_uid_base",
+                reason: "the range must be non-empty, above 999, and below 4294967294".into(),
+            });
+        }
+        if d.max_worker_pids == 0 {
+            return Err(Error::Invalid {
+                key: "max_worker_pids",
+                reason: "must be positive".into(),
+            });
+        }
+        if d.cgroup_name.is_empty()
+            || d.cgroup_name.len() > 64
+            || !d
+                .cgroup_name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(Error::Invalid {
+                key: "cgroup_name",
+                reason: "1-64 characters of [A-Za-z0-9_-]".into(),
+            });
+        }
+        if d.languages.is_empty() {
+            return Err(Error::Invalid {
+                key: "languages",
+                reason: "at least one language".into(),
+            });
+        }
+        for lang in &d.languages {
+            if sandcell_proto::kernel::Language::parse(lang).is_none() {
+                return Err(Error::Invalid {
+                    key: "languages",
+                    reason: format!("unknown language {lang:?} (python, r)"),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+fn parse_num<T: std::str::FromStr>(var: &str, value: &str) -> Result<T, Error> {
+    value.trim().parse().map_err(|_| Error::Env {
+        var: var.to_owned(),
+        reason: format!("{value:?} is not a valid number"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn defaults_are_seed_000_and_valid() {
+        let c = Config::default();
+        assert_eq!(c.limits.max_source_bytes, 65_536);
+        assert_eq!(c.limits.max_concurrent_sessions, 2);
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn env_overrides_file() {
+        let mut c = Config::parse(Path::new("t"), "[limits]\nmax_fuel = 5\n").unwrap();
+        assert_eq!(c.limits.max_fuel, 5);
+        c.apply_env(env(&[
+            ("SANDCELL_MAX_FUEL", "7"),
+            ("SANDCELL_SOCKET", "/x"),
+        ]))
+        .unwrap();
+        assert_eq!(c.limits.max_fuel, 7);
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let e = Config::parse(Path::new("t"), "[limits]\nmax_fuels = 5\n").unwrap_err();
+        assert!(e.to_string().contains("max_fuels"), "{e}");
+    }
+
+    #[test]
+    fn nonsense_is_refused() {
+        let mut c = Config::default();
+        c.limits.max_fuel = 0;
+        assert!(c.validate().unwrap_err().to_string().contains("max_fuel"));
+        let mut c = Config::default();
+        c.limits.max_guest_memory_bytes = c.limits.max_aggregate_guest_memory_bytes + 1;
+        assert!(c.validate().is_err());
+        let mut c = Config::default();
+        c.limits.max_worker_memory_bytes = c.limits.max_guest_memory_bytes;
+        assert!(c.validate().is_err());
+        let mut c = Config::default();
+        c.limits.max_source_bytes = SOURCE_CEILING + 1;
+        assert!(c.validate().is_err());
+        let e = Config::default()
+            .apply_env(env(&[("SANDCELL_MAX_FUEL", "lots")]))
+            .unwrap_err();
+        assert!(e.to_string().contains("SANDCELL_MAX_FUEL"));
+    }
+}

@@ -1,0 +1,534 @@
+//! The daemon's core: sessions, admission, identities, and the one authorization path.
+//!
+//! Architecture invariant: this module knows neither Varlink nor D-Bus. The `varlink/` and
+//! (later) `dbus/` shims translate their calls into the methods here, and every method follows
+//! the same order: validate -> look up -> authorize -> act.
+
+use crate::admission::{Admission, Budgets, Charge, Refused};
+use crate::auth::{Action, Authority};
+use crate::cgroup::{Backend, GroupLimits, SessionGroup};
+use crate::config::Config;
+use crate::identity::UidPool;
+use crate::session::{Caller, Event, ExecuteRefused, Session, SessionLimits};
+use crate::worker::spawn::{self, WorkerSpec};
+use sandcell_confine::Enforcement;
+use sandcell_proto::kernel::{Frame, InterruptReply, KernelError, Language, Limits};
+use sandcell_proto::worker::WorkerMessage;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+use tokio::sync::{broadcast, mpsc};
+
+/// How the daemon runs its workers.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Strict confinement (production) or best effort (`--insecure-dev`).
+    pub enforcement: Enforcement,
+    /// Per-session uids; `None` keeps the daemon's uid (development without root only).
+    pub per_session_uids: bool,
+}
+
+/// The core.
+pub struct Core {
+    config: RwLock<Arc<Config>>,
+    options: Options,
+    admission: Admission,
+    cgroups: Arc<dyn Backend>,
+    uids: UidPool,
+    authority: Arc<dyn Authority>,
+    sessions: Arc<Mutex<HashMap<String, Arc<Session>>>>,
+    events: broadcast::Sender<Event>,
+    stopping: AtomicBool,
+    connections: AtomicU64,
+    next_connection: AtomicU64,
+}
+
+impl std::fmt::Debug for Core {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Core")
+            .field("cgroups", &self.cgroups.mode())
+            .finish_non_exhaustive()
+    }
+}
+
+fn budgets(c: &Config) -> Budgets {
+    Budgets {
+        sessions: c.limits.max_concurrent_sessions,
+        guest_memory: c.limits.max_aggregate_guest_memory_bytes,
+        worker_memory: c.limits.max_aggregate_worker_memory_bytes,
+    }
+}
+
+impl From<Refused> for KernelError {
+    fn from(r: Refused) -> Self {
+        KernelError::CapacityExceeded {
+            budget: r.budget.into(),
+            in_use: r.in_use,
+            requested: r.requested,
+            max: r.max,
+        }
+    }
+}
+
+impl Core {
+    /// A core serving `config` with `cgroups` and `authority`.
+    pub fn new(
+        config: Config,
+        options: Options,
+        cgroups: Arc<dyn Backend>,
+        authority: Arc<dyn Authority>,
+    ) -> Arc<Core> {
+        let (events, _) = broadcast::channel(256);
+        Arc::new(Core {
+            admission: Admission::new(budgets(&config)),
+            uids: UidPool::new(
+                config.daemon.worker_uid_base,
+                config.daemon.worker_uid_count,
+            ),
+            config: RwLock::new(Arc::new(config)),
+            options,
+            cgroups,
+            authority,
+            sessions: Arc::default(),
+            events,
+            stopping: AtomicBool::new(false),
+            connections: AtomicU64::new(0),
+            next_connection: AtomicU64::new(1),
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> Arc<Config> {
+        self.config.read().unwrap().clone()
+    }
+
+    /// Applies a new, already validated configuration to sessions opened from now on.
+    pub fn reload(&self, config: Config) {
+        self.admission.set_budgets(budgets(&config));
+        *self.config.write().unwrap() = Arc::new(config);
+    }
+
+    /// Budgets and their use.
+    pub fn admission(&self) -> (Budgets, Budgets) {
+        self.admission.snapshot()
+    }
+
+    /// cgroup mode in use (`v2`, `v1`, `none`).
+    pub fn cgroup_mode(&self) -> &'static str {
+        self.cgroups.mode()
+    }
+
+    /// Subscribes to session events.
+    pub fn events(&self) -> broadcast::Receiver<Event> {
+        self.events.subscribe()
+    }
+
+    /// Live sessions.
+    pub fn sessions(&self) -> Vec<Arc<Session>> {
+        self.sessions.lock().unwrap().values().cloned().collect()
+    }
+
+    /// Registers a new client connection and returns its id.
+    pub fn connection_opened(&self) -> u64 {
+        self.connections.fetch_add(1, Ordering::SeqCst);
+        self.next_connection.fetch_add(1, Ordering::SeqCst)
+    }
+
+    /// A connection ended: its sessions that are not detached end too (killed and reaped).
+    pub async fn connection_closed(&self, connection: u64) {
+        let owned: Vec<_> = self
+            .sessions()
+            .into_iter()
+            .filter(|s| s.owner.connection == connection && s.detached_idle.is_none())
+            .collect();
+        for s in owned {
+            s.close("client disconnected").await;
+        }
+        self.connections.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Open connections.
+    pub fn connection_count(&self) -> u64 {
+        self.connections.load(Ordering::SeqCst)
+    }
+
+    /// Whether the daemon is stopping.
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    fn check_source(&self, code: &str) -> Result<(), KernelError> {
+        let max = self.config().limits.max_source_bytes;
+        if code.len() as u64 > max {
+            return Err(KernelError::LimitExceeded {
+                limit: "max_source_bytes".into(),
+                value: code.len() as u64,
+                max,
+            });
+        }
+        Ok(())
+    }
+
+    fn session_limits(
+        &self,
+        language: Language,
+        asked: Option<&Limits>,
+    ) -> Result<SessionLimits, KernelError> {
+        let cfg = self.config();
+        let l = &cfg.limits;
+        let a = asked.cloned().unwrap_or_default();
+        let lower = |name: &str, asked: Option<u64>, max: u64| -> Result<u64, KernelError> {
+            match asked {
+                None => Ok(max),
+                Some(0) => Err(KernelError::InvalidParameter {
+                    parameter: format!("limits.{name}"),
+                    reason: "must be positive".into(),
+                }),
+                Some(v) if v > max => Err(KernelError::LimitExceeded {
+                    limit: name.into(),
+                    value: v,
+                    max,
+                }),
+                Some(v) => Ok(v),
+            }
+        };
+        let wall = match a.wall_time_seconds {
+            None => l.execution_wall_time_seconds,
+            Some(w) if !(w.is_finite() && w > 0.0) => {
+                return Err(KernelError::InvalidParameter {
+                    parameter: "limits.wall_time_seconds".into(),
+                    reason: "must be a positive number".into(),
+                });
+            }
+            Some(w) if w > l.execution_wall_time_seconds => {
+                return Err(KernelError::LimitExceeded {
+                    limit: "wall_time_seconds".into(),
+                    value: w.ceil() as u64,
+                    max: l.execution_wall_time_seconds as u64,
+                });
+            }
+            Some(w) => w,
+        };
+        let _ = language;
+        Ok(SessionLimits {
+            wall: Duration::from_secs_f64(wall),
+            fuel: lower("fuel", a.fuel, l.max_fuel)?,
+            guest_memory: lower(
+                "guest_memory_bytes",
+                a.guest_memory_bytes,
+                l.max_guest_memory_bytes,
+            )?,
+            stdout: lower("stdout_bytes", a.stdout_bytes, l.max_stdout_bytes)?,
+            stderr: lower("stderr_bytes", a.stderr_bytes, l.max_stderr_bytes)?,
+            grace: Duration::from_secs_f64(cfg.daemon.kill_grace_seconds),
+        })
+    }
+
+    fn language(&self, name: &str) -> Result<Language, KernelError> {
+        let cfg = self.config();
+        let supported = cfg.daemon.languages.clone();
+        match Language::parse(name) {
+            Some(l) if supported.iter().any(|s| Language::parse(s) == Some(l)) => Ok(l),
+            _ => Err(KernelError::UnsupportedLanguage {
+                language: name.into(),
+                supported,
+            }),
+        }
+    }
+
+    /// Looks up a session the caller may use: its owner, or root. Others get `NoSuchSession`
+    /// (the session's existence is not revealed).
+    fn lookup(&self, caller: &Caller, id: &str) -> Result<Arc<Session>, KernelError> {
+        let s = self.sessions.lock().unwrap().get(id).cloned();
+        match s {
+            Some(s) if s.owner.uid == caller.uid || caller.uid == 0 => Ok(s),
+            _ => Err(KernelError::NoSuchSession { session: id.into() }),
+        }
+    }
+
+    async fn authorize(&self, caller: &Caller, action: Action) -> Result<(), KernelError> {
+        if self.authority.check(caller, action).await {
+            Ok(())
+        } else {
+            Err(KernelError::PermissionDenied {
+                action: action.id().into(),
+            })
+        }
+    }
+
+    /// Opens a session: admission, identity, cgroup, confined worker, `Ready`.
+    ///
+    /// Errors: `ShuttingDown`, `UnsupportedLanguage`, `LimitExceeded`, `InvalidParameter`,
+    /// `PermissionDenied`, `CapacityExceeded` (at once, never queued), `WorkerFailed`.
+    pub async fn open(
+        &self,
+        caller: &Caller,
+        language: &str,
+        limits: Option<&Limits>,
+        detached_idle_seconds: Option<u64>,
+    ) -> Result<Arc<Session>, KernelError> {
+        // validate
+        if self.stopping() {
+            return Err(KernelError::ShuttingDown {});
+        }
+        let language = self.language(language)?;
+        let limits = self.session_limits(language, limits)?;
+        let detached = match detached_idle_seconds {
+            Some(0) => {
+                return Err(KernelError::InvalidParameter {
+                    parameter: "detached_idle_seconds".into(),
+                    reason: "must be positive".into(),
+                });
+            }
+            Some(s) if s > 7 * 86_400 => {
+                return Err(KernelError::LimitExceeded {
+                    limit: "detached_idle_seconds".into(),
+                    value: s,
+                    max: 7 * 86_400,
+                });
+            }
+            s => s.map(Duration::from_secs),
+        };
+        // authorize
+        self.authorize(caller, Action::Execute).await?;
+        // act
+        self.spawn_session(caller, language, limits, detached).await
+    }
+
+    async fn spawn_session(
+        &self,
+        caller: &Caller,
+        language: Language,
+        limits: SessionLimits,
+        detached: Option<Duration>,
+    ) -> Result<Arc<Session>, KernelError> {
+        let cfg = self.config();
+        let charge = Charge {
+            guest_memory: if language == Language::Python {
+                limits.guest_memory
+            } else {
+                0
+            },
+            worker_memory: cfg.limits.max_worker_memory_bytes,
+        };
+        let permit = self.admission.try_admit(charge)?;
+        let lease = if self.options.per_session_uids {
+            Some(
+                self.uids
+                    .allocate()
+                    .ok_or_else(|| KernelError::CapacityExceeded {
+                        budget: "worker_uid_count".into(),
+                        in_use: cfg.daemon.worker_uid_count as u64,
+                        requested: 1,
+                        max: cfg.daemon.worker_uid_count as u64,
+                    })?,
+            )
+        } else {
+            None
+        };
+        let id = new_session_id();
+        let uid = lease.as_ref().map(|l| l.uid());
+        let spec = WorkerSpec {
+            language,
+            session_id: id.clone(),
+            session_dir: sessions_dir(&cfg).join(&id),
+            uid,
+            gid: uid,
+            worker_dir: cfg.daemon.worker_dir.clone(),
+            python_runtime_dir: cfg.daemon.python_runtime_dir.clone(),
+            guest_memory_bytes: limits.guest_memory,
+            native_address_space: None,
+            enforcement: self.options.enforcement,
+        };
+        let cpu_max = (cfg.daemon.worker_cpus > 0.0)
+            .then(|| ((cfg.daemon.worker_cpus * 100_000.0) as u64, 100_000));
+        let group: Arc<dyn SessionGroup> = self
+            .cgroups
+            .create(
+                &id,
+                &GroupLimits {
+                    memory_bytes: cfg.limits.max_worker_memory_bytes,
+                    max_pids: cfg.daemon.max_worker_pids,
+                    cpu_max,
+                },
+            )
+            .map(Arc::from)
+            .map_err(|e| KernelError::WorkerFailed {
+                reason: e.to_string(),
+            })?;
+
+        let fail = |reason: String, group: Arc<dyn SessionGroup>, dir: PathBuf| async move {
+            let _ = tokio::task::spawn_blocking(move || {
+                let _ = group.kill_all(Duration::from_secs(5));
+                let _ = group.remove();
+                let _ = std::fs::remove_dir_all(&dir);
+            })
+            .await;
+            tracing::warn!(%reason, "worker failed to start");
+            KernelError::WorkerFailed { reason }
+        };
+        let mut spawned = match spawn::spawn(&spec, &group) {
+            Ok(s) => s,
+            Err(e) => return Err(fail(e.to_string(), group, spec.session_dir.clone()).await),
+        };
+        // The worker confines itself, loads its interpreter and says Ready; nothing is sent to
+        // it before that.
+        let timeout = Duration::from_secs_f64(cfg.daemon.worker_start_timeout_seconds);
+        let ready = tokio::time::timeout(timeout, spawned.replies.next_line()).await;
+        let engine = match ready {
+            Ok(Ok(Some(line))) => match WorkerMessage::parse(&line) {
+                Ok(WorkerMessage::Ready { engine, .. }) => Ok(engine),
+                Ok(WorkerMessage::Fatal { stage, reason }) => {
+                    Err(format!("worker failed at {stage}: {reason}"))
+                }
+                Ok(_) => Err("worker spoke before it was ready".to_string()),
+                Err(e) => Err(format!("bad ready line: {e}")),
+            },
+            Ok(Ok(None)) => {
+                let status = spawned
+                    .child
+                    .wait()
+                    .await
+                    .map(|s| s.to_string())
+                    .unwrap_or_default();
+                Err(format!(
+                    "worker exited before it was ready ({status}); see the daemon's log"
+                ))
+            }
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("worker not ready after {timeout:?}")),
+        };
+        let engine = match engine {
+            Ok(e) => e,
+            Err(reason) => {
+                let _ = spawned.child.start_kill();
+                let _ = spawned.child.wait().await;
+                return Err(fail(reason, group, spec.session_dir.clone()).await);
+            }
+        };
+        let registry = self.sessions.clone();
+        let session = Session::start(
+            id.clone(),
+            language,
+            caller.clone(),
+            detached,
+            engine,
+            limits,
+            spawned,
+            group,
+            spec.session_dir.clone(),
+            lease,
+            permit,
+            Box::new(move |id, _reason| {
+                registry.lock().unwrap().remove(id);
+            }),
+            self.events.clone(),
+        );
+        self.sessions
+            .lock()
+            .unwrap()
+            .insert(id.clone(), session.clone());
+        tracing::info!(session = %id, uid = caller.uid, pid = caller.pid, language = language.as_str(), "session opened");
+        let _ = self.events.send(Event::Opened {
+            id,
+            uid: caller.uid,
+            language,
+        });
+        Ok(session)
+    }
+
+    /// Runs `code` as a cell of `session`; frames go to `frames`.
+    pub async fn execute(
+        &self,
+        caller: &Caller,
+        session: &str,
+        code: String,
+        frames: mpsc::Sender<Frame>,
+    ) -> Result<(), KernelError> {
+        self.check_source(&code)?;
+        let s = self.lookup(caller, session)?;
+        self.authorize(caller, Action::Execute).await?;
+        s.execute(code, frames, false).await.map_err(|e| match e {
+            ExecuteRefused::Busy(cell) => KernelError::SessionBusy {
+                session: session.into(),
+                cell,
+            },
+            ExecuteRefused::Ended => KernelError::NoSuchSession {
+                session: session.into(),
+            },
+        })
+    }
+
+    /// One-shot run: a fresh session for one cell, ended after it.
+    pub async fn run(
+        &self,
+        caller: &Caller,
+        language: &str,
+        code: String,
+        limits: Option<&Limits>,
+        frames: mpsc::Sender<Frame>,
+    ) -> Result<(), KernelError> {
+        // The source is checked before any worker starts.
+        self.check_source(&code)?;
+        let s = self.open(caller, language, limits, None).await?;
+        if let Err(e) = s.execute(code, frames, true).await {
+            s.close("one-shot run could not start").await;
+            return Err(match e {
+                ExecuteRefused::Busy(cell) => KernelError::SessionBusy {
+                    session: s.id.clone(),
+                    cell,
+                },
+                ExecuteRefused::Ended => KernelError::WorkerFailed {
+                    reason: "worker ended before the cell".into(),
+                },
+            });
+        }
+        Ok(())
+    }
+
+    /// Interrupts `cell` of `session`.
+    pub async fn interrupt(
+        &self,
+        caller: &Caller,
+        session: &str,
+        cell: u64,
+    ) -> Result<InterruptReply, KernelError> {
+        let s = self.lookup(caller, session)?;
+        self.authorize(caller, Action::ManageOwn).await?;
+        Ok(s.interrupt(cell).await)
+    }
+
+    /// Ends `session`; returns after its worker is reaped and everything released.
+    pub async fn close(&self, caller: &Caller, session: &str) -> Result<(), KernelError> {
+        let s = self.lookup(caller, session)?;
+        self.authorize(caller, Action::ManageOwn).await?;
+        s.close("closed by client").await;
+        Ok(())
+    }
+
+    /// Stops taking work and ends every session (killed and reaped).
+    pub async fn shutdown(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        let mut set = tokio::task::JoinSet::new();
+        for s in self.sessions() {
+            set.spawn(async move { s.close("daemon stopping").await });
+        }
+        while set.join_next().await.is_some() {}
+    }
+}
+
+/// `<state_dir>/sessions`.
+pub fn sessions_dir(c: &Config) -> PathBuf {
+    c.daemon.state_dir.join("sessions")
+}
+
+/// 128 random bits as 32 lowercase hex characters.
+pub fn new_session_id() -> String {
+    let mut b = [0u8; 16];
+    // SAFETY: getrandom writes at most b.len() bytes into b.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    assert_eq!(n, 16, "getrandom failed");
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}

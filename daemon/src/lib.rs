@@ -1,0 +1,22 @@
+//! sandcelld: runs untrusted Python and R cells for local gateways, one confined worker per
+//! session. See ARCHITECTURE.md at the repository root for the bird's-eye view.
+//!
+//! Code map:
+//! - [`core`]: sessions, admission, identities, authorization order; no protocol knowledge.
+//! - [`session`]: one session's actor: runs cells, bounds output, interrupts, releases.
+//! - [`worker`]: starting a worker (the one confinement seam: `worker/spawn.rs`), reading it.
+//! - [`cgroup`]: session cgroups (v2, v1 hybrid).
+//! - [`admission`], [`identity`], [`auth`], [`config`]: budgets, uids, decisions, settings.
+//! - [`varlink`]: the `org.sandcell.Kernel` shim.
+//! - [`notify`]: systemd readiness, status, watchdog.
+
+pub mod admission;
+pub mod auth;
+pub mod cgroup;
+pub mod config;
+pub mod core;
+pub mod identity;
+pub mod notify;
+pub mod session;
+pub mod varlink;
+pub mod worker;

@@ -1,0 +1,33 @@
+//! systemd notifications (sd_notify(3)): READY=1 after the readiness probe, STATUS= with live
+//! counts, WATCHDOG=1 at half the watchdog interval, STOPPING=1 on SIGTERM. Without
+//! `NOTIFY_SOCKET` every call is a no-op.
+
+use sd_notify::NotifyState;
+use std::time::Duration;
+
+/// Sends READY=1 and a status line.
+pub fn ready(status: &str) {
+    let _ = sd_notify::notify(&[NotifyState::Ready, NotifyState::Status(status)]);
+}
+
+/// Sends a status line.
+pub fn status(status: &str) {
+    let _ = sd_notify::notify(&[NotifyState::Status(status)]);
+}
+
+/// Sends STOPPING=1.
+pub fn stopping() {
+    let _ = sd_notify::notify(&[NotifyState::Stopping, NotifyState::Status("stopping")]);
+}
+
+/// Half the watchdog interval systemd asked for, if it asked (`WATCHDOG_USEC`).
+pub fn watchdog_interval() -> Option<Duration> {
+    sd_notify::watchdog_enabled()
+        .filter(|d| !d.is_zero())
+        .map(|d| d / 2)
+}
+
+/// Sends WATCHDOG=1.
+pub fn watchdog() {
+    let _ = sd_notify::notify(&[NotifyState::Watchdog]);
+}

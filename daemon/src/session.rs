@@ -1,0 +1,852 @@
+//! One session: a worker process, its cgroup, its directory, its admission charge, and the
+//! task ("actor") that owns them all and runs cells one at a time.
+//!
+//! Every path out of a session — `Close`, client disconnect, worker crash, OOM, timeout kill,
+//! daemon stop — goes through [`Actor::shutdown`], which kills the cgroup, reaps the worker,
+//! removes the cgroup and the directory, and only then releases the uid and the admission
+//! permit (DESIGN invariant: release after the worker is dead and reaped).
+
+use crate::admission::Permit;
+use crate::cgroup::SessionGroup;
+use crate::identity::UidLease;
+use crate::worker::LineReader;
+use crate::worker::output::StreamCap;
+use crate::worker::spawn::Spawned;
+use sandcell_proto::kernel::{
+    CellResult, Frame, InterruptReply, Language, Output, Started, State, Status, StreamStats, Usage,
+};
+use sandcell_proto::worker::{self as wire, RequestHeader, Stream, WorkerMessage, WorkerStatus};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::pipe;
+use tokio::sync::{mpsc, oneshot};
+
+/// Who called: taken from the connection's peer credentials (never from the message).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// Peer uid.
+    pub uid: u32,
+    /// Peer gid.
+    pub gid: u32,
+    /// Peer pid at connect time.
+    pub pid: u32,
+    /// Connection id (unique per daemon run); 0 for the daemon itself.
+    pub connection: u64,
+}
+
+/// Limits in force for one session, after the client's lowering.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionLimits {
+    /// Wall time of one cell.
+    pub wall: Duration,
+    /// Fuel of one Python cell.
+    pub fuel: u64,
+    /// Guest memory, bytes.
+    pub guest_memory: u64,
+    /// stdout bytes kept per cell.
+    pub stdout: u64,
+    /// stderr bytes kept per cell.
+    pub stderr: u64,
+    /// Grace after the wall time before SIGINT, and after SIGINT before SIGKILL.
+    pub grace: Duration,
+}
+
+/// Public, cheap-to-read state of a session (for listing and routing).
+#[derive(Debug, Clone)]
+pub struct Info {
+    /// Cell running now.
+    pub running_cell: Option<u64>,
+    /// Cells finished.
+    pub cells_run: u64,
+    /// `starting`, `idle`, `running`, `ended`.
+    pub state: &'static str,
+    /// Last time a cell ended or the session opened.
+    pub last_activity: Instant,
+}
+
+/// What the daemon's core sees of a session.
+#[derive(Debug)]
+pub struct Session {
+    /// Session id.
+    pub id: String,
+    /// Interpreter.
+    pub language: Language,
+    /// Who opened it.
+    pub owner: Caller,
+    /// Survives its connection for this long idle, if set.
+    pub detached_idle: Option<Duration>,
+    /// Opened at.
+    pub started: SystemTime,
+    /// Engine string from the worker's `Ready`.
+    pub engine: String,
+    /// Worker pid.
+    pub pid: u32,
+    /// Limits in force.
+    pub limits: SessionLimits,
+    /// Mutable state.
+    pub info: Mutex<Info>,
+    cmds: mpsc::Sender<Command>,
+    group: Arc<dyn SessionGroup>,
+}
+
+/// Requests to a session's actor.
+#[derive(Debug)]
+pub enum Command {
+    /// Run a cell; frames go to `frames` (`started`, outputs, `result`).
+    Execute {
+        /// Source.
+        code: String,
+        /// Where frames go; dropping the receiver cancels the cell.
+        frames: mpsc::Sender<Frame>,
+        /// One-shot Run: report `state: none` and end the session after the cell.
+        one_shot: bool,
+    },
+    /// Interrupt `cell` if it is running.
+    Interrupt {
+        /// Cell number.
+        cell: u64,
+        /// Answer.
+        reply: oneshot::Sender<InterruptReply>,
+    },
+    /// End the session; `done` fires after everything is released.
+    Close {
+        /// Why (for the log and the D-Bus signal).
+        reason: String,
+        /// Fires when released.
+        done: oneshot::Sender<()>,
+    },
+}
+
+/// Something worth telling the control plane about.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// A session is ready.
+    Opened {
+        /// Session id.
+        id: String,
+        /// Owner uid.
+        uid: u32,
+        /// Language.
+        language: Language,
+    },
+    /// A cell finished.
+    CellFinished {
+        /// Session id.
+        id: String,
+        /// Cell number.
+        cell: u64,
+        /// Status on the wire.
+        status: Status,
+    },
+    /// The kernel OOM-killed a worker.
+    OomKilled {
+        /// Session id.
+        id: String,
+    },
+    /// A session ended and everything it held is released.
+    Closed {
+        /// Session id.
+        id: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl Session {
+    /// Creates the session record and starts its actor. `spawned` must have said `Ready`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn start(
+        id: String,
+        language: Language,
+        owner: Caller,
+        detached_idle: Option<Duration>,
+        engine: String,
+        limits: SessionLimits,
+        spawned: Spawned,
+        group: Arc<dyn SessionGroup>,
+        session_dir: PathBuf,
+        uid: Option<UidLease>,
+        permit: Permit,
+        on_end: Box<dyn FnOnce(&str, &str) + Send>,
+        events: tokio::sync::broadcast::Sender<Event>,
+    ) -> Arc<Session> {
+        let (tx, rx) = mpsc::channel(16);
+        let pid = spawned.pid;
+        let session = Arc::new(Session {
+            id: id.clone(),
+            language,
+            owner,
+            detached_idle,
+            started: SystemTime::now(),
+            engine,
+            pid,
+            limits: limits.clone(),
+            info: Mutex::new(Info {
+                running_cell: None,
+                cells_run: 0,
+                state: "idle",
+                last_activity: Instant::now(),
+            }),
+            cmds: tx,
+            group: group.clone(),
+        });
+        let actor = Actor {
+            session: session.clone(),
+            child: spawned.child,
+            pid,
+            requests: spawned.requests,
+            replies: spawned.replies,
+            stdout: spawned.stdout,
+            stderr: spawned.stderr,
+            group,
+            session_dir,
+            uid,
+            permit: Some(permit),
+            next_cell: 1,
+            ended: false,
+            on_end: Some(on_end),
+            events,
+        };
+        tokio::spawn(actor.run(rx));
+        session
+    }
+
+    /// Queues a cell. Fails with the running cell's number when one is running.
+    pub async fn execute(
+        &self,
+        code: String,
+        frames: mpsc::Sender<Frame>,
+        one_shot: bool,
+    ) -> Result<(), ExecuteRefused> {
+        {
+            let mut info = self.info.lock().unwrap();
+            match info.state {
+                "running" => return Err(ExecuteRefused::Busy(info.running_cell.unwrap_or(0))),
+                "ended" => return Err(ExecuteRefused::Ended),
+                _ => info.state = "running",
+            }
+        }
+        self.cmds
+            .send(Command::Execute {
+                code,
+                frames,
+                one_shot,
+            })
+            .await
+            .map_err(|_| ExecuteRefused::Ended)
+    }
+
+    /// Asks the actor to interrupt `cell`.
+    pub async fn interrupt(&self, cell: u64) -> InterruptReply {
+        let (tx, rx) = oneshot::channel();
+        let gone = || InterruptReply {
+            delivered: false,
+            reason: "session_ending".into(),
+        };
+        if self
+            .cmds
+            .send(Command::Interrupt { cell, reply: tx })
+            .await
+            .is_err()
+        {
+            return gone();
+        }
+        rx.await.unwrap_or_else(|_| gone())
+    }
+
+    /// Ends the session and waits until everything is released.
+    pub async fn close(&self, reason: &str) {
+        let (tx, rx) = oneshot::channel();
+        if self
+            .cmds
+            .send(Command::Close {
+                reason: reason.into(),
+                done: tx,
+            })
+            .await
+            .is_ok()
+        {
+            let _ = rx.await;
+        } else {
+            // The actor is already ending; wait for it to finish releasing.
+            self.cmds.closed().await;
+        }
+    }
+
+    /// Memory charged to the session's cgroup now, bytes.
+    pub fn memory_current(&self) -> Option<u64> {
+        self.group.memory_current()
+    }
+}
+
+/// Why `Execute` was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecuteRefused {
+    /// A cell is running.
+    Busy(u64),
+    /// The session has ended.
+    Ended,
+}
+
+/// How the loop of one cell ended.
+enum CellEnd {
+    Done(WorkerMessage),
+    /// The worker closed its reply pipe, died, or broke the protocol.
+    WorkerGone(String),
+    /// The daemon killed the worker after the grace period.
+    Killed,
+    /// The client went away or the session was closed.
+    Cancelled(Option<(String, oneshot::Sender<()>)>),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Running,
+    Interrupted,
+    TimedOut,
+}
+
+struct Actor {
+    session: Arc<Session>,
+    child: tokio::process::Child,
+    pid: u32,
+    requests: pipe::Sender,
+    replies: LineReader<pipe::Receiver>,
+    stdout: Option<pipe::Receiver>,
+    stderr: Option<pipe::Receiver>,
+    group: Arc<dyn SessionGroup>,
+    session_dir: PathBuf,
+    uid: Option<UidLease>,
+    permit: Option<Permit>,
+    next_cell: u64,
+    ended: bool,
+    on_end: Option<Box<dyn FnOnce(&str, &str) + Send>>,
+    events: tokio::sync::broadcast::Sender<Event>,
+}
+
+impl Actor {
+    async fn run(mut self, mut cmds: mpsc::Receiver<Command>) {
+        let reason: String;
+        let mut close_done: Option<oneshot::Sender<()>> = None;
+        loop {
+            let idle = self.session.detached_idle.map(|d| {
+                let last = self.session.info.lock().unwrap().last_activity;
+                tokio::time::Instant::from_std(last + d)
+            });
+            tokio::select! {
+                cmd = cmds.recv() => match cmd {
+                    None => { reason = "abandoned".into(); break; }
+                    Some(Command::Execute { code, frames, one_shot }) => {
+                        if let Some(end) = self.execute_cell(code, frames, one_shot, &mut cmds).await {
+                            reason = end.0;
+                            close_done = end.1;
+                            break;
+                        }
+                    }
+                    Some(Command::Interrupt { reply, .. }) => {
+                        let _ = reply.send(InterruptReply { delivered: false, reason: "not_running".into() });
+                    }
+                    Some(Command::Close { reason: r, done }) => { reason = r; close_done = Some(done); break; }
+                },
+                status = self.child.wait() => {
+                    reason = format!("worker exited while idle ({})", status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()));
+                    break;
+                }
+                _ = async { match idle { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => {
+                    reason = "idle timeout".into();
+                    break;
+                }
+            }
+        }
+        self.shutdown(&reason).await;
+        if let Some(done) = close_done {
+            let _ = done.send(());
+        }
+        // Refuse whatever is still queued.
+        cmds.close();
+        while let Some(cmd) = cmds.recv().await {
+            match cmd {
+                Command::Interrupt { reply, .. } => {
+                    let _ = reply.send(InterruptReply {
+                        delivered: false,
+                        reason: "session_ending".into(),
+                    });
+                }
+                Command::Close { done, .. } => {
+                    let _ = done.send(());
+                }
+                Command::Execute { .. } => {}
+            }
+        }
+    }
+
+    /// Sends a frame, still answering interrupts and closes while the client is slow to read.
+    /// Returns false when the client is gone.
+    async fn send_frame(&mut self, frames: &mpsc::Sender<Frame>, frame: Frame) -> bool {
+        frames.send(frame).await.is_ok()
+    }
+
+    fn signal_interrupt(&self) {
+        let pid = self.pid as libc::pid_t;
+        // SAFETY: plain signal syscalls on our own child; pid is the worker's, still unreaped
+        // (we hold its Child), so it cannot have been reused.
+        unsafe {
+            match self.session.language {
+                // R is single-threaded at the C level but BLAS pools may own threads: aim at the
+                // main thread so no pool thread swallows it (seed 001).
+                Language::R => {
+                    libc::syscall(libc::SYS_tgkill, pid, pid, libc::SIGINT);
+                }
+                Language::Python => {
+                    libc::kill(pid, libc::SIGINT);
+                }
+            }
+        }
+    }
+
+    /// Runs one cell. Returns `Some((reason, close_waiter))` when the session ended with it.
+    async fn execute_cell(
+        &mut self,
+        code: String,
+        frames: mpsc::Sender<Frame>,
+        one_shot: bool,
+        cmds: &mut mpsc::Receiver<Command>,
+    ) -> Option<(String, Option<oneshot::Sender<()>>)> {
+        let cell = self.next_cell;
+        self.next_cell += 1;
+        let limits = self.session.limits.clone();
+        {
+            let mut info = self.session.info.lock().unwrap();
+            info.running_cell = Some(cell);
+            info.state = "running";
+        }
+        let started = Frame {
+            started: Some(Started {
+                session: self.session.id.clone(),
+                cell,
+            }),
+            ..Default::default()
+        };
+        let mut client_gone = !self.send_frame(&frames, started).await;
+
+        let mut header = RequestHeader::exec(cell, code.len() as u64);
+        header.timeout_ms = Some(limits.wall.as_millis() as u64);
+        header.fuel = Some(limits.fuel);
+        header.max_output = Some(limits.stdout.max(limits.stderr));
+        let mut request = header.to_line().into_bytes();
+        request.extend_from_slice(code.as_bytes());
+        drop(code);
+
+        let cpu0 = proc_cpu_seconds(self.pid);
+        let oom0 = self.group.oom_kills();
+        let t0 = Instant::now();
+        let mut caps = [StreamCap::new(limits.stdout), StreamCap::new(limits.stderr)];
+        let mut seq = 0u64;
+        let mut phase = Phase::Running;
+        let mut deadline = tokio::time::Instant::from_std(t0 + limits.wall + limits.grace);
+        let mut outbuf = vec![0u8; 64 * 1024];
+        let mut errbuf = vec![0u8; 64 * 1024];
+        let mut stale_frames = 0u64;
+
+        let end = if client_gone {
+            CellEnd::Cancelled(None)
+        } else if let Err(e) = tokio::time::timeout(
+            limits.wall + limits.grace,
+            self.requests.write_all(&request),
+        )
+        .await
+        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
+        {
+            CellEnd::WorkerGone(format!("writing the request: {e}"))
+        } else {
+            drop(request);
+            loop {
+                let mut pending: Vec<(Stream, String)> = Vec::new();
+                let step: Option<CellEnd> = tokio::select! {
+                    biased;
+                    line = self.replies.next_line() => match line {
+                        Ok(Some(l)) => match WorkerMessage::parse(&l) {
+                            Ok(WorkerMessage::Output { cell: c, stream, data, bytes }) if c == cell => {
+                                if let Some(t) = caps[idx(stream)].push_text(&data, bytes) { pending.push((stream, t)); }
+                                None
+                            }
+                            Ok(WorkerMessage::Dropped { cell: c, stream, bytes }) if c == cell => {
+                                caps[idx(stream)].push_dropped(bytes);
+                                None
+                            }
+                            Ok(WorkerMessage::Output { .. } | WorkerMessage::Dropped { .. }) => { stale_frames += 1; None }
+                            Ok(m @ WorkerMessage::Done { cell: c, .. }) if c == cell => Some(CellEnd::Done(m)),
+                            Ok(other) => Some(CellEnd::WorkerGone(format!("protocol violation: unexpected {}", kind(&other)))),
+                            Err(e) => Some(CellEnd::WorkerGone(format!("protocol violation: {e}"))),
+                        },
+                        Ok(None) => Some(CellEnd::WorkerGone("worker closed its reply pipe".into())),
+                        Err(e) => Some(CellEnd::WorkerGone(format!("protocol violation: {e}"))),
+                    },
+                    n = read_opt(&mut self.stdout, &mut outbuf) => {
+                        match n {
+                            Some(n) if n > 0 => if let Some(t) = caps[0].push_bytes(&outbuf[..n]) { pending.push((Stream::Stdout, t)); },
+                            _ => self.stdout = None,
+                        }
+                        None
+                    }
+                    n = read_opt(&mut self.stderr, &mut errbuf) => {
+                        match n {
+                            Some(n) if n > 0 => if let Some(t) = caps[1].push_bytes(&errbuf[..n]) { pending.push((Stream::Stderr, t)); },
+                            _ => self.stderr = None,
+                        }
+                        None
+                    }
+                    _ = tokio::time::sleep_until(deadline) => {
+                        if phase == Phase::Running {
+                            // Wall time plus grace is over and the worker's own limit did not end
+                            // the cell: interrupt, then kill after another grace.
+                            self.signal_interrupt();
+                            phase = Phase::TimedOut;
+                            deadline = tokio::time::Instant::now() + limits.grace;
+                            None
+                        } else {
+                            Some(CellEnd::Killed)
+                        }
+                    }
+                    cmd = cmds.recv() => match cmd {
+                        Some(Command::Interrupt { cell: c, reply }) => {
+                            let r = if c != cell {
+                                InterruptReply { delivered: false, reason: "other_cell".into() }
+                            } else if phase != Phase::Running {
+                                InterruptReply { delivered: false, reason: "already_interrupted".into() }
+                            } else {
+                                self.signal_interrupt();
+                                phase = Phase::Interrupted;
+                                // Documented escalation: a cell that ignores SIGINT (native code,
+                                // BLAS) is killed after the grace, and the session ends.
+                                deadline = tokio::time::Instant::now() + limits.grace;
+                                InterruptReply { delivered: true, reason: "delivered".into() }
+                            };
+                            let _ = reply.send(r);
+                            None
+                        }
+                        Some(Command::Close { reason, done }) => Some(CellEnd::Cancelled(Some((reason, done)))),
+                        Some(Command::Execute { .. }) => None, // refused by Session::execute
+                        None => Some(CellEnd::Cancelled(None)),
+                    },
+                    _ = frames.closed() => Some(CellEnd::Cancelled(None)),
+                    status = self.child.wait() => Some(CellEnd::WorkerGone(format!("worker exited ({})", status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string())))),
+                };
+                for (stream, text) in pending {
+                    let f = Frame {
+                        output: Some(Output {
+                            cell,
+                            seq,
+                            stream,
+                            text,
+                        }),
+                        ..Default::default()
+                    };
+                    seq += 1;
+                    if !self.send_frame(&frames, f).await {
+                        client_gone = true;
+                    }
+                }
+                if let Some(end) = step {
+                    break end;
+                }
+                if client_gone {
+                    break CellEnd::Cancelled(None);
+                }
+            }
+        };
+
+        // Output written before the worker's reply is already in the pipes: take it, bounded.
+        if matches!(end, CellEnd::Done(_)) {
+            let mut late: Vec<(Stream, String)> = Vec::new();
+            for (i, stream) in [(0usize, Stream::Stdout), (1, Stream::Stderr)] {
+                let (rx, buf) = if i == 0 {
+                    (&mut self.stdout, &mut outbuf)
+                } else {
+                    (&mut self.stderr, &mut errbuf)
+                };
+                for _ in 0..1024 {
+                    let Some(r) = rx.as_mut() else { break };
+                    match r.try_read(buf) {
+                        Ok(0) => {
+                            *rx = None;
+                            break;
+                        }
+                        Ok(n) => {
+                            if let Some(t) = caps[i].push_bytes(&buf[..n]) {
+                                late.push((stream, t));
+                            }
+                        }
+                        Err(_) => break,
+                    }
+                }
+            }
+            for (stream, text) in late {
+                let f = Frame {
+                    output: Some(Output {
+                        cell,
+                        seq,
+                        stream,
+                        text,
+                    }),
+                    ..Default::default()
+                };
+                seq += 1;
+                let _ = self.send_frame(&frames, f).await;
+            }
+        }
+        for (i, cap) in caps.iter_mut().enumerate() {
+            if let Some(t) = cap.finish() {
+                let stream = if i == 0 {
+                    Stream::Stdout
+                } else {
+                    Stream::Stderr
+                };
+                let f = Frame {
+                    output: Some(Output {
+                        cell,
+                        seq,
+                        stream,
+                        text: t,
+                    }),
+                    ..Default::default()
+                };
+                seq += 1;
+                let _ = self.send_frame(&frames, f).await;
+            }
+        }
+        if stale_frames > 0 {
+            tracing::debug!(session = %self.session.id, cell, stale_frames, "stale output frames counted, not forwarded");
+        }
+
+        let mut usage = Usage {
+            wall_seconds: t0.elapsed().as_secs_f64(),
+            cpu_seconds: proc_cpu_seconds(self.pid)
+                .zip(cpu0)
+                .map(|(a, b)| (a - b).max(0.0)),
+            peak_memory_bytes: self.group.memory_peak(),
+            fuel: None,
+        };
+        let mut result = CellResult {
+            cell,
+            status: Status::Ok,
+            error: None,
+            exit_code: None,
+            usage: Usage::default(),
+            stdout: caps[0].stats(),
+            stderr: caps[1].stats(),
+            state: State::Kept,
+            session_ended: false,
+            warnings: Vec::new(),
+        };
+        let mut ending: Option<(String, Option<oneshot::Sender<()>>)> = None;
+        match end {
+            CellEnd::Done(WorkerMessage::Done {
+                status,
+                error,
+                exit_code,
+                fuel,
+                state,
+                warnings,
+                ..
+            }) => {
+                usage.fuel = fuel;
+                result.status = match (status, phase) {
+                    (WorkerStatus::Interrupted | WorkerStatus::Timeout, Phase::TimedOut) => {
+                        Status::Timeout
+                    }
+                    (WorkerStatus::Ok, _) => Status::Ok,
+                    (WorkerStatus::Error, _) => Status::Error,
+                    (WorkerStatus::Interrupted, _) => Status::Interrupted,
+                    (WorkerStatus::Timeout, _) => Status::Timeout,
+                    (WorkerStatus::FuelExhausted, _) => Status::FuelExhausted,
+                    (WorkerStatus::MemoryExhausted, _) => Status::MemoryExhausted,
+                    (WorkerStatus::Exited, _) => Status::Exited,
+                };
+                result.error = error;
+                result.exit_code = exit_code;
+                result.state = match state {
+                    wire::SessionState::Kept => State::Kept,
+                    wire::SessionState::Restored => State::Restored,
+                    wire::SessionState::Lost => State::Lost,
+                };
+                result.warnings = warnings;
+            }
+            CellEnd::Done(_) => unreachable!("only Done messages end a cell"),
+            CellEnd::Killed | CellEnd::WorkerGone(_) | CellEnd::Cancelled(_) => {
+                // The worker is gone or must go: kill the whole group, reap, then decide.
+                self.kill_and_reap().await;
+                let oom = self.group.oom_kills() > oom0;
+                let (status, why) = match &end {
+                    _ if oom => (
+                        Status::Oom,
+                        "worker OOM-killed at its cgroup memory limit".to_string(),
+                    ),
+                    CellEnd::Killed if phase == Phase::TimedOut => (
+                        Status::Timeout,
+                        "cell ignored the interrupt at its wall time; worker killed".into(),
+                    ),
+                    CellEnd::Killed => (
+                        Status::Interrupted,
+                        "cell ignored the interrupt; worker killed".into(),
+                    ),
+                    CellEnd::Cancelled(Some((r, _))) => (Status::Cancelled, r.clone()),
+                    CellEnd::Cancelled(None) => (Status::Cancelled, "client disconnected".into()),
+                    CellEnd::WorkerGone(why) => (Status::WorkerCrashed, why.clone()),
+                    CellEnd::Done(_) => unreachable!(),
+                };
+                if oom {
+                    let _ = self.events.send(Event::OomKilled {
+                        id: self.session.id.clone(),
+                    });
+                }
+                result.status = status;
+                result.state = State::Lost;
+                result.session_ended = true;
+                if status != Status::Cancelled {
+                    result.error = Some(wire::CellError {
+                        kind: "SessionLost".into(),
+                        message: format!("{why}; the session's variables are lost"),
+                        ..Default::default()
+                    });
+                }
+                ending = Some(match end {
+                    CellEnd::Cancelled(Some((r, done))) => (r, Some(done)),
+                    _ => (why, None),
+                });
+                usage.peak_memory_bytes = self.group.memory_peak().or(usage.peak_memory_bytes);
+            }
+        }
+        if one_shot {
+            result.state = State::None;
+            result.session_ended = true;
+            ending.get_or_insert(("one-shot run finished".into(), None));
+        }
+        result.usage = usage;
+        let status = result.status;
+        tracing::info!(session = %self.session.id, uid = self.session.owner.uid, cell, status = status.as_str(), wall = result.usage.wall_seconds, "cell finished");
+        let _ = self
+            .send_frame(
+                &frames,
+                Frame {
+                    result: Some(result),
+                    ..Default::default()
+                },
+            )
+            .await;
+        let _ = self.events.send(Event::CellFinished {
+            id: self.session.id.clone(),
+            cell,
+            status,
+        });
+        {
+            let mut info = self.session.info.lock().unwrap();
+            info.running_cell = None;
+            info.cells_run += 1;
+            info.last_activity = Instant::now();
+            info.state = if ending.is_some() { "ended" } else { "idle" };
+        }
+        ending
+    }
+
+    async fn kill_and_reap(&mut self) {
+        let pid = self.pid as libc::pid_t;
+        // SAFETY: signals to our own unreaped child and its process group (it called setsid,
+        // so the group id is its pid); nothing else can hold that pid until we reap it.
+        unsafe {
+            libc::kill(-pid, libc::SIGKILL);
+            libc::kill(pid, libc::SIGKILL);
+        }
+        let group = self.group.clone();
+        let _ = tokio::task::spawn_blocking(move || group.kill_all(Duration::from_secs(10))).await;
+        let _ = self.child.wait().await;
+    }
+
+    /// Releases everything, in the order of the module documentation. Idempotent.
+    async fn shutdown(&mut self, reason: &str) {
+        if self.ended {
+            return;
+        }
+        self.ended = true;
+        self.session.info.lock().unwrap().state = "ended";
+        // Ask politely first only when idle: there is nothing worth saving, so just kill.
+        self.kill_and_reap().await;
+        let group = self.group.clone();
+        let dir = self.session_dir.clone();
+        let removed = tokio::task::spawn_blocking(move || {
+            let g = group.remove();
+            // remove_dir_all never follows symlinks a cell planted (it unlinks them), and the
+            // worker is dead, so nothing races with it (Judge0 CVE-2024-28185).
+            let d = match std::fs::remove_dir_all(&dir) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                _ => Ok(()),
+            };
+            (g, d)
+        })
+        .await;
+        if let Ok((g, d)) = removed {
+            if let Err(e) = g {
+                tracing::warn!(session = %self.session.id, error = %e, "removing session cgroup");
+            }
+            if let Err(e) = d {
+                tracing::warn!(session = %self.session.id, error = %e, "removing session directory");
+            }
+        }
+        self.uid.take();
+        self.permit.take();
+        tracing::info!(session = %self.session.id, uid = self.session.owner.uid, reason, "session closed");
+        if let Some(f) = self.on_end.take() {
+            f(&self.session.id, reason);
+        }
+        let _ = self.events.send(Event::Closed {
+            id: self.session.id.clone(),
+            reason: reason.to_owned(),
+        });
+    }
+}
+
+fn idx(s: Stream) -> usize {
+    match s {
+        Stream::Stdout => 0,
+        Stream::Stderr => 1,
+    }
+}
+
+fn kind(m: &WorkerMessage) -> &'static str {
+    match m {
+        WorkerMessage::Ready { .. } => "ready",
+        WorkerMessage::Fatal { .. } => "fatal",
+        WorkerMessage::Output { .. } => "output",
+        WorkerMessage::Dropped { .. } => "dropped",
+        WorkerMessage::Done { .. } => "done for another cell",
+    }
+}
+
+async fn read_opt(rx: &mut Option<pipe::Receiver>, buf: &mut [u8]) -> Option<usize> {
+    match rx {
+        Some(r) => r.read(buf).await.ok(),
+        None => std::future::pending().await,
+    }
+}
+
+/// CPU seconds (user + system, children included) of `pid`, from `/proc/<pid>/stat`.
+fn proc_cpu_seconds(pid: u32) -> Option<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name, which is in parentheses and may contain spaces.
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    // utime, stime, cutime, cstime are fields 14-17 of proc(5): indexes 11-14 here.
+    let ticks: u64 = (11..=14)
+        .filter_map(|i| f.get(i)?.parse::<u64>().ok())
+        .sum();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Some(ticks as f64 / hz)
+}
+
+/// Zero stats, for results of cells that never ran.
+pub fn no_output() -> StreamStats {
+    StreamStats::default()
+}

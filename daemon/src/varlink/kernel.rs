@@ -1,0 +1,250 @@
+//! Method dispatch for `org.sandcell.Kernel` and `org.varlink.service`.
+
+use super::socket::WriteHalf;
+use crate::core::Core;
+use crate::session::Caller;
+use sandcell_proto::kernel::{
+    self as k, CloseParams, ExecuteParams, Frame, FrameReply, InterruptParams, KernelError,
+    OpenParams, OpenReply, RawCall, RunParams,
+};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use zlink::connection::WriteConnection;
+use zlink::{Call, Reply};
+
+type Writer = WriteConnection<WriteHalf>;
+
+/// An error reply of any interface.
+#[derive(Debug, Serialize)]
+struct ErrorReply {
+    error: String,
+    parameters: Value,
+}
+
+fn service_error(name: &str, parameters: Value) -> ErrorReply {
+    ErrorReply {
+        error: format!("org.varlink.service.{name}"),
+        parameters,
+    }
+}
+
+async fn send_error(w: &mut Writer, call: &Call<RawCall>, e: ErrorReply) -> zlink::Result<()> {
+    if call.oneway() {
+        return Ok(());
+    }
+    w.send_error(&e, vec![]).await
+}
+
+async fn send_kernel_error(
+    w: &mut Writer,
+    call: &Call<RawCall>,
+    e: KernelError,
+) -> zlink::Result<()> {
+    let v = serde_json::to_value(&e).unwrap_or(Value::Null);
+    let reply = ErrorReply {
+        error: e.name(),
+        parameters: v.get("parameters").cloned().unwrap_or(json!({})),
+    };
+    send_error(w, call, reply).await
+}
+
+async fn send_reply<T: Serialize + std::fmt::Debug>(
+    w: &mut Writer,
+    call: &Call<RawCall>,
+    value: T,
+    continues: bool,
+) -> zlink::Result<()> {
+    if call.oneway() {
+        return Ok(());
+    }
+    let reply = Reply::new(Some(value)).set_continues(continues.then_some(true));
+    w.send_reply(&reply, vec![]).await
+}
+
+/// Parses `call`'s parameters as `T`, or replies `InvalidParameter` naming the field.
+fn params<T: DeserializeOwned>(call: &Call<RawCall>) -> Result<T, ErrorReply> {
+    let v = call
+        .method()
+        .parameters
+        .clone()
+        .unwrap_or_else(|| json!({}));
+    serde_json::from_value(v).map_err(|e| {
+        // serde names the field in its message ("missing field `code`", "unknown field `x`").
+        let msg = e.to_string();
+        let parameter = msg.split('`').nth(1).unwrap_or("parameters").to_owned();
+        service_error("InvalidParameter", json!({ "parameter": parameter }))
+    })
+}
+
+/// Answers one call. An `Err` means the connection is unusable.
+pub async fn handle(
+    core: &Core,
+    caller: &Caller,
+    w: &mut Writer,
+    call: Call<RawCall>,
+) -> zlink::Result<()> {
+    let method = call.method().method.clone();
+    let (iface, name) = method.rsplit_once('.').unwrap_or(("", method.as_str()));
+    match iface {
+        "org.varlink.service" => return service(w, &call, name).await,
+        k::INTERFACE => {}
+        _ => {
+            return send_error(
+                w,
+                &call,
+                service_error("InterfaceNotFound", json!({ "interface": iface })),
+            )
+            .await;
+        }
+    }
+    macro_rules! parse {
+        ($t:ty) => {
+            match params::<$t>(&call) {
+                Ok(p) => p,
+                Err(e) => return send_error(w, &call, e).await,
+            }
+        };
+    }
+    match name {
+        "Run" | "Execute" => {
+            if !call.more() {
+                return send_error(w, &call, service_error("ExpectedMore", json!({}))).await;
+            }
+            let (tx, rx) = mpsc::channel::<Frame>(64);
+            let started = if name == "Run" {
+                let p = parse!(RunParams);
+                core.run(caller, &p.language, p.code, p.limits.as_ref(), tx)
+                    .await
+            } else {
+                let p = parse!(ExecuteParams);
+                core.execute(caller, &p.session, p.code, tx).await
+            };
+            match started {
+                Ok(()) => stream_frames(w, &call, rx).await,
+                Err(e) => send_kernel_error(w, &call, e).await,
+            }
+        }
+        "Open" => {
+            let p = parse!(OpenParams);
+            match core
+                .open(
+                    caller,
+                    &p.language,
+                    p.limits.as_ref(),
+                    p.detached_idle_seconds,
+                )
+                .await
+            {
+                Ok(s) => {
+                    send_reply(
+                        w,
+                        &call,
+                        OpenReply {
+                            session: s.id.clone(),
+                            engine: s.engine.clone(),
+                        },
+                        false,
+                    )
+                    .await
+                }
+                Err(e) => send_kernel_error(w, &call, e).await,
+            }
+        }
+        "Interrupt" => {
+            let p = parse!(InterruptParams);
+            match core.interrupt(caller, &p.session, p.cell).await {
+                Ok(r) => send_reply(w, &call, r, false).await,
+                Err(e) => send_kernel_error(w, &call, e).await,
+            }
+        }
+        "Close" => {
+            let p = parse!(CloseParams);
+            match core.close(caller, &p.session).await {
+                Ok(()) => send_reply(w, &call, json!({}), false).await,
+                Err(e) => send_kernel_error(w, &call, e).await,
+            }
+        }
+        _ => {
+            send_error(
+                w,
+                &call,
+                service_error("MethodNotFound", json!({ "method": method })),
+            )
+            .await
+        }
+    }
+}
+
+async fn stream_frames(
+    w: &mut Writer,
+    call: &Call<RawCall>,
+    mut rx: mpsc::Receiver<Frame>,
+) -> zlink::Result<()> {
+    while let Some(frame) = rx.recv().await {
+        let last = frame.result.is_some();
+        send_reply(w, call, FrameReply { frame }, !last).await?;
+        if last {
+            return Ok(());
+        }
+    }
+    // The session ended without a result (it cannot normally happen: every path sends one).
+    send_kernel_error(
+        w,
+        call,
+        KernelError::WorkerFailed {
+            reason: "the session ended without a result".into(),
+        },
+    )
+    .await
+}
+
+async fn service(w: &mut Writer, call: &Call<RawCall>, name: &str) -> zlink::Result<()> {
+    match name {
+        "GetInfo" => {
+            let info = json!({
+                "vendor": "sandcell",
+                "product": "sandcelld",
+                "version": env!("CARGO_PKG_VERSION"),
+                "url": "https://example.invalid/sandcell",
+                "interfaces": ["org.varlink.service", k::INTERFACE],
+            });
+            send_reply(w, call, info, false).await
+        }
+        "GetInterfaceDescription" => {
+            let asked = call
+                .method()
+                .parameters
+                .as_ref()
+                .and_then(|p| p.get("interface"))
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_owned();
+            let description = match asked.as_str() {
+                k::INTERFACE => k::IDL.to_owned(),
+                "org.varlink.service" => zlink::varlink_service::DESCRIPTION.to_string(),
+                _ => {
+                    return send_error(
+                        w,
+                        call,
+                        service_error("InterfaceNotFound", json!({ "interface": asked })),
+                    )
+                    .await;
+                }
+            };
+            send_reply(w, call, json!({ "description": description }), false).await
+        }
+        _ => {
+            send_error(
+                w,
+                call,
+                service_error(
+                    "MethodNotFound",
+                    json!({ "method": format!("org.varlink.service.{name}") }),
+                ),
+            )
+            .await
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! Host-end output bounding (seed 001 `sink_drain`): keep the first N bytes of each stream,
+//! count and discard the rest as it arrives, and say exactly how much was seen and kept.
+//!
+//! The daemon applies this to every byte a worker produces, whether it comes as `Output`
+//! frames (Python) or straight from the worker's stdout/stderr pipes (R), so a cell printing
+//! 300 MB costs the daemon at most the cap in memory and never touches a disk.
+
+use sandcell_proto::kernel::StreamStats;
+use sandcell_proto::text::{escape_lossy, split_incomplete_tail};
+
+/// Bounded accounting of one stream of one cell.
+#[derive(Debug)]
+pub struct StreamCap {
+    cap: u64,
+    seen: u64,
+    kept: u64,
+    /// Bytes of an unfinished UTF-8 character held back from the last chunk (at most 3).
+    pending: Vec<u8>,
+}
+
+impl StreamCap {
+    /// A stream keeping at most `cap` bytes.
+    pub fn new(cap: u64) -> Self {
+        Self {
+            cap,
+            seen: 0,
+            kept: 0,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Accounts raw bytes and returns the text to forward, if any. Bytes past the cap are
+    /// counted and dropped. A UTF-8 character cut by a read boundary is held until the next
+    /// call; one cut by the cap itself is escaped.
+    pub fn push_bytes(&mut self, bytes: &[u8]) -> Option<String> {
+        self.seen += bytes.len() as u64;
+        let room = self.cap.saturating_sub(self.kept);
+        if room == 0 {
+            return None;
+        }
+        let take = (bytes.len() as u64).min(room) as usize;
+        self.kept += take as u64;
+        let mut buf = std::mem::take(&mut self.pending);
+        buf.extend_from_slice(&bytes[..take]);
+        let at_cap = self.kept == self.cap;
+        let (complete, tail) = if at_cap {
+            (&buf[..], &[][..])
+        } else {
+            split_incomplete_tail(&buf)
+        };
+        let text = escape_lossy(complete);
+        self.pending = tail.to_vec();
+        (!text.is_empty()).then_some(text)
+    }
+
+    /// Accounts text that a worker already converted (`Output` frames): `raw_len` original
+    /// bytes, `text` their escaped form. Returns the part to forward.
+    pub fn push_text(&mut self, text: &str, raw_len: u64) -> Option<String> {
+        let room = self.cap.saturating_sub(self.kept);
+        self.seen += raw_len;
+        if room == 0 {
+            return None;
+        }
+        if raw_len <= room && text.len() as u64 <= room.max(raw_len) {
+            self.kept += raw_len;
+            return (!text.is_empty()).then(|| text.to_owned());
+        }
+        // Cut on a character boundary; escapes count as the bytes they stand for only
+        // approximately, so account the cut by the text's own length (never above the cap).
+        let mut end = room as usize;
+        while end > 0 && !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.kept += end as u64;
+        (end > 0).then(|| text[..end].to_owned())
+    }
+
+    /// Accounts bytes a worker saw but did not send (`Dropped` frames).
+    pub fn push_dropped(&mut self, n: u64) {
+        self.seen += n;
+    }
+
+    /// Flushes a held-back partial character (escaped), at the end of a cell.
+    pub fn finish(&mut self) -> Option<String> {
+        let rest = std::mem::take(&mut self.pending);
+        (!rest.is_empty()).then(|| escape_lossy(&rest))
+    }
+
+    /// Seen/kept/truncated so far.
+    pub fn stats(&self) -> StreamStats {
+        StreamStats {
+            seen: self.seen,
+            kept: self.kept,
+            truncated: self.seen > self.kept,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keeps_head_and_counts_rest_exactly() {
+        let mut c = StreamCap::new(10);
+        assert_eq!(c.push_bytes(b"12345").as_deref(), Some("12345"));
+        assert_eq!(c.push_bytes(b"6789abcdef").as_deref(), Some("6789a"));
+        assert_eq!(c.push_bytes(&[b'x'; 1000]), None);
+        assert_eq!(
+            c.stats(),
+            StreamStats {
+                seen: 1015,
+                kept: 10,
+                truncated: true
+            }
+        );
+    }
+
+    #[test]
+    fn exact_fit_is_not_truncated() {
+        let mut c = StreamCap::new(3);
+        c.push_bytes(b"abc");
+        assert!(!c.stats().truncated);
+    }
+
+    #[test]
+    fn split_character_is_reassembled() {
+        let s = "✓".as_bytes();
+        let mut c = StreamCap::new(100);
+        assert_eq!(c.push_bytes(&s[..1]), None);
+        assert_eq!(c.push_bytes(&s[1..]).as_deref(), Some("✓"));
+        assert_eq!(c.push_bytes(b"\xff").as_deref(), Some("\\xff"));
+    }
+
+    #[test]
+    fn text_frames_are_capped() {
+        let mut c = StreamCap::new(4);
+        assert_eq!(c.push_text("abcdef", 6).as_deref(), Some("abcd"));
+        c.push_dropped(100);
+        assert_eq!(
+            c.stats(),
+            StreamStats {
+                seen: 106,
+                kept: 4,
+                truncated: true
+            }
+        );
+    }
+}

@@ -1,0 +1,336 @@
+//! Starting a worker: the one place where a worker's confinement is decided and applied.
+//!
+//! [`spawn`] does, in this order:
+//! 1. creates the session directory (mode 0700, owned by the worker identity; `mkdir` never
+//!    follows a symlink in its last component and the parents are root-owned);
+//! 2. writes the [`Plan`] the worker executable applies to itself before anything else
+//!    (`sandcell_confine::enter`: fds, rlimits, namespaces, identity, no_new_privs,
+//!    capabilities, Landlock, seccomp — see ARCHITECTURE.md "Confinement order");
+//! 3. builds an environment from an allowlist (never the daemon's own);
+//! 4. forks; between fork and exec the child (async-signal-safe calls only) joins the session
+//!    cgroup by writing `"0"` to each pre-opened `cgroup.procs`, starts a new session (no
+//!    controlling terminal: bubblewrap CVE-2017-5226), puts the protocol pipes on fds 3 and 4,
+//!    resets SIGINT/SIGQUIT to their defaults (an inherited SIG_IGN survives exec: seed 001),
+//!    and marks every other descriptor close-on-exec (runc CVE-2024-21626);
+//! 5. after the fork, the parent verifies that the worker is in its cgroup.
+//!
+//! Nothing untrusted runs until the worker has confined itself and said `Ready`.
+
+use crate::cgroup::SessionGroup;
+use sandcell_confine::{Enforcement, Plan, SyscallProfile};
+use sandcell_proto::kernel::Language;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tokio::net::unix::pipe;
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct WorkerSpec {
+    /// Interpreter.
+    pub language: Language,
+    /// Session id, used in paths.
+    pub session_id: String,
+    /// Session directory to create.
+    pub session_dir: PathBuf,
+    /// Worker identity; `None` keeps the daemon's (development only).
+    pub uid: Option<u32>,
+    /// Worker group; `None` keeps the daemon's.
+    pub gid: Option<u32>,
+    /// Directory holding `sandcell-worker-python`, `sandcell-worker-r`.
+    pub worker_dir: PathBuf,
+    /// Prepared Eryx runtime.
+    pub python_runtime_dir: PathBuf,
+    /// Eryx guest memory, bytes.
+    pub guest_memory_bytes: u64,
+    /// Address-space limit for native workers, bytes (RLIMIT_AS), if any.
+    pub native_address_space: Option<u64>,
+    /// Strict in production; best effort only with `--insecure-dev`.
+    pub enforcement: Enforcement,
+}
+
+/// A started worker.
+#[derive(Debug)]
+pub struct Spawned {
+    /// The process.
+    pub child: tokio::process::Child,
+    /// Its pid.
+    pub pid: u32,
+    /// Write end of the request pipe (worker fd 3).
+    pub requests: pipe::Sender,
+    /// Reply lines from the worker (its fd 4).
+    pub replies: super::LineReader<pipe::Receiver>,
+    /// Read end of the worker's stdout (R only).
+    pub stdout: Option<pipe::Receiver>,
+    /// Read end of the worker's stderr (R only).
+    pub stderr: Option<pipe::Receiver>,
+}
+
+/// Why a worker could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// An OS call failed.
+    #[error("{op}: {source}")]
+    Io {
+        /// What was done.
+        op: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The worker is not in its cgroup.
+    #[error(transparent)]
+    Cgroup(#[from] crate::cgroup::Error),
+}
+
+fn io(op: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+    let op = op.into();
+    move |source| Error::Io { op, source }
+}
+
+/// The worker executable for `language`.
+pub fn executable(worker_dir: &Path, language: Language) -> PathBuf {
+    worker_dir.join(match language {
+        Language::Python => "sandcell-worker-python",
+        Language::R => "sandcell-worker-r",
+    })
+}
+
+/// The confinement plan of a worker: what it may read, execute and write.
+pub fn plan(spec: &WorkerSpec) -> Plan {
+    // Shared libraries and the dynamic loader's cache: every native program needs them.
+    let mut read_paths: Vec<PathBuf> = [
+        "/usr/lib",
+        "/lib",
+        "/lib64",
+        "/usr/lib64",
+        "/etc/ld.so.cache",
+        "/dev/urandom",
+    ]
+    .iter()
+    .map(PathBuf::from)
+    .collect();
+    let mut exec_paths = vec![spec.worker_dir.clone()];
+    let (syscalls, max_address_space) = match spec.language {
+        Language::Python => {
+            read_paths.push(spec.python_runtime_dir.clone());
+            // wasmtime sizes its thread pool and checks CPU features from here.
+            read_paths.push("/sys/devices/system/cpu".into());
+            (SyscallProfile::Wasm, None)
+        }
+        Language::R => {
+            // R's installation, its configuration, fonts for plots, and the user database
+            // R reads at start (PLATFORM-NOTES, measured).
+            for p in [
+                "/usr/share",
+                "/etc/R",
+                "/etc/fonts",
+                "/etc/nsswitch.conf",
+                "/etc/passwd",
+                "/etc/group",
+                "/var/cache/fontconfig",
+                "/proc/self",
+            ] {
+                read_paths.push(p.into());
+            }
+            // R itself, and /bin/sh plus coreutils for system().
+            for p in ["/usr/lib/R", "/usr/bin", "/bin"] {
+                exec_paths.push(p.into());
+            }
+            (SyscallProfile::Native, spec.native_address_space)
+        }
+    };
+    read_paths.retain(|p| p.exists());
+    exec_paths.retain(|p| p.exists());
+    Plan {
+        uid: spec.uid,
+        gid: spec.gid,
+        session_dir: spec.session_dir.clone(),
+        read_paths,
+        exec_paths,
+        write_paths: vec!["/dev/null".into()],
+        keep_fds: vec![0, 1, 2, 3, 4],
+        max_open_files: 256,
+        max_file_bytes: 256 * 1024 * 1024,
+        max_processes: 256,
+        max_address_space,
+        new_net_namespace: true,
+        new_ipc_namespace: true,
+        syscalls,
+        enforcement: spec.enforcement,
+    }
+}
+
+/// The worker's environment: built from nothing, never copied from the daemon.
+fn environment(spec: &WorkerSpec, plan: &Plan) -> Vec<(String, String)> {
+    let dir = spec.session_dir.display().to_string();
+    let mut env = vec![
+        ("PATH".into(), "/usr/bin:/bin".into()),
+        ("LANG".into(), "C.UTF-8".into()),
+        ("HOME".into(), dir.clone()),
+        ("TMPDIR".into(), dir.clone()),
+        ("SANDCELL_SESSION_DIR".into(), dir),
+        (
+            sandcell_confine::PLAN_ENV.into(),
+            serde_json::to_string(plan).expect("plan serialises"),
+        ),
+    ];
+    if spec.language == Language::Python {
+        env.push((
+            "SANDCELL_PYTHON_RUNTIME".into(),
+            spec.python_runtime_dir.display().to_string(),
+        ));
+        env.push((
+            "SANDCELL_GUEST_MEMORY_BYTES".into(),
+            spec.guest_memory_bytes.to_string(),
+        ));
+    }
+    env
+}
+
+/// Creates `dir` mode 0700 owned by `uid:gid` without following a symlink.
+pub fn create_session_dir(dir: &Path, uid: Option<u32>, gid: Option<u32>) -> std::io::Result<()> {
+    std::fs::DirBuilder::new().mode(0o700).create(dir)?;
+    if uid.is_some() || gid.is_some() {
+        std::os::unix::fs::lchown(dir, uid, gid)?;
+    }
+    Ok(())
+}
+
+/// A pipe whose both ends are close-on-exec, each moved above fd 63 so that placing them on
+/// fds 0-4 in the child can never overwrite another descriptor the child still needs.
+fn high_pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(std::io::Error::from)?;
+    Ok((dup_high(r)?, dup_high(w)?))
+}
+
+fn dup_high(fd: OwnedFd) -> std::io::Result<OwnedFd> {
+    // SAFETY: fcntl on a descriptor we own; the result is a new descriptor we take ownership of.
+    let n = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 64) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `n` is a fresh descriptor returned by fcntl, owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(n) })
+}
+
+/// Starts the worker of `spec` inside `group`. See the module documentation for the order.
+pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned, Error> {
+    create_session_dir(&spec.session_dir, spec.uid, spec.gid)
+        .map_err(io(format!("create {}", spec.session_dir.display())))?;
+    let plan = plan(spec);
+
+    // Opened before the fork, close-on-exec, so the child only has to write(2).
+    let procs: Vec<OwnedFd> = group
+        .procs_files()
+        .iter()
+        .map(|p| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+                .open(p)
+                .map(OwnedFd::from)
+                .and_then(dup_high)
+                .map_err(io(format!("open {}", p.display())))
+        })
+        .collect::<Result<_, _>>()?;
+
+    let (req_r, req_w) = high_pipe().map_err(io("pipe"))?;
+    let (rep_r, rep_w) = high_pipe().map_err(io("pipe"))?;
+    let devnull = || {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/null")
+            .map_err(io("open /dev/null"))
+    };
+    let (stdout, stderr, out_r, err_r) = match spec.language {
+        // R's own stdout/stderr are the cell's streams, drained and bounded by the daemon.
+        Language::R => {
+            let (or, ow) = high_pipe().map_err(io("pipe"))?;
+            let (er, ew) = high_pipe().map_err(io("pipe"))?;
+            (
+                std::process::Stdio::from(ow),
+                std::process::Stdio::from(ew),
+                Some(or),
+                Some(er),
+            )
+        }
+        // Eryx lets raw guest writes to fds 1 and 2 through to the host process: they go to
+        // /dev/null and never reach the daemon, its log, or the client (seed 000).
+        Language::Python => (devnull()?.into(), devnull()?.into(), None, None),
+    };
+
+    let mut cmd = tokio::process::Command::new(executable(&spec.worker_dir, spec.language));
+    cmd.env_clear()
+        .envs(environment(spec, &plan))
+        .current_dir("/")
+        .stdin(devnull()?)
+        .stdout(stdout)
+        .stderr(stderr)
+        .kill_on_drop(true);
+    let procs_raw: Vec<RawFd> = procs.iter().map(|f| f.as_raw_fd()).collect();
+    let (req_raw, rep_raw) = (req_r.as_raw_fd(), rep_w.as_raw_fd());
+    // SAFETY: the closure runs in the forked child before exec and only makes
+    // async-signal-safe system calls (write, setsid, dup2, signal, close_range); it allocates
+    // nothing and touches no lock.
+    unsafe {
+        cmd.pre_exec(move || {
+            for &fd in &procs_raw {
+                if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::dup2(req_raw, 3) < 0 || libc::dup2(rep_raw, 4) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            libc::signal(libc::SIGQUIT, libc::SIG_DFL);
+            // Every descriptor above 4 is closed by the exec (CLOSE_RANGE_CLOEXEC keeps std's
+            // own exec-error pipe working until then).
+            if libc::syscall(
+                libc::SYS_close_range,
+                5u32,
+                u32::MAX,
+                libc::CLOSE_RANGE_CLOEXEC,
+            ) < 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().map_err(io(format!(
+        "spawn {}",
+        executable(&spec.worker_dir, spec.language).display()
+    )))?;
+    // The parent keeps only its own ends: the child's ends and the cgroup files close here.
+    drop(cmd);
+    drop((req_r, rep_w, procs));
+    let pid = child.id().unwrap_or(0);
+    group.verify_member(pid)?;
+    let requests = pipe::Sender::from_owned_fd(req_w).map_err(io("request pipe"))?;
+    let replies =
+        super::LineReader::new(pipe::Receiver::from_owned_fd(rep_r).map_err(io("reply pipe"))?);
+    let stdout = out_r
+        .map(pipe::Receiver::from_owned_fd)
+        .transpose()
+        .map_err(io("stdout pipe"))?;
+    let stderr = err_r
+        .map(pipe::Receiver::from_owned_fd)
+        .transpose()
+        .map_err(io("stderr pipe"))?;
+    Ok(Spawned {
+        child,
+        pid,
+        requests,
+        replies,
+        stdout,
+        stderr,
+    })
+}
+
+use std::os::unix::fs::OpenOptionsExt;

@@ -1,0 +1,289 @@
+//! Test harness: starts a real `sandcelld` on a private socket with real workers.
+//!
+//! As root the daemon runs exactly as in production (cgroups, per-session uids, strict
+//! confinement). Without root, or with `SANDCELL_TEST_INSECURE=1`, it runs with
+//! `--insecure-dev` and says so on stderr.
+#![allow(dead_code)]
+
+use sandcell_client::Client;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Once;
+use std::time::{Duration, Instant};
+
+/// Directory holding the built binaries (target/release).
+pub fn bin_dir() -> PathBuf {
+    Path::new(env!("CARGO_BIN_EXE_sandcelld"))
+        .parent()
+        .unwrap()
+        .to_owned()
+}
+
+/// The prepared Eryx runtime, prepared once if needed.
+pub fn python_runtime() -> PathBuf {
+    static ONCE: Once = Once::new();
+    let dir = std::env::var_os("SANDCELL_TEST_PYTHON_RUNTIME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/tmp/sandcell-cache/python-runtime"));
+    ONCE.call_once(|| {
+        let prep = bin_dir().join("sandcell-python-runtime");
+        assert!(
+            prep.exists(),
+            "{} missing: build the workspace first (scripts/test.sh does)",
+            prep.display()
+        );
+        let st = Command::new(&prep)
+            .arg("prepare")
+            .arg("--out")
+            .arg(&dir)
+            .status()
+            .unwrap();
+        assert!(st.success(), "preparing the Python runtime failed");
+    });
+    dir
+}
+
+/// Whether tests run the daemon in development mode.
+pub fn insecure() -> bool {
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root || std::env::var_os("SANDCELL_TEST_INSECURE").is_some() {
+        eprintln!(
+            "note: running sandcelld with --insecure-dev (not root, or SANDCELL_TEST_INSECURE set): no cgroups, best-effort confinement"
+        );
+        true
+    } else {
+        false
+    }
+}
+
+/// A running daemon.
+pub struct Daemon {
+    pub child: Child,
+    pub socket: PathBuf,
+    pub dir: tempfile::TempDir,
+    pub log: PathBuf,
+}
+
+fn unique() -> String {
+    let mut b = [0u8; 6];
+    unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+impl Daemon {
+    /// Starts sandcelld with extra `SANDCELL_*` settings and waits until it is ready.
+    pub fn start(env: &[(&str, &str)]) -> Daemon {
+        Self::start_cmd(env, None)
+    }
+
+    /// As [`Daemon::start`], but under `systemd-socket-activate`.
+    pub fn start_activated(env: &[(&str, &str)]) -> Daemon {
+        Self::start_cmd(env, Some(()))
+    }
+
+    fn start_cmd(env: &[(&str, &str)], activated: Option<()>) -> Daemon {
+        let runtime = python_runtime();
+        let dir = tempfile::Builder::new()
+            .prefix("sandcell-test-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        // The state dir must be traversable by per-session worker uids.
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o711),
+        )
+        .unwrap();
+        let socket = dir.path().join("kernel.sock");
+        let log = dir.path().join("daemon.log");
+        let daemon = Path::new(env!("CARGO_BIN_EXE_sandcelld"));
+        let mut cmd = match activated {
+            None => {
+                let mut c = Command::new(daemon);
+                c.arg("--listen").arg(&socket);
+                c
+            }
+            Some(()) => {
+                let mut c = Command::new("systemd-socket-activate");
+                c.arg("-l").arg(&socket).arg("--fdname=varlink").arg(daemon);
+                c
+            }
+        };
+        if insecure() {
+            cmd.arg("--insecure-dev");
+        }
+        cmd.arg("--config").arg(dir.path().join("none.toml"));
+        std::fs::write(dir.path().join("none.toml"), "").unwrap();
+        cmd.env("SANDCELL_WORKER_DIR", bin_dir())
+            .env("SANDCELL_PYTHON_RUNTIME_DIR", &runtime)
+            .env("SANDCELL_STATE_DIR", dir.path().join("state"))
+            .env(
+                "SANDCELL_CGROUP_NAME",
+                format!("sandcell-test-{}", unique()),
+            )
+            .env("SANDCELL_LANGUAGES", "python")
+            .env("SANDCELL_LOG", "info");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        let child = cmd.spawn().expect("starting sandcelld");
+        let mut d = Daemon {
+            child,
+            socket,
+            dir,
+            log,
+        };
+        d.wait_ready(activated.is_some());
+        d
+    }
+
+    fn wait_ready(&mut self, activated: bool) {
+        let t0 = Instant::now();
+        loop {
+            if activated {
+                if self.socket.exists() {
+                    // systemd-socket-activate starts the daemon on the first connection.
+                    std::fs::set_permissions(
+                        &self.socket,
+                        std::os::unix::fs::PermissionsExt::from_mode(0o666),
+                    )
+                    .unwrap();
+                    return;
+                }
+            } else if self.log_text().contains("ready") {
+                return;
+            }
+            if let Ok(Some(st)) = self.child.try_wait() {
+                panic!(
+                    "sandcelld exited ({st}) before it was ready:\n{}",
+                    self.log_text()
+                );
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "sandcelld not ready after 120 s:\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The daemon's log so far.
+    pub fn log_text(&self) -> String {
+        let mut s = String::new();
+        if let Ok(mut f) = std::fs::File::open(&self.log) {
+            let _ = f.read_to_string(&mut s);
+        }
+        s
+    }
+
+    /// A new client connection.
+    pub async fn client(&self) -> Client {
+        Client::connect(&self.socket)
+            .await
+            .expect("connecting to sandcelld")
+    }
+
+    /// Pid of the daemon process (under socket activation, of systemd-socket-activate, which
+    /// execs the daemon in place).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Pids of every live descendant of the daemon (its workers and what they started).
+    pub fn descendants(&self) -> Vec<u32> {
+        descendants(self.pid())
+    }
+
+    /// Whether the daemon process is still running.
+    pub fn child_alive(&self) -> bool {
+        std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).is_ok_and(|s| !s.contains(") Z "))
+    }
+
+    /// The daemon's resident memory, bytes.
+    pub fn rss(&self) -> u64 {
+        rss(self.pid())
+    }
+
+    /// SIGTERM, then wait up to `timeout` for exit; returns the exit status.
+    pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let t0 = Instant::now();
+        while t0.elapsed() < timeout {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.terminate(Duration::from_secs(20)).is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Resident memory of `pid`, bytes.
+pub fn rss(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .unwrap_or(0)
+        * 1024
+}
+
+/// Pids of every live descendant of `root`.
+pub fn descendants(root: u32) -> Vec<u32> {
+    let mut parent = std::collections::HashMap::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split(' ').collect();
+        if let Some(pp) = f.get(1).and_then(|p| p.parse::<u32>().ok()) {
+            parent.insert(pid, pp);
+        }
+    }
+    let mut out = Vec::new();
+    for (&pid, _) in parent.iter() {
+        let mut p = pid;
+        while let Some(&pp) = parent.get(&p) {
+            if pp == root {
+                out.push(pid);
+                break;
+            }
+            if pp <= 1 {
+                break;
+            }
+            p = pp;
+        }
+    }
+    out
+}
+
+/// Waits until `f` holds or `timeout` passes; returns whether it held.
+pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < timeout {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    f()
+}

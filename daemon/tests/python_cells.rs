@@ -1,0 +1,377 @@
+//! Python cells through a real sandcelld, real Eryx workers, real sockets (issue #2).
+
+mod common;
+
+use common::{Daemon, eventually};
+use sandcell_client::{Error, KernelError, Limits, State, Status};
+use std::time::{Duration, Instant};
+
+fn examples() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/python")
+}
+
+#[tokio::test]
+async fn examples_print_their_published_answers() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client().await;
+    let mut n = 0;
+    for e in std::fs::read_dir(examples()).unwrap().flatten() {
+        let p = e.path();
+        if p.extension().and_then(|x| x.to_str()) != Some("py") {
+            continue;
+        }
+        let code = std::fs::read_to_string(&p).unwrap();
+        let want = std::fs::read_to_string(p.with_extension("out")).unwrap();
+        let out = c.run_collect("python", &code, None).await.unwrap();
+        assert_eq!(
+            out.result.status,
+            Status::Ok,
+            "{}: {:?}",
+            p.display(),
+            out.result.error
+        );
+        assert_eq!(out.stdout, want, "{}", p.display());
+        assert_eq!(out.result.state, State::None);
+        assert!(out.result.session_ended);
+        n += 1;
+    }
+    assert!(n >= 5, "examples missing");
+}
+
+#[tokio::test]
+async fn session_keeps_variables_and_sessions_are_isolated() {
+    let d = Daemon::start(&[]);
+    let mut a = d.client().await;
+    let mut b = d.client().await;
+    let sa = a.open("python", None, None).await.unwrap().session;
+    let sb = b.open("python", None, None).await.unwrap().session;
+    assert_ne!(sa, sb);
+    a.execute_collect(&sa, "x = 41\nimport math").await.unwrap();
+    let out = a
+        .execute_collect(&sa, "x += 1\nprint(x, math.sqrt(16))")
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "42 4.0\n");
+    assert_eq!(out.cell, 2);
+    // Session b does not see a's variables.
+    let out = b
+        .execute_collect(&sb, "print('x' in globals())")
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "False\n");
+    // b cannot use a's session.
+    let e = b.execute_collect(&sa, "print(1)").await;
+    assert!(
+        matches!(e, Err(Error::Kernel(KernelError::NoSuchSession { .. })))
+            || d.log_text().contains("uid"),
+        "{e:?}"
+    );
+    // One-shot runs do not share state either.
+    a.run_collect("python", "y = 5", None).await.unwrap();
+    let out = a
+        .run_collect("python", "print('y' in globals())", None)
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "False\n");
+    a.close(&sa).await.unwrap();
+    let e = a.execute_collect(&sa, "print(x)").await.unwrap_err();
+    assert!(
+        matches!(e, Error::Kernel(KernelError::NoSuchSession { .. })),
+        "{e:?}"
+    );
+}
+
+#[tokio::test]
+async fn infinite_loop_times_out_and_session_survives() {
+    let d = Daemon::start(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "2")]);
+    let mut c = d.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    c.execute_collect(&s, "keep = [1, 2, 3]").await.unwrap();
+    let t0 = Instant::now();
+    let out = c
+        .execute_collect(&s, "while True:\n    pass\n")
+        .await
+        .unwrap();
+    assert_eq!(out.result.status, Status::Timeout, "{:?}", out.result);
+    assert!(
+        t0.elapsed() < Duration::from_secs(8),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert_ne!(out.result.state, State::Kept);
+    let after = c.execute_collect(&s, "print(sum(keep))").await.unwrap();
+    if out.result.state == State::Restored {
+        assert_eq!(
+            after.stdout, "6\n",
+            "restored state lost variables: {:?}",
+            after.result
+        );
+    } else {
+        // The loss must be reported, never silent.
+        assert_eq!(out.result.state, State::Lost);
+        assert!(out.result.error.is_some());
+    }
+}
+
+#[tokio::test]
+async fn fuel_ends_a_loop() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client().await;
+    let limits = Limits {
+        fuel: Some(50_000_000),
+        ..Default::default()
+    };
+    let out = c
+        .run_collect("python", "n = 0\nwhile True:\n    n += 1\n", Some(&limits))
+        .await
+        .unwrap();
+    assert_eq!(out.result.status, Status::FuelExhausted, "{:?}", out.result);
+    assert!(out.result.usage.fuel.unwrap_or(0) > 0);
+}
+
+#[tokio::test]
+async fn interrupt_from_another_connection_ends_sleep_within_a_second() {
+    let d = Daemon::start(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "120")]);
+    let mut a = d.client().await;
+    let s = a.open("python", None, None).await.unwrap().session;
+    a.execute_collect(&s, "v = 'still here'").await.unwrap();
+    a.execute(&s, "import time\ntime.sleep(60)\n")
+        .await
+        .unwrap();
+    let started = a
+        .next_frame()
+        .await
+        .unwrap()
+        .started
+        .expect("started frame first");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut b = d.client().await;
+    let t0 = Instant::now();
+    let r = b.interrupt(&s, started.cell).await.unwrap();
+    assert!(r.delivered, "{r:?}");
+    let out = a.finish(|_| {}).await.unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "interrupt took {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(out.result.status, Status::Interrupted);
+    // Between cells an interrupt reaches nobody and says so.
+    let r = b.interrupt(&s, started.cell).await.unwrap();
+    assert!(!r.delivered);
+    assert_eq!(r.reason, "not_running");
+    let after = a.execute_collect(&s, "print(v)").await.unwrap();
+    assert_eq!(after.stdout, "still here\n", "{:?}", out.result);
+}
+
+#[tokio::test]
+async fn print_flood_is_truncated_with_exact_counts_and_memory_stays_bounded() {
+    let d = Daemon::start(&[("SANDCELL_MAX_STDOUT_BYTES", "1000")]);
+    let before = d.rss();
+    let mut c = d.client().await;
+    let out = c
+        .run_collect(
+            "python",
+            "for i in range(200):\n    print('x' * 9999)\n",
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.result.status, Status::Ok, "{:?}", out.result);
+    assert_eq!(out.result.stdout.seen, 200 * 10_000);
+    assert_eq!(out.result.stdout.kept, 1000);
+    assert!(out.result.stdout.truncated);
+    assert_eq!(out.stdout.len(), 1000);
+    let after = d.rss();
+    assert!(
+        after < before + 32 * 1024 * 1024,
+        "daemon RSS grew from {before} to {after}"
+    );
+}
+
+#[tokio::test]
+async fn raw_descriptor_writes_go_nowhere() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client().await;
+    let out = c
+        .run_collect(
+            "python",
+            "import os\nos.write(1, b'RAWMARK-1\\n')\nos.write(2, b'RAWMARK-2\\n')\nprint('ok')",
+            None,
+        )
+        .await
+        .unwrap();
+    assert!(
+        !out.stdout.contains("RAWMARK") && !out.stderr.contains("RAWMARK"),
+        "{out:?}"
+    );
+    assert!(!d.log_text().contains("RAWMARK"));
+}
+
+#[tokio::test]
+async fn exception_reports_traceback_with_user_lines_and_sys_exit_is_not_a_crash() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client().await;
+    let out = c
+        .run_collect(
+            "python",
+            "a = 1\nb = 0\n\ndef f():\n    return a / b\n\nf()\n",
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.result.status, Status::Error);
+    let e = out.result.error.unwrap();
+    assert_eq!(e.kind, "ZeroDivisionError");
+    assert_eq!(e.line, Some(5), "{e:?}");
+    let tb = e.traceback.unwrap_or_default();
+    assert!(tb.contains("line 5") && tb.contains("line 7"), "{tb}");
+    let out = c
+        .run_collect("python", "import sys\nprint('bye')\nsys.exit(3)\n", None)
+        .await
+        .unwrap();
+    assert_eq!(out.result.status, Status::Exited, "{:?}", out.result);
+    assert_eq!(out.result.exit_code, Some(3));
+    assert_eq!(out.stdout, "bye\n");
+}
+
+#[tokio::test]
+async fn oversized_source_is_refused_before_any_worker_starts() {
+    let d = Daemon::start(&[("SANDCELL_MAX_SOURCE_BYTES", "100")]);
+    let mut c = d.client().await;
+    let code = format!("x = '{}'", "a".repeat(200));
+    let e = c.run_collect("python", &code, None).await.unwrap_err();
+    match e {
+        Error::Kernel(KernelError::LimitExceeded { limit, value, max }) => {
+            assert_eq!(limit, "max_source_bytes");
+            assert_eq!(value, code.len() as u64);
+            assert_eq!(max, 100);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(d.descendants().is_empty());
+    assert!(!d.log_text().contains("session opened"));
+}
+
+#[tokio::test]
+async fn capacity_is_refused_at_once_and_freed_by_disconnect() {
+    let d = Daemon::start(&[
+        ("SANDCELL_MAX_CONCURRENT_SESSIONS", "1"),
+        ("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "60"),
+    ]);
+    let mut a = d.client().await;
+    a.run("python", "import time\ntime.sleep(50)", None)
+        .await
+        .unwrap();
+    assert!(a.next_frame().await.unwrap().started.is_some());
+    let mut b = d.client().await;
+    let t0 = Instant::now();
+    let e = b.open("python", None, None).await.unwrap_err();
+    assert!(
+        t0.elapsed() < Duration::from_millis(500),
+        "refusal waited {:?}",
+        t0.elapsed()
+    );
+    match e {
+        Error::Kernel(KernelError::CapacityExceeded {
+            budget,
+            in_use,
+            max,
+            ..
+        }) => {
+            assert_eq!(budget, "max_concurrent_sessions");
+            assert_eq!((in_use, max), (1, 1));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!d.descendants().is_empty());
+    drop(a); // disconnect mid-cell
+    assert!(
+        eventually(Duration::from_secs(5), || d.descendants().is_empty()),
+        "worker left behind: {:?}",
+        d.descendants()
+    );
+    let t0 = Instant::now();
+    let s = b
+        .open("python", None, None)
+        .await
+        .expect("capacity released after the worker was reaped");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    b.close(&s.session).await.unwrap();
+    assert!(eventually(Duration::from_secs(5), || d
+        .descendants()
+        .is_empty()));
+}
+
+#[tokio::test]
+async fn socket_activation_serves_cells_and_exits_when_idle() {
+    if which("systemd-socket-activate").is_none() {
+        eprintln!("skipped: systemd-socket-activate not installed (package systemd)");
+        return;
+    }
+    let mut d = Daemon::start_activated(&[("SANDCELL_IDLE_EXIT_SECONDS", "2")]);
+    let mut c = d.client().await;
+    let out = c
+        .run_collect("python", "print('activated')", None)
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "activated\n");
+    assert!(d.log_text().contains("activated=true"), "{}", d.log_text());
+    drop(c);
+    // Idle: the daemon exits by itself.
+    let exited = eventually(Duration::from_secs(15), || {
+        matches!(d.child.try_wait(), Ok(Some(_)))
+    });
+    assert!(exited, "daemon did not exit when idle:\n{}", d.log_text());
+    assert!(d.log_text().contains("idle: exiting"));
+}
+
+fn which(cmd: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join(cmd))
+            .find(|p| p.exists())
+    })
+}
+
+#[tokio::test]
+async fn varlink_introspection_answers() {
+    use std::io::{Read, Write};
+    let d = Daemon::start(&[]);
+    let mut s = std::os::unix::net::UnixStream::connect(&d.socket).unwrap();
+    let mut ask = |msg: &str| -> serde_json::Value {
+        s.write_all(msg.as_bytes()).unwrap();
+        s.write_all(b"\0").unwrap();
+        let mut buf = Vec::new();
+        let mut b = [0u8; 1];
+        loop {
+            s.read_exact(&mut b).unwrap();
+            if b[0] == 0 {
+                break;
+            }
+            buf.push(b[0]);
+        }
+        serde_json::from_slice(&buf).unwrap()
+    };
+    let info = ask(r#"{"method":"org.varlink.service.GetInfo"}"#);
+    assert_eq!(info["parameters"]["interfaces"][1], "org.sandcell.Kernel");
+    let desc = ask(
+        r#"{"method":"org.varlink.service.GetInterfaceDescription","parameters":{"interface":"org.sandcell.Kernel"}}"#,
+    );
+    assert!(
+        desc["parameters"]["description"]
+            .as_str()
+            .unwrap()
+            .contains("method Run(")
+    );
+    let e = ask(r#"{"method":"org.sandcell.Kernel.Nope","parameters":{}}"#);
+    assert_eq!(e["error"], "org.varlink.service.MethodNotFound");
+    let e = ask(r#"{"method":"org.sandcell.Kernel.Open","parameters":{"language":"cobol"}}"#);
+    assert_eq!(e["error"], "org.sandcell.Kernel.UnsupportedLanguage");
+    let e = ask(r#"{"method":"org.sandcell.Kernel.Open","parameters":{"lang":"python"}}"#);
+    assert_eq!(e["error"], "org.varlink.service.InvalidParameter");
+    let e = ask(
+        r#"{"method":"org.sandcell.Kernel.Run","parameters":{"language":"python","code":"print(1)"}}"#,
+    );
+    assert_eq!(e["error"], "org.varlink.service.ExpectedMore");
+}

@@ -1,0 +1,2 @@
+# Mean sepal length per species (Fisher's iris data).
+print(aggregate(Sepal.Length ~ Species, data = iris, FUN = mean))

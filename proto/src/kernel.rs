@@ -1,0 +1,459 @@
+//! The `org.sandcell.Kernel` Varlink interface: types shared by `sandcelld` and its clients.
+//!
+//! The IDL in `org.sandcell.Kernel.varlink` (this crate's root) is the contract; the types here
+//! mirror it field by field and a test checks that every method and error of the IDL has its
+//! Rust counterpart. Sizes are bytes, times seconds.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+pub use crate::worker::{CellError, Stream};
+
+/// The interface name.
+pub const INTERFACE: &str = "org.sandcell.Kernel";
+
+/// The IDL text served by `org.varlink.service.GetInterfaceDescription`.
+pub const IDL: &str = include_str!("../org.sandcell.Kernel.varlink");
+
+/// Default socket path of the data plane.
+pub const DEFAULT_SOCKET: &str = "/run/sandcell/org.sandcell.Kernel";
+
+/// Languages a session can run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Language {
+    /// CPython inside Eryx (WebAssembly).
+    Python,
+    /// Native R.
+    R,
+}
+
+impl Language {
+    /// `"python"` or `"r"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Language::Python => "python",
+            Language::R => "r",
+        }
+    }
+
+    /// Parses `python` / `r` (case-insensitive).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "python" | "py" => Some(Language::Python),
+            "r" => Some(Language::R),
+            _ => None,
+        }
+    }
+}
+
+/// Per-session limits a client may ask for; each can only lower the operator's value.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limits {
+    /// Wall-time limit of one cell, in seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wall_time_seconds: Option<f64>,
+    /// WebAssembly fuel budget of one cell (Python only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fuel: Option<u64>,
+    /// Interpreter memory limit in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_memory_bytes: Option<u64>,
+    /// Bytes of stdout kept per cell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdout_bytes: Option<u64>,
+    /// Bytes of stderr kept per cell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stderr_bytes: Option<u64>,
+}
+
+/// Parameters of `Run`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunParams {
+    /// `python` or `r`.
+    pub language: String,
+    /// The cell's source, UTF-8.
+    pub code: String,
+    /// Optional lower limits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<Limits>,
+}
+
+/// Parameters of `Open`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OpenParams {
+    /// `python` or `r`.
+    pub language: String,
+    /// Optional lower limits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<Limits>,
+    /// Keep the session after the connection ends, for this many idle seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detached_idle_seconds: Option<u64>,
+}
+
+/// Reply of `Open`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OpenReply {
+    /// Session id (opaque, URL-safe).
+    pub session: String,
+    /// The interpreter's description.
+    pub engine: String,
+}
+
+/// Parameters of `Execute`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecuteParams {
+    /// Session id from `Open`.
+    pub session: String,
+    /// The cell's source, UTF-8.
+    pub code: String,
+}
+
+/// Parameters of `Interrupt`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InterruptParams {
+    /// Session id.
+    pub session: String,
+    /// Cell number from the `started` frame.
+    pub cell: u64,
+}
+
+/// Reply of `Interrupt`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InterruptReply {
+    /// Whether SIGINT reached the named, running cell.
+    pub delivered: bool,
+    /// `delivered`, `not_running` (no cell runs), `other_cell` (another cell runs),
+    /// `session_ending`.
+    pub reason: String,
+}
+
+/// Parameters of `Close`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CloseParams {
+    /// Session id.
+    pub session: String,
+}
+
+/// First frame of a cell.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Started {
+    /// Session id.
+    pub session: String,
+    /// Cell number within the session, from 1.
+    pub cell: u64,
+}
+
+/// A chunk of output.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Output {
+    /// Cell number.
+    pub cell: u64,
+    /// Frame sequence number within the cell, from 0.
+    pub seq: u64,
+    /// `stdout` or `stderr`.
+    pub stream: Stream,
+    /// Text; invalid UTF-8 bytes escaped as `\xNN`.
+    pub text: String,
+}
+
+/// Output accounting of one stream, in bytes of the original output.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamStats {
+    /// Bytes the cell wrote.
+    pub seen: u64,
+    /// Bytes sent to the client.
+    pub kept: u64,
+    /// `seen > kept`.
+    pub truncated: bool,
+}
+
+/// Resource use of one cell.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Wall time from request to result, seconds.
+    pub wall_seconds: f64,
+    /// CPU time of the worker and its children during the cell, seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_seconds: Option<f64>,
+    /// Peak memory charged to the session's cgroup, bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_memory_bytes: Option<u64>,
+    /// WebAssembly fuel consumed (Python).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fuel: Option<u64>,
+}
+
+/// How a cell ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    /// Ran to its end.
+    Ok,
+    /// Raised an error.
+    Error,
+    /// Stopped by `Interrupt`.
+    Interrupted,
+    /// Wall-time limit reached.
+    Timeout,
+    /// Fuel budget used up (Python).
+    FuelExhausted,
+    /// Interpreter memory limit reached inside the interpreter (MemoryError, R allocation error).
+    MemoryExhausted,
+    /// The kernel OOM-killed the worker at its cgroup memory limit.
+    Oom,
+    /// The cell ended the interpreter (`sys.exit`, `quit()`), see `exit_code`.
+    Exited,
+    /// The worker died or broke the protocol.
+    WorkerCrashed,
+    /// The client went away or the session was closed while the cell ran.
+    Cancelled,
+}
+
+impl Status {
+    /// The status as on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::Error => "error",
+            Status::Interrupted => "interrupted",
+            Status::Timeout => "timeout",
+            Status::FuelExhausted => "fuel_exhausted",
+            Status::MemoryExhausted => "memory_exhausted",
+            Status::Oom => "oom",
+            Status::Exited => "exited",
+            Status::WorkerCrashed => "worker_crashed",
+            Status::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// What became of the session's variables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum State {
+    /// As the cell left them.
+    Kept,
+    /// Restored as they were before the cell.
+    Restored,
+    /// Gone.
+    Lost,
+    /// One-shot Run: there is no session to keep.
+    None,
+}
+
+/// The result of a cell.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CellResult {
+    /// Cell number.
+    pub cell: u64,
+    /// How it ended.
+    pub status: Status,
+    /// The error raised by the code, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<CellError>,
+    /// Exit code for `exited`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i64>,
+    /// Resource use.
+    pub usage: Usage,
+    /// stdout accounting.
+    pub stdout: StreamStats,
+    /// stderr accounting.
+    pub stderr: StreamStats,
+    /// What became of the variables.
+    pub state: State,
+    /// Whether the session ended with this cell.
+    pub session_ended: bool,
+    /// Warnings raised by the cell.
+    #[serde(default)]
+    pub warnings: Vec<String>,
+}
+
+/// One streamed frame of `Run` / `Execute`: exactly one field is set.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Frame {
+    /// First frame.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started: Option<Started>,
+    /// Output chunk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<Output>,
+    /// Last frame.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<CellResult>,
+}
+
+/// Reply parameters of `Run` and `Execute`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FrameReply {
+    /// The frame.
+    pub frame: Frame,
+}
+
+/// The errors of `org.sandcell.Kernel`, as in the IDL.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "error", content = "parameters")]
+pub enum KernelError {
+    /// A parameter is missing or malformed.
+    #[serde(rename = "org.sandcell.Kernel.InvalidParameter")]
+    InvalidParameter {
+        /// Parameter name.
+        parameter: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The language is not served.
+    #[serde(rename = "org.sandcell.Kernel.UnsupportedLanguage")]
+    UnsupportedLanguage {
+        /// Requested language.
+        language: String,
+        /// Languages served.
+        supported: Vec<String>,
+    },
+    /// A per-call value exceeds its limit.
+    #[serde(rename = "org.sandcell.Kernel.LimitExceeded")]
+    LimitExceeded {
+        /// Limit name, as in the configuration (e.g. `max_source_bytes`).
+        limit: String,
+        /// Requested value.
+        value: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// Admission refused.
+    #[serde(rename = "org.sandcell.Kernel.CapacityExceeded")]
+    CapacityExceeded {
+        /// Budget name (e.g. `max_concurrent_sessions`).
+        budget: String,
+        /// Amount in use.
+        in_use: u64,
+        /// Amount requested.
+        requested: u64,
+        /// The budget.
+        max: u64,
+    },
+    /// No such session for this caller.
+    #[serde(rename = "org.sandcell.Kernel.NoSuchSession")]
+    NoSuchSession {
+        /// Session id.
+        session: String,
+    },
+    /// The session is running a cell.
+    #[serde(rename = "org.sandcell.Kernel.SessionBusy")]
+    SessionBusy {
+        /// Session id.
+        session: String,
+        /// Running cell.
+        cell: u64,
+    },
+    /// Authorization refused.
+    #[serde(rename = "org.sandcell.Kernel.PermissionDenied")]
+    PermissionDenied {
+        /// polkit action id.
+        action: String,
+    },
+    /// A worker failed to start.
+    #[serde(rename = "org.sandcell.Kernel.WorkerFailed")]
+    WorkerFailed {
+        /// Why.
+        reason: String,
+    },
+    /// The daemon is stopping.
+    #[serde(rename = "org.sandcell.Kernel.ShuttingDown")]
+    ShuttingDown {},
+}
+
+impl std::fmt::Display for KernelError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let v = serde_json::to_value(self).unwrap_or(Value::Null);
+        let name = v["error"].as_str().unwrap_or("?").trim_start_matches("org.sandcell.Kernel.");
+        write!(f, "{name}: {}", v["parameters"])
+    }
+}
+
+impl std::error::Error for KernelError {}
+
+impl KernelError {
+    /// The fully qualified Varlink error name.
+    pub fn name(&self) -> String {
+        serde_json::to_value(self).ok().and_then(|v| v["error"].as_str().map(str::to_owned)).unwrap_or_default()
+    }
+}
+
+/// A method call as received, before its parameters are checked.
+#[derive(Debug, Deserialize)]
+pub struct RawCall {
+    /// Fully qualified method name.
+    pub method: String,
+    /// Parameters object (absent means none).
+    #[serde(default)]
+    pub parameters: Option<Value>,
+}
+
+/// Any error reply as received by a client.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+pub struct RawError {
+    /// Fully qualified error name.
+    pub error: String,
+    /// Error parameters.
+    #[serde(default)]
+    pub parameters: Option<Value>,
+}
+
+impl RawError {
+    /// Converts to a [`KernelError`] when it is one of this interface's errors.
+    pub fn to_kernel_error(&self) -> Option<KernelError> {
+        serde_json::from_value(serde_json::json!({
+            "error": self.error,
+            "parameters": self.parameters.clone().unwrap_or(Value::Object(Default::default())),
+        }))
+        .ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_idl_method_and_error_is_known() {
+        let iface = zlink::idl::Interface::try_from(IDL).expect("IDL parses");
+        assert_eq!(iface.name(), INTERFACE);
+        let methods: Vec<_> = iface.methods().map(|m| m.name().to_string()).collect();
+        assert_eq!(methods, ["Run", "Open", "Execute", "Interrupt", "Close"]);
+        let errors: Vec<_> = iface.errors().map(|e| e.name().to_string()).collect();
+        for e in &errors {
+            let raw = RawError { error: format!("{INTERFACE}.{e}"), parameters: None };
+            // Every error must at least be recognised by name (parameters may be incomplete).
+            let known = serde_json::to_string(&raw).unwrap();
+            assert!(known.contains(e.as_str()));
+        }
+        let sample = KernelError::ShuttingDown {};
+        assert!(errors.iter().any(|e| sample.name().ends_with(e.as_str())));
+        assert_eq!(errors.len(), 9);
+    }
+
+    #[test]
+    fn errors_serialise_as_varlink_errors() {
+        let e = KernelError::LimitExceeded { limit: "max_source_bytes".into(), value: 10, max: 5 };
+        let v = serde_json::to_value(&e).unwrap();
+        assert_eq!(v["error"], "org.sandcell.Kernel.LimitExceeded");
+        assert_eq!(v["parameters"]["max"], 5);
+        let raw: RawError = serde_json::from_value(v).unwrap();
+        assert_eq!(raw.to_kernel_error(), Some(e));
+    }
+
+    #[test]
+    fn frame_has_one_field() {
+        let f = Frame { started: Some(Started { session: "s".into(), cell: 1 }), ..Default::default() };
+        assert_eq!(serde_json::to_string(&f).unwrap(), r#"{"started":{"session":"s","cell":1}}"#);
+    }
+}

@@ -1,0 +1,369 @@
+//! Frames between `sandcelld` and one worker process.
+//!
+//! A worker is started with this descriptor layout (see `daemon/src/worker/spawn.rs`):
+//!
+//! | fd | what | direction |
+//! |----|------|-----------|
+//! | 0 | `/dev/null` | - |
+//! | 1 | R: the cell's stdout pipe, read by the daemon; Python: `/dev/null` | worker -> daemon |
+//! | 2 | R: the cell's stderr pipe, read by the daemon; Python: `/dev/null` | worker -> daemon |
+//! | 3 | request pipe ([`RequestHeader`] + payload) | daemon -> worker |
+//! | 4 | reply pipe, JSON lines of [`WorkerMessage`] | worker -> daemon |
+//!
+//! Requests are a text header line followed by exactly `len` payload bytes, so that a worker in
+//! a language without a JSON parser (R without jsonlite) can read them:
+//!
+//! ```text
+//! exec 7 13 timeout_ms=10000 fuel=10000000000\nprint("hi")\n
+//! ```
+//!
+//! Replies are one JSON object per line, each at most [`MAX_WORKER_LINE`] bytes. The daemon
+//! treats every reply as hostile input: a native worker runs untrusted code in the same process
+//! that writes these lines, so a cell can forge them. A forged line can only misreport its own
+//! session; an oversized or malformed one ends the worker as a protocol violation.
+//!
+//! Interrupts are not frames: the daemon sends SIGINT to the worker's main thread, which is the
+//! only way to reach a single-threaded interpreter busy in a cell (seed 001).
+
+use serde::{Deserialize, Serialize};
+
+/// Longest reply line the daemon accepts from a worker, in bytes (newline excluded).
+///
+/// Large enough for a 64 KiB output chunk escaped as `\xNN` (4x) plus framing; a longer line
+/// is a protocol violation and ends the worker.
+pub const MAX_WORKER_LINE: usize = 1024 * 1024;
+
+/// Largest output chunk a worker puts in one [`WorkerMessage::Output`], in bytes of text.
+pub const MAX_OUTPUT_CHUNK: usize = 64 * 1024;
+
+/// Longest error message a worker reports, in bytes; longer ones are cut with a marker
+/// (`stop(strrep("x", 2e8))` must not build a 200 MB frame: issue #4).
+pub const MAX_ERROR_MESSAGE: usize = 16 * 1024;
+
+/// Longest traceback a worker reports, in bytes.
+pub const MAX_TRACEBACK: usize = 32 * 1024;
+
+/// Operations the daemon sends to a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// Run the payload as one cell.
+    Exec,
+    /// Finish and exit with status 0 (the daemon kills the worker's cgroup anyway).
+    Exit,
+}
+
+impl Op {
+    /// The token on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Op::Exec => "exec",
+            Op::Exit => "exit",
+        }
+    }
+}
+
+/// The header line of a request.
+///
+/// Wire form: `<op> <cell> <len>[ timeout_ms=<u64>][ fuel=<u64>][ max_output=<u64>]\n`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestHeader {
+    /// What to do.
+    pub op: Op,
+    /// Cell number within the session, starting at 1; 0 for requests that are not cells.
+    pub cell: u64,
+    /// Payload length in bytes (the cell's UTF-8 source for `exec`).
+    pub len: u64,
+    /// Wall-time limit of the cell in milliseconds; the worker enforces it where its engine can
+    /// (Eryx epoch deadline), the daemon enforces it in every case.
+    pub timeout_ms: Option<u64>,
+    /// WebAssembly fuel for the cell (Python only; ignored by R).
+    pub fuel: Option<u64>,
+    /// Bytes of each output stream worth sending; the worker may stop forwarding output past it
+    /// but must still count what it saw. The daemon caps independently.
+    pub max_output: Option<u64>,
+}
+
+/// Longest header line a worker must accept, in bytes.
+pub const MAX_HEADER_LINE: usize = 256;
+
+impl RequestHeader {
+    /// An `exec` header for a cell of `len` source bytes.
+    pub fn exec(cell: u64, len: u64) -> Self {
+        Self { op: Op::Exec, cell, len, timeout_ms: None, fuel: None, max_output: None }
+    }
+
+    /// Formats the header line, newline included.
+    pub fn to_line(&self) -> String {
+        let mut s = format!("{} {} {}", self.op.as_str(), self.cell, self.len);
+        if let Some(v) = self.timeout_ms {
+            s.push_str(&format!(" timeout_ms={v}"));
+        }
+        if let Some(v) = self.fuel {
+            s.push_str(&format!(" fuel={v}"));
+        }
+        if let Some(v) = self.max_output {
+            s.push_str(&format!(" max_output={v}"));
+        }
+        s.push('\n');
+        s
+    }
+
+    /// Parses a header line (without its newline).
+    ///
+    /// Errors: a message naming the first field that is missing or not a number.
+    pub fn parse(line: &str) -> Result<Self, String> {
+        let mut it = line.split(' ');
+        let op = match it.next() {
+            Some("exec") => Op::Exec,
+            Some("exit") => Op::Exit,
+            other => return Err(format!("unknown op {other:?}")),
+        };
+        let num = |v: Option<&str>, what: &str| -> Result<u64, String> {
+            v.ok_or_else(|| format!("missing {what}"))?
+                .parse()
+                .map_err(|_| format!("bad {what}"))
+        };
+        let cell = num(it.next(), "cell")?;
+        let len = num(it.next(), "len")?;
+        let mut h = Self { op, cell, len, timeout_ms: None, fuel: None, max_output: None };
+        for kv in it {
+            let (k, v) = kv.split_once('=').ok_or_else(|| format!("bad option {kv:?}"))?;
+            let v = num(Some(v), k)?;
+            match k {
+                "timeout_ms" => h.timeout_ms = Some(v),
+                "fuel" => h.fuel = Some(v),
+                "max_output" => h.max_output = Some(v),
+                _ => {} // unknown options are ignored for forward compatibility
+            }
+        }
+        Ok(h)
+    }
+}
+
+/// Output stream of a cell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Stream {
+    /// Standard output.
+    Stdout,
+    /// Standard error.
+    Stderr,
+}
+
+impl Stream {
+    /// `"stdout"` or `"stderr"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stream::Stdout => "stdout",
+            Stream::Stderr => "stderr",
+        }
+    }
+}
+
+/// How a cell ended, as a worker sees it.
+///
+/// The daemon adds outcomes only it can see (OOM kill, crash, cancellation, its own deadline):
+/// see `sandcell_proto::kernel::Status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerStatus {
+    /// The cell ran to its end.
+    Ok,
+    /// The cell raised an error (Python exception, R condition).
+    Error,
+    /// The cell was stopped by SIGINT.
+    Interrupted,
+    /// The engine's own wall-time limit stopped the cell.
+    Timeout,
+    /// The WebAssembly fuel budget ran out.
+    FuelExhausted,
+    /// The guest ran out of memory inside its own limit (Python MemoryError, R allocation error).
+    MemoryExhausted,
+    /// The cell asked to end the interpreter (`sys.exit(n)`, R `quit()`), with `exit_code`.
+    Exited,
+}
+
+/// What became of the session's variables after a cell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionState {
+    /// Variables are as the cell left them.
+    #[default]
+    Kept,
+    /// The interpreter was rebuilt and the variables restored as they were before the cell.
+    Restored,
+    /// The interpreter was rebuilt and the variables could not be restored (see the error).
+    Lost,
+}
+
+/// An error raised by a cell.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct CellError {
+    /// Exception class or R condition class, e.g. `ZeroDivisionError`, `simpleError`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The message, at most [`MAX_ERROR_MESSAGE`] bytes.
+    pub message: String,
+    /// Formatted traceback, at most [`MAX_TRACEBACK`] bytes, with the user's line numbers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceback: Option<String>,
+    /// Line in the user's cell (1-based) where the error was raised, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub line: Option<u64>,
+    /// The failing call (R's `conditionCall`), when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call: Option<String>,
+}
+
+/// One JSON line from a worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "t", rename_all = "snake_case")]
+pub enum WorkerMessage {
+    /// Sent once, after the interpreter is initialised and confined, before any request is read.
+    Ready {
+        /// `python` or `r`.
+        language: String,
+        /// Engine description, e.g. `eryx 0.10.1`, `R 4.2.2`.
+        engine: String,
+    },
+    /// The worker cannot go on (confinement or interpreter start failed); sent at most once,
+    /// by the worker's own trusted code before any cell ran, just before it exits. The daemon
+    /// logs `stage` and `reason` for the operator.
+    Fatal {
+        /// `confine`, `runtime`, ...
+        stage: String,
+        /// What failed, bounded by [`MAX_ERROR_MESSAGE`].
+        reason: String,
+    },
+    /// Output of a cell (Python worker only; R output travels on fds 1 and 2).
+    Output {
+        /// Cell the output belongs to.
+        cell: u64,
+        /// Which stream.
+        stream: Stream,
+        /// Text, invalid UTF-8 escaped as by [`crate::text::escape_lossy`].
+        data: String,
+        /// Original byte length of this chunk, before escaping.
+        bytes: u64,
+    },
+    /// Output the worker saw but did not send (past `max_output`), so the daemon's counts of
+    /// bytes seen stay exact.
+    Dropped {
+        /// Cell the output belongs to.
+        cell: u64,
+        /// Which stream.
+        stream: Stream,
+        /// Bytes not sent.
+        bytes: u64,
+    },
+    /// A cell finished. Exactly one per `exec` request.
+    Done {
+        /// Cell number from the request.
+        cell: u64,
+        /// How it ended.
+        status: WorkerStatus,
+        /// The error, for `error`, `memory_exhausted` and engine failures.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<CellError>,
+        /// Exit code for `exited`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        exit_code: Option<i64>,
+        /// WebAssembly fuel the cell consumed (Python).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fuel: Option<u64>,
+        /// What became of the session's variables.
+        #[serde(default)]
+        state: SessionState,
+        /// Warnings raised by the cell (R `warning()`), each bounded like messages.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        warnings: Vec<String>,
+    },
+}
+
+impl WorkerMessage {
+    /// Parses one reply line; errors describe why the line is not a valid message.
+    pub fn parse(line: &[u8]) -> Result<Self, String> {
+        if line.len() > MAX_WORKER_LINE {
+            return Err(format!("line of {} bytes exceeds {MAX_WORKER_LINE}", line.len()));
+        }
+        serde_json::from_slice(line).map_err(|e| e.to_string())
+    }
+
+    /// Serialises the message as one line, newline included.
+    pub fn to_line(&self) -> Vec<u8> {
+        let mut v = serde_json::to_vec(self).expect("worker messages always serialise");
+        v.push(b'\n');
+        v
+    }
+}
+
+/// Cuts `s` to at most `max` bytes on a character boundary, appending a marker that says how
+/// many bytes were cut.
+pub fn bound_text(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_owned();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... [{} more bytes]", &s[..end], s.len() - end)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trip() {
+        let mut h = RequestHeader::exec(7, 13);
+        h.timeout_ms = Some(10_000);
+        h.fuel = Some(5);
+        let line = h.to_line();
+        assert_eq!(line, "exec 7 13 timeout_ms=10000 fuel=5\n");
+        assert_eq!(RequestHeader::parse(line.trim_end()).unwrap(), h);
+    }
+
+    #[test]
+    fn header_rejects_garbage() {
+        assert!(RequestHeader::parse("exec x 1").is_err());
+        assert!(RequestHeader::parse("rm 1 1").is_err());
+        assert!(RequestHeader::parse("exec 1").is_err());
+    }
+
+    #[test]
+    fn message_round_trip() {
+        let m = WorkerMessage::Done {
+            cell: 3,
+            status: WorkerStatus::Error,
+            error: Some(CellError { kind: "ValueError".into(), message: "x".into(), ..Default::default() }),
+            exit_code: None,
+            fuel: Some(10),
+            state: SessionState::Kept,
+            warnings: vec![],
+        };
+        let line = m.to_line();
+        assert_eq!(WorkerMessage::parse(&line[..line.len() - 1]).unwrap(), m);
+    }
+
+    #[test]
+    fn bound_text_cuts_on_char_boundary() {
+        assert_eq!(bound_text("ab✓cd", 3), "ab... [5 more bytes]");
+        assert_eq!(bound_text("abc", 3), "abc");
+    }
+}
+
+/// Reply descriptor of a worker (fd 4), see the module documentation.
+pub const REPLY_FD: i32 = 4;
+
+/// Writes a [`WorkerMessage::Fatal`] line to the reply descriptor, best effort, and also to
+/// stderr. For a worker's own start-up failures only (confinement, interpreter load).
+pub fn report_fatal(stage: &str, reason: &str) {
+    use std::io::Write;
+    use std::os::fd::FromRawFd;
+    let msg = WorkerMessage::Fatal { stage: stage.into(), reason: bound_text(reason, MAX_ERROR_MESSAGE) };
+    // SAFETY: fd 4 is the reply pipe the daemon placed there; ManuallyDrop keeps it open.
+    let mut f = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(REPLY_FD) });
+    let _ = f.write_all(&msg.to_line());
+    eprintln!("sandcell worker: {stage}: {reason}");
+}

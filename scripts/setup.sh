@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs the system packages sandcell needs on Debian 12, builds every binary (release), and
+# prepares the Python runtime (Eryx, offline, from crates.io only). Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/env.sh
+
+# R for the R worker; systemd for systemd-socket-activate; dbus and polkitd for the control
+# plane tests; procps for ps in diagnostics.
+packages=(r-base-core r-cran-jsonlite systemd dbus polkitd procps)
+missing=()
+for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    echo "setup: installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+echo "setup: building (release) into $CARGO_TARGET_DIR"
+cargo build "${CARGO_FLAGS[@]}" --workspace
+
+echo "setup: preparing the Python runtime in $SANDCELL_TEST_PYTHON_RUNTIME"
+"$BIN/sandcell-python-runtime" prepare --out "$SANDCELL_TEST_PYTHON_RUNTIME" >/dev/null
+echo "setup: done"

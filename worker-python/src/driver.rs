@@ -1,0 +1,199 @@
+//! The Python side of a cell: the driver module and the code the worker hands to Eryx.
+//!
+//! Eryx 0.10 runs a string of Python in a namespace it keeps across executions and reports an
+//! uncaught exception only as formatted text. The worker instead runs every cell through a
+//! small driver module (`driver.py`, installed in the guest as `_sandcell`, baked into the
+//! pre-initialised snapshot and re-installed when missing) which:
+//! - compiles the cell as `<cell N>` so tracebacks and [`DriverResult`] lines are the cell's
+//!   own line numbers (no preamble offsets), and registers the source with `linecache`;
+//! - maps `SystemExit` to `exited`, `MemoryError` to `memory_exhausted` and any other
+//!   exception to `error` with type, bounded message, bounded traceback and line;
+//! - replaces `sys.stdout`/`sys.stderr` during the cell with writers that stream each write to
+//!   the host and keep nothing in guest memory (Eryx's own writers accumulate the whole
+//!   output in the guest);
+//! - reports its outcome as a dict in the variable [`RESULT_VARIABLE`], which Eryx JSON-encodes
+//!   as the execution's result and removes from the namespace. (Eryx's default result variable
+//!   is `result`, which would silently delete a user's own `result` after every cell.)
+//!
+//! The cell source travels base64-encoded inside a one-line call, so no quoting of user text
+//! is ever needed. A cell can break or replace the driver; it then only misreports its own
+//! session, and the host still bounds and validates everything it reads back.
+
+use base64_engine::encode as b64;
+use serde::Deserialize;
+
+/// Python source of the driver module.
+pub const DRIVER_SOURCE: &str = include_str!("driver.py");
+
+/// Version the driver declares as `VERSION`; bump with every change to `driver.py`.
+pub const DRIVER_VERSION: u32 = 2;
+
+/// Name of the guest variable the driver writes its outcome to (Eryx's result variable).
+///
+/// Names starting with `_eryx_` are excluded from Eryx's state snapshots.
+pub const RESULT_VARIABLE: &str = "_eryx_sandcell_result";
+
+/// Python that installs the driver as `sys.modules['_sandcell']` unless the current version is
+/// already there. Binds no name in the user namespace (the helper deletes itself).
+pub fn install_code() -> String {
+    format!(
+        "def _eryx_sandcell_install(src, version):\n    \
+             import sys, base64\n    \
+             m = sys.modules.get('_sandcell')\n    \
+             if getattr(m, 'VERSION', None) == version:\n        \
+                 return\n    \
+             m = type(sys)('_sandcell')\n    \
+             exec(compile(base64.b64decode(src).decode('utf-8'), '<sandcell-driver>', 'exec'), m.__dict__)\n    \
+             sys.modules['_sandcell'] = m\n\
+         _eryx_sandcell_install('{}', {DRIVER_VERSION})\n\
+         del _eryx_sandcell_install\n",
+        b64(DRIVER_SOURCE.as_bytes())
+    )
+}
+
+/// Whether a source may contain top-level `await`, `async for` or `async with`, in which case
+/// it runs through the driver's `run_async` (Eryx's async path). A false positive only costs
+/// the async path; a source without these words cannot use top-level await.
+pub fn needs_async(source: &str) -> bool {
+    source.contains("await") || source.contains("async")
+}
+
+/// The one-line Python the worker executes for cell `cell` with `source`.
+pub fn cell_code(cell: u64, source: &str) -> String {
+    let encoded = b64(source.as_bytes());
+    if needs_async(source) {
+        format!("await __import__('_sandcell').run_async('{encoded}', globals(), {cell})\n")
+    } else {
+        format!("__import__('_sandcell').run('{encoded}', globals(), {cell})\n")
+    }
+}
+
+/// Output stream number on which the driver's `snapshot` sends the pickled namespace.
+pub const SNAPSHOT_STREAM: u32 = 7;
+
+/// Python that pickles the namespace (sent on [`SNAPSHOT_STREAM`]) and reports module
+/// bindings, names and unpicklable names in the driver result.
+pub fn snapshot_code() -> &'static str {
+    "__import__('_sandcell').snapshot(globals())\n"
+}
+
+/// Python that loads a snapshot blob into the namespace and re-imports `modules`
+/// (global name -> module name); names that could not be re-imported come back in `missing`.
+pub fn restore_code(blob: &[u8], modules: &std::collections::BTreeMap<String, String>) -> String {
+    let modules = serde_json::to_string(modules).unwrap_or_else(|_| "{}".into());
+    format!(
+        "__import__('_sandcell').restore(globals(), '{}', __import__('json').loads(__import__('base64').b64decode('{}').decode()))\n",
+        b64(blob),
+        b64(modules.as_bytes())
+    )
+}
+
+/// Whether an uncaught exception text means the driver module is missing or broken (a cell
+/// removed it), so that the worker re-installs it and runs the cell again. Only errors raised
+/// before the cell's own code started can match.
+pub fn driver_missing(exception_text: &str) -> bool {
+    exception_text.contains("No module named '_sandcell'")
+        || exception_text.contains("module '_sandcell' has no attribute")
+}
+
+/// An error as the driver describes it.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct DriverError {
+    /// Exception class, module-qualified unless builtin or `__main__`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// `str(exception)`, cut at 16384 characters by the driver.
+    pub message: String,
+    /// Formatted traceback restricted to cell frames, at most 80 frames.
+    pub traceback: Option<String>,
+    /// Line in the current cell where the error was raised.
+    pub line: Option<u64>,
+}
+
+/// The outcome dict written by the driver (`RESULT_VARIABLE`), decoded from Eryx's JSON result.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct DriverResult {
+    /// `ok`, `error`, `exited` or `memory_exhausted`.
+    pub status: String,
+    /// For `exited`.
+    pub exit_code: Option<i64>,
+    /// For `error` and `memory_exhausted`.
+    pub error: Option<DriverError>,
+    /// From `snapshot`: global name -> module name of module bindings, e.g. `np` -> `numpy`.
+    #[serde(default)]
+    pub modules: std::collections::BTreeMap<String, String>,
+    /// From `snapshot`: names of the pickled values (at most 4096).
+    #[serde(default)]
+    pub names: Vec<String>,
+    /// From `snapshot`: names that could not be pickled; from `restore`: module bindings that
+    /// could not be re-imported.
+    #[serde(default)]
+    pub missing: Vec<String>,
+}
+
+impl DriverResult {
+    /// Parses Eryx's JSON result string.
+    ///
+    /// Errors: the JSON text is not an object of this shape.
+    pub fn parse(json: &str) -> Result<Self, serde_json::Error> {
+        serde_json::from_str(json)
+    }
+}
+
+/// Standard base64 (RFC 4648, with padding), enough for the driver's needs without a crate.
+mod base64_engine {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+    /// Encodes `data` as padded standard base64.
+    pub fn encode(data: &[u8]) -> String {
+        let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
+        for chunk in data.chunks(3) {
+            let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
+            let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+            out.push(ALPHABET[(n >> 18) as usize & 63] as char);
+            out.push(ALPHABET[(n >> 12) as usize & 63] as char);
+            out.push(if chunk.len() > 1 { ALPHABET[(n >> 6) as usize & 63] as char } else { '=' });
+            out.push(if chunk.len() > 2 { ALPHABET[n as usize & 63] as char } else { '=' });
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_matches_rfc4648_vectors() {
+        assert_eq!(b64(b""), "");
+        assert_eq!(b64(b"f"), "Zg==");
+        assert_eq!(b64(b"fo"), "Zm8=");
+        assert_eq!(b64(b"foo"), "Zm9v");
+        assert_eq!(b64(b"foobar"), "Zm9vYmFy");
+        assert_eq!(b64("✓".as_bytes()), "4pyT");
+    }
+
+    #[test]
+    fn driver_version_matches_source() {
+        assert!(DRIVER_SOURCE.contains(&format!("\nVERSION = {DRIVER_VERSION}\n")));
+        assert!(DRIVER_SOURCE.contains(&format!("RESULT = '{RESULT_VARIABLE}'")));
+    }
+
+    #[test]
+    fn cell_code_picks_the_async_driver_only_when_needed() {
+        assert!(cell_code(3, "print(1)").starts_with("__import__('_sandcell').run('cHJpbnQoMSk=', globals(), 3)"));
+        assert!(cell_code(4, "await x()").starts_with("await __import__('_sandcell').run_async("));
+    }
+
+    #[test]
+    fn driver_result_parses_error_and_snapshot_fields() {
+        let r = DriverResult::parse(
+            r#"{"status":"error","error":{"type":"ZeroDivisionError","message":"division by zero","traceback":"T","line":2},"modules":{"m":"math"},"names":["x"],"missing":["g"]}"#,
+        )
+        .unwrap();
+        assert_eq!(r.status, "error");
+        assert_eq!(r.error.as_ref().unwrap().line, Some(2));
+        assert_eq!(r.modules.get("m").map(String::as_str), Some("math"));
+        assert_eq!((r.names.clone(), r.missing.clone()), (vec!["x".to_string()], vec!["g".to_string()]));
+    }
+}

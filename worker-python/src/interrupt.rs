@@ -1,0 +1,184 @@
+//! SIGINT: how the daemon stops the running cell (proto `worker.rs`: interrupts are signals).
+//!
+//! A `sigaction` handler (async-signal-safe: one `write(2)`) turns each SIGINT into a byte on a
+//! self-pipe; a watcher thread reads the pipe and stops the cell through its [`Target`]. The
+//! handler works whichever thread the kernel delivers to (the daemon may direct the signal at
+//! the main thread with tgkill, seed 001), and nothing in the handler touches locks.
+//!
+//! Stopping a guest takes two moves, because Eryx 0.10 sessions have no cancellation of their
+//! own (PLATFORM-NOTES: a CPU-bound guest blocks its thread; dropping the handle does not
+//! cancel):
+//! - the engine's epoch is advanced past the cell's deadline, so a guest running WebAssembly
+//!   traps at its next epoch check (a `while True: pass` ends within milliseconds);
+//! - the cell's [`CancellationToken`] is cancelled, which the cell loop races against the
+//!   execution, so a guest parked in a host call (`time.sleep`) is dropped at once.
+//!
+//! A SIGINT while no cell is in progress is ignored (the daemon counts it as undelivered). A
+//! SIGINT after a request was read but before the guest started marks the cell as interrupted
+//! before it runs.
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use eryx::{CancellationToken, PythonExecutor};
+
+/// Write end of the self-pipe, read by the signal handler (-1 before [`install`]).
+static PIPE_WRITE: AtomicI32 = AtomicI32::new(-1);
+
+extern "C" fn on_sigint(_sig: libc::c_int) {
+    let fd = PIPE_WRITE.load(Ordering::Relaxed);
+    if fd < 0 {
+        return;
+    }
+    // SAFETY: __errno_location returns this thread's errno slot; reading and restoring it is
+    // async-signal-safe, and write(2) on a non-blocking pipe is async-signal-safe. A full pipe
+    // (EAGAIN) loses only a duplicate wake-up.
+    unsafe {
+        let errno = libc::__errno_location();
+        let saved = *errno;
+        let byte = 1u8;
+        let _ = libc::write(fd, (&byte as *const u8).cast(), 1);
+        *errno = saved;
+    }
+}
+
+/// What the watcher stops when a SIGINT arrives during a cell.
+pub struct Target {
+    /// Cancelled on SIGINT; the cell loop races it against the execution.
+    pub token: CancellationToken,
+    /// Set on SIGINT, so the cell loop can tell an interrupt from its own timeout.
+    pub fired: Arc<AtomicBool>,
+    /// The executor whose engine epoch is advanced.
+    pub executor: Arc<PythonExecutor>,
+    /// Epoch ticks that certainly pass the cell's deadline (its timeout in 10 ms ticks, plus
+    /// margin).
+    pub ticks: u64,
+}
+
+#[derive(Default)]
+struct State {
+    /// A request is being served (from its header until its `Done`).
+    in_cell: bool,
+    /// A SIGINT arrived during this request before a target was armed.
+    pending: bool,
+    target: Option<Target>,
+}
+
+/// Shared between the cell loop and the watcher thread.
+#[derive(Default)]
+pub struct Interrupter {
+    state: Mutex<State>,
+}
+
+impl Interrupter {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// A request was read: SIGINTs count from now on.
+    pub fn begin_cell(&self) {
+        let mut s = self.lock();
+        s.in_cell = true;
+        s.pending = false;
+        s.target = None;
+    }
+
+    /// Arms `target` for the running cell; fires at once if a SIGINT already arrived.
+    pub fn arm(&self, target: Target) {
+        let mut s = self.lock();
+        let pending = s.pending;
+        s.target = Some(target);
+        if pending {
+            Self::fire_locked(&mut s);
+        }
+    }
+
+    /// The cell's `Done` is about to be sent: later SIGINTs are ignored.
+    pub fn end_cell(&self) {
+        let mut s = self.lock();
+        s.in_cell = false;
+        s.pending = false;
+        s.target = None;
+    }
+
+    /// Handles one SIGINT.
+    pub fn fire(&self) {
+        let mut s = self.lock();
+        if !s.in_cell {
+            return;
+        }
+        if s.target.is_none() {
+            s.pending = true;
+            return;
+        }
+        Self::fire_locked(&mut s);
+    }
+
+    fn fire_locked(s: &mut State) {
+        let Some(t) = s.target.as_ref() else { return };
+        if t.fired.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        t.token.cancel();
+        let engine = t.executor.engine();
+        for _ in 0..t.ticks {
+            engine.increment_epoch();
+        }
+    }
+}
+
+/// Installs the SIGINT handler and starts the watcher thread feeding `interrupter`.
+///
+/// Call after confinement (which closes unlisted descriptors) and before other threads start.
+///
+/// Errors: creating the pipe, installing the handler or spawning the thread failed.
+pub fn install(interrupter: Arc<Interrupter>) -> io::Result<()> {
+    let mut fds = [0; 2];
+    // SAFETY: fds is a valid array of two ints for pipe2 to fill.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: pipe2 just returned these two descriptors; nothing else owns them.
+    let (read_end, write_end) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: F_SETFL on a descriptor we own.
+    if unsafe { libc::fcntl(write_end.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // The write end lives as long as the process: the handler may run at any time.
+    PIPE_WRITE.store(std::os::fd::IntoRawFd::into_raw_fd(write_end), Ordering::SeqCst);
+
+    // SAFETY: a zeroed sigaction is a valid starting point; the handler is an extern "C" fn
+    // that only performs async-signal-safe calls; the masks are initialised by sigemptyset.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigint as *const () as libc::sighandler_t;
+        sa.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut sa.sa_mask);
+        if libc::sigaction(libc::SIGINT, &sa, std::ptr::null_mut()) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // An inherited blocked SIGINT would make the worker uninterruptible (seed 001).
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+    }
+
+    std::thread::Builder::new().name("sigint-watcher".into()).spawn(move || {
+        let mut buf = [0u8; 64];
+        loop {
+            // SAFETY: reading into a local buffer from a descriptor this thread owns.
+            let n = unsafe { libc::read(read_end.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if n > 0 {
+                interrupter.fire();
+            } else if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                continue;
+            } else {
+                return;
+            }
+        }
+    })?;
+    Ok(())
+}

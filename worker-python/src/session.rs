@@ -1,0 +1,563 @@
+//! One Python session: an Eryx `SessionExecutor` that keeps globals across cells, and what
+//! keeps those globals alive when the instance has to be rebuilt.
+//!
+//! # Status mapping
+//!
+//! | what happened | `status` | instance |
+//! |---|---|---|
+//! | driver reports `ok` / `error` / `exited` / `memory_exhausted` | same | kept |
+//! | uncaught exception outside the driver (driver broken by the cell) | `error` (`memory_exhausted` for MemoryError) | kept |
+//! | Eryx timeout (epoch deadline or async timeout) | `timeout` | rebuilt |
+//! | fuel ran out | `fuel_exhausted` | rebuilt |
+//! | SIGINT (see [`crate::interrupt`]) | `interrupted` | rebuilt (kept if it came before the guest started) |
+//! | a trap (stack overflow, abort) | `error`, type `SandboxTrap` | rebuilt |
+//!
+//! # State across rebuilds: snapshot after every completed cell
+//!
+//! After a timeout, fuel exhaustion, interrupt or trap, the WebAssembly instance is dead
+//! (wasmtime poisons a component instance that trapped, and an execution dropped mid-call
+//! leaves no store). The worker keeps the user's variables by taking Eryx's
+//! `snapshot_state()` (dill-pickled globals) after each completed cell, before its `Done` is
+//! sent; a rebuild runs `restore_state()` with the last snapshot, re-imports module bindings
+//! (pickling skips modules) and reports `state: restored`, with a warning naming any variable
+//! that could not be pickled. If no snapshot covers the namespace (the last one failed, e.g.
+//! over Eryx's 10 MB limit) or a restore fails, the report is `state: lost` with an error
+//! saying what was lost and from which cell the variables come. Never a silently empty
+//! namespace.
+//!
+//! Decision (measured, see the crate report): a snapshot of a small namespace costs about a
+//! millisecond, a fraction of a trivial cell's round trip, and which cell will need the
+//! snapshot cannot be known in advance (a timeout comes from the cell that follows). So the
+//! snapshot is taken after every completed cell, synchronously, bounded by
+//! [`SNAPSHOT_TIMEOUT`] (pickling can run user `__reduce__` code).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use eryx::{CancellationToken, Error as EryxError, PythonExecutor, ResourceLimits, SessionExecutor};
+use sandcell_proto::worker::{
+    CellError, MAX_ERROR_MESSAGE, MAX_TRACEBACK, SessionState, WorkerMessage, WorkerStatus, bound_text,
+};
+
+use crate::driver::{self, DriverResult};
+use crate::interrupt::{Interrupter, Target};
+use crate::output;
+use crate::replies::Replies;
+
+/// Wall-time limit of a cell whose request has no `timeout_ms` (the daemon enforces its own).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3600);
+/// Wall-time limit of the worker's own guest calls (driver install, restore).
+pub const INTERNAL_TIMEOUT: Duration = Duration::from_secs(30);
+/// Wall-time limit of a state snapshot.
+pub const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Eryx's epoch tick (eryx 0.10.1 `EPOCH_TICK_INTERVAL`).
+const EPOCH_TICK: Duration = Duration::from_millis(10);
+
+/// Parameters of one cell.
+#[derive(Debug, Clone)]
+pub struct CellRequest<'a> {
+    /// Cell number from the request.
+    pub cell: u64,
+    /// The source bytes (UTF-8 expected).
+    pub source: &'a [u8],
+    /// Wall-time limit.
+    pub timeout: Duration,
+    /// Fuel limit, if any.
+    pub fuel: Option<u64>,
+    /// Bytes per stream worth forwarding.
+    pub max_output: u64,
+}
+
+/// Largest snapshot kept, in bytes; a larger namespace is not captured (state `lost` on a
+/// later rebuild, with this reason).
+pub const MAX_SNAPSHOT_BYTES: usize = 32 * 1024 * 1024;
+
+/// The last usable snapshot.
+struct Saved {
+    /// Pickled values (the driver's format).
+    blob: Vec<u8>,
+    /// Module bindings: global name -> module name.
+    modules: std::collections::BTreeMap<String, String>,
+    /// Names that could not be pickled.
+    skipped: Vec<String>,
+    after_cell: u64,
+}
+
+/// Timing figures of the session, for tests and reports.
+#[derive(Debug, Clone, Default)]
+pub struct Stats {
+    /// Duration of the last snapshot.
+    pub last_snapshot: Duration,
+    /// Size of the last snapshot in bytes.
+    pub last_snapshot_bytes: usize,
+    /// Duration of the last rebuild (reset + install + restore).
+    pub last_rebuild: Duration,
+}
+
+/// How an execution ended, before mapping to a status.
+enum RunEnd {
+    /// The execution returned.
+    Returned(Result<eryx::ExecutionOutput, EryxError>),
+    /// SIGINT before the guest started: nothing ran.
+    InterruptedBeforeStart,
+    /// SIGINT while the guest was parked in a host call: the execution was dropped.
+    Dropped,
+}
+
+/// A Python session inside one worker.
+pub struct PySession {
+    executor: Arc<PythonExecutor>,
+    session: SessionExecutor,
+    saved: Option<Saved>,
+    /// Why the namespace is newer than `saved` (a snapshot failed), if it is.
+    stale: Option<String>,
+    /// A cell completed since the session started (so an empty `saved` means loss).
+    had_cells: bool,
+    /// The instance must be rebuilt before the next use.
+    dead: bool,
+    /// Figures.
+    pub stats: Stats,
+}
+
+fn ticks(d: Duration) -> u64 {
+    (d.as_millis() / EPOCH_TICK.as_millis()) as u64
+}
+
+fn cell_error(kind: &str, message: &str, traceback: Option<&str>, line: Option<u64>) -> CellError {
+    CellError {
+        kind: bound_text(kind, 256),
+        message: bound_text(message, MAX_ERROR_MESSAGE),
+        traceback: traceback.map(|t| bound_text(t, MAX_TRACEBACK)),
+        line,
+        call: None,
+    }
+}
+
+/// Best-effort type and message from CPython's formatted traceback text (last line
+/// `Type: message`).
+fn parse_exception_text(text: &str) -> CellError {
+    let last = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+    let (kind, message) = match last.split_once(": ") {
+        Some((k, m)) if !k.contains(' ') => (k, m),
+        _ if !last.contains(' ') && !last.is_empty() => (last, ""),
+        _ => ("Exception", last),
+    };
+    cell_error(kind, message, Some(text), None)
+}
+
+impl PySession {
+    /// Starts a session on `executor` with at most `guest_memory` bytes of guest memory and
+    /// installs the driver.
+    ///
+    /// Errors: the instance cannot be created or the driver cannot be installed.
+    pub async fn new(executor: Arc<PythonExecutor>, guest_memory: Option<u64>) -> anyhow::Result<Self> {
+        let limits = ResourceLimits::default()
+            .with_execution_timeout(INTERNAL_TIMEOUT)
+            .with_max_memory_bytes(guest_memory)
+            .with_max_fuel(None);
+        let session = SessionExecutor::new_with_limits(executor.clone(), &[], &limits)
+            .await
+            .context("creating the Python instance")?;
+        let mut s = Self {
+            executor,
+            session,
+            saved: None,
+            stale: None,
+            had_cells: false,
+            dead: false,
+            stats: Stats::default(),
+        };
+        s.install().await.context("installing the cell driver")?;
+        Ok(s)
+    }
+
+    /// The executor (for interrupts and benchmarks).
+    pub fn executor(&self) -> &Arc<PythonExecutor> {
+        &self.executor
+    }
+
+    /// Runs worker-internal Python (no output, no fuel limit) and returns the driver result.
+    async fn internal(&mut self, code: &str) -> Result<Option<DriverResult>, EryxError> {
+        self.session.set_execution_timeout(Some(INTERNAL_TIMEOUT));
+        let out = self.session.execute(code).run().await?;
+        Ok(out.result.as_deref().and_then(|j| DriverResult::parse(j).ok()))
+    }
+
+    async fn install(&mut self) -> Result<(), EryxError> {
+        self.internal(&driver::install_code()).await.map(|_| ())
+    }
+
+    /// Pickles the namespace through the driver. Errors carry a reason and whether the
+    /// instance died (timeout or trap).
+    async fn capture(&mut self) -> Result<(Vec<u8>, DriverResult), (String, bool)> {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        self.session.set_execution_timeout(Some(SNAPSHOT_TIMEOUT));
+        let r = self.session.execute(driver::snapshot_code()).with_output_streaming(tx).run().await;
+        let mut blob = Vec::new();
+        let mut over = false;
+        while let Ok(req) = rx.try_recv() {
+            if req.stream == driver::SNAPSHOT_STREAM {
+                if blob.len() + req.data.len() > MAX_SNAPSHOT_BYTES {
+                    over = true;
+                } else {
+                    blob.extend_from_slice(&req.data);
+                }
+            }
+        }
+        match r {
+            Ok(out) => match out.result.as_deref().map(DriverResult::parse) {
+                Some(Ok(_)) if over => Err((format!("the namespace pickles to more than {MAX_SNAPSHOT_BYTES} bytes"), false)),
+                Some(Ok(res)) => Ok((blob, res)),
+                _ => Err(("the cell driver reported no snapshot".into(), false)),
+            },
+            Err(EryxError::PythonException(text)) => {
+                let e = parse_exception_text(&text);
+                Err((format!("{}: {}", e.kind, e.message), false))
+            }
+            Err(e) => Err((e.to_string(), true)),
+        }
+    }
+
+    /// Takes a snapshot of the namespace after `cell`, bounded by [`SNAPSHOT_TIMEOUT`].
+    async fn checkpoint(&mut self, cell: u64) {
+        let start = Instant::now();
+        let r = self.capture().await;
+        self.stats.last_snapshot = start.elapsed();
+        match r {
+            Ok((blob, res)) => {
+                self.stats.last_snapshot_bytes = blob.len();
+                self.saved = Some(Saved { blob, modules: res.modules, skipped: res.missing, after_cell: cell });
+                self.stale = None;
+            }
+            Err((why, dead)) => {
+                self.stale = Some(format!("the snapshot after cell {cell} failed: {why}"));
+                if dead {
+                    self.dead = true;
+                }
+            }
+        }
+    }
+
+    /// Rebuilds the instance and restores the last snapshot. Returns the resulting state and,
+    /// when something was lost, what (for the error) plus warnings.
+    async fn rebuild(&mut self) -> (SessionState, Option<String>, Vec<String>) {
+        let start = Instant::now();
+        let r = self.rebuild_inner().await;
+        self.stats.last_rebuild = start.elapsed();
+        r
+    }
+
+    /// A fresh instance with the driver.
+    async fn fresh_instance(&mut self) -> Result<(), String> {
+        self.dead = true;
+        self.session
+            .reset(&[])
+            .await
+            .map_err(|e| format!("could not rebuild the interpreter: {e}"))?;
+        self.install()
+            .await
+            .map_err(|e| format!("could not reinstall the cell driver: {e}"))?;
+        self.dead = false;
+        Ok(())
+    }
+
+    async fn rebuild_inner(&mut self) -> (SessionState, Option<String>, Vec<String>) {
+        if let Err(e) = self.fresh_instance().await {
+            return (SessionState::Lost, Some(format!("all variables lost: {e}")), vec![]);
+        }
+        let Some(saved) = self.saved.as_ref() else {
+            return match self.stale.take() {
+                Some(why) if self.had_cells => {
+                    (SessionState::Lost, Some(format!("all variables lost: {why}")), vec![])
+                }
+                _ => (SessionState::Restored, None, vec![]),
+            };
+        };
+        let after_cell = saved.after_cell;
+        let mut warnings = Vec::new();
+        if !saved.skipped.is_empty() {
+            warnings.push(bound_text(
+                &format!("not restored (could not be pickled): {}", saved.skipped.join(", ")),
+                MAX_ERROR_MESSAGE,
+            ));
+        }
+        let code = driver::restore_code(&saved.blob, &saved.modules);
+        let failure = match self.internal(&code).await {
+            Ok(Some(r)) => {
+                if !r.missing.is_empty() {
+                    warnings.push(bound_text(
+                        &format!("modules not re-imported: {}", r.missing.join(", ")),
+                        MAX_ERROR_MESSAGE,
+                    ));
+                }
+                None
+            }
+            Ok(None) => Some("the cell driver reported nothing".to_string()),
+            Err(EryxError::PythonException(text)) => {
+                let e = parse_exception_text(&text);
+                Some(format!("{}: {}", e.kind, e.message))
+            }
+            Err(e) => Some(e.to_string()),
+        };
+        if let Some(why) = failure {
+            // The instance may be half-restored: start again from an empty one.
+            self.saved = None;
+            self.stale = None;
+            let extra = self.fresh_instance().await.err().map(|e| format!("; {e}")).unwrap_or_default();
+            return (
+                SessionState::Lost,
+                Some(format!("all variables lost: restoring the snapshot after cell {after_cell} failed: {why}{extra}")),
+                warnings,
+            );
+        }
+        if let Some(why) = self.stale.take() {
+            // Keep `saved`: it still describes the namespace just restored.
+            return (
+                SessionState::Lost,
+                Some(format!("variables restored as they were after cell {after_cell}; later changes lost: {why}")),
+                warnings,
+            );
+        }
+        (SessionState::Restored, None, warnings)
+    }
+
+    /// Runs one cell, streaming its output to `replies`, and returns its `Done` message.
+    ///
+    /// `interrupter` must have seen `begin_cell` for this request; the caller calls `end_cell`
+    /// before sending the result. Errors only when the reply pipe fails (the daemon is gone).
+    pub async fn exec_cell(
+        &mut self,
+        req: &CellRequest<'_>,
+        replies: &Arc<Replies>,
+        interrupter: &Interrupter,
+    ) -> std::io::Result<WorkerMessage> {
+        let cell = req.cell;
+        let done = |status, error, exit_code, fuel, state, warnings| WorkerMessage::Done {
+            cell,
+            status,
+            error,
+            exit_code,
+            fuel,
+            state,
+            warnings,
+        };
+        let source = match std::str::from_utf8(req.source) {
+            Ok(s) => s,
+            Err(e) => {
+                let msg = format!("cell source is not valid UTF-8 (invalid byte at offset {})", e.valid_up_to());
+                let err = cell_error("SyntaxError", &msg, None, None);
+                return Ok(done(WorkerStatus::Error, Some(err), None, None, SessionState::Kept, vec![]));
+            }
+        };
+        let mut warnings = Vec::new();
+        let mut state = SessionState::Kept;
+        if self.dead {
+            let (s, lost, w) = self.rebuild().await;
+            warnings.extend(w);
+            state = s;
+            if self.dead {
+                let err = cell_error("SandboxError", lost.as_deref().unwrap_or("the interpreter is unavailable"), None, None);
+                return Ok(done(WorkerStatus::Error, Some(err), None, None, SessionState::Lost, warnings));
+            }
+            if let Some(lost) = lost {
+                warnings.push(lost);
+            }
+        }
+
+        let code = driver::cell_code(cell, source);
+        let mut retried = false;
+        loop {
+            let fired = Arc::new(AtomicBool::new(false));
+            let (end, fuel_used) = self.run(req, &code, replies, interrupter, &fired).await?;
+            let interrupted = fired.load(Ordering::SeqCst);
+            let (status, error, exit_code, fuel, rebuild) = match end {
+                RunEnd::InterruptedBeforeStart => (WorkerStatus::Interrupted, None, None, Some(0), false),
+                RunEnd::Dropped => (WorkerStatus::Interrupted, None, None, None, true),
+                RunEnd::Returned(Ok(out)) => {
+                    let fuel = out.fuel_consumed;
+                    match out.result.as_deref().map(DriverResult::parse) {
+                        Some(Ok(r)) => {
+                            self.had_cells = true;
+                            let (status, error, code) = map_driver(&r);
+                            self.checkpoint(cell).await;
+                            (status, error, code, fuel, false)
+                        }
+                        _ => {
+                            // The cell disabled the driver's report (e.g. deleted its result).
+                            self.had_cells = true;
+                            self.checkpoint(cell).await;
+                            let err = cell_error("SandboxError", "the cell driver reported no outcome", None, None);
+                            (WorkerStatus::Error, Some(err), None, fuel, false)
+                        }
+                    }
+                }
+                RunEnd::Returned(Err(EryxError::PythonException(text))) => {
+                    if !retried && driver::driver_missing(&text) {
+                        retried = true;
+                        if self.install().await.is_ok() {
+                            continue;
+                        }
+                    }
+                    self.had_cells = true;
+                    let status = if text.contains("MemoryError") {
+                        WorkerStatus::MemoryExhausted
+                    } else {
+                        WorkerStatus::Error
+                    };
+                    (status, Some(parse_exception_text(&text)), None, fuel_used, false)
+                }
+                RunEnd::Returned(Err(e)) if interrupted => {
+                    let _ = e;
+                    (WorkerStatus::Interrupted, None, None, fuel_used, true)
+                }
+                RunEnd::Returned(Err(EryxError::Timeout(_))) => (WorkerStatus::Timeout, None, None, fuel_used, true),
+                RunEnd::Returned(Err(EryxError::FuelExhausted { consumed, .. })) => {
+                    (WorkerStatus::FuelExhausted, None, None, Some(consumed), true)
+                }
+                RunEnd::Returned(Err(EryxError::Cancelled)) => (WorkerStatus::Interrupted, None, None, fuel_used, true),
+                RunEnd::Returned(Err(e)) => {
+                    let text = e.to_string();
+                    let (status, kind) = if text.contains("memory") && !text.contains("out of bounds") {
+                        (WorkerStatus::MemoryExhausted, "MemoryError")
+                    } else {
+                        (WorkerStatus::Error, "SandboxTrap")
+                    };
+                    (status, Some(cell_error(kind, &text, None, None)), None, fuel_used, true)
+                }
+            };
+            let mut error = error;
+            if rebuild || self.dead {
+                let (s, lost, w) = self.rebuild().await;
+                state = s;
+                warnings.extend(w);
+                if let Some(lost) = lost {
+                    match &error {
+                        None => error = Some(cell_error("StateLost", &lost, None, None)),
+                        Some(_) => warnings.push(lost),
+                    }
+                }
+            }
+            return Ok(done(status, error, exit_code, fuel, state, warnings));
+        }
+    }
+
+    /// One execution of `code` with output forwarding and interrupt arming.
+    async fn run(
+        &mut self,
+        req: &CellRequest<'_>,
+        code: &str,
+        replies: &Arc<Replies>,
+        interrupter: &Interrupter,
+        fired: &Arc<AtomicBool>,
+    ) -> std::io::Result<(RunEnd, Option<u64>)> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let fwd_replies = Arc::clone(replies);
+        let (cell, max_output) = (req.cell, req.max_output);
+        let forwarder = std::thread::Builder::new()
+            .name("output".into())
+            .spawn(move || output::forward(cell, max_output, rx, &fwd_replies))?;
+
+        let token = CancellationToken::new();
+        interrupter.arm(Target {
+            token: token.clone(),
+            fired: Arc::clone(fired),
+            executor: Arc::clone(&self.executor),
+            ticks: ticks(req.timeout) + 3,
+        });
+        let initial_fuel = req.fuel.unwrap_or(u64::MAX);
+        let end = if token.is_cancelled() {
+            drop(tx);
+            RunEnd::InterruptedBeforeStart
+        } else {
+            self.session.set_execution_timeout(Some(req.timeout));
+            let mut builder = self.session.execute(code).with_output_streaming(tx);
+            if let Some(f) = req.fuel {
+                builder = builder.with_fuel_limit(f);
+            }
+            tokio::select! {
+                biased;
+                () = token.cancelled() => RunEnd::Dropped,
+                r = builder.run() => RunEnd::Returned(r),
+            }
+        };
+        if matches!(end, RunEnd::Dropped) {
+            self.dead = true;
+        }
+        let fuel_used = self
+            .session
+            .store()
+            .and_then(|s| s.get_fuel().ok())
+            .map(|left| initial_fuel.saturating_sub(left));
+        match forwarder.join() {
+            Ok(r) => {
+                r?;
+            }
+            Err(_) => return Err(std::io::Error::other("output forwarder panicked")),
+        }
+        Ok((end, fuel_used))
+    }
+
+    /// Rebuilds the instance from the last snapshot as a timeout would (bench and tests);
+    /// returns the resulting state, what was lost, and warnings.
+    pub async fn force_rebuild(&mut self) -> (SessionState, Option<String>, Vec<String>) {
+        self.rebuild().await
+    }
+
+    /// Takes a snapshot now and returns its duration and size (bench and tests).
+    ///
+    /// Errors: the driver could not pickle the namespace.
+    pub async fn measure_snapshot(&mut self) -> Result<(Duration, usize), String> {
+        let start = Instant::now();
+        let (blob, _) = self.capture().await.map_err(|(why, _)| why)?;
+        Ok((start.elapsed(), blob.len()))
+    }
+}
+
+/// Maps the driver's outcome to a status, error and exit code.
+fn map_driver(r: &DriverResult) -> (WorkerStatus, Option<CellError>, Option<i64>) {
+    let err = r
+        .error
+        .as_ref()
+        .map(|e| cell_error(&e.kind, &e.message, e.traceback.as_deref(), e.line));
+    match r.status.as_str() {
+        "ok" => (WorkerStatus::Ok, None, None),
+        "exited" => (WorkerStatus::Exited, None, Some(r.exit_code.unwrap_or(0))),
+        "memory_exhausted" => (WorkerStatus::MemoryExhausted, err, None),
+        _ => (
+            WorkerStatus::Error,
+            err.or_else(|| Some(cell_error("SandboxError", "the cell driver reported an unknown outcome", None, None))),
+            None,
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exception_text_gives_type_and_message() {
+        let e = parse_exception_text("Traceback (most recent call last):\n  File \"<user>\", line 1\nValueError: bad: value\n");
+        assert_eq!((e.kind.as_str(), e.message.as_str()), ("ValueError", "bad: value"));
+        let e = parse_exception_text("KeyboardInterrupt\n");
+        assert_eq!((e.kind.as_str(), e.message.as_str()), ("KeyboardInterrupt", ""));
+    }
+
+    #[test]
+    fn driver_outcomes_map_to_statuses() {
+        let r = DriverResult { status: "exited".into(), exit_code: Some(3), ..Default::default() };
+        assert_eq!(map_driver(&r), (WorkerStatus::Exited, None, Some(3)));
+        let r = DriverResult { status: "weird".into(), ..Default::default() };
+        assert_eq!(map_driver(&r).0, WorkerStatus::Error);
+        assert!(map_driver(&r).1.is_some());
+    }
+
+    #[test]
+    fn long_messages_are_bounded() {
+        let e = cell_error("E", &"x".repeat(MAX_ERROR_MESSAGE * 3), Some(&"t".repeat(MAX_TRACEBACK * 2)), None);
+        assert!(e.message.len() < MAX_ERROR_MESSAGE + 64);
+        assert!(e.traceback.unwrap().len() < MAX_TRACEBACK + 64);
+    }
+}

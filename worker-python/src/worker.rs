@@ -1,0 +1,188 @@
+//! The worker process after confinement: configuration, start-up, and the request loop.
+//!
+//! Threads: the main thread runs the Tokio runtime's `block_on` with the request loop and the
+//! guest (a CPU-bound guest blocks it, which is why nothing else depends on it while a cell
+//! runs); one Tokio worker thread (Eryx's helper tasks), Eryx's epoch ticker, the SIGINT
+//! watcher ([`crate::interrupt`]) and one output forwarder per cell ([`crate::output`]).
+//!
+//! Exit statuses: 0 on EOF of the request pipe or an `exit` request; 1 when the reply pipe
+//! fails (the daemon is gone) or the descriptors are missing; 2 on a malformed request (nothing
+//! is written); 3 when start-up fails (bad configuration or runtime directory: the reason goes
+//! to stderr, which the daemon normally points at /dev/null);
+//! [`sandcell_confine::EXIT_CONFINE_FAILED`] from `main` when confinement fails.
+
+use std::fs::File;
+use std::io::BufReader;
+use std::os::fd::FromRawFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sandcell_proto::worker::WorkerMessage;
+
+use crate::interrupt::{self, Interrupter};
+use crate::protocol::{ReadError, Request, read_request};
+use crate::replies::Replies;
+use crate::runtime::{self, ERYX_VERSION, PYTHON_VERSION};
+use crate::session::{CellRequest, DEFAULT_TIMEOUT, PySession};
+
+/// Environment variable naming the prepared runtime directory.
+pub const ENV_RUNTIME: &str = "SANDCELL_PYTHON_RUNTIME";
+/// Environment variable with the guest memory limit in bytes (Eryx `max_memory_bytes`).
+pub const ENV_GUEST_MEMORY: &str = "SANDCELL_GUEST_MEMORY_BYTES";
+/// Environment variable with the session directory (accepted, unused: guests get no files).
+pub const ENV_SESSION_DIR: &str = "SANDCELL_SESSION_DIR";
+/// Guest memory limit when [`ENV_GUEST_MEMORY`] is unset: Eryx's default, 128 MiB.
+pub const DEFAULT_GUEST_MEMORY: u64 = 128 * 1024 * 1024;
+/// Request pipe descriptor.
+pub const REQUEST_FD: i32 = 3;
+/// Reply pipe descriptor.
+pub const REPLY_FD: i32 = 4;
+
+/// Exit statuses, see the module docs.
+pub mod exit {
+    /// Normal end.
+    pub const OK: i32 = 0;
+    /// The reply pipe failed or the descriptors are missing.
+    pub const IO: i32 = 1;
+    /// A malformed request.
+    pub const MALFORMED: i32 = 2;
+    /// Start-up failed.
+    pub const STARTUP: i32 = 3;
+}
+
+/// Worker configuration from the environment the daemon sets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Prepared runtime directory.
+    pub runtime_dir: PathBuf,
+    /// Guest memory limit in bytes.
+    pub guest_memory: u64,
+    /// Session directory, if given.
+    pub session_dir: Option<PathBuf>,
+}
+
+impl Config {
+    /// Reads [`ENV_RUNTIME`] (required), [`ENV_GUEST_MEMORY`] and [`ENV_SESSION_DIR`].
+    ///
+    /// Errors: the runtime variable is missing, or the memory limit is not a positive integer.
+    pub fn from_env() -> Result<Self, String> {
+        let runtime_dir = std::env::var_os(ENV_RUNTIME)
+            .map(PathBuf::from)
+            .ok_or_else(|| format!("{ENV_RUNTIME} is not set"))?;
+        let guest_memory = match std::env::var(ENV_GUEST_MEMORY) {
+            Ok(v) => match v.parse::<u64>() {
+                Ok(n) if n > 0 => n,
+                _ => return Err(format!("{ENV_GUEST_MEMORY}={v:?} is not a positive integer")),
+            },
+            Err(_) => DEFAULT_GUEST_MEMORY,
+        };
+        let session_dir = std::env::var_os(ENV_SESSION_DIR).map(PathBuf::from);
+        Ok(Self { runtime_dir, guest_memory, session_dir })
+    }
+}
+
+/// Takes ownership of an inherited descriptor after checking it is open.
+fn inherited(fd: i32) -> Option<File> {
+    // SAFETY: F_GETFD only queries the descriptor table.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return None;
+    }
+    // SAFETY: the daemon's descriptor layout (proto worker.rs) gives this process fds 3 and 4;
+    // the descriptor is open (checked above) and nothing else in this process owns it.
+    Some(unsafe { File::from_raw_fd(fd) })
+}
+
+/// Everything after confinement: returns the process exit status.
+pub fn run_confined() -> i32 {
+    let config = match Config::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("sandcell-worker-python: {e}");
+            return exit::STARTUP;
+        }
+    };
+    let (Some(requests), Some(replies)) = (inherited(REQUEST_FD), inherited(REPLY_FD)) else {
+        eprintln!("sandcell-worker-python: descriptors {REQUEST_FD} and {REPLY_FD} must be open");
+        return exit::IO;
+    };
+    let interrupter = Arc::new(Interrupter::default());
+    if let Err(e) = interrupt::install(Arc::clone(&interrupter)) {
+        eprintln!("sandcell-worker-python: installing the SIGINT handler: {e}");
+        return exit::STARTUP;
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("sandcell-worker-python: starting the async runtime: {e}");
+            return exit::STARTUP;
+        }
+    };
+    let replies = Arc::new(Replies::new(replies));
+    let code = rt.block_on(serve(config, requests, replies, interrupter));
+    // Do not wait for Eryx's helper threads (the epoch ticker never ends).
+    rt.shutdown_background();
+    code
+}
+
+/// Starts the session, sends `Ready`, and serves requests until EOF, `exit` or an error.
+pub async fn serve(config: Config, requests: File, replies: Arc<Replies>, interrupter: Arc<Interrupter>) -> i32 {
+    let executor = match runtime::load_executor(&config.runtime_dir) {
+        Ok((e, _)) => Arc::new(e),
+        Err(e) => {
+            eprintln!("sandcell-worker-python: {e:#}");
+            return exit::STARTUP;
+        }
+    };
+    let mut session = match PySession::new(executor, Some(config.guest_memory)).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("sandcell-worker-python: {e:#}");
+            return exit::STARTUP;
+        }
+    };
+    let ready = WorkerMessage::Ready {
+        language: "python".into(),
+        engine: format!("eryx {ERYX_VERSION} (CPython {PYTHON_VERSION})"),
+    };
+    if replies.send(&ready).is_err() {
+        return exit::IO;
+    }
+    let mut reader = BufReader::new(requests);
+    loop {
+        match read_request(&mut reader) {
+            Err(ReadError::Eof) | Ok(Request::Exit) => return exit::OK,
+            Err(ReadError::Malformed(why)) => {
+                eprintln!("sandcell-worker-python: malformed request: {why}");
+                return exit::MALFORMED;
+            }
+            Err(ReadError::Io(e)) => {
+                eprintln!("sandcell-worker-python: reading requests: {e}");
+                return exit::IO;
+            }
+            Ok(Request::Exec { header, source }) => {
+                interrupter.begin_cell();
+                let req = CellRequest {
+                    cell: header.cell,
+                    source: &source,
+                    timeout: header.timeout_ms.map(Duration::from_millis).unwrap_or(DEFAULT_TIMEOUT),
+                    fuel: header.fuel,
+                    max_output: header.max_output.unwrap_or(u64::MAX),
+                };
+                let done = session.exec_cell(&req, &replies, &interrupter).await;
+                interrupter.end_cell();
+                match done {
+                    Ok(done) => {
+                        if replies.send(&done).is_err() {
+                            return exit::IO;
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("sandcell-worker-python: reply pipe: {e}");
+                        return exit::IO;
+                    }
+                }
+            }
+        }
+    }
+}
