@@ -15,12 +15,16 @@ if [[ $(id -u) -ne 0 ]]; then
     echo "demo: not root: starting sandcelld with --insecure-dev (no cgroups, best-effort confinement)"
     mode=(--insecure-dev)
 fi
-export SANDCELL_WORKER_DIR="$BIN" SANDCELL_PYTHON_RUNTIME_DIR="$SANDCELL_TEST_PYTHON_RUNTIME" \
-    SANDCELL_STATE_DIR="$run/state" SANDCELL_CGROUP_NAME="sandcell-demo-$$" SANDCELL_IDLE_EXIT_SECONDS=0
-systemd-socket-activate -l "$sock" --fdname=varlink "$BIN/sandcelld" "${mode[@]}" 2>"$run/daemon.log" &
+# systemd-socket-activate passes the daemon no environment but what -E names, as systemd would.
+systemd-socket-activate -l "$sock" --fdname=varlink \
+    -E SANDCELL_WORKER_DIR="$BIN" -E SANDCELL_PYTHON_RUNTIME_DIR="$SANDCELL_TEST_PYTHON_RUNTIME" \
+    -E SANDCELL_STATE_DIR="$run/state" -E SANDCELL_CGROUP_NAME="sandcell-demo-$$" \
+    -E SANDCELL_IDLE_EXIT_SECONDS=0 \
+    "$BIN/sandcelld" "${mode[@]}" 2>"$run/daemon.log" &
 activator=$!
 trap 'kill -TERM $activator 2>/dev/null; wait $activator 2>/dev/null; echo "demo: daemon log: $run/daemon.log"' EXIT
 for _ in $(seq 100); do [[ -S $sock ]] && break; sleep 0.1; done
+chmod 0660 "$sock"
 export SANDCELL_SOCKET="$sock"
 
 for f in examples/python/*.py examples/r/*.R; do

@@ -18,9 +18,9 @@
 # Invariants kept here (each has a test in worker-r/tests/worker.rs):
 # - Nothing of the worker lives in .GlobalEnv: the whole file is one local() evaluated in a
 #   private environment whose parent is baseenv(). Lookups from worker code therefore find base
-#   functions before anything a cell defines, and S3 dispatch from worker code (print of a
-#   visible value, conditionMessage) still reaches the user's methods in .GlobalEnv, because
-#   baseenv()'s parent is .GlobalEnv. The only other trace is the attached `sandcell:guards`
+#   functions before anything a cell defines. Generics the worker calls on the user's objects
+#   (print of a visible value, conditionMessage) are called from a frame parented to
+#   .GlobalEnv so S3 dispatch finds the user's methods there. The only other trace is the attached `sandcell:guards`
 #   environment holding quit() and q().
 # - Interrupts (SIGINT from the daemon) are suspended everywhere except around the cell's own
 #   evaluation; a stale one is drained after a request is read and before the cell starts. A
@@ -47,6 +47,7 @@ local({
   MAX_TRACEBACK <- 32L * 1024L # bytes
   MAX_CALL <- 4L * 1024L # bytes of the deparsed failing call
   MAX_FRAME <- 512L # bytes of one deparsed traceback frame
+  MAX_FRAMES <- 100L # innermost traceback frames shown
   MAX_WARNINGS <- 50L # warnings kept per cell
   MAX_WARNING_TOTAL <- 128L * 1024L # bytes of all kept warnings of one cell
   IN_PATH <- "/proc/self/fd/3"
@@ -335,6 +336,8 @@ local({
   # the point of the error so that the exiting handler can report the line and traceback of
   # the error that actually escaped the cell.
   capture_error <- function(cond) {
+    # Near C stack exhaustion, R runs handlers on the little stack left: record nothing.
+    if (inherits(cond, "CStackOverflowError")) return(invisible())
     calls <- sys.calls()
     calls <- calls[seq_len(length(calls) - 1L)] # drop this handler's own frame
     state$captured <- list(cond = cond, calls = calls, srcfile = state$srcfile)
@@ -342,7 +345,7 @@ local({
 
   # The error report (list(type, message, line, call, traceback)) for `cond`.
   describe_error <- function(cond) {
-    msg <- tryCatch(conditionMessage(cond), error = function(e) "<conditionMessage failed>")
+    msg <- message_of(cond)
     if (!is.character(msg) || length(msg) == 0L) msg <- "<no message>"
     msg <- msg[[1L]]
     type <- tryCatch(class(cond)[[1L]], error = function(e) "error")
@@ -357,6 +360,7 @@ local({
       for (k in seq_along(calls)) if (is_cell_eval(calls[[k]])) ev <- k
       found <- FALSE
       frames <- character(0)
+      skipped <- 0L
       for (k in rev(seq_along(calls))) {
         if (k <= ev) break
         sr <- attr(calls[[k]], "srcref")
@@ -365,7 +369,9 @@ local({
           line <- srcref_line(sr) # innermost position inside this cell
           found <- TRUE
         }
-        if (!is_handler_frame(calls[[k]])) {
+        if (!is_handler_frame(calls[[k]]) && length(frames) >= MAX_FRAMES) {
+          skipped <- skipped + 1L
+        } else if (!is_handler_frame(calls[[k]])) {
           where <- if (here) {
             sprintf(" at line %d", srcref_line(sr))
           } else if (!is.null(sr)) {
@@ -378,6 +384,7 @@ local({
             deparse_bounded(calls[[k]], MAX_FRAME), where))
         }
       }
+      if (skipped > 0L) frames <- c(frames, sprintf("... %d outer frames not shown", skipped))
       if (length(frames)) tb <- bound_text(paste(frames, collapse = "\n"), MAX_TRACEBACK)
     }
     list(type = type, message = msg, line = line,
@@ -394,7 +401,8 @@ local({
       state$warnings_dropped <- state$warnings_dropped + 1L
       return(invisible())
     }
-    msg <- tryCatch(conditionMessage(cond), error = function(e) "<conditionMessage failed>")
+    msg <- message_of(cond)
+    if (!is.character(msg) || length(msg) == 0L) msg <- "<no message>"
     call <- tryCatch(conditionCall(cond), error = function(e) NULL)
     if (is_cell_eval(call)) call <- NULL
     text <- if (is.call(call)) {
@@ -411,10 +419,22 @@ local({
     state$warnings <- c(state$warnings, text)
   }
 
-  # Prints a visible value as the REPL does. Called from here, print() still dispatches to
-  # the user's S3 methods in .GlobalEnv (baseenv()'s parent).
+  # Calls generic `fun` (a symbol) on `x` from a frame whose parent is .GlobalEnv, so that S3
+  # dispatch finds the user's methods there (from the worker's own environment it would not:
+  # method lookup stops at baseenv(), the worker environment's top). `print` is looked up as
+  # the REPL looks it up, from .GlobalEnv; other generics are taken from base.
+  call_in_global <- function(fun, x) {
+    eval(as.call(list(fun, quote(x))), list(x = x), .GlobalEnv)
+  }
+
+  # Prints a visible value as the REPL does (S4 objects with show()).
   print_value <- function(value) {
-    if (isS4(value)) methods::show(value) else print(value)
+    if (isS4(value)) methods::show(value) else call_in_global(quote(print), value)
+  }
+
+  message_of <- function(cond) {
+    tryCatch(call_in_global(quote(base::conditionMessage), cond),
+      error = function(e) "<conditionMessage failed>")
   }
 
   # Evaluates the parsed cell expression by expression in .GlobalEnv, printing visible values
@@ -482,7 +502,9 @@ local({
       }
       list(status = status, error = err)
     })
-    if (limited) setTimeLimit()
+    # The REPL drops transient time limits (setTimeLimit()'s default) when it returns to the
+    # prompt; this loop never returns there, so every limit ends with its cell.
+    setTimeLimit()
     state$captured <- NULL
     if (state$warnings_dropped > 0L) {
       state$warnings <- c(state$warnings,

@@ -4,6 +4,14 @@
 //! problem; 3 the daemon refused the call (a named error, printed); 4 timeout; 5 interrupted
 //! or cancelled; 6 out of memory or fuel (memory_exhausted, oom, fuel_exhausted); 7 worker
 //! crashed; 10 the cell exited the interpreter (`sys.exit`, `quit`).
+//!
+//! Administration over D-Bus (`list`, `status`, `terminate`, `interrupt SESSION` without a
+//! cell, `reload`) talks to `org.sandcell.Sandcell1` on the system bus
+//! (`$DBUS_SYSTEM_BUS_ADDRESS` honoured); polkit decides inside sandcelld. Exit status: 0 ok;
+//! 1 the interrupt was not delivered; 2 bus unreachable; 3 the daemon refused (error name
+//! printed, e.g. `org.sandcell.Sandcell1.PermissionDenied`).
+
+mod dbus;
 
 use clap::{Parser, Subcommand};
 use sandcell_client::{Client, Error, Limits, Status};
@@ -18,9 +26,12 @@ struct Args {
     /// Socket of sandcelld [env: SANDCELL_SOCKET; default /run/sandcell/org.sandcell.Kernel].
     #[arg(long, global = true, value_name = "PATH")]
     socket: Option<PathBuf>,
-    /// Print frames as JSON lines instead of plain output.
+    /// Print frames (and D-Bus listings) as JSON instead of plain output.
     #[arg(long, global = true)]
     json: bool,
+    /// D-Bus commands: let polkit ask for a password (needs a polkit agent, e.g. pkttyagent).
+    #[arg(long, global = true)]
+    interactive: bool,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -54,18 +65,110 @@ enum Cmd {
         /// The code file, or -.
         file: PathBuf,
     },
-    /// Interrupt CELL of SESSION.
+    /// Interrupt CELL of SESSION over the Varlink socket; without CELL, interrupt whatever
+    /// cell SESSION is running, over D-Bus (an administrator's command).
     Interrupt {
         /// Session id.
         session: String,
-        /// Cell number.
-        cell: u64,
+        /// Cell number (Varlink); omit to use D-Bus InterruptSession.
+        cell: Option<u64>,
     },
     /// Close SESSION.
     Close {
         /// Session id.
         session: String,
     },
+    /// List live sessions (D-Bus): id, language, owner uid and pid, state, start, cells, memory.
+    List,
+    /// Show daemon-wide figures (D-Bus): version, cgroup mode, Landlock ABI, admission use.
+    Status,
+    /// End SESSION, whoever owns it (D-Bus; polkit: manage-own-sessions or manage-sessions).
+    Terminate {
+        /// Session id.
+        session: String,
+    },
+    /// Make sandcelld re-read its configuration (D-Bus; polkit: org.sandcell.reload).
+    Reload,
+}
+
+/// Runs a D-Bus subcommand; `None` if `cmd` is a Varlink one.
+async fn admin(cmd: &Cmd, json: bool, interactive: bool) -> Option<ExitCode> {
+    match cmd {
+        Cmd::List | Cmd::Status | Cmd::Terminate { .. } | Cmd::Reload => {}
+        Cmd::Interrupt { cell: None, .. } => {}
+        _ => return None,
+    }
+    let r: Result<u8, dbus::Error> = async {
+        let a = dbus::Admin::connect(interactive).await?;
+        match cmd {
+            Cmd::List => {
+                let rows = a.list().await?;
+                if json {
+                    println!("{}", serde_json::to_string(&rows).expect("serialises"));
+                } else {
+                    println!(
+                        "{:<32} {:<8} {:>6} {:>8} {:<8} {:<20} {:>6} {:>10}",
+                        "SESSION", "LANGUAGE", "UID", "PID", "STATE", "STARTED", "CELLS", "MEMORY"
+                    );
+                    for s in &rows {
+                        println!(
+                            "{:<32} {:<8} {:>6} {:>8} {:<8} {:<20} {:>6} {:>10}",
+                            s.id,
+                            s.language,
+                            s.uid,
+                            s.pid,
+                            s.state,
+                            dbus::utc(s.started_usec),
+                            s.cells_run,
+                            dbus::human_bytes(s.memory_bytes)
+                        );
+                    }
+                    println!("\n{} sessions listed.", rows.len());
+                }
+            }
+            Cmd::Status => {
+                let st = a.status().await?;
+                if json {
+                    println!("{}", serde_json::to_string(&st).expect("serialises"));
+                } else {
+                    println!("version:         {}", st.version);
+                    println!("cgroups:         {}", st.cgroup_mode);
+                    println!("landlock abi:    {}", st.landlock_abi);
+                    println!("active sessions: {}", st.active_sessions);
+                    for (budget, used, max) in &st.admission {
+                        println!("{budget}: {used} of {max}");
+                    }
+                }
+            }
+            Cmd::Terminate { session } => a.terminate(session).await?,
+            Cmd::Reload => a.reload().await?,
+            Cmd::Interrupt { session, .. } => {
+                let (delivered, reason) = a.interrupt(session).await?;
+                if json {
+                    println!(
+                        "{}",
+                        serde_json::json!({"delivered": delivered, "reason": reason})
+                    );
+                } else {
+                    println!("{reason}");
+                }
+                return Ok(if delivered { 0 } else { 1 });
+            }
+            _ => unreachable!("filtered above"),
+        }
+        Ok(0)
+    }
+    .await;
+    Some(match r {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("sandcellctl: {e}");
+            ExitCode::from(match e {
+                dbus::Error::Refused { .. } => 3,
+                dbus::Error::Bus(_) => 2,
+            })
+        }
+    })
 }
 
 fn read_code(file: &PathBuf) -> std::io::Result<String> {
@@ -104,7 +207,11 @@ async fn stream(c: &mut Client, json: bool) -> Result<u8, Error> {
     loop {
         let f = c.next_frame().await?;
         if json {
-            let _ = writeln!(out, "{}", serde_json::to_string(&f).expect("frames serialise"));
+            let _ = writeln!(
+                out,
+                "{}",
+                serde_json::to_string(&f).expect("frames serialise")
+            );
             let _ = out.flush();
         }
         if let Some(o) = &f.output
@@ -134,14 +241,21 @@ async fn stream(c: &mut Client, json: bool) -> Result<u8, Error> {
                 }
                 for (name, s) in [("stdout", r.stdout), ("stderr", r.stderr)] {
                     if s.truncated {
-                        line.push_str(&format!("; {name} truncated: kept {} of {} bytes", s.kept, s.seen));
+                        line.push_str(&format!(
+                            "; {name} truncated: kept {} of {} bytes",
+                            s.kept, s.seen
+                        ));
                     }
                 }
                 let _ = writeln!(err, "{line}");
             } else if !json {
                 for (name, s) in [("stdout", r.stdout), ("stderr", r.stderr)] {
                     if s.truncated {
-                        let _ = writeln!(err, "sandcellctl: {name} truncated: kept {} of {} bytes", s.kept, s.seen);
+                        let _ = writeln!(
+                            err,
+                            "sandcellctl: {name} truncated: kept {} of {} bytes",
+                            s.kept, s.seen
+                        );
                     }
                 }
             }
@@ -153,14 +267,24 @@ async fn stream(c: &mut Client, json: bool) -> Result<u8, Error> {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    let socket = args.socket.clone().unwrap_or_else(sandcell_client::default_socket);
+    if let Some(code) = admin(&args.cmd, args.json, args.interactive).await {
+        return code;
+    }
+    let socket = args
+        .socket
+        .clone()
+        .unwrap_or_else(sandcell_client::default_socket);
     let mut c = match Client::connect(&socket).await {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
     let r: Result<u8, Error> = async {
         match &args.cmd {
-            Cmd::Run { language, wall_time, file } => {
+            Cmd::Run {
+                language,
+                wall_time,
+                file,
+            } => {
                 let code = read_code(file).map_err(|e| Error::Protocol(zlink::Error::Io(e)))?;
                 let lang = language.clone().unwrap_or_else(|| {
                     match file.extension().and_then(|e| e.to_str()) {
@@ -168,7 +292,10 @@ async fn main() -> ExitCode {
                         _ => "python".into(),
                     }
                 });
-                let limits = wall_time.map(|w| Limits { wall_time_seconds: Some(w), ..Default::default() });
+                let limits = wall_time.map(|w| Limits {
+                    wall_time_seconds: Some(w),
+                    ..Default::default()
+                });
                 c.run(&lang, &code, limits.as_ref()).await?;
                 stream(&mut c, args.json).await
             }
@@ -186,7 +313,10 @@ async fn main() -> ExitCode {
                 c.execute(session, &code).await?;
                 stream(&mut c, args.json).await
             }
-            Cmd::Interrupt { session, cell } => {
+            Cmd::Interrupt {
+                session,
+                cell: Some(cell),
+            } => {
                 let r = c.interrupt(session, *cell).await?;
                 if args.json {
                     println!("{}", serde_json::to_string(&r).expect("serialises"));
@@ -198,6 +328,14 @@ async fn main() -> ExitCode {
             Cmd::Close { session } => {
                 c.close(session).await?;
                 Ok(0)
+            }
+            // Handled by `admin` before the socket is opened.
+            Cmd::List
+            | Cmd::Status
+            | Cmd::Terminate { .. }
+            | Cmd::Reload
+            | Cmd::Interrupt { cell: None, .. } => {
+                unreachable!("D-Bus commands are handled first")
             }
         }
     }

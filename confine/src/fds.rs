@@ -36,16 +36,7 @@ pub fn close_all_except(keep: &[i32]) -> io::Result<Vec<i32>> {
         .filter(|fd| keep.binary_search(fd).is_err())
         .collect();
 
-    // Gaps between kept fds, as inclusive ranges: [0, k0-1], [k0+1, k1-1], ..., [kn+1, MAX].
-    let mut low: u32 = 0;
-    for &fd in &keep {
-        let fd = fd as u32;
-        if fd > low {
-            close_range(low, fd - 1)?;
-        }
-        low = fd + 1;
-    }
-    close_range(low, u32::MAX)?;
+    close_gaps(&keep)?;
 
     let after = open_fds()?;
     if after != keep {
@@ -54,6 +45,45 @@ pub fn close_all_except(keep: &[i32]) -> io::Result<Vec<i32>> {
         )));
     }
     Ok(stray)
+}
+
+/// Closes every descriptor not in `keep` (sorted, deduplicated) without looking at
+/// `/proc`: usable after Landlock, which may hide `/proc`. Then checks with `fcntl(F_GETFD)`
+/// that, below `limit`, only the kept descriptors are open (new descriptors get the lowest free
+/// number, and RLIMIT_NOFILE, set in step 2, bounds them).
+///
+/// Errors: the OS error of `close_range`, or the descriptors found open.
+pub fn close_all_except_after_landlock(keep: &[i32], limit: u64) -> io::Result<()> {
+    let mut keep: Vec<i32> = keep.to_vec();
+    keep.sort_unstable();
+    keep.dedup();
+    close_gaps(&keep)?;
+    let limit = limit.clamp(1, 1 << 20) as i32;
+    // SAFETY: F_GETFD only queries descriptor flags.
+    let open: Vec<i32> = (0..limit)
+        .filter(|&fd| unsafe { libc::fcntl(fd, libc::F_GETFD) } != -1)
+        .collect();
+    let expected: Vec<i32> = keep.iter().copied().filter(|&fd| fd < limit).collect();
+    if open != expected {
+        return Err(io::Error::other(format!(
+            "descriptors {open:?} open after closing, expected exactly {expected:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// Closes the gaps between the sorted kept fds, as inclusive ranges:
+/// `[0, k0-1], [k0+1, k1-1], ..., [kn+1, MAX]`.
+fn close_gaps(keep: &[i32]) -> io::Result<()> {
+    let mut low: u32 = 0;
+    for &fd in keep {
+        let fd = fd as u32;
+        if fd > low {
+            close_range(low, fd - 1)?;
+        }
+        low = fd + 1;
+    }
+    close_range(low, u32::MAX)
 }
 
 /// `close_range(first, last, 0)`; falls back to closing one by one over `/proc/self/fd` on

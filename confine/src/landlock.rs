@@ -11,8 +11,12 @@
 //! | TCP | nothing: every bind and connect is denied (ABI 4+) |
 //! | scopes | abstract unix sockets and signals are confined to the worker's own domain (ABI 6+) |
 //!
-//! Write paths are never executable (W^X): a cell that drops a binary into its session
-//! directory cannot run it (R's `system()` still runs `/bin/sh` from `exec_paths`).
+//! Write paths are never executable: a cell that drops a binary into its session directory
+//! cannot `execve` it (R's `system()` still runs `/bin/sh` from `exec_paths`). This is not a
+//! full W^X: Landlock does not mediate `mmap(PROT_EXEC)` of a readable file (R's `dyn.load`)
+//! nor executing a memfd, so a native worker must be assumed able to run native code of its
+//! choosing; the walls (identity, capabilities, Landlock paths, seccomp, cgroup) are what
+//! bound that code.
 //!
 //! The ABI is read from the kernel and the rights chosen for exactly that ABI, then the ruleset
 //! is applied with [`CompatLevel::HardRequirement`], so nothing the code asked for is silently

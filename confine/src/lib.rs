@@ -301,7 +301,9 @@ pub fn enter(plan: &Plan) -> Result<Report, Error> {
     clock.lap(&mut report, "landlock");
 
     // 9. Close again anything steps 2-8 opened and failed to close (they should not have).
-    fds::close_all_except(&plan.keep_fds).map_err(step("fds-final"))?;
+    //    Without /proc, which Landlock may now hide.
+    fds::close_all_except_after_landlock(&plan.keep_fds, plan.max_open_files)
+        .map_err(step("fds-final"))?;
     clock.lap(&mut report, "fds-final");
 
     // 10. seccomp, last: it also denies calls the earlier steps needed (unshare, socket).

@@ -79,7 +79,7 @@ macro_rules! deny {
     ($name:ident, $when:expr, $profiles:ident, $reason:expr) => {
         Deny {
             name: stringify!($name),
-            nr: paste_nr!($name),
+            nr: syscall_nr!($name),
             when: $when,
             profiles: Profiles::$profiles,
             reason: $reason,
@@ -87,7 +87,7 @@ macro_rules! deny {
     };
 }
 
-macro_rules! paste_nr {
+macro_rules! syscall_nr {
     (ptrace) => {
         libc::SYS_ptrace
     };
@@ -420,6 +420,16 @@ const AUDIT_ARCH: u32 = 183 | 0x8000_0000 | 0x4000_0000;
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
 const AUDIT_ARCH: u32 = 0;
 
+/// Classic BPF opcodes (`<linux/bpf_common.h>`).
+/// `BPF_LD | BPF_W | BPF_ABS`: load a 32-bit word of `seccomp_data`.
+const BPF_LD_W_ABS: u16 = 0x20;
+/// `BPF_JMP | BPF_JEQ | BPF_K`.
+const BPF_JEQ_K: u16 = 0x15;
+/// `BPF_JMP | BPF_JGE | BPF_K`.
+const BPF_JGE_K: u16 = 0x35;
+/// `BPF_RET | BPF_K`.
+const BPF_RET_K: u16 = 0x06;
+
 /// The x32 ABI marks its system-call numbers with this bit (`__X32_SYSCALL_BIT`).
 const X32_SYSCALL_BIT: u32 = 0x4000_0000;
 
@@ -543,23 +553,19 @@ pub fn enosys_filter() -> Result<BpfProgram, Error> {
 /// ```
 /// On aarch64 there is no x32; instructions 2-3 are left out and the jump adjusted.
 pub fn arch_filter() -> BpfProgram {
-    const LD_W_ABS: u16 = 0x00 | 0x00 | 0x20; // BPF_LD | BPF_W | BPF_ABS
-    const JEQ_K: u16 = 0x05 | 0x10; // BPF_JMP | BPF_JEQ | BPF_K
-    const JGE_K: u16 = 0x05 | 0x30; // BPF_JMP | BPF_JGE | BPF_K
-    const RET_K: u16 = 0x06; // BPF_RET | BPF_K
     const NR_OFFSET: u32 = 0; // offsetof(struct seccomp_data, nr)
     const ARCH_OFFSET: u32 = 4; // offsetof(struct seccomp_data, arch)
     let ins = |code, jt, jf, k| sock_filter { code, jt, jf, k };
-    let mut prog = vec![ins(LD_W_ABS, 0, 0, ARCH_OFFSET)];
+    let mut prog = vec![ins(BPF_LD_W_ABS, 0, 0, ARCH_OFFSET)];
     if cfg!(target_arch = "x86_64") {
-        prog.push(ins(JEQ_K, 0, 3, AUDIT_ARCH));
-        prog.push(ins(LD_W_ABS, 0, 0, NR_OFFSET));
-        prog.push(ins(JGE_K, 1, 0, X32_SYSCALL_BIT));
+        prog.push(ins(BPF_JEQ_K, 0, 3, AUDIT_ARCH));
+        prog.push(ins(BPF_LD_W_ABS, 0, 0, NR_OFFSET));
+        prog.push(ins(BPF_JGE_K, 1, 0, X32_SYSCALL_BIT));
     } else {
-        prog.push(ins(JEQ_K, 0, 1, AUDIT_ARCH));
+        prog.push(ins(BPF_JEQ_K, 0, 1, AUDIT_ARCH));
     }
-    prog.push(ins(RET_K, 0, 0, libc::SECCOMP_RET_ALLOW));
-    prog.push(ins(RET_K, 0, 0, libc::SECCOMP_RET_KILL_PROCESS));
+    prog.push(ins(BPF_RET_K, 0, 0, libc::SECCOMP_RET_ALLOW));
+    prog.push(ins(BPF_RET_K, 0, 0, libc::SECCOMP_RET_KILL_PROCESS));
     prog
 }
 
@@ -606,30 +612,27 @@ pub struct Probes {
 ///
 /// Errors: the OS error of `fork` or `waitpid`.
 pub fn probe_in_child() -> io::Result<Probes> {
-    const LD_W_ABS: u16 = 0x20;
-    const JEQ_K: u16 = 0x15;
-    const RET_K: u16 = 0x06;
     let prog = [
         sock_filter {
-            code: LD_W_ABS,
+            code: BPF_LD_W_ABS,
             jt: 0,
             jf: 0,
             k: 0,
         },
         sock_filter {
-            code: JEQ_K,
+            code: BPF_JEQ_K,
             jt: 0,
             jf: 1,
             k: libc::SYS_getppid as u32,
         },
         sock_filter {
-            code: RET_K,
+            code: BPF_RET_K,
             jt: 0,
             jf: 0,
             k: libc::SECCOMP_RET_ERRNO | libc::EPERM as u32,
         },
         sock_filter {
-            code: RET_K,
+            code: BPF_RET_K,
             jt: 0,
             jf: 0,
             k: libc::SECCOMP_RET_ALLOW,

@@ -79,7 +79,8 @@ impl Fixture {
             uid: Some(WORKER_ID),
             gid: Some(WORKER_ID),
             session_dir: self.session.clone(),
-            read_paths: vec!["/etc/passwd".into(), "/proc".into()],
+            // No /proc: enter() must not need it after Landlock.
+            read_paths: vec!["/etc/passwd".into()],
             exec_paths: vec!["/usr".into(), "/does-not-exist".into()],
             write_paths: vec!["/dev/null".into()],
             keep_fds: vec![0, 1, 2],
@@ -147,10 +148,16 @@ fn probe(plan: Option<&Plan>, checks: &[&str], run_as: Option<u32>) -> Run {
     if let Some(id) = run_as {
         cmd.uid(id).gid(id);
     }
-    // SAFETY: dup2 is async-signal-safe; the closure touches no Rust state.
+    // SAFETY: dup2 and fcntl are async-signal-safe; the closure touches no Rust state.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::dup2(etc_fd, 7) < 0 {
+            // dup2(7, 7) would keep close-on-exec: clear the flag instead.
+            let rc = if etc_fd == 7 {
+                libc::fcntl(7, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(etc_fd, 7)
+            };
+            if rc < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
@@ -329,7 +336,8 @@ fn checks_with(extra: &[String]) -> Vec<String> {
 fn native_profile_confines_and_allows_fork_exec() {
     require_host!();
     let fx = Fixture::new();
-    let plan = fx.plan(SyscallProfile::Native);
+    let mut plan = fx.plan(SyscallProfile::Native);
+    plan.read_paths.push("/proc".into()); // for the proc-status check
     let daemon_pid = std::process::id();
     let extra = vec![
         format!("write={}", fx.dir.join("outside.txt").display()),
@@ -362,7 +370,8 @@ fn native_profile_confines_and_allows_fork_exec() {
 fn wasm_profile_denies_fork_and_exec_but_not_threads() {
     require_host!();
     let fx = Fixture::new();
-    let plan = fx.plan(SyscallProfile::Wasm);
+    let mut plan = fx.plan(SyscallProfile::Wasm);
+    plan.read_paths.push("/proc".into()); // for the proc-status check
     let extra = vec![
         format!("write={}", fx.dir.join("outside.txt").display()),
         format!("write={}", fx.session.join("inside.txt").display()),
@@ -385,7 +394,8 @@ fn x32_and_foreign_syscalls_kill_the_process() {
     require_host!();
     let fx = Fixture::new();
     for profile in [SyscallProfile::Wasm, SyscallProfile::Native] {
-        let run = probe(Some(&fx.plan(profile)), &["ids", "x32"], None);
+        // The plan has no /proc: also shows enter() completes without it.
+        let run = probe(Some(&fx.plan(profile)), &["ids", "fds", "x32"], None);
         assert_eq!(
             run.status.signal(),
             Some(libc::SIGSYS),
@@ -619,4 +629,60 @@ fn bench_enter_cost() {
             println!("    {step:14} {:>6} us", median(v));
         }
     }
+}
+
+/// R under the native profile: `system()` (fork + exec of /bin/sh), graphics, its temp dir
+/// and a catchable over-allocation work; the network and unlisted files do not.
+#[test]
+fn native_profile_runs_r() {
+    require_host!();
+    let rscript = "/usr/lib/R/bin/Rscript";
+    if !Path::new(rscript).exists() {
+        eprintln!("skipping: R is not installed ({rscript})");
+        return;
+    }
+    let fx = Fixture::new();
+    let mut plan = fx.plan(SyscallProfile::Native);
+    // PLATFORM-NOTES.md: what R reads.
+    plan.read_paths = [
+        "/etc/R",
+        "/etc/fonts",
+        "/etc/ld.so.cache",
+        "/etc/nsswitch.conf",
+        "/etc/passwd",
+        "/etc/group",
+        "/var/cache/fontconfig",
+        "/dev/urandom",
+    ]
+    .iter()
+    .map(PathBuf::from)
+    .collect();
+    plan.max_open_files = 256;
+    plan.max_address_space = Some(4 << 30);
+    let code = r#"
+        cat(system("echo from-sh", intern = TRUE), "\n")
+        png(file.path(tempdir(), "a.png")); plot(1); invisible(dev.off())
+        cat("png", file.exists(file.path(tempdir(), "a.png")), "\n")
+        cat("hostname", class(try(readLines("/etc/hostname"), silent = TRUE)), "\n")
+        cat("net", class(try(readLines(url("http://127.0.0.1:1/")), silent = TRUE)), "\n")
+        cat("alloc", class(try(numeric(1e9), silent = TRUE)), "\n")
+    "#;
+    let output = Command::new(PROBE)
+        .env_clear()
+        .env(PLAN_ENV, serde_json::to_string(&plan).unwrap())
+        .env("PATH", "/usr/bin:/bin")
+        .env("HOME", &fx.session)
+        .env("TMPDIR", &fx.session)
+        .args(["--", rscript, "-e", code])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "R failed: {stdout}\n{stderr}");
+    assert!(stdout.contains("from-sh"), "{stdout}\n{stderr}");
+    assert!(stdout.contains("png TRUE"), "{stdout}");
+    assert!(stdout.contains("hostname try-error"), "{stdout}");
+    assert!(stdout.contains("net try-error"), "{stdout}");
+    assert!(stdout.contains("alloc try-error"), "{stdout}");
 }

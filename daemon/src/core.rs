@@ -37,7 +37,7 @@ pub struct Core {
     admission: Admission,
     cgroups: Arc<dyn Backend>,
     uids: UidPool,
-    authority: Arc<dyn Authority>,
+    authority: RwLock<Arc<dyn Authority>>,
     sessions: Arc<Mutex<HashMap<String, Arc<Session>>>>,
     events: broadcast::Sender<Event>,
     stopping: AtomicBool,
@@ -90,7 +90,7 @@ impl Core {
             config: RwLock::new(Arc::new(config)),
             options,
             cgroups,
-            authority,
+            authority: RwLock::new(authority),
             sessions: Arc::default(),
             events,
             stopping: AtomicBool::new(false),
@@ -108,6 +108,12 @@ impl Core {
     pub fn reload(&self, config: Config) {
         self.admission.set_budgets(budgets(&config));
         *self.config.write().unwrap() = Arc::new(config);
+    }
+
+    /// Replaces the authority (issue #5: the polkit authority is selected once the system bus
+    /// answers); decisions already taken are not revisited.
+    pub fn set_authority(&self, authority: Arc<dyn Authority>) {
+        *self.authority.write().unwrap() = authority;
     }
 
     /// Budgets and their use.
@@ -248,8 +254,11 @@ impl Core {
         }
     }
 
-    async fn authorize(&self, caller: &Caller, action: Action) -> Result<(), KernelError> {
-        if self.authority.check(caller, action).await {
+    /// The one authorization step: asks the authority in force whether `caller` may do
+    /// `action`. Errors: `PermissionDenied` naming the polkit action.
+    pub async fn authorize(&self, caller: &Caller, action: Action) -> Result<(), KernelError> {
+        let authority = self.authority.read().unwrap().clone();
+        if authority.check(caller, action).await {
             Ok(())
         } else {
             Err(KernelError::PermissionDenied {
@@ -506,6 +515,57 @@ impl Core {
         self.authorize(caller, Action::ManageOwn).await?;
         s.close("closed by client").await;
         Ok(())
+    }
+
+    /// Looks up a session for administration (the D-Bus control plane): any caller learns
+    /// whether it exists (listing is public), and acting on it needs `manage-own-sessions`
+    /// for the owner's uid and `manage-sessions` for anyone else.
+    ///
+    /// Errors: `NoSuchSession`, `PermissionDenied`.
+    async fn lookup_managed(&self, caller: &Caller, id: &str) -> Result<Arc<Session>, KernelError> {
+        let s = self.sessions.lock().unwrap().get(id).cloned();
+        let Some(s) = s else {
+            return Err(KernelError::NoSuchSession { session: id.into() });
+        };
+        let action = if s.owner.uid == caller.uid {
+            Action::ManageOwn
+        } else {
+            Action::ManageAll
+        };
+        self.authorize(caller, action).await?;
+        Ok(s)
+    }
+
+    /// Ends `session` for an administrator (D-Bus `TerminateSession`); returns after its
+    /// worker is reaped and everything released. Errors: `NoSuchSession`, `PermissionDenied`.
+    pub async fn terminate(&self, caller: &Caller, session: &str) -> Result<(), KernelError> {
+        let s = self.lookup_managed(caller, session).await?;
+        tracing::info!(
+            session,
+            by_uid = caller.uid,
+            "session terminated by request"
+        );
+        s.close(&format!("terminated by uid {}", caller.uid)).await;
+        Ok(())
+    }
+
+    /// Interrupts whatever cell `session` is running (D-Bus `InterruptSession`); the reply
+    /// says whether SIGINT was delivered and why not (`not_running`, `session_ending`).
+    /// Errors: `NoSuchSession`, `PermissionDenied`.
+    pub async fn interrupt_running(
+        &self,
+        caller: &Caller,
+        session: &str,
+    ) -> Result<InterruptReply, KernelError> {
+        let s = self.lookup_managed(caller, session).await?;
+        let running = s.info.lock().unwrap().running_cell;
+        match running {
+            Some(cell) => Ok(s.interrupt(cell).await),
+            None => Ok(InterruptReply {
+                delivered: false,
+                reason: "not_running".into(),
+            }),
+        }
     }
 
     /// Stops taking work and ends every session (killed and reaped).

@@ -8,6 +8,7 @@
 //! - [`cgroup`]: session cgroups (v2, v1 hybrid).
 //! - [`admission`], [`identity`], [`auth`], [`config`]: budgets, uids, decisions, settings.
 //! - [`varlink`]: the `org.sandcell.Kernel` shim.
+//! - [`dbus`]: the `org.sandcell.Sandcell1` control plane shim; [`polkit`]: the polkit authority.
 //! - [`notify`]: systemd readiness, status, watchdog.
 
 pub mod admission;
@@ -15,8 +16,10 @@ pub mod auth;
 pub mod cgroup;
 pub mod config;
 pub mod core;
+pub mod dbus;
 pub mod identity;
 pub mod notify;
+pub mod polkit;
 pub mod session;
 pub mod varlink;
 pub mod worker;

@@ -44,6 +44,7 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .init();
     let (path, required) = match &args.config {
@@ -136,7 +137,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         let check = sandcell_confine::self_check().context("confinement self-check failed")?;
         tracing::info!(?check, "confinement self-check passed");
         let backend: Arc<dyn Backend> =
-            Arc::from(cgroup_detect(&config).context("cgroup setup failed")?);
+            Arc::from(cgroup::detect(&cgroup::DetectConfig { v1_name: config.daemon.cgroup_name.clone(), ..Default::default() }).context("cgroup setup failed")?);
         (
             backend,
             Options {
@@ -165,10 +166,26 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
             .await
             .with_context(|| format!("readiness probe ({lang}) failed"))?;
     }
+    // ---- issue #5: D-Bus control plane + polkit authority (sandcelld::dbus) ----
+    // Started after the readiness probe and before the Varlink socket is served, so polkit
+    // (when the system bus and polkitd answer) decides from the first client on; without a
+    // system bus the socket's permissions stay the only gate. `stop_tx` is created here so
+    // the D-Bus supervisor stops with the rest.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let dbus = sandcelld::dbus::start(
+        core.clone(),
+        sandcelld::dbus::Settings {
+            config_path: config_path.clone(),
+            config_required: args.config.is_some(),
+        },
+        stop_rx.clone(),
+    )
+    .await;
+    // ---- end issue #5 ----
+
     notify::ready(&status_line(&core));
     tracing::info!("ready");
 
-    let (stop_tx, stop_rx) = watch::channel(false);
     let server = tokio::spawn(varlink::serve(core.clone(), listener, stop_rx));
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
@@ -206,6 +223,9 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     notify::stopping();
     let _ = stop_tx.send(true);
     let _ = server.await;
+    if let Some(d) = dbus {
+        let _ = d.await; // issue #5: releases the bus name
+    }
     core.shutdown().await;
     if let Some(p) = &args.listen {
         let _ = std::fs::remove_file(p);
@@ -232,6 +252,7 @@ async fn probe(core: &Arc<Core>, language: &str) -> anyhow::Result<()> {
         gid: 0,
         pid: std::process::id(),
         connection: 0,
+        subject: sandcelld::session::Subject::Daemon,
     };
     let code = match language {
         "r" => "cat(1, '\\n', sep = '')",
@@ -254,13 +275,16 @@ async fn probe(core: &Arc<Core>, language: &str) -> anyhow::Result<()> {
                     r.error
                 );
             }
+            // Ready means idle: the probe's worker is reaped and its charge released.
+            let t0 = Instant::now();
+            while !core.sessions().is_empty() {
+                if t0.elapsed() > Duration::from_secs(10) {
+                    bail!("probe session was not released");
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
             return Ok(());
         }
     }
     bail!("probe cell produced no result")
-}
-
-// Until the cgroup backends land (issue #3), production mode cannot start.
-fn cgroup_detect(_c: &Config) -> anyhow::Result<Box<dyn Backend>> {
-    bail!("no cgroup backend available yet; run with --insecure-dev")
 }

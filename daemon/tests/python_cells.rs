@@ -83,7 +83,8 @@ async fn session_keeps_variables_and_sessions_are_isolated() {
 
 #[tokio::test]
 async fn infinite_loop_times_out_and_session_survives() {
-    let d = Daemon::start(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "2")]);
+    // Fuel high enough that the wall time, not the fuel, ends the loop.
+    let d = Daemon::start(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "2"), ("SANDCELL_MAX_FUEL", "1000000000000000")]);
     let mut c = d.client().await;
     let s = c.open("python", None, None).await.unwrap().session;
     c.execute_collect(&s, "keep = [1, 2, 3]").await.unwrap();
@@ -238,6 +239,7 @@ async fn exception_reports_traceback_with_user_lines_and_sys_exit_is_not_a_crash
 #[tokio::test]
 async fn oversized_source_is_refused_before_any_worker_starts() {
     let d = Daemon::start(&[("SANDCELL_MAX_SOURCE_BYTES", "100")]);
+    let opened = d.log_text().matches("session opened").count(); // the readiness probe's
     let mut c = d.client().await;
     let code = format!("x = '{}'", "a".repeat(200));
     let e = c.run_collect("python", &code, None).await.unwrap_err();
@@ -250,7 +252,7 @@ async fn oversized_source_is_refused_before_any_worker_starts() {
         other => panic!("{other:?}"),
     }
     assert!(d.descendants().is_empty());
-    assert!(!d.log_text().contains("session opened"));
+    assert_eq!(d.log_text().matches("session opened").count(), opened);
 }
 
 #[tokio::test]

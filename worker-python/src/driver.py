@@ -19,7 +19,6 @@ import sys as _sys
 import traceback as _traceback
 import types as _types
 
-VERSION = 2
 RESULT = '_eryx_sandcell_result'
 MAX_MESSAGE_CHARS = 16384
 MAX_FRAMES = 40
@@ -37,19 +36,20 @@ def _encode(s):
 
 
 class _BinaryWriter:
-    """`sys.stdout.buffer`: forwards bytes to the host unchanged, keeps nothing."""
+    """`sys.stdout.buffer`: forwards bytes to the host unchanged, after the pending text."""
 
-    def __init__(self, sid):
-        self._sid = sid
+    def __init__(self, text):
+        self._text = text
 
     def write(self, b):
         b = bytes(b)
         if b:
-            _eryx._eryx_report_output(self._sid, b)
+            self._text.flush()
+            _eryx._eryx_report_output(self._text._sid, b)
         return len(b)
 
     def flush(self):
-        pass
+        self._text.flush()
 
     def writable(self):
         return True
@@ -69,33 +69,48 @@ class _BinaryWriter:
 
 
 class _TextWriter:
-    """`sys.stdout`/`sys.stderr`: streams every write to the host and keeps nothing.
+    """`sys.stdout`/`sys.stderr`: line-buffered, sent to the host at each newline, at 8 KiB,
+    on flush() and at the end of the cell; nothing is kept after that.
 
-    Eryx's own writer also accumulates the whole cell's output in guest memory; this one
-    does not, so a long-running printing cell does not grow the guest.
+    Eryx's own writer accumulates the whole cell's output in guest memory; this one does not,
+    so a long-running printing cell does not grow the guest. Line buffering turns a `print`
+    (several writes) into one host call and one frame.
     """
 
     def __init__(self, sid):
         self._sid = sid
-        self.buffer = _BinaryWriter(sid)
+        self._pending = []
+        self._size = 0
+        self.buffer = _BinaryWriter(self)
         self.encoding = 'utf-8'
         self.errors = 'surrogateescape'
         self.newlines = None
-        self.line_buffering = False
+        self.line_buffering = True
 
     def write(self, s):
         if not isinstance(s, str):
             raise TypeError('write() argument must be str, not ' + type(s).__name__)
         if s:
-            _eryx._eryx_report_output(self._sid, _encode(s))
+            self._pending.append(s)
+            self._size += len(s)
+            if self._size >= 8192 or '\n' in s:
+                self.flush()
         return len(s)
+
+    def flush(self):
+        if self._pending:
+            data = ''.join(self._pending)
+            self._pending.clear()
+            self._size = 0
+            _eryx._eryx_report_output(self._sid, _encode(data))
+
+    def discard(self):
+        self._pending.clear()
+        self._size = 0
 
     def writelines(self, lines):
         for line in lines:
             self.write(line)
-
-    def flush(self):
-        pass
 
     def writable(self):
         return True
@@ -120,6 +135,14 @@ class _TextWriter:
 
 _OUT = _TextWriter(0)
 _ERR = _TextWriter(1)
+
+
+def _flush_all():
+    for w in (_OUT, _ERR):
+        try:
+            w.flush()
+        except BaseException:
+            w.discard()
 _cells = []
 
 
@@ -221,6 +244,7 @@ def run(src, g, cell):
     except BaseException as e:
         res = _outcome(e, fname)
     finally:
+        _flush_all()
         _sys.stdout, _sys.stderr = saved
     g[RESULT] = res
 
@@ -241,6 +265,7 @@ async def run_async(src, g, cell):
     except BaseException as e:
         res = _outcome(e, fname)
     finally:
+        _flush_all()
         _sys.stdout, _sys.stderr = saved
     g[RESULT] = res
 
@@ -316,9 +341,13 @@ def _dumps(value):
     return buf.getvalue()
 
 
+# Eryx's callback infrastructure in the namespace: re-created by Eryx, never snapshotted.
+_INFRA = frozenset(('invoke', 'list_callbacks', '_EryxNamespace', '_EryxCallbackLeaf'))
+
+
 def _user_items(g):
     for k, v in list(g.items()):
-        if k.startswith('__') or k.startswith('_eryx_'):
+        if k.startswith('__') or k.startswith('_eryx_') or k in _INFRA:
             continue
         yield k, v
 

@@ -25,8 +25,21 @@ use serde::Deserialize;
 /// Python source of the driver module.
 pub const DRIVER_SOURCE: &str = include_str!("driver.py");
 
-/// Version the driver declares as `VERSION`; bump with every change to `driver.py`.
-pub const DRIVER_VERSION: u32 = 2;
+/// Identity of [`DRIVER_SOURCE`]: 64-bit FNV-1a of its bytes. The installer skips a driver
+/// whose recorded hash matches (the one baked into the snapshot) and replaces any other.
+pub const DRIVER_HASH: u64 = fnv1a(DRIVER_SOURCE.as_bytes());
+
+/// 64-bit FNV-1a (not cryptographic: it only tells driver versions apart).
+const fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut i = 0;
+    while i < bytes.len() {
+        h ^= bytes[i] as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        i += 1;
+    }
+    h
+}
 
 /// Name of the guest variable the driver writes its outcome to (Eryx's result variable).
 ///
@@ -40,12 +53,13 @@ pub fn install_code() -> String {
         "def _eryx_sandcell_install(src, version):\n    \
              import sys, base64\n    \
              m = sys.modules.get('_sandcell')\n    \
-             if getattr(m, 'VERSION', None) == version:\n        \
+             if getattr(m, 'SANDCELL_HASH', None) == version:\n        \
                  return\n    \
              m = type(sys)('_sandcell')\n    \
              exec(compile(base64.b64decode(src).decode('utf-8'), '<sandcell-driver>', 'exec'), m.__dict__)\n    \
+             m.SANDCELL_HASH = version\n    \
              sys.modules['_sandcell'] = m\n\
-         _eryx_sandcell_install('{}', {DRIVER_VERSION})\n\
+         _eryx_sandcell_install('{}', {DRIVER_HASH})\n\
          del _eryx_sandcell_install\n",
         b64(DRIVER_SOURCE.as_bytes())
     )
@@ -148,12 +162,24 @@ mod base64_engine {
     pub fn encode(data: &[u8]) -> String {
         let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
         for chunk in data.chunks(3) {
-            let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
+            let b = [
+                chunk[0],
+                *chunk.get(1).unwrap_or(&0),
+                *chunk.get(2).unwrap_or(&0),
+            ];
             let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
             out.push(ALPHABET[(n >> 18) as usize & 63] as char);
             out.push(ALPHABET[(n >> 12) as usize & 63] as char);
-            out.push(if chunk.len() > 1 { ALPHABET[(n >> 6) as usize & 63] as char } else { '=' });
-            out.push(if chunk.len() > 2 { ALPHABET[n as usize & 63] as char } else { '=' });
+            out.push(if chunk.len() > 1 {
+                ALPHABET[(n >> 6) as usize & 63] as char
+            } else {
+                '='
+            });
+            out.push(if chunk.len() > 2 {
+                ALPHABET[n as usize & 63] as char
+            } else {
+                '='
+            });
         }
         out
     }
@@ -174,14 +200,18 @@ mod tests {
     }
 
     #[test]
-    fn driver_version_matches_source() {
-        assert!(DRIVER_SOURCE.contains(&format!("\nVERSION = {DRIVER_VERSION}\n")));
+    fn driver_constants_match_source() {
         assert!(DRIVER_SOURCE.contains(&format!("RESULT = '{RESULT_VARIABLE}'")));
+        assert!(DRIVER_SOURCE.contains(&format!("SNAPSHOT_STREAM = {SNAPSHOT_STREAM}\n")));
+        assert!(install_code().contains(&DRIVER_HASH.to_string()));
     }
 
     #[test]
     fn cell_code_picks_the_async_driver_only_when_needed() {
-        assert!(cell_code(3, "print(1)").starts_with("__import__('_sandcell').run('cHJpbnQoMSk=', globals(), 3)"));
+        assert!(
+            cell_code(3, "print(1)")
+                .starts_with("__import__('_sandcell').run('cHJpbnQoMSk=', globals(), 3)")
+        );
         assert!(cell_code(4, "await x()").starts_with("await __import__('_sandcell').run_async("));
     }
 
@@ -194,6 +224,9 @@ mod tests {
         assert_eq!(r.status, "error");
         assert_eq!(r.error.as_ref().unwrap().line, Some(2));
         assert_eq!(r.modules.get("m").map(String::as_str), Some("math"));
-        assert_eq!((r.names.clone(), r.missing.clone()), (vec!["x".to_string()], vec!["g".to_string()]));
+        assert_eq!(
+            (r.names.clone(), r.missing.clone()),
+            (vec!["x".to_string()], vec!["g".to_string()])
+        );
     }
 }

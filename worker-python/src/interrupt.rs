@@ -74,7 +74,9 @@ pub struct Interrupter {
 
 impl Interrupter {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// A request was read: SIGINTs count from now on.
@@ -141,13 +143,17 @@ pub fn install(interrupter: Arc<Interrupter>) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: pipe2 just returned these two descriptors; nothing else owns them.
-    let (read_end, write_end) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let (read_end, write_end) =
+        unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
     // SAFETY: F_SETFL on a descriptor we own.
     if unsafe { libc::fcntl(write_end.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } != 0 {
         return Err(io::Error::last_os_error());
     }
     // The write end lives as long as the process: the handler may run at any time.
-    PIPE_WRITE.store(std::os::fd::IntoRawFd::into_raw_fd(write_end), Ordering::SeqCst);
+    PIPE_WRITE.store(
+        std::os::fd::IntoRawFd::into_raw_fd(write_end),
+        Ordering::SeqCst,
+    );
 
     // SAFETY: a zeroed sigaction is a valid starting point; the handler is an extern "C" fn
     // that only performs async-signal-safe calls; the masks are initialised by sigemptyset.
@@ -166,19 +172,22 @@ pub fn install(interrupter: Arc<Interrupter>) -> io::Result<()> {
         libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
     }
 
-    std::thread::Builder::new().name("sigint-watcher".into()).spawn(move || {
-        let mut buf = [0u8; 64];
-        loop {
-            // SAFETY: reading into a local buffer from a descriptor this thread owns.
-            let n = unsafe { libc::read(read_end.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-            if n > 0 {
-                interrupter.fire();
-            } else if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                continue;
-            } else {
-                return;
+    std::thread::Builder::new()
+        .name("sigint-watcher".into())
+        .spawn(move || {
+            let mut buf = [0u8; 64];
+            loop {
+                // SAFETY: reading into a local buffer from a descriptor this thread owns.
+                let n =
+                    unsafe { libc::read(read_end.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+                if n > 0 {
+                    interrupter.fire();
+                } else if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                    continue;
+                } else {
+                    return;
+                }
             }
-        }
-    })?;
+        })?;
     Ok(())
 }

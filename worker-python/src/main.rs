@@ -7,12 +7,12 @@ fn main() {
     let plan = match sandcell_confine::Plan::from_env() {
         Ok(p) => p,
         Err(e) => {
-            eprintln!("sandcell-worker-python: {e}");
+            sandcell_proto::worker::report_fatal("confine", &e.to_string());
             std::process::exit(sandcell_confine::EXIT_CONFINE_FAILED);
         }
     };
     if let Err(e) = sandcell_confine::enter(&plan) {
-        eprintln!("sandcell-worker-python: {e}");
+        sandcell_proto::worker::report_fatal("confine", &e.to_string());
         std::process::exit(sandcell_confine::EXIT_CONFINE_FAILED);
     }
     std::process::exit(sandcell_worker_python::worker::run_confined());

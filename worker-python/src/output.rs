@@ -22,7 +22,6 @@ use eryx::OutputRequest;
 use sandcell_proto::text::{escape_lossy, split_incomplete_tail};
 use sandcell_proto::worker::{MAX_OUTPUT_CHUNK, Stream, WorkerMessage};
 use tokio::sync::mpsc::UnboundedReceiver;
-use tokio::sync::mpsc::error::TryRecvError;
 
 use crate::replies::Replies;
 
@@ -59,7 +58,12 @@ const STREAMS: [Stream; 2] = [Stream::Stdout, Stream::Stderr];
 impl CellOutput {
     /// Bookkeeping for cell `cell`, forwarding at most `max_output` bytes per stream.
     pub fn new(cell: u64, max_output: u64) -> Self {
-        Self { cell, max_output, streams: Default::default(), last: None }
+        Self {
+            cell,
+            max_output,
+            streams: Default::default(),
+            last: None,
+        }
     }
 
     /// Bytes seen so far on `stream`.
@@ -108,7 +112,11 @@ impl CellOutput {
         for s in STREAMS {
             let st = &self.streams[index(s)];
             if st.seen > st.kept {
-                out.push(WorkerMessage::Dropped { cell: self.cell, stream: s, bytes: st.seen - st.kept });
+                out.push(WorkerMessage::Dropped {
+                    cell: self.cell,
+                    stream: s,
+                    bytes: st.seen - st.kept,
+                });
             }
         }
     }
@@ -140,7 +148,11 @@ impl CellOutput {
         let st = &self.streams[index(stream)];
         let n = n.min(st.buf.len());
         let (complete, _) = split_incomplete_tail(&st.buf[..n]);
-        let len = if complete.is_empty() { n } else { complete.len() };
+        let len = if complete.is_empty() {
+            n
+        } else {
+            complete.len()
+        };
         self.emit(stream, len, out);
     }
 
@@ -159,7 +171,11 @@ impl CellOutput {
 
 /// Maps Eryx's stream number (0 stdout, 1 stderr) to a [`Stream`]; anything else is stderr.
 pub fn stream_of(id: u32) -> Stream {
-    if id == 0 { Stream::Stdout } else { Stream::Stderr }
+    if id == 0 {
+        Stream::Stdout
+    } else {
+        Stream::Stderr
+    }
 }
 
 /// Forwards one cell's output from `rx` to `replies` until every sender is gone, then sends
@@ -177,11 +193,9 @@ pub fn forward(
     let mut frames = Vec::new();
     while let Some(first) = rx.blocking_recv() {
         out.push(stream_of(first.stream), &first.data, &mut frames);
-        loop {
-            match rx.try_recv() {
-                Ok(req) => out.push(stream_of(req.stream), &req.data, &mut frames),
-                Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => break,
-            }
+        // Coalesce whatever is already queued; stop at the first empty poll so output is live.
+        while let Ok(req) = rx.try_recv() {
+            out.push(stream_of(req.stream), &req.data, &mut frames);
             if frames.len() >= 16 {
                 replies.send_all(&frames)?;
                 frames.clear();
@@ -205,7 +219,12 @@ mod tests {
         frames
             .iter()
             .filter_map(|m| match m {
-                WorkerMessage::Output { stream, data, bytes, .. } => Some((*stream, data.clone(), *bytes)),
+                WorkerMessage::Output {
+                    stream,
+                    data,
+                    bytes,
+                    ..
+                } => Some((*stream, data.clone(), *bytes)),
                 _ => None,
             })
             .collect()
@@ -269,7 +288,11 @@ mod tests {
         assert!(t.len() >= 3);
         for (_, text, bytes) in &t {
             assert!(*bytes as usize <= MAX_OUTPUT_CHUNK);
-            assert_eq!(text.len() as u64, *bytes, "no escaping expected in valid text");
+            assert_eq!(
+                text.len() as u64,
+                *bytes,
+                "no escaping expected in valid text"
+            );
             assert!(!text.contains("\\x"));
         }
         assert_eq!(t.iter().map(|x| x.2).sum::<u64>(), data.len() as u64);

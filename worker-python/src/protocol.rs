@@ -71,7 +71,9 @@ fn read_header<R: BufRead>(r: &mut R) -> Result<String, ReadError> {
 /// Reads exactly `len` bytes.
 fn read_payload<R: BufRead>(r: &mut R, len: u64) -> Result<Vec<u8>, ReadError> {
     if len > MAX_PAYLOAD {
-        return Err(ReadError::Malformed(format!("payload of {len} bytes exceeds {MAX_PAYLOAD}")));
+        return Err(ReadError::Malformed(format!(
+            "payload of {len} bytes exceeds {MAX_PAYLOAD}"
+        )));
     }
     let mut payload = vec![0; len as usize];
     r.read_exact(&mut payload).map_err(|e| {
@@ -92,7 +94,10 @@ pub fn read_request<R: BufRead>(r: &mut R) -> Result<Request, ReadError> {
     let header = RequestHeader::parse(&line).map_err(ReadError::Malformed)?;
     let payload = read_payload(r, header.len)?;
     match header.op {
-        Op::Exec => Ok(Request::Exec { header, source: payload }),
+        Op::Exec => Ok(Request::Exec {
+            header,
+            source: payload,
+        }),
         Op::Exit => Ok(Request::Exit),
     }
 }
@@ -108,8 +113,18 @@ mod tests {
     #[test]
     fn reads_exec_with_options() {
         let r = read(b"exec 7 9 timeout_ms=100 fuel=5 max_output=10\nprint(1)\n").unwrap();
-        let Request::Exec { header, source } = r else { panic!("not exec") };
-        assert_eq!((header.cell, header.timeout_ms, header.fuel, header.max_output), (7, Some(100), Some(5), Some(10)));
+        let Request::Exec { header, source } = r else {
+            panic!("not exec")
+        };
+        assert_eq!(
+            (
+                header.cell,
+                header.timeout_ms,
+                header.fuel,
+                header.max_output
+            ),
+            (7, Some(100), Some(5), Some(10))
+        );
         assert_eq!(source, b"print(1)\n");
     }
 
@@ -117,11 +132,20 @@ mod tests {
     fn eof_and_malformed_are_told_apart() {
         assert!(matches!(read(b""), Err(ReadError::Eof)));
         assert!(matches!(read(b"exec 1"), Err(ReadError::Malformed(_))));
-        assert!(matches!(read(b"exec 1 5\nab"), Err(ReadError::Malformed(_))));
+        assert!(matches!(
+            read(b"exec 1 5\nab"),
+            Err(ReadError::Malformed(_))
+        ));
         assert!(matches!(read(b"bogus 1 0\n"), Err(ReadError::Malformed(_))));
         let long = format!("exec 1 0 {}\n", "x".repeat(MAX_HEADER_LINE));
-        assert!(matches!(read(long.as_bytes()), Err(ReadError::Malformed(_))));
-        assert!(matches!(read(b"exec 1 99999999999\n"), Err(ReadError::Malformed(_))));
+        assert!(matches!(
+            read(long.as_bytes()),
+            Err(ReadError::Malformed(_))
+        ));
+        assert!(matches!(
+            read(b"exec 1 99999999999\n"),
+            Err(ReadError::Malformed(_))
+        ));
     }
 
     #[test]

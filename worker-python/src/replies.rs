@@ -16,7 +16,9 @@ pub struct Replies {
 impl Replies {
     /// Wraps an open, writable pipe.
     pub fn new(file: File) -> Self {
-        Self { file: Mutex::new(file) }
+        Self {
+            file: Mutex::new(file),
+        }
     }
 
     /// Writes one message as one line.
@@ -38,11 +40,17 @@ impl Replies {
         for m in msgs {
             let line = m.to_line();
             if line.len() - 1 > MAX_WORKER_LINE {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, "reply line over MAX_WORKER_LINE"));
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "reply line over MAX_WORKER_LINE",
+                ));
             }
             buf.extend_from_slice(&line);
         }
-        let mut f = self.file.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut f = self
+            .file
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         f.write_all(&buf)
     }
 }

@@ -46,10 +46,42 @@ pub const MANIFEST_FORMAT: u32 = 1;
 /// `dill` is what Eryx's state snapshots use; `_sandcell` (the driver) is installed by the
 /// setup code. Measured effect: see the bench subcommand and the crate report.
 pub const PREINIT_IMPORTS: &[&str] = &[
-    "json", "re", "math", "cmath", "statistics", "decimal", "fractions", "datetime", "time", "csv",
-    "collections", "itertools", "functools", "operator", "random", "pickle", "dill", "traceback",
-    "linecache", "io", "base64", "ast", "types", "string", "textwrap", "heapq", "bisect", "copy",
-    "dataclasses", "enum", "typing", "struct", "array", "hashlib", "importlib", "pprint",
+    "json",
+    "re",
+    "math",
+    "cmath",
+    "statistics",
+    "decimal",
+    "fractions",
+    "datetime",
+    "time",
+    "csv",
+    "collections",
+    "itertools",
+    "functools",
+    "operator",
+    "random",
+    "pickle",
+    "dill",
+    "traceback",
+    "linecache",
+    "io",
+    "base64",
+    "ast",
+    "types",
+    "string",
+    "textwrap",
+    "heapq",
+    "bisect",
+    "copy",
+    "dataclasses",
+    "enum",
+    "typing",
+    "struct",
+    "array",
+    "hashlib",
+    "importlib",
+    "pprint",
 ];
 
 /// A file artefact: name, size and SHA-256.
@@ -108,8 +140,9 @@ pub struct Manifest {
     pub cpu_features: Vec<String>,
     /// [`PREINIT_IMPORTS`] at preparation time.
     pub preinit_imports: Vec<String>,
-    /// [`driver::DRIVER_VERSION`] baked into the snapshot.
-    pub driver_version: u32,
+    /// [`driver::DRIVER_HASH`] of the driver baked into the snapshot (0 when unknown).
+    #[serde(default)]
+    pub driver_hash: u64,
     /// The compiled component.
     pub cwasm: Artifact,
     /// The standard library.
@@ -134,8 +167,23 @@ pub fn host_cpu_features() -> Vec<String> {
             ($($f:tt),*) => { $( if std::arch::is_x86_feature_detected!($f) { v.push($f); } )* };
         }
         probe!(
-            "sse3", "ssse3", "sse4.1", "sse4.2", "popcnt", "avx", "avx2", "fma", "bmi1", "bmi2",
-            "lzcnt", "avx512f", "avx512vl", "avx512dq", "avx512bw", "avx512vbmi", "cmpxchg16b"
+            "sse3",
+            "ssse3",
+            "sse4.1",
+            "sse4.2",
+            "popcnt",
+            "avx",
+            "avx2",
+            "fma",
+            "bmi1",
+            "bmi2",
+            "lzcnt",
+            "avx512f",
+            "avx512vl",
+            "avx512dq",
+            "avx512bw",
+            "avx512vbmi",
+            "cmpxchg16b"
         );
     }
     let mut v: Vec<String> = v.into_iter().map(String::from).collect();
@@ -175,11 +223,18 @@ pub fn hash_tree(dir: &Path) -> io::Result<(u64, u64, String)> {
             let ty = entry.file_type()?;
             let path = entry.path();
             if ty.is_symlink() {
-                return Err(io::Error::other(format!("symbolic link in stdlib: {}", path.display())));
+                return Err(io::Error::other(format!(
+                    "symbolic link in stdlib: {}",
+                    path.display()
+                )));
             } else if ty.is_dir() {
                 walk(base, &path, out)?;
             } else if ty.is_file() {
-                out.push(path.strip_prefix(base).map_err(io::Error::other)?.to_path_buf());
+                out.push(
+                    path.strip_prefix(base)
+                        .map_err(io::Error::other)?
+                        .to_path_buf(),
+                );
             }
         }
         Ok(())
@@ -206,7 +261,8 @@ impl Manifest {
     /// Errors: missing, unreadable or not a manifest.
     pub fn read(dir: &Path) -> Result<Self> {
         let path = dir.join(MANIFEST_FILE);
-        let text = fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let text =
+            fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
     }
 
@@ -215,10 +271,16 @@ impl Manifest {
     /// host lacks.
     pub fn incompatibility(&self) -> Option<String> {
         if self.format != MANIFEST_FORMAT {
-            return Some(format!("manifest format {} (expected {MANIFEST_FORMAT})", self.format));
+            return Some(format!(
+                "manifest format {} (expected {MANIFEST_FORMAT})",
+                self.format
+            ));
         }
         if self.eryx_version != ERYX_VERSION {
-            return Some(format!("prepared by eryx {} (this build uses {ERYX_VERSION})", self.eryx_version));
+            return Some(format!(
+                "prepared by eryx {} (this build uses {ERYX_VERSION})",
+                self.eryx_version
+            ));
         }
         if self.engine_config_version != PythonExecutor::ENGINE_CONFIG_VERSION {
             return Some(format!(
@@ -228,12 +290,22 @@ impl Manifest {
             ));
         }
         if self.target != target() {
-            return Some(format!("compiled for {} (this host is {})", self.target, target()));
+            return Some(format!(
+                "compiled for {} (this host is {})",
+                self.target,
+                target()
+            ));
         }
         let host: BTreeSet<String> = host_cpu_features().into_iter().collect();
-        let missing: Vec<&String> = self.cpu_features.iter().filter(|f| !host.contains(*f)).collect();
+        let missing: Vec<&String> = self
+            .cpu_features
+            .iter()
+            .filter(|f| !host.contains(*f))
+            .collect();
         if !missing.is_empty() {
-            return Some(format!("compiled for CPU features this host lacks: {missing:?}"));
+            return Some(format!(
+                "compiled for CPU features this host lacks: {missing:?}"
+            ));
         }
         None
     }
@@ -244,9 +316,15 @@ impl Manifest {
     pub fn is_current(&self, dir: &Path) -> bool {
         self.incompatibility().is_none()
             && self.cpu_features == host_cpu_features()
-            && self.preinit_imports == PREINIT_IMPORTS.iter().map(|s| s.to_string()).collect::<Vec<_>>()
-            && self.driver_version == driver::DRIVER_VERSION
-            && fs::metadata(dir.join(&self.cwasm.file)).map(|m| m.len() == self.cwasm.bytes).unwrap_or(false)
+            && self.preinit_imports
+                == PREINIT_IMPORTS
+                    .iter()
+                    .map(|s| s.to_string())
+                    .collect::<Vec<_>>()
+            && self.driver_hash == driver::DRIVER_HASH
+            && fs::metadata(dir.join(&self.cwasm.file))
+                .map(|m| m.len() == self.cwasm.bytes)
+                .unwrap_or(false)
             && dir.join(&self.stdlib.dir).join("encodings").is_dir()
     }
 }
@@ -258,10 +336,18 @@ fn check_trusted(path: &Path) -> Result<()> {
     // SAFETY: geteuid has no preconditions and cannot fail.
     let euid = unsafe { libc::geteuid() };
     if meta.uid() != 0 && meta.uid() != euid {
-        bail!("{} is owned by uid {}, neither root nor this process", path.display(), meta.uid());
+        bail!(
+            "{} is owned by uid {}, neither root nor this process",
+            path.display(),
+            meta.uid()
+        );
     }
     if meta.mode() & 0o022 != 0 {
-        bail!("{} is writable by group or others (mode {:o})", path.display(), meta.mode() & 0o7777);
+        bail!(
+            "{} is writable by group or others (mode {:o})",
+            path.display(),
+            meta.mode() & 0o7777
+        );
     }
     Ok(())
 }
@@ -274,7 +360,10 @@ fn check_trusted(path: &Path) -> Result<()> {
 pub fn load_executor(dir: &Path) -> Result<(PythonExecutor, Manifest)> {
     let manifest = Manifest::read(dir)?;
     if let Some(why) = manifest.incompatibility() {
-        bail!("runtime in {} is not usable here: {why}; run sandcell-python-runtime prepare", dir.display());
+        bail!(
+            "runtime in {} is not usable here: {why}; run sandcell-python-runtime prepare",
+            dir.display()
+        );
     }
     let cwasm = dir.join(&manifest.cwasm.file);
     let stdlib = dir.join(&manifest.stdlib.dir);
@@ -283,7 +372,11 @@ pub fn load_executor(dir: &Path) -> Result<(PythonExecutor, Manifest)> {
     check_trusted(&stdlib)?;
     let len = fs::metadata(&cwasm)?.len();
     if len != manifest.cwasm.bytes {
-        bail!("{} has {len} bytes, the manifest says {}", cwasm.display(), manifest.cwasm.bytes);
+        bail!(
+            "{} has {len} bytes, the manifest says {}",
+            cwasm.display(),
+            manifest.cwasm.bytes
+        );
     }
     // SAFETY: the cwasm was produced by `sandcell-python-runtime prepare` with this Eryx
     // version and engine configuration (checked against the manifest above), and it and its

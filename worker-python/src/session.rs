@@ -17,28 +17,37 @@
 //! After a timeout, fuel exhaustion, interrupt or trap, the WebAssembly instance is dead
 //! (wasmtime poisons a component instance that trapped, and an execution dropped mid-call
 //! leaves no store). The worker keeps the user's variables by taking Eryx's
-//! `snapshot_state()` (dill-pickled globals) after each completed cell, before its `Done` is
-//! sent; a rebuild runs `restore_state()` with the last snapshot, re-imports module bindings
-//! (pickling skips modules) and reports `state: restored`, with a warning naming any variable
-//! that could not be pickled. If no snapshot covers the namespace (the last one failed, e.g.
+//! snapshot after each completed cell (the driver's `snapshot`: C pickle, with functions and
+//! classes of the namespace pickled by value); a rebuild loads the last snapshot, re-imports
+//! module bindings (pickling skips modules) and reports `state: restored`, with a warning
+//! naming any variable that could not be pickled. If no snapshot covers the namespace (the last one failed, e.g.
 //! over Eryx's 10 MB limit) or a restore fails, the report is `state: lost` with an error
 //! saying what was lost and from which cell the variables come. Never a silently empty
 //! namespace.
 //!
-//! Decision (measured, see the crate report): a snapshot of a small namespace costs about a
-//! millisecond, a fraction of a trivial cell's round trip, and which cell will need the
-//! snapshot cannot be known in advance (a timeout comes from the cell that follows). So the
-//! snapshot is taken after every completed cell, synchronously, bounded by
-//! [`SNAPSHOT_TIMEOUT`] (pickling can run user `__reduce__` code).
+//! Decision (measured with `sandcell-python-runtime bench`, 2 cores, p50): Eryx's own
+//! `snapshot_state()` costs 24 ms for a handful of small variables and 1.4 s for ~1 MB of data
+//! (dill's pure-Python pickler, every value pickled twice), far too much per cell. The
+//! driver's snapshot (C pickle; only functions and classes defined in cells go by value, via
+//! `marshal`/dill) costs 0.1 ms for an empty namespace, 1.1 ms for the small one (871 bytes)
+//! and 6 ms for ~1 MB; a rebuild with restore costs 4 ms and 37 ms respectively. Which cell
+//! will need the snapshot cannot be known in advance (the timeout comes from the cell after),
+//! so a snapshot is taken after every completed cell, but *after* its `Done` is sent
+//! ([`PySession::finish_cell`]): it is not part of the cell's round trip, and the next request
+//! simply waits for it. A snapshot is bounded by [`SNAPSHOT_TIMEOUT`] (pickling can run user
+//! `__reduce__` code) and [`MAX_SNAPSHOT_BYTES`].
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use eryx::{CancellationToken, Error as EryxError, PythonExecutor, ResourceLimits, SessionExecutor};
+use eryx::{
+    CancellationToken, Error as EryxError, PythonExecutor, ResourceLimits, SessionExecutor,
+};
 use sandcell_proto::worker::{
-    CellError, MAX_ERROR_MESSAGE, MAX_TRACEBACK, SessionState, WorkerMessage, WorkerStatus, bound_text,
+    CellError, MAX_ERROR_MESSAGE, MAX_TRACEBACK, SessionState, WorkerMessage, WorkerStatus,
+    bound_text,
 };
 
 use crate::driver::{self, DriverResult};
@@ -48,6 +57,9 @@ use crate::replies::Replies;
 
 /// Wall-time limit of a cell whose request has no `timeout_ms` (the daemon enforces its own).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3600);
+/// Longest cell wall-time limit honoured; longer requests are cut to it (an interrupt advances
+/// the engine epoch once per 10 ms of the limit, so the limit must stay finite).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
 /// Wall-time limit of the worker's own guest calls (driver install, restore).
 pub const INTERNAL_TIMEOUT: Duration = Duration::from_secs(30);
 /// Wall-time limit of a state snapshot.
@@ -117,6 +129,8 @@ pub struct PySession {
     had_cells: bool,
     /// The instance must be rebuilt before the next use.
     dead: bool,
+    /// A completed cell whose snapshot is still to be taken ([`PySession::finish_cell`]).
+    pending_checkpoint: Option<u64>,
     /// Figures.
     pub stats: Stats,
 }
@@ -138,7 +152,11 @@ fn cell_error(kind: &str, message: &str, traceback: Option<&str>, line: Option<u
 /// Best-effort type and message from CPython's formatted traceback text (last line
 /// `Type: message`).
 fn parse_exception_text(text: &str) -> CellError {
-    let last = text.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+    let last = text
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("");
     let (kind, message) = match last.split_once(": ") {
         Some((k, m)) if !k.contains(' ') => (k, m),
         _ if !last.contains(' ') && !last.is_empty() => (last, ""),
@@ -152,7 +170,10 @@ impl PySession {
     /// installs the driver.
     ///
     /// Errors: the instance cannot be created or the driver cannot be installed.
-    pub async fn new(executor: Arc<PythonExecutor>, guest_memory: Option<u64>) -> anyhow::Result<Self> {
+    pub async fn new(
+        executor: Arc<PythonExecutor>,
+        guest_memory: Option<u64>,
+    ) -> anyhow::Result<Self> {
         let limits = ResourceLimits::default()
             .with_execution_timeout(INTERNAL_TIMEOUT)
             .with_max_memory_bytes(guest_memory)
@@ -167,6 +188,7 @@ impl PySession {
             stale: None,
             had_cells: false,
             dead: false,
+            pending_checkpoint: None,
             stats: Stats::default(),
         };
         s.install().await.context("installing the cell driver")?;
@@ -182,7 +204,10 @@ impl PySession {
     async fn internal(&mut self, code: &str) -> Result<Option<DriverResult>, EryxError> {
         self.session.set_execution_timeout(Some(INTERNAL_TIMEOUT));
         let out = self.session.execute(code).run().await?;
-        Ok(out.result.as_deref().and_then(|j| DriverResult::parse(j).ok()))
+        Ok(out
+            .result
+            .as_deref()
+            .and_then(|j| DriverResult::parse(j).ok()))
     }
 
     async fn install(&mut self) -> Result<(), EryxError> {
@@ -194,7 +219,12 @@ impl PySession {
     async fn capture(&mut self) -> Result<(Vec<u8>, DriverResult), (String, bool)> {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         self.session.set_execution_timeout(Some(SNAPSHOT_TIMEOUT));
-        let r = self.session.execute(driver::snapshot_code()).with_output_streaming(tx).run().await;
+        let r = self
+            .session
+            .execute(driver::snapshot_code())
+            .with_output_streaming(tx)
+            .run()
+            .await;
         let mut blob = Vec::new();
         let mut over = false;
         while let Ok(req) = rx.try_recv() {
@@ -208,7 +238,10 @@ impl PySession {
         }
         match r {
             Ok(out) => match out.result.as_deref().map(DriverResult::parse) {
-                Some(Ok(_)) if over => Err((format!("the namespace pickles to more than {MAX_SNAPSHOT_BYTES} bytes"), false)),
+                Some(Ok(_)) if over => Err((
+                    format!("the namespace pickles to more than {MAX_SNAPSHOT_BYTES} bytes"),
+                    false,
+                )),
                 Some(Ok(res)) => Ok((blob, res)),
                 _ => Err(("the cell driver reported no snapshot".into(), false)),
             },
@@ -228,7 +261,12 @@ impl PySession {
         match r {
             Ok((blob, res)) => {
                 self.stats.last_snapshot_bytes = blob.len();
-                self.saved = Some(Saved { blob, modules: res.modules, skipped: res.missing, after_cell: cell });
+                self.saved = Some(Saved {
+                    blob,
+                    modules: res.modules,
+                    skipped: res.missing,
+                    after_cell: cell,
+                });
                 self.stale = None;
             }
             Err((why, dead)) => {
@@ -265,13 +303,19 @@ impl PySession {
 
     async fn rebuild_inner(&mut self) -> (SessionState, Option<String>, Vec<String>) {
         if let Err(e) = self.fresh_instance().await {
-            return (SessionState::Lost, Some(format!("all variables lost: {e}")), vec![]);
+            return (
+                SessionState::Lost,
+                Some(format!("all variables lost: {e}")),
+                vec![],
+            );
         }
         let Some(saved) = self.saved.as_ref() else {
             return match self.stale.take() {
-                Some(why) if self.had_cells => {
-                    (SessionState::Lost, Some(format!("all variables lost: {why}")), vec![])
-                }
+                Some(why) if self.had_cells => (
+                    SessionState::Lost,
+                    Some(format!("all variables lost: {why}")),
+                    vec![],
+                ),
                 _ => (SessionState::Restored, None, vec![]),
             };
         };
@@ -279,7 +323,10 @@ impl PySession {
         let mut warnings = Vec::new();
         if !saved.skipped.is_empty() {
             warnings.push(bound_text(
-                &format!("not restored (could not be pickled): {}", saved.skipped.join(", ")),
+                &format!(
+                    "not restored (could not be pickled): {}",
+                    saved.skipped.join(", ")
+                ),
                 MAX_ERROR_MESSAGE,
             ));
         }
@@ -305,10 +352,17 @@ impl PySession {
             // The instance may be half-restored: start again from an empty one.
             self.saved = None;
             self.stale = None;
-            let extra = self.fresh_instance().await.err().map(|e| format!("; {e}")).unwrap_or_default();
+            let extra = self
+                .fresh_instance()
+                .await
+                .err()
+                .map(|e| format!("; {e}"))
+                .unwrap_or_default();
             return (
                 SessionState::Lost,
-                Some(format!("all variables lost: restoring the snapshot after cell {after_cell} failed: {why}{extra}")),
+                Some(format!(
+                    "all variables lost: restoring the snapshot after cell {after_cell} failed: {why}{extra}"
+                )),
                 warnings,
             );
         }
@@ -316,11 +370,24 @@ impl PySession {
             // Keep `saved`: it still describes the namespace just restored.
             return (
                 SessionState::Lost,
-                Some(format!("variables restored as they were after cell {after_cell}; later changes lost: {why}")),
+                Some(format!(
+                    "variables restored as they were after cell {after_cell}; later changes lost: {why}"
+                )),
                 warnings,
             );
         }
         (SessionState::Restored, None, warnings)
+    }
+
+    /// Takes the snapshot of the cell that just completed, if any. Called after its `Done` was
+    /// sent, so the snapshot's cost is not part of the cell's round trip; the next request
+    /// waits for it.
+    pub async fn finish_cell(&mut self) {
+        if let Some(cell) = self.pending_checkpoint.take()
+            && !self.dead
+        {
+            self.checkpoint(cell).await;
+        }
     }
 
     /// Runs one cell, streaming its output to `replies`, and returns its `Done` message.
@@ -346,11 +413,22 @@ impl PySession {
         let source = match std::str::from_utf8(req.source) {
             Ok(s) => s,
             Err(e) => {
-                let msg = format!("cell source is not valid UTF-8 (invalid byte at offset {})", e.valid_up_to());
+                let msg = format!(
+                    "cell source is not valid UTF-8 (invalid byte at offset {})",
+                    e.valid_up_to()
+                );
                 let err = cell_error("SyntaxError", &msg, None, None);
-                return Ok(done(WorkerStatus::Error, Some(err), None, None, SessionState::Kept, vec![]));
+                return Ok(done(
+                    WorkerStatus::Error,
+                    Some(err),
+                    None,
+                    None,
+                    SessionState::Kept,
+                    vec![],
+                ));
             }
         };
+        self.finish_cell().await;
         let mut warnings = Vec::new();
         let mut state = SessionState::Kept;
         if self.dead {
@@ -358,8 +436,20 @@ impl PySession {
             warnings.extend(w);
             state = s;
             if self.dead {
-                let err = cell_error("SandboxError", lost.as_deref().unwrap_or("the interpreter is unavailable"), None, None);
-                return Ok(done(WorkerStatus::Error, Some(err), None, None, SessionState::Lost, warnings));
+                let err = cell_error(
+                    "SandboxError",
+                    lost.as_deref().unwrap_or("the interpreter is unavailable"),
+                    None,
+                    None,
+                );
+                return Ok(done(
+                    WorkerStatus::Error,
+                    Some(err),
+                    None,
+                    None,
+                    SessionState::Lost,
+                    warnings,
+                ));
             }
             if let Some(lost) = lost {
                 warnings.push(lost);
@@ -373,7 +463,9 @@ impl PySession {
             let (end, fuel_used) = self.run(req, &code, replies, interrupter, &fired).await?;
             let interrupted = fired.load(Ordering::SeqCst);
             let (status, error, exit_code, fuel, rebuild) = match end {
-                RunEnd::InterruptedBeforeStart => (WorkerStatus::Interrupted, None, None, Some(0), false),
+                RunEnd::InterruptedBeforeStart => {
+                    (WorkerStatus::Interrupted, None, None, Some(0), false)
+                }
                 RunEnd::Dropped => (WorkerStatus::Interrupted, None, None, None, true),
                 RunEnd::Returned(Ok(out)) => {
                     let fuel = out.fuel_consumed;
@@ -381,14 +473,19 @@ impl PySession {
                         Some(Ok(r)) => {
                             self.had_cells = true;
                             let (status, error, code) = map_driver(&r);
-                            self.checkpoint(cell).await;
+                            self.pending_checkpoint = Some(cell);
                             (status, error, code, fuel, false)
                         }
                         _ => {
                             // The cell disabled the driver's report (e.g. deleted its result).
                             self.had_cells = true;
-                            self.checkpoint(cell).await;
-                            let err = cell_error("SandboxError", "the cell driver reported no outcome", None, None);
+                            self.pending_checkpoint = Some(cell);
+                            let err = cell_error(
+                                "SandboxError",
+                                "the cell driver reported no outcome",
+                                None,
+                                None,
+                            );
                             (WorkerStatus::Error, Some(err), None, fuel, false)
                         }
                     }
@@ -401,30 +498,52 @@ impl PySession {
                         }
                     }
                     self.had_cells = true;
+                    self.pending_checkpoint = Some(cell);
                     let status = if text.contains("MemoryError") {
                         WorkerStatus::MemoryExhausted
                     } else {
                         WorkerStatus::Error
                     };
-                    (status, Some(parse_exception_text(&text)), None, fuel_used, false)
+                    (
+                        status,
+                        Some(parse_exception_text(&text)),
+                        None,
+                        fuel_used,
+                        false,
+                    )
                 }
                 RunEnd::Returned(Err(e)) if interrupted => {
                     let _ = e;
                     (WorkerStatus::Interrupted, None, None, fuel_used, true)
                 }
-                RunEnd::Returned(Err(EryxError::Timeout(_))) => (WorkerStatus::Timeout, None, None, fuel_used, true),
-                RunEnd::Returned(Err(EryxError::FuelExhausted { consumed, .. })) => {
-                    (WorkerStatus::FuelExhausted, None, None, Some(consumed), true)
+                RunEnd::Returned(Err(EryxError::Timeout(_))) => {
+                    (WorkerStatus::Timeout, None, None, fuel_used, true)
                 }
-                RunEnd::Returned(Err(EryxError::Cancelled)) => (WorkerStatus::Interrupted, None, None, fuel_used, true),
+                RunEnd::Returned(Err(EryxError::FuelExhausted { consumed, .. })) => (
+                    WorkerStatus::FuelExhausted,
+                    None,
+                    None,
+                    Some(consumed),
+                    true,
+                ),
+                RunEnd::Returned(Err(EryxError::Cancelled)) => {
+                    (WorkerStatus::Interrupted, None, None, fuel_used, true)
+                }
                 RunEnd::Returned(Err(e)) => {
                     let text = e.to_string();
-                    let (status, kind) = if text.contains("memory") && !text.contains("out of bounds") {
-                        (WorkerStatus::MemoryExhausted, "MemoryError")
-                    } else {
-                        (WorkerStatus::Error, "SandboxTrap")
-                    };
-                    (status, Some(cell_error(kind, &text, None, None)), None, fuel_used, true)
+                    let (status, kind) =
+                        if text.contains("memory") && !text.contains("out of bounds") {
+                            (WorkerStatus::MemoryExhausted, "MemoryError")
+                        } else {
+                            (WorkerStatus::Error, "SandboxTrap")
+                        };
+                    (
+                        status,
+                        Some(cell_error(kind, &text, None, None)),
+                        None,
+                        fuel_used,
+                        true,
+                    )
                 }
             };
             let mut error = error;
@@ -527,7 +646,14 @@ fn map_driver(r: &DriverResult) -> (WorkerStatus, Option<CellError>, Option<i64>
         "memory_exhausted" => (WorkerStatus::MemoryExhausted, err, None),
         _ => (
             WorkerStatus::Error,
-            err.or_else(|| Some(cell_error("SandboxError", "the cell driver reported an unknown outcome", None, None))),
+            err.or_else(|| {
+                Some(cell_error(
+                    "SandboxError",
+                    "the cell driver reported an unknown outcome",
+                    None,
+                    None,
+                ))
+            }),
             None,
         ),
     }
@@ -539,24 +665,44 @@ mod tests {
 
     #[test]
     fn exception_text_gives_type_and_message() {
-        let e = parse_exception_text("Traceback (most recent call last):\n  File \"<user>\", line 1\nValueError: bad: value\n");
-        assert_eq!((e.kind.as_str(), e.message.as_str()), ("ValueError", "bad: value"));
+        let e = parse_exception_text(
+            "Traceback (most recent call last):\n  File \"<user>\", line 1\nValueError: bad: value\n",
+        );
+        assert_eq!(
+            (e.kind.as_str(), e.message.as_str()),
+            ("ValueError", "bad: value")
+        );
         let e = parse_exception_text("KeyboardInterrupt\n");
-        assert_eq!((e.kind.as_str(), e.message.as_str()), ("KeyboardInterrupt", ""));
+        assert_eq!(
+            (e.kind.as_str(), e.message.as_str()),
+            ("KeyboardInterrupt", "")
+        );
     }
 
     #[test]
     fn driver_outcomes_map_to_statuses() {
-        let r = DriverResult { status: "exited".into(), exit_code: Some(3), ..Default::default() };
+        let r = DriverResult {
+            status: "exited".into(),
+            exit_code: Some(3),
+            ..Default::default()
+        };
         assert_eq!(map_driver(&r), (WorkerStatus::Exited, None, Some(3)));
-        let r = DriverResult { status: "weird".into(), ..Default::default() };
+        let r = DriverResult {
+            status: "weird".into(),
+            ..Default::default()
+        };
         assert_eq!(map_driver(&r).0, WorkerStatus::Error);
         assert!(map_driver(&r).1.is_some());
     }
 
     #[test]
     fn long_messages_are_bounded() {
-        let e = cell_error("E", &"x".repeat(MAX_ERROR_MESSAGE * 3), Some(&"t".repeat(MAX_TRACEBACK * 2)), None);
+        let e = cell_error(
+            "E",
+            &"x".repeat(MAX_ERROR_MESSAGE * 3),
+            Some(&"t".repeat(MAX_TRACEBACK * 2)),
+            None,
+        );
         assert!(e.message.len() < MAX_ERROR_MESSAGE + 64);
         assert!(e.traceback.unwrap().len() < MAX_TRACEBACK + 64);
     }

@@ -7,8 +7,8 @@
 //!
 //! Exit statuses: 0 on EOF of the request pipe or an `exit` request; 1 when the reply pipe
 //! fails (the daemon is gone) or the descriptors are missing; 2 on a malformed request (nothing
-//! is written); 3 when start-up fails (bad configuration or runtime directory: the reason goes
-//! to stderr, which the daemon normally points at /dev/null);
+//! is written); 3 when start-up fails (bad configuration or runtime directory), after a
+//! `Fatal` reply naming the stage (`config` or `runtime`) and the reason;
 //! [`sandcell_confine::EXIT_CONFINE_FAILED`] from `main` when confinement fails.
 
 use std::fs::File;
@@ -18,13 +18,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sandcell_proto::worker::WorkerMessage;
+use sandcell_proto::worker::{WorkerMessage, report_fatal};
 
 use crate::interrupt::{self, Interrupter};
 use crate::protocol::{ReadError, Request, read_request};
 use crate::replies::Replies;
 use crate::runtime::{self, ERYX_VERSION, PYTHON_VERSION};
-use crate::session::{CellRequest, DEFAULT_TIMEOUT, PySession};
+use crate::session::{CellRequest, DEFAULT_TIMEOUT, MAX_TIMEOUT, PySession};
 
 /// Environment variable naming the prepared runtime directory.
 pub const ENV_RUNTIME: &str = "SANDCELL_PYTHON_RUNTIME";
@@ -73,12 +73,20 @@ impl Config {
         let guest_memory = match std::env::var(ENV_GUEST_MEMORY) {
             Ok(v) => match v.parse::<u64>() {
                 Ok(n) if n > 0 => n,
-                _ => return Err(format!("{ENV_GUEST_MEMORY}={v:?} is not a positive integer")),
+                _ => {
+                    return Err(format!(
+                        "{ENV_GUEST_MEMORY}={v:?} is not a positive integer"
+                    ));
+                }
             },
             Err(_) => DEFAULT_GUEST_MEMORY,
         };
         let session_dir = std::env::var_os(ENV_SESSION_DIR).map(PathBuf::from);
-        Ok(Self { runtime_dir, guest_memory, session_dir })
+        Ok(Self {
+            runtime_dir,
+            guest_memory,
+            session_dir,
+        })
     }
 }
 
@@ -98,7 +106,7 @@ pub fn run_confined() -> i32 {
     let config = match Config::from_env() {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("sandcell-worker-python: {e}");
+            report_fatal("config", &e);
             return exit::STARTUP;
         }
     };
@@ -108,13 +116,17 @@ pub fn run_confined() -> i32 {
     };
     let interrupter = Arc::new(Interrupter::default());
     if let Err(e) = interrupt::install(Arc::clone(&interrupter)) {
-        eprintln!("sandcell-worker-python: installing the SIGINT handler: {e}");
+        report_fatal("runtime", &format!("installing the SIGINT handler: {e}"));
         return exit::STARTUP;
     }
-    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("sandcell-worker-python: starting the async runtime: {e}");
+            report_fatal("runtime", &format!("starting the async runtime: {e}"));
             return exit::STARTUP;
         }
     };
@@ -126,18 +138,23 @@ pub fn run_confined() -> i32 {
 }
 
 /// Starts the session, sends `Ready`, and serves requests until EOF, `exit` or an error.
-pub async fn serve(config: Config, requests: File, replies: Arc<Replies>, interrupter: Arc<Interrupter>) -> i32 {
+pub async fn serve(
+    config: Config,
+    requests: File,
+    replies: Arc<Replies>,
+    interrupter: Arc<Interrupter>,
+) -> i32 {
     let executor = match runtime::load_executor(&config.runtime_dir) {
         Ok((e, _)) => Arc::new(e),
         Err(e) => {
-            eprintln!("sandcell-worker-python: {e:#}");
+            report_fatal("runtime", &format!("{e:#}"));
             return exit::STARTUP;
         }
     };
     let mut session = match PySession::new(executor, Some(config.guest_memory)).await {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("sandcell-worker-python: {e:#}");
+            report_fatal("runtime", &format!("{e:#}"));
             return exit::STARTUP;
         }
     };
@@ -165,7 +182,10 @@ pub async fn serve(config: Config, requests: File, replies: Arc<Replies>, interr
                 let req = CellRequest {
                     cell: header.cell,
                     source: &source,
-                    timeout: header.timeout_ms.map(Duration::from_millis).unwrap_or(DEFAULT_TIMEOUT),
+                    timeout: header
+                        .timeout_ms
+                        .map(Duration::from_millis)
+                        .unwrap_or(DEFAULT_TIMEOUT),
                     fuel: header.fuel,
                     max_output: header.max_output.unwrap_or(u64::MAX),
                 };
@@ -176,6 +196,7 @@ pub async fn serve(config: Config, requests: File, replies: Arc<Replies>, interr
                         if replies.send(&done).is_err() {
                             return exit::IO;
                         }
+                        session.finish_cell().await;
                     }
                     Err(e) => {
                         eprintln!("sandcell-worker-python: reply pipe: {e}");

@@ -4,7 +4,9 @@
 //! `sandcell_proto::worker` (fd 0 `/dev/null`, fds 1 and 2 the cell's stdout and stderr pipes,
 //! fd 3 the request pipe, fd 4 the reply pipe). In order, it:
 //!
-//! 1. reads the confinement plan ([`sandcell_confine::Plan::from_env`]) and enters it
+//! 1. reads the confinement plan ([`sandcell_confine::Plan::from_env`]); when the plan switches
+//!    identity, gives the request and reply pipes (fds 3 and 4) to that uid/gid so that R can
+//!    reopen them by path after the switch (see [`hand_pipes_to`]); then enters the plan
 //!    ([`sandcell_confine::enter`]); on failure it prints the reason on stderr and exits with
 //!    [`sandcell_confine::EXIT_CONFINE_FAILED`] before anything else happens;
 //! 2. changes directory to the session directory (`SANDCELL_SESSION_DIR`, else the plan's
@@ -73,7 +75,10 @@ fn resolve_script(explicit: Option<&OsStr>, exe: Option<&Path>) -> Result<Script
         return if p.is_file() {
             Ok(Script::File(p))
         } else {
-            Err(format!("SANDCELL_R_WORKER_SCRIPT={} is not a file", p.display()))
+            Err(format!(
+                "SANDCELL_R_WORKER_SCRIPT={} is not a file",
+                p.display()
+            ))
         };
     }
     if let Some(dir) = exe.and_then(Path::parent) {
@@ -118,7 +123,12 @@ fn r_environment(r_home: &Path, session: &Path, tmp: &Path) -> Vec<(OsString, Os
 fn r_arguments(script: &Path) -> Vec<OsString> {
     let mut file = OsString::from("--file=");
     file.push(script);
-    vec!["--vanilla".into(), "--no-echo".into(), "--no-restore".into(), file]
+    vec![
+        "--vanilla".into(),
+        "--no-echo".into(),
+        "--no-restore".into(),
+        file,
+    ]
 }
 
 /// Puts the embedded script into a pipe and returns the read end, inheritable (no
@@ -152,6 +162,47 @@ fn embedded_script_pipe(script: &[u8]) -> std::io::Result<OwnedFd> {
     Ok(read)
 }
 
+/// The request and reply pipes, which R reopens by path (`/proc/self/fd/3`, `/proc/self/fd/4`).
+const PROTOCOL_FDS: [RawFd; 2] = [3, 4];
+
+/// Gives the pipes on `fds` to the worker's identity, before [`sandcell_confine::enter`]
+/// switches to it.
+///
+/// R cannot use an inherited descriptor directly: it reopens the pipe through
+/// `/proc/self/fd/<n>`, and that open is checked against the pipe's owner and mode like any
+/// file. A pipe made by the daemon belongs to root with mode 0600, so a worker running as its
+/// own uid could not reopen it. This is the one thing the launcher does before confinement; it
+/// runs no untrusted code and touches only descriptors that are pipes (a regular file or
+/// anything else passed by mistake is refused, never chowned).
+///
+/// Errors: a descriptor is closed, is not a pipe, or cannot be chowned.
+fn hand_pipes_to(uid: u32, gid: u32, fds: &[RawFd]) -> Result<(), String> {
+    for &fd in fds {
+        // SAFETY: `st` is a local stat buffer fstat fills; `fd` is only inspected.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::fstat(fd, &mut st) } != 0 {
+            return Err(format!("fd {fd}: {}", std::io::Error::last_os_error()));
+        }
+        if st.st_mode & libc::S_IFMT != libc::S_IFIFO {
+            return Err(format!(
+                "fd {fd} is not a pipe (the daemon must pass pipes on fds 3 and 4)"
+            ));
+        }
+        if st.st_uid == uid && st.st_gid == gid {
+            continue;
+        }
+        // SAFETY: fchown on a descriptor checked above to be a pipe; no memory involved.
+        if unsafe { libc::fchown(fd, uid, gid) } != 0 {
+            return Err(format!(
+                "cannot give the pipe on fd {fd} to uid {uid}: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Resets every catchable signal to its default action and unblocks all signals, so R starts
 /// as if from a clean `execve` (dispositions set to `SIG_IGN` would otherwise survive it).
 fn reset_signals() {
@@ -181,8 +232,20 @@ fn main() {
         Ok(p) => p,
         Err(e) => fail(sandcell_confine::EXIT_CONFINE_FAILED, &e.to_string()),
     };
-    if let Err(e) = sandcell_confine::enter(&plan) {
-        fail(sandcell_confine::EXIT_CONFINE_FAILED, &e.to_string());
+    if let (Some(uid), Some(gid)) = (plan.uid, plan.gid)
+        && let Err(e) = hand_pipes_to(uid, gid, &PROTOCOL_FDS)
+    {
+        fail(sandcell_confine::EXIT_CONFINE_FAILED, &e);
+    }
+    match sandcell_confine::enter(&plan) {
+        // Only the development flag (best-effort enforcement) can skip a layer: say so loudly,
+        // on the stream the daemon logs before `ready`.
+        Ok(report) => {
+            for skipped in &report.skipped {
+                eprintln!("sandcell-worker-r: confinement layer skipped: {skipped}");
+            }
+        }
+        Err(e) => fail(sandcell_confine::EXIT_CONFINE_FAILED, &e.to_string()),
     }
 
     // Confined from here on: every path below is resolved with the worker's own rights.
@@ -191,14 +254,20 @@ fn main() {
         .map(PathBuf::from)
         .unwrap_or_else(|| plan.session_dir.clone());
     if let Err(e) = std::env::set_current_dir(&session) {
-        fail(EXIT_LAUNCH_FAILED, &format!("cannot enter session directory {}: {e}", session.display()));
+        fail(
+            EXIT_LAUNCH_FAILED,
+            &format!("cannot enter session directory {}: {e}", session.display()),
+        );
     }
     let tmp = std::env::var_os("SANDCELL_TMPDIR")
         .filter(|s| !s.is_empty())
         .map(PathBuf::from)
         .unwrap_or_else(|| session.join(".tmp"));
     if let Err(e) = std::fs::create_dir_all(&tmp) {
-        fail(EXIT_LAUNCH_FAILED, &format!("cannot create temporary directory {}: {e}", tmp.display()));
+        fail(
+            EXIT_LAUNCH_FAILED,
+            &format!("cannot create temporary directory {}: {e}", tmp.display()),
+        );
     }
     let r_home = std::env::var_os("SANDCELL_R_HOME")
         .filter(|s| !s.is_empty())
@@ -216,7 +285,10 @@ fn main() {
         Script::Embedded => match embedded_script_pipe(EMBEDDED_SCRIPT.as_bytes()) {
             // The descriptor stays open across execve; R opens it by path.
             Ok(fd) => PathBuf::from(format!("/proc/self/fd/{}", fd.into_raw_fd())),
-            Err(e) => fail(EXIT_LAUNCH_FAILED, &format!("cannot pass the embedded worker script: {e}")),
+            Err(e) => fail(
+                EXIT_LAUNCH_FAILED,
+                &format!("cannot pass the embedded worker script: {e}"),
+            ),
         },
     };
 
@@ -228,7 +300,10 @@ fn main() {
         .env_clear()
         .envs(r_environment(&r_home, &session, &tmp))
         .exec();
-    fail(EXIT_LAUNCH_FAILED, &format!("cannot execute {}: {err}", r_exe.display()));
+    fail(
+        EXIT_LAUNCH_FAILED,
+        &format!("cannot execute {}: {err}", r_exe.display()),
+    );
 }
 
 #[cfg(test)]
@@ -237,10 +312,18 @@ mod tests {
 
     #[test]
     fn environment_is_only_the_allowlist() {
-        let env = r_environment(Path::new("/usr/lib/R"), Path::new("/s"), Path::new("/s/.tmp"));
+        let env = r_environment(
+            Path::new("/usr/lib/R"),
+            Path::new("/s"),
+            Path::new("/s/.tmp"),
+        );
         let names: Vec<_> = env.iter().map(|(k, _)| k.to_str().unwrap()).collect();
         assert!(names.contains(&"R_HOME") && names.contains(&"R_SHARE_DIR"));
-        assert!(!names.iter().any(|n| n.starts_with("SANDCELL_CONFINE") || *n == "LD_PRELOAD"));
+        assert!(
+            !names
+                .iter()
+                .any(|n| n.starts_with("SANDCELL_CONFINE") || *n == "LD_PRELOAD")
+        );
         let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
         assert_eq!(get("HOME"), Some("/s".into()));
         assert_eq!(get("TMPDIR"), Some("/s/.tmp".into()));
@@ -251,19 +334,26 @@ mod tests {
 
     #[test]
     fn script_resolution_order() {
-        let dir = std::env::temp_dir().join(format!("sandcell-worker-r-test-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("sandcell-worker-r-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let exe = dir.join("sandcell-worker-r");
         // Nothing next to the executable: embedded copy.
         assert_eq!(resolve_script(None, Some(&exe)), Ok(Script::Embedded));
         let next = dir.join(SCRIPT_NEXT_TO_EXE);
         std::fs::write(&next, "1").unwrap();
-        assert_eq!(resolve_script(None, Some(&exe)), Ok(Script::File(next.clone())));
+        assert_eq!(
+            resolve_script(None, Some(&exe)),
+            Ok(Script::File(next.clone()))
+        );
         // An explicit path wins, and must exist.
         let explicit = dir.join("other.R");
         assert!(resolve_script(Some(explicit.as_os_str()), Some(&exe)).is_err());
         std::fs::write(&explicit, "1").unwrap();
-        assert_eq!(resolve_script(Some(explicit.as_os_str()), Some(&exe)), Ok(Script::File(explicit)));
+        assert_eq!(
+            resolve_script(Some(explicit.as_os_str()), Some(&exe)),
+            Ok(Script::File(explicit))
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -273,10 +363,30 @@ mod tests {
         let fd = embedded_script_pipe(&big).unwrap();
         // SAFETY: F_GETFD on a descriptor we own.
         let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFD) };
-        assert_eq!(flags & libc::FD_CLOEXEC, 0, "R must inherit the script pipe");
+        assert_eq!(
+            flags & libc::FD_CLOEXEC,
+            0,
+            "R must inherit the script pipe"
+        );
         let mut back = Vec::new();
         std::io::Read::read_to_end(&mut std::fs::File::from(fd), &mut back).unwrap();
         assert_eq!(back, big);
+    }
+
+    #[test]
+    fn only_pipes_are_handed_over() {
+        let file = std::fs::File::open("/dev/null").unwrap();
+        let err = hand_pipes_to(0, 0, &[file.as_raw_fd()]).unwrap_err();
+        assert!(err.contains("not a pipe"), "{err}");
+        // A pipe already owned by the target identity is left alone (no privilege needed).
+        let mut fds = [0 as RawFd; 2];
+        // SAFETY: `fds` is a valid array of two ints for pipe2 to fill.
+        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+        // SAFETY: both descriptors were just created and are owned here.
+        let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        // SAFETY: getuid/getgid have no preconditions.
+        let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+        hand_pipes_to(uid, gid, &[r.as_raw_fd(), w.as_raw_fd()]).unwrap();
     }
 
     #[test]

@@ -5,8 +5,13 @@
 //! of the hostile-cell suite until the R worker lands.
 //!
 //! ```text
-//! SANDCELL_CONFINE='<plan json>' sandcell-confine-probe [--no-enter] CHECK...
+//! SANDCELL_CONFINE='<plan json>' sandcell-confine-probe [--no-enter] CHECK... [-- PROGRAM ARGS...]
 //! ```
+//!
+//! With `-- PROGRAM ARGS...`, the probe prints its JSON line to stderr instead and then
+//! `execv`s PROGRAM inside the confinement (with an empty environment but `PATH`, `HOME`,
+//! `TMPDIR` and `LANG` from the probe's own): how to run a native interpreter such as R
+//! fully confined before its own worker exists.
 //!
 //! Output: `{"report": <Report or null>, "enter_error": <string or null>,
 //! "enter_micros": n, "checks": [{"check": "read", "arg": "/etc/shadow", "allowed": false,
@@ -366,8 +371,34 @@ fn run(check: &str, arg: &str) -> Value {
     }
 }
 
+/// Replaces the process with `program` (argv\[0\] is the path), keeping a minimal environment.
+fn exec(program: &[String]) -> ! {
+    let path = cstr(&program[0]);
+    let argv: Vec<CString> = program.iter().map(|a| cstr(a)).collect();
+    let mut argv_ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
+    argv_ptrs.push(std::ptr::null());
+    let env: Vec<CString> = ["PATH", "HOME", "TMPDIR", "LANG"]
+        .iter()
+        .filter_map(|k| std::env::var(k).ok().map(|v| cstr(&format!("{k}={v}"))))
+        .collect();
+    let mut env_ptrs: Vec<*const libc::c_char> = env.iter().map(|e| e.as_ptr()).collect();
+    env_ptrs.push(std::ptr::null());
+    // SAFETY: path, argv and envp are NUL-terminated strings and null-terminated arrays that
+    // live until execve replaces the process (or returns on failure).
+    unsafe { libc::execve(path.as_ptr(), argv_ptrs.as_ptr(), env_ptrs.as_ptr()) };
+    eprintln!("execve {}: {}", program[0], std::io::Error::last_os_error());
+    std::process::exit(127);
+}
+
 fn main() {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let program: Vec<String> = match args.iter().position(|a| a == "--") {
+        Some(i) => {
+            let rest = args.split_off(i);
+            rest[1..].to_vec()
+        }
+        None => Vec::new(),
+    };
     let no_enter = args.first().map(|a| a == "--no-enter").unwrap_or(false);
     if no_enter {
         args.remove(0);
@@ -409,6 +440,10 @@ fn main() {
         })
         .collect();
     out.insert("checks".into(), Value::Array(checks));
+    if !program.is_empty() {
+        eprintln!("{}", Value::Object(out));
+        exec(&program);
+    }
     let mut stdout = std::io::stdout().lock();
     let _ = writeln!(stdout, "{}", Value::Object(out));
     let _ = stdout.flush();

@@ -126,6 +126,14 @@ impl Host {
         Ok(parse_mountinfo(&read(&path, "read mount table")?))
     }
 
+    /// Whether any swap device is active (`/proc/swaps` lists more than its header). A kernel
+    /// without swap support has no `/proc/swaps`: no swap.
+    pub fn swap_active(&self) -> bool {
+        read(&self.proc_root.join("swaps"), "read")
+            .map(|t| t.lines().skip(1).any(|l| !l.trim().is_empty()))
+            .unwrap_or(false)
+    }
+
     /// Memberships of `pid` (`None`: this process).
     pub fn memberships(&self, pid: Option<u32>) -> Result<Vec<Membership>, Error> {
         let path = match pid {
@@ -228,10 +236,9 @@ pub fn subdirs(dir: &Path) -> Result<Vec<String>, Error> {
             path: dir.into(),
             source,
         })?;
-        if entry.file_type().map(|t| t.is_dir()).unwrap_or(false) {
-            if let Some(name) = entry.file_name().to_str() {
-                names.push(name.to_owned());
-            }
+        let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
+        if let (true, Some(name)) = (is_dir, entry.file_name().to_str()) {
+            names.push(name.to_owned());
         }
     }
     names.sort();

@@ -77,6 +77,12 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn create(&self, id: &str, limits: &GroupLimits) -> Result<Box<dyn SessionGroup>, Error>;
     /// Kills and removes every session group left by a previous daemon; returns how many.
     fn sweep_stale(&self) -> Result<usize, Error>;
+    /// Removes what [`detect`] created for this daemon instance once every session is gone
+    /// (v1: the empty `<name>/sessions` and `<name>` groups; v2: nothing, the delegated root
+    /// belongs to systemd). Call at shutdown, after the last session's `remove`.
+    fn release(&self) -> Result<(), Error> {
+        Ok(())
+    }
 }
 
 /// One session's group.
@@ -102,9 +108,9 @@ pub trait SessionGroup: Send + Sync + std::fmt::Debug {
 #[derive(Debug, Clone)]
 pub struct DetectConfig {
     /// v1 only: the group, relative to each hierarchy's root, under which `<v1_name>/sessions`
-    /// is made; `None` = the daemon's own group in each hierarchy (what systemd delegates on a
-    /// hybrid host, `/` when nothing is). Ignored on v2, where the delegated root is the
-    /// daemon's own group.
+    /// is made; `None` = the daemon's own group in each hierarchy if it is a systemd unit's
+    /// (`*.service`/`*.scope`, delegated with `Delegate=yes`), else the hierarchy root `/`.
+    /// Ignored on v2, where the delegated root is the daemon's own group.
     pub v1_parent: Option<PathBuf>,
     /// v1 only: the daemon instance's group name (`sandcell`, the `cgroup_name` setting).
     pub v1_name: String,

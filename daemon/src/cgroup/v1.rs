@@ -7,8 +7,10 @@
 //! ```
 //!
 //! `<parent>` is configurable ([`super::DetectConfig::v1_parent`]); by default it is the
-//! daemon's own group in each hierarchy (what systemd delegates on a hybrid host; `/` when
-//! nothing is), and `<name>` is one name per daemon instance (`sandcell`).
+//! daemon's own group in each hierarchy when that is a systemd unit's group (what systemd
+//! delegates with `Delegate=yes` on a hybrid host, see [`is_systemd_unit_group`]), else the
+//! hierarchy root. `<name>` is one name per daemon instance (`sandcell`).
+//! [`Backend::release`] removes `<name>/sessions` and `<name>` again when the daemon stops.
 //!
 //! The same guarantees as v2, with v1's files:
 //! - memory: `memory.limit_in_bytes`, and `memory.memsw.limit_in_bytes` set to the same value
@@ -77,6 +79,7 @@ impl V1 {
                     .iter()
                     .find(|m| m.controllers.iter().any(|c| c == controller))
                     .map(|m| m.path.clone())
+                    .filter(|p| is_systemd_unit_group(p))
                     .unwrap_or_else(|| "/".into()),
             };
             let base_rel = format!("{}/{name}/sessions", parent_rel.trim_end_matches('/'));
@@ -126,6 +129,16 @@ impl V1 {
         v.extend(self.cpu.as_ref());
         v
     }
+}
+
+/// Whether a hierarchy-relative group path is a systemd unit's own group (it ends in
+/// `.service` or `.scope`): systemd delegated it and kills whatever is left in it when the
+/// unit stops. Any other group the daemon happens to sit in (a container runtime's, a CI
+/// harness's) was not delegated to it and is not nested into.
+pub fn is_systemd_unit_group(path: &str) -> bool {
+    path.rsplit('/')
+        .next()
+        .is_some_and(|last| last.ends_with(".service") || last.ends_with(".scope"))
 }
 
 /// Creates `target` and its missing parents below `mount` (never above it), refusing
@@ -186,6 +199,31 @@ impl Backend for V1 {
             return Err(e);
         }
         Ok(Box::new(group))
+    }
+
+    fn release(&self) -> Result<(), Error> {
+        // Only empty groups can be removed: sessions still alive keep theirs (EBUSY), which
+        // is not an error here: the next daemon sweeps them.
+        for h in self.hierarchies() {
+            for dir in [Some(h.base.as_path()), h.base.parent()]
+                .into_iter()
+                .flatten()
+            {
+                if let Err(e) = std::fs::remove_dir(dir) {
+                    match e.raw_os_error() {
+                        Some(libc::ENOENT | libc::EBUSY | libc::ENOTEMPTY) => {}
+                        _ => {
+                            return Err(Error::Io {
+                                op: "remove".into(),
+                                path: dir.into(),
+                                source: e,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     fn sweep_stale(&self) -> Result<usize, Error> {
@@ -428,8 +466,25 @@ mod tests {
     fn layout_under_own_group_or_configured_parent() {
         let f = Fake::new(true);
         let v1 = V1::open(f.host.clone(), None, "sandcell").unwrap();
-        assert_eq!(v1.memory.base_rel, "/own/group/sandcell/sessions");
+        // /own/group is not a systemd unit's group: not nested into.
+        assert_eq!(v1.memory.base_rel, "/sandcell/sessions");
         assert_eq!(v1.pids.base_rel, "/sandcell/sessions");
+        std::fs::write(
+            f.host.proc_root.join("self/cgroup"),
+            "8:pids:/system.slice/sandcelld.service\n4:memory:/system.slice/sandcelld.service\n0::/\n",
+        )
+        .unwrap();
+        let unit = V1::open(f.host.clone(), None, "sandcell").unwrap();
+        assert_eq!(
+            unit.memory.base_rel,
+            "/system.slice/sandcelld.service/sandcell/sessions"
+        );
+        unit.release().unwrap();
+        assert!(
+            !f.dir
+                .join("cg/memory/system.slice/sandcelld.service/sandcell")
+                .exists()
+        );
         assert!(v1.memory.base.is_dir());
         assert!(v1.supports_cpu());
         // "cpuset" must not be mistaken for "cpu".
@@ -603,8 +658,18 @@ mod tests {
             cpu_max: None,
         };
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // detect() picks v1 on this hybrid host (its cgroup2 mount has no memory/pids).
+            let parent = PathBuf::from(format!("/sandcell-test-{}", std::process::id()));
+            let config = super::super::DetectConfig {
+                v1_parent: Some(parent),
+                v1_name: "sandcell".into(),
+                host: Host::default(),
+            };
+            assert_eq!(super::super::detect(&config).unwrap().mode(), "v1");
+
             // Join + verify.
             let group = v1.create("join", &limits).unwrap();
+            assert!(group.memory_current().is_some());
             let mut child = spawn_in(group.as_ref(), "sleep 30");
             group.verify_member(child.id()).unwrap();
             let outsider = std::process::id();
@@ -707,7 +772,18 @@ mod tests {
             }
         }));
         let _ = v1.sweep_stale();
+        let released = v1.release();
+        let parents_left: Vec<PathBuf> = v1
+            .hierarchies()
+            .iter()
+            .filter_map(|h| h.base.parent().map(Path::to_path_buf))
+            .filter(|p| p.exists())
+            .collect();
         cleanup_real(&v1);
+        if result.is_ok() {
+            released.unwrap();
+            assert!(parents_left.is_empty(), "release left {parents_left:?}");
+        }
         if let Err(panic) = result {
             std::panic::resume_unwind(panic);
         }

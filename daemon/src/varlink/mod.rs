@@ -48,6 +48,11 @@ async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
             gid: c.unix_primary_group_id().as_raw(),
             pid: c.process_id().as_raw_nonzero().get() as u32,
             connection: id,
+            // issue #5: pid + start time + pidfd, the polkit subject (never a bare pid).
+            subject: crate::polkit::process_subject(
+                c.process_id().as_raw_nonzero().get() as u32,
+                c.process_fd(),
+            ),
         },
         Err(e) => {
             tracing::warn!(error = %e, "no peer credentials; dropping connection");

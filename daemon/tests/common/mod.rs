@@ -97,35 +97,47 @@ impl Daemon {
         let socket = dir.path().join("kernel.sock");
         let log = dir.path().join("daemon.log");
         let daemon = Path::new(env!("CARGO_BIN_EXE_sandcelld"));
+        std::fs::write(dir.path().join("none.toml"), "").unwrap();
+        let cgroup = format!("sandcell-test-{}", unique());
+        let mut vars: Vec<(String, String)> = vec![
+            ("SANDCELL_WORKER_DIR".into(), bin_dir().display().to_string()),
+            ("SANDCELL_PYTHON_RUNTIME_DIR".into(), runtime.display().to_string()),
+            ("SANDCELL_STATE_DIR".into(), dir.path().join("state").display().to_string()),
+            ("SANDCELL_CGROUP_NAME".into(), cgroup),
+            ("SANDCELL_LANGUAGES".into(), "python".into()),
+            ("SANDCELL_LOG".into(), "info".into()),
+            // Room for a few sessions per test; tests of admission set their own budgets.
+            ("SANDCELL_MAX_CONCURRENT_SESSIONS".into(), "8".into()),
+            ("SANDCELL_MAX_AGGREGATE_GUEST_MEMORY_BYTES".into(), (8u64 << 27).to_string()),
+            ("SANDCELL_MAX_AGGREGATE_WORKER_MEMORY_BYTES".into(), (8u64 << 30).to_string()),
+        ];
+        for (k, v) in env {
+            vars.retain(|(x, _)| x != k);
+            vars.push((k.to_string(), v.to_string()));
+        }
+        let mut args: Vec<String> = Vec::new();
+        if insecure() {
+            args.push("--insecure-dev".into());
+        }
+        args.push("--config".into());
+        args.push(dir.path().join("none.toml").display().to_string());
         let mut cmd = match activated {
             None => {
                 let mut c = Command::new(daemon);
-                c.arg("--listen").arg(&socket);
+                c.arg("--listen").arg(&socket).args(&args).envs(vars);
                 c
             }
             Some(()) => {
+                // systemd-socket-activate passes no environment but what -E names.
                 let mut c = Command::new("systemd-socket-activate");
-                c.arg("-l").arg(&socket).arg("--fdname=varlink").arg(daemon);
+                c.arg("-l").arg(&socket).arg("--fdname=varlink");
+                for (k, v) in &vars {
+                    c.arg(format!("--setenv={k}={v}"));
+                }
+                c.arg(daemon).args(&args);
                 c
             }
         };
-        if insecure() {
-            cmd.arg("--insecure-dev");
-        }
-        cmd.arg("--config").arg(dir.path().join("none.toml"));
-        std::fs::write(dir.path().join("none.toml"), "").unwrap();
-        cmd.env("SANDCELL_WORKER_DIR", bin_dir())
-            .env("SANDCELL_PYTHON_RUNTIME_DIR", &runtime)
-            .env("SANDCELL_STATE_DIR", dir.path().join("state"))
-            .env(
-                "SANDCELL_CGROUP_NAME",
-                format!("sandcell-test-{}", unique()),
-            )
-            .env("SANDCELL_LANGUAGES", "python")
-            .env("SANDCELL_LOG", "info");
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap());
@@ -200,7 +212,8 @@ impl Daemon {
 
     /// Whether the daemon process is still running.
     pub fn child_alive(&self) -> bool {
-        std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).is_ok_and(|s| !s.contains(") Z "))
+        std::fs::read_to_string(format!("/proc/{}/stat", self.pid()))
+            .is_ok_and(|s| !s.contains(") Z "))
     }
 
     /// The daemon's resident memory, bytes.

@@ -31,16 +31,19 @@ use eryx::{PythonExecutor, ResourceLimits, Sandbox, SessionExecutor};
 use sandcell_worker_python::driver;
 use sandcell_worker_python::interrupt::Interrupter;
 use sandcell_worker_python::replies::Replies;
-use sandcell_worker_python::session::{CellRequest, PySession};
-use std::sync::Arc;
 use sandcell_worker_python::runtime::{
-    self, Artifact, CWASM_FILE, ERYX_VERSION, MANIFEST_FILE, MANIFEST_FORMAT, Manifest, PREINIT_IMPORTS,
-    PYTHON_VERSION, Preparation, STDLIB_DIR, StdlibInfo,
+    self, Artifact, CWASM_FILE, ERYX_VERSION, MANIFEST_FILE, MANIFEST_FORMAT, Manifest,
+    PREINIT_IMPORTS, PYTHON_VERSION, Preparation, STDLIB_DIR, StdlibInfo,
 };
+use sandcell_worker_python::session::{CellRequest, PySession};
 use serde_json::json;
+use std::sync::Arc;
 
 #[derive(Parser)]
-#[command(name = "sandcell-python-runtime", about = "Prepare, check and benchmark sandcell's Python runtime")]
+#[command(
+    name = "sandcell-python-runtime",
+    about = "Prepare, check and benchmark sandcell's Python runtime"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -63,6 +66,22 @@ enum Cmd {
         #[arg(long)]
         dir: PathBuf,
     },
+    /// Time raw session executions of CODE (after the driver is installed), for diagnosis.
+    #[command(hide = true)]
+    Probe {
+        /// Runtime directory.
+        #[arg(long)]
+        dir: PathBuf,
+        /// Setup code run once.
+        #[arg(long, default_value = "")]
+        setup: String,
+        /// Code to time.
+        #[arg(long)]
+        code: String,
+        /// Iterations.
+        #[arg(long, default_value_t = 20)]
+        iterations: usize,
+    },
     /// Measure in-process Eryx baselines with a runtime directory.
     Bench {
         /// Runtime directory.
@@ -79,7 +98,17 @@ fn main() {
     let r = match cli.cmd {
         Cmd::Prepare { out, force } => prepare_main(&out, force),
         Cmd::Check { dir } => runtime_block_on(check(&dir)).map(|v| println!("{v}")),
-        Cmd::Bench { dir, iterations } => runtime_block_on(bench(&dir, iterations.max(1))).map(|v| println!("{v}")),
+        Cmd::Probe {
+            dir,
+            setup,
+            code,
+            iterations,
+        } => {
+            runtime_block_on(probe(&dir, &setup, &code, iterations.max(1))).map(|v| println!("{v}"))
+        }
+        Cmd::Bench { dir, iterations } => {
+            runtime_block_on(bench(&dir, iterations.max(1))).map(|v| println!("{v}"))
+        }
     };
     if let Err(e) = r {
         eprintln!("sandcell-python-runtime: {e:#}");
@@ -111,7 +140,10 @@ fn prepare_main(out: &Path, force: bool) -> Result<()> {
         && let Ok(m) = Manifest::read(out)
         && m.is_current(out)
     {
-        println!("{}", json!({"status": "up-to-date", "dir": out, "manifest": m}));
+        println!(
+            "{}",
+            json!({"status": "up-to-date", "dir": out, "manifest": m})
+        );
         return Ok(());
     }
     fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
@@ -130,7 +162,10 @@ fn prepare_main(out: &Path, force: bool) -> Result<()> {
     let r = runtime_block_on(prepare(out, &staging));
     let _ = fs::remove_dir_all(&staging);
     let manifest = r?;
-    println!("{}", json!({"status": "prepared", "dir": out, "manifest": manifest}));
+    println!(
+        "{}",
+        json!({"status": "prepared", "dir": out, "manifest": manifest})
+    );
     Ok(())
 }
 
@@ -151,9 +186,13 @@ fn normalise_modes(dir: &Path) -> Result<()> {
 
 async fn prepare(out: &Path, staging: &Path) -> Result<Manifest> {
     let start = Instant::now();
-    let extracted = eryx::embedded_stdlib::EmbeddedStdlib::get().context("extracting the embedded stdlib")?;
+    let extracted =
+        eryx::embedded_stdlib::EmbeddedStdlib::get().context("extracting the embedded stdlib")?;
     if !extracted.path().starts_with(staging) {
-        bail!("Eryx extracted the stdlib to {} instead of the staging directory", extracted.path().display());
+        bail!(
+            "Eryx extracted the stdlib to {} instead of the staging directory",
+            extracted.path().display()
+        );
     }
     let stdlib = staging.join(STDLIB_DIR);
     fs::rename(extracted.path(), &stdlib).context("moving the stdlib into place")?;
@@ -161,9 +200,10 @@ async fn prepare(out: &Path, staging: &Path) -> Result<Manifest> {
     let t_stdlib = start.elapsed();
 
     let setup = driver::install_code();
-    let component = eryx::preinit::pre_initialize(&stdlib, None, PREINIT_IMPORTS, &[], Some(&setup))
-        .await
-        .context("pre-initialising CPython")?;
+    let component =
+        eryx::preinit::pre_initialize(&stdlib, None, PREINIT_IMPORTS, &[], Some(&setup))
+            .await
+            .context("pre-initialising CPython")?;
     let t_preinit = start.elapsed();
     let cwasm = PythonExecutor::precompile(&component).context("compiling the component")?;
     let t_compile = start.elapsed();
@@ -201,9 +241,18 @@ async fn prepare(out: &Path, staging: &Path) -> Result<Manifest> {
         cpu_level: "native".into(),
         cpu_features: runtime::host_cpu_features(),
         preinit_imports: PREINIT_IMPORTS.iter().map(|s| s.to_string()).collect(),
-        driver_version: driver::DRIVER_VERSION,
-        cwasm: Artifact { file: CWASM_FILE.into(), bytes: cwasm.len() as u64, sha256: cwasm_sha },
-        stdlib: StdlibInfo { dir: STDLIB_DIR.into(), files, bytes, sha256: tree_sha },
+        driver_hash: driver::DRIVER_HASH,
+        cwasm: Artifact {
+            file: CWASM_FILE.into(),
+            bytes: cwasm.len() as u64,
+            sha256: cwasm_sha,
+        },
+        stdlib: StdlibInfo {
+            dir: STDLIB_DIR.into(),
+            files,
+            bytes,
+            sha256: tree_sha,
+        },
         prepared: Preparation {
             unix_time: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -234,11 +283,20 @@ async fn check(dir: &Path) -> Result<serde_json::Value> {
     let start = Instant::now();
     let (executor, _) = runtime::load_executor(dir)?;
     let load = start.elapsed();
-    let out = executor.execute("print(1)").run().await.context("running print(1)")?;
+    let out = executor
+        .execute("print(1)")
+        .run()
+        .await
+        .context("running print(1)")?;
     if out.stdout != b"1\n" {
-        bail!("print(1) printed {:?}", String::from_utf8_lossy(&out.stdout));
+        bail!(
+            "print(1) printed {:?}",
+            String::from_utf8_lossy(&out.stdout)
+        );
     }
-    Ok(json!({"status": "ok", "dir": dir, "load_ms": ms(load), "first_execute_ms": ms(start.elapsed() - load)}))
+    Ok(
+        json!({"status": "ok", "dir": dir, "load_ms": ms(load), "first_execute_ms": ms(start.elapsed() - load)}),
+    )
 }
 
 fn ms(d: Duration) -> f64 {
@@ -256,15 +314,53 @@ fn summary(mut samples: Vec<Duration>) -> serde_json::Value {
 /// A few small variables, a function and a class.
 const SMALL_NAMESPACE: &str = "x = 1\ny = 'abc'\nz = [1, 2, 3]\ndef f(a):\n    return a + x\nclass C:\n    def m(self):\n        return f(1)\nc = C()\nimport math\n";
 /// About 1 MB once pickled.
-const ONE_MB_NAMESPACE: &str = "big = list(range(100000))\nd = {str(i): i for i in range(10000)}\ns = 'x' * 500000\n";
+const ONE_MB_NAMESPACE: &str =
+    "big = list(range(100000))\nd = {str(i): i for i in range(10000)}\ns = 'x' * 500000\n";
+
+async fn probe(dir: &Path, setup: &str, code: &str, n: usize) -> Result<serde_json::Value> {
+    let (executor, _) = runtime::load_executor(dir)?;
+    let mut session =
+        SessionExecutor::new_with_limits(Arc::new(executor), &[], &ResourceLimits::default())
+            .await?;
+    session.execute(driver::install_code()).run().await?;
+    if !setup.is_empty() {
+        session.execute(setup).run().await?;
+    }
+    let mut t = Vec::with_capacity(n);
+    let mut last = None;
+    for _ in 0..n {
+        let s = Instant::now();
+        last = Some(session.execute(code).run().await);
+        t.push(s.elapsed());
+    }
+    let last = match last {
+        Some(Ok(o)) => json!({"stdout": String::from_utf8_lossy(&o.stdout), "result": o.result}),
+        Some(Err(e)) => json!({"error": e.to_string()}),
+        None => json!(null),
+    };
+    Ok(json!({"timing": summary(t), "last": last}))
+}
 
 /// Runs one cell through the worker's session path.
-async fn run_cell(ps: &mut PySession, replies: &Arc<Replies>, interrupter: &Interrupter, cell: u64, src: &str) -> Result<()> {
-    let req = CellRequest { cell, source: src.as_bytes(), timeout: Duration::from_secs(60), fuel: None, max_output: 1 << 20 };
+async fn run_cell(
+    ps: &mut PySession,
+    replies: &Arc<Replies>,
+    interrupter: &Interrupter,
+    cell: u64,
+    src: &str,
+) -> Result<()> {
+    let req = CellRequest {
+        cell,
+        source: src.as_bytes(),
+        timeout: Duration::from_secs(60),
+        fuel: None,
+        max_output: 1 << 20,
+    };
     interrupter.begin_cell();
     let r = ps.exec_cell(&req, replies, interrupter).await;
     interrupter.end_cell();
     r?;
+    ps.finish_cell().await;
     Ok(())
 }
 
@@ -275,7 +371,9 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
     let build = || -> Result<Sandbox> {
         // SAFETY: the same artefact load_executor accepts (checked below before first use).
         let b = unsafe { Sandbox::builder().with_precompiled_file(&cwasm) };
-        Ok(b.with_python_stdlib(&stdlib).with_trace_collection(false).build()?)
+        Ok(b.with_python_stdlib(&stdlib)
+            .with_trace_collection(false)
+            .build()?)
     };
     runtime::load_executor(dir)?; // manifest, compatibility and ownership checks
 
@@ -317,14 +415,20 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
         anyhow::ensure!(out.result.is_some(), "driver reported nothing");
     }
     // (d) Eryx's own snapshot_state (dill), for comparison with the driver's.
-    session.execute(driver::cell_code(10_001, SMALL_NAMESPACE)).run().await?;
+    session
+        .execute(driver::cell_code(10_001, SMALL_NAMESPACE))
+        .run()
+        .await?;
     let mut eryx_snap_small = Vec::with_capacity(n.min(20));
     for _ in 0..n.min(20) {
         let t = Instant::now();
         session.snapshot_state().await?;
         eryx_snap_small.push(t.elapsed());
     }
-    session.execute(driver::cell_code(10_002, ONE_MB_NAMESPACE)).run().await?;
+    session
+        .execute(driver::cell_code(10_002, ONE_MB_NAMESPACE))
+        .run()
+        .await?;
     let mut eryx_snap_big = Vec::with_capacity(n.min(5));
     for _ in 0..n.min(5) {
         let t = Instant::now();
@@ -335,14 +439,28 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
 
     // (e) the worker's own session: a whole cell (driver + output + snapshot), the driver's
     // snapshot, and a rebuild (reset + driver + restore).
-    let replies = Arc::new(Replies::new(fs::OpenOptions::new().write(true).open("/dev/null")?));
+    let replies = Arc::new(Replies::new(
+        fs::OpenOptions::new().write(true).open("/dev/null")?,
+    ));
     let interrupter = Interrupter::default();
     let mut ps = PySession::new(executor.clone(), Some(128 * 1024 * 1024)).await?;
     let mut worker_cell = Vec::with_capacity(n);
+    let mut worker_cell_snap = Vec::with_capacity(n);
     for i in 0..n {
+        let req = CellRequest {
+            cell: i as u64 + 1,
+            source: b"print(1)",
+            timeout: Duration::from_secs(10),
+            fuel: None,
+            max_output: 1 << 20,
+        };
         let t = Instant::now();
-        run_cell(&mut ps, &replies, &interrupter, i as u64 + 1, "print(1)").await?;
+        interrupter.begin_cell();
+        ps.exec_cell(&req, &replies, &interrupter).await?;
+        interrupter.end_cell();
         worker_cell.push(t.elapsed());
+        ps.finish_cell().await;
+        worker_cell_snap.push(t.elapsed());
     }
     run_cell(&mut ps, &replies, &interrupter, 100_001, SMALL_NAMESPACE).await?;
     let mut snap_small = Vec::with_capacity(n);
@@ -384,7 +502,8 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
         "session_cell_via_driver": summary(via_driver),
         "eryx_snapshot_state_small": summary(eryx_snap_small),
         "eryx_snapshot_state_1mb": summary(eryx_snap_big),
-        "worker_cell_print1_incl_snapshot": summary(worker_cell),
+        "worker_cell_print1_until_done": summary(worker_cell),
+        "worker_cell_print1_incl_snapshot": summary(worker_cell_snap),
         "driver_snapshot_small": summary(snap_small),
         "driver_snapshot_small_bytes": small_bytes,
         "driver_snapshot_1mb": summary(snap_big),

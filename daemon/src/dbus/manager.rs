@@ -1,0 +1,233 @@
+//! `org.sandcell.Manager1` at `/org/sandcell/Sandcell1`: list, inspect, terminate and
+//! interrupt sessions, reload the configuration, live figures and session signals.
+//!
+//! Every method that acts goes through the core (validate -> look up -> authorize -> act);
+//! listing and properties are public, as machined's `ListMachines` is: session ids are not
+//! capabilities, since every action checks the owner and asks polkit.
+
+use super::{Error, Settings, caller, check_id, session_path};
+use crate::auth::Action;
+use crate::config::Config;
+use crate::core::Core;
+use std::sync::Arc;
+use std::time::UNIX_EPOCH;
+use zbus::object_server::SignalEmitter;
+use zbus::zvariant::OwnedObjectPath;
+
+/// One row of `ListSessions`: id, language, owner uid, owner pid, state, started (µs since
+/// the Unix epoch), cells run, memory in use (bytes; `u64::MAX` when unknown), object path.
+pub type SessionRow = (
+    String,
+    String,
+    u32,
+    u32,
+    String,
+    u64,
+    u64,
+    u64,
+    OwnedObjectPath,
+);
+
+/// The manager object.
+#[derive(Debug)]
+pub struct Manager {
+    core: Arc<Core>,
+    settings: Arc<Settings>,
+}
+
+impl Manager {
+    /// A manager over `core`.
+    pub fn new(core: Arc<Core>, settings: Arc<Settings>) -> Self {
+        Manager { core, settings }
+    }
+}
+
+/// Microseconds since the Unix epoch.
+pub(crate) fn usec(t: std::time::SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
+/// The rows of `ListSessions`, ordered by start time.
+pub(crate) fn rows(core: &Core) -> Vec<SessionRow> {
+    let mut sessions = core.sessions();
+    sessions.sort_by_key(|s| s.started);
+    sessions
+        .iter()
+        .map(|s| {
+            let info = s.info.lock().unwrap().clone();
+            (
+                s.id.clone(),
+                s.language.as_str().to_string(),
+                s.owner.uid,
+                s.owner.pid,
+                info.state.to_string(),
+                usec(s.started),
+                info.cells_run,
+                s.memory_current().unwrap_or(u64::MAX),
+                session_path(&s.id),
+            )
+        })
+        .collect()
+}
+
+#[zbus::interface(name = "org.sandcell.Manager1")]
+impl Manager {
+    /// Live sessions: (id, language, owner uid, owner pid, state, started µs since the epoch,
+    /// cells run, memory in use in bytes or 2^64-1 if unknown, object path).
+    #[zbus(out_args("sessions"))]
+    async fn list_sessions(&self) -> Vec<SessionRow> {
+        rows(&self.core)
+    }
+
+    /// Object path of session `id`. Errors: NoSuchSession, InvalidParameter.
+    #[zbus(out_args("path"))]
+    async fn get_session(&self, id: &str) -> Result<OwnedObjectPath, Error> {
+        check_id(id)?;
+        if self.core.sessions().iter().any(|s| s.id == id) {
+            Ok(session_path(id))
+        } else {
+            Err(Error::NoSuchSession(format!("no session {id}")))
+        }
+    }
+
+    /// Ends session `id` (kill, reap, release); returns when everything is released.
+    /// Needs org.sandcell.manage-own-sessions for one's own session, org.sandcell.manage-sessions
+    /// for another uid's. Errors: NoSuchSession, PermissionDenied, InvalidParameter.
+    async fn terminate_session(
+        &self,
+        #[zbus(connection)] conn: &zbus::Connection,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        id: &str,
+    ) -> Result<(), Error> {
+        check_id(id)?;
+        let who = caller(conn, &header).await?;
+        Ok(self.core.terminate(&who, id).await?)
+    }
+
+    /// Interrupts the cell session `id` is running (SIGINT; the session keeps its state).
+    /// `delivered` is false with `reason` `not_running` when no cell runs, or
+    /// `session_ending`. Same authorization as TerminateSession.
+    #[zbus(out_args("delivered", "reason"))]
+    async fn interrupt_session(
+        &self,
+        #[zbus(connection)] conn: &zbus::Connection,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        id: &str,
+    ) -> Result<(bool, String), Error> {
+        check_id(id)?;
+        let who = caller(conn, &header).await?;
+        let r = self.core.interrupt_running(&who, id).await?;
+        Ok((r.delivered, r.reason))
+    }
+
+    /// Re-reads the configuration file the daemon was started with (and its SANDCELL_*
+    /// environment); new limits apply to sessions opened from now on. An invalid file is
+    /// refused with InvalidConfig and the previous configuration stays in force.
+    /// Needs org.sandcell.reload.
+    async fn reload(
+        &self,
+        #[zbus(connection)] conn: &zbus::Connection,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        #[zbus(signal_emitter)] emitter: SignalEmitter<'_>,
+    ) -> Result<(), Error> {
+        let who = caller(conn, &header).await?;
+        self.core.authorize(&who, Action::Reload).await?;
+        let config = Config::load(
+            &self.settings.config_path,
+            self.settings.config_required,
+            std::env::vars(),
+        )
+        .map_err(|e| {
+            tracing::error!(error = %e, uid = who.uid, "reload refused; the previous configuration stays in force");
+            Error::InvalidConfig(format!("{e}; the previous configuration stays in force"))
+        })?;
+        self.core.reload(config);
+        tracing::info!(
+            uid = who.uid,
+            "configuration reloaded over D-Bus; new limits apply to new sessions"
+        );
+        self.admission_changed(&emitter).await?;
+        Ok(())
+    }
+
+    /// Sessions alive now.
+    #[zbus(property)]
+    async fn active_sessions(&self) -> u32 {
+        self.core.sessions().len() as u32
+    }
+
+    /// Admission use against each budget: (budget, in use, maximum); sessions are counted,
+    /// memories are bytes.
+    #[zbus(property)]
+    async fn admission(&self) -> Vec<(String, u64, u64)> {
+        let (max, used) = self.core.admission();
+        vec![
+            (
+                "max_concurrent_sessions".into(),
+                used.sessions,
+                max.sessions,
+            ),
+            (
+                "max_aggregate_guest_memory_bytes".into(),
+                used.guest_memory,
+                max.guest_memory,
+            ),
+            (
+                "max_aggregate_worker_memory_bytes".into(),
+                used.worker_memory,
+                max.worker_memory,
+            ),
+        ]
+    }
+
+    /// sandcelld's version.
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn version(&self) -> String {
+        env!("CARGO_PKG_VERSION").to_string()
+    }
+
+    /// Landlock ABI of the running kernel (0: Landlock unavailable).
+    #[zbus(property(emits_changed_signal = "const"), name = "LandlockABI")]
+    async fn landlock_abi(&self) -> i32 {
+        sandcell_confine::landlock::kernel_abi().unwrap_or(0)
+    }
+
+    /// cgroup mode in use: `v2`, `v1` or `none` (development mode).
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn cgroup_mode(&self) -> String {
+        self.core.cgroup_mode().to_string()
+    }
+
+    /// A session is ready: id, owner uid, language, object path.
+    #[zbus(signal)]
+    pub async fn session_opened(
+        emitter: &SignalEmitter<'_>,
+        id: &str,
+        uid: u32,
+        language: &str,
+        path: OwnedObjectPath,
+    ) -> zbus::Result<()>;
+
+    /// A session ended and everything it held is released: id, reason.
+    #[zbus(signal)]
+    pub async fn session_closed(
+        emitter: &SignalEmitter<'_>,
+        id: &str,
+        reason: &str,
+    ) -> zbus::Result<()>;
+
+    /// A cell finished: session id, cell number, status (`ok`, `error`, `timeout`, ...).
+    #[zbus(signal)]
+    pub async fn cell_finished(
+        emitter: &SignalEmitter<'_>,
+        id: &str,
+        cell: u64,
+        status: &str,
+    ) -> zbus::Result<()>;
+
+    /// The kernel OOM-killed the worker of session `id` (its cgroup's memory limit).
+    #[zbus(signal, name = "WorkerOOMKilled")]
+    pub async fn worker_oom_killed(emitter: &SignalEmitter<'_>, id: &str) -> zbus::Result<()>;
+}

@@ -1,0 +1,432 @@
+//! The D-Bus face of sandcelld: the control plane `org.sandcell.Sandcell1` on the system bus.
+//!
+//! A thin shim, like `varlink/`: it identifies the caller from the bus (never from the
+//! message), calls the core, and turns core errors into D-Bus errors. Files:
+//! - `mod.rs` (this file): the connection, its supervisor (reconnect with backoff), the
+//!   translation of core events into signals, caller identification, the error names;
+//! - `manager.rs`: `org.sandcell.Manager1` at `/org/sandcell/Sandcell1`;
+//! - `session.rs`: `org.sandcell.Session1` at `/org/sandcell/Sandcell1/session/<id>`.
+//!
+//! The bus is used only when one is there: `DBUS_SYSTEM_BUS_ADDRESS`, else the socket
+//! `/run/dbus/system_bus_socket` if it exists. Without one the daemon serves Varlink alone and
+//! keeps [`crate::auth::SocketPermissions`]. Once connected, the daemon selects the polkit
+//! authority ([`crate::polkit::Polkit`]) as soon as polkit answers; if the bus goes away the
+//! daemon keeps serving Varlink (polkit checks then fail closed: only root is allowed) and
+//! reconnects with a backoff from 1 s doubling to 30 s.
+//!
+//! Shipped with it (repository root): `dbus/org.sandcell.Sandcell1.conf` (bus policy),
+//! `dbus/org.sandcell.Sandcell1.service` (activation), `dbus/org.sandcell.Manager1.xml` and
+//! `dbus/org.sandcell.Session1.xml` (introspection, checked against the live objects by
+//! `daemon/tests/dbus_polkit.rs`).
+
+mod manager;
+mod session;
+
+pub use manager::Manager;
+pub use session::SessionObject;
+
+use crate::core::Core;
+use crate::polkit::Polkit;
+use crate::session::{Caller, Event, Subject};
+use sandcell_proto::kernel::KernelError;
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{broadcast, watch};
+use zbus::object_server::InterfaceRef;
+use zbus::zvariant::OwnedObjectPath;
+
+/// Well-known bus name.
+pub const BUS_NAME: &str = "org.sandcell.Sandcell1";
+/// The manager object.
+pub const MANAGER_PATH: &str = "/org/sandcell/Sandcell1";
+/// Parent of the session objects.
+pub const SESSION_PATH_PREFIX: &str = "/org/sandcell/Sandcell1/session";
+/// The system bus socket used when `DBUS_SYSTEM_BUS_ADDRESS` is unset.
+pub const SYSTEM_BUS_SOCKET: &str = "/run/dbus/system_bus_socket";
+/// First reconnect delay; doubles up to [`BACKOFF_MAX`].
+pub const BACKOFF_MIN: Duration = Duration::from_secs(1);
+/// Longest reconnect delay.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// How long the first connection attempt at start-up may take.
+pub const FIRST_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What the control plane needs besides the core.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The configuration file the daemon was started with (re-read by `Reload`).
+    pub config_path: PathBuf,
+    /// Whether that file must exist (it was named with `--config`).
+    pub config_required: bool,
+}
+
+/// D-Bus errors of `org.sandcell.Manager1` and `org.sandcell.Session1`.
+///
+/// Names: `org.sandcell.Sandcell1.<Variant>`; the text says what and, where known, what to do.
+#[derive(Debug, zbus::DBusError)]
+#[zbus(prefix = "org.sandcell.Sandcell1")]
+pub enum Error {
+    /// A zbus failure.
+    #[zbus(error)]
+    ZBus(zbus::Error),
+    /// No session with this id.
+    NoSuchSession(String),
+    /// polkit (or the socket-permission fallback) refused; the text names the action.
+    PermissionDenied(String),
+    /// `Reload`: the configuration file is invalid; the previous configuration stays.
+    InvalidConfig(String),
+    /// A parameter is malformed.
+    InvalidParameter(String),
+    /// The daemon is stopping.
+    ShuttingDown(String),
+    /// Anything else.
+    Failed(String),
+}
+
+impl From<KernelError> for Error {
+    fn from(e: KernelError) -> Self {
+        match e {
+            KernelError::NoSuchSession { session } => {
+                Error::NoSuchSession(format!("no session {session}"))
+            }
+            KernelError::PermissionDenied { action } => {
+                Error::PermissionDenied(format!("not authorized for {action}"))
+            }
+            KernelError::InvalidParameter { parameter, reason } => {
+                Error::InvalidParameter(format!("{parameter}: {reason}"))
+            }
+            KernelError::ShuttingDown {} => Error::ShuttingDown("sandcelld is stopping".into()),
+            other => Error::Failed(other.to_string()),
+        }
+    }
+}
+
+impl From<zbus::fdo::Error> for Error {
+    fn from(e: zbus::fdo::Error) -> Self {
+        Error::Failed(e.to_string())
+    }
+}
+
+/// Object path of session `id`.
+pub fn session_path(id: &str) -> OwnedObjectPath {
+    OwnedObjectPath::try_from(format!("{SESSION_PATH_PREFIX}/{id}"))
+        .expect("session ids are lowercase hex, valid path elements")
+}
+
+/// Validates a session id from a D-Bus caller (32 lowercase hex characters).
+pub(crate) fn check_id(id: &str) -> Result<(), Error> {
+    if id.len() == 32
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        Ok(())
+    } else {
+        Err(Error::InvalidParameter(format!(
+            "session id {id:?} is not 32 lowercase hex characters"
+        )))
+    }
+}
+
+/// The system bus address, if there is a system bus: `DBUS_SYSTEM_BUS_ADDRESS`, else
+/// `unix:path=/run/dbus/system_bus_socket` when that socket exists.
+pub fn system_bus_address() -> Option<String> {
+    match std::env::var("DBUS_SYSTEM_BUS_ADDRESS") {
+        Ok(a) if !a.is_empty() => Some(a),
+        _ => std::path::Path::new(SYSTEM_BUS_SOCKET)
+            .exists()
+            .then(|| format!("unix:path={SYSTEM_BUS_SOCKET}")),
+    }
+}
+
+/// Identifies the sender of a method call from the bus daemon's records of its connection
+/// (`GetConnectionCredentials`), never from the message body. The polkit subject is the
+/// sender's unique name; `ALLOW_INTERACTIVE_AUTHORIZATION` is honoured.
+pub(crate) async fn caller(
+    conn: &zbus::Connection,
+    header: &zbus::message::Header<'_>,
+) -> Result<Caller, Error> {
+    let sender = header
+        .sender()
+        .ok_or_else(|| Error::Failed("method call without a sender".into()))?;
+    let dbus = zbus::fdo::DBusProxy::new(conn).await?;
+    let creds = dbus
+        .get_connection_credentials(sender.clone().into())
+        .await?;
+    let uid = creds
+        .unix_user_id()
+        .ok_or_else(|| Error::Failed("the bus does not know the caller's uid".into()))?;
+    let interactive = header
+        .primary()
+        .flags()
+        .contains(zbus::message::Flags::AllowInteractiveAuth);
+    Ok(Caller {
+        uid,
+        gid: creds
+            .unix_group_ids()
+            .and_then(|g| g.first().copied())
+            .unwrap_or(u32::MAX),
+        pid: creds.process_id().unwrap_or(0),
+        connection: 0,
+        subject: Subject::BusName {
+            name: sender.to_string(),
+            interactive,
+        },
+    })
+}
+
+/// Starts the control plane if there is a system bus; returns its supervisor task.
+///
+/// The first connection is tried at once (at most [`FIRST_CONNECT_TIMEOUT`]), so that the
+/// polkit authority is in force before the Varlink socket is served; later attempts run in
+/// the background. The task ends when `stop` turns true.
+pub async fn start(
+    core: Arc<Core>,
+    settings: Settings,
+    stop: watch::Receiver<bool>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let Some(address) = system_bus_address() else {
+        tracing::info!(
+            "no system bus (DBUS_SYSTEM_BUS_ADDRESS unset, {SYSTEM_BUS_SOCKET} absent): D-Bus \
+             control plane off; the socket's permissions are the only authorization"
+        );
+        return None;
+    };
+    let sup = Supervisor {
+        core,
+        settings: Arc::new(settings),
+        address,
+        polkit: Polkit::new(),
+        polkit_selected: AtomicBool::new(false),
+    };
+    let first = match tokio::time::timeout(FIRST_CONNECT_TIMEOUT, sup.connect()).await {
+        Ok(Ok(c)) => Some(c),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, address = %sup.address, "system bus: first connection failed; retrying in the background");
+            None
+        }
+        Err(_) => {
+            tracing::warn!(address = %sup.address, "system bus: first connection timed out; retrying in the background");
+            None
+        }
+    };
+    Some(tokio::spawn(sup.run(first, stop)))
+}
+
+struct Supervisor {
+    core: Arc<Core>,
+    settings: Arc<Settings>,
+    address: String,
+    polkit: Arc<Polkit>,
+    polkit_selected: AtomicBool,
+}
+
+/// A live connection with everything served on it.
+struct Live {
+    conn: zbus::Connection,
+    events: broadcast::Receiver<Event>,
+    manager: InterfaceRef<Manager>,
+    /// Ids of the session objects exported on `conn`.
+    exported: Mutex<HashSet<String>>,
+}
+
+impl Supervisor {
+    /// Connects, serves the manager, claims the name, registers live sessions, and selects
+    /// polkit if it answers.
+    async fn connect(&self) -> Result<Live, zbus::Error> {
+        // Subscribe before taking the snapshot of sessions, so no event falls in between.
+        let events = self.core.events();
+        let manager = Manager::new(self.core.clone(), self.settings.clone());
+        let conn = zbus::connection::Builder::address(self.address.as_str())?
+            .serve_at(MANAGER_PATH, manager)?
+            .name(BUS_NAME)?
+            .build()
+            .await?;
+        let manager = conn
+            .object_server()
+            .interface::<_, Manager>(MANAGER_PATH)
+            .await?;
+        let exported = Mutex::new(HashSet::new());
+        for s in self.core.sessions() {
+            add_session(&conn, &self.core, &exported, s.id.clone()).await;
+        }
+        match self.polkit.attach(&conn).await {
+            Ok(version) => {
+                if !self.polkit_selected.swap(true, Ordering::SeqCst) {
+                    self.core.set_authority(self.polkit.clone());
+                }
+                tracing::info!(
+                    %version,
+                    pidfd = self.polkit.uses_pidfd(),
+                    "polkit decides authorization (Varlink and D-Bus)"
+                );
+            }
+            Err(e) if self.polkit_selected.load(Ordering::SeqCst) => {
+                tracing::warn!(error = %e, "polkit not answering: refusing everyone but root until it does");
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "polkit not answering: the socket's permissions stay the only authorization");
+            }
+        }
+        tracing::info!(name = BUS_NAME, address = %self.address, "D-Bus control plane up");
+        Ok(Live {
+            conn,
+            events,
+            manager,
+            exported,
+        })
+    }
+
+    async fn run(self, mut first: Option<Live>, mut stop: watch::Receiver<bool>) {
+        let mut backoff = BACKOFF_MIN;
+        loop {
+            let live = match first.take() {
+                Some(l) => l,
+                None => match self.connect().await {
+                    Ok(l) => l,
+                    Err(e) => {
+                        tracing::warn!(error = %e, retry_in = ?backoff, "system bus: connection failed");
+                        tokio::select! {
+                            _ = tokio::time::sleep(backoff) => {}
+                            _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
+                        }
+                        backoff = (backoff * 2).min(BACKOFF_MAX);
+                        continue;
+                    }
+                },
+            };
+            backoff = BACKOFF_MIN;
+            let stopped = self.serve(live, &mut stop).await;
+            self.polkit.detach();
+            if stopped {
+                return;
+            }
+            tracing::warn!(retry_in = ?backoff, "system bus connection lost; Varlink keeps serving");
+            tokio::select! {
+                _ = tokio::time::sleep(backoff) => {}
+                _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
+            }
+        }
+    }
+
+    /// Forwards core events until the connection closes (false) or the daemon stops (true).
+    async fn serve(&self, mut live: Live, stop: &mut watch::Receiver<bool>) -> bool {
+        loop {
+            tokio::select! {
+                _ = live.conn.closed() => return false,
+                _ = async { let _ = stop.wait_for(|s| *s).await; } => {
+                    let _ = live.conn.release_name(BUS_NAME).await;
+                    return true;
+                }
+                ev = live.events.recv() => match ev {
+                    Ok(ev) => {
+                        if let Err(e) = self.forward(&live, ev).await {
+                            tracing::debug!(error = %e, "emitting a D-Bus signal failed");
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(n)) => {
+                        tracing::warn!(missed = n, "D-Bus: missed session events; resynchronizing objects");
+                        self.resync(&live).await;
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return true,
+                },
+            }
+        }
+    }
+
+    async fn forward(&self, live: &Live, ev: Event) -> zbus::Result<()> {
+        let emitter = live.manager.signal_emitter();
+        match ev {
+            Event::Opened { id, uid, language } => {
+                // A session that ended before its Opened event got here has no object.
+                if self.core.sessions().iter().any(|s| s.id == id) {
+                    add_session(&live.conn, &self.core, &live.exported, id.clone()).await;
+                }
+                Manager::session_opened(emitter, &id, uid, language.as_str(), session_path(&id))
+                    .await?;
+                self.figures_changed(live).await?;
+            }
+            Event::Closed { id, reason } => {
+                live.exported.lock().unwrap().remove(&id);
+                let _ = live
+                    .conn
+                    .object_server()
+                    .remove::<SessionObject, _>(session_path(&id))
+                    .await;
+                Manager::session_closed(emitter, &id, &reason).await?;
+                self.figures_changed(live).await?;
+            }
+            Event::CellFinished { id, cell, status } => {
+                Manager::cell_finished(emitter, &id, cell, status.as_str()).await?;
+                if let Ok(s) = live
+                    .conn
+                    .object_server()
+                    .interface::<_, SessionObject>(session_path(&id))
+                    .await
+                {
+                    let g = s.get().await;
+                    g.cells_run_changed(s.signal_emitter()).await?;
+                    g.state_changed(s.signal_emitter()).await?;
+                }
+            }
+            Event::OomKilled { id } => {
+                Manager::worker_oom_killed(emitter, &id).await?;
+            }
+        }
+        Ok(())
+    }
+
+    async fn figures_changed(&self, live: &Live) -> zbus::Result<()> {
+        let m = live.manager.get().await;
+        m.active_sessions_changed(live.manager.signal_emitter())
+            .await?;
+        m.admission_changed(live.manager.signal_emitter()).await
+    }
+
+    /// After missed events: one object per live session, no others.
+    async fn resync(&self, live: &Live) {
+        let live_ids: Vec<String> = self.core.sessions().iter().map(|s| s.id.clone()).collect();
+        for id in &live_ids {
+            add_session(&live.conn, &self.core, &live.exported, id.clone()).await;
+        }
+        let exported: Vec<String> = live.exported.lock().unwrap().iter().cloned().collect();
+        for id in exported {
+            if !live_ids.contains(&id) {
+                live.exported.lock().unwrap().remove(&id);
+                let _ = live
+                    .conn
+                    .object_server()
+                    .remove::<SessionObject, _>(session_path(&id))
+                    .await;
+            }
+        }
+        let _ = self.figures_changed(live).await;
+    }
+}
+
+/// Exports session `id` (if it is still alive); a second export of the same id is a no-op.
+async fn add_session(
+    conn: &zbus::Connection,
+    core: &Arc<Core>,
+    exported: &Mutex<HashSet<String>>,
+    id: String,
+) {
+    let Some(s) = core.sessions().into_iter().find(|s| s.id == id) else {
+        return;
+    };
+    let path = session_path(&id);
+    match conn
+        .object_server()
+        .at(path, SessionObject::new(core.clone(), s))
+        .await
+    {
+        Ok(_) => {
+            exported.lock().unwrap().insert(id);
+        }
+        Err(e) => {
+            tracing::warn!(session = %id, error = %e, "exporting the session object failed")
+        }
+    }
+}

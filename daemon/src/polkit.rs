@@ -1,0 +1,441 @@
+//! The polkit [`Authority`]: asks `org.freedesktop.PolicyKit1.Authority.CheckAuthorization`
+//! on the system bus, for both interfaces (the Varlink data plane and the D-Bus control
+//! plane go through the same `Core::authorize`, so this is the one decision path).
+//!
+//! Subjects (never a bare pid: a pid can be recycled between the connection and the check,
+//! polkit CVE-2013-4288; and a caller that vanishes mid-check must be refused rather than
+//! mistaken for someone else, polkit CVE-2021-3560):
+//! - D-Bus callers: `system-bus-name` with the sender's unique name; polkit resolves the
+//!   credentials from the bus itself. The call's `ALLOW_INTERACTIVE_AUTHORIZATION` header
+//!   flag is passed on as polkit flag 1 (`AllowUserInteraction`).
+//! - Varlink callers: `unix-process`. With polkit >= 124 (`BackendVersion`) the kernel's
+//!   pidfd for the peer (`SO_PEERPIDFD`) is passed as `pidfd` (a D-Bus `h`) together with
+//!   `uid`; otherwise `pid` + `start-time` (field 22 of `/proc/<pid>/stat`, read while the
+//!   pidfd proved the pid was still the peer) + `uid`. Always non-interactive (flags 0):
+//!   nobody can answer a password prompt for a gateway.
+//!
+//! Answers for Varlink callers are cached per connection (key: connection id, which is unique
+//! for the daemon's lifetime, and action), at most [`CACHE_MAX`] entries; D-Bus calls are
+//! never cached. The cache is emptied whenever the bus connection is replaced.
+//!
+//! When polkit cannot be asked (bus gone, polkitd not answering) the decision fails closed:
+//! root is allowed (polkit would allow root too), everyone else is refused until the bus is
+//! back. A daemon that never reached polkit keeps [`crate::auth::SocketPermissions`]: the
+//! socket's mode (0660, group `sandcell`) is then the only gate.
+
+use crate::auth::{Action, Authority};
+use crate::session::{Caller, PidFd, Subject};
+use std::collections::HashMap;
+use std::future::Future;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+use zbus::zvariant::{Fd, Value};
+
+/// Most cached answers; the whole cache is dropped when it is full.
+pub const CACHE_MAX: usize = 4096;
+/// How long a non-interactive check may take.
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an interactive check (a human typing a password) may take.
+pub const INTERACTIVE_TIMEOUT: Duration = Duration::from_secs(300);
+/// First polkit version that accepts a `pidfd` in a `unix-process` subject.
+pub const PIDFD_MIN_VERSION: u32 = 124;
+
+/// polkit's `CheckAuthorizationFlags.AllowUserInteraction`.
+const ALLOW_USER_INTERACTION: u32 = 1;
+
+/// Errors asking polkit.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The daemon has no system bus connection now.
+    #[error("no system bus connection; polkit cannot be asked")]
+    NoBus,
+    /// The D-Bus call failed (polkitd absent, bus gone, malformed subject).
+    #[error("calling polkit CheckAuthorization for {action}: {source}")]
+    Call {
+        /// polkit action id.
+        action: &'static str,
+        /// The D-Bus error.
+        source: zbus::Error,
+    },
+    /// polkit did not answer in time.
+    #[error("polkit did not answer CheckAuthorization for {action} within {after:?}")]
+    Timeout {
+        /// polkit action id.
+        action: &'static str,
+        /// How long we waited.
+        after: Duration,
+    },
+    /// polkit is not reachable on the bus at all.
+    #[error(
+        "polkit is not reachable on the system bus: {0} (install polkitd, or run without a \
+         system bus to rely on the socket's permissions)"
+    )]
+    Unreachable(zbus::Error),
+}
+
+/// polkit's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    /// Authorized.
+    pub authorized: bool,
+    /// Not authorized now, but would be after authentication (interactive callers only).
+    pub challenge: bool,
+}
+
+#[zbus::proxy(
+    interface = "org.freedesktop.PolicyKit1.Authority",
+    default_service = "org.freedesktop.PolicyKit1",
+    default_path = "/org/freedesktop/PolicyKit1/Authority",
+    gen_blocking = false
+)]
+trait PolkitAuthority {
+    /// `CheckAuthorization((sa{sv}) subject, s action_id, a{ss} details, u flags,
+    /// s cancellation_id) -> (bbb{ss})`.
+    fn check_authorization(
+        &self,
+        subject: &(&str, HashMap<&str, Value<'_>>),
+        action_id: &str,
+        details: HashMap<&str, &str>,
+        flags: u32,
+        cancellation_id: &str,
+    ) -> zbus::Result<(bool, bool, HashMap<String, String>)>;
+
+    /// e.g. `"122"`.
+    #[zbus(property)]
+    fn backend_version(&self) -> zbus::Result<String>;
+}
+
+/// The polkit authority. Cheap to share; the bus connection is attached and detached by the
+/// D-Bus service as the system bus comes and goes.
+#[derive(Debug, Default)]
+pub struct Polkit {
+    bus: RwLock<Option<zbus::Connection>>,
+    pidfd_subjects: AtomicBool,
+    cache: Mutex<HashMap<(u64, Action), bool>>,
+}
+
+impl Polkit {
+    /// An authority with no bus yet (every non-root caller refused until [`Polkit::attach`]).
+    pub fn new() -> Arc<Polkit> {
+        Arc::new(Polkit::default())
+    }
+
+    /// Uses `conn` from now on after checking that polkit answers on it; returns polkit's
+    /// version string. Errors: [`Error::Unreachable`] (the previous connection is kept).
+    pub async fn attach(&self, conn: &zbus::Connection) -> Result<String, Error> {
+        let proxy = PolkitAuthorityProxy::new(conn)
+            .await
+            .map_err(Error::Unreachable)?;
+        let version = tokio::time::timeout(CHECK_TIMEOUT, proxy.backend_version())
+            .await
+            .map_err(|_| {
+                Error::Unreachable(zbus::Error::Failure("BackendVersion timed out".into()))
+            })?
+            .map_err(Error::Unreachable)?;
+        let major = version
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .and_then(|v| v.parse::<u32>().ok())
+            .unwrap_or(0);
+        self.pidfd_subjects
+            .store(major >= PIDFD_MIN_VERSION, Ordering::SeqCst);
+        *self.bus.write().unwrap() = Some(conn.clone());
+        self.cache.lock().unwrap().clear();
+        Ok(version)
+    }
+
+    /// Forgets the bus connection (it closed); checks fail closed until the next attach.
+    pub fn detach(&self) {
+        *self.bus.write().unwrap() = None;
+        self.cache.lock().unwrap().clear();
+    }
+
+    /// Whether `unix-process` subjects carry a pidfd (polkit >= 124).
+    pub fn uses_pidfd(&self) -> bool {
+        self.pidfd_subjects.load(Ordering::SeqCst)
+    }
+
+    /// Asks polkit whether `caller` may do `action`, uncached.
+    ///
+    /// Errors: [`Error::NoBus`], [`Error::Call`], [`Error::Timeout`].
+    pub async fn ask(&self, caller: &Caller, action: Action) -> Result<Decision, Error> {
+        let conn = self.bus.read().unwrap().clone().ok_or(Error::NoBus)?;
+        let id = action.id();
+        let call = |source| Error::Call { action: id, source };
+        let proxy = PolkitAuthorityProxy::new(&conn).await.map_err(call)?;
+        let (subject, interactive) = self.subject(caller);
+        let flags = if interactive {
+            ALLOW_USER_INTERACTION
+        } else {
+            0
+        };
+        let after = if interactive {
+            INTERACTIVE_TIMEOUT
+        } else {
+            CHECK_TIMEOUT
+        };
+        let answer = tokio::time::timeout(
+            after,
+            proxy.check_authorization(&subject, id, HashMap::new(), flags, ""),
+        )
+        .await
+        .map_err(|_| Error::Timeout { action: id, after })?
+        .map_err(call)?;
+        Ok(Decision {
+            authorized: answer.0,
+            challenge: answer.1,
+        })
+    }
+
+    /// The polkit subject for `caller` and whether the check may be interactive.
+    fn subject<'a>(
+        &self,
+        caller: &'a Caller,
+    ) -> ((&'static str, HashMap<&'static str, Value<'a>>), bool) {
+        let mut d: HashMap<&'static str, Value<'a>> = HashMap::new();
+        match &caller.subject {
+            Subject::BusName { name, interactive } => {
+                d.insert("name", Value::from(name.as_str()));
+                (("system-bus-name", d), *interactive)
+            }
+            Subject::Process {
+                pid,
+                start_time,
+                pidfd,
+            } => {
+                match pidfd {
+                    Some(PidFd(fd)) if self.uses_pidfd() => {
+                        d.insert("pidfd", Value::from(Fd::from(fd.as_fd())));
+                    }
+                    _ => {}
+                }
+                d.insert("pid", Value::from(*pid));
+                d.insert("start-time", Value::from(*start_time));
+                // polkit reads `uid` as int32 and refuses the check if it does not match the
+                // process's real uid.
+                d.insert("uid", Value::from(caller.uid as i32));
+                (("unix-process", d), false)
+            }
+            Subject::Daemon => {
+                let pid = std::process::id();
+                d.insert("pid", Value::from(pid));
+                d.insert("start-time", Value::from(start_time(pid).unwrap_or(0)));
+                d.insert("uid", Value::from(caller.uid as i32));
+                (("unix-process", d), false)
+            }
+        }
+    }
+
+    async fn decide(&self, caller: &Caller, action: Action) -> bool {
+        let cacheable = matches!(caller.subject, Subject::Process { .. }) && caller.connection != 0;
+        if cacheable && let Some(&ok) = self.cache.lock().unwrap().get(&(caller.connection, action))
+        {
+            return ok;
+        }
+        if caller.subject == Subject::Daemon {
+            return true;
+        }
+        match self.ask(caller, action).await {
+            Ok(d) => {
+                tracing::debug!(
+                    action = action.id(),
+                    uid = caller.uid,
+                    pid = caller.pid,
+                    authorized = d.authorized,
+                    challenge = d.challenge,
+                    "polkit answered"
+                );
+                if cacheable {
+                    let mut c = self.cache.lock().unwrap();
+                    if c.len() >= CACHE_MAX {
+                        c.clear();
+                    }
+                    c.insert((caller.connection, action), d.authorized);
+                }
+                d.authorized
+            }
+            Err(e) => {
+                // Fail closed; root would be allowed by polkit in any case.
+                let ok = caller.uid == 0;
+                tracing::warn!(error = %e, action = action.id(), uid = caller.uid, allowed = ok,
+                    "polkit unavailable: refusing everyone but root");
+                ok
+            }
+        }
+    }
+}
+
+impl Authority for Polkit {
+    fn check<'a>(
+        &'a self,
+        caller: &'a Caller,
+        action: Action,
+    ) -> Pin<Box<dyn Future<Output = bool> + Send + 'a>> {
+        Box::pin(self.decide(caller, action))
+    }
+}
+
+/// Start time of `pid`: field 22 (`starttime`) of `/proc/<pid>/stat`, clock ticks since boot.
+/// `None` if the process is gone or the line is malformed. The command name (field 2) may
+/// contain spaces and parentheses, so fields are counted after the last `)`.
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_start_time(&stat)
+}
+
+fn parse_start_time(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // `rest` begins with field 3 (state); field 22 is the 20th after it.
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// The pid a pidfd refers to (`Pid:` in `/proc/self/fdinfo/<fd>`): `None` if unknown, `-1`
+/// once the process has exited.
+fn pidfd_pid(fd: BorrowedFd<'_>) -> Option<i64> {
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).ok()?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("Pid:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The polkit subject of a socket peer: `pid` (from `SO_PEERCRED`) with its start time, and
+/// a duplicate of the peer's pidfd (`SO_PEERPIDFD`) when the kernel gave one.
+///
+/// With a pidfd, the start time is read only while the pidfd still names `pid` (checked
+/// before and after reading), so it belongs to the peer and not to a recycled pid; if the
+/// peer has already exited, the start time is 0 and polkit refuses the subject.
+pub fn process_subject(pid: u32, pidfd: Option<BorrowedFd<'_>>) -> Subject {
+    let pidfd = pidfd.and_then(|fd| fd.try_clone_to_owned().ok());
+    let start = match &pidfd {
+        Some(fd) => {
+            let same = || pidfd_pid(fd.as_fd()) == Some(pid as i64);
+            if same() {
+                let t = start_time(pid);
+                if same() { t } else { None }
+            } else {
+                None
+            }
+        }
+        None => start_time(pid),
+    };
+    Subject::Process {
+        pid,
+        start_time: start.unwrap_or(0),
+        pidfd: pidfd.map(|fd| PidFd(Arc::new(fd))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn caller(uid: u32, connection: u64, subject: Subject) -> Caller {
+        Caller {
+            uid,
+            gid: uid,
+            pid: 4242,
+            connection,
+            subject,
+        }
+    }
+
+    #[test]
+    fn subjects_are_never_bare_pids() {
+        let p = Polkit::default();
+        let bus = caller(
+            1000,
+            0,
+            Subject::BusName {
+                name: ":1.42".into(),
+                interactive: true,
+            },
+        );
+        let ((kind, d), interactive) = p.subject(&bus);
+        assert_eq!(kind, "system-bus-name");
+        assert_eq!(d.get("name"), Some(&Value::from(":1.42")));
+        assert_eq!(d.len(), 1);
+        assert!(interactive, "the D-Bus interactive flag is honoured");
+
+        let proc_ = caller(
+            1000,
+            7,
+            Subject::Process {
+                pid: 4242,
+                start_time: 987654,
+                pidfd: None,
+            },
+        );
+        let ((kind, d), interactive) = p.subject(&proc_);
+        assert_eq!(kind, "unix-process");
+        assert_eq!(d.get("pid"), Some(&Value::from(4242u32)));
+        assert_eq!(d.get("start-time"), Some(&Value::from(987654u64)));
+        // polkit reads uid as int32 (measured with polkit 122: a u32 is ignored).
+        assert_eq!(d.get("uid"), Some(&Value::from(1000i32)));
+        assert!(!interactive, "Varlink callers are never interactive");
+    }
+
+    #[tokio::test]
+    async fn without_polkit_only_root_is_allowed() {
+        let p = Polkit::new();
+        let subject = Subject::Process {
+            pid: 4242,
+            start_time: 1,
+            pidfd: None,
+        };
+        assert!(
+            p.check(&caller(0, 1, subject.clone()), Action::Execute)
+                .await
+        );
+        assert!(
+            !p.check(&caller(1000, 2, subject.clone()), Action::Execute)
+                .await
+        );
+        assert!(!p.check(&caller(1000, 2, subject), Action::ManageOwn).await);
+        // Failures are not cached: nothing was remembered for connection 2.
+        assert!(p.cache.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn start_time_is_field_22_even_with_parentheses_in_the_name() {
+        let stat =
+            "4242 (a) b (c)) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1234 56";
+        assert_eq!(parse_start_time(stat), Some(987654));
+        assert_eq!(parse_start_time("garbage"), None);
+    }
+
+    #[test]
+    fn own_start_time_matches_proc_and_pidfd_names_us() {
+        let me = std::process::id();
+        let t = start_time(me).expect("own stat");
+        assert!(t > 0);
+        // SAFETY: pidfd_open has no memory-safety preconditions; the result is checked.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, me as libc::pid_t, 0) };
+        if raw < 0 {
+            eprintln!("skip: pidfd_open unavailable on this kernel");
+            return;
+        }
+        // SAFETY: pidfd_open returned a new descriptor that nothing else owns.
+        let fd =
+            unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
+        match process_subject(me, Some(fd.as_fd())) {
+            Subject::Process {
+                pid,
+                start_time,
+                pidfd,
+            } => {
+                assert_eq!(pid, me);
+                assert_eq!(start_time, t);
+                assert!(pidfd.is_some());
+            }
+            other => panic!("unexpected subject {other:?}"),
+        }
+        // A pidfd that names another process yields no start time.
+        match process_subject(1, Some(fd.as_fd())) {
+            Subject::Process { start_time, .. } => assert_eq!(start_time, 0),
+            other => panic!("unexpected subject {other:?}"),
+        }
+    }
+}

@@ -1,0 +1,843 @@
+//! The D-Bus control plane and polkit, with the real things (issue #5): a private
+//! `dbus-daemon` with a system-like configuration that includes the shipped bus policy,
+//! the real `polkitd` on that bus with the shipped `.policy` and a rules file granting a test
+//! group, unprivileged test users, and `sandcellctl` run as those users through `setpriv`.
+//!
+//! Needs root (useradd, polkit's action directory) and the packages `dbus-daemon` and
+//! `polkitd`; without them each test prints why it skips.
+
+mod common;
+
+use common::{Daemon, eventually};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use zbus::zvariant::{OwnedObjectPath, OwnedValue};
+
+const POLKITD: &str = "/usr/lib/polkit-1/polkitd";
+const ACTIONS_DIR: &str = "/usr/share/polkit-1/actions";
+const RULES_DIR: &str = "/etc/polkit-1/rules.d";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+fn rand_hex(n: usize) -> String {
+    let mut b = vec![0u8; n];
+    // SAFETY: getrandom writes at most b.len() bytes into b.
+    unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Why these tests cannot run here, if they cannot.
+fn skip_reason(need_polkit: bool) -> Option<String> {
+    if !is_root() {
+        return Some("not root (useradd, polkit actions directory and setpriv need root)".into());
+    }
+    if Command::new("dbus-daemon")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        return Some("dbus-daemon missing (apt-get install dbus-daemon)".into());
+    }
+    if Command::new("busctl").arg("--version").output().is_err() {
+        return Some("busctl missing (apt-get install systemd)".into());
+    }
+    if need_polkit && !Path::new(POLKITD).exists() {
+        return Some(format!("{POLKITD} missing (apt-get install polkitd)"));
+    }
+    None
+}
+
+/// Output of a finished command: exit code, stdout, stderr.
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn run(cmd: &mut Command) -> Out {
+    let o = cmd
+        .stdin(Stdio::null())
+        .output()
+        .expect("running a command");
+    Out {
+        code: o.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+    }
+}
+
+/// A private system-like bus on a socket in a temporary directory.
+struct Bus {
+    child: Child,
+    dir: tempfile::TempDir,
+    address: String,
+    config: PathBuf,
+}
+
+impl Bus {
+    fn start() -> Bus {
+        let dir = tempfile::Builder::new()
+            .prefix("sandcell-bus-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        // Traversable by the unprivileged test users (the socket itself is world-writable).
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o711),
+        )
+        .unwrap();
+        let socket = dir.path().join("system_bus_socket");
+        let config = dir.path().join("system.conf");
+        // The default context of Debian's /usr/share/dbus-1/system.conf, minus the parts that
+        // need a real system (user switch, fork, pid file, activation), plus the shipped policy.
+        let shipped = repo().join("dbus/org.sandcell.Sandcell1.conf");
+        std::fs::write(
+            &config,
+            format!(
+                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+ "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+<busconfig>
+  <type>system</type>
+  <auth>EXTERNAL</auth>
+  <listen>unix:path={socket}</listen>
+  <policy context="default">
+    <allow user="*"/>
+    <deny own="*"/>
+    <deny send_type="method_call"/>
+    <allow send_type="signal"/>
+    <allow send_requested_reply="true" send_type="method_return"/>
+    <allow send_requested_reply="true" send_type="error"/>
+    <allow receive_type="method_call"/>
+    <allow receive_type="method_return"/>
+    <allow receive_type="error"/>
+    <allow receive_type="signal"/>
+    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
+    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Introspectable"/>
+    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Properties"/>
+    <deny send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus" send_member="UpdateActivationEnvironment"/>
+  </policy>
+  <includedir>/usr/share/dbus-1/system.d</includedir>
+  <include>{shipped}</include>
+</busconfig>
+"#,
+                socket = socket.display(),
+                shipped = shipped.display()
+            ),
+        )
+        .unwrap();
+        let address = format!("unix:path={}", socket.display());
+        let child = Self::spawn(&config, &socket);
+        Bus {
+            child,
+            dir,
+            address,
+            config,
+        }
+    }
+
+    fn spawn(config: &Path, socket: &Path) -> Child {
+        let _ = std::fs::remove_file(socket);
+        let child = Command::new("dbus-daemon")
+            .arg(format!("--config-file={}", config.display()))
+            .arg("--nofork")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting dbus-daemon");
+        assert!(
+            eventually(Duration::from_secs(10), || socket.exists()),
+            "dbus-daemon did not create {}",
+            socket.display()
+        );
+        child
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.path().join("system_bus_socket")
+    }
+
+    /// Kills the bus (every connection on it ends).
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the bus again at the same address.
+    fn restart(&mut self) {
+        self.child = Self::spawn(&self.config, &self.socket());
+    }
+
+    fn busctl(&self) -> Command {
+        let mut c = Command::new("busctl");
+        c.env("DBUS_SYSTEM_BUS_ADDRESS", &self.address)
+            .arg("--system");
+        c
+    }
+}
+
+impl Drop for Bus {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// polkitd on a private bus, the shipped policy installed, a rules file granting `group`
+/// (the shipped example with its group name replaced), and the test users. Everything is
+/// removed again on drop.
+struct Polkit {
+    child: Child,
+    installed: Vec<PathBuf>,
+    users: Vec<String>,
+    group: String,
+}
+
+impl Polkit {
+    fn start(bus: &Bus, group: &str) -> Polkit {
+        let mut installed = Vec::new();
+        let policy = Path::new(ACTIONS_DIR).join("org.sandcell.policy");
+        let shipped = std::fs::read(repo().join("polkit/org.sandcell.policy")).unwrap();
+        if std::fs::read(&policy).ok().as_deref() != Some(&shipped[..]) {
+            assert!(
+                !policy.exists(),
+                "{} exists and differs from the shipped policy: not overwriting it",
+                policy.display()
+            );
+            std::fs::write(&policy, &shipped).unwrap();
+            installed.push(policy);
+        }
+        let example =
+            std::fs::read_to_string(repo().join("polkit/50-sandcell.rules.example")).unwrap();
+        assert_eq!(
+            example.matches("isInGroup(\"sandcell\")").count(),
+            1,
+            "the example rules grant group sandcell once"
+        );
+        std::fs::create_dir_all(RULES_DIR).unwrap();
+        let rules = Path::new(RULES_DIR).join(format!("50-sandcell-test-{group}.rules"));
+        std::fs::write(
+            &rules,
+            example.replace(
+                "isInGroup(\"sandcell\")",
+                &format!("isInGroup(\"{group}\")"),
+            ),
+        )
+        .unwrap();
+        installed.push(rules);
+        // setsid: polkitd must not share the test's session (PLATFORM-NOTES).
+        let child = Command::new("setsid")
+            .arg(POLKITD)
+            .arg("--no-debug")
+            .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting polkitd");
+        let p = Polkit {
+            child,
+            installed,
+            users: Vec::new(),
+            group: group.to_string(),
+        };
+        let st = run(Command::new("groupadd").arg(group));
+        assert_eq!(st.code, 0, "groupadd: {}", st.stderr);
+        let up = eventually(Duration::from_secs(20), || {
+            run(bus.busctl().args([
+                "get-property",
+                "org.freedesktop.PolicyKit1",
+                "/org/freedesktop/PolicyKit1/Authority",
+                "org.freedesktop.PolicyKit1.Authority",
+                "BackendVersion",
+            ]))
+            .code
+                == 0
+        });
+        if !up {
+            drop(p);
+            panic!("polkitd did not come up on the private bus");
+        }
+        p
+    }
+
+    /// Creates a user (no home, no login shell), in the test group if `in_group`.
+    fn add_user(&mut self, tag: &str, in_group: bool) -> User {
+        let name = format!("sct{tag}{}", rand_hex(3));
+        let mut cmd = Command::new("useradd");
+        cmd.args(["-M", "-N", "-s", "/usr/sbin/nologin"]);
+        if in_group {
+            cmd.args(["-G", &self.group]);
+        }
+        let st = run(cmd.arg(&name));
+        assert_eq!(st.code, 0, "useradd {name}: {}", st.stderr);
+        self.users.push(name.clone());
+        let id = |flag: &str| -> u32 {
+            run(Command::new("id").arg(flag).arg(&name))
+                .stdout
+                .trim()
+                .parse()
+                .unwrap()
+        };
+        User {
+            uid: id("-u"),
+            gid: id("-g"),
+            name,
+        }
+    }
+}
+
+impl Drop for Polkit {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for f in &self.installed {
+            let _ = std::fs::remove_file(f);
+        }
+        for u in &self.users {
+            let _ = run(Command::new("userdel").arg(u));
+        }
+        let _ = run(Command::new("groupdel").arg(&self.group));
+    }
+}
+
+#[derive(Debug, Clone)]
+struct User {
+    name: String,
+    uid: u32,
+    gid: u32,
+}
+
+/// `sandcellctl ARGS` as `user` (root when `None`), with the daemon's socket and the bus.
+fn ctl(d: &Daemon, bus: &Bus, user: Option<&User>, args: &[&str], stdin: Option<&str>) -> Out {
+    let exe = common::bin_dir().join("sandcellctl");
+    let mut cmd = match user {
+        None => Command::new(&exe),
+        Some(u) => {
+            let mut c = Command::new("setpriv");
+            c.arg(format!("--reuid={}", u.uid))
+                .arg(format!("--regid={}", u.gid))
+                .arg("--init-groups")
+                .arg(&exe);
+            c
+        }
+    };
+    cmd.args(args)
+        .env("SANDCELL_SOCKET", &d.socket)
+        .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address);
+    match stdin {
+        None => run(&mut cmd),
+        Some(text) => {
+            let mut child = cmd
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            use std::io::Write;
+            child
+                .stdin
+                .take()
+                .unwrap()
+                .write_all(text.as_bytes())
+                .unwrap();
+            let o = child.wait_with_output().unwrap();
+            Out {
+                code: o.status.code().unwrap_or(-1),
+                stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+                stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+            }
+        }
+    }
+}
+
+/// The `<interface name="NAME">...</interface>` element of an introspection document, with
+/// surrounding whitespace of each line removed.
+fn interface_block(xml: &str, name: &str) -> Option<String> {
+    let start = xml.find(&format!("<interface name=\"{name}\">"))?;
+    let end = start + xml[start..].find("</interface>")? + "</interface>".len();
+    Some(
+        xml[start..end]
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect::<Vec<_>>()
+            .join("\n"),
+    )
+}
+
+fn introspect(bus: &Bus, path: &str) -> String {
+    let o = run(bus.busctl().args([
+        "introspect",
+        "--xml-interface",
+        "org.sandcell.Sandcell1",
+        path,
+    ]));
+    assert_eq!(o.code, 0, "busctl introspect {path}: {}", o.stderr);
+    o.stdout
+}
+
+/// A signal seen from sandcelld: member and a short rendering of its arguments.
+#[derive(Debug, Clone)]
+struct Seen {
+    member: String,
+    args: Vec<String>,
+}
+
+/// Records every signal sandcelld emits on `bus`.
+async fn watch_signals(address: &str) -> Arc<Mutex<Vec<Seen>>> {
+    use zbus::export::futures_core::Stream;
+    let conn = zbus::connection::Builder::address(address)
+        .unwrap()
+        .build()
+        .await
+        .unwrap();
+    let rule = zbus::MatchRule::builder()
+        .msg_type(zbus::message::Type::Signal)
+        .sender("org.sandcell.Sandcell1")
+        .unwrap()
+        .build();
+    let mut stream = zbus::MessageStream::for_match_rule(rule, &conn, Some(256))
+        .await
+        .unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let out = seen.clone();
+    tokio::spawn(async move {
+        let _conn = conn;
+        loop {
+            let next =
+                std::future::poll_fn(|cx| std::pin::Pin::new(&mut stream).poll_next(cx)).await;
+            let Some(Ok(msg)) = next else { break };
+            let h = msg.header();
+            let member = h.member().map(|m| m.to_string()).unwrap_or_default();
+            let body = msg.body();
+            let args: Vec<String> = match member.as_str() {
+                "SessionOpened" => body
+                    .deserialize::<(String, u32, String, OwnedObjectPath)>()
+                    .map(|(a, b, c, d)| vec![a, b.to_string(), c, d.to_string()])
+                    .unwrap_or_default(),
+                "SessionClosed" => body
+                    .deserialize::<(String, String)>()
+                    .map(|(a, b)| vec![a, b])
+                    .unwrap_or_default(),
+                "CellFinished" => body
+                    .deserialize::<(String, u64, String)>()
+                    .map(|(a, b, c)| vec![a, b.to_string(), c])
+                    .unwrap_or_default(),
+                "WorkerOOMKilled" => body
+                    .deserialize::<(String,)>()
+                    .map(|(a,)| vec![a])
+                    .unwrap_or_default(),
+                "PropertiesChanged" => body
+                    .deserialize::<(String, HashMap<String, OwnedValue>, Vec<String>)>()
+                    .map(|(i, c, _)| {
+                        let mut v = vec![i];
+                        v.extend(c.keys().cloned());
+                        v
+                    })
+                    .unwrap_or_default(),
+                _ => Vec::new(),
+            };
+            out.lock().unwrap().push(Seen { member, args });
+        }
+    });
+    seen
+}
+
+/// Waits until a signal matching `f` was seen.
+async fn saw(seen: &Arc<Mutex<Vec<Seen>>>, timeout: Duration, f: impl Fn(&Seen) -> bool) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < timeout {
+        if seen.lock().unwrap().iter().any(&f) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    false
+}
+
+fn status_json(d: &Daemon, bus: &Bus) -> serde_json::Value {
+    let o = ctl(d, bus, None, &["--json", "status"], None);
+    assert_eq!(o.code, 0, "sandcellctl status: {}", o.stderr);
+    serde_json::from_str(&o.stdout).unwrap()
+}
+
+fn max_sessions(status: &serde_json::Value) -> u64 {
+    status["admission"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r[0] == "max_concurrent_sessions")
+        .map(|r| r[2].as_u64().unwrap())
+        .unwrap()
+}
+
+fn start_daemon(bus: &Bus) -> Daemon {
+    let d = Daemon::start(&[("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)]);
+    // The gateway users reach the socket through its mode; polkit is the gate under test.
+    std::fs::set_permissions(
+        &d.socket,
+        std::os::unix::fs::PermissionsExt::from_mode(0o666),
+    )
+    .unwrap();
+    d
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polkit_decides_for_varlink_and_dbus() {
+    if let Some(why) = skip_reason(true) {
+        eprintln!("skip: {why}");
+        return;
+    }
+    let mut bus = Bus::start();
+    let group = format!("sctg{}", rand_hex(3));
+    let mut pk = Polkit::start(&bus, &group);
+    let alice = pk.add_user("a", true); // in the granted group
+    let bob = pk.add_user("b", true); // in the granted group, another uid
+    let carol = pk.add_user("c", false); // plain user
+    let d = start_daemon(&bus);
+    assert!(
+        d.log_text().contains("polkit decides authorization"),
+        "polkit not selected:\n{}",
+        d.log_text()
+    );
+    let seen = watch_signals(&bus.address).await;
+
+    // The live interface is the checked-in one.
+    let live = introspect(&bus, "/org/sandcell/Sandcell1");
+    let shipped = std::fs::read_to_string(repo().join("dbus/org.sandcell.Manager1.xml")).unwrap();
+    assert_eq!(
+        interface_block(&live, "org.sandcell.Manager1"),
+        interface_block(&shipped, "org.sandcell.Manager1"),
+        "dbus/org.sandcell.Manager1.xml differs from the live interface; live:\n{live}"
+    );
+
+    // Root: allowed (Varlink, polkit subject unix-process).
+    let mut root = d.client().await;
+    let out = root
+        .run_collect("python", "print(6 * 7)", None)
+        .await
+        .expect("root may run code");
+    assert_eq!(out.stdout, "42\n");
+    assert!(
+        saw(&seen, Duration::from_secs(5), |s| s.member
+            == "CellFinished"
+            && s.args.get(2).map(String::as_str) == Some("ok"))
+        .await,
+        "no CellFinished(ok) signal: {:?}",
+        seen.lock().unwrap()
+    );
+    assert!(
+        saw(&seen, Duration::from_secs(5), |s| s.member
+            == "SessionClosed")
+        .await,
+        "no SessionClosed signal for the one-shot run"
+    );
+
+    // A plain user: PermissionDenied, and no worker starts.
+    let before = seen.lock().unwrap().len();
+    let o = ctl(&d, &bus, Some(&carol), &["run", "-"], Some("print(1)\n"));
+    assert_eq!(o.code, 3, "plain user's run: {} {}", o.stdout, o.stderr);
+    assert!(
+        o.stderr.contains("PermissionDenied") && o.stderr.contains("org.sandcell.execute"),
+        "stderr: {}",
+        o.stderr
+    );
+    assert!(
+        d.descendants().is_empty(),
+        "a worker started for a refused user"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !seen.lock().unwrap()[before..]
+            .iter()
+            .any(|s| s.member == "SessionOpened"),
+        "a session opened for a refused user"
+    );
+    let st = status_json(&d, &bus);
+    assert_eq!(st["active_sessions"], 0);
+
+    // A user of the granted group: allowed; a detached session survives the command.
+    let o = ctl(&d, &bus, Some(&alice), &["open", "--idle", "600"], None);
+    assert_eq!(o.code, 0, "granted user's open: {}", o.stderr);
+    let sid = o.stdout.trim().to_string();
+    assert_eq!(sid.len(), 32, "session id: {sid:?}");
+    assert!(
+        saw(&seen, Duration::from_secs(5), |s| s.member
+            == "SessionOpened"
+            && s.args.first() == Some(&sid)
+            && s.args.get(1) == Some(&alice.uid.to_string()))
+        .await,
+        "no SessionOpened({sid}, {}) signal",
+        alice.uid
+    );
+    let o = ctl(&d, &bus, Some(&carol), &["--json", "list"], None);
+    assert_eq!(o.code, 0, "list: {}", o.stderr);
+    let rows: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    let row = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["id"] == sid.as_str())
+        .expect("session listed");
+    assert_eq!(row["uid"], alice.uid);
+    assert_eq!(row["language"], "python");
+    assert_eq!(row["state"], "idle");
+    let path = format!("/org/sandcell/Sandcell1/session/{sid}");
+    assert_eq!(row["path"], path.as_str());
+
+    // The session object's interface is the checked-in one.
+    let live = introspect(&bus, &path);
+    let shipped = std::fs::read_to_string(repo().join("dbus/org.sandcell.Session1.xml")).unwrap();
+    assert_eq!(
+        interface_block(&live, "org.sandcell.Session1"),
+        interface_block(&shipped, "org.sandcell.Session1"),
+        "dbus/org.sandcell.Session1.xml differs from the live interface; live:\n{live}"
+    );
+
+    // Another user (even of the granted group) may not manage alice's session, over D-Bus
+    // (PermissionDenied: manage-sessions) or Varlink (the session is not revealed).
+    for who in [&bob, &carol] {
+        let o = ctl(&d, &bus, Some(who), &["terminate", &sid], None);
+        assert_eq!(
+            o.code, 3,
+            "{} terminating alice's session: {}",
+            who.name, o.stderr
+        );
+        assert!(
+            o.stderr.contains("PermissionDenied") && o.stderr.contains("manage-sessions"),
+            "stderr: {}",
+            o.stderr
+        );
+        let o = ctl(&d, &bus, Some(who), &["interrupt", &sid], None);
+        assert_eq!(
+            o.code, 3,
+            "{} interrupting alice's session: {}",
+            who.name, o.stderr
+        );
+    }
+    let o = ctl(&d, &bus, Some(&bob), &["close", &sid], None);
+    assert_eq!(
+        o.code, 3,
+        "bob closing alice's session over Varlink: {}",
+        o.stderr
+    );
+    assert!(o.stderr.contains("NoSuchSession"), "stderr: {}", o.stderr);
+    assert_eq!(status_json(&d, &bus)["active_sessions"], 1);
+    // Reload is for administrators.
+    let o = ctl(&d, &bus, Some(&alice), &["reload"], None);
+    assert_eq!(o.code, 3, "alice's reload: {}", o.stderr);
+    assert!(
+        o.stderr.contains("PermissionDenied"),
+        "stderr: {}",
+        o.stderr
+    );
+
+    // The owner manages her own session over D-Bus.
+    let o = ctl(&d, &bus, Some(&alice), &["--json", "interrupt", &sid], None);
+    assert_eq!(o.code, 1, "interrupt with no cell running: {}", o.stderr);
+    let r: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    assert_eq!(r["delivered"], false);
+    assert_eq!(r["reason"], "not_running");
+    let o = ctl(&d, &bus, Some(&alice), &["terminate", &sid], None);
+    assert_eq!(o.code, 0, "alice terminating her session: {}", o.stderr);
+    let reason = format!("terminated by uid {}", alice.uid);
+    assert!(
+        saw(&seen, Duration::from_secs(5), |s| s.member
+            == "SessionClosed"
+            && s.args.first() == Some(&sid)
+            && s.args.get(1) == Some(&reason))
+        .await,
+        "no SessionClosed({sid}, {reason:?})"
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || d.descendants().is_empty()),
+        "worker left after terminate"
+    );
+    assert_eq!(status_json(&d, &bus)["active_sessions"], 0);
+    assert!(
+        saw(&seen, Duration::from_secs(5), |s| s.member
+            == "PropertiesChanged"
+            && s.args.iter().any(|a| a == "ActiveSessions"))
+        .await,
+        "no PropertiesChanged(ActiveSessions)"
+    );
+
+    // Root manages anyone's session.
+    let o = ctl(&d, &bus, Some(&alice), &["open", "--idle", "600"], None);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let sid2 = o.stdout.trim().to_string();
+    let o = ctl(&d, &bus, None, &["terminate", &sid2], None);
+    assert_eq!(o.code, 0, "root terminating alice's session: {}", o.stderr);
+
+    // Reload: a valid file applies; an invalid one is refused and the old limits stay.
+    let config = d.dir.path().join("none.toml");
+    assert_eq!(max_sessions(&status_json(&d, &bus)), 2);
+    std::fs::write(&config, "[limits]\nmax_concurrent_sessions = 5\n").unwrap();
+    let o = ctl(&d, &bus, None, &["reload"], None);
+    assert_eq!(o.code, 0, "reload: {}", o.stderr);
+    assert_eq!(max_sessions(&status_json(&d, &bus)), 5);
+    std::fs::write(&config, "[limits]\nmax_concurrent_sessions = 0\n").unwrap();
+    let o = ctl(&d, &bus, None, &["reload"], None);
+    assert_eq!(o.code, 3, "invalid reload: {}", o.stderr);
+    assert!(
+        o.stderr.contains("InvalidConfig") && o.stderr.contains("max_concurrent_sessions"),
+        "stderr: {}",
+        o.stderr
+    );
+    assert_eq!(
+        max_sessions(&status_json(&d, &bus)),
+        5,
+        "an invalid reload changed the limits"
+    );
+    assert!(
+        saw(&seen, Duration::from_secs(5), |s| s.member
+            == "PropertiesChanged"
+            && s.args.iter().any(|a| a == "Admission"))
+        .await,
+        "no PropertiesChanged(Admission) after reload"
+    );
+
+    // Bus policy: only root owns the name; properties are read-only.
+    let o = run(bus.busctl().args([
+        "call",
+        "org.sandcell.Sandcell1",
+        "/org/sandcell/Sandcell1",
+        "org.freedesktop.DBus.Properties",
+        "Set",
+        "ssv",
+        "org.sandcell.Manager1",
+        "Version",
+        "s",
+        "x",
+    ]));
+    assert_ne!(o.code, 0, "Set must fail");
+    let o = run(Command::new("setpriv")
+        .arg(format!("--reuid={}", carol.uid))
+        .arg(format!("--regid={}", carol.gid))
+        .arg("--clear-groups")
+        .arg("busctl")
+        .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
+        .args([
+            "--system",
+            "call",
+            "org.freedesktop.DBus",
+            "/org/freedesktop/DBus",
+            "org.freedesktop.DBus",
+            "RequestName",
+            "su",
+            "org.sandcell.Sandcell1",
+            "0",
+        ]));
+    assert_ne!(o.code, 0, "a plain user owned org.sandcell.Sandcell1");
+    assert!(
+        o.stderr.contains("denied") || o.stderr.contains("Access"),
+        "{}",
+        o.stderr
+    );
+    drop(d);
+    bus.stop();
+    drop(pk);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn varlink_survives_the_bus_and_the_daemon_reconnects() {
+    if let Some(why) = skip_reason(false) {
+        eprintln!("skip: {why}");
+        return;
+    }
+    let mut bus = Bus::start();
+    // No polkitd on this bus: the daemon keeps the socket permissions (root runs the test).
+    let d = start_daemon(&bus);
+    let ups = |d: &Daemon| d.log_text().matches("D-Bus control plane up").count();
+    assert_eq!(ups(&d), 1, "{}", d.log_text());
+    assert!(
+        d.log_text()
+            .contains("socket's permissions stay the only authorization")
+    );
+    bus.stop();
+    assert!(
+        eventually(Duration::from_secs(10), || d
+            .log_text()
+            .contains("system bus connection lost")),
+        "the daemon did not notice the bus going away:\n{}",
+        d.log_text()
+    );
+    let mut c = d.client().await;
+    let out = c
+        .run_collect("python", "print('still here')", None)
+        .await
+        .expect("Varlink serves without the bus");
+    assert_eq!(out.stdout, "still here\n");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let t0 = Instant::now();
+    bus.restart();
+    assert!(
+        eventually(Duration::from_secs(40), || ups(&d) == 2),
+        "no reconnect within 40 s:\n{}",
+        d.log_text()
+    );
+    eprintln!("reconnected {:?} after the bus came back", t0.elapsed());
+    let o = run(bus.busctl().args([
+        "get-property",
+        "org.sandcell.Sandcell1",
+        "/org/sandcell/Sandcell1",
+        "org.sandcell.Manager1",
+        "ActiveSessions",
+    ]));
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    assert_eq!(o.stdout.trim(), "u 0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oom_kill_is_signalled() {
+    if let Some(why) = skip_reason(false) {
+        eprintln!("skip: {why}");
+        return;
+    }
+    if common::insecure() {
+        eprintln!(
+            "skip: the daemon runs --insecure-dev (no cgroups), so the kernel cannot OOM-kill a \
+             worker in its session group"
+        );
+        return;
+    }
+    let bus = Bus::start();
+    // Worker memory just above the guest memory: a cell that fills its guest memory pushes
+    // the worker's cgroup over memory.max.
+    let d = Daemon::start(&[
+        ("DBUS_SYSTEM_BUS_ADDRESS", &bus.address),
+        ("SANDCELL_MAX_GUEST_MEMORY_BYTES", "134217728"),
+        ("SANDCELL_MAX_WORKER_MEMORY_BYTES", "150994944"),
+    ]);
+    let seen = watch_signals(&bus.address).await;
+    let mut c = d.client().await;
+    let out = c
+        .run_collect(
+            "python",
+            "chunks = []\nwhile True:\n    chunks.append(bytearray(8 * 1024 * 1024))\n",
+            None,
+        )
+        .await
+        .expect("the cell runs");
+    eprintln!("cell ended {:?}", out.result.status);
+    assert!(
+        saw(&seen, Duration::from_secs(10), |s| s.member
+            == "WorkerOOMKilled"
+            && s.args.first() == Some(&out.session))
+        .await,
+        "no WorkerOOMKilled({}) signal (cell status {:?}); seen: {:?}",
+        out.session,
+        out.result.status,
+        seen.lock().unwrap()
+    );
+}

@@ -1,0 +1,186 @@
+#!/usr/bin/env bash
+# Builds the distribution packages from the already-built release binaries:
+#   scripts/package.sh [--deb] [--rpm] [--build] [--no-lint]
+# --deb    a Debian 12 package with dpkg-deb from a staged tree (default when nothing is named)
+# --rpm    a binary RPM with rpmbuild from packaging/rpm/sandcell.spec (prebuilt mode)
+# --build  run `cargo build` first (otherwise the binaries in $CARGO_TARGET_DIR/release are used)
+# --no-lint  skip lintian / rpmlint
+# Output: /var/tmp/sandcell-pkg/out/ (SANDCELL_PKG_DIR). Also checks that the man pages
+# document every option the binaries' --help lists, and that the example configuration is
+# accepted by `sandcelld --check-config` with every key uncommented.
+#
+# Why dpkg-deb and not cargo-deb or dh: the package gathers files from several crates, the
+# units, man pages and the D-Bus/polkit files; cargo-deb keeps its metadata in crate
+# Cargo.toml files, and dh would rebuild the workspace. A staged tree keeps the package's whole
+# content in packaging/ and this script, and lintian checks the result.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/env.sh
+want_deb=0 want_rpm=0 build=0 lint=1
+while (($#)); do
+    case $1 in
+    --deb) want_deb=1 ;;
+    --rpm) want_rpm=1 ;;
+    --build) build=1 ;;
+    --no-lint) lint=0 ;;
+    -h | --help) sed -n '2,15p' "$0"; exit 0 ;;
+    *) echo "package: unknown argument $1" >&2; exit 2 ;;
+    esac
+    shift
+done
+((want_deb || want_rpm)) || want_deb=1
+top=$PWD
+pkgdir=${SANDCELL_PKG_DIR:-/var/tmp/sandcell-pkg}
+out="$pkgdir/out"
+mkdir -p "$out"
+
+if ((build)); then
+    cargo build "${CARGO_FLAGS[@]}" --workspace
+fi
+bins=(sandcelld sandcellctl sandcell-worker-python sandcell-worker-r sandcell-python-runtime sandcell-bench)
+for b in "${bins[@]}"; do
+    [[ -x $BIN/$b ]] || { echo "package: $BIN/$b is missing: run scripts/setup.sh or pass --build" >&2; exit 2; }
+done
+version=$(awk -F'"' '/^\[workspace.package\]/ { w = 1 } w && /^version *=/ { print $2; exit }' Cargo.toml)
+debrev=1
+
+# ---- checks that need no packaging tool ------------------------------------------------
+# Man pages: every long option of every --help (and of every subcommand's) is documented.
+check_man() {
+    local bin=$1 page=$2 opts o missing=0
+    opts=$("$BIN/$bin" --help | grep -oE -- '--[a-z][a-z-]+' | sort -u)
+    for sub in $("$BIN/$bin" --help | awk '/^Commands:/ { c = 1; next } c && /^  [a-z]/ { print $1 } c && /^$/ { c = 0 }'); do
+        [[ $sub == help ]] && continue
+        grep -q "^\.B $sub\b\|^\.B $sub \|^\.B $sub$" "$page" || { echo "package: $page does not document the command $sub" >&2; missing=1; }
+        opts+=$'\n'$("$BIN/$bin" "$sub" --help | grep -oE -- '--[a-z][a-z-]+' | sort -u)
+    done
+    for o in $(sort -u <<<"$opts"); do
+        [[ $o == --help || $o == --version ]] && continue
+        # roff escapes the hyphens: --wall-time is written \-\-wall\-time.
+        grep -qF -- "$(sed 's/-/\\-/g' <<<"$o")" "$page" || { echo "package: $page does not document $o" >&2; missing=1; }
+    done
+    return $missing
+}
+check_man sandcelld man/sandcelld.8
+check_man sandcellctl man/sandcellctl.1
+# Example configuration: valid as shipped (all commented) and with every key uncommented.
+"$BIN/sandcelld" --check-config --config packaging/sandcelld.toml >/dev/null
+tmpconf=$(mktemp)
+sed -E 's/^#([a-z_]+ = )/\1/' packaging/sandcelld.toml >"$tmpconf"
+"$BIN/sandcelld" --check-config --config "$tmpconf" >/dev/null
+# Every key of config.rs appears in the example (the keys are the struct's pub fields).
+for key in $(awk '/^pub struct (Limits|Daemon)/ { s = 1 } s && /^}/ { s = 0 } s && /^    pub [a-z_]+:/ { sub(":", "", $2); print $2 }' daemon/src/config.rs); do
+    grep -q "^#$key = " packaging/sandcelld.toml || { echo "package: packaging/sandcelld.toml lacks $key" >&2; exit 1; }
+done
+rm -f "$tmpconf"
+echo "package: man pages and example configuration are current"
+
+# ---- the staged tree, shared by both formats --------------------------------------------
+# $1: root; $2: systemd unit directory (Debian 12: /lib/systemd/system; RPM: /usr/lib/...).
+stage() {
+    local root=$1 unitdir=$2
+    rm -rf "$root"
+    install -d "$root/usr/libexec/sandcell" "$root/usr/bin" "$root$unitdir" \
+        "$root/usr/lib/sysusers.d" "$root/usr/lib/tmpfiles.d" "$root/etc/sandcell" \
+        "$root/usr/share/sandcell" "$root/usr/share/doc/sandcell"
+    install -m 0755 "$BIN/sandcelld" "$root/usr/libexec/sandcelld"
+    for b in sandcell-worker-python sandcell-worker-r sandcell-python-runtime sandcell-bench; do
+        install -m 0755 "$BIN/$b" "$root/usr/libexec/sandcell/$b"
+    done
+    install -m 0644 worker-r/worker.R "$root/usr/libexec/sandcell/sandcell-worker.R"
+    install -m 0755 "$BIN/sandcellctl" "$root/usr/bin/sandcellctl"
+    # Debug information and symbol tables stay out of the package.
+    strip --strip-unneeded --remove-section=.comment --remove-section=.note \
+        "$root/usr/libexec/sandcelld" "$root/usr/bin/sandcellctl" \
+        "$root"/usr/libexec/sandcell/sandcell-{worker-python,worker-r,python-runtime,bench}
+    install -m 0644 units/sandcelld.socket units/sandcelld.service "$root$unitdir/"
+    install -m 0644 units/sysusers.d/sandcell.conf "$root/usr/lib/sysusers.d/sandcell.conf"
+    install -m 0644 units/tmpfiles.d/sandcell.conf "$root/usr/lib/tmpfiles.d/sandcell.conf"
+    install -m 0644 packaging/sandcelld.toml "$root/etc/sandcell/sandcelld.toml"
+    install -m 0644 proto/org.sandcell.Kernel.varlink "$root/usr/share/sandcell/org.sandcell.Kernel.varlink"
+    for f in man/*.[1-8]; do
+        local sec=${f##*.}
+        install -d "$root/usr/share/man/man$sec"
+        gzip -9nc "$f" >"$root/usr/share/man/man$sec/$(basename "$f").gz"
+        chmod 0644 "$root/usr/share/man/man$sec/$(basename "$f").gz"
+    done
+    # D-Bus and polkit files, when the control plane is in the tree (dbus/, polkit/).
+    local f
+    for f in dbus/*.conf; do
+        [[ -f $f ]] && install -Dm 0644 "$f" "$root/usr/share/dbus-1/system.d/$(basename "$f")"
+    done
+    for f in dbus/*.service; do
+        [[ -f $f ]] && install -Dm 0644 "$f" "$root/usr/share/dbus-1/system-services/$(basename "$f")"
+    done
+    for f in dbus/*.xml; do
+        [[ -f $f ]] && install -Dm 0644 "$f" "$root/usr/share/dbus-1/interfaces/$(basename "$f")"
+    done
+    for f in polkit/*.policy; do
+        [[ -f $f ]] && install -Dm 0644 "$f" "$root/usr/share/polkit-1/actions/$(basename "$f")"
+    done
+    for f in polkit/*.rules polkit/*.rules.example; do
+        [[ -f $f ]] && install -Dm 0644 "$f" "$root/usr/share/doc/sandcell/examples/$(basename "${f%.example}")"
+    done
+    return 0
+}
+
+if ((want_deb)); then
+    command -v dpkg-deb >/dev/null || { echo "package: dpkg-deb is missing" >&2; exit 2; }
+    root="$pkgdir/deb/root"
+    stage "$root" /lib/systemd/system
+    install -m 0644 packaging/debian/copyright "$root/usr/share/doc/sandcell/copyright"
+    gzip -9nc packaging/debian/changelog >"$root/usr/share/doc/sandcell/changelog.Debian.gz"
+    chmod 0644 "$root/usr/share/doc/sandcell/changelog.Debian.gz"
+    install -Dm 0644 packaging/debian/lintian-overrides "$root/usr/share/lintian/overrides/sandcell"
+    install -d "$root/DEBIAN"
+    install -m 0755 packaging/debian/postinst packaging/debian/prerm packaging/debian/postrm "$root/DEBIAN/"
+    install -m 0644 packaging/debian/conffiles "$root/DEBIAN/conffiles"
+    # Shared-library dependencies of the binaries, as dh_shlibdeps would compute them.
+    shl=$(mktemp -d)
+    mkdir -p "$shl/debian"
+    printf 'Source: sandcell\n\nPackage: sandcell\nArchitecture: amd64\n' >"$shl/debian/control"
+    shlibs=$(cd "$shl" && dpkg-shlibdeps -O -e"$root/usr/libexec/sandcelld" -e"$root/usr/bin/sandcellctl" \
+        "$root"/usr/libexec/sandcell/sandcell-{worker-python,worker-r,python-runtime,bench} 2>/dev/null |
+        sed -n 's/^shlibs:Depends=//p')
+    rm -rf "$shl"
+    [[ -n $shlibs ]] || shlibs="libc6 (>= 2.34)"
+    size=$(du -sk --exclude=DEBIAN "$root" | cut -f1)
+    sed -e "s/@VERSION@/$version-$debrev/" -e "s/@INSTALLED_SIZE@/$size/" -e "s/@SHLIBS@/$shlibs/" \
+        packaging/debian/control >"$root/DEBIAN/control"
+    (cd "$root" && find . -type f ! -path './DEBIAN/*' ! -path './etc/*' -printf '%P\0' | sort -z |
+        xargs -0 md5sum) >"$root/DEBIAN/md5sums"
+    chmod 0644 "$root/DEBIAN/md5sums"
+    deb="$out/sandcell_${version}-${debrev}_amd64.deb"
+    SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(date +%s)} dpkg-deb --root-owner-group -Zxz --build "$root" "$deb" >/dev/null
+    echo "package: built $deb ($(du -h "$deb" | cut -f1))"
+    if ((lint)); then
+        if command -v lintian >/dev/null; then
+            # Errors fail the build; warnings and info are printed.
+            lintian --fail-on error --tag-display-limit 0 "$deb" || { echo "package: lintian found errors" >&2; exit 1; }
+            echo "package: lintian: no errors"
+        else
+            echo "package: lintian not installed: not checked (apt-get install lintian)"
+        fi
+    fi
+fi
+
+if ((want_rpm)); then
+    command -v rpmbuild >/dev/null || { echo "package: rpmbuild is missing (apt-get install rpm)" >&2; exit 2; }
+    rpmtop="$pkgdir/rpm"
+    rm -rf "$rpmtop"
+    mkdir -p "$rpmtop"/{BUILD,RPMS,SOURCES,SPECS,SRPMS}
+    # Prebuilt mode: the spec copies the binaries from a staged tree instead of building.
+    stage "$rpmtop/SOURCES/staged" /usr/lib/systemd/system
+    rpmbuild -bb --define "_topdir $rpmtop" --define "sandcell_prebuilt $rpmtop/SOURCES/staged" \
+        --define "_build_id_links none" packaging/rpm/sandcell.spec >"$rpmtop/build.log" 2>&1 ||
+        { tail -30 "$rpmtop/build.log" >&2; exit 1; }
+    rpm=$(ls "$rpmtop"/RPMS/*/sandcell-*.rpm | head -1)
+    cp "$rpm" "$out/"
+    echo "package: built $out/$(basename "$rpm")"
+    if ((lint)); then
+        rpmspec --parse packaging/rpm/sandcell.spec >/dev/null
+        if command -v rpmlint >/dev/null; then
+            rpmlint packaging/rpm/sandcell.spec "$out/$(basename "$rpm")" || true
+        fi
+    fi
+fi

@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# Builds the cached Debian 12 guest of the system test (scripts/vm-test.sh), or reuses it:
+#   $SANDCELL_VM_CACHE/rootfs.img   ext4 root file system (booted with snapshot=on: unchanged)
+#   $SANDCELL_VM_CACHE/vmlinux      Debian's kernel, uncompressed (skips the in-guest decompressor)
+#   $SANDCELL_VM_CACHE/vmlinuz      the same, as shipped (fallback)
+#   $SANDCELL_VM_CACHE/initrd.img   busybox + virtio/ext4 modules, nothing else
+# The image is rebuilt when absent or when this script, the package list or a guest file changes.
+# The mirror comes from the host's apt configuration, read at run time.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+cache=${SANDCELL_VM_CACHE:-/var/tmp/sandcell-vm}
+# What the guest needs: systemd as PID 1, the system bus and polkit (the control plane), a
+# login-capable PAM stack, R (the R worker's runtime and the package's dependency), the kernel
+# (modules for 9p and the initramfs), and a few tools the guest test uses.
+packages=(systemd-sysv udev dbus polkitd pkexec libpam-systemd r-base-core r-cran-jsonlite
+    kmod procps util-linux iproute2 psmisc less)
+# The kernel. sandcelld's strict mode needs Landlock ABI 6 (signal and abstract-socket scopes,
+# Linux 6.12), which bookworm's 6.1 kernel lacks (ABI 3): by default the guest boots bookworm's
+# backports kernel (6.12, Landlock in Debian's default LSM list). SANDCELL_VM_KERNEL=stable
+# boots bookworm's own 6.1 instead (then the daemon refuses to start in strict mode).
+kernel=${SANDCELL_VM_KERNEL:-backports}
+case $kernel in
+backports) packages+=(linux-image-amd64/bookworm-backports) ;;
+stable) packages+=(linux-image-amd64) ;;
+*) echo "vm: SANDCELL_VM_KERNEL must be backports or stable" >&2; exit 2 ;;
+esac
+want=$( (echo "$kernel"; cat "$0" "$here/initramfs-init" "$here/sandcell-vm-run" "$here/sandcell-vm-test.service") \
+    | sha256sum | cut -c1-16)
+if [[ -f $cache/stamp && $(cat "$cache/stamp") == "$want" && -f $cache/rootfs.img &&
+    -f $cache/vmlinux && -f $cache/initrd.img ]]; then
+    echo "vm: reusing the guest image in $cache"
+    exit 0
+fi
+for t in mmdebstrap mkfs.ext4 busybox cpio zstd python3; do
+    command -v "$t" >/dev/null || { echo "vm: $t is missing (apt-get install mmdebstrap e2fsprogs busybox-static cpio)" >&2; exit 2; }
+done
+[[ $(id -u) == 0 ]] || { echo "vm: building the image needs root" >&2; exit 2; }
+
+# deb822 sources of the host -> one-line "deb URI SUITE COMPONENTS" mirrors for mmdebstrap.
+mirrors=()
+while IFS= read -r line; do mirrors+=("$line"); done < <(
+    awk '
+        function flush() { if (uris != "" && types ~ /(^| )deb( |$)/) { n = split(uris, u, " "); m = split(suites, s, " ");
+              for (i = 1; i <= n; i++) for (j = 1; j <= m; j++) print "deb " u[i] " " s[j] " " comps }
+          types = uris = suites = comps = "" }
+        /^[[:space:]]*#/ { next }
+        /^[[:space:]]*$/ { flush(); next }
+        { key = $1; sub(/:$/, "", key); $1 = ""; sub(/^ /, "");
+          if (key == "Types") types = $0; else if (key == "URIs") uris = $0;
+          else if (key == "Suites") suites = $0; else if (key == "Components") comps = $0 }
+        END { flush() }' /etc/apt/sources.list.d/*.sources 2>/dev/null
+    grep -hE '^deb[[:space:]]' /etc/apt/sources.list 2>/dev/null || true)
+((${#mirrors[@]})) || { echo "vm: no Debian mirror in /etc/apt/sources.list{,.d}" >&2; exit 2; }
+if [[ $kernel == backports ]]; then
+    # bookworm-backports from the same archive as bookworm itself.
+    base=$(printf '%s\n' "${mirrors[@]}" | awk '$3 == "bookworm" { print $2; exit }')
+    [[ -n $base ]] || { echo "vm: no bookworm mirror to derive bookworm-backports from" >&2; exit 2; }
+    mirrors+=("deb $base bookworm-backports main")
+fi
+printf 'vm: mirror: %s\n' "${mirrors[@]}"
+
+mkdir -p "$cache"
+root="$cache/rootfs.dir"
+rm -f "$cache/rootfs.img" "$cache/stamp"
+start=$SECONDS
+if [[ -f $cache/rootfs.dir.ok && $(cat "$cache/rootfs.dir.ok") == "$want" && -d $root ]]; then
+    echo "vm: reusing the bootstrapped tree $root"
+else
+rm -rf "$root" "$cache/rootfs.dir.ok"
+# Documentation and locales are dropped: the guest is a test rig, nobody reads them there.
+mmdebstrap --variant=apt --mode=root --format=directory \
+    --aptopt='Acquire::Check-Valid-Until "false"' \
+    --aptopt='APT::Install-Recommends "false"' \
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
+    --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
+    --include="$(IFS=,; echo "${packages[*]}")" \
+    --customize-hook='echo sandcell-vm > "$1/etc/hostname"' \
+    --customize-hook='printf "/dev/vda / ext4 rw,noatime 0 1\n" > "$1/etc/fstab"' \
+    --customize-hook="install -m 0755 '$here/sandcell-vm-run' \"\$1/usr/local/sbin/sandcell-vm-run\"" \
+    --customize-hook="install -m 0644 '$here/sandcell-vm-test.service' \"\$1/etc/systemd/system/sandcell-vm-test.service\"" \
+    --customize-hook='chroot "$1" systemctl enable sandcell-vm-test.service' \
+    --customize-hook='chroot "$1" passwd -d root' \
+    --customize-hook='rm -f "$1"/etc/machine-id; touch "$1"/etc/machine-id' \
+    bookworm "$root" "${mirrors[@]}"
+echo "$want" >"$cache/rootfs.dir.ok"
+echo "vm: debootstrap took $((SECONDS - start)) s"
+fi
+
+# Kernel: the .deb's vmlinuz, and the uncompressed ELF inside it (PVH boot in qemu).
+vmlinuz=$(ls "$root"/boot/vmlinuz-* | sort -V | tail -1)
+kver=${vmlinuz##*/vmlinuz-}
+cp "$vmlinuz" "$cache/vmlinuz"
+python3 - "$vmlinuz" "$cache/vmlinux" <<'PY'
+# The bzImage carries the ELF kernel compressed (zstd on Debian's 6.12, xz/gzip elsewhere):
+# find the first stream that decompresses to an ELF image.
+import lzma, subprocess, sys, zlib
+data = open(sys.argv[1], "rb").read()
+def zstd(b):
+    return subprocess.run(["zstd", "-dcq"], input=b, capture_output=True).stdout
+codecs = ((b"\x28\xb5\x2f\xfd", zstd),
+          (b"\xfd7zXZ\x00", lambda b: lzma.LZMADecompressor().decompress(b)),
+          (b"\x1f\x8b\x08", lambda b: zlib.decompressobj(31).decompress(b)))
+for magic, fn in codecs:
+    i = data.find(magic)
+    while i >= 0:
+        try:
+            out = fn(data[i:])
+        except Exception:
+            out = b""
+        if out[:4] == b"\x7fELF":
+            open(sys.argv[2], "wb").write(out)
+            sys.exit(0)
+        i = data.find(magic, i + 1)
+sys.exit("vm: cannot extract vmlinux from " + sys.argv[1])
+PY
+
+# Initramfs: busybox and the modules that reach the root disk, in dependency order.
+ird="$cache/initrd.dir"
+rm -rf "$ird"
+mkdir -p "$ird/bin" "$ird/lib/modules"
+cp "$(command -v busybox)" "$ird/bin/busybox"
+install -m 0755 "$here/initramfs-init" "$ird/init"
+moddir="$root/lib/modules/$kver"
+python3 - "$moddir" "$ird" virtio_pci virtio_blk crc32c_generic ext4 <<'PY'
+import lzma, os, shutil, sys
+moddir, ird, wanted = sys.argv[1], sys.argv[2], sys.argv[3:]
+deps, byname = {}, {}
+for line in open(os.path.join(moddir, "modules.dep")):
+    path, _, rest = line.partition(":")
+    deps[path] = rest.split()
+    name = os.path.basename(path).split(".ko")[0].replace("-", "_")
+    byname[name] = path
+builtin = {os.path.basename(l.strip()).split(".ko")[0].replace("-", "_")
+           for l in open(os.path.join(moddir, "modules.builtin"))}
+order, seen = [], set()
+def visit(p):
+    if p in seen:
+        return
+    seen.add(p)
+    for d in deps.get(p, []):
+        visit(d)
+    order.append(p)
+for w in wanted:
+    if w in builtin:
+        continue
+    visit(byname[w])
+with open(os.path.join(ird, "modules"), "w") as lst:
+    for p in order:
+        src = os.path.join(moddir, p)
+        name = os.path.basename(p)
+        dst = os.path.join(ird, "lib/modules", name.replace(".xz", ""))
+        if name.endswith(".xz"):
+            open(dst, "wb").write(lzma.open(src).read())
+        else:
+            shutil.copy(src, dst)
+        lst.write(os.path.basename(dst) + "\n")
+print("vm: initramfs modules:", " ".join(os.path.basename(p) for p in order))
+PY
+(cd "$ird" && find . | cpio -o -H newc --quiet | gzip -1) >"$cache/initrd.img"
+rm -rf "$ird"
+
+mkfs.ext4 -q -F -L sandcell-root -d "$root" "$cache/rootfs.img" 3G
+rm -rf "$root" "$cache/rootfs.dir.ok"
+echo "$want" >"$cache/stamp"
+echo "vm: guest image ready in $cache ($((SECONDS - start)) s, kernel $kver)"

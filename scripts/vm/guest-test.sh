@@ -1,0 +1,215 @@
+#!/bin/bash
+# The system test, run inside the VM as root by sandcell-vm-run (scripts/vm-test.sh): install
+# the package and drive sandcell as an operator would. One line per check:
+#   PASS name (seconds since start) | FAIL name: why | SKIP name: why
+# Exit status: the number of failed checks (0 = all passed). Diagnostics follow each failure.
+set -u
+share=/mnt/share
+start=$(date +%s.%N)
+failures=0
+el() { printf '%.1f' "$(echo "$(date +%s.%N) - $start" | bc 2>/dev/null || echo 0)"; }
+pass() { echo "PASS $1 ($(el)s)"; }
+fail() { echo "FAIL $1${2:+: $2} ($(el)s)"; failures=$((failures + 1)); }
+skip() { echo "SKIP $1: $2"; }
+# check NAME CMD...: PASS when CMD succeeds; its output is shown indented either way.
+check() {
+    local name=$1 out rc
+    shift
+    out=$("$@" 2>&1)
+    rc=$?
+    [[ -n $out ]] && sed 's/^/    /' <<<"$out" | head -40
+    if ((rc == 0)); then pass "$name"; else fail "$name" "exit $rc"; fi
+    return $rc
+}
+journal() { journalctl -b -u sandcelld.service -u sandcelld.socket --no-pager -o short-monotonic | tail -"${1:-40}" | sed 's/^/    journal: /'; }
+unit_state() { systemctl show -p ActiveState --value "$1"; }
+wait_for() { # wait_for SECONDS CMD...: poll until CMD succeeds
+    local t=$1 i
+    shift
+    for ((i = 0; i < t * 2; i++)); do "$@" && return 0; sleep 0.5; done
+    return 1
+}
+as_gw() { runuser -u gw -- "$@"; }
+worker_procs() { ps -eo uid=,pid=,args= | awk '$1 >= 3000000000'; }
+cg() { echo "/sys/fs/cgroup$(systemctl show -p ControlGroup --value sandcelld.service)"; }
+
+echo "guest: kernel $(uname -r), $(nproc) cpus, $(awk '/MemTotal/ { print int($2 / 1024) " MiB" }' /proc/meminfo)"
+echo "guest: lsm $(cat /sys/kernel/security/lsm), cgroup2 controllers: $(cat /sys/fs/cgroup/cgroup.controllers)"
+command -v bc >/dev/null || el() { echo $(($(date +%s) - ${start%.*})); }
+
+# ---- install, as an operator would -------------------------------------------------------
+t=$(date +%s)
+check install dpkg -i "$share/sandcell.deb" || { journal; exit 1; }
+echo "    (dpkg -i incl. Python runtime preparation: $(($(date +%s) - t)) s)"
+check group-exists getent group sandcell
+check state-dir-0711 test "$(stat -c '%a %U' /var/lib/sandcell)" = "711 root"
+check python-runtime-prepared test -n "$(ls -A /var/lib/sandcell/python-runtime 2>/dev/null)"
+check socket-enabled-by-postinst systemctl is-enabled sandcelld.socket
+check man-page-installed test -f /usr/share/man/man8/sandcelld.8.gz
+check config-valid /usr/libexec/sandcelld --check-config
+
+# This VM runs every instruction in software (TCG, 10-50x slower than the host): give workers
+# time to start, and make the daemon exit after 15 s idle so the test sees it. An operator on
+# slow hardware does the same, with a drop-in.
+mkdir -p /etc/systemd/system/sandcelld.service.d
+cat >/etc/systemd/system/sandcelld.service.d/50-vmtest.conf <<'CONF'
+[Service]
+Environment=SANDCELL_WORKER_START_TIMEOUT_SECONDS=300 SANDCELL_EXECUTION_WALL_TIME_SECONDS=120 SANDCELL_IDLE_EXIT_SECONDS=15
+TimeoutStartSec=900
+CONF
+systemctl daemon-reload
+
+check enable-socket systemctl enable --now sandcelld.socket
+check socket-listening test "$(unit_state sandcelld.socket)" = active
+check socket-mode-0660-group-sandcell test "$(stat -c '%a %U %G' /run/sandcell/org.sandcell.Kernel)" = "660 root sandcell"
+check nothing-runs-before-first-connection test "$(unit_state sandcelld.service)" = inactive -a -z "$(pgrep -x sandcelld)"
+
+useradd -m -G sandcell gw
+useradd -m outsider
+
+# ---- cells, as a member of the group ------------------------------------------------------
+t=$(date +%s)
+out=$(echo 'print(6*7)' | as_gw sandcellctl run -l python - 2>&1)
+rc=$?
+echo "    (first connection: activation + readiness probes + cell: $(($(date +%s) - t)) s)"
+if [[ $rc == 0 && $out == 42 ]]; then pass python-cell; else fail python-cell "exit $rc, output: $out"; journal 60; fi
+check service-active-after-connection test "$(unit_state sandcelld.service)" = active
+systemctl status sandcelld.service --no-pager 2>&1 | sed -n '1,12p' | sed 's/^/    /'
+
+out=$(echo 'cat(6*7, "\n", sep = "")' | as_gw sandcellctl run -l r - 2>&1)
+rc=$?
+if [[ $rc == 0 && $out == 42 ]]; then pass r-cell; else fail r-cell "exit $rc, output: $out"; journal; fi
+
+out=$(echo 'stop("boom")' | as_gw sandcellctl run -l r - 2>&1)
+rc=$?
+if [[ $rc == 1 && $out == *boom* ]]; then pass r-cell-error-reported; else fail r-cell-error-reported "exit $rc, output: $out"; fi
+
+# ---- a user outside the group is refused by the socket's permissions ----------------------
+out=$(echo 'print(1)' | runuser -u outsider -- sandcellctl run -l python - 2>&1)
+rc=$?
+if [[ $rc == 2 && $out == *ermission* ]]; then pass outsider-refused; else fail outsider-refused "exit $rc, output: $out"; fi
+
+# ---- a persistent session: state, cgroup layout, identity, D-Bus ---------------------------
+sid=$(as_gw sandcellctl open -l python --idle 300 2>&1)
+rc=$?
+if [[ $rc == 0 && -n $sid ]]; then pass open-session; else fail open-session "exit $rc: $sid"; journal; fi
+echo 'x = 41' | as_gw sandcellctl exec "$sid" - >/dev/null 2>&1
+out=$(echo 'print(x + 1)' | as_gw sandcellctl exec "$sid" - 2>&1)
+[[ $out == 42 ]] && pass session-keeps-state || fail session-keeps-state "output: $out"
+
+root=$(cg)
+main=$(systemctl show -p MainPID --value sandcelld.service)
+echo "    cgroup tree of the service ($root):"
+find "$root" -mindepth 1 -maxdepth 3 -type d | sed "s|$root|    .|"
+check cgroup-supervisor-holds-daemon grep -qx "$main" "$root/supervisor/cgroup.procs"
+check cgroup-root-has-no-processes test -z "$(cat "$root/cgroup.procs")"
+check cgroup-sessions-controllers grep -qw memory "$root/sessions/cgroup.subtree_control"
+sess_groups=$(find "$root/sessions" -mindepth 1 -maxdepth 1 -type d)
+if [[ -n $sess_groups ]]; then
+    g=$(head -1 <<<"$sess_groups")
+    echo "    session group $g: memory.max $(cat "$g/memory.max"), memory.swap.max $(cat "$g/memory.swap.max" 2>/dev/null), pids.max $(cat "$g/pids.max"), cpu.max $(cat "$g/cpu.max" 2>/dev/null), memory.oom.group $(cat "$g/memory.oom.group" 2>/dev/null)"
+    [[ $(cat "$g/memory.max") != max && -n $(cat "$g/cgroup.procs") ]] && pass cgroup-session-group-limited || fail cgroup-session-group-limited
+else
+    fail cgroup-session-group-limited "no group under sessions/"
+fi
+w=$(worker_procs)
+echo "$w" | sed 's/^/    worker: /'
+[[ -n $w ]] && pass worker-runs-under-per-session-uid || fail worker-runs-under-per-session-uid "no process with uid >= 3000000000"
+wpid=$(awk 'NR == 1 { print $2 }' <<<"$w")
+if [[ -n $wpid ]]; then
+    st=/proc/$wpid/status
+    echo "    worker $wpid: $(grep -E '^(CapEff|CapBnd|NoNewPrivs|Seccomp):' "$st" | tr -s '\t\n' '  ')"
+    [[ $(awk '/^CapEff/ { print $2 }' "$st") == 0000000000000000 && $(awk '/^CapBnd/ { print $2 }' "$st") == 0000000000000000 &&
+        $(awk '/^NoNewPrivs/ { print $2 }' "$st") == 1 && $(awk '/^Seccomp:/ { print $2 }' "$st") == 2 ]] &&
+        pass worker-confined-caps-nnp-seccomp || fail worker-confined-caps-nnp-seccomp
+    [[ $(readlink "/proc/$wpid/ns/net") != $(readlink /proc/1/ns/net) ]] && pass worker-own-netns || fail worker-own-netns
+fi
+
+if command -v busctl >/dev/null && [[ -f /usr/share/dbus-1/system.d/org.sandcell.Sandcell1.conf ]]; then
+    out=$(busctl call org.sandcell.Sandcell1 /org/sandcell/Sandcell1 org.sandcell.Manager1 ListSessions 2>&1)
+    echo "    busctl ListSessions: $out"
+    [[ $out == *"$sid"* ]] && pass busctl-lists-session || fail busctl-lists-session
+    out=$(sandcellctl list 2>&1)
+    echo "$out" | sed 's/^/    sandcellctl list: /'
+    [[ $out == *"$sid"* ]] && pass sandcellctl-list || fail sandcellctl-list
+else
+    skip busctl-lists-session "the D-Bus part is not installed"
+fi
+check close-session as_gw sandcellctl close "$sid"
+check session-group-removed wait_for 10 test -z "$(find "$root/sessions" -mindepth 1 -maxdepth 1 -type d)"
+
+# ---- reload ---------------------------------------------------------------------------------
+check reload systemctl reload sandcelld.service
+check active-after-reload test "$(unit_state sandcelld.service)" = active
+
+# ---- stop leaves no worker ------------------------------------------------------------------
+sid=$(as_gw sandcellctl open -l r --idle 300 2>/dev/null)
+[[ -n $(worker_procs) ]] && pass worker-alive-before-stop || fail worker-alive-before-stop
+check stop-service systemctl stop sandcelld.service
+check no-worker-after-stop test -z "$(worker_procs)"
+check no-session-dir-after-stop test -z "$(ls -A /var/lib/sandcell/sessions 2>/dev/null)"
+check socket-still-listening test "$(unit_state sandcelld.socket)" = active
+
+# ---- idle exit and re-activation --------------------------------------------------------------
+out=$(echo 'print("again")' | as_gw sandcellctl run - 2>&1)
+[[ $out == again ]] && pass reactivation-after-stop || fail reactivation-after-stop "$out"
+if wait_for 90 test "$(unit_state sandcelld.service)" = inactive; then
+    pass idle-exit
+else
+    fail idle-exit "still $(unit_state sandcelld.service) after 90 s"
+fi
+check idle-exit-was-clean test "$(systemctl show -p Result --value sandcelld.service)" = success
+out=$(echo 'cat("back\n")' | as_gw sandcellctl run -l r - 2>&1)
+[[ $out == back ]] && pass reactivation-after-idle-exit || fail reactivation-after-idle-exit "$out"
+
+# ---- D-Bus activation (bus name -> SystemdService=sandcelld.service) --------------------------
+if [[ -f /usr/share/dbus-1/system-services/org.sandcell.Sandcell1.service ]]; then
+    systemctl stop sandcelld.service
+    out=$(busctl get-property org.sandcell.Sandcell1 /org/sandcell/Sandcell1 org.sandcell.Manager1 Version 2>&1)
+    echo "    Version: $out"
+    [[ $out == s* && $(unit_state sandcelld.service) == active ]] && pass dbus-activation || fail dbus-activation "$out"
+fi
+
+# ---- an out-of-memory cell is reported, and the service survives it ---------------------------
+cat >/etc/systemd/system/sandcelld.service.d/60-oom.conf <<'CONF'
+[Service]
+Environment=SANDCELL_MAX_WORKER_MEMORY_BYTES=268435456
+CONF
+systemctl daemon-reload
+systemctl stop sandcelld.service
+mon=""
+if command -v busctl >/dev/null; then
+    timeout 600 busctl monitor --system --match "type='signal',interface='org.sandcell.Manager1'" >/tmp/signals.txt 2>&1 &
+    mon=$!
+fi
+restarts0=$(systemctl show -p NRestarts --value sandcelld.service)
+out=$(printf 'l <- list()\nfor (i in 1:100) l[[i]] <- runif(1e7)\ncat("survived\\n")\n' | as_gw sandcellctl run -l r - 2>&1)
+rc=$?
+echo "$out" | sed 's/^/    /'
+if [[ $rc == 6 && $out == *oom* ]]; then pass oom-reported; else fail oom-reported "exit $rc"; journal; fi
+check service-survives-oom test "$(unit_state sandcelld.service)" = active -a "$(systemctl show -p NRestarts --value sandcelld.service)" = "$restarts0"
+out=$(echo 'print("fine")' | as_gw sandcellctl run - 2>&1)
+[[ $out == fine ]] && pass cell-after-oom || fail cell-after-oom "$out"
+if [[ -n $mon ]]; then
+    sleep 1
+    kill "$mon" 2>/dev/null
+    grep -q WorkerOOMKilled /tmp/signals.txt && pass dbus-signal-WorkerOOMKilled || fail dbus-signal-WorkerOOMKilled "$(grep -c Member /tmp/signals.txt) signals seen"
+fi
+rm /etc/systemd/system/sandcelld.service.d/60-oom.conf
+systemctl daemon-reload
+
+# ---- the unit's exposure score ----------------------------------------------------------------
+score=$(systemd-analyze security sandcelld.service --no-pager 2>&1 | tail -1)
+echo "    $score"
+[[ $score == *"exposure level"* ]] && pass systemd-analyze-security || fail systemd-analyze-security "$score"
+
+# ---- removal --------------------------------------------------------------------------------
+check stop-socket systemctl stop sandcelld.socket sandcelld.service
+check socket-removed-on-stop test ! -e /run/sandcell/org.sandcell.Kernel
+check purge dpkg --purge sandcell
+check nothing-left test ! -e /lib/systemd/system/sandcelld.service -a ! -e /var/lib/sandcell -a -z "$(worker_procs)" -a -z "$(pgrep -x sandcelld)"
+
+echo "---- journal of sandcelld (last 60 lines) ----"
+journal 60
+echo "guest: $failures failed checks, $(el) s"
+exit $((failures > 100 ? 100 : failures))

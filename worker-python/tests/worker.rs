@@ -1,0 +1,499 @@
+//! The real worker binary, driven over fds 3 and 4 as the daemon drives it.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Opts, Worker};
+use sandcell_proto::worker::{MAX_OUTPUT_CHUNK, SessionState, Stream, WorkerStatus};
+
+#[test]
+fn print_output_is_exact_on_both_streams() {
+    let mut w = Worker::start();
+    let r = w.cell(
+        1,
+        "import sys\nprint('hello')\nprint('wörld ✓', file=sys.stderr)\nprint(1, 2, sep='-')\n",
+    );
+    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.stdout, "hello\n1-2\n");
+    assert_eq!(r.stderr, "wörld ✓\n");
+    assert_eq!(r.state(), SessionState::Kept);
+    assert!(r.fuel().unwrap() > 0, "fuel is reported");
+}
+
+#[test]
+fn variables_persist_across_cells_including_result() {
+    let mut w = Worker::start();
+    assert_eq!(
+        w.cell(
+            1,
+            "x = 41\nresult = 'mine'\ndef inc(v):\n    return v + 1\n"
+        )
+        .status(),
+        WorkerStatus::Ok
+    );
+    let r = w.cell(2, "print(inc(x), result)");
+    assert_eq!(r.stdout, "42 mine\n", "{r:?}");
+}
+
+#[test]
+fn exception_reports_the_users_line_and_traceback() {
+    let mut w = Worker::start();
+    let r = w.cell(1, "a = 1\nb = 0\nc = a / b\n");
+    assert_eq!(r.status(), WorkerStatus::Error);
+    let e = r.error();
+    assert_eq!(e.kind, "ZeroDivisionError");
+    assert_eq!(e.message, "division by zero");
+    assert_eq!(e.line, Some(3));
+    let tb = e.traceback.unwrap();
+    assert!(tb.contains("\"<cell 1>\", line 3"), "{tb}");
+    assert!(tb.contains("c = a / b"), "source line shown: {tb}");
+    assert!(!tb.contains("sandcell"), "driver frames hidden: {tb}");
+    assert!(
+        tb.ends_with("ZeroDivisionError: division by zero\n"),
+        "{tb}"
+    );
+
+    // A function from an earlier cell raising in a later one.
+    w.cell(2, "def f():\n    raise ValueError('boom')\n");
+    let r = w.cell(3, "\n\nf()\n");
+    let e = r.error();
+    assert_eq!(
+        (e.kind.as_str(), e.message.as_str(), e.line),
+        ("ValueError", "boom", Some(3))
+    );
+    let tb = e.traceback.unwrap();
+    assert!(
+        tb.contains("\"<cell 3>\", line 3") && tb.contains("\"<cell 2>\", line 2"),
+        "{tb}"
+    );
+    // Errors keep the session.
+    assert_eq!(r.state(), SessionState::Kept);
+    assert_eq!(w.cell(4, "print(a)").stdout, "1\n");
+
+    // A syntax error names its line too.
+    let r = w.cell(5, "x = 1\ny = (\n");
+    assert_eq!(r.error().kind, "SyntaxError");
+    assert_eq!(r.error().line, Some(2));
+}
+
+#[test]
+fn huge_error_message_is_bounded() {
+    let mut w = Worker::start();
+    let r = w.cell(1, "raise ValueError('x' * 10**7)");
+    let e = r.error();
+    assert_eq!(e.kind, "ValueError");
+    assert!(
+        e.message.len() <= sandcell_proto::worker::MAX_ERROR_MESSAGE + 100,
+        "{}",
+        e.message.len()
+    );
+    assert!(e.traceback.unwrap().len() <= sandcell_proto::worker::MAX_TRACEBACK + 100);
+}
+
+#[test]
+fn sys_exit_is_exited_not_a_crash() {
+    let mut w = Worker::start();
+    w.cell(1, "keep = 7");
+    let r = w.cell(
+        2,
+        "import sys\nprint('bye')\nsys.exit(3)\nprint('not reached')\n",
+    );
+    assert_eq!(r.status(), WorkerStatus::Exited);
+    assert_eq!(r.exit_code(), Some(3));
+    assert_eq!(r.stdout, "bye\n");
+    assert_eq!(w.cell(3, "raise SystemExit").exit_code(), Some(0));
+    assert_eq!(w.cell(4, "print(keep)").stdout, "7\n");
+}
+
+#[test]
+fn timeout_stops_a_busy_loop_and_restores_variables() {
+    let mut w = Worker::start();
+    w.cell(
+        1,
+        "keep = [1, 2, 3]\ndef twice(v):\n    return 2 * v\nimport math as m\n",
+    );
+    let r = w.run(
+        2,
+        "while True: pass",
+        &Opts {
+            timeout_ms: Some(1000),
+            ..Opts::default()
+        },
+    );
+    assert_eq!(r.status(), WorkerStatus::Timeout, "{r:?}");
+    eprintln!(
+        "FIGURES timeout_1000ms_busy_loop_done_after_ms={}",
+        r.elapsed.as_millis()
+    );
+    assert_eq!(r.state(), SessionState::Restored);
+    assert!(
+        r.elapsed < Duration::from_millis(2500),
+        "took {:?}",
+        r.elapsed
+    );
+    let r = w.cell(3, "print(keep, twice(21), m.floor(2.5))");
+    assert_eq!(r.stdout, "[1, 2, 3] 42 2\n", "{r:?}");
+}
+
+#[test]
+fn timeout_stops_a_sleep() {
+    let mut w = Worker::start();
+    w.cell(1, "v = 'kept'");
+    let r = w.run(
+        2,
+        "import time\ntime.sleep(60)",
+        &Opts {
+            timeout_ms: Some(500),
+            ..Opts::default()
+        },
+    );
+    eprintln!(
+        "FIGURES timeout_500ms_sleep_done_after_ms={}",
+        r.elapsed.as_millis()
+    );
+    assert_eq!(r.status(), WorkerStatus::Timeout);
+    assert!(r.elapsed < Duration::from_secs(2), "took {:?}", r.elapsed);
+    assert_eq!(w.cell(3, "print(v)").stdout, "kept\n");
+}
+
+#[test]
+fn fuel_exhaustion_is_reported_and_state_restored() {
+    let mut w = Worker::start();
+    w.cell(1, "keep = {'a': 1}");
+    let r = w.run(
+        2,
+        "while True: pass",
+        &Opts {
+            timeout_ms: Some(30_000),
+            fuel: Some(50_000_000),
+            ..Opts::default()
+        },
+    );
+    assert_eq!(r.status(), WorkerStatus::FuelExhausted, "{r:?}");
+    assert!(r.fuel().unwrap() >= 50_000_000, "consumed {:?}", r.fuel());
+    assert_eq!(r.state(), SessionState::Restored);
+    assert_eq!(w.cell(3, "print(keep['a'])").stdout, "1\n");
+    // A cell within its budget reports what it used.
+    let r = w.run(
+        4,
+        "s = sum(range(1000))",
+        &Opts {
+            timeout_ms: Some(30_000),
+            fuel: Some(50_000_000),
+            ..Opts::default()
+        },
+    );
+    assert_eq!(r.status(), WorkerStatus::Ok);
+    assert!(r.fuel().unwrap() > 0 && r.fuel().unwrap() < 50_000_000);
+}
+
+fn interrupt_after(w: &mut Worker, cell: u64, code: &str) -> (common::CellRun, Duration) {
+    w.send(
+        cell,
+        code,
+        &Opts {
+            timeout_ms: Some(120_000),
+            ..Opts::default()
+        },
+    );
+    std::thread::sleep(Duration::from_millis(400));
+    let t = Instant::now();
+    w.sigint();
+    let r = w.collect(cell, Duration::from_secs(10));
+    (r, t.elapsed())
+}
+
+#[test]
+fn sigint_ends_a_sleep_quickly_and_the_session_survives() {
+    let mut w = Worker::start();
+    w.cell(1, "y = 'still here'");
+    let (r, after) = interrupt_after(&mut w, 2, "import time\nprint('before')\ntime.sleep(60)\n");
+    assert_eq!(r.status(), WorkerStatus::Interrupted, "{r:?}");
+    eprintln!(
+        "FIGURES sigint_sleep_done_after_ms={:.1}",
+        after.as_secs_f64() * 1e3
+    );
+    assert!(
+        after < Duration::from_secs(1),
+        "Done {after:?} after SIGINT"
+    );
+    assert_eq!(r.stdout, "before\n");
+    assert_eq!(r.state(), SessionState::Restored);
+    assert_eq!(w.cell(3, "print(y)").stdout, "still here\n");
+}
+
+#[test]
+fn sigint_ends_a_busy_loop_quickly() {
+    let mut w = Worker::start();
+    w.cell(1, "z = 5");
+    let (r, after) = interrupt_after(&mut w, 2, "while True: pass");
+    assert_eq!(r.status(), WorkerStatus::Interrupted, "{r:?}");
+    eprintln!(
+        "FIGURES sigint_busy_loop_done_after_ms={:.1}",
+        after.as_secs_f64() * 1e3
+    );
+    assert!(
+        after < Duration::from_secs(1),
+        "Done {after:?} after SIGINT"
+    );
+    assert_eq!(w.cell(3, "print(z)").stdout, "5\n");
+}
+
+#[test]
+fn sigint_with_the_longest_timeout_is_still_quick() {
+    let mut w = Worker::start();
+    w.send(
+        1,
+        "while True: pass",
+        &Opts {
+            timeout_ms: Some(u64::MAX),
+            ..Opts::default()
+        },
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    w.sigint();
+    let r = w.collect(1, Duration::from_secs(10));
+    eprintln!(
+        "FIGURES sigint_busy_loop_24h_timeout_done_after_ms={:.1}",
+        t.elapsed().as_secs_f64() * 1e3
+    );
+    assert_eq!(r.status(), WorkerStatus::Interrupted);
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+}
+
+#[test]
+fn sigint_between_cells_is_ignored() {
+    let mut w = Worker::start();
+    w.cell(1, "n = 1");
+    w.sigint();
+    std::thread::sleep(Duration::from_millis(100));
+    w.sigint();
+    std::thread::sleep(Duration::from_millis(100));
+    let r = w.cell(2, "n += 1\nprint(n)");
+    assert_eq!(r.status(), WorkerStatus::Ok);
+    assert_eq!(r.stdout, "2\n");
+    assert!(w.child.try_wait().unwrap().is_none());
+}
+
+#[test]
+fn output_flood_is_bounded_with_exact_drop_counts() {
+    let mut w = Worker::start();
+    let r = w.run(
+        1,
+        "print('x' * 10**6)\nimport sys\nsys.stderr.write('e' * 5000)\n",
+        &Opts {
+            timeout_ms: Some(30_000),
+            max_output: Some(1000),
+            ..Opts::default()
+        },
+    );
+    assert_eq!(r.status(), WorkerStatus::Ok);
+    assert_eq!(r.kept(Stream::Stdout), 1000);
+    assert_eq!(r.stdout, "x".repeat(1000));
+    assert_eq!(r.dropped_stdout, 1_000_001 - 1000);
+    assert_eq!(r.kept(Stream::Stderr), 1000);
+    assert_eq!(r.dropped_stderr, 4000);
+}
+
+#[test]
+fn large_output_is_chunked_without_splitting_characters() {
+    let mut w = Worker::start();
+    let r = w.cell(1, "print('✓' * 100000)");
+    assert_eq!(r.status(), WorkerStatus::Ok);
+    assert_eq!(r.kept(Stream::Stdout), 300_001);
+    assert!(r.frames.len() >= 5);
+    for (_, data, bytes) in &r.frames {
+        assert!(*bytes as usize <= MAX_OUTPUT_CHUNK);
+        assert!(!data.contains("\\x"), "no character was split");
+    }
+    assert_eq!(r.stdout, format!("{}\n", "✓".repeat(100000)));
+}
+
+#[test]
+fn invalid_utf8_output_is_escaped() {
+    let mut w = Worker::start();
+    let r = w.cell(1, "import sys\nsys.stdout.buffer.write(b'a\\xffb')\n");
+    assert_eq!(r.frames, vec![(Stream::Stdout, "a\\xffb".to_string(), 3)]);
+}
+
+#[test]
+fn raw_fd_writes_never_reach_the_protocol() {
+    let mut w = Worker::start();
+    let r = w.cell(
+        1,
+        "import os\nos.write(1, b'rawmarker1')\nos.write(2, b'rawmarker2')\nprint('ok')\n",
+    );
+    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.stdout, "ok\n");
+    assert!(!format!("{r:?}").contains("rawmarker"));
+    assert_eq!(w.cell(2, "print(2)").stdout, "2\n");
+}
+
+#[test]
+fn memory_error_is_reported_and_the_worker_survives() {
+    let mut w = Worker::start_with_memory(Some(128 * 1024 * 1024));
+    w.cell(1, "small = list(range(10))");
+    let r = w.cell(2, "big = bytearray(1024**3)");
+    assert_eq!(r.status(), WorkerStatus::MemoryExhausted, "{r:?}");
+    assert_eq!(r.error().kind, "MemoryError");
+    assert_eq!(r.error().line, Some(1));
+    let r = w.cell(3, "print(sum(small))");
+    assert_eq!(r.stdout, "45\n");
+}
+
+#[test]
+fn top_level_await_works() {
+    let mut w = Worker::start();
+    let r = w.cell(1, "import asyncio\nawait asyncio.sleep(0)\nasync def f():\n    return 3\nv = await f()\nprint('async', v)\n");
+    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.stdout, "async 3\n");
+    assert_eq!(w.cell(2, "print(v)").stdout, "3\n");
+}
+
+#[test]
+fn unpicklable_variables_are_named_after_a_restore() {
+    let mut w = Worker::start();
+    w.cell(1, "gen = (i for i in range(3))\nkeep = 1\nclass P:\n    def __init__(self, v):\n        self.v = v\n    def get(self):\n        return self.v + keep\np = P(41)\n");
+    let r = w.run(
+        2,
+        "while True: pass",
+        &Opts {
+            timeout_ms: Some(300),
+            ..Opts::default()
+        },
+    );
+    assert_eq!(r.status(), WorkerStatus::Timeout);
+    assert_eq!(r.state(), SessionState::Restored);
+    assert!(
+        r.warnings().iter().any(|w| w.contains("gen")),
+        "{:?}",
+        r.warnings()
+    );
+    let r = w.cell(3, "print(p.get(), isinstance(p, P), 'gen' in globals())");
+    assert_eq!(r.stdout, "42 True False\n", "{r:?}");
+}
+
+#[test]
+fn removing_the_driver_does_not_break_the_session() {
+    let mut w = Worker::start();
+    w.cell(1, "import sys\ndel sys.modules['_sandcell']\nq = 9\n");
+    let r = w.cell(2, "print(q)");
+    assert_eq!(r.stdout, "9\n", "{r:?}");
+}
+
+#[test]
+fn protocol_ends_cleanly() {
+    // EOF -> 0.
+    let mut w = Worker::start();
+    w.close_requests();
+    assert_eq!(w.wait_exit(Duration::from_secs(5)).code(), Some(0));
+
+    // exit -> 0.
+    let mut w = Worker::start();
+    w.write_raw(b"exit 0 0\n");
+    assert_eq!(w.wait_exit(Duration::from_secs(5)).code(), Some(0));
+
+    // A malformed request: nothing written, exit 2.
+    let mut w = Worker::start();
+    w.write_raw(b"exec one two\n");
+    let status = w.wait_exit(Duration::from_secs(5));
+    assert_eq!(status.code(), Some(2));
+    assert!(
+        w.reply_eof(Duration::from_secs(2)),
+        "nothing after a malformed request"
+    );
+
+    // Invalid UTF-8 source is a cell error, not a protocol error.
+    let mut w = Worker::start();
+    w.write_raw(b"exec 1 3\na\xffb");
+    let r = w.collect(1, Duration::from_secs(10));
+    assert_eq!(r.status(), WorkerStatus::Error);
+    assert_eq!(r.error().kind, "SyntaxError");
+}
+
+#[test]
+fn figures() {
+    let mut w = Worker::start();
+    let ready = w.ready_after;
+    let mut samples = Vec::new();
+    for i in 0..200 {
+        let r = w.cell(i + 1, "print(1)");
+        assert_eq!(r.stdout, "1\n");
+        samples.push(r.elapsed);
+    }
+    samples.sort();
+    let p50 = samples[samples.len() / 2];
+    let p99 = samples[samples.len() * 99 / 100];
+    std::thread::sleep(Duration::from_millis(200));
+    let rss = w.rss_bytes();
+    eprintln!(
+        "FIGURES start_to_ready_ms={:.1} trivial_cell_p50_ms={:.3} p99_ms={:.3} idle_rss_mb={:.1}",
+        ready.as_secs_f64() * 1e3,
+        p50.as_secs_f64() * 1e3,
+        p99.as_secs_f64() * 1e3,
+        rss as f64 / 1048576.0
+    );
+    assert!(ready < Duration::from_secs(5));
+    assert!(p50 < Duration::from_millis(50));
+}
+
+#[test]
+fn guest_has_no_host_files_or_network() {
+    let mut w = Worker::start();
+    let r = w.cell(1, "open('/etc/passwd').read()");
+    assert_eq!(r.status(), WorkerStatus::Error);
+    assert!(
+        ["FileNotFoundError", "PermissionError", "OSError"].contains(&r.error().kind.as_str()),
+        "{:?}",
+        r.error()
+    );
+    let r = w.cell(2, "import os\nprint(sorted(os.listdir('/')))");
+    assert!(!r.stdout.contains("etc"), "host root visible: {r:?}");
+    let r = w.cell(
+        3,
+        "import socket\ns = socket.create_connection(('127.0.0.1', 22), timeout=2)\n",
+    );
+    assert_eq!(r.status(), WorkerStatus::Error, "{r:?}");
+    let r = w.cell(
+        4,
+        "import os\nprint(sorted(k for k in os.environ if not k.startswith('PYTHON')))",
+    );
+    assert_eq!(r.stdout, "[]\n", "environment is empty: {r:?}");
+}
+
+#[test]
+fn output_is_streamed_while_the_cell_runs() {
+    let mut w = Worker::start();
+    for (cell, code) in [
+        (
+            1,
+            "import time\nprint('first')\ntime.sleep(1.5)\nprint('second')\n",
+        ),
+        (
+            2,
+            "import time\nprint('first')\nt = time.time()\nwhile time.time() - t < 1.5:\n    pass\nprint('second')\n",
+        ),
+    ] {
+        w.send(
+            cell,
+            code,
+            &Opts {
+                timeout_ms: Some(30_000),
+                ..Opts::default()
+            },
+        );
+        let t = Instant::now();
+        match w.next(Duration::from_secs(1)) {
+            Some(sandcell_proto::worker::WorkerMessage::Output { data, .. }) => {
+                assert_eq!(data, "first\n")
+            }
+            other => panic!("cell {cell}: expected live output, got {other:?}"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(1));
+        let rest = w.collect(cell, Duration::from_secs(10));
+        assert_eq!(rest.stdout, "second\n");
+        assert_eq!(rest.status(), WorkerStatus::Ok);
+    }
+}

@@ -1,0 +1,1054 @@
+//! End-to-end tests of the R worker: the built launcher, really confined (best-effort
+//! enforcement, so they also run unprivileged), running `worker-r/worker.R`, driven over the
+//! descriptor layout of `sandcell_proto::worker` exactly as the daemon drives it (fd 0
+//! `/dev/null`, fds 1 and 2 pipes, fd 3 requests, fd 4 JSON-lines replies).
+//!
+//! Every reply line is parsed with `sandcell_proto::worker::WorkerMessage::parse`, so the tests
+//! also pin the worker's hand-written JSON to the Rust types.
+//!
+//! Skipped, with a printed reason, when R is not installed. Figures (start-up, round trip, RSS)
+//! are printed by `figures`: `cargo test -p sandcell-worker-r --release -- --nocapture figures`.
+
+use sandcell_confine::{Enforcement, Plan, SyscallProfile};
+use sandcell_proto::worker::{
+    CellError, MAX_ERROR_MESSAGE, MAX_WORKER_LINE, RequestHeader, WorkerMessage, WorkerStatus,
+};
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+const R_EXE: &str = "/usr/lib/R/bin/exec/R";
+const LAUNCHER: &str = env!("CARGO_BIN_EXE_sandcell-worker-r");
+
+/// `true` when R is installed; otherwise prints why the calling test is skipped.
+fn r_available(test: &str) -> bool {
+    let ok = Path::new(R_EXE).exists();
+    if !ok {
+        println!(
+            "skipping {test}: R is not installed ({R_EXE} missing; apt-get install r-base-core)"
+        );
+    }
+    ok
+}
+
+/// The worker script in the source tree.
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("worker.R")
+}
+
+/// A pipe whose two ends are close-on-exec and numbered 10 or above, so that `dup2` onto 3
+/// and 4 in the child can never overwrite one end with the other.
+fn pipe() -> (OwnedFd, OwnedFd) {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: `fds` is a valid array of two ints for pipe2 to fill.
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    let high = |fd: RawFd| {
+        // SAFETY: duplicating a descriptor we own; the original is closed right after.
+        let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10) };
+        assert!(new >= 10);
+        // SAFETY: `fd` came from pipe2 above and is not used again.
+        unsafe { libc::close(fd) };
+        // SAFETY: `new` is a fresh descriptor owned by nobody else.
+        unsafe { OwnedFd::from_raw_fd(new) }
+    };
+    (high(fds[0]), high(fds[1]))
+}
+
+fn set_nonblocking(fd: &OwnedFd) {
+    // SAFETY: F_GETFL/F_SETFL on a descriptor we own.
+    unsafe {
+        let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+        libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
+    }
+}
+
+/// Reads what is available from a non-blocking `fd` into `buf`; returns false at end of file.
+fn read_available(fd: &OwnedFd, buf: &mut Vec<u8>) -> bool {
+    let mut chunk = [0u8; 65536];
+    loop {
+        // SAFETY: reading into a local buffer of the stated length.
+        let n = unsafe { libc::read(fd.as_raw_fd(), chunk.as_mut_ptr().cast(), chunk.len()) };
+        if n > 0 {
+            buf.extend_from_slice(&chunk[..n as usize]);
+        } else if n == 0 {
+            return false;
+        } else {
+            return true; // EAGAIN (or EINTR): nothing more for now
+        }
+    }
+}
+
+static SESSION_SEQ: AtomicUsize = AtomicUsize::new(0);
+
+/// Options of one worker start.
+#[derive(Clone)]
+struct Start {
+    /// Pass SANDCELL_R_WORKER_SCRIPT (else the launcher looks next to itself / embedded copy).
+    script: bool,
+    /// Launcher executable to run.
+    launcher: PathBuf,
+    /// RLIMIT_AS for the plan.
+    max_address_space: Option<u64>,
+    /// Run as this uid/gid under strict enforcement (root only).
+    strict_as: Option<u32>,
+}
+
+impl Default for Start {
+    fn default() -> Self {
+        Start {
+            script: true,
+            launcher: PathBuf::from(LAUNCHER),
+            max_address_space: None,
+            strict_as: None,
+        }
+    }
+}
+
+/// The confinement plan used by the tests: the R paths of PLATFORM-NOTES, the worker's own
+/// `/proc/<pid>`, no `/tmp`.
+fn plan(session: &Path, max_address_space: Option<u64>) -> Plan {
+    let p = |s: &str| PathBuf::from(s);
+    Plan {
+        uid: None,
+        gid: None,
+        session_dir: session.to_path_buf(),
+        read_paths: vec![
+            p("/usr"),
+            p("/etc/R"),
+            p("/etc/fonts"),
+            p("/etc/ld.so.cache"),
+            p("/etc/nsswitch.conf"),
+            p("/etc/passwd"),
+            p("/etc/group"),
+            p("/var/cache/fontconfig"),
+            p("/dev/urandom"),
+            // sandcell-confine's final fd sweep lists /proc/self/fd after Landlock is on.
+            // Landlock resolves the link when the rule is made: this grants the worker's own
+            // /proc/<pid> only. R itself needs none of /proc for fds 3 and 4 (pipes).
+            p("/proc/self"),
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")),
+        ],
+        exec_paths: vec![p("/usr")],
+        write_paths: vec![p("/dev/null")],
+        keep_fds: vec![0, 1, 2, 3, 4],
+        max_open_files: 256,
+        max_file_bytes: 1 << 30,
+        max_processes: 4096,
+        max_address_space,
+        new_net_namespace: true,
+        new_ipc_namespace: true,
+        syscalls: SyscallProfile::Native,
+        enforcement: Enforcement::BestEffort,
+    }
+}
+
+/// What one `exec` produced.
+#[derive(Debug)]
+struct Cell {
+    status: WorkerStatus,
+    error: Option<CellError>,
+    exit_code: Option<i64>,
+    warnings: Vec<String>,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+    /// Length of the `done` line in bytes.
+    line_len: usize,
+    /// When the first stdout byte arrived, relative to the request.
+    first_stdout: Option<Duration>,
+    /// When `done` arrived, relative to the request.
+    elapsed: Duration,
+}
+
+impl Cell {
+    fn out(&self) -> String {
+        String::from_utf8_lossy(&self.stdout).into_owned()
+    }
+    fn err(&self) -> &CellError {
+        self.error
+            .as_ref()
+            .unwrap_or_else(|| panic!("cell has no error: {self:?}"))
+    }
+    #[track_caller]
+    fn assert_ok(&self) -> &Self {
+        assert_eq!(
+            self.status,
+            WorkerStatus::Ok,
+            "{self:?} stderr={}",
+            String::from_utf8_lossy(&self.stderr)
+        );
+        self
+    }
+}
+
+struct Worker {
+    child: Child,
+    req: Option<File>,
+    rep: OwnedFd,
+    out: OwnedFd,
+    err: OwnedFd,
+    rep_buf: Vec<u8>,
+    session: PathBuf,
+    next_cell: u64,
+    /// Time from spawn to `ready`.
+    startup: Duration,
+    /// stderr written before `ready` (launcher diagnostics).
+    boot_stderr: Vec<u8>,
+}
+
+impl Worker {
+    fn start() -> Worker {
+        Self::start_with(Start::default())
+    }
+
+    fn start_with(opts: Start) -> Worker {
+        let n = SESSION_SEQ.fetch_add(1, Ordering::SeqCst);
+        let session = std::env::temp_dir().join(format!("sandcell-wr-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&session);
+        std::fs::create_dir_all(&session).unwrap();
+        let (req_r, req_w) = pipe();
+        let (rep_r, rep_w) = pipe();
+        let (out_r, out_w) = pipe();
+        let (err_r, err_w) = pipe();
+        let mut plan = plan(&session, opts.max_address_space);
+        if let Some(id) = opts.strict_as {
+            std::os::unix::fs::chown(&session, Some(id), Some(id)).unwrap();
+            plan.uid = Some(id);
+            plan.gid = Some(id);
+            plan.enforcement = Enforcement::Strict;
+        }
+        let plan = serde_json::to_string(&plan).unwrap();
+        let mut cmd = Command::new(&opts.launcher);
+        cmd.env_clear()
+            .env("SANDCELL_CONFINE", plan)
+            .env("SANDCELL_SESSION_DIR", &session)
+            .env("SANDCELL_TEST_CANARY", "must-not-reach-r")
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(out_w))
+            .stderr(Stdio::from(err_w))
+            .process_group(0);
+        if opts.script {
+            cmd.env("SANDCELL_R_WORKER_SCRIPT", script());
+        }
+        let (a, b) = (req_r.as_raw_fd(), rep_w.as_raw_fd());
+        // SAFETY: only async-signal-safe dup2 calls between fork and exec; `a` and `b` stay
+        // open in the parent until spawn returns.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::dup2(a, 3) < 0 || libc::dup2(b, 4) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let t0 = Instant::now();
+        let child = cmd.spawn().expect("spawn launcher");
+        drop((req_r, rep_w));
+        for fd in [&rep_r, &out_r, &err_r] {
+            set_nonblocking(fd);
+        }
+        let mut w = Worker {
+            child,
+            req: Some(File::from(req_w)),
+            rep: rep_r,
+            out: out_r,
+            err: err_r,
+            rep_buf: Vec::new(),
+            session,
+            next_cell: 1,
+            startup: Duration::ZERO,
+            boot_stderr: Vec::new(),
+        };
+        let (mut o, mut e) = (Vec::new(), Vec::new());
+        let msg = w.next_message(&mut o, &mut e, None, Duration::from_secs(60));
+        w.startup = t0.elapsed();
+        w.boot_stderr = e;
+        match msg {
+            Some((WorkerMessage::Ready { language, engine }, _)) => {
+                assert_eq!(language, "r");
+                assert!(engine.starts_with("R "), "{engine}");
+            }
+            other => panic!(
+                "expected ready, got {other:?}; stderr: {}",
+                String::from_utf8_lossy(&w.boot_stderr)
+            ),
+        }
+        w
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Waits for the next reply line, collecting stdout/stderr meanwhile. `None` at EOF.
+    fn next_message(
+        &mut self,
+        out: &mut Vec<u8>,
+        err: &mut Vec<u8>,
+        mut first_out: Option<&mut Option<Instant>>,
+        timeout: Duration,
+    ) -> Option<(WorkerMessage, usize)> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(i) = self.rep_buf.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = self.rep_buf.drain(..=i).collect();
+                let line = &line[..line.len() - 1];
+                assert!(
+                    line.len() <= MAX_WORKER_LINE,
+                    "reply line of {} bytes",
+                    line.len()
+                );
+                let msg = WorkerMessage::parse(line).unwrap_or_else(|e| {
+                    panic!("bad reply line {:?}: {e}", String::from_utf8_lossy(line))
+                });
+                return Some((msg, line.len()));
+            }
+            let now = Instant::now();
+            assert!(
+                now < deadline,
+                "no reply within {timeout:?}; stdout {:?} stderr {:?}",
+                String::from_utf8_lossy(out),
+                String::from_utf8_lossy(err)
+            );
+            let mut fds = [
+                self.rep.as_raw_fd(),
+                self.out.as_raw_fd(),
+                self.err.as_raw_fd(),
+            ]
+            .map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            });
+            let ms = (deadline - now).as_millis().min(1000) as i32;
+            // SAFETY: polling three valid pollfd structs owned by this frame.
+            unsafe { libc::poll(fds.as_mut_ptr(), 3, ms) };
+            let before = out.len();
+            read_available(&self.out, out);
+            if out.len() > before
+                && let Some(slot) = first_out.as_deref_mut()
+            {
+                slot.get_or_insert_with(Instant::now);
+            }
+            read_available(&self.err, err);
+            let mut buf = Vec::new();
+            let open = read_available(&self.rep, &mut buf);
+            self.rep_buf.extend_from_slice(&buf);
+            if !open && buf.is_empty() && !self.rep_buf.contains(&b'\n') {
+                return None;
+            }
+        }
+    }
+
+    /// Sends one request without waiting.
+    fn send(&mut self, code: &[u8], timeout_ms: Option<u64>) -> u64 {
+        let cell = self.next_cell;
+        self.next_cell += 1;
+        let mut h = RequestHeader::exec(cell, code.len() as u64);
+        h.timeout_ms = timeout_ms;
+        let req = self.req.as_mut().expect("request pipe open");
+        req.write_all(h.to_line().as_bytes()).unwrap();
+        req.write_all(code).unwrap();
+        cell
+    }
+
+    /// Waits for the `done` of `cell`.
+    fn wait_done(&mut self, cell: u64, t0: Instant, timeout: Duration) -> Cell {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let mut first = None;
+        let Some((msg, line_len)) =
+            self.next_message(&mut out, &mut err, Some(&mut first), timeout)
+        else {
+            panic!(
+                "worker ended before done of cell {cell}; stderr {}",
+                String::from_utf8_lossy(&err)
+            );
+        };
+        // The R worker sends nothing but `done` after `ready`.
+        let WorkerMessage::Done {
+            cell: c,
+            status,
+            error,
+            exit_code,
+            warnings,
+            ..
+        } = msg
+        else {
+            panic!("unexpected message {msg:?}");
+        };
+        assert_eq!(c, cell);
+        // Everything the cell wrote is in the pipes before `done` is written.
+        read_available(&self.out, &mut out);
+        read_available(&self.err, &mut err);
+        Cell {
+            status,
+            error,
+            exit_code,
+            warnings,
+            stdout: out,
+            stderr: err,
+            line_len,
+            first_stdout: first.map(|f: Instant| f - t0),
+            elapsed: t0.elapsed(),
+        }
+    }
+
+    fn exec_opts(&mut self, code: &str, timeout_ms: Option<u64>) -> Cell {
+        let t0 = Instant::now();
+        let cell = self.send(code.as_bytes(), timeout_ms);
+        self.wait_done(cell, t0, Duration::from_secs(120))
+    }
+
+    fn exec(&mut self, code: &str) -> Cell {
+        self.exec_opts(code, None)
+    }
+
+    fn sigint(&self) {
+        // SAFETY: signalling our own child.
+        assert_eq!(unsafe { libc::kill(self.pid(), libc::SIGINT) }, 0);
+    }
+
+    /// Waits for the process to end; its exit code.
+    fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st.code();
+            }
+            assert!(Instant::now() < deadline, "worker did not exit");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn rss_kib(&self) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        s.lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // SAFETY: killing our own child's process group (R and anything its cells started).
+        unsafe { libc::kill(-self.pid(), libc::SIGKILL) };
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.session);
+    }
+}
+
+macro_rules! need_r {
+    ($name:expr) => {
+        if !r_available($name) {
+            return;
+        }
+    };
+}
+
+#[test]
+fn variables_persist_and_output_goes_to_fd1() {
+    need_r!("variables_persist_and_output_goes_to_fd1");
+    let mut w = Worker::start();
+    assert_eq!(w.exec("x <- 41").assert_ok().out(), "");
+    let c = w.exec("x + 1");
+    assert_eq!(c.assert_ok().out(), "[1] 42\n");
+    let c = w.exec("cat('to stdout\\n'); message('to stderr'); invisible(7)");
+    assert_eq!(c.assert_ok().out(), "to stdout\n");
+    assert_eq!(String::from_utf8_lossy(&c.stderr), "to stderr\n");
+    // An empty cell is a cell.
+    w.exec("").assert_ok();
+}
+
+#[test]
+fn statistics_output_is_exact() {
+    need_r!("statistics_output_is_exact");
+    let mut w = Worker::start();
+    let c = w.exec("print(coef(lm(mpg ~ wt, data = mtcars)))");
+    assert_eq!(
+        c.assert_ok().out(),
+        "(Intercept)          wt \n  37.285126   -5.344472 \n"
+    );
+    let c = w.exec("t.test(extra ~ group, data = sleep)$p.value");
+    assert_eq!(c.assert_ok().out(), "[1] 0.07939414\n");
+    let c = w.exec("aggregate(mpg ~ cyl, data = mtcars, FUN = mean)");
+    assert_eq!(
+        c.assert_ok().out(),
+        "  cyl      mpg\n1   4 26.66364\n2   6 19.74286\n3   8 15.10000\n"
+    );
+}
+
+#[test]
+fn errors_report_line_call_and_traceback() {
+    need_r!("errors_report_line_call_and_traceback");
+    let mut w = Worker::start();
+    let c = w.exec("f <- function(v) {\n  w <- v * 2\n  stop('boom')\n}\ny <- 2\nf(y)\n");
+    assert_eq!(c.status, WorkerStatus::Error);
+    let e = c.err();
+    assert_eq!(
+        (e.kind.as_str(), e.message.as_str()),
+        ("simpleError", "boom")
+    );
+    assert_eq!(e.line, Some(3), "line of stop() inside the cell");
+    assert_eq!(e.call.as_deref(), Some("f(y)"));
+    let tb = e.traceback.as_deref().unwrap();
+    assert!(
+        tb.contains("stop(\"boom\") at line 3") && tb.contains("f(y) at line 6"),
+        "{tb}"
+    );
+    assert!(
+        !tb.contains("sandcell_cell_expr"),
+        "worker frames leak into the traceback: {tb}"
+    );
+    // Variables assigned before the error survive it.
+    assert_eq!(w.exec("y").out(), "[1] 2\n");
+    // Top-level stop(): no call (not the worker's own eval), line of the expression.
+    let c = w.exec("a <- 1\n\nstop('top')");
+    assert_eq!((c.err().line, c.err().call.as_deref()), (Some(3), None));
+    // Error raised by a builtin on the second line.
+    let c = w.exec("1\nsqrt('a')");
+    assert_eq!(c.err().line, Some(2));
+    assert_eq!(c.err().call.as_deref(), Some("sqrt(\"a\")"));
+    // Parse error: line of the bad token, nothing evaluated.
+    let c = w.exec("z <- 1\nz z\n");
+    assert_eq!(c.status, WorkerStatus::Error);
+    assert_eq!(
+        (c.err().kind.as_str(), c.err().line),
+        ("parseError", Some(2))
+    );
+    assert!(
+        c.err().message.contains("unexpected symbol"),
+        "{}",
+        c.err().message
+    );
+    assert_eq!(w.exec("exists('z')").out(), "[1] FALSE\n");
+    // A user condition class with its own conditionMessage method.
+    let c = w.exec(
+        "conditionMessage.myError <- function(c) 'from my method'\n\
+         stop(structure(class = c('myError', 'error', 'condition'), list(message = 'raw', call = NULL)))",
+    );
+    assert_eq!(
+        (c.err().kind.as_str(), c.err().message.as_str()),
+        ("myError", "from my method")
+    );
+}
+
+#[test]
+fn runaway_recursion_is_an_error_with_a_bounded_traceback() {
+    need_r!("runaway_recursion_is_an_error_with_a_bounded_traceback");
+    let mut w = Worker::start();
+    // Unbounded recursion: R stops it (C stack or expression depth, whichever comes first).
+    let c = w.exec("f <- function(n) {\n  f(n + 1)\n}\nf(1)");
+    assert_eq!(c.status, WorkerStatus::Error, "{c:?}");
+    let e = c.err();
+    assert!(e.kind.contains("StackOverflowError"), "{e:?}");
+    // On C stack exhaustion R cannot run the worker's calling handler: the line is then the
+    // top-level expression's.
+    assert!(matches!(e.line, Some(2) | Some(4)), "{e:?}");
+    assert_eq!(w.exec("exists('f')").assert_ok().out(), "[1] TRUE\n");
+    // Deep but finite: the traceback keeps the innermost 100 frames and says what it cut.
+    let c = w.exec("g <- function(n) {\n  if (n > 150) stop('deep')\n  g(n + 1)\n}\ng(1)");
+    let e = c.err();
+    assert_eq!((e.line, e.call.as_deref()), (Some(2), Some("g(n + 1)")));
+    let tb = e.traceback.as_deref().unwrap();
+    assert!(
+        tb.starts_with("1: stop(\"deep\") at line 2\n2: g(n + 1) at line 3\n"),
+        "{tb}"
+    );
+    assert_eq!(tb.lines().count(), 101, "{tb}");
+    assert!(tb.ends_with("... 52 outer frames not shown"), "{tb}");
+    // C stack exhaustion (deparse of a deeply nested call) is an error too.
+    let c = w.exec("x <- quote(a); for (i in 1:1e5) x <- call('+', x, 1); invisible(deparse(x))");
+    assert!(
+        matches!(c.status, WorkerStatus::Error | WorkerStatus::Ok),
+        "{c:?}"
+    );
+    assert_eq!(w.exec("1").assert_ok().out(), "[1] 1\n");
+}
+
+#[test]
+fn non_ascii_source_and_output() {
+    need_r!("non_ascii_source_and_output");
+    let mut w = Worker::start();
+    let c = w.exec("x <- 'héllo ✓'; cat(x, nchar(x), '\\n'); names(list(ü = 1))");
+    assert_eq!(c.assert_ok().out(), "héllo ✓ 7 \n[1] \"ü\"\n");
+}
+
+#[test]
+fn time_limits_set_by_a_cell_end_with_it() {
+    need_r!("time_limits_set_by_a_cell_end_with_it");
+    let mut w = Worker::start();
+    w.exec("setTimeLimit(elapsed = 0.3)").assert_ok();
+    std::thread::sleep(Duration::from_millis(500));
+    let c = w.exec("for (i in 1:3e6) NULL; 'still fine'");
+    assert_eq!(c.assert_ok().out(), "[1] \"still fine\"\n");
+}
+
+#[test]
+fn huge_error_message_is_bounded() {
+    need_r!("huge_error_message_is_bounded");
+    let mut w = Worker::start();
+    // stop() with a string: R itself cuts the message to its error buffer (8 KiB).
+    let c = w.exec("stop(strrep('x', 2e8))");
+    assert_eq!(c.status, WorkerStatus::Error);
+    let m = &c.err().message;
+    assert!(
+        m.len() <= MAX_ERROR_MESSAGE + 64 && m.starts_with("xxxx"),
+        "{} bytes",
+        m.len()
+    );
+    assert!(c.line_len < 64 * 1024, "done line of {} bytes", c.line_len);
+    assert!(c.elapsed < Duration::from_secs(10), "took {:?}", c.elapsed);
+    // A condition object carries the whole 200 MB message: the worker bounds it.
+    let c = w.exec(
+        "stop(structure(class = c('big', 'error', 'condition'), \
+         list(message = strrep('x', 2e8), call = NULL)))",
+    );
+    let m = &c.err().message;
+    let marker = format!("... [{} more bytes]", 200_000_000 - MAX_ERROR_MESSAGE);
+    assert!(m.len() <= MAX_ERROR_MESSAGE + 64, "{} bytes", m.len());
+    assert!(m.ends_with(&marker), "{}", &m[m.len() - 40..]);
+    assert!(c.line_len < 64 * 1024, "done line of {} bytes", c.line_len);
+    assert!(c.elapsed < Duration::from_secs(10), "took {:?}", c.elapsed);
+    // Invalid UTF-8 in a huge message: bounded and escaped.
+    let c = w.exec(
+        "stop(structure(class = c('big', 'error', 'condition'), \
+         list(message = strrep(rawToChar(as.raw(c(0x61, 0xff))), 1e6), call = NULL)))",
+    );
+    let m = &c.err().message;
+    assert!(
+        m.starts_with("a\\xffa\\xff") && m.len() <= MAX_ERROR_MESSAGE + 64,
+        "{}",
+        &m[..40]
+    );
+    w.exec("1").assert_ok();
+}
+
+#[test]
+fn warnings_are_collected_and_bounded() {
+    need_r!("warnings_are_collected_and_bounded");
+    let mut w = Worker::start();
+    let c = w.exec("warning('w1'); log(-1)");
+    assert_eq!(
+        c.assert_ok().warnings,
+        vec!["w1".to_string(), "In log(-1) : NaNs produced".to_string()]
+    );
+    assert_eq!(c.out(), "[1] NaN\n");
+    let c = w.exec("for (i in 1:1000) warning(strrep('w', 5000))");
+    c.assert_ok();
+    assert!(c.warnings.len() <= 51, "{} warnings", c.warnings.len());
+    assert!(
+        c.warnings
+            .last()
+            .unwrap()
+            .contains("more warnings not kept"),
+        "{:?}",
+        c.warnings.last()
+    );
+    assert!(c.line_len < 256 * 1024);
+    // options(warn = 2) still turns warnings into errors.
+    let c = w.exec("options(warn = 2); as.integer('a')");
+    assert_eq!(c.status, WorkerStatus::Error);
+    assert!(
+        c.err().message.contains("converted from warning"),
+        "{}",
+        c.err().message
+    );
+}
+
+#[test]
+fn interrupt_ends_exactly_the_running_cell() {
+    need_r!("interrupt_ends_exactly_the_running_cell");
+    let mut w = Worker::start();
+    for code in [
+        "v <- 1; Sys.sleep(100)",
+        "v <- 2; while (TRUE) {}",
+        "v <- 3; repeat { v <- 3 }",
+    ] {
+        let t0 = Instant::now();
+        let cell = w.send(code.as_bytes(), None);
+        std::thread::sleep(Duration::from_millis(300));
+        let sent = Instant::now();
+        w.sigint();
+        let c = w.wait_done(cell, t0, Duration::from_secs(5));
+        assert_eq!(c.status, WorkerStatus::Interrupted, "{code}: {c:?}");
+        assert!(
+            sent.elapsed() < Duration::from_secs(1),
+            "{code}: interrupt took {:?}",
+            sent.elapsed()
+        );
+    }
+    assert_eq!(w.exec("v").assert_ok().out(), "[1] 3\n");
+}
+
+#[test]
+fn sigint_between_cells_is_harmless() {
+    need_r!("sigint_between_cells_is_harmless");
+    let mut w = Worker::start();
+    w.exec("keep <- 'yes'").assert_ok();
+    w.sigint();
+    std::thread::sleep(Duration::from_millis(200));
+    w.sigint();
+    std::thread::sleep(Duration::from_millis(200));
+    // The stale interrupts neither killed R nor hit this cell.
+    let c = w.exec("Sys.sleep(0.3); for (i in 1:1e5) NULL; keep");
+    assert_eq!(c.assert_ok().out(), "[1] \"yes\"\n");
+    assert!(w.child.try_wait().unwrap().is_none());
+}
+
+#[test]
+fn workspace_holds_only_user_variables() {
+    need_r!("workspace_holds_only_user_variables");
+    let mut w = Worker::start();
+    assert_eq!(
+        w.exec("ls(all.names = TRUE)").assert_ok().out(),
+        "character(0)\n"
+    );
+    let c = w.exec(
+        "print.money <- function(x, ...) cat('$', unclass(x), '\\n')\n\
+         a <- 1; .hidden <- 2\n\
+         rm(list = ls(all.names = TRUE))\n\
+         ls(all.names = TRUE)",
+    );
+    assert_eq!(c.assert_ok().out(), "character(0)\n");
+    // The worker keeps working, and a user's S3 method defined afterwards dispatches.
+    let c = w.exec("print.money <- function(x, ...) cat('$', unclass(x), '\\n')\nstructure(5, class = 'money')");
+    assert_eq!(c.assert_ok().out(), "$ 5 \n");
+    // A user's definitions cannot break the worker's own code.
+    let c =
+        w.exec("paste0 <- function(...) stop('no'); cat <- function(...) stop('no'); gsub <- 1; 2");
+    assert_eq!(c.assert_ok().out(), "[1] 2\n");
+    w.exec("rm(paste0, cat, gsub)").assert_ok();
+    assert_eq!(w.exec("search()[2]").out(), "[1] \"sandcell:guards\"\n");
+}
+
+#[test]
+fn quit_ends_the_session_with_exited() {
+    need_r!("quit_ends_the_session_with_exited");
+    let mut w = Worker::start();
+    w.exec("x <- 1").assert_ok();
+    let c = w.exec("cat('bye\\n'); q(status = 3)");
+    assert_eq!((c.status, c.exit_code), (WorkerStatus::Exited, Some(3)));
+    assert_eq!(c.out(), "bye\n");
+    assert_eq!(w.wait_exit(Duration::from_secs(10)), Some(3));
+
+    // base::quit() bypasses the guard; the exit finalizer still reports the cell.
+    let mut w = Worker::start();
+    let c = w.exec("base::quit(status = 5)");
+    assert_eq!((c.status, c.exit_code), (WorkerStatus::Exited, None));
+    assert_eq!(w.wait_exit(Duration::from_secs(10)), Some(5));
+}
+
+#[test]
+fn exit_request_and_eof_end_the_worker() {
+    need_r!("exit_request_and_eof_end_the_worker");
+    let mut w = Worker::start();
+    w.req.as_mut().unwrap().write_all(b"exit 0 0\n").unwrap();
+    assert_eq!(w.wait_exit(Duration::from_secs(10)), Some(0));
+    let mut w = Worker::start();
+    w.req = None; // the daemon went away
+    assert_eq!(w.wait_exit(Duration::from_secs(10)), Some(0));
+}
+
+#[test]
+fn stdin_cannot_eat_frames() {
+    need_r!("stdin_cannot_eat_frames");
+    let mut w = Worker::start();
+    let c = w.exec("a <- readline(); b <- readLines('stdin'); d <- readLines(stdin()); e <- scan(quiet = TRUE)\nlist(a, b, d, e)");
+    assert_eq!(
+        c.assert_ok().out(),
+        // readline() prints its (empty) prompt and a newline, then returns "" (non-interactive).
+        "\n[[1]]\n[1] \"\"\n\n[[2]]\ncharacter(0)\n\n[[3]]\ncharacter(0)\n\n[[4]]\nnumeric(0)\n\n"
+    );
+    assert_eq!(w.exec("2").assert_ok().out(), "[1] 2\n");
+}
+
+#[test]
+fn protocol_survives_closed_connections_and_sinks() {
+    need_r!("protocol_survives_closed_connections_and_sinks");
+    let mut w = Worker::start();
+    w.exec("closeAllConnections()").assert_ok();
+    assert_eq!(w.exec("1").assert_ok().out(), "[1] 1\n");
+    // Close every connection one by one, then take the freed slots with new connections.
+    let c = w.exec(
+        "for (n in as.integer(getAllConnections())) if (n > 2) close(getConnection(n))\n\
+         cons <- lapply(1:3, function(i) file(file.path(tempdir(), i), 'w'))\n\
+         length(cons)",
+    );
+    assert_eq!(c.assert_ok().out(), "[1] 3\n");
+    assert_eq!(w.exec("2").assert_ok().out(), "[1] 2\n");
+    // A sink left open (output and messages) is reset after the cell.
+    let c = w.exec("sink(file.path(tempdir(), 's.txt')); zz <- file(file.path(tempdir(), 'm.txt'), 'w'); sink(zz, type = 'message'); print('hidden'); message('hidden')");
+    assert_eq!((c.assert_ok().out(), c.stderr.len()), (String::new(), 0));
+    let c = w.exec("print('visible'); message('visible')");
+    assert_eq!(c.assert_ok().out(), "[1] \"visible\"\n");
+    assert_eq!(String::from_utf8_lossy(&c.stderr), "visible\n");
+}
+
+#[test]
+fn outdec_and_invalid_utf8_do_not_break_replies() {
+    need_r!("outdec_and_invalid_utf8_do_not_break_replies");
+    let mut w = Worker::start();
+    let c = w.exec("options(OutDec = ','); warning(1.5); 1.5");
+    assert_eq!(c.assert_ok().out(), "[1] 1,5\n");
+    assert_eq!(c.warnings, vec!["1,5".to_string()]);
+    let c = w.exec("options(OutDec = ','); stop('bad', 2.5)");
+    assert_eq!(c.err().line, Some(1));
+    // Invalid UTF-8: raw on fd 1, escaped in the reply.
+    let c = w.exec("cat(rawToChar(as.raw(c(0x61, 0xff, 0x62, 0x0a))))\nstop(rawToChar(as.raw(c(0xc3, 0x28, 0x22, 0x5c, 0x01))))");
+    assert_eq!(c.stdout, b"a\xffb\n");
+    assert_eq!(c.err().message, "\\xc3(\"\\\u{1}");
+    let c = w.exec("warning(rawToChar(as.raw(c(0xe2, 0x82))))");
+    assert_eq!(c.warnings, vec!["\\xe2\\x82".to_string()]);
+    // Valid non-ASCII text passes through unchanged.
+    let c = w.exec("stop('héllo ✓')");
+    assert_eq!(c.err().message, "héllo ✓");
+}
+
+#[test]
+fn long_lines_and_system_output_reach_fd1() {
+    need_r!("long_lines_and_system_output_reach_fd1");
+    let mut w = Worker::start();
+    let c = w.exec("cat(strrep('a', 3e6), '\\n', sep = '')");
+    assert_eq!(c.assert_ok().stdout.len(), 3_000_001);
+    let c = w.exec("cat('a\\n'); system('echo hi'); cat('b\\n'); system('echo err >&2')");
+    assert_eq!(c.assert_ok().out(), "a\nhi\nb\n");
+    assert_eq!(String::from_utf8_lossy(&c.stderr), "err\n");
+}
+
+#[test]
+fn output_is_live() {
+    need_r!("output_is_live");
+    let mut w = Worker::start();
+    let c = w.exec("cat('first\\n'); Sys.sleep(1); cat('second\\n')");
+    assert_eq!(c.assert_ok().out(), "first\nsecond\n");
+    let first = c.first_stdout.unwrap();
+    assert!(
+        c.elapsed - first > Duration::from_millis(700),
+        "first output at {first:?}, done at {:?}",
+        c.elapsed
+    );
+}
+
+#[test]
+fn allocation_failure_is_memory_exhausted() {
+    need_r!("allocation_failure_is_memory_exhausted");
+    let mut w = Worker::start();
+    w.exec("keep <- 1").assert_ok();
+    let c = w.exec("x <- numeric(1e10)");
+    assert_eq!(c.status, WorkerStatus::MemoryExhausted, "{c:?}");
+    assert!(
+        c.err()
+            .message
+            .starts_with("cannot allocate vector of size"),
+        "{}",
+        c.err().message
+    );
+    assert_eq!(
+        w.exec("c(keep, exists('x'))").assert_ok().out(),
+        "[1] 1 0\n"
+    );
+}
+
+#[test]
+fn address_space_limit_turns_allocation_into_an_error() {
+    need_r!("address_space_limit_turns_allocation_into_an_error");
+    let mut w = Worker::start_with(Start {
+        max_address_space: Some(1 << 30),
+        ..Start::default()
+    });
+    let c = w.exec("x <- numeric(2e8)"); // 1.6 GB under a 1 GiB RLIMIT_AS
+    assert_eq!(c.status, WorkerStatus::MemoryExhausted, "{c:?}");
+    assert_eq!(
+        w.exec("y <- numeric(1e6); length(y)").assert_ok().out(),
+        "[1] 1000000\n"
+    );
+}
+
+#[test]
+fn plots_produce_a_png() {
+    need_r!("plots_produce_a_png");
+    let mut w = Worker::start();
+    let c = w.exec(
+        "png(file.path(Sys.getenv('SANDCELL_SESSION_DIR'), 'p.png')); plot(1:10); invisible(dev.off())",
+    );
+    c.assert_ok();
+    let png = std::fs::read(w.session.join("p.png")).unwrap();
+    assert!(
+        png.len() > 1000 && png.starts_with(b"\x89PNG\r\n\x1a\n"),
+        "{} bytes",
+        png.len()
+    );
+    // Text (fonts through fontconfig) renders inside the confinement exactly as outside it:
+    // the same plot drawn by an unconfined Rscript is byte-identical.
+    let plot = "png(%s, 300, 300); plot(1:10, main = 'Title'); invisible(dev.off())";
+    let c = w.exec(&plot.replace("%s", "'t.png'"));
+    c.assert_ok();
+    let reference = w.session.join("reference.png");
+    let code = plot.replace("%s", &format!("'{}'", reference.display()));
+    match Command::new("/usr/bin/Rscript")
+        .args(["-e", &code])
+        .status()
+    {
+        Ok(st) if st.success() => assert!(
+            std::fs::read(w.session.join("t.png")).unwrap() == std::fs::read(&reference).unwrap(),
+            "confined plot differs from the unconfined one (fonts missing from the plan?)"
+        ),
+        other => println!(
+            "plots_produce_a_png: reference plot not drawn ({other:?}); comparison skipped"
+        ),
+    }
+}
+
+#[test]
+fn timeout_option_stops_a_busy_cell() {
+    need_r!("timeout_option_stops_a_busy_cell");
+    let mut w = Worker::start();
+    w.exec("k <- 1").assert_ok();
+    let c = w.exec_opts("while (TRUE) {}", Some(500));
+    assert_eq!(c.status, WorkerStatus::Timeout, "{c:?}");
+    assert!(c.elapsed < Duration::from_secs(3));
+    // The limit does not outlive its cell.
+    let c = w.exec("Sys.sleep(0.7); for (i in 1:3e6) NULL; k");
+    assert_eq!(c.assert_ok().out(), "[1] 1\n");
+}
+
+#[test]
+fn environment_is_clean_and_cwd_is_the_session() {
+    need_r!("environment_is_clean_and_cwd_is_the_session");
+    let mut w = Worker::start();
+    let c = w.exec("cat(sort(names(Sys.getenv())), sep = '\\n'); cat(getwd(), '\\n')");
+    let out = c.assert_ok().out();
+    assert!(
+        !out.contains("SANDCELL_TEST_CANARY") && !out.contains("SANDCELL_CONFINE"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("{} \n", w.session.display())),
+        "{out}"
+    );
+    let c = w.exec(
+        "cat(Sys.getenv(c('HOME', 'LANG', 'TZ')), sep = '|'); cat('\\n'); cat(dirname(tempdir()))",
+    );
+    assert_eq!(
+        c.out(),
+        format!(
+            "{}|C.UTF-8|UTC\n{}",
+            w.session.display(),
+            w.session.join(".tmp").display()
+        )
+    );
+}
+
+#[test]
+fn embedded_script_is_used_without_a_file() {
+    need_r!("embedded_script_is_used_without_a_file");
+    // A copy of the launcher in a directory without sandcell-worker.R, and no
+    // SANDCELL_R_WORKER_SCRIPT: the script compiled into the binary is used.
+    let dir = std::env::temp_dir().join(format!("sandcell-wr-exe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("sandcell-worker-r");
+    std::fs::copy(LAUNCHER, &exe).unwrap();
+    let mut w = Worker::start_with(Start {
+        script: false,
+        launcher: exe,
+        ..Start::default()
+    });
+    assert_eq!(w.exec("1 + 1").assert_ok().out(), "[1] 2\n");
+    drop(w);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn runs_fully_confined_as_an_unprivileged_uid() {
+    need_r!("runs_fully_confined_as_an_unprivileged_uid");
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipping runs_fully_confined_as_an_unprivileged_uid: needs root to switch uid");
+        return;
+    }
+    // Strict enforcement: every layer (identity, namespaces, Landlock, seccomp) or no start.
+    let mut w = Worker::start_with(Start {
+        strict_as: Some(65534),
+        ..Start::default()
+    });
+    assert!(
+        w.boot_stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&w.boot_stderr)
+    );
+    let c = w.exec(
+        "cat(Sys.info()[['effective_user']], '\\n')\n\
+         x <- tryCatch(readLines('/etc/shadow'), error = function(e) 'denied', warning = function(w) 'denied')\n\
+         cat(x, '\\n'); system('echo child'); writeLines('ok', 'f.txt'); readLines('f.txt')",
+    );
+    assert_eq!(c.assert_ok().out(), "nobody \ndenied \nchild\n[1] \"ok\"\n");
+    let c = w.exec("png('p.png'); plot(1:3); invisible(dev.off()); file.exists('p.png')");
+    assert_eq!(c.assert_ok().out(), "[1] TRUE\n");
+    // fork() for parallel::mclapply is allowed by the Native profile.
+    let c = w.exec("unlist(parallel::mclapply(1:4, function(i) i^2, mc.cores = 2))");
+    assert_eq!(c.assert_ok().out(), "[1]  1  4  9 16\n");
+    let t0 = Instant::now();
+    let cell = w.send(b"Sys.sleep(100)", None);
+    std::thread::sleep(Duration::from_millis(200));
+    w.sigint();
+    assert_eq!(
+        w.wait_done(cell, t0, Duration::from_secs(5)).status,
+        WorkerStatus::Interrupted
+    );
+}
+
+#[test]
+fn missing_plan_exits_before_r_starts() {
+    let out = Command::new(LAUNCHER).env_clear().output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(sandcell_confine::EXIT_CONFINE_FAILED)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("SANDCELL_CONFINE"));
+}
+
+/// Prints the figures the lead asked for; asserts only gross regressions.
+#[test]
+fn figures() {
+    need_r!("figures");
+    let mut w = Worker::start();
+    let startup = w.startup;
+    w.exec("invisible(1)").assert_ok(); // warm up
+    let mut times: Vec<Duration> = (0..200).map(|_| w.exec("x <- 1").elapsed).collect();
+    times.sort();
+    let p50 = times[100];
+    let p99 = times[197];
+    std::thread::sleep(Duration::from_millis(200));
+    let rss = w.rss_kib();
+    let t0 = Instant::now();
+    let st = Command::new("/usr/bin/Rscript")
+        .args(["-e", "cat(1)"])
+        .output();
+    let rscript = t0.elapsed();
+    println!(
+        "figures: start to ready {startup:?}; trivial cell p50 {p50:?} p99 {p99:?}; idle RSS {rss} KiB; \
+         Rscript -e 'cat(1)' {rscript:?} ({})",
+        if st.is_ok() { "ran" } else { "not run" }
+    );
+    assert!(p50 < Duration::from_millis(50), "p50 {p50:?}");
+    assert!(startup < Duration::from_secs(10));
+}
+
+#[test]
+fn zz_debug_cstack() {
+    need_r!("zz");
+    let mut w = Worker::start();
+    let pid = w.pid();
+    for f in ["status", "limits", "cmdline", "environ"] {
+        println!("== {f}\n{}", String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/{f}")).unwrap()));
+    }
+    let c = w.exec("f <- function(n) {\n  f(n + 1)\n}\nf(1)");
+    println!("{c:?}");
+}
