@@ -10,7 +10,9 @@
 #
 # Environment: SANDCELL_VM_CACHE (/var/tmp/sandcell-vm; the image is rebuilt when absent),
 # SANDCELL_VM_KERNEL (backports|stable, see scripts/vm/build-image.sh), SANDCELL_VM_MEMORY
-# (MiB, 3072), SANDCELL_VM_CPUS (2), SANDCELL_VM_TIMEOUT (seconds, 1500).
+# (MiB, 3072), SANDCELL_VM_CPUS (2), SANDCELL_VM_TIMEOUT (seconds, 1500),
+# SANDCELL_VM_FRESH_RUNTIME=1 (do not seed the guest with the Python runtime the previous run
+# prepared; the package's postinst then prepares it, about 6 minutes under TCG).
 # Needs root (image build) and: mmdebstrap qemu-system-x86 e2fsprogs busybox-static cpio zstd.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +49,9 @@ chmod 0755 "$run"
 cp "$deb" "$run/sandcell.deb"
 cp scripts/vm/guest-test.sh "$run/guest-test.sh"
 cp -r examples "$run/examples" 2>/dev/null || true
+if [[ -f $cache/python-runtime.tar && ${SANDCELL_VM_FRESH_RUNTIME:-0} != 1 ]]; then
+    cp "$cache/python-runtime.tar" "$run/"
+fi
 echo "vm-test: staging in $run (package $(basename "$deb"))"
 
 # Boot units the test does not need (a factor 2-3 in boot time under TCG).
@@ -92,6 +97,8 @@ if [[ ! -f $run/guest.rc ]]; then
     exit 1
 fi
 guest_rc=$(cat "$run/guest.rc")
+# A runtime the guest had to prepare is kept for the next run.
+[[ -f $run/python-runtime.new.tar ]] && mv "$run/python-runtime.new.tar" "$cache/python-runtime.tar"
 grep -h '^sandcell-vm-run:' "$run/console.log" 2>/dev/null || true
 passed=$(grep -c '^PASS' "$run/guest.log" || true)
 failed=$(grep -c '^FAIL' "$run/guest.log" || true)

@@ -16,12 +16,12 @@
 # view.
 #
 # Invariants kept here (each has a test in worker-r/tests/worker.rs):
-# - Nothing of the worker lives in .GlobalEnv: the whole file is one local() evaluated in a
+# - Nothing of the worker lives in .GlobalEnv: the whole worker is one local() evaluated in a
 #   private environment whose parent is baseenv(). Lookups from worker code therefore find base
 #   functions before anything a cell defines. Generics the worker calls on the user's objects
 #   (print of a visible value, conditionMessage) are called from a frame parented to
-#   .GlobalEnv so S3 dispatch finds the user's methods there. The only other trace is the attached `sandcell:guards`
-#   environment holding quit() and q().
+#   .GlobalEnv so S3 dispatch finds the user's methods there. The only other trace is the
+#   attached `sandcell:guards` environment: quit(), q() and the two re-entry points.
 # - Interrupts (SIGINT from the daemon) are suspended everywhere except around the cell's own
 #   evaluation; a stale one is drained after a request is read and before the cell starts. A
 #   SIGINT sent before the request was read is therefore discarded: the daemon repeats SIGINT
@@ -32,13 +32,19 @@
 #   with sprintf, never through OutDec; invalid UTF-8 is escaped byte by byte as the four
 #   characters \xNN, as sandcell_proto::text::escape_lossy does.
 # - Every string the worker reports is bounded: error message MAX_ERROR_MESSAGE bytes,
-#   traceback MAX_TRACEBACK, warnings MAX_WARNINGS of at most MAX_ERROR_MESSAGE each and
-#   MAX_WARNING_TOTAL together, whole line MAX_WORKER_LINE.
+#   traceback MAX_TRACEBACK (innermost MAX_FRAMES frames), warnings MAX_WARNINGS of at most
+#   MAX_ERROR_MESSAGE each and MAX_WARNING_TOTAL together, whole line MAX_WORKER_LINE.
+# - A protocol violation by the daemon (malformed header, unknown op) ends the worker with
+#   status 2 and a message on stderr; end of input on fd 3 or an `exit` request, status 0.
 #
 # quit() and q() in a cell end the session: the worker reports `done` with status `exited`
 # and the requested exit code, then exits with that status (R's own .Last and exit
 # finalizers run when runLast = TRUE). base::quit() called directly still reports `exited`
 # (without exit_code) through an exit finalizer.
+#
+# A jump to top level that bypasses every handler (a segfault R recognises as a C stack
+# overflow, invokeRestart("abort")) is reported as an error of type `topLevelJump` and the
+# session goes on, up to 16 times (see "recovery" at the end of the local() block).
 
 local({
   ## ---- limits (keep in step with proto/src/worker.rs) -------------------------------------
@@ -194,6 +200,15 @@ local({
 
   ## ---- protocol connections ----------------------------------------------------------
 
+  # The daemon broke the protocol (or a reply cannot be sent): say why on stderr and end the
+  # worker. Never stop(): with options(error) set for recovery (below), an error reaching top
+  # level would resume the loop on a desynchronised stream.
+  protocol_fail <- function(msg) {
+    tryCatch(cat("sandcell worker: protocol error:", msg, "\n", file = stderr()),
+      error = function(e) NULL)
+    base::quit(save = "no", status = 2L, runLast = FALSE)
+  }
+
   # TRUE when `con` is still the connection we opened (not closed, and its slot not reused by
   # a connection a cell opened after closeAllConnections()).
   con_ok <- function(con) {
@@ -218,7 +233,7 @@ local({
   # the worker); callers shrink their message first, this is the last guard.
   send_line <- function(line) {
     b <- charToRaw(line)
-    if (length(b) > MAX_WORKER_LINE) stop("sandcell worker: reply line too long")
+    if (length(b) > MAX_WORKER_LINE) protocol_fail("reply line too long")
     con <- output()
     writeBin(c(b, as.raw(10L)), con)
     flush(con)
@@ -234,10 +249,10 @@ local({
     parts <- strsplit(hdr, " ", fixed = TRUE)[[1L]]
     if (length(parts) < 3L || !grepl("^[0-9]+$", parts[[2L]]) ||
       !grepl("^[0-9]+$", parts[[3L]])) {
-      stop("sandcell worker: malformed request header: ", substr(hdr, 1L, 256L))
+      protocol_fail(paste("malformed request header:", substr(hdr, 1L, 256L)))
     }
     len <- as.numeric(parts[[3L]])
-    if (len > .Machine$integer.max) stop("sandcell worker: request payload too large")
+    if (len > .Machine$integer.max) protocol_fail("request payload too large")
     opts <- list()
     for (kv in parts[-(1:3)]) {
       k <- sub("=.*$", "", kv)
@@ -528,11 +543,6 @@ local({
     base::quit(save = "no", status = code, runLast = isTRUE(runLast))
   }
 
-  guards <- attach(NULL, name = "sandcell:guards")
-  assign("quit", quit_from_cell, envir = guards)
-  assign("q", quit_from_cell, envir = guards)
-  lockEnvironment(guards, bindings = TRUE)
-
   # base::quit() called directly by a cell: still report the end of the cell.
   reg.finalizer(state, function(e) {
     if (!is.null(state$cell) && !state$done_sent) {
@@ -543,13 +553,13 @@ local({
 
   ## ---- the serve loop ----------------------------------------------------------------
 
-  serve <- function() {
-    send_ready()
+  serve <- function(ready = TRUE) {
+    if (ready) send_ready()
     repeat {
       reset_io()
       req <- read_request()
       if (is.null(req) || identical(req$op, "exit")) break
-      if (!identical(req$op, "exec")) stop("sandcell worker: unknown request ", req$op)
+      if (!identical(req$op, "exec")) protocol_fail(paste("unknown request", req$op))
       drain_interrupt()
       state$cell <- req$cell
       state$done_sent <- FALSE
@@ -560,6 +570,64 @@ local({
     }
   }
 
+  ## ---- recovery from a jump to top level -------------------------------------------
+  #
+  # Some failures bypass every handler and make R jump straight to top level: a segfault R
+  # recognises as a C stack overflow (deparse() of a deeply nested call, for one), or a cell
+  # calling invokeRestart("abort"). A non-interactive R then halts, unless options(error) is
+  # set: then it goes on reading this file after the local() expression, where each of the
+  # lines below re-enters the serve loop once through resume(). The abandoned cell is
+  # reported as an error; the variables are kept. When the re-entry lines are used up,
+  # give_up() reports and exits.
+
+  resume <- function() {
+    if (!is.null(state$cell) && !state$done_sent) {
+      tryCatch(send_done(state$cell, list(status = "error", error = list(type = "topLevelJump",
+        message = paste("R abandoned the cell (a C stack overflow, or invokeRestart(\"abort\"));",
+          "the session's variables are kept")), warnings = state$warnings)),
+      error = function(e) NULL)
+    }
+    state$cell <- NULL
+    setTimeLimit()
+    suspendInterrupts(serve(ready = FALSE))
+    base::quit(save = "no", status = 0L, runLast = FALSE)
+  }
+
+  give_up <- function() {
+    if (!is.null(state$cell) && !state$done_sent) {
+      tryCatch(send_done(state$cell, list(status = "error", error = list(type = "topLevelJump",
+        message = "R abandoned the cell too many times; the worker ends"),
+        warnings = character(0))), error = function(e) NULL)
+    }
+    base::quit(save = "no", status = 1L, runLast = FALSE)
+  }
+
+  guards <- attach(NULL, name = "sandcell:guards")
+  assign("quit", quit_from_cell, envir = guards)
+  assign("q", quit_from_cell, envir = guards)
+  assign(".sandcell_resume", resume, envir = guards)
+  assign(".sandcell_give_up", give_up, envir = guards)
+  lockEnvironment(guards, bindings = TRUE)
+  options(error = function() invisible(NULL))
+
   suspendInterrupts(serve())
   base::quit(save = "no", status = 0L, runLast = FALSE)
 }, envir = new.env(parent = baseenv()))
+# Re-entry points for resume() (see "recovery" above): one is used per jump to top level.
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
+get(".sandcell_give_up", envir = as.environment("sandcell:guards"))()

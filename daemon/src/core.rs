@@ -576,6 +576,10 @@ impl Core {
             set.spawn(async move { s.close("daemon stopping").await });
         }
         while set.join_next().await.is_some() {}
+        // Every session group is gone; remove the daemon's own parents (v1) too.
+        if let Err(e) = self.cgroups.release() {
+            tracing::warn!(error = %e, "releasing the cgroup subtree");
+        }
     }
 }
 

@@ -135,6 +135,8 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
             );
         }
         let check = sandcell_confine::self_check().context("confinement self-check failed")?;
+        // Fail closed: any missing layer refuses start-up, with the hint for the operator.
+        check.require_strict().context("confinement self-check failed")?;
         tracing::info!(?check, "confinement self-check passed");
         let backend: Arc<dyn Backend> =
             Arc::from(cgroup::detect(&cgroup::DetectConfig { v1_name: config.daemon.cgroup_name.clone(), ..Default::default() }).context("cgroup setup failed")?);
@@ -184,7 +186,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     // ---- end issue #5 ----
 
     notify::ready(&status_line(&core));
-    tracing::info!("ready");
+    tracing::info!("ready to serve");
 
     let server = tokio::spawn(varlink::serve(core.clone(), listener, stop_rx));
     let mut term = signal(SignalKind::terminate())?;

@@ -9,6 +9,7 @@
 mod common;
 
 use common::{Daemon, eventually};
+use sandcell_client::KernelError;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -680,25 +681,44 @@ async fn polkit_decides_for_varlink_and_dbus() {
     assert_eq!(o.code, 0, "root terminating alice's session: {}", o.stderr);
 
     // Reload: a valid file applies; an invalid one is refused and the old limits stay.
+    // (The harness sets the admission budgets through SANDCELL_* variables, which override
+    // the file, so the limit observed here is max_source_bytes, through Varlink.)
     let config = d.dir.path().join("none.toml");
-    assert_eq!(max_sessions(&status_json(&d, &bus)), 2);
-    std::fs::write(&config, "[limits]\nmax_concurrent_sessions = 5\n").unwrap();
+    let sessions_budget = max_sessions(&status_json(&d, &bus));
+    let source = format!("x = 1{}\n", " ".repeat(3000));
+    let out = root
+        .run_collect("python", &source, None)
+        .await
+        .expect("3 kB of source is within the default limit");
+    assert_eq!(out.result.status, sandcell_client::Status::Ok);
+    std::fs::write(&config, "[limits]\nmax_source_bytes = 2000\n").unwrap();
     let o = ctl(&d, &bus, None, &["reload"], None);
     assert_eq!(o.code, 0, "reload: {}", o.stderr);
-    assert_eq!(max_sessions(&status_json(&d, &bus)), 5);
-    std::fs::write(&config, "[limits]\nmax_concurrent_sessions = 0\n").unwrap();
+    let source_limit =
+        |e: Result<(), sandcell_client::Error>| match e {
+            Err(sandcell_client::Error::Kernel(KernelError::LimitExceeded {
+                limit, max, ..
+            })) if limit == "max_source_bytes" => max,
+            other => panic!("expected LimitExceeded(max_source_bytes), got {other:?}"),
+        };
+    assert_eq!(
+        source_limit(root.run_collect("python", &source, None).await.map(|_| ())),
+        2000
+    );
+    std::fs::write(&config, "[limits]\nmax_source_bytes = 0\n").unwrap();
     let o = ctl(&d, &bus, None, &["reload"], None);
     assert_eq!(o.code, 3, "invalid reload: {}", o.stderr);
     assert!(
-        o.stderr.contains("InvalidConfig") && o.stderr.contains("max_concurrent_sessions"),
+        o.stderr.contains("InvalidConfig") && o.stderr.contains("max_source_bytes"),
         "stderr: {}",
         o.stderr
     );
     assert_eq!(
-        max_sessions(&status_json(&d, &bus)),
-        5,
+        source_limit(root.run_collect("python", &source, None).await.map(|_| ())),
+        2000,
         "an invalid reload changed the limits"
     );
+    assert_eq!(max_sessions(&status_json(&d, &bus)), sessions_budget);
     assert!(
         saw(&seen, Duration::from_secs(5), |s| s.member
             == "PropertiesChanged"
@@ -811,20 +831,26 @@ async fn oom_kill_is_signalled() {
         );
         return;
     }
+    if !Path::new("/usr/lib/R/bin/exec/R").exists() {
+        eprintln!("skip: R is not installed (scripts/setup.sh installs r-base-core)");
+        return;
+    }
     let bus = Bus::start();
-    // Worker memory just above the guest memory: a cell that fills its guest memory pushes
-    // the worker's cgroup over memory.max.
+    // A native R worker has no allocation limit of its own (Python's guest memory limit
+    // answers first with memory_exhausted), so a large R vector meets the cgroup's
+    // memory.max and the kernel kills the worker.
     let d = Daemon::start(&[
         ("DBUS_SYSTEM_BUS_ADDRESS", &bus.address),
-        ("SANDCELL_MAX_GUEST_MEMORY_BYTES", "134217728"),
-        ("SANDCELL_MAX_WORKER_MEMORY_BYTES", "150994944"),
+        ("SANDCELL_LANGUAGES", "r"),
+        ("SANDCELL_MAX_GUEST_MEMORY_BYTES", "67108864"),
+        ("SANDCELL_MAX_WORKER_MEMORY_BYTES", "268435456"),
     ]);
     let seen = watch_signals(&bus.address).await;
     let mut c = d.client().await;
     let out = c
         .run_collect(
-            "python",
-            "chunks = []\nwhile True:\n    chunks.append(bytearray(8 * 1024 * 1024))\n",
+            "r",
+            "x <- numeric(1e8)\nx[] <- 1\ncat(sum(x), '\\n')\n",
             None,
         )
         .await

@@ -185,7 +185,8 @@ pub async fn serve(
                     timeout: header
                         .timeout_ms
                         .map(Duration::from_millis)
-                        .unwrap_or(DEFAULT_TIMEOUT),
+                        .unwrap_or(DEFAULT_TIMEOUT)
+                        .min(MAX_TIMEOUT),
                     fuel: header.fuel,
                     max_output: header.max_output.unwrap_or(u64::MAX),
                 };

@@ -100,16 +100,31 @@ impl Daemon {
         std::fs::write(dir.path().join("none.toml"), "").unwrap();
         let cgroup = format!("sandcell-test-{}", unique());
         let mut vars: Vec<(String, String)> = vec![
-            ("SANDCELL_WORKER_DIR".into(), bin_dir().display().to_string()),
-            ("SANDCELL_PYTHON_RUNTIME_DIR".into(), runtime.display().to_string()),
-            ("SANDCELL_STATE_DIR".into(), dir.path().join("state").display().to_string()),
+            (
+                "SANDCELL_WORKER_DIR".into(),
+                bin_dir().display().to_string(),
+            ),
+            (
+                "SANDCELL_PYTHON_RUNTIME_DIR".into(),
+                runtime.display().to_string(),
+            ),
+            (
+                "SANDCELL_STATE_DIR".into(),
+                dir.path().join("state").display().to_string(),
+            ),
             ("SANDCELL_CGROUP_NAME".into(), cgroup),
             ("SANDCELL_LANGUAGES".into(), "python".into()),
             ("SANDCELL_LOG".into(), "info".into()),
             // Room for a few sessions per test; tests of admission set their own budgets.
             ("SANDCELL_MAX_CONCURRENT_SESSIONS".into(), "8".into()),
-            ("SANDCELL_MAX_AGGREGATE_GUEST_MEMORY_BYTES".into(), (8u64 << 27).to_string()),
-            ("SANDCELL_MAX_AGGREGATE_WORKER_MEMORY_BYTES".into(), (8u64 << 30).to_string()),
+            (
+                "SANDCELL_MAX_AGGREGATE_GUEST_MEMORY_BYTES".into(),
+                (8u64 << 27).to_string(),
+            ),
+            (
+                "SANDCELL_MAX_AGGREGATE_WORKER_MEMORY_BYTES".into(),
+                (8u64 << 30).to_string(),
+            ),
         ];
         for (k, v) in env {
             vars.retain(|(x, _)| x != k);
@@ -165,7 +180,7 @@ impl Daemon {
                     .unwrap();
                     return;
                 }
-            } else if self.log_text().contains("ready") {
+            } else if self.log_text().contains("ready to serve") {
                 return;
             }
             if let Ok(Some(st)) = self.child.try_wait() {
