@@ -5,9 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh
 
-# R for the R worker; systemd for systemd-socket-activate; dbus and polkitd for the control
+# R (and a font for text in plots) for the R worker; systemd for systemd-socket-activate; dbus and polkitd for the control
 # plane tests; procps for ps in diagnostics.
-packages=(r-base-core r-cran-jsonlite systemd dbus polkitd procps)
+packages=(r-base-core r-cran-jsonlite fonts-dejavu-core systemd dbus polkitd procps)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -11,6 +11,7 @@
 # Environment: SANDCELL_VM_CACHE (/var/tmp/sandcell-vm; the image is rebuilt when absent),
 # SANDCELL_VM_KERNEL (backports|stable, see scripts/vm/build-image.sh), SANDCELL_VM_MEMORY
 # (MiB, 3072), SANDCELL_VM_CPUS (2), SANDCELL_VM_TIMEOUT (seconds, 1500),
+# SANDCELL_VM_LANGUAGES (python,r: what the daemon serves and the test runs),
 # SANDCELL_VM_FRESH_RUNTIME=1 (do not seed the guest with the Python runtime the previous run
 # prepared; the package's postinst then prepares it, about 6 minutes under TCG).
 # Needs root (image build) and: mmdebstrap qemu-system-x86 e2fsprogs busybox-static cpio zstd.
@@ -49,6 +50,7 @@ chmod 0755 "$run"
 cp "$deb" "$run/sandcell.deb"
 cp scripts/vm/guest-test.sh "$run/guest-test.sh"
 cp -r examples "$run/examples" 2>/dev/null || true
+echo "${SANDCELL_VM_LANGUAGES:-python,r}" >"$run/languages"
 if [[ -f $cache/python-runtime.tar && ${SANDCELL_VM_FRESH_RUNTIME:-0} != 1 ]]; then
     cp "$cache/python-runtime.tar" "$run/"
 fi

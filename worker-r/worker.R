@@ -16,8 +16,8 @@
 # view.
 #
 # Invariants kept here (each has a test in worker-r/tests/worker.rs):
-# - Nothing of the worker lives in .GlobalEnv: the whole worker is one local() evaluated in a
-#   private environment whose parent is baseenv(). Lookups from worker code therefore find base
+# - Nothing of the worker lives in .GlobalEnv: the worker is evaluated (by the bootstrap line
+#   below) in a private environment whose parent is baseenv(). Lookups from worker code therefore find base
 #   functions before anything a cell defines. Generics the worker calls on the user's objects
 #   (print of a visible value, conditionMessage) are called from a frame parented to
 #   .GlobalEnv so S3 dispatch finds the user's methods there. The only other trace is the
@@ -44,575 +44,592 @@
 #
 # A jump to top level that bypasses every handler (a segfault R recognises as a C stack
 # overflow, invokeRestart("abort")) is reported as an error of type `topLevelJump` and the
-# session goes on, up to 16 times (see "recovery" at the end of the local() block).
+# session goes on, up to 16 times (see "recovery" near the end of the worker).
 
+# Bootstrap. R's REPL re-parses an incomplete expression from its start each time it reads a
+# line, so a 600-line local({...}) read by `R --file` costs about 100 ms of start-up. This
+# short expression instead reads the worker's source from the console (this very file, or the
+# pipe the embedded copy arrives on) up to the end marker, parses it once and evaluates it in a
+# private environment whose parent is baseenv().
 local({
-  ## ---- limits (keep in step with proto/src/worker.rs) -------------------------------------
-  MAX_WORKER_LINE <- 1024L * 1024L # bytes, newline excluded
-  MAX_ERROR_MESSAGE <- 16L * 1024L # bytes
-  MAX_TRACEBACK <- 32L * 1024L # bytes
-  MAX_CALL <- 4L * 1024L # bytes of the deparsed failing call
-  MAX_FRAME <- 512L # bytes of one deparsed traceback frame
-  MAX_FRAMES <- 100L # innermost traceback frames shown
-  MAX_WARNINGS <- 50L # warnings kept per cell
-  MAX_WARNING_TOTAL <- 128L * 1024L # bytes of all kept warnings of one cell
-  IN_PATH <- "/proc/self/fd/3"
-  OUT_PATH <- "/proc/self/fd/4"
+  src <- character(0)
+  repeat {
+    l <- readLines(stdin(), n = 1L)
+    if (length(l) == 0L || identical(l, "## sandcell: end of worker")) break
+    src[[length(src) + 1L]] <- l
+  }
+  eval(parse(text = src, keep.source = FALSE), envir = new.env(parent = baseenv()))
+})
 
-  state <- new.env(parent = emptyenv())
-  state$inp <- NULL # request connection
-  state$out <- NULL # reply connection
-  state$cell <- NULL # id (digits, as text) of the running cell, NULL between cells
-  state$done_sent <- FALSE
+## ---- limits (keep in step with proto/src/worker.rs) -------------------------------------
+MAX_WORKER_LINE <- 1024L * 1024L # bytes, newline excluded
+MAX_ERROR_MESSAGE <- 16L * 1024L # bytes
+MAX_TRACEBACK <- 32L * 1024L # bytes
+MAX_CALL <- 4L * 1024L # bytes of the deparsed failing call
+MAX_FRAME <- 512L # bytes of one deparsed traceback frame
+MAX_FRAMES <- 100L # innermost traceback frames shown
+MAX_WARNINGS <- 50L # warnings kept per cell
+MAX_WARNING_TOTAL <- 128L * 1024L # bytes of all kept warnings of one cell
+IN_PATH <- "/proc/self/fd/3"
+OUT_PATH <- "/proc/self/fd/4"
+
+state <- new.env(parent = emptyenv())
+state$inp <- NULL # request connection
+state$out <- NULL # reply connection
+state$cell <- NULL # id (digits, as text) of the running cell, NULL between cells
+state$done_sent <- FALSE
+state$warnings <- character(0)
+
+## ---- text: bounding and escaping -----------------------------------------------------
+
+# Escapes the bytes `b` (raw) into valid UTF-8 text, every byte of an invalid sequence
+# becoming the four characters \xNN, and stops before the text would exceed `budget` bytes.
+# Returns list(text = character(1), used = number of input bytes consumed). A loop over
+# bytes: only reached for text that is not valid UTF-8, at most a few times MAX bytes.
+escape_bytes <- function(b, budget) {
+  n <- length(b)
+  v <- as.integer(b)
+  out <- character(0)
+  size <- 0L
+  i <- 1L
+  run_start <- 1L # start of the current run of valid bytes
+  flush_run <- function(upto) {
+    if (upto >= run_start) out[[length(out) + 1L]] <<- rawToChar(b[run_start:upto])
+  }
+  while (i <= n) {
+    x <- v[[i]]
+    need <- if (x < 0x80L) {
+      1L
+    } else if (x >= 0xC2L && x <= 0xDFL) {
+      2L
+    } else if (x >= 0xE0L && x <= 0xEFL) {
+      3L
+    } else if (x >= 0xF0L && x <= 0xF4L) {
+      4L
+    } else {
+      0L
+    }
+    ok <- need > 0L && i + need - 1L <= n
+    if (ok && need > 1L) {
+      y <- v[[i + 1L]]
+      lo <- 0x80L
+      hi <- 0xBFL
+      if (x == 0xE0L) lo <- 0xA0L
+      if (x == 0xEDL) hi <- 0x9FL
+      if (x == 0xF0L) lo <- 0x90L
+      if (x == 0xF4L) hi <- 0x8FL
+      ok <- y >= lo && y <= hi
+      if (ok && need > 2L) {
+        rest <- v[(i + 2L):(i + need - 1L)]
+        ok <- all(rest >= 0x80L & rest <= 0xBFL)
+      }
+    }
+    unit <- if (ok) need else 4L # output bytes of this unit
+    if (size + unit > budget) break
+    size <- size + unit
+    if (ok) {
+      i <- i + need
+    } else {
+      flush_run(i - 1L)
+      out[[length(out) + 1L]] <- sprintf("\\x%02x", x)
+      i <- i + 1L
+      run_start <- i
+    }
+  }
+  flush_run(i - 1L)
+  txt <- paste(out, collapse = "")
+  Encoding(txt) <- "UTF-8"
+  list(text = txt, used = i - 1L)
+}
+
+more_marker <- function(n) sprintf("... [%.0f more bytes]", as.numeric(n))
+
+# Makes `s` (any R string, any declared encoding) safe for the wire: valid UTF-8, invalid
+# bytes escaped as \xNN, at most `max` bytes of text plus a marker "... [N more bytes]"
+# counting the original bytes that were cut (as sandcell_proto::worker::bound_text). Never
+# copies more than about 4 * max bytes of a huge input.
+bound_text <- function(s, max) {
+  if (length(s) == 0L || is.na(s[[1L]])) return("NA")
+  s <- s[[1L]]
+  if (identical(Encoding(s), "latin1")) s <- tryCatch(enc2utf8(s), error = function(e) s)
+  total <- nchar(s, type = "bytes")
+  if (total > max) {
+    # substr counts characters (>= bytes / 4); it fails on invalid UTF-8, in which case the
+    # bytes are reached through a "bytes"-encoded copy.
+    head <- tryCatch(substr(s, 1L, max), error = function(e) NULL)
+    if (is.null(head)) {
+      t <- s
+      Encoding(t) <- "bytes"
+      head <- substr(t, 1L, max)
+    }
+    b <- charToRaw(head)
+    if (length(b) > max) b <- b[seq_len(max)]
+  } else {
+    b <- charToRaw(s)
+  }
+  # Fast path: valid UTF-8 (after dropping a character the cut may have split).
+  for (drop in 0:3) {
+    if (drop > 0L && (total <= max || drop >= length(b))) break
+    head <- rawToChar(b[seq_len(length(b) - drop)])
+    if (validUTF8(head)) {
+      Encoding(head) <- "UTF-8"
+      used <- length(b) - drop
+      return(if (used < total) paste0(head, more_marker(total - used)) else head)
+    }
+  }
+  r <- escape_bytes(b, max)
+  if (r$used < total) paste0(r$text, more_marker(total - r$used)) else r$text
+}
+
+CONTROL_CODES <- c(1:7, 11L, 14:31)
+CONTROL <- vapply(CONTROL_CODES, function(i) rawToChar(as.raw(i)), "")
+CONTROL_ESC <- sprintf("\\u%04x", CONTROL_CODES)
+
+# JSON string literals (quotes included) for texts that bound_text() already made valid
+# UTF-8 (vectorised). Byte-wise replacements of ASCII are exact on UTF-8 text.
+json_str <- function(s) {
+  s <- gsub("\\", "\\\\", s, fixed = TRUE, useBytes = TRUE)
+  s <- gsub("\"", "\\\"", s, fixed = TRUE, useBytes = TRUE)
+  s <- gsub("\n", "\\n", s, fixed = TRUE, useBytes = TRUE)
+  s <- gsub("\r", "\\r", s, fixed = TRUE, useBytes = TRUE)
+  s <- gsub("\t", "\\t", s, fixed = TRUE, useBytes = TRUE)
+  s <- gsub("\b", "\\b", s, fixed = TRUE, useBytes = TRUE)
+  s <- gsub("\f", "\\f", s, fixed = TRUE, useBytes = TRUE)
+  if (any(grepl("[\001-\037]", s, useBytes = TRUE))) {
+    for (k in seq_along(CONTROL)) {
+      s <- gsub(CONTROL[[k]], CONTROL_ESC[[k]], s, fixed = TRUE, useBytes = TRUE)
+    }
+  }
+  paste0("\"", s, "\"")
+}
+
+# An integer as JSON, never through OutDec or scientific notation.
+json_int <- function(x) sprintf("%.0f", as.numeric(x))
+
+# One JSON object from a named list of already encoded JSON values (NULLs are left out).
+json_obj <- function(fields) {
+  fields <- fields[!vapply(fields, is.null, TRUE)]
+  paste0("{", paste0(json_str(names(fields)), ":", unlist(fields), collapse = ","), "}")
+}
+
+## ---- protocol connections ----------------------------------------------------------
+
+# The daemon broke the protocol (or a reply cannot be sent): say why on stderr and end the
+# worker. Never stop(): with options(error) set for recovery (below), an error reaching top
+# level would resume the loop on a desynchronised stream.
+protocol_fail <- function(msg) {
+  tryCatch(cat("sandcell worker: protocol error:", msg, "\n", file = stderr()),
+    error = function(e) NULL)
+  base::quit(save = "no", status = 2L, runLast = FALSE)
+}
+
+# TRUE when `con` is still the connection we opened (not closed, and its slot not reused by
+# a connection a cell opened after closeAllConnections()).
+con_ok <- function(con) {
+  if (is.null(con)) return(FALSE)
+  tryCatch({
+    cur <- getConnection(as.integer(con))
+    identical(attr(cur, "conn_id"), attr(con, "conn_id")) && isOpen(cur)
+  }, error = function(e) FALSE)
+}
+
+input <- function() {
+  if (!con_ok(state$inp)) state$inp <- file(IN_PATH, open = "rb", raw = TRUE)
+  state$inp
+}
+
+output <- function() {
+  if (!con_ok(state$out)) state$out <- file(OUT_PATH, open = "ab", raw = TRUE)
+  state$out
+}
+
+# Writes one reply line. A line over MAX_WORKER_LINE is never sent (the daemon would end
+# the worker); callers shrink their message first, this is the last guard.
+send_line <- function(line) {
+  b <- charToRaw(line)
+  if (length(b) > MAX_WORKER_LINE) protocol_fail("reply line too long")
+  con <- output()
+  writeBin(c(b, as.raw(10L)), con)
+  flush(con)
+  invisible(NULL)
+}
+
+# Reads one request. Returns NULL at end of input, else
+# list(op = "exec"|"exit"|other, cell = digits as text, payload = raw, opts = named list).
+read_request <- function() {
+  con <- input()
+  hdr <- readLines(con, n = 1L, warn = FALSE)
+  if (length(hdr) == 0L) return(NULL)
+  parts <- strsplit(hdr, " ", fixed = TRUE)[[1L]]
+  if (length(parts) < 3L || !grepl("^[0-9]+$", parts[[2L]]) ||
+    !grepl("^[0-9]+$", parts[[3L]])) {
+    protocol_fail(paste("malformed request header:", substr(hdr, 1L, 256L)))
+  }
+  len <- as.numeric(parts[[3L]])
+  if (len > .Machine$integer.max) protocol_fail("request payload too large")
+  opts <- list()
+  for (kv in parts[-(1:3)]) {
+    k <- sub("=.*$", "", kv)
+    v <- sub("^[^=]*=", "", kv)
+    if (grepl("^[0-9]+$", v)) opts[[k]] <- as.numeric(v)
+  }
+  payload <- if (len > 0) readBin(con, "raw", n = as.integer(len)) else raw(0)
+  if (length(payload) < len) return(NULL)
+  list(op = parts[[1L]], cell = parts[[2L]], payload = payload, opts = opts)
+}
+
+## ---- replies -----------------------------------------------------------------------
+
+send_ready <- function() {
+  engine <- paste0("R ", R.version$major, ".", R.version$minor)
+  send_line(json_obj(list(t = json_str("ready"), language = json_str("r"),
+    engine = json_str(engine))))
+}
+
+# r: list(status, error = list(type, message, traceback, line, call) or NULL,
+#         exit_code, warnings = character)
+send_done <- function(cell, r) {
+  enc_error <- function(e, tb) {
+    if (is.null(e)) return(NULL)
+    json_obj(list(
+      type = json_str(bound_text(e$type, 256L)),
+      message = json_str(e$message), # bounded by whoever built `e`
+      traceback = if (tb && !is.null(e$traceback)) json_str(e$traceback),
+      line = if (!is.null(e$line)) json_int(e$line),
+      call = if (!is.null(e$call)) json_str(e$call)
+    ))
+  }
+  build <- function(warnings, tb) {
+    json_obj(list(
+      t = json_str("done"),
+      cell = cell,
+      status = json_str(r$status),
+      error = enc_error(r$error, tb),
+      exit_code = if (!is.null(r$exit_code)) json_int(r$exit_code),
+      state = json_str("kept"),
+      warnings = if (length(warnings)) paste0("[", paste(json_str(warnings), collapse = ","), "]")
+    ))
+  }
+  line <- build(r$warnings, TRUE)
+  if (nchar(line, type = "bytes") > MAX_WORKER_LINE) {
+    line <- build(sprintf("%d warnings not kept: reply too large", length(r$warnings)), FALSE)
+  }
+  if (nchar(line, type = "bytes") > MAX_WORKER_LINE) {
+    r$error$message <- "error report too large to send"
+    line <- build(character(0), FALSE)
+  }
+  send_line(line)
+  state$done_sent <- TRUE
+}
+
+## ---- the cell --------------------------------------------------------------------
+
+# Drops a pending SIGINT that arrived while no cell was running (Sys.sleep checks for one
+# deterministically; a for loop or an empty expression does not).
+drain_interrupt <- function() {
+  tryCatch(allowInterrupts(Sys.sleep(1e-6)), interrupt = function(e) NULL)
+  invisible(NULL)
+}
+
+# Restores the output routing a cell may have changed (sink(), closeAllConnections()).
+reset_io <- function() {
+  tryCatch(while (sink.number() > 0L) sink(), error = function(e) NULL)
+  tryCatch(if (sink.number(type = "message") != 2L) sink(type = "message"),
+    error = function(e) NULL)
+  tryCatch(flush(stdout()), error = function(e) NULL)
+}
+
+# First line of a srcref, or NULL.
+srcref_line <- function(sr) {
+  if (is.null(sr) || length(sr) < 1L) return(NULL)
+  as.integer(sr[[1L]])
+}
+
+# The worker's own eval() of a top-level expression (run_exprs) as it appears in
+# sys.calls() and as the conditionCall() of an error raised directly at top level.
+is_cell_eval <- function(cl) {
+  is.call(cl) && identical(cl[[1L]], quote(eval)) && length(cl) >= 2L &&
+    identical(cl[[2L]], quote(sandcell_cell_expr))
+}
+
+is_handler_frame <- function(cl) {
+  is.call(cl) && identical(cl[[1L]], quote(.handleSimpleError))
+}
+
+deparse_bounded <- function(x, max) {
+  d <- tryCatch(deparse(x, width.cutoff = 200L, nlines = 8L), error = function(e) "<call>")
+  bound_text(paste(d, collapse = "\n"), max)
+}
+
+# Calling handler for every error signalled while the cell runs: records the call stack at
+# the point of the error so that the exiting handler can report the line and traceback of
+# the error that actually escaped the cell.
+capture_error <- function(cond) {
+  # Near C stack exhaustion, R runs handlers on the little stack left: record nothing.
+  if (inherits(cond, "CStackOverflowError")) return(invisible())
+  calls <- sys.calls()
+  calls <- calls[seq_len(length(calls) - 1L)] # drop this handler's own frame
+  state$captured <- list(cond = cond, calls = calls, srcfile = state$srcfile)
+}
+
+# The error report (list(type, message, line, call, traceback)) for `cond`.
+describe_error <- function(cond) {
+  msg <- message_of(cond)
+  if (!is.character(msg) || length(msg) == 0L) msg <- "<no message>"
+  # Bounded at once: everything after this (pattern matching included) sees at most
+  # MAX_ERROR_MESSAGE bytes, whatever the cell raised.
+  msg <- bound_text(msg[[1L]], MAX_ERROR_MESSAGE)
+  type <- tryCatch(class(cond)[[1L]], error = function(e) "error")
+  call <- tryCatch(conditionCall(cond), error = function(e) NULL)
+  if (is_cell_eval(call) || !is.call(call)) call <- NULL
+  line <- state$expr_line
+  tb <- NULL
+  cap <- state$captured
+  if (!is.null(cap) && identical(cap$cond, cond)) {
+    calls <- cap$calls
+    ev <- 0L
+    for (k in seq_along(calls)) if (is_cell_eval(calls[[k]])) ev <- k
+    found <- FALSE
+    frames <- character(0)
+    skipped <- 0L
+    for (k in rev(seq_along(calls))) {
+      if (k <= ev) break
+      sr <- attr(calls[[k]], "srcref")
+      here <- !is.null(sr) && identical(attr(sr, "srcfile"), cap$srcfile)
+      if (here && !found) {
+        line <- srcref_line(sr) # innermost position inside this cell
+        found <- TRUE
+      }
+      if (!is_handler_frame(calls[[k]]) && length(frames) >= MAX_FRAMES) {
+        skipped <- skipped + 1L
+      } else if (!is_handler_frame(calls[[k]])) {
+        where <- if (here) {
+          sprintf(" at line %d", srcref_line(sr))
+        } else if (!is.null(sr)) {
+          f <- tryCatch(attr(sr, "srcfile")$filename, error = function(e) NULL)
+          if (is.character(f) && length(f) == 1L) sprintf(" at %s:%d", f, srcref_line(sr)) else ""
+        } else {
+          ""
+        }
+        frames <- c(frames, paste0(length(frames) + 1L, ": ",
+          deparse_bounded(calls[[k]], MAX_FRAME), where))
+      }
+    }
+    if (skipped > 0L) frames <- c(frames, sprintf("... %d outer frames not shown", skipped))
+    if (length(frames)) tb <- bound_text(paste(frames, collapse = "\n"), MAX_TRACEBACK)
+  }
+  list(type = type, message = msg, line = line,
+    call = if (!is.null(call)) deparse_bounded(call, MAX_CALL), traceback = tb)
+}
+
+is_memory_error <- function(msg) {
+  grepl("^cannot allocate (vector|memory)|vector memory (exhausted|limit)|memory exhausted",
+    msg, useBytes = TRUE)
+}
+
+add_warning <- function(cond) {
+  if (length(state$warnings) >= MAX_WARNINGS) {
+    state$warnings_dropped <- state$warnings_dropped + 1L
+    return(invisible())
+  }
+  msg <- message_of(cond)
+  if (!is.character(msg) || length(msg) == 0L) msg <- "<no message>"
+  call <- tryCatch(conditionCall(cond), error = function(e) NULL)
+  if (is_cell_eval(call)) call <- NULL
+  text <- if (is.call(call)) {
+    paste0("In ", deparse_bounded(call, 256L), " : ", bound_text(msg, MAX_ERROR_MESSAGE))
+  } else {
+    bound_text(msg, MAX_ERROR_MESSAGE)
+  }
+  size <- nchar(text, type = "bytes")
+  if (state$warnings_size + size > MAX_WARNING_TOTAL) {
+    state$warnings_dropped <- state$warnings_dropped + 1L
+    return(invisible())
+  }
+  state$warnings_size <- state$warnings_size + size
+  state$warnings <- c(state$warnings, text)
+}
+
+# Calls generic `fun` (a symbol) on `x` from a frame whose parent is .GlobalEnv, so that S3
+# dispatch finds the user's methods there (from the worker's own environment it would not:
+# method lookup stops at baseenv(), the worker environment's top). `print` is looked up as
+# the REPL looks it up, from .GlobalEnv; other generics are taken from base.
+call_in_global <- function(fun, x) {
+  eval(as.call(list(fun, quote(x))), list(x = x), .GlobalEnv)
+}
+
+# Prints a visible value as the REPL does (S4 objects with show()).
+print_value <- function(value) {
+  if (isS4(value)) methods::show(value) else call_in_global(quote(print), value)
+}
+
+message_of <- function(cond) {
+  tryCatch(call_in_global(quote(base::conditionMessage), cond),
+    error = function(e) "<conditionMessage failed>")
+}
+
+# Evaluates the parsed cell expression by expression in .GlobalEnv, printing visible values
+# and flushing stdout after each one (R also flushes after every console write).
+run_exprs <- function(exprs) {
+  srefs <- attr(exprs, "srcref")
+  for (i in seq_along(exprs)) {
+    sandcell_cell_expr <- exprs[i]
+    attr(sandcell_cell_expr, "srcref") <- srefs[i]
+    state$expr_line <- srcref_line(srefs[[i]])
+    r <- withVisible(eval(sandcell_cell_expr, .GlobalEnv))
+    if (r$visible) print_value(r$value)
+    flush(stdout())
+  }
+}
+
+# Runs one cell; returns the list send_done() expects.
+run_cell <- function(cell, payload, opts) {
   state$warnings <- character(0)
-
-  ## ---- text: bounding and escaping -----------------------------------------------------
-
-  # Escapes the bytes `b` (raw) into valid UTF-8 text, every byte of an invalid sequence
-  # becoming the four characters \xNN, and stops before the text would exceed `budget` bytes.
-  # Returns list(text = character(1), used = number of input bytes consumed). A loop over
-  # bytes: only reached for text that is not valid UTF-8, at most a few times MAX bytes.
-  escape_bytes <- function(b, budget) {
-    n <- length(b)
-    v <- as.integer(b)
-    out <- character(0)
-    size <- 0L
-    i <- 1L
-    run_start <- 1L # start of the current run of valid bytes
-    flush_run <- function(upto) {
-      if (upto >= run_start) out[[length(out) + 1L]] <<- rawToChar(b[run_start:upto])
-    }
-    while (i <= n) {
-      x <- v[[i]]
-      need <- if (x < 0x80L) {
-        1L
-      } else if (x >= 0xC2L && x <= 0xDFL) {
-        2L
-      } else if (x >= 0xE0L && x <= 0xEFL) {
-        3L
-      } else if (x >= 0xF0L && x <= 0xF4L) {
-        4L
-      } else {
-        0L
-      }
-      ok <- need > 0L && i + need - 1L <= n
-      if (ok && need > 1L) {
-        y <- v[[i + 1L]]
-        lo <- 0x80L
-        hi <- 0xBFL
-        if (x == 0xE0L) lo <- 0xA0L
-        if (x == 0xEDL) hi <- 0x9FL
-        if (x == 0xF0L) lo <- 0x90L
-        if (x == 0xF4L) hi <- 0x8FL
-        ok <- y >= lo && y <= hi
-        if (ok && need > 2L) {
-          rest <- v[(i + 2L):(i + need - 1L)]
-          ok <- all(rest >= 0x80L & rest <= 0xBFL)
-        }
-      }
-      unit <- if (ok) need else 4L # output bytes of this unit
-      if (size + unit > budget) break
-      size <- size + unit
-      if (ok) {
-        i <- i + need
-      } else {
-        flush_run(i - 1L)
-        out[[length(out) + 1L]] <- sprintf("\\x%02x", x)
-        i <- i + 1L
-        run_start <- i
-      }
-    }
-    flush_run(i - 1L)
-    txt <- paste(out, collapse = "")
-    Encoding(txt) <- "UTF-8"
-    list(text = txt, used = i - 1L)
+  state$warnings_size <- 0L
+  state$warnings_dropped <- 0L
+  state$captured <- NULL
+  state$expr_line <- NULL
+  if (any(payload == as.raw(0L))) {
+    return(list(status = "error", error = list(type = "parseError",
+      message = "the cell's source contains a NUL byte")))
   }
-
-  more_marker <- function(n) sprintf("... [%.0f more bytes]", as.numeric(n))
-
-  # Makes `s` (any R string, any declared encoding) safe for the wire: valid UTF-8, invalid
-  # bytes escaped as \xNN, at most `max` bytes of text plus a marker "... [N more bytes]"
-  # counting the original bytes that were cut (as sandcell_proto::worker::bound_text). Never
-  # copies more than about 4 * max bytes of a huge input.
-  bound_text <- function(s, max) {
-    if (length(s) == 0L || is.na(s[[1L]])) return("NA")
-    s <- s[[1L]]
-    if (identical(Encoding(s), "latin1")) s <- tryCatch(enc2utf8(s), error = function(e) s)
-    total <- nchar(s, type = "bytes")
-    if (total > max) {
-      # substr counts characters (>= bytes / 4); it fails on invalid UTF-8, in which case the
-      # bytes are reached through a "bytes"-encoded copy.
-      head <- tryCatch(substr(s, 1L, max), error = function(e) NULL)
-      if (is.null(head)) {
-        t <- s
-        Encoding(t) <- "bytes"
-        head <- substr(t, 1L, max)
-      }
-      b <- charToRaw(head)
-      if (length(b) > max) b <- b[seq_len(max)]
+  code <- rawToChar(payload)
+  Encoding(code) <- "UTF-8"
+  fname <- paste0("<cell", cell, ">")
+  sf <- srcfilecopy(fname, code)
+  state$srcfile <- sf
+  exprs <- tryCatch(parse(text = code, keep.source = TRUE, srcfile = sf),
+    error = function(e) e)
+  if (inherits(exprs, "error")) {
+    # R quotes the offending source line: bounded like any message.
+    msg <- bound_text(conditionMessage(exprs), MAX_ERROR_MESSAGE)
+    m <- regmatches(msg, regexec(paste0("^<cell[0-9]+>:([0-9]+):"), msg))[[1L]]
+    return(list(status = "error", error = list(type = "parseError", message = msg,
+      line = if (length(m) == 2L) as.integer(m[[2L]]))))
+  }
+  timeout <- opts[["timeout_ms"]]
+  limited <- is.numeric(timeout) && timeout > 0
+  r <- tryCatch({
+    withCallingHandlers({
+      if (limited) setTimeLimit(elapsed = timeout / 1000, transient = FALSE)
+      allowInterrupts(run_exprs(exprs))
+      list(status = "ok")
+    }, warning = function(w) {
+      lvl <- getOption("warn")
+      lvl <- if (is.numeric(lvl) && length(lvl) == 1L && !is.na(lvl)) lvl else 0
+      if (lvl >= 2) return(invisible()) # R turns it into an error
+      if (lvl >= 0) add_warning(w)
+      invokeRestart("muffleWarning")
+    }, error = capture_error)
+  }, interrupt = function(e) {
+    list(status = "interrupted")
+  }, error = function(e) {
+    err <- describe_error(e)
+    status <- if (is_memory_error(err$message)) {
+      "memory_exhausted"
+    } else if (limited && identical(err$message, "reached elapsed time limit")) {
+      "timeout"
     } else {
-      b <- charToRaw(s)
+      "error"
     }
-    # Fast path: valid UTF-8 (after dropping a character the cut may have split).
-    for (drop in 0:3) {
-      if (drop > 0L && (total <= max || drop >= length(b))) break
-      head <- rawToChar(b[seq_len(length(b) - drop)])
-      if (validUTF8(head)) {
-        Encoding(head) <- "UTF-8"
-        used <- length(b) - drop
-        return(if (used < total) paste0(head, more_marker(total - used)) else head)
-      }
-    }
-    r <- escape_bytes(b, max)
-    if (r$used < total) paste0(r$text, more_marker(total - r$used)) else r$text
+    list(status = status, error = err)
+  })
+  # The REPL drops transient time limits (setTimeLimit()'s default) when it returns to the
+  # prompt; this loop never returns there, so every limit ends with its cell.
+  setTimeLimit()
+  state$captured <- NULL
+  if (state$warnings_dropped > 0L) {
+    state$warnings <- c(state$warnings,
+      sprintf("[%d more warnings not kept]", state$warnings_dropped))
   }
+  r$warnings <- state$warnings
+  r
+}
 
-  CONTROL_CODES <- c(1:7, 11L, 14:31)
-  CONTROL <- vapply(CONTROL_CODES, function(i) rawToChar(as.raw(i)), "")
-  CONTROL_ESC <- sprintf("\\u%04x", CONTROL_CODES)
+## ---- quit() ------------------------------------------------------------------------
 
-  # JSON string literals (quotes included) for texts that bound_text() already made valid
-  # UTF-8 (vectorised). Byte-wise replacements of ASCII are exact on UTF-8 text.
-  json_str <- function(s) {
-    s <- gsub("\\", "\\\\", s, fixed = TRUE, useBytes = TRUE)
-    s <- gsub("\"", "\\\"", s, fixed = TRUE, useBytes = TRUE)
-    s <- gsub("\n", "\\n", s, fixed = TRUE, useBytes = TRUE)
-    s <- gsub("\r", "\\r", s, fixed = TRUE, useBytes = TRUE)
-    s <- gsub("\t", "\\t", s, fixed = TRUE, useBytes = TRUE)
-    s <- gsub("\b", "\\b", s, fixed = TRUE, useBytes = TRUE)
-    s <- gsub("\f", "\\f", s, fixed = TRUE, useBytes = TRUE)
-    if (any(grepl("[\001-\037]", s, useBytes = TRUE))) {
-      for (k in seq_along(CONTROL)) {
-        s <- gsub(CONTROL[[k]], CONTROL_ESC[[k]], s, fixed = TRUE, useBytes = TRUE)
-      }
-    }
-    paste0("\"", s, "\"")
+# Ends the session from a cell: reports `exited`, then exits R.
+quit_from_cell <- function(save = "default", status = 0, runLast = TRUE) {
+  code <- suppressWarnings(as.integer(status))
+  if (length(code) != 1L || is.na(code)) code <- 0L
+  reset_io()
+  if (!is.null(state$cell) && !state$done_sent) {
+    tryCatch(send_done(state$cell, list(status = "exited", exit_code = code,
+      warnings = state$warnings)), error = function(e) NULL)
   }
+  base::quit(save = "no", status = code, runLast = isTRUE(runLast))
+}
 
-  # An integer as JSON, never through OutDec or scientific notation.
-  json_int <- function(x) sprintf("%.0f", as.numeric(x))
-
-  # One JSON object from a named list of already encoded JSON values (NULLs are left out).
-  json_obj <- function(fields) {
-    fields <- fields[!vapply(fields, is.null, TRUE)]
-    paste0("{", paste0(json_str(names(fields)), ":", unlist(fields), collapse = ","), "}")
-  }
-
-  ## ---- protocol connections ----------------------------------------------------------
-
-  # The daemon broke the protocol (or a reply cannot be sent): say why on stderr and end the
-  # worker. Never stop(): with options(error) set for recovery (below), an error reaching top
-  # level would resume the loop on a desynchronised stream.
-  protocol_fail <- function(msg) {
-    tryCatch(cat("sandcell worker: protocol error:", msg, "\n", file = stderr()),
+# base::quit() called directly by a cell: still report the end of the cell.
+reg.finalizer(state, function(e) {
+  if (!is.null(state$cell) && !state$done_sent) {
+    tryCatch(send_done(state$cell, list(status = "exited", warnings = character(0))),
       error = function(e) NULL)
-    base::quit(save = "no", status = 2L, runLast = FALSE)
   }
+}, onexit = TRUE)
 
-  # TRUE when `con` is still the connection we opened (not closed, and its slot not reused by
-  # a connection a cell opened after closeAllConnections()).
-  con_ok <- function(con) {
-    if (is.null(con)) return(FALSE)
-    tryCatch({
-      cur <- getConnection(as.integer(con))
-      identical(attr(cur, "conn_id"), attr(con, "conn_id")) && isOpen(cur)
-    }, error = function(e) FALSE)
-  }
+## ---- the serve loop ----------------------------------------------------------------
 
-  input <- function() {
-    if (!con_ok(state$inp)) state$inp <- file(IN_PATH, open = "rb", raw = TRUE)
-    state$inp
-  }
-
-  output <- function() {
-    if (!con_ok(state$out)) state$out <- file(OUT_PATH, open = "ab", raw = TRUE)
-    state$out
-  }
-
-  # Writes one reply line. A line over MAX_WORKER_LINE is never sent (the daemon would end
-  # the worker); callers shrink their message first, this is the last guard.
-  send_line <- function(line) {
-    b <- charToRaw(line)
-    if (length(b) > MAX_WORKER_LINE) protocol_fail("reply line too long")
-    con <- output()
-    writeBin(c(b, as.raw(10L)), con)
-    flush(con)
-    invisible(NULL)
-  }
-
-  # Reads one request. Returns NULL at end of input, else
-  # list(op = "exec"|"exit"|other, cell = digits as text, payload = raw, opts = named list).
-  read_request <- function() {
-    con <- input()
-    hdr <- readLines(con, n = 1L, warn = FALSE)
-    if (length(hdr) == 0L) return(NULL)
-    parts <- strsplit(hdr, " ", fixed = TRUE)[[1L]]
-    if (length(parts) < 3L || !grepl("^[0-9]+$", parts[[2L]]) ||
-      !grepl("^[0-9]+$", parts[[3L]])) {
-      protocol_fail(paste("malformed request header:", substr(hdr, 1L, 256L)))
-    }
-    len <- as.numeric(parts[[3L]])
-    if (len > .Machine$integer.max) protocol_fail("request payload too large")
-    opts <- list()
-    for (kv in parts[-(1:3)]) {
-      k <- sub("=.*$", "", kv)
-      v <- sub("^[^=]*=", "", kv)
-      if (grepl("^[0-9]+$", v)) opts[[k]] <- as.numeric(v)
-    }
-    payload <- if (len > 0) readBin(con, "raw", n = as.integer(len)) else raw(0)
-    if (length(payload) < len) return(NULL)
-    list(op = parts[[1L]], cell = parts[[2L]], payload = payload, opts = opts)
-  }
-
-  ## ---- replies -----------------------------------------------------------------------
-
-  send_ready <- function() {
-    engine <- paste0("R ", R.version$major, ".", R.version$minor)
-    send_line(json_obj(list(t = json_str("ready"), language = json_str("r"),
-      engine = json_str(engine))))
-  }
-
-  # r: list(status, error = list(type, message, traceback, line, call) or NULL,
-  #         exit_code, warnings = character)
-  send_done <- function(cell, r) {
-    enc_error <- function(e, tb) {
-      if (is.null(e)) return(NULL)
-      json_obj(list(
-        type = json_str(bound_text(e$type, 256L)),
-        message = json_str(bound_text(e$message, MAX_ERROR_MESSAGE)),
-        traceback = if (tb && !is.null(e$traceback)) json_str(e$traceback),
-        line = if (!is.null(e$line)) json_int(e$line),
-        call = if (!is.null(e$call)) json_str(e$call)
-      ))
-    }
-    build <- function(warnings, tb) {
-      json_obj(list(
-        t = json_str("done"),
-        cell = cell,
-        status = json_str(r$status),
-        error = enc_error(r$error, tb),
-        exit_code = if (!is.null(r$exit_code)) json_int(r$exit_code),
-        state = json_str("kept"),
-        warnings = if (length(warnings)) paste0("[", paste(json_str(warnings), collapse = ","), "]")
-      ))
-    }
-    line <- build(r$warnings, TRUE)
-    if (nchar(line, type = "bytes") > MAX_WORKER_LINE) {
-      line <- build(sprintf("%d warnings not kept: reply too large", length(r$warnings)), FALSE)
-    }
-    if (nchar(line, type = "bytes") > MAX_WORKER_LINE) {
-      r$error$message <- "error report too large to send"
-      line <- build(character(0), FALSE)
-    }
-    send_line(line)
-    state$done_sent <- TRUE
-  }
-
-  ## ---- the cell --------------------------------------------------------------------
-
-  # Drops a pending SIGINT that arrived while no cell was running (Sys.sleep checks for one
-  # deterministically; a for loop or an empty expression does not).
-  drain_interrupt <- function() {
-    tryCatch(allowInterrupts(Sys.sleep(1e-6)), interrupt = function(e) NULL)
-    invisible(NULL)
-  }
-
-  # Restores the output routing a cell may have changed (sink(), closeAllConnections()).
-  reset_io <- function() {
-    tryCatch(while (sink.number() > 0L) sink(), error = function(e) NULL)
-    tryCatch(if (sink.number(type = "message") != 2L) sink(type = "message"),
-      error = function(e) NULL)
-    tryCatch(flush(stdout()), error = function(e) NULL)
-  }
-
-  # First line of a srcref, or NULL.
-  srcref_line <- function(sr) {
-    if (is.null(sr) || length(sr) < 1L) return(NULL)
-    as.integer(sr[[1L]])
-  }
-
-  # The worker's own eval() of a top-level expression (run_exprs) as it appears in
-  # sys.calls() and as the conditionCall() of an error raised directly at top level.
-  is_cell_eval <- function(cl) {
-    is.call(cl) && identical(cl[[1L]], quote(eval)) && length(cl) >= 2L &&
-      identical(cl[[2L]], quote(sandcell_cell_expr))
-  }
-
-  is_handler_frame <- function(cl) {
-    is.call(cl) && identical(cl[[1L]], quote(.handleSimpleError))
-  }
-
-  deparse_bounded <- function(x, max) {
-    d <- tryCatch(deparse(x, width.cutoff = 200L, nlines = 8L), error = function(e) "<call>")
-    bound_text(paste(d, collapse = "\n"), max)
-  }
-
-  # Calling handler for every error signalled while the cell runs: records the call stack at
-  # the point of the error so that the exiting handler can report the line and traceback of
-  # the error that actually escaped the cell.
-  capture_error <- function(cond) {
-    # Near C stack exhaustion, R runs handlers on the little stack left: record nothing.
-    if (inherits(cond, "CStackOverflowError")) return(invisible())
-    calls <- sys.calls()
-    calls <- calls[seq_len(length(calls) - 1L)] # drop this handler's own frame
-    state$captured <- list(cond = cond, calls = calls, srcfile = state$srcfile)
-  }
-
-  # The error report (list(type, message, line, call, traceback)) for `cond`.
-  describe_error <- function(cond) {
-    msg <- message_of(cond)
-    if (!is.character(msg) || length(msg) == 0L) msg <- "<no message>"
-    msg <- msg[[1L]]
-    type <- tryCatch(class(cond)[[1L]], error = function(e) "error")
-    call <- tryCatch(conditionCall(cond), error = function(e) NULL)
-    if (is_cell_eval(call) || !is.call(call)) call <- NULL
-    line <- state$expr_line
-    tb <- NULL
-    cap <- state$captured
-    if (!is.null(cap) && identical(cap$cond, cond)) {
-      calls <- cap$calls
-      ev <- 0L
-      for (k in seq_along(calls)) if (is_cell_eval(calls[[k]])) ev <- k
-      found <- FALSE
-      frames <- character(0)
-      skipped <- 0L
-      for (k in rev(seq_along(calls))) {
-        if (k <= ev) break
-        sr <- attr(calls[[k]], "srcref")
-        here <- !is.null(sr) && identical(attr(sr, "srcfile"), cap$srcfile)
-        if (here && !found) {
-          line <- srcref_line(sr) # innermost position inside this cell
-          found <- TRUE
-        }
-        if (!is_handler_frame(calls[[k]]) && length(frames) >= MAX_FRAMES) {
-          skipped <- skipped + 1L
-        } else if (!is_handler_frame(calls[[k]])) {
-          where <- if (here) {
-            sprintf(" at line %d", srcref_line(sr))
-          } else if (!is.null(sr)) {
-            f <- tryCatch(attr(sr, "srcfile")$filename, error = function(e) NULL)
-            if (is.character(f) && length(f) == 1L) sprintf(" at %s:%d", f, srcref_line(sr)) else ""
-          } else {
-            ""
-          }
-          frames <- c(frames, paste0(length(frames) + 1L, ": ",
-            deparse_bounded(calls[[k]], MAX_FRAME), where))
-        }
-      }
-      if (skipped > 0L) frames <- c(frames, sprintf("... %d outer frames not shown", skipped))
-      if (length(frames)) tb <- bound_text(paste(frames, collapse = "\n"), MAX_TRACEBACK)
-    }
-    list(type = type, message = msg, line = line,
-      call = if (!is.null(call)) deparse_bounded(call, MAX_CALL), traceback = tb)
-  }
-
-  is_memory_error <- function(msg) {
-    grepl("^cannot allocate (vector|memory)|vector memory (exhausted|limit)|memory exhausted",
-      msg, useBytes = TRUE)
-  }
-
-  add_warning <- function(cond) {
-    if (length(state$warnings) >= MAX_WARNINGS) {
-      state$warnings_dropped <- state$warnings_dropped + 1L
-      return(invisible())
-    }
-    msg <- message_of(cond)
-    if (!is.character(msg) || length(msg) == 0L) msg <- "<no message>"
-    call <- tryCatch(conditionCall(cond), error = function(e) NULL)
-    if (is_cell_eval(call)) call <- NULL
-    text <- if (is.call(call)) {
-      paste0("In ", deparse_bounded(call, 256L), " : ", bound_text(msg, MAX_ERROR_MESSAGE))
-    } else {
-      bound_text(msg, MAX_ERROR_MESSAGE)
-    }
-    size <- nchar(text, type = "bytes")
-    if (state$warnings_size + size > MAX_WARNING_TOTAL) {
-      state$warnings_dropped <- state$warnings_dropped + 1L
-      return(invisible())
-    }
-    state$warnings_size <- state$warnings_size + size
-    state$warnings <- c(state$warnings, text)
-  }
-
-  # Calls generic `fun` (a symbol) on `x` from a frame whose parent is .GlobalEnv, so that S3
-  # dispatch finds the user's methods there (from the worker's own environment it would not:
-  # method lookup stops at baseenv(), the worker environment's top). `print` is looked up as
-  # the REPL looks it up, from .GlobalEnv; other generics are taken from base.
-  call_in_global <- function(fun, x) {
-    eval(as.call(list(fun, quote(x))), list(x = x), .GlobalEnv)
-  }
-
-  # Prints a visible value as the REPL does (S4 objects with show()).
-  print_value <- function(value) {
-    if (isS4(value)) methods::show(value) else call_in_global(quote(print), value)
-  }
-
-  message_of <- function(cond) {
-    tryCatch(call_in_global(quote(base::conditionMessage), cond),
-      error = function(e) "<conditionMessage failed>")
-  }
-
-  # Evaluates the parsed cell expression by expression in .GlobalEnv, printing visible values
-  # and flushing stdout after each one (R also flushes after every console write).
-  run_exprs <- function(exprs) {
-    srefs <- attr(exprs, "srcref")
-    for (i in seq_along(exprs)) {
-      sandcell_cell_expr <- exprs[i]
-      attr(sandcell_cell_expr, "srcref") <- srefs[i]
-      state$expr_line <- srcref_line(srefs[[i]])
-      r <- withVisible(eval(sandcell_cell_expr, .GlobalEnv))
-      if (r$visible) print_value(r$value)
-      flush(stdout())
-    }
-  }
-
-  # Runs one cell; returns the list send_done() expects.
-  run_cell <- function(cell, payload, opts) {
-    state$warnings <- character(0)
-    state$warnings_size <- 0L
-    state$warnings_dropped <- 0L
-    state$captured <- NULL
-    state$expr_line <- NULL
-    if (any(payload == as.raw(0L))) {
-      return(list(status = "error", error = list(type = "parseError",
-        message = "the cell's source contains a NUL byte")))
-    }
-    code <- rawToChar(payload)
-    Encoding(code) <- "UTF-8"
-    fname <- paste0("<cell", cell, ">")
-    sf <- srcfilecopy(fname, code)
-    state$srcfile <- sf
-    exprs <- tryCatch(parse(text = code, keep.source = TRUE, srcfile = sf),
-      error = function(e) e)
-    if (inherits(exprs, "error")) {
-      msg <- conditionMessage(exprs)
-      m <- regmatches(msg, regexec(paste0("^<cell[0-9]+>:([0-9]+):"), msg))[[1L]]
-      return(list(status = "error", error = list(type = "parseError", message = msg,
-        line = if (length(m) == 2L) as.integer(m[[2L]]))))
-    }
-    timeout <- opts[["timeout_ms"]]
-    limited <- is.numeric(timeout) && timeout > 0
-    r <- tryCatch({
-      withCallingHandlers({
-        if (limited) setTimeLimit(elapsed = timeout / 1000, transient = FALSE)
-        allowInterrupts(run_exprs(exprs))
-        list(status = "ok")
-      }, warning = function(w) {
-        lvl <- getOption("warn")
-        lvl <- if (is.numeric(lvl) && length(lvl) == 1L && !is.na(lvl)) lvl else 0
-        if (lvl >= 2) return(invisible()) # R turns it into an error
-        if (lvl >= 0) add_warning(w)
-        invokeRestart("muffleWarning")
-      }, error = capture_error)
-    }, interrupt = function(e) {
-      list(status = "interrupted")
-    }, error = function(e) {
-      err <- describe_error(e)
-      status <- if (is_memory_error(err$message)) {
-        "memory_exhausted"
-      } else if (limited && identical(err$message, "reached elapsed time limit")) {
-        "timeout"
-      } else {
-        "error"
-      }
-      list(status = status, error = err)
-    })
-    # The REPL drops transient time limits (setTimeLimit()'s default) when it returns to the
-    # prompt; this loop never returns there, so every limit ends with its cell.
-    setTimeLimit()
-    state$captured <- NULL
-    if (state$warnings_dropped > 0L) {
-      state$warnings <- c(state$warnings,
-        sprintf("[%d more warnings not kept]", state$warnings_dropped))
-    }
-    r$warnings <- state$warnings
-    r
-  }
-
-  ## ---- quit() ------------------------------------------------------------------------
-
-  # Ends the session from a cell: reports `exited`, then exits R.
-  quit_from_cell <- function(save = "default", status = 0, runLast = TRUE) {
-    code <- suppressWarnings(as.integer(status))
-    if (length(code) != 1L || is.na(code)) code <- 0L
+serve <- function(ready = TRUE) {
+  if (ready) send_ready()
+  repeat {
     reset_io()
-    if (!is.null(state$cell) && !state$done_sent) {
-      tryCatch(send_done(state$cell, list(status = "exited", exit_code = code,
-        warnings = state$warnings)), error = function(e) NULL)
-    }
-    base::quit(save = "no", status = code, runLast = isTRUE(runLast))
-  }
-
-  # base::quit() called directly by a cell: still report the end of the cell.
-  reg.finalizer(state, function(e) {
-    if (!is.null(state$cell) && !state$done_sent) {
-      tryCatch(send_done(state$cell, list(status = "exited", warnings = character(0))),
-        error = function(e) NULL)
-    }
-  }, onexit = TRUE)
-
-  ## ---- the serve loop ----------------------------------------------------------------
-
-  serve <- function(ready = TRUE) {
-    if (ready) send_ready()
-    repeat {
-      reset_io()
-      req <- read_request()
-      if (is.null(req) || identical(req$op, "exit")) break
-      if (!identical(req$op, "exec")) protocol_fail(paste("unknown request", req$op))
-      drain_interrupt()
-      state$cell <- req$cell
-      state$done_sent <- FALSE
-      r <- run_cell(req$cell, req$payload, req$opts)
-      reset_io()
-      send_done(req$cell, r)
-      state$cell <- NULL
-    }
-  }
-
-  ## ---- recovery from a jump to top level -------------------------------------------
-  #
-  # Some failures bypass every handler and make R jump straight to top level: a segfault R
-  # recognises as a C stack overflow (deparse() of a deeply nested call, for one), or a cell
-  # calling invokeRestart("abort"). A non-interactive R then halts, unless options(error) is
-  # set: then it goes on reading this file after the local() expression, where each of the
-  # lines below re-enters the serve loop once through resume(). The abandoned cell is
-  # reported as an error; the variables are kept. When the re-entry lines are used up,
-  # give_up() reports and exits.
-
-  resume <- function() {
-    if (!is.null(state$cell) && !state$done_sent) {
-      tryCatch(send_done(state$cell, list(status = "error", error = list(type = "topLevelJump",
-        message = paste("R abandoned the cell (a C stack overflow, or invokeRestart(\"abort\"));",
-          "the session's variables are kept")), warnings = state$warnings)),
-      error = function(e) NULL)
-    }
+    req <- read_request()
+    if (is.null(req) || identical(req$op, "exit")) break
+    if (!identical(req$op, "exec")) protocol_fail(paste("unknown request", req$op))
+    drain_interrupt()
+    state$cell <- req$cell
+    state$done_sent <- FALSE
+    r <- run_cell(req$cell, req$payload, req$opts)
+    reset_io()
+    send_done(req$cell, r)
     state$cell <- NULL
-    setTimeLimit()
-    suspendInterrupts(serve(ready = FALSE))
-    base::quit(save = "no", status = 0L, runLast = FALSE)
   }
+}
 
-  give_up <- function() {
-    if (!is.null(state$cell) && !state$done_sent) {
-      tryCatch(send_done(state$cell, list(status = "error", error = list(type = "topLevelJump",
-        message = "R abandoned the cell too many times; the worker ends"),
-        warnings = character(0))), error = function(e) NULL)
-    }
-    base::quit(save = "no", status = 1L, runLast = FALSE)
+## ---- recovery from a jump to top level -------------------------------------------
+#
+# Some failures bypass every handler and make R jump straight to top level: a segfault R
+# recognises as a C stack overflow (deparse() of a deeply nested call, for one), or a cell
+# calling invokeRestart("abort"). A non-interactive R then halts, unless options(error) is
+# set: then it goes on reading this file after the end marker, where each of the
+# lines below re-enters the serve loop once through resume(). The abandoned cell is
+# reported as an error; the variables are kept. When the re-entry lines are used up,
+# give_up() reports and exits.
+
+resume <- function() {
+  if (!is.null(state$cell) && !state$done_sent) {
+    tryCatch(send_done(state$cell, list(status = "error", error = list(type = "topLevelJump",
+      message = paste("R abandoned the cell (a C stack overflow, or invokeRestart(\"abort\"));",
+        "the session's variables are kept")), warnings = state$warnings)),
+    error = function(e) NULL)
   }
-
-  guards <- attach(NULL, name = "sandcell:guards")
-  assign("quit", quit_from_cell, envir = guards)
-  assign("q", quit_from_cell, envir = guards)
-  assign(".sandcell_resume", resume, envir = guards)
-  assign(".sandcell_give_up", give_up, envir = guards)
-  lockEnvironment(guards, bindings = TRUE)
-  options(error = function() invisible(NULL))
-
-  suspendInterrupts(serve())
+  state$cell <- NULL
+  setTimeLimit()
+  suspendInterrupts(serve(ready = FALSE))
   base::quit(save = "no", status = 0L, runLast = FALSE)
-}, envir = new.env(parent = baseenv()))
+}
+
+give_up <- function() {
+  if (!is.null(state$cell) && !state$done_sent) {
+    tryCatch(send_done(state$cell, list(status = "error", error = list(type = "topLevelJump",
+      message = "R abandoned the cell too many times; the worker ends"),
+      warnings = character(0))), error = function(e) NULL)
+  }
+  base::quit(save = "no", status = 1L, runLast = FALSE)
+}
+
+guards <- attach(NULL, name = "sandcell:guards")
+assign("quit", quit_from_cell, envir = guards)
+assign("q", quit_from_cell, envir = guards)
+assign(".sandcell_resume", resume, envir = guards)
+assign(".sandcell_give_up", give_up, envir = guards)
+lockEnvironment(guards, bindings = TRUE)
+options(error = function() invisible(NULL))
+
+suspendInterrupts(serve())
+base::quit(save = "no", status = 0L, runLast = FALSE)
+## sandcell: end of worker
 # Re-entry points for resume() (see "recovery" above): one is used per jump to top level.
 get(".sandcell_resume", envir = as.environment("sandcell:guards"))()
 get(".sandcell_resume", envir = as.environment("sandcell:guards"))()

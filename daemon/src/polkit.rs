@@ -123,9 +123,15 @@ impl Polkit {
         Arc::new(Polkit::default())
     }
 
-    /// Uses `conn` from now on after checking that polkit answers on it; returns polkit's
-    /// version string. Errors: [`Error::Unreachable`] (the previous connection is kept).
+    /// Uses `conn` from now on and checks that polkit answers on it (reading `BackendVersion`,
+    /// which also activates polkitd where it is bus-activatable); returns polkit's version.
+    ///
+    /// Errors: [`Error::Unreachable`]; the connection is used all the same, so that a polkitd
+    /// that appears later on the same bus is asked (until then checks fail closed).
     pub async fn attach(&self, conn: &zbus::Connection) -> Result<String, Error> {
+        *self.bus.write().unwrap() = Some(conn.clone());
+        self.cache.lock().unwrap().clear();
+        self.pidfd_subjects.store(false, Ordering::SeqCst);
         let proxy = PolkitAuthorityProxy::new(conn)
             .await
             .map_err(Error::Unreachable)?;
@@ -142,8 +148,6 @@ impl Polkit {
             .unwrap_or(0);
         self.pidfd_subjects
             .store(major >= PIDFD_MIN_VERSION, Ordering::SeqCst);
-        *self.bus.write().unwrap() = Some(conn.clone());
-        self.cache.lock().unwrap().clear();
         Ok(version)
     }
 

@@ -436,10 +436,11 @@ impl Actor {
         // (we hold its Child), so it cannot have been reused.
         unsafe {
             match self.session.language {
-                // R is single-threaded at the C level but BLAS pools may own threads: aim at the
-                // main thread so no pool thread swallows it (seed 001).
+                // The whole process group: R ignores SIGINT while it waits for a system()
+                // child, so the child must get it too. The launcher pins BLAS/OpenMP pools to
+                // one thread, so R's main thread is the only one to take it (seed 001).
                 Language::R => {
-                    libc::syscall(libc::SYS_tgkill, pid, pid, libc::SIGINT);
+                    libc::kill(-pid, libc::SIGINT);
                 }
                 Language::Python => {
                     libc::kill(pid, libc::SIGINT);
@@ -488,6 +489,10 @@ impl Actor {
         let mut seq = 0u64;
         let mut phase = Phase::Running;
         let mut deadline = tokio::time::Instant::from_std(t0 + limits.wall + limits.grace);
+        // Once interrupted, SIGINT is repeated until the cell ends: a worker may discard one
+        // that arrives before it has read the request (it cannot tell it from a stale one).
+        let mut repeat = tokio::time::interval(Duration::from_millis(250));
+        repeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut outbuf = vec![0u8; 64 * 1024];
         let mut errbuf = vec![0u8; 64 * 1024];
         let mut stale_frames = 0u64;
@@ -538,6 +543,10 @@ impl Actor {
                             Some(n) if n > 0 => if let Some(t) = caps[1].push_bytes(&errbuf[..n]) { pending.push((Stream::Stderr, t)); },
                             _ => self.stderr = None,
                         }
+                        None
+                    }
+                    _ = repeat.tick(), if phase != Phase::Running => {
+                        self.signal_interrupt();
                         None
                     }
                     _ = tokio::time::sleep_until(deadline) => {
@@ -715,6 +724,16 @@ impl Actor {
                     wire::SessionState::Lost => State::Lost,
                 };
                 result.warnings = warnings;
+                // A worker whose interpreter ended (R's quit()) exits after reporting it: then
+                // the session ends here, and says so. (Python's sys.exit does not end Eryx.)
+                if result.status == Status::Exited
+                    && let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(500), self.child.wait()).await
+                {
+                    self.kill_and_reap().await;
+                    result.state = State::Lost;
+                    result.session_ended = true;
+                    ending = Some(("the cell ended the interpreter".into(), None));
+                }
             }
             CellEnd::Done(_) => unreachable!("only Done messages end a cell"),
             CellEnd::Killed | CellEnd::WorkerGone(_) | CellEnd::Cancelled(_) => {

@@ -82,10 +82,10 @@ async fn python_file_system_network_and_process_walls() {
 
 #[tokio::test]
 async fn python_resource_bombs_are_contained() {
-    let d = daemon(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "3"), ("SANDCELL_MAX_STDOUT_BYTES", "4096")]);
+    let d = daemon(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "3"), ("SANDCELL_MAX_STDOUT_BYTES", "4096"), ("SANDCELL_MAX_FUEL", "1000000000000000")]);
     let mut by = Bystander::new(&d).await;
     let mut c = d.client().await;
-    let out = run(&mut c, "python", "x = bytearray(2 ** 31)").await;
+    let out = run(&mut c, "python", "x = bytearray(1 << 30)").await;
     assert_eq!(out.result.status, Status::MemoryExhausted, "{:?}", out.result);
     by.check().await;
     let out = run(&mut c, "python", "while True:\n    pass").await;

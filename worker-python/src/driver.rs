@@ -8,9 +8,12 @@
 //!   own line numbers (no preamble offsets), and registers the source with `linecache`;
 //! - maps `SystemExit` to `exited`, `MemoryError` to `memory_exhausted` and any other
 //!   exception to `error` with type, bounded message, bounded traceback and line;
-//! - replaces `sys.stdout`/`sys.stderr` during the cell with writers that stream each write to
-//!   the host and keep nothing in guest memory (Eryx's own writers accumulate the whole
-//!   output in the guest);
+//! - replaces `sys.stdout`/`sys.stderr` during the cell with line-buffered writers that send
+//!   each line (or 8 KiB) to the host and keep nothing afterwards (Eryx's own writers
+//!   accumulate the whole output in guest memory); `sys.stdout.buffer` passes bytes through;
+//! - caps `sys.setrecursionlimit` (deep recursion would overflow the WebAssembly stack and
+//!   abort the worker) and pickles the namespace for state snapshots (`snapshot`/`restore`,
+//!   see [`crate::session`]);
 //! - reports its outcome as a dict in the variable [`RESULT_VARIABLE`], which Eryx JSON-encodes
 //!   as the execution's result and removes from the namespace. (Eryx's default result variable
 //!   is `result`, which would silently delete a user's own `result` after every cell.)

@@ -13,9 +13,11 @@
 //! - the cell's [`CancellationToken`] is cancelled, which the cell loop races against the
 //!   execution, so a guest parked in a host call (`time.sleep`) is dropped at once.
 //!
-//! A SIGINT while no cell is in progress is ignored (the daemon counts it as undelivered). A
-//! SIGINT after a request was read but before the guest started marks the cell as interrupted
-//! before it runs.
+//! A SIGINT while no cell is in progress is ignored (the daemon counts it as undelivered),
+//! unless the next request is already waiting on the request pipe: then it was meant for that
+//! cell (the daemon wrote the request and interrupted before the worker read it), and that
+//! cell is stopped before it starts. Likewise a SIGINT after a request was read but before the
+//! guest started.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -63,16 +65,48 @@ struct State {
     in_cell: bool,
     /// A SIGINT arrived during this request before a target was armed.
     pending: bool,
+    /// A SIGINT arrived between requests while the next request was already in the pipe.
+    pending_next: bool,
     target: Option<Target>,
 }
 
 /// Shared between the cell loop and the watcher thread.
-#[derive(Default)]
 pub struct Interrupter {
     state: Mutex<State>,
+    /// The request pipe, polled when a SIGINT arrives between requests; -1 for none.
+    request_fd: i32,
+}
+
+impl Default for Interrupter {
+    fn default() -> Self {
+        Self::new(-1)
+    }
+}
+
+/// Whether `fd` has bytes to read now.
+fn readable_now(fd: i32) -> bool {
+    if fd < 0 {
+        return false;
+    }
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout; poll only reads the descriptor state.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n == 1 && p.revents & libc::POLLIN != 0
 }
 
 impl Interrupter {
+    /// An interrupter for a worker whose requests arrive on `request_fd` (-1: none).
+    pub fn new(request_fd: i32) -> Self {
+        Self {
+            state: Mutex::new(State::default()),
+            request_fd,
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state
             .lock()
@@ -83,7 +117,7 @@ impl Interrupter {
     pub fn begin_cell(&self) {
         let mut s = self.lock();
         s.in_cell = true;
-        s.pending = false;
+        s.pending = std::mem::take(&mut s.pending_next);
         s.target = None;
     }
 
@@ -109,6 +143,9 @@ impl Interrupter {
     pub fn fire(&self) {
         let mut s = self.lock();
         if !s.in_cell {
+            if readable_now(self.request_fd) {
+                s.pending_next = true;
+            }
             return;
         }
         if s.target.is_none() {

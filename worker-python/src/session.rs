@@ -323,10 +323,7 @@ impl PySession {
         let mut warnings = Vec::new();
         if !saved.skipped.is_empty() {
             warnings.push(bound_text(
-                &format!(
-                    "not restored (could not be pickled): {}",
-                    saved.skipped.join(", ")
-                ),
+                &format!("not restored: {}", saved.skipped.join(", ")),
                 MAX_ERROR_MESSAGE,
             ));
         }
@@ -530,16 +527,19 @@ impl PySession {
                     (WorkerStatus::Interrupted, None, None, fuel_used, true)
                 }
                 RunEnd::Returned(Err(e)) => {
+                    // A trap (stack overflow, abort, ...): the first line says what, the rest
+                    // is wasmtime's backtrace.
                     let text = e.to_string();
+                    let first = text.lines().next().unwrap_or_default();
                     let (status, kind) =
-                        if text.contains("memory") && !text.contains("out of bounds") {
+                        if text.contains("out of memory") || text.contains("memory allocation") {
                             (WorkerStatus::MemoryExhausted, "MemoryError")
                         } else {
                             (WorkerStatus::Error, "SandboxTrap")
                         };
                     (
                         status,
-                        Some(cell_error(kind, &text, None, None)),
+                        Some(cell_error(kind, first, Some(&text), None)),
                         None,
                         fuel_used,
                         true,

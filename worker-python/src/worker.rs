@@ -114,7 +114,7 @@ pub fn run_confined() -> i32 {
         eprintln!("sandcell-worker-python: descriptors {REQUEST_FD} and {REPLY_FD} must be open");
         return exit::IO;
     };
-    let interrupter = Arc::new(Interrupter::default());
+    let interrupter = Arc::new(Interrupter::new(REQUEST_FD));
     if let Err(e) = interrupt::install(Arc::clone(&interrupter)) {
         report_fatal("runtime", &format!("installing the SIGINT handler: {e}"));
         return exit::STARTUP;

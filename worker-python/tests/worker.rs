@@ -264,6 +264,28 @@ fn sigint_with_the_longest_timeout_is_still_quick() {
 }
 
 #[test]
+fn sigint_right_after_the_request_still_reaches_that_cell() {
+    let mut w = Worker::start();
+    w.cell(1, "a = 1");
+    for cell in 2..6 {
+        w.send(
+            cell,
+            "import time\ntime.sleep(30)\na = 2\n",
+            &Opts {
+                timeout_ms: Some(60_000),
+                ..Opts::default()
+            },
+        );
+        let t = Instant::now();
+        w.sigint();
+        let r = w.collect(cell, Duration::from_secs(10));
+        assert_eq!(r.status(), WorkerStatus::Interrupted, "{r:?}");
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    }
+    assert_eq!(w.cell(6, "print(a)").stdout, "1\n");
+}
+
+#[test]
 fn sigint_between_cells_is_ignored() {
     let mut w = Worker::start();
     w.cell(1, "n = 1");
@@ -373,6 +395,33 @@ fn unpicklable_variables_are_named_after_a_restore() {
     );
     let r = w.cell(3, "print(p.get(), isinstance(p, P), 'gen' in globals())");
     assert_eq!(r.stdout, "42 True False\n", "{r:?}");
+}
+
+#[test]
+fn deeply_nested_values_do_not_crash_the_snapshot() {
+    let mut w = Worker::start();
+    let r = w.cell(1, "class N:\n    def __init__(self, nxt):\n        self.nxt = nxt\nhead = None\nfor i in range(3000):\n    head = N(head)\nnested = []\nfor i in range(5000):\n    nested = [nested]\nflat = list(range(100000))\n");
+    assert_eq!(r.status(), WorkerStatus::Ok);
+    let r = w.run(
+        2,
+        "while True: pass",
+        &Opts {
+            timeout_ms: Some(300),
+            ..Opts::default()
+        },
+    );
+    assert_eq!(r.status(), WorkerStatus::Timeout);
+    assert_eq!(r.state(), SessionState::Restored);
+    let warn = r.warnings().join("; ");
+    assert!(
+        warn.contains("head (nested too deeply)") && warn.contains("nested (nested too deeply)"),
+        "{warn}"
+    );
+    assert_eq!(
+        w.cell(3, "print(len(flat), 'head' in globals(), N.__name__)")
+            .stdout,
+        "100000 False N\n"
+    );
 }
 
 #[test]
@@ -496,4 +545,110 @@ fn output_is_streamed_while_the_cell_runs() {
         assert_eq!(rest.stdout, "second\n");
         assert_eq!(rest.status(), WorkerStatus::Ok);
     }
+}
+
+#[test]
+fn deep_recursion_is_an_error_not_a_crash() {
+    let mut w = Worker::start();
+    w.cell(1, "kept = 'yes'");
+    let r = w.cell(2, "def f(n):\n    return f(n + 1)\nf(0)\n");
+    assert_eq!(r.status(), WorkerStatus::Error, "{r:?}");
+    eprintln!(
+        "FIGURES recursion_error_kind={} state={:?}",
+        r.error().kind,
+        r.state()
+    );
+    assert_eq!(w.cell(3, "print(kept)").stdout, "yes\n");
+    // Generated code often raises the limit; the sandbox caps it so deep pure-Python
+    // recursion still raises instead of overflowing the WebAssembly stack.
+    let r = w.cell(
+        4,
+        "import sys\nsys.setrecursionlimit(10**6)\ndef g(n):\n    return g(n + 1)\ng(0)\n",
+    );
+    assert_eq!(r.status(), WorkerStatus::Error, "{r:?}");
+    assert_eq!(r.error().kind, "RecursionError");
+    assert_eq!(
+        w.cell(5, "import sys\nprint(kept, sys.getrecursionlimit())")
+            .stdout,
+        "yes 1500\n"
+    );
+}
+
+/// Known Eryx 0.10 limit (also in 0.14): recursion through C code overflows the 512 KiB fibre
+/// stack and wasmtime aborts the process. The worker dies by a signal without a `Done`; the
+/// daemon must report the session as crashed. This test pins the behaviour so a fix is noticed.
+#[test]
+fn c_level_recursion_aborts_the_worker_known_eryx_limit() {
+    let mut w = Worker::start();
+    w.send(
+        1,
+        "class A:\n    def __repr__(self):\n        return repr(self)\nrepr(A())\n",
+        &Opts {
+            timeout_ms: Some(10_000),
+            ..Opts::default()
+        },
+    );
+    let status = w.wait_exit(Duration::from_secs(10));
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGABRT), "{status:?}");
+    assert!(
+        w.next(Duration::from_millis(500)).is_none(),
+        "no reply after the abort"
+    );
+}
+
+/// With root, the worker runs under the real confinement sequence, strictly: another uid, no
+/// capabilities, no_new_privs, Landlock, seccomp, empty network and IPC namespaces.
+#[test]
+fn runs_fully_confined_as_an_unprivileged_user() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to switch uid");
+        return;
+    }
+    let plan = |dir: &std::path::Path| {
+        std::os::unix::fs::chown(dir, Some(65534), Some(65534)).unwrap();
+        let mut v: serde_json::Value = serde_json::from_str(&common::plan_json(dir)).unwrap();
+        v["uid"] = 65534.into();
+        v["gid"] = 65534.into();
+        v["enforcement"] = "strict".into();
+        v["new_net_namespace"] = true.into();
+        v["new_ipc_namespace"] = true.into();
+        v["max_processes"] = 64.into();
+        v["max_open_files"] = 64.into();
+        v.to_string()
+    };
+    let mut w = Worker::start_with(Some(128 << 20), Some(&plan));
+    eprintln!(
+        "FIGURES confined_start_to_ready_ms={:.1}",
+        w.ready_after.as_secs_f64() * 1e3
+    );
+    assert_eq!(w.proc_status("Seccomp"), "2");
+    assert_eq!(w.proc_status("NoNewPrivs"), "1");
+    assert!(w.proc_status("Uid").starts_with("65534"));
+    assert_eq!(w.proc_status("CapEff"), "0000000000000000");
+    let r = w.cell(1, "x = 6 * 7\nprint(x)");
+    assert_eq!(r.stdout, "42\n", "{r:?}");
+    let (r, after) = interrupt_after(&mut w, 2, "while True: pass");
+    assert_eq!(r.status(), WorkerStatus::Interrupted);
+    assert!(after < Duration::from_secs(1));
+    let r = w.run(
+        3,
+        "import time\ntime.sleep(5)",
+        &Opts {
+            timeout_ms: Some(200),
+            ..Opts::default()
+        },
+    );
+    assert_eq!(r.status(), WorkerStatus::Timeout);
+    assert_eq!(w.cell(4, "print(x)").stdout, "42\n");
+    let mut samples = Vec::new();
+    for i in 0..100 {
+        samples.push(w.cell(10 + i, "print(1)").elapsed);
+    }
+    samples.sort();
+    eprintln!(
+        "FIGURES confined_trivial_cell_p50_ms={:.3}",
+        samples[50].as_secs_f64() * 1e3
+    );
 }

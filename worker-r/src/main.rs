@@ -21,8 +21,9 @@
 //!    as `R --vanilla --no-echo --no-restore --file=<script>`, with an environment built only
 //!    from the allowlist in [`r_environment`].
 //!
-//! Descriptors 0-4 are passed on untouched. Failures after confinement exit with
-//! [`EXIT_LAUNCH_FAILED`].
+//! Descriptors 0-4 are passed on as they are (fds 3 and 4 only change owner, step 1); the
+//! embedded script's pipe, when used, is the only descriptor added. Failures after confinement
+//! exit with [`EXIT_LAUNCH_FAILED`].
 //!
 //! Environment read by the launcher (all set by the daemon; none is passed on as such except
 //! `SANDCELL_SESSION_DIR`):

@@ -109,6 +109,14 @@ impl Default for Start {
     }
 }
 
+/// The dynamic loader R's executable names as its ELF interpreter, resolved (Landlock rules
+/// are bound to the file, so the symlink in /lib64 would do as well once resolved).
+fn loader() -> PathBuf {
+    std::fs::canonicalize("/lib64/ld-linux-x86-64.so.2")
+        .or_else(|_| std::fs::canonicalize("/lib/ld-linux-aarch64.so.1"))
+        .unwrap_or_else(|_| PathBuf::from("/lib64/ld-linux-x86-64.so.2"))
+}
+
 /// The confinement plan used by the tests: the R paths of PLATFORM-NOTES, the worker's own
 /// `/proc/<pid>`, no `/tmp`.
 fn plan(session: &Path, max_address_space: Option<u64>) -> Plan {
@@ -133,7 +141,9 @@ fn plan(session: &Path, max_address_space: Option<u64>) -> Plan {
             p("/proc/self"),
             PathBuf::from(env!("CARGO_MANIFEST_DIR")),
         ],
-        exec_paths: vec![p("/usr")],
+        // R, /bin/sh and coreutils for system(), and the dynamic loader: execve checks the
+        // execute right on the ELF interpreter too, so read access to /usr is not enough.
+        exec_paths: vec![p("/usr/lib/R"), p("/usr/bin"), loader()],
         write_paths: vec![p("/dev/null")],
         keep_fds: vec![0, 1, 2, 3, 4],
         max_open_files: 256,
@@ -647,6 +657,14 @@ fn huge_error_message_is_bounded() {
     assert!(m.ends_with(&marker), "{}", &m[m.len() - 40..]);
     assert!(c.line_len < 64 * 1024, "done line of {} bytes", c.line_len);
     assert!(c.elapsed < Duration::from_secs(10), "took {:?}", c.elapsed);
+    // A parse error quotes the offending line: a 2 MB line is bounded too.
+    let code = format!("x <- c({}1 1)", "1, ".repeat(500_000));
+    let c = w.exec(&code);
+    assert_eq!(
+        (c.status, c.err().kind.as_str(), c.err().line),
+        (WorkerStatus::Error, "parseError", Some(1))
+    );
+    assert!(c.line_len < 64 * 1024, "done line of {} bytes", c.line_len);
     // Invalid UTF-8 in a huge message: bounded and escaped.
     let c = w.exec(
         "stop(structure(class = c('big', 'error', 'condition'), \
@@ -716,6 +734,25 @@ fn interrupt_ends_exactly_the_running_cell() {
         );
     }
     assert_eq!(w.exec("v").assert_ok().out(), "[1] 3\n");
+}
+
+#[test]
+fn group_sigint_then_repeat_stops_a_cell_waiting_for_system() {
+    need_r!("group_sigint_then_repeat_stops_a_cell_waiting_for_system");
+    let mut w = Worker::start();
+    let t0 = Instant::now();
+    let cell = w.send(b"system('sleep 30'); Sys.sleep(30); 'not reached'", None);
+    std::thread::sleep(Duration::from_millis(400));
+    // R ignores SIGINT while waiting for the child; the group signal ends `sleep`, a second
+    // SIGINT then ends the cell.
+    // SAFETY: signalling our own child's process group.
+    assert_eq!(unsafe { libc::kill(-w.pid(), libc::SIGINT) }, 0);
+    std::thread::sleep(Duration::from_millis(300));
+    w.sigint();
+    let c = w.wait_done(cell, t0, Duration::from_secs(10));
+    assert_eq!(c.status, WorkerStatus::Interrupted, "{c:?}");
+    assert!(c.elapsed < Duration::from_secs(5), "{:?}", c.elapsed);
+    w.exec("1").assert_ok();
 }
 
 #[test]
@@ -1076,6 +1113,17 @@ fn figures() {
          Rscript -e 'cat(1)' {rscript:?} ({})",
         if st.is_ok() { "ran" } else { "not run" }
     );
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        let strict = Worker::start_with(Start {
+            strict_as: Some(65534),
+            ..Start::default()
+        });
+        println!(
+            "figures: start to ready, strict as uid 65534: {:?}",
+            strict.startup
+        );
+    }
     assert!(p50 < Duration::from_millis(50), "p50 {p50:?}");
     assert!(startup < Duration::from_secs(10));
 }

@@ -1,9 +1,11 @@
 //! `org.sandcell.Manager1` at `/org/sandcell/Sandcell1`: list, inspect, terminate and
 //! interrupt sessions, reload the configuration, live figures and session signals.
 //!
-//! Every method that acts goes through the core (validate -> look up -> authorize -> act);
-//! listing and properties are public, as machined's `ListMachines` is: session ids are not
-//! capabilities, since every action checks the owner and asks polkit.
+//! Every method goes through the core (validate -> look up -> authorize -> act). Listing
+//! shows a caller its own sessions, and everyone's with `org.sandcell.manage-sessions`.
+//! Session ids are not capabilities (every action checks the owner and asks polkit), and
+//! they are not secret either: session object paths appear in introspection and in the
+//! broadcast `SessionOpened` signal, as machined's machines do.
 
 use super::{Error, Settings, caller, check_id, session_path};
 use crate::auth::Action;
@@ -49,9 +51,10 @@ pub(crate) fn usec(t: std::time::SystemTime) -> u64 {
         .unwrap_or(0)
 }
 
-/// The rows of `ListSessions`, ordered by start time.
-pub(crate) fn rows(core: &Core) -> Vec<SessionRow> {
+/// The rows of `ListSessions` for sessions of `uid` (all when `None`), by start time.
+pub(crate) fn rows(core: &Core, uid: Option<u32>) -> Vec<SessionRow> {
     let mut sessions = core.sessions();
+    sessions.retain(|s| uid.is_none_or(|u| s.owner.uid == u));
     sessions.sort_by_key(|s| s.started);
     sessions
         .iter()
@@ -72,20 +75,52 @@ pub(crate) fn rows(core: &Core) -> Vec<SessionRow> {
         .collect()
 }
 
+impl Manager {
+    /// Whose sessions the caller may see: `None` (everyone's) with manage-sessions, else the
+    /// caller's uid. Never prompts: listing is not worth a password.
+    async fn lister(
+        &self,
+        conn: &zbus::Connection,
+        header: &zbus::message::Header<'_>,
+    ) -> Result<Option<u32>, Error> {
+        let mut who = caller(conn, header).await?;
+        if let crate::session::Subject::BusName { interactive, .. } = &mut who.subject {
+            *interactive = false;
+        }
+        Ok(match self.core.authorize(&who, Action::ManageAll).await {
+            Ok(()) => None,
+            Err(_) => Some(who.uid),
+        })
+    }
+}
+
 #[zbus::interface(name = "org.sandcell.Manager1")]
 impl Manager {
     /// Live sessions: (id, language, owner uid, owner pid, state, started µs since the epoch,
-    /// cells run, memory in use in bytes or 2^64-1 if unknown, object path).
+    /// cells run, memory in use in bytes or 2^64-1 if unknown, object path). The caller's
+    /// own sessions; everyone's with org.sandcell.manage-sessions (asked without prompting).
     #[zbus(out_args("sessions"))]
-    async fn list_sessions(&self) -> Vec<SessionRow> {
-        rows(&self.core)
+    async fn list_sessions(
+        &self,
+        #[zbus(connection)] conn: &zbus::Connection,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+    ) -> Result<Vec<SessionRow>, Error> {
+        let who = self.lister(conn, &header).await?;
+        Ok(rows(&self.core, who))
     }
 
-    /// Object path of session `id`. Errors: NoSuchSession, InvalidParameter.
+    /// Object path of session `id`, visible as in ListSessions.
+    /// Errors: NoSuchSession, InvalidParameter.
     #[zbus(out_args("path"))]
-    async fn get_session(&self, id: &str) -> Result<OwnedObjectPath, Error> {
+    async fn get_session(
+        &self,
+        #[zbus(connection)] conn: &zbus::Connection,
+        #[zbus(header)] header: zbus::message::Header<'_>,
+        id: &str,
+    ) -> Result<OwnedObjectPath, Error> {
         check_id(id)?;
-        if self.core.sessions().iter().any(|s| s.id == id) {
+        let who = self.lister(conn, &header).await?;
+        if rows(&self.core, who).iter().any(|r| r.0 == id) {
             Ok(session_path(id))
         } else {
             Err(Error::NoSuchSession(format!("no session {id}")))

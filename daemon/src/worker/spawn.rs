@@ -133,9 +133,13 @@ pub fn plan(spec: &WorkerSpec) -> Plan {
             ] {
                 read_paths.push(p.into());
             }
-            // R itself, and /bin/sh plus coreutils for system().
+            // R itself, /bin/sh plus coreutils for system(), and the dynamic loader: execve
+            // checks the execute right on the ELF interpreter too (measured).
             for p in ["/usr/lib/R", "/usr/bin", "/bin"] {
                 exec_paths.push(p.into());
+            }
+            if let Ok(loader) = std::fs::canonicalize("/lib64/ld-linux-x86-64.so.2") {
+                exec_paths.push(loader);
             }
             (SyscallProfile::Native, spec.native_address_space)
         }

@@ -164,6 +164,12 @@ pub struct Opts {
 impl Worker {
     /// Starts a worker with the given guest memory limit and waits for Ready.
     pub fn start_with_memory(guest_memory: Option<u64>) -> Worker {
+        Self::start_with(guest_memory, None)
+    }
+
+    /// Starts a worker; `plan` maps the session directory to the confinement plan JSON
+    /// (default: [`plan_json`]).
+    pub fn start_with(guest_memory: Option<u64>, plan: Option<&dyn Fn(&Path) -> String>) -> Worker {
         let runtime = runtime_dir();
         let (req_r, req_w) = pipe();
         let (rep_r, rep_w) = pipe();
@@ -178,7 +184,11 @@ impl Worker {
         std::fs::create_dir_all(&session_dir).unwrap();
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_sandcell-worker-python"));
         cmd.env_clear()
-            .env("SANDCELL_CONFINE", plan_json(&session_dir))
+            .env(
+                "SANDCELL_CONFINE",
+                plan.map(|p| p(&session_dir))
+                    .unwrap_or_else(|| plan_json(&session_dir)),
+            )
             .env("SANDCELL_PYTHON_RUNTIME", runtime)
             .env("SANDCELL_SESSION_DIR", &session_dir)
             .stdin(Stdio::null())
@@ -369,6 +379,16 @@ impl Worker {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// A field of /proc/<pid>/status, e.g. `Seccomp`.
+    pub fn proc_status(&self, field: &str) -> String {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let line = status
+            .lines()
+            .find(|l| l.starts_with(&format!("{field}:")))
+            .unwrap();
+        line.split_once(':').unwrap().1.trim().to_string()
     }
 
     /// Resident set size of the worker in bytes (from /proc).
