@@ -1,26 +1,49 @@
 #!/usr/bin/env bash
-# Benchmark: Eryx in process (the floor) and sandcelld through its socket, in one run.
-# Prints figures; asserts nothing. Usage: scripts/bench.sh [iterations]
+# Benchmark, one run, figures only (no assertions): the engines alone (Eryx in process,
+# Rscript), then sandcelld through its socket, confined (as root), without and with warm pools.
+# Usage: scripts/bench.sh [iterations]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh
 bash scripts/setup.sh >/dev/null
 n="${1:-50}"
-echo "== Eryx in process (baseline)"
+
+echo "== Eryx in process (the floor)"
 "$BIN/sandcell-python-runtime" bench --dir "$SANDCELL_TEST_PYTHON_RUNTIME" --iterations "$n"
 
-run=$(mktemp -d /var/tmp/sandcell-bench.XXXXXX)
-chmod 0711 "$run"
+echo "== Rscript -e 'cat(1)' start (10 runs, ms each)"
+for _ in $(seq 10); do
+    s=$(date +%s%N); Rscript -e 'cat(1)' >/dev/null; e=$(date +%s%N)
+    printf '%s ' $(( (e - s) / 1000000 ))
+done
+echo
+
 mode=()
 [[ $(id -u) -eq 0 ]] || mode=(--insecure-dev)
-SANDCELL_WORKER_DIR="$BIN" SANDCELL_PYTHON_RUNTIME_DIR="$SANDCELL_TEST_PYTHON_RUNTIME" \
-SANDCELL_STATE_DIR="$run/state" SANDCELL_CGROUP_NAME="sandcell-bench-$$" SANDCELL_LANGUAGES=python \
-SANDCELL_MAX_CONCURRENT_SESSIONS=128 SANDCELL_MAX_AGGREGATE_GUEST_MEMORY_BYTES=$((128 * 134217728)) \
-SANDCELL_MAX_AGGREGATE_WORKER_MEMORY_BYTES=$((128 * 1073741824)) SANDCELL_LOG=warn \
-    "$BIN/sandcelld" "${mode[@]}" --listen "$run/k.sock" 2>"$run/daemon.log" &
-daemon=$!
-trap 'kill -TERM $daemon 2>/dev/null; wait $daemon 2>/dev/null || true' EXIT
-for _ in $(seq 200); do [[ -S $run/k.sock ]] && break; sleep 0.05; done
-sleep 1
-echo "== sandcelld ($([[ ${#mode[@]} -eq 0 ]] && echo confined || echo insecure-dev))"
-"$BIN/sandcell-bench" --socket "$run/k.sock" --daemon-pid "$daemon" --iterations "$n" --idle-sessions 100
+bench() { # label, language, extra bench args..., -- env assignments...
+    local label=$1 lang=$2; shift 2
+    local args=() envs=()
+    while [[ $# -gt 0 && $1 != -- ]]; do args+=("$1"); shift; done
+    [[ $# -gt 0 ]] && shift
+    envs=("$@")
+    local run; run=$(mktemp -d /var/tmp/sandcell-bench.XXXXXX); chmod 0711 "$run"
+    env SANDCELL_WORKER_DIR="$BIN" SANDCELL_PYTHON_RUNTIME_DIR="$SANDCELL_TEST_PYTHON_RUNTIME" \
+        SANDCELL_STATE_DIR="$run/state" SANDCELL_CGROUP_NAME="sandcell-bench-$$" SANDCELL_LANGUAGES=python,r \
+        SANDCELL_MAX_CONCURRENT_SESSIONS=128 SANDCELL_MAX_AGGREGATE_GUEST_MEMORY_BYTES=$((128 * 134217728)) \
+        SANDCELL_MAX_AGGREGATE_WORKER_MEMORY_BYTES=$((128 * 1073741824)) SANDCELL_LOG=warn "${envs[@]}" \
+        "$BIN/sandcelld" "${mode[@]}" --listen "$run/k.sock" 2>"$run/daemon.log" &
+    local daemon=$!
+    for _ in $(seq 400); do grep -q "ready to serve" "$run/daemon.log" 2>/dev/null && break; sleep 0.05; done
+    sleep 1
+    echo "== sandcelld, $lang, $label"
+    "$BIN/sandcell-bench" --socket "$run/k.sock" --daemon-pid "$daemon" --language "$lang" --label "$label" \
+        --iterations "$n" "${args[@]}" || echo "bench failed; log: $run/daemon.log"
+    kill -TERM "$daemon"; wait "$daemon" || true
+    rm -rf "$run"
+}
+bench "cold (no pool)" python --clients 1,2,4,16 --idle-sessions 100
+bench "warm pool" python --clients 1,2,4,16 --idle-sessions 0 -- \
+    SANDCELL_POOL_PYTHON_MIN=4 SANDCELL_POOL_PYTHON_MAX=16 SANDCELL_POOL_REFILL_PER_SECOND=200
+bench "cold (no pool)" r --clients 1,2,4 --idle-sessions 100
+bench "warm pool" r --clients 1,2,4 --idle-sessions 0 -- \
+    SANDCELL_POOL_R_MIN=4 SANDCELL_POOL_R_MAX=8 SANDCELL_POOL_REFILL_PER_SECOND=200

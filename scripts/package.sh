@@ -63,6 +63,16 @@ check_man() {
 }
 check_man sandcelld man/sandcelld.8
 check_man sandcellctl man/sandcellctl.1
+# API pages: every Varlink method and error, every D-Bus method, signal and property is named.
+for name in $(awk '/^(method|error) / { sub(/\(.*/, "", $2); print $2 }' proto/org.sandcell.Kernel.varlink); do
+    grep -q "$name" man/org.sandcell.Kernel.7 || { echo "package: man/org.sandcell.Kernel.7 does not document $name" >&2; exit 1; }
+done
+for f in dbus/*.xml; do
+    [[ -f $f ]] || continue
+    for name in $(grep -oE '<(method|signal|property) name="[^"]+"' "$f" | sed 's/.*name="//; s/"//'); do
+        grep -q "$name" man/org.sandcell.Sandcell1.5 || { echo "package: man/org.sandcell.Sandcell1.5 does not document $name ($f)" >&2; exit 1; }
+    done
+done
 # Example configuration: valid as shipped (all commented) and with every key uncommented.
 "$BIN/sandcelld" --check-config --config packaging/sandcelld.toml >/dev/null
 tmpconf=$(mktemp)
@@ -118,8 +128,10 @@ stage() {
     for f in polkit/*.policy; do
         [[ -f $f ]] && install -Dm 0644 "$f" "$root/usr/share/polkit-1/actions/$(basename "$f")"
     done
+    # The example rules file is data, not documentation: it lives beside the package's other
+    # data so that images that drop /usr/share/doc (dpkg path-exclude) keep it.
     for f in polkit/*.rules polkit/*.rules.example; do
-        [[ -f $f ]] && install -Dm 0644 "$f" "$root/usr/share/doc/sandcell/examples/$(basename "${f%.example}")"
+        [[ -f $f ]] && install -Dm 0644 "$f" "$root/usr/share/sandcell/polkit/$(basename "${f%.example}")"
     done
     return 0
 }

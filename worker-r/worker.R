@@ -546,6 +546,33 @@ run_cell <- function(cell, payload, opts) {
   r
 }
 
+## ---- plots ------------------------------------------------------------------------
+#
+# A cell that draws with base graphics without opening a device gets PNG files: the default
+# device of each cell writes plot-<cell>-001.png, -002.png, ... (one per page) into the
+# session directory. Devices the cell opened (ours or its own) are closed after it, so every
+# file is complete before `done`, and the daemon reports it in the cell's `files`.
+
+SESSION_DIR <- local({
+  d <- Sys.getenv("SANDCELL_SESSION_DIR", "")
+  if (!nzchar(d)) d <- getwd()
+  d
+})
+
+# Sets the default device for `cell` (digits, as text); returns the devices open before.
+plot_device_begin <- function(cell) {
+  pattern <- file.path(SESSION_DIR, sprintf("plot-%s-%%03d.png", cell))
+  options(device = function(...) grDevices::png(filename = pattern, ...))
+  grDevices::dev.list()
+}
+
+# Closes every device opened since plot_device_begin() returned `before`.
+plot_device_end <- function(before) {
+  opened <- setdiff(as.integer(grDevices::dev.list()), as.integer(before))
+  for (d in opened) tryCatch(grDevices::dev.off(d), error = function(e) NULL)
+  invisible(NULL)
+}
+
 ## ---- quit() ------------------------------------------------------------------------
 
 # Ends the session from a cell: reports `exited`, then exits R.
@@ -580,7 +607,9 @@ serve <- function(ready = TRUE) {
     drain_interrupt()
     state$cell <- req$cell
     state$done_sent <- FALSE
+    devices <- plot_device_begin(req$cell)
     r <- run_cell(req$cell, req$payload, req$opts)
+    plot_device_end(devices)
     reset_io()
     send_done(req$cell, r)
     state$cell <- NULL

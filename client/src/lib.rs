@@ -17,10 +17,11 @@
 //! `LimitExceeded`, `NoSuchSession`, ...); [`Error::Connect`] and [`Error::Protocol`] mean the
 //! socket could not be used.
 
-pub use sandcell_proto::kernel::{
-    CellResult, Frame, InterruptReply, KernelError, Limits, OpenReply, Output, State, Status, StreamStats, Usage,
-};
 use sandcell_proto::kernel::{self as k, FrameReply};
+pub use sandcell_proto::kernel::{
+    CellResult, FileInfo, FileKind, Frame, InterruptReply, KernelError, Limits, OpenReply, Output,
+    State, Status, StreamStats, Usage,
+};
 use serde::Serialize;
 use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
@@ -29,7 +30,9 @@ use zlink::{Call, Connection};
 
 /// The socket to use: `$SANDCELL_SOCKET`, else `/run/sandcell/org.sandcell.Kernel`.
 pub fn default_socket() -> PathBuf {
-    std::env::var_os("SANDCELL_SOCKET").map(PathBuf::from).unwrap_or_else(|| k::DEFAULT_SOCKET.into())
+    std::env::var_os("SANDCELL_SOCKET")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| k::DEFAULT_SOCKET.into())
 }
 
 /// Client errors.
@@ -52,6 +55,14 @@ pub enum Error {
     /// The stream ended before a result.
     #[error("the daemon closed the cell's stream before its result")]
     Incomplete,
+    /// A local file could not be read or written, or the daemon's data was not base64.
+    #[error("{what}: {source}")]
+    File {
+        /// What was done.
+        what: String,
+        /// The cause.
+        source: std::io::Error,
+    },
 }
 
 /// A connection to sandcelld.
@@ -85,13 +96,32 @@ impl Client {
     /// Connects to the socket at `path`.
     pub async fn connect(path: impl AsRef<Path>) -> Result<Client, Error> {
         let path = path.as_ref();
-        let conn = unix::connect(path).await.map_err(|source| Error::Connect { path: path.to_owned(), source })?;
+        let conn = unix::connect(path).await.map_err(|source| Error::Connect {
+            path: path.to_owned(),
+            source,
+        })?;
         Ok(Client { conn })
     }
 
-    async fn call<R: serde::de::DeserializeOwned + std::fmt::Debug>(&mut self, method: &str, parameters: Value) -> Result<R, Error> {
-        let m = MethodCall { method: &format!("{}.{method}", k::INTERFACE), parameters };
-        self.conn.send_call(&Call::new(&m), vec![]).await?;
+    async fn call<R: serde::de::DeserializeOwned + std::fmt::Debug>(
+        &mut self,
+        method: &str,
+        parameters: Value,
+    ) -> Result<R, Error> {
+        self.call_with_fds(method, parameters, vec![]).await
+    }
+
+    async fn call_with_fds<R: serde::de::DeserializeOwned + std::fmt::Debug>(
+        &mut self,
+        method: &str,
+        parameters: Value,
+        fds: Vec<std::os::fd::OwnedFd>,
+    ) -> Result<R, Error> {
+        let m = MethodCall {
+            method: &format!("{}.{method}", k::INTERFACE),
+            parameters,
+        };
+        self.conn.send_call(&Call::new(&m), fds).await?;
         let (reply, _fds) = self.conn.receive_reply::<R, KernelError>().await?;
         match reply {
             Ok(r) => r.into_parameters().ok_or(Error::Incomplete),
@@ -100,8 +130,13 @@ impl Client {
     }
 
     async fn start_cell(&mut self, method: &str, parameters: Value) -> Result<(), Error> {
-        let m = MethodCall { method: &format!("{}.{method}", k::INTERFACE), parameters };
-        self.conn.send_call(&Call::new(&m).set_more(true), vec![]).await?;
+        let m = MethodCall {
+            method: &format!("{}.{method}", k::INTERFACE),
+            parameters,
+        };
+        self.conn
+            .send_call(&Call::new(&m).set_more(true), vec![])
+            .await?;
         Ok(())
     }
 
@@ -109,14 +144,22 @@ impl Client {
     pub async fn next_frame(&mut self) -> Result<Frame, Error> {
         let (reply, _fds) = self.conn.receive_reply::<FrameReply, KernelError>().await?;
         match reply {
-            Ok(r) => r.into_parameters().map(|p| p.frame).ok_or(Error::Incomplete),
+            Ok(r) => r
+                .into_parameters()
+                .map(|p| p.frame)
+                .ok_or(Error::Incomplete),
             Err(e) => Err(Error::Kernel(e)),
         }
     }
 
     /// Starts a one-shot cell in a fresh sandbox; read it with [`Client::next_frame`] until a
     /// frame has `result`.
-    pub async fn run(&mut self, language: &str, code: &str, limits: Option<&Limits>) -> Result<(), Error> {
+    pub async fn run(
+        &mut self,
+        language: &str,
+        code: &str,
+        limits: Option<&Limits>,
+    ) -> Result<(), Error> {
         let mut p = json!({ "language": language, "code": code });
         if let Some(l) = limits {
             p["limits"] = serde_json::to_value(l).expect("limits serialise");
@@ -126,12 +169,14 @@ impl Client {
 
     /// Starts a cell in an open session; read it with [`Client::next_frame`].
     pub async fn execute(&mut self, session: &str, code: &str) -> Result<(), Error> {
-        self.start_cell("Execute", json!({ "session": session, "code": code })).await
+        self.start_cell("Execute", json!({ "session": session, "code": code }))
+            .await
     }
 
     /// Reads frames until the result, calling `on_output` for each output chunk.
     pub async fn finish(&mut self, mut on_output: impl FnMut(&Output)) -> Result<Collected, Error> {
-        let (mut session, mut cell, mut stdout, mut stderr) = (String::new(), 0, String::new(), String::new());
+        let (mut session, mut cell, mut stdout, mut stderr) =
+            (String::new(), 0, String::new(), String::new());
         loop {
             let f = self.next_frame().await?;
             if let Some(s) = f.started {
@@ -146,13 +191,24 @@ impl Client {
                 }
             }
             if let Some(result) = f.result {
-                return Ok(Collected { session, cell, stdout, stderr, result });
+                return Ok(Collected {
+                    session,
+                    cell,
+                    stdout,
+                    stderr,
+                    result,
+                });
             }
         }
     }
 
     /// Runs `code` one-shot and collects its output.
-    pub async fn run_collect(&mut self, language: &str, code: &str, limits: Option<&Limits>) -> Result<Collected, Error> {
+    pub async fn run_collect(
+        &mut self,
+        language: &str,
+        code: &str,
+        limits: Option<&Limits>,
+    ) -> Result<Collected, Error> {
         self.run(language, code, limits).await?;
         self.finish(|_| {}).await
     }
@@ -164,7 +220,12 @@ impl Client {
     }
 
     /// Opens a persistent session. With `detached_idle_seconds`, it outlives this connection.
-    pub async fn open(&mut self, language: &str, limits: Option<&Limits>, detached_idle_seconds: Option<u64>) -> Result<OpenReply, Error> {
+    pub async fn open(
+        &mut self,
+        language: &str,
+        limits: Option<&Limits>,
+        detached_idle_seconds: Option<u64>,
+    ) -> Result<OpenReply, Error> {
         let mut p = json!({ "language": language });
         if let Some(l) = limits {
             p["limits"] = serde_json::to_value(l).expect("limits serialise");
@@ -177,12 +238,138 @@ impl Client {
 
     /// Interrupts `cell` of `session` (from any connection of the same user).
     pub async fn interrupt(&mut self, session: &str, cell: u64) -> Result<InterruptReply, Error> {
-        self.call("Interrupt", json!({ "session": session, "cell": cell })).await
+        self.call("Interrupt", json!({ "session": session, "cell": cell }))
+            .await
     }
 
     /// Ends `session`; returns after its worker is gone.
     pub async fn close(&mut self, session: &str) -> Result<(), Error> {
         let _: Value = self.call("Close", json!({ "session": session })).await?;
+        Ok(())
+    }
+
+    /// Stores `data` as `name` (a relative path) in `session`'s directory, inline: at most
+    /// [`k::MAX_INLINE_BYTES`] (2 MiB); use [`Client::put_file`] for files on disk.
+    /// Errors: `InvalidFileName`, `LimitExceeded` (`max_file_bytes`,
+    /// `max_session_files_bytes`, `inline_bytes`), `SessionBusy`, `NotRegularFile`.
+    pub async fn put_bytes(
+        &mut self,
+        session: &str,
+        name: &str,
+        data: &[u8],
+    ) -> Result<FileInfo, Error> {
+        let p = json!({ "session": session, "name": name, "size": data.len(), "data": k::encode_base64(data) });
+        let r: k::PutFileReply = self.call("PutFile", p).await?;
+        Ok(r.file)
+    }
+
+    /// Stores the regular file `file` as `name`, passing its descriptor (the daemon reads
+    /// it; its size is declared from `fstat`). Errors as [`Client::put_bytes`], and
+    /// [`Error::File`] when `file` cannot be inspected.
+    pub async fn put_fd(
+        &mut self,
+        session: &str,
+        name: &str,
+        file: std::fs::File,
+    ) -> Result<FileInfo, Error> {
+        let size = file
+            .metadata()
+            .map_err(|source| Error::File {
+                what: "stat".into(),
+                source,
+            })?
+            .len();
+        self.put_fd_declared(session, name, file.into(), size).await
+    }
+
+    /// As [`Client::put_fd`] with an explicit declared `size` (the daemon checks it against
+    /// the limits first, then against the descriptor's `fstat`).
+    pub async fn put_fd_declared(
+        &mut self,
+        session: &str,
+        name: &str,
+        fd: std::os::fd::OwnedFd,
+        size: u64,
+    ) -> Result<FileInfo, Error> {
+        let p = json!({ "session": session, "name": name, "size": size, "fd": 0 });
+        let r: k::PutFileReply = self.call_with_fds("PutFile", p, vec![fd]).await?;
+        Ok(r.file)
+    }
+
+    /// Uploads the local file at `path` as `name` (by descriptor).
+    pub async fn put_file(
+        &mut self,
+        session: &str,
+        name: &str,
+        path: impl AsRef<Path>,
+    ) -> Result<FileInfo, Error> {
+        let path = path.as_ref();
+        let f = std::fs::File::open(path).map_err(|source| Error::File {
+            what: format!("open {}", path.display()),
+            source,
+        })?;
+        self.put_fd(session, name, f).await
+    }
+
+    /// Lists `session`'s directory (lstat: symlinks and special files are reported as such);
+    /// returns the entries and whether the daemon cut the listing at its bound.
+    pub async fn list_files(&mut self, session: &str) -> Result<(Vec<FileInfo>, bool), Error> {
+        let r: k::ListFilesReply = self
+            .call("ListFiles", json!({ "session": session }))
+            .await?;
+        Ok((r.files, r.truncated))
+    }
+
+    /// Reads one chunk of `name`: at most `max_bytes` (default and ceiling 1 MiB) from
+    /// `offset`. Returns the file's description, the bytes, and whether they reach its end.
+    pub async fn get_file_chunk(
+        &mut self,
+        session: &str,
+        name: &str,
+        offset: u64,
+        max_bytes: Option<u64>,
+    ) -> Result<(FileInfo, Vec<u8>, bool), Error> {
+        let mut p = json!({ "session": session, "name": name, "offset": offset });
+        if let Some(m) = max_bytes {
+            p["max_bytes"] = json!(m);
+        }
+        let r: k::GetFileReply = self.call("GetFile", p).await?;
+        let bytes = k::decode_base64(&r.data).map_err(|e| Error::File {
+            what: "decoding GetFile data".into(),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+        })?;
+        Ok((r.file, bytes, r.eof))
+    }
+
+    /// Reads the whole regular file `name`, chunk by chunk, into `out`; returns its
+    /// description and the bytes written. Errors: `NoSuchFile`, `NotRegularFile` (symlinks,
+    /// directories, FIFOs are refused), `InvalidFileName`; [`Error::File`] when `out` fails.
+    pub async fn get_file(
+        &mut self,
+        session: &str,
+        name: &str,
+        mut out: impl std::io::Write,
+    ) -> Result<(FileInfo, u64), Error> {
+        let mut offset = 0u64;
+        loop {
+            let (info, bytes, eof) = self.get_file_chunk(session, name, offset, None).await?;
+            out.write_all(&bytes).map_err(|source| Error::File {
+                what: "write".into(),
+                source,
+            })?;
+            offset += bytes.len() as u64;
+            // A file that shrank meanwhile returns nothing: stop rather than loop.
+            if eof || bytes.is_empty() {
+                return Ok((info, offset));
+            }
+        }
+    }
+
+    /// Removes `name` (a file, a symlink itself, or an empty directory) from `session`.
+    pub async fn delete_file(&mut self, session: &str, name: &str) -> Result<(), Error> {
+        let _: Value = self
+            .call("DeleteFile", json!({ "session": session, "name": name }))
+            .await?;
         Ok(())
     }
 }

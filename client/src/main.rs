@@ -46,8 +46,31 @@ enum Cmd {
         /// Lower the wall-time limit of the cell, seconds.
         #[arg(long, value_name = "SECONDS")]
         wall_time: Option<f64>,
+        /// Save the files the cell created or changed (plots, cleaned data) into DIR and print
+        /// their paths. Runs the cell in a session closed afterwards instead of one-shot.
+        #[arg(long, value_name = "DIR")]
+        artifacts: Option<PathBuf>,
         /// The code file, or - for standard input.
         file: PathBuf,
+    },
+    /// Upload FILE into SESSION's directory as NAME (default: FILE's file name).
+    Put {
+        /// Session id.
+        session: String,
+        /// Local file (passed to the daemon as a descriptor).
+        file: PathBuf,
+        /// Relative path in the session directory.
+        name: Option<String>,
+    },
+    /// Download NAME from SESSION's directory into OUT (default: NAME's file name; - for
+    /// standard output).
+    Get {
+        /// Session id.
+        session: String,
+        /// Relative path in the session directory.
+        name: String,
+        /// Where to write.
+        out: Option<PathBuf>,
     },
     /// Open a detached session that lives IDLE seconds without cells; prints its id.
     Open {
@@ -202,6 +225,57 @@ fn fail(e: Error) -> ExitCode {
 }
 
 async fn stream(c: &mut Client, json: bool) -> Result<u8, Error> {
+    stream_result(c, json).await.map(|(code, _)| code)
+}
+
+/// Saves the regular files among `files` (a cell's `files`) from `session` into `dir`,
+/// printing each path; symlinks and special files are skipped with a note.
+async fn save_artifacts(
+    c: &mut Client,
+    session: &str,
+    files: &[sandcell_client::FileInfo],
+    dir: &std::path::Path,
+) -> Result<(), Error> {
+    let local = |what: String| move |source| Error::File { what, source };
+    for f in files {
+        if f.kind != sandcell_client::FileKind::File {
+            if f.kind != sandcell_client::FileKind::Dir {
+                eprintln!(
+                    "sandcellctl: not saved: {} is a {}",
+                    f.name,
+                    f.kind.as_str()
+                );
+            }
+            continue;
+        }
+        // Names come from the daemon's listing; never write outside DIR all the same.
+        let rel = std::path::Path::new(&f.name);
+        if rel.is_absolute()
+            || rel
+                .components()
+                .any(|c| !matches!(c, std::path::Component::Normal(_)))
+        {
+            eprintln!("sandcellctl: not saved: unexpected name {:?}", f.name);
+            continue;
+        }
+        let path = dir.join(rel);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)
+                .map_err(local(format!("create {}", parent.display())))?;
+        }
+        let out =
+            std::fs::File::create(&path).map_err(local(format!("create {}", path.display())))?;
+        c.get_file(session, &f.name, std::io::BufWriter::new(out))
+            .await?;
+        println!("{}", path.display());
+    }
+    Ok(())
+}
+
+async fn stream_result(
+    c: &mut Client,
+    json: bool,
+) -> Result<(u8, Option<sandcell_client::CellResult>), Error> {
     let mut out = std::io::stdout();
     let mut err = std::io::stderr();
     loop {
@@ -259,7 +333,7 @@ async fn stream(c: &mut Client, json: bool) -> Result<u8, Error> {
                     }
                 }
             }
-            return Ok(exit_for(r.status));
+            return Ok((exit_for(r.status), Some(r)));
         }
     }
 }
@@ -283,6 +357,7 @@ async fn main() -> ExitCode {
             Cmd::Run {
                 language,
                 wall_time,
+                artifacts,
                 file,
             } => {
                 let code = read_code(file).map_err(|e| Error::Protocol(zlink::Error::Io(e)))?;
@@ -296,8 +371,63 @@ async fn main() -> ExitCode {
                     wall_time_seconds: Some(w),
                     ..Default::default()
                 });
-                c.run(&lang, &code, limits.as_ref()).await?;
-                stream(&mut c, args.json).await
+                let Some(dir) = artifacts else {
+                    c.run(&lang, &code, limits.as_ref()).await?;
+                    return stream(&mut c, args.json).await;
+                };
+                // A one-shot Run's directory is gone with its result: use a session instead.
+                let session = c.open(&lang, limits.as_ref(), None).await?.session;
+                c.execute(&session, &code).await?;
+                let (status, result) = stream_result(&mut c, args.json).await?;
+                let files = result.map(|r| r.files).unwrap_or_default();
+                let saved = save_artifacts(&mut c, &session, &files, dir).await;
+                let _ = c.close(&session).await;
+                saved.map(|()| status)
+            }
+            Cmd::Put {
+                session,
+                file,
+                name,
+            } => {
+                let name = match name {
+                    Some(n) => n.clone(),
+                    None => file
+                        .file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default(),
+                };
+                let info = c.put_file(session, &name, file).await?;
+                if args.json {
+                    println!("{}", serde_json::to_string(&info).expect("serialises"));
+                } else {
+                    println!("{} {} bytes", info.name, info.size);
+                }
+                Ok(0)
+            }
+            Cmd::Get { session, name, out } => {
+                let out = out.clone().unwrap_or_else(|| {
+                    PathBuf::from(std::path::Path::new(name).file_name().unwrap_or_default())
+                });
+                if out.as_os_str() == "-" {
+                    c.get_file(session, name, std::io::stdout().lock()).await?;
+                } else {
+                    // Written next to OUT first, renamed into place only when complete.
+                    let tmp = out.with_extension("sandcellctl-part");
+                    let f = std::fs::File::create(&tmp).map_err(|source| Error::File {
+                        what: format!("create {}", tmp.display()),
+                        source,
+                    })?;
+                    let got = c.get_file(session, name, std::io::BufWriter::new(f)).await;
+                    if let Err(e) = got {
+                        let _ = std::fs::remove_file(&tmp);
+                        return Err(e);
+                    }
+                    std::fs::rename(&tmp, &out).map_err(|source| Error::File {
+                        what: format!("rename to {}", out.display()),
+                        source,
+                    })?;
+                }
+                Ok(0)
             }
             Cmd::Open { language, idle } => {
                 let o = c.open(language, None, Some(*idle)).await?;

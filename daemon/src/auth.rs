@@ -31,7 +31,8 @@ impl Action {
 
 /// Decides whether `caller` may do `action`.
 pub trait Authority: Send + Sync {
-    /// True when allowed. Implementations must not prompt (non-interactive checks only).
+    /// True when allowed. Implementations prompt only for D-Bus callers that set the
+    /// allow-interactive-authorization flag; Varlink checks are never interactive.
     fn check<'a>(
         &'a self,
         caller: &'a Caller,

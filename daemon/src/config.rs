@@ -16,6 +16,8 @@
 //! | `max_aggregate_guest_memory_bytes` | 268,435,456 | admission budget of guest memory |
 //! | `max_worker_memory_bytes` | 1,073,741,824 | cgroup memory.max of one worker |
 //! | `max_aggregate_worker_memory_bytes` | 2,147,483,648 | admission budget of worker memory |
+//! | `max_file_bytes` | 67,108,864 | one file uploaded to a session directory (issue #8) |
+//! | `max_session_files_bytes` | 268,435,456 | regular files of one session directory, uploads checked against it |
 //!
 //! Every key `k` has the override `SANDCELL_<K>` (upper case), e.g. `SANDCELL_MAX_FUEL`.
 //! Validation (seed 000): every number positive; one session's charges fit their aggregate
@@ -57,6 +59,11 @@ pub struct Limits {
     pub max_worker_memory_bytes: u64,
     /// Admission budget of worker memory.
     pub max_aggregate_worker_memory_bytes: u64,
+    /// Bytes of one file uploaded to a session directory (`PutFile`).
+    pub max_file_bytes: u64,
+    /// Bytes of all regular files of one session directory (`st_size`); an upload that would
+    /// exceed it is refused.
+    pub max_session_files_bytes: u64,
 }
 
 impl Default for Limits {
@@ -72,6 +79,8 @@ impl Default for Limits {
             max_aggregate_guest_memory_bytes: 268_435_456,
             max_worker_memory_bytes: 1_073_741_824,
             max_aggregate_worker_memory_bytes: 2_147_483_648,
+            max_file_bytes: 64 * 1024 * 1024,
+            max_session_files_bytes: 256 * 1024 * 1024,
         }
     }
 }
@@ -107,6 +116,18 @@ pub struct Daemon {
     /// which `sessions/<id>` groups are made; one name per daemon instance. Ignored on v2, where
     /// the delegated root is the service's own group.
     pub cgroup_name: String,
+    /// Warm Python workers kept idle at least (0 = no pool).
+    pub pool_python_min: usize,
+    /// Warm Python workers kept idle at most, while sessions are being opened.
+    pub pool_python_max: usize,
+    /// Warm R workers kept idle at least (0 = no pool).
+    pub pool_r_min: usize,
+    /// Warm R workers kept idle at most, while sessions are being opened.
+    pub pool_r_max: usize,
+    /// Warm workers started per second at most.
+    pub pool_refill_per_second: f64,
+    /// Seconds without a take after which a pool shrinks back to its minimum.
+    pub pool_idle_seconds: u64,
 }
 
 impl Default for Daemon {
@@ -124,6 +145,12 @@ impl Default for Daemon {
             max_worker_pids: 64,
             worker_cpus: 1.0,
             cgroup_name: "sandcell".into(),
+            pool_python_min: 0,
+            pool_python_max: 0,
+            pool_r_min: 0,
+            pool_r_max: 0,
+            pool_refill_per_second: 4.0,
+            pool_idle_seconds: 60,
         }
     }
 }
@@ -235,6 +262,8 @@ impl Config {
                 "max_aggregate_worker_memory_bytes" => {
                     l.max_aggregate_worker_memory_bytes = u64v()?
                 }
+                "max_file_bytes" => l.max_file_bytes = u64v()?,
+                "max_session_files_bytes" => l.max_session_files_bytes = u64v()?,
                 "idle_exit_seconds" => d.idle_exit_seconds = u64v()?,
                 "worker_start_timeout_seconds" => {
                     d.worker_start_timeout_seconds = parse_num(&var, &value)?
@@ -255,6 +284,12 @@ impl Config {
                 "max_worker_pids" => d.max_worker_pids = u64v()?,
                 "worker_cpus" => d.worker_cpus = parse_num(&var, &value)?,
                 "cgroup_name" => d.cgroup_name = value.clone(),
+                "pool_python_min" => d.pool_python_min = parse_num(&var, &value)?,
+                "pool_python_max" => d.pool_python_max = parse_num(&var, &value)?,
+                "pool_r_min" => d.pool_r_min = parse_num(&var, &value)?,
+                "pool_r_max" => d.pool_r_max = parse_num(&var, &value)?,
+                "pool_refill_per_second" => d.pool_refill_per_second = parse_num(&var, &value)?,
+                "pool_idle_seconds" => d.pool_idle_seconds = u64v()?,
                 _ => {}
             }
         }
@@ -290,6 +325,7 @@ impl Config {
                 });
             }
         }
+        Self::validate_file_limits(l)?;
         let wall = l.execution_wall_time_seconds;
         if !(wall.is_finite() && wall > 0.0 && wall <= 86_400.0) {
             return Err(Error::Invalid {
@@ -383,6 +419,20 @@ impl Config {
                 reason: "1-64 characters of [A-Za-z0-9_-]".into(),
             });
         }
+        for (key, min, max) in [
+            ("pool_python_max", d.pool_python_min, d.pool_python_max),
+            ("pool_r_max", d.pool_r_min, d.pool_r_max),
+        ] {
+            if max < min {
+                return Err(Error::Invalid { key, reason: format!("{max} is below the minimum {min}") });
+            }
+            if (max as u64) > l.max_concurrent_sessions {
+                return Err(Error::Invalid { key, reason: "exceeds max_concurrent_sessions".into() });
+            }
+        }
+        if !(d.pool_refill_per_second.is_finite() && d.pool_refill_per_second > 0.0 && d.pool_refill_per_second <= 1000.0) {
+            return Err(Error::Invalid { key: "pool_refill_per_second", reason: "must be in (0, 1000]".into() });
+        }
         if d.languages.is_empty() {
             return Err(Error::Invalid {
                 key: "languages",
@@ -396,6 +446,30 @@ impl Config {
                     reason: format!("unknown language {lang:?} (python, r)"),
                 });
             }
+        }
+        Ok(())
+    }
+}
+
+impl Config {
+    /// Session-file limits (issue #8): both positive, one file within the session's total.
+    fn validate_file_limits(l: &Limits) -> Result<(), Error> {
+        for (key, v) in [
+            ("max_file_bytes", l.max_file_bytes),
+            ("max_session_files_bytes", l.max_session_files_bytes),
+        ] {
+            if v == 0 {
+                return Err(Error::Invalid {
+                    key,
+                    reason: "must be positive".into(),
+                });
+            }
+        }
+        if l.max_file_bytes > l.max_session_files_bytes {
+            return Err(Error::Invalid {
+                key: "max_file_bytes",
+                reason: "exceeds max_session_files_bytes".into(),
+            });
         }
         Ok(())
     }
@@ -459,6 +533,15 @@ mod tests {
         let mut c = Config::default();
         c.limits.max_source_bytes = SOURCE_CEILING + 1;
         assert!(c.validate().is_err());
+        let mut c = Config::default();
+        c.limits.max_file_bytes = c.limits.max_session_files_bytes + 1;
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("max_file_bytes"), "{e}");
+        let mut c = Config::default();
+        c.apply_env(env(&[("SANDCELL_MAX_SESSION_FILES_BYTES", "0")]))
+            .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("max_session_files_bytes"), "{e}");
         let e = Config::default()
             .apply_env(env(&[("SANDCELL_MAX_FUEL", "lots")]))
             .unwrap_err();

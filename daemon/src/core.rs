@@ -9,6 +9,7 @@ use crate::auth::{Action, Authority};
 use crate::cgroup::{Backend, GroupLimits, SessionGroup};
 use crate::config::Config;
 use crate::identity::UidPool;
+use crate::pool::Prepared;
 use crate::session::{Caller, Event, ExecuteRefused, Session, SessionLimits};
 use crate::worker::spawn::{self, WorkerSpec};
 use sandcell_confine::Enforcement;
@@ -43,6 +44,7 @@ pub struct Core {
     stopping: AtomicBool,
     connections: AtomicU64,
     next_connection: AtomicU64,
+    pool: crate::pool::Pool,
 }
 
 impl std::fmt::Debug for Core {
@@ -96,7 +98,18 @@ impl Core {
             stopping: AtomicBool::new(false),
             connections: AtomicU64::new(0),
             next_connection: AtomicU64::new(1),
+            pool: crate::pool::Pool::default(),
         })
+    }
+
+    /// The warm worker pools.
+    pub fn pool(&self) -> &crate::pool::Pool {
+        &self.pool
+    }
+
+    /// Starts the warm-pool refill task (a no-op while every pool size is 0).
+    pub fn start_pool(self: &Arc<Self>) {
+        tokio::spawn(crate::pool::run(Arc::downgrade(self)));
     }
 
     /// The configuration in force.
@@ -313,27 +326,42 @@ impl Core {
         limits: SessionLimits,
         detached: Option<Duration>,
     ) -> Result<Arc<Session>, KernelError> {
+        // A warm worker, when one fits: already confined and Ready, never used before.
+        let warm = self.pool.take(language, limits.guest_memory);
+        let from_pool = warm.is_some();
+        let prepared = match warm {
+            Some(p) => p,
+            None => match self.prepare_worker(language, limits.guest_memory).await {
+                // Idle pooled workers hold admission charges: give one back rather than refuse.
+                Err(KernelError::CapacityExceeded { .. }) if self.pool.evict_one().await => {
+                    self.prepare_worker(language, limits.guest_memory).await?
+                }
+                other => other?,
+            },
+        };
+        Ok(self.start_session(prepared, caller, limits, detached, from_pool))
+    }
+
+    /// Admits, creates the cgroup and directory, spawns a confined worker and waits for its
+    /// `Ready`. On any failure everything taken so far is released.
+    pub(crate) async fn prepare_worker(
+        &self,
+        language: Language,
+        guest_memory: u64,
+    ) -> Result<Prepared, KernelError> {
         let cfg = self.config();
         let charge = Charge {
-            guest_memory: if language == Language::Python {
-                limits.guest_memory
-            } else {
-                0
-            },
+            guest_memory: if language == Language::Python { guest_memory } else { 0 },
             worker_memory: cfg.limits.max_worker_memory_bytes,
         };
         let permit = self.admission.try_admit(charge)?;
         let lease = if self.options.per_session_uids {
-            Some(
-                self.uids
-                    .allocate()
-                    .ok_or_else(|| KernelError::CapacityExceeded {
-                        budget: "worker_uid_count".into(),
-                        in_use: cfg.daemon.worker_uid_count as u64,
-                        requested: 1,
-                        max: cfg.daemon.worker_uid_count as u64,
-                    })?,
-            )
+            Some(self.uids.allocate().ok_or_else(|| KernelError::CapacityExceeded {
+                budget: "worker_uid_count".into(),
+                in_use: cfg.daemon.worker_uid_count as u64,
+                requested: 1,
+                max: cfg.daemon.worker_uid_count as u64,
+            })?)
         } else {
             None
         };
@@ -347,7 +375,7 @@ impl Core {
             gid: uid,
             worker_dir: cfg.daemon.worker_dir.clone(),
             python_runtime_dir: cfg.daemon.python_runtime_dir.clone(),
-            guest_memory_bytes: limits.guest_memory,
+            guest_memory_bytes: guest_memory,
             native_address_space: None,
             enforcement: self.options.enforcement,
         };
@@ -364,9 +392,7 @@ impl Core {
                 },
             )
             .map(Arc::from)
-            .map_err(|e| KernelError::WorkerFailed {
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| KernelError::WorkerFailed { reason: e.to_string() })?;
 
         let fail = |reason: String, group: Arc<dyn SessionGroup>, dir: PathBuf| async move {
             let _ = tokio::task::spawn_blocking(move || {
@@ -396,56 +422,66 @@ impl Core {
                 Err(e) => Err(format!("bad ready line: {e}")),
             },
             Ok(Ok(None)) => {
-                let status = spawned
-                    .child
-                    .wait()
-                    .await
-                    .map(|s| s.to_string())
-                    .unwrap_or_default();
-                Err(format!(
-                    "worker exited before it was ready ({status}); see the daemon's log"
-                ))
+                let status =
+                    spawned.child.wait().await.map(|s| s.to_string()).unwrap_or_default();
+                Err(format!("worker exited before it was ready ({status}); see the daemon's log"))
             }
             Ok(Err(e)) => Err(e.to_string()),
             Err(_) => Err(format!("worker not ready after {timeout:?}")),
         };
-        let engine = match engine {
-            Ok(e) => e,
+        match engine {
+            Ok(engine) => Ok(Prepared {
+                id,
+                language,
+                guest_memory,
+                engine,
+                spawned,
+                group,
+                session_dir: spec.session_dir,
+                lease,
+                permit,
+            }),
             Err(reason) => {
                 let _ = spawned.child.start_kill();
                 let _ = spawned.child.wait().await;
-                return Err(fail(reason, group, spec.session_dir.clone()).await);
+                Err(fail(reason, group, spec.session_dir.clone()).await)
             }
-        };
+        }
+    }
+
+    /// Turns a Ready worker into a session owned by `caller`.
+    fn start_session(
+        &self,
+        p: Prepared,
+        caller: &Caller,
+        limits: SessionLimits,
+        detached: Option<Duration>,
+        warm: bool,
+    ) -> Arc<Session> {
         let registry = self.sessions.clone();
+        let id = p.id.clone();
+        let language = p.language;
         let session = Session::start(
-            id.clone(),
-            language,
+            p.id,
+            p.language,
             caller.clone(),
             detached,
-            engine,
+            p.engine,
             limits,
-            spawned,
-            group,
-            spec.session_dir.clone(),
-            lease,
-            permit,
+            p.spawned,
+            p.group,
+            p.session_dir,
+            p.lease,
+            p.permit,
             Box::new(move |id, _reason| {
                 registry.lock().unwrap().remove(id);
             }),
             self.events.clone(),
         );
-        self.sessions
-            .lock()
-            .unwrap()
-            .insert(id.clone(), session.clone());
-        tracing::info!(session = %id, uid = caller.uid, pid = caller.pid, language = language.as_str(), "session opened");
-        let _ = self.events.send(Event::Opened {
-            id,
-            uid: caller.uid,
-            language,
-        });
-        Ok(session)
+        self.sessions.lock().unwrap().insert(id.clone(), session.clone());
+        tracing::info!(session = %id, uid = caller.uid, pid = caller.pid, language = language.as_str(), warm, "session opened");
+        let _ = self.events.send(Event::Opened { id, uid: caller.uid, language });
+        session
     }
 
     /// Runs `code` as a cell of `session`; frames go to `frames`.
@@ -576,10 +612,167 @@ impl Core {
             set.spawn(async move { s.close("daemon stopping").await });
         }
         while set.join_next().await.is_some() {}
+        self.pool.drain().await;
         // Every session group is gone; remove the daemon's own parents (v1) too.
         if let Err(e) = self.cgroups.release() {
             tracing::warn!(error = %e, "releasing the cgroup subtree");
         }
+    }
+
+    // ---- issue #8: files in and out of a session directory (all file work: files.rs) ----
+
+    fn file_limits(&self) -> crate::files::Limits {
+        let cfg = self.config();
+        crate::files::Limits {
+            max_file_bytes: cfg.limits.max_file_bytes,
+            max_session_files_bytes: cfg.limits.max_session_files_bytes,
+        }
+    }
+
+    /// A session for a file call: validate -> look up -> authorize (as `Execute`).
+    async fn file_session(
+        &self,
+        caller: &Caller,
+        session: &str,
+    ) -> Result<Arc<Session>, KernelError> {
+        let s = self.lookup(caller, session)?;
+        self.authorize(caller, Action::Execute).await?;
+        Ok(s)
+    }
+
+    /// Stores `source` as `name` in `session`'s directory, owned by its worker identity, mode
+    /// 0600. `size` is the declared size, checked (with a passed descriptor's `fstat`) against
+    /// `max_file_bytes` before the session is looked up and before anything is read.
+    ///
+    /// Errors: `InvalidFileName`, `LimitExceeded` (`max_file_bytes`,
+    /// `max_session_files_bytes`), `InvalidParameter` (size mismatch, unusable descriptor),
+    /// `NoSuchSession`, `PermissionDenied`, `SessionBusy` (a cell is running),
+    /// `NotRegularFile` (something other than a regular file is in the way).
+    pub async fn put_file(
+        &self,
+        caller: &Caller,
+        session: &str,
+        name: &str,
+        size: u64,
+        source: crate::files::Source,
+    ) -> Result<sandcell_proto::kernel::FileInfo, KernelError> {
+        let limits = self.file_limits();
+        crate::files::validate_name(name)?;
+        crate::files::check_upload(size, &source, &limits)?;
+        let s = self.file_session(caller, session).await?;
+        {
+            let info = s.info.lock().unwrap();
+            match info.state {
+                "running" => {
+                    return Err(KernelError::SessionBusy {
+                        session: session.into(),
+                        cell: info.running_cell.unwrap_or(0),
+                    });
+                }
+                "ended" => {
+                    return Err(KernelError::NoSuchSession {
+                        session: session.into(),
+                    });
+                }
+                _ => {}
+            }
+        }
+        let (dir, owner, name_owned) = (s.dir.clone(), s.worker_ids, name.to_owned());
+        let stored = tokio::task::spawn_blocking(move || {
+            crate::files::put(&dir, &name_owned, size, source, owner, &limits)
+        })
+        .await
+        .map_err(|e| KernelError::WorkerFailed {
+            reason: format!("file task failed: {e}"),
+        })??;
+        tracing::info!(session, uid = caller.uid, name, size, "file stored");
+        Ok(stored)
+    }
+
+    /// Lists `session`'s directory (lstat only, bounded); returns the entries sorted by name
+    /// and whether the listing was cut at its bound.
+    ///
+    /// Errors: `NoSuchSession`, `PermissionDenied`.
+    pub async fn list_files(
+        &self,
+        caller: &Caller,
+        session: &str,
+    ) -> Result<(Vec<sandcell_proto::kernel::FileInfo>, bool), KernelError> {
+        let s = self.file_session(caller, session).await?;
+        let dir = s.dir.clone();
+        let l = tokio::task::spawn_blocking(move || crate::files::list(&dir))
+            .await
+            .map_err(|e| KernelError::WorkerFailed {
+                reason: format!("file task failed: {e}"),
+            })?
+            .map_err(|_| KernelError::NoSuchSession {
+                session: session.into(),
+            })?;
+        Ok((l.files, l.truncated))
+    }
+
+    /// Reads at most `max_bytes` (default and ceiling 1 MiB) of the regular file `name` from
+    /// `offset`; returns its description, the bytes and whether they reach its end.
+    ///
+    /// Errors: `InvalidFileName`, `LimitExceeded` (`max_bytes`), `NoSuchSession`,
+    /// `PermissionDenied`, `NoSuchFile`, `NotRegularFile` (symlink, directory, FIFO, ...).
+    pub async fn get_file(
+        &self,
+        caller: &Caller,
+        session: &str,
+        name: &str,
+        offset: u64,
+        max_bytes: Option<u64>,
+    ) -> Result<(sandcell_proto::kernel::FileInfo, Vec<u8>, bool), KernelError> {
+        use sandcell_proto::kernel::MAX_CHUNK_BYTES;
+        crate::files::validate_name(name)?;
+        let max = match max_bytes {
+            None => MAX_CHUNK_BYTES,
+            Some(0) => {
+                return Err(KernelError::InvalidParameter {
+                    parameter: "max_bytes".into(),
+                    reason: "must be positive".into(),
+                });
+            }
+            Some(m) if m > MAX_CHUNK_BYTES => {
+                return Err(KernelError::LimitExceeded {
+                    limit: "max_bytes".into(),
+                    value: m,
+                    max: MAX_CHUNK_BYTES,
+                });
+            }
+            Some(m) => m,
+        };
+        let s = self.file_session(caller, session).await?;
+        let (dir, name) = (s.dir.clone(), name.to_owned());
+        Ok(
+            tokio::task::spawn_blocking(move || crate::files::read(&dir, &name, offset, max))
+                .await
+                .map_err(|e| KernelError::WorkerFailed {
+                    reason: format!("file task failed: {e}"),
+                })??,
+        )
+    }
+
+    /// Removes `name` (a file, a symlink itself, or an empty directory) from `session`'s
+    /// directory. Errors: `InvalidFileName`, `NoSuchSession`, `PermissionDenied`,
+    /// `NoSuchFile`, `NotRegularFile` (a symlink on the way).
+    pub async fn delete_file(
+        &self,
+        caller: &Caller,
+        session: &str,
+        name: &str,
+    ) -> Result<(), KernelError> {
+        crate::files::validate_name(name)?;
+        let s = self.file_session(caller, session).await?;
+        let (dir, name) = (s.dir.clone(), name.to_owned());
+        Ok(
+            tokio::task::spawn_blocking(move || crate::files::delete(&dir, &name))
+                .await
+                .map_err(|e| KernelError::WorkerFailed {
+                    reason: format!("file task failed: {e}"),
+                })??,
+        )
     }
 }
 

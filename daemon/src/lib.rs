@@ -9,6 +9,7 @@
 //! - [`admission`], [`identity`], [`auth`], [`config`]: budgets, uids, decisions, settings.
 //! - [`varlink`]: the `org.sandcell.Kernel` shim.
 //! - [`dbus`]: the `org.sandcell.Sandcell1` control plane shim; [`polkit`]: the polkit authority.
+//! - [`files`]: files in and out of session directories (never following a symlink).
 //! - [`notify`]: systemd readiness, status, watchdog.
 
 pub mod admission;
@@ -17,8 +18,10 @@ pub mod cgroup;
 pub mod config;
 pub mod core;
 pub mod dbus;
+pub mod files;
 pub mod identity;
 pub mod notify;
+pub mod pool;
 pub mod polkit;
 pub mod session;
 pub mod varlink;

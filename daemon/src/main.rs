@@ -185,6 +185,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     .await;
     // ---- end issue #5 ----
 
+    core.start_pool();
     notify::ready(&status_line(&core));
     tracing::info!("ready to serve");
 
@@ -208,8 +209,9 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
             }
             _ = tick.tick() => {
                 notify::status(&status_line(&core));
-                if let Some(every) = watchdog {
-                    if last_watchdog.elapsed() >= every { notify::watchdog(); last_watchdog = Instant::now(); }
+                if let Some(every) = watchdog && last_watchdog.elapsed() >= every {
+                    notify::watchdog();
+                    last_watchdog = Instant::now();
                 }
                 if core.sessions().is_empty() && core.connection_count() == 0 {
                     if activated && idle_exit > 0 && last_busy.elapsed() >= Duration::from_secs(idle_exit) {

@@ -129,9 +129,17 @@ pub struct Session {
     pub limits: SessionLimits,
     /// Mutable state.
     pub info: Mutex<Info>,
+    /// The session directory (issue #8: files in and out, see `files.rs`).
+    pub dir: PathBuf,
+    /// The worker's uid and gid (files the daemon stores there are theirs); `None` when the
+    /// worker keeps the daemon's identity (development).
+    pub worker_ids: Option<(u32, u32)>,
     cmds: mpsc::Sender<Command>,
     group: Arc<dyn SessionGroup>,
 }
+
+/// Called once when a session has released everything: (session id, reason).
+pub type OnEnd = Box<dyn FnOnce(&str, &str) + Send>;
 
 /// Requests to a session's actor.
 #[derive(Debug)]
@@ -211,7 +219,7 @@ impl Session {
         session_dir: PathBuf,
         uid: Option<UidLease>,
         permit: Permit,
-        on_end: Box<dyn FnOnce(&str, &str) + Send>,
+        on_end: OnEnd,
         events: tokio::sync::broadcast::Sender<Event>,
     ) -> Arc<Session> {
         let (tx, rx) = mpsc::channel(16);
@@ -231,6 +239,8 @@ impl Session {
                 state: "idle",
                 last_activity: Instant::now(),
             }),
+            dir: session_dir.clone(),
+            worker_ids: uid.as_ref().map(|l| (l.uid(), l.uid())),
             cmds: tx,
             group: group.clone(),
         });
@@ -364,7 +374,7 @@ struct Actor {
     permit: Option<Permit>,
     next_cell: u64,
     ended: bool,
-    on_end: Option<Box<dyn FnOnce(&str, &str) + Send>>,
+    on_end: Option<OnEnd>,
     events: tokio::sync::broadcast::Sender<Event>,
 }
 
@@ -473,6 +483,8 @@ impl Actor {
             ..Default::default()
         };
         let mut client_gone = !self.send_frame(&frames, started).await;
+        // issue #8: the session directory before the cell, to report what it changed.
+        let files_before = list_files(self.session_dir.clone()).await;
 
         let mut header = RequestHeader::exec(cell, code.len() as u64);
         header.timeout_ms = Some(limits.wall.as_millis() as u64);
@@ -691,6 +703,7 @@ impl Actor {
             state: State::Kept,
             session_ended: false,
             warnings: Vec::new(),
+            files: Vec::new(),
         };
         let mut ending: Option<(String, Option<oneshot::Sender<()>>)> = None;
         match end {
@@ -786,6 +799,8 @@ impl Actor {
             ending.get_or_insert(("one-shot run finished".into(), None));
         }
         result.usage = usage;
+        // issue #8: entries of the session directory the cell created or changed.
+        result.files = cell_files(self.session_dir.clone(), files_before).await;
         let status = result.status;
         tracing::info!(session = %self.session.id, uid = self.session.owner.uid, cell, status = status.as_str(), wall = result.usage.wall_seconds, "cell finished");
         let _ = self
@@ -865,6 +880,29 @@ impl Actor {
             id: self.session.id.clone(),
             reason: reason.to_owned(),
         });
+    }
+}
+
+/// Files a cell leaves in the session directory (issue #8): a bounded lstat-only listing of
+/// `dir`; `None` if it cannot be read.
+async fn list_files(dir: PathBuf) -> Option<crate::files::Listing> {
+    tokio::task::spawn_blocking(move || crate::files::list(&dir).ok())
+        .await
+        .ok()
+        .flatten()
+}
+
+/// Entries of `dir` created or changed since `before` (empty when either listing failed).
+async fn cell_files(
+    dir: PathBuf,
+    before: Option<crate::files::Listing>,
+) -> Vec<sandcell_proto::kernel::FileInfo> {
+    let Some(before) = before else {
+        return Vec::new();
+    };
+    match list_files(dir).await {
+        Some(after) => after.changed_since(&before),
+        None => Vec::new(),
     }
 }
 

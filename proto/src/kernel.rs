@@ -275,6 +275,174 @@ pub struct CellResult {
     /// Warnings raised by the cell.
     #[serde(default)]
     pub warnings: Vec<String>,
+    /// Entries of the session directory the cell created or changed (lstat, never followed).
+    #[serde(default)]
+    pub files: Vec<FileInfo>,
+}
+
+/// Largest decoded `data` of one `PutFile` call, bytes: base64 of it fits the daemon's 4 MiB
+/// message bound. Bigger files are passed as a descriptor.
+pub const MAX_INLINE_BYTES: u64 = 2 * 1024 * 1024;
+
+/// Default and ceiling of `GetFile`'s `max_bytes`, bytes.
+pub const MAX_CHUNK_BYTES: u64 = 1024 * 1024;
+
+/// What a directory entry is, by `lstat` (a symlink is never followed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FileKind {
+    /// A regular file.
+    File,
+    /// A directory.
+    Dir,
+    /// A symbolic link (reported, never followed or read).
+    Symlink,
+    /// A FIFO, socket or device node.
+    Special,
+}
+
+impl FileKind {
+    /// The kind as on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FileKind::File => "file",
+            FileKind::Dir => "dir",
+            FileKind::Symlink => "symlink",
+            FileKind::Special => "special",
+        }
+    }
+}
+
+/// One entry of a session directory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FileInfo {
+    /// Path relative to the session directory, `/`-separated.
+    pub name: String,
+    /// Bytes (`st_size`; of the link itself for a symlink, 0 for directories and specials).
+    pub size: u64,
+    /// Guessed from the extension ([`media_type`]).
+    pub media_type: String,
+    /// What the entry is.
+    pub kind: FileKind,
+    /// Last modification, seconds since the Unix epoch.
+    pub modified: f64,
+}
+
+/// The media type of a file named `name`, from its extension (case-insensitive);
+/// `application/octet-stream` when unknown.
+pub fn media_type(name: &str) -> &'static str {
+    let ext = name
+        .rsplit_once('.')
+        .map(|(_, e)| e.to_ascii_lowercase())
+        .unwrap_or_default();
+    match ext.as_str() {
+        "png" => "image/png",
+        "jpg" | "jpeg" => "image/jpeg",
+        "gif" => "image/gif",
+        "svg" => "image/svg+xml",
+        "pdf" => "application/pdf",
+        "csv" => "text/csv",
+        "tsv" => "text/tab-separated-values",
+        "txt" | "log" | "md" | "r" | "py" => "text/plain",
+        "json" => "application/json",
+        "html" | "htm" => "text/html",
+        "xml" => "application/xml",
+        "zip" => "application/zip",
+        "gz" => "application/gzip",
+        "parquet" => "application/vnd.apache.parquet",
+        _ => "application/octet-stream",
+    }
+}
+
+/// Standard base64 (RFC 4648, padded) of `bytes`, as `data` fields carry it.
+pub fn encode_base64(bytes: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// Decodes a `data` field (standard base64, padded). Errors: the text is not base64.
+pub fn decode_base64(text: &str) -> Result<Vec<u8>, base64::DecodeError> {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.decode(text)
+}
+
+/// Parameters of `PutFile`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PutFileParams {
+    /// Session id.
+    pub session: String,
+    /// Relative path in the session directory.
+    pub name: String,
+    /// Declared size, bytes; must match the content.
+    pub size: u64,
+    /// Content, base64 (at most [`MAX_INLINE_BYTES`] decoded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<String>,
+    /// Index of the descriptor passed with the call (0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fd: Option<u64>,
+}
+
+/// Reply of `PutFile`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PutFileReply {
+    /// The stored file.
+    pub file: FileInfo,
+}
+
+/// Parameters of `ListFiles`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListFilesParams {
+    /// Session id.
+    pub session: String,
+}
+
+/// Reply of `ListFiles`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ListFilesReply {
+    /// Entries, sorted by name.
+    pub files: Vec<FileInfo>,
+    /// The walk stopped at its entry or depth bound.
+    pub truncated: bool,
+}
+
+/// Parameters of `GetFile`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GetFileParams {
+    /// Session id.
+    pub session: String,
+    /// Relative path in the session directory.
+    pub name: String,
+    /// First byte to read (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offset: Option<u64>,
+    /// Bytes to read at most (default and ceiling [`MAX_CHUNK_BYTES`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_bytes: Option<u64>,
+}
+
+/// Reply of `GetFile`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GetFileReply {
+    /// The file as opened.
+    pub file: FileInfo,
+    /// The bytes read, base64.
+    pub data: String,
+    /// `offset` + bytes read reached the end of the file.
+    pub eof: bool,
+}
+
+/// Parameters of `DeleteFile`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeleteFileParams {
+    /// Session id.
+    pub session: String,
+    /// Relative path in the session directory.
+    pub name: String,
 }
 
 /// One streamed frame of `Run` / `Execute`: exactly one field is set.
@@ -366,6 +534,28 @@ pub enum KernelError {
         /// Why.
         reason: String,
     },
+    /// A file name is refused.
+    #[serde(rename = "org.sandcell.Kernel.InvalidFileName")]
+    InvalidFileName {
+        /// The name as given.
+        name: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// No entry of that name in the session directory.
+    #[serde(rename = "org.sandcell.Kernel.NoSuchFile")]
+    NoSuchFile {
+        /// The name.
+        name: String,
+    },
+    /// The entry is not a regular file; it is neither read nor replaced.
+    #[serde(rename = "org.sandcell.Kernel.NotRegularFile")]
+    NotRegularFile {
+        /// The name.
+        name: String,
+        /// `dir`, `symlink` or `special`.
+        kind: String,
+    },
     /// The daemon is stopping.
     #[serde(rename = "org.sandcell.Kernel.ShuttingDown")]
     ShuttingDown {},
@@ -374,7 +564,10 @@ pub enum KernelError {
 impl std::fmt::Display for KernelError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let v = serde_json::to_value(self).unwrap_or(Value::Null);
-        let name = v["error"].as_str().unwrap_or("?").trim_start_matches("org.sandcell.Kernel.");
+        let name = v["error"]
+            .as_str()
+            .unwrap_or("?")
+            .trim_start_matches("org.sandcell.Kernel.");
         write!(f, "{name}: {}", v["parameters"])
     }
 }
@@ -384,7 +577,10 @@ impl std::error::Error for KernelError {}
 impl KernelError {
     /// The fully qualified Varlink error name.
     pub fn name(&self) -> String {
-        serde_json::to_value(self).ok().and_then(|v| v["error"].as_str().map(str::to_owned)).unwrap_or_default()
+        serde_json::to_value(self)
+            .ok()
+            .and_then(|v| v["error"].as_str().map(str::to_owned))
+            .unwrap_or_default()
     }
 }
 
@@ -428,22 +624,51 @@ mod tests {
         let iface = zlink::idl::Interface::try_from(IDL).expect("IDL parses");
         assert_eq!(iface.name(), INTERFACE);
         let methods: Vec<_> = iface.methods().map(|m| m.name().to_string()).collect();
-        assert_eq!(methods, ["Run", "Open", "Execute", "Interrupt", "Close"]);
+        assert_eq!(
+            methods,
+            [
+                "Run",
+                "Open",
+                "Execute",
+                "Interrupt",
+                "Close",
+                "PutFile",
+                "ListFiles",
+                "GetFile",
+                "DeleteFile"
+            ]
+        );
         let errors: Vec<_> = iface.errors().map(|e| e.name().to_string()).collect();
         for e in &errors {
-            let raw = RawError { error: format!("{INTERFACE}.{e}"), parameters: None };
+            let raw = RawError {
+                error: format!("{INTERFACE}.{e}"),
+                parameters: None,
+            };
             // Every error must at least be recognised by name (parameters may be incomplete).
             let known = serde_json::to_string(&raw).unwrap();
             assert!(known.contains(e.as_str()));
         }
         let sample = KernelError::ShuttingDown {};
         assert!(errors.iter().any(|e| sample.name().ends_with(e.as_str())));
-        assert_eq!(errors.len(), 9);
+        assert_eq!(errors.len(), 12);
+        for e in ["InvalidFileName", "NoSuchFile", "NotRegularFile"] {
+            assert!(errors.iter().any(|x| x == e), "{e} missing from the IDL");
+        }
+        let typed = KernelError::NotRegularFile {
+            name: "leak".into(),
+            kind: "symlink".into(),
+        };
+        let raw: RawError = serde_json::from_value(serde_json::to_value(&typed).unwrap()).unwrap();
+        assert_eq!(raw.to_kernel_error(), Some(typed));
     }
 
     #[test]
     fn errors_serialise_as_varlink_errors() {
-        let e = KernelError::LimitExceeded { limit: "max_source_bytes".into(), value: 10, max: 5 };
+        let e = KernelError::LimitExceeded {
+            limit: "max_source_bytes".into(),
+            value: 10,
+            max: 5,
+        };
         let v = serde_json::to_value(&e).unwrap();
         assert_eq!(v["error"], "org.sandcell.Kernel.LimitExceeded");
         assert_eq!(v["parameters"]["max"], 5);
@@ -452,8 +677,40 @@ mod tests {
     }
 
     #[test]
+    fn file_types_round_trip() {
+        let f = FileInfo {
+            name: "plot-1-001.png".into(),
+            size: 3,
+            media_type: media_type("plot-1-001.PNG").into(),
+            kind: FileKind::Symlink,
+            modified: 1.5,
+        };
+        let v = serde_json::to_value(&f).unwrap();
+        assert_eq!(v["kind"], "symlink");
+        assert_eq!(v["media_type"], "image/png");
+        assert_eq!(media_type("data.csv"), "text/csv");
+        assert_eq!(media_type("noext"), "application/octet-stream");
+        let data = encode_base64(b"a,b\n1,2\n");
+        assert_eq!(decode_base64(&data).unwrap(), b"a,b\n1,2\n");
+        assert!(decode_base64("not base64!").is_err());
+        // A result without `files` (an older daemon) still parses.
+        let old = r#"{"cell":1,"status":"ok","usage":{"wall_seconds":0.1},"stdout":{"seen":0,"kept":0,"truncated":false},"stderr":{"seen":0,"kept":0,"truncated":false},"state":"kept","session_ended":false}"#;
+        let r: CellResult = serde_json::from_str(old).unwrap();
+        assert!(r.files.is_empty());
+    }
+
+    #[test]
     fn frame_has_one_field() {
-        let f = Frame { started: Some(Started { session: "s".into(), cell: 1 }), ..Default::default() };
-        assert_eq!(serde_json::to_string(&f).unwrap(), r#"{"started":{"session":"s","cell":1}}"#);
+        let f = Frame {
+            started: Some(Started {
+                session: "s".into(),
+                cell: 1,
+            }),
+            ..Default::default()
+        };
+        assert_eq!(
+            serde_json::to_string(&f).unwrap(),
+            r#"{"started":{"session":"s","cell":1}}"#
+        );
     }
 }

@@ -90,6 +90,11 @@ check nothing-runs-before-first-connection test "$(unit_state sandcelld.service)
 useradd -m -G sandcell gw
 useradd -m outsider
 
+# polkit: org.sandcell.execute needs an administrator by default; the package's example rule
+# grants it (and managing one's own sessions) to group sandcell. An operator enables it so:
+check polkit-rule-for-group install -m 0644 /usr/share/sandcell/polkit/50-sandcell.rules /etc/polkit-1/rules.d/50-sandcell.rules
+sleep 1 # polkitd notices rules.d changes by itself
+
 # ---- cells, as a member of the group ------------------------------------------------------
 t=$(date +%s)
 out=$(echo 'print(6*7)' | as_gw sandcellctl run -l python - 2>&1)

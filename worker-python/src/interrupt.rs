@@ -24,7 +24,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 
-use eryx::{CancellationToken, PythonExecutor};
+use eryx::CancellationToken;
 
 /// Write end of the self-pipe, read by the signal handler (-1 before [`install`]).
 static PIPE_WRITE: AtomicI32 = AtomicI32::new(-1);
@@ -52,11 +52,25 @@ pub struct Target {
     pub token: CancellationToken,
     /// Set on SIGINT, so the cell loop can tell an interrupt from its own timeout.
     pub fired: Arc<AtomicBool>,
-    /// The executor whose engine epoch is advanced.
-    pub executor: Arc<PythonExecutor>,
-    /// Epoch ticks that certainly pass the cell's deadline (its timeout in 10 ms ticks, plus
-    /// margin).
-    pub ticks: u64,
+    /// Makes a guest running WebAssembly trap: advances the engine epoch past the cell's
+    /// deadline (see [`Target::epoch_advance`]). Called at most once per cell.
+    pub stop_guest: Box<dyn Fn() + Send + Sync>,
+}
+
+impl Target {
+    /// A `stop_guest` that increments `executor`'s engine epoch `ticks` times (the cell's
+    /// timeout in 10 ms epoch ticks plus margin, so its deadline is certainly passed).
+    pub fn epoch_advance(
+        executor: Arc<eryx::PythonExecutor>,
+        ticks: u64,
+    ) -> Box<dyn Fn() + Send + Sync> {
+        Box::new(move || {
+            let engine = executor.engine();
+            for _ in 0..ticks {
+                engine.increment_epoch();
+            }
+        })
+    }
 }
 
 #[derive(Default)]
@@ -161,10 +175,7 @@ impl Interrupter {
             return;
         }
         t.token.cancel();
-        let engine = t.executor.engine();
-        for _ in 0..t.ticks {
-            engine.increment_epoch();
-        }
+        (t.stop_guest)();
     }
 }
 
@@ -227,4 +238,81 @@ pub fn install(interrupter: Arc<Interrupter>) -> io::Result<()> {
             }
         })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    fn target(count: &Arc<AtomicU32>) -> (Target, CancellationToken, Arc<AtomicBool>) {
+        let token = CancellationToken::new();
+        let fired = Arc::new(AtomicBool::new(false));
+        let c = Arc::clone(count);
+        let t = Target {
+            token: token.clone(),
+            fired: Arc::clone(&fired),
+            stop_guest: Box::new(move || {
+                c.fetch_add(1, Ordering::SeqCst);
+            }),
+        };
+        (t, token, fired)
+    }
+
+    #[test]
+    fn sigint_between_cells_is_ignored_without_a_waiting_request() {
+        let i = Interrupter::default();
+        let count = Arc::new(AtomicU32::new(0));
+        i.fire();
+        i.begin_cell();
+        let (t, token, fired) = target(&count);
+        i.arm(t);
+        assert!(!token.is_cancelled() && !fired.load(Ordering::SeqCst));
+        assert_eq!(count.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn sigint_before_arming_fires_on_arm_once() {
+        let i = Interrupter::default();
+        let count = Arc::new(AtomicU32::new(0));
+        i.begin_cell();
+        i.fire();
+        let (t, token, fired) = target(&count);
+        i.arm(t);
+        assert!(token.is_cancelled() && fired.load(Ordering::SeqCst));
+        i.fire();
+        i.fire();
+        assert_eq!(
+            count.load(Ordering::SeqCst),
+            1,
+            "the guest is stopped once per cell"
+        );
+        i.end_cell();
+        // The next cell starts clean.
+        i.begin_cell();
+        let (t, token, _) = target(&count);
+        i.arm(t);
+        assert!(!token.is_cancelled());
+    }
+
+    #[test]
+    fn sigint_with_the_next_request_waiting_counts_for_it() {
+        let mut fds = [0; 2];
+        // SAFETY: a two-int array for pipe2.
+        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+        // SAFETY: fresh descriptors owned by nothing else.
+        let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let i = Interrupter::new(r.as_raw_fd());
+        i.fire(); // idle, nothing waiting: ignored
+        // SAFETY: writing one byte from a static to a pipe we own.
+        let n = unsafe { libc::write(w.as_raw_fd(), b"e".as_ptr().cast(), 1) };
+        assert_eq!(n, 1);
+        i.fire(); // idle, a request waiting: meant for it
+        let count = Arc::new(AtomicU32::new(0));
+        i.begin_cell();
+        let (t, token, _) = target(&count);
+        i.arm(t);
+        assert!(token.is_cancelled());
+        assert_eq!(count.load(Ordering::SeqCst), 1);
+    }
 }

@@ -16,14 +16,14 @@
 //!
 //! After a timeout, fuel exhaustion, interrupt or trap, the WebAssembly instance is dead
 //! (wasmtime poisons a component instance that trapped, and an execution dropped mid-call
-//! leaves no store). The worker keeps the user's variables by taking Eryx's
-//! snapshot after each completed cell (the driver's `snapshot`: C pickle, with functions and
-//! classes of the namespace pickled by value); a rebuild loads the last snapshot, re-imports
-//! module bindings (pickling skips modules) and reports `state: restored`, with a warning
-//! naming any variable that could not be pickled. If no snapshot covers the namespace (the last one failed, e.g.
-//! over Eryx's 10 MB limit) or a restore fails, the report is `state: lost` with an error
-//! saying what was lost and from which cell the variables come. Never a silently empty
-//! namespace.
+//! leaves no store). The worker keeps the user's variables by taking a snapshot after each
+//! completed cell (the driver's `snapshot`: C pickle, with functions and classes of the
+//! namespace pickled by value); a rebuild loads the last snapshot, re-imports module bindings
+//! (pickling skips modules) and reports `state: restored`, with a warning naming any variable
+//! that could not be pickled or was nested too deeply to pickle safely. If no snapshot covers
+//! the namespace (the last one failed, e.g. over [`MAX_SNAPSHOT_BYTES`]) or a restore fails,
+//! the report is `state: lost` with an error saying what was lost and from which cell the
+//! variables come. Never a silently empty namespace.
 //!
 //! Decision (measured with `sandcell-python-runtime bench`, 2 cores, p50): Eryx's own
 //! `snapshot_state()` costs 24 ms for a handful of small variables and 1.4 s for ~1 MB of data
@@ -582,8 +582,7 @@ impl PySession {
         interrupter.arm(Target {
             token: token.clone(),
             fired: Arc::clone(fired),
-            executor: Arc::clone(&self.executor),
-            ticks: ticks(req.timeout) + 3,
+            stop_guest: Target::epoch_advance(Arc::clone(&self.executor), ticks(req.timeout) + 3),
         });
         let initial_fuel = req.fuel.unwrap_or(u64::MAX);
         let end = if token.is_cancelled() {

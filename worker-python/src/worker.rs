@@ -90,6 +90,23 @@ impl Config {
     }
 }
 
+/// Blocks until `fd` is readable or at end of file (or polling fails, which the following read
+/// then reports). Does not consume anything.
+fn wait_readable(fd: i32) {
+    loop {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd; poll only inspects the descriptor.
+        let n = unsafe { libc::poll(&mut p, 1, -1) };
+        if n >= 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return;
+        }
+    }
+}
+
 /// Takes ownership of an inherited descriptor after checking it is open.
 fn inherited(fd: i32) -> Option<File> {
     // SAFETY: F_GETFD only queries the descriptor table.
@@ -167,6 +184,13 @@ pub async fn serve(
     }
     let mut reader = BufReader::new(requests);
     loop {
+        // Wait until a request is in the pipe without consuming it, then count SIGINTs from
+        // now on: a SIGINT sent right after the request was written is either seen by the
+        // watcher with the request still in the pipe, or arrives after begin_cell.
+        if reader.buffer().is_empty() {
+            wait_readable(REQUEST_FD);
+        }
+        interrupter.begin_cell();
         match read_request(&mut reader) {
             Err(ReadError::Eof) | Ok(Request::Exit) => return exit::OK,
             Err(ReadError::Malformed(why)) => {
@@ -178,7 +202,6 @@ pub async fn serve(
                 return exit::IO;
             }
             Ok(Request::Exec { header, source }) => {
-                interrupter.begin_cell();
                 let req = CellRequest {
                     cell: header.cell,
                     source: &source,

@@ -652,3 +652,27 @@ fn runs_fully_confined_as_an_unprivileged_user() {
         samples[50].as_secs_f64() * 1e3
     );
 }
+
+#[test]
+fn a_bad_runtime_directory_is_reported_as_fatal() {
+    let mut w = Worker::spawn(
+        None,
+        None,
+        &[("SANDCELL_PYTHON_RUNTIME", "/nonexistent/runtime")],
+    );
+    match w.next(Duration::from_secs(10)) {
+        Some(sandcell_proto::worker::WorkerMessage::Fatal { stage, reason }) => {
+            assert_eq!(stage, "runtime");
+            assert!(reason.contains("/nonexistent/runtime"), "{reason}");
+        }
+        other => panic!("expected Fatal, got {other:?}"),
+    }
+    assert_eq!(w.wait_exit(Duration::from_secs(5)).code(), Some(3));
+
+    let mut w = Worker::spawn(None, None, &[("SANDCELL_GUEST_MEMORY_BYTES", "lots")]);
+    assert!(matches!(
+        w.next(Duration::from_secs(10)),
+        Some(sandcell_proto::worker::WorkerMessage::Fatal { .. })
+    ));
+    assert_eq!(w.wait_exit(Duration::from_secs(5)).code(), Some(3));
+}

@@ -24,9 +24,12 @@ struct Args {
     /// Sequential samples per latency figure.
     #[arg(long, default_value_t = 50)]
     iterations: usize,
-    /// Concurrency levels for throughput.
+    /// Concurrency levels for throughput (`0` alone skips throughput).
     #[arg(long, value_delimiter = ',', default_value = "1,2,8")]
     clients: Vec<usize>,
+    /// Label printed with every figure (e.g. `cold`, `warm`).
+    #[arg(long, default_value = "")]
+    label: String,
     /// Seconds per throughput level.
     #[arg(long, default_value_t = 5.0)]
     seconds: f64,
@@ -97,7 +100,7 @@ async fn main() -> anyhow::Result<()> {
     table.push(("session cell, trivial".into(), format!("p50 {p50:.2} ms, p99 {p99:.2} ms")));
     c.close(&s).await?;
 
-    for &n in &a.clients {
+    for &n in a.clients.iter().filter(|&&n| n > 0) {
         let deadline = Instant::now() + Duration::from_secs_f64(a.seconds);
         let mut tasks = Vec::new();
         for _ in 0..n {
@@ -155,6 +158,7 @@ async fn main() -> anyhow::Result<()> {
     }
 
     println!();
+    println!("-- {} {}", a.language, a.label);
     for (k, v) in table {
         println!("{k:<45} {v}");
     }

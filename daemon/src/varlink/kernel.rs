@@ -2,6 +2,7 @@
 
 use super::socket::WriteHalf;
 use crate::core::Core;
+use crate::files;
 use crate::session::Caller;
 use sandcell_proto::kernel::{
     self as k, CloseParams, ExecuteParams, Frame, FrameReply, InterruptParams, KernelError,
@@ -10,6 +11,7 @@ use sandcell_proto::kernel::{
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
+use std::os::fd::OwnedFd;
 use tokio::sync::mpsc;
 use zlink::connection::WriteConnection;
 use zlink::{Call, Reply};
@@ -78,12 +80,14 @@ fn params<T: DeserializeOwned>(call: &Call<RawCall>) -> Result<T, ErrorReply> {
     })
 }
 
-/// Answers one call. An `Err` means the connection is unusable.
+/// Answers one call; `fds` are the descriptors passed with it (only `PutFile` uses one, the
+/// others are closed when the call is answered). An `Err` means the connection is unusable.
 pub async fn handle(
     core: &Core,
     caller: &Caller,
     w: &mut Writer,
     call: Call<RawCall>,
+    fds: Vec<OwnedFd>,
 ) -> zlink::Result<()> {
     let method = call.method().method.clone();
     let (iface, name) = method.rsplit_once('.').unwrap_or(("", method.as_str()));
@@ -159,6 +163,45 @@ pub async fn handle(
                 Err(e) => send_kernel_error(w, &call, e).await,
             }
         }
+        "PutFile" | "ListFiles" | "GetFile" | "DeleteFile" => {
+            let reply = match name {
+                "PutFile" => put_file(core, caller, parse!(k::PutFileParams), fds).await,
+                "ListFiles" => {
+                    let p = parse!(k::ListFilesParams);
+                    core.list_files(caller, &p.session)
+                        .await
+                        .map(|(files, truncated)| json!(k::ListFilesReply { files, truncated }))
+                }
+                "GetFile" => {
+                    let p = parse!(k::GetFileParams);
+                    core.get_file(
+                        caller,
+                        &p.session,
+                        &p.name,
+                        p.offset.unwrap_or(0),
+                        p.max_bytes,
+                    )
+                    .await
+                    .map(|(file, bytes, eof)| {
+                        json!(k::GetFileReply {
+                            file,
+                            data: k::encode_base64(&bytes),
+                            eof
+                        })
+                    })
+                }
+                _ => {
+                    let p = parse!(k::DeleteFileParams);
+                    core.delete_file(caller, &p.session, &p.name)
+                        .await
+                        .map(|()| json!({}))
+                }
+            };
+            match reply {
+                Ok(v) => send_reply(w, &call, v, false).await,
+                Err(e) => send_kernel_error(w, &call, e).await,
+            }
+        }
         "Close" => {
             let p = parse!(CloseParams);
             match core.close(caller, &p.session).await {
@@ -175,6 +218,49 @@ pub async fn handle(
             .await
         }
     }
+}
+
+/// `PutFile`: the content is inline base64 `data` or the descriptor at index `fd` among
+/// those passed with the call; never both.
+async fn put_file(
+    core: &Core,
+    caller: &Caller,
+    p: k::PutFileParams,
+    mut fds: Vec<OwnedFd>,
+) -> Result<Value, KernelError> {
+    let invalid = |parameter: &str, reason: &str| KernelError::InvalidParameter {
+        parameter: parameter.into(),
+        reason: reason.into(),
+    };
+    let source = match (p.data, p.fd) {
+        (Some(_), Some(_)) => return Err(invalid("fd", "give data or fd, not both")),
+        (Some(data), None) => {
+            // 4 base64 characters per 3 bytes: refuse before decoding anything too long.
+            let max = k::MAX_INLINE_BYTES;
+            if data.len() as u64 > max.div_ceil(3) * 4 {
+                return Err(KernelError::LimitExceeded {
+                    limit: "inline_bytes".into(),
+                    value: data.len() as u64 / 4 * 3,
+                    max,
+                });
+            }
+            let bytes = k::decode_base64(&data).map_err(|e| invalid("data", &e.to_string()))?;
+            files::Source::Inline(bytes)
+        }
+        (None, Some(i)) => {
+            let i = usize::try_from(i).unwrap_or(usize::MAX);
+            if i >= fds.len() {
+                return Err(invalid("fd", "no such descriptor was passed with the call"));
+            }
+            files::Source::Fd(fds.swap_remove(i))
+        }
+        (None, None) if p.size == 0 => files::Source::Inline(Vec::new()),
+        (None, None) => return Err(invalid("data", "give data or fd")),
+    };
+    let file = core
+        .put_file(caller, &p.session, &p.name, p.size, source)
+        .await?;
+    Ok(json!(k::PutFileReply { file }))
 }
 
 async fn stream_frames(

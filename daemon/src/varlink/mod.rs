@@ -12,6 +12,7 @@ pub mod socket;
 use crate::core::Core;
 use crate::session::Caller;
 use sandcell_proto::kernel::RawCall;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, watch};
@@ -67,13 +68,13 @@ async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
         "client connected"
     );
     let (mut read, mut write) = conn.split();
-    let (calls_tx, mut calls_rx) = mpsc::channel::<zlink::Call<RawCall>>(8);
+    let (calls_tx, mut calls_rx) = mpsc::channel::<(zlink::Call<RawCall>, Vec<OwnedFd>)>(8);
     let (closed_tx, mut closed_rx) = watch::channel(false);
     let reader = tokio::spawn(async move {
         loop {
             match read.receive_call::<RawCall>().await {
-                Ok((call, _fds)) => {
-                    if calls_tx.send(call).await.is_err() {
+                Ok((call, fds)) => {
+                    if calls_tx.send((call, fds)).await.is_err() {
                         break;
                     }
                 }
@@ -86,7 +87,7 @@ async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
         let _ = closed_tx.send(true);
     });
     loop {
-        let call = tokio::select! {
+        let (call, fds) = tokio::select! {
             c = calls_rx.recv() => match c { Some(c) => c, None => break },
             _ = async { let _ = closed_rx.wait_for(|c| *c).await; } => {
                 // Calls already read are still answered unless the peer is gone for good;
@@ -96,7 +97,7 @@ async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
         };
         let mut closed = closed_rx.clone();
         let handled = tokio::select! {
-            r = kernel::handle(&core, &caller, &mut write, call) => r,
+            r = kernel::handle(&core, &caller, &mut write, call, fds) => r,
             // The client hung up: drop the handler, which drops the cell's frame receiver;
             // the session actor sees that and cancels the cell (kill, reap, release).
             _ = async { let _ = closed.wait_for(|c| *c).await; } => Err(zlink::Error::Io(std::io::ErrorKind::BrokenPipe.into())),

@@ -3,10 +3,16 @@
 //! zlink buffers a message until its terminating NUL and allows up to 100 MB; a hostile client
 //! could make the daemon hold that much per connection. This transport counts the bytes since
 //! the last NUL as they are read and fails the read once a message exceeds [`MAX_MESSAGE`],
-//! which ends the connection. It does not accept file descriptors.
+//! which ends the connection.
+//!
+//! It receives file descriptors (`SCM_RIGHTS`, for `PutFile`), bounded too: at most
+//! [`MAX_FDS`] per `recvmsg` (more truncate the control data, which ends the connection; the
+//! kernel closes the excess) and at most [`MAX_FDS`] received since the last message end.
+//! Descriptors arrive close-on-exec (`MSG_CMSG_CLOEXEC`), so a worker forked meanwhile never
+//! inherits one. It sends none.
 
-use std::os::fd::{AsFd, BorrowedFd};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use tokio::io::{AsyncWriteExt, Interest};
 use tokio::net::UnixStream;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use zlink::connection::socket::{self, ReadResult};
@@ -14,6 +20,9 @@ use zlink::connection::socket::{self, ReadResult};
 /// Largest message accepted from a client, in bytes: the source ceiling (512 KiB) with room
 /// for JSON escaping (a `\u0000` escape is 6 bytes per source byte) and the envelope.
 pub const MAX_MESSAGE: usize = 4 * 1024 * 1024;
+
+/// Descriptors accepted with one message (and with one `recvmsg`).
+pub const MAX_FDS: usize = 4;
 
 /// A Unix stream with a bounded read side.
 #[derive(Debug)]
@@ -31,6 +40,7 @@ impl BoundedStream {
 pub struct ReadHalf {
     inner: OwnedReadHalf,
     since_nul: usize,
+    fds_since_nul: usize,
 }
 
 /// Write half.
@@ -41,12 +51,15 @@ impl socket::Socket for BoundedStream {
     type ReadHalf = ReadHalf;
     type WriteHalf = WriteHalf;
 
+    const CAN_TRANSFER_FDS: bool = true;
+
     fn split(self) -> (ReadHalf, WriteHalf) {
         let (r, w) = self.0.into_split();
         (
             ReadHalf {
                 inner: r,
                 since_nul: 0,
+                fds_since_nul: 0,
             },
             WriteHalf(w),
         )
@@ -55,8 +68,28 @@ impl socket::Socket for BoundedStream {
 
 impl socket::ReadHalf for ReadHalf {
     async fn read(&mut self, buf: &mut [u8]) -> zlink::Result<ReadResult> {
-        let n = self.inner.read(buf).await?;
+        let (n, fds) = loop {
+            let s: &UnixStream = self.inner.as_ref();
+            s.readable().await?;
+            match s.try_io(Interest::READABLE, || recv_with_fds(s, buf)) {
+                Ok(r) => break r,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e.into()),
+            }
+        };
         let got = &buf[..n];
+        self.fds_since_nul = if got.contains(&0) {
+            fds.len()
+        } else {
+            self.fds_since_nul + fds.len()
+        };
+        if self.fds_since_nul > MAX_FDS {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("more than {MAX_FDS} descriptors with one message"),
+            )
+            .into());
+        }
         self.since_nul = match got.iter().rposition(|&b| b == 0) {
             Some(i) => n - i - 1,
             None => self.since_nul + n,
@@ -68,8 +101,69 @@ impl socket::ReadHalf for ReadHalf {
             )
             .into());
         }
-        Ok(ReadResult::new(n))
+        Ok(ReadResult::new(n).set_fds(fds))
     }
+}
+
+/// Control buffer for [`MAX_FDS`] descriptors, aligned for `cmsghdr`.
+#[repr(C, align(8))]
+struct ControlBuf([u8; 64]);
+
+/// One non-blocking `recvmsg` into `buf`: the bytes read and the descriptors that came with
+/// them (close-on-exec). Errors: the OS error (`WouldBlock` when nothing is ready), or
+/// `InvalidData` when more than [`MAX_FDS`] descriptors were sent at once (the kernel closes
+/// those that did not fit; those that did are closed here).
+fn recv_with_fds(sock: &UnixStream, buf: &mut [u8]) -> std::io::Result<(usize, Vec<OwnedFd>)> {
+    let mut control = ControlBuf([0; 64]);
+    // SAFETY: CMSG_SPACE is a pure computation.
+    let space = unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<libc::c_int>()) as u32) };
+    debug_assert!(space as usize <= control.0.len());
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    // SAFETY: an all-zero msghdr is valid; the pointers set below outlive the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.0.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: `msg` describes `buf` and `control`, both valid for writes of the given lengths.
+    let n = unsafe {
+        libc::recvmsg(
+            sock.as_raw_fd(),
+            &mut msg,
+            libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut fds = Vec::new();
+    // SAFETY: the CMSG_* macros walk the control data the kernel wrote into `control`, within
+    // msg_controllen; each SCM_RIGHTS payload holds (cmsg_len - CMSG_LEN(0)) / 4 descriptors,
+    // fresh and owned by this process.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c) as *const libc::c_int;
+                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                    / std::mem::size_of::<libc::c_int>();
+                for i in 0..count {
+                    fds.push(OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i))));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("more than {MAX_FDS} descriptors in one message"),
+        ));
+    }
+    Ok((n as usize, fds))
 }
 
 impl AsFd for ReadHalf {

@@ -46,6 +46,7 @@ pub fn python_runtime() -> PathBuf {
 
 /// Whether tests run the daemon in development mode.
 pub fn insecure() -> bool {
+    // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     if !root || std::env::var_os("SANDCELL_TEST_INSECURE").is_some() {
         eprintln!(
@@ -67,6 +68,7 @@ pub struct Daemon {
 
 fn unique() -> String {
     let mut b = [0u8; 6];
+    // SAFETY: getrandom writes at most b.len() bytes into b.
     unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -238,6 +240,7 @@ impl Daemon {
 
     /// SIGTERM, then wait up to `timeout` for exit; returns the exit status.
     pub fn terminate(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        // SAFETY: a signal to our own child, not yet reaped.
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let t0 = Instant::now();
         while t0.elapsed() < timeout {

@@ -170,6 +170,23 @@ impl Worker {
     /// Starts a worker; `plan` maps the session directory to the confinement plan JSON
     /// (default: [`plan_json`]).
     pub fn start_with(guest_memory: Option<u64>, plan: Option<&dyn Fn(&Path) -> String>) -> Worker {
+        let mut w = Self::spawn(guest_memory, plan, &[]);
+        let start = Instant::now();
+        match w.next(Duration::from_secs(30)) {
+            Some(WorkerMessage::Ready { language, .. }) => assert_eq!(language, "python"),
+            other => panic!("expected Ready, got {other:?}"),
+        }
+        w.ready_after += start.elapsed();
+        w
+    }
+
+    /// Spawns a worker without waiting for Ready; `env` overrides variables.
+    /// `ready_after` holds the time spent spawning.
+    pub fn spawn(
+        guest_memory: Option<u64>,
+        plan: Option<&dyn Fn(&Path) -> String>,
+        env: &[(&str, &str)],
+    ) -> Worker {
         let runtime = runtime_dir();
         let (req_r, req_w) = pipe();
         let (rep_r, rep_w) = pipe();
@@ -196,6 +213,9 @@ impl Worker {
             .stderr(Stdio::inherit());
         if let Some(m) = guest_memory {
             cmd.env("SANDCELL_GUEST_MEMORY_BYTES", m.to_string());
+        }
+        for (k, v) in env {
+            cmd.env(k, v);
         }
         let (a, b) = (req_r.as_raw_fd(), rep_w.as_raw_fd());
         // SAFETY: only async-signal-safe dup2 calls between fork and exec; the sources are
@@ -228,19 +248,13 @@ impl Worker {
                 }
             }
         });
-        let mut w = Worker {
+        Worker {
             child,
             requests: Some(File::from(req_w)),
             lines: rx,
-            ready_after: Duration::ZERO,
+            ready_after: start.elapsed(),
             session_dir,
-        };
-        match w.next(Duration::from_secs(30)) {
-            Some(WorkerMessage::Ready { language, .. }) => assert_eq!(language, "python"),
-            other => panic!("expected Ready, got {other:?}"),
         }
-        w.ready_after = start.elapsed();
-        w
     }
 
     /// Starts a worker with the default guest memory.

@@ -1,0 +1,1064 @@
+//! Files in and out of a session directory: every file-system operation the daemon does on a
+//! session directory on a client's behalf (issue #8).
+//!
+//! The daemon runs as root and the directory belongs to a hostile worker that can plant
+//! symlinks, FIFOs and sockets, and swap entries while the daemon works. So:
+//!
+//! - names are validated first ([`validate_name`]): relative, `/`-separated, no `.`/`..`
+//!   component, no NUL or control character, no leading `-`, at most [`MAX_NAME_BYTES`] bytes
+//!   and [`MAX_DEPTH`] components;
+//! - every path is resolved with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
+//!   RESOLVE_NO_MAGICLINKS)` from a descriptor of the session directory, and every further
+//!   step is relative to a descriptor, never to a path: a symlink anywhere fails the call
+//!   (`ELOOP`), `..` can never leave the directory;
+//! - reads open with `O_NOFOLLOW | O_NONBLOCK` (a FIFO must not block) and check `fstat` is a
+//!   regular file before reading a byte;
+//! - writes go to a fresh temporary (`O_CREAT | O_EXCL | O_NOFOLLOW`, mode 0600, `fchown`ed to
+//!   the worker identity) renamed over the name with `renameat` (atomic); only a regular file
+//!   is ever replaced: a directory, symlink or special file in the way refuses the upload;
+//! - sizes are checked from the declared size (and `fstat` of a passed descriptor) against
+//!   `max_file_bytes` and `max_session_files_bytes` before anything is read;
+//! - listings use `fstatat(AT_SYMLINK_NOFOLLOW)` only, bounded to [`MAX_ENTRIES`] entries and
+//!   [`MAX_DEPTH`] levels; the worker's scratch directory [`SCRATCH_DIR`] and in-flight
+//!   uploads are left out.
+//!
+//! All functions here block (file-system calls); callers run them on a blocking thread.
+
+use sandcell_proto::kernel::{FileInfo, FileKind, KernelError, media_type};
+use std::collections::HashMap;
+use std::ffi::{CStr, CString};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::path::Path;
+
+/// Entries a listing or a cell's change list reports at most.
+pub const MAX_ENTRIES: usize = 1000;
+/// Path components of a name at most (and levels a listing descends).
+pub const MAX_DEPTH: usize = 4;
+/// Bytes of a whole name at most.
+pub const MAX_NAME_BYTES: usize = 1024;
+/// Bytes of one component at most (NAME_MAX).
+pub const MAX_COMPONENT_BYTES: usize = 255;
+/// The worker's scratch directory (R's `TMPDIR`), left out of listings.
+pub const SCRATCH_DIR: &str = ".tmp";
+/// Prefix of the daemon's in-flight upload temporaries, left out of listings.
+const TEMP_PREFIX: &str = ".sandcell-put-";
+/// Copy buffer for descriptor uploads, bytes.
+const COPY_CHUNK: usize = 64 * 1024;
+
+/// Why a file operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The name is refused by [`validate_name`].
+    #[error("invalid file name {name:?}: {reason}")]
+    InvalidName {
+        /// The name as given.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Nothing of that name.
+    #[error("no such file {0:?}")]
+    NoSuchFile(String),
+    /// The entry (or a component on its way) is not a regular file / directory.
+    #[error("{name:?} is a {}, not a regular file", kind.as_str())]
+    NotRegular {
+        /// The name.
+        name: String,
+        /// What it is.
+        kind: FileKind,
+    },
+    /// A size limit: `limit` is the configuration key.
+    #[error("{limit}: {value} exceeds {max}")]
+    TooLarge {
+        /// `max_file_bytes` or `max_session_files_bytes`.
+        limit: &'static str,
+        /// Requested bytes (for the session limit: in use + requested).
+        value: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// The content does not match what was declared, or the passed descriptor is unusable.
+    #[error("{parameter}: {reason}")]
+    BadSource {
+        /// `size`, `data` or `fd`.
+        parameter: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An OS call failed.
+    #[error("{op}: {source}")]
+    Io {
+        /// What was done.
+        op: &'static str,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+impl From<Error> for KernelError {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::InvalidName { name, reason } => KernelError::InvalidFileName { name, reason },
+            Error::NoSuchFile(name) => KernelError::NoSuchFile { name },
+            Error::NotRegular { name, kind } => KernelError::NotRegularFile {
+                name,
+                kind: kind.as_str().into(),
+            },
+            Error::TooLarge { limit, value, max } => KernelError::LimitExceeded {
+                limit: limit.into(),
+                value,
+                max,
+            },
+            Error::BadSource { parameter, reason } => KernelError::InvalidParameter {
+                parameter: parameter.into(),
+                reason,
+            },
+            Error::Io { op, source } => KernelError::InvalidParameter {
+                parameter: "name".into(),
+                reason: format!("{op}: {source}"),
+            },
+        }
+    }
+}
+
+fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> Error {
+    move |source| Error::Io { op, source }
+}
+
+/// Size limits of uploads, bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// One file.
+    pub max_file_bytes: u64,
+    /// All regular files of a session directory together (`st_size`, as listed).
+    pub max_session_files_bytes: u64,
+}
+
+/// Where an upload's bytes come from.
+#[derive(Debug)]
+pub enum Source {
+    /// Decoded inline data.
+    Inline(Vec<u8>),
+    /// A descriptor the client passed; must be a regular file of exactly the declared size.
+    Fd(OwnedFd),
+}
+
+/// Checks `name` and splits it into its components.
+///
+/// Errors: [`Error::InvalidName`] for an empty or absolute name, an empty, `.` or `..`
+/// component, a NUL or control character, a leading `-` (of any component), a component over
+/// 255 bytes, more than [`MAX_DEPTH`] components or [`MAX_NAME_BYTES`] bytes.
+pub fn validate_name(name: &str) -> Result<Vec<&str>, Error> {
+    let bad = |reason: &str| Error::InvalidName {
+        name: name.chars().take(256).collect(),
+        reason: reason.into(),
+    };
+    if name.is_empty() {
+        return Err(bad("empty"));
+    }
+    if name.len() > MAX_NAME_BYTES {
+        return Err(bad("longer than 1024 bytes"));
+    }
+    if name.contains('\0') {
+        return Err(bad("contains NUL"));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(bad("contains a control character"));
+    }
+    if name.starts_with('/') {
+        return Err(bad("absolute"));
+    }
+    let parts: Vec<&str> = name.split('/').collect();
+    if parts.len() > MAX_DEPTH {
+        return Err(bad("more than 4 components"));
+    }
+    for p in &parts {
+        match *p {
+            "" => return Err(bad("empty component")),
+            "." | ".." => return Err(bad("'.' or '..' component")),
+            p if p.starts_with('-') => return Err(bad("component starts with '-'")),
+            p if p.len() > MAX_COMPONENT_BYTES => return Err(bad("component over 255 bytes")),
+            p if p.starts_with(TEMP_PREFIX) => return Err(bad("reserved prefix")),
+            _ => {}
+        }
+    }
+    Ok(parts)
+}
+
+const RESOLVE: u64 =
+    libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+
+/// `openat2(dir, path, flags | O_CLOEXEC, mode, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
+/// RESOLVE_NO_MAGICLINKS)`.
+fn openat2(dir: BorrowedFd<'_>, path: &str, flags: i32, mode: u32) -> std::io::Result<OwnedFd> {
+    let c = CString::new(path).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    // SAFETY: open_how is plain integers; all-zero is valid.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (flags | libc::O_CLOEXEC) as u64;
+    how.mode = mode as u64;
+    how.resolve = RESOLVE;
+    // SAFETY: `c` is NUL-terminated and `how` a valid open_how of the size passed; both
+    // outlive the call. The returned descriptor is new and owned by nobody else.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            &how as *const libc::open_how,
+            std::mem::size_of::<libc::open_how>(),
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor returned by the kernel, owned from here on.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+fn cstr(name: &str) -> Result<CString, Error> {
+    CString::new(name).map_err(|_| Error::InvalidName {
+        name: name.into(),
+        reason: "contains NUL".into(),
+    })
+}
+
+fn fstat(fd: BorrowedFd<'_>) -> std::io::Result<libc::stat> {
+    // SAFETY: an all-zero stat is a valid value to be overwritten.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `fd` is open for the call's duration; `st` is a valid out pointer.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(st)
+}
+
+/// `fstatat(dir, name, AT_SYMLINK_NOFOLLOW)`: never follows a symlink. `name` is one component.
+fn lstat_at(dir: BorrowedFd<'_>, name: &CStr) -> std::io::Result<libc::stat> {
+    // SAFETY: as in `fstat`.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `dir` is open, `name` NUL-terminated, `st` a valid out pointer.
+    let r = unsafe {
+        libc::fstatat(
+            dir.as_raw_fd(),
+            name.as_ptr(),
+            &mut st,
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(st)
+}
+
+fn kind_of(mode: libc::mode_t) -> FileKind {
+    match mode & libc::S_IFMT {
+        libc::S_IFREG => FileKind::File,
+        libc::S_IFDIR => FileKind::Dir,
+        libc::S_IFLNK => FileKind::Symlink,
+        _ => FileKind::Special,
+    }
+}
+
+fn info(name: String, st: &libc::stat) -> FileInfo {
+    let kind = kind_of(st.st_mode);
+    FileInfo {
+        media_type: match kind {
+            FileKind::File => media_type(&name).into(),
+            FileKind::Dir => "inode/directory".into(),
+            FileKind::Symlink => "inode/symlink".into(),
+            FileKind::Special => "inode/x-special".into(),
+        },
+        size: match kind {
+            FileKind::File | FileKind::Symlink => st.st_size.max(0) as u64,
+            _ => 0,
+        },
+        kind,
+        modified: st.st_mtime as f64 + st.st_mtime_nsec as f64 / 1e9,
+        name,
+    }
+}
+
+/// Opens the session directory itself (no symlink as its last component).
+fn open_root(dir: &Path) -> Result<OwnedFd, Error> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(dir)
+        .map_err(io("open session directory"))?;
+    Ok(f.into())
+}
+
+use std::os::unix::fs::OpenOptionsExt;
+
+/// Classifies what is at `name` without following anything, for an error message: a symlink
+/// on the way (or at the end) is `symlink`.
+fn classify(root: BorrowedFd<'_>, name: &str) -> Error {
+    match openat2(root, name, libc::O_PATH | libc::O_NOFOLLOW, 0) {
+        Ok(fd) => match fstat(fd.as_fd()) {
+            Ok(st) => Error::NotRegular {
+                name: name.into(),
+                kind: kind_of(st.st_mode),
+            },
+            Err(e) => Error::Io {
+                op: "fstat",
+                source: e,
+            },
+        },
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Error::NoSuchFile(name.into()),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => Error::NotRegular {
+            name: name.into(),
+            kind: FileKind::Symlink,
+        },
+        Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => Error::NotRegular {
+            name: name.into(),
+            kind: FileKind::File,
+        },
+        Err(e) => Error::Io {
+            op: "open",
+            source: e,
+        },
+    }
+}
+
+/// Opens the directory holding the last component of `parts`, creating missing directories
+/// (mode 0700, owned by `owner`) when `create`.
+fn open_parent(
+    root: &OwnedFd,
+    name: &str,
+    parts: &[&str],
+    create: bool,
+    owner: Option<(u32, u32)>,
+) -> Result<OwnedFd, Error> {
+    let mut cur = root.try_clone().map_err(io("dup"))?;
+    for p in &parts[..parts.len() - 1] {
+        if create {
+            let c = cstr(p)?;
+            // SAFETY: `cur` is an open directory, `c` NUL-terminated. mkdirat never follows
+            // a symlink in its last component.
+            let r = unsafe { libc::mkdirat(cur.as_raw_fd(), c.as_ptr(), 0o700) };
+            if r == 0 {
+                if let Some((uid, gid)) = owner {
+                    // SAFETY: as above; AT_SYMLINK_NOFOLLOW changes the entry itself.
+                    let r = unsafe {
+                        libc::fchownat(
+                            cur.as_raw_fd(),
+                            c.as_ptr(),
+                            uid,
+                            gid,
+                            libc::AT_SYMLINK_NOFOLLOW,
+                        )
+                    };
+                    if r < 0 {
+                        return Err(io("fchownat")(std::io::Error::last_os_error()));
+                    }
+                }
+            } else {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EEXIST) {
+                    return Err(io("mkdirat")(e));
+                }
+            }
+        }
+        cur = match openat2(
+            cur.as_fd(),
+            p,
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
+            0,
+        ) {
+            Ok(fd) => fd,
+            Err(_) => return Err(classify(root.as_fd(), name)),
+        };
+    }
+    Ok(cur)
+}
+
+/// Per-entry fingerprint used to tell which entries a cell changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    mode: u32,
+    size: i64,
+    ino: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+fn stamp(st: &libc::stat) -> Stamp {
+    Stamp {
+        mode: st.st_mode,
+        size: st.st_size,
+        ino: st.st_ino,
+        mtime: (st.st_mtime, st.st_mtime_nsec),
+        ctime: (st.st_ctime, st.st_ctime_nsec),
+    }
+}
+
+/// A bounded, lstat-only walk of a session directory.
+#[derive(Debug, Clone, Default)]
+pub struct Listing {
+    /// Entries sorted by name.
+    pub files: Vec<FileInfo>,
+    /// The walk stopped at [`MAX_ENTRIES`] or did not descend past [`MAX_DEPTH`].
+    pub truncated: bool,
+    stamps: HashMap<String, Stamp>,
+}
+
+impl Listing {
+    /// Bytes of all regular files (`st_size`).
+    pub fn regular_bytes(&self) -> u64 {
+        self.files
+            .iter()
+            .filter(|f| f.kind == FileKind::File)
+            .map(|f| f.size)
+            .sum()
+    }
+
+    /// Entries of `self` that are new or changed since `before`: files, symlinks and special
+    /// files whose type, size, inode, mtime or ctime differ; directories only when new.
+    pub fn changed_since(&self, before: &Listing) -> Vec<FileInfo> {
+        self.files
+            .iter()
+            .filter(
+                |f| match (before.stamps.get(&f.name), self.stamps.get(&f.name)) {
+                    (None, _) => true,
+                    (Some(_), _) if f.kind == FileKind::Dir => false,
+                    (Some(a), Some(b)) => a != b,
+                    (Some(_), None) => false,
+                },
+            )
+            .cloned()
+            .collect()
+    }
+}
+
+struct DirStream(*mut libc::DIR);
+
+impl DirStream {
+    fn open(fd: OwnedFd) -> std::io::Result<DirStream> {
+        let raw = fd.as_raw_fd();
+        // SAFETY: `raw` is an open directory descriptor; on success fdopendir owns it (we
+        // forget `fd`), on failure we still own it and `fd` closes it.
+        let d = unsafe { libc::fdopendir(raw) };
+        if d.is_null() {
+            return Err(std::io::Error::last_os_error());
+        }
+        std::mem::forget(fd);
+        Ok(DirStream(d))
+    }
+
+    fn fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the DIR is open for `self`'s lifetime and owns this descriptor.
+        unsafe { BorrowedFd::borrow_raw(libc::dirfd(self.0)) }
+    }
+
+    /// Next entry name (without `.` and `..`), or `None` at the end.
+    fn next(&mut self) -> Option<CString> {
+        loop {
+            // SAFETY: the DIR is open; readdir64's result is valid until the next call on
+            // it, and the name is copied before that.
+            let e = unsafe { libc::readdir64(self.0) };
+            if e.is_null() {
+                return None;
+            }
+            // SAFETY: d_name is NUL-terminated within the entry.
+            let name = unsafe { CStr::from_ptr((*e).d_name.as_ptr()) };
+            if name.to_bytes() != b"." && name.to_bytes() != b".." {
+                return Some(name.to_owned());
+            }
+        }
+    }
+}
+
+impl Drop for DirStream {
+    fn drop(&mut self) {
+        // SAFETY: the DIR is open and closed exactly once here.
+        unsafe { libc::closedir(self.0) };
+    }
+}
+
+/// Lists `dir` without following anything: at most [`MAX_ENTRIES`] entries, [`MAX_DEPTH`]
+/// levels; [`SCRATCH_DIR`] (top level) and upload temporaries are left out. Names that are
+/// not UTF-8 are reported lossily (and cannot be fetched).
+///
+/// Errors: the directory itself cannot be opened.
+pub fn list(dir: &Path) -> Result<Listing, Error> {
+    let root = open_root(dir)?;
+    let mut out = Listing::default();
+    // (directory, its name prefix, its depth from 1)
+    let mut stack: Vec<(OwnedFd, String, usize)> = vec![(root, String::new(), 1)];
+    'walk: while let Some((fd, prefix, depth)) = stack.pop() {
+        let Ok(mut ds) = DirStream::open(fd) else {
+            continue;
+        };
+        while let Some(c) = ds.next() {
+            let leaf = c.to_string_lossy().into_owned();
+            if (depth == 1 && leaf == SCRATCH_DIR) || leaf.starts_with(TEMP_PREFIX) {
+                continue;
+            }
+            let Ok(st) = lstat_at(ds.fd(), &c) else {
+                continue; // removed meanwhile
+            };
+            if out.files.len() >= MAX_ENTRIES {
+                out.truncated = true;
+                break 'walk;
+            }
+            let name = format!("{prefix}{leaf}");
+            if kind_of(st.st_mode) == FileKind::Dir {
+                if depth < MAX_DEPTH {
+                    if let Ok(sub) = openat2(
+                        ds.fd(),
+                        &leaf,
+                        libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
+                        0,
+                    ) {
+                        stack.push((sub, format!("{name}/"), depth + 1));
+                    }
+                } else {
+                    out.truncated = true;
+                }
+            }
+            out.stamps.insert(name.clone(), stamp(&st));
+            out.files.push(info(name, &st));
+        }
+    }
+    out.files.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// Random hex for temporary names.
+fn random_hex() -> String {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most b.len() bytes into b.
+    unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Checks the size of an upload before anything is read: the declared size against
+/// `max_file_bytes`, and a passed descriptor's `fstat` (a regular file of exactly `declared`
+/// bytes). Errors: [`Error::TooLarge`], [`Error::BadSource`].
+pub fn check_upload(declared: u64, source: &Source, limits: &Limits) -> Result<(), Error> {
+    if declared > limits.max_file_bytes {
+        return Err(Error::TooLarge {
+            limit: "max_file_bytes",
+            value: declared,
+            max: limits.max_file_bytes,
+        });
+    }
+    match source {
+        Source::Inline(bytes) if bytes.len() as u64 != declared => Err(Error::BadSource {
+            parameter: "size",
+            reason: format!("declared {declared} bytes, data has {}", bytes.len()),
+        }),
+        Source::Inline(_) => Ok(()),
+        Source::Fd(fd) => {
+            let st = fstat(fd.as_fd()).map_err(io("fstat of the passed descriptor"))?;
+            if kind_of(st.st_mode) != FileKind::File {
+                return Err(Error::BadSource {
+                    parameter: "fd",
+                    reason: "the passed descriptor is not a regular file".into(),
+                });
+            }
+            let actual = st.st_size.max(0) as u64;
+            if actual > limits.max_file_bytes {
+                return Err(Error::TooLarge {
+                    limit: "max_file_bytes",
+                    value: actual,
+                    max: limits.max_file_bytes,
+                });
+            }
+            if actual != declared {
+                return Err(Error::BadSource {
+                    parameter: "size",
+                    reason: format!("declared {declared} bytes, the passed file has {actual}"),
+                });
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Stores `source` as `name` in `dir`: checks ([`check_upload`], then the session's bytes in
+/// use, excluding a regular file being replaced, against `max_session_files_bytes`), creates
+/// missing parent directories, writes a temporary (0600, `owner`) and renames it over `name`.
+///
+/// Errors: [`Error::InvalidName`], [`Error::TooLarge`], [`Error::BadSource`] (content shorter
+/// than declared), [`Error::NotRegular`] (a directory, symlink or special file is in the way),
+/// [`Error::Io`].
+pub fn put(
+    dir: &Path,
+    name: &str,
+    declared: u64,
+    source: Source,
+    owner: Option<(u32, u32)>,
+    limits: &Limits,
+) -> Result<FileInfo, Error> {
+    let parts = validate_name(name)?;
+    check_upload(declared, &source, limits)?;
+    let listing = list(dir)?;
+    let replaced = listing
+        .files
+        .iter()
+        .find(|f| f.name == name)
+        .map(|f| match f.kind {
+            FileKind::File => Ok(f.size),
+            kind => Err(Error::NotRegular {
+                name: name.into(),
+                kind,
+            }),
+        })
+        .transpose()?
+        .unwrap_or(0);
+    let in_use = listing.regular_bytes() - replaced;
+    if in_use + declared > limits.max_session_files_bytes {
+        return Err(Error::TooLarge {
+            limit: "max_session_files_bytes",
+            value: in_use + declared,
+            max: limits.max_session_files_bytes,
+        });
+    }
+    let root = open_root(dir)?;
+    let parent = open_parent(&root, name, &parts, true, owner)?;
+    let leaf = cstr(parts[parts.len() - 1])?;
+    let tmp_name = format!("{TEMP_PREFIX}{}", random_hex());
+    let tmp = cstr(&tmp_name)?;
+    // SAFETY: `parent` is an open directory, `tmp` NUL-terminated; O_EXCL|O_NOFOLLOW creates
+    // a new file or fails, never opening something that exists.
+    let raw = unsafe {
+        libc::openat(
+            parent.as_raw_fd(),
+            tmp.as_ptr(),
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0o600 as libc::c_uint,
+        )
+    };
+    if raw < 0 {
+        return Err(io("create temporary")(std::io::Error::last_os_error()));
+    }
+    // SAFETY: a fresh descriptor, owned from here on.
+    let out = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(raw) });
+    let unlink_tmp = || {
+        // SAFETY: `parent` is open and `tmp` NUL-terminated; removes our own temporary.
+        unsafe { libc::unlinkat(parent.as_raw_fd(), tmp.as_ptr(), 0) };
+    };
+    let written = (|| -> Result<(), Error> {
+        if let Some((uid, gid)) = owner {
+            std::os::unix::fs::fchown(&out, Some(uid), Some(gid)).map_err(io("fchown"))?;
+        }
+        write_content(&out, declared, source)
+    })();
+    if let Err(e) = written {
+        unlink_tmp();
+        return Err(e);
+    }
+    // SAFETY: both names are NUL-terminated and relative to the open `parent`; renameat
+    // replaces a regular file or a symlink entry without following it and fails on a
+    // directory.
+    let r = unsafe {
+        libc::renameat(
+            parent.as_raw_fd(),
+            tmp.as_ptr(),
+            parent.as_raw_fd(),
+            leaf.as_ptr(),
+        )
+    };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        unlink_tmp();
+        return Err(match e.raw_os_error() {
+            Some(libc::EISDIR) | Some(libc::ENOTEMPTY) | Some(libc::EEXIST) => Error::NotRegular {
+                name: name.into(),
+                kind: FileKind::Dir,
+            },
+            _ => io("rename")(e),
+        });
+    }
+    let st = fstat(out.as_fd()).map_err(io("fstat"))?;
+    Ok(info(name.into(), &st))
+}
+
+fn write_content(out: &std::fs::File, declared: u64, source: Source) -> Result<(), Error> {
+    use std::io::Write;
+    let mut w = out;
+    match source {
+        Source::Inline(bytes) => w.write_all(&bytes).map_err(io("write")),
+        Source::Fd(fd) => {
+            let src = std::fs::File::from(fd);
+            let mut buf = vec![0u8; COPY_CHUNK];
+            let mut done: u64 = 0;
+            while done < declared {
+                let want = ((declared - done) as usize).min(buf.len());
+                let n = std::os::unix::fs::FileExt::read_at(&src, &mut buf[..want], done)
+                    .map_err(io("read the passed descriptor"))?;
+                if n == 0 {
+                    return Err(Error::BadSource {
+                        parameter: "fd",
+                        reason: format!("the passed file ended after {done} of {declared} bytes"),
+                    });
+                }
+                w.write_all(&buf[..n]).map_err(io("write"))?;
+                done += n as u64;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Reads at most `max` bytes of the regular file `name` from `offset`. Returns the file's
+/// description (from `fstat` of the opened descriptor), the bytes, and whether they reach
+/// the end of the file.
+///
+/// Errors: [`Error::InvalidName`], [`Error::NoSuchFile`], [`Error::NotRegular`] (a symlink
+/// anywhere on the path, a directory, a FIFO, a socket, a device: none is read), [`Error::Io`].
+pub fn read(
+    dir: &Path,
+    name: &str,
+    offset: u64,
+    max: u64,
+) -> Result<(FileInfo, Vec<u8>, bool), Error> {
+    validate_name(name)?;
+    let root = open_root(dir)?;
+    // O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW and RESOLVE_* refuse
+    // every symlink.
+    let fd = match openat2(
+        root.as_fd(),
+        name,
+        libc::O_RDONLY | libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_NOCTTY,
+        0,
+    ) {
+        Ok(fd) => fd,
+        Err(_) => return Err(classify(root.as_fd(), name)),
+    };
+    let st = fstat(fd.as_fd()).map_err(io("fstat"))?;
+    let kind = kind_of(st.st_mode);
+    if kind != FileKind::File {
+        return Err(Error::NotRegular {
+            name: name.into(),
+            kind,
+        });
+    }
+    let size = st.st_size.max(0) as u64;
+    let want = size.saturating_sub(offset).min(max) as usize;
+    let file = std::fs::File::from(fd);
+    let mut buf = vec![0u8; want];
+    let mut got = 0;
+    while got < want {
+        let n = std::os::unix::fs::FileExt::read_at(&file, &mut buf[got..], offset + got as u64)
+            .map_err(io("read"))?;
+        if n == 0 {
+            break; // the file shrank meanwhile
+        }
+        got += n;
+    }
+    buf.truncate(got);
+    let eof = offset + got as u64 >= size;
+    Ok((info(name.into(), &st), buf, eof))
+}
+
+/// Removes `name`: a file, a symlink (the link itself) or an empty directory.
+///
+/// Errors: [`Error::InvalidName`], [`Error::NoSuchFile`], [`Error::NotRegular`] (a symlink on
+/// the way), [`Error::Io`] (e.g. a directory that is not empty).
+pub fn delete(dir: &Path, name: &str) -> Result<(), Error> {
+    let parts = validate_name(name)?;
+    let root = open_root(dir)?;
+    let parent = open_parent(&root, name, &parts, false, None)?;
+    let leaf = cstr(parts[parts.len() - 1])?;
+    let st = match lstat_at(parent.as_fd(), &leaf) {
+        Ok(st) => st,
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+            return Err(Error::NoSuchFile(name.into()));
+        }
+        Err(e) => return Err(io("fstatat")(e)),
+    };
+    let flags = if kind_of(st.st_mode) == FileKind::Dir {
+        libc::AT_REMOVEDIR
+    } else {
+        0
+    };
+    // SAFETY: `parent` is open, `leaf` NUL-terminated; unlinkat removes the entry itself.
+    if unsafe { libc::unlinkat(parent.as_raw_fd(), leaf.as_ptr(), flags) } < 0 {
+        return Err(io("unlink")(std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: Limits = Limits {
+        max_file_bytes: 1000,
+        max_session_files_bytes: 1500,
+    };
+
+    fn tmp() -> tempfile::TempDir {
+        tempfile::tempdir().unwrap()
+    }
+
+    #[test]
+    fn names_are_validated() {
+        for bad in [
+            "",
+            "/etc/passwd",
+            "../x",
+            "a/../b",
+            "a//b",
+            "./a",
+            "a\0b",
+            "a\nb",
+            "-rf",
+            "a/-b",
+            "a/b/c/d/e",
+        ] {
+            assert!(
+                matches!(validate_name(bad), Err(Error::InvalidName { .. })),
+                "{bad:?}"
+            );
+        }
+        assert!(validate_name(&"x".repeat(256)).is_err());
+        assert_eq!(validate_name("data/in.csv").unwrap(), ["data", "in.csv"]);
+        assert!(validate_name(".hidden").is_ok());
+    }
+
+    #[test]
+    fn put_read_list_delete_round_trip() {
+        let d = tmp();
+        let f = put(
+            d.path(),
+            "in.csv",
+            4,
+            Source::Inline(b"a,b\n".to_vec()),
+            None,
+            &LIMITS,
+        )
+        .unwrap();
+        assert_eq!(
+            (f.size, f.kind, f.media_type.as_str()),
+            (4, FileKind::File, "text/csv")
+        );
+        put(
+            d.path(),
+            "sub/x.txt",
+            2,
+            Source::Inline(b"hi".to_vec()),
+            None,
+            &LIMITS,
+        )
+        .unwrap();
+        let (_, bytes, eof) = read(d.path(), "in.csv", 1, 2).unwrap();
+        assert_eq!((bytes.as_slice(), eof), (&b",b"[..], false));
+        let (_, bytes, eof) = read(d.path(), "in.csv", 3, 100).unwrap();
+        assert_eq!((bytes.as_slice(), eof), (&b"\n"[..], true));
+        let l = list(d.path()).unwrap();
+        let names: Vec<_> = l.files.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(names, ["in.csv", "sub", "sub/x.txt"]);
+        // Replacing keeps one file and the new content.
+        put(
+            d.path(),
+            "in.csv",
+            1,
+            Source::Inline(b"z".to_vec()),
+            None,
+            &LIMITS,
+        )
+        .unwrap();
+        assert_eq!(read(d.path(), "in.csv", 0, 10).unwrap().1, b"z");
+        delete(d.path(), "sub/x.txt").unwrap();
+        assert!(matches!(
+            read(d.path(), "sub/x.txt", 0, 1),
+            Err(Error::NoSuchFile(_))
+        ));
+        assert!(std::fs::read_dir(d.path()).unwrap().all(|e| {
+            !e.unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with(TEMP_PREFIX)
+        }));
+    }
+
+    #[test]
+    fn symlinks_and_fifos_are_reported_never_followed() {
+        let d = tmp();
+        let outside = tmp();
+        std::fs::write(outside.path().join("secret"), "s3cret").unwrap();
+        std::os::unix::fs::symlink(outside.path().join("secret"), d.path().join("leak")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), d.path().join("dirlink")).unwrap();
+        nix::unistd::mkfifo(
+            &d.path().join("fifo"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+        let l = list(d.path()).unwrap();
+        let kinds: Vec<_> = l.files.iter().map(|f| (f.name.as_str(), f.kind)).collect();
+        assert_eq!(
+            kinds,
+            [
+                ("dirlink", FileKind::Symlink),
+                ("fifo", FileKind::Special),
+                ("leak", FileKind::Symlink)
+            ]
+        );
+        for (name, kind) in [
+            ("leak", FileKind::Symlink),
+            ("dirlink/secret", FileKind::Symlink),
+            ("fifo", FileKind::Special),
+        ] {
+            match read(d.path(), name, 0, 100) {
+                Err(Error::NotRegular { kind: k, .. }) => assert_eq!(k, kind, "{name}"),
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        // Writing through a symlinked directory is refused; over a symlink replaces the link.
+        assert!(matches!(
+            put(
+                d.path(),
+                "dirlink/x",
+                1,
+                Source::Inline(b"x".to_vec()),
+                None,
+                &LIMITS
+            ),
+            Err(Error::NotRegular { .. })
+        ));
+        assert!(matches!(
+            put(
+                d.path(),
+                "leak",
+                1,
+                Source::Inline(b"x".to_vec()),
+                None,
+                &LIMITS
+            ),
+            Err(Error::NotRegular {
+                kind: FileKind::Symlink,
+                ..
+            })
+        ));
+        assert_eq!(
+            std::fs::read_to_string(outside.path().join("secret")).unwrap(),
+            "s3cret"
+        );
+        assert!(!outside.path().join("x").exists());
+    }
+
+    #[test]
+    fn limits_are_checked_before_reading() {
+        let d = tmp();
+        let e = put(
+            d.path(),
+            "big",
+            1001,
+            Source::Inline(vec![0; 3]),
+            None,
+            &LIMITS,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::TooLarge {
+                    limit: "max_file_bytes",
+                    value: 1001,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = put(d.path(), "m", 3, Source::Inline(vec![0; 2]), None, &LIMITS).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::BadSource {
+                    parameter: "size",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        put(
+            d.path(),
+            "a",
+            1000,
+            Source::Inline(vec![1; 1000]),
+            None,
+            &LIMITS,
+        )
+        .unwrap();
+        let e = put(
+            d.path(),
+            "b",
+            600,
+            Source::Inline(vec![1; 600]),
+            None,
+            &LIMITS,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::TooLarge {
+                    limit: "max_session_files_bytes",
+                    value: 1600,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        // Replacing `a` counts its new size only.
+        put(
+            d.path(),
+            "a",
+            900,
+            Source::Inline(vec![1; 900]),
+            None,
+            &LIMITS,
+        )
+        .unwrap();
+        // A sparse 1 GiB file passed as a descriptor is refused from fstat alone.
+        let f = tempfile::tempfile().unwrap();
+        f.set_len(1 << 30).unwrap();
+        let e = put(
+            d.path(),
+            "huge",
+            1 << 30,
+            Source::Fd(f.into()),
+            None,
+            &LIMITS,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::TooLarge {
+                    limit: "max_file_bytes",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let mut f = tempfile::tempfile().unwrap();
+        std::io::Write::write_all(&mut f, b"hello").unwrap();
+        put(d.path(), "fromfd", 5, Source::Fd(f.into()), None, &LIMITS).unwrap();
+        assert_eq!(read(d.path(), "fromfd", 0, 100).unwrap().1, b"hello");
+    }
+
+    #[test]
+    fn change_list_reports_new_and_modified_entries() {
+        let d = tmp();
+        std::fs::write(d.path().join("same"), "1").unwrap();
+        std::fs::write(d.path().join("edit"), "1").unwrap();
+        std::fs::create_dir(d.path().join(SCRATCH_DIR)).unwrap();
+        let before = list(d.path()).unwrap();
+        std::fs::write(d.path().join("edit"), "22").unwrap();
+        std::fs::write(d.path().join("new.png"), "x").unwrap();
+        std::fs::write(d.path().join(SCRATCH_DIR).join("junk"), "x").unwrap();
+        std::os::unix::fs::symlink("/etc/shadow", d.path().join("leak")).unwrap();
+        let after = list(d.path()).unwrap();
+        let changed: Vec<_> = after
+            .changed_since(&before)
+            .into_iter()
+            .map(|f| f.name)
+            .collect();
+        assert_eq!(changed, ["edit", "leak", "new.png"]);
+    }
+}

@@ -1,0 +1,262 @@
+//! Warm worker pools: a bounded number of pre-started, already confined, Ready workers per
+//! language, so that `Open` and `Run` skip the worker's start-up.
+//!
+//! Rules (issue #7; the shape follows systemd-nsresourced's bounded pool of pre-forked workers):
+//! - a pooled worker is a complete, unused session-to-be: its own cgroup, uid, directory and
+//!   admission charge, taken from the same budgets as any session;
+//! - a worker leaves the pool at most once and is never returned: one-shot `Run` keeps its
+//!   fresh-sandbox-per-call semantics;
+//! - the pool keeps `min` idle workers, grows to `max` while workers are being taken (a take in
+//!   the last `pool_idle_seconds`), and shrinks back to `min` when idle;
+//! - refills are rate-limited (`pool_refill_per_second`) and run on one background task, never
+//!   on a client's path;
+//! - when admission refuses a client and idle pooled workers hold charges, one is evicted and
+//!   the client admitted: the pool never causes a refusal.
+
+use crate::admission::Permit;
+use crate::cgroup::SessionGroup;
+use crate::core::Core;
+use crate::identity::UidLease;
+use crate::worker::spawn::Spawned;
+use sandcell_proto::kernel::{KernelError, Language};
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+/// A worker that has confined itself and said `Ready`, not yet owned by any session.
+#[derive(Debug)]
+pub struct Prepared {
+    /// Session id it will have.
+    pub id: String,
+    /// Interpreter.
+    pub language: Language,
+    /// Guest memory it was started with, bytes.
+    pub guest_memory: u64,
+    /// Engine string from `Ready`.
+    pub engine: String,
+    /// The process and its pipes.
+    pub spawned: Spawned,
+    /// Its cgroup.
+    pub group: Arc<dyn SessionGroup>,
+    /// Its directory.
+    pub session_dir: PathBuf,
+    /// Its uid.
+    pub lease: Option<UidLease>,
+    /// Its admission charge.
+    pub permit: Permit,
+}
+
+impl Prepared {
+    /// Kills and releases an unused worker in the session release order: kill, reap, remove
+    /// cgroup and directory, then uid and permit.
+    pub async fn discard(mut self) {
+        let pid = self.spawned.pid as libc::pid_t;
+        // SAFETY: signals to our own unreaped child and its process group (it called setsid).
+        unsafe {
+            libc::kill(-pid, libc::SIGKILL);
+            libc::kill(pid, libc::SIGKILL);
+        }
+        let group = self.group.clone();
+        let dir = self.session_dir.clone();
+        let _ = tokio::task::spawn_blocking(move || group.kill_all(Duration::from_secs(10))).await;
+        let _ = self.spawned.child.wait().await;
+        let group = self.group.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            let _ = group.remove();
+            let _ = std::fs::remove_dir_all(&dir);
+        })
+        .await;
+        drop(self.lease.take());
+        drop(self.permit);
+    }
+
+    fn alive(&mut self) -> bool {
+        matches!(self.spawned.child.try_wait(), Ok(None))
+    }
+}
+
+/// Pool figures for one language.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Status {
+    /// Language.
+    pub language: Language,
+    /// Idle warm workers now.
+    pub idle: usize,
+    /// How many the pool aims to keep now.
+    pub target: usize,
+    /// Workers taken from the pool since start.
+    pub taken: u64,
+    /// Opens that found the pool empty since start.
+    pub missed: u64,
+}
+
+#[derive(Debug, Default)]
+struct Lane {
+    idle: VecDeque<Prepared>,
+    last_take: Option<Instant>,
+    target: usize,
+    taken: u64,
+    missed: u64,
+}
+
+/// The pools of all languages.
+#[derive(Debug, Default)]
+pub struct Pool {
+    lanes: Mutex<[Lane; 2]>,
+    wake: tokio::sync::Notify,
+}
+
+fn lane(l: Language) -> usize {
+    match l {
+        Language::Python => 0,
+        Language::R => 1,
+    }
+}
+
+impl Pool {
+    /// Takes a warm worker of `language` started with `guest_memory`, if one is idle.
+    pub fn take(&self, language: Language, guest_memory: u64) -> Option<Prepared> {
+        let mut lanes = self.lanes.lock().unwrap();
+        let l = &mut lanes[lane(language)];
+        l.last_take = Some(Instant::now());
+        let mut found = None;
+        let mut dead = Vec::new();
+        while let Some(mut p) = l.idle.pop_front() {
+            if !p.alive() {
+                dead.push(p);
+                continue;
+            }
+            if p.guest_memory == guest_memory {
+                found = Some(p);
+                break;
+            }
+            l.idle.push_back(p);
+            break;
+        }
+        match found {
+            Some(_) => l.taken += 1,
+            None => l.missed += 1,
+        }
+        drop(lanes);
+        for p in dead {
+            tokio::spawn(p.discard());
+        }
+        self.wake.notify_one();
+        found
+    }
+
+    /// Evicts the idle worker that waited longest, of any language, and waits until its
+    /// charge is released. Returns false when the pool is empty.
+    pub async fn evict_one(&self) -> bool {
+        let victim = {
+            let mut lanes = self.lanes.lock().unwrap();
+            lanes.iter_mut().find_map(|l| l.idle.pop_front())
+        };
+        match victim {
+            Some(p) => {
+                p.discard().await;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Figures for each language.
+    pub fn status(&self) -> Vec<Status> {
+        let lanes = self.lanes.lock().unwrap();
+        [Language::Python, Language::R]
+            .into_iter()
+            .map(|language| {
+                let l = &lanes[lane(language)];
+                Status { language, idle: l.idle.len(), target: l.target, taken: l.taken, missed: l.missed }
+            })
+            .collect()
+    }
+
+    /// Discards every idle worker (daemon stop).
+    pub async fn drain(&self) {
+        let all: Vec<Prepared> = {
+            let mut lanes = self.lanes.lock().unwrap();
+            lanes.iter_mut().flat_map(|l| l.idle.drain(..)).collect()
+        };
+        for p in all {
+            p.discard().await;
+        }
+    }
+
+    fn push(&self, p: Prepared) {
+        self.lanes.lock().unwrap()[lane(p.language)].idle.push_back(p);
+    }
+
+    /// Decides the target of `language` and returns (idle, target).
+    fn plan(&self, language: Language, min: usize, max: usize, idle_after: Duration) -> (usize, usize) {
+        let mut lanes = self.lanes.lock().unwrap();
+        let l = &mut lanes[lane(language)];
+        let busy = l.last_take.is_some_and(|t| t.elapsed() < idle_after);
+        l.target = if busy { max } else { min };
+        (l.idle.len(), l.target)
+    }
+
+    fn pop_surplus(&self, language: Language) -> Option<Prepared> {
+        self.lanes.lock().unwrap()[lane(language)].idle.pop_back()
+    }
+}
+
+/// The refill task: keeps each pool at its target, at most `pool_refill_per_second` starts a
+/// second, until the daemon stops. Holds the core weakly so it never keeps it alive.
+pub async fn run(core: Weak<Core>) {
+    let mut backoff_until = Instant::now();
+    loop {
+        let Some(c) = core.upgrade() else { return };
+        if c.stopping() {
+            return;
+        }
+        let cfg = c.config();
+        let d = &cfg.daemon;
+        let pause = Duration::from_secs_f64(1.0 / d.pool_refill_per_second.max(0.001));
+        let idle_after = Duration::from_secs(d.pool_idle_seconds);
+        let mut started = false;
+        for lang in d.languages.iter().filter_map(|l| Language::parse(l)) {
+            let (min, max) = match lang {
+                Language::Python => (d.pool_python_min, d.pool_python_max),
+                Language::R => (d.pool_r_min, d.pool_r_max),
+            };
+            let (idle, target) = c.pool().plan(lang, min, max, idle_after);
+            if idle > target {
+                if let Some(p) = c.pool().pop_surplus(lang) {
+                    p.discard().await;
+                }
+            } else if idle < target && !started && Instant::now() >= backoff_until {
+                started = true;
+                match c.prepare_worker(lang, cfg.limits.max_guest_memory_bytes).await {
+                    Ok(p) => {
+                        tracing::info!(language = lang.as_str(), session = %p.id, "warm worker ready");
+                        c.pool().push(p);
+                    }
+                    // No room: clients come first; try again later.
+                    Err(KernelError::CapacityExceeded { .. }) => backoff_until = Instant::now() + Duration::from_secs(1),
+                    Err(e) => {
+                        tracing::warn!(language = lang.as_str(), error = %e, "warm pool: worker failed to start; retrying in 5 s");
+                        backoff_until = Instant::now() + Duration::from_secs(5);
+                    }
+                }
+            }
+        }
+        let wait = if started { pause } else { Duration::from_millis(500) };
+        let core_ref = c.clone();
+        drop(c);
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = core_ref.pool().notifier().notified(), if !started => {}
+        }
+        drop(core_ref);
+    }
+}
+
+impl Pool {
+    /// Wakes the refill task (after a take).
+    pub fn notifier(&self) -> &tokio::sync::Notify {
+        &self.wake
+    }
+}

@@ -1,0 +1,457 @@
+//! Files in and out of sessions through a real sandcelld (issue #8): uploads, listings,
+//! downloads, the files a cell leaves, and what a hostile cell can plant.
+
+mod common;
+
+use common::Daemon;
+use sandcell_client::{Client, Error, FileKind, KernelError, Status};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+fn has_r() -> bool {
+    let ok = Path::new("/usr/lib/R/bin/exec/R").exists();
+    if !ok {
+        eprintln!("skipped: R is not installed (scripts/setup.sh installs r-base-core)");
+    }
+    ok
+}
+
+fn daemon(extra: &[(&str, &str)]) -> Daemon {
+    let mut env = vec![("SANDCELL_LANGUAGES", "python,r")];
+    env.extend_from_slice(extra);
+    Daemon::start(&env)
+}
+
+fn session_dir(d: &Daemon, session: &str) -> PathBuf {
+    d.dir.path().join("state/sessions").join(session)
+}
+
+fn kernel_error(r: Result<impl std::fmt::Debug, Error>) -> KernelError {
+    match r {
+        Err(Error::Kernel(e)) => e,
+        other => panic!("expected a named error, got {other:?}"),
+    }
+}
+
+async fn fetch(c: &mut Client, s: &str, name: &str) -> Vec<u8> {
+    let mut out = Vec::new();
+    c.get_file(s, name, &mut out).await.unwrap();
+    out
+}
+
+const CSV: &str = "x,y,group\n1,2.5,a\n2,3.5,b\n3,1.0,a\n4,8.25,b\n5,6.0,a\n";
+
+#[tokio::test]
+async fn r_reads_an_uploaded_csv_and_returns_a_summary_and_a_png() {
+    if !has_r() {
+        return;
+    }
+    let d = daemon(&[]);
+    let mut c = d.client().await;
+    let s = c.open("r", None, None).await.unwrap().session;
+    let up = c
+        .put_bytes(&s, "data/in.csv", CSV.as_bytes())
+        .await
+        .unwrap();
+    assert_eq!(
+        (up.name.as_str(), up.size, up.kind),
+        ("data/in.csv", CSV.len() as u64, FileKind::File)
+    );
+    assert_eq!(up.media_type, "text/csv");
+    // Stored as the session's worker, private.
+    let meta = std::fs::symlink_metadata(session_dir(&d, &s).join("data/in.csv")).unwrap();
+    assert_eq!(meta.mode() & 0o7777, 0o600);
+    if !common::insecure() {
+        assert!(meta.uid() >= 3_000_000_000, "owner {}", meta.uid());
+        assert_eq!(meta.uid(), meta.gid());
+    }
+
+    let code = "d <- read.csv('data/in.csv')\n\
+                print(summary(d$y))\n\
+                plot(d$x, d$y, main = 'y by x')\n\
+                write.csv(d[d$group == 'a', ], 'clean.csv', row.names = FALSE)\n";
+    let out = c.execute_collect(&s, code).await.unwrap();
+    assert_eq!(
+        out.result.status,
+        Status::Ok,
+        "{:?} {}",
+        out.result,
+        out.stderr
+    );
+    assert!(
+        out.stdout.contains("Min.") && out.stdout.contains("8.25"),
+        "{}",
+        out.stdout
+    );
+    let names: Vec<_> = out.result.files.iter().map(|f| f.name.as_str()).collect();
+    let png = format!("plot-{}-001.png", out.cell);
+    assert_eq!(names, ["clean.csv", png.as_str()], "{:?}", out.result.files);
+    let p = out.result.files.iter().find(|f| f.name == png).unwrap();
+    assert_eq!(
+        (p.kind, p.media_type.as_str()),
+        (FileKind::File, "image/png")
+    );
+    assert!(p.size > 1000, "{p:?}");
+
+    let bytes = fetch(&mut c, &s, &png).await;
+    assert_eq!(bytes.len() as u64, p.size);
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    let clean = String::from_utf8(fetch(&mut c, &s, "clean.csv").await).unwrap();
+    assert_eq!(
+        clean,
+        "\"x\",\"y\",\"group\"\n1,2.5,\"a\"\n3,1,\"a\"\n5,6,\"a\"\n"
+    );
+    // A cell that changes nothing reports nothing; the listing still has everything.
+    let out = c.execute_collect(&s, "z <- 1").await.unwrap();
+    assert!(out.result.files.is_empty(), "{:?}", out.result.files);
+    let (all, truncated) = c.list_files(&s).await.unwrap();
+    let names: Vec<_> = all.iter().map(|f| f.name.as_str()).collect();
+    assert_eq!(names, ["clean.csv", "data", "data/in.csv", png.as_str()]);
+    assert!(!truncated);
+    // Two plots in one cell: two pages, two files, both complete before `done`.
+    let out = c
+        .execute_collect(&s, "hist(c(1, 2, 2, 3)); barplot(c(3, 1))")
+        .await
+        .unwrap();
+    let names: Vec<_> = out.result.files.iter().map(|f| f.name.clone()).collect();
+    assert_eq!(
+        names,
+        [
+            format!("plot-{}-001.png", out.cell),
+            format!("plot-{}-002.png", out.cell)
+        ]
+    );
+    for n in &names {
+        assert_eq!(&fetch(&mut c, &s, n).await[..4], b"\x89PNG");
+    }
+}
+
+#[tokio::test]
+async fn planted_symlinks_and_fifos_are_listed_and_never_followed() {
+    if !has_r() {
+        return;
+    }
+    let d = daemon(&[]);
+    let shadow_before = std::fs::read("/etc/shadow").unwrap_or_default();
+    let mut c = d.client().await;
+    let s = c.open("r", None, None).await.unwrap().session;
+    let code = "file.symlink('/etc/shadow', 'leak')\n\
+                file.symlink('/etc', 'etc')\n\
+                system('mkfifo fifo')\n\
+                cat(file.exists('fifo'), '\\n')";
+    let out = c.execute_collect(&s, code).await.unwrap();
+    assert_eq!(
+        out.result.status,
+        Status::Ok,
+        "{:?} {}",
+        out.result,
+        out.stderr
+    );
+    let kinds: Vec<_> = out
+        .result
+        .files
+        .iter()
+        .map(|f| (f.name.as_str(), f.kind))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("etc", FileKind::Symlink),
+            ("fifo", FileKind::Special),
+            ("leak", FileKind::Symlink)
+        ],
+        "{}",
+        out.stdout
+    );
+    let (listed, _) = c.list_files(&s).await.unwrap();
+    assert!(
+        listed
+            .iter()
+            .any(|f| f.name == "leak" && f.kind == FileKind::Symlink)
+    );
+
+    for (name, kind) in [
+        ("leak", "symlink"),
+        ("etc/shadow", "symlink"),
+        ("etc/passwd", "symlink"),
+        ("fifo", "special"),
+    ] {
+        let t0 = Instant::now();
+        let e = kernel_error(c.get_file_chunk(&s, name, 0, None).await);
+        assert_eq!(
+            e,
+            KernelError::NotRegularFile {
+                name: name.into(),
+                kind: kind.into()
+            }
+        );
+        // Opening the FIFO must not wait for a writer.
+        assert!(t0.elapsed() < Duration::from_secs(2), "{name}");
+    }
+    // Uploads neither write through nor replace what the cell planted.
+    for name in ["leak", "etc/shadow", "fifo"] {
+        let e = kernel_error(c.put_bytes(&s, name, b"pwned\n").await);
+        assert!(
+            matches!(e, KernelError::NotRegularFile { .. }),
+            "{name}: {e:?}"
+        );
+    }
+    assert_eq!(
+        std::fs::read("/etc/shadow").unwrap_or_default(),
+        shadow_before
+    );
+    // Deleting the link removes the link only.
+    c.delete_file(&s, "leak").await.unwrap();
+    assert!(Path::new("/etc/shadow").exists());
+    let e = kernel_error(c.get_file_chunk(&s, "leak", 0, None).await);
+    assert_eq!(
+        e,
+        KernelError::NoSuchFile {
+            name: "leak".into()
+        }
+    );
+}
+
+#[tokio::test]
+async fn bad_names_are_refused_with_typed_errors() {
+    let d = daemon(&[]);
+    let mut c = d.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    for name in [
+        "../escape",
+        "a/../../escape",
+        "/etc/passwd",
+        "nul\0byte",
+        "-rf",
+        "",
+        "a/b/c/d/e",
+        "line\nbreak",
+    ] {
+        let e = kernel_error(c.put_bytes(&s, name, b"x").await);
+        assert!(
+            matches!(&e, KernelError::InvalidFileName { name: n, .. } if n == name),
+            "put {name:?}: {e:?}"
+        );
+        let e = kernel_error(c.get_file_chunk(&s, name, 0, None).await);
+        assert!(
+            matches!(e, KernelError::InvalidFileName { .. }),
+            "get {name:?}: {e:?}"
+        );
+        let e = kernel_error(c.delete_file(&s, name).await);
+        assert!(
+            matches!(e, KernelError::InvalidFileName { .. }),
+            "delete {name:?}: {e:?}"
+        );
+    }
+    assert!(!d.dir.path().join("state/escape").exists());
+    let e = kernel_error(c.get_file_chunk(&s, "absent.csv", 0, None).await);
+    assert_eq!(
+        e,
+        KernelError::NoSuchFile {
+            name: "absent.csv".into()
+        }
+    );
+    let e = kernel_error(
+        c.put_bytes("0123456789abcdef0123456789abcdef", "x", b"x")
+            .await,
+    );
+    assert!(matches!(e, KernelError::NoSuchSession { .. }), "{e:?}");
+}
+
+#[tokio::test]
+async fn per_file_and_per_session_limits_are_typed() {
+    let d = daemon(&[
+        ("SANDCELL_MAX_FILE_BYTES", "1000"),
+        ("SANDCELL_MAX_SESSION_FILES_BYTES", "1500"),
+    ]);
+    let mut c = d.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    let e = kernel_error(c.put_bytes(&s, "a", &[7; 1001]).await);
+    assert_eq!(
+        e,
+        KernelError::LimitExceeded {
+            limit: "max_file_bytes".into(),
+            value: 1001,
+            max: 1000
+        }
+    );
+    c.put_bytes(&s, "a", &[7; 1000]).await.unwrap();
+    let e = kernel_error(c.put_bytes(&s, "b", &[7; 600]).await);
+    assert_eq!(
+        e,
+        KernelError::LimitExceeded {
+            limit: "max_session_files_bytes".into(),
+            value: 1600,
+            max: 1500
+        }
+    );
+    // Replacing a file counts its new size, not both.
+    c.put_bytes(&s, "a", &[8; 900]).await.unwrap();
+    c.put_bytes(&s, "b", &[9; 600]).await.unwrap();
+    assert_eq!(fetch(&mut c, &s, "a").await, vec![8; 900]);
+    // Bounded reads: max_bytes over 1 MiB is refused, smaller chunks are honoured.
+    let e = kernel_error(c.get_file_chunk(&s, "a", 0, Some(2 << 20)).await);
+    assert!(
+        matches!(e, KernelError::LimitExceeded { ref limit, .. } if limit == "max_bytes"),
+        "{e:?}"
+    );
+    let (_, chunk, eof) = c.get_file_chunk(&s, "a", 850, Some(100)).await.unwrap();
+    assert_eq!((chunk.len(), eof), (50, true));
+}
+
+#[tokio::test]
+async fn a_declared_gigabyte_is_refused_before_anything_is_read() {
+    let d = daemon(&[]);
+    let mut c = d.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    let rss0 = d.rss();
+    // Declared 1 GiB with a tiny file behind it: refused from the declaration alone.
+    let small = tempfile::tempfile().unwrap();
+    let t0 = Instant::now();
+    let e = kernel_error(
+        c.put_fd_declared(&s, "big.bin", small.into(), 1 << 30)
+            .await,
+    );
+    assert_eq!(
+        e,
+        KernelError::LimitExceeded {
+            limit: "max_file_bytes".into(),
+            value: 1 << 30,
+            max: 64 << 20
+        }
+    );
+    // A sparse 1 GiB file passed by descriptor: refused from fstat, never read.
+    let sparse = tempfile::tempfile().unwrap();
+    sparse.set_len(1 << 30).unwrap();
+    let e = kernel_error(c.put_fd(&s, "big.bin", sparse).await);
+    assert!(
+        matches!(e, KernelError::LimitExceeded { ref limit, value, .. } if limit == "max_file_bytes" && value == 1 << 30),
+        "{e:?}"
+    );
+    // The same file declared small: the descriptor's size is checked before reading.
+    let sparse = tempfile::tempfile().unwrap();
+    sparse.set_len(1 << 30).unwrap();
+    let e = kernel_error(c.put_fd_declared(&s, "big.bin", sparse.into(), 10).await);
+    assert!(matches!(e, KernelError::LimitExceeded { .. }), "{e:?}");
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    assert!(
+        d.rss() < rss0 + 8 * 1024 * 1024,
+        "daemon grew from {rss0} to {}",
+        d.rss()
+    );
+    let (files, _) = c.list_files(&s).await.unwrap();
+    assert!(files.is_empty(), "{files:?}");
+    assert!(
+        std::fs::read_dir(session_dir(&d, &s))
+            .unwrap()
+            .flatten()
+            .all(|e| e.file_name() == ".tmp" || e.metadata().map(|m| m.len()).unwrap_or(0) < 4096),
+        "nothing big was written"
+    );
+}
+
+#[tokio::test]
+async fn big_files_go_by_descriptor_and_come_back_in_chunks() {
+    let d = daemon(&[]);
+    let mut c = d.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    let data: Vec<u8> = (0..5 * 1024 * 1024 + 17)
+        .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    std::io::Write::write_all(&mut f, &data).unwrap();
+    let up = c.put_file(&s, "blob.bin", f.path()).await.unwrap();
+    assert_eq!(up.size, data.len() as u64);
+    let mut back = Vec::new();
+    let (info, n) = c.get_file(&s, "blob.bin", &mut back).await.unwrap();
+    assert_eq!((info.size, n), (data.len() as u64, data.len() as u64));
+    assert!(back == data, "content differs");
+    // Inline uploads are bounded by the message size: 3 MiB inline is refused, typed.
+    let e = kernel_error(c.put_bytes(&s, "inline.bin", &vec![1; 3 << 20]).await);
+    assert!(
+        matches!(e, KernelError::LimitExceeded { ref limit, .. } if limit == "inline_bytes"),
+        "{e:?}"
+    );
+}
+
+#[tokio::test]
+async fn uploads_wait_for_the_running_cell() {
+    if !has_r() {
+        return;
+    }
+    let d = daemon(&[]);
+    let mut a = d.client().await;
+    let s = a.open("r", None, None).await.unwrap().session;
+    a.execute(&s, "Sys.sleep(30)").await.unwrap();
+    let started = a.next_frame().await.unwrap().started.unwrap();
+    let mut b = d.client().await;
+    let e = kernel_error(b.put_bytes(&s, "late.csv", b"x\n").await);
+    assert_eq!(
+        e,
+        KernelError::SessionBusy {
+            session: s.clone(),
+            cell: started.cell
+        }
+    );
+    // Reading and listing do not wait.
+    b.list_files(&s).await.unwrap();
+    assert!(b.interrupt(&s, started.cell).await.unwrap().delivered);
+    a.finish(|_| {}).await.unwrap();
+    b.put_bytes(&s, "late.csv", b"x\n").await.unwrap();
+    let out = a
+        .execute_collect(&s, "cat(readLines('late.csv'), '\\n')")
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "x \n");
+}
+
+#[tokio::test]
+async fn sandcellctl_saves_the_cells_artifacts() {
+    if !has_r() {
+        return;
+    }
+    let ctl = common::bin_dir().join("sandcellctl");
+    if !ctl.exists() {
+        eprintln!(
+            "skipped: {} not built (cargo build -p sandcell-client)",
+            ctl.display()
+        );
+        return;
+    }
+    let d = daemon(&[]);
+    let work = tempfile::tempdir().unwrap();
+    let code = work.path().join("cell.R");
+    std::fs::write(&code, "plot(1:10)\nwriteLines('done', 'note.txt')\n").unwrap();
+    let art = work.path().join("out");
+    let out = std::process::Command::new(&ctl)
+        .arg("--socket")
+        .arg(&d.socket)
+        .arg("run")
+        .arg("--artifacts")
+        .arg(&art)
+        .arg(&code)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let printed = String::from_utf8(out.stdout).unwrap();
+    let mut paths: Vec<_> = printed.lines().map(PathBuf::from).collect();
+    paths.sort();
+    assert_eq!(
+        paths,
+        [art.join("note.txt"), art.join("plot-1-001.png")],
+        "{printed}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(art.join("note.txt")).unwrap(),
+        "done\n"
+    );
+    assert_eq!(
+        &std::fs::read(art.join("plot-1-001.png")).unwrap()[..4],
+        b"\x89PNG"
+    );
+}
