@@ -715,7 +715,8 @@ impl Core {
     /// `offset`; returns its description, the bytes and whether they reach its end.
     ///
     /// Errors: `InvalidFileName`, `LimitExceeded` (`max_bytes`), `NoSuchSession`,
-    /// `PermissionDenied`, `NoSuchFile`, `NotRegularFile` (symlink, directory, FIFO, ...).
+    /// `PermissionDenied`, `NoSuchFile`, `NotRegularFile` (symlink, directory, FIFO, ...;
+    /// kind `foreign` for a file not owned by the session's worker, e.g. a hard link).
     pub async fn get_file(
         &self,
         caller: &Caller,
@@ -745,12 +746,15 @@ impl Core {
         };
         let s = self.file_session(caller, session).await?;
         let (dir, name) = (s.dir.clone(), name.to_owned());
+        let owner = s.worker_ids.map(|ids| ids.0);
         Ok(
-            tokio::task::spawn_blocking(move || crate::files::read(&dir, &name, offset, max))
-                .await
-                .map_err(|e| KernelError::WorkerFailed {
-                    reason: format!("file task failed: {e}"),
-                })??,
+            tokio::task::spawn_blocking(move || {
+                crate::files::read(&dir, &name, offset, max, owner)
+            })
+            .await
+            .map_err(|e| KernelError::WorkerFailed {
+                reason: format!("file task failed: {e}"),
+            })??,
         )
     }
 

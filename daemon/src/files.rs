@@ -67,6 +67,10 @@ pub enum Error {
         /// What it is.
         kind: FileKind,
     },
+    /// The file belongs to someone other than the session's worker: a hard link the worker
+    /// made to a file it does not own is never read with the daemon's rights.
+    #[error("{0:?} is not owned by the session's worker")]
+    Foreign(String),
     /// A size limit: `limit` is the configuration key.
     #[error("{limit}: {value} exceeds {max}")]
     TooLarge {
@@ -103,6 +107,10 @@ impl From<Error> for KernelError {
             Error::NotRegular { name, kind } => KernelError::NotRegularFile {
                 name,
                 kind: kind.as_str().into(),
+            },
+            Error::Foreign(name) => KernelError::NotRegularFile {
+                name,
+                kind: "foreign".into(),
             },
             Error::TooLarge { limit, value, max } => KernelError::LimitExceeded {
                 limit: limit.into(),
@@ -705,15 +713,18 @@ fn write_content(out: &std::fs::File, declared: u64, source: Source) -> Result<(
 
 /// Reads at most `max` bytes of the regular file `name` from `offset`. Returns the file's
 /// description (from `fstat` of the opened descriptor), the bytes, and whether they reach
-/// the end of the file.
+/// the end of the file. With `owner` (the worker's uid), a file owned by anyone else is
+/// refused: the worker could have hard-linked a file it cannot read itself.
 ///
 /// Errors: [`Error::InvalidName`], [`Error::NoSuchFile`], [`Error::NotRegular`] (a symlink
-/// anywhere on the path, a directory, a FIFO, a socket, a device: none is read), [`Error::Io`].
+/// anywhere on the path, a directory, a FIFO, a socket, a device: none is read),
+/// [`Error::Foreign`], [`Error::Io`].
 pub fn read(
     dir: &Path,
     name: &str,
     offset: u64,
     max: u64,
+    owner: Option<u32>,
 ) -> Result<(FileInfo, Vec<u8>, bool), Error> {
     validate_name(name)?;
     let root = open_root(dir)?;
@@ -735,6 +746,9 @@ pub fn read(
             name: name.into(),
             kind,
         });
+    }
+    if owner.is_some_and(|uid| uid != st.st_uid) {
+        return Err(Error::Foreign(name.into()));
     }
     let size = st.st_size.max(0) as u64;
     let want = size.saturating_sub(offset).min(max) as usize;
@@ -795,6 +809,26 @@ mod tests {
         tempfile::tempdir().unwrap()
     }
 
+    fn read_any(
+        dir: &Path,
+        name: &str,
+        offset: u64,
+        max: u64,
+    ) -> Result<(FileInfo, Vec<u8>, bool), Error> {
+        read(dir, name, offset, max, None)
+    }
+
+    #[test]
+    fn foreign_files_are_not_read() {
+        let d = tmp();
+        std::fs::write(d.path().join("mine"), "x").unwrap();
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        assert_eq!(read(d.path(), "mine", 0, 1, Some(me)).unwrap().1, b"x");
+        let other = read(d.path(), "mine", 0, 1, Some(me.wrapping_add(1)));
+        assert!(matches!(other, Err(Error::Foreign(_))), "{other:?}");
+    }
+
     #[test]
     fn names_are_validated() {
         for bad in [
@@ -845,9 +879,9 @@ mod tests {
             &LIMITS,
         )
         .unwrap();
-        let (_, bytes, eof) = read(d.path(), "in.csv", 1, 2).unwrap();
+        let (_, bytes, eof) = read_any(d.path(), "in.csv", 1, 2).unwrap();
         assert_eq!((bytes.as_slice(), eof), (&b",b"[..], false));
-        let (_, bytes, eof) = read(d.path(), "in.csv", 3, 100).unwrap();
+        let (_, bytes, eof) = read_any(d.path(), "in.csv", 3, 100).unwrap();
         assert_eq!((bytes.as_slice(), eof), (&b"\n"[..], true));
         let l = list(d.path()).unwrap();
         let names: Vec<_> = l.files.iter().map(|f| f.name.as_str()).collect();
@@ -862,10 +896,10 @@ mod tests {
             &LIMITS,
         )
         .unwrap();
-        assert_eq!(read(d.path(), "in.csv", 0, 10).unwrap().1, b"z");
+        assert_eq!(read_any(d.path(), "in.csv", 0, 10).unwrap().1, b"z");
         delete(d.path(), "sub/x.txt").unwrap();
         assert!(matches!(
-            read(d.path(), "sub/x.txt", 0, 1),
+            read_any(d.path(), "sub/x.txt", 0, 1),
             Err(Error::NoSuchFile(_))
         ));
         assert!(std::fs::read_dir(d.path()).unwrap().all(|e| {
@@ -903,7 +937,7 @@ mod tests {
             ("dirlink/secret", FileKind::Symlink),
             ("fifo", FileKind::Special),
         ] {
-            match read(d.path(), name, 0, 100) {
+            match read_any(d.path(), name, 0, 100) {
                 Err(Error::NotRegular { kind: k, .. }) => assert_eq!(k, kind, "{name}"),
                 other => panic!("{name}: {other:?}"),
             }
@@ -1039,7 +1073,7 @@ mod tests {
         let mut f = tempfile::tempfile().unwrap();
         std::io::Write::write_all(&mut f, b"hello").unwrap();
         put(d.path(), "fromfd", 5, Source::Fd(f.into()), None, &LIMITS).unwrap();
-        assert_eq!(read(d.path(), "fromfd", 0, 100).unwrap().1, b"hello");
+        assert_eq!(read_any(d.path(), "fromfd", 0, 100).unwrap().1, b"hello");
     }
 
     #[test]

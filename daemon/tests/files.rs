@@ -201,6 +201,21 @@ async fn planted_symlinks_and_fifos_are_listed_and_never_followed() {
         std::fs::read("/etc/shadow").unwrap_or_default(),
         shadow_before
     );
+    // A hard link to a file the worker does not own (as if protected_hardlinks were off) is
+    // never read with the daemon's rights.
+    if !common::insecure() {
+        let secret = d.dir.path().join("secret");
+        std::fs::write(&secret, "root only\n").unwrap();
+        std::fs::hard_link(&secret, session_dir(&d, &s).join("hl")).unwrap();
+        let e = kernel_error(c.get_file_chunk(&s, "hl", 0, None).await);
+        assert_eq!(
+            e,
+            KernelError::NotRegularFile {
+                name: "hl".into(),
+                kind: "foreign".into()
+            }
+        );
+    }
     // Deleting the link removes the link only.
     c.delete_file(&s, "leak").await.unwrap();
     assert!(Path::new("/etc/shadow").exists());

@@ -553,7 +553,7 @@ pub enum KernelError {
     NotRegularFile {
         /// The name.
         name: String,
-        /// `dir`, `symlink` or `special`.
+        /// `dir`, `symlink`, `special`, or `foreign` (not owned by the session's worker).
         kind: String,
     },
     /// The daemon is stopping.

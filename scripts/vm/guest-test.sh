@@ -23,7 +23,7 @@ check() {
 }
 journal() { journalctl -b -u sandcelld.service -u sandcelld.socket --no-pager -o short-monotonic | tail -"${1:-40}" | sed 's/^/    journal: /'; }
 unit_state() { systemctl show -p ActiveState --value "$1"; }
-wait_for() { # wait_for SECONDS CMD...: poll until CMD succeeds
+wait_for() { # wait_for SECONDS CMD...: poll until CMD (re-run each time) succeeds
     local t=$1 i
     shift
     for ((i = 0; i < t * 2; i++)); do "$@" && return 0; sleep 0.5; done
@@ -31,7 +31,18 @@ wait_for() { # wait_for SECONDS CMD...: poll until CMD succeeds
 }
 # Every client call is bounded: a daemon that never accepts must fail the check, not hang it.
 as_gw() { timeout 600 runuser -u gw -- "$@"; }
-worker_procs() { ps -eo uid=,pid=,args= | awk '$1 >= 3000000000'; }
+# Processes under a per-session uid (daemon.worker_uid_base = 3000000000 and up): "uid pid
+# command". Read from /proc, since ps prints uids above 2^31 as negative numbers.
+worker_procs() {
+    local s pid uid
+    for s in /proc/[0-9]*/status; do
+        uid=$(awk '/^Uid:/ { print $2; exit }' "$s" 2>/dev/null)
+        [[ -n $uid ]] && ((uid >= 3000000000)) || continue
+        pid=${s#/proc/}
+        pid=${pid%/status}
+        echo "$uid $pid $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -c1-100)"
+    done
+}
 cg() { echo "/sys/fs/cgroup$(systemctl show -p ControlGroup --value sandcelld.service)"; }
 
 # The daemon's log goes to the VM console as it happens (the host's console.log), so a stuck
@@ -102,6 +113,9 @@ rc=$?
 echo "    (first connection: activation + readiness probes + cell: $(($(date +%s) - t)) s)"
 if [[ $rc == 0 && $out == 42 ]]; then pass python-cell; else fail python-cell "exit $rc, output: $out"; journal 60; fi
 check service-active-after-connection test "$(unit_state sandcelld.service)" = active
+st=$(systemctl show -p StatusText --value sandcelld.service)
+echo "    StatusText: $st"
+[[ -n $st ]] && pass sd-notify-status || fail sd-notify-status
 systemctl status sandcelld.service --no-pager 2>&1 | sed -n '1,12p' | sed 's/^/    /'
 
 daemon_works=1
@@ -174,7 +188,8 @@ else
     skip busctl-lists-session "the D-Bus part is not installed"
 fi
 check close-session as_gw sandcellctl close "$sid"
-check session-group-removed wait_for 10 test -z "$(find "$root/sessions" -mindepth 1 -maxdepth 1 -type d)"
+no_session_groups() { [[ -z $(find "$root/sessions" -mindepth 1 -maxdepth 1 -type d) ]]; }
+check session-group-removed wait_for 10 no_session_groups
 
 # ---- reload ---------------------------------------------------------------------------------
 check reload systemctl reload sandcelld.service
@@ -191,7 +206,8 @@ check socket-still-listening test "$(unit_state sandcelld.socket)" = active
 # ---- idle exit and re-activation --------------------------------------------------------------
 out=$(echo 'print("again")' | as_gw sandcellctl run - 2>&1)
 [[ $out == again ]] && pass reactivation-after-stop || fail reactivation-after-stop "$out"
-if wait_for 90 test "$(unit_state sandcelld.service)" = inactive; then
+service_inactive() { [[ $(unit_state sandcelld.service) == inactive ]]; }
+if wait_for 90 service_inactive; then
     pass idle-exit
 else
     fail idle-exit "still $(unit_state sandcelld.service) after 90 s"
@@ -250,7 +266,9 @@ else
 fi
 
 # ---- the unit's exposure score ----------------------------------------------------------------
-score=$(systemd-analyze security sandcelld.service --no-pager 2>&1 | tail -1)
+sec=$(systemd-analyze security sandcelld.service --no-pager 2>&1)
+grep '✗' <<<"$sec" | sed 's/^/    /'
+score=$(tail -1 <<<"$sec")
 echo "    $score"
 [[ $score == *"exposure level"* ]] && pass systemd-analyze-security || fail systemd-analyze-security "$score"
 

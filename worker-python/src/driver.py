@@ -427,6 +427,15 @@ def snapshot(g):
                  'missing': skipped[:MAX_NAMES]}
 
 
+def clean(g):
+    """Removes the module bindings Eryx's pre-initialisation leaves in a fresh namespace
+    (`json`, `re`, ...): a session starts empty, as CPython's `__main__` does. The modules stay
+    imported, so `import json` costs a dictionary lookup."""
+    for k, v in list(_user_items(g)):
+        if isinstance(v, _types.ModuleType):
+            del g[k]
+
+
 def restore(g, blob_b64, modules):
     """Loads a snapshot into g, re-imports modules; result `missing` lists what did not load."""
     global _target

@@ -210,8 +210,14 @@ impl PySession {
             .and_then(|j| DriverResult::parse(j).ok()))
     }
 
+    /// Installs the driver (unless the snapshot already has this version) and empties the
+    /// namespace of pre-initialisation leftovers; used on a fresh instance only.
     async fn install(&mut self) -> Result<(), EryxError> {
-        self.internal(&driver::install_code()).await.map(|_| ())
+        let code = format!(
+            "{}__import__('_sandcell').clean(globals())\n",
+            driver::install_code()
+        );
+        self.internal(&code).await.map(|_| ())
     }
 
     /// Pickles the namespace through the driver. Errors carry a reason and whether the

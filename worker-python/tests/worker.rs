@@ -22,6 +22,21 @@ fn print_output_is_exact_on_both_streams() {
 }
 
 #[test]
+fn a_session_starts_with_an_empty_namespace() {
+    let mut w = Worker::start();
+    let r = w.cell(
+        1,
+        "print(sorted(k for k in globals() if not k.startswith('_')))",
+    );
+    assert_eq!(r.stdout, "['invoke', 'list_callbacks']\n", "{r:?}");
+    let r = w.cell(
+        2,
+        "import json, statistics\nprint(json.dumps(statistics.mean([1, 2, 3])))",
+    );
+    assert_eq!(r.stdout, "2\n");
+}
+
+#[test]
 fn variables_persist_across_cells_including_result() {
     let mut w = Worker::start();
     assert_eq!(

@@ -88,7 +88,7 @@ async fn main() -> anyhow::Result<()> {
     let s = c.open(&a.language, None, None).await?.session;
     let open_ms = t.elapsed().as_secs_f64() * 1e3;
     println!("{}", serde_json::json!({"figure": "session_open", "unit": "ms", "value": open_ms}));
-    table.push(("session open (cold worker)".into(), format!("{open_ms:.2} ms")));
+    table.push(("session open".into(), format!("{open_ms:.2} ms")));
     let mut ms = Vec::new();
     for _ in 0..a.iterations * 4 {
         let t = Instant::now();
