@@ -424,14 +424,26 @@ impl Config {
             ("pool_r_max", d.pool_r_min, d.pool_r_max),
         ] {
             if max < min {
-                return Err(Error::Invalid { key, reason: format!("{max} is below the minimum {min}") });
+                return Err(Error::Invalid {
+                    key,
+                    reason: format!("{max} is below the minimum {min}"),
+                });
             }
             if (max as u64) > l.max_concurrent_sessions {
-                return Err(Error::Invalid { key, reason: "exceeds max_concurrent_sessions".into() });
+                return Err(Error::Invalid {
+                    key,
+                    reason: "exceeds max_concurrent_sessions".into(),
+                });
             }
         }
-        if !(d.pool_refill_per_second.is_finite() && d.pool_refill_per_second > 0.0 && d.pool_refill_per_second <= 1000.0) {
-            return Err(Error::Invalid { key: "pool_refill_per_second", reason: "must be in (0, 1000]".into() });
+        if !(d.pool_refill_per_second.is_finite()
+            && d.pool_refill_per_second > 0.0
+            && d.pool_refill_per_second <= 1000.0)
+        {
+            return Err(Error::Invalid {
+                key: "pool_refill_per_second",
+                reason: "must be in (0, 1000]".into(),
+            });
         }
         if d.languages.is_empty() {
             return Err(Error::Invalid {

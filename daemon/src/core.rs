@@ -351,17 +351,25 @@ impl Core {
     ) -> Result<Prepared, KernelError> {
         let cfg = self.config();
         let charge = Charge {
-            guest_memory: if language == Language::Python { guest_memory } else { 0 },
+            guest_memory: if language == Language::Python {
+                guest_memory
+            } else {
+                0
+            },
             worker_memory: cfg.limits.max_worker_memory_bytes,
         };
         let permit = self.admission.try_admit(charge)?;
         let lease = if self.options.per_session_uids {
-            Some(self.uids.allocate().ok_or_else(|| KernelError::CapacityExceeded {
-                budget: "worker_uid_count".into(),
-                in_use: cfg.daemon.worker_uid_count as u64,
-                requested: 1,
-                max: cfg.daemon.worker_uid_count as u64,
-            })?)
+            Some(
+                self.uids
+                    .allocate()
+                    .ok_or_else(|| KernelError::CapacityExceeded {
+                        budget: "worker_uid_count".into(),
+                        in_use: cfg.daemon.worker_uid_count as u64,
+                        requested: 1,
+                        max: cfg.daemon.worker_uid_count as u64,
+                    })?,
+            )
         } else {
             None
         };
@@ -392,7 +400,9 @@ impl Core {
                 },
             )
             .map(Arc::from)
-            .map_err(|e| KernelError::WorkerFailed { reason: e.to_string() })?;
+            .map_err(|e| KernelError::WorkerFailed {
+                reason: e.to_string(),
+            })?;
 
         let fail = |reason: String, group: Arc<dyn SessionGroup>, dir: PathBuf| async move {
             let _ = tokio::task::spawn_blocking(move || {
@@ -422,9 +432,15 @@ impl Core {
                 Err(e) => Err(format!("bad ready line: {e}")),
             },
             Ok(Ok(None)) => {
-                let status =
-                    spawned.child.wait().await.map(|s| s.to_string()).unwrap_or_default();
-                Err(format!("worker exited before it was ready ({status}); see the daemon's log"))
+                let status = spawned
+                    .child
+                    .wait()
+                    .await
+                    .map(|s| s.to_string())
+                    .unwrap_or_default();
+                Err(format!(
+                    "worker exited before it was ready ({status}); see the daemon's log"
+                ))
             }
             Ok(Err(e)) => Err(e.to_string()),
             Err(_) => Err(format!("worker not ready after {timeout:?}")),
@@ -478,9 +494,16 @@ impl Core {
             }),
             self.events.clone(),
         );
-        self.sessions.lock().unwrap().insert(id.clone(), session.clone());
+        self.sessions
+            .lock()
+            .unwrap()
+            .insert(id.clone(), session.clone());
         tracing::info!(session = %id, uid = caller.uid, pid = caller.pid, language = language.as_str(), warm, "session opened");
-        let _ = self.events.send(Event::Opened { id, uid: caller.uid, language });
+        let _ = self.events.send(Event::Opened {
+            id,
+            uid: caller.uid,
+            language,
+        });
         session
     }
 

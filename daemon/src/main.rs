@@ -136,10 +136,17 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         }
         let check = sandcell_confine::self_check().context("confinement self-check failed")?;
         // Fail closed: any missing layer refuses start-up, with the hint for the operator.
-        check.require_strict().context("confinement self-check failed")?;
+        check
+            .require_strict()
+            .context("confinement self-check failed")?;
         tracing::info!(?check, "confinement self-check passed");
-        let backend: Arc<dyn Backend> =
-            Arc::from(cgroup::detect(&cgroup::DetectConfig { v1_name: config.daemon.cgroup_name.clone(), ..Default::default() }).context("cgroup setup failed")?);
+        let backend: Arc<dyn Backend> = Arc::from(
+            cgroup::detect(&cgroup::DetectConfig {
+                v1_name: config.daemon.cgroup_name.clone(),
+                ..Default::default()
+            })
+            .context("cgroup setup failed")?,
+        );
         (
             backend,
             Options {

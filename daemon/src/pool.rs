@@ -169,7 +169,13 @@ impl Pool {
             .into_iter()
             .map(|language| {
                 let l = &lanes[lane(language)];
-                Status { language, idle: l.idle.len(), target: l.target, taken: l.taken, missed: l.missed }
+                Status {
+                    language,
+                    idle: l.idle.len(),
+                    target: l.target,
+                    taken: l.taken,
+                    missed: l.missed,
+                }
             })
             .collect()
     }
@@ -186,11 +192,19 @@ impl Pool {
     }
 
     fn push(&self, p: Prepared) {
-        self.lanes.lock().unwrap()[lane(p.language)].idle.push_back(p);
+        self.lanes.lock().unwrap()[lane(p.language)]
+            .idle
+            .push_back(p);
     }
 
     /// Decides the target of `language` and returns (idle, target).
-    fn plan(&self, language: Language, min: usize, max: usize, idle_after: Duration) -> (usize, usize) {
+    fn plan(
+        &self,
+        language: Language,
+        min: usize,
+        max: usize,
+        idle_after: Duration,
+    ) -> (usize, usize) {
         let mut lanes = self.lanes.lock().unwrap();
         let l = &mut lanes[lane(language)];
         let busy = l.last_take.is_some_and(|t| t.elapsed() < idle_after);
@@ -229,13 +243,18 @@ pub async fn run(core: Weak<Core>) {
                 }
             } else if idle < target && !started && Instant::now() >= backoff_until {
                 started = true;
-                match c.prepare_worker(lang, cfg.limits.max_guest_memory_bytes).await {
+                match c
+                    .prepare_worker(lang, cfg.limits.max_guest_memory_bytes)
+                    .await
+                {
                     Ok(p) => {
                         tracing::info!(language = lang.as_str(), session = %p.id, "warm worker ready");
                         c.pool().push(p);
                     }
                     // No room: clients come first; try again later.
-                    Err(KernelError::CapacityExceeded { .. }) => backoff_until = Instant::now() + Duration::from_secs(1),
+                    Err(KernelError::CapacityExceeded { .. }) => {
+                        backoff_until = Instant::now() + Duration::from_secs(1)
+                    }
                     Err(e) => {
                         tracing::warn!(language = lang.as_str(), error = %e, "warm pool: worker failed to start; retrying in 5 s");
                         backoff_until = Instant::now() + Duration::from_secs(5);
@@ -243,7 +262,11 @@ pub async fn run(core: Weak<Core>) {
                 }
             }
         }
-        let wait = if started { pause } else { Duration::from_millis(500) };
+        let wait = if started {
+            pause
+        } else {
+            Duration::from_millis(500)
+        };
         let core_ref = c.clone();
         drop(c);
         tokio::select! {

@@ -740,7 +740,8 @@ impl Actor {
                 // A worker whose interpreter ended (R's quit()) exits after reporting it: then
                 // the session ends here, and says so. (Python's sys.exit does not end Eryx.)
                 if result.status == Status::Exited
-                    && let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(500), self.child.wait()).await
+                    && let Ok(Ok(_)) =
+                        tokio::time::timeout(Duration::from_millis(500), self.child.wait()).await
                 {
                     self.kill_and_reap().await;
                     result.state = State::Lost;

@@ -29,15 +29,32 @@ impl Bystander {
         let mut client = d.client().await;
         let session = client.open("python", None, None).await.unwrap().session;
         client.execute_collect(&session, "acc = 0").await.unwrap();
-        Bystander { client, session, n: 0 }
+        Bystander {
+            client,
+            session,
+            n: 0,
+        }
     }
 
     /// Adds to its own state and checks the state is intact.
     async fn check(&mut self) {
         self.n += 1;
-        let out = self.client.execute_collect(&self.session, "acc += 1\nprint(acc)").await.unwrap();
-        assert_eq!(out.result.status, Status::Ok, "bystander broke: {:?}", out.result);
-        assert_eq!(out.stdout.trim(), self.n.to_string(), "bystander state changed");
+        let out = self
+            .client
+            .execute_collect(&self.session, "acc += 1\nprint(acc)")
+            .await
+            .unwrap();
+        assert_eq!(
+            out.result.status,
+            Status::Ok,
+            "bystander broke: {:?}",
+            out.result
+        );
+        assert_eq!(
+            out.stdout.trim(),
+            self.n.to_string(),
+            "bystander state changed"
+        );
     }
 }
 
@@ -46,7 +63,10 @@ async fn run(c: &mut Client, lang: &str, code: &str) -> Collected {
 }
 
 fn daemon(extra: &[(&str, &str)]) -> Daemon {
-    let mut env = vec![("SANDCELL_MAX_CONCURRENT_SESSIONS", "4"), ("SANDCELL_LANGUAGES", "python,r")];
+    let mut env = vec![
+        ("SANDCELL_MAX_CONCURRENT_SESSIONS", "4"),
+        ("SANDCELL_LANGUAGES", "python,r"),
+    ];
     if !std::path::Path::new("/usr/lib/R/bin/exec/R").exists() {
         env[1].1 = "python";
     }
@@ -62,18 +82,43 @@ async fn python_file_system_network_and_process_walls() {
     let cases = [
         ("read /etc/shadow", "print(open('/etc/shadow').read())"),
         ("list /root", "import os\nprint(os.listdir('/root'))"),
-        ("write outside", "open('/tmp/sandcell-escape', 'w').write('x')"),
-        ("tcp to 127.0.0.1", "import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 22))"),
-        ("udp", "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', 53))"),
-        ("unix socket of the daemon", &format!("import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({:?})", d.socket.display().to_string())),
-        ("signal the daemon", &format!("import os\nos.kill({}, 9)", d.pid())),
-        ("spawn a process", "import subprocess\nsubprocess.run(['id'])"),
+        (
+            "write outside",
+            "open('/tmp/sandcell-escape', 'w').write('x')",
+        ),
+        (
+            "tcp to 127.0.0.1",
+            "import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 22))",
+        ),
+        (
+            "udp",
+            "import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', 53))",
+        ),
+        (
+            "unix socket of the daemon",
+            &format!(
+                "import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({:?})",
+                d.socket.display().to_string()
+            ),
+        ),
+        (
+            "signal the daemon",
+            &format!("import os\nos.kill({}, 9)", d.pid()),
+        ),
+        (
+            "spawn a process",
+            "import subprocess\nsubprocess.run(['id'])",
+        ),
         ("fork", "import os\nos.fork()"),
         ("read /proc/1", "print(open('/proc/1/cmdline').read())"),
     ];
     for (what, code) in cases {
         let out = run(&mut c, "python", code).await;
-        assert_eq!(out.result.status, Status::Error, "{what}: not blocked: {out:?}");
+        assert_eq!(
+            out.result.status,
+            Status::Error,
+            "{what}: not blocked: {out:?}"
+        );
         by.check().await;
     }
     assert!(!std::path::Path::new("/tmp/sandcell-escape").exists());
@@ -82,16 +127,30 @@ async fn python_file_system_network_and_process_walls() {
 
 #[tokio::test]
 async fn python_resource_bombs_are_contained() {
-    let d = daemon(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "3"), ("SANDCELL_MAX_STDOUT_BYTES", "4096"), ("SANDCELL_MAX_FUEL", "1000000000000000")]);
+    let d = daemon(&[
+        ("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "3"),
+        ("SANDCELL_MAX_STDOUT_BYTES", "4096"),
+        ("SANDCELL_MAX_FUEL", "1000000000000000"),
+    ]);
     let mut by = Bystander::new(&d).await;
     let mut c = d.client().await;
     let out = run(&mut c, "python", "x = bytearray(1 << 30)").await;
-    assert_eq!(out.result.status, Status::MemoryExhausted, "{:?}", out.result);
+    assert_eq!(
+        out.result.status,
+        Status::MemoryExhausted,
+        "{:?}",
+        out.result
+    );
     by.check().await;
     let out = run(&mut c, "python", "while True:\n    pass").await;
     assert_eq!(out.result.status, Status::Timeout, "{:?}", out.result);
     by.check().await;
-    let out = run(&mut c, "python", "import sys\nwhile True:\n    sys.stdout.write('y' * 65536)").await;
+    let out = run(
+        &mut c,
+        "python",
+        "import sys\nwhile True:\n    sys.stdout.write('y' * 65536)",
+    )
+    .await;
     assert_eq!(out.result.stdout.kept, 4096);
     assert!(out.result.stdout.seen > 4096);
     by.check().await;
@@ -109,17 +168,42 @@ async fn r_walls_hold() {
     let pid = d.pid();
     let cases: Vec<(&str, String)> = vec![
         ("read /etc/shadow", "readLines('/etc/shadow')".into()),
-        ("list /root", "stopifnot(length(list.files('/root', all.files = TRUE)) > 0)".into()),
-        ("write outside", "writeLines('x', '/tmp/sandcell-escape-r')".into()),
-        ("tcp to 127.0.0.1", "con <- socketConnection('127.0.0.1', 22, timeout = 2); close(con)".into()),
-        ("signal the daemon", format!("stopifnot(tools::pskill({pid}, 9))")),
-        ("read the daemon's /proc", format!("readLines('/proc/{pid}/cmdline')")),
-        ("shell reads /etc/shadow", "stopifnot(system('cat /etc/shadow > /dev/null') == 0)".into()),
-        ("shell network", "stopifnot(system('exec 3<>/dev/tcp/127.0.0.1/22') == 0)".into()),
+        (
+            "list /root",
+            "stopifnot(length(list.files('/root', all.files = TRUE)) > 0)".into(),
+        ),
+        (
+            "write outside",
+            "writeLines('x', '/tmp/sandcell-escape-r')".into(),
+        ),
+        (
+            "tcp to 127.0.0.1",
+            "con <- socketConnection('127.0.0.1', 22, timeout = 2); close(con)".into(),
+        ),
+        (
+            "signal the daemon",
+            format!("stopifnot(tools::pskill({pid}, 9))"),
+        ),
+        (
+            "read the daemon's /proc",
+            format!("readLines('/proc/{pid}/cmdline')"),
+        ),
+        (
+            "shell reads /etc/shadow",
+            "stopifnot(system('cat /etc/shadow > /dev/null') == 0)".into(),
+        ),
+        (
+            "shell network",
+            "stopifnot(system('exec 3<>/dev/tcp/127.0.0.1/22') == 0)".into(),
+        ),
     ];
     for (what, code) in cases {
         let out = run(&mut c, "r", &code).await;
-        assert_eq!(out.result.status, Status::Error, "{what}: not blocked: {out:?}");
+        assert_eq!(
+            out.result.status,
+            Status::Error,
+            "{what}: not blocked: {out:?}"
+        );
         by.check().await;
     }
     assert!(!std::path::Path::new("/tmp/sandcell-escape-r").exists());
@@ -138,7 +222,14 @@ async fn r_processes_are_confined_and_reaped() {
     let out = run(&mut c, "r", "s <- readLines('/proc/self/status'); cat(grep('^(Uid|Gid|Groups|CapEff|CapBnd|CapPrm|NoNewPrivs|Seccomp):', s, value = TRUE), sep = '\\n'); cat(readLines('/proc/self/cgroup'), sep = '\\n'); cat('fds', sort(as.integer(list.files('/proc/self/fd'))), '\\n')").await;
     assert_eq!(out.result.status, Status::Ok, "{out:?}");
     let s = out.stdout;
-    let field = |k: &str| s.lines().find(|l| l.starts_with(k)).unwrap_or("").split_whitespace().skip(1).collect::<Vec<_>>();
+    let field = |k: &str| {
+        s.lines()
+            .find(|l| l.starts_with(k))
+            .unwrap_or("")
+            .split_whitespace()
+            .skip(1)
+            .collect::<Vec<_>>()
+    };
     if !common::insecure() {
         let uid: u64 = field("Uid:")[0].parse().unwrap();
         assert!(uid >= 3_000_000_000, "worker uid {uid}");
@@ -151,25 +242,44 @@ async fn r_processes_are_confined_and_reaped() {
     }
     by.check().await;
     // Fork bomb: pids.max holds, the daemon and the bystander live.
-    let out = run(&mut c, "r", "system(':(){ :|:& };:', wait = TRUE); cat('after\\n')").await;
+    let out = run(
+        &mut c,
+        "r",
+        "system(':(){ :|:& };:', wait = TRUE); cat('after\\n')",
+    )
+    .await;
     assert_ne!(out.result.status, Status::WorkerCrashed, "{out:?}");
     by.check().await;
     // Grandchildren left running are gone when the session ends.
     let mut s = d.client().await;
     let sess = s.open("r", None, None).await.unwrap().session;
-    s.execute_collect(&sess, "system('sleep 1000 &')").await.unwrap();
+    s.execute_collect(&sess, "system('sleep 1000 &')")
+        .await
+        .unwrap();
     s.close(&sess).await.unwrap();
     assert!(
-        eventually(Duration::from_secs(5), || d.descendants().iter().all(|p| !cmdline(*p).contains("sleep"))),
+        eventually(Duration::from_secs(5), || d
+            .descendants()
+            .iter()
+            .all(|p| !cmdline(*p).contains("sleep"))),
         "grandchild survived its session"
     );
     // Memory bomb: OOM or allocation error, host unharmed.
     let out = run(&mut c, "r", "x <- numeric(4e9); cat(length(x))").await;
-    assert!(matches!(out.result.status, Status::Oom | Status::MemoryExhausted | Status::Error), "{:?}", out.result);
+    assert!(
+        matches!(
+            out.result.status,
+            Status::Oom | Status::MemoryExhausted | Status::Error
+        ),
+        "{:?}",
+        out.result
+    );
     by.check().await;
     assert!(d.child_alive());
 }
 
 fn cmdline(pid: u32) -> String {
-    std::fs::read(format!("/proc/{pid}/cmdline")).map(|b| String::from_utf8_lossy(&b).replace('\0', " ")).unwrap_or_default()
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+        .unwrap_or_default()
 }

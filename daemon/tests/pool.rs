@@ -8,19 +8,39 @@ use std::time::Duration;
 
 #[tokio::test]
 async fn sessions_take_warm_workers_and_never_reuse_them() {
-    let d = Daemon::start(&[("SANDCELL_POOL_PYTHON_MIN", "1"), ("SANDCELL_POOL_PYTHON_MAX", "2")]);
-    assert!(eventually(Duration::from_secs(10), || d.log_text().contains("warm worker ready")), "pool did not fill");
+    let d = Daemon::start(&[
+        ("SANDCELL_POOL_PYTHON_MIN", "1"),
+        ("SANDCELL_POOL_PYTHON_MAX", "2"),
+    ]);
+    assert!(
+        eventually(Duration::from_secs(10), || d
+            .log_text()
+            .contains("warm worker ready")),
+        "pool did not fill"
+    );
     let mut c = d.client().await;
-    let a = c.run_collect("python", "secret = 42\nprint('a')", None).await.unwrap();
+    let a = c
+        .run_collect("python", "secret = 42\nprint('a')", None)
+        .await
+        .unwrap();
     assert_eq!(a.stdout, "a\n");
     assert!(d.log_text().contains("warm=true"), "{}", d.log_text());
     // The next run gets another worker: the first one's state is gone with it.
-    assert!(eventually(Duration::from_secs(10), || d.descendants().len() >= 1));
-    let b = c.run_collect("python", "print('secret' in globals())", None).await.unwrap();
+    assert!(eventually(Duration::from_secs(10), || !d
+        .descendants()
+        .is_empty()));
+    let b = c
+        .run_collect("python", "print('secret' in globals())", None)
+        .await
+        .unwrap();
     assert_eq!(b.stdout, "False\n");
     assert_ne!(a.session, b.session);
     // Under use the pool grows to its maximum, and never above it.
-    assert!(eventually(Duration::from_secs(10), || d.descendants().len() == 2), "{:?}", d.descendants());
+    assert!(
+        eventually(Duration::from_secs(10), || d.descendants().len() == 2),
+        "{:?}",
+        d.descendants()
+    );
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(d.descendants().len(), 2);
 }
@@ -33,23 +53,53 @@ async fn idle_pooled_workers_are_evicted_rather_than_refusing_a_client() {
         ("SANDCELL_POOL_PYTHON_MAX", "2"),
         ("SANDCELL_LANGUAGES", "python,r"),
     ]);
-    assert!(eventually(Duration::from_secs(10), || d.log_text().matches("warm worker ready").count() == 2));
+    assert!(eventually(Duration::from_secs(10), || d
+        .log_text()
+        .matches("warm worker ready")
+        .count()
+        == 2));
     let mut c = d.client().await;
     // Both admission slots are held by idle Python workers; an R session still opens.
-    let lang = if std::path::Path::new("/usr/lib/R/bin/exec/R").exists() { "r" } else { "python" };
-    let s = c.open(lang, Some(&sandcell_client::Limits { guest_memory_bytes: Some(64 << 20), ..Default::default() }), None).await;
+    let lang = if std::path::Path::new("/usr/lib/R/bin/exec/R").exists() {
+        "r"
+    } else {
+        "python"
+    };
+    let s = c
+        .open(
+            lang,
+            Some(&sandcell_client::Limits {
+                guest_memory_bytes: Some(64 << 20),
+                ..Default::default()
+            }),
+            None,
+        )
+        .await;
     let s = s.expect("a pooled worker must give way");
     c.close(&s.session).await.unwrap();
 }
 
 #[tokio::test]
 async fn stopping_the_daemon_reaps_pooled_workers() {
-    let mut d = Daemon::start(&[("SANDCELL_POOL_PYTHON_MIN", "2"), ("SANDCELL_POOL_PYTHON_MAX", "2")]);
-    assert!(eventually(Duration::from_secs(10), || d.descendants().len() == 2));
+    let mut d = Daemon::start(&[
+        ("SANDCELL_POOL_PYTHON_MIN", "2"),
+        ("SANDCELL_POOL_PYTHON_MAX", "2"),
+    ]);
+    assert!(eventually(Duration::from_secs(10), || d
+        .descendants()
+        .len()
+        == 2));
     let pid = d.pid();
     let workers = d.descendants();
-    assert!(d.terminate(Duration::from_secs(20)).is_some(), "daemon did not stop");
+    assert!(
+        d.terminate(Duration::from_secs(20)).is_some(),
+        "daemon did not stop"
+    );
     for w in workers {
-        assert!(!std::path::Path::new(&format!("/proc/{w}")).exists() || common::descendants(pid).is_empty(), "worker {w} survived");
+        assert!(
+            !std::path::Path::new(&format!("/proc/{w}")).exists()
+                || common::descendants(pid).is_empty(),
+            "worker {w} survived"
+        );
     }
 }

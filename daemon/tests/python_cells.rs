@@ -84,7 +84,10 @@ async fn session_keeps_variables_and_sessions_are_isolated() {
 #[tokio::test]
 async fn infinite_loop_times_out_and_session_survives() {
     // Fuel high enough that the wall time, not the fuel, ends the loop.
-    let d = Daemon::start(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "2"), ("SANDCELL_MAX_FUEL", "1000000000000000")]);
+    let d = Daemon::start(&[
+        ("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "2"),
+        ("SANDCELL_MAX_FUEL", "1000000000000000"),
+    ]);
     let mut c = d.client().await;
     let s = c.open("python", None, None).await.unwrap().session;
     c.execute_collect(&s, "keep = [1, 2, 3]").await.unwrap();

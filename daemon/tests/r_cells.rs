@@ -27,9 +27,24 @@ async fn r_examples_print_exact_statistics() {
         if p.extension().and_then(|x| x.to_str()) != Some("R") {
             continue;
         }
-        let out = c.run_collect("r", &std::fs::read_to_string(&p).unwrap(), None).await.unwrap();
-        assert_eq!(out.result.status, Status::Ok, "{}: {:?} {}", p.display(), out.result, out.stderr);
-        assert_eq!(out.stdout, std::fs::read_to_string(p.with_extension("out")).unwrap(), "{}", p.display());
+        let out = c
+            .run_collect("r", &std::fs::read_to_string(&p).unwrap(), None)
+            .await
+            .unwrap();
+        assert_eq!(
+            out.result.status,
+            Status::Ok,
+            "{}: {:?} {}",
+            p.display(),
+            out.result,
+            out.stderr
+        );
+        assert_eq!(
+            out.stdout,
+            std::fs::read_to_string(p.with_extension("out")).unwrap(),
+            "{}",
+            p.display()
+        );
         n += 1;
     }
     assert!(n >= 3);
@@ -40,17 +55,27 @@ async fn r_session_persists_and_reports_errors_with_lines() {
     let Some(d) = r_daemon(&[]) else { return };
     let mut c = d.client().await;
     let s = c.open("r", None, None).await.unwrap().session;
-    c.execute_collect(&s, "x <- c(1, 2, 3)\nf <- function(v) sum(v) * 2").await.unwrap();
+    c.execute_collect(&s, "x <- c(1, 2, 3)\nf <- function(v) sum(v) * 2")
+        .await
+        .unwrap();
     let out = c.execute_collect(&s, "cat(f(x), '\\n')").await.unwrap();
     assert_eq!(out.stdout, "12 \n");
-    let out = c.execute_collect(&s, "y <- 1\n\nstop('boom')\n").await.unwrap();
+    let out = c
+        .execute_collect(&s, "y <- 1\n\nstop('boom')\n")
+        .await
+        .unwrap();
     assert_eq!(out.result.status, Status::Error);
     let e = out.result.error.unwrap();
     assert!(e.message.contains("boom"), "{e:?}");
     assert_eq!(e.line, Some(3), "{e:?}");
     // rm(list = ls(all.names = TRUE)) removes the user's variables and nothing of the worker's.
-    c.execute_collect(&s, "rm(list = ls(all.names = TRUE))").await.unwrap();
-    let out = c.execute_collect(&s, "cat(exists('x'), length(ls(all.names = TRUE)), '\\n')").await.unwrap();
+    c.execute_collect(&s, "rm(list = ls(all.names = TRUE))")
+        .await
+        .unwrap();
+    let out = c
+        .execute_collect(&s, "cat(exists('x'), length(ls(all.names = TRUE)), '\\n')")
+        .await
+        .unwrap();
     assert_eq!(out.stdout, "FALSE 0 \n", "{:?}", out.result);
     let out = c.execute_collect(&s, "cat('alive\\n')").await.unwrap();
     assert_eq!(out.stdout, "alive\n");
@@ -58,7 +83,9 @@ async fn r_session_persists_and_reports_errors_with_lines() {
 
 #[tokio::test]
 async fn r_interrupts_end_exactly_the_cell() {
-    let Some(d) = r_daemon(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "120")]) else { return };
+    let Some(d) = r_daemon(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "120")]) else {
+        return;
+    };
     let mut a = d.client().await;
     let s = a.open("r", None, None).await.unwrap().session;
     a.execute_collect(&s, "keep <- 'kept'").await.unwrap();
@@ -70,8 +97,17 @@ async fn r_interrupts_end_exactly_the_cell() {
         let t0 = Instant::now();
         assert!(b.interrupt(&s, started.cell).await.unwrap().delivered);
         let out = a.finish(|_| {}).await.unwrap();
-        assert!(t0.elapsed() < Duration::from_secs(1), "{code}: took {:?}", t0.elapsed());
-        assert_eq!(out.result.status, Status::Interrupted, "{code}: {:?}", out.result);
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "{code}: took {:?}",
+            t0.elapsed()
+        );
+        assert_eq!(
+            out.result.status,
+            Status::Interrupted,
+            "{code}: {:?}",
+            out.result
+        );
         assert_eq!(out.result.state, State::Kept);
         let after = a.execute_collect(&s, "cat(keep, '\\n')").await.unwrap();
         assert_eq!(after.stdout, "kept \n");
@@ -80,15 +116,26 @@ async fn r_interrupts_end_exactly_the_cell() {
 
 #[tokio::test]
 async fn r_flood_is_counted_exactly_without_growing_the_daemon() {
-    let Some(d) = r_daemon(&[("SANDCELL_MAX_STDOUT_BYTES", "1000")]) else { return };
+    let Some(d) = r_daemon(&[("SANDCELL_MAX_STDOUT_BYTES", "1000")]) else {
+        return;
+    };
     let before = d.rss();
     let mut c = d.client().await;
     // 300 MB of output: 3e5 lines of 999 'x' plus newline.
-    let out = c.run_collect("r", "line <- strrep('x', 999); for (i in 1:300000) cat(line, '\\n', sep = '')", None).await.unwrap();
+    let out = c
+        .run_collect(
+            "r",
+            "line <- strrep('x', 999); for (i in 1:300000) cat(line, '\\n', sep = '')",
+            None,
+        )
+        .await
+        .unwrap();
     assert_eq!(out.result.status, Status::Ok, "{:?}", out.result);
     assert_eq!(out.result.stdout.seen, 300_000_000);
     assert_eq!(out.result.stdout.kept, 1000);
     assert!(out.result.stdout.truncated);
     assert!(d.rss() < before + 32 * 1024 * 1024);
-    assert!(eventually(Duration::from_secs(5), || d.descendants().is_empty()));
+    assert!(eventually(Duration::from_secs(5), || d
+        .descendants()
+        .is_empty()));
 }

@@ -89,7 +89,14 @@ pub const MAX_HEADER_LINE: usize = 256;
 impl RequestHeader {
     /// An `exec` header for a cell of `len` source bytes.
     pub fn exec(cell: u64, len: u64) -> Self {
-        Self { op: Op::Exec, cell, len, timeout_ms: None, fuel: None, max_output: None }
+        Self {
+            op: Op::Exec,
+            cell,
+            len,
+            timeout_ms: None,
+            fuel: None,
+            max_output: None,
+        }
     }
 
     /// Formats the header line, newline included.
@@ -125,9 +132,18 @@ impl RequestHeader {
         };
         let cell = num(it.next(), "cell")?;
         let len = num(it.next(), "len")?;
-        let mut h = Self { op, cell, len, timeout_ms: None, fuel: None, max_output: None };
+        let mut h = Self {
+            op,
+            cell,
+            len,
+            timeout_ms: None,
+            fuel: None,
+            max_output: None,
+        };
         for kv in it {
-            let (k, v) = kv.split_once('=').ok_or_else(|| format!("bad option {kv:?}"))?;
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| format!("bad option {kv:?}"))?;
             let v = num(Some(v), k)?;
             match k {
                 "timeout_ms" => h.timeout_ms = Some(v),
@@ -284,7 +300,10 @@ impl WorkerMessage {
     /// Parses one reply line; errors describe why the line is not a valid message.
     pub fn parse(line: &[u8]) -> Result<Self, String> {
         if line.len() > MAX_WORKER_LINE {
-            return Err(format!("line of {} bytes exceeds {MAX_WORKER_LINE}", line.len()));
+            return Err(format!(
+                "line of {} bytes exceeds {MAX_WORKER_LINE}",
+                line.len()
+            ));
         }
         serde_json::from_slice(line).map_err(|e| e.to_string())
     }
@@ -308,6 +327,24 @@ pub fn bound_text(s: &str, max: usize) -> String {
         end -= 1;
     }
     format!("{}... [{} more bytes]", &s[..end], s.len() - end)
+}
+
+/// Reply descriptor of a worker (fd 4), see the module documentation.
+pub const REPLY_FD: i32 = 4;
+
+/// Writes a [`WorkerMessage::Fatal`] line to the reply descriptor, best effort, and also to
+/// stderr. For a worker's own start-up failures only (confinement, interpreter load).
+pub fn report_fatal(stage: &str, reason: &str) {
+    use std::io::Write;
+    use std::os::fd::FromRawFd;
+    let msg = WorkerMessage::Fatal {
+        stage: stage.into(),
+        reason: bound_text(reason, MAX_ERROR_MESSAGE),
+    };
+    // SAFETY: fd 4 is the reply pipe the daemon placed there; ManuallyDrop keeps it open.
+    let mut f = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(REPLY_FD) });
+    let _ = f.write_all(&msg.to_line());
+    eprintln!("sandcell worker: {stage}: {reason}");
 }
 
 #[cfg(test)]
@@ -336,7 +373,11 @@ mod tests {
         let m = WorkerMessage::Done {
             cell: 3,
             status: WorkerStatus::Error,
-            error: Some(CellError { kind: "ValueError".into(), message: "x".into(), ..Default::default() }),
+            error: Some(CellError {
+                kind: "ValueError".into(),
+                message: "x".into(),
+                ..Default::default()
+            }),
             exit_code: None,
             fuel: Some(10),
             state: SessionState::Kept,
@@ -351,19 +392,4 @@ mod tests {
         assert_eq!(bound_text("ab✓cd", 3), "ab... [5 more bytes]");
         assert_eq!(bound_text("abc", 3), "abc");
     }
-}
-
-/// Reply descriptor of a worker (fd 4), see the module documentation.
-pub const REPLY_FD: i32 = 4;
-
-/// Writes a [`WorkerMessage::Fatal`] line to the reply descriptor, best effort, and also to
-/// stderr. For a worker's own start-up failures only (confinement, interpreter load).
-pub fn report_fatal(stage: &str, reason: &str) {
-    use std::io::Write;
-    use std::os::fd::FromRawFd;
-    let msg = WorkerMessage::Fatal { stage: stage.into(), reason: bound_text(reason, MAX_ERROR_MESSAGE) };
-    // SAFETY: fd 4 is the reply pipe the daemon placed there; ManuallyDrop keeps it open.
-    let mut f = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(REPLY_FD) });
-    let _ = f.write_all(&msg.to_line());
-    eprintln!("sandcell worker: {stage}: {reason}");
 }

@@ -12,6 +12,41 @@
 //!
 //! Guest-side behaviour (tracebacks with the cell's own line numbers, `SystemExit`, output
 //! streaming without guest buffering) lives in the driver module ([`driver`]).
+//!
+//! # Files (issue #8)
+//!
+//! The session directory (`SANDCELL_SESSION_DIR`: 0700, the worker's uid, the one read-write
+//! path Landlock grants) is the guest's `/mnt/data`, read-write, and the working directory
+//! of every cell (set when an instance is created or rebuilt; a cell's `os.chdir` lasts for
+//! the session, as in CPython). It is a real host directory mounted with Eryx's `vfs` feature
+//! (`VolumeMount`, eryx-vfs' hybrid `wasi:filesystem`), not a copy: a file a cell writes is
+//! on disk as the cell writes it, an upload is visible to the next cell, and nothing is
+//! synchronised at cell boundaries. The mount keeps a descriptor of the directory opened at
+//! instance creation; every guest path is resolved beneath it by `cap-primitives`
+//! (`openat2(RESOLVE_BENEATH)` where the kernel has it, component-by-component resolution
+//! otherwise), so `..` cannot climb out and nothing else of the host is named.
+//!
+//! - **Symlinks.** The guest sees a symlink as a symlink (`os.listdir`, `os.path.islink`).
+//!   Opening through one works only when it resolves inside the directory (`alias ->
+//!   data.csv`); an absolute target (`-> /etc/shadow`) or one that climbs out fails with
+//!   `OSError`. A cell may create symlinks (`os.symlink`) with any target text; they are just
+//!   as inert for the guest, and the daemon never follows one (`RESOLVE_NO_SYMLINKS`). Hard
+//!   links are refused by eryx-vfs.
+//! - **Sizes.** One file is bounded by `RLIMIT_FSIZE` (the plan's `max_file_bytes`, 256 MiB
+//!   from the daemon): the worker ignores `SIGXFSZ`, so the write that crosses it fails with
+//!   `OSError: [Errno 27] File too large` and the session goes on. Eryx 0.10's VFS quota
+//!   (`max_vfs_bytes`) covers only its in-memory storage, not a host mount, so the bytes a
+//!   cell or a session writes in total, and the number of files, are *not* bounded by the
+//!   worker: that needs a bound on the file system of the session directories (quota, or a
+//!   size-limited mount), or a check by the daemon after each cell. eryx-vfs 0.10.1 reports a
+//!   short write as complete, so when the write that reaches the limit is the cell's last one
+//!   the file silently ends at exactly `max_file_bytes` bytes (wasi-libc writes in chunks of
+//!   at most 64 KiB, so any later write does fail).
+//! - **Scratch.** `/tmp` is Eryx's in-memory VFS storage (a `vfs` session always has one),
+//!   at most [`session::SCRATCH_MAX_BYTES`] (then `ENOSPC`), kept across rebuilds, gone with
+//!   the session, never in the session directory.
+//! - **State.** Files are not part of state snapshots: they stay on disk through a rebuild,
+//!   and the rebuilt instance mounts the same directory again.
 
 pub mod driver;
 pub mod interrupt;

@@ -42,8 +42,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use eryx::vfs::{ArcStorage, InMemoryStorage};
 use eryx::{
     CancellationToken, Error as EryxError, PythonExecutor, ResourceLimits, SessionExecutor,
+    VfsConfig, VolumeMount,
 };
 use sandcell_proto::worker::{
     CellError, MAX_ERROR_MESSAGE, MAX_TRACEBACK, SessionState, WorkerMessage, WorkerStatus,
@@ -66,6 +68,18 @@ pub const INTERNAL_TIMEOUT: Duration = Duration::from_secs(30);
 pub const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Eryx's epoch tick (eryx 0.10.1 `EPOCH_TICK_INTERVAL`).
 const EPOCH_TICK: Duration = Duration::from_millis(10);
+
+/// Guest path of the session directory (the path OpenAI's `code_interpreter` uses); cells start
+/// with it as their working directory.
+pub const GUEST_FILES_DIR: &str = "/mnt/data";
+/// Guest path of the in-memory scratch directory (Eryx's VFS storage: a `vfs` session always
+/// has one, so it is put where `tempfile` looks).
+pub const GUEST_SCRATCH_DIR: &str = "/tmp";
+/// Bytes of file content the scratch directory holds at most (host memory of the worker,
+/// outside the guest memory limit, inside the worker's cgroup); a write past it fails in the
+/// guest with `OSError: [Errno 28] No space left on device`. Kept across rebuilds, lost with
+/// the session.
+pub const SCRATCH_MAX_BYTES: u64 = 32 * 1024 * 1024;
 
 /// Parameters of one cell.
 #[derive(Debug, Clone)]
@@ -131,6 +145,8 @@ pub struct PySession {
     dead: bool,
     /// A completed cell whose snapshot is still to be taken ([`PySession::finish_cell`]).
     pending_checkpoint: Option<u64>,
+    /// The session directory is mounted at [`GUEST_FILES_DIR`].
+    files: bool,
     /// Figures.
     pub stats: Stats,
 }
@@ -167,20 +183,46 @@ fn parse_exception_text(text: &str) -> CellError {
 
 impl PySession {
     /// Starts a session on `executor` with at most `guest_memory` bytes of guest memory and
-    /// installs the driver.
+    /// installs the driver. `files_dir`, when given, is the host session directory, mounted
+    /// read-write at [`GUEST_FILES_DIR`] (see the crate docs, "Files"); the in-memory scratch
+    /// directory [`GUEST_SCRATCH_DIR`] is always there.
     ///
-    /// Errors: the instance cannot be created or the driver cannot be installed.
+    /// Errors: `files_dir` cannot be opened as a directory, the instance cannot be created or
+    /// the driver cannot be installed.
     pub async fn new(
         executor: Arc<PythonExecutor>,
         guest_memory: Option<u64>,
+        files_dir: Option<&std::path::Path>,
     ) -> anyhow::Result<Self> {
         let limits = ResourceLimits::default()
             .with_execution_timeout(INTERNAL_TIMEOUT)
             .with_max_memory_bytes(guest_memory)
             .with_max_fuel(None);
-        let session = SessionExecutor::new_with_limits(executor.clone(), &[], &limits)
-            .await
-            .context("creating the Python instance")?;
+        let scratch = ArcStorage::new(Arc::new(InMemoryStorage::with_max_bytes(
+            SCRATCH_MAX_BYTES,
+        )));
+        let mut vfs = VfsConfig::new(GUEST_SCRATCH_DIR);
+        if let Some(dir) = files_dir {
+            // Eryx mounts a single file instead when the host path is a file: insist on a
+            // directory, without following a symlink in its last component.
+            let meta = std::fs::symlink_metadata(dir)
+                .with_context(|| format!("session directory {}", dir.display()))?;
+            anyhow::ensure!(
+                meta.is_dir(),
+                "session directory {} is not a directory",
+                dir.display()
+            );
+            vfs = vfs.with_volume(VolumeMount::new(dir, GUEST_FILES_DIR));
+        }
+        let session = SessionExecutor::new_with_vfs_config_and_limits(
+            executor.clone(),
+            &[],
+            scratch,
+            vfs,
+            &limits,
+        )
+        .await
+        .context("creating the Python instance")?;
         let mut s = Self {
             executor,
             session,
@@ -189,6 +231,7 @@ impl PySession {
             had_cells: false,
             dead: false,
             pending_checkpoint: None,
+            files: files_dir.is_some(),
             stats: Stats::default(),
         };
         s.install().await.context("installing the cell driver")?;
@@ -210,13 +253,19 @@ impl PySession {
             .and_then(|j| DriverResult::parse(j).ok()))
     }
 
-    /// Installs the driver (unless the snapshot already has this version) and empties the
-    /// namespace of pre-initialisation leftovers; used on a fresh instance only.
+    /// Installs the driver (unless the snapshot already has this version), empties the
+    /// namespace of pre-initialisation leftovers and, with a session directory, makes
+    /// [`GUEST_FILES_DIR`] the working directory (wasi-libc keeps it in guest memory, so a
+    /// fresh instance needs it again); used on a fresh instance and when a cell removed the
+    /// driver.
     async fn install(&mut self) -> Result<(), EryxError> {
-        let code = format!(
+        let mut code = format!(
             "{}__import__('_sandcell').clean(globals())\n",
             driver::install_code()
         );
+        if self.files {
+            code.push_str(&format!("__import__('os').chdir('{GUEST_FILES_DIR}')\n"));
+        }
         self.internal(&code).await.map(|_| ())
     }
 

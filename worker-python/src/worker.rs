@@ -30,7 +30,8 @@ use crate::session::{CellRequest, DEFAULT_TIMEOUT, MAX_TIMEOUT, PySession};
 pub const ENV_RUNTIME: &str = "SANDCELL_PYTHON_RUNTIME";
 /// Environment variable with the guest memory limit in bytes (Eryx `max_memory_bytes`).
 pub const ENV_GUEST_MEMORY: &str = "SANDCELL_GUEST_MEMORY_BYTES";
-/// Environment variable with the session directory (accepted, unused: guests get no files).
+/// Environment variable with the session directory, mounted read-write in the guest at
+/// [`crate::session::GUEST_FILES_DIR`] (see the crate docs, "Files").
 pub const ENV_SESSION_DIR: &str = "SANDCELL_SESSION_DIR";
 /// Guest memory limit when [`ENV_GUEST_MEMORY`] is unset: Eryx's default, 128 MiB.
 pub const DEFAULT_GUEST_MEMORY: u64 = 128 * 1024 * 1024;
@@ -118,8 +119,31 @@ fn inherited(fd: i32) -> Option<File> {
     Some(unsafe { File::from_raw_fd(fd) })
 }
 
+/// Makes a write past `RLIMIT_FSIZE` (the confinement plan's `max_file_bytes`) fail with
+/// `EFBIG` instead of killing the worker with `SIGXFSZ`: the guest then sees
+/// `OSError: [Errno 27] File too large` and the session goes on.
+///
+/// Errors: `sigaction` failed.
+pub fn ignore_sigxfsz() -> std::io::Result<()> {
+    // SAFETY: a zeroed sigaction with SIG_IGN is a valid disposition; no handler code runs.
+    let rc = unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = libc::SIG_IGN;
+        libc::sigaction(libc::SIGXFSZ, &sa, std::ptr::null_mut())
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// Everything after confinement: returns the process exit status.
 pub fn run_confined() -> i32 {
+    if let Err(e) = ignore_sigxfsz() {
+        report_fatal("runtime", &format!("ignoring SIGXFSZ: {e}"));
+        return exit::STARTUP;
+    }
     let config = match Config::from_env() {
         Ok(c) => c,
         Err(e) => {
@@ -168,7 +192,8 @@ pub async fn serve(
             return exit::STARTUP;
         }
     };
-    let mut session = match PySession::new(executor, Some(config.guest_memory)).await {
+    let files = config.session_dir.as_deref();
+    let mut session = match PySession::new(executor, Some(config.guest_memory), files).await {
         Ok(s) => s,
         Err(e) => {
             report_fatal("runtime", &format!("{e:#}"));

@@ -39,7 +39,11 @@ struct Args {
 }
 
 fn trivial(language: &str) -> &'static str {
-    if language == "r" { "cat(1, '\\n')" } else { "print(1)" }
+    if language == "r" {
+        "cat(1, '\\n')"
+    } else {
+        "print(1)"
+    }
 }
 
 fn percentile(v: &mut [f64], p: f64) -> f64 {
@@ -53,13 +57,22 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 
 fn report(name: &str, mut ms: Vec<f64>) -> (f64, f64) {
     let (p50, p99) = (percentile(&mut ms, 0.5), percentile(&mut ms, 0.99));
-    println!("{}", serde_json::json!({"figure": name, "unit": "ms", "samples": ms.len(), "p50": p50, "p99": p99}));
+    println!(
+        "{}",
+        serde_json::json!({"figure": name, "unit": "ms", "samples": ms.len(), "p50": p50, "p99": p99})
+    );
     (p50, p99)
 }
 
 fn rss(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kb: u64 = s.lines().find_map(|l| l.strip_prefix("VmRSS:"))?.split_whitespace().next()?.parse().ok()?;
+    let kb: u64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
     Some(kb * 1024)
 }
 
@@ -78,26 +91,43 @@ async fn main() -> anyhow::Result<()> {
     for _ in 0..a.iterations {
         let t = Instant::now();
         let out = c.run_collect(&a.language, code, None).await?;
-        anyhow::ensure!(out.result.status == Status::Ok, "one-shot cell failed: {:?}", out.result);
+        anyhow::ensure!(
+            out.result.status == Status::Ok,
+            "one-shot cell failed: {:?}",
+            out.result
+        );
         ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
     let (p50, p99) = report("oneshot_latency", ms);
-    table.push(("one-shot trivial cell (new worker each)".into(), format!("p50 {p50:.2} ms, p99 {p99:.2} ms")));
+    table.push((
+        "one-shot trivial cell (new worker each)".into(),
+        format!("p50 {p50:.2} ms, p99 {p99:.2} ms"),
+    ));
 
     let t = Instant::now();
     let s = c.open(&a.language, None, None).await?.session;
     let open_ms = t.elapsed().as_secs_f64() * 1e3;
-    println!("{}", serde_json::json!({"figure": "session_open", "unit": "ms", "value": open_ms}));
+    println!(
+        "{}",
+        serde_json::json!({"figure": "session_open", "unit": "ms", "value": open_ms})
+    );
     table.push(("session open".into(), format!("{open_ms:.2} ms")));
     let mut ms = Vec::new();
     for _ in 0..a.iterations * 4 {
         let t = Instant::now();
         let out = c.execute_collect(&s, code).await?;
-        anyhow::ensure!(out.result.status == Status::Ok, "session cell failed: {:?}", out.result);
+        anyhow::ensure!(
+            out.result.status == Status::Ok,
+            "session cell failed: {:?}",
+            out.result
+        );
         ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
     let (p50, p99) = report("session_cell_latency", ms);
-    table.push(("session cell, trivial".into(), format!("p50 {p50:.2} ms, p99 {p99:.2} ms")));
+    table.push((
+        "session cell, trivial".into(),
+        format!("p50 {p50:.2} ms, p99 {p99:.2} ms"),
+    ));
     c.close(&s).await?;
 
     for &n in a.clients.iter().filter(|&&n| n > 0) {
@@ -129,8 +159,14 @@ async fn main() -> anyhow::Result<()> {
         }
         let secs = t0.elapsed().as_secs_f64();
         let rate = ok as f64 / secs;
-        println!("{}", serde_json::json!({"figure": "oneshot_throughput", "clients": n, "cells_per_second": rate, "refused": refused}));
-        table.push((format!("one-shot throughput, {n} clients"), format!("{rate:.1} cells/s ({refused} refused)")));
+        println!(
+            "{}",
+            serde_json::json!({"figure": "oneshot_throughput", "clients": n, "cells_per_second": rate, "refused": refused})
+        );
+        table.push((
+            format!("one-shot throughput, {n} clients"),
+            format!("{rate:.1} cells/s ({refused} refused)"),
+        ));
     }
 
     if let Some(pid) = a.daemon_pid {
@@ -150,10 +186,27 @@ async fn main() -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
         let busy = rss(pid).unwrap_or(0);
-        let per = if sessions.is_empty() { 0.0 } else { (busy as f64 - idle as f64) / sessions.len() as f64 };
-        println!("{}", serde_json::json!({"figure": "daemon_rss", "idle_bytes": idle, "with_sessions": sessions.len(), "bytes": busy, "per_session_bytes": per}));
-        table.push(("daemon RSS idle".into(), format!("{:.1} MiB", idle as f64 / 1048576.0)));
-        table.push((format!("daemon RSS with {} idle sessions", sessions.len()), format!("{:.1} MiB ({:.1} KiB per session)", busy as f64 / 1048576.0, per / 1024.0)));
+        let per = if sessions.is_empty() {
+            0.0
+        } else {
+            (busy as f64 - idle as f64) / sessions.len() as f64
+        };
+        println!(
+            "{}",
+            serde_json::json!({"figure": "daemon_rss", "idle_bytes": idle, "with_sessions": sessions.len(), "bytes": busy, "per_session_bytes": per})
+        );
+        table.push((
+            "daemon RSS idle".into(),
+            format!("{:.1} MiB", idle as f64 / 1048576.0),
+        ));
+        table.push((
+            format!("daemon RSS with {} idle sessions", sessions.len()),
+            format!(
+                "{:.1} MiB ({:.1} KiB per session)",
+                busy as f64 / 1048576.0,
+                per / 1024.0
+            ),
+        ));
         drop(conns);
     }
 

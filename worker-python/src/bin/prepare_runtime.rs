@@ -443,7 +443,7 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
         fs::OpenOptions::new().write(true).open("/dev/null")?,
     ));
     let interrupter = Interrupter::default();
-    let mut ps = PySession::new(executor.clone(), Some(128 * 1024 * 1024)).await?;
+    let mut ps = PySession::new(executor.clone(), Some(128 * 1024 * 1024), None).await?;
     let mut worker_cell = Vec::with_capacity(n);
     let mut worker_cell_snap = Vec::with_capacity(n);
     for i in 0..n {

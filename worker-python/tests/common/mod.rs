@@ -199,7 +199,10 @@ impl Worker {
                 .as_nanos()
         ));
         std::fs::create_dir_all(&session_dir).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sandcell-worker-python"));
+        // SANDCELL_TEST_WORKER_BIN runs another build of the worker (figures before/after).
+        let bin = std::env::var_os("SANDCELL_TEST_WORKER_BIN")
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_sandcell-worker-python").into());
+        let mut cmd = Command::new(bin);
         cmd.env_clear()
             .env(
                 "SANDCELL_CONFINE",
@@ -255,6 +258,11 @@ impl Worker {
             ready_after: start.elapsed(),
             session_dir,
         }
+    }
+
+    /// The host session directory given to the worker (`SANDCELL_SESSION_DIR`).
+    pub fn session_dir(&self) -> &Path {
+        &self.session_dir
     }
 
     /// Starts a worker with the default guest memory.
