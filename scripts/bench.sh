@@ -18,6 +18,10 @@ for _ in $(seq 10); do
 done
 echo
 
+echo "== bare R worker (sandcell-worker-r driven directly over its pipes, no daemon)"
+cargo test "${CARGO_FLAGS[@]}" -p sandcell-worker-r --test worker -- --nocapture --exact figures 2>&1 \
+    | grep -iE "ready|round trip|rss|rscript|p50|p99" || echo "(figures test not found)"
+
 mode=()
 [[ $(id -u) -eq 0 ]] || mode=(--insecure-dev)
 bench() { # label, language, extra bench args..., -- env assignments...
@@ -37,13 +41,13 @@ bench() { # label, language, extra bench args..., -- env assignments...
     sleep 1
     echo "== sandcelld, $lang, $label"
     "$BIN/sandcell-bench" --socket "$run/k.sock" --daemon-pid "$daemon" --language "$lang" --label "$label" \
-        --iterations "$n" "${args[@]}" || echo "bench failed; log: $run/daemon.log"
+        --cgroup-name "sandcell-bench-$$" --iterations "$n" "${args[@]}" || echo "bench failed; log: $run/daemon.log"
     kill -TERM "$daemon"; wait "$daemon" || true
     rm -rf "$run"
 }
-bench "cold (no pool)" python --clients 1,2,4,16 --idle-sessions 100
-bench "warm pool" python --clients 1,2,4,16 --idle-sessions 0 -- \
+bench "cold (no pool)" python --clients 1,2,4,16 --sessions 1,2,4 --idle-sessions 100
+bench "warm pool" python --clients 1,2,4,16 --sessions 0 --idle-sessions 0 -- \
     SANDCELL_POOL_PYTHON_MIN=4 SANDCELL_POOL_PYTHON_MAX=16 SANDCELL_POOL_REFILL_PER_SECOND=200
-bench "cold (no pool)" r --clients 1,2,4 --idle-sessions 100
-bench "warm pool" r --clients 1,2,4 --idle-sessions 0 -- \
+bench "cold (no pool)" r --clients 1,2,4 --sessions 1,2,4 --idle-sessions 100
+bench "warm pool" r --clients 1,2,4 --sessions 0 --idle-sessions 0 -- \
     SANDCELL_POOL_R_MIN=4 SANDCELL_POOL_R_MAX=8 SANDCELL_POOL_REFILL_PER_SECOND=200

@@ -470,3 +470,60 @@ async fn sandcellctl_saves_the_cells_artifacts() {
         b"\x89PNG"
     );
 }
+
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn passed_descriptors_are_bounded_and_never_kept() {
+    use zlink::Call;
+    let d = daemon(&[]);
+    let mut c = d.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    c.list_files(&s).await.unwrap();
+    let fds0 = open_fds(d.pid());
+    let files = |n: usize| -> Vec<std::os::fd::OwnedFd> {
+        (0..n)
+            .map(|_| tempfile::tempfile().unwrap().into())
+            .collect()
+    };
+    let list = serde_json::json!({
+        "method": "org.sandcell.Kernel.ListFiles",
+        "parameters": { "session": s },
+    });
+    // Descriptors sent with a call that takes none are closed once it is answered.
+    let mut raw = zlink::tokio::unix::connect(&d.socket).await.unwrap();
+    for _ in 0..20 {
+        raw.send_call(&Call::new(&list), files(3)).await.unwrap();
+        let (reply, _) = raw
+            .receive_reply::<sandcell_proto::kernel::ListFilesReply, KernelError>()
+            .await
+            .unwrap();
+        assert!(reply.is_ok(), "{reply:?}");
+    }
+    assert!(
+        common::eventually(Duration::from_secs(5), || open_fds(d.pid()) <= fds0 + 1),
+        "daemon holds {} descriptors, {fds0} before",
+        open_fds(d.pid())
+    );
+    // More than 4 with one message ends that connection, and only that one.
+    let mut flood = zlink::tokio::unix::connect(&d.socket).await.unwrap();
+    flood.send_call(&Call::new(&list), files(5)).await.unwrap();
+    assert!(
+        flood
+            .receive_reply::<sandcell_proto::kernel::ListFilesReply, KernelError>()
+            .await
+            .is_err()
+    );
+    drop(flood);
+    drop(raw);
+    assert!(
+        common::eventually(Duration::from_secs(5), || open_fds(d.pid()) <= fds0),
+        "daemon holds {} descriptors, {fds0} before",
+        open_fds(d.pid())
+    );
+    c.list_files(&s).await.unwrap();
+}

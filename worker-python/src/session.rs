@@ -198,9 +198,7 @@ impl PySession {
             .with_execution_timeout(INTERNAL_TIMEOUT)
             .with_max_memory_bytes(guest_memory)
             .with_max_fuel(None);
-        let scratch = ArcStorage::new(Arc::new(InMemoryStorage::with_max_bytes(
-            SCRATCH_MAX_BYTES,
-        )));
+        let scratch = ArcStorage::new(Arc::new(InMemoryStorage::with_max_bytes(SCRATCH_MAX_BYTES)));
         let mut vfs = VfsConfig::new(GUEST_SCRATCH_DIR);
         if let Some(dir) = files_dir {
             // Eryx mounts a single file instead when the host path is a file: insist on a

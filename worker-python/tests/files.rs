@@ -160,8 +160,7 @@ fn a_symlink_in_the_session_directory_does_not_lead_to_host_files() {
         "import os\nprint(sorted(os.listdir('/mnt/data')))\nprint(os.path.islink('shadow'))",
     );
     assert_eq!(
-        r.stdout,
-        "['etcdir', 'manifest', 'relative', 'runtimedir', 'shadow']\nTrue\n",
+        r.stdout, "['etcdir', 'manifest', 'relative', 'runtimedir', 'shadow']\nTrue\n",
         "{r:?}"
     );
 }
@@ -225,7 +224,12 @@ fn dot_dot_never_leaves_the_session_directory() {
     let r = w.cell(1, &code);
     assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
     assert!(!r.stdout.contains("LEAK"), "{}", r.stdout);
-    assert_eq!(r.stdout.matches("refused").count() >= 7, true, "{}", r.stdout);
+    assert_eq!(
+        r.stdout.matches("refused").count() >= 7,
+        true,
+        "{}",
+        r.stdout
+    );
     for host_only in ["'etc'", "'root'", "'var'", "'usr'", "sandcell-pytest"] {
         assert!(!r.stdout.contains(host_only), "{host_only}: {}", r.stdout);
     }

@@ -33,6 +33,13 @@ struct Args {
     /// Seconds per throughput level.
     #[arg(long, default_value_t = 5.0)]
     seconds: f64,
+    /// Concurrent sessions for session-cell throughput (`0` alone skips it).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    sessions: Vec<usize>,
+    /// cgroup v1 group name of the daemon (`cgroup_name`), to read per-session memory from
+    /// `/sys/fs/cgroup/memory/<name>/sessions/*/memory.usage_in_bytes`.
+    #[arg(long)]
+    cgroup_name: Option<String>,
     /// Idle sessions to open for the memory figure (0 skips it).
     #[arg(long, default_value_t = 20)]
     idle_sessions: usize,
@@ -169,6 +176,41 @@ async fn main() -> anyhow::Result<()> {
         ));
     }
 
+    for &n in a.sessions.iter().filter(|&&n| n > 0) {
+        let deadline = Instant::now() + Duration::from_secs_f64(a.seconds);
+        let mut tasks = Vec::new();
+        for _ in 0..n {
+            let socket = a.socket.clone();
+            let lang = a.language.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut c = Client::connect(&socket).await?;
+                let s = c.open(&lang, None, None).await?.session;
+                let mut ok = 0u64;
+                while Instant::now() < deadline {
+                    let o = c.execute_collect(&s, trivial(&lang)).await?;
+                    anyhow::ensure!(o.result.status == Status::Ok, "cell failed: {:?}", o.result);
+                    ok += 1;
+                }
+                c.close(&s).await?;
+                anyhow::Ok(ok)
+            }));
+        }
+        let t0 = Instant::now();
+        let mut ok = 0;
+        for t in tasks {
+            ok += t.await??;
+        }
+        let rate = ok as f64 / t0.elapsed().as_secs_f64();
+        println!(
+            "{}",
+            serde_json::json!({"figure": "session_cell_throughput", "sessions": n, "cells_per_second": rate})
+        );
+        table.push((
+            format!("session cells/s, {n} sessions"),
+            format!("{rate:.0} cells/s"),
+        ));
+    }
+
     if let Some(pid) = a.daemon_pid {
         let idle = rss(pid).unwrap_or(0);
         let mut sessions = Vec::new();
@@ -186,6 +228,32 @@ async fn main() -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
         let busy = rss(pid).unwrap_or(0);
+        if let Some(name) = &a.cgroup_name {
+            let dir = format!("/sys/fs/cgroup/memory/{name}/sessions");
+            let per: Vec<u64> = std::fs::read_dir(&dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|e| {
+                    std::fs::read_to_string(e.path().join("memory.usage_in_bytes"))
+                        .ok()?
+                        .trim()
+                        .parse()
+                        .ok()
+                })
+                .collect();
+            if !per.is_empty() {
+                let mean = per.iter().sum::<u64>() as f64 / per.len() as f64;
+                println!(
+                    "{}",
+                    serde_json::json!({"figure": "session_cgroup_memory", "sessions": per.len(), "mean_bytes": mean})
+                );
+                table.push((
+                    "worker memory per idle session (cgroup)".into(),
+                    format!("{:.1} MiB", mean / 1048576.0),
+                ));
+            }
+        }
         let per = if sessions.is_empty() {
             0.0
         } else {
