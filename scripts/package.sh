@@ -130,8 +130,13 @@ stage() {
     done
     # The example rules file is data, not documentation: it lives beside the package's other
     # data so that images that drop /usr/share/doc (dpkg path-exclude) keep it.
-    for f in polkit/*.rules polkit/*.rules.example; do
+    for f in polkit/*.rules.example; do
         [[ -f $f ]] && install -Dm 0644 "$f" "$root/usr/share/sandcell/polkit/$(basename "${f%.example}")"
+    done
+    # The default rule is active: group sandcell may run code (issue #6: a gateway in the group
+    # connects and runs code after `systemctl enable --now sandcelld.socket`).
+    for f in polkit/*.rules; do
+        [[ -f $f ]] && install -Dm 0644 "$f" "$root/usr/share/polkit-1/rules.d/$(basename "$f")"
     done
     return 0
 }

@@ -5,9 +5,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh
 
-# R (and a font for text in plots) for the R worker; systemd for systemd-socket-activate; dbus and polkitd for the control
-# plane tests; procps for ps in diagnostics.
-packages=(r-base-core r-cran-jsonlite fonts-dejavu-core systemd dbus polkitd procps)
+# R (and a font for text in plots) for the R worker; systemd for systemd-socket-activate and
+# busctl; dbus and polkitd for the control-plane tests; util-linux (setpriv) and passwd
+# (useradd) for tests that act as other users; lintian, rpm and rpmlint for the package
+# checks; procps for diagnostics.
+packages=(r-base-core r-cran-jsonlite fonts-dejavu-core systemd dbus polkitd util-linux passwd
+    lintian rpm rpmlint procps)
+# The system-test tier (scripts/vm-test.sh) needs more; it installs them itself when run.
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -10,5 +10,9 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy (warnings denied)"
 cargo clippy "${CARGO_FLAGS[@]}" --workspace --all-targets -- -D warnings
+echo "== packages (man pages and example config checked against the code; lintian, rpmlint)"
+bash scripts/package.sh --deb --rpm
+echo "note: the system-test tier (a VM with systemd as PID 1 and pure cgroup v2) is not part of"
+echo "      this run; it takes about 15 minutes: bash scripts/vm-test.sh"
 echo "== cargo test"
-cargo test "${CARGO_FLAGS[@]}" --workspace -- --test-threads=2
+cargo test "${CARGO_FLAGS[@]}" --workspace --no-fail-fast -- --test-threads=2

@@ -14,7 +14,7 @@
 # SANDCELL_VM_LANGUAGES (python,r: what the daemon serves and the test runs),
 # SANDCELL_VM_FRESH_RUNTIME=1 (do not seed the guest with the Python runtime the previous run
 # prepared; the package's postinst then prepares it, about 6 minutes under TCG).
-# Needs root (image build) and: mmdebstrap qemu-system-x86 e2fsprogs busybox-static cpio zstd.
+# Needs root; installs what it needs (scripts/setup.sh, then mmdebstrap, qemu-system-x86, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh
@@ -33,6 +33,18 @@ export SANDCELL_VM_CACHE=$cache
 mem=${SANDCELL_VM_MEMORY:-3072}
 cpus=${SANDCELL_VM_CPUS:-2}
 limit=${SANDCELL_VM_TIMEOUT:-1500}
+# What a fresh machine lacks: the base set (scripts/setup.sh builds too), then the VM tools.
+bash scripts/setup.sh
+vm_packages=(mmdebstrap qemu-system-x86 e2fsprogs busybox-static cpio zstd python3)
+missing=()
+for p in "${vm_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    echo "vm-test: installing ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
 command -v qemu-system-x86_64 >/dev/null || { echo "vm-test: qemu-system-x86_64 is missing (apt-get install qemu-system-x86)" >&2; exit 2; }
 
 t0=$SECONDS
@@ -41,7 +53,7 @@ t_image=$((SECONDS - t0))
 
 if [[ -z $deb ]]; then
     bash scripts/package.sh --deb
-    deb=$(ls -t /var/tmp/sandcell-pkg/out/sandcell_*_amd64.deb | head -1)
+    deb=$(ls -t "${SANDCELL_PKG_DIR:-/var/tmp/sandcell-pkg}"/out/sandcell_*_amd64.deb | head -1)
 fi
 [[ -f $deb ]] || { echo "vm-test: no package $deb" >&2; exit 2; }
 

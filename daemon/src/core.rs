@@ -460,6 +460,17 @@ impl Core {
             Err(reason) => {
                 let _ = spawned.child.start_kill();
                 let _ = spawned.child.wait().await;
+                // Before Ready only trusted code (the launcher, the confinement) has written
+                // to stderr: log its head for the operator (never sent to the client).
+                if let Some(err) = spawned.stderr.as_mut() {
+                    let mut buf = vec![0u8; 4096];
+                    if let Ok(n) = err.try_read(&mut buf)
+                        && n > 0
+                    {
+                        let text = sandcell_proto::text::escape_lossy(&buf[..n]);
+                        tracing::warn!(session = %id, stderr = %text.trim_end(), "worker stderr before it was ready");
+                    }
+                }
                 Err(fail(reason, group, spec.session_dir.clone()).await)
             }
         }

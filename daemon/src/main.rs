@@ -51,8 +51,15 @@ fn main() -> anyhow::Result<()> {
         Some(p) => (p.clone(), true),
         None => (PathBuf::from(DEFAULT_CONFIG_PATH), false),
     };
-    let config =
-        Config::load(&path, required, std::env::vars()).context("configuration refused")?;
+    let config = match Config::load(&path, required, std::env::vars()) {
+        Ok(c) => c,
+        Err(e) => {
+            // EX_CONFIG (sysexits.h): a permanent failure the unit does not retry
+            // (RestartPreventExitStatus=78).
+            eprintln!("sandcelld: configuration refused: {e}");
+            std::process::exit(78);
+        }
+    };
     if args.check_config {
         println!("{config:#?}");
         println!("configuration OK ({})", path.display());

@@ -84,7 +84,7 @@ async fn python_file_system_network_and_process_walls() {
         ("list /root", "import os\nprint(os.listdir('/root'))"),
         (
             "write outside",
-            "open('/tmp/sandcell-escape', 'w').write('x')",
+            "open('/var/tmp/sandcell-escape', 'w').write('x')",
         ),
         (
             "tcp to 127.0.0.1",
@@ -121,7 +121,7 @@ async fn python_file_system_network_and_process_walls() {
         );
         by.check().await;
     }
-    assert!(!std::path::Path::new("/tmp/sandcell-escape").exists());
+    assert!(!std::path::Path::new("/var/tmp/sandcell-escape").exists());
     assert!(d.child_alive());
 }
 

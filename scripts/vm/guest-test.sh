@@ -101,10 +101,10 @@ check nothing-runs-before-first-connection test "$(unit_state sandcelld.service)
 useradd -m -G sandcell gw
 useradd -m outsider
 
-# polkit: org.sandcell.execute needs an administrator by default; the package's example rule
-# grants it (and managing one's own sessions) to group sandcell. An operator enables it so:
-check polkit-rule-for-group install -m 0644 /usr/share/sandcell/polkit/50-sandcell.rules /etc/polkit-1/rules.d/50-sandcell.rules
-sleep 1 # polkitd notices rules.d changes by itself
+# polkit: org.sandcell.execute needs an administrator by default; the package's default rule
+# grants it (and managing one's own sessions) to group sandcell.
+# The package's default rule grants group sandcell; nothing is copied by hand.
+check polkit-default-rule-installed test -f /usr/share/polkit-1/rules.d/50-sandcell.rules
 
 # ---- cells, as a member of the group ------------------------------------------------------
 t=$(date +%s)
@@ -222,7 +222,7 @@ fi
 
 # ---- D-Bus activation (bus name -> SystemdService=sandcelld.service) --------------------------
 if [[ -f /usr/share/dbus-1/system-services/org.sandcell.Sandcell1.service ]]; then
-    systemctl stop sandcelld.service
+    systemctl stop sandcelld.service 2>/dev/null
     out=$(busctl get-property org.sandcell.Sandcell1 /org/sandcell/Sandcell1 org.sandcell.Manager1 Version 2>&1)
     echo "    Version: $out"
     [[ $out == s* && $(unit_state sandcelld.service) == active ]] && pass dbus-activation || fail dbus-activation "$out"
@@ -235,7 +235,7 @@ fi
 if has_r; then oom_limit=268435456; else oom_limit=167772160; fi
 printf '[Service]\nEnvironment=SANDCELL_MAX_WORKER_MEMORY_BYTES=%s\n' "$oom_limit" >/etc/systemd/system/sandcelld.service.d/60-oom.conf
 systemctl daemon-reload
-systemctl stop sandcelld.service
+systemctl stop sandcelld.service 2>/dev/null
 mon=""
 if command -v busctl >/dev/null; then
     timeout 600 busctl monitor --system --match "type='signal',interface='org.sandcell.Manager1'" >/tmp/signals.txt 2>&1 &
@@ -271,6 +271,18 @@ grep '✗' <<<"$sec" | sed 's/^/    /'
 score=$(tail -1 <<<"$sec")
 echo "    $score"
 [[ $score == *"exposure level"* ]] && pass systemd-analyze-security || fail systemd-analyze-security "$score"
+
+# ---- upgrade path: reinstalling the package over a running daemon -------------------------
+if ((daemon_works)); then
+    echo 'print("warm")' | as_gw sandcellctl run - >/dev/null 2>&1 # make sure the daemon runs
+    pid0=$(systemctl show -p MainPID --value sandcelld.service)
+    check reinstall dpkg -i "$share/sandcell.deb"
+    pid1=$(systemctl show -p MainPID --value sandcelld.service)
+    echo "    daemon pid before $pid0, after $pid1 (postinst try-restarts a running daemon; 0: it exited idle meanwhile)"
+    check socket-enabled-after-upgrade systemctl is-enabled sandcelld.socket
+    out=$(echo 'print("upgraded")' | as_gw sandcellctl run - 2>&1)
+    [[ $out == upgraded ]] && pass cell-after-upgrade || fail cell-after-upgrade "$out"
+fi
 
 # ---- removal --------------------------------------------------------------------------------
 check stop-socket systemctl stop sandcelld.socket sandcelld.service

@@ -26,25 +26,29 @@
 //! (`openat2(RESOLVE_BENEATH)` where the kernel has it, component-by-component resolution
 //! otherwise), so `..` cannot climb out and nothing else of the host is named.
 //!
-//! - **Symlinks.** The guest sees a symlink as a symlink (`os.listdir`, `os.path.islink`).
-//!   Opening through one works only when it resolves inside the directory (`alias ->
-//!   data.csv`); an absolute target (`-> /etc/shadow`) or one that climbs out fails with
-//!   `OSError`. A cell may create symlinks (`os.symlink`) with any target text; they are just
-//!   as inert for the guest, and the daemon never follows one (`RESOLVE_NO_SYMLINKS`). Hard
-//!   links are refused by eryx-vfs.
+//! - **Symlinks** (eryx-vfs 0.10.1, pinned by `tests/files.rs`). A link that resolves inside
+//!   the directory works (`alias -> data.csv`). One that leads out (`-> /etc/shadow`, or
+//!   `../../..`) or nowhere fails with `OSError` on open and `stat`, and makes `os.listdir` of
+//!   its directory fail with `EIO` (eryx-vfs stats every entry, following links); the guest
+//!   can `os.remove` it. `stat` and `lstat` both follow links (`os.path.islink` is always
+//!   False); `os.scandir` entries report `is_symlink()`. A cell can make links with relative
+//!   targets only (an absolute target is refused); one that climbs out is made but leads
+//!   nowhere, and the daemon never follows a link (`RESOLVE_NO_SYMLINKS`). Hard links are
+//!   refused.
 //! - **Sizes.** One file is bounded by `RLIMIT_FSIZE` (the plan's `max_file_bytes`, 256 MiB
 //!   from the daemon): the worker ignores `SIGXFSZ`, so the write that crosses it fails with
-//!   `OSError: [Errno 27] File too large` and the session goes on. Eryx 0.10's VFS quota
-//!   (`max_vfs_bytes`) covers only its in-memory storage, not a host mount, so the bytes a
-//!   cell or a session writes in total, and the number of files, are *not* bounded by the
-//!   worker: that needs a bound on the file system of the session directories (quota, or a
-//!   size-limited mount), or a check by the daemon after each cell. eryx-vfs 0.10.1 reports a
-//!   short write as complete, so when the write that reaches the limit is the cell's last one
-//!   the file silently ends at exactly `max_file_bytes` bytes (wasi-libc writes in chunks of
-//!   at most 64 KiB, so any later write does fail).
+//!   `OSError` (`EFBIG` on the host; eryx-vfs 0.10.1 reports a failed stream write as `EIO`)
+//!   and the session goes on. Eryx 0.10's VFS quota (`max_vfs_bytes`) covers only its
+//!   in-memory storage, not a host mount, so the bytes a cell or a session writes in total,
+//!   and the number of files, are *not* bounded by the worker: that needs a bound on the file
+//!   system of the session directories (quota, or a size-limited mount), or a check by the
+//!   daemon after each cell. eryx-vfs 0.10.1 also reports a short write as complete, so when
+//!   the write that reaches the limit is the cell's last one the file silently ends at
+//!   exactly `max_file_bytes` bytes (wasi-libc writes in chunks of at most 64 KiB, so any
+//!   later write does fail).
 //! - **Scratch.** `/tmp` is Eryx's in-memory VFS storage (a `vfs` session always has one),
-//!   at most [`session::SCRATCH_MAX_BYTES`] (then `ENOSPC`), kept across rebuilds, gone with
-//!   the session, never in the session directory.
+//!   at most [`session::SCRATCH_MAX_BYTES`] (then `OSError`, `EIO`), kept across rebuilds,
+//!   gone with the session, never in the session directory.
 //! - **State.** Files are not part of state snapshots: they stay on disk through a rebuild,
 //!   and the rebuilt instance mounts the same directory again.
 

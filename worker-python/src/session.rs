@@ -72,13 +72,13 @@ const EPOCH_TICK: Duration = Duration::from_millis(10);
 /// Guest path of the session directory (the path OpenAI's `code_interpreter` uses); cells start
 /// with it as their working directory.
 pub const GUEST_FILES_DIR: &str = "/mnt/data";
-/// Guest path of the in-memory scratch directory (Eryx's VFS storage: a `vfs` session always
-/// has one, so it is put where `tempfile` looks).
+/// Guest path of the in-memory scratch directory (Eryx's VFS storage: a session built with the
+/// `vfs` feature always has one, so it is put where `tempfile` looks).
 pub const GUEST_SCRATCH_DIR: &str = "/tmp";
 /// Bytes of file content the scratch directory holds at most (host memory of the worker,
 /// outside the guest memory limit, inside the worker's cgroup); a write past it fails in the
-/// guest with `OSError: [Errno 28] No space left on device`. Kept across rebuilds, lost with
-/// the session.
+/// guest with `OSError` (`EIO`: eryx-vfs 0.10.1 loses the `ENOSPC` of a stream write). Kept
+/// across rebuilds, lost with the session.
 pub const SCRATCH_MAX_BYTES: u64 = 32 * 1024 * 1024;
 
 /// Parameters of one cell.

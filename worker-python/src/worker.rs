@@ -120,8 +120,8 @@ fn inherited(fd: i32) -> Option<File> {
 }
 
 /// Makes a write past `RLIMIT_FSIZE` (the confinement plan's `max_file_bytes`) fail with
-/// `EFBIG` instead of killing the worker with `SIGXFSZ`: the guest then sees
-/// `OSError: [Errno 27] File too large` and the session goes on.
+/// `EFBIG` instead of killing the worker with `SIGXFSZ`: the guest then gets an `OSError`
+/// (eryx-vfs 0.10.1 reports it as `EIO`) and the session goes on.
 ///
 /// Errors: `sigaction` failed.
 pub fn ignore_sigxfsz() -> std::io::Result<()> {
