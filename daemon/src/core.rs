@@ -242,6 +242,7 @@ impl Core {
             stdout: lower("stdout_bytes", a.stdout_bytes, l.max_stdout_bytes)?,
             stderr: lower("stderr_bytes", a.stderr_bytes, l.max_stderr_bytes)?,
             grace: Duration::from_secs_f64(cfg.daemon.kill_grace_seconds),
+            files_bytes: cfg.limits.max_session_files_bytes,
         })
     }
 

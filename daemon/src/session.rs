@@ -93,6 +93,8 @@ pub struct SessionLimits {
     pub stderr: u64,
     /// Grace after the wall time before SIGINT, and after SIGINT before SIGKILL.
     pub grace: Duration,
+    /// Bytes of regular files the session directory may hold (`max_session_files_bytes`).
+    pub files_bytes: u64,
 }
 
 /// Public, cheap-to-read state of a session (for listing and routing).
@@ -801,7 +803,29 @@ impl Actor {
         }
         result.usage = usage;
         // issue #8: entries of the session directory the cell created or changed.
-        result.files = cell_files(self.session_dir.clone(), files_before).await;
+        let (files, dir_bytes, crowded) = cell_files(self.session_dir.clone(), files_before).await;
+        result.files = files;
+        // A cell writes the directory directly (R, and Python through /mnt/data), so the
+        // session's disk budget is checked after every cell. Over it, or with more entries
+        // than a listing can see, the session ends and its directory is removed: the safe
+        // side, since nothing else bounds a cell's disk use.
+        if ending.is_none() && (dir_bytes > limits.files_bytes || crowded) {
+            self.kill_and_reap().await;
+            result.state = State::Lost;
+            result.session_ended = true;
+            let why = if crowded {
+                "the session directory holds more entries than sandcell lists (1000)".to_string()
+            } else {
+                format!(
+                    "the session directory holds {dir_bytes} bytes, over max_session_files_bytes ({})",
+                    limits.files_bytes
+                )
+            };
+            result.warnings.push(format!(
+                "{why}; the session ended and its files were removed"
+            ));
+            ending = Some((why, None));
+        }
         let status = result.status;
         tracing::info!(session = %self.session.id, uid = self.session.owner.uid, cell, status = status.as_str(), wall = result.usage.wall_seconds, "cell finished");
         let _ = self
@@ -893,18 +917,18 @@ async fn list_files(dir: PathBuf) -> Option<crate::files::Listing> {
         .flatten()
 }
 
-/// Entries of `dir` created or changed since `before` (empty when either listing failed).
+/// Entries of `dir` created or changed since `before` (empty when either listing failed), and
+/// the directory's bytes of regular files afterwards with whether the listing was cut short.
 async fn cell_files(
     dir: PathBuf,
     before: Option<crate::files::Listing>,
-) -> Vec<sandcell_proto::kernel::FileInfo> {
-    let Some(before) = before else {
-        return Vec::new();
+) -> (Vec<sandcell_proto::kernel::FileInfo>, u64, bool) {
+    let Some(after) = list_files(dir).await else {
+        return (Vec::new(), 0, false);
     };
-    match list_files(dir).await {
-        Some(after) => after.changed_since(&before),
-        None => Vec::new(),
-    }
+    let bytes = after.regular_bytes();
+    let changed = before.map(|b| after.changed_since(&b)).unwrap_or_default();
+    (changed, bytes, after.truncated)
 }
 
 fn idx(s: Stream) -> usize {

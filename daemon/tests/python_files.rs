@@ -1,0 +1,63 @@
+//! Python cells and the session directory (issue #8): uploads are visible at /mnt/data,
+//! files a cell writes come back, and the session's disk budget is enforced after each cell.
+
+mod common;
+
+use common::Daemon;
+use sandcell_client::{State, Status};
+
+#[tokio::test]
+async fn csv_in_summary_out() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    c.put_bytes(&s, "input.csv", b"city,temp\nOslo,-3\nLima,19\nCairo,24\n")
+        .await
+        .unwrap();
+    let code = "import csv\nrows = list(csv.DictReader(open('/mnt/data/input.csv')))\n\
+                temps = [int(r['temp']) for r in rows]\n\
+                open('summary.csv', 'w').write(f'n,mean\\n{len(temps)},{sum(temps)/len(temps)}\\n')\n\
+                print(len(rows))";
+    let out = c.execute_collect(&s, code).await.unwrap();
+    assert_eq!(out.result.status, Status::Ok, "{:?}", out.result);
+    assert_eq!(out.stdout, "3\n");
+    assert!(
+        out.result.files.iter().any(|f| f.name == "summary.csv"),
+        "{:?}",
+        out.result.files
+    );
+    let mut data = Vec::new();
+    c.get_file(&s, "summary.csv", &mut data).await.unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&data),
+        "n,mean\n3,13.333333333333334\n"
+    );
+}
+
+#[tokio::test]
+async fn a_cell_filling_the_disk_budget_ends_its_session() {
+    let d = Daemon::start(&[
+        ("SANDCELL_MAX_SESSION_FILES_BYTES", "1048576"),
+        ("SANDCELL_MAX_FILE_BYTES", "1048576"),
+    ]);
+    let mut c = d.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    let out = c
+        .execute_collect(
+            &s,
+            "for i in range(3):\n    open(f'big{i}', 'wb').write(b'x' * 700000)\n",
+        )
+        .await
+        .unwrap();
+    assert!(out.result.session_ended, "{:?}", out.result);
+    assert_eq!(out.result.state, State::Lost);
+    assert!(
+        out.result
+            .warnings
+            .iter()
+            .any(|w| w.contains("max_session_files_bytes")),
+        "{:?}",
+        out.result.warnings
+    );
+    assert!(c.execute_collect(&s, "print(1)").await.is_err());
+}
