@@ -45,6 +45,8 @@ pub struct Core {
     connections: AtomicU64,
     next_connection: AtomicU64,
     pool: crate::pool::Pool,
+    /// This core, weakly, so work that must finish can run on its own task.
+    me: std::sync::Weak<Core>,
 }
 
 impl std::fmt::Debug for Core {
@@ -83,7 +85,8 @@ impl Core {
         authority: Arc<dyn Authority>,
     ) -> Arc<Core> {
         let (events, _) = broadcast::channel(256);
-        Arc::new(Core {
+        Arc::new_cyclic(|me| Core {
+            me: me.clone(),
             admission: Admission::new(budgets(&config)),
             uids: UidPool::new(
                 config.daemon.worker_uid_base,
@@ -332,15 +335,35 @@ impl Core {
         let from_pool = warm.is_some();
         let prepared = match warm {
             Some(p) => p,
-            None => match self.prepare_worker(language, limits.guest_memory).await {
-                // Idle pooled workers hold admission charges: give one back rather than refuse.
-                Err(KernelError::CapacityExceeded { .. }) if self.pool.evict_one().await => {
-                    self.prepare_worker(language, limits.guest_memory).await?
-                }
-                other => other?,
-            },
+            None => self.prepare_detached(language, limits.guest_memory).await?,
         };
         Ok(self.start_session(prepared, caller, limits, detached, from_pool))
+    }
+
+    /// [`Core::prepare_worker`] on a task of its own, so that a client that goes away while its
+    /// worker starts cannot leave a cgroup or directory behind: the task always finishes, and
+    /// discards the worker when nobody is waiting for it any more.
+    async fn prepare_detached(
+        &self,
+        language: Language,
+        guest_memory: u64,
+    ) -> Result<Prepared, KernelError> {
+        let me = self.me.upgrade().ok_or(KernelError::ShuttingDown {})?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let r = match me.prepare_worker(language, guest_memory).await {
+                // Idle pooled workers hold admission charges: give one back rather than refuse.
+                Err(KernelError::CapacityExceeded { .. }) if me.pool.evict_one().await => {
+                    me.prepare_worker(language, guest_memory).await
+                }
+                other => other,
+            };
+            if let Err(Ok(p)) = tx.send(r) {
+                tracing::info!(session = %p.id, "client left while its worker started; discarding it");
+                p.discard().await;
+            }
+        });
+        rx.await.unwrap_or(Err(KernelError::ShuttingDown {}))
     }
 
     /// Admits, creates the cgroup and directory, spawns a confined worker and waits for its

@@ -436,12 +436,6 @@ impl Actor {
         }
     }
 
-    /// Sends a frame, still answering interrupts and closes while the client is slow to read.
-    /// Returns false when the client is gone.
-    async fn send_frame(&mut self, frames: &mpsc::Sender<Frame>, frame: Frame) -> bool {
-        frames.send(frame).await.is_ok()
-    }
-
     fn signal_interrupt(&self) {
         let pid = self.pid as libc::pid_t;
         // SAFETY: plain signal syscalls on our own child; pid is the worker's, still unreaped
@@ -484,7 +478,12 @@ impl Actor {
             }),
             ..Default::default()
         };
-        let mut client_gone = !self.send_frame(&frames, started).await;
+        let mut close_req: CloseRequest = None;
+        let mut client_gone = !send_or_command(&frames, started, cmds, &mut close_req).await;
+        // Output waiting for a slow client; the cell's loop keeps serving deadlines, interrupts
+        // and closes meanwhile (a client that stops reading must not stall its session).
+        let mut backlog: std::collections::VecDeque<(Stream, String)> =
+            std::collections::VecDeque::new();
         // issue #8: the session directory before the cell, to report what it changed.
         let files_before = list_files(self.session_dir.clone()).await;
 
@@ -512,7 +511,7 @@ impl Actor {
         let mut stale_frames = 0u64;
 
         let end = if client_gone {
-            CellEnd::Cancelled(None)
+            CellEnd::Cancelled(close_req.take())
         } else if let Err(e) = tokio::time::timeout(
             limits.wall + limits.grace,
             self.requests.write_all(&request),
@@ -596,10 +595,24 @@ impl Actor {
                         Some(Command::Execute { .. }) => None, // refused by Session::execute
                         None => Some(CellEnd::Cancelled(None)),
                     },
+                    permit = frames.reserve(), if !backlog.is_empty() => match permit {
+                        Ok(p) => {
+                            if let Some((stream, text)) = backlog.pop_front() {
+                                p.send(Frame { output: Some(Output { cell, seq, stream, text }), ..Default::default() });
+                                seq += 1;
+                            }
+                            None
+                        }
+                        Err(_) => Some(CellEnd::Cancelled(None)),
+                    },
                     _ = frames.closed() => Some(CellEnd::Cancelled(None)),
                     status = self.child.wait() => Some(CellEnd::WorkerGone(format!("worker exited ({})", status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string())))),
                 };
                 for (stream, text) in pending {
+                    queue_output(&mut backlog, stream, text);
+                }
+                // Hand over what the channel takes now; the rest waits for the reserve branch.
+                while let Some((stream, text)) = backlog.pop_front() {
                     let f = Frame {
                         output: Some(Output {
                             cell,
@@ -609,9 +622,17 @@ impl Actor {
                         }),
                         ..Default::default()
                     };
-                    seq += 1;
-                    if !self.send_frame(&frames, f).await {
-                        client_gone = true;
+                    match frames.try_send(f) {
+                        Ok(()) => seq += 1,
+                        Err(mpsc::error::TrySendError::Full(f)) => {
+                            let text = f.output.map(|o| o.text).unwrap_or_default();
+                            backlog.push_front((stream, text));
+                            break;
+                        }
+                        Err(mpsc::error::TrySendError::Closed(_)) => {
+                            client_gone = true;
+                            break;
+                        }
                     }
                 }
                 if let Some(end) = step {
@@ -649,17 +670,7 @@ impl Actor {
                 }
             }
             for (stream, text) in late {
-                let f = Frame {
-                    output: Some(Output {
-                        cell,
-                        seq,
-                        stream,
-                        text,
-                    }),
-                    ..Default::default()
-                };
-                seq += 1;
-                let _ = self.send_frame(&frames, f).await;
+                queue_output(&mut backlog, stream, text);
             }
         }
         for (i, cap) in caps.iter_mut().enumerate() {
@@ -669,17 +680,28 @@ impl Actor {
                 } else {
                     Stream::Stderr
                 };
-                let f = Frame {
-                    output: Some(Output {
-                        cell,
-                        seq,
-                        stream,
-                        text: t,
-                    }),
-                    ..Default::default()
-                };
-                seq += 1;
-                let _ = self.send_frame(&frames, f).await;
+                queue_output(&mut backlog, stream, t);
+            }
+        }
+        // The rest of the output, in order, before the result. A cell that was cancelled (client
+        // gone, session closed) waits for nobody: what the channel takes now is all it gets.
+        let cancelled = matches!(end, CellEnd::Cancelled(_));
+        if cancelled {
+            close_req.get_or_insert(("cancelled".into(), oneshot::channel().0));
+        }
+        while let Some((stream, text)) = backlog.pop_front() {
+            let f = Frame {
+                output: Some(Output {
+                    cell,
+                    seq,
+                    stream,
+                    text,
+                }),
+                ..Default::default()
+            };
+            seq += 1;
+            if !send_or_command(&frames, f, cmds, &mut close_req).await {
+                backlog.clear();
             }
         }
         if stale_frames > 0 {
@@ -828,15 +850,23 @@ impl Actor {
         }
         let status = result.status;
         tracing::info!(session = %self.session.id, uid = self.session.owner.uid, cell, status = status.as_str(), wall = result.usage.wall_seconds, "cell finished");
-        let _ = self
-            .send_frame(
-                &frames,
-                Frame {
-                    result: Some(result),
-                    ..Default::default()
-                },
-            )
-            .await;
+        let result_frame = Frame {
+            result: Some(result),
+            ..Default::default()
+        };
+        if cancelled {
+            let _ = frames.try_send(result_frame);
+            close_req = None;
+        } else {
+            let _ = send_or_command(&frames, result_frame, cmds, &mut close_req).await;
+        }
+        // A Close that came while a slow client held the frames: honour it now.
+        if let Some((reason, done)) = close_req.take() {
+            if ending.is_none() {
+                self.kill_and_reap().await;
+            }
+            ending = Some((reason, Some(done)));
+        }
         let _ = self.events.send(Event::CellFinished {
             id: self.session.id.clone(),
             cell,
@@ -929,6 +959,67 @@ async fn cell_files(
     let bytes = after.regular_bytes();
     let changed = before.map(|b| after.changed_since(&b)).unwrap_or_default();
     (changed, bytes, after.truncated)
+}
+
+/// A Close that arrived while a frame waited for a slow client: (reason, waiter).
+type CloseRequest = Option<(String, oneshot::Sender<()>)>;
+
+/// Sends `frame`, still answering commands while the client is slow to read: an interrupt is
+/// reported undelivered (the cell is over or not yet started), a Close stops the wait and is
+/// kept in `close`. Returns false when the frame was not sent.
+async fn send_or_command(
+    frames: &mpsc::Sender<Frame>,
+    frame: Frame,
+    cmds: &mut mpsc::Receiver<Command>,
+    close: &mut CloseRequest,
+) -> bool {
+    if close.is_some() {
+        return false;
+    }
+    loop {
+        tokio::select! {
+            permit = frames.reserve() => {
+                return match permit {
+                    Ok(p) => {
+                        p.send(frame);
+                        true
+                    }
+                    Err(_) => false,
+                };
+            }
+            cmd = cmds.recv() => match cmd {
+                Some(Command::Interrupt { reply, .. }) => {
+                    let _ = reply.send(InterruptReply { delivered: false, reason: "not_running".into() });
+                }
+                Some(Command::Close { reason, done }) => {
+                    *close = Some((reason, done));
+                    return false;
+                }
+                Some(Command::Execute { .. }) => {}
+                None => {
+                    *close = Some(("abandoned".into(), oneshot::channel().0));
+                    return false;
+                }
+            }
+        }
+    }
+}
+
+/// Appends output to the backlog of frames waiting for the client, merging with the last
+/// chunk of the same stream (the backlog is bounded by the output caps).
+fn queue_output(
+    backlog: &mut std::collections::VecDeque<(Stream, String)>,
+    stream: Stream,
+    text: String,
+) {
+    if let Some((s, t)) = backlog.back_mut()
+        && *s == stream
+        && t.len() + text.len() <= sandcell_proto::worker::MAX_OUTPUT_CHUNK
+    {
+        t.push_str(&text);
+        return;
+    }
+    backlog.push_back((stream, text));
 }
 
 fn idx(s: Stream) -> usize {

@@ -380,3 +380,62 @@ async fn varlink_introspection_answers() {
     );
     assert_eq!(e["error"], "org.varlink.service.ExpectedMore");
 }
+
+#[tokio::test]
+async fn a_client_that_stops_reading_cannot_stall_its_session_or_the_daemon() {
+    let mut d = Daemon::start(&[
+        ("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "60"),
+        ("SANDCELL_MAX_FUEL", "1000000000000000"),
+        // More kept output than the socket's buffers hold, so the daemon must wait on the client.
+        ("SANDCELL_MAX_STDOUT_BYTES", "1900000"),
+        ("SANDCELL_MAX_STDERR_BYTES", "100000"),
+    ]);
+    let mut a = d.client().await;
+    let s = a.open("python", None, None).await.unwrap().session;
+    // A chatty endless cell whose frames the client never reads.
+    a.execute(&s, "while True:\n    print('x' * 100)\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Close from another connection of the same user is answered while the client is stuck.
+    let mut b = d.client().await;
+    tokio::time::timeout(Duration::from_secs(10), b.close(&s))
+        .await
+        .expect("Close hung behind a client that does not read")
+        .unwrap();
+    assert!(eventually(Duration::from_secs(5), || d
+        .descendants()
+        .is_empty()));
+    // And the daemon stops promptly with such a client connected.
+    let s2 = b.open("python", None, None).await.unwrap().session;
+    b.execute(&s2, "while True:\n    print('y' * 100)\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        d.terminate(Duration::from_secs(15)).is_some(),
+        "daemon did not stop:\n{}",
+        d.log_text()
+    );
+    drop((a, b));
+}
+
+#[tokio::test]
+async fn clients_leaving_while_their_worker_starts_leave_nothing_behind() {
+    let d = Daemon::start(&[]);
+    for i in 0..20u64 {
+        let mut c = d.client().await;
+        c.run("python", "print(1)", None).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(2 + i % 10 * 3)).await;
+        drop(c); // gone before, during or after the worker's start
+    }
+    let sessions = d.dir.path().join("state/sessions");
+    let left = || std::fs::read_dir(&sessions).map(|r| r.count()).unwrap_or(0);
+    assert!(
+        eventually(Duration::from_secs(15), || left() == 0
+            && d.descendants().is_empty()),
+        "left behind: {} session directories, workers {:?}",
+        left(),
+        d.descendants()
+    );
+}
