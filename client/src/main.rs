@@ -204,6 +204,40 @@ fn read_code(file: &PathBuf) -> std::io::Result<String> {
     }
 }
 
+/// Output of untrusted cells, made safe for a terminal: control characters other than newline
+/// and tab (escape sequences could retitle or clear the terminal, or worse) are shown as
+/// `\xNN` / `\u{NNNN}`. Unchanged when the stream is not a terminal (pipes get exact text).
+fn for_terminal(text: &str, tty: bool) -> std::borrow::Cow<'_, str> {
+    let bad = |c: char| c.is_control() && c != '\n' && c != '\t';
+    if !tty || !text.chars().any(bad) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut s = String::with_capacity(text.len() + 16);
+    for c in text.chars() {
+        if !bad(c) {
+            s.push(c);
+        } else if (c as u32) < 0x80 {
+            s.push_str(&format!("\\x{:02x}", c as u32));
+        } else {
+            s.push_str(&format!("\\u{{{:04x}}}", c as u32));
+        }
+    }
+    std::borrow::Cow::Owned(s)
+}
+
+#[cfg(test)]
+mod terminal_tests {
+    #[test]
+    fn control_characters_are_shown_not_obeyed() {
+        assert_eq!(
+            super::for_terminal("a\x1b]0;pwned\x07b\n", true),
+            "a\\x1b]0;pwned\\x07b\n"
+        );
+        assert_eq!(super::for_terminal("a\x1b[2J", false), "a\x1b[2J");
+        assert_eq!(super::for_terminal("tab\tok\n", true), "tab\tok\n");
+    }
+}
+
 fn exit_for(status: Status) -> u8 {
     match status {
         Status::Ok => 0,
@@ -276,6 +310,8 @@ async fn stream_result(
     c: &mut Client,
     json: bool,
 ) -> Result<(u8, Option<sandcell_client::CellResult>), Error> {
+    let out_tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
+    let err_tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let mut out = std::io::stdout();
     let mut err = std::io::stderr();
     loop {
@@ -293,11 +329,11 @@ async fn stream_result(
         {
             match o.stream {
                 sandcell_proto::kernel::Stream::Stdout => {
-                    let _ = out.write_all(o.text.as_bytes());
+                    let _ = out.write_all(for_terminal(&o.text, out_tty).as_bytes());
                     let _ = out.flush();
                 }
                 sandcell_proto::kernel::Stream::Stderr => {
-                    let _ = err.write_all(o.text.as_bytes());
+                    let _ = err.write_all(for_terminal(&o.text, err_tty).as_bytes());
                 }
             }
         }

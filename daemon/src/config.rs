@@ -100,7 +100,8 @@ pub struct Daemon {
     pub worker_dir: PathBuf,
     /// Prepared Eryx runtime directory (see `sandcell-python-runtime prepare`).
     pub python_runtime_dir: PathBuf,
-    /// Parent of session directories; created 0711 root-owned.
+    /// State directory; session directories go in `<state_dir>/sessions`, created 0711
+    /// root-owned (traversable, not listable).
     pub state_dir: PathBuf,
     /// Languages served.
     pub languages: Vec<String>,

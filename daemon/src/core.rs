@@ -218,10 +218,12 @@ impl Core {
         };
         let wall = match a.wall_time_seconds {
             None => l.execution_wall_time_seconds,
-            Some(w) if !(w.is_finite() && w > 0.0) => {
+            // Below 10 ms a limit cannot be kept (worker timers and the daemon's grace are
+            // coarser), so it is refused rather than silently stretched.
+            Some(w) if !(w.is_finite() && w >= 0.01) => {
                 return Err(KernelError::InvalidParameter {
                     parameter: "limits.wall_time_seconds".into(),
-                    reason: "must be a positive number".into(),
+                    reason: "must be a number of seconds, at least 0.01".into(),
                 });
             }
             Some(w) if w > l.execution_wall_time_seconds => {
@@ -234,14 +236,23 @@ impl Core {
             Some(w) => w,
         };
         let _ = language;
+        let guest_memory = lower(
+            "guest_memory_bytes",
+            a.guest_memory_bytes,
+            l.max_guest_memory_bytes,
+        )?;
+        // CPython in Eryx needs about 17 MiB of linear memory to start (259 WebAssembly pages
+        // measured); refuse less up front instead of failing the worker's start.
+        if a.guest_memory_bytes.is_some() && guest_memory < MIN_GUEST_MEMORY {
+            return Err(KernelError::InvalidParameter {
+                parameter: "limits.guest_memory_bytes".into(),
+                reason: format!("must be at least {MIN_GUEST_MEMORY} bytes"),
+            });
+        }
         Ok(SessionLimits {
             wall: Duration::from_secs_f64(wall),
             fuel: lower("fuel", a.fuel, l.max_fuel)?,
-            guest_memory: lower(
-                "guest_memory_bytes",
-                a.guest_memory_bytes,
-                l.max_guest_memory_bytes,
-            )?,
+            guest_memory,
             stdout: lower("stdout_bytes", a.stdout_bytes, l.max_stdout_bytes)?,
             stderr: lower("stderr_bytes", a.stderr_bytes, l.max_stderr_bytes)?,
             grace: Duration::from_secs_f64(cfg.daemon.kill_grace_seconds),
@@ -837,6 +848,9 @@ impl Core {
         )
     }
 }
+
+/// Smallest guest memory a client may ask for, bytes (32 MiB).
+pub const MIN_GUEST_MEMORY: u64 = 32 * 1024 * 1024;
 
 /// `<state_dir>/sessions`.
 pub fn sessions_dir(c: &Config) -> PathBuf {
