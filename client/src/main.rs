@@ -225,19 +225,6 @@ fn for_terminal(text: &str, tty: bool) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(s)
 }
 
-#[cfg(test)]
-mod terminal_tests {
-    #[test]
-    fn control_characters_are_shown_not_obeyed() {
-        assert_eq!(
-            super::for_terminal("a\x1b]0;pwned\x07b\n", true),
-            "a\\x1b]0;pwned\\x07b\n"
-        );
-        assert_eq!(super::for_terminal("a\x1b[2J", false), "a\x1b[2J");
-        assert_eq!(super::for_terminal("tab\tok\n", true), "tab\tok\n");
-    }
-}
-
 fn exit_for(status: Status) -> u8 {
     match status {
         Status::Ok => 0,
@@ -509,5 +496,18 @@ async fn main() -> ExitCode {
     match r {
         Ok(code) => ExitCode::from(code),
         Err(e) => fail(e),
+    }
+}
+
+#[cfg(test)]
+mod terminal_tests {
+    #[test]
+    fn control_characters_are_shown_not_obeyed() {
+        assert_eq!(
+            super::for_terminal("a\x1b]0;pwned\x07b\n", true),
+            "a\\x1b]0;pwned\\x07b\n"
+        );
+        assert_eq!(super::for_terminal("a\x1b[2J", false), "a\x1b[2J");
+        assert_eq!(super::for_terminal("tab\tok\n", true), "tab\tok\n");
     }
 }

@@ -61,3 +61,30 @@ async fn a_cell_filling_the_disk_budget_ends_its_session() {
     );
     assert!(c.execute_collect(&s, "print(1)").await.is_err());
 }
+
+#[tokio::test]
+async fn a_png_written_by_a_python_cell_comes_back() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    // A PNG from the standard library alone (struct + zlib): what Eryx's CPython can produce.
+    let code = "import struct, zlib\nw = h = 8\n\
+                rows = b''.join(b'\\x00' + b''.join(bytes([x * 32, y * 32, 128]) for x in range(w)) for y in range(h))\n\
+                def chunk(t, d):\n    return struct.pack('>I', len(d)) + t + d + struct.pack('>I', zlib.crc32(t + d))\n\
+                png = b'\\x89PNG\\r\\n\\x1a\\n' + chunk(b'IHDR', struct.pack('>IIBBBBB', w, h, 8, 2, 0, 0, 0)) \
+                + chunk(b'IDAT', zlib.compress(rows)) + chunk(b'IEND', b'')\n\
+                open('plot.png', 'wb').write(png)\n";
+    let out = c.execute_collect(&s, code).await.unwrap();
+    assert_eq!(out.result.status, Status::Ok, "{:?}", out.result);
+    let f = out
+        .result
+        .files
+        .iter()
+        .find(|f| f.name == "plot.png")
+        .expect("plot.png listed");
+    assert_eq!(f.media_type, "image/png");
+    let mut data = Vec::new();
+    c.get_file(&s, "plot.png", &mut data).await.unwrap();
+    assert_eq!(&data[..8], b"\x89PNG\r\n\x1a\n");
+    assert_eq!(data.len() as u64, f.size);
+}
