@@ -1060,8 +1060,3 @@ fn proc_cpu_seconds(pid: u32) -> Option<f64> {
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     Some(ticks as f64 / hz)
 }
-
-/// Zero stats, for results of cells that never ran.
-pub fn no_output() -> StreamStats {
-    StreamStats::default()
-}
