@@ -13,7 +13,7 @@ use crate::worker::LineReader;
 use crate::worker::output::StreamCap;
 use crate::worker::spawn::Spawned;
 use sandcell_proto::kernel::{
-    CellResult, Frame, InterruptReply, Language, Output, Started, State, Status, StreamStats, Usage,
+    CellResult, Frame, InterruptReply, Language, Output, Started, State, Status, Usage,
 };
 use sandcell_proto::worker::{self as wire, RequestHeader, Stream, WorkerMessage, WorkerStatus};
 use std::path::PathBuf;
