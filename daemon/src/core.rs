@@ -439,13 +439,12 @@ impl Core {
                 reason: e.to_string(),
             })?;
 
+        let fail_id = id.clone();
         let fail = |reason: String, group: Arc<dyn SessionGroup>, dir: PathBuf| async move {
-            let _ = tokio::task::spawn_blocking(move || {
-                let _ = group.kill_all(Duration::from_secs(5));
-                let _ = group.remove();
-                let _ = std::fs::remove_dir_all(&dir);
-            })
-            .await;
+            let id = fail_id;
+            let g = group.clone();
+            let _ = tokio::task::spawn_blocking(move || g.kill_all(Duration::from_secs(5))).await;
+            crate::worker::remove_remains(&id, group, dir).await;
             tracing::warn!(%reason, "worker failed to start");
             KernelError::WorkerFailed { reason }
         };

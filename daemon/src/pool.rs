@@ -51,22 +51,8 @@ impl Prepared {
     /// Kills and releases an unused worker in the session release order: kill, reap, remove
     /// cgroup and directory, then uid and permit.
     pub async fn discard(mut self) {
-        let pid = self.spawned.pid as libc::pid_t;
-        // SAFETY: signals to our own unreaped child and its process group (it called setsid).
-        unsafe {
-            libc::kill(-pid, libc::SIGKILL);
-            libc::kill(pid, libc::SIGKILL);
-        }
-        let group = self.group.clone();
-        let dir = self.session_dir.clone();
-        let _ = tokio::task::spawn_blocking(move || group.kill_all(Duration::from_secs(10))).await;
-        let _ = self.spawned.child.wait().await;
-        let group = self.group.clone();
-        let _ = tokio::task::spawn_blocking(move || {
-            let _ = group.remove();
-            let _ = std::fs::remove_dir_all(&dir);
-        })
-        .await;
+        crate::worker::kill_and_reap(self.spawned.pid, &mut self.spawned.child, &self.group).await;
+        crate::worker::remove_remains(&self.id, self.group.clone(), self.session_dir.clone()).await;
         drop(self.lease.take());
         drop(self.permit);
     }

@@ -883,16 +883,7 @@ impl Actor {
     }
 
     async fn kill_and_reap(&mut self) {
-        let pid = self.pid as libc::pid_t;
-        // SAFETY: signals to our own unreaped child and its process group (it called setsid,
-        // so the group id is its pid); nothing else can hold that pid until we reap it.
-        unsafe {
-            libc::kill(-pid, libc::SIGKILL);
-            libc::kill(pid, libc::SIGKILL);
-        }
-        let group = self.group.clone();
-        let _ = tokio::task::spawn_blocking(move || group.kill_all(Duration::from_secs(10))).await;
-        let _ = self.child.wait().await;
+        crate::worker::kill_and_reap(self.pid, &mut self.child, &self.group).await;
     }
 
     /// Releases everything, in the order of the module documentation. Idempotent.
@@ -904,27 +895,12 @@ impl Actor {
         self.session.info.lock().unwrap().state = "ended";
         // Ask politely first only when idle: there is nothing worth saving, so just kill.
         self.kill_and_reap().await;
-        let group = self.group.clone();
-        let dir = self.session_dir.clone();
-        let removed = tokio::task::spawn_blocking(move || {
-            let g = group.remove();
-            // remove_dir_all never follows symlinks a cell planted (it unlinks them), and the
-            // worker is dead, so nothing races with it (Judge0 CVE-2024-28185).
-            let d = match std::fs::remove_dir_all(&dir) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-                _ => Ok(()),
-            };
-            (g, d)
-        })
+        crate::worker::remove_remains(
+            &self.session.id,
+            self.group.clone(),
+            self.session_dir.clone(),
+        )
         .await;
-        if let Ok((g, d)) = removed {
-            if let Err(e) = g {
-                tracing::warn!(session = %self.session.id, error = %e, "removing session cgroup");
-            }
-            if let Err(e) = d {
-                tracing::warn!(session = %self.session.id, error = %e, "removing session directory");
-            }
-        }
         self.uid.take();
         self.permit.take();
         tracing::info!(session = %self.session.id, uid = self.session.owner.uid, reason, "session closed");

@@ -4,6 +4,11 @@
 pub mod output;
 pub mod spawn;
 
+use crate::cgroup::SessionGroup;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
 use sandcell_proto::worker::MAX_WORKER_LINE;
 use tokio::io::AsyncReadExt;
 
@@ -60,6 +65,50 @@ impl<R: tokio::io::AsyncRead + Unpin> LineReader<R> {
             } else {
                 self.buf.extend_from_slice(&chunk[..n]);
             }
+        }
+    }
+}
+
+/// Kills every process of a worker, then reaps it: SIGKILL to its process group (it called
+/// setsid, so the group id is its pid) and to itself, then the whole cgroup (what left the
+/// group), then `wait`. The first half of the release order (ARCHITECTURE.md, "Release after
+/// reaping").
+pub async fn kill_and_reap(
+    pid: u32,
+    child: &mut tokio::process::Child,
+    group: &Arc<dyn SessionGroup>,
+) {
+    let pid = pid as libc::pid_t;
+    // SAFETY: signals to our own unreaped child and its process group; nothing else can hold
+    // that pid until we reap it.
+    unsafe {
+        libc::kill(-pid, libc::SIGKILL);
+        libc::kill(pid, libc::SIGKILL);
+    }
+    let group = group.clone();
+    let _ = tokio::task::spawn_blocking(move || group.kill_all(Duration::from_secs(10))).await;
+    let _ = child.wait().await;
+}
+
+/// Removes what a dead worker leaves: its cgroup, then its session directory, logging failures.
+/// `remove_dir_all` unlinks symlinks a cell planted and never follows them, and the worker is
+/// dead, so nothing races with it (Judge0 CVE-2024-28185). The second half of the release order.
+pub async fn remove_remains(session: &str, group: Arc<dyn SessionGroup>, dir: PathBuf) {
+    let removed = tokio::task::spawn_blocking(move || {
+        let g = group.remove();
+        let d = match std::fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        };
+        (g, d)
+    })
+    .await;
+    if let Ok((g, d)) = removed {
+        if let Err(e) = g {
+            tracing::warn!(session, error = %e, "removing session cgroup");
+        }
+        if let Err(e) = d {
+            tracing::warn!(session, error = %e, "removing session directory");
         }
     }
 }

@@ -20,7 +20,7 @@ use crate::cgroup::SessionGroup;
 use sandcell_confine::{Enforcement, Plan, SyscallProfile};
 use sandcell_proto::kernel::Language;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use tokio::net::unix::pipe;
@@ -336,5 +336,3 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
         stderr,
     })
 }
-
-use std::os::unix::fs::OpenOptionsExt;
