@@ -145,6 +145,19 @@ impl Interrupter {
         }
     }
 
+    /// The guest call of the armed target has ended: forgets the target and returns once any
+    /// SIGINT being handled has finished stopping the guest.
+    ///
+    /// `stop_guest` advances the engine epoch thousands of times from the watcher thread, and
+    /// the cell loop wakes at the first of them (or at the token). Without this wait the
+    /// remaining ticks would land on the instance rebuilt next and expire its deadline, and a
+    /// SIGINT arriving during that rebuild would do the same. Later SIGINTs of this request
+    /// only mark it pending.
+    pub fn disarm(&self) {
+        let mut s = self.lock();
+        s.target = None;
+    }
+
     /// The cell's `Done` is about to be sent: later SIGINTs are ignored.
     pub fn end_cell(&self) {
         let mut s = self.lock();
@@ -169,6 +182,8 @@ impl Interrupter {
         Self::fire_locked(&mut s);
     }
 
+    /// Runs with the state lock held for the whole stop, which is what [`Interrupter::disarm`]
+    /// waits on.
     fn fire_locked(s: &mut State) {
         let Some(t) = s.target.as_ref() else { return };
         if t.fired.swap(true, Ordering::SeqCst) {
@@ -293,6 +308,40 @@ mod tests {
         let (t, token, _) = target(&count);
         i.arm(t);
         assert!(!token.is_cancelled());
+    }
+
+    #[test]
+    fn disarm_waits_for_a_stop_in_progress_and_ignores_later_sigints() {
+        let i = Arc::new(Interrupter::default());
+        let ticks = Arc::new(AtomicU32::new(0));
+        let token = CancellationToken::new();
+        let fired = Arc::new(AtomicBool::new(false));
+        let t = Arc::clone(&ticks);
+        i.begin_cell();
+        i.arm(Target {
+            token: token.clone(),
+            fired: Arc::clone(&fired),
+            // A slow stop, as under load: the cell loop wakes at the token, long before the
+            // last tick.
+            stop_guest: Box::new(move || {
+                for _ in 0..50 {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                    t.fetch_add(1, Ordering::SeqCst);
+                }
+            }),
+        });
+        let watcher = {
+            let i = Arc::clone(&i);
+            std::thread::spawn(move || i.fire())
+        };
+        while !token.is_cancelled() {
+            std::thread::yield_now();
+        }
+        i.disarm();
+        assert_eq!(ticks.load(Ordering::SeqCst), 50, "disarm returned mid-stop");
+        watcher.join().unwrap();
+        i.fire();
+        assert_eq!(ticks.load(Ordering::SeqCst), 50, "a stop after disarm");
     }
 
     #[test]

@@ -653,6 +653,9 @@ impl PySession {
                 r = builder.run() => RunEnd::Returned(r),
             }
         };
+        // Before anything else touches the engine: a stop in progress finishes first, and
+        // no later SIGINT advances the epoch under the next instance.
+        interrupter.disarm();
         if matches!(end, RunEnd::Dropped) {
             self.dead = true;
         }

@@ -373,7 +373,7 @@ fn files_and_the_working_directory_survive_a_rebuild() {
         },
     );
     assert_eq!(r.status(), WorkerStatus::Timeout);
-    assert_eq!(r.state(), SessionState::Restored);
+    assert_eq!(r.state(), SessionState::Restored, "{r:?}");
     let r = w.cell(
         3,
         "import os\nprint(n, os.getcwd(), open('kept.txt').read(), os.path.isdir('d'))",

@@ -17,7 +17,7 @@ fn print_output_is_exact_on_both_streams() {
     assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
     assert_eq!(r.stdout, "hello\n1-2\n");
     assert_eq!(r.stderr, "wörld ✓\n");
-    assert_eq!(r.state(), SessionState::Kept);
+    assert_eq!(r.state(), SessionState::Kept, "{r:?}");
     assert!(r.fuel().unwrap() > 0, "fuel is reported");
 }
 
@@ -83,7 +83,7 @@ fn exception_reports_the_users_line_and_traceback() {
         "{tb}"
     );
     // Errors keep the session.
-    assert_eq!(r.state(), SessionState::Kept);
+    assert_eq!(r.state(), SessionState::Kept, "{r:?}");
     assert_eq!(w.cell(4, "print(a)").stdout, "1\n");
 
     // A syntax error names its line too.
@@ -141,7 +141,7 @@ fn timeout_stops_a_busy_loop_and_restores_variables() {
         "FIGURES timeout_1000ms_busy_loop_done_after_ms={}",
         r.elapsed.as_millis()
     );
-    assert_eq!(r.state(), SessionState::Restored);
+    assert_eq!(r.state(), SessionState::Restored, "{r:?}");
     assert!(
         r.elapsed < Duration::from_millis(2500),
         "took {:?}",
@@ -187,7 +187,7 @@ fn fuel_exhaustion_is_reported_and_state_restored() {
     );
     assert_eq!(r.status(), WorkerStatus::FuelExhausted, "{r:?}");
     assert!(r.fuel().unwrap() >= 50_000_000, "consumed {:?}", r.fuel());
-    assert_eq!(r.state(), SessionState::Restored);
+    assert_eq!(r.state(), SessionState::Restored, "{r:?}");
     assert_eq!(w.cell(3, "print(keep['a'])").stdout, "1\n");
     // A cell within its budget reports what it used.
     let r = w.run(
@@ -234,7 +234,7 @@ fn sigint_ends_a_sleep_quickly_and_the_session_survives() {
         "Done {after:?} after SIGINT"
     );
     assert_eq!(r.stdout, "before\n");
-    assert_eq!(r.state(), SessionState::Restored);
+    assert_eq!(r.state(), SessionState::Restored, "{r:?}");
     assert_eq!(w.cell(3, "print(y)").stdout, "still here\n");
 }
 
@@ -402,7 +402,7 @@ fn unpicklable_variables_are_named_after_a_restore() {
         },
     );
     assert_eq!(r.status(), WorkerStatus::Timeout);
-    assert_eq!(r.state(), SessionState::Restored);
+    assert_eq!(r.state(), SessionState::Restored, "{r:?}");
     assert!(
         r.warnings().iter().any(|w| w.contains("gen")),
         "{:?}",
@@ -426,7 +426,7 @@ fn deeply_nested_values_do_not_crash_the_snapshot() {
         },
     );
     assert_eq!(r.status(), WorkerStatus::Timeout);
-    assert_eq!(r.state(), SessionState::Restored);
+    assert_eq!(r.state(), SessionState::Restored, "{r:?}");
     let warn = r.warnings().join("; ");
     assert!(
         warn.contains("head (nested too deeply)") && warn.contains("nested (nested too deeply)"),
