@@ -44,6 +44,8 @@ trait Manager1 {
     fn landlock_abi(&self) -> zbus::Result<i32>;
     #[zbus(property)]
     fn cgroup_mode(&self) -> zbus::Result<String>;
+    #[zbus(property)]
+    fn pools(&self) -> zbus::Result<Vec<(String, u32, u32, u32, u32, u64, u64)>>;
 }
 
 /// Errors of the control-plane commands.
@@ -110,6 +112,28 @@ pub struct Status {
     pub active_sessions: u32,
     /// (budget, in use, maximum).
     pub admission: Vec<(String, u64, u64)>,
+    /// Warm worker pools, one per language.
+    pub pools: Vec<PoolInfo>,
+}
+
+/// One language's warm worker pool (a row of the `Pools` property).
+#[derive(Debug, Clone, Serialize)]
+pub struct PoolInfo {
+    /// `python` or `r`.
+    pub language: String,
+    /// Idle warm workers now.
+    pub idle: u32,
+    /// How many idle workers the pool aims for now (the minimum, or the maximum while
+    /// workers are being taken).
+    pub target: u32,
+    /// Configured minimum (0: no pool, or the language is not served).
+    pub min: u32,
+    /// Configured maximum.
+    pub max: u32,
+    /// Workers taken from the pool since the daemon started.
+    pub taken: u64,
+    /// Opens that found no idle worker since the daemon started.
+    pub missed: u64,
 }
 
 /// A connection to sandcelld's control plane.
@@ -172,6 +196,21 @@ impl Admin {
             landlock_abi: self.proxy.landlock_abi().await?,
             active_sessions: self.proxy.active_sessions().await?,
             admission: self.proxy.admission().await?,
+            pools: self
+                .proxy
+                .pools()
+                .await?
+                .into_iter()
+                .map(|r| PoolInfo {
+                    language: r.0,
+                    idle: r.1,
+                    target: r.2,
+                    min: r.3,
+                    max: r.4,
+                    taken: r.5,
+                    missed: r.6,
+                })
+                .collect(),
         })
     }
 

@@ -103,7 +103,8 @@ enum Cmd {
     },
     /// List live sessions (D-Bus): id, language, owner uid and pid, state, start, cells, memory.
     List,
-    /// Show daemon-wide figures (D-Bus): version, cgroup mode, Landlock ABI, admission use.
+    /// Show daemon-wide figures (D-Bus): version, cgroup mode, Landlock ABI, admission use,
+    /// warm pools per language.
     Status,
     /// End SESSION, whoever owns it (D-Bus; polkit: manage-own-sessions or manage-sessions).
     Terminate {
@@ -160,6 +161,16 @@ async fn admin(cmd: &Cmd, json: bool, interactive: bool) -> Option<ExitCode> {
                     println!("active sessions: {}", st.active_sessions);
                     for (budget, used, max) in &st.admission {
                         println!("{budget}: {used} of {max}");
+                    }
+                    println!(
+                        "\n{:<8} {:>5} {:>6} {:>4} {:>4} {:>8} {:>8}",
+                        "POOL", "IDLE", "TARGET", "MIN", "MAX", "TAKEN", "MISSED"
+                    );
+                    for p in &st.pools {
+                        println!(
+                            "{:<8} {:>5} {:>6} {:>4} {:>4} {:>8} {:>8}",
+                            p.language, p.idle, p.target, p.min, p.max, p.taken, p.missed
+                        );
                     }
                 }
             }

@@ -749,8 +749,10 @@ impl Core {
         let stored = tokio::task::spawn_blocking(move || {
             crate::files::put(&dir, &name_owned, size, source, owner, &limits)
         })
-        .await
-        .map_err(|e| KernelError::WorkerFailed {
+        .await;
+        // Even a failed store may have left a partial file behind.
+        s.files_changed();
+        let stored = stored.map_err(|e| KernelError::WorkerFailed {
             reason: format!("file task failed: {e}"),
         })??;
         tracing::info!(session, uid = caller.uid, name, size, "file stored");
@@ -838,13 +840,11 @@ impl Core {
         crate::files::validate_name(name)?;
         let s = self.file_session(caller, session).await?;
         let (dir, name) = (s.dir.clone(), name.to_owned());
-        Ok(
-            tokio::task::spawn_blocking(move || crate::files::delete(&dir, &name))
-                .await
-                .map_err(|e| KernelError::WorkerFailed {
-                    reason: format!("file task failed: {e}"),
-                })??,
-        )
+        let deleted = tokio::task::spawn_blocking(move || crate::files::delete(&dir, &name)).await;
+        s.files_changed();
+        Ok(deleted.map_err(|e| KernelError::WorkerFailed {
+            reason: format!("file task failed: {e}"),
+        })??)
     }
 }
 

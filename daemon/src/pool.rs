@@ -62,18 +62,24 @@ impl Prepared {
     }
 }
 
-/// Pool figures for one language.
+/// Pool figures for one language (shown on D-Bus as `org.sandcell.Manager1.Pools`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Status {
     /// Language.
     pub language: Language,
     /// Idle warm workers now.
     pub idle: usize,
-    /// How many the pool aims to keep now.
+    /// How many the pool aims to keep now: `min`, or `max` while workers are being taken.
     pub target: usize,
+    /// Configured minimum (`pool_<language>_min`) as the refill task last applied it: 0 for a
+    /// language not served (its idle workers are ended) and before the task's first pass.
+    pub min: usize,
+    /// Configured maximum (`pool_<language>_max`), applied likewise.
+    pub max: usize,
     /// Workers taken from the pool since start.
     pub taken: u64,
-    /// Opens that found the pool empty since start.
+    /// Opens that found no idle worker (of their guest memory) since start, while the
+    /// language had a pool (`max` > 0).
     pub missed: u64,
 }
 
@@ -82,6 +88,8 @@ struct Lane {
     idle: VecDeque<Prepared>,
     last_take: Option<Instant>,
     target: usize,
+    min: usize,
+    max: usize,
     taken: u64,
     missed: u64,
 }
@@ -105,7 +113,12 @@ impl Pool {
     pub fn take(&self, language: Language, guest_memory: u64) -> Option<Prepared> {
         let mut lanes = self.lanes.lock().unwrap();
         let l = &mut lanes[lane(language)];
-        l.last_take = Some(Instant::now());
+        // Only a language that has a pool can be busy or miss it: not the readiness probe,
+        // which runs before the refill task's first pass, nor a language with 0 and 0.
+        let pooled = l.max > 0;
+        if pooled {
+            l.last_take = Some(Instant::now());
+        }
         let mut found = None;
         let mut dead = Vec::new();
         while let Some(mut p) = l.idle.pop_front() {
@@ -122,7 +135,8 @@ impl Pool {
         }
         match found {
             Some(_) => l.taken += 1,
-            None => l.missed += 1,
+            None if pooled => l.missed += 1,
+            None => {}
         }
         drop(lanes);
         for p in dead {
@@ -159,6 +173,8 @@ impl Pool {
                     language,
                     idle: l.idle.len(),
                     target: l.target,
+                    min: l.min,
+                    max: l.max,
                     taken: l.taken,
                     missed: l.missed,
                 }
@@ -194,6 +210,7 @@ impl Pool {
         let mut lanes = self.lanes.lock().unwrap();
         let l = &mut lanes[lane(language)];
         let busy = l.last_take.is_some_and(|t| t.elapsed() < idle_after);
+        (l.min, l.max) = (min, max);
         l.target = if busy { max } else { min };
         (l.idle.len(), l.target)
     }
@@ -217,8 +234,11 @@ pub async fn run(core: Weak<Core>) {
         let pause = Duration::from_secs_f64(1.0 / d.pool_refill_per_second.max(0.001));
         let idle_after = Duration::from_secs(d.pool_idle_seconds);
         let mut started = false;
-        for lang in d.languages.iter().filter_map(|l| Language::parse(l)) {
+        for lang in [Language::Python, Language::R] {
+            // A language no longer served (a reload dropped it) drains to nothing.
+            let served = d.languages.iter().any(|l| Language::parse(l) == Some(lang));
             let (min, max) = match lang {
+                _ if !served => (0, 0),
                 Language::Python => (d.pool_python_min, d.pool_python_max),
                 Language::R => (d.pool_r_min, d.pool_r_max),
             };

@@ -19,7 +19,7 @@ use sandcell_proto::worker::{self as wire, RequestHeader, Stream, WorkerMessage,
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot};
 
@@ -136,6 +136,9 @@ pub struct Session {
     /// The worker's uid and gid (files the daemon stores there are theirs); `None` when the
     /// worker keeps the daemon's identity (development).
     pub worker_ids: Option<(u32, u32)>,
+    /// Bumped after every change the daemon makes to the session directory (`PutFile`,
+    /// `DeleteFile`), so the actor knows when its last listing is out of date.
+    files_generation: std::sync::atomic::AtomicU64,
     cmds: mpsc::Sender<Command>,
     group: Arc<dyn SessionGroup>,
 }
@@ -243,9 +246,11 @@ impl Session {
             }),
             dir: session_dir.clone(),
             worker_ids: uid.as_ref().map(|l| (l.uid(), l.uid())),
+            files_generation: std::sync::atomic::AtomicU64::new(0),
             cmds: tx,
             group: group.clone(),
         });
+        let oom_seen = group.oom_kills();
         let actor = Actor {
             session: session.clone(),
             child: spawned.child,
@@ -262,6 +267,8 @@ impl Session {
             ended: false,
             on_end: Some(on_end),
             events,
+            known_files: None,
+            oom_seen,
         };
         tokio::spawn(actor.run(rx));
         session
@@ -329,6 +336,18 @@ impl Session {
         }
     }
 
+    /// Records that the daemon changed the session directory (after `PutFile` or
+    /// `DeleteFile`): the next cell lists it afresh before it starts.
+    pub fn files_changed(&self) {
+        self.files_generation
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn files_generation(&self) -> u64 {
+        self.files_generation
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// Memory charged to the session's cgroup now, bytes.
     pub fn memory_current(&self) -> Option<u64> {
         self.group.memory_current()
@@ -378,6 +397,13 @@ struct Actor {
     ended: bool,
     on_end: Option<OnEnd>,
     events: tokio::sync::broadcast::Sender<Event>,
+    /// The session directory as the last cell left it, with the files generation it was
+    /// taken at: the next cell's "before" listing when nothing has changed since, so a cell
+    /// does not wait for a directory walk before its request reaches the worker.
+    known_files: Option<(u64, crate::files::Listing)>,
+    /// OOM kills of the session's group already accounted for (read after each cell, off the
+    /// reply path; compared when a worker dies).
+    oom_seen: u64,
 }
 
 impl Actor {
@@ -484,8 +510,15 @@ impl Actor {
         // and closes meanwhile (a client that stops reading must not stall its session).
         let mut backlog: std::collections::VecDeque<(Stream, String)> =
             std::collections::VecDeque::new();
-        // issue #8: the session directory before the cell, to report what it changed.
-        let files_before = list_files(self.session_dir.clone()).await;
+        // issue #8: the session directory before the cell, to report what it changed: the
+        // listing the last cell ended with, unless the daemon changed the directory since.
+        // (A process a cell left running that writes between cells is reported with the next
+        // cell: changes since the last report.)
+        let generation = self.session.files_generation();
+        let files_before = match self.known_files.take() {
+            Some((g, listing)) if g == generation => Some(listing),
+            _ => list_files(self.session_dir.clone()).await,
+        };
 
         let mut header = RequestHeader::exec(cell, code.len() as u64);
         header.timeout_ms = Some(limits.wall.as_millis() as u64);
@@ -496,7 +529,7 @@ impl Actor {
         drop(code);
 
         let cpu0 = proc_cpu_seconds(self.pid);
-        let oom0 = self.group.oom_kills();
+        let oom0 = self.oom_seen;
         let t0 = Instant::now();
         let mut caps = [StreamCap::new(limits.stdout), StreamCap::new(limits.stderr)];
         let mut seq = 0u64;
@@ -508,6 +541,10 @@ impl Actor {
         repeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut outbuf = vec![0u8; 64 * 1024];
         let mut errbuf = vec![0u8; 64 * 1024];
+        // Per raw stream: when to read it next (it was readable), and whether its last read was
+        // big (read again without waiting).
+        let mut hold: [Option<tokio::time::Instant>; 2] = [None, None];
+        let mut busy = [false; 2];
         let mut stale_frames = 0u64;
 
         let end = if client_gone {
@@ -544,17 +581,32 @@ impl Actor {
                         Ok(None) => Some(CellEnd::WorkerGone("worker closed its reply pipe".into())),
                         Err(e) => Some(CellEnd::WorkerGone(format!("protocol violation: {e}"))),
                     },
-                    n = read_opt(&mut self.stdout, &mut outbuf) => {
-                        match n {
-                            Some(n) if n > 0 => if let Some(t) = caps[0].push_bytes(&outbuf[..n]) { pending.push((Stream::Stdout, t)); },
-                            _ => self.stdout = None,
+                    // Raw output pipes (R writes each piece of a `cat` separately): the first
+                    // bytes after a quiet spell are read OUTPUT_COALESCE later, together with
+                    // what follows them; a busy stream is read at once.
+                    ready = ready_opt(&self.stdout), if hold[0].is_none() => {
+                        match ready {
+                            true => hold[0] = Some(tokio::time::Instant::now() + if busy[0] { Duration::ZERO } else { OUTPUT_COALESCE }),
+                            false => self.stdout = None,
                         }
                         None
                     }
-                    n = read_opt(&mut self.stderr, &mut errbuf) => {
-                        match n {
-                            Some(n) if n > 0 => if let Some(t) = caps[1].push_bytes(&errbuf[..n]) { pending.push((Stream::Stderr, t)); },
-                            _ => self.stderr = None,
+                    ready = ready_opt(&self.stderr), if hold[1].is_none() => {
+                        match ready {
+                            true => hold[1] = Some(tokio::time::Instant::now() + if busy[1] { Duration::ZERO } else { OUTPUT_COALESCE }),
+                            false => self.stderr = None,
+                        }
+                        None
+                    }
+                    _ = tokio::time::sleep_until(hold.iter().flatten().min().copied().unwrap_or(deadline)), if hold.iter().any(Option::is_some) => {
+                        let now = tokio::time::Instant::now();
+                        for (i, stream) in [(0usize, Stream::Stdout), (1, Stream::Stderr)] {
+                            if hold[i].is_some_and(|t| t <= now) {
+                                hold[i] = None;
+                                let (rx, buf) = if i == 0 { (&mut self.stdout, &mut outbuf) } else { (&mut self.stderr, &mut errbuf) };
+                                let n = drain_pipe(rx, buf, &mut caps[i], stream, &mut pending, 16);
+                                busy[i] = n >= BUSY_STREAM_BYTES;
+                            }
                         }
                         None
                     }
@@ -612,7 +664,10 @@ impl Actor {
                     queue_output(&mut backlog, stream, text);
                 }
                 // Hand over what the channel takes now; the rest waits for the reserve branch.
-                while let Some((stream, text)) = backlog.pop_front() {
+                // While the worker's next message is already buffered, read it first: output
+                // chunks merge, and a cell's last output leaves together with its result.
+                let more_buffered = step.is_none() && !client_gone && self.replies.has_line();
+                while !more_buffered && let Some((stream, text)) = backlog.pop_front() {
                     let f = Frame {
                         output: Some(Output {
                             cell,
@@ -653,21 +708,7 @@ impl Actor {
                 } else {
                     (&mut self.stderr, &mut errbuf)
                 };
-                for _ in 0..1024 {
-                    let Some(r) = rx.as_mut() else { break };
-                    match r.try_read(buf) {
-                        Ok(0) => {
-                            *rx = None;
-                            break;
-                        }
-                        Ok(n) => {
-                            if let Some(t) = caps[i].push_bytes(&buf[..n]) {
-                                late.push((stream, t));
-                            }
-                        }
-                        Err(_) => break,
-                    }
-                }
+                drain_pipe(rx, buf, &mut caps[i], stream, &mut late, 1024);
             }
             for (stream, text) in late {
                 queue_output(&mut backlog, stream, text);
@@ -683,26 +724,9 @@ impl Actor {
                 queue_output(&mut backlog, stream, t);
             }
         }
-        // The rest of the output, in order, before the result. A cell that was cancelled (client
-        // gone, session closed) waits for nobody: what the channel takes now is all it gets.
         let cancelled = matches!(end, CellEnd::Cancelled(_));
         if cancelled {
             close_req.get_or_insert(("cancelled".into(), oneshot::channel().0));
-        }
-        while let Some((stream, text)) = backlog.pop_front() {
-            let f = Frame {
-                output: Some(Output {
-                    cell,
-                    seq,
-                    stream,
-                    text,
-                }),
-                ..Default::default()
-            };
-            seq += 1;
-            if !send_or_command(&frames, f, cmds, &mut close_req).await {
-                backlog.clear();
-            }
         }
         if stale_frames > 0 {
             tracing::debug!(session = %self.session.id, cell, stale_frames, "stale output frames counted, not forwarded");
@@ -825,8 +849,11 @@ impl Actor {
         }
         result.usage = usage;
         // issue #8: entries of the session directory the cell created or changed.
-        let (files, dir_bytes, crowded) = cell_files(self.session_dir.clone(), files_before).await;
+        let generation = self.session.files_generation();
+        let (files, dir_bytes, crowded, after) =
+            cell_files(self.session_dir.clone(), files_before).await;
         result.files = files;
+        self.known_files = after.map(|l| (generation, l));
         // A cell writes the directory directly (R, and Python through /mnt/data), so the
         // session's disk budget is checked after every cell. Over it, or with more entries
         // than a listing can see, the session ends and its directory is removed: the safe
@@ -849,7 +876,25 @@ impl Actor {
             ending = Some((why, None));
         }
         let status = result.status;
-        tracing::info!(session = %self.session.id, uid = self.session.owner.uid, cell, status = status.as_str(), wall = result.usage.wall_seconds, "cell finished");
+        let wall = result.usage.wall_seconds;
+        // The rest of the output, in order, right before the result, so the connection writes
+        // them together (one write, one wake-up of the client for a short cell). A cell that was
+        // cancelled (client gone, session closed) waits for nobody: it gets no more frames.
+        while let Some((stream, text)) = backlog.pop_front() {
+            let f = Frame {
+                output: Some(Output {
+                    cell,
+                    seq,
+                    stream,
+                    text,
+                }),
+                ..Default::default()
+            };
+            seq += 1;
+            if !send_or_command(&frames, f, cmds, &mut close_req).await {
+                backlog.clear();
+            }
+        }
         let result_frame = Frame {
             result: Some(result),
             ..Default::default()
@@ -866,6 +911,13 @@ impl Actor {
                 self.kill_and_reap().await;
             }
             ending = Some((reason, Some(done)));
+        }
+        // Bookkeeping after the result is on its way.
+        tracing::info!(session = %self.session.id, uid = self.session.owner.uid, cell, status = status.as_str(), wall, "cell finished");
+        if ending.is_none() {
+            // A cell's child process (R's system()) can be OOM-killed without ending the
+            // session; count it here so a later death is not blamed on it.
+            self.oom_seen = self.group.oom_kills();
         }
         let _ = self.events.send(Event::CellFinished {
             id: self.session.id.clone(),
@@ -923,18 +975,24 @@ async fn list_files(dir: PathBuf) -> Option<crate::files::Listing> {
         .flatten()
 }
 
-/// Entries of `dir` created or changed since `before` (empty when either listing failed), and
-/// the directory's bytes of regular files afterwards with whether the listing was cut short.
+/// Entries of `dir` created or changed since `before` (empty when either listing failed), the
+/// directory's bytes of regular files afterwards, whether the listing was cut short, and the
+/// listing itself (the next cell's "before").
 async fn cell_files(
     dir: PathBuf,
     before: Option<crate::files::Listing>,
-) -> (Vec<sandcell_proto::kernel::FileInfo>, u64, bool) {
+) -> (
+    Vec<sandcell_proto::kernel::FileInfo>,
+    u64,
+    bool,
+    Option<crate::files::Listing>,
+) {
     let Some(after) = list_files(dir).await else {
-        return (Vec::new(), 0, false);
+        return (Vec::new(), 0, false, None);
     };
     let bytes = after.regular_bytes();
     let changed = before.map(|b| after.changed_since(&b)).unwrap_or_default();
-    (changed, bytes, after.truncated)
+    (changed, bytes, after.truncated, Some(after))
 }
 
 /// A Close that arrived while a frame waited for a slow client: (reason, waiter).
@@ -1015,11 +1073,55 @@ fn kind(m: &WorkerMessage) -> &'static str {
     }
 }
 
-async fn read_opt(rx: &mut Option<pipe::Receiver>, buf: &mut [u8]) -> Option<usize> {
+/// Waits until `rx` is readable (true) or failed (false); never returns without a pipe.
+async fn ready_opt(rx: &Option<pipe::Receiver>) -> bool {
     match rx {
-        Some(r) => r.read(buf).await.ok(),
+        Some(r) => r.readable().await.is_ok(),
         None => std::future::pending().await,
     }
+}
+
+/// How long the first bytes on a quiet raw output pipe wait before they are read, so that a
+/// burst of small writes becomes one read and one frame (R's console writes each piece of a
+/// `cat(1, "\n")` separately; a short cell's output then leaves with its result). Streaming
+/// output is at most this much later.
+const OUTPUT_COALESCE: Duration = Duration::from_millis(1);
+
+/// A read of at least this many bytes marks a raw stream busy: it is read again at once.
+const BUSY_STREAM_BYTES: usize = 16 * 1024;
+
+/// Reads what `rx` holds now, at most `max_reads` reads of `buf`'s size, through `cap` into
+/// `out`; closes `rx` at end of file. Returns the bytes read.
+fn drain_pipe(
+    rx: &mut Option<pipe::Receiver>,
+    buf: &mut [u8],
+    cap: &mut StreamCap,
+    stream: Stream,
+    out: &mut Vec<(Stream, String)>,
+    max_reads: usize,
+) -> usize {
+    let mut total = 0;
+    for _ in 0..max_reads {
+        let Some(r) = rx.as_mut() else { break };
+        match r.try_read(buf) {
+            Ok(0) => {
+                *rx = None;
+                break;
+            }
+            Ok(n) => {
+                total += n;
+                if let Some(t) = cap.push_bytes(&buf[..n]) {
+                    out.push((stream, t));
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(_) => {
+                *rx = None;
+                break;
+            }
+        }
+    }
+    total
 }
 
 /// CPU seconds (user + system, children included) of `pid`, from `/proc/<pid>/stat`.

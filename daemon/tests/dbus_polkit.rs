@@ -3,6 +3,8 @@
 //! the real `polkitd` on that bus with the shipped `.policy` and a rules file granting a test
 //! group, unprivileged test users, and `sandcellctl` run as those users through `setpriv`.
 //!
+//! Also the warm pools' `Pools` property (issue #7), which needs no polkitd.
+//!
 //! Needs root (useradd, polkit's action directory) and the packages `dbus-daemon` and
 //! `polkitd`; without them each test prints why it skips.
 
@@ -1007,4 +1009,152 @@ async fn oom_kill_is_signalled() {
         out.result.status,
         seen.lock().unwrap()
     );
+}
+
+/// A row of `org.sandcell.Manager1.Pools`: language, idle, target, min, max, taken, missed.
+type PoolRow = (String, u32, u32, u32, u32, u64, u64);
+
+/// `Pools` read afresh (no property cache), by language.
+async fn pools(conn: &zbus::Connection) -> HashMap<String, PoolRow> {
+    let proxy: zbus::Proxy<'_> = zbus::proxy::Builder::new(conn)
+        .destination("org.sandcell.Sandcell1")
+        .unwrap()
+        .path("/org/sandcell/Sandcell1")
+        .unwrap()
+        .interface("org.sandcell.Manager1")
+        .unwrap()
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await
+        .unwrap();
+    let rows: Vec<PoolRow> = proxy.get_property("Pools").await.expect("reading Pools");
+    rows.into_iter().map(|r| (r.0.clone(), r)).collect()
+}
+
+/// Polls `Pools` until `f` holds for the row of `language`; returns the last row seen.
+async fn pool_until(
+    conn: &zbus::Connection,
+    language: &str,
+    timeout: Duration,
+    f: impl Fn(&PoolRow) -> bool,
+) -> (bool, PoolRow) {
+    let t0 = Instant::now();
+    loop {
+        let row = pools(conn)
+            .await
+            .remove(language)
+            .expect("a row per language");
+        if f(&row) {
+            return (true, row);
+        }
+        if t0.elapsed() >= timeout {
+            return (false, row);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_are_visible_on_dbus() {
+    if let Some(why) = skip_reason(false) {
+        eprintln!("skip: {why}");
+        return;
+    }
+    let bus = Bus::start();
+    // Python only (the harness's default), with a pool of 1 growing to 2; no polkitd: root
+    // runs the test and the socket's permissions decide.
+    let d = Daemon::start(&[
+        ("DBUS_SYSTEM_BUS_ADDRESS", &bus.address),
+        ("SANDCELL_POOL_PYTHON_MIN", "1"),
+        ("SANDCELL_POOL_PYTHON_MAX", "2"),
+    ]);
+    let seen = watch_signals(&bus.address).await;
+    let conn = zbus::connection::Builder::address(bus.address.as_str())
+        .unwrap()
+        .build()
+        .await
+        .unwrap();
+    check_interface(
+        &introspect(&bus, "/org/sandcell/Sandcell1"),
+        "org.sandcell.Manager1",
+    );
+
+    // The pool fills in the background: one idle Python worker, aiming for its minimum.
+    let (ok, py) = pool_until(&conn, "python", Duration::from_secs(60), |r| r.1 == 1).await;
+    assert!(
+        ok,
+        "python pool did not reach 1 idle worker: {py:?}\n{}",
+        d.log_text()
+    );
+    assert_eq!(py, ("python".into(), 1, 1, 1, 2, 0, 0), "before any open");
+    // R is not served here: no pool, and nothing counted.
+    let r = pools(&conn).await.remove("r").expect("an r row");
+    assert_eq!(r, ("r".into(), 0, 0, 0, 0, 0, 0));
+
+    // Opening a session takes the warm worker; the pool then grows to its maximum.
+    let mut c = d.client().await;
+    let s = c.open("python", None, None).await.expect("open");
+    let (ok, py) = pool_until(&conn, "python", Duration::from_secs(10), |r| r.5 == 1).await;
+    assert!(ok, "taken did not reach 1: {py:?}");
+    assert_eq!(
+        py.6, 0,
+        "the open found a warm worker, nothing missed: {py:?}"
+    );
+    let (ok, py) = pool_until(&conn, "python", Duration::from_secs(60), |r| {
+        r.1 == 2 && r.2 == 2
+    })
+    .await;
+    assert!(
+        ok,
+        "python pool did not grow to its maximum under use: {py:?}\n{}",
+        d.log_text()
+    );
+    assert_eq!((py.3, py.4, py.5, py.6), (1, 2, 1, 0), "{py:?}");
+    assert!(
+        saw(&seen, Duration::from_secs(5), |s| s.member
+            == "PropertiesChanged"
+            && s.args.first().map(String::as_str)
+                == Some("org.sandcell.Manager1")
+            && s.args.iter().any(|a| a == "Pools"))
+        .await,
+        "no PropertiesChanged(Pools); seen: {:?}",
+        seen.lock().unwrap()
+    );
+
+    // sandcellctl status shows the same, as JSON and as a table.
+    let st = status_json(&d, &bus);
+    let pools_json = st["pools"].as_array().expect("pools in status --json");
+    let py_json = pools_json
+        .iter()
+        .find(|p| p["language"] == "python")
+        .expect("python in status --json");
+    assert_eq!(py_json["taken"], 1, "{st}");
+    assert_eq!(py_json["max"], 2, "{st}");
+    let r_json = pools_json
+        .iter()
+        .find(|p| p["language"] == "r")
+        .expect("r in status --json");
+    assert_eq!(
+        (&r_json["min"], &r_json["max"]),
+        (&0.into(), &0.into()),
+        "{st}"
+    );
+    let o = ctl(&d, &bus, None, &["status"], None);
+    assert_eq!(o.code, 0, "sandcellctl status: {}", o.stderr);
+    assert!(
+        o.stdout
+            .lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>()
+                == ["python", "2", "2", "1", "2", "1", "0"]),
+        "sandcellctl status:\n{}",
+        o.stdout
+    );
+    assert!(
+        o.stdout.lines().any(
+            |l| l.split_whitespace().collect::<Vec<_>>() == ["r", "0", "0", "0", "0", "0", "0"]
+        ),
+        "sandcellctl status:\n{}",
+        o.stdout
+    );
+    c.close(&s.session).await.unwrap();
 }

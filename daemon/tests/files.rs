@@ -105,6 +105,19 @@ async fn r_reads_an_uploaded_csv_and_returns_a_summary_and_a_png() {
     // A cell that changes nothing reports nothing; the listing still has everything.
     let out = c.execute_collect(&s, "z <- 1").await.unwrap();
     assert!(out.result.files.is_empty(), "{:?}", out.result.files);
+    // Uploads and deletions between cells are the client's doing, never the next cell's
+    // (the daemon re-lists the directory when it changed it since the last cell).
+    c.put_bytes(&s, "later.txt", b"x").await.unwrap();
+    let out = c.execute_collect(&s, "z <- 2").await.unwrap();
+    assert!(out.result.files.is_empty(), "{:?}", out.result.files);
+    c.delete_file(&s, "later.txt").await.unwrap();
+    let out = c
+        .execute_collect(&s, "writeLines('again', 'later.txt')")
+        .await
+        .unwrap();
+    let names: Vec<_> = out.result.files.iter().map(|f| f.name.as_str()).collect();
+    assert_eq!(names, ["later.txt"]);
+    c.delete_file(&s, "later.txt").await.unwrap();
     let (all, truncated) = c.list_files(&s).await.unwrap();
     let names: Vec<_> = all.iter().map(|f| f.name.as_str()).collect();
     assert_eq!(names, ["clean.csv", "data", "data/in.csv", png.as_str()]);

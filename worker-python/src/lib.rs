@@ -8,7 +8,8 @@
 //!   replying on fd 4 ([`protocol`], [`replies`], [`output`]); SIGINT stops the running cell
 //!   ([`interrupt`]).
 //! - `sandcell-python-runtime`: prepares the runtime directory offline (`prepare`), checks it
-//!   (`check`) and measures in-process Eryx baselines (`bench`).
+//!   (`check`), measures in-process Eryx baselines (`bench`) and a real worker's cell round
+//!   trip over its pipes next to raw Eryx (`bench-worker`).
 //!
 //! Guest-side behaviour (tracebacks with the cell's own line numbers, `SystemExit`, output
 //! streaming without guest buffering) lives in the driver module ([`driver`]).

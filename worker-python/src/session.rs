@@ -36,6 +36,12 @@
 //! ([`PySession::finish_cell`]): it is not part of the cell's round trip, and the next request
 //! simply waits for it. A snapshot is bounded by [`SNAPSHOT_TIMEOUT`] (pickling can run user
 //! `__reduce__` code) and [`MAX_SNAPSHOT_BYTES`].
+//!
+//! One exception: when the driver reports the namespace `unchanged` (every name still bound
+//! to the very object of the last snapshot, all of them immutable or modules under the same
+//! name: see `driver.py`), the snapshot held is already the state after this cell and none
+//! is taken ([`crate::driver::DriverResult::unchanged`]). Otherwise a request sent right
+//! after the previous `Done` waits for that cell's snapshot.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -54,8 +60,8 @@ use sandcell_proto::worker::{
 
 use crate::driver::{self, DriverResult};
 use crate::interrupt::{Interrupter, Target};
-use crate::output;
-use crate::replies::Replies;
+use crate::output::Forwarder;
+use crate::replies::Lines;
 
 /// Wall-time limit of a cell whose request has no `timeout_ms` (the daemon enforces its own).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3600);
@@ -124,8 +130,8 @@ pub struct Stats {
 
 /// How an execution ended, before mapping to a status.
 enum RunEnd {
-    /// The execution returned.
-    Returned(Result<eryx::ExecutionOutput, EryxError>),
+    /// The execution returned, with the outcome the driver sent, if any.
+    Returned(Result<eryx::ExecutionOutput, EryxError>, Option<Vec<u8>>),
     /// SIGINT before the guest started: nothing ran.
     InterruptedBeforeStart,
     /// SIGINT while the guest was parked in a host call: the execution was dropped.
@@ -429,6 +435,16 @@ impl PySession {
         (SessionState::Restored, None, warnings)
     }
 
+    /// Cell `cell` completed with the instance alive: its snapshot is due, unless the driver
+    /// reported the namespace `unchanged` since the snapshot this session holds (then that
+    /// snapshot is also the state after `cell`).
+    fn completed(&mut self, cell: u64, unchanged: bool) {
+        match &mut self.saved {
+            Some(saved) if unchanged && self.stale.is_none() => saved.after_cell = cell,
+            _ => self.pending_checkpoint = Some(cell),
+        }
+    }
+
     /// Takes the snapshot of the cell that just completed, if any. Called after its `Done` was
     /// sent, so the snapshot's cost is not part of the cell's round trip; the next request
     /// waits for it.
@@ -440,15 +456,20 @@ impl PySession {
         }
     }
 
-    /// Runs one cell, streaming its output to `replies`, and returns its `Done` message.
+    /// Runs one cell, streaming its output through `output`, and returns its `Done` message.
+    ///
+    /// Output not yet sent when the cell ends (all of it, for a cell shorter than
+    /// [`crate::output::TAKEOVER_AFTER`]) and the `Dropped` counts are left in `lines`, for
+    /// the caller to write together with the `Done`, in one write.
     ///
     /// `interrupter` must have seen `begin_cell` for this request; the caller calls `end_cell`
     /// before sending the result. Errors only when the reply pipe fails (the daemon is gone).
     pub async fn exec_cell(
         &mut self,
         req: &CellRequest<'_>,
-        replies: &Arc<Replies>,
+        output: &mut Forwarder,
         interrupter: &Interrupter,
+        lines: &mut Lines,
     ) -> std::io::Result<WorkerMessage> {
         let cell = req.cell;
         let done = |status, error, exit_code, fuel, state, warnings| WorkerMessage::Done {
@@ -510,20 +531,26 @@ impl PySession {
         let mut retried = false;
         loop {
             let fired = Arc::new(AtomicBool::new(false));
-            let (end, fuel_used) = self.run(req, &code, replies, interrupter, &fired).await?;
+            let (end, fuel_used) = self
+                .run(req, &code, output, interrupter, &fired, lines)
+                .await?;
             let interrupted = fired.load(Ordering::SeqCst);
             let (status, error, exit_code, fuel, rebuild) = match end {
                 RunEnd::InterruptedBeforeStart => {
                     (WorkerStatus::Interrupted, None, None, Some(0), false)
                 }
                 RunEnd::Dropped => (WorkerStatus::Interrupted, None, None, None, true),
-                RunEnd::Returned(Ok(out)) => {
+                RunEnd::Returned(Ok(out), outcome) => {
                     let fuel = out.fuel_consumed;
-                    match out.result.as_deref().map(DriverResult::parse) {
+                    let outcome = match &outcome {
+                        Some(o) => Some(DriverResult::parse(o)),
+                        None => out.result.as_deref().map(DriverResult::parse),
+                    };
+                    match outcome {
                         Some(Ok(r)) => {
                             self.had_cells = true;
                             let (status, error, code) = map_driver(&r);
-                            self.pending_checkpoint = Some(cell);
+                            self.completed(cell, r.unchanged);
                             (status, error, code, fuel, false)
                         }
                         _ => {
@@ -540,7 +567,7 @@ impl PySession {
                         }
                     }
                 }
-                RunEnd::Returned(Err(EryxError::PythonException(text))) => {
+                RunEnd::Returned(Err(EryxError::PythonException(text)), _) => {
                     if !retried && driver::driver_missing(&text) {
                         retried = true;
                         if self.install().await.is_ok() {
@@ -562,24 +589,24 @@ impl PySession {
                         false,
                     )
                 }
-                RunEnd::Returned(Err(e)) if interrupted => {
+                RunEnd::Returned(Err(e), _) if interrupted => {
                     let _ = e;
                     (WorkerStatus::Interrupted, None, None, fuel_used, true)
                 }
-                RunEnd::Returned(Err(EryxError::Timeout(_))) => {
+                RunEnd::Returned(Err(EryxError::Timeout(_)), _) => {
                     (WorkerStatus::Timeout, None, None, fuel_used, true)
                 }
-                RunEnd::Returned(Err(EryxError::FuelExhausted { consumed, .. })) => (
+                RunEnd::Returned(Err(EryxError::FuelExhausted { consumed, .. }), _) => (
                     WorkerStatus::FuelExhausted,
                     None,
                     None,
                     Some(consumed),
                     true,
                 ),
-                RunEnd::Returned(Err(EryxError::Cancelled)) => {
+                RunEnd::Returned(Err(EryxError::Cancelled), _) => {
                     (WorkerStatus::Interrupted, None, None, fuel_used, true)
                 }
-                RunEnd::Returned(Err(e)) => {
+                RunEnd::Returned(Err(e), _) => {
                     // A trap (stack overflow, abort, ...): the first line says what, the rest
                     // is wasmtime's backtrace.
                     let text = e.to_string();
@@ -601,6 +628,8 @@ impl PySession {
             };
             let mut error = error;
             if rebuild || self.dead {
+                // The cell's output goes out now, not after the rebuild.
+                output.replies().write(lines)?;
                 let (s, lost, w) = self.rebuild().await;
                 state = s;
                 warnings.extend(w);
@@ -615,21 +644,18 @@ impl PySession {
         }
     }
 
-    /// One execution of `code` with output forwarding and interrupt arming.
+    /// One execution of `code` with output forwarding and interrupt arming; the output not
+    /// yet sent is left in `lines`.
     async fn run(
         &mut self,
         req: &CellRequest<'_>,
         code: &str,
-        replies: &Arc<Replies>,
+        output: &mut Forwarder,
         interrupter: &Interrupter,
         fired: &Arc<AtomicBool>,
+        lines: &mut Lines,
     ) -> std::io::Result<(RunEnd, Option<u64>)> {
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let fwd_replies = Arc::clone(replies);
-        let (cell, max_output) = (req.cell, req.max_output);
-        let forwarder = std::thread::Builder::new()
-            .name("output".into())
-            .spawn(move || output::forward(cell, max_output, rx, &fwd_replies))?;
+        let tx = output.begin(req.cell, req.max_output);
 
         let token = CancellationToken::new();
         interrupter.arm(Target {
@@ -650,7 +676,7 @@ impl PySession {
             tokio::select! {
                 biased;
                 () = token.cancelled() => RunEnd::Dropped,
-                r = builder.run() => RunEnd::Returned(r),
+                r = builder.run() => RunEnd::Returned(r, None),
             }
         };
         // Before anything else touches the engine: a stop in progress finishes first, and
@@ -664,12 +690,12 @@ impl PySession {
             .store()
             .and_then(|s| s.get_fuel().ok())
             .map(|left| initial_fuel.saturating_sub(left));
-        match forwarder.join() {
-            Ok(r) => {
-                r?;
-            }
-            Err(_) => return Err(std::io::Error::other("output forwarder panicked")),
-        }
+        // Every sender is gone: Eryx dropped its own with the execution (returned or dropped).
+        let outcome = output.end(lines)?;
+        let end = match end {
+            RunEnd::Returned(r, _) => RunEnd::Returned(r, outcome),
+            other => other,
+        };
         Ok((end, fuel_used))
     }
 

@@ -3,7 +3,9 @@
 //! Threads: the main thread runs the Tokio runtime's `block_on` with the request loop and the
 //! guest (a CPU-bound guest blocks it, which is why nothing else depends on it while a cell
 //! runs); one Tokio worker thread (Eryx's helper tasks), Eryx's epoch ticker, the SIGINT
-//! watcher ([`crate::interrupt`]) and one output forwarder per cell ([`crate::output`]).
+//! watcher ([`crate::interrupt`]) and the output forwarder ([`crate::output::Forwarder`]),
+//! which streams the output of a cell that runs longer than a millisecond. No thread is
+//! started per cell.
 //!
 //! Exit statuses: 0 on EOF of the request pipe or an `exit` request; 1 when the reply pipe
 //! fails (the daemon is gone) or the descriptors are missing; 2 on a malformed request (nothing
@@ -21,8 +23,9 @@ use std::time::Duration;
 use sandcell_proto::worker::{WorkerMessage, report_fatal};
 
 use crate::interrupt::{self, Interrupter};
+use crate::output::Forwarder;
 use crate::protocol::{ReadError, Request, read_request};
-use crate::replies::Replies;
+use crate::replies::{Lines, Replies};
 use crate::runtime::{self, ERYX_VERSION, PYTHON_VERSION};
 use crate::session::{CellRequest, DEFAULT_TIMEOUT, MAX_TIMEOUT, PySession};
 
@@ -200,6 +203,13 @@ pub async fn serve(
             return exit::STARTUP;
         }
     };
+    let mut output = match Forwarder::start(Arc::clone(&replies)) {
+        Ok(f) => f,
+        Err(e) => {
+            report_fatal("runtime", &format!("starting the output thread: {e}"));
+            return exit::STARTUP;
+        }
+    };
     let ready = WorkerMessage::Ready {
         language: "python".into(),
         engine: format!("eryx {ERYX_VERSION} (CPython {PYTHON_VERSION})"),
@@ -207,6 +217,7 @@ pub async fn serve(
     if replies.send(&ready).is_err() {
         return exit::IO;
     }
+    let mut lines = Lines::new();
     let mut reader = BufReader::new(requests);
     loop {
         // Wait until a request is in the pipe without consuming it, then count SIGINTs from
@@ -238,11 +249,14 @@ pub async fn serve(
                     fuel: header.fuel,
                     max_output: header.max_output.unwrap_or(u64::MAX),
                 };
-                let done = session.exec_cell(&req, &replies, &interrupter).await;
+                let done = session
+                    .exec_cell(&req, &mut output, &interrupter, &mut lines)
+                    .await;
                 interrupter.end_cell();
                 match done {
                     Ok(done) => {
-                        if replies.send(&done).is_err() {
+                        // The cell's last output frames and its Done: one write.
+                        if lines.push(&done).is_err() || replies.write(&mut lines).is_err() {
                             return exit::IO;
                         }
                         session.finish_cell().await;

@@ -445,6 +445,130 @@ fn removing_the_driver_does_not_break_the_session() {
     w.cell(1, "import sys\ndel sys.modules['_sandcell']\nq = 9\n");
     let r = w.cell(2, "print(q)");
     assert_eq!(r.stdout, "9\n", "{r:?}");
+    // Its entry point (re-installed) and Eryx's compile shortcut (simply not used then).
+    w.cell(3, "import builtins\ndel builtins.__sandcell__\nq = 10\n");
+    let r = w.cell(4, "print(q)");
+    assert_eq!(r.stdout, "10\n", "{r:?}");
+    w.cell(5, "import __main__\ndel __main__.compile\nq = 11\n");
+    let r = w.cell(6, "print(q)");
+    assert_eq!(
+        (r.status(), r.stdout.as_str()),
+        (WorkerStatus::Ok, "11\n"),
+        "{r:?}"
+    );
+    let r = w.run(
+        7,
+        "while True: pass",
+        &Opts {
+            timeout_ms: Some(300),
+            ..Opts::default()
+        },
+    );
+    assert_eq!(r.state(), SessionState::Restored, "{r:?}");
+    assert_eq!(w.cell(8, "print(q)").stdout, "11\n");
+}
+
+#[test]
+fn the_driver_binds_no_name_a_cell_can_see_in_its_namespace() {
+    let mut w = Worker::start();
+    let r = w.cell(
+        1,
+        "print(sorted(k for k in globals() if 'sandcell' in k or k == 'compile'))",
+    );
+    assert_eq!(r.stdout, "[]\n", "{r:?}");
+    // A cell's own `compile` is the builtin one.
+    let r = w.cell(
+        2,
+        "import builtins\nprint(compile is builtins.compile, type(compile).__name__)",
+    );
+    assert_eq!(r.stdout, "True builtin_function_or_method\n", "{r:?}");
+}
+
+#[test]
+fn a_repeated_cell_behaves_as_if_compiled_afresh() {
+    // Sources run more than once reuse their compiled code (driver.py, "Compiled cells"):
+    // file names, line numbers, warnings and errors must be those of a fresh compile.
+    let mut w = Worker::start();
+    let fail = "def f():\n    return 1 / 0\nprint((lambda: 0).__code__.co_filename, f.__code__.co_filename)\nf()\n";
+    for cell in 1..=4 {
+        let r = w.cell(cell, fail);
+        let name = format!("<cell {cell}>");
+        assert_eq!(r.stdout, format!("{name} {name}\n"), "{r:?}");
+        let e = r.error();
+        assert_eq!((e.kind.as_str(), e.line), ("ZeroDivisionError", Some(2)));
+        let tb = e.traceback.unwrap();
+        assert!(
+            tb.contains(&format!("File \"{name}\", line 2, in f")),
+            "{tb}"
+        );
+        assert!(tb.contains("return 1 / 0"), "{tb}");
+        assert!(!tb.contains(&format!("<cell {}>", cell - 1)), "{tb}");
+    }
+    // A compile-time warning shows on every run.
+    for cell in 5..=8 {
+        let r = w.cell(cell, "s = 'a\\d'\nprint(len(s))\n");
+        assert_eq!(r.stdout, "3\n", "{r:?}");
+        assert!(r.stderr.contains("SyntaxWarning"), "cell {cell}: {r:?}");
+    }
+    // A syntax error is reported every time, with the cell's own file name.
+    for cell in 9..=11 {
+        let e = w.cell(cell, "x = (1,\n").error();
+        assert_eq!(e.kind, "SyntaxError");
+        assert!(e.traceback.unwrap().contains(&format!("<cell {cell}>")));
+    }
+}
+
+#[test]
+fn skipped_snapshots_of_an_unchanged_namespace_restore_exactly() {
+    // After a snapshot of immutable values only, cells that leave every name bound to the
+    // same object take no new snapshot (driver.py, `unchanged`); what a timeout restores must
+    // still be the namespace as the last completed cell left it.
+    let timeout = |w: &mut Worker, cell| {
+        let r = w.run(
+            cell,
+            "while True: pass",
+            &Opts {
+                timeout_ms: Some(300),
+                ..Opts::default()
+            },
+        );
+        assert_eq!(r.status(), WorkerStatus::Timeout, "{r:?}");
+        assert_eq!(r.state(), SessionState::Restored, "{r:?}");
+    };
+    let mut w = Worker::start();
+    w.cell(
+        1,
+        "a = 1\ns = 'x'\nt = (1, ('y', 2.5), frozenset({3}), None)\nimport math as m\n",
+    );
+    w.cell(2, "print(a, s)");
+    w.cell(3, "a = 2");
+    w.cell(4, "print(a)");
+    w.cell(5, "b = a + 1\ndel s");
+    w.cell(6, "m = __import__('cmath')");
+    w.cell(7, "print(b)");
+    w.cell(8, "c = 5\n1 / 0");
+    w.cell(9, "pass");
+    timeout(&mut w, 10);
+    let r = w.cell(11, "print(a, b, c, 's' in globals(), m.__name__, t)");
+    assert_eq!(
+        r.stdout, "2 3 5 False cmath (1, ('y', 2.5), frozenset({3}), None)\n",
+        "{r:?}"
+    );
+    // A mutable value, even inside a tuple, is snapshotted after every cell.
+    w.cell(12, "u = (1, [2])");
+    w.cell(13, "u[1].append(3)");
+    timeout(&mut w, 14);
+    assert_eq!(w.cell(15, "print(u)").stdout, "(1, [2, 3])\n");
+    // A module binding is restored by the module's name: a renamed module counts as changed.
+    w.cell(16, "del u\nimport json as j");
+    w.cell(17, "pass");
+    w.cell(18, "j.__name__ = 'pickle'");
+    timeout(&mut w, 19);
+    assert_eq!(
+        w.cell(20, "print(j.__name__, j is __import__('pickle'))")
+            .stdout,
+        "pickle True\n"
+    );
 }
 
 #[test]
@@ -490,13 +614,22 @@ fn figures() {
     samples.sort();
     let p50 = samples[samples.len() / 2];
     let p99 = samples[samples.len() * 99 / 100];
+    // Distinct sources: nothing compiled for an earlier cell is reused.
+    let mut distinct = Vec::new();
+    for i in 0..200 {
+        let r = w.cell(1000 + i, &format!("print(1)\n# {i}\n"));
+        assert_eq!(r.stdout, "1\n");
+        distinct.push(r.elapsed);
+    }
+    distinct.sort();
     std::thread::sleep(Duration::from_millis(200));
     let rss = w.rss_bytes();
     eprintln!(
-        "FIGURES start_to_ready_ms={:.1} trivial_cell_p50_ms={:.3} p99_ms={:.3} idle_rss_mb={:.1}",
+        "FIGURES start_to_ready_ms={:.1} trivial_cell_p50_ms={:.3} p99_ms={:.3} distinct_p50_ms={:.3} idle_rss_mb={:.1}",
         ready.as_secs_f64() * 1e3,
         p50.as_secs_f64() * 1e3,
         p99.as_secs_f64() * 1e3,
+        distinct[distinct.len() / 2].as_secs_f64() * 1e3,
         rss as f64 / 1048576.0
     );
     assert!(ready < Duration::from_secs(5));

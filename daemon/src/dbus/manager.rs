@@ -30,6 +30,31 @@ pub type SessionRow = (
     OwnedObjectPath,
 );
 
+/// One row of the `Pools` property: language, idle workers now, target now, configured
+/// minimum, configured maximum (all counts of workers), workers taken from the pool since the
+/// daemon started, opens that found no idle worker since the daemon started.
+pub type PoolRow = (String, u32, u32, u32, u32, u64, u64);
+
+/// The rows of the `Pools` property, one per language, Python first.
+pub(crate) fn pool_rows(core: &Core) -> Vec<PoolRow> {
+    let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+    core.pool()
+        .status()
+        .into_iter()
+        .map(|s| {
+            (
+                s.language.as_str().to_string(),
+                n(s.idle),
+                n(s.target),
+                n(s.min),
+                n(s.max),
+                s.taken,
+                s.missed,
+            )
+        })
+        .collect()
+}
+
 /// The manager object.
 #[derive(Debug)]
 pub struct Manager {
@@ -194,7 +219,7 @@ impl Manager {
     }
 
     /// Admission use against each budget: (budget, in use, maximum); sessions are counted,
-    /// memories are bytes.
+    /// memories are bytes. Idle pooled workers are charged like sessions.
     #[zbus(property)]
     async fn admission(&self) -> Vec<(String, u64, u64)> {
         let (max, used) = self.core.admission();
@@ -215,6 +240,19 @@ impl Manager {
                 max.worker_memory,
             ),
         ]
+    }
+
+    /// Warm worker pools, one row per language (`python`, `r`), whether or not the language
+    /// is served: (language, idle workers now, target now, configured minimum, configured
+    /// maximum, workers taken from the pool since the daemon started, opens that found no
+    /// idle worker while the language had a pool). The four numbers after the language count
+    /// workers; the target is the minimum, or the maximum while workers are being taken;
+    /// minimum and maximum are those the refill task last applied (0 for a language not
+    /// served). PropertiesChanged follows a change within about a second (the pools are
+    /// compared once a second).
+    #[zbus(property)]
+    async fn pools(&self) -> Vec<PoolRow> {
+        pool_rows(&self.core)
     }
 
     /// sandcelld's version.

@@ -3,7 +3,8 @@
 //! A thin shim, like `varlink/`: it identifies the caller from the bus (never from the
 //! message), calls the core, and turns core errors into D-Bus errors. Files:
 //! - `mod.rs` (this file): the connection, its supervisor (reconnect with backoff), the
-//!   translation of core events into signals, caller identification, the error names;
+//!   translation of core events into signals, PropertiesChanged for the pools (compared
+//!   once a second: the refill task emits no events), caller identification, the error names;
 //! - `manager.rs`: `org.sandcell.Manager1` at `/org/sandcell/Sandcell1`;
 //! - `session.rs`: `org.sandcell.Session1` at `/org/sandcell/Sandcell1/session/<id>`.
 //!
@@ -52,6 +53,10 @@ pub const BACKOFF_MIN: Duration = Duration::from_secs(1);
 pub const BACKOFF_MAX: Duration = Duration::from_secs(30);
 /// How long the first connection attempt at start-up may take.
 pub const FIRST_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often the pools are compared with what was last signalled (`Pools` and `Admission`
+/// PropertiesChanged). Pools change on the refill task, which emits no events; a check is
+/// one lock and a few integers.
+pub const POOL_CHECK: Duration = Duration::from_secs(1);
 
 /// What the control plane needs besides the core.
 #[derive(Debug, Clone)]
@@ -311,10 +316,23 @@ impl Supervisor {
         }
     }
 
-    /// Forwards core events until the connection closes (false) or the daemon stops (true).
+    /// Forwards core events, and pool changes every [`POOL_CHECK`], until the connection
+    /// closes (false) or the daemon stops (true).
     async fn serve(&self, mut live: Live, stop: &mut watch::Receiver<bool>) -> bool {
+        let mut pools = manager::pool_rows(&self.core);
+        let mut tick = tokio::time::interval(POOL_CHECK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
+                _ = tick.tick() => {
+                    let now = manager::pool_rows(&self.core);
+                    if now != pools {
+                        pools = now;
+                        if let Err(e) = self.pools_changed(&live).await {
+                            tracing::debug!(error = %e, "emitting PropertiesChanged(Pools) failed");
+                        }
+                    }
+                }
                 _ = live.conn.closed() => return false,
                 _ = async { let _ = stop.wait_for(|s| *s).await; } => {
                     let _ = live.conn.release_name(BUS_NAME).await;
@@ -382,6 +400,13 @@ impl Supervisor {
         let m = live.manager.get().await;
         m.active_sessions_changed(live.manager.signal_emitter())
             .await?;
+        m.admission_changed(live.manager.signal_emitter()).await
+    }
+
+    /// Pooled workers hold admission charges, so a pool change is an admission change too.
+    async fn pools_changed(&self, live: &Live) -> zbus::Result<()> {
+        let m = live.manager.get().await;
+        m.pools_changed(live.manager.signal_emitter()).await?;
         m.admission_changed(live.manager.signal_emitter()).await
     }
 

@@ -268,9 +268,26 @@ async fn stream_frames(
     call: &Call<RawCall>,
     mut rx: mpsc::Receiver<Frame>,
 ) -> zlink::Result<()> {
-    while let Some(frame) = rx.recv().await {
-        let last = frame.result.is_some();
-        send_reply(w, call, FrameReply { frame }, !last).await?;
+    let mut buf: Vec<u8> = Vec::new();
+    while let Some(first) = rx.recv().await {
+        // Every frame already queued goes out in one write: a short cell's output and result
+        // reach the client together. Bounded by FRAME_BATCH_BYTES.
+        buf.clear();
+        let mut next = Some(first);
+        let mut last = false;
+        while let Some(frame) = next.take() {
+            last = frame.result.is_some();
+            let reply =
+                Reply::new(Some(FrameReply { frame })).set_continues((!last).then_some(true));
+            serde_json::to_writer(&mut buf, &reply)?;
+            buf.push(0);
+            if !last && buf.len() < FRAME_BATCH_BYTES {
+                next = rx.try_recv().ok();
+            }
+        }
+        if !call.oneway() {
+            w.write_half().write_all_shared(&buf).await?;
+        }
         if last {
             return Ok(());
         }
@@ -285,6 +302,10 @@ async fn stream_frames(
     )
     .await
 }
+
+/// Bytes of serialized frames after which a batch is written without waiting for more queued
+/// frames (a frame's text is at most 64 KiB, six bytes per byte when escaped).
+const FRAME_BATCH_BYTES: usize = 256 * 1024;
 
 async fn service(w: &mut Writer, call: &Call<RawCall>, name: &str) -> zlink::Result<()> {
     match name {

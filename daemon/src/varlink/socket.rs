@@ -175,6 +175,27 @@ impl AsFd for ReadHalf {
 
 impl socket::UnixSocket for ReadHalf {}
 
+impl WriteHalf {
+    /// Writes all of `buf` (whole Varlink messages, each ending in NUL) through a shared
+    /// reference: how a batch of frames bypasses zlink's per-message write (zlink 0.8 has no
+    /// public way to queue several replies). zlink's own buffer is empty between its calls,
+    /// since each of its sends flushes, so messages never interleave.
+    ///
+    /// Errors: the peer is gone or the socket failed.
+    pub async fn write_all_shared(&self, mut buf: &[u8]) -> std::io::Result<()> {
+        let stream: &UnixStream = self.0.as_ref();
+        while !buf.is_empty() {
+            stream.writable().await?;
+            match stream.try_write(buf) {
+                Ok(n) => buf = &buf[n..],
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+}
+
 impl socket::WriteHalf for WriteHalf {
     async fn write(
         &mut self,

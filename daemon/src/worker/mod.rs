@@ -43,6 +43,12 @@ impl<R: tokio::io::AsyncRead + Unpin> LineReader<R> {
         }
     }
 
+    /// Whether a complete line is already buffered (the next [`LineReader::next_line`] returns
+    /// without reading).
+    pub fn has_line(&self) -> bool {
+        self.buf.contains(&b'\n')
+    }
+
     /// The next line without its newline; `None` at end of file (a partial last line is
     /// dropped: the worker died mid-write).
     pub async fn next_line(&mut self) -> Result<Option<Vec<u8>>, LineError> {

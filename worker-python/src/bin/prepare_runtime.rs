@@ -4,6 +4,7 @@
 //! sandcell-python-runtime prepare --out DIR [--force]
 //! sandcell-python-runtime check --dir DIR
 //! sandcell-python-runtime bench --dir DIR [--iterations N]
+//! sandcell-python-runtime bench-worker --dir DIR [--worker BIN] [--code CODE] [--vary] [--iterations N]
 //! ```
 //!
 //! `prepare` works offline from what crates.io ships in `eryx` and `eryx-runtime`: it links and
@@ -19,6 +20,10 @@
 //! `bench` prints JSON with p50/p99/mean milliseconds of in-process Eryx baselines: a fresh
 //! sandbox per call, execute on an existing sandbox, a session execute, and a cell through the
 //! worker's driver; plus state snapshot and rebuild costs.
+//!
+//! `bench-worker` drives a real `sandcell-worker-python` over its pipes and prints p50/p99 of
+//! a cell's round trip (request written to `Done` read) next to a raw in-process Eryx session
+//! execute of the same code (see `prepare_runtime/bench_worker.rs`).
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
@@ -30,7 +35,8 @@ use clap::{Parser, Subcommand};
 use eryx::{PythonExecutor, ResourceLimits, Sandbox, SessionExecutor};
 use sandcell_worker_python::driver;
 use sandcell_worker_python::interrupt::Interrupter;
-use sandcell_worker_python::replies::Replies;
+use sandcell_worker_python::output::Forwarder;
+use sandcell_worker_python::replies::{Lines, Replies};
 use sandcell_worker_python::runtime::{
     self, Artifact, CWASM_FILE, ERYX_VERSION, MANIFEST_FILE, MANIFEST_FORMAT, Manifest,
     PREINIT_IMPORTS, PYTHON_VERSION, Preparation, STDLIB_DIR, StdlibInfo,
@@ -38,6 +44,9 @@ use sandcell_worker_python::runtime::{
 use sandcell_worker_python::session::{CellRequest, PySession};
 use serde_json::json;
 use std::sync::Arc;
+
+#[path = "prepare_runtime/bench_worker.rs"]
+mod bench_worker;
 
 #[derive(Parser)]
 #[command(
@@ -91,25 +100,53 @@ enum Cmd {
         #[arg(long, default_value_t = 100)]
         iterations: usize,
     },
+    /// Drive a real worker over its pipes (as the daemon does, confinement best effort) and
+    /// time each cell from writing its request to reading its `Done`, next to a raw
+    /// in-process Eryx session execute of the same code.
+    BenchWorker {
+        /// Runtime directory.
+        #[arg(long)]
+        dir: PathBuf,
+        /// Worker executable (default: `sandcell-worker-python` next to this one).
+        #[arg(long)]
+        worker: Option<PathBuf>,
+        /// Cell source.
+        #[arg(long, default_value = "print(1)")]
+        code: String,
+        /// Make every cell's source distinct (a trailing comment), so no compiled code is reused.
+        #[arg(long)]
+        vary: bool,
+        /// Cells timed (after 20 untimed ones).
+        #[arg(long, default_value_t = 1000)]
+        iterations: usize,
+    },
 }
 
 fn main() {
     let cli = Cli::parse();
-    let r = match cli.cmd {
-        Cmd::Prepare { out, force } => prepare_main(&out, force),
-        Cmd::Check { dir } => runtime_block_on(check(&dir)).map(|v| println!("{v}")),
-        Cmd::Probe {
-            dir,
-            setup,
-            code,
-            iterations,
-        } => {
-            runtime_block_on(probe(&dir, &setup, &code, iterations.max(1))).map(|v| println!("{v}"))
-        }
-        Cmd::Bench { dir, iterations } => {
-            runtime_block_on(bench(&dir, iterations.max(1))).map(|v| println!("{v}"))
-        }
-    };
+    let r =
+        match cli.cmd {
+            Cmd::Prepare { out, force } => prepare_main(&out, force),
+            Cmd::Check { dir } => runtime_block_on(check(&dir)).map(|v| println!("{v}")),
+            Cmd::Probe {
+                dir,
+                setup,
+                code,
+                iterations,
+            } => runtime_block_on(probe(&dir, &setup, &code, iterations.max(1)))
+                .map(|v| println!("{v}")),
+            Cmd::Bench { dir, iterations } => {
+                runtime_block_on(bench(&dir, iterations.max(1))).map(|v| println!("{v}"))
+            }
+            Cmd::BenchWorker {
+                dir,
+                worker,
+                code,
+                vary,
+                iterations,
+            } => bench_worker::run(&dir, worker, &code, vary, iterations.max(1))
+                .map(|v| println!("{v}")),
+        };
     if let Err(e) = r {
         eprintln!("sandcell-python-runtime: {e:#}");
         std::process::exit(1);
@@ -344,7 +381,7 @@ async fn probe(dir: &Path, setup: &str, code: &str, n: usize) -> Result<serde_js
 /// Runs one cell through the worker's session path.
 async fn run_cell(
     ps: &mut PySession,
-    replies: &Arc<Replies>,
+    output: &mut Forwarder,
     interrupter: &Interrupter,
     cell: u64,
     src: &str,
@@ -357,9 +394,11 @@ async fn run_cell(
         max_output: 1 << 20,
     };
     interrupter.begin_cell();
-    let r = ps.exec_cell(&req, replies, interrupter).await;
+    let mut lines = Lines::new();
+    let r = ps.exec_cell(&req, output, interrupter, &mut lines).await;
     interrupter.end_cell();
-    r?;
+    lines.push(&r?)?;
+    output.replies().write(&mut lines)?;
     ps.finish_cell().await;
     Ok(())
 }
@@ -409,10 +448,19 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
     let mut via_driver = Vec::with_capacity(n);
     for i in 0..n {
         let code = driver::cell_code(i as u64 + 1, "print(1)");
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let t = Instant::now();
-        let out = session.execute(code).run().await?;
+        session
+            .execute(code)
+            .with_output_streaming(tx)
+            .run()
+            .await?;
         via_driver.push(t.elapsed());
-        anyhow::ensure!(out.result.is_some(), "driver reported nothing");
+        let mut outcome = false;
+        while let Ok(m) = rx.try_recv() {
+            outcome |= m.stream == driver::OUTCOME_STREAM;
+        }
+        anyhow::ensure!(outcome, "driver reported nothing");
     }
     // (d) Eryx's own snapshot_state (dill), for comparison with the driver's.
     session
@@ -442,6 +490,7 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
     let replies = Arc::new(Replies::new(
         fs::OpenOptions::new().write(true).open("/dev/null")?,
     ));
+    let mut output = Forwarder::start(replies)?;
     let interrupter = Interrupter::default();
     let mut ps = PySession::new(executor.clone(), Some(128 * 1024 * 1024), None).await?;
     let mut worker_cell = Vec::with_capacity(n);
@@ -456,13 +505,18 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
         };
         let t = Instant::now();
         interrupter.begin_cell();
-        ps.exec_cell(&req, &replies, &interrupter).await?;
+        let mut lines = Lines::new();
+        let done = ps
+            .exec_cell(&req, &mut output, &interrupter, &mut lines)
+            .await?;
         interrupter.end_cell();
+        lines.push(&done)?;
+        output.replies().write(&mut lines)?;
         worker_cell.push(t.elapsed());
         ps.finish_cell().await;
         worker_cell_snap.push(t.elapsed());
     }
-    run_cell(&mut ps, &replies, &interrupter, 100_001, SMALL_NAMESPACE).await?;
+    run_cell(&mut ps, &mut output, &interrupter, 100_001, SMALL_NAMESPACE).await?;
     let mut snap_small = Vec::with_capacity(n);
     let mut small_bytes = 0;
     for _ in 0..n {
@@ -477,7 +531,14 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
         rebuild_small.push(t.elapsed());
         anyhow::ensure!(lost.is_none(), "rebuild lost state: {state:?} {lost:?}");
     }
-    run_cell(&mut ps, &replies, &interrupter, 100_002, ONE_MB_NAMESPACE).await?;
+    run_cell(
+        &mut ps,
+        &mut output,
+        &interrupter,
+        100_002,
+        ONE_MB_NAMESPACE,
+    )
+    .await?;
     let mut snap_big = Vec::with_capacity(n.min(20));
     let mut big_bytes = 0;
     for _ in 0..n.min(20) {
