@@ -24,7 +24,7 @@ const ACTIONS_DIR: &str = "/usr/share/polkit-1/actions";
 const RULES_DIR: &str = "/etc/polkit-1/rules.d";
 
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+    common::manifest_dir().join("..")
 }
 
 fn is_root() -> bool {

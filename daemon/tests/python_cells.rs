@@ -7,7 +7,7 @@ use sandcell_client::{Error, KernelError, Limits, State, Status};
 use std::time::{Duration, Instant};
 
 fn examples() -> std::path::PathBuf {
-    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/python")
+    common::manifest_dir().join("../examples/python")
 }
 
 #[tokio::test]

@@ -20,7 +20,7 @@ fn r_daemon(extra: &[(&str, &str)]) -> Option<Daemon> {
 async fn r_examples_print_exact_statistics() {
     let Some(d) = r_daemon(&[]) else { return };
     let mut c = d.client().await;
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/r");
+    let dir = common::manifest_dir().join("../examples/r");
     let mut n = 0;
     for e in std::fs::read_dir(&dir).unwrap().flatten() {
         let p = e.path();

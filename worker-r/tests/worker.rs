@@ -36,9 +36,18 @@ fn r_available(test: &str) -> bool {
     ok
 }
 
+/// The package directory: the one cargo names at run time, the compile-time one only as a
+/// fallback (a shared target directory can hold a test binary that another checkout built,
+/// and cargo keeps it fresh across checkouts).
+fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
 /// The worker script in the source tree.
 fn script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("worker.R")
+    manifest_dir().join("worker.R")
 }
 
 /// A pipe whose two ends are close-on-exec and numbered 10 or above, so that `dup2` onto 3
@@ -139,7 +148,7 @@ fn plan(session: &Path, max_address_space: Option<u64>) -> Plan {
             // Landlock resolves the link when the rule is made: this grants the worker's own
             // /proc/<pid> only. R itself needs none of /proc for fds 3 and 4 (pipes).
             p("/proc/self"),
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")),
+            manifest_dir(),
         ],
         // R, /bin/sh and coreutils for system(), and the dynamic loader: execve checks the
         // execute right on the ELF interpreter too, so read access to /usr is not enough.

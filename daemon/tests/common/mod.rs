@@ -318,3 +318,13 @@ pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
     f()
 }
+
+/// The package directory: the one cargo names at run time, the compile-time one only as a
+/// fallback (a shared target directory can hold a test binary that another checkout built,
+/// and cargo keeps it fresh across checkouts).
+#[allow(dead_code)]
+pub fn manifest_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
