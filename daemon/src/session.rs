@@ -269,6 +269,7 @@ impl Session {
             events,
             known_files: None,
             oom_seen,
+            deferred: None,
         };
         tokio::spawn(actor.run(rx));
         session
@@ -404,6 +405,9 @@ struct Actor {
     /// OOM kills of the session's group already accounted for (read after each cell, off the
     /// reply path; compared when a worker dies).
     oom_seen: u64,
+    /// An `Execute` admitted while the previous result waited for its reader (at most one:
+    /// admission marks the session running); run before the next command.
+    deferred: Option<Command>,
 }
 
 impl Actor {
@@ -411,6 +415,19 @@ impl Actor {
         let reason: String;
         let mut close_done: Option<oneshot::Sender<()>> = None;
         loop {
+            if let Some(Command::Execute {
+                code,
+                frames,
+                one_shot,
+            }) = self.deferred.take()
+            {
+                if let Some(end) = self.execute_cell(code, frames, one_shot, &mut cmds).await {
+                    reason = end.0;
+                    close_done = end.1;
+                    break;
+                }
+                continue;
+            }
             let idle = self.session.detached_idle.map(|d| {
                 let last = self.session.info.lock().unwrap().last_activity;
                 tokio::time::Instant::from_std(last + d)
@@ -505,7 +522,8 @@ impl Actor {
             ..Default::default()
         };
         let mut close_req: CloseRequest = None;
-        let mut client_gone = !send_or_command(&frames, started, cmds, &mut close_req).await;
+        let mut client_gone =
+            !send_or_command(&frames, started, cmds, &mut close_req, &mut self.deferred).await;
         // Output waiting for a slow client; the cell's loop keeps serving deadlines, interrupts
         // and closes meanwhile (a client that stops reading must not stall its session).
         let mut backlog: std::collections::VecDeque<(Stream, String)> =
@@ -891,7 +909,7 @@ impl Actor {
                 ..Default::default()
             };
             seq += 1;
-            if !send_or_command(&frames, f, cmds, &mut close_req).await {
+            if !send_or_command(&frames, f, cmds, &mut close_req, &mut self.deferred).await {
                 backlog.clear();
             }
         }
@@ -899,11 +917,29 @@ impl Actor {
             result: Some(result),
             ..Default::default()
         };
+        // The session is idle (or ended) before its client can see the result: a client that
+        // sends its next cell the moment the result arrives must not find the session busy.
+        // Such an Execute, arriving while the result waits for a slow reader, is kept in
+        // `deferred` and run next.
+        {
+            let mut info = self.session.info.lock().unwrap();
+            info.running_cell = None;
+            info.cells_run += 1;
+            info.last_activity = Instant::now();
+            info.state = if ending.is_some() { "ended" } else { "idle" };
+        }
         if cancelled {
             let _ = frames.try_send(result_frame);
             close_req = None;
         } else {
-            let _ = send_or_command(&frames, result_frame, cmds, &mut close_req).await;
+            let _ = send_or_command(
+                &frames,
+                result_frame,
+                cmds,
+                &mut close_req,
+                &mut self.deferred,
+            )
+            .await;
         }
         // A Close that came while a slow client held the frames: honour it now.
         if let Some((reason, done)) = close_req.take() {
@@ -911,6 +947,7 @@ impl Actor {
                 self.kill_and_reap().await;
             }
             ending = Some((reason, Some(done)));
+            self.session.info.lock().unwrap().state = "ended";
         }
         // Bookkeeping after the result is on its way.
         tracing::info!(session = %self.session.id, uid = self.session.owner.uid, cell, status = status.as_str(), wall, "cell finished");
@@ -924,13 +961,6 @@ impl Actor {
             cell,
             status,
         });
-        {
-            let mut info = self.session.info.lock().unwrap();
-            info.running_cell = None;
-            info.cells_run += 1;
-            info.last_activity = Instant::now();
-            info.state = if ending.is_some() { "ended" } else { "idle" };
-        }
         ending
     }
 
@@ -1000,12 +1030,14 @@ type CloseRequest = Option<(String, oneshot::Sender<()>)>;
 
 /// Sends `frame`, still answering commands while the client is slow to read: an interrupt is
 /// reported undelivered (the cell is over or not yet started), a Close stops the wait and is
-/// kept in `close`. Returns false when the frame was not sent.
+/// kept in `close`, an Execute (admitted once the session went idle, before its result was
+/// read) is kept in `deferred`. Returns false when the frame was not sent.
 async fn send_or_command(
     frames: &mpsc::Sender<Frame>,
     frame: Frame,
     cmds: &mut mpsc::Receiver<Command>,
     close: &mut CloseRequest,
+    deferred: &mut Option<Command>,
 ) -> bool {
     if close.is_some() {
         return false;
@@ -1029,7 +1061,8 @@ async fn send_or_command(
                     *close = Some((reason, done));
                     return false;
                 }
-                Some(Command::Execute { .. }) => {}
+                // Admitted only once the session is idle, i.e. while the result waits.
+                Some(cmd @ Command::Execute { .. }) => *deferred = Some(cmd),
                 None => {
                     *close = Some(("abandoned".into(), oneshot::channel().0));
                     return false;

@@ -81,6 +81,32 @@ async fn session_keeps_variables_and_sessions_are_isolated() {
     );
 }
 
+/// A client that sends its next cell the moment a result arrives never finds the session
+/// busy (the session goes idle before its result is visible). Four sessions at once on two
+/// cores, so that the daemon's threads race the clients.
+#[tokio::test]
+async fn back_to_back_cells_never_find_the_session_busy() {
+    let d = Daemon::start(&[]);
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let mut c = d.client().await;
+        tasks.push(tokio::spawn(async move {
+            let s = c.open("python", None, None).await.unwrap().session;
+            c.execute_collect(&s, "n = 0").await.unwrap();
+            for i in 1..=1000u32 {
+                let out = c.execute_collect(&s, "n += 1").await;
+                assert!(out.is_ok(), "cell {i}: {out:?}");
+                assert_eq!(out.unwrap().result.status, Status::Ok);
+            }
+            let out = c.execute_collect(&s, "print(n)").await.unwrap();
+            assert_eq!(out.stdout, "1000\n");
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
 #[tokio::test]
 async fn infinite_loop_times_out_and_session_survives() {
     // Fuel high enough that the wall time, not the fuel, ends the loop.
