@@ -9,7 +9,11 @@ bash scripts/setup.sh >/dev/null
 n="${1:-50}"
 
 echo "== Eryx in process (the floor)"
-"$BIN/sandcell-python-runtime" bench --dir "$SANDCELL_TEST_PYTHON_RUNTIME" --iterations "$n"
+"$BIN/sandcell-python-runtime" bench --dir "$SANDCELL_TEST_PYTHON_RUNTIME" --iterations "$n" | tee /dev/stderr \
+    | python3 -c 'import json, sys
+for k, v in sorted(json.load(sys.stdin).items()):
+    if isinstance(v, dict) and "p50_ms" in v:
+        print("%-45s p50 %.3f ms, p99 %.3f ms" % (k, v["p50_ms"], v["p99_ms"]))' || true
 
 echo "== Rscript -e 'cat(1)' start (10 runs, ms each)"
 for _ in $(seq 10); do
@@ -21,6 +25,14 @@ echo
 echo "== bare R worker (sandcell-worker-r driven directly over its pipes, no daemon)"
 cargo test "${CARGO_FLAGS[@]}" -p sandcell-worker-r --test worker -- --nocapture --exact figures 2>&1 \
     | grep -iE "ready|round trip|rss|rscript|p50|p99" || echo "(figures test not found)"
+
+echo "== confinement cost (median of 50 starts: process wall time, enter() and each layer)"
+if [[ $(id -u) -eq 0 ]]; then
+    cargo test "${CARGO_FLAGS[@]}" -p sandcell-confine --test probe bench_enter_cost -- --ignored --nocapture 2>&1 \
+        | grep -E "median|^ +[a-z_-]+ +[0-9]+ us$" || echo "(confinement bench failed)"
+else
+    echo "(skipped: the confinement bench needs root for namespaces and identity changes)"
+fi
 
 mode=()
 [[ $(id -u) -eq 0 ]] || mode=(--insecure-dev)
@@ -46,8 +58,8 @@ bench() { # label, language, extra bench args..., -- env assignments...
     rm -rf "$run"
 }
 bench "cold (no pool)" python --clients 1,2,4,16 --sessions 1,2,4 --idle-sessions 100
-bench "warm pool" python --clients 1,2,4,16 --sessions 0 --idle-sessions 0 -- \
+bench "warm pool" python --clients 1,2,4,16 --sessions 0 --idle-sessions 0 --pace-ms 50 -- \
     SANDCELL_POOL_PYTHON_MIN=4 SANDCELL_POOL_PYTHON_MAX=16 SANDCELL_POOL_REFILL_PER_SECOND=200
 bench "cold (no pool)" r --clients 1,2,4 --sessions 1,2,4 --idle-sessions 100
-bench "warm pool" r --clients 1,2,4 --sessions 0 --idle-sessions 0 -- \
+bench "warm pool" r --clients 1,2,4 --sessions 0 --idle-sessions 0 --pace-ms 400 -- \
     SANDCELL_POOL_R_MIN=4 SANDCELL_POOL_R_MAX=8 SANDCELL_POOL_REFILL_PER_SECOND=200

@@ -43,6 +43,11 @@ struct Args {
     /// Idle sessions to open for the memory figure (0 skips it).
     #[arg(long, default_value_t = 20)]
     idle_sessions: usize,
+    /// Milliseconds to wait (untimed) before each one-shot and session-open latency sample,
+    /// so that a warm pool refills between samples: with a pool, the figures are then those
+    /// of a request that finds a warm worker. 0 measures back-to-back requests.
+    #[arg(long, default_value_t = 0)]
+    pace_ms: u64,
 }
 
 fn trivial(language: &str) -> &'static str {
@@ -95,7 +100,9 @@ async fn main() -> anyhow::Result<()> {
         c.run_collect(&a.language, code, None).await?;
     }
     let mut ms = Vec::new();
+    let pace = Duration::from_millis(a.pace_ms);
     for _ in 0..a.iterations {
+        tokio::time::sleep(pace).await;
         let t = Instant::now();
         let out = c.run_collect(&a.language, code, None).await?;
         anyhow::ensure!(
@@ -111,6 +118,7 @@ async fn main() -> anyhow::Result<()> {
         format!("p50 {p50:.2} ms, p99 {p99:.2} ms"),
     ));
 
+    tokio::time::sleep(pace).await;
     let t = Instant::now();
     let s = c.open(&a.language, None, None).await?.session;
     let open_ms = t.elapsed().as_secs_f64() * 1e3;
