@@ -21,7 +21,11 @@ use std::process::ExitCode;
 
 /// Run Python and R code cells through sandcelld.
 #[derive(Debug, Parser)]
-#[command(name = "sandcellctl", version, about)]
+#[command(
+    name = "sandcellctl",
+    version,
+    about = "Run Python and R code cells through sandcelld"
+)]
 struct Args {
     /// Socket of sandcelld [env: SANDCELL_SOCKET; default /run/sandcell/org.sandcell.Kernel].
     #[arg(long, global = true, value_name = "PATH")]

@@ -524,6 +524,22 @@ impl Actor {
         let mut close_req: CloseRequest = None;
         let mut client_gone =
             !send_or_command(&frames, started, cmds, &mut close_req, &mut self.deferred).await;
+        // A session outlives a client that goes away during its cell: the cell is interrupted
+        // (killed after the grace if it ignores that) and its output dropped, and the variables
+        // stay. The session itself ends only as its owner decides: a non-detached session when
+        // its connection closes (Core::connection_closed sends a Close). A one-shot Run is killed
+        // at once instead: nothing is left to keep.
+        let keep_session = !one_shot;
+        if client_gone && close_req.is_none() && keep_session {
+            // Nobody to run it for, and it has not started: the session stays as it was.
+            let mut info = self.session.info.lock().unwrap();
+            info.running_cell = None;
+            info.state = "idle";
+            info.last_activity = Instant::now();
+            return None;
+        }
+        // The client went away and the cell was interrupted for that (`keep_session`).
+        let mut abandoned = false;
         // Output waiting for a slow client; the cell's loop keeps serving deadlines, interrupts
         // and closes meanwhile (a client that stops reading must not stall its session).
         let mut backlog: std::collections::VecDeque<(Stream, String)> =
@@ -665,7 +681,7 @@ impl Actor {
                         Some(Command::Execute { .. }) => None, // refused by Session::execute
                         None => Some(CellEnd::Cancelled(None)),
                     },
-                    permit = frames.reserve(), if !backlog.is_empty() => match permit {
+                    permit = frames.reserve(), if !backlog.is_empty() && !abandoned => match permit {
                         Ok(p) => {
                             if let Some((stream, text)) = backlog.pop_front() {
                                 p.send(Frame { output: Some(Output { cell, seq, stream, text }), ..Default::default() });
@@ -673,13 +689,16 @@ impl Actor {
                             }
                             None
                         }
-                        Err(_) => Some(CellEnd::Cancelled(None)),
+                        Err(_) => { client_gone = true; None }
                     },
-                    _ = frames.closed() => Some(CellEnd::Cancelled(None)),
+                    _ = frames.closed(), if !abandoned => { client_gone = true; None }
                     status = self.child.wait() => Some(CellEnd::WorkerGone(format!("worker exited ({})", status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string())))),
                 };
                 for (stream, text) in pending {
                     queue_output(&mut backlog, stream, text);
+                }
+                if abandoned {
+                    backlog.clear();
                 }
                 // Hand over what the channel takes now; the rest waits for the reserve branch.
                 // While the worker's next message is already buffered, read it first: output
@@ -711,8 +730,18 @@ impl Actor {
                 if let Some(end) = step {
                     break end;
                 }
-                if client_gone {
-                    break CellEnd::Cancelled(None);
+                if client_gone && !abandoned {
+                    if !keep_session {
+                        break CellEnd::Cancelled(None);
+                    }
+                    abandoned = true;
+                    backlog.clear();
+                    if phase == Phase::Running {
+                        self.signal_interrupt();
+                        phase = Phase::Interrupted;
+                        deadline = tokio::time::Instant::now() + limits.grace;
+                    }
+                    tracing::info!(session = %self.session.id, cell, "client gone during the cell: interrupting it, the session stays");
                 }
             }
         };

@@ -107,6 +107,54 @@ async fn back_to_back_cells_never_find_the_session_busy() {
     }
 }
 
+/// A client that goes away during a cell (Ctrl-C on sandcellctl) costs that cell, not the
+/// session: the cell is interrupted, and the detached session keeps its variables for the
+/// next connection. The same holds for a session used from a second connection of its owner.
+#[tokio::test]
+async fn a_client_gone_mid_cell_interrupts_the_cell_and_keeps_the_session() {
+    let d = Daemon::start(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "120")]);
+    let mut owner = d.client().await;
+    let s = owner.open("python", None, Some(300)).await.unwrap().session;
+    owner.execute_collect(&s, "x = 41").await.unwrap();
+    for round in 0..2 {
+        let mut c = d.client().await;
+        c.execute(
+            &s,
+            "import time\nprint('started', flush=True)\ntime.sleep(60)",
+        )
+        .await
+        .unwrap();
+        // Wait until the cell runs, then hang up.
+        loop {
+            let f = c.next_frame().await.unwrap();
+            if f.output.is_some() {
+                break;
+            }
+        }
+        drop(c);
+        if round == 0 {
+            drop(owner);
+            owner = d.client().await;
+        }
+        // The interrupted cell winds down; then the session takes cells again.
+        let t0 = Instant::now();
+        let out = loop {
+            match owner.execute_collect(&s, "x += 1\nprint(x)").await {
+                Err(Error::Kernel(KernelError::SessionBusy { .. }))
+                    if t0.elapsed() < Duration::from_secs(10) =>
+                {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                r => break r.unwrap(),
+            }
+        };
+        assert_eq!(out.result.status, Status::Ok, "{:?}", out.result);
+        assert_eq!(out.stdout, format!("{}\n", 42 + round));
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    }
+    assert!(d.log_text().contains("client gone during the cell"));
+}
+
 #[tokio::test]
 async fn infinite_loop_times_out_and_session_survives() {
     // Fuel high enough that the wall time, not the fuel, ends the loop.
