@@ -296,18 +296,37 @@ impl Client {
         Ok(r.file)
     }
 
-    /// Uploads the local file at `path` as `name` (by descriptor).
+    /// Uploads the local regular file at `path` as `name` (by descriptor).
+    ///
+    /// Errors: `Error::File` when `path` cannot be opened or is not a regular file (it is
+    /// opened non-blocking, so a FIFO is refused instead of waiting for a writer).
     pub async fn put_file(
         &mut self,
         session: &str,
         name: &str,
         path: impl AsRef<Path>,
     ) -> Result<FileInfo, Error> {
+        use std::os::unix::fs::OpenOptionsExt;
         let path = path.as_ref();
-        let f = std::fs::File::open(path).map_err(|source| Error::File {
-            what: format!("open {}", path.display()),
+        let what = || format!("open {}", path.display());
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(path)
+            .map_err(|source| Error::File {
+                what: what(),
+                source,
+            })?;
+        let meta = f.metadata().map_err(|source| Error::File {
+            what: what(),
             source,
         })?;
+        if !meta.is_file() {
+            return Err(Error::File {
+                what: what(),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"),
+            });
+        }
         self.put_fd(session, name, f).await
     }
 

@@ -379,6 +379,38 @@ async fn a_declared_gigabyte_is_refused_before_anything_is_read() {
     );
 }
 
+/// Uploading a local FIFO or directory is refused by the client at once (it opens the path
+/// non-blocking and checks it), instead of waiting for a writer that never comes.
+#[tokio::test]
+async fn uploading_a_fifo_or_a_directory_is_refused_at_once() {
+    let d = daemon(&[]);
+    let mut c = d.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    let dir = tempfile_dir();
+    let fifo = dir.join("fifo");
+    let cpath = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(cpath.as_ptr(), 0o600) }, 0);
+    for p in [fifo.as_path(), dir.as_path()] {
+        let t0 = Instant::now();
+        let e = tokio::time::timeout(Duration::from_secs(5), c.put_file(&s, "x", p))
+            .await
+            .expect("put_file hung");
+        assert!(matches!(e, Err(Error::File { .. })), "{p:?}: {e:?}");
+        assert!(t0.elapsed() < Duration::from_secs(1));
+    }
+    let (files, _) = c.list_files(&s).await.unwrap();
+    assert!(files.is_empty(), "{files:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn tempfile_dir() -> PathBuf {
+    let p = std::env::temp_dir().join(format!("sandcell-fifo-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&p);
+    std::fs::create_dir(&p).unwrap();
+    p
+}
+
 #[tokio::test]
 async fn big_files_go_by_descriptor_and_come_back_in_chunks() {
     let d = daemon(&[]);
