@@ -7,10 +7,14 @@ cd "$(dirname "$0")/.."
 . scripts/env.sh
 bash scripts/setup.sh >/dev/null
 n="${1:-50}"
+# Everything printed is also kept for the summary of issue 7's targets at the end.
+out=$(mktemp -d /var/tmp/sandcell-bench-out.XXXXXX)
+trap 'rm -rf "$out"' EXIT
+exec > >(tee "$out/log")
 
 echo "== Eryx in process (the floor)"
-"$BIN/sandcell-python-runtime" bench --dir "$SANDCELL_TEST_PYTHON_RUNTIME" --iterations "$n" | tee /dev/stderr \
-    | python3 -c 'import json, sys
+"$BIN/sandcell-python-runtime" bench --dir "$SANDCELL_TEST_PYTHON_RUNTIME" --iterations "$n" \
+    | tee "$out/eryx.json" | python3 -c 'import json, sys
 for k, v in sorted(json.load(sys.stdin).items()):
     if isinstance(v, dict) and "p50_ms" in v:
         print("%-45s p50 %.3f ms, p99 %.3f ms" % (k, v["p50_ms"], v["p99_ms"]))' || true
@@ -63,3 +67,6 @@ bench "warm pool" python --clients 1,2,4,16 --sessions 0 --idle-sessions 0 --pac
 bench "cold (no pool)" r --clients 1,2,4 --sessions 1,2,4 --idle-sessions 100
 bench "warm pool" r --clients 1,2,4 --sessions 0 --idle-sessions 0 --pace-ms 400 -- \
     SANDCELL_POOL_R_MIN=4 SANDCELL_POOL_R_MAX=8 SANDCELL_POOL_REFILL_PER_SECOND=200
+
+echo
+python3 scripts/bench_summary.py "$out/log" "$out/eryx.json" || echo "(summary failed)"
