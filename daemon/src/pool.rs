@@ -224,6 +224,8 @@ impl Pool {
 /// second, until the daemon stops. Holds the core weakly so it never keeps it alive.
 pub async fn run(core: Weak<Core>) {
     let mut backoff_until = Instant::now();
+    // Per language: the last refill was refused by admission (said once, not every second).
+    let mut refused = [false; 2];
     loop {
         let Some(c) = core.upgrade() else { return };
         if c.stopping() {
@@ -255,10 +257,14 @@ pub async fn run(core: Weak<Core>) {
                 {
                     Ok(p) => {
                         tracing::info!(language = lang.as_str(), session = %p.id, "warm worker ready");
+                        refused[lane(lang)] = false;
                         c.pool().push(p);
                     }
                     // No room: clients come first; try again later.
-                    Err(KernelError::CapacityExceeded { .. }) => {
+                    Err(KernelError::CapacityExceeded { budget, .. }) => {
+                        if !std::mem::replace(&mut refused[lane(lang)], true) {
+                            tracing::info!(language = lang.as_str(), idle, target, budget = %budget, "warm pool below its target: admission has no room (sessions and other pools use the budget); retrying every second");
+                        }
                         backoff_until = Instant::now() + Duration::from_secs(1)
                     }
                     Err(e) => {
