@@ -620,14 +620,14 @@ impl Actor {
                     // what follows them; a busy stream is read at once.
                     ready = ready_opt(&self.stdout), if hold[0].is_none() => {
                         match ready {
-                            true => hold[0] = Some(tokio::time::Instant::now() + if busy[0] { Duration::ZERO } else { OUTPUT_COALESCE }),
+                            true => hold[0] = Some(next_read(busy[0])),
                             false => self.stdout = None,
                         }
                         None
                     }
                     ready = ready_opt(&self.stderr), if hold[1].is_none() => {
                         match ready {
-                            true => hold[1] = Some(tokio::time::Instant::now() + if busy[1] { Duration::ZERO } else { OUTPUT_COALESCE }),
+                            true => hold[1] = Some(next_read(busy[1])),
                             false => self.stderr = None,
                         }
                         None
@@ -684,7 +684,7 @@ impl Actor {
                     permit = frames.reserve(), if !backlog.is_empty() && !abandoned => match permit {
                         Ok(p) => {
                             if let Some((stream, text)) = backlog.pop_front() {
-                                p.send(Frame { output: Some(Output { cell, seq, stream, text }), ..Default::default() });
+                                p.send(output_frame(cell, seq, stream, text));
                                 seq += 1;
                             }
                             None
@@ -694,27 +694,16 @@ impl Actor {
                     _ = frames.closed(), if !abandoned => { client_gone = true; None }
                     status = self.child.wait() => Some(CellEnd::WorkerGone(format!("worker exited ({})", status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string())))),
                 };
-                for (stream, text) in pending {
+                // Output of an abandoned cell has nobody to go to.
+                for (stream, text) in pending.into_iter().filter(|_| !abandoned) {
                     queue_output(&mut backlog, stream, text);
-                }
-                if abandoned {
-                    backlog.clear();
                 }
                 // Hand over what the channel takes now; the rest waits for the reserve branch.
                 // While the worker's next message is already buffered, read it first: output
                 // chunks merge, and a cell's last output leaves together with its result.
                 let more_buffered = step.is_none() && !client_gone && self.replies.has_line();
                 while !more_buffered && let Some((stream, text)) = backlog.pop_front() {
-                    let f = Frame {
-                        output: Some(Output {
-                            cell,
-                            seq,
-                            stream,
-                            text,
-                        }),
-                        ..Default::default()
-                    };
-                    match frames.try_send(f) {
+                    match frames.try_send(output_frame(cell, seq, stream, text)) {
                         Ok(()) => seq += 1,
                         Err(mpsc::error::TrySendError::Full(f)) => {
                             let text = f.output.map(|o| o.text).unwrap_or_default();
@@ -928,15 +917,7 @@ impl Actor {
         // them together (one write, one wake-up of the client for a short cell). A cell that was
         // cancelled (client gone, session closed) waits for nobody: it gets no more frames.
         while let Some((stream, text)) = backlog.pop_front() {
-            let f = Frame {
-                output: Some(Output {
-                    cell,
-                    seq,
-                    stream,
-                    text,
-                }),
-                ..Default::default()
-            };
+            let f = output_frame(cell, seq, stream, text);
             seq += 1;
             if !send_or_command(&frames, f, cmds, &mut close_req, &mut self.deferred).await {
                 backlog.clear();
@@ -1101,6 +1082,19 @@ async fn send_or_command(
     }
 }
 
+/// The `output` frame carrying `text` of `stream`, number `seq` of `cell`.
+fn output_frame(cell: u64, seq: u64, stream: Stream, text: String) -> Frame {
+    Frame {
+        output: Some(Output {
+            cell,
+            seq,
+            stream,
+            text,
+        }),
+        ..Default::default()
+    }
+}
+
 /// Appends output to the backlog of frames waiting for the client, merging with the last
 /// chunk of the same stream (the backlog is bounded by the output caps).
 fn queue_output(
@@ -1151,6 +1145,17 @@ const OUTPUT_COALESCE: Duration = Duration::from_millis(1);
 
 /// A read of at least this many bytes marks a raw stream busy: it is read again at once.
 const BUSY_STREAM_BYTES: usize = 16 * 1024;
+
+/// When to read a raw stream that just became readable: at once when it is busy, else after
+/// [`OUTPUT_COALESCE`].
+fn next_read(busy: bool) -> tokio::time::Instant {
+    tokio::time::Instant::now()
+        + if busy {
+            Duration::ZERO
+        } else {
+            OUTPUT_COALESCE
+        }
+}
 
 /// Reads what `rx` holds now, at most `max_reads` reads of `buf`'s size, through `cap` into
 /// `out`; closes `rx` at end of file. Returns the bytes read.
