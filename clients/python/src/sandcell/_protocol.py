@@ -1,0 +1,384 @@
+"""The Varlink protocol of ``org.sandcell.Kernel`` without any I/O (sans-IO).
+
+Both :class:`sandcell.Client` (blocking sockets) and :class:`sandcell.AsyncClient` (asyncio)
+drive the same code here:
+
+* :func:`encode_call` turns a call into bytes: one JSON object and a NUL terminator;
+* :class:`MessageReader` turns received bytes back into messages (bounded in size);
+* :func:`parse_reply` turns a message into a :class:`Reply` or raises the typed error;
+* each method is an *operation*: a generator that yields :class:`Call` (send this call and
+  give me its first reply), :data:`NEXT` (give me the next reply of the streaming call) and
+  :class:`Emit` (call this user callback with this value), and returns the method's result.
+  A driver only moves bytes and calls callbacks.
+
+Varlink (https://varlink.org): a call is ``{"method": ..., "parameters": {...}}`` with
+``"more": true`` for a streaming call; replies are ``{"parameters": {...}}``, with
+``"continues": true`` on all but the last reply of a streaming call; an error is
+``{"error": "<interface>.<Name>", "parameters": {...}}`` and ends the call. Calls on one
+connection are answered in order, one at a time.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ProtocolError, WrongNode, error_from_reply
+from .types import CellResult, FileInfo, InterruptResult, Output, Started
+
+INTERFACE = "org.sandcell.Kernel"
+#: The daemon's socket when neither an argument nor ``SANDCELL_SOCKET`` names one.
+DEFAULT_SOCKET = "/run/sandcell/org.sandcell.Kernel"
+#: Largest reply accepted, bytes. The daemon's largest is a GetFile chunk (1 MiB of data,
+#: about 1.4 MiB as base64) or a batch of output frames (256 KiB plus one frame).
+MAX_REPLY_BYTES = 16 * 1024 * 1024
+#: Largest file content sent inline (base64) with PutFile, bytes; larger content is passed
+#: as a file descriptor.
+MAX_INLINE_BYTES = 2 * 1024 * 1024
+#: Largest chunk one GetFile call returns, bytes.
+MAX_CHUNK_BYTES = 1024 * 1024
+
+
+def default_socket() -> str:
+    """``$SANDCELL_SOCKET`` if set, else ``/run/sandcell/org.sandcell.Kernel``."""
+    return os.environ.get("SANDCELL_SOCKET") or DEFAULT_SOCKET
+
+
+def encode_call(
+    method: str, parameters: dict[str, Any] | None = None, *, more: bool = False
+) -> bytes:
+    """The bytes of one Varlink call: ``method`` is the full name (``org.sandcell.Kernel.Run``)
+    or a short name of ``org.sandcell.Kernel``."""
+    if "." not in method:
+        method = f"{INTERFACE}.{method}"
+    msg: dict[str, Any] = {"method": method}
+    if parameters:
+        msg["parameters"] = parameters
+    if more:
+        msg["more"] = True
+    return json.dumps(msg, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\0"
+
+
+class MessageReader:
+    """Splits received bytes into Varlink messages (JSON objects terminated by NUL).
+
+    ``feed`` returns the complete messages so far; a message longer than ``max_bytes``, or
+    one that is not a JSON object, raises :class:`ProtocolError`.
+    """
+
+    def __init__(self, max_bytes: int = MAX_REPLY_BYTES):
+        self._buf = bytearray()
+        self._max = max_bytes
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        start = len(self._buf)
+        self._buf += data
+        while True:
+            i = self._buf.find(b"\0", start)
+            if i < 0:
+                break
+            raw = bytes(self._buf[:i])
+            del self._buf[: i + 1]
+            start = 0
+            try:
+                msg = json.loads(raw)
+            except ValueError as e:
+                raise ProtocolError(f"reply is not JSON: {e}") from None
+            if not isinstance(msg, dict):
+                raise ProtocolError("reply is not a JSON object")
+            out.append(msg)
+        if len(self._buf) > self._max:
+            raise ProtocolError(f"reply exceeds {self._max} bytes")
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete message buffered."""
+        return len(self._buf)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One reply: its ``parameters`` and whether more replies of the same call follow."""
+
+    parameters: dict[str, Any]
+    continues: bool = False
+
+
+def parse_reply(msg: dict[str, Any]) -> Reply:
+    """The reply in ``msg``; raises the typed :class:`sandcell.VarlinkError` subclass for an
+    error reply."""
+    if "error" in msg:
+        raise error_from_reply(str(msg["error"]), msg.get("parameters"))
+    params = msg.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise ProtocolError("reply parameters are not an object")
+    return Reply(params, bool(msg.get("continues")))
+
+
+# --- operations ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    """Operation step: send this call and resume with its first :class:`Reply`.
+
+    ``fds`` are file descriptors passed with the call (``SCM_RIGHTS``); the driver does not
+    close them.
+    """
+
+    method: str
+    parameters: dict[str, Any]
+    more: bool = False
+    fds: tuple[int, ...] = ()
+
+    def encode(self) -> bytes:
+        return encode_call(self.method, self.parameters, more=self.more)
+
+
+class _Next:
+    def __repr__(self) -> str:
+        return "NEXT"
+
+
+#: Operation step: resume with the next :class:`Reply` of the streaming call in progress.
+NEXT = _Next()
+
+
+@dataclass(frozen=True)
+class Emit:
+    """Operation step: call ``callback(value)`` (awaited when it returns an awaitable) and
+    resume with ``None``. An exception from the callback is thrown into the operation."""
+
+    callback: Callable[[Any], Any]
+    value: Any
+
+
+Step = Call | _Next | Emit
+Operation = Generator[Step, Any, Any]
+
+
+def op_simple(method: str, parameters: dict[str, Any]) -> Operation:
+    """One call, one reply: returns the reply's parameters."""
+    reply = yield Call(method, parameters)
+    return reply.parameters
+
+
+def op_cell(
+    method: str,
+    parameters: dict[str, Any],
+    on_output: Callable[[Output], Any] | None = None,
+    on_started: Callable[[Started], Any] | None = None,
+) -> Operation:
+    """``Run`` or ``Execute`` with ``more``: emits the started frame and every output frame
+    in order, as they arrive, and returns the :class:`CellResult`."""
+    reply = yield Call(method, parameters, more=True)
+    started: Started | None = None
+    outputs: list[Output] = []
+    while True:
+        frame = reply.parameters.get("frame")
+        if not isinstance(frame, dict):
+            raise ProtocolError("a cell reply without a frame")
+        if frame.get("started") is not None:
+            started = Started.from_dict(frame["started"])
+            if on_started is not None:
+                yield Emit(on_started, started)
+        elif frame.get("output") is not None:
+            out = Output.from_dict(frame["output"])
+            outputs.append(out)
+            if on_output is not None:
+                yield Emit(on_output, out)
+        elif frame.get("result") is not None:
+            return CellResult.from_frames(started, outputs, frame["result"])
+        if not reply.continues:
+            raise ProtocolError("the cell's stream ended before its result")
+        reply = yield NEXT
+
+
+def run_params(
+    code: str,
+    language: str,
+    environment: str | None,
+    limits: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Parameters of Run: optional ones only when given (a daemon refuses unknown ones)."""
+    p: dict[str, Any] = {"language": language, "code": code}
+    if environment is not None:
+        p["environment"] = environment
+    if limits:
+        p["limits"] = limits
+    return p
+
+
+def open_params(
+    language: str,
+    environment: str | None,
+    limits: dict[str, Any] | None,
+    detached_idle_seconds: int | None,
+) -> dict[str, Any]:
+    """Parameters of Open: optional ones only when given."""
+    p: dict[str, Any] = {"language": language}
+    if environment is not None:
+        p["environment"] = environment
+    if limits:
+        p["limits"] = limits
+    if detached_idle_seconds is not None:
+        p["detached_idle_seconds"] = int(detached_idle_seconds)
+    return p
+
+
+def op_interrupt(session: str, cell: int) -> Operation:
+    r = yield Call("Interrupt", {"session": session, "cell": int(cell)})
+    return InterruptResult(bool(r.parameters.get("delivered")), str(r.parameters.get("reason", "")))
+
+
+def op_put_inline(session: str, name: str, data: bytes) -> Operation:
+    """PutFile with the content inline (base64), at most :data:`MAX_INLINE_BYTES`."""
+    p: dict[str, Any] = {"session": session, "name": name, "size": len(data)}
+    if data:
+        p["data"] = base64.b64encode(data).decode("ascii")
+    r = yield Call("PutFile", p)
+    return FileInfo.from_dict(r.parameters["file"])
+
+
+def op_put_fd(session: str, name: str, fd: int, size: int) -> Operation:
+    """PutFile with the content a regular file passed as descriptor ``fd`` (index 0)."""
+    r = yield Call("PutFile", {"session": session, "name": name, "size": size, "fd": 0}, fds=(fd,))
+    return FileInfo.from_dict(r.parameters["file"])
+
+
+def op_get_file(session: str, name: str, max_total: int | None = None) -> Operation:
+    """GetFile in chunks of at most 1 MiB until the end (or ``max_total`` bytes)."""
+    data = bytearray()
+    while True:
+        p: dict[str, Any] = {"session": session, "name": name, "offset": len(data)}
+        if max_total is not None:
+            p["max_bytes"] = max(0, min(MAX_CHUNK_BYTES, max_total - len(data)))
+        r = yield Call("GetFile", p)
+        try:
+            chunk = base64.b64decode(r.parameters.get("data", ""), validate=True)
+        except ValueError as e:
+            raise ProtocolError(f"GetFile data is not base64: {e}") from None
+        data += chunk
+        if r.parameters.get("eof") or (max_total is not None and len(data) >= max_total):
+            return bytes(data)
+        if not chunk:
+            raise ProtocolError("GetFile returned no data before the end of the file")
+
+
+class FileList(list[FileInfo]):
+    """A session directory's entries; ``truncated`` when the daemon's listing bound (1000
+    entries, 4 levels) left some out."""
+
+    truncated: bool = False
+
+
+def op_list_files(session: str) -> Operation:
+    r = yield Call("ListFiles", {"session": session})
+    out = FileList(FileInfo.from_dict(f) for f in r.parameters.get("files") or [])
+    out.truncated = bool(r.parameters.get("truncated"))
+    return out
+
+
+# --- node-qualified session ids ------------------------------------------------------------
+
+_LOCAL_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def split_session_id(session: str) -> tuple[str | None, str]:
+    """Splits a session id into ``(node, local id)``.
+
+    A daemon's own id is 32 lowercase hex characters. A *node-qualified* id is
+    ``<node>.<local id>``: the node identifier (a machine id, host name or any name without
+    NUL; dots allowed) before the last dot. ``node`` is ``None`` for an unqualified id.
+    """
+    node, dot, local = session.rpartition(".")
+    if dot and node and _LOCAL_ID.fullmatch(local):
+        return node, local
+    return None, session
+
+
+def qualify_session_id(node: str, session: str) -> str:
+    """``<node>.<local id>``: the node-qualified form of ``session`` (idempotent)."""
+    _, local = split_session_id(session)
+    return f"{node}.{local}"
+
+
+def local_session_id(session: str, expected_node: str | None) -> str:
+    """The id to send to a daemon: a node-qualified id's local part, after checking its node
+    against ``expected_node`` (when the client knows which node it talks to).
+
+    Raises :class:`sandcell.WrongNode` when the id names another node.
+    """
+    node, local = split_session_id(session)
+    if node is not None and expected_node is not None and node != expected_node:
+        raise WrongNode(session, node, expected_node)
+    return local
+
+
+# --- put_file sources ------------------------------------------------------------------------
+
+
+def file_source(data_or_path: Any) -> tuple[str, Any]:
+    """Classifies a put_file argument: ``("bytes", b)`` for content in memory (bytes,
+    bytearray, memoryview; a str is a path), ``("path", p)`` for a path, ``("fileobj", f)``
+    for an open binary file with ``fileno()`` or ``read()``."""
+    if isinstance(data_or_path, (bytes, bytearray, memoryview)):
+        return "bytes", bytes(data_or_path)
+    if isinstance(data_or_path, (str, os.PathLike)):
+        return "path", os.fspath(data_or_path)
+    if hasattr(data_or_path, "fileno") or hasattr(data_or_path, "read"):
+        return "fileobj", data_or_path
+    raise TypeError("put_file takes bytes, a path (str or os.PathLike) or a binary file object")
+
+
+def content_fd(kind: str, value: Any) -> tuple[int | None, bytes | None, int, bool]:
+    """Prepares a put_file source: ``(fd, inline data, size, close_fd)``.
+
+    Content in memory up to 2 MiB goes inline; larger content is copied into a memfd (a
+    regular file without a name) and passed as a descriptor. A path is opened read-only
+    (``O_NOFOLLOW`` is not used: the caller names its own files) and must be a regular file.
+    """
+    import stat
+
+    if kind == "bytes":
+        if len(value) <= MAX_INLINE_BYTES:
+            return None, value, len(value), False
+        fd = os.memfd_create("sandcell-put", os.MFD_CLOEXEC)
+        try:
+            view = memoryview(value)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.lseek(fd, 0, os.SEEK_SET)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, None, len(value), True
+    if kind == "path":
+        fd = os.open(value, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        close = True
+    else:
+        try:
+            fd = value.fileno()
+            close = False
+        except (AttributeError, OSError, ValueError):
+            data = value.read()
+            return content_fd("bytes", data)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise IsADirectoryError(f"{value!r} is not a regular file") if stat.S_ISDIR(
+                st.st_mode
+            ) else OSError(f"{value!r} is not a regular file")
+    except BaseException:
+        if close:
+            os.close(fd)
+        raise
+    return fd, None, st.st_size, close

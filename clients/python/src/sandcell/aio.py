@@ -1,0 +1,398 @@
+"""The asyncio client: :class:`AsyncClient` and :class:`AsyncSession`.
+
+The same protocol code as the blocking client (``sandcell._protocol``), driven over
+non-blocking sockets. Concurrent calls each take their own connection from a pool (the
+daemon answers the calls of one connection one at a time), so ``asyncio.gather`` of many
+``run`` calls runs them side by side, up to the daemon's admission limits. A cancelled call
+closes its connection: the daemon interrupts that cell, and a session keeps its variables
+(cells travel over the pool, not over the connection that keeps the session alive).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import socket as _socket
+from collections.abc import Callable
+from typing import Any
+
+from . import _protocol as P
+from .errors import ConnectionFailed, NoSuchSession, ProtocolError, VarlinkError
+from .types import CellResult, FileInfo, InterruptResult, Limits, Output, Started, limits_dict
+
+__all__ = ["AsyncClient", "AsyncSession"]
+
+OnOutput = Callable[[Output], Any]
+OnStarted = Callable[[Started], Any]
+
+
+class _AConn:
+    """One non-blocking connection driven by the running event loop."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+        self.sock.setblocking(False)
+        self.reader = P.MessageReader()
+        self.queue: list[dict[str, Any]] = []
+        self.in_call = False
+        self.closed = False
+
+    async def connect(self) -> None:
+        try:
+            await asyncio.get_running_loop().sock_connect(self.sock, self.path)
+        except OSError as e:
+            self.close()
+            raise ConnectionFailed(e.errno, f"connecting to {self.path}: {e.strerror or e}") from e
+
+    async def _send_fds(self, data: bytes, fds: list[int]) -> int:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                return _socket.send_fds(self.sock, [data], fds)
+            except BlockingIOError:
+                fut: asyncio.Future[None] = loop.create_future()
+                loop.add_writer(self.sock.fileno(), lambda: fut.done() or fut.set_result(None))
+                try:
+                    await fut
+                finally:
+                    loop.remove_writer(self.sock.fileno())
+
+    async def send(self, call: P.Call) -> None:
+        data = call.encode()
+        loop = asyncio.get_running_loop()
+        self.in_call = True
+        try:
+            if call.fds:
+                n = await self._send_fds(data, list(call.fds))
+                if n < len(data):
+                    await loop.sock_sendall(self.sock, data[n:])
+            else:
+                await loop.sock_sendall(self.sock, data)
+        except OSError as e:
+            self.close()
+            raise ConnectionFailed(e.errno, f"sending to {self.path}: {e}") from e
+
+    async def reply(self) -> P.Reply:
+        loop = asyncio.get_running_loop()
+        while not self.queue:
+            try:
+                data = await loop.sock_recv(self.sock, 256 * 1024)
+            except OSError as e:
+                self.close()
+                raise ConnectionFailed(e.errno, f"reading from {self.path}: {e}") from e
+            if not data:
+                self.close()
+                raise ConnectionFailed(0, f"{self.path}: the daemon closed the connection")
+            try:
+                self.queue.extend(self.reader.feed(data))
+            except ProtocolError:
+                self.close()
+                raise
+        msg = self.queue.pop(0)
+        try:
+            r = P.parse_reply(msg)
+        except VarlinkError:
+            self.in_call = False
+            raise
+        if not r.continues:
+            self.in_call = False
+        return r
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close()
+
+
+async def _drive(conn: _AConn, op: P.Operation) -> Any:
+    """Runs an operation on a connection; callbacks may be coroutine functions."""
+    value: Any = None
+    try:
+        step = next(op)
+        while True:
+            if isinstance(step, P.Call):
+                await conn.send(step)
+                value = await conn.reply()
+            elif step is P.NEXT:
+                value = await conn.reply()
+            elif isinstance(step, P.Emit):
+                try:
+                    r = step.callback(step.value)
+                    if inspect.isawaitable(r):
+                        await r
+                except BaseException as e:  # thrown into the operation, which re-raises it
+                    step = op.throw(e)
+                    continue
+                value = None
+            step = op.send(value)
+    except StopIteration as done:
+        return done.value
+    finally:
+        op.close()
+
+
+class AsyncClient:
+    """An asyncio client of sandcelld's Varlink interface (``org.sandcell.Kernel``).
+
+    The same methods as :class:`sandcell.Client`, as coroutines. Use ``async with
+    AsyncClient() as c:`` (connects at once and fails early with
+    :class:`sandcell.ConnectionFailed`) or call :meth:`aclose` when done. Belongs to one event
+    loop. ``on_output`` callbacks may be plain functions or coroutine functions.
+
+    Args:
+        socket: the daemon's socket path; default ``$SANDCELL_SOCKET``, else
+            ``/run/sandcell/org.sandcell.Kernel``.
+        node: the node identifier of this socket's daemon, if known (see
+            :class:`sandcell.Client`).
+        max_idle: idle connections kept for reuse.
+    """
+
+    def __init__(self, socket: str | os.PathLike[str] | None = None, *, node: str | None = None,
+                 max_idle: int = 16):
+        self.socket = os.fspath(socket) if socket is not None else P.default_socket()
+        self.node = node
+        self.max_idle = max_idle
+        self._idle: list[_AConn] = []
+        self._closed = False
+
+    async def _connect(self) -> _AConn:
+        c = _AConn(self.socket)
+        await c.connect()
+        return c
+
+    async def _acquire(self) -> _AConn:
+        if self._closed:
+            raise ConnectionFailed(0, "the client is closed")
+        while self._idle:
+            c = self._idle.pop()
+            if not c.closed:
+                return c
+        return await self._connect()
+
+    def _release(self, conn: _AConn) -> None:
+        if conn.closed or conn.in_call or conn.queue or conn.reader.pending:
+            conn.close()
+        elif self._closed or len(self._idle) >= self.max_idle:
+            conn.close()
+        else:
+            self._idle.append(conn)
+
+    async def _call(self, op: P.Operation) -> Any:
+        conn = await self._acquire()
+        try:
+            return await _drive(conn, op)
+        finally:
+            self._release(conn)
+
+    async def __aenter__(self) -> AsyncClient:
+        self._release(await self._connect())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Closes every idle connection; later calls raise :class:`ConnectionFailed`."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
+
+    async def run(
+        self,
+        code: str,
+        language: str = "python",
+        environment: str | None = None,
+        limits: Limits | dict[str, Any] | None = None,
+        on_output: OnOutput | None = None,
+        *,
+        on_started: OnStarted | None = None,
+    ) -> CellResult:
+        """Runs ``code`` in a fresh sandbox (one-shot ``Run``); see
+        :meth:`sandcell.Client.run` for arguments, result and errors."""
+        params = P.run_params(code, language, environment, limits_dict(limits))
+        return await self._call(P.op_cell("Run", params, on_output, on_started))
+
+    def session(
+        self,
+        language: str = "python",
+        environment: str | None = None,
+        detached_idle_seconds: int | None = None,
+        limits: Limits | dict[str, Any] | None = None,
+    ) -> _Opening:
+        """Opens a persistent session: ``s = await client.session()`` or ``async with
+        client.session() as s:`` (closed at the end). See :meth:`sandcell.Client.session`."""
+        return _Opening(self, language, environment, detached_idle_seconds, limits)
+
+    async def _open(self, language: str, environment: str | None,
+                    detached_idle_seconds: int | None,
+                    limits: Limits | dict[str, Any] | None) -> AsyncSession:
+        owner = await self._connect()
+        try:
+            params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds)
+            r = await _drive(owner, P.op_simple("Open", params))
+        except BaseException:
+            owner.close()
+            raise
+        return AsyncSession(self, r["session"], r.get("engine", ""), language, owner,
+                            detached=detached_idle_seconds is not None)
+
+    def session_by_id(self, session: str, language: str = "") -> AsyncSession:
+        """An :class:`AsyncSession` for an existing session of the same user, by id (may be
+        node-qualified); see :meth:`sandcell.Client.session_by_id`."""
+        P.local_session_id(session, self.node)
+        return AsyncSession(self, session, "", language, None, detached=True)
+
+    async def interrupt(self, session: str, cell: int) -> InterruptResult:
+        """Interrupts cell ``cell`` of ``session``; see :meth:`sandcell.Client.interrupt`."""
+        return await self._call(P.op_interrupt(P.local_session_id(session, self.node), cell))
+
+    async def close_session(self, session: str) -> None:
+        """Ends a session by id."""
+        await self._call(
+            P.op_simple("Close", {"session": P.local_session_id(session, self.node)})
+        )
+
+    async def info(self) -> dict[str, Any]:
+        """``org.varlink.service.GetInfo``."""
+        return await self._call(P.op_simple("org.varlink.service.GetInfo", {}))
+
+    async def interface_description(self, interface: str = P.INTERFACE) -> str:
+        """The running daemon's IDL of ``interface``."""
+        r = await self._call(
+            P.op_simple("org.varlink.service.GetInterfaceDescription", {"interface": interface})
+        )
+        return str(r.get("description", ""))
+
+    async def list_environments(self) -> Any:
+        """The daemon's named environments; :class:`MethodNotFound` on a daemon without."""
+        r = await self._call(P.op_simple("ListEnvironments", {}))
+        return r.get("environments", r)
+
+
+class _Opening:
+    """``client.session(...)``: awaitable, and an async context manager that closes the
+    session at its end."""
+
+    def __init__(self, client: AsyncClient, *args: Any):
+        self._client = client
+        self._args = args
+        self._session: AsyncSession | None = None
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        return self._client._open(*self._args).__await__()
+
+    async def __aenter__(self) -> AsyncSession:
+        self._session = await self._client._open(*self._args)
+        return self._session
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class AsyncSession:
+    """A persistent session of an :class:`AsyncClient`; the methods of
+    :class:`sandcell.Session` as coroutines."""
+
+    def __init__(self, client: AsyncClient, session_id: str, engine: str, language: str,
+                 owner: _AConn | None, *, detached: bool):
+        self.client = client
+        self.id = session_id
+        self.engine = engine
+        self.language = language
+        self.detached = detached
+        self.last_cell: int | None = None
+        self._owner = owner
+        self._local = P.local_session_id(session_id, client.node)
+        self._running = False
+        self._started = asyncio.Event()
+        self._closed = False
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"<sandcell.AsyncSession {self.id} {self.language} {self.engine!r}>"
+
+    async def execute(
+        self, code: str, on_output: OnOutput | None = None, *, on_started: OnStarted | None = None
+    ) -> CellResult:
+        """Runs a cell in this session; see :meth:`sandcell.Session.execute`."""
+
+        async def started(s: Started) -> None:
+            self.last_cell = s.cell
+            self._started.set()
+            if on_started is not None:
+                r = on_started(s)
+                if inspect.isawaitable(r):
+                    await r
+
+        self._started.clear()
+        self._running = True
+        try:
+            return await self.client._call(
+                P.op_cell("Execute", {"session": self._local, "code": code}, on_output, started)
+            )
+        finally:
+            self._running = False
+
+    async def interrupt(self, cell: int | None = None, wait_seconds: float = 5.0) -> InterruptResult:
+        """Interrupts the running cell (or cell ``cell``) from another task."""
+        if cell is None:
+            if self._running:
+                try:
+                    await asyncio.wait_for(self._started.wait(), wait_seconds)
+                except asyncio.TimeoutError:
+                    pass
+            if self.last_cell is None:
+                return InterruptResult(False, "no cell has run in this session")
+            cell = self.last_cell
+        return await self.client._call(P.op_interrupt(self._local, cell))
+
+    async def put_file(self, name: str, data_or_path: Any) -> FileInfo:
+        """Stores a file in the session directory; see :meth:`sandcell.Session.put_file`."""
+        kind, value = P.file_source(data_or_path)
+        fd, inline, size, close = P.content_fd(kind, value)
+        try:
+            if fd is None:
+                return await self.client._call(P.op_put_inline(self._local, name, inline or b""))
+            return await self.client._call(P.op_put_fd(self._local, name, fd, size))
+        finally:
+            if close and fd is not None:
+                os.close(fd)
+
+    async def get_file(self, name: str) -> bytes:
+        """The content of a regular file of the session directory."""
+        return await self.client._call(P.op_get_file(self._local, name))
+
+    async def list_files(self) -> P.FileList:
+        """The session directory's entries."""
+        return await self.client._call(P.op_list_files(self._local))
+
+    async def delete_file(self, name: str) -> None:
+        """Removes a file, symlink or empty directory."""
+        await self.client._call(
+            P.op_simple("DeleteFile", {"session": self._local, "name": name})
+        )
+
+    async def close(self) -> None:
+        """Ends the session (idempotent; a session already gone is not an error)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._owner is not None and not self._owner.closed:
+                await _drive(self._owner, P.op_simple("Close", {"session": self._local}))
+            else:
+                await self.client._call(P.op_simple("Close", {"session": self._local}))
+        except (NoSuchSession, ConnectionFailed):
+            pass
+        finally:
+            if self._owner is not None:
+                self._owner.close()

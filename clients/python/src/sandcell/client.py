@@ -1,0 +1,418 @@
+"""The blocking client: :class:`Client` and its :class:`Session`.
+
+A :class:`Client` keeps a small pool of connections to the daemon's socket, so that it may
+be shared by threads: each call takes an idle connection (or opens one) and gives it back
+when its last reply is in. A :class:`Session` is opened on a connection of its own that
+stays idle and keeps the session alive (a session that is not detached ends when that
+connection closes); its cells and files travel over the pool. So a cell abandoned half-way
+(an exception in ``on_output``, ``KeyboardInterrupt``) costs that cell only: its connection
+is closed, the daemon interrupts the cell, and the session keeps its variables.
+"""
+
+from __future__ import annotations
+
+import os
+import socket as _socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from . import _protocol as P
+from .errors import ConnectionFailed, NoSuchSession, ProtocolError, VarlinkError
+from .types import CellResult, FileInfo, InterruptResult, Limits, Output, Started, limits_dict
+
+__all__ = ["Client", "Session"]
+
+OnOutput = Callable[[Output], Any]
+OnStarted = Callable[[Started], Any]
+
+
+class _Conn:
+    """One blocking connection: sends calls, reads replies, knows whether a call is open."""
+
+    def __init__(self, path: str, timeout: float | None):
+        self.path = path
+        self.sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(path)
+        except OSError as e:
+            self.sock.close()
+            raise ConnectionFailed(e.errno, f"connecting to {path}: {e.strerror or e}") from e
+        self.reader = P.MessageReader()
+        self.queue: list[dict[str, Any]] = []
+        self.in_call = False
+        self.closed = False
+
+    def send(self, call: P.Call) -> None:
+        data = call.encode()
+        self.in_call = True
+        try:
+            if call.fds:
+                # The descriptors travel with the first bytes of the message.
+                n = _socket.send_fds(self.sock, [data], list(call.fds))
+                if n < len(data):
+                    self.sock.sendall(data[n:])
+            else:
+                self.sock.sendall(data)
+        except OSError as e:
+            self.close()
+            raise ConnectionFailed(e.errno, f"sending to {self.path}: {e}") from e
+
+    def reply(self) -> P.Reply:
+        while not self.queue:
+            try:
+                data = self.sock.recv(256 * 1024)
+            except OSError as e:
+                self.close()
+                raise ConnectionFailed(e.errno, f"reading from {self.path}: {e}") from e
+            if not data:
+                self.close()
+                raise ConnectionFailed(0, f"{self.path}: the daemon closed the connection")
+            try:
+                self.queue.extend(self.reader.feed(data))
+            except ProtocolError:
+                self.close()
+                raise
+        msg = self.queue.pop(0)
+        try:
+            r = P.parse_reply(msg)
+        except VarlinkError:
+            self.in_call = False
+            raise
+        if not r.continues:
+            self.in_call = False
+        return r
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close()
+
+
+def _drive(conn: _Conn, op: P.Operation) -> Any:
+    """Runs an operation on a connection."""
+    value: Any = None
+    try:
+        step = next(op)
+        while True:
+            if isinstance(step, P.Call):
+                conn.send(step)
+                value = conn.reply()
+            elif step is P.NEXT:
+                value = conn.reply()
+            elif isinstance(step, P.Emit):
+                try:
+                    step.callback(step.value)
+                except BaseException as e:  # thrown into the operation, which re-raises it
+                    step = op.throw(e)
+                    continue
+                value = None
+            step = op.send(value)
+    except StopIteration as done:
+        return done.value
+    finally:
+        op.close()
+
+
+class Client:
+    """A blocking client of sandcelld's Varlink interface (``org.sandcell.Kernel``).
+
+    Args:
+        socket: the daemon's socket path; default ``$SANDCELL_SOCKET``, else
+            ``/run/sandcell/org.sandcell.Kernel``.
+        timeout: seconds a connect, send or receive may block; ``None`` (the default) waits
+            as long as the cell's own wall-time limit makes the daemon wait.
+        node: the node identifier of this socket's daemon, if known. A node-qualified
+            session id (``<node>.<id>``) of another node is then refused locally with
+            :class:`sandcell.WrongNode` instead of reaching the wrong daemon.
+
+    Raises :class:`sandcell.ConnectionFailed` when the socket cannot be reached. Usable as a
+    context manager; :meth:`close` closes every connection (sessions that are not detached
+    end with them). Safe to share between threads.
+    """
+
+    def __init__(
+        self, socket: str | os.PathLike[str] | None = None, *, timeout: float | None = None,
+        node: str | None = None,
+    ):
+        self.socket = os.fspath(socket) if socket is not None else P.default_socket()
+        self.timeout = timeout
+        self.node = node
+        self._idle: list[_Conn] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._release(self._connect())  # fail early when the socket is unreachable
+
+    # -- connections ------------------------------------------------------------------------
+
+    def _connect(self) -> _Conn:
+        return _Conn(self.socket, self.timeout)
+
+    def _acquire(self) -> _Conn:
+        with self._lock:
+            if self._closed:
+                raise ConnectionFailed(0, "the client is closed")
+            while self._idle:
+                c = self._idle.pop()
+                if not c.closed:
+                    return c
+        return self._connect()
+
+    def _release(self, conn: _Conn) -> None:
+        # A connection left in the middle of a call (a cell abandoned half-way) is closed:
+        # the daemon then interrupts that cell.
+        if conn.closed or conn.in_call or conn.queue or conn.reader.pending:
+            conn.close()
+            return
+        with self._lock:
+            if self._closed or len(self._idle) >= 8:
+                conn.close()
+            else:
+                self._idle.append(conn)
+
+    def _call(self, op: P.Operation) -> Any:
+        conn = self._acquire()
+        try:
+            return _drive(conn, op)
+        finally:
+            self._release(conn)
+
+    def close(self) -> None:
+        """Closes every idle connection; later calls raise :class:`ConnectionFailed`."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- methods ----------------------------------------------------------------------------
+
+    def run(
+        self,
+        code: str,
+        language: str = "python",
+        environment: str | None = None,
+        limits: Limits | dict[str, Any] | None = None,
+        on_output: OnOutput | None = None,
+        *,
+        on_started: OnStarted | None = None,
+    ) -> CellResult:
+        """Runs ``code`` in a fresh sandbox that is discarded afterwards (one-shot ``Run``).
+
+        Args:
+            code: the cell's source (UTF-8; at most the daemon's ``max_source_bytes``).
+            language: ``"python"`` or ``"r"`` (those the daemon serves).
+            environment: a named environment of the daemon (sent only when given).
+            limits: lowerings of the operator's limits (:class:`sandcell.Limits`).
+            on_output: called with each :class:`sandcell.Output` frame, live and in order.
+                An exception it raises abandons the cell and propagates.
+            on_started: called with the :class:`sandcell.Started` frame (session, cell).
+
+        Returns the :class:`sandcell.CellResult`; a cell that raised is a result with
+        ``status == "error"``, not an exception. Raises the daemon's refusals as typed
+        exceptions: :class:`CapacityExceeded`, :class:`LimitExceeded`,
+        :class:`UnsupportedLanguage`, :class:`InvalidParameter`, :class:`WorkerFailed`, ...
+        """
+        params = P.run_params(code, language, environment, limits_dict(limits))
+        return self._call(P.op_cell("Run", params, on_output, on_started))
+
+    def session(
+        self,
+        language: str = "python",
+        environment: str | None = None,
+        detached_idle_seconds: int | None = None,
+        limits: Limits | dict[str, Any] | None = None,
+    ) -> Session:
+        """Opens a persistent session (``Open``): one interpreter whose variables persist
+        across cells. Use it as a context manager, or call :meth:`Session.close`.
+
+        Args:
+            detached_idle_seconds: when set, the session survives this client (it is not
+                tied to a connection) and ends after that many seconds without a cell.
+
+        Raises :class:`CapacityExceeded`, :class:`UnsupportedLanguage`,
+        :class:`LimitExceeded`, :class:`WorkerFailed`, ...
+        """
+        owner = self._connect()
+        try:
+            params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds)
+            r = _drive(owner, P.op_simple("Open", params))
+        except BaseException:
+            owner.close()
+            raise
+        return Session(self, r["session"], r.get("engine", ""), language, owner,
+                       detached=detached_idle_seconds is not None)
+
+    def session_by_id(self, session: str, language: str = "") -> Session:
+        """A :class:`Session` for an existing session of the same user, by id (for example a
+        detached one opened by another process). The id may be node-qualified
+        (``<node>.<id>``). Nothing is checked until the first call
+        (:class:`NoSuchSession` then); :meth:`Session.close` ends the session.
+        """
+        P.local_session_id(session, self.node)
+        return Session(self, session, "", language, None, detached=True)
+
+    def interrupt(self, session: str, cell: int) -> InterruptResult:
+        """Interrupts cell ``cell`` of ``session`` (any session of the same user). The
+        session keeps its variables. ``delivered`` is False, with a reason, when that cell is
+        not running."""
+        return self._call(P.op_interrupt(P.local_session_id(session, self.node), cell))
+
+    def close_session(self, session: str) -> None:
+        """Ends a session by id: its worker and everything it started are killed."""
+        self._call(P.op_simple("Close", {"session": P.local_session_id(session, self.node)}))
+
+    def info(self) -> dict[str, Any]:
+        """The daemon's ``org.varlink.service.GetInfo``: vendor, product, version,
+        interfaces."""
+        return self._call(P.op_simple("org.varlink.service.GetInfo", {}))
+
+    def interface_description(self, interface: str = P.INTERFACE) -> str:
+        """The running daemon's IDL of ``interface`` (``GetInterfaceDescription``)."""
+        r = self._call(
+            P.op_simple("org.varlink.service.GetInterfaceDescription", {"interface": interface})
+        )
+        return str(r.get("description", ""))
+
+    def list_environments(self) -> Any:
+        """The daemon's named environments (``ListEnvironments``), as the daemon reports
+        them. Raises :class:`MethodNotFound` on a daemon without environments."""
+        r = self._call(P.op_simple("ListEnvironments", {}))
+        return r.get("environments", r)
+
+
+class Session:
+    """A persistent session: cells share one interpreter and one directory.
+
+    Attributes:
+        id: the session id as the daemon gave it (may be node-qualified).
+        engine: the interpreter's description, e.g. ``"eryx 0.10.1"``.
+        language: the language it was opened with.
+        detached: True when it does not end with this client.
+        last_cell: the number of the last cell started, or ``None``.
+    """
+
+    def __init__(self, client: Client, session_id: str, engine: str, language: str,
+                 owner: _Conn | None, *, detached: bool):
+        self.client = client
+        self.id = session_id
+        self.engine = engine
+        self.language = language
+        self.detached = detached
+        self.last_cell: int | None = None
+        self._owner = owner
+        self._local = P.local_session_id(session_id, client.node)
+        self._running = threading.Event()
+        self._started = threading.Event()
+        self._closed = False
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<sandcell.Session {self.id} {self.language} {self.engine!r}>"
+
+    def execute(
+        self, code: str, on_output: OnOutput | None = None, *, on_started: OnStarted | None = None
+    ) -> CellResult:
+        """Runs a cell in this session; its variables persist for the next cell.
+
+        ``on_output`` is called with each :class:`sandcell.Output` frame, live and in order.
+        Returns the :class:`sandcell.CellResult` (a cell that raised has ``status ==
+        "error"``). Raises :class:`NoSuchSession` (closed or expired), :class:`SessionBusy`
+        (a cell of another caller is running), :class:`LimitExceeded`, ...
+        """
+
+        def started(s: Started) -> None:
+            self.last_cell = s.cell
+            self._started.set()
+            if on_started is not None:
+                on_started(s)
+
+        self._started.clear()
+        self._running.set()
+        try:
+            return self.client._call(
+                P.op_cell("Execute", {"session": self._local, "code": code}, on_output, started)
+            )
+        finally:
+            self._running.clear()
+
+    def interrupt(self, cell: int | None = None, wait_seconds: float = 5.0) -> InterruptResult:
+        """Interrupts the running cell (or cell ``cell``); for use from another thread while
+        :meth:`execute` runs. Without ``cell``, waits up to ``wait_seconds`` for the running
+        cell's number. The session keeps its variables."""
+        if cell is None:
+            if self._running.is_set():
+                self._started.wait(wait_seconds)
+            if self.last_cell is None:
+                return InterruptResult(False, "no cell has run in this session")
+            cell = self.last_cell
+        return self.client._call(P.op_interrupt(self._local, cell))
+
+    def put_file(self, name: str, data_or_path: Any) -> FileInfo:
+        """Stores a file in the session directory (mode 0600), replacing a regular file of
+        that name atomically.
+
+        ``data_or_path`` is the content (bytes; up to 2 MiB sent inline, larger through a
+        memfd descriptor), a path (str or ``os.PathLike``: the file is opened here and its
+        descriptor passed to the daemon, so it is never read into memory), or an open binary
+        file (its descriptor is passed). Returns the stored file's :class:`FileInfo`.
+
+        Raises :class:`LimitExceeded` (``max_file_bytes``, ``max_session_files_bytes``),
+        :class:`InvalidFileName`, :class:`NotRegularFile`, :class:`SessionBusy`,
+        :class:`NoSuchSession`; ``OSError`` when the local file cannot be opened.
+        """
+        kind, value = P.file_source(data_or_path)
+        fd, inline, size, close = P.content_fd(kind, value)
+        try:
+            if fd is None:
+                return self.client._call(P.op_put_inline(self._local, name, inline or b""))
+            return self.client._call(P.op_put_fd(self._local, name, fd, size))
+        finally:
+            if close and fd is not None:
+                os.close(fd)
+
+    def get_file(self, name: str) -> bytes:
+        """The content of a regular file of the session directory (read in 1 MiB chunks).
+
+        Raises :class:`NoSuchFile`, :class:`NotRegularFile` (a directory, symlink or special
+        file), :class:`InvalidFileName`, :class:`NoSuchSession`."""
+        return self.client._call(P.op_get_file(self._local, name))
+
+    def list_files(self) -> P.FileList:
+        """The session directory's entries (lstat, never followed; at most 1000 entries,
+        4 levels deep; ``.truncated`` when some were left out)."""
+        return self.client._call(P.op_list_files(self._local))
+
+    def delete_file(self, name: str) -> None:
+        """Removes a file, symlink (the link itself) or empty directory."""
+        self.client._call(P.op_simple("DeleteFile", {"session": self._local, "name": name}))
+
+    def close(self) -> None:
+        """Ends the session: its worker and everything it started are killed and reaped.
+        Idempotent; a session that is already gone is not an error."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._owner is not None and not self._owner.closed:
+                _drive(self._owner, P.op_simple("Close", {"session": self._local}))
+            else:
+                self.client._call(P.op_simple("Close", {"session": self._local}))
+        except (NoSuchSession, ConnectionFailed):
+            # NoSuchSession: it already ended (expired, crashed, closed elsewhere).
+            pass
+        finally:
+            if self._owner is not None:
+                self._owner.close()

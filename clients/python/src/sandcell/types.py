@@ -1,0 +1,288 @@
+"""Value types of the ``org.sandcell.Kernel`` interface, as Python dataclasses.
+
+Sizes are in bytes, times in seconds, as on the wire. Each type has ``from_dict`` (the wire
+shape in) and, where a client sends it, ``to_dict`` (the wire shape out, optional fields left
+out when ``None``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Limits",
+    "Started",
+    "Output",
+    "StreamStats",
+    "CellError",
+    "Usage",
+    "FileInfo",
+    "CellResult",
+    "InterruptResult",
+    "STATUSES",
+]
+
+#: Every status a cell can end with (``CellResult.status``).
+STATUSES = (
+    "ok",
+    "error",
+    "interrupted",
+    "timeout",
+    "fuel_exhausted",
+    "memory_exhausted",
+    "oom",
+    "exited",
+    "worker_crashed",
+    "cancelled",
+)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-session limits a client may ask for; each may only lower the operator's limit
+    (a higher value is refused with :class:`sandcell.LimitExceeded`).
+
+    Attributes:
+        wall_time_seconds: wall-time limit of one cell, seconds.
+        fuel: WebAssembly fuel budget of one cell (Python only).
+        guest_memory_bytes: interpreter memory limit (Python: Eryx guest memory), bytes.
+        stdout_bytes: stdout bytes kept per cell; the rest is counted and dropped.
+        stderr_bytes: stderr bytes kept per cell; the rest is counted and dropped.
+    """
+
+    wall_time_seconds: float | None = None
+    fuel: int | None = None
+    guest_memory_bytes: int | None = None
+    stdout_bytes: int | None = None
+    stderr_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def limits_dict(limits: Limits | dict[str, Any] | None) -> dict[str, Any] | None:
+    """The wire form of ``limits`` (a :class:`Limits` or a plain dict), ``None`` for none."""
+    if limits is None:
+        return None
+    if isinstance(limits, Limits):
+        return limits.to_dict()
+    return {k: v for k, v in dict(limits).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Started:
+    """First frame of a running cell: its session id and cell number (for interrupt)."""
+
+    session: str
+    cell: int
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Started:
+        return cls(session=d["session"], cell=int(d["cell"]))
+
+
+@dataclass(frozen=True)
+class Output:
+    """A chunk of a cell's output, as it arrived.
+
+    Attributes:
+        cell: the cell number.
+        seq: frame sequence number within the cell, from 0.
+        stream: ``"stdout"`` or ``"stderr"``.
+        text: the chunk; bytes that are not UTF-8 appear as ``\\xNN``.
+    """
+
+    cell: int
+    seq: int
+    stream: str
+    text: str
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Output:
+        return cls(cell=int(d["cell"]), seq=int(d["seq"]), stream=d["stream"], text=d["text"])
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    """Output accounting of one stream of one cell, in bytes of the original output:
+    ``seen`` produced, ``kept`` delivered, ``truncated`` when seen > kept."""
+
+    seen: int = 0
+    kept: int = 0
+    truncated: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> StreamStats:
+        d = d or {}
+        return cls(
+            seen=int(d.get("seen", 0)), kept=int(d.get("kept", 0)), truncated=bool(d.get("truncated"))
+        )
+
+
+@dataclass(frozen=True)
+class CellError:
+    """An error raised by the cell's code.
+
+    Attributes:
+        type: exception class (Python) or condition class (R).
+        message: the error message.
+        traceback: the traceback, with the cell's own line numbers, or ``None``.
+        line: the failing line of the cell, from 1, or ``None``.
+        call: the failing call (R), or ``None``.
+    """
+
+    type: str
+    message: str
+    traceback: str | None = None
+    line: int | None = None
+    call: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> CellError | None:
+        if not d:
+            return None
+        return cls(
+            type=d.get("type", ""),
+            message=d.get("message", ""),
+            traceback=d.get("traceback"),
+            line=d.get("line"),
+            call=d.get("call"),
+        )
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Resource use of one cell: ``wall_seconds``, ``cpu_seconds``, ``peak_memory_bytes``
+    and ``fuel`` (Python); those the worker could not measure are ``None``."""
+
+    wall_seconds: float = 0.0
+    cpu_seconds: float | None = None
+    peak_memory_bytes: int | None = None
+    fuel: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Usage:
+        d = d or {}
+        return cls(
+            wall_seconds=float(d.get("wall_seconds", 0.0)),
+            cpu_seconds=d.get("cpu_seconds"),
+            peak_memory_bytes=d.get("peak_memory_bytes"),
+            fuel=d.get("fuel"),
+        )
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One entry of a session directory, as lstat sees it (a symlink is never followed).
+
+    Attributes:
+        name: path relative to the session directory, ``/``-separated.
+        size: bytes (of the link itself for a symlink; 0 for a directory or special file).
+        media_type: guessed from the name's extension, e.g. ``image/png``.
+        kind: ``file``, ``dir``, ``symlink`` or ``special``.
+        modified: last modification, seconds since the Unix epoch.
+    """
+
+    name: str
+    size: int
+    media_type: str
+    kind: str
+    modified: float
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> FileInfo:
+        return cls(
+            name=d["name"],
+            size=int(d.get("size", 0)),
+            media_type=d.get("media_type", "application/octet-stream"),
+            kind=d.get("kind", "file"),
+            modified=float(d.get("modified", 0.0)),
+        )
+
+
+@dataclass
+class CellResult:
+    """How a cell ended, with the output the client collected.
+
+    Attributes:
+        status: one of :data:`STATUSES` (``ok``, ``error``, ``interrupted``, ``timeout``,
+            ``fuel_exhausted``, ``memory_exhausted``, ``oom``, ``exited``,
+            ``worker_crashed``, ``cancelled``).
+        stdout: the kept stdout text, concatenated in order.
+        stderr: the kept stderr text.
+        error: the error the cell's code raised, or ``None``.
+        usage: resource use (seconds, bytes).
+        files: files created or changed by the cell in the session directory.
+        stdout_stats, stderr_stats: bytes seen and kept, and whether output was dropped.
+        outputs: every output frame in arrival order (stdout and stderr interleaved).
+        session: the session id (for a one-shot run, the id of its discarded sandbox).
+        cell: the cell number.
+        exit_code: the exit code when the cell ended the interpreter (``exited``).
+        state: what became of the session's variables: ``kept``, ``restored``, ``lost`` or
+            ``none`` (one-shot run).
+        session_ended: the session ended with this cell.
+        warnings: the daemon's warnings about this cell (e.g. why the session ended).
+        raw: the result as the daemon sent it.
+    """
+
+    status: str
+    stdout: str = ""
+    stderr: str = ""
+    error: CellError | None = None
+    usage: Usage = field(default_factory=Usage)
+    files: list[FileInfo] = field(default_factory=list)
+    stdout_stats: StreamStats = field(default_factory=StreamStats)
+    stderr_stats: StreamStats = field(default_factory=StreamStats)
+    outputs: list[Output] = field(default_factory=list)
+    session: str = ""
+    cell: int = 0
+    exit_code: int | None = None
+    state: str = "none"
+    session_ended: bool = False
+    warnings: list[str] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        """True when the cell ran to its end without an error."""
+        return self.status == "ok"
+
+    @property
+    def truncated(self) -> bool:
+        """True when output of either stream was dropped at the daemon's cap."""
+        return self.stdout_stats.truncated or self.stderr_stats.truncated
+
+    @classmethod
+    def from_frames(
+        cls, started: Started | None, outputs: list[Output], result: dict[str, Any]
+    ) -> CellResult:
+        """Builds the result from a cell's frames: ``started``, the outputs in order and the
+        final ``result`` dict."""
+        return cls(
+            status=result.get("status", ""),
+            stdout="".join(o.text for o in outputs if o.stream == "stdout"),
+            stderr="".join(o.text for o in outputs if o.stream == "stderr"),
+            error=CellError.from_dict(result.get("error")),
+            usage=Usage.from_dict(result.get("usage")),
+            files=[FileInfo.from_dict(f) for f in result.get("files") or []],
+            stdout_stats=StreamStats.from_dict(result.get("stdout")),
+            stderr_stats=StreamStats.from_dict(result.get("stderr")),
+            outputs=list(outputs),
+            session=started.session if started else "",
+            cell=int(result.get("cell", started.cell if started else 0)),
+            exit_code=result.get("exit_code"),
+            state=result.get("state", "none"),
+            session_ended=bool(result.get("session_ended")),
+            warnings=list(result.get("warnings") or []),
+            raw=result,
+        )
+
+
+@dataclass(frozen=True)
+class InterruptResult:
+    """Answer to an interrupt: ``delivered`` is False, with a ``reason``, when the cell was
+    not running (finished, not started, or another cell)."""
+
+    delivered: bool
+    reason: str = ""

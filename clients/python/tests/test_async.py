@@ -1,0 +1,123 @@
+"""The asyncio client against a real sandcelld: 16 concurrent calls, sessions, files,
+interrupts and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import sandcell
+
+
+def arun(coro):
+    return asyncio.run(coro)
+
+
+def test_sixteen_concurrent_runs(socket_path):
+    async def main():
+        async with sandcell.AsyncClient(socket_path) as c:
+            order: dict[int, list[int]] = {i: [] for i in range(16)}
+
+            async def one(i):
+                code = f"for k in range(3):\n    print({i}, k)\n"
+                return await c.run(code, on_output=lambda o: order[i].append(o.seq))
+
+            t0 = time.monotonic()
+            results = await asyncio.gather(*(one(i) for i in range(16)))
+            return results, order, time.monotonic() - t0
+
+    results, order, wall = arun(main())
+    assert [r.status for r in results] == ["ok"] * 16, [(r.status, r.warnings) for r in results]
+    for i, r in enumerate(results):
+        assert r.stdout == "".join(f"{i} {k}\n" for k in range(3))
+        assert order[i] == sorted(order[i])
+    assert len({r.session for r in results}) == 16  # a fresh sandbox each
+    print(f"16 concurrent one-shot runs: {wall:.2f} s wall")
+
+
+def test_sixteen_concurrent_cells_across_sessions(socket_path):
+    async def main():
+        async with sandcell.AsyncClient(socket_path) as c:
+            async with c.session("python") as a, c.session("r") as b:
+                await a.execute("n = 0")
+                await b.execute("n <- 100")
+
+                async def py(i):
+                    return await a.execute(f"print({i})")
+
+                async def r(i):
+                    return await b.execute(f"cat({i})")
+
+                # Cells of one session run one at a time: the daemon refuses a second one
+                # (SessionBusy); run them in sequence per session, both sessions side by side.
+                async def chain(f):
+                    out = []
+                    for i in range(8):
+                        out.append(await f(i))
+                    return out
+
+                return await asyncio.gather(chain(py), chain(r))
+
+    pys, rs = arun(main())
+    assert [x.stdout for x in pys] == [f"{i}\n" for i in range(8)]
+    assert [x.stdout for x in rs] == [f"{i}" for i in range(8)]
+
+
+def test_async_session_methods(socket_path):
+    async def main():
+        async with sandcell.AsyncClient(socket_path) as c:
+            async with c.session("python") as s:
+                frames = []
+
+                async def on_out(o):  # a coroutine callback is awaited
+                    frames.append(o.text)
+
+                r = await s.execute("x = 5\nprint('x is', x)", on_output=on_out)
+                assert r.ok and frames == ["x is 5\n"]
+                info = await s.put_file("données.txt", "é\n".encode())
+                assert info.name == "données.txt"
+                assert [f.name for f in await s.list_files()] == ["données.txt"]
+                assert await s.get_file("données.txt") == "é\n".encode()
+                await s.delete_file("données.txt")
+                assert list(await s.list_files()) == []
+                with pytest.raises(sandcell.NoSuchFile):
+                    await s.get_file("données.txt")
+
+                task = asyncio.create_task(s.execute("import time\ntime.sleep(30)"))
+                await asyncio.sleep(0.5)
+                ir = await s.interrupt()
+                res = await asyncio.wait_for(task, 20)
+                assert ir.delivered and res.status == "interrupted"
+                assert (await s.execute("print(x)")).stdout == "5\n"
+                sid = s.id
+            with pytest.raises(sandcell.NoSuchSession):
+                await c.session_by_id(sid).execute("1")
+            with pytest.raises(sandcell.UnsupportedLanguage):
+                await c.run("1", language="cobol")
+            assert (await c.info())["product"]
+
+    arun(main())
+
+
+def test_cancelled_call_costs_the_cell_not_the_session(socket_path):
+    async def main():
+        async with sandcell.AsyncClient(socket_path) as c:
+            s = await c.session("python")
+            try:
+                await s.execute("kept = 3")
+                task = asyncio.create_task(s.execute("import time\ntime.sleep(30)"))
+                await asyncio.sleep(0.5)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                for _ in range(50):
+                    try:
+                        return (await s.execute("print(kept)")).stdout
+                    except sandcell.SessionBusy:
+                        await asyncio.sleep(0.1)
+            finally:
+                await s.close()
+
+    assert arun(main()) == "3\n"

@@ -1,0 +1,347 @@
+"""The blocking client against a real sandcelld: every method, typed errors, live output,
+session persistence, interrupts, files (non-ASCII names, descriptor passing), detached
+sessions and node-qualified ids."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import sandcell
+from sandcell import _protocol as P
+
+
+def test_info_and_every_live_error_has_a_class(client):
+    info = client.info()
+    assert "org.sandcell.Kernel" in info["interfaces"]
+    idl = client.interface_description()
+    names = re.findall(r"^error\s+(\w+)", idl, re.M)
+    assert "NoSuchSession" in names
+    for n in names:
+        assert n in sandcell.errors.KERNEL_ERRORS, f"the daemon's error {n} has no class"
+
+
+def test_run_python(client):
+    r = client.run("x = 6 * 7\nprint(x)\n")
+    assert r.status == "ok" and r.ok and r.error is None
+    assert r.stdout == "42\n" and r.stderr == ""
+    assert r.stdout_stats == sandcell.StreamStats(3, 3, False)
+    assert r.usage.wall_seconds > 0
+    assert r.state == "none" and r.session_ended
+    assert len(r.session) == 32 and r.cell >= 1
+
+
+def test_run_r(client):
+    r = client.run("cat(sum(1:10), '\\n')", language="r")
+    assert r.status == "ok", r
+    assert r.stdout.strip() == "55"
+
+
+def test_run_error_has_traceback_and_line(client):
+    r = client.run("def f(d):\n    return 1 / d\n\nf(0)\n")
+    assert r.status == "error" and not r.ok
+    assert r.error.type == "ZeroDivisionError"
+    assert "division" in r.error.message
+    assert r.error.line in (2, 4)
+    assert r.error.traceback and "ZeroDivisionError" in r.error.traceback
+
+
+def test_output_truncation_counts(client):
+    r = client.run("print('x' * 5000)", limits=sandcell.Limits(stdout_bytes=1000))
+    assert r.status == "ok"
+    assert r.stdout_stats.seen == 5001 and r.stdout_stats.kept == 1000
+    assert r.stdout_stats.truncated and r.truncated
+    assert len(r.stdout.encode()) == 1000
+
+
+def test_live_output_in_order(client):
+    seen: list[tuple[float, sandcell.Output]] = []
+    code = "import time\nfor i in range(4):\n    print('line', i, flush=True)\n    time.sleep(0.3)\n"
+    t0 = time.monotonic()
+    r = client.run(code, on_output=lambda o: seen.append((time.monotonic(), o)))
+    t_end = time.monotonic()
+    assert r.status == "ok", r
+    frames = [o for _, o in seen]
+    assert [o.seq for o in frames] == list(range(len(frames)))
+    assert "".join(o.text for o in frames) == r.stdout == "".join(f"line {i}\n" for i in range(4))
+    # The first line reached the callback while the cell still slept (live, not at the end).
+    assert seen[0][0] - t0 < (t_end - t0) - 0.5, (seen[0][0] - t0, t_end - t0)
+    assert len(frames) >= 2
+
+
+def test_live_output_r(client):
+    seen: list[float] = []
+    code = "for (i in 1:3) { cat('r', i, '\\n'); Sys.sleep(0.3) }"
+    r = client.run(code, language="r", on_output=lambda o: seen.append(time.monotonic()))
+    done = time.monotonic()
+    assert r.status == "ok", r
+    assert r.stdout == "r 1 \nr 2 \nr 3 \n"
+    assert done - seen[0] > 0.4
+
+
+def test_session_persists_variables(client):
+    with client.session("python") as s:
+        assert len(s.id) == 32 and s.engine
+        assert s.execute("x = [n * n for n in range(10)]").ok
+        assert s.execute("print(sum(x))").stdout == "285\n"
+        bad = s.execute("y = undefined_name")
+        assert bad.status == "error" and bad.error.type == "NameError"
+        assert bad.state == "kept" and not bad.session_ended
+        assert s.execute("print(x[-1])").stdout == "81\n"
+        assert s.last_cell == 4
+    with pytest.raises(sandcell.NoSuchSession):
+        client.session_by_id(s.id).execute("print(1)")
+
+
+def test_r_session_persists(client):
+    with client.session("r") as s:
+        s.execute("m <- lm(mpg ~ wt, data = mtcars)")
+        r = s.execute("cat(round(coef(m)[['wt']], 2))")
+        assert r.stdout == "-5.34", r
+
+
+def test_interrupt_keeps_the_session(client):
+    with client.session("python") as s:
+        s.execute("kept = 'yes'")
+        out: dict = {}
+
+        def run():
+            out["r"] = s.execute("import time\nprint('sleeping', flush=True)\ntime.sleep(30)\n")
+
+        t = threading.Thread(target=run)
+        t0 = time.monotonic()
+        t.start()
+        time.sleep(0.5)
+        ir = s.interrupt()
+        t.join(20)
+        assert ir.delivered, ir
+        assert out["r"].status == "interrupted"
+        assert time.monotonic() - t0 < 15
+        assert s.execute("print(kept)").stdout == "yes\n"
+        late = s.interrupt()  # nothing running now
+        assert not late.delivered and late.reason
+
+
+def test_client_interrupt_by_id(client):
+    with client.session("r") as s:
+        started = threading.Event()
+
+        def on_started(st):
+            started.set()
+
+        out: dict = {}
+        t = threading.Thread(
+            target=lambda: out.setdefault("r", s.execute("Sys.sleep(30)", on_started=on_started))
+        )
+        t.start()
+        assert started.wait(10)
+        time.sleep(0.3)
+        ir = client.interrupt(s.id, s.last_cell)
+        t.join(20)
+        assert ir.delivered, ir
+        assert out["r"].status == "interrupted"
+
+
+def test_callback_exception_costs_the_cell_not_the_session(client):
+    with client.session("python") as s:
+        s.execute("v = 7")
+
+        class Stop(Exception):
+            pass
+
+        def boom(o):
+            raise Stop()
+
+        with pytest.raises(Stop):
+            s.execute("import time\nprint('a', flush=True)\ntime.sleep(20)\n", on_output=boom)
+        # The abandoned cell is interrupted by the daemon; the session and v remain.
+        for _ in range(50):
+            try:
+                r = s.execute("print(v)")
+                break
+            except sandcell.SessionBusy:
+                time.sleep(0.1)
+        assert r.stdout == "7\n"
+
+
+NAMES = ["données-été.csv", "日本語.txt", "emoji-🙂.bin"]
+
+
+def test_file_round_trips_non_ascii_names(client, tmp_path):
+    with client.session("python") as s:
+        payloads = {n: (f"{n}\n".encode() + bytes(range(256))) for n in NAMES}
+        for n, data in payloads.items():
+            info = s.put_file(n, data)
+            assert info.name == n and info.size == len(data) and info.kind == "file"
+        listed = {f.name: f for f in s.list_files()}
+        assert set(NAMES) <= set(listed)
+        assert listed["données-été.csv"].media_type == "text/csv"
+        for n, data in payloads.items():
+            assert s.get_file(n) == data
+        # The cell sees them in its working directory and writes one back.
+        r = s.execute(
+            "import os\n"
+            "print(sorted(n for n in os.listdir('.') if not n.startswith('.')))\n"
+            "open('résultat-ü.txt', 'w', encoding='utf-8').write('ça marche\\n')\n"
+        )
+        assert r.status == "ok", r
+        for n in NAMES:
+            assert n in r.stdout
+        assert [f.name for f in r.files] == ["résultat-ü.txt"]
+        assert s.get_file("résultat-ü.txt") == "ça marche\n".encode()
+        s.delete_file("résultat-ü.txt")
+        with pytest.raises(sandcell.NoSuchFile):
+            s.get_file("résultat-ü.txt")
+
+
+def test_large_files_by_descriptor(client, tmp_path):
+    big = os.urandom(3 * 1024 * 1024 + 17)  # over the inline bound: memfd descriptor
+    src = tmp_path / "grand fichier ä.bin"
+    src.write_bytes(big[::-1])
+    with client.session("python") as s:
+        assert s.put_file("big.bin", big).size == len(big)
+        assert s.put_file("from-path.bin", src).size == len(big)  # path: descriptor passed
+        with open(src, "rb") as f:
+            assert s.put_file("from-fileobj.bin", f).size == len(big)
+        assert s.get_file("big.bin") == big
+        assert s.get_file("from-path.bin") == big[::-1]
+        assert s.get_file("from-fileobj.bin") == big[::-1]
+        assert s.put_file("empty", b"").size == 0
+        assert s.get_file("empty") == b""
+
+
+def test_typed_errors(client):
+    with pytest.raises(sandcell.NoSuchSession) as e:
+        client.session_by_id("0" * 32).execute("print(1)")
+    assert e.value.session == "0" * 32
+    with pytest.raises(sandcell.UnsupportedLanguage) as e2:
+        client.run("x", language="cobol")
+    assert "python" in e2.value.supported
+    with pytest.raises(sandcell.LimitExceeded) as e3:
+        client.run("#" * 70_000)
+    assert e3.value.limit == "max_source_bytes" and e3.value.value == 70_000
+    with pytest.raises(sandcell.LimitExceeded) as e4:
+        client.run("print(1)", limits={"wall_time_seconds": 100_000})
+    assert e4.value.limit == "wall_time_seconds"
+    with pytest.raises(sandcell.InvalidParameter) as e5:
+        client.run("print(1)", limits={"guest_memory_bytes": 1024})
+    assert "guest_memory_bytes" in e5.value.parameter
+    with pytest.raises(sandcell.NoSuchSession):
+        client.close_session("f" * 32)
+    with client.session("python") as s:
+        with pytest.raises(sandcell.InvalidFileName):
+            s.put_file("../escape", b"x")
+        with pytest.raises(sandcell.NoSuchFile) as e6:
+            s.get_file("absent.txt")
+        assert e6.value.name == "absent.txt"
+        s.execute("import os\nos.mkdir('adir')")
+        with pytest.raises(sandcell.NotRegularFile) as e7:
+            s.get_file("adir")
+        assert e7.value.kind == "dir"
+        # A second cell while one runs, and a file while one runs: SessionBusy.
+        t = threading.Thread(target=lambda: s.execute("import time\ntime.sleep(2)"))
+        t.start()
+        time.sleep(0.7)
+        with pytest.raises(sandcell.SessionBusy):
+            s.execute("print(1)")
+        with pytest.raises(sandcell.SessionBusy):
+            s.put_file("x.txt", b"x")
+        t.join()
+    with pytest.raises(sandcell.MethodNotFound):
+        client._call(P.op_simple("NoSuchMethod", {}))
+    with pytest.raises(sandcell.VarlinkError):
+        client._call(P.op_simple("Run", {"language": "python", "code": "1"}))  # without more
+
+
+def test_capacity_exceeded(daemon_factory):
+    if os.environ.get("SANDCELL_TEST_SOCKET"):
+        pytest.skip("needs a daemon of its own (SANDCELL_TEST_SOCKET is set)")
+    d = daemon_factory("tiny", {"SANDCELL_MAX_CONCURRENT_SESSIONS": "1"})
+    with sandcell.Client(d.socket) as c:
+        with c.session("python"):
+            with pytest.raises(sandcell.CapacityExceeded) as e:
+                c.run("print(1)")
+            assert e.value.max == 1 and e.value.budget
+        # The session's end released its charge.
+        assert c.run("print(1)").ok
+
+
+def test_connection_failed(tmp_path):
+    with pytest.raises(sandcell.ConnectionFailed):
+        sandcell.Client(str(tmp_path / "no-socket"))
+
+
+def test_detached_session_and_node_qualified_ids(socket_path):
+    with sandcell.Client(socket_path) as c1:
+        s = c1.session("python", detached_idle_seconds=60)
+        s.execute("z = 'survives'")
+        sid = s.id
+    # The first client is gone; the detached session lives on.
+    with sandcell.Client(socket_path, node="node-a.example") as c2:
+        qualified = P.qualify_session_id("node-a.example", sid)
+        s2 = c2.session_by_id(qualified)
+        assert s2.execute("print(z)").stdout == "survives\n"
+        assert c2.interrupt(qualified, 1).delivered is False
+        with pytest.raises(sandcell.WrongNode):
+            c2.session_by_id(P.qualify_session_id("node-b", sid))
+        with pytest.raises(sandcell.WrongNode):
+            c2.close_session(P.qualify_session_id("node-b", sid))
+        s2.close()
+        with pytest.raises(sandcell.NoSuchSession):
+            c2.session_by_id(sid).execute("print(z)")
+
+
+def test_session_ends_with_its_client(socket_path):
+    c = sandcell.Client(socket_path)
+    s = c.session("python")
+    s.execute("a = 1")
+    s._owner.close()  # the connection that owns a non-detached session goes away
+    c.close()
+    with sandcell.Client(socket_path) as c2:
+        for _ in range(50):
+            try:
+                c2.session_by_id(s.id).execute("print(a)")
+            except sandcell.NoSuchSession:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the session outlived its owner's connection")
+
+
+def test_environment_pass_through(client):
+    try:
+        envs = client.list_environments()
+    except sandcell.MethodNotFound:
+        pytest.skip("this daemon has no named environments (ListEnvironments)")
+    names = [e["name"] if isinstance(e, dict) else str(e) for e in envs]
+    assert names
+    name = "python" if "python" in names else names[0]
+    info = next((e for e in envs if isinstance(e, dict) and e.get("name") == name), {})
+    lang = info.get("language", "python" if "py" in name else "r")
+    code = "print(1)" if lang == "python" else "cat(1, '\\n')"
+    assert client.run(code, language=lang, environment=name).stdout.strip() == "1"
+
+
+def test_thread_shared_client(client):
+    results = []
+
+    def work(i):
+        results.append(client.run(f"print({i} * 2)").stdout)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert sorted(results) == sorted(f"{i * 2}\n" for i in range(4))
+
+
+def test_install_layout():
+    # The package is importable from its source tree with its typed marker.
+    root = Path(sandcell.__file__).parent
+    assert (root / "py.typed").exists()

@@ -1,0 +1,287 @@
+"""Unit tests of the sans-IO protocol core, the error classes and the OpenAI adapter's pure
+parts. No daemon needed."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import sandcell
+from sandcell import _protocol as P
+from sandcell import openai as sco
+from sandcell.types import CellResult, FileInfo, Output, StreamStats
+
+IDL = Path(__file__).resolve().parents[3] / "proto" / "org.sandcell.Kernel.varlink"
+
+
+def idl_text() -> str:
+    if not IDL.exists():
+        pytest.skip(f"the interface definition is not at {IDL} (tests run outside the tree)")
+    return IDL.read_text()
+
+
+def test_every_idl_error_has_a_class_with_its_fields():
+    text = idl_text()
+    errors = re.findall(r"^error\s+(\w+)\s*\(([^)]*)\)", text, re.M)
+    assert len(errors) >= 12, errors
+    for name, fields in errors:
+        # The hand-written classes, not one made on first sight.
+        assert name in sandcell.errors.KERNEL_ERRORS, f"no class for error {name}"
+        cls = getattr(sandcell, name)
+        assert issubclass(cls, sandcell.VarlinkError)
+        declared = [f.split(":")[0].strip() for f in fields.split(",") if f.strip()]
+        assert list(cls.fields) == declared, (name, cls.fields, declared)
+
+
+def test_every_idl_status_is_mapped():
+    text = idl_text()
+    m = re.search(r"# (ok, error, [^\n]*)\n\s*#\s*([^\n]*)\n\s*status: string", text)
+    assert m, "the status list comment of CellResult moved"
+    statuses = [s.strip() for s in (m.group(1) + " " + m.group(2)).replace(",", " ").split()]
+    assert set(statuses) == set(sandcell.STATUSES)
+    for s in statuses:
+        assert s in sco.STATUS_MAP
+
+
+def test_encode_call():
+    b = P.encode_call("Run", {"language": "python", "code": "print('é')"}, more=True)
+    assert b.endswith(b"\0") and b.count(b"\0") == 1
+    msg = json.loads(b[:-1])
+    assert msg == {
+        "method": "org.sandcell.Kernel.Run",
+        "parameters": {"language": "python", "code": "print('é')"},
+        "more": True,
+    }
+    assert json.loads(P.encode_call("org.varlink.service.GetInfo")[:-1]) == {
+        "method": "org.varlink.service.GetInfo"
+    }
+
+
+def test_reader_splits_and_joins():
+    r = P.MessageReader()
+    stream = b'{"parameters":{"a":1},"continues":true}\0{"parameters":{"b":"\xc3\xa9"}}\0'
+    got = []
+    for i in range(len(stream)):  # one byte at a time
+        got += r.feed(stream[i : i + 1])
+    assert got == [{"parameters": {"a": 1}, "continues": True}, {"parameters": {"b": "é"}}]
+    assert r.pending == 0
+    assert r.feed(stream) == got  # two at once
+
+
+def test_reader_bounds_and_rejects():
+    r = P.MessageReader(max_bytes=10)
+    with pytest.raises(sandcell.ProtocolError):
+        r.feed(b"x" * 11)
+    with pytest.raises(sandcell.ProtocolError):
+        P.MessageReader().feed(b"not json\0")
+    with pytest.raises(sandcell.ProtocolError):
+        P.MessageReader().feed(b"[1]\0")
+
+
+def test_error_reply_is_typed():
+    with pytest.raises(sandcell.CapacityExceeded) as e:
+        P.parse_reply(
+            {
+                "error": "org.sandcell.Kernel.CapacityExceeded",
+                "parameters": {"budget": "sessions", "in_use": 2, "requested": 1, "max": 2},
+            }
+        )
+    assert (e.value.budget, e.value.in_use, e.value.requested, e.value.max) == ("sessions", 2, 1, 2)
+    assert e.value.name == "org.sandcell.Kernel.CapacityExceeded"
+    assert isinstance(e.value, sandcell.SandcellError)
+    # The varlink service's InvalidParameter is the same class (it has no reason).
+    with pytest.raises(sandcell.InvalidParameter) as e2:
+        P.parse_reply({"error": "org.varlink.service.InvalidParameter", "parameters": {"parameter": "code"}})
+    assert e2.value.parameter == "code" and e2.value.reason is None
+    # An error of a newer daemon gets a class of its own, named after it.
+    with pytest.raises(sandcell.VarlinkError) as e3:
+        P.parse_reply({"error": "org.sandcell.Kernel.SomethingNew", "parameters": {"x": 1}})
+    assert type(e3.value).__name__ == "SomethingNew" and e3.value.x == 1
+    assert sandcell.SomethingNew is type(e3.value)
+
+
+def drive(op, replies, emitted=None):
+    """A minimal driver: hands out ``replies`` (dicts) in order."""
+    it = iter(replies)
+    sent = []
+    value = None
+    try:
+        step = next(op)
+        while True:
+            if isinstance(step, P.Call):
+                sent.append(step)
+                value = P.parse_reply(next(it))
+            elif step is P.NEXT:
+                value = P.parse_reply(next(it))
+            elif isinstance(step, P.Emit):
+                step.callback(step.value)
+                value = None
+            step = op.send(value)
+    except StopIteration as s:
+        return s.value, sent
+
+
+def frame(kind, body, continues=True):
+    m = {"parameters": {"frame": {kind: body}}}
+    if continues:
+        m["continues"] = True
+    return m
+
+
+def test_cell_operation_emits_in_order():
+    events = []
+    replies = [
+        frame("started", {"session": "a" * 32, "cell": 3}),
+        frame("output", {"cell": 3, "seq": 0, "stream": "stdout", "text": "1\n"}),
+        frame("output", {"cell": 3, "seq": 1, "stream": "stderr", "text": "w\n"}),
+        frame("output", {"cell": 3, "seq": 2, "stream": "stdout", "text": "2\n"}),
+        frame(
+            "result",
+            {
+                "cell": 3,
+                "status": "ok",
+                "usage": {"wall_seconds": 0.5},
+                "stdout": {"seen": 4, "kept": 4, "truncated": False},
+                "stderr": {"seen": 2, "kept": 2, "truncated": False},
+                "state": "kept",
+                "session_ended": False,
+                "warnings": [],
+                "files": [{"name": "p.png", "size": 3, "media_type": "image/png", "kind": "file", "modified": 1.0}],
+            },
+            continues=False,
+        ),
+    ]
+    op = P.op_cell("Execute", {"session": "s", "code": "x"}, events.append, events.append)
+    res, sent = drive(op, replies)
+    assert sent[0].more and sent[0].method == "Execute"
+    assert [type(e).__name__ for e in events] == ["Started", "Output", "Output", "Output"]
+    assert [e.seq for e in events[1:]] == [0, 1, 2]
+    assert res.stdout == "1\n2\n" and res.stderr == "w\n" and res.ok
+    assert res.session == "a" * 32 and res.cell == 3 and res.state == "kept"
+    assert res.stdout_stats == StreamStats(4, 4, False)
+    assert res.files[0].media_type == "image/png"
+
+
+def test_cell_operation_stream_without_result():
+    replies = [{"parameters": {"frame": {"started": {"session": "s", "cell": 1}}}}]
+    with pytest.raises(sandcell.ProtocolError):
+        drive(P.op_cell("Run", {}), replies)
+
+
+def test_get_file_reads_until_eof():
+    data = bytes(range(256)) * 10
+    replies = [
+        {"parameters": {"file": {}, "data": base64.b64encode(data[:1000]).decode(), "eof": False}},
+        {"parameters": {"file": {}, "data": base64.b64encode(data[1000:]).decode(), "eof": True}},
+    ]
+    got, sent = drive(P.op_get_file("s", "f"), replies)
+    assert got == data
+    assert [c.parameters["offset"] for c in sent] == [0, 1000]
+
+
+def test_node_qualified_ids():
+    local = "0123456789abcdef0123456789abcdef"
+    assert P.split_session_id(local) == (None, local)
+    assert P.split_session_id(f"node-1.example.org.{local}") == ("node-1.example.org", local)
+    assert P.split_session_id("not.an-id") == (None, "not.an-id")
+    assert P.qualify_session_id("n1", f"n0.{local}") == f"n1.{local}"
+    assert P.local_session_id(f"n1.{local}", None) == local
+    assert P.local_session_id(f"n1.{local}", "n1") == local
+    with pytest.raises(sandcell.WrongNode) as e:
+        P.local_session_id(f"n2.{local}", "n1")
+    assert isinstance(e.value, sandcell.NoSuchSession) and e.value.node == "n2"
+
+
+def test_put_file_sources(tmp_path):
+    assert P.file_source(b"x") == ("bytes", b"x")
+    assert P.file_source(tmp_path) == ("path", str(tmp_path))
+    with pytest.raises(TypeError):
+        P.file_source(3)
+    fd, inline, size, close = P.content_fd("bytes", b"abc")
+    assert (fd, inline, size, close) == (None, b"abc", 3, False)
+    big = b"\x01" * (P.MAX_INLINE_BYTES + 1)
+    fd, inline, size, close = P.content_fd("bytes", big)
+    try:
+        assert inline is None and size == len(big) and close
+        import os
+
+        assert os.pread(fd, 4, 0) == b"\x01" * 4
+    finally:
+        import os
+
+        os.close(fd)
+    with pytest.raises(OSError):
+        P.content_fd("path", str(tmp_path))  # a directory
+
+
+def result(status, **kw):
+    outs = kw.pop("outputs", [Output(1, 0, "stdout", "hi\n")])
+    return CellResult(status=status, outputs=outs, **kw)
+
+
+def test_item_status_mapping():
+    for s in sandcell.STATUSES:
+        assert sco.item_status(result(s)) in ("completed", "incomplete", "failed")
+    assert sco.item_status(result("ok")) == "completed"
+    assert sco.item_status(result("error")) == "failed"
+    assert sco.item_status(result("timeout")) == "incomplete"
+    assert sco.item_status(result("worker_crashed")) == "failed"
+    assert sco.item_status(result("exited", exit_code=0)) == "completed"
+    assert sco.item_status(result("exited", exit_code=3)) == "failed"
+    assert sco.item_status(result("brand_new")) == "failed"
+
+
+def test_item_shape_and_logs():
+    err = sandcell.CellError("ZeroDivisionError", "division by zero", "Traceback...\nZeroDivisionError: division by zero", 2)
+    r = result(
+        "error",
+        error=err,
+        stdout_stats=StreamStats(10, 4, True),
+        outputs=[Output(1, 0, "stdout", "a"), Output(1, 1, "stderr", "b")],
+    )
+    item = sco._item("ci_x", "code", "cntr_s", r, [b"\x89PNG"], [])
+    assert item["type"] == "code_interpreter_call" and item["status"] == "failed"
+    assert item["outputs"][0]["type"] == "logs"
+    logs = item["outputs"][0]["logs"]
+    assert logs.startswith("ab\nTraceback...") and "6 bytes of stdout were dropped" in logs
+    assert item["outputs"][1] == {"type": "image", "url": "data:image/png;base64,iVBORw=="}
+    assert sco.session_id_of_container(item["container_id"]) == "s"
+
+
+def test_code_deltas_rebuild_the_code():
+    code = "".join(f"print({i})  # {'x' * (i % 50)}\n" for i in range(200)) + "y" * 2000
+    pieces = sco._code_deltas(code, 512)
+    assert "".join(pieces) == code
+    assert all(len(p) <= 512 for p in pieces)
+    assert sco._code_deltas("", 512) == []
+
+
+def test_function_tool_is_strict():
+    t = sco.function_tool()
+    assert t["type"] == "function" and t["name"] == "code_interpreter" and t["strict"] is True
+    p = t["parameters"]
+    assert p["required"] == ["code"] and p["additionalProperties"] is False
+    assert list(p["properties"]) == ["code"] and p["properties"]["code"]["type"] == "string"
+    c = sco.function_tool("chat")
+    assert c["function"]["name"] == "code_interpreter" and c["function"]["strict"] is True
+    call = {"type": "function_call", "name": "code_interpreter", "call_id": "call_1",
+            "arguments": json.dumps({"code": "print(1)"})}
+    assert sco.code_from_function_call(call) == "print(1)"
+    with pytest.raises(ValueError):
+        sco.code_from_function_call({"name": "other", "arguments": "{}"})
+    out = sco.function_call_output(call, {"status": "completed", "outputs": [{"type": "logs", "logs": "1\n"}]})
+    assert out["call_id"] == "call_1" and json.loads(out["output"])["logs"] == "1\n"
+
+
+def test_file_info_and_limits_shapes():
+    f = FileInfo.from_dict({"name": "é.csv", "size": 1, "media_type": "text/csv", "kind": "file", "modified": 2})
+    assert f.name == "é.csv" and f.modified == 2.0
+    assert sandcell.Limits(wall_time_seconds=1.5).to_dict() == {"wall_time_seconds": 1.5}
+    assert P.run_params("x", "python", None, None) == {"language": "python", "code": "x"}
+    assert P.run_params("x", "python", "pydata", {"fuel": 1})["environment"] == "pydata"
+    assert "environment" not in P.open_params("r", None, None, None)
+    assert P.open_params("r", None, None, 60)["detached_idle_seconds"] == 60
