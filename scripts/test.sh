@@ -16,3 +16,5 @@ echo "note: the system-test tier (a VM with systemd as PID 1 and pure cgroup v2)
 echo "      this run; it takes about 15 minutes: bash scripts/vm-test.sh"
 echo "== cargo test"
 cargo test "${CARGO_FLAGS[@]}" --workspace --no-fail-fast -- --test-threads=2
+echo "== python client (clients/python) against a real sandcelld; docs/deploy manifests"
+bash scripts/test-python-client.sh

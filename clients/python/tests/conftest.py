@@ -114,6 +114,8 @@ def daemon_factory():
     yield make
     for d in started:
         d.stop()
+        if os.environ.get("SANDCELL_KEEP_TEST_DIRS") != "1":
+            shutil.rmtree(d.dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -252,6 +252,14 @@ def test_item_shape_and_logs():
     assert sco.session_id_of_container(item["container_id"]) == "s"
 
 
+def test_r_error_logs_carry_the_message():
+    err = sandcell.CellError("simpleError", "bad", '1: stop("bad") at line 1\n2: f() at line 2', 1, "f()")
+    item = sco._item("ci_x", "f()", "cntr_s", result("error", error=err, outputs=[]), [], [])
+    assert item["outputs"][0]["logs"] == (
+        'Error in f() : bad\nTraceback:\n1: stop("bad") at line 1\n2: f() at line 2\n'
+    )
+
+
 def test_code_deltas_rebuild_the_code():
     code = "".join(f"print({i})  # {'x' * (i % 50)}\n" for i in range(200)) + "y" * 2000
     pieces = sco._code_deltas(code, 512)

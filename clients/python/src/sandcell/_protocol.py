@@ -257,9 +257,16 @@ def op_get_file(session: str, name: str, max_total: int | None = None) -> Operat
     """GetFile in chunks of at most 1 MiB until the end (or ``max_total`` bytes)."""
     data = bytearray()
     while True:
-        p: dict[str, Any] = {"session": session, "name": name, "offset": len(data)}
+        # max_bytes is always given: it bounds each reply, whatever the daemon's default.
+        chunk_max = MAX_CHUNK_BYTES
         if max_total is not None:
-            p["max_bytes"] = max(0, min(MAX_CHUNK_BYTES, max_total - len(data)))
+            chunk_max = max(0, min(MAX_CHUNK_BYTES, max_total - len(data)))
+        p: dict[str, Any] = {
+            "session": session,
+            "name": name,
+            "offset": len(data),
+            "max_bytes": chunk_max,
+        }
         r = yield Call("GetFile", p)
         try:
             chunk = base64.b64decode(r.parameters.get("data", ""), validate=True)

@@ -53,7 +53,7 @@ from typing import Any
 
 from .aio import AsyncClient, AsyncSession
 from .client import Client, Session
-from .types import CellResult, FileInfo, Limits, Output
+from .types import CellError, CellResult, FileInfo, Limits, Output
 
 __all__ = [
     "code_interpreter_call",
@@ -116,11 +116,11 @@ def _logs(result: CellResult, notes: list[str]) -> str:
     logs = "".join(o.text for o in result.outputs)
     err = result.error
     if err is not None:
-        tb = err.traceback or f"{err.type}: {err.message}"
-        if tb.strip() and tb.strip() not in logs:
+        text = _error_text(err)
+        if text.strip() and text.strip() not in logs:
             if logs and not logs.endswith("\n"):
                 logs += "\n"
-            logs += tb if tb.endswith("\n") else tb + "\n"
+            logs += text
     extra = list(notes)
     if result.status in _WHY:
         extra.append(_WHY[result.status])
@@ -134,6 +134,17 @@ def _logs(result: CellResult, notes: list[str]) -> str:
             logs += "\n"
         logs += f"[sandcell: {e}]\n"
     return logs
+
+
+def _error_text(err: CellError) -> str:
+    """The error as a console would show it: Python's traceback ends with "Type: message";
+    R's traceback lists the calls only, so the message (and the failing call) go first."""
+    tb = (err.traceback or "").rstrip("\n")
+    lines = tb.split("\n")
+    if tb.startswith("Traceback") or any(ln.startswith(f"{err.type}:") for ln in lines[-3:]):
+        return tb + "\n"  # Python's own rendering, ending in "Type: message"
+    head = f"Error in {err.call} : {err.message}" if err.call else f"{err.type}: {err.message}"
+    return head + "\n" + (f"Traceback:\n{tb}\n" if tb else "")
 
 
 def _pngs(result: CellResult) -> list[FileInfo]:
