@@ -4,6 +4,10 @@ JSON from a file, run every ``code_interpreter`` call in sandcell, and print for
 ``code_interpreter_call`` item and the ``function_call_output`` to send back to the model.
 
     python3 examples/gateway/gateway.py examples/gateway/tool_call.json
+    python3 examples/gateway/gateway.py --stream examples/gateway/tool_call.json
+
+With ``--stream`` it prints the Responses API streaming events of each call instead, one JSON
+object per line, as a streaming gateway would forward them (server-sent events).
 
 Accepted input: a Responses API response (``{"output": [...]}``), a list of output items, a
 single ``function_call`` item, or a Chat Completions message with ``tool_calls``. The daemon
@@ -11,6 +15,7 @@ is at ``$SANDCELL_SOCKET`` or ``/run/sandcell/org.sandcell.Kernel``. A real gate
 ``sandcell.openai.function_tool()`` in its request and loops until the model stops calling.
 """
 
+import asyncio
 import json
 import sys
 
@@ -31,9 +36,13 @@ def tool_calls(doc):
             yield it
 
 
-def main(path):
+def load(path):
     with open(path, encoding="utf-8") as f:
-        doc = json.load(f)
+        return json.load(f)
+
+
+def main(path):
+    doc = load(path)
     with sandcell.Client() as client:
         for call in tool_calls(doc):
             code = sco.code_from_function_call(call)
@@ -43,7 +52,24 @@ def main(path):
                              ensure_ascii=False))
 
 
+async def stream(path):
+    doc = load(path)
+    seq = 0
+    async with sandcell.AsyncClient() as client:
+        for index, call in enumerate(tool_calls(doc)):
+            code = sco.code_from_function_call(call)
+            async for event in sco.code_interpreter_events(
+                client, code, output_index=index, sequence_start=seq
+            ):
+                print(json.dumps(event, ensure_ascii=False), flush=True)
+                seq = event["sequence_number"] + 1
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: gateway.py TOOL_CALL.json")
-    main(sys.argv[1])
+    args = sys.argv[1:]
+    if args[:1] == ["--stream"] and len(args) == 2:
+        asyncio.run(stream(args[1]))
+    elif len(args) == 1:
+        main(args[0])
+    else:
+        sys.exit("usage: gateway.py [--stream] TOOL_CALL.json")

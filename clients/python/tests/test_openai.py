@@ -175,3 +175,10 @@ def test_gateway_example(socket_path, tmp_path):
     assert item["type"] == "code_interpreter_call" and item["status"] == "completed"
     assert printed["function_call_output"]["call_id"] == "call_example_1"
     assert "8 queens: 92 solutions" in item["outputs"][0]["logs"]
+    lines = subprocess.run(
+        [sys.executable, str(example / "gateway.py"), "--stream", str(example / "tool_call.json")],
+        capture_output=True, text=True, timeout=60, env=env, check=True,
+    ).stdout.splitlines()
+    events = [json.loads(line) for line in lines]
+    assert events[0]["type"] == EVENTS[0] and events[-1]["type"] == EVENTS[-1]
+    assert events[-1]["item"]["outputs"] == item["outputs"]
