@@ -50,7 +50,7 @@ __version__ = "0.1.0"
 globals().update(KERNEL_ERRORS)
 
 
-def __getattr__(name: str):  # noqa: ANN202
+def __getattr__(name: str) -> type[VarlinkError]:
     """``sandcell.<ErrorName>`` for an error a newer daemon sent (made on first sight)."""
     if name in errors._REGISTRY:
         return errors._REGISTRY[name]

@@ -26,7 +26,7 @@ import os
 import re
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import ProtocolError, WrongNode, error_from_reply
 from .types import CellResult, FileInfo, InterruptResult, Output, Started
@@ -161,12 +161,14 @@ class Emit:
 
 
 Step = Call | _Next | Emit
-Operation = Generator[Step, Any, Any]
+T = TypeVar("T")
+#: An operation that returns a ``T``.
+Operation = Generator[Step, Any, T]
 
 
-def op_simple(method: str, parameters: dict[str, Any]) -> Operation:
+def op_simple(method: str, parameters: dict[str, Any]) -> Operation[dict[str, Any]]:
     """One call, one reply: returns the reply's parameters."""
-    reply = yield Call(method, parameters)
+    reply: Reply = yield Call(method, parameters)
     return reply.parameters
 
 
@@ -175,7 +177,7 @@ def op_cell(
     parameters: dict[str, Any],
     on_output: Callable[[Output], Any] | None = None,
     on_started: Callable[[Started], Any] | None = None,
-) -> Operation:
+) -> Operation[CellResult]:
     """``Run`` or ``Execute`` with ``more``: emits the started frame and every output frame
     in order, as they arrive, and returns the :class:`CellResult`."""
     reply = yield Call(method, parameters, more=True)
@@ -233,12 +235,12 @@ def open_params(
     return p
 
 
-def op_interrupt(session: str, cell: int) -> Operation:
+def op_interrupt(session: str, cell: int) -> Operation[InterruptResult]:
     r = yield Call("Interrupt", {"session": session, "cell": int(cell)})
     return InterruptResult(bool(r.parameters.get("delivered")), str(r.parameters.get("reason", "")))
 
 
-def op_put_inline(session: str, name: str, data: bytes) -> Operation:
+def op_put_inline(session: str, name: str, data: bytes) -> Operation[FileInfo]:
     """PutFile with the content inline (base64), at most :data:`MAX_INLINE_BYTES`."""
     p: dict[str, Any] = {"session": session, "name": name, "size": len(data)}
     if data:
@@ -247,13 +249,13 @@ def op_put_inline(session: str, name: str, data: bytes) -> Operation:
     return FileInfo.from_dict(r.parameters["file"])
 
 
-def op_put_fd(session: str, name: str, fd: int, size: int) -> Operation:
+def op_put_fd(session: str, name: str, fd: int, size: int) -> Operation[FileInfo]:
     """PutFile with the content a regular file passed as descriptor ``fd`` (index 0)."""
     r = yield Call("PutFile", {"session": session, "name": name, "size": size, "fd": 0}, fds=(fd,))
     return FileInfo.from_dict(r.parameters["file"])
 
 
-def op_get_file(session: str, name: str, max_total: int | None = None) -> Operation:
+def op_get_file(session: str, name: str, max_total: int | None = None) -> Operation[bytes]:
     """GetFile in chunks of at most 1 MiB until the end (or ``max_total`` bytes)."""
     data = bytearray()
     while True:
@@ -286,7 +288,7 @@ class FileList(list[FileInfo]):
     truncated: bool = False
 
 
-def op_list_files(session: str) -> Operation:
+def op_list_files(session: str) -> Operation["FileList"]:
     r = yield Call("ListFiles", {"session": session})
     out = FileList(FileInfo.from_dict(f) for f in r.parameters.get("files") or [])
     out.truncated = bool(r.parameters.get("truncated"))

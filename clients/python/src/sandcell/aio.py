@@ -15,7 +15,7 @@ import inspect
 import os
 import socket as _socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from . import _protocol as P
 from .errors import ConnectionFailed, NoSuchSession, ProtocolError, VarlinkError
@@ -23,6 +23,7 @@ from .types import CellResult, FileInfo, InterruptResult, Limits, Output, Starte
 
 __all__ = ["AsyncClient", "AsyncSession"]
 
+T = TypeVar("T")
 OnOutput = Callable[[Output], Any]
 OnStarted = Callable[[Started], Any]
 
@@ -53,7 +54,12 @@ class _AConn:
                 return _socket.send_fds(self.sock, [data], fds)
             except BlockingIOError:
                 fut: asyncio.Future[None] = loop.create_future()
-                loop.add_writer(self.sock.fileno(), lambda: fut.done() or fut.set_result(None))
+
+                def ready(f: asyncio.Future[None] = fut) -> None:
+                    if not f.done():
+                        f.set_result(None)
+
+                loop.add_writer(self.sock.fileno(), ready)
                 try:
                     await fut
                 finally:
@@ -106,7 +112,7 @@ class _AConn:
             self.sock.close()
 
 
-async def _drive(conn: _AConn, op: P.Operation) -> Any:
+async def _drive(conn: _AConn, op: P.Operation[T]) -> T:
     """Runs an operation on a connection; callbacks may be coroutine functions."""
     value: Any = None
     try:
@@ -128,7 +134,7 @@ async def _drive(conn: _AConn, op: P.Operation) -> Any:
                 value = None
             step = op.send(value)
     except StopIteration as done:
-        return done.value
+        return done.value  # type: ignore[no-any-return]
     finally:
         op.close()
 
@@ -179,7 +185,7 @@ class AsyncClient:
         else:
             self._idle.append(conn)
 
-    async def _call(self, op: P.Operation) -> Any:
+    async def _call(self, op: P.Operation[T]) -> T:
         conn = await self._acquire()
         try:
             return await _drive(conn, op)

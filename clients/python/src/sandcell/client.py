@@ -15,7 +15,7 @@ import os
 import socket as _socket
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from . import _protocol as P
 from .errors import ConnectionFailed, NoSuchSession, ProtocolError, VarlinkError
@@ -23,6 +23,7 @@ from .types import CellResult, FileInfo, InterruptResult, Limits, Output, Starte
 
 __all__ = ["Client", "Session"]
 
+T = TypeVar("T")
 OnOutput = Callable[[Output], Any]
 OnStarted = Callable[[Started], Any]
 
@@ -90,7 +91,7 @@ class _Conn:
             self.sock.close()
 
 
-def _drive(conn: _Conn, op: P.Operation) -> Any:
+def _drive(conn: _Conn, op: P.Operation[T]) -> T:
     """Runs an operation on a connection."""
     value: Any = None
     try:
@@ -110,7 +111,7 @@ def _drive(conn: _Conn, op: P.Operation) -> Any:
                 value = None
             step = op.send(value)
     except StopIteration as done:
-        return done.value
+        return done.value  # type: ignore[no-any-return]
     finally:
         op.close()
 
@@ -171,7 +172,7 @@ class Client:
             else:
                 self._idle.append(conn)
 
-    def _call(self, op: P.Operation) -> Any:
+    def _call(self, op: P.Operation[T]) -> T:
         conn = self._acquire()
         try:
             return _drive(conn, op)

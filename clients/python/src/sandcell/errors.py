@@ -110,7 +110,7 @@ class CapacityExceeded(VarlinkError):
 class NoSuchSession(VarlinkError):
     """No such session, or not one the caller may use."""
 
-    fields = ("session",)
+    fields: tuple[str, ...] = ("session",)
 
 
 class SessionBusy(VarlinkError):

@@ -177,7 +177,7 @@ def _item(item_id: str, code: str, container_id: str, result: CellResult,
 def _select_images(result: CellResult) -> tuple[list[FileInfo], list[str]]:
     pngs = _pngs(result)
     notes: list[str] = []
-    chosen = []
+    chosen: list[FileInfo] = []
     for f in pngs:
         if f.size > MAX_IMAGE_BYTES:
             notes.append(f"image {f.name} ({f.size} bytes) is larger than {MAX_IMAGE_BYTES}")
