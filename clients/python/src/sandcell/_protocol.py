@@ -256,8 +256,12 @@ def op_put_fd(session: str, name: str, fd: int, size: int) -> Operation[FileInfo
 
 
 def op_get_file(session: str, name: str, max_total: int | None = None) -> Operation[bytes]:
-    """GetFile in chunks of at most 1 MiB until the end (or ``max_total`` bytes)."""
+    """GetFile in chunks of at most 1 MiB until the end (or ``max_total`` bytes).
+
+    ``max_bytes`` is always sent (the daemon refuses 0 and more than 1 MiB)."""
     data = bytearray()
+    if max_total is not None and max_total <= 0:
+        return b""
     while True:
         # max_bytes is always given: it bounds each reply, whatever the daemon's default.
         chunk_max = MAX_CHUNK_BYTES
