@@ -97,6 +97,17 @@ def test_async_session_methods(socket_path):
             with pytest.raises(sandcell.UnsupportedLanguage):
                 await c.run("1", language="cobol")
             assert (await c.info())["product"]
+            assert "error NoSuchSession" in await c.interface_description()
+            # By id: a detached session, interrupted and closed through the client.
+            d = await c.session("r", detached_idle_seconds=30)
+            task = asyncio.create_task(d.execute("Sys.sleep(30)"))
+            await asyncio.sleep(0.5)
+            ir = await c.interrupt(d.id, d.last_cell)
+            assert ir.delivered and (await asyncio.wait_for(task, 20)).status == "interrupted"
+            assert (await c.session_by_id(d.id).execute("cat(1)")).stdout == "1"
+            await c.close_session(d.id)
+            with pytest.raises(sandcell.NoSuchSession):
+                await c.close_session(d.id)
 
     arun(main())
 
