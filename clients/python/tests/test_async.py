@@ -65,6 +65,24 @@ def test_sixteen_concurrent_cells_across_sessions(socket_path):
     assert [x.stdout for x in rs] == [f"{i}" for i in range(8)]
 
 
+def test_async_put_file_by_descriptor(socket_path, tmp_path):
+    import os
+
+    data = os.urandom(300_000)
+    src = tmp_path / "fichier-ü.bin"
+    src.write_bytes(data)
+
+    async def main():
+        async with sandcell.AsyncClient(socket_path) as c:
+            async with c.session("python") as s:
+                info = await s.put_file("by-path.bin", src)  # the descriptor is passed
+                big = await s.put_file("big.bin", data * 8)  # 2.4 MB: a memfd descriptor
+                return info.size, big.size, await s.get_file("by-path.bin")
+
+    size, big, back = arun(main())
+    assert (size, big, back) == (len(data), len(data) * 8, data)
+
+
 def test_async_session_methods(socket_path):
     async def main():
         async with sandcell.AsyncClient(socket_path) as c:
