@@ -76,7 +76,7 @@ def test_async_put_file_by_descriptor(socket_path, tmp_path):
         async with sandcell.AsyncClient(socket_path) as c:
             async with c.session("python") as s:
                 info = await s.put_file("by-path.bin", src)  # the descriptor is passed
-                big = await s.put_file("big.bin", data * 8)  # 2.4 MB: a memfd descriptor
+                big = await s.put_file("big.bin", data * 8)  # 2.4 MB: staged, passed as a descriptor
                 return info.size, big.size, await s.get_file("by-path.bin")
 
     size, big, back = arun(main())

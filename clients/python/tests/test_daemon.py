@@ -202,7 +202,7 @@ def test_file_round_trips_non_ascii_names(client, tmp_path):
 def test_large_files_by_descriptor(client, tmp_path):
     import hashlib
 
-    big = os.urandom(2 * 1024 * 1024 + 17)  # over the inline bound: passed as a memfd
+    big = os.urandom(2 * 1024 * 1024 + 17)  # over the inline bound: staged, passed as a descriptor
     src = tmp_path / "grand fichier ä.bin"
     src.write_bytes(big[::-1])
     with client.session("python") as s:

@@ -208,8 +208,11 @@ def test_put_file_sources(tmp_path):
     try:
         assert inline is None and size == len(big) and close
         import os
+        import stat
 
         assert os.pread(fd, 4, 0) == b"\x01" * 4
+        st = os.fstat(fd)
+        assert stat.S_ISREG(st.st_mode) and st.st_nlink == 0 and st.st_size == len(big)
     finally:
         import os
 

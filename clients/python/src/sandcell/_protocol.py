@@ -351,29 +351,52 @@ def file_source(data_or_path: Any) -> tuple[str, Any]:
     raise TypeError("put_file takes bytes, a path (str or os.PathLike) or a binary file object")
 
 
+#: Where content too large to send inline is staged as an unnamed file (``O_TMPFILE``) before
+#: its descriptor is passed: memory first, then the temporary directory. The daemon reads
+#: only regular files on local file systems listed in its mount table, which excludes a
+#: memfd (its mount is internal).
+STAGING_DIRS = ("/dev/shm", None)
+
+
+def _staged(data: bytes) -> int:
+    """An unnamed regular file (``O_TMPFILE``, mode 0600) holding ``data``, positioned at 0.
+    Tries each of :data:`STAGING_DIRS` (``None``: ``tempfile.gettempdir()``), moving on when
+    one is missing, refuses ``O_TMPFILE`` or runs out of space."""
+    import tempfile
+
+    last: OSError | None = None
+    for d in STAGING_DIRS:
+        try:
+            fd = os.open(d or tempfile.gettempdir(), os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            last = e
+            continue
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.lseek(fd, 0, os.SEEK_SET)
+            return fd
+        except OSError as e:  # e.g. ENOSPC in a small /dev/shm
+            os.close(fd)
+            last = e
+    raise last or OSError("no directory to stage the upload in")
+
+
 def content_fd(kind: str, value: Any) -> tuple[int | None, bytes | None, int, bool]:
     """Prepares a put_file source: ``(fd, inline data, size, close_fd)``.
 
-    Content in memory up to 2 MiB goes inline; larger content is copied into a memfd (a
-    regular file without a name) and passed as a descriptor. A path is opened read-only
-    (``O_NOFOLLOW`` is not used: the caller names its own files) and must be a regular file.
+    Content in memory up to 2 MiB goes inline; larger content is staged in an unnamed file
+    (see :data:`STAGING_DIRS`) whose descriptor is passed. A path is opened read-only here
+    and must be a regular file; so must an open file object's descriptor.
     """
     import stat
 
     if kind == "bytes":
         if len(value) <= MAX_INLINE_BYTES:
             return None, value, len(value), False
-        fd = os.memfd_create("sandcell-put", os.MFD_CLOEXEC)
-        try:
-            view = memoryview(value)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-            os.lseek(fd, 0, os.SEEK_SET)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, None, len(value), True
+        return _staged(value), None, len(value), True
     if kind == "path":
         fd = os.open(value, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         close = True

@@ -366,7 +366,7 @@ class Session:
         that name atomically.
 
         ``data_or_path`` is the content (bytes; up to 2 MiB sent inline, larger through a
-        memfd descriptor), a path (str or ``os.PathLike``: the file is opened here and its
+        staged unnamed file's descriptor), a path (str or ``os.PathLike``: the file is opened here and its
         descriptor passed to the daemon, so it is never read into memory), or an open binary
         file (its descriptor is passed). Returns the stored file's :class:`FileInfo`.
 
