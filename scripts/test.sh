@@ -18,3 +18,7 @@ echo "== cargo test"
 cargo test "${CARGO_FLAGS[@]}" --workspace --no-fail-fast -- --test-threads=2
 echo "== python client (clients/python) against a real sandcelld; docs/deploy manifests"
 bash scripts/test-python-client.sh
+echo "== soak: 8 clients x 100 cells against a socket-activated sandcelld, every result checked"
+bash scripts/soak.sh --clients 8 --cells 100
+echo "== fuzz: every decoder, about a minute (the build is kept in /var/tmp/sandcell-fuzz-target)"
+bash scripts/fuzz.sh 60

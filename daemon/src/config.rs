@@ -343,12 +343,12 @@ impl Config {
                 ),
             });
         }
-        if l.max_stdout_bytes + l.max_stderr_bytes > OUTPUT_CEILING {
+        if l.max_stdout_bytes.saturating_add(l.max_stderr_bytes) > OUTPUT_CEILING {
             return Err(Error::Invalid {
                 key: "max_stdout_bytes",
                 reason: format!(
                     "stdout + stderr ({}) exceed the protocol ceiling {OUTPUT_CEILING}",
-                    l.max_stdout_bytes + l.max_stderr_bytes
+                    l.max_stdout_bytes.saturating_add(l.max_stderr_bytes)
                 ),
             });
         }
@@ -559,5 +559,18 @@ mod tests {
             .apply_env(env(&[("SANDCELL_MAX_FUEL", "lots")]))
             .unwrap_err();
         assert!(e.to_string().contains("SANDCELL_MAX_FUEL"));
+    }
+
+    #[test]
+    fn kept_output_sum_does_not_wrap() {
+        // u64::MAX + 2 wrapped to 1 in release builds and passed the ceiling check.
+        let mut c = Config::default();
+        c.apply_env(env(&[
+            ("SANDCELL_MAX_STDOUT_BYTES", "18446744073709551615"),
+            ("SANDCELL_MAX_STDERR_BYTES", "2"),
+        ]))
+        .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("max_stdout_bytes"), "{e}");
     }
 }

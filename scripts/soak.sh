@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Soak: start sandcelld under socket activation (as scripts/demo.sh does, with a private state
+# directory and cgroup name), drive it with concurrent clients (sandcell-soak) that check
+# every result, then check that nothing is left over.
+#
+#   scripts/soak.sh [--clients N] [--cells M] [--seconds S] [--seed X] [--languages python,r]
+#
+# Defaults: 8 clients x 100 cells. Budgets are raised so that N clients fit (sessions,
+# memory budgets, per-uid quotas, connections: every client is this script's uid). Prints
+# samples of the daemon's RSS and descriptors, throughput, every problem, and last exactly one
+# line `soak: C cells, L lost, W wrong, K leaked`; exits non-zero unless all three are 0.
+# Needs the binaries of scripts/setup.sh; builds sandcell-soak if needed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/env.sh
+clients=8
+cells=100
+extra=()
+while [[ $# -gt 0 ]]; do
+    case $1 in
+    --clients) clients=$2; shift 2 ;;
+    --cells) cells=$2; shift 2 ;;
+    --seconds | --seed | --languages | --sample-seconds | --oneshot-percent | --samples-out)
+        extra+=("$1" "$2"); shift 2 ;;
+    -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "soak: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+[[ -x $BIN/sandcelld && -x $BIN/sandcell-worker-python ]] || {
+    echo "soak: $BIN/sandcelld or the workers are missing: run scripts/setup.sh first" >&2
+    exit 2
+}
+if [[ ! -x $BIN/sandcell-soak || client/src/bin/soak.rs -nt $BIN/sandcell-soak ]]; then
+    cargo build "${CARGO_FLAGS[@]}" -p sandcell-client --bin sandcell-soak
+fi
+languages=python
+if [[ -x $BIN/sandcell-worker-r ]] && command -v R >/dev/null; then
+    languages=python,r
+fi
+if [[ ! " ${extra[*]} " =~ " --languages " ]]; then
+    extra+=(--languages "$languages")
+fi
+
+run=$(mktemp -d /var/tmp/sandcell-soak.XXXXXX)
+chmod 0711 "$run"
+sock="$run/org.sandcell.Kernel"
+notify="$run/notify"
+cgroup="sandcell-soak-$$"
+uid_base=3900000000
+uid_count=65536
+# Each client holds at most one worker at a time; releases are asynchronous, so leave slack.
+sessions=$((clients * 2 + 4))
+mode=()
+if [[ $(id -u) -ne 0 ]]; then
+    echo "soak: not root: starting sandcelld with --insecure-dev (no cgroups, best-effort confinement)"
+    mode=(--insecure-dev)
+fi
+systemd-socket-activate -l "$sock" --fdname=varlink \
+    -E SANDCELL_WORKER_DIR="$BIN" -E SANDCELL_PYTHON_RUNTIME_DIR="$SANDCELL_TEST_PYTHON_RUNTIME" \
+    -E SANDCELL_STATE_DIR="$run/state" -E SANDCELL_CGROUP_NAME="$cgroup" \
+    -E SANDCELL_IDLE_EXIT_SECONDS=0 -E SANDCELL_LANGUAGES="$languages" \
+    -E SANDCELL_WORKER_UID_BASE="$uid_base" -E SANDCELL_WORKER_UID_COUNT="$uid_count" \
+    -E SANDCELL_EXECUTION_WALL_TIME_SECONDS=60 -E SANDCELL_MAX_FUEL=1000000000000000 \
+    -E SANDCELL_MAX_CONCURRENT_SESSIONS="$sessions" \
+    -E SANDCELL_MAX_AGGREGATE_GUEST_MEMORY_BYTES=$((sessions * 134217728)) \
+    -E SANDCELL_MAX_AGGREGATE_WORKER_MEMORY_BYTES=$((sessions * 1073741824)) \
+    -E SANDCELL_MAX_GUEST_MEMORY_BYTES=134217728 -E SANDCELL_MAX_WORKER_MEMORY_BYTES=1073741824 \
+    -E SANDCELL_MAX_SESSIONS_PER_UID="$sessions" \
+    -E SANDCELL_MAX_GUEST_MEMORY_BYTES_PER_UID=$((sessions * 134217728)) \
+    -E SANDCELL_MAX_WORKER_MEMORY_BYTES_PER_UID=$((sessions * 1073741824)) \
+    -E SANDCELL_MAX_STARTS_PER_SECOND_PER_UID=1000 -E SANDCELL_MAX_START_BURST_PER_UID=100000 \
+    -E SANDCELL_MAX_CONNECTIONS=$((clients * 4 + 64)) \
+    -E SANDCELL_MAX_CONNECTIONS_PER_UID=$((clients * 4 + 64)) \
+    -E NOTIFY_SOCKET="$notify" -E SANDCELL_LOG=warn \
+    "$BIN/sandcelld" "${mode[@]}" 2>"$run/daemon.log" &
+activator=$!
+cleanup() {
+    kill -TERM "$activator" 2>/dev/null || true
+    wait "$activator" 2>/dev/null || true
+    echo "soak: daemon log: $run/daemon.log ($(grep -c -i -E 'warn|error' "$run/daemon.log" || true) warning/error lines)"
+}
+trap cleanup EXIT
+for _ in $(seq 100); do [[ -S $sock ]] && break; sleep 0.1; done
+chmod 0660 "$sock"
+
+# systemd-socket-activate execs sandcelld in place on the first connection: same pid.
+status=0
+"$BIN/sandcell-soak" --socket "$sock" --clients "$clients" --cells "$cells" \
+    --daemon-pid "$activator" --cgroup-name "$cgroup" --state-dir "$run/state" \
+    --notify-socket "$notify" --uid-base "$uid_base" --uid-count "$uid_count" \
+    "${extra[@]}" || status=$?
+exit "$status"
