@@ -6,7 +6,8 @@
 #   scripts/soak.sh [--clients N] [--cells M] [--seconds S] [--seed X] [--languages python,r]
 #
 # Defaults: 8 clients x 100 cells. Budgets are raised so that N clients fit (sessions,
-# memory budgets, per-uid quotas, connections: every client is this script's uid). Prints
+# memory budgets, per-uid quotas, connections: every client is this script's uid; worker
+# start-up may take 120 s, since N clients start workers at once on few cores). Prints
 # samples of the daemon's RSS and descriptors, throughput, every problem, and last exactly one
 # line `soak: C cells, L lost, W wrong, K leaked`; exits non-zero unless all three are 0.
 # Needs the binaries of scripts/setup.sh; builds sandcell-soak if needed.
@@ -22,7 +23,7 @@ while [[ $# -gt 0 ]]; do
     --cells) cells=$2; shift 2 ;;
     --seconds | --seed | --languages | --sample-seconds | --oneshot-percent | --samples-out)
         extra+=("$1" "$2"); shift 2 ;;
-    -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "soak: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -61,6 +62,7 @@ systemd-socket-activate -l "$sock" --fdname=varlink \
     -E SANDCELL_IDLE_EXIT_SECONDS=0 -E SANDCELL_LANGUAGES="$languages" \
     -E SANDCELL_WORKER_UID_BASE="$uid_base" -E SANDCELL_WORKER_UID_COUNT="$uid_count" \
     -E SANDCELL_EXECUTION_WALL_TIME_SECONDS=60 -E SANDCELL_MAX_FUEL=1000000000000000 \
+    -E SANDCELL_WORKER_START_TIMEOUT_SECONDS=120 \
     -E SANDCELL_MAX_CONCURRENT_SESSIONS="$sessions" \
     -E SANDCELL_MAX_AGGREGATE_GUEST_MEMORY_BYTES=$((sessions * 134217728)) \
     -E SANDCELL_MAX_AGGREGATE_WORKER_MEMORY_BYTES=$((sessions * 1073741824)) \

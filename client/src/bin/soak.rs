@@ -82,7 +82,7 @@ struct Args {
 /// are truncated and their counts can be checked exactly.
 const CAP: u64 = 4096;
 /// Wall time of sessions that may run timeout cells, and of one-shot timeout cells, seconds.
-const SESSION_WALL: f64 = 6.0;
+const SESSION_WALL: f64 = 10.0;
 const ONESHOT_WALL: f64 = 0.5;
 
 #[derive(Default)]
@@ -93,11 +93,32 @@ struct Stats {
     wrong: AtomicU64,
     kinds: Mutex<BTreeMap<String, u64>>,
     problems: Mutex<Vec<String>>,
+    classes: Mutex<BTreeMap<String, u64>>,
 }
 
 impl Stats {
     fn problem(&self, counter: &AtomicU64, what: String) {
         counter.fetch_add(1, Ordering::SeqCst);
+        // Group by what happened: ids and numbers left out, the first words kept.
+        let class: Vec<&str> = what
+            .split_whitespace()
+            .map(|w| {
+                let w = w.trim_end_matches(':');
+                let hexish = w.len() >= 8 && w.bytes().all(|b| b.is_ascii_hexdigit());
+                if hexish || w.bytes().all(|b| b.is_ascii_digit()) {
+                    "#"
+                } else {
+                    w
+                }
+            })
+            .take(14)
+            .collect();
+        *self
+            .classes
+            .lock()
+            .unwrap()
+            .entry(class.join(" "))
+            .or_default() += 1;
         let mut p = self.problems.lock().unwrap();
         if p.len() < 40 {
             eprintln!("soak: {what}");
@@ -473,6 +494,7 @@ async fn client_task(ctx: Ctx, id: usize, cells: usize, languages: Vec<String>, 
         let len = 3 + rng.below(10) as usize;
         let mut value: Option<u64> = None;
         let mut broken = false;
+        let mut ended = false;
         for i in 0..len {
             if done >= cells || past(&ctx) {
                 break;
@@ -521,7 +543,16 @@ async fn client_task(ctx: Ctx, id: usize, cells: usize, languages: Vec<String>, 
             };
             match outcome {
                 Ok(()) => {}
-                Err(Outcome::Wrong(why)) => ctx.stats.wrong(format!("{what}: {why}")),
+                Err(Outcome::Wrong(why)) => {
+                    // A session that ended with a wrong result is gone: one wrong, not one
+                    // per remaining cell.
+                    let gone = why.contains("session_ended true");
+                    ctx.stats.wrong(format!("{what}: {why}"));
+                    if gone {
+                        ended = true;
+                        break;
+                    }
+                }
                 Err(Outcome::Call(err)) => {
                     if failed(&ctx, &what, err) {
                         broken = true;
@@ -535,6 +566,9 @@ async fn client_task(ctx: Ctx, id: usize, cells: usize, languages: Vec<String>, 
                 Some(x) => c = x,
                 None => return,
             }
+            continue;
+        }
+        if ended {
             continue;
         }
         if let Err(err) = timed(&ctx, c.close(&s)).await
@@ -1102,6 +1136,10 @@ async fn main() -> anyhow::Result<()> {
             .collect::<Vec<_>>()
             .join(" ")
     );
+
+    for (class, n) in stats.classes.lock().unwrap().iter() {
+        println!("soak: {n:6} x {class}");
+    }
 
     // Every client is gone: wait for the daemon to release, then compare.
     let ended = Instant::now();
