@@ -1,8 +1,10 @@
 //! Operator configuration: `/etc/sandcell/sandcelld.toml`, then `SANDCELL_*` environment
 //! overrides (higher precedence), then validation.
 //!
-//! The limits and their defaults are seed 000's operator table (an LLM gateway's embedded
-//! Eryx interpreter), renamed for a service whose unit is the session:
+//! The per-cell limits and their defaults come from an LLM gateway's embedded Eryx
+//! interpreter, renamed for a service whose unit is the session. The daemon-wide budgets are
+//! derived from the machine at start (the service is shared), and per-uid budgets keep room
+//! for a second user:
 //!
 //! | key | default | meaning |
 //! |---|---|---|
@@ -12,10 +14,17 @@
 //! | `max_guest_memory_bytes` | 134,217,728 | Eryx guest memory of one session; admission charge |
 //! | `max_stdout_bytes` | 65,536 | stdout bytes kept per cell |
 //! | `max_stderr_bytes` | 65,536 | stderr bytes kept per cell |
-//! | `max_concurrent_sessions` | 2 | sessions (workers) alive at once, one-shot runs included |
-//! | `max_aggregate_guest_memory_bytes` | 268,435,456 | admission budget of guest memory |
+//! | `max_concurrent_sessions` | machine: clamp(min(8 x nproc, W / 1 GiB), 2, 1024) | sessions (workers) alive at once, one-shot runs included |
+//! | `max_aggregate_guest_memory_bytes` | max_concurrent_sessions x 128 MiB | admission budget of guest memory |
 //! | `max_worker_memory_bytes` | 1,073,741,824 | cgroup memory.max of one worker |
-//! | `max_aggregate_worker_memory_bytes` | 2,147,483,648 | admission budget of worker memory |
+//! | `max_aggregate_worker_memory_bytes` | machine: W = max(3/4 of MemTotal, 2 GiB), MiB-aligned | admission budget of worker memory |
+//! | `max_sessions_per_uid` | total - max(1, total / 4) (1 when total is 1) | sessions of one client uid |
+//! | `max_detached_sessions_per_uid` | max(1, max_sessions_per_uid / 2) | detached sessions of one uid |
+//! | `max_guest_memory_bytes_per_uid` | total - max(one session, total / 4) | guest memory of one uid |
+//! | `max_worker_memory_bytes_per_uid` | total - max(one session, total / 4) | worker memory of one uid |
+//! | `max_detached_idle_seconds` | 86,400 | ceiling of a client's `detached_idle_seconds` |
+//! | `max_starts_per_second_per_uid` | 20.0 | `Open`/`Run` per second of one uid (token bucket rate) |
+//! | `max_start_burst_per_uid` | 40 | `Open`/`Run` in a burst of one uid (token bucket size) |
 //! | `max_file_bytes` | 67,108,864 | one file uploaded to a session directory (issue #8) |
 //! | `max_session_files_bytes` | 268,435,456 | regular files of one session directory, uploads checked against it |
 //!
@@ -64,24 +73,130 @@ pub struct Limits {
     /// Bytes of all regular files of one session directory (`st_size`); an upload that would
     /// exceed it is refused.
     pub max_session_files_bytes: u64,
+    /// Sessions of one client uid alive at once; unset: `max_concurrent_sessions -
+    /// max(1, max_concurrent_sessions / 4)` (1 when the total is 1).
+    pub max_sessions_per_uid: Option<u64>,
+    /// Detached sessions of one uid; unset: `max(1, max_sessions_per_uid / 2)`.
+    pub max_detached_sessions_per_uid: Option<u64>,
+    /// Guest memory of one uid's sessions, bytes; unset: the aggregate minus
+    /// `max(max_guest_memory_bytes, aggregate / 4)`.
+    pub max_guest_memory_bytes_per_uid: Option<u64>,
+    /// Worker memory of one uid's sessions, bytes; unset: the aggregate minus
+    /// `max(max_worker_memory_bytes, aggregate / 4)`.
+    pub max_worker_memory_bytes_per_uid: Option<u64>,
+    /// Ceiling of the `detached_idle_seconds` a client may ask for, seconds.
+    pub max_detached_idle_seconds: u64,
+    /// Session starts (`Open`, `Run`) per second of one uid: the refill rate of its token
+    /// bucket.
+    pub max_starts_per_second_per_uid: f64,
+    /// Session starts of one uid in a burst: the size of its token bucket.
+    pub max_start_burst_per_uid: u64,
+}
+
+/// Facts about the machine the defaults are derived from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Machine {
+    /// Online CPUs.
+    pub cpus: u64,
+    /// `MemTotal` of /proc/meminfo, bytes.
+    pub memory: u64,
+}
+
+impl Machine {
+    /// This machine (1 CPU and 4 GiB when they cannot be read).
+    pub fn detect() -> Machine {
+        // SAFETY: sysconf has no preconditions.
+        let cpus = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as u64;
+        let memory = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("MemTotal:"))
+                    .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            })
+            .map(|kib| kib * 1024)
+            .unwrap_or(4 << 30);
+        Machine { cpus, memory }
+    }
+}
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+impl Limits {
+    /// The defaults for `m`: per-cell limits fixed, daemon-wide budgets derived from the
+    /// machine so that one gateway alone can use most of it:
+    /// worker memory W = max(3/4 of MemTotal, 2 GiB) rounded down to a MiB,
+    /// sessions = clamp(min(8 x CPUs, W / 1 GiB), 2, 1024), guest memory = sessions x 128 MiB.
+    pub fn for_machine(m: Machine) -> Limits {
+        let worker_memory = (m.memory / 4 * 3).max(2 * GIB) / MIB * MIB;
+        let sessions = (m.cpus * 8).min(worker_memory / GIB).clamp(2, 1024);
+        Limits {
+            max_source_bytes: 65_536,
+            execution_wall_time_seconds: 10.0,
+            max_fuel: 10_000_000_000,
+            max_guest_memory_bytes: 128 * MIB,
+            max_stdout_bytes: 65_536,
+            max_stderr_bytes: 65_536,
+            max_concurrent_sessions: sessions,
+            max_aggregate_guest_memory_bytes: sessions * 128 * MIB,
+            max_worker_memory_bytes: GIB,
+            max_aggregate_worker_memory_bytes: worker_memory,
+            max_file_bytes: 64 * MIB,
+            max_session_files_bytes: 256 * MIB,
+            max_sessions_per_uid: None,
+            max_detached_sessions_per_uid: None,
+            max_guest_memory_bytes_per_uid: None,
+            max_worker_memory_bytes_per_uid: None,
+            max_detached_idle_seconds: 86_400,
+            max_starts_per_second_per_uid: 20.0,
+            max_start_burst_per_uid: 40,
+        }
+    }
+
+    /// Sessions of one uid: the key, or the total less a quarter (at least 1 left for others).
+    pub fn sessions_per_uid(&self) -> u64 {
+        self.max_sessions_per_uid.unwrap_or_else(|| {
+            let t = self.max_concurrent_sessions;
+            if t <= 1 { t } else { t - (t / 4).max(1) }
+        })
+    }
+
+    /// Detached sessions of one uid.
+    pub fn detached_per_uid(&self) -> u64 {
+        self.max_detached_sessions_per_uid
+            .unwrap_or_else(|| (self.sessions_per_uid() / 2).max(1))
+    }
+
+    /// Guest memory of one uid, bytes.
+    pub fn guest_memory_per_uid(&self) -> u64 {
+        self.max_guest_memory_bytes_per_uid.unwrap_or_else(|| {
+            share(
+                self.max_aggregate_guest_memory_bytes,
+                self.max_guest_memory_bytes,
+            )
+        })
+    }
+
+    /// Worker memory of one uid, bytes.
+    pub fn worker_memory_per_uid(&self) -> u64 {
+        self.max_worker_memory_bytes_per_uid.unwrap_or_else(|| {
+            share(
+                self.max_aggregate_worker_memory_bytes,
+                self.max_worker_memory_bytes,
+            )
+        })
+    }
+}
+
+/// `total - max(one, total / 4)`, but at least `one` (a uid can always have one session).
+fn share(total: u64, one: u64) -> u64 {
+    total.saturating_sub(one.max(total / 4)).max(one.min(total))
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Self {
-            max_source_bytes: 65_536,
-            execution_wall_time_seconds: 10.0,
-            max_fuel: 10_000_000_000,
-            max_guest_memory_bytes: 134_217_728,
-            max_stdout_bytes: 65_536,
-            max_stderr_bytes: 65_536,
-            max_concurrent_sessions: 2,
-            max_aggregate_guest_memory_bytes: 268_435_456,
-            max_worker_memory_bytes: 1_073_741_824,
-            max_aggregate_worker_memory_bytes: 2_147_483_648,
-            max_file_bytes: 64 * 1024 * 1024,
-            max_session_files_bytes: 256 * 1024 * 1024,
-        }
+        Self::for_machine(Machine::detect())
     }
 }
 
@@ -129,6 +244,13 @@ pub struct Daemon {
     pub pool_refill_per_second: f64,
     /// Seconds without a take after which a pool shrinks back to its minimum.
     pub pool_idle_seconds: u64,
+    /// Client connections open at once; one more is closed at once (and logged).
+    pub max_connections: u64,
+    /// Client connections of one uid open at once.
+    pub max_connections_per_uid: u64,
+    /// Seconds after which a connection with no call in flight and no session it owns is
+    /// closed.
+    pub connection_idle_seconds: u64,
 }
 
 impl Default for Daemon {
@@ -152,6 +274,9 @@ impl Default for Daemon {
             pool_r_max: 0,
             pool_refill_per_second: 4.0,
             pool_idle_seconds: 60,
+            max_connections: 1024,
+            max_connections_per_uid: 256,
+            connection_idle_seconds: 120,
         }
     }
 }
@@ -265,6 +390,22 @@ impl Config {
                 }
                 "max_file_bytes" => l.max_file_bytes = u64v()?,
                 "max_session_files_bytes" => l.max_session_files_bytes = u64v()?,
+                "max_sessions_per_uid" => l.max_sessions_per_uid = Some(u64v()?),
+                "max_detached_sessions_per_uid" => l.max_detached_sessions_per_uid = Some(u64v()?),
+                "max_guest_memory_bytes_per_uid" => {
+                    l.max_guest_memory_bytes_per_uid = Some(u64v()?)
+                }
+                "max_worker_memory_bytes_per_uid" => {
+                    l.max_worker_memory_bytes_per_uid = Some(u64v()?)
+                }
+                "max_detached_idle_seconds" => l.max_detached_idle_seconds = u64v()?,
+                "max_starts_per_second_per_uid" => {
+                    l.max_starts_per_second_per_uid = parse_num(&var, &value)?
+                }
+                "max_start_burst_per_uid" => l.max_start_burst_per_uid = u64v()?,
+                "max_connections" => d.max_connections = u64v()?,
+                "max_connections_per_uid" => d.max_connections_per_uid = u64v()?,
+                "connection_idle_seconds" => d.connection_idle_seconds = u64v()?,
                 "idle_exit_seconds" => d.idle_exit_seconds = u64v()?,
                 "worker_start_timeout_seconds" => {
                     d.worker_start_timeout_seconds = parse_num(&var, &value)?
@@ -327,6 +468,7 @@ impl Config {
             }
         }
         Self::validate_file_limits(l)?;
+        self.validate_per_uid()?;
         let wall = l.execution_wall_time_seconds;
         if !(wall.is_finite() && wall > 0.0 && wall <= 86_400.0) {
             return Err(Error::Invalid {
@@ -465,6 +607,109 @@ impl Config {
 }
 
 impl Config {
+    /// Per-uid budgets and connection caps: positive, within their daemon-wide budgets, and
+    /// room for at least one session.
+    fn validate_per_uid(&self) -> Result<(), Error> {
+        let l = &self.limits;
+        let d = &self.daemon;
+        for (key, v, max, max_key) in [
+            (
+                "max_sessions_per_uid",
+                l.sessions_per_uid(),
+                l.max_concurrent_sessions,
+                "max_concurrent_sessions",
+            ),
+            (
+                "max_detached_sessions_per_uid",
+                l.detached_per_uid(),
+                l.sessions_per_uid(),
+                "max_sessions_per_uid",
+            ),
+            (
+                "max_guest_memory_bytes_per_uid",
+                l.guest_memory_per_uid(),
+                l.max_aggregate_guest_memory_bytes,
+                "max_aggregate_guest_memory_bytes",
+            ),
+            (
+                "max_worker_memory_bytes_per_uid",
+                l.worker_memory_per_uid(),
+                l.max_aggregate_worker_memory_bytes,
+                "max_aggregate_worker_memory_bytes",
+            ),
+            (
+                "max_connections_per_uid",
+                d.max_connections_per_uid,
+                d.max_connections,
+                "max_connections",
+            ),
+        ] {
+            if v == 0 {
+                return Err(Error::Invalid {
+                    key,
+                    reason: "must be positive".into(),
+                });
+            }
+            if v > max {
+                return Err(Error::Invalid {
+                    key,
+                    reason: format!("{v} exceeds {max_key} ({max})"),
+                });
+            }
+        }
+        for (key, v, one, one_key) in [
+            (
+                "max_guest_memory_bytes_per_uid",
+                l.guest_memory_per_uid(),
+                l.max_guest_memory_bytes,
+                "max_guest_memory_bytes",
+            ),
+            (
+                "max_worker_memory_bytes_per_uid",
+                l.worker_memory_per_uid(),
+                l.max_worker_memory_bytes,
+                "max_worker_memory_bytes",
+            ),
+        ] {
+            if v < one {
+                return Err(Error::Invalid {
+                    key,
+                    reason: format!("{v} is below one session's {one_key} ({one})"),
+                });
+            }
+        }
+        if l.max_detached_idle_seconds == 0 || l.max_detached_idle_seconds > 7 * 86_400 {
+            return Err(Error::Invalid {
+                key: "max_detached_idle_seconds",
+                reason: "must be in [1, 604800]".into(),
+            });
+        }
+        let r = l.max_starts_per_second_per_uid;
+        if !(r.is_finite() && r > 0.0 && r <= 100_000.0) {
+            return Err(Error::Invalid {
+                key: "max_starts_per_second_per_uid",
+                reason: "must be in (0, 100000]".into(),
+            });
+        }
+        if l.max_start_burst_per_uid == 0 {
+            return Err(Error::Invalid {
+                key: "max_start_burst_per_uid",
+                reason: "must be positive".into(),
+            });
+        }
+        if d.max_connections == 0 || d.connection_idle_seconds == 0 {
+            return Err(Error::Invalid {
+                key: if d.max_connections == 0 {
+                    "max_connections"
+                } else {
+                    "connection_idle_seconds"
+                },
+                reason: "must be positive".into(),
+            });
+        }
+        Ok(())
+    }
+
     /// Session-file limits (issue #8): both positive, one file within the session's total.
     fn validate_file_limits(l: &Limits) -> Result<(), Error> {
         for (key, v) in [
@@ -507,11 +752,51 @@ mod tests {
     }
 
     #[test]
-    fn defaults_are_seed_000_and_valid() {
+    fn defaults_are_derived_from_the_machine_and_valid() {
         let c = Config::default();
         assert_eq!(c.limits.max_source_bytes, 65_536);
-        assert_eq!(c.limits.max_concurrent_sessions, 2);
         c.validate().unwrap();
+        // This machine's shape in the development notes: 2 CPUs, 24 GiB.
+        let l = Limits::for_machine(Machine {
+            cpus: 2,
+            memory: 24 * GIB,
+        });
+        assert_eq!(l.max_concurrent_sessions, 16);
+        assert_eq!(l.max_aggregate_worker_memory_bytes, 18 * GIB);
+        assert_eq!(l.sessions_per_uid(), 12);
+        assert_eq!(l.detached_per_uid(), 6);
+        assert_eq!(l.worker_memory_per_uid(), 18 * GIB - 18 * GIB / 4);
+        assert_eq!(l.guest_memory_per_uid(), 12 * 128 * MIB);
+        // A small machine still offers a second uid a session.
+        for (cpus, memory) in [(1, GIB), (1, 2 * GIB), (4, 3 * GIB), (64, 512 * GIB)] {
+            let l = Limits::for_machine(Machine { cpus, memory });
+            let c = Config {
+                limits: l.clone(),
+                ..Config::default()
+            };
+            c.validate().unwrap();
+            assert!(
+                l.sessions_per_uid() < l.max_concurrent_sessions,
+                "{cpus} {memory}"
+            );
+            assert!(l.worker_memory_per_uid() < l.max_aggregate_worker_memory_bytes);
+        }
+    }
+
+    #[test]
+    fn per_uid_budgets_are_checked() {
+        let mut c = Config::default();
+        c.limits.max_sessions_per_uid = Some(c.limits.max_concurrent_sessions + 1);
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("max_sessions_per_uid"), "{e}");
+        let mut c = Config::default();
+        c.apply_env(env(&[("SANDCELL_MAX_WORKER_MEMORY_BYTES_PER_UID", "1")]))
+            .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("max_worker_memory_bytes_per_uid"), "{e}");
+        let mut c = Config::default();
+        c.daemon.max_connections_per_uid = c.daemon.max_connections + 1;
+        assert!(c.validate().is_err());
     }
 
     #[test]

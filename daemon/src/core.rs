@@ -4,7 +4,7 @@
 //! (later) `dbus/` shims translate their calls into the methods here, and every method follows
 //! the same order: validate -> look up -> authorize -> act.
 
-use crate::admission::{Admission, Budgets, Charge, Refused};
+use crate::admission::{Admission, Budgets, Charge, Refused, UidBudgets, UidCharge};
 use crate::auth::{Action, Authority};
 use crate::cgroup::{Backend, GroupLimits, SessionGroup};
 use crate::config::Config;
@@ -19,8 +19,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
-use tokio::sync::{broadcast, mpsc};
+use std::time::{Duration, SystemTime};
+use tokio::sync::{broadcast, mpsc, watch};
 
 /// How the daemon runs its workers.
 #[derive(Debug, Clone)]
@@ -44,6 +44,10 @@ pub struct Core {
     stopping: AtomicBool,
     connections: AtomicU64,
     next_connection: AtomicU64,
+    /// Open connections per client uid.
+    connections_per_uid: Mutex<HashMap<u32, u64>>,
+    /// Workers being started for a client, by session id (listed as `starting`).
+    starting: Mutex<HashMap<String, Starting>>,
     pool: crate::pool::Pool,
     /// This core, weakly, so work that must finish can run on its own task.
     me: std::sync::Weak<Core>,
@@ -63,6 +67,95 @@ fn budgets(c: &Config) -> Budgets {
         guest_memory: c.limits.max_aggregate_guest_memory_bytes,
         worker_memory: c.limits.max_aggregate_worker_memory_bytes,
     }
+}
+
+fn uid_budgets(c: &Config) -> UidBudgets {
+    let l = &c.limits;
+    UidBudgets {
+        sessions: l.sessions_per_uid(),
+        detached: l.detached_per_uid(),
+        guest_memory: l.guest_memory_per_uid(),
+        worker_memory: l.worker_memory_per_uid(),
+        starts_per_second: l.max_starts_per_second_per_uid,
+        start_burst: l.max_start_burst_per_uid,
+    }
+}
+
+/// A client connection counted against the connection caps; give it back with
+/// [`Core::connection_closed`].
+#[derive(Debug)]
+pub struct ConnectionGuard {
+    id: u64,
+    uid: u32,
+}
+
+impl ConnectionGuard {
+    /// The connection's id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+}
+
+/// A worker being started for a client: visible in listings (state `starting`), cancelled by
+/// `TerminateSession` or when its client goes away.
+#[derive(Debug)]
+struct Starting {
+    owner: Caller,
+    language: Language,
+    since: SystemTime,
+    cancel: Arc<watch::Sender<bool>>,
+}
+
+/// A session whose worker is still starting, as listed.
+#[derive(Debug, Clone)]
+pub struct StartingInfo {
+    /// Session id it will have.
+    pub id: String,
+    /// Interpreter.
+    pub language: Language,
+    /// Owner uid.
+    pub uid: u32,
+    /// Owner pid.
+    pub pid: u32,
+    /// When the start began.
+    pub since: SystemTime,
+}
+
+/// Who asked for a worker and how to call its start off.
+pub(crate) struct StartFor {
+    owner: Caller,
+    cancel: watch::Receiver<bool>,
+    cancel_tx: Arc<watch::Sender<bool>>,
+}
+
+/// The content of an upload: decoded inline bytes, or a passed descriptor (inspected and read
+/// on the blocking pool only).
+#[derive(Debug)]
+pub enum Upload {
+    /// Decoded inline data.
+    Inline(Vec<u8>),
+    /// A descriptor the client passed.
+    Fd(crate::varlink::socket::Upload),
+}
+
+/// Seconds a `PutFile` may take on the blocking pool before its client is answered with
+/// `LimitExceeded` (`put_file_seconds`).
+pub const PUT_FILE_SECONDS: u64 = 60;
+
+/// Longest client-given session id echoed in an error, bytes (real ids are 32).
+const ECHO_ID_BYTES: usize = 64;
+
+/// A client-given session id as echoed in errors: as given when it has the shape of an id,
+/// else cut to its first bytes.
+fn echo_id(id: &str) -> String {
+    if id.len() <= ECHO_ID_BYTES {
+        return id.to_owned();
+    }
+    let mut end = ECHO_ID_BYTES - 3;
+    while !id.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &id[..end])
 }
 
 impl From<Refused> for KernelError {
@@ -87,7 +180,7 @@ impl Core {
         let (events, _) = broadcast::channel(256);
         Arc::new_cyclic(|me| Core {
             me: me.clone(),
-            admission: Admission::new(budgets(&config)),
+            admission: Admission::new(budgets(&config), uid_budgets(&config)),
             uids: UidPool::new(
                 config.daemon.worker_uid_base,
                 config.daemon.worker_uid_count,
@@ -101,6 +194,8 @@ impl Core {
             stopping: AtomicBool::new(false),
             connections: AtomicU64::new(0),
             next_connection: AtomicU64::new(1),
+            connections_per_uid: Mutex::default(),
+            starting: Mutex::default(),
             pool: crate::pool::Pool::default(),
         })
     }
@@ -122,7 +217,8 @@ impl Core {
 
     /// Applies a new, already validated configuration to sessions opened from now on.
     pub fn reload(&self, config: Config) {
-        self.admission.set_budgets(budgets(&config));
+        self.admission
+            .set_budgets(budgets(&config), uid_budgets(&config));
         *self.config.write().unwrap() = Arc::new(config);
     }
 
@@ -152,14 +248,56 @@ impl Core {
         self.sessions.lock().unwrap().values().cloned().collect()
     }
 
-    /// Registers a new client connection and returns its id.
-    pub fn connection_opened(&self) -> u64 {
+    /// Registers a new client connection of `uid` (process `pid`), or refuses it (logged with
+    /// the uid) when `max_connections` or `max_connections_per_uid` is reached.
+    pub fn connection_opened(&self, uid: u32, pid: u32) -> Option<ConnectionGuard> {
+        let cfg = self.config();
+        let mut per_uid = self.connections_per_uid.lock().unwrap();
+        let total = self.connections.load(Ordering::SeqCst);
+        let mine = per_uid.get(&uid).copied().unwrap_or(0);
+        let refused = if total >= cfg.daemon.max_connections {
+            Some(("max_connections", total, cfg.daemon.max_connections))
+        } else if mine >= cfg.daemon.max_connections_per_uid {
+            Some((
+                "max_connections_per_uid",
+                mine,
+                cfg.daemon.max_connections_per_uid,
+            ))
+        } else {
+            None
+        };
+        if let Some((budget, in_use, max)) = refused {
+            drop(per_uid);
+            tracing::warn!(
+                uid,
+                pid,
+                budget,
+                in_use,
+                max,
+                "connection refused: capacity exceeded"
+            );
+            return None;
+        }
+        *per_uid.entry(uid).or_default() += 1;
         self.connections.fetch_add(1, Ordering::SeqCst);
-        self.next_connection.fetch_add(1, Ordering::SeqCst)
+        Some(ConnectionGuard {
+            id: self.next_connection.fetch_add(1, Ordering::SeqCst),
+            uid,
+        })
+    }
+
+    /// Whether `connection` owns a session that ends with it (not detached).
+    pub fn connection_owns_sessions(&self, connection: u64) -> bool {
+        self.sessions
+            .lock()
+            .unwrap()
+            .values()
+            .any(|s| s.owner.connection == connection && s.detached_idle.is_none())
     }
 
     /// A connection ended: its sessions that are not detached end too (killed and reaped).
-    pub async fn connection_closed(&self, connection: u64) {
+    pub async fn connection_closed(&self, guard: ConnectionGuard) {
+        let connection = guard.id;
         let owned: Vec<_> = self
             .sessions()
             .into_iter()
@@ -168,7 +306,40 @@ impl Core {
         for s in owned {
             s.close("client disconnected").await;
         }
+        {
+            let mut per_uid = self.connections_per_uid.lock().unwrap();
+            if let Some(n) = per_uid.get_mut(&guard.uid) {
+                *n -= 1;
+                if *n == 0 {
+                    per_uid.remove(&guard.uid);
+                }
+            }
+        }
         self.connections.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Sessions whose worker is still starting for a client (not yet in [`Core::sessions`]).
+    pub fn starting_sessions(&self) -> Vec<StartingInfo> {
+        let mut v: Vec<_> = self
+            .starting
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(id, s)| StartingInfo {
+                id: id.clone(),
+                language: s.language,
+                uid: s.owner.uid,
+                pid: s.owner.pid,
+                since: s.since,
+            })
+            .collect();
+        v.sort_by_key(|s| s.since);
+        v
+    }
+
+    /// Per-uid budgets in force and the use of every uid holding sessions.
+    pub fn uid_admission(&self) -> (UidBudgets, Vec<(u32, crate::admission::UidUse)>) {
+        (self.admission.uid_budgets(), self.admission.uid_use())
     }
 
     /// Open connections.
@@ -278,7 +449,9 @@ impl Core {
         let s = self.sessions.lock().unwrap().get(id).cloned();
         match s {
             Some(s) if s.owner.uid == caller.uid || caller.uid == 0 => Ok(s),
-            _ => Err(KernelError::NoSuchSession { session: id.into() }),
+            _ => Err(KernelError::NoSuchSession {
+                session: echo_id(id),
+            }),
         }
     }
 
@@ -312,6 +485,7 @@ impl Core {
         }
         let language = self.language(language)?;
         let limits = self.session_limits(language, limits)?;
+        let max_idle = self.config().limits.max_detached_idle_seconds;
         let detached = match detached_idle_seconds {
             Some(0) => {
                 return Err(KernelError::InvalidParameter {
@@ -319,19 +493,54 @@ impl Core {
                     reason: "must be positive".into(),
                 });
             }
-            Some(s) if s > 7 * 86_400 => {
+            Some(s) if s > max_idle => {
                 return Err(KernelError::LimitExceeded {
-                    limit: "detached_idle_seconds".into(),
+                    limit: "max_detached_idle_seconds".into(),
                     value: s,
-                    max: 7 * 86_400,
+                    max: max_idle,
                 });
             }
             s => s.map(Duration::from_secs),
         };
         // authorize
         self.authorize(caller, Action::Execute).await?;
+        // per-uid rate and budgets, before any worker is touched
+        let refused = |r: Refused| {
+            tracing::warn!(
+                uid = caller.uid,
+                pid = caller.pid,
+                budget = r.budget,
+                in_use = r.in_use,
+                requested = r.requested,
+                max = r.max,
+                "session refused: capacity exceeded"
+            );
+            KernelError::from(r)
+        };
+        // The daemon's own readiness probe is not a client: it spends no client's tokens.
+        if !matches!(caller.subject, crate::session::Subject::Daemon) {
+            self.admission.take_start(caller.uid).map_err(refused)?;
+        }
+        let charge = self.charge(language, limits.guest_memory);
+        let reserved = self
+            .admission
+            .reserve_uid(caller.uid, charge, detached.is_some())
+            .map_err(refused)?;
         // act
-        self.spawn_session(caller, language, limits, detached).await
+        self.spawn_session(caller, language, limits, detached, reserved)
+            .await
+    }
+
+    /// What a session of `language` with `guest_memory` is charged.
+    fn charge(&self, language: Language, guest_memory: u64) -> Charge {
+        Charge {
+            guest_memory: if language == Language::Python {
+                guest_memory
+            } else {
+                0
+            },
+            worker_memory: self.config().limits.max_worker_memory_bytes,
+        }
     }
 
     async fn spawn_session(
@@ -340,34 +549,64 @@ impl Core {
         language: Language,
         limits: SessionLimits,
         detached: Option<Duration>,
+        reserved: UidCharge,
     ) -> Result<Arc<Session>, KernelError> {
         // A warm worker, when one fits: already confined and Ready, never used before.
         let warm = self.pool.take(language, limits.guest_memory);
         let from_pool = warm.is_some();
-        let prepared = match warm {
+        let mut prepared = match warm {
             Some(p) => p,
-            None => self.prepare_detached(language, limits.guest_memory).await?,
+            None => {
+                self.prepare_detached(caller, language, limits.guest_memory)
+                    .await?
+            }
         };
+        prepared.permit.attach(reserved);
         Ok(self.start_session(prepared, caller, limits, detached, from_pool))
     }
 
     /// [`Core::prepare_worker`] on a task of its own, so that a client that goes away while its
-    /// worker starts cannot leave a cgroup or directory behind: the task always finishes, and
-    /// discards the worker when nobody is waiting for it any more.
+    /// worker starts cannot leave a cgroup or directory behind: the task always finishes. When
+    /// nobody waits for the worker any more (the client went away), its start is cancelled at
+    /// once (killed, reaped, released) rather than awaited until Ready or the start timeout.
     async fn prepare_detached(
         &self,
+        caller: &Caller,
         language: Language,
         guest_memory: u64,
     ) -> Result<Prepared, KernelError> {
         let me = self.me.upgrade().ok_or(KernelError::ShuttingDown {})?;
-        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (mut tx, rx) = tokio::sync::oneshot::channel();
+        let owner = caller.clone();
         tokio::spawn(async move {
-            let r = match me.prepare_worker(language, guest_memory).await {
-                // Idle pooled workers hold admission charges: give one back rather than refuse.
-                Err(KernelError::CapacityExceeded { .. }) if me.pool.evict_one().await => {
-                    me.prepare_worker(language, guest_memory).await
+            let (cancel_tx, cancel) = watch::channel(false);
+            let cancel_tx = Arc::new(cancel_tx);
+            let start = |owner: Caller| StartFor {
+                owner,
+                cancel: cancel.clone(),
+                cancel_tx: cancel_tx.clone(),
+            };
+            let work = async {
+                match me
+                    .prepare_worker(language, guest_memory, Some(start(owner.clone())))
+                    .await
+                {
+                    // Idle pooled workers hold admission charges: give one back rather than
+                    // refuse.
+                    Err(KernelError::CapacityExceeded { .. }) if me.pool.evict_one().await => {
+                        me.prepare_worker(language, guest_memory, Some(start(owner)))
+                            .await
+                    }
+                    other => other,
                 }
-                other => other,
+            };
+            tokio::pin!(work);
+            let r = tokio::select! {
+                r = &mut work => r,
+                _ = tx.closed() => {
+                    let _ = cancel_tx.send(true);
+                    work.await
+                }
             };
             if let Err(Ok(p)) = tx.send(r) {
                 tracing::info!(session = %p.id, "client left while its worker started; discarding it");
@@ -378,21 +617,17 @@ impl Core {
     }
 
     /// Admits, creates the cgroup and directory, spawns a confined worker and waits for its
-    /// `Ready`. On any failure everything taken so far is released.
+    /// `Ready`. On any failure everything taken so far is released. With `start_for` (a
+    /// client's start, not the pool's), the worker is listed as `starting` until then, and
+    /// its cancellation ends the wait for `Ready` at once.
     pub(crate) async fn prepare_worker(
         &self,
         language: Language,
         guest_memory: u64,
+        start_for: Option<StartFor>,
     ) -> Result<Prepared, KernelError> {
         let cfg = self.config();
-        let charge = Charge {
-            guest_memory: if language == Language::Python {
-                guest_memory
-            } else {
-                0
-            },
-            worker_memory: cfg.limits.max_worker_memory_bytes,
-        };
+        let charge = self.charge(language, guest_memory);
         let permit = self.admission.try_admit(charge)?;
         let lease = if self.options.per_session_uids {
             Some(
@@ -409,6 +644,23 @@ impl Core {
             None
         };
         let id = new_session_id();
+        let mut cancel = None;
+        let _listed = start_for.map(|s| {
+            self.starting.lock().unwrap().insert(
+                id.clone(),
+                Starting {
+                    owner: s.owner,
+                    language,
+                    since: SystemTime::now(),
+                    cancel: s.cancel_tx,
+                },
+            );
+            cancel = Some(s.cancel);
+            Unlist {
+                core: self,
+                id: id.clone(),
+            }
+        });
         let uid = lease.as_ref().map(|l| l.uid());
         let spec = WorkerSpec {
             language,
@@ -455,29 +707,45 @@ impl Core {
         // The worker confines itself, loads its interpreter and says Ready; nothing is sent to
         // it before that.
         let timeout = Duration::from_secs_f64(cfg.daemon.worker_start_timeout_seconds);
-        let ready = tokio::time::timeout(timeout, spawned.replies.next_line()).await;
-        let engine = match ready {
-            Ok(Ok(Some(line))) => match WorkerMessage::parse(&line) {
-                Ok(WorkerMessage::Ready { engine, .. }) => Ok(engine),
-                Ok(WorkerMessage::Fatal { stage, reason }) => {
-                    Err(format!("worker failed at {stage}: {reason}"))
+        let cancelled = async {
+            match cancel.as_mut() {
+                Some(c) => {
+                    let _ = c.wait_for(|c| *c).await;
                 }
-                Ok(_) => Err("worker spoke before it was ready".to_string()),
-                Err(e) => Err(format!("bad ready line: {e}")),
-            },
-            Ok(Ok(None)) => {
-                let status = spawned
-                    .child
-                    .wait()
-                    .await
-                    .map(|s| s.to_string())
-                    .unwrap_or_default();
-                Err(format!(
-                    "worker exited before it was ready ({status}); see the daemon's log"
-                ))
+                None => std::future::pending::<()>().await,
             }
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(format!("worker not ready after {timeout:?}")),
+        };
+        let ready = tokio::select! {
+            r = tokio::time::timeout(timeout, spawned.replies.next_line()) => Some(r),
+            _ = cancelled => None,
+        };
+        let engine = match ready {
+            None => Err(
+                "start cancelled (the client went away, or the session was terminated)".to_string(),
+            ),
+            Some(ready) => match ready {
+                Ok(Ok(Some(line))) => match WorkerMessage::parse(&line) {
+                    Ok(WorkerMessage::Ready { engine, .. }) => Ok(engine),
+                    Ok(WorkerMessage::Fatal { stage, reason }) => {
+                        Err(format!("worker failed at {stage}: {reason}"))
+                    }
+                    Ok(_) => Err("worker spoke before it was ready".to_string()),
+                    Err(e) => Err(format!("bad ready line: {e}")),
+                },
+                Ok(Ok(None)) => {
+                    let status = spawned
+                        .child
+                        .wait()
+                        .await
+                        .map(|s| s.to_string())
+                        .unwrap_or_default();
+                    Err(format!(
+                        "worker exited before it was ready ({status}); see the daemon's log"
+                    ))
+                }
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err(format!("worker not ready after {timeout:?}")),
+            },
         };
         match engine {
             Ok(engine) => Ok(Prepared {
@@ -629,7 +897,9 @@ impl Core {
     async fn lookup_managed(&self, caller: &Caller, id: &str) -> Result<Arc<Session>, KernelError> {
         let s = self.sessions.lock().unwrap().get(id).cloned();
         let Some(s) = s else {
-            return Err(KernelError::NoSuchSession { session: id.into() });
+            return Err(KernelError::NoSuchSession {
+                session: echo_id(id),
+            });
         };
         let action = if s.owner.uid == caller.uid {
             Action::ManageOwn
@@ -640,9 +910,50 @@ impl Core {
         Ok(s)
     }
 
+    /// The cancel switch of a starting session `id` that `caller` may terminate (as
+    /// [`Core::lookup_managed`] authorizes); `None` when no such start is under way.
+    async fn starting_cancel(
+        &self,
+        caller: &Caller,
+        id: &str,
+    ) -> Result<Option<Arc<watch::Sender<bool>>>, KernelError> {
+        let found = self
+            .starting
+            .lock()
+            .unwrap()
+            .get(id)
+            .map(|s| (s.owner.uid, s.cancel.clone()));
+        let Some((owner, cancel)) = found else {
+            return Ok(None);
+        };
+        let action = if owner == caller.uid {
+            Action::ManageOwn
+        } else {
+            Action::ManageAll
+        };
+        self.authorize(caller, action).await?;
+        Ok(Some(cancel))
+    }
+
     /// Ends `session` for an administrator (D-Bus `TerminateSession`); returns after its
     /// worker is reaped and everything released. Errors: `NoSuchSession`, `PermissionDenied`.
     pub async fn terminate(&self, caller: &Caller, session: &str) -> Result<(), KernelError> {
+        if let Some(cancel) = self.starting_cancel(caller, session).await? {
+            tracing::info!(
+                session,
+                by_uid = caller.uid,
+                "starting session terminated by request"
+            );
+            let _ = cancel.send(true);
+            // The start ends (kill, reap, release) on its own task; wait until it is unlisted.
+            let t0 = std::time::Instant::now();
+            while self.starting.lock().unwrap().contains_key(session)
+                && t0.elapsed() < Duration::from_secs(10)
+            {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            return Ok(());
+        }
         let s = self.lookup_managed(caller, session).await?;
         tracing::info!(
             session,
@@ -709,24 +1020,41 @@ impl Core {
     }
 
     /// Stores `source` as `name` in `session`'s directory, owned by its worker identity, mode
-    /// 0600. `size` is the declared size, checked (with a passed descriptor's `fstat`) against
-    /// `max_file_bytes` before the session is looked up and before anything is read.
+    /// 0600. `size` is the declared size, checked against `max_file_bytes` before the session
+    /// is looked up. A passed descriptor is inspected on the blocking pool only (its mount must
+    /// be a local file system, then `fstat`: a regular file of `size` bytes) and read there,
+    /// within [`PUT_FILE_SECONDS`].
     ///
     /// Errors: `InvalidFileName`, `LimitExceeded` (`max_file_bytes`,
-    /// `max_session_files_bytes`), `InvalidParameter` (size mismatch, unusable descriptor),
-    /// `NoSuchSession`, `PermissionDenied`, `SessionBusy` (a cell is running),
-    /// `NotRegularFile` (something other than a regular file is in the way).
+    /// `max_session_files_bytes`, `put_file_seconds`), `InvalidParameter` (size mismatch,
+    /// unusable descriptor: not a regular file, or on a file system such as FUSE, NFS, CIFS,
+    /// 9p, proc or sysfs), `NoSuchSession`, `PermissionDenied`, `SessionBusy` (a cell is
+    /// running), `NotRegularFile` (something other than a regular file is in the way).
     pub async fn put_file(
         &self,
         caller: &Caller,
         session: &str,
         name: &str,
         size: u64,
-        source: crate::files::Source,
+        source: Upload,
     ) -> Result<sandcell_proto::kernel::FileInfo, KernelError> {
         let limits = self.file_limits();
         crate::files::validate_name(name)?;
-        crate::files::check_upload(size, &source, &limits)?;
+        if size > limits.max_file_bytes {
+            return Err(KernelError::LimitExceeded {
+                limit: "max_file_bytes".into(),
+                value: size,
+                max: limits.max_file_bytes,
+            });
+        }
+        if let Upload::Inline(bytes) = &source
+            && bytes.len() as u64 != size
+        {
+            return Err(KernelError::InvalidParameter {
+                parameter: "size".into(),
+                reason: format!("declared {size} bytes, data has {}", bytes.len()),
+            });
+        }
         let s = self.file_session(caller, session).await?;
         {
             let info = s.info.lock().unwrap();
@@ -746,15 +1074,44 @@ impl Core {
             }
         }
         let (dir, owner, name_owned) = (s.dir.clone(), s.worker_ids, name.to_owned());
-        let stored = tokio::task::spawn_blocking(move || {
+        let task = tokio::task::spawn_blocking(move || {
+            let source = match source {
+                Upload::Inline(bytes) => crate::files::Source::Inline(bytes),
+                Upload::Fd(u) => match crate::varlink::socket::inspect_upload(u) {
+                    Ok(fd) => crate::files::Source::Fd(fd),
+                    Err((u, why)) => {
+                        drop(u);
+                        return Err(KernelError::InvalidParameter {
+                            parameter: "fd".into(),
+                            reason: why.to_string(),
+                        });
+                    }
+                },
+            };
             crate::files::put(&dir, &name_owned, size, source, owner, &limits)
-        })
-        .await;
+                .map_err(KernelError::from)
+        });
+        let stored = tokio::time::timeout(Duration::from_secs(PUT_FILE_SECONDS), task).await;
         // Even a failed store may have left a partial file behind.
         s.files_changed();
-        let stored = stored.map_err(|e| KernelError::WorkerFailed {
-            reason: format!("file task failed: {e}"),
-        })??;
+        let stored = match stored {
+            Err(_) => {
+                tracing::warn!(
+                    session,
+                    uid = caller.uid,
+                    name,
+                    "upload exceeded its deadline"
+                );
+                return Err(KernelError::LimitExceeded {
+                    limit: "put_file_seconds".into(),
+                    value: PUT_FILE_SECONDS,
+                    max: PUT_FILE_SECONDS,
+                });
+            }
+            Ok(joined) => joined.map_err(|e| KernelError::WorkerFailed {
+                reason: format!("file task failed: {e}"),
+            })??,
+        };
         tracing::info!(session, uid = caller.uid, name, size, "file stored");
         Ok(stored)
     }
@@ -845,6 +1202,18 @@ impl Core {
         Ok(deleted.map_err(|e| KernelError::WorkerFailed {
             reason: format!("file task failed: {e}"),
         })??)
+    }
+}
+
+/// Removes a starting worker from the listing when its start ends, however it ends.
+struct Unlist<'a> {
+    core: &'a Core,
+    id: String,
+}
+
+impl Drop for Unlist<'_> {
+    fn drop(&mut self) {
+        self.core.starting.lock().unwrap().remove(&self.id);
     }
 }
 

@@ -252,7 +252,7 @@ pub async fn run(core: Weak<Core>) {
             } else if idle < target && !started && Instant::now() >= backoff_until {
                 started = true;
                 match c
-                    .prepare_worker(lang, cfg.limits.max_guest_memory_bytes)
+                    .prepare_worker(lang, cfg.limits.max_guest_memory_bytes, None)
                     .await
                 {
                     Ok(p) => {

@@ -97,6 +97,25 @@ pub(crate) fn rows(core: &Core, uid: Option<u32>) -> Vec<SessionRow> {
                 session_path(&s.id),
             )
         })
+        .chain(
+            // Workers still starting for a client: listed so that they can be terminated.
+            core.starting_sessions()
+                .into_iter()
+                .filter(|s| uid.is_none_or(|u| s.uid == u))
+                .map(|s| {
+                    (
+                        s.id.clone(),
+                        s.language.as_str().to_string(),
+                        s.uid,
+                        s.pid,
+                        "starting".to_string(),
+                        usec(s.since),
+                        0,
+                        u64::MAX,
+                        session_path(&s.id),
+                    )
+                }),
+        )
         .collect()
 }
 

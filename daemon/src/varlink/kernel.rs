@@ -1,8 +1,11 @@
 //! Method dispatch for `org.sandcell.Kernel` and `org.varlink.service`.
+//!
+//! Replies are serialized once, in time linear in their size ([`socket::encode`]), and every
+//! string a client sent that an error reply echoes is cut to [`ECHO_BYTES`] (a 4 MiB session
+//! id is answered with its first bytes).
 
-use super::socket::WriteHalf;
+use super::socket::{self, PassedFds, Writer};
 use crate::core::Core;
-use crate::files;
 use crate::session::Caller;
 use sandcell_proto::kernel::{
     self as k, CloseParams, ExecuteParams, Frame, FrameReply, InterruptParams, KernelError,
@@ -11,12 +14,15 @@ use sandcell_proto::kernel::{
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
-use std::os::fd::OwnedFd;
 use tokio::sync::mpsc;
-use zlink::connection::WriteConnection;
 use zlink::{Call, Reply};
 
-type Writer = WriteConnection<WriteHalf>;
+/// A reply written, or the connection is unusable.
+type Sent = std::io::Result<()>;
+
+/// Longest string of an error reply's parameters, bytes; longer ones (client strings echoed
+/// back) are cut at a character boundary and marked with `...`.
+pub const ECHO_BYTES: usize = 96;
 
 /// An error reply of any interface.
 #[derive(Debug, Serialize)]
@@ -32,18 +38,42 @@ fn service_error(name: &str, parameters: Value) -> ErrorReply {
     }
 }
 
-async fn send_error(w: &mut Writer, call: &Call<RawCall>, e: ErrorReply) -> zlink::Result<()> {
+/// Cuts `s` to at most [`ECHO_BYTES`] bytes.
+pub fn clip(s: &str) -> String {
+    if s.len() <= ECHO_BYTES {
+        return s.to_owned();
+    }
+    let mut end = ECHO_BYTES - 3;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &s[..end])
+}
+
+fn clip_strings(v: &mut Value) {
+    match v {
+        Value::String(s) if s.len() > ECHO_BYTES => *s = clip(s),
+        Value::Array(a) => a.iter_mut().for_each(clip_strings),
+        Value::Object(o) => o.values_mut().for_each(clip_strings),
+        _ => {}
+    }
+}
+
+async fn send(w: &Writer, call: &Call<RawCall>, value: &impl Serialize) -> Sent {
     if call.oneway() {
         return Ok(());
     }
-    w.send_error(&e, vec![]).await
+    let mut buf = Vec::new();
+    socket::encode(&mut buf, value)?;
+    w.write_all(&buf).await
 }
 
-async fn send_kernel_error(
-    w: &mut Writer,
-    call: &Call<RawCall>,
-    e: KernelError,
-) -> zlink::Result<()> {
+async fn send_error(w: &Writer, call: &Call<RawCall>, mut e: ErrorReply) -> Sent {
+    clip_strings(&mut e.parameters);
+    send(w, call, &e).await
+}
+
+async fn send_kernel_error(w: &Writer, call: &Call<RawCall>, e: KernelError) -> Sent {
     let v = serde_json::to_value(&e).unwrap_or(Value::Null);
     let reply = ErrorReply {
         error: e.name(),
@@ -52,17 +82,14 @@ async fn send_kernel_error(
     send_error(w, call, reply).await
 }
 
-async fn send_reply<T: Serialize + std::fmt::Debug>(
-    w: &mut Writer,
+async fn send_reply<T: Serialize>(
+    w: &Writer,
     call: &Call<RawCall>,
     value: T,
     continues: bool,
-) -> zlink::Result<()> {
-    if call.oneway() {
-        return Ok(());
-    }
+) -> Sent {
     let reply = Reply::new(Some(value)).set_continues(continues.then_some(true));
-    w.send_reply(&reply, vec![]).await
+    send(w, call, &reply).await
 }
 
 /// Parses `call`'s parameters as `T`, or replies `InvalidParameter` naming the field.
@@ -75,22 +102,36 @@ fn params<T: DeserializeOwned>(call: &Call<RawCall>) -> Result<T, ErrorReply> {
     serde_json::from_value(v).map_err(|e| {
         // serde names the field in its message ("missing field `code`", "unknown field `x`").
         let msg = e.to_string();
-        let parameter = msg.split('`').nth(1).unwrap_or("parameters").to_owned();
+        let parameter = clip(msg.split('`').nth(1).unwrap_or("parameters"));
         service_error("InvalidParameter", json!({ "parameter": parameter }))
     })
 }
 
-/// Answers one call; `fds` are the descriptors passed with it (only `PutFile` uses one, the
-/// others are closed when the call is answered). An `Err` means the connection is unusable.
+/// Answers one call; `fds` are the descriptors passed with it: only `PutFile` takes one (and
+/// exactly the one it names), any other call that comes with descriptors is refused with
+/// `InvalidParameter` (`fd`). Unused descriptors are closed off the runtime when dropped. An
+/// `Err` means the connection is unusable.
 pub async fn handle(
     core: &Core,
     caller: &Caller,
-    w: &mut Writer,
+    w: &Writer,
     call: Call<RawCall>,
-    fds: Vec<OwnedFd>,
-) -> zlink::Result<()> {
+    fds: PassedFds,
+) -> Sent {
     let method = call.method().method.clone();
     let (iface, name) = method.rsplit_once('.').unwrap_or(("", method.as_str()));
+    let takes_fds = iface == k::INTERFACE && name == "PutFile";
+    if !(fds.is_empty() || takes_fds) {
+        let e = KernelError::InvalidParameter {
+            parameter: "fd".into(),
+            reason: format!(
+                "this method takes no descriptors ({} passed; closed unread)",
+                fds.len()
+            ),
+        };
+        drop(fds);
+        return send_kernel_error(w, &call, e).await;
+    }
     match iface {
         "org.varlink.service" => return service(w, &call, name).await,
         k::INTERFACE => {}
@@ -226,12 +267,19 @@ async fn put_file(
     core: &Core,
     caller: &Caller,
     p: k::PutFileParams,
-    mut fds: Vec<OwnedFd>,
+    mut fds: PassedFds,
 ) -> Result<Value, KernelError> {
     let invalid = |parameter: &str, reason: &str| KernelError::InvalidParameter {
         parameter: parameter.into(),
         reason: reason.into(),
     };
+    let passed = fds.len();
+    if passed > 1 || (passed == 1 && p.fd.is_none()) {
+        return Err(invalid(
+            "fd",
+            "pass exactly the one descriptor that fd names",
+        ));
+    }
     let source = match (p.data, p.fd) {
         (Some(_), Some(_)) => return Err(invalid("fd", "give data or fd, not both")),
         (Some(data), None) => {
@@ -245,16 +293,18 @@ async fn put_file(
                 });
             }
             let bytes = k::decode_base64(&data).map_err(|e| invalid("data", &e.to_string()))?;
-            files::Source::Inline(bytes)
+            crate::core::Upload::Inline(bytes)
         }
         (None, Some(i)) => {
             let i = usize::try_from(i).unwrap_or(usize::MAX);
-            if i >= fds.len() {
-                return Err(invalid("fd", "no such descriptor was passed with the call"));
+            match fds.take(i) {
+                Some(u) => crate::core::Upload::Fd(u),
+                None => {
+                    return Err(invalid("fd", "no such descriptor was passed with the call"));
+                }
             }
-            files::Source::Fd(fds.swap_remove(i))
         }
-        (None, None) if p.size == 0 => files::Source::Inline(Vec::new()),
+        (None, None) if p.size == 0 => crate::core::Upload::Inline(Vec::new()),
         (None, None) => return Err(invalid("data", "give data or fd")),
     };
     let file = core
@@ -263,11 +313,7 @@ async fn put_file(
     Ok(json!(k::PutFileReply { file }))
 }
 
-async fn stream_frames(
-    w: &mut Writer,
-    call: &Call<RawCall>,
-    mut rx: mpsc::Receiver<Frame>,
-) -> zlink::Result<()> {
+async fn stream_frames(w: &Writer, call: &Call<RawCall>, mut rx: mpsc::Receiver<Frame>) -> Sent {
     let mut buf: Vec<u8> = Vec::new();
     while let Some(first) = rx.recv().await {
         // Every frame already queued goes out in one write: a short cell's output and result
@@ -279,14 +325,13 @@ async fn stream_frames(
             last = frame.result.is_some();
             let reply =
                 Reply::new(Some(FrameReply { frame })).set_continues((!last).then_some(true));
-            serde_json::to_writer(&mut buf, &reply)?;
-            buf.push(0);
+            socket::encode(&mut buf, &reply)?;
             if !last && buf.len() < FRAME_BATCH_BYTES {
                 next = rx.try_recv().ok();
             }
         }
         if !call.oneway() {
-            w.write_half().write_all_shared(&buf).await?;
+            w.write_all(&buf).await?;
         }
         if last {
             return Ok(());
@@ -307,7 +352,7 @@ async fn stream_frames(
 /// frames (a frame's text is at most 64 KiB, six bytes per byte when escaped).
 const FRAME_BATCH_BYTES: usize = 256 * 1024;
 
-async fn service(w: &mut Writer, call: &Call<RawCall>, name: &str) -> zlink::Result<()> {
+async fn service(w: &Writer, call: &Call<RawCall>, name: &str) -> Sent {
     match name {
         "GetInfo" => {
             let info = json!({

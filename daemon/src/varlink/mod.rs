@@ -2,9 +2,14 @@
 //!
 //! A thin shim: it reads calls, checks their parameters' shape, calls the core, and writes
 //! replies and named errors. Each connection is served by its own task, so a handler that waits
-//! for a cell never stalls another client; a second task per connection reads ahead and
-//! notices a hang-up at once, even during a silent cell (zlink's own `Server` does neither:
-//! PLATFORM-NOTES). Calls on one connection are answered in order, as Varlink requires.
+//! for a cell never stalls another client; a second task per connection reads ahead (at most
+//! one message beyond the one being answered) and notices a hang-up at once, even during a
+//! silent cell. Calls on one connection are answered in order, as Varlink requires.
+//!
+//! Connections are capped in total (`daemon.max_connections`) and per uid
+//! (`daemon.max_connections_per_uid`): one over a cap is closed at once and logged with its
+//! uid. A connection with no call in flight, no partial message and no session it owns is
+//! closed after `daemon.connection_idle_seconds`.
 
 mod kernel;
 pub mod socket;
@@ -12,17 +17,19 @@ pub mod socket;
 use crate::core::Core;
 use crate::session::Caller;
 use sandcell_proto::kernel::RawCall;
-use std::os::fd::OwnedFd;
+use std::os::fd::AsFd;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, watch};
-use zlink::Connection;
 
 /// Accepts connections until `stop` turns true; each is served on its own task.
 ///
 /// When `stop` fires, connections not yet accepted stay queued in the listening socket
 /// (systemd keeps it), so a socket-activated daemon that exits loses nothing.
 pub async fn serve(core: Arc<Core>, listener: UnixListener, mut stop: watch::Receiver<bool>) {
+    raise_nofile(&core);
     loop {
         tokio::select! {
             _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
@@ -32,52 +39,95 @@ pub async fn serve(core: Arc<Core>, listener: UnixListener, mut stop: watch::Rec
                     tokio::spawn(serve_connection(core, stream));
                 }
                 Err(e) => {
+                    // EMFILE/ENFILE: the pending connection stays queued; retry shortly.
                     tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             },
         }
     }
 }
 
+/// Descriptors the daemon needs besides connections and sessions (listening socket, bus
+/// connection, log, cgroup and /proc files opened briefly, descriptors being closed).
+pub const NOFILE_SLACK: u64 = 256;
+
+/// Descriptors one session holds open in the daemon (request and reply pipes, the raw output
+/// pipes of an R worker, the child's pidfd, directory descriptors while files move).
+pub const FDS_PER_SESSION: u64 = 8;
+
+/// Descriptors one connection may hold: its socket, the peer's pidfd, and the descriptors
+/// passed with the call being answered and with the one read ahead.
+pub const FDS_PER_CONNECTION: u64 = 2 + 2 * socket::MAX_FDS as u64;
+
+/// Raises the soft RLIMIT_NOFILE to the hard limit and warns when even that cannot hold
+/// `max_connections x FDS_PER_CONNECTION (10) + max_concurrent_sessions x FDS_PER_SESSION (8)
+/// + NOFILE_SLACK (256)` descriptors.
+fn raise_nofile(core: &Core) {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write `lim` only.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
+            lim.rlim_cur = lim.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+            }
+        }
+    }
+    let cfg = core.config();
+    let need = cfg.daemon.max_connections * FDS_PER_CONNECTION
+        + cfg.limits.max_concurrent_sessions * FDS_PER_SESSION
+        + NOFILE_SLACK;
+    if lim.rlim_cur < need {
+        tracing::warn!(
+            nofile = lim.rlim_cur,
+            need,
+            "RLIMIT_NOFILE is below max_connections x 10 + max_concurrent_sessions x 8 + 256; raise LimitNOFILE= or lower the caps"
+        );
+    } else {
+        tracing::info!(nofile = lim.rlim_cur, need, "descriptor limit");
+    }
+}
+
 async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
-    let id = core.connection_opened();
-    let mut conn = Connection::new(socket::BoundedStream::new(stream));
-    let caller = match conn.peer_credentials().await {
-        Ok(c) => Caller {
-            uid: c.unix_user_id().as_raw(),
-            gid: c.unix_primary_group_id().as_raw(),
-            pid: c.process_id().as_raw_nonzero().get() as u32,
-            connection: id,
-            // issue #5: pid + start time + pidfd, the polkit subject (never a bare pid).
-            subject: crate::polkit::process_subject(
-                c.process_id().as_raw_nonzero().get() as u32,
-                c.process_fd(),
-            ),
-        },
+    let (uid, gid, pid, pidfd) = match socket::peer_credentials(&stream) {
+        Ok(c) => c,
         Err(e) => {
             tracing::warn!(error = %e, "no peer credentials; dropping connection");
-            core.connection_closed(id).await;
             return;
         }
     };
-    tracing::debug!(
-        connection = id,
-        uid = caller.uid,
-        pid = caller.pid,
-        "client connected"
-    );
-    let (mut read, mut write) = conn.split();
-    let (calls_tx, mut calls_rx) = mpsc::channel::<(zlink::Call<RawCall>, Vec<OwnedFd>)>(8);
+    let Some(guard) = core.connection_opened(uid, pid) else {
+        // Refused and logged by the core; closing is the refusal.
+        return;
+    };
+    let id = guard.id();
+    let caller = Caller {
+        uid,
+        gid,
+        pid,
+        connection: id,
+        // issue #5: pid + start time + pidfd, the polkit subject (never a bare pid).
+        subject: crate::polkit::process_subject(pid, pidfd.as_ref().map(|f| f.as_fd())),
+    };
+    drop(pidfd);
+    tracing::debug!(connection = id, uid, pid, "client connected");
+    let (mut read, write) = socket::split(stream, uid);
+    let partial = read.partial_flag();
+    let (calls_tx, mut calls_rx) = mpsc::channel::<socket::Message>(1);
     let (closed_tx, mut closed_rx) = watch::channel(false);
     let reader = tokio::spawn(async move {
         loop {
-            match read.receive_call::<RawCall>().await {
-                Ok((call, fds)) => {
-                    if calls_tx.send((call, fds)).await.is_err() {
+            match read.next().await {
+                Ok(Some(m)) => {
+                    if calls_tx.send(m).await.is_err() {
                         break;
                     }
                 }
+                Ok(None) => break,
                 Err(e) => {
                     tracing::debug!(connection = id, error = %e, "connection ends");
                     break;
@@ -87,26 +137,44 @@ async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
         let _ = closed_tx.send(true);
     });
     loop {
-        let (call, fds) = tokio::select! {
+        let idle = Duration::from_secs(core.config().daemon.connection_idle_seconds);
+        let msg = tokio::select! {
             c = calls_rx.recv() => match c { Some(c) => c, None => break },
             _ = async { let _ = closed_rx.wait_for(|c| *c).await; } => {
                 // Calls already read are still answered unless the peer is gone for good;
                 // a write to a closed socket fails and ends the loop.
                 match calls_rx.try_recv() { Ok(c) => c, Err(_) => break }
             }
+            _ = tokio::time::sleep(idle) => {
+                if partial.load(Ordering::Relaxed) || core.connection_owns_sessions(id) {
+                    continue;
+                }
+                tracing::info!(connection = id, uid, pid, idle_seconds = idle.as_secs(), "closing idle connection");
+                break;
+            }
         };
+        let socket::Message { bytes, fds, .. } = msg;
+        let call = match serde_json::from_slice::<zlink::Call<RawCall>>(&bytes) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!(connection = id, error = %e, "malformed call; connection ends");
+                break;
+            }
+        };
+        drop(bytes);
         let mut closed = closed_rx.clone();
         let handled = tokio::select! {
-            r = kernel::handle(&core, &caller, &mut write, call, fds) => r,
+            r = kernel::handle(&core, &caller, &write, call, fds) => r,
             // The client hung up: drop the handler, which drops the cell's frame receiver;
             // the session actor sees that and cancels the cell (kill, reap, release).
-            _ = async { let _ = closed.wait_for(|c| *c).await; } => Err(zlink::Error::Io(std::io::ErrorKind::BrokenPipe.into())),
+            _ = async { let _ = closed.wait_for(|c| *c).await; } => Err(std::io::ErrorKind::BrokenPipe.into()),
         };
         if handled.is_err() {
             break;
         }
     }
     reader.abort();
-    core.connection_closed(id).await;
+    let _ = reader.await;
+    core.connection_closed(guard).await;
     tracing::debug!(connection = id, "client disconnected");
 }

@@ -1,21 +1,37 @@
-//! A zlink transport over a Unix stream that bounds the size of one incoming message.
+//! The Varlink transport of the daemon: bounded reading, linear writing, passed descriptors.
 //!
-//! zlink buffers a message until its terminating NUL and allows up to 100 MB; a hostile client
-//! could make the daemon hold that much per connection. This transport counts the bytes since
-//! the last NUL as they are read and fails the read once a message exceeds [`MAX_MESSAGE`],
-//! which ends the connection.
+//! zlink's own connection is not used on the server side, for three reasons measured on zlink
+//! 0.8: its writer serializes a message into a buffer that starts at 256 bytes and, when the
+//! message does not fit, grows it by 256 bytes and serializes the whole message again, so a
+//! reply of n bytes costs O(n^2 / 256) (a 4 MiB error reply echoing a client string cost 39 s
+//! of CPU, a 1 MiB `GetFile` chunk seconds); its reader grows a buffer to the largest message
+//! ever received and never gives it back; and it reads 256 bytes per system call.
 //!
-//! It receives file descriptors (`SCM_RIGHTS`, for `PutFile`), bounded too: at most
-//! [`MAX_FDS`] per `recvmsg` (more truncate the control data, which ends the connection; the
-//! kernel closes the excess) and at most [`MAX_FDS`] received since the last message end.
-//! Descriptors arrive close-on-exec (`MSG_CMSG_CLOEXEC`), so a worker forked meanwhile never
-//! inherits one. It sends none.
+//! Here a message is read in chunks of [`READ_CHUNK`] bytes, bounded by [`MAX_MESSAGE`], must
+//! complete within [`MESSAGE_SECONDS`] once its first byte arrived, and the buffer is released
+//! once a message larger than [`KEEP_BUFFER`] was handed out. Bytes buffered beyond
+//! [`KEEP_BUFFER`] draw on one daemon-wide read-ahead budget ([`READ_AHEAD_BYTES`]): a reader
+//! that finds it exhausted waits (the kernel's socket buffer pushes back on its client).
+//! Replies are serialized once with `serde_json` (linear) and written whole.
+//!
+//! Descriptors (`SCM_RIGHTS`, for `PutFile`): at most [`MAX_FDS`] per `recvmsg` (more truncate
+//! the control data, which ends the connection; the kernel closes the excess) and per message,
+//! close-on-exec. They are owned by [`PassedFds`], whose drop closes them on a thread of its
+//! own, never on the async runtime's threads: `close()` of a TCP socket with `SO_LINGER` blocks
+//! for the linger time, of a FUSE file until its server answers. Sockets get `SO_LINGER` off
+//! before the close. A uid with more than [`MAX_DISPOSING_PER_UID`] descriptors still being
+//! closed is not read from until they are.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use tokio::io::{AsyncWriteExt, Interest};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::Duration;
+use tokio::io::Interest;
 use tokio::net::UnixStream;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
-use zlink::connection::socket::{self, ReadResult};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 /// Largest message accepted from a client, in bytes: the source ceiling (512 KiB) with room
 /// for JSON escaping (a `\u0000` escape is 6 bytes per source byte) and the envelope.
@@ -24,84 +40,237 @@ pub const MAX_MESSAGE: usize = 4 * 1024 * 1024;
 /// Descriptors accepted with one message (and with one `recvmsg`).
 pub const MAX_FDS: usize = 4;
 
-/// A Unix stream with a bounded read side.
-#[derive(Debug)]
-pub struct BoundedStream(UnixStream);
+/// Bytes asked of the socket per read.
+pub const READ_CHUNK: usize = 64 * 1024;
 
-impl BoundedStream {
-    /// Wraps an accepted connection.
-    pub fn new(stream: UnixStream) -> Self {
-        Self(stream)
-    }
+/// A connection's read buffer is kept between messages up to this capacity, bytes; a larger
+/// one is freed once its message was handed out.
+pub const KEEP_BUFFER: usize = 64 * 1024;
+
+/// Daemon-wide budget of buffered client bytes beyond each connection's first
+/// [`KEEP_BUFFER`], bytes (16 messages of the largest size).
+pub const READ_AHEAD_BYTES: usize = 64 * 1024 * 1024;
+
+/// Seconds within which a message must be complete once its first byte arrived; a client that
+/// trickles a message slower than that is disconnected.
+pub const MESSAGE_SECONDS: u64 = 30;
+
+/// Descriptors of one uid that may be waiting to be closed before its connections are no
+/// longer read from.
+pub const MAX_DISPOSING_PER_UID: usize = 16;
+
+static READ_AHEAD: LazyLock<Arc<Semaphore>> =
+    LazyLock::new(|| Arc::new(Semaphore::new(READ_AHEAD_BYTES / READ_CHUNK)));
+
+/// One message as received: its bytes (without the terminating NUL) and its descriptors.
+#[derive(Debug)]
+pub struct Message {
+    /// The JSON text.
+    pub bytes: Vec<u8>,
+    /// Descriptors passed with it.
+    pub fds: PassedFds,
+    /// Read-ahead budget held while the message is alive.
+    _budget: Vec<OwnedSemaphorePermit>,
 }
 
-/// Read half that fails a message longer than [`MAX_MESSAGE`].
+/// The read side of a client connection.
 #[derive(Debug)]
-pub struct ReadHalf {
+pub struct Reader {
     inner: OwnedReadHalf,
-    since_nul: usize,
-    fds_since_nul: usize,
+    uid: u32,
+    buf: Vec<u8>,
+    /// Bytes of `buf` already searched for a NUL.
+    scanned: usize,
+    /// Descriptors with the buffer position of the last byte that came with them.
+    pending: Vec<(usize, Vec<OwnedFd>)>,
+    budget: Vec<OwnedSemaphorePermit>,
+    started: Option<tokio::time::Instant>,
+    partial: Arc<AtomicBool>,
 }
 
-/// Write half.
+/// The write side of a client connection.
 #[derive(Debug)]
-pub struct WriteHalf(OwnedWriteHalf);
+pub struct Writer(OwnedWriteHalf);
 
-impl socket::Socket for BoundedStream {
-    type ReadHalf = ReadHalf;
-    type WriteHalf = WriteHalf;
-
-    const CAN_TRANSFER_FDS: bool = true;
-
-    fn split(self) -> (ReadHalf, WriteHalf) {
-        let (r, w) = self.0.into_split();
-        (
-            ReadHalf {
-                inner: r,
-                since_nul: 0,
-                fds_since_nul: 0,
-            },
-            WriteHalf(w),
-        )
-    }
+/// Splits an accepted connection for a client of `uid`.
+pub fn split(stream: UnixStream, uid: u32) -> (Reader, Writer) {
+    let (r, w) = stream.into_split();
+    (
+        Reader {
+            inner: r,
+            uid,
+            buf: Vec::new(),
+            scanned: 0,
+            pending: Vec::new(),
+            budget: Vec::new(),
+            started: None,
+            partial: Arc::default(),
+        },
+        Writer(w),
+    )
 }
 
-impl socket::ReadHalf for ReadHalf {
-    async fn read(&mut self, buf: &mut [u8]) -> zlink::Result<ReadResult> {
-        let (n, fds) = loop {
+fn invalid(msg: String) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, msg)
+}
+
+impl Reader {
+    /// Whether part of a message is buffered (a call is on its way).
+    pub fn partial(&self) -> bool {
+        !self.buf.is_empty()
+    }
+
+    /// A flag that tells other tasks whether part of a message is buffered.
+    pub fn partial_flag(&self) -> Arc<AtomicBool> {
+        self.partial.clone()
+    }
+
+    /// The next complete message; `Ok(None)` when the client closed the connection between
+    /// messages. Errors: the socket failed, a message exceeds [`MAX_MESSAGE`] bytes or
+    /// [`MAX_FDS`] descriptors, took longer than [`MESSAGE_SECONDS`], or the connection ended
+    /// inside one.
+    pub async fn next(&mut self) -> std::io::Result<Option<Message>> {
+        loop {
+            if let Some(i) = self.buf[self.scanned..].iter().position(|&b| b == 0) {
+                return Ok(Some(self.take(self.scanned + i)));
+            }
+            self.scanned = self.buf.len();
+            if self.buf.len() > MAX_MESSAGE {
+                return Err(invalid(format!("message exceeds {MAX_MESSAGE} bytes")));
+            }
+            wait_disposals(self.uid).await;
+            // Beyond the first chunk, every chunk buffered draws on the daemon-wide budget.
+            if self.buf.len() >= KEEP_BUFFER {
+                let deadline = self.deadline();
+                let permit = tokio::time::timeout_at(deadline, READ_AHEAD.clone().acquire_owned())
+                    .await
+                    .map_err(|_| {
+                        invalid(format!("message not complete after {MESSAGE_SECONDS} s"))
+                    })?
+                    .expect("the read-ahead semaphore is never closed");
+                self.budget.push(permit);
+            }
+            let deadline = self.deadline();
+            let (n, fds) = match tokio::time::timeout_at(deadline, self.read_chunk()).await {
+                Ok(r) => r?,
+                Err(_) => {
+                    return Err(invalid(format!(
+                        "message not complete after {MESSAGE_SECONDS} s"
+                    )));
+                }
+            };
+            if n == 0 {
+                if self.buf.is_empty() {
+                    return Ok(None);
+                }
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            if self.started.is_none() {
+                self.started = Some(tokio::time::Instant::now());
+            }
+            self.partial.store(true, Ordering::Relaxed);
+            if !fds.is_empty() {
+                // On Linux the descriptors came with the last byte of this read.
+                self.pending.push((self.buf.len() - 1, fds));
+            }
+        }
+    }
+
+    fn deadline(&self) -> tokio::time::Instant {
+        match self.started {
+            Some(t) => t + Duration::from_secs(MESSAGE_SECONDS),
+            None => tokio::time::Instant::now() + Duration::from_secs(86_400 * 365),
+        }
+    }
+
+    /// Splits off the message ending with the NUL at `nul`.
+    fn take(&mut self, nul: usize) -> Message {
+        let rest = self.buf.split_off(nul + 1);
+        let mut bytes = std::mem::replace(&mut self.buf, rest);
+        bytes.pop();
+        if self.buf.is_empty() && self.buf.capacity() > KEEP_BUFFER {
+            self.buf = Vec::new();
+        }
+        self.scanned = 0;
+        let mut fds = Vec::new();
+        let mut kept = Vec::new();
+        for (pos, v) in std::mem::take(&mut self.pending) {
+            if pos <= nul {
+                fds.extend(v);
+            } else {
+                kept.push((pos - nul - 1, v));
+            }
+        }
+        self.pending = kept;
+        // Budget: the message keeps what its bytes drew; what is left over stays buffered.
+        let held = self
+            .buf
+            .len()
+            .saturating_sub(KEEP_BUFFER)
+            .div_ceil(READ_CHUNK);
+        let budget = self.budget.split_off(held.min(self.budget.len()));
+        self.partial.store(!self.buf.is_empty(), Ordering::Relaxed);
+        self.started = if self.buf.is_empty() {
+            None
+        } else {
+            Some(tokio::time::Instant::now())
+        };
+        let count = fds.len();
+        let fds = PassedFds::new(fds, self.uid);
+        if count > MAX_FDS {
+            // Dropped (closed off-runtime); the caller sees a message with too many.
+            tracing::debug!(count, "message with too many descriptors");
+        }
+        Message {
+            bytes,
+            fds,
+            _budget: budget,
+        }
+    }
+
+    /// One non-blocking `recvmsg` of at most [`READ_CHUNK`] bytes appended to the buffer.
+    async fn read_chunk(&mut self) -> std::io::Result<(usize, Vec<OwnedFd>)> {
+        let old = self.buf.len();
+        let want = READ_CHUNK.min(MAX_MESSAGE + 1 - old.min(MAX_MESSAGE));
+        self.buf.resize(old + want, 0);
+        let r = loop {
             let s: &UnixStream = self.inner.as_ref();
-            s.readable().await?;
-            match s.try_io(Interest::READABLE, || recv_with_fds(s, buf)) {
-                Ok(r) => break r,
+            if let Err(e) = s.readable().await {
+                break Err(e);
+            }
+            match s.try_io(Interest::READABLE, || {
+                recv_with_fds(s, &mut self.buf[old..old + want])
+            }) {
+                Ok(r) => break Ok(r),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e.into()),
+                Err(e) => break Err(e),
             }
         };
-        let got = &buf[..n];
-        self.fds_since_nul = if got.contains(&0) {
-            fds.len()
-        } else {
-            self.fds_since_nul + fds.len()
-        };
-        if self.fds_since_nul > MAX_FDS {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("more than {MAX_FDS} descriptors with one message"),
-            )
-            .into());
+        match r {
+            Ok((n, fds)) => {
+                self.buf.truncate(old + n);
+                let pending: usize = self.pending.iter().map(|(_, v)| v.len()).sum();
+                if pending + fds.len() > MAX_FDS {
+                    drop(PassedFds::new(fds, self.uid));
+                    return Err(invalid(format!(
+                        "more than {MAX_FDS} descriptors with one message"
+                    )));
+                }
+                Ok((n, fds))
+            }
+            Err(e) => {
+                self.buf.truncate(old);
+                Err(e)
+            }
         }
-        self.since_nul = match got.iter().rposition(|&b| b == 0) {
-            Some(i) => n - i - 1,
-            None => self.since_nul + n,
-        };
-        if self.since_nul > MAX_MESSAGE {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                format!("message exceeds {MAX_MESSAGE} bytes"),
-            )
-            .into());
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        for (_, v) in std::mem::take(&mut self.pending) {
+            drop(PassedFds::new(v, self.uid));
         }
-        Ok(ReadResult::new(n).set_fds(fds))
     }
 }
 
@@ -112,7 +281,7 @@ struct ControlBuf([u8; 64]);
 /// One non-blocking `recvmsg` into `buf`: the bytes read and the descriptors that came with
 /// them (close-on-exec). Errors: the OS error (`WouldBlock` when nothing is ready), or
 /// `InvalidData` when more than [`MAX_FDS`] descriptors were sent at once (the kernel closes
-/// those that did not fit; those that did are closed here).
+/// those that did not fit; those that did are closed off the runtime).
 fn recv_with_fds(sock: &UnixStream, buf: &mut [u8]) -> std::io::Result<(usize, Vec<OwnedFd>)> {
     let mut control = ControlBuf([0; 64]);
     // SAFETY: CMSG_SPACE is a pure computation.
@@ -158,31 +327,20 @@ fn recv_with_fds(sock: &UnixStream, buf: &mut [u8]) -> std::io::Result<(usize, V
         }
     }
     if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("more than {MAX_FDS} descriptors in one message"),
-        ));
+        // Never closed here, on the runtime's thread.
+        drop(PassedFds::new_unowned(fds));
+        return Err(invalid(format!(
+            "more than {MAX_FDS} descriptors in one message"
+        )));
     }
     Ok((n as usize, fds))
 }
 
-impl AsFd for ReadHalf {
-    fn as_fd(&self) -> BorrowedFd<'_> {
-        let s: &UnixStream = self.inner.as_ref();
-        s.as_fd()
-    }
-}
-
-impl socket::UnixSocket for ReadHalf {}
-
-impl WriteHalf {
-    /// Writes all of `buf` (whole Varlink messages, each ending in NUL) through a shared
-    /// reference: how a batch of frames bypasses zlink's per-message write (zlink 0.8 has no
-    /// public way to queue several replies). zlink's own buffer is empty between its calls,
-    /// since each of its sends flushes, so messages never interleave.
+impl Writer {
+    /// Writes all of `buf` (whole Varlink messages, each ending in NUL).
     ///
     /// Errors: the peer is gone or the socket failed.
-    pub async fn write_all_shared(&self, mut buf: &[u8]) -> std::io::Result<()> {
+    pub async fn write_all(&self, mut buf: &[u8]) -> std::io::Result<()> {
         let stream: &UnixStream = self.0.as_ref();
         while !buf.is_empty() {
             stream.writable().await?;
@@ -196,21 +354,322 @@ impl WriteHalf {
     }
 }
 
-impl socket::WriteHalf for WriteHalf {
-    async fn write(
-        &mut self,
-        buf: &[u8],
-        fds: &[impl AsFd],
-        _credentials: Option<&zlink::connection::PassedCredentials>,
-    ) -> zlink::Result<()> {
-        if !fds.is_empty() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::Unsupported,
-                "descriptor passing is not offered",
-            )
-            .into());
+/// Appends `value` as one Varlink message (JSON and a NUL) to `buf`, in time linear in its
+/// size.
+pub fn encode(buf: &mut Vec<u8>, value: &impl Serialize) -> std::io::Result<()> {
+    serde_json::to_writer(&mut *buf, value).map_err(std::io::Error::other)?;
+    buf.push(0);
+    Ok(())
+}
+
+/// Peer credentials of a connection: uid, gid, pid, and a pidfd where the kernel offers
+/// `SO_PEERPIDFD` (Linux 6.5).
+pub fn peer_credentials(s: &UnixStream) -> std::io::Result<(u32, u32, u32, Option<OwnedFd>)> {
+    let c = s.peer_cred()?;
+    let pid = c
+        .pid()
+        .filter(|p| *p > 0)
+        .ok_or_else(|| invalid("no peer pid".into()))? as u32;
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `fd`.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERPIDFD,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    // SAFETY: on success `fd` is a fresh pidfd owned by this process.
+    let pidfd = (r == 0 && fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) });
+    Ok((c.uid(), c.gid(), pid, pidfd))
+}
+
+// ---- descriptors passed by clients ----
+
+#[derive(Default)]
+struct Disposing {
+    per_uid: Mutex<HashMap<u32, usize>>,
+    done: Notify,
+}
+
+static DISPOSING: LazyLock<Disposing> = LazyLock::new(Disposing::default);
+
+fn disposing(uid: u32) -> usize {
+    DISPOSING
+        .per_uid
+        .lock()
+        .unwrap()
+        .get(&uid)
+        .copied()
+        .unwrap_or(0)
+}
+
+/// Waits while `uid` has more than [`MAX_DISPOSING_PER_UID`] descriptors being closed.
+async fn wait_disposals(uid: u32) {
+    loop {
+        let notified = DISPOSING.done.notified();
+        if disposing(uid) <= MAX_DISPOSING_PER_UID {
+            return;
         }
-        self.0.write_all(buf).await?;
-        Ok(())
+        let _ = tokio::time::timeout(Duration::from_millis(200), notified).await;
+    }
+}
+
+/// Descriptors a client passed. Dropping closes them on a thread of their own (after turning
+/// `SO_LINGER` off on sockets), never on the caller's thread.
+#[derive(Debug, Default)]
+pub struct PassedFds {
+    fds: Vec<OwnedFd>,
+    uid: Option<u32>,
+}
+
+impl PassedFds {
+    fn new(fds: Vec<OwnedFd>, uid: u32) -> Self {
+        Self {
+            fds,
+            uid: Some(uid),
+        }
+    }
+
+    fn new_unowned(fds: Vec<OwnedFd>) -> Self {
+        Self { fds, uid: None }
+    }
+
+    /// How many.
+    pub fn len(&self) -> usize {
+        self.fds.len()
+    }
+
+    /// Whether none was passed.
+    pub fn is_empty(&self) -> bool {
+        self.fds.is_empty()
+    }
+
+    /// Takes the descriptor at `i` out (to be used on the blocking pool only: inspect it with
+    /// [`inspect_upload`]); `None` when there is no such index.
+    pub fn take(&mut self, i: usize) -> Option<Upload> {
+        (i < self.fds.len()).then(|| Upload {
+            fd: Some(self.fds.swap_remove(i)),
+            uid: self.uid,
+        })
+    }
+}
+
+impl Drop for PassedFds {
+    fn drop(&mut self) {
+        dispose(std::mem::take(&mut self.fds), self.uid);
+    }
+}
+
+/// Closes `fds` on a new thread. Sockets first get `SO_LINGER` off, so their close returns at
+/// once; anything else (a FUSE or NFS file flushes on close) may block that thread only.
+fn dispose(fds: Vec<OwnedFd>, uid: Option<u32>) {
+    if fds.is_empty() {
+        return;
+    }
+    let n = fds.len();
+    if let Some(uid) = uid {
+        *DISPOSING.per_uid.lock().unwrap().entry(uid).or_default() += n;
+    }
+    let work = move || {
+        for fd in fds {
+            no_linger(&fd);
+            drop(fd);
+        }
+        if let Some(uid) = uid {
+            let mut m = DISPOSING.per_uid.lock().unwrap();
+            if let Some(c) = m.get_mut(&uid) {
+                *c = c.saturating_sub(n);
+                if *c == 0 {
+                    m.remove(&uid);
+                }
+            }
+            drop(m);
+            DISPOSING.done.notify_waiters();
+        }
+    };
+    let spawned = std::thread::Builder::new()
+        .name("sandcelld-fd-close".into())
+        .stack_size(64 * 1024)
+        .spawn(work);
+    if let Err(e) = spawned {
+        // Without a thread the descriptors are leaked rather than closed on the runtime: a
+        // bounded cost (at most MAX_FDS per message) against a stalled daemon.
+        tracing::warn!(error = %e, "no thread to close passed descriptors; leaking them");
+    }
+}
+
+/// Turns lingering off on a socket (no-op for anything else): its close then returns at once
+/// and the kernel finishes the connection in the background.
+fn no_linger(fd: &OwnedFd) {
+    let off = libc::linger {
+        l_onoff: 0,
+        l_linger: 0,
+    };
+    // SAFETY: setsockopt reads `off` for its size; on a non-socket it fails with ENOTSOCK.
+    unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&off as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+}
+
+/// A descriptor passed as a `PutFile` source. Inspect and read it on the blocking pool only;
+/// dropping it closes it off the runtime like [`PassedFds`].
+#[derive(Debug)]
+pub struct Upload {
+    fd: Option<OwnedFd>,
+    uid: Option<u32>,
+}
+
+impl Drop for Upload {
+    fn drop(&mut self) {
+        if let Some(fd) = self.fd.take() {
+            dispose(vec![fd], self.uid);
+        }
+    }
+}
+
+/// File systems whose regular files `PutFile` reads: local, block- or memory-backed, where a
+/// read cannot wait on another process or the network. Names as in `/proc/self/mountinfo`.
+pub const UPLOAD_FILE_SYSTEMS: &[&str] = &[
+    "ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "ramfs", "overlay", "f2fs",
+];
+
+/// Why a passed descriptor is refused as an upload source.
+#[derive(Debug, thiserror::Error)]
+pub enum UploadRefused {
+    /// Not a regular file (a socket, pipe, device, directory).
+    #[error("the passed descriptor is not a regular file")]
+    NotRegular,
+    /// A regular file on a file system outside [`UPLOAD_FILE_SYSTEMS`].
+    #[error("the passed file is on a {0} file system; only local file systems are read")]
+    FileSystem(String),
+    /// The checks themselves failed.
+    #[error("inspecting the passed descriptor: {0}")]
+    Io(std::io::Error),
+}
+
+/// Checks an upload source without asking its file system anything (blocking; call on the
+/// blocking pool): its mount (from `/proc/self/fdinfo` and `/proc/self/mountinfo`, never
+/// `fstatfs`, which a FUSE server could leave unanswered) must be of a type in
+/// [`UPLOAD_FILE_SYSTEMS`], and only then `fstat` says whether it is a regular file. Returns
+/// the descriptor for reading.
+pub fn inspect_upload(mut u: Upload) -> Result<OwnedFd, (Upload, UploadRefused)> {
+    let fd = u.fd.as_ref().expect("an upload holds its descriptor");
+    let fstype = match mount_type(fd.as_raw_fd()) {
+        Ok(Some(t)) => t,
+        // Sockets and pipes live on internal mounts that mountinfo does not list.
+        Ok(None) => return Err((u, UploadRefused::NotRegular)),
+        Err(e) => return Err((u, UploadRefused::Io(e))),
+    };
+    if !UPLOAD_FILE_SYSTEMS.contains(&fstype.as_str()) {
+        return Err((u, UploadRefused::FileSystem(fstype)));
+    }
+    // SAFETY: an all-zero stat is valid; fstat writes into it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `fd` is open; `st` is valid for writes.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err((u, UploadRefused::Io(e)));
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err((u, UploadRefused::NotRegular));
+    }
+    Ok(u.fd.take().expect("checked above"))
+}
+
+/// The file system type of the mount `fd` is on, or `None` for an internal mount (sockets,
+/// pipes, anonymous inodes).
+fn mount_type(fd: i32) -> std::io::Result<Option<String>> {
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}"))?;
+    let Some(mnt) = info
+        .lines()
+        .find_map(|l| l.strip_prefix("mnt_id:"))
+        .map(|v| v.trim().to_owned())
+    else {
+        return Ok(None);
+    };
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo")?;
+    Ok(mounts.lines().find_map(|l| {
+        let mut f = l.split(' ');
+        if f.next() != Some(mnt.as_str()) {
+            return None;
+        }
+        let rest = l.split_once(" - ")?.1;
+        rest.split(' ').next().map(str::to_owned)
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn messages_split_and_large_buffers_are_released() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (mut r, _w) = split(a, 1);
+        let big = vec![b'x'; 300 * 1024];
+        let mut data = big.clone();
+        data.push(0);
+        data.extend_from_slice(b"{}\0{\"a\"");
+        let writer = tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            let mut b = b;
+            b.write_all(&data).await.unwrap();
+            b
+        });
+        let m = r.next().await.unwrap().unwrap();
+        assert_eq!(m.bytes.len(), big.len());
+        let b = writer.await.unwrap();
+        let m2 = r.next().await.unwrap().unwrap();
+        assert_eq!(m2.bytes, b"{}");
+        assert!(r.buf.capacity() <= KEEP_BUFFER, "{}", r.buf.capacity());
+        assert!(r.partial());
+        drop(b);
+        assert!(r.next().await.is_err(), "a message cut by EOF is an error");
+    }
+
+    #[test]
+    fn encoding_a_large_reply_is_linear() {
+        let s = "é".repeat(4 << 20);
+        let t0 = std::time::Instant::now();
+        let mut buf = Vec::new();
+        encode(
+            &mut buf,
+            &serde_json::json!({ "error": "x", "parameters": { "s": s } }),
+        )
+        .unwrap();
+        assert_eq!(*buf.last().unwrap(), 0);
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    }
+
+    #[test]
+    fn uploads_from_sockets_are_refused() {
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        let u = Upload {
+            fd: Some(a.into()),
+            uid: None,
+        };
+        assert!(matches!(
+            inspect_upload(u),
+            Err((_, UploadRefused::NotRegular))
+        ));
+        let f = tempfile::tempfile_in("/var/tmp").unwrap();
+        let u = Upload {
+            fd: Some(f.into()),
+            uid: None,
+        };
+        if let Err((_, e)) = inspect_upload(u) {
+            // /var/tmp on an unusual file system says which.
+            assert!(matches!(e, UploadRefused::FileSystem(_)), "{e}");
+        }
     }
 }
