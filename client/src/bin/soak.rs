@@ -120,7 +120,7 @@ impl Stats {
             .entry(class.join(" "))
             .or_default() += 1;
         let mut p = self.problems.lock().unwrap();
-        if p.len() < 40 {
+        if p.len() < 100 {
             eprintln!("soak: {what}");
             p.push(what);
         }
@@ -136,6 +136,14 @@ impl Stats {
         let key = format!("{lang}/{}{kind}", if oneshot { "run/" } else { "session/" });
         *self.kinds.lock().unwrap().entry(key).or_default() += 1;
     }
+}
+
+/// SplitMix64's output function: distinct seeds for clients with neighbouring ids.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// xorshift64*: a reproducible mix per client.
@@ -420,7 +428,7 @@ fn limits(wall: Option<f64>) -> Limits {
 }
 
 async fn client_task(ctx: Ctx, id: usize, cells: usize, languages: Vec<String>, seed: u64) {
-    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (id as u64 + 1) | 1);
+    let mut rng = Rng(splitmix64(splitmix64(seed) ^ id as u64) | 1);
     let Some(mut c) = connect(&ctx).await else {
         return;
     };
@@ -495,6 +503,7 @@ async fn client_task(ctx: Ctx, id: usize, cells: usize, languages: Vec<String>, 
         let mut value: Option<u64> = None;
         let mut broken = false;
         let mut ended = false;
+        let mut prev = Kind::State;
         for i in 0..len {
             if done >= cells || past(&ctx) {
                 break;
@@ -515,10 +524,12 @@ async fn client_task(ctx: Ctx, id: usize, cells: usize, languages: Vec<String>, 
                 }
             };
             let what = format!(
-                "client {id} {lang} session {s} cell {} {}",
+                "client {id} {lang} session {s} cell {} {} (after {})",
                 i + 1,
-                kind.name()
+                kind.name(),
+                prev.name()
             );
+            prev = kind;
             done += 1;
             ctx.stats.cell(&lang, kind.name(), false);
             let outcome = match kind {
