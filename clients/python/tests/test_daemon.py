@@ -277,6 +277,18 @@ def test_capacity_exceeded(daemon_factory):
         assert c.run("print(1)").ok
 
 
+def test_idle_connections_closed_by_the_daemon_are_replaced(daemon_factory):
+    if os.environ.get("SANDCELL_TEST_SOCKET"):
+        pytest.skip("needs a daemon of its own (SANDCELL_TEST_SOCKET is set)")
+    d = daemon_factory("idle", {"SANDCELL_CONNECTION_IDLE_SECONDS": "1"})
+    with sandcell.Client(d.socket) as c, c.session("python") as s:
+        assert c.run("print(1)").stdout == "1\n"
+        s.execute("k = 5")
+        time.sleep(2.5)  # the daemon closes the pooled connection; the session's stays
+        assert c.run("print(2)").stdout == "2\n"
+        assert s.execute("print(k)").stdout == "5\n"
+
+
 def test_connection_failed(tmp_path):
     with pytest.raises(sandcell.ConnectionFailed):
         sandcell.Client(str(tmp_path / "no-socket"))

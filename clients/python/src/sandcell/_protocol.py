@@ -122,6 +122,23 @@ def parse_reply(msg: dict[str, Any]) -> Reply:
     return Reply(params, bool(msg.get("continues")))
 
 
+def idle_connection_alive(sock: Any) -> bool:
+    """Whether an idle connection is still usable: nothing to read (the daemon has not
+    closed it, as it does with connections idle for its ``connection_idle_seconds``) and no
+    error pending. Peeks without blocking or consuming."""
+    import socket
+
+    try:
+        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
+    # b"" (the daemon closed it) or a stray reply (the connection is out of step).
+    del data
+    return False
+
+
 # --- operations ---------------------------------------------------------------------------
 
 

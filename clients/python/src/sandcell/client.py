@@ -156,8 +156,9 @@ class Client:
                 raise ConnectionFailed(0, "the client is closed")
             while self._idle:
                 c = self._idle.pop()
-                if not c.closed:
+                if not c.closed and P.idle_connection_alive(c.sock):
                     return c
+                c.close()
         return self._connect()
 
     def _release(self, conn: _Conn) -> None:
