@@ -141,11 +141,11 @@ async fn admin(cmd: &Cmd, json: bool, interactive: bool) -> Option<ExitCode> {
                     for s in &rows {
                         println!(
                             "{:<32} {:<8} {:>6} {:>8} {:<8} {:<20} {:>6} {:>10}",
-                            s.id,
-                            s.language,
+                            escape_name(&s.id),
+                            escape_name(&s.language),
                             s.uid,
                             s.pid,
-                            s.state,
+                            escape_name(&s.state),
                             dbus::utc(s.started_usec),
                             s.cells_run,
                             dbus::human_bytes(s.memory_bytes)
@@ -200,7 +200,7 @@ async fn admin(cmd: &Cmd, json: bool, interactive: bool) -> Option<ExitCode> {
     Some(match r {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("sandcellctl: {e}");
+            eprintln!("sandcellctl: {}", for_stderr(&e.to_string()));
             ExitCode::from(match e {
                 dbus::Error::Refused { .. } => 3,
                 dbus::Error::Bus(_) => 2,
@@ -240,6 +240,38 @@ fn for_terminal(text: &str, tty: bool) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(s)
 }
 
+/// Characters that change how a line displays without showing themselves: bidirectional
+/// overrides and isolates, zero-width characters, the byte-order mark.
+fn is_invisible(c: char) -> bool {
+    matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}')
+}
+
+/// A name a cell chose (a file name, a path under DIR), printable on one line whether or not
+/// the stream is a terminal: every control character (tab and newline too) and every
+/// invisible formatting character as `\xNN` / `\u{NNNN}`, and `\` as `\\`.
+fn escape_name(name: &str) -> String {
+    let mut s = String::with_capacity(name.len());
+    for c in name.chars() {
+        if c == '\\' {
+            s.push_str("\\\\");
+        } else if c.is_control() && (c as u32) < 0x80 {
+            s.push_str(&format!("\\x{:02x}", c as u32));
+        } else if c.is_control() || is_invisible(c) {
+            s.push_str(&format!("\\u{{{:04x}}}", c as u32));
+        } else {
+            s.push(c);
+        }
+    }
+    s
+}
+
+/// Text from the daemon or a cell (an error message, a traceback, a warning) for standard
+/// error: escaped as cell output is when standard error is a terminal.
+fn for_stderr(text: &str) -> String {
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    for_terminal(text, tty).into_owned()
+}
+
 fn exit_for(status: Status) -> u8 {
     match status {
         Status::Ok => 0,
@@ -253,7 +285,7 @@ fn exit_for(status: Status) -> u8 {
 }
 
 fn fail(e: Error) -> ExitCode {
-    eprintln!("sandcellctl: {e}");
+    eprintln!("sandcellctl: {}", for_stderr(&e.to_string()));
     ExitCode::from(match e {
         Error::Kernel(_) => 3,
         _ => 2,
@@ -264,8 +296,84 @@ async fn stream(c: &mut Client, json: bool) -> Result<u8, Error> {
     stream_result(c, json).await.map(|(code, _)| code)
 }
 
+/// Why a file name from a cell is not saved under `--artifacts`, or its components.
+///
+/// Refused: an empty or absolute name, an empty, `.` or `..` component, any component that
+/// starts with `.` (a cell must not plant `.bashrc`, `.git/config` or `.ssh/authorized_keys`
+/// in DIR), control characters (a name with a newline misleads whoever reads the listing
+/// line by line), and more than 4 components (the daemon's own bound).
+fn artifact_parts(name: &str) -> Result<Vec<&str>, &'static str> {
+    if name.is_empty() {
+        return Err("empty name");
+    }
+    if name.starts_with('/') {
+        return Err("absolute name");
+    }
+    if name.chars().any(|c| c.is_control() || is_invisible(c)) {
+        return Err("control or invisible characters in the name");
+    }
+    let parts: Vec<&str> = name.split('/').collect();
+    if parts.len() > 4 {
+        return Err("more than 4 components");
+    }
+    for p in &parts {
+        if p.is_empty() {
+            return Err("empty component");
+        }
+        if p.starts_with('.') {
+            return Err("a component starts with '.' (hidden files, '.' and '..' are not saved)");
+        }
+    }
+    Ok(parts)
+}
+
+/// `openat(dir, name, flags | O_CLOEXEC | O_NOFOLLOW, mode)`: never follows a symlink in the
+/// last component; `name` is one component.
+fn open_at(
+    dir: &std::fs::File,
+    name: &str,
+    flags: i32,
+    mode: u32,
+) -> std::io::Result<std::fs::File> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let c = std::ffi::CString::new(name).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    // SAFETY: `dir` is an open directory and `c` NUL-terminated for the call's duration.
+    let fd = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            flags | libc::O_CLOEXEC | libc::O_NOFOLLOW,
+            mode as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor returned by the kernel, owned from here on.
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+}
+
+/// Opens (creating) the directory `name` beneath `dir`: `mkdirat` then `openat` with
+/// `O_DIRECTORY | O_NOFOLLOW`, so a symlink in DIR is never followed.
+fn subdir_at(dir: &std::fs::File, name: &str) -> std::io::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let c = std::ffi::CString::new(name).map_err(|_| std::io::ErrorKind::InvalidInput)?;
+    // SAFETY: as in `open_at`; mkdirat never follows a symlink in its last component.
+    if unsafe { libc::mkdirat(dir.as_raw_fd(), c.as_ptr(), 0o777) } < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EEXIST) {
+            return Err(e);
+        }
+    }
+    open_at(dir, name, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+}
+
 /// Saves the regular files among `files` (a cell's `files`) from `session` into `dir`,
-/// printing each path; symlinks and special files are skipped with a note.
+/// printing each path saved (escaped), and nothing else is written. Every file is created
+/// new (`O_CREAT | O_EXCL | O_NOFOLLOW`) beneath a descriptor of DIR, with subdirectories
+/// opened `O_NOFOLLOW`: an existing file is never overwritten, a symlink never followed.
+/// Names [`artifact_parts`] refuses, existing files, symlinks and special files are skipped
+/// with a note on standard error.
 async fn save_artifacts(
     c: &mut Client,
     session: &str,
@@ -273,37 +381,77 @@ async fn save_artifacts(
     dir: &std::path::Path,
 ) -> Result<(), Error> {
     let local = |what: String| move |source| Error::File { what, source };
+    std::fs::create_dir_all(dir).map_err(local(format!("create {}", dir.display())))?;
+    let root = std::fs::File::open(dir).map_err(local(format!("open {}", dir.display())))?;
     for f in files {
+        let shown = escape_name(&f.name);
         if f.kind != sandcell_client::FileKind::File {
             if f.kind != sandcell_client::FileKind::Dir {
-                eprintln!(
-                    "sandcellctl: not saved: {} is a {}",
-                    f.name,
-                    f.kind.as_str()
-                );
+                eprintln!("sandcellctl: not saved: {shown} is a {}", f.kind.as_str());
             }
             continue;
         }
-        // Names come from the daemon's listing; never write outside DIR all the same.
-        let rel = std::path::Path::new(&f.name);
-        if rel.is_absolute()
-            || rel
-                .components()
-                .any(|c| !matches!(c, std::path::Component::Normal(_)))
-        {
-            eprintln!("sandcellctl: not saved: unexpected name {:?}", f.name);
+        let parts = match artifact_parts(&f.name) {
+            Ok(p) => p,
+            Err(why) => {
+                eprintln!("sandcellctl: not saved: {shown}: {why}");
+                continue;
+            }
+        };
+        let (leaf, parents) = parts.split_last().expect("at least one component");
+        let mut cur = root.try_clone().map_err(local("dup".into()))?;
+        let mut blocked = None;
+        for p in parents {
+            match subdir_at(&cur, p) {
+                Ok(d) => cur = d,
+                Err(e) => {
+                    blocked = Some(e);
+                    break;
+                }
+            }
+        }
+        if let Some(e) = blocked {
+            eprintln!("sandcellctl: not saved: {shown}: {e}");
             continue;
         }
-        let path = dir.join(rel);
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent)
-                .map_err(local(format!("create {}", parent.display())))?;
+        let path = dir.join(&f.name);
+        let out = match open_at(
+            &cur,
+            leaf,
+            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
+            0o666,
+        ) {
+            Ok(out) => out,
+            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
+                eprintln!(
+                    "sandcellctl: not saved: {} exists (never overwritten)",
+                    escape_name(&path.display().to_string())
+                );
+                continue;
+            }
+            Err(e) => {
+                eprintln!("sandcellctl: not saved: {shown}: {e}");
+                continue;
+            }
+        };
+        let mut w = std::io::BufWriter::new(out);
+        let got = c.get_file(session, &f.name, &mut w).await;
+        let flushed = got.and_then(|_| {
+            w.flush().map_err(|source| Error::File {
+                what: format!("write {}", path.display()),
+                source,
+            })
+        });
+        if let Err(e) = flushed {
+            // Remove the partial file we created (by its descriptor's directory).
+            if let Ok(cname) = std::ffi::CString::new(*leaf) {
+                use std::os::fd::AsRawFd;
+                // SAFETY: `cur` is open and `cname` NUL-terminated; removes our own file.
+                unsafe { libc::unlinkat(cur.as_raw_fd(), cname.as_ptr(), 0) };
+            }
+            return Err(e);
         }
-        let out =
-            std::fs::File::create(&path).map_err(local(format!("create {}", path.display())))?;
-        c.get_file(session, &f.name, std::io::BufWriter::new(out))
-            .await?;
-        println!("{}", path.display());
+        println!("{}", escape_name(&path.display().to_string()));
     }
     Ok(())
 }
@@ -340,12 +488,21 @@ async fn stream_result(
             }
         }
         if let Some(r) = f.result {
+            if !json {
+                for w in &r.warnings {
+                    let _ = writeln!(err, "sandcellctl: warning: {}", for_terminal(w, err_tty));
+                }
+            }
             if !json && r.status != Status::Ok {
                 let mut line = format!("sandcellctl: cell {} {}", r.cell, r.status.as_str());
                 if let Some(e) = &r.error {
-                    line.push_str(&format!(": {}: {}", e.kind, e.message));
+                    line.push_str(&format!(
+                        ": {}: {}",
+                        for_terminal(&e.kind, err_tty),
+                        for_terminal(&e.message, err_tty)
+                    ));
                     if let Some(tb) = &e.traceback {
-                        let _ = writeln!(err, "{tb}");
+                        let _ = writeln!(err, "{}", for_terminal(tb, err_tty));
                     }
                 }
                 if let Some(code) = r.exit_code {
@@ -438,7 +595,7 @@ async fn main() -> ExitCode {
                 if args.json {
                     println!("{}", serde_json::to_string(&info).expect("serialises"));
                 } else {
-                    println!("{} {} bytes", info.name, info.size);
+                    println!("{} {} bytes", escape_name(&info.name), info.size);
                 }
                 Ok(0)
             }
@@ -511,6 +668,45 @@ async fn main() -> ExitCode {
     match r {
         Ok(code) => ExitCode::from(code),
         Err(e) => fail(e),
+    }
+}
+
+#[cfg(test)]
+mod artifact_tests {
+    use super::{artifact_parts, escape_name};
+
+    #[test]
+    fn hidden_absolute_and_dot_names_are_not_saved() {
+        for bad in [
+            ".bashrc",
+            ".git/config",
+            ".ssh/authorized_keys",
+            "a/.ssh/authorized_keys",
+            "../x",
+            "a/../../x",
+            "./x",
+            "/etc/passwd",
+            "a//b",
+            "",
+            "a\nb",
+            "a\tb",
+            "x\u{202e}fdp.exe",
+            "a/b/c/d/e",
+        ] {
+            assert!(artifact_parts(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(
+            artifact_parts("plots/p-1.png").unwrap(),
+            ["plots", "p-1.png"]
+        );
+    }
+
+    #[test]
+    fn names_print_on_one_line() {
+        assert_eq!(escape_name("a\tb\nc"), "a\\x09b\\x0ac");
+        assert_eq!(escape_name("a\\b"), "a\\\\b");
+        assert_eq!(escape_name("\u{202e}x"), "\\u{202e}x");
+        assert_eq!(escape_name("plain.png"), "plain.png");
     }
 }
 

@@ -6,8 +6,54 @@
 //! "allow": the walls around files and the network are Landlock and the absence of sockets;
 //! this filter removes the kernel attack surface an untrusted cell has no business touching
 //! (the interfaces behind most container-escape and privilege-escalation bugs: namespaces,
-//! bpf, io_uring, userfaultfd, perf, keyrings, ptrace) and the few calls that would undo the
-//! other walls.
+//! bpf, io_uring, userfaultfd, perf, keyrings, ptrace), the calls that would undo the
+//! other walls, and the calls that take from a pool the whole host shares.
+//!
+//! # What stays allowed, and why that is harmless
+//!
+//! Beyond the kernel attack surface, [`DENY`] removes every call that reserves a host-wide
+//! resource or makes the whole host work for one worker (legacy AIO's `fs.aio-max-nr`,
+//! `sync`/`syncfs`, block reservations past the end of a file). Each family left at the
+//! default "allow" was checked against that bar; where a pool is counted, it is counted per
+//! uid, per process, per namespace or per cgroup, all of which are the session's own (each
+//! session has its own uid, cgroup, IPC and network namespace), never host-wide:
+//!
+//! - files (`open*`, `read*`, `write*`, `*stat*`, `rename*`, `unlink*`, `mkdir*`, `link*`,
+//!   `fsync`, `fdatasync`, `sync_file_range`, `copy_file_range`, `splice`, `fadvise64`,
+//!   `readahead`, `flock`, `fcntl` locks): Landlock decides which paths; RLIMIT_FSIZE bounds
+//!   each file, the daemon's per-session disk budget (sizes, allocated blocks, entries) the
+//!   whole directory; flushing or advising one's own files touches only them (a
+//!   `POSIX_FADV_DONTNEED` on a shared read-only library costs others a re-read at most);
+//!   `fallocate` is kept to mode 0 and hole punching ([`When::FallocateReserving`]);
+//! - memory (`mmap`, `mremap`, `madvise`, `mlock*`, `memfd_create`, `mbind`,
+//!   `set_mempolicy`, `pkey_*`, `mseal`): charged to the session's memory cgroup; locked
+//!   memory is further bounded by RLIMIT_MEMLOCK per process;
+//! - processes and threads (`clone` without namespace flags, `execve` in the native
+//!   profile, `wait*`, `kill`, `tgkill`, `pidfd_open`, `pidfd_send_signal`): pids.max of the
+//!   session cgroup and RLIMIT_NPROC of its own uid; signals reach only the same uid and,
+//!   with Landlock's signal scope, only the worker's own domain;
+//! - scheduling (`sched_*`, `setpriority`, `ioprio_set`, `sched_setaffinity`): without
+//!   CAP_SYS_NICE/CAP_SYS_ADMIN a process can only lower its own priority, cannot enter a
+//!   real-time or deadline class (RLIMIT_RTPRIO is 0), and stays inside its cpuset and the
+//!   cgroup's cpu.max;
+//! - event and timer descriptors (`epoll*`, `eventfd`, `timerfd*`, `signalfd`, `inotify*`,
+//!   `timer_create`, `pipe*`): bounded per uid (`max_user_watches`, `max_user_instances`,
+//!   RLIMIT_SIGPENDING, `pipe-user-pages-soft`) and by RLIMIT_NOFILE; the session's uid is
+//!   its own, so one session cannot starve another;
+//! - System V IPC and POSIX message queues (`shm*`, `sem*`, `msg*`, `mq_*`): the worker has
+//!   its own IPC namespace, whose objects die with it; shared memory is charged to its
+//!   memory cgroup, queues to RLIMIT_MSGQUEUE of its uid;
+//! - identity and limits (`get*id`, `setrlimit`, `prlimit64`, `capget`, `prctl`,
+//!   `landlock_*`, `seccomp`): can only drop what the worker has (no_new_privs and empty
+//!   capability sets make the `set*id` calls fail);
+//! - information (`uname`, `sysinfo`, `getrusage`, `times`, `clock_gettime`, `getrandom`,
+//!   `getcpu`): read-only, no host-wide state is changed;
+//! - `ioctl` other than the rows below: only on descriptors Landlock let the worker open
+//!   (its own files, pipes, `/dev/null`, `/dev/urandom`); the privileged commands need
+//!   capabilities the worker dropped.
+//!
+//! The sockets family is denied outright (below), which also removes netlink, packet and
+//! `AF_ALG` sockets and every socket-buffer pool.
 //!
 //! seccompiler allows one match action per filter, so the policy is three stacked filters.
 //! For each call the kernel runs all of them and applies the most severe result
@@ -58,6 +104,14 @@ pub enum When {
     IoctlCommands(&'static [u32]),
     /// `personality` with a persona other than these (arg 0, 32-bit).
     PersonalityOtherThan(&'static [u32]),
+    /// `fallocate` with a mode (arg 1, 32-bit) that is neither 0 nor includes
+    /// `FALLOC_FL_PUNCH_HOLE`: `KEEP_SIZE`, `ZERO_RANGE|KEEP_SIZE`, `INSERT_RANGE`,
+    /// `COLLAPSE_RANGE`, `UNSHARE_RANGE`, ... Mode 0 grows the file's size, which
+    /// RLIMIT_FSIZE bounds and the session's disk budget sees; punching a hole frees blocks.
+    /// `KEEP_SIZE` reserves blocks past the end of the file with its size unchanged, and the
+    /// kernel checks RLIMIT_FSIZE only when the size grows (`inode_newsize_ok` is skipped for
+    /// `KEEP_SIZE` in ext4/xfs/btrfs fallocate): 1 GiB reserved under a 256 MiB limit.
+    FallocateReserving,
 }
 
 /// One row of the policy.
@@ -286,12 +340,73 @@ macro_rules! syscall_nr {
     (vfork) => {
         libc::SYS_vfork
     };
+    (io_setup) => {
+        libc::SYS_io_setup
+    };
+    (io_destroy) => {
+        libc::SYS_io_destroy
+    };
+    (io_submit) => {
+        libc::SYS_io_submit
+    };
+    (io_cancel) => {
+        libc::SYS_io_cancel
+    };
+    (io_getevents) => {
+        libc::SYS_io_getevents
+    };
+    (io_pgetevents) => {
+        SYS_IO_PGETEVENTS
+    };
+    (sync) => {
+        libc::SYS_sync
+    };
+    (syncfs) => {
+        libc::SYS_syncfs
+    };
+    (fallocate) => {
+        libc::SYS_fallocate
+    };
+    (memfd_secret) => {
+        libc::SYS_memfd_secret
+    };
+    (cachestat) => {
+        SYS_CACHESTAT
+    };
+    (nfsservctl) => {
+        libc::SYS_nfsservctl
+    };
+    (sysfs) => {
+        libc::SYS_sysfs
+    };
+    (ustat) => {
+        libc::SYS_ustat
+    };
 }
+
+/// `io_pgetevents` (not in the libc crate for every target).
+#[cfg(target_arch = "x86_64")]
+const SYS_IO_PGETEVENTS: libc::c_long = 333;
+#[cfg(not(target_arch = "x86_64"))]
+const SYS_IO_PGETEVENTS: libc::c_long = 292;
+/// `cachestat` (Linux 6.5; the same number on every architecture's table).
+const SYS_CACHESTAT: libc::c_long = 451;
 
 /// `TIOCSTI`: push a byte into a terminal's input queue.
 const TIOCSTI: u32 = 0x5412;
 /// `TIOCLINUX`: console selection/paste, the same injection on a virtual console.
 const TIOCLINUX: u32 = 0x541C;
+/// XFS space-reservation ioctls (`_IOW('X', n, struct xfs_flock64)`, 48 bytes): `ALLOCSP`
+/// (10), `ALLOCSP64` (36), `RESVSP` (40), `RESVSP64` (42), `ZERO_RANGE` (57). `RESVSP*`
+/// reserve blocks beyond the end of the file like `fallocate(FALLOC_FL_KEEP_SIZE)`, which
+/// RLIMIT_FSIZE does not bound (`xfs_ioc_space`, fs/xfs/xfs_ioctl.c).
+const XFS_SPACE_IOCTLS: &[u32] = &[
+    0x4030_580A,
+    0x4030_5824,
+    0x4030_5828,
+    0x4030_582A,
+    0x4030_5839,
+];
 /// Personas glibc and ordinary programs use: `PER_LINUX`, `PER_LINUX32`, `UNAME26`,
 /// `PER_LINUX32|UNAME26`, and the query `0xffffffff` (Docker's default profile allows the same).
 const ALLOWED_PERSONAS: &[u32] = &[0x0, 0x8, 0x2_0000, 0x2_0008, 0xffff_ffff];
@@ -361,6 +476,25 @@ pub const DENY: &[Deny] = &[
     deny!(setdomainname, When::Always, Both, "host identity"),
     deny!(vhangup, When::Always, Both, "hangs up terminals"),
     deny!(fanotify_init, When::Always, Both, "watches whole mounts"),
+    deny!(nfsservctl, When::Always, Both, "host administration (removed in Linux 3.1)"),
+    #[cfg(target_arch = "x86_64")]
+    deny!(sysfs, When::Always, Both, "obsolete file-system type query; nothing a cell needs"),
+    #[cfg(target_arch = "x86_64")]
+    deny!(ustat, When::Always, Both, "obsolete per-device file-system statistics of the host"),
+    // --- Host-global kernel resources: one worker could use up a pool every process of the
+    //     host draws from, or make the whole host do work for it. ---
+    deny!(io_setup, When::Always, Both, "legacy AIO contexts draw from the host-wide fs.aio-max-nr (65536): one worker took them all"),
+    deny!(io_destroy, When::Always, Both, "legacy AIO, see io_setup"),
+    deny!(io_submit, When::Always, Both, "legacy AIO, see io_setup"),
+    deny!(io_cancel, When::Always, Both, "legacy AIO, see io_setup"),
+    deny!(io_getevents, When::Always, Both, "legacy AIO, see io_setup"),
+    deny!(io_pgetevents, When::Always, Both, "legacy AIO, see io_setup"),
+    deny!(sync, When::Always, Both, "writes back every dirty page of every file system on the host"),
+    deny!(syncfs, When::Always, Both, "writes back a whole (shared) file system; fsync/fdatasync of one's own files stay allowed"),
+    deny!(fallocate, When::FallocateReserving, Both, "reserving blocks past the end of a file escapes RLIMIT_FSIZE and the session's size accounting"),
+    deny!(ioctl, When::IoctlCommands(XFS_SPACE_IOCTLS), Both, "XFS block reservation, the ioctl form of fallocate(KEEP_SIZE)"),
+    deny!(memfd_secret, When::Always, Both, "secret memory is removed from the kernel's direct map (a host-wide cost) and nothing in a cell needs it"),
+    deny!(cachestat, When::Always, Both, "page-cache state of shared files: a cross-tenant side channel"),
     #[cfg(target_arch = "x86_64")]
     deny!(iopl, When::Always, Both, "raw I/O port access"),
     #[cfg(target_arch = "x86_64")]
@@ -484,6 +618,13 @@ impl When {
                 .iter()
                 .map(|&p| cond(0, Dword, Ne, u64::from(p)))
                 .collect::<Result<_, _>>()?)?],
+            When::FallocateReserving => {
+                let punch = libc::FALLOC_FL_PUNCH_HOLE as u64;
+                vec![one(vec![
+                    cond(1, Dword, Ne, 0)?,
+                    cond(1, Dword, MaskedEq(punch), 0)?,
+                ])?]
+            }
         };
         Ok(Some(rules))
     }
@@ -745,6 +886,97 @@ mod tests {
             deny_filter(SyscallProfile::Wasm).unwrap().len()
                 > deny_filter(SyscallProfile::Native).unwrap().len()
         );
+    }
+
+    /// In a child: no_new_privs, the native policy, then the host-global calls. Each check
+    /// sets one bit of the exit status when the call did what the policy says.
+    #[test]
+    fn native_policy_denies_host_global_calls_and_block_reservations() {
+        let progs = [
+            arch_filter(),
+            deny_filter(SyscallProfile::Native).unwrap(),
+            enosys_filter().unwrap(),
+        ];
+        let fprogs: Vec<libc::sock_fprog> = progs
+            .iter()
+            .map(|p| libc::sock_fprog {
+                len: p.len() as u16,
+                filter: p.as_ptr() as *mut libc::sock_filter,
+            })
+            .collect();
+        let path = std::env::temp_dir().join(format!("sandcell-seccomp-{}", std::process::id()));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+        // SAFETY: the child makes raw system calls only on memory prepared before the fork,
+        // and leaves with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            // SAFETY: raw system calls with integer arguments or pointers prepared above.
+            unsafe {
+                if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+                    libc::_exit(200);
+                }
+                for f in &fprogs {
+                    if libc::prctl(libc::PR_SET_SECCOMP, libc::SECCOMP_MODE_FILTER, f, 0, 0) != 0 {
+                        libc::_exit(201);
+                    }
+                }
+                let eperm = |r: libc::c_long| r == -1 && *libc::__errno_location() == libc::EPERM;
+                let mut bits = 0;
+                let mut ctx: u64 = 0;
+                if eperm(libc::syscall(libc::SYS_io_setup, 1, &mut ctx as *mut u64)) {
+                    bits |= 1;
+                }
+                if eperm(libc::syscall(libc::SYS_sync)) {
+                    bits |= 2;
+                }
+                if eperm(libc::syscall(libc::SYS_syncfs, fd)) {
+                    bits |= 4;
+                }
+                if eperm(libc::syscall(
+                    libc::SYS_fallocate,
+                    fd,
+                    libc::FALLOC_FL_KEEP_SIZE,
+                    0,
+                    1i64 << 30,
+                )) {
+                    bits |= 8;
+                }
+                // Mode 0 and hole punching stay allowed (EOPNOTSUPP on a file system without
+                // them is fine: only EPERM would be the filter).
+                let r = libc::syscall(libc::SYS_fallocate, fd, 0, 0, 4096);
+                if !eperm(r) {
+                    bits |= 16;
+                }
+                let punch = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+                if !eperm(libc::syscall(libc::SYS_fallocate, fd, punch, 0, 4096)) {
+                    bits |= 32;
+                }
+                if eperm(libc::syscall(libc::SYS_io_uring_setup, 1, 0)) {
+                    bits |= 64;
+                }
+                libc::_exit(bits);
+            }
+        }
+        let mut status = 0;
+        // SAFETY: pid is our child; status a valid out pointer.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status), "child died: {status:#x}");
+        let bits = libc::WEXITSTATUS(status);
+        assert!(bits < 200, "could not install the filter: {bits}");
+        assert_eq!(
+            bits, 127,
+            "io_setup 1, sync 2, syncfs 4, keep_size 8, mode0 16, punch 32, io_uring 64"
+        );
+        assert!(std::os::unix::fs::MetadataExt::blocks(&file.metadata().unwrap()) * 512 < 1 << 20);
     }
 
     #[test]

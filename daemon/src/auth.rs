@@ -42,7 +42,8 @@ pub trait Authority: Send + Sync {
 
 /// The socket's file permissions are the only gate: whoever can connect (root and group
 /// `sandcell`, socket mode 0660) may run code and manage their own sessions; managing other
-/// users' sessions and reloading need root. Used where no polkit authority is configured.
+/// users' sessions and reloading need root. Used only where polkit is not installed (see
+/// `polkit::installed`); a host with polkit installed but not answering fails closed instead.
 #[derive(Debug, Default)]
 pub struct SocketPermissions;
 
@@ -56,6 +57,15 @@ impl Authority for SocketPermissions {
             Action::Execute | Action::ManageOwn => true,
             Action::ManageAll | Action::Reload => caller.uid == 0,
         };
+        if !ok {
+            tracing::warn!(
+                action = action.id(),
+                uid = caller.uid,
+                gid = caller.gid,
+                pid = caller.pid,
+                "authorization refused (socket permissions: this action needs root)"
+            );
+        }
         Box::pin(std::future::ready(ok))
     }
 }

@@ -20,7 +20,25 @@
 //!   `max_file_bytes` and `max_session_files_bytes` before anything is read;
 //! - listings use `fstatat(AT_SYMLINK_NOFOLLOW)` only, bounded to [`MAX_ENTRIES`] entries and
 //!   [`MAX_DEPTH`] levels; the worker's scratch directory [`SCRATCH_DIR`] and in-flight
-//!   uploads are left out.
+//!   uploads are left out of what is reported, never out of what is counted.
+//!
+//! # The disk budget
+//!
+//! What a session directory costs is its [`Usage`]: every entry at any depth (hidden names,
+//! the scratch directory, in-flight uploads, directories and symlinks included) counts as
+//! one entry against [`MAX_SESSION_ENTRIES`] (the inode budget), and every inode is charged
+//! the larger of its size and its allocated blocks (`st_blocks * 512`), once however many
+//! hard links it has. A sparse file is charged its size; a file with blocks reserved past
+//! its end (the worker cannot do that: `fallocate(FALLOC_FL_KEEP_SIZE)` is denied by its
+//! seccomp policy, but a file can arrive from elsewhere) its blocks.
+//!
+//! This is accounting after the fact (after each cell, before each upload), not a file
+//! system that refuses the write: within one cell the worker is bounded by RLIMIT_FSIZE per
+//! file and by the entry and depth bounds of the walk, and the session ends at the next
+//! check. A per-session bounded file system (a loop-mounted image or a tmpfs with `size=` and
+//! `nr_inodes=`, or project quotas on the state directory's file system) would refuse the
+//! write itself; sandcelld does not set one up (it would need a mount per session and, for
+//! tmpfs, charges file pages to the session's memory).
 //!
 //! All functions here block (file-system calls); callers run them on a blocking thread.
 
@@ -38,7 +56,15 @@ pub const MAX_DEPTH: usize = 4;
 pub const MAX_NAME_BYTES: usize = 1024;
 /// Bytes of one component at most (NAME_MAX).
 pub const MAX_COMPONENT_BYTES: usize = 255;
-/// The worker's scratch directory (R's `TMPDIR`), left out of listings.
+/// Entries a session directory may hold in all (the inode budget): every name at any depth,
+/// hidden ones, the scratch directory's and in-flight uploads included. The walk that counts
+/// them stops one past this.
+pub const MAX_SESSION_ENTRIES: u64 = 4096;
+/// Levels the counting walk descends (below [`MAX_DEPTH`] only hidden entries can be: names
+/// of more components are refused); deeper is over budget. Also bounds the descriptors a
+/// walk holds open (one per level).
+pub const MAX_WALK_DEPTH: usize = 16;
+/// The worker's scratch directory (R's `TMPDIR`), left out of listings (but counted).
 pub const SCRATCH_DIR: &str = ".tmp";
 /// Prefix of the daemon's in-flight upload temporaries, left out of listings.
 const TEMP_PREFIX: &str = ".sandcell-put-";
@@ -74,7 +100,8 @@ pub enum Error {
     /// A size limit: `limit` is the configuration key.
     #[error("{limit}: {value} exceeds {max}")]
     TooLarge {
-        /// `max_file_bytes` or `max_session_files_bytes`.
+        /// `max_file_bytes`, `max_session_files_bytes`, `max_session_entries` (every entry,
+        /// [`MAX_SESSION_ENTRIES`]) or `max_listed_entries` ([`MAX_ENTRIES`]).
         limit: &'static str,
         /// Requested bytes (for the session limit: in use + requested).
         value: u64,
@@ -138,7 +165,7 @@ fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> Error {
 pub struct Limits {
     /// One file.
     pub max_file_bytes: u64,
-    /// All regular files of a session directory together (`st_size`, as listed).
+    /// Everything a session directory holds, as charged by [`Usage::bytes`].
     pub max_session_files_bytes: u64,
 }
 
@@ -151,11 +178,14 @@ pub enum Source {
     Fd(OwnedFd),
 }
 
-/// Checks `name` and splits it into its components.
+/// Checks `name` and splits it into its components. Every name a worker can create and a
+/// listing reports passes, so nothing is listed that cannot be fetched or deleted: tabs,
+/// newlines and other control characters, and a leading `-`, are allowed (clients escape
+/// names before printing them). Uploads are stricter ([`validate_new_name`]).
 ///
 /// Errors: [`Error::InvalidName`] for an empty or absolute name, an empty, `.` or `..`
-/// component, a NUL or control character, a leading `-` (of any component), a component over
-/// 255 bytes, more than [`MAX_DEPTH`] components or [`MAX_NAME_BYTES`] bytes.
+/// component, a NUL, a component over 255 bytes, more than [`MAX_DEPTH`] components or
+/// [`MAX_NAME_BYTES`] bytes, or the daemon's reserved temporary prefix.
 pub fn validate_name(name: &str) -> Result<Vec<&str>, Error> {
     let bad = |reason: &str| Error::InvalidName {
         name: name.chars().take(256).collect(),
@@ -170,9 +200,6 @@ pub fn validate_name(name: &str) -> Result<Vec<&str>, Error> {
     if name.contains('\0') {
         return Err(bad("contains NUL"));
     }
-    if name.chars().any(char::is_control) {
-        return Err(bad("contains a control character"));
-    }
     if name.starts_with('/') {
         return Err(bad("absolute"));
     }
@@ -184,11 +211,28 @@ pub fn validate_name(name: &str) -> Result<Vec<&str>, Error> {
         match *p {
             "" => return Err(bad("empty component")),
             "." | ".." => return Err(bad("'.' or '..' component")),
-            p if p.starts_with('-') => return Err(bad("component starts with '-'")),
             p if p.len() > MAX_COMPONENT_BYTES => return Err(bad("component over 255 bytes")),
             p if p.starts_with(TEMP_PREFIX) => return Err(bad("reserved prefix")),
             _ => {}
         }
+    }
+    Ok(parts)
+}
+
+/// [`validate_name`] for a name a client creates (`PutFile`): additionally no control
+/// character and no component starting with `-`, so that an upload never makes a name a
+/// shell or a terminal would misread. Errors: [`Error::InvalidName`].
+pub fn validate_new_name(name: &str) -> Result<Vec<&str>, Error> {
+    let parts = validate_name(name)?;
+    let bad = |reason: &str| Error::InvalidName {
+        name: name.chars().take(256).collect(),
+        reason: reason.into(),
+    };
+    if name.chars().any(char::is_control) {
+        return Err(bad("contains a control character"));
+    }
+    if parts.iter().any(|p| p.starts_with('-')) {
+        return Err(bad("component starts with '-'"));
     }
     Ok(parts)
 }
@@ -406,19 +450,54 @@ fn stamp(st: &libc::stat) -> Stamp {
 pub struct Listing {
     /// Entries sorted by name.
     pub files: Vec<FileInfo>,
-    /// The walk stopped at [`MAX_ENTRIES`] or did not descend past [`MAX_DEPTH`].
+    /// Not every entry is in `files`: more than [`MAX_ENTRIES`] visible entries, a directory
+    /// at [`MAX_DEPTH`] that holds more, or the directory is over its entry budget
+    /// ([`Usage::over`]). A session whose listing is truncated after a cell ends.
     pub truncated: bool,
+    /// What the whole directory costs, hidden entries included.
+    pub usage: Usage,
     stamps: HashMap<String, Stamp>,
+    /// Charged bytes of each listed regular file (for an upload replacing it).
+    charges: HashMap<String, u64>,
+}
+
+/// What a session directory costs (see the module documentation).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Bytes charged: per inode the larger of `st_size` and `st_blocks * 512` (symlinks,
+    /// directories and special files: their blocks); the session directory itself, which
+    /// the daemon made, is not charged.
+    pub bytes: u64,
+    /// Entries counted (any kind, any depth, hidden ones included), at most
+    /// [`MAX_SESSION_ENTRIES`] + 1.
+    pub entries: u64,
+    /// More than [`MAX_SESSION_ENTRIES`] entries, or directories deeper than
+    /// [`MAX_WALK_DEPTH`]: the walk stopped, and `bytes` is a lower bound.
+    pub over: bool,
+}
+
+/// Bytes an inode is charged: the larger of its size and its allocated blocks for a regular
+/// file (a sparse file is charged its size, blocks reserved past the end are charged too),
+/// the allocated blocks of anything else.
+fn charge(st: &libc::stat) -> u64 {
+    let blocks = (st.st_blocks.max(0) as u64).saturating_mul(512);
+    match kind_of(st.st_mode) {
+        FileKind::File => blocks.max(st.st_size.max(0) as u64),
+        _ => blocks,
+    }
 }
 
 impl Listing {
-    /// Bytes of all regular files (`st_size`).
+    /// Bytes the session directory is charged against `max_session_files_bytes`:
+    /// [`Usage::bytes`] (every entry, hidden ones included, the larger of size and allocated
+    /// blocks). `u64::MAX` when the directory is over its entry budget, so that a caller
+    /// comparing bytes alone still sees it over.
     pub fn regular_bytes(&self) -> u64 {
-        self.files
-            .iter()
-            .filter(|f| f.kind == FileKind::File)
-            .map(|f| f.size)
-            .sum()
+        if self.usage.over {
+            u64::MAX
+        } else {
+            self.usage.bytes
+        }
     }
 
     /// Entries of `self` that are new or changed since `before`: files, symlinks and special
@@ -485,52 +564,104 @@ impl Drop for DirStream {
 }
 
 /// Lists `dir` without following anything: at most [`MAX_ENTRIES`] entries, [`MAX_DEPTH`]
-/// levels; [`SCRATCH_DIR`] (top level) and upload temporaries are left out. Names that are
-/// not UTF-8 are reported lossily (and cannot be fetched).
+/// levels; [`SCRATCH_DIR`] (top level) and upload temporaries are left out of `files` but
+/// counted in `usage`, as is everything else down to [`MAX_WALK_DEPTH`] levels and up to
+/// [`MAX_SESSION_ENTRIES`] entries. Names that are not UTF-8 are counted, not listed: every
+/// listed name can be fetched. At most [`MAX_WALK_DEPTH`] + 1 descriptors are open at once.
 ///
 /// Errors: the directory itself cannot be opened.
 pub fn list(dir: &Path) -> Result<Listing, Error> {
     let root = open_root(dir)?;
     let mut out = Listing::default();
-    // (directory, its name prefix, its depth from 1)
-    let mut stack: Vec<(OwnedFd, String, usize)> = vec![(root, String::new(), 1)];
-    'walk: while let Some((fd, prefix, depth)) = stack.pop() {
-        let Ok(mut ds) = DirStream::open(fd) else {
+    // Inodes with several links, charged once.
+    let mut linked: std::collections::HashSet<(u64, u64)> = std::collections::HashSet::new();
+    // Depth-first: one open directory per level. (stream, name prefix, depth from 1, hidden)
+    let mut stack: Vec<(DirStream, String, usize, bool)> = match DirStream::open(root) {
+        Ok(ds) => vec![(ds, String::new(), 1, false)],
+        Err(e) => return Err(io("read session directory")(e)),
+    };
+    while let Some((ds, prefix, depth, hidden)) = stack.last_mut() {
+        let Some(c) = ds.next() else {
+            stack.pop();
             continue;
         };
-        while let Some(c) = ds.next() {
-            let leaf = c.to_string_lossy().into_owned();
-            if (depth == 1 && leaf == SCRATCH_DIR) || leaf.starts_with(TEMP_PREFIX) {
-                continue;
+        let (depth, parent_hidden) = (*depth, *hidden);
+        let Ok(st) = lstat_at(ds.fd(), &c) else {
+            continue; // removed meanwhile
+        };
+        out.usage.entries += 1;
+        if out.usage.entries > MAX_SESSION_ENTRIES {
+            out.usage.over = true;
+            out.truncated = true;
+            break;
+        }
+        let first_link = st.st_nlink <= 1 || linked.insert((st.st_dev, st.st_ino));
+        if first_link {
+            out.usage.bytes = out.usage.bytes.saturating_add(charge(&st));
+        }
+        // A name that is not UTF-8 cannot be asked for (names travel as JSON strings): it is
+        // counted but not listed, nor is anything below it.
+        let (leaf, unnamed) = match c.to_str() {
+            Ok(l) => (l.to_owned(), false),
+            Err(_) => (c.to_string_lossy().into_owned(), true),
+        };
+        let hide = parent_hidden
+            || unnamed
+            || (depth == 1 && leaf == SCRATCH_DIR)
+            || leaf.starts_with(TEMP_PREFIX)
+            || depth > MAX_DEPTH;
+        let name = format!("{prefix}{leaf}");
+        let kind = kind_of(st.st_mode);
+        let mut sub = None;
+        if kind == FileKind::Dir {
+            if depth < MAX_WALK_DEPTH {
+                sub = openat2(
+                    ds.fd(),
+                    &leaf,
+                    libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
+                    0,
+                )
+                .ok()
+                .and_then(|fd| DirStream::open(fd).ok());
+            } else {
+                out.usage.over = true;
+                out.truncated = true;
             }
-            let Ok(st) = lstat_at(ds.fd(), &c) else {
-                continue; // removed meanwhile
-            };
+            if !hide && depth >= MAX_DEPTH {
+                out.truncated = true;
+            }
+        }
+        if !hide {
             if out.files.len() >= MAX_ENTRIES {
                 out.truncated = true;
-                break 'walk;
-            }
-            let name = format!("{prefix}{leaf}");
-            if kind_of(st.st_mode) == FileKind::Dir {
-                if depth < MAX_DEPTH {
-                    if let Ok(sub) = openat2(
-                        ds.fd(),
-                        &leaf,
-                        libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
-                        0,
-                    ) {
-                        stack.push((sub, format!("{name}/"), depth + 1));
-                    }
-                } else {
-                    out.truncated = true;
+            } else {
+                out.stamps.insert(name.clone(), stamp(&st));
+                if kind == FileKind::File {
+                    out.charges.insert(name.clone(), charge(&st));
                 }
+                out.files.push(info(name.clone(), &st));
             }
-            out.stamps.insert(name.clone(), stamp(&st));
-            out.files.push(info(name, &st));
+        }
+        if let Some(sub) = sub {
+            stack.push((sub, format!("{name}/"), depth + 1, hide));
         }
     }
     out.files.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
+}
+
+/// A lock per session directory, held by [`put`] from its budget check to its rename, so
+/// that two uploads cannot both fit the budget that only one of them fits.
+fn dir_lock(dir: &Path) -> std::sync::Arc<std::sync::Mutex<()>> {
+    type Locks =
+        std::sync::Mutex<HashMap<std::path::PathBuf, std::sync::Arc<std::sync::Mutex<()>>>>;
+    static LOCKS: std::sync::OnceLock<Locks> = std::sync::OnceLock::new();
+    let mut m = LOCKS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    m.retain(|_, l| std::sync::Arc::strong_count(l) > 1);
+    m.entry(dir.to_path_buf()).or_default().clone()
 }
 
 /// Random hex for temporary names.
@@ -600,15 +731,15 @@ pub fn put(
     owner: Option<(u32, u32)>,
     limits: &Limits,
 ) -> Result<FileInfo, Error> {
-    let parts = validate_name(name)?;
+    let parts = validate_new_name(name)?;
     check_upload(declared, &source, limits)?;
+    let lock = dir_lock(dir);
+    let _held = lock.lock().unwrap_or_else(|e| e.into_inner());
     let listing = list(dir)?;
-    let replaced = listing
-        .files
-        .iter()
-        .find(|f| f.name == name)
+    let existing = listing.files.iter().find(|f| f.name == name);
+    let replaced = existing
         .map(|f| match f.kind {
-            FileKind::File => Ok(f.size),
+            FileKind::File => Ok(listing.charges.get(name).copied().unwrap_or(f.size)),
             kind => Err(Error::NotRegular {
                 name: name.into(),
                 kind,
@@ -616,11 +747,29 @@ pub fn put(
         })
         .transpose()?
         .unwrap_or(0);
-    let in_use = listing.regular_bytes() - replaced;
-    if in_use + declared > limits.max_session_files_bytes {
+    // A new name adds itself and any missing parent directory (at most MAX_DEPTH entries).
+    let new_entries = if existing.is_some() { 0 } else { parts.len() };
+    let all = listing.usage.entries + new_entries as u64;
+    if listing.usage.over || all > MAX_SESSION_ENTRIES {
+        return Err(Error::TooLarge {
+            limit: "max_session_entries",
+            value: all,
+            max: MAX_SESSION_ENTRIES,
+        });
+    }
+    let visible = (listing.files.len() + new_entries) as u64;
+    if existing.is_none() && (listing.truncated || visible > MAX_ENTRIES as u64) {
+        return Err(Error::TooLarge {
+            limit: "max_listed_entries",
+            value: visible,
+            max: MAX_ENTRIES as u64,
+        });
+    }
+    let in_use = listing.regular_bytes().saturating_sub(replaced);
+    if in_use.saturating_add(declared) > limits.max_session_files_bytes {
         return Err(Error::TooLarge {
             limit: "max_session_files_bytes",
-            value: in_use + declared,
+            value: in_use.saturating_add(declared),
             max: limits.max_session_files_bytes,
         });
     }
@@ -800,9 +949,11 @@ pub fn delete(dir: &Path, name: &str) -> Result<(), Error> {
 mod tests {
     use super::*;
 
+    // Files are charged their allocated blocks (4 KiB each at least on common file
+    // systems), so the limits are in tens of KiB.
     const LIMITS: Limits = Limits {
-        max_file_bytes: 1000,
-        max_session_files_bytes: 1500,
+        max_file_bytes: 100_000,
+        max_session_files_bytes: 150_000,
     };
 
     fn tmp() -> tempfile::TempDir {
@@ -839,14 +990,20 @@ mod tests {
             "a//b",
             "./a",
             "a\0b",
-            "a\nb",
-            "-rf",
-            "a/-b",
             "a/b/c/d/e",
+            ".sandcell-put-x",
         ] {
             assert!(
                 matches!(validate_name(bad), Err(Error::InvalidName { .. })),
                 "{bad:?}"
+            );
+        }
+        // What a worker can create is reachable; an upload may not create it.
+        for odd in ["a\nb", "a\tb\rc", "-rf", "a/-b", "\x1b]0;x\x07"] {
+            assert!(validate_name(odd).is_ok(), "{odd:?}");
+            assert!(
+                matches!(validate_new_name(odd), Err(Error::InvalidName { .. })),
+                "{odd:?}"
             );
         }
         assert!(validate_name(&"x".repeat(256)).is_err());
@@ -981,7 +1138,7 @@ mod tests {
         let e = put(
             d.path(),
             "big",
-            1001,
+            100_001,
             Source::Inline(vec![0; 3]),
             None,
             &LIMITS,
@@ -992,7 +1149,7 @@ mod tests {
                 e,
                 Error::TooLarge {
                     limit: "max_file_bytes",
-                    value: 1001,
+                    value: 100_001,
                     ..
                 }
             ),
@@ -1012,8 +1169,8 @@ mod tests {
         put(
             d.path(),
             "a",
-            1000,
-            Source::Inline(vec![1; 1000]),
+            100_000,
+            Source::Inline(vec![1; 100_000]),
             None,
             &LIMITS,
         )
@@ -1021,29 +1178,26 @@ mod tests {
         let e = put(
             d.path(),
             "b",
-            600,
-            Source::Inline(vec![1; 600]),
+            60_000,
+            Source::Inline(vec![1; 60_000]),
             None,
             &LIMITS,
         )
         .unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::TooLarge {
-                    limit: "max_session_files_bytes",
-                    value: 1600,
-                    ..
-                }
-            ),
-            "{e}"
-        );
+        match e {
+            Error::TooLarge {
+                limit: "max_session_files_bytes",
+                value,
+                max: 150_000,
+            } => assert!(value >= 160_000, "{value}"),
+            other => panic!("{other}"),
+        }
         // Replacing `a` counts its new size only.
         put(
             d.path(),
             "a",
-            900,
-            Source::Inline(vec![1; 900]),
+            90_000,
+            Source::Inline(vec![1; 90_000]),
             None,
             &LIMITS,
         )
@@ -1074,6 +1228,120 @@ mod tests {
         std::io::Write::write_all(&mut f, b"hello").unwrap();
         put(d.path(), "fromfd", 5, Source::Fd(f.into()), None, &LIMITS).unwrap();
         assert_eq!(read_any(d.path(), "fromfd", 0, 100).unwrap().1, b"hello");
+    }
+
+    #[test]
+    fn hidden_entries_blocks_and_inodes_are_charged() {
+        use std::os::unix::fs::FileExt;
+        let d = tmp();
+        let base = list(d.path()).unwrap().usage;
+        assert_eq!(base.entries, 0);
+        // Hidden names, the scratch directory and a name like an upload temporary count.
+        std::fs::write(d.path().join(".hidden"), vec![1u8; 10_000]).unwrap();
+        std::fs::create_dir(d.path().join(SCRATCH_DIR)).unwrap();
+        std::fs::write(d.path().join(SCRATCH_DIR).join("x"), vec![1u8; 20_000]).unwrap();
+        std::fs::write(d.path().join(format!("{TEMP_PREFIX}zz")), vec![1u8; 30_000]).unwrap();
+        let l = list(d.path()).unwrap();
+        let names: Vec<_> = l.files.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(names, [".hidden"]);
+        assert_eq!(l.usage.entries, 4);
+        assert!(l.usage.bytes >= 60_000, "{:?}", l.usage);
+        assert_eq!(l.regular_bytes(), l.usage.bytes);
+        // A sparse file is charged its size; blocks reserved past the end are charged too.
+        let sparse = std::fs::File::create(d.path().join("sparse")).unwrap();
+        sparse.set_len(5_000_000).unwrap();
+        let l2 = list(d.path()).unwrap();
+        assert!(l2.usage.bytes >= l.usage.bytes + 5_000_000);
+        let reserved = std::fs::File::create(d.path().join("reserved")).unwrap();
+        // SAFETY: a valid descriptor; integer arguments.
+        let r =
+            unsafe { libc::fallocate(reserved.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, 0, 8 << 20) };
+        if r == 0 {
+            let l3 = list(d.path()).unwrap();
+            assert!(
+                l3.usage.bytes >= l2.usage.bytes + (8 << 20),
+                "{:?}",
+                l3.usage
+            );
+            assert_eq!(
+                l3.files.iter().find(|f| f.name == "reserved").unwrap().size,
+                0
+            );
+        } else {
+            eprintln!("fallocate(KEEP_SIZE) unsupported here; reservation not checked");
+        }
+        // Hard links are charged once.
+        reserved.write_all_at(b"x", 0).unwrap();
+        let before = list(d.path()).unwrap().usage;
+        std::fs::hard_link(d.path().join(".hidden"), d.path().join("link")).unwrap();
+        let after = list(d.path()).unwrap().usage;
+        assert_eq!(after.entries, before.entries + 1);
+        assert!(after.bytes < before.bytes + 10_000);
+    }
+
+    #[test]
+    fn the_entry_budget_counts_hidden_and_deep_entries() {
+        let d = tmp();
+        let deep = d.path().join(SCRATCH_DIR).join("a/b/c/d/e/f");
+        std::fs::create_dir_all(&deep).unwrap();
+        let l = list(d.path()).unwrap();
+        assert!(l.files.is_empty());
+        assert_eq!(l.usage.entries, 7);
+        assert!(!l.truncated && !l.usage.over);
+        for i in 0..MAX_SESSION_ENTRIES {
+            std::fs::write(deep.join(i.to_string()), "").unwrap();
+        }
+        let l = list(d.path()).unwrap();
+        assert!(l.usage.over && l.truncated, "{:?}", l.usage);
+        assert_eq!(l.regular_bytes(), u64::MAX);
+        let e = put(
+            d.path(),
+            "x",
+            1,
+            Source::Inline(b"x".to_vec()),
+            None,
+            &LIMITS,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::TooLarge {
+                    limit: "max_session_entries",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        // Too deep to count is over budget too.
+        let d = tmp();
+        let mut p = d.path().join(SCRATCH_DIR);
+        for _ in 0..MAX_WALK_DEPTH {
+            p = p.join("d");
+        }
+        std::fs::create_dir_all(&p).unwrap();
+        assert!(list(d.path()).unwrap().usage.over);
+    }
+
+    #[test]
+    fn odd_names_a_worker_makes_are_listed_and_reachable() {
+        use std::os::unix::ffi::OsStrExt;
+        let d = tmp();
+        std::fs::write(d.path().join("a\tb\nc"), "tab").unwrap();
+        std::fs::write(d.path().join("-x"), "dash").unwrap();
+        std::fs::write(
+            d.path().join(std::ffi::OsStr::from_bytes(b"bad\xff")),
+            "latin1",
+        )
+        .unwrap();
+        let l = list(d.path()).unwrap();
+        let names: Vec<_> = l.files.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(names, ["-x", "a\tb\nc"]);
+        assert_eq!(l.usage.entries, 3);
+        for n in names {
+            read_any(d.path(), n, 0, 10).unwrap();
+        }
+        delete(d.path(), "a\tb\nc").unwrap();
     }
 
     #[test]

@@ -18,10 +18,19 @@
 //! for the daemon's lifetime, and action), at most [`CACHE_MAX`] entries; D-Bus calls are
 //! never cached. The cache is emptied whenever the bus connection is replaced.
 //!
+//! A caller whose start time cannot be read (it exited, or its pid names another process
+//! now) is refused before polkit is asked: polkit reads a start time of 0 as "whatever
+//! process has this pid now". Without a pidfd, the daemon also checks, right before asking,
+//! that `/proc/<pid>/status` still shows the peer's uid and gid (from `SO_PEERCRED`) and the
+//! same start time, so a recycled pid of another user is never asked about.
+//!
 //! When polkit cannot be asked (bus gone, polkitd not answering) the decision fails closed:
-//! root is allowed (polkit would allow root too), everyone else is refused until the bus is
-//! back. A daemon that never reached polkit keeps [`crate::auth::SocketPermissions`]: the
-//! socket's mode (0660, group `sandcell`) is then the only gate.
+//! root is allowed (polkit would allow root too), everyone else is refused until polkit
+//! answers. The daemon selects this authority at start-up whenever polkit is installed
+//! ([`installed`]: polkitd or sandcell's action file is present), answering or not; only on
+//! a host without polkit does it keep [`crate::auth::SocketPermissions`] (the socket's mode,
+//! 0660, group `sandcell`, is then the only gate). Every refusal is logged with the caller's
+//! uid, pid and the action.
 
 use crate::auth::{Action, Authority};
 use crate::session::{Caller, PidFd, Subject};
@@ -46,6 +55,39 @@ pub const PIDFD_MIN_VERSION: u32 = 124;
 /// polkit's `CheckAuthorizationFlags.AllowUserInteraction`.
 const ALLOW_USER_INTERACTION: u32 = 1;
 
+/// Where polkitd lives on the distributions sandcell supports (Debian/Ubuntu, Fedora/RHEL,
+/// openSUSE, Arch).
+pub const POLKITD_PATHS: &[&str] = &[
+    "/usr/lib/polkit-1/polkitd",
+    "/usr/libexec/polkitd",
+    "/usr/libexec/polkit-1/polkitd",
+    "/usr/lib/polkit/polkitd",
+];
+/// sandcell's polkit action file, as the packages install it.
+pub const ACTION_FILES: &[&str] = &[
+    "/usr/share/polkit-1/actions/org.sandcell.policy",
+    "/etc/polkit-1/actions/org.sandcell.policy",
+];
+
+/// The first file that shows polkit is installed for sandcell (its action file), if any.
+pub fn action_file_installed() -> Option<&'static str> {
+    ACTION_FILES
+        .iter()
+        .copied()
+        .find(|p| std::path::Path::new(p).exists())
+}
+
+/// The first file that shows polkit is installed on this host (polkitd, or sandcell's action
+/// file), if any. A host with a system bus where this is `Some` fails closed while polkit
+/// does not answer.
+pub fn installed() -> Option<&'static str> {
+    POLKITD_PATHS
+        .iter()
+        .copied()
+        .find(|p| std::path::Path::new(p).exists())
+        .or_else(action_file_installed)
+}
+
 /// Errors asking polkit.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -67,6 +109,15 @@ pub enum Error {
         action: &'static str,
         /// How long we waited.
         after: Duration,
+    },
+    /// The caller's start time could not be read, or `/proc/<pid>` no longer shows the peer
+    /// (another uid or gid, another start time): it is refused without asking polkit.
+    #[error("caller pid {pid} cannot be identified: {reason}")]
+    Unidentified {
+        /// The peer's pid.
+        pid: u32,
+        /// What did not match.
+        reason: String,
     },
     /// polkit is not reachable on the bus at all.
     #[error(
@@ -166,11 +217,11 @@ impl Polkit {
     ///
     /// Errors: [`Error::NoBus`], [`Error::Call`], [`Error::Timeout`].
     pub async fn ask(&self, caller: &Caller, action: Action) -> Result<Decision, Error> {
+        let (subject, interactive) = self.subject(caller)?;
         let conn = self.bus.read().unwrap().clone().ok_or(Error::NoBus)?;
         let id = action.id();
         let call = |source| Error::Call { action: id, source };
         let proxy = PolkitAuthorityProxy::new(&conn).await.map_err(call)?;
-        let (subject, interactive) = self.subject(caller);
         let flags = if interactive {
             ALLOW_USER_INTERACTION
         } else {
@@ -195,21 +246,37 @@ impl Polkit {
     }
 
     /// The polkit subject for `caller` and whether the check may be interactive.
+    ///
+    /// Errors: [`Error::Unidentified`] for a process whose start time is unknown (never sent
+    /// as 0), or, without a pidfd, whose `/proc` entry no longer matches the peer.
+    #[allow(clippy::type_complexity)]
     fn subject<'a>(
         &self,
         caller: &'a Caller,
-    ) -> ((&'static str, HashMap<&'static str, Value<'a>>), bool) {
+    ) -> Result<((&'static str, HashMap<&'static str, Value<'a>>), bool), Error> {
         let mut d: HashMap<&'static str, Value<'a>> = HashMap::new();
         match &caller.subject {
             Subject::BusName { name, interactive } => {
                 d.insert("name", Value::from(name.as_str()));
-                (("system-bus-name", d), *interactive)
+                Ok((("system-bus-name", d), *interactive))
             }
             Subject::Process {
                 pid,
                 start_time,
                 pidfd,
             } => {
+                if *start_time == 0 {
+                    return Err(Error::Unidentified {
+                        pid: *pid,
+                        reason: "its start time could not be read (it exited, or the pid \
+                                 names another process now)"
+                            .into(),
+                    });
+                }
+                if pidfd.is_none() {
+                    same_process(*pid, *start_time, caller.uid, caller.gid)
+                        .map_err(|reason| Error::Unidentified { pid: *pid, reason })?;
+                }
                 match pidfd {
                     Some(PidFd(fd)) if self.uses_pidfd() => {
                         d.insert("pidfd", Value::from(Fd::from(fd.as_fd())));
@@ -221,14 +288,18 @@ impl Polkit {
                 // polkit reads `uid` as int32 and refuses the check if it does not match the
                 // process's real uid.
                 d.insert("uid", Value::from(caller.uid as i32));
-                (("unix-process", d), false)
+                Ok((("unix-process", d), false))
             }
             Subject::Daemon => {
                 let pid = std::process::id();
+                let t = start_time(pid).ok_or_else(|| Error::Unidentified {
+                    pid,
+                    reason: "the daemon's own start time could not be read".into(),
+                })?;
                 d.insert("pid", Value::from(pid));
-                d.insert("start-time", Value::from(start_time(pid).unwrap_or(0)));
+                d.insert("start-time", Value::from(t));
                 d.insert("uid", Value::from(caller.uid as i32));
-                (("unix-process", d), false)
+                Ok((("unix-process", d), false))
             }
         }
     }
@@ -252,6 +323,16 @@ impl Polkit {
                     challenge = d.challenge,
                     "polkit answered"
                 );
+                if !d.authorized {
+                    tracing::warn!(
+                        action = action.id(),
+                        uid = caller.uid,
+                        gid = caller.gid,
+                        pid = caller.pid,
+                        subject = subject_kind(caller),
+                        "authorization refused by polkit"
+                    );
+                }
                 if cacheable {
                     let mut c = self.cache.lock().unwrap();
                     if c.len() >= CACHE_MAX {
@@ -261,11 +342,17 @@ impl Polkit {
                 }
                 d.authorized
             }
+            Err(e @ Error::Unidentified { .. }) => {
+                tracing::warn!(error = %e, action = action.id(), uid = caller.uid,
+                    gid = caller.gid, pid = caller.pid, "authorization refused: caller not identified");
+                false
+            }
             Err(e) => {
                 // Fail closed; root would be allowed by polkit in any case.
                 let ok = caller.uid == 0;
-                tracing::warn!(error = %e, action = action.id(), uid = caller.uid, allowed = ok,
-                    "polkit unavailable: refusing everyone but root");
+                tracing::warn!(error = %e, action = action.id(), uid = caller.uid,
+                    gid = caller.gid, pid = caller.pid, subject = subject_kind(caller),
+                    allowed = ok, "polkit unavailable: refusing everyone but root");
                 ok
             }
         }
@@ -280,6 +367,49 @@ impl Authority for Polkit {
     ) -> Pin<Box<dyn Future<Output = bool> + Send + 'a>> {
         Box::pin(self.decide(caller, action))
     }
+}
+
+/// `unix-process`, `system-bus-name` or `daemon`, for log lines.
+fn subject_kind(caller: &Caller) -> &'static str {
+    match caller.subject {
+        Subject::Process { .. } => "unix-process",
+        Subject::BusName { .. } => "system-bus-name",
+        Subject::Daemon => "daemon",
+    }
+}
+
+/// Checks that `pid` is still the process that connected: its start time is `start` before
+/// and after reading `/proc/<pid>/status`, whose real and effective `Uid` are `uid` and
+/// effective `Gid` is `gid` (the peer's `SO_PEERCRED`). Errors: what did not match.
+fn same_process(pid: u32, start: u64, uid: u32, gid: u32) -> Result<(), String> {
+    let started = || start_time(pid) == Some(start);
+    if !started() {
+        return Err("the pid names another process now".into());
+    }
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .map_err(|e| format!("reading /proc/{pid}/status: {e}"))?;
+    let ids = parse_status_ids(&status).ok_or("malformed /proc status")?;
+    if !started() {
+        return Err("the pid names another process now".into());
+    }
+    let ((ruid, euid), egid) = ids;
+    if ruid != uid || euid != uid || egid != gid {
+        return Err(format!(
+            "/proc shows uid {ruid}/{euid} gid {egid}, the socket said uid {uid} gid {gid}"
+        ));
+    }
+    Ok(())
+}
+
+/// ((real uid, effective uid), effective gid) from a `/proc/<pid>/status` text.
+fn parse_status_ids(status: &str) -> Option<((u32, u32), u32)> {
+    let field = |key: &str| -> Option<Vec<u32>> {
+        let line = status.lines().find_map(|l| l.strip_prefix(key))?;
+        line.split_whitespace().map(|v| v.parse().ok()).collect()
+    };
+    let u = field("Uid:")?;
+    let g = field("Gid:")?;
+    Some(((*u.first()?, *u.get(1)?), *g.get(1)?))
 }
 
 /// Start time of `pid`: field 22 (`starttime`) of `/proc/<pid>/stat`, clock ticks since boot.
@@ -357,42 +487,90 @@ mod tests {
                 interactive: true,
             },
         );
-        let ((kind, d), interactive) = p.subject(&bus);
+        let ((kind, d), interactive) = p.subject(&bus).unwrap();
         assert_eq!(kind, "system-bus-name");
         assert_eq!(d.get("name"), Some(&Value::from(":1.42")));
         assert_eq!(d.len(), 1);
         assert!(interactive, "the D-Bus interactive flag is honoured");
 
-        let proc_ = caller(
-            1000,
+        // Ourselves, without a pidfd: /proc must show our uid, gid and start time.
+        let me = std::process::id();
+        let (uid, gid) = (
+            nix::unistd::getuid().as_raw(),
+            nix::unistd::getgid().as_raw(),
+        );
+        let t = start_time(me).unwrap();
+        let mut proc_ = caller(
+            uid,
             7,
             Subject::Process {
-                pid: 4242,
-                start_time: 987654,
+                pid: me,
+                start_time: t,
                 pidfd: None,
             },
         );
-        let ((kind, d), interactive) = p.subject(&proc_);
+        proc_.gid = gid;
+        let ((kind, d), interactive) = p.subject(&proc_).unwrap();
         assert_eq!(kind, "unix-process");
-        assert_eq!(d.get("pid"), Some(&Value::from(4242u32)));
-        assert_eq!(d.get("start-time"), Some(&Value::from(987654u64)));
+        assert_eq!(d.get("pid"), Some(&Value::from(me)));
+        assert_eq!(d.get("start-time"), Some(&Value::from(t)));
         // polkit reads uid as int32 (measured with polkit 122: a u32 is ignored).
-        assert_eq!(d.get("uid"), Some(&Value::from(1000i32)));
+        assert_eq!(d.get("uid"), Some(&Value::from(uid as i32)));
         assert!(!interactive, "Varlink callers are never interactive");
+
+        // A start time of 0 is never sent; another uid or start time is refused.
+        for (uid2, start2) in [(uid, 0), (uid.wrapping_add(1), t), (uid, t + 1)] {
+            let other = caller(
+                uid2,
+                7,
+                Subject::Process {
+                    pid: me,
+                    start_time: start2,
+                    pidfd: None,
+                },
+            );
+            let mut other = other;
+            other.gid = gid;
+            assert!(
+                matches!(p.subject(&other), Err(Error::Unidentified { .. })),
+                "uid {uid2} start {start2}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn unidentified_callers_are_refused_even_as_root() {
+        let p = Polkit::new();
+        let subject = Subject::Process {
+            pid: std::process::id(),
+            start_time: 0,
+            pidfd: None,
+        };
+        assert!(!p.check(&caller(0, 3, subject), Action::Execute).await);
+    }
+
+    #[test]
+    fn status_ids_are_parsed() {
+        let st = "Name:\tx\nUid:\t1000\t1001\t1000\t1000\nGid:\t50\t51\t50\t50\n";
+        assert_eq!(parse_status_ids(st), Some(((1000, 1001), 51)));
+        assert_eq!(parse_status_ids("Uid:\tx\n"), None);
     }
 
     #[tokio::test]
     async fn without_polkit_only_root_is_allowed() {
         let p = Polkit::new();
+        let me = std::process::id();
         let subject = Subject::Process {
-            pid: 4242,
-            start_time: 1,
+            pid: me,
+            start_time: start_time(me).unwrap(),
             pidfd: None,
         };
-        assert!(
-            p.check(&caller(0, 1, subject.clone()), Action::Execute)
-                .await
-        );
+        if nix::unistd::geteuid().is_root() && nix::unistd::getegid().as_raw() == 0 {
+            assert!(
+                p.check(&caller(0, 1, subject.clone()), Action::Execute)
+                    .await
+            );
+        }
         assert!(
             !p.check(&caller(1000, 2, subject.clone()), Action::Execute)
                 .await

@@ -9,11 +9,23 @@
 //! - `session.rs`: `org.sandcell.Session1` at `/org/sandcell/Sandcell1/session/<id>`.
 //!
 //! The bus is used only when one is there: `DBUS_SYSTEM_BUS_ADDRESS`, else the socket
-//! `/run/dbus/system_bus_socket` if it exists. Without one the daemon serves Varlink alone and
-//! keeps [`crate::auth::SocketPermissions`]. Once connected, the daemon selects the polkit
-//! authority ([`crate::polkit::Polkit`]) as soon as polkit answers; if the bus goes away the
-//! daemon keeps serving Varlink (polkit checks then fail closed: only root is allowed) and
-//! reconnects with a backoff from 1 s doubling to 30 s.
+//! `/run/dbus/system_bus_socket` if it exists. Which authority decides is settled at
+//! start-up, before the Varlink socket is served, and logged (`authorization: ...`):
+//! - polkit installed ([`crate::polkit::installed`]: polkitd or sandcell's action file on a
+//!   host with a system bus; sandcell's action file on a host without one, where polkitd
+//!   cannot run): the polkit authority ([`crate::polkit::Polkit`]), answering or not. While
+//!   polkit does not answer (not started, bus gone) it fails closed: only root is allowed;
+//! - polkit not installed at all: [`crate::auth::SocketPermissions`]; if polkit appears on
+//!   the bus later, it is selected then.
+//!
+//! If the bus goes away the daemon keeps serving Varlink and reconnects with a backoff from
+//! 1 s doubling to 30 s.
+//!
+//! Visibility: a session's object and properties are shown to its owner, root, and holders
+//! of `org.sandcell.manage-sessions` only (property reads of anyone else fail with
+//! `org.freedesktop.DBus.Error.AccessDenied`; `ListSessions` and `GetSession` filter). The
+//! shipped bus policy delivers sandcelld's signals (which name owners) to root only, and
+//! lets only root list the session objects by introspection.
 //!
 //! Shipped with it (repository root): `dbus/org.sandcell.Sandcell1.conf` (bus policy),
 //! `dbus/org.sandcell.Sandcell1.service` (activation), `dbus/org.sandcell.Manager1.xml` and
@@ -193,10 +205,23 @@ pub async fn start(
     stop: watch::Receiver<bool>,
 ) -> Option<tokio::task::JoinHandle<()>> {
     let Some(address) = system_bus_address() else {
-        tracing::info!(
-            "no system bus (DBUS_SYSTEM_BUS_ADDRESS unset, {SYSTEM_BUS_SOCKET} absent): D-Bus \
-             control plane off; the socket's permissions are the only authorization"
-        );
+        match crate::polkit::action_file_installed() {
+            Some(evidence) => {
+                core.set_authority(Polkit::new());
+                tracing::error!(
+                    evidence,
+                    "authorization: FAIL-CLOSED: polkit is installed for sandcell but there is \
+                     no system bus (DBUS_SYSTEM_BUS_ADDRESS unset, {SYSTEM_BUS_SOCKET} absent) \
+                     to ask it on; only root may run code"
+                );
+            }
+            None => tracing::warn!(
+                "authorization: socket permissions only: no system bus \
+                 (DBUS_SYSTEM_BUS_ADDRESS unset, {SYSTEM_BUS_SOCKET} absent) and polkit is not \
+                 installed for sandcell; D-Bus control plane off; every user who can open the \
+                 socket may run code"
+            ),
+        }
         return None;
     };
     let sup = Supervisor {
@@ -206,6 +231,15 @@ pub async fn start(
         polkit: Polkit::new(),
         polkit_selected: AtomicBool::new(false),
     };
+    if let Some(evidence) = crate::polkit::installed() {
+        // Fail closed from the first client on; polkit decides once it answers.
+        sup.core.set_authority(sup.polkit.clone());
+        sup.polkit_selected.store(true, Ordering::SeqCst);
+        tracing::info!(
+            evidence,
+            "polkit is installed: polkit decides authorization (only root until it answers)"
+        );
+    }
     let first = match tokio::time::timeout(FIRST_CONNECT_TIMEOUT, sup.connect()).await {
         Ok(Ok(c)) => Some(c),
         Ok(Err(e)) => {
@@ -265,14 +299,14 @@ impl Supervisor {
                 tracing::info!(
                     %version,
                     pidfd = self.polkit.uses_pidfd(),
-                    "polkit decides authorization (Varlink and D-Bus)"
+                    "authorization: polkit decides authorization (Varlink and D-Bus)"
                 );
             }
             Err(e) if self.polkit_selected.load(Ordering::SeqCst) => {
-                tracing::warn!(error = %e, "polkit not answering: refusing everyone but root until it does");
+                tracing::error!(error = %e, "authorization: FAIL-CLOSED: polkit is installed but not answering; refusing everyone but root until it does");
             }
             Err(e) => {
-                tracing::warn!(error = %e, "polkit not answering: the socket's permissions stay the only authorization");
+                tracing::warn!(error = %e, "authorization: socket permissions only: polkit is not installed (no polkitd, no sandcell action file) and not answering; the socket's permissions stay the only authorization");
             }
         }
         tracing::info!(name = BUS_NAME, address = %self.address, "D-Bus control plane up");
