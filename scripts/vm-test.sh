@@ -1,40 +1,52 @@
 #!/usr/bin/env bash
 # System test tier: boot a Debian 12 VM (qemu, TCG) with systemd as PID 1 and pure cgroup v2,
 # install the built sandcell .deb in it, and drive it as an operator would
-# (scripts/vm/guest-test.sh). Exit status: the guest test's (0 = every check passed).
+# (scripts/vm/guest-test.sh). By default the same image boots twice: once with Debian 12's own
+# kernel (bookworm's linux-image-amd64, 6.1, Landlock ABI 2) and once with bookworm-backports'
+# (6.12, Landlock ABI 6). Exit status: 0 when every check passed on every kernel booted.
 #
-#   scripts/vm-test.sh [--deb FILE] [--keep]
+#   scripts/vm-test.sh [--kernel stable|backports|both] [--deb FILE] [--keep]
 #
+# --kernel K  which kernel(s) to boot (default both: stable, then backports)
 # --deb FILE  test this package (default: build one with scripts/package.sh --deb)
-# --keep      keep the staging directory (guest log, console log) even on success
+# --keep      keep the staging directories (guest log, console log) even on success
 #
 # Environment: SANDCELL_VM_CACHE (/var/tmp/sandcell-vm; the image is rebuilt when absent),
-# SANDCELL_VM_KERNEL (backports|stable, see scripts/vm/build-image.sh), SANDCELL_VM_MEMORY
-# (MiB, 3072), SANDCELL_VM_CPUS (2), SANDCELL_VM_TIMEOUT (seconds, 1500),
-# SANDCELL_VM_LANGUAGES (python,r: what the daemon serves and the test runs),
-# SANDCELL_VM_FRESH_RUNTIME=1 (do not seed the guest with the Python runtime the previous run
-# prepared; the package's postinst then prepares it, about 6 minutes under TCG).
+# SANDCELL_VM_KERNEL (default of --kernel), SANDCELL_VM_MEMORY (MiB, 3072), SANDCELL_VM_CPUS
+# (2), SANDCELL_VM_TIMEOUT (seconds per boot, 2700), SANDCELL_VM_LANGUAGES (python,r: what the
+# daemon serves and the test runs), SANDCELL_VM_FRESH_RUNTIME=1 (do not seed the guest with the
+# Python runtime a previous run prepared; the package's postinst then prepares it, about 6
+# minutes under TCG).
 # Needs root; installs what it needs (scripts/setup.sh, then mmdebstrap, qemu-system-x86, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh
 deb=""
 keep=0
+which=${SANDCELL_VM_KERNEL:-both}
 while (($#)); do
     case $1 in
     --deb) deb=$(realpath "$2"); shift 2 ;;
+    --kernel) which=$2; shift 2 ;;
+    --kernel=*) which=${1#--kernel=}; shift ;;
     --keep) keep=1; shift ;;
-    -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "vm-test: unknown argument $1" >&2; exit 2 ;;
     esac
 done
+case $which in
+both) kernels=(stable backports) ;;
+stable | backports) kernels=("$which") ;;
+*) echo "vm-test: --kernel must be stable, backports or both" >&2; exit 2 ;;
+esac
 cache=${SANDCELL_VM_CACHE:-/var/tmp/sandcell-vm}
 export SANDCELL_VM_CACHE=$cache
 mem=${SANDCELL_VM_MEMORY:-3072}
 cpus=${SANDCELL_VM_CPUS:-2}
-limit=${SANDCELL_VM_TIMEOUT:-1500}
-# What a fresh machine lacks: the base set (scripts/setup.sh builds too), then the VM tools.
-bash scripts/setup.sh
+limit=${SANDCELL_VM_TIMEOUT:-2700}
+# What a fresh machine lacks: the base set and the binaries (scripts/setup.sh; not needed to
+# test a given package), then the VM tools.
+[[ -n $deb ]] || bash scripts/setup.sh
 vm_packages=(mmdebstrap qemu-system-x86 e2fsprogs busybox-static cpio zstd python3)
 missing=()
 for p in "${vm_packages[@]}"; do
@@ -47,6 +59,7 @@ if ((${#missing[@]})); then
 fi
 command -v qemu-system-x86_64 >/dev/null || { echo "vm-test: qemu-system-x86_64 is missing (apt-get install qemu-system-x86)" >&2; exit 2; }
 
+# One image for every kernel (both are installed in it; -kernel picks one at boot).
 t0=$SECONDS
 bash scripts/vm/build-image.sh
 t_image=$((SECONDS - t0))
@@ -56,17 +69,6 @@ if [[ -z $deb ]]; then
     deb=$(ls -t "${SANDCELL_PKG_DIR:-/var/tmp/sandcell-pkg}"/out/sandcell_*_amd64.deb | head -1)
 fi
 [[ -f $deb ]] || { echo "vm-test: no package $deb" >&2; exit 2; }
-
-run=$(mktemp -d "$cache/run.XXXXXX")
-chmod 0755 "$run"
-cp "$deb" "$run/sandcell.deb"
-cp scripts/vm/guest-test.sh "$run/guest-test.sh"
-cp -r examples "$run/examples" 2>/dev/null || true
-echo "${SANDCELL_VM_LANGUAGES:-python,r}" >"$run/languages"
-if [[ -f $cache/python-runtime.tar && ${SANDCELL_VM_FRESH_RUNTIME:-0} != 1 ]]; then
-    cp "$cache/python-runtime.tar" "$run/"
-fi
-echo "vm-test: staging in $run (package $(basename "$deb"))"
 
 # Boot units the test does not need (a factor 2-3 in boot time under TCG).
 masks=(modprobe@.service systemd-pstore.service systemd-random-seed.service
@@ -84,43 +86,82 @@ cmdline="console=ttyS0 root=/dev/vda rw panic=-1 quiet loglevel=4 systemd.show_s
 cmdline+=" systemd.unified_cgroup_hierarchy=1 systemd.journald.forward_to_console=0"
 for m in "${masks[@]}"; do cmdline+=" systemd.mask=$m"; done
 
-# The uncompressed kernel boots through PVH and skips the slow in-guest decompressor.
-kernel="$cache/vmlinux"
-t1=$SECONDS
-rc=0
-timeout --foreground "$limit" qemu-system-x86_64 \
-    -machine pc -accel tcg,thread=multi -cpu max -smp "$cpus" -m "$mem" \
-    -kernel "$kernel" -initrd "$cache/initrd.img" -append "$cmdline" \
-    -drive "file=$cache/rootfs.img,if=virtio,format=raw,snapshot=on" \
-    -virtfs "local,path=$run,mount_tag=share,security_model=none,id=share" \
-    -nic none -display none -monitor none -serial "file:$run/console.log" \
-    -no-reboot || rc=$?
-t_vm=$((SECONDS - t1))
+# guest_value RUN KEY: the value of the guest log's "guest: KEY: VALUE" line.
+guest_value() { sed -n "s/^guest: $2: //p" "$1/guest.log" 2>/dev/null | head -1 || true; }
+declare -A summary
+overall=0
 
-echo "---- guest log ($run/guest.log) ----"
-cat "$run/guest.log" 2>/dev/null || echo "(no guest log)"
-echo "---- end of guest log ----"
-if [[ $rc == 124 ]]; then
-    echo "vm-test: the VM did not power off within ${limit}s; console tail:" >&2
-    tail -40 "$run/console.log" >&2
-    exit 1
-fi
-if [[ ! -f $run/guest.rc ]]; then
-    echo "vm-test: the guest test did not run (qemu exit $rc); console tail:" >&2
-    tail -60 "$run/console.log" >&2
-    exit 1
-fi
-guest_rc=$(cat "$run/guest.rc")
-# A runtime the guest had to prepare is kept for the next run.
-[[ -f $run/python-runtime.new.tar ]] && mv "$run/python-runtime.new.tar" "$cache/python-runtime.tar"
-grep -h '^sandcell-vm-run:' "$run/console.log" 2>/dev/null || true
-passed=$(grep -c '^PASS' "$run/guest.log" || true)
-failed=$(grep -c '^FAIL' "$run/guest.log" || true)
-skipped=$(grep -c '^SKIP' "$run/guest.log" || true)
-echo "vm-test: image ${t_image}s, boot+test+poweroff ${t_vm}s; checks: $passed passed, $failed failed, $skipped skipped; guest exit $guest_rc"
-if [[ $guest_rc == 0 && $keep == 0 ]]; then
-    rm -rf "$run"
-else
-    echo "vm-test: logs kept in $run"
-fi
-exit "$guest_rc"
+# boot KERNEL: one VM run on that kernel; sets summary[KERNEL] and returns the guest's status.
+boot() {
+    local k=$1 run rc t1 t_vm guest_rc booted finished passed failed skipped release abi check
+    run=$(mktemp -d "$cache/run-$k.XXXXXX")
+    chmod 0755 "$run"
+    cp "$deb" "$run/sandcell.deb"
+    cp scripts/vm/guest-test.sh "$run/guest-test.sh"
+    cp -r examples "$run/examples" 2>/dev/null || true
+    echo "${SANDCELL_VM_LANGUAGES:-python,r}" >"$run/languages"
+    if [[ -f $cache/python-runtime.tar && ${SANDCELL_VM_FRESH_RUNTIME:-0} != 1 ]]; then
+        cp "$cache/python-runtime.tar" "$run/"
+    fi
+    echo "==== vm-test[$k]: kernel $(cat "$cache/release-$k"), staging in $run (package $(basename "$deb"))"
+    t1=$SECONDS
+    rc=0
+    timeout --foreground "$limit" qemu-system-x86_64 \
+        -machine pc -accel tcg,thread=multi -cpu max -smp "$cpus" -m "$mem" \
+        -kernel "$cache/vmlinux-$k" -initrd "$cache/initrd-$k.img" -append "$cmdline" \
+        -drive "file=$cache/rootfs.img,if=virtio,format=raw,snapshot=on" \
+        -virtfs "local,path=$run,mount_tag=share,security_model=none,id=share" \
+        -nic none -display none -monitor none -serial "file:$run/console.log" \
+        -no-reboot || rc=$?
+    t_vm=$((SECONDS - t1))
+
+    echo "---- guest log [$k] ($run/guest.log) ----"
+    cat "$run/guest.log" 2>/dev/null || echo "(no guest log)"
+    echo "---- end of guest log [$k] ----"
+    grep -h '^sandcell-vm-run:' "$run/console.log" 2>/dev/null || true
+    guest_rc=""
+    if [[ $rc == 124 ]]; then
+        echo "vm-test[$k]: the VM did not power off within ${limit}s; console tail:" >&2
+        tail -40 "$run/console.log" >&2
+    elif [[ ! -f $run/guest.rc ]]; then
+        echo "vm-test[$k]: the guest test did not run (qemu exit $rc); console tail:" >&2
+        tail -60 "$run/console.log" >&2
+    else
+        guest_rc=$(cat "$run/guest.rc")
+    fi
+    # A runtime the guest had to prepare is kept for the next run (and the next kernel).
+    [[ -f $run/python-runtime.new.tar ]] && mv "$run/python-runtime.new.tar" "$cache/python-runtime.tar"
+
+    # Figures: boot = kernel start to the test unit (guest uptime), guest run = the test itself.
+    booted=$(sed -n 's/^sandcell-vm-run: guest booted in \([0-9.]*\) s.*/\1/p' "$run/console.log" 2>/dev/null | head -1)
+    finished=$(sed -n 's/^sandcell-vm-run: guest test finished with [0-9]* after \([0-9.]*\) s.*/\1/p' "$run/console.log" 2>/dev/null | head -1)
+    passed=$(grep -c '^PASS' "$run/guest.log" 2>/dev/null || true)
+    failed=$(grep -c '^FAIL' "$run/guest.log" 2>/dev/null || true)
+    skipped=$(grep -c '^SKIP' "$run/guest.log" 2>/dev/null || true)
+    release=$(guest_value "$run" kernel)
+    abi=$(guest_value "$run" "landlock abi")
+    check=$(guest_value "$run" "sandcelld --check")
+    summary[$k]="kernel ${release:-$(cat "$cache/release-$k") (not seen in the guest)}; lsm $(guest_value "$run" lsm); landlock abi ${abi:-?}; sandcelld --check: ${check:-?}
+    checks: ${passed:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped; guest exit ${guest_rc:-none (qemu $rc)}
+    times: image ${t_image}s, boot ${booted:-?}s, guest run $(if [[ -n $booted && -n $finished ]]; then awk -v a="$booted" -v b="$finished" 'BEGIN { printf "%.0f", b - a }'; else echo "?"; fi)s, VM total ${t_vm}s (boot + run + power off)"
+    echo "vm-test[$k]: ${summary[$k]}"
+    if [[ $guest_rc == 0 && $keep == 0 ]]; then
+        rm -rf "$run"
+    else
+        echo "vm-test[$k]: logs kept in $run"
+        summary[$k]+="
+    logs: $run"
+    fi
+    [[ $guest_rc == 0 ]]
+}
+
+results=()
+for k in "${kernels[@]}"; do
+    if boot "$k"; then results+=("$k PASS"); else results+=("$k FAIL"); overall=1; fi
+done
+echo "==== vm-test summary (package $(basename "$deb"))"
+for r in "${results[@]}"; do
+    k=${r%% *}
+    echo "$r: ${summary[$k]}"
+done
+exit "$overall"

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Builds the cached Debian 12 guest of the system test (scripts/vm-test.sh), or reuses it:
-#   $SANDCELL_VM_CACHE/rootfs.img   ext4 root file system (booted with snapshot=on: unchanged)
-#   $SANDCELL_VM_CACHE/vmlinux      Debian's kernel, uncompressed (skips the in-guest decompressor)
-#   $SANDCELL_VM_CACHE/vmlinuz      the same, as shipped (fallback)
-#   $SANDCELL_VM_CACHE/initrd.img   busybox + virtio/ext4 modules, nothing else
+# Builds the cached Debian 12 guest of the system test (scripts/vm-test.sh), or reuses it. The
+# image holds two kernels, and the test boots it once with each (qemu's -kernel picks one):
+#   $SANDCELL_VM_CACHE/rootfs.img              ext4 root file system (booted with snapshot=on)
+#   $SANDCELL_VM_CACHE/vmlinux-stable          bookworm's own linux-image-amd64 (6.1), uncompressed
+#   $SANDCELL_VM_CACHE/vmlinux-backports       bookworm-backports' linux-image-amd64 (6.12)
+#   $SANDCELL_VM_CACHE/initrd-{stable,backports}.img  busybox + that kernel's virtio/ext4 modules
+#   $SANDCELL_VM_CACHE/release-{stable,backports}     the kernel release (uname -r)
+# The uncompressed kernel boots through PVH and skips the slow in-guest decompressor.
 # The image is rebuilt when absent or when this script, the package list or a guest file changes.
 # The mirror comes from the host's apt configuration, read at run time.
 set -euo pipefail
@@ -13,21 +16,20 @@ cache=${SANDCELL_VM_CACHE:-/var/tmp/sandcell-vm}
 # login-capable PAM stack, R (the R worker's runtime and the package's dependency), the kernel
 # (modules for 9p and the initramfs), and a few tools the guest test uses.
 packages=(systemd-sysv udev dbus polkitd pkexec libpam-systemd r-base-core r-cran-jsonlite
-    kmod procps util-linux iproute2 psmisc less)
-# The kernel. sandcelld's strict mode needs Landlock ABI 6 (signal and abstract-socket scopes,
-# Linux 6.12), which bookworm's 6.1 kernel lacks (ABI 3): by default the guest boots bookworm's
-# backports kernel (6.12, Landlock in Debian's default LSM list). SANDCELL_VM_KERNEL=stable
-# boots bookworm's own 6.1 instead (then the daemon refuses to start in strict mode).
-kernel=${SANDCELL_VM_KERNEL:-backports}
-case $kernel in
-backports) packages+=(linux-image-amd64/bookworm-backports) ;;
-stable) packages+=(linux-image-amd64) ;;
-*) echo "vm: SANDCELL_VM_KERNEL must be backports or stable" >&2; exit 2 ;;
-esac
-want=$( (echo "$kernel"; cat "$0" "$here/initramfs-init" "$here/sandcell-vm-run" "$here/sandcell-vm-test.service") \
+    kmod procps util-linux iproute2 psmisc less bc)
+# The kernels: bookworm's own (6.1, Landlock ABI 2) from --include, then bookworm-backports'
+# (6.12, Landlock ABI 6) by upgrading the linux-image-amd64 metapackage in a customize hook.
+# The upgrade keeps the 6.1 image package installed (apt does not remove a package the old
+# metapackage depended on), so both kernels and their modules share one root file system.
+packages+=(linux-image-amd64)
+kernels=(stable backports)
+want=$( (echo "${kernels[*]}"; cat "$0" "$here/initramfs-init" "$here/sandcell-vm-run" "$here/sandcell-vm-test.service") \
     | sha256sum | cut -c1-16)
-if [[ -f $cache/stamp && $(cat "$cache/stamp") == "$want" && -f $cache/rootfs.img &&
-    -f $cache/vmlinux && -f $cache/initrd.img ]]; then
+ready=1
+for k in "${kernels[@]}"; do
+    [[ -f $cache/vmlinux-$k && -f $cache/initrd-$k.img && -f $cache/release-$k ]] || ready=0
+done
+if [[ -f $cache/stamp && $(cat "$cache/stamp") == "$want" && -f $cache/rootfs.img && $ready == 1 ]]; then
     echo "vm: reusing the guest image in $cache"
     exit 0
 fi
@@ -51,17 +53,15 @@ while IFS= read -r line; do mirrors+=("$line"); done < <(
         END { flush() }' /etc/apt/sources.list.d/*.sources 2>/dev/null
     grep -hE '^deb[[:space:]]' /etc/apt/sources.list 2>/dev/null || true)
 ((${#mirrors[@]})) || { echo "vm: no Debian mirror in /etc/apt/sources.list{,.d}" >&2; exit 2; }
-if [[ $kernel == backports ]]; then
-    # bookworm-backports from the same archive as bookworm itself.
-    base=$(printf '%s\n' "${mirrors[@]}" | awk '$3 == "bookworm" { print $2; exit }')
-    [[ -n $base ]] || { echo "vm: no bookworm mirror to derive bookworm-backports from" >&2; exit 2; }
-    mirrors+=("deb $base bookworm-backports main")
-fi
+# bookworm-backports from the same archive as bookworm itself.
+base=$(printf '%s\n' "${mirrors[@]}" | awk '$3 == "bookworm" { print $2; exit }')
+[[ -n $base ]] || { echo "vm: no bookworm mirror to derive bookworm-backports from" >&2; exit 2; }
+mirrors+=("deb $base bookworm-backports main")
 printf 'vm: mirror: %s\n' "${mirrors[@]}"
 
 mkdir -p "$cache"
 root="$cache/rootfs.dir"
-rm -f "$cache/rootfs.img" "$cache/stamp"
+rm -f "$cache/rootfs.img" "$cache/stamp" "$cache"/vmlinux* "$cache"/initrd*.img "$cache"/release-*
 start=$SECONDS
 if [[ -f $cache/rootfs.dir.ok && $(cat "$cache/rootfs.dir.ok") == "$want" && -d $root ]]; then
     echo "vm: reusing the bootstrapped tree $root"
@@ -79,6 +79,7 @@ mmdebstrap --variant=apt --mode=root --format=directory \
     --customize-hook="install -m 0755 '$here/sandcell-vm-run' \"\$1/usr/local/sbin/sandcell-vm-run\"" \
     --customize-hook="install -m 0644 '$here/sandcell-vm-test.service' \"\$1/etc/systemd/system/sandcell-vm-test.service\"" \
     --customize-hook='chroot "$1" systemctl enable sandcell-vm-test.service' \
+    --customize-hook='chroot "$1" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q -t bookworm-backports linux-image-amd64' \
     --customize-hook='chroot "$1" passwd -d root' \
     --customize-hook='rm -f "$1"/etc/machine-id; touch "$1"/etc/machine-id' \
     bookworm "$root" "${mirrors[@]}"
@@ -86,11 +87,20 @@ echo "$want" >"$cache/rootfs.dir.ok"
 echo "vm: debootstrap took $((SECONDS - start)) s"
 fi
 
-# Kernel: the .deb's vmlinuz, and the uncompressed ELF inside it (PVH boot in qemu).
-vmlinuz=$(ls "$root"/boot/vmlinuz-* | sort -V | tail -1)
+# Kernels: each .deb's vmlinuz, and the uncompressed ELF inside it (PVH boot in qemu). The
+# older release is bookworm's own, the newer one bookworm-backports'.
+mapfile -t vmlinuzes < <(ls "$root"/boot/vmlinuz-* | sort -V)
+if ((${#vmlinuzes[@]} != 2)); then
+    echo "vm: expected two kernels in the image (bookworm and bookworm-backports), found: ${vmlinuzes[*]##*/}" >&2
+    exit 1
+fi
+releases=()
+for i in 0 1; do
+k=${kernels[$i]}
+vmlinuz=${vmlinuzes[$i]}
 kver=${vmlinuz##*/vmlinuz-}
-cp "$vmlinuz" "$cache/vmlinuz"
-python3 - "$vmlinuz" "$cache/vmlinux" <<'PY'
+releases+=("$k $kver")
+python3 - "$vmlinuz" "$cache/vmlinux-$k" <<'PY'
 # The bzImage carries the ELF kernel compressed (zstd on Debian's 6.12, xz/gzip elsewhere):
 # find the first stream that decompresses to an ELF image.
 import lzma, subprocess, sys, zlib
@@ -115,7 +125,7 @@ sys.exit("vm: cannot extract vmlinux from " + sys.argv[1])
 PY
 
 # Initramfs: busybox and the modules that reach the root disk, in dependency order.
-ird="$cache/initrd.dir"
+ird="$cache/initrd-$k.dir"
 rm -rf "$ird"
 mkdir -p "$ird/bin" "$ird/lib/modules"
 cp "$(command -v busybox)" "$ird/bin/busybox"
@@ -156,10 +166,14 @@ with open(os.path.join(ird, "modules"), "w") as lst:
         lst.write(os.path.basename(dst) + "\n")
 print("vm: initramfs modules:", " ".join(os.path.basename(p) for p in order))
 PY
-(cd "$ird" && find . | cpio -o -H newc --quiet | gzip -1) >"$cache/initrd.img"
+(cd "$ird" && find . | cpio -o -H newc --quiet | gzip -1) >"$cache/initrd-$k.img"
 rm -rf "$ird"
+echo "$kver" >"$cache/release-$k"
+done
+# initramfs-tools' images are not booted (the tiny initramfs above is): not worth their space.
+rm -f "$root"/boot/initrd.img-*
 
-mkfs.ext4 -q -F -L sandcell-root -d "$root" "$cache/rootfs.img" 3G
+mkfs.ext4 -q -F -L sandcell-root -d "$root" "$cache/rootfs.img" 4G
 rm -rf "$root" "$cache/rootfs.dir.ok"
 echo "$want" >"$cache/stamp"
-echo "vm: guest image ready in $cache ($((SECONDS - start)) s, kernel $kver)"
+echo "vm: guest image ready in $cache ($((SECONDS - start)) s, kernels: $(IFS=,; echo "${releases[*]}"))"

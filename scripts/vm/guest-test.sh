@@ -48,8 +48,15 @@ cg() { echo "/sys/fs/cgroup$(systemctl show -p ControlGroup --value sandcelld.se
 # The daemon's log goes to the VM console as it happens (the host's console.log), so a stuck
 # run can be followed from the host: tail -f $SANDCELL_VM_CACHE/run.*/console.log
 journalctl -f -n 0 -o short-monotonic -u sandcelld.service -u sandcelld.socket >/dev/console 2>&1 &
-echo "guest: kernel $(uname -r), $(nproc) cpus, $(awk '/MemTotal/ { print int($2 / 1024) " MiB" }' /proc/meminfo)"
-echo "guest: lsm $(cat /sys/kernel/security/lsm), cgroup2 controllers: $(cat /sys/fs/cgroup/cgroup.controllers)"
+# "guest: KEY: VALUE" lines are read back by vm-test.sh for its per-kernel summary.
+echo "guest: kernel: $(uname -r)"
+echo "guest: machine: $(nproc) cpus, $(awk '/MemTotal/ { print int($2 / 1024) " MiB" }' /proc/meminfo)"
+echo "guest: lsm: $(cat /sys/kernel/security/lsm 2>/dev/null || echo "(no securityfs)")"
+echo "guest: cgroup2 controllers: $(cat /sys/fs/cgroup/cgroup.controllers)"
+# The Landlock ABI the kernel offers: landlock_create_ruleset(NULL, 0,
+# LANDLOCK_CREATE_RULESET_VERSION), system call 444 on x86_64 (perl is essential in Debian).
+abi=$(perl -e '$r = syscall(444, 0, 0, 1); print $r < 0 ? "none ($!)" : $r' 2>&1)
+echo "guest: landlock abi: $abi"
 command -v bc >/dev/null || el() { echo $(($(date +%s) - ${start%.*})); }
 
 # ---- install, as an operator would -------------------------------------------------------
@@ -75,6 +82,19 @@ fi
 check socket-enabled-by-postinst systemctl is-enabled sandcelld.socket
 check man-page-installed test -f /usr/share/man/man8/sandcelld.8.gz
 check config-valid /usr/libexec/sandcelld --check-config
+# The daemon's own view of the confinement layers (kernel, Landlock ABI, cgroup mode, each layer
+# active / substituted / missing), when this build has `--check`: its exit status says whether
+# strict mode can start here.
+if /usr/libexec/sandcelld --help 2>&1 | grep -qE -- '--check([^-]|$)'; then
+    out=$(/usr/libexec/sandcelld --check 2>&1)
+    rc=$?
+    sed 's/^/    --check: /' <<<"$out" | head -60
+    echo "guest: sandcelld --check: exit $rc"
+    if ((rc == 0)); then pass sandcelld-check-strict; else fail sandcelld-check-strict "exit $rc"; fi
+else
+    echo "guest: sandcelld --check: not available (this build has no --check)"
+    skip sandcelld-check-strict "this build has no sandcelld --check"
+fi
 
 # Languages to serve and test (vm-test.sh: SANDCELL_VM_LANGUAGES, default python,r).
 langs=$(cat "$share/languages" 2>/dev/null || echo python,r)
@@ -108,8 +128,25 @@ check polkit-default-rule-installed test -f /usr/share/polkit-1/rules.d/50-sandc
 
 # ---- cells, as a member of the group ------------------------------------------------------
 t=$(date +%s)
-out=$(echo 'print(6*7)' | as_gw sandcellctl run -l python - 2>&1)
-rc=$?
+# A daemon that refuses to start is restarted by its unit while the client waits for the
+# socket: after three failed starts the client is stopped instead of waiting for its timeout.
+first=$(mktemp)
+(
+    echo 'print(6*7)' | as_gw sandcellctl run -l python - >"$first" 2>&1
+    echo $? >"$first.rc"
+) &
+client=$!
+while kill -0 "$client" 2>/dev/null; do
+    if (($(systemctl show -p NRestarts --value sandcelld.service) >= 3)); then
+        echo "    (sandcelld.service failed to start 3 times: the client is stopped)"
+        pkill -P "$client"
+        break
+    fi
+    sleep 1
+done
+wait "$client"
+out=$(cat "$first")
+rc=$(cat "$first.rc" 2>/dev/null || echo 124)
 echo "    (first connection: activation + readiness probes + cell: $(($(date +%s) - t)) s)"
 if [[ $rc == 0 && $out == 42 ]]; then pass python-cell; else fail python-cell "exit $rc, output: $out"; journal 60; fi
 check service-active-after-connection test "$(unit_state sandcelld.service)" = active
@@ -117,6 +154,19 @@ st=$(systemctl show -p StatusText --value sandcelld.service)
 echo "    StatusText: $st"
 [[ -n $st ]] && pass sd-notify-status || fail sd-notify-status
 systemctl status sandcelld.service --no-pager 2>&1 | sed -n '1,12p' | sed 's/^/    /'
+# Strict mode, not the development mode: the daemon refuses to start otherwise, so a daemon
+# that runs without --insecure-dev and answered the cell above is in strict mode (the cgroup
+# checks below show its limits). The layers it reports are shown, not parsed: their wording is
+# the daemon's.
+main=$(systemctl show -p MainPID --value sandcelld.service)
+if [[ $rc == 0 && $out == 42 && $main != 0 ]] && ! tr '\0' '\n' <"/proc/$main/cmdline" | grep -qx -- --insecure-dev; then
+    pass daemon-started-strict
+else
+    fail daemon-started-strict "cell exit $rc, main pid $main, command line: $(tr '\0' ' ' <"/proc/$main/cmdline" 2>/dev/null)"
+fi
+journalctl -b -u sandcelld.service --no-pager -o cat 2>/dev/null | grep -iE 'landlock|confine|layer|strict|seccomp|namespace|cgroup' |
+    head -12 | cut -c1-400 | sed 's/^/    layers (journal): /'
+timeout 120 sandcellctl status 2>&1 | head -40 | sed 's/^/    sandcellctl status: /'
 
 daemon_works=1
 [[ $rc == 0 && $out == 42 ]] || daemon_works=0
@@ -125,6 +175,25 @@ if has_r; then
 out=$(echo 'cat(6*7, "\n", sep = "")' | as_gw sandcellctl run -l r - 2>&1)
 rc=$?
 if [[ $rc == 0 && $out == 42 ]]; then pass r-cell; else fail r-cell "exit $rc, output: $out"; journal; fi
+
+# Landlock (or the mount namespace that replaces it) hides host files: a file every user may
+# read, outside the worker's allowlist, is unreadable from an R cell (R runs natively; a Python
+# cell sees Eryx's virtual file system only).
+install -d -m 0755 /srv/sandcell-probe
+echo host-secret >/srv/sandcell-probe/readable
+chmod 0644 /srv/sandcell-probe/readable
+if [[ $(runuser -u outsider -- cat /srv/sandcell-probe/readable 2>&1) == host-secret ]]; then
+    out=$(echo 'cat(tryCatch(readLines("/srv/sandcell-probe/readable"), error = function(e) "denied", warning = function(w) "denied"), "\n", sep = "")' | as_gw sandcellctl run -l r - 2>&1)
+    rc=$?
+    if [[ $rc == 0 && $out == denied ]]; then pass r-cannot-read-host-file; else fail r-cannot-read-host-file "exit $rc, output: $out"; fi
+else
+    fail r-cannot-read-host-file "the probe file is not readable by an ordinary user"
+fi
+# Ordinary file handling inside the session directory: a temporary file, and a rename across
+# two directories (Landlock's REFER right from ABI 2; ABI 1 forbids reparenting).
+out=$(echo 'dir.create("d1"); writeLines("moved", "d1/f"); ok <- file.rename("d1/f", "g"); f <- tempfile(); writeLines("t", f); cat(ok, readLines("g"), readLines(f)); cat("\n")' | as_gw sandcellctl run -l r - 2>&1)
+rc=$?
+if [[ $rc == 0 && $out == "TRUE moved t" ]]; then pass r-session-files-tempfile-rename; else fail r-session-files-tempfile-rename "exit $rc, output: $out"; fi
 
 out=$(echo 'stop("boom")' | as_gw sandcellctl run -l r - 2>&1)
 rc=$?
@@ -223,7 +292,9 @@ fi
 # ---- D-Bus activation (bus name -> SystemdService=sandcelld.service) --------------------------
 if [[ -f /usr/share/dbus-1/system-services/org.sandcell.Sandcell1.service ]]; then
     systemctl stop sandcelld.service 2>/dev/null
-    out=$(busctl get-property org.sandcell.Sandcell1 /org/sandcell/Sandcell1 org.sandcell.Manager1 Version 2>&1)
+    # Activation runs the readiness probes first: under TCG that can take longer than busctl's
+    # default 25 s timeout.
+    out=$(busctl --timeout=300 get-property org.sandcell.Sandcell1 /org/sandcell/Sandcell1 org.sandcell.Manager1 Version 2>&1)
     echo "    Version: $out"
     [[ $out == s* && $(unit_state sandcelld.service) == active ]] && pass dbus-activation || fail dbus-activation "$out"
 fi
