@@ -45,6 +45,8 @@ trait Manager1 {
     #[zbus(property)]
     fn cgroup_mode(&self) -> zbus::Result<String>;
     #[zbus(property)]
+    fn confinement(&self) -> zbus::Result<std::collections::HashMap<String, String>>;
+    #[zbus(property)]
     fn pools(&self) -> zbus::Result<Vec<(String, u32, u32, u32, u32, u64, u64)>>;
 }
 
@@ -108,6 +110,8 @@ pub struct Status {
     pub cgroup_mode: String,
     /// Landlock ABI of the kernel (0: none).
     pub landlock_abi: i32,
+    /// The confinement decided at start (the `Confinement` property), sorted by key.
+    pub confinement: std::collections::BTreeMap<String, String>,
     /// Sessions alive.
     pub active_sessions: u32,
     /// (budget, in use, maximum).
@@ -194,6 +198,7 @@ impl Admin {
             version: self.proxy.version().await?,
             cgroup_mode: self.proxy.cgroup_mode().await?,
             landlock_abi: self.proxy.landlock_abi().await?,
+            confinement: self.proxy.confinement().await?.into_iter().collect(),
             active_sessions: self.proxy.active_sessions().await?,
             admission: self.proxy.admission().await?,
             pools: self

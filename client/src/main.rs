@@ -162,6 +162,12 @@ async fn admin(cmd: &Cmd, json: bool, interactive: bool) -> Option<ExitCode> {
                     println!("version:         {}", st.version);
                     println!("cgroups:         {}", st.cgroup_mode);
                     println!("landlock abi:    {}", st.landlock_abi);
+                    if !st.confinement.is_empty() {
+                        println!("confinement:");
+                        for (k, v) in &st.confinement {
+                            println!("  {k:40} {v}");
+                        }
+                    }
                     println!("active sessions: {}", st.active_sessions);
                     for (budget, used, max) in &st.admission {
                         println!("{budget}: {used} of {max}");

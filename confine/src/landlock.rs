@@ -18,17 +18,26 @@
 //! choosing; the walls (identity, capabilities, Landlock paths, seccomp, cgroup) are what
 //! bound that code.
 //!
-//! The ABI is read from the kernel and the rights chosen for exactly that ABI, then the ruleset
-//! is applied with [`CompatLevel::HardRequirement`], so nothing the code asked for is silently
-//! dropped. The `landlock` crate recommends fixing the ABI at build time; sandcell instead
-//! enforces everything the kernel offers and sets a floor ([`crate::MIN_STRICT_LANDLOCK_ABI`])
-//! for strict enforcement, because the daemon runs on kernels it did not choose.
+//! The ABI is read from the kernel and the rights chosen for exactly that ABI (explicit
+//! per-ABI access sets: `AccessFs::from_all(abi)`, `AccessNet::from_all(abi)`,
+//! `Scope::from_all(abi)`), then the ruleset is applied with
+//! [`CompatLevel::HardRequirement`], so nothing the code asked for is silently dropped. The
+//! `landlock` crate recommends fixing the ABI at build time; sandcell instead enforces
+//! everything the kernel offers, because the daemon runs on kernels it did not choose. There is
+//! no ABI floor: [`crate::policy`] decides whether the layers present cover every threat.
+//!
+//! ABI 1 denies every link or rename across directories (`EXDEV`), even inside the session
+//! directory: `LANDLOCK_ACCESS_FS_REFER`, which lets a ruleset allow them, arrived in ABI 2.
+//! Where a mount namespace is available, [`crate::policy::evaluate`] therefore does not apply
+//! ABI 1 at all and lets the mount namespace enforce the allowlist.
+//!
+//! For tests only, [`TEST_ABI_ENV`] lowers the ABI the daemon plans with (never raises it).
 //!
 //! What Landlock ABI 7 does not cover, and who does: connecting to a *pathname* unix socket
 //! (until ABI 9's `ResolveUnix`) and UDP (until ABI 10): seccomp denies `socket(2)` entirely
 //! (see [`crate::seccomp`]).
 
-use crate::{Error, MIN_STRICT_LANDLOCK_ABI, Plan};
+use crate::{Error, Plan};
 use landlock::{
     ABI, Access, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, PathBeneath, PathFd,
     Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetStatus, Scope,
@@ -60,6 +69,42 @@ pub fn kernel_abi() -> Option<i32> {
     (v > 0).then_some(v as i32)
 }
 
+/// Test-only environment variable read by the daemon (never by a worker): the highest
+/// Landlock ABI to plan with, `0` or `none` for no Landlock at all. It can only lower what the
+/// kernel offers, and the daemon logs it as a warning at start. Not for production: it
+/// appears in no shipped configuration file.
+pub const TEST_ABI_ENV: &str = "SANDCELL_TEST_LANDLOCK_ABI";
+
+/// The cap set by [`TEST_ABI_ENV`]: `Ok(None)` when unset or empty, `Ok(Some(0))` for no
+/// Landlock.
+///
+/// Errors: a value that is neither `none` nor an integer from 0 to 255.
+pub fn test_abi_cap() -> Result<Option<i32>, String> {
+    let Some(v) = std::env::var_os(TEST_ABI_ENV) else {
+        return Ok(None);
+    };
+    let v = v.to_string_lossy();
+    match v.trim() {
+        "" => Ok(None),
+        "none" | "off" => Ok(Some(0)),
+        n => n
+            .parse::<u8>()
+            .map(|n| Some(i32::from(n)))
+            .map_err(|_| format!("{TEST_ABI_ENV}={v}: expected none or 0..255")),
+    }
+}
+
+/// The ABI to use: the kernel's, lowered to `cap` if given; `None` without Landlock or with
+/// `cap` 0.
+pub fn effective_abi(cap: Option<i32>) -> Option<i32> {
+    let kernel = kernel_abi()?;
+    match cap {
+        Some(c) if c <= 0 => None,
+        Some(c) => Some(kernel.min(c)),
+        None => Some(kernel),
+    }
+}
+
 /// Rights granted on read-only paths.
 fn read_rights() -> BitFlags<AccessFs> {
     AccessFs::ReadFile | AccessFs::ReadDir
@@ -81,26 +126,27 @@ fn write_rights(abi: ABI) -> BitFlags<AccessFs> {
             | AccessFs::ResolveUnix)
 }
 
-/// Restricts the calling thread (and its future children) to `plan`'s paths.
+/// Restricts the calling thread (and its future children) to `plan`'s paths, handling the
+/// rights of Landlock ABI `version` (at most the kernel's).
 ///
-/// Errors: [`Error::Unavailable`] when Landlock is missing, or older than
-/// [`MIN_STRICT_LANDLOCK_ABI`] with `strict`; [`Error::Step`] (`landlock`) when the ruleset
-/// cannot be built or applied, or the session directory does not exist.
-pub fn apply(plan: &Plan, strict: bool) -> Result<Applied, Error> {
-    let Some(version) = kernel_abi() else {
-        return Err(Error::Unavailable {
-            layer: "landlock",
-            reason: "the kernel has no landlock (boot with lsm=...,landlock; Linux 6.12+)".into(),
-        });
-    };
-    if strict && version < MIN_STRICT_LANDLOCK_ABI {
-        return Err(Error::Unavailable {
-            layer: "landlock",
-            reason: format!(
-                "abi {version} is older than the required {MIN_STRICT_LANDLOCK_ABI} (signal and \
-                 abstract-socket scopes): run Linux 6.12 or newer"
-            ),
-        });
+/// Errors: [`Error::Unavailable`] when the kernel has no Landlock or an older ABI than
+/// `version`; [`Error::Step`] (`landlock`) when the ruleset cannot be built or applied, or the
+/// session directory does not exist.
+pub fn apply(plan: &Plan, version: i32) -> Result<Applied, Error> {
+    match kernel_abi() {
+        None => {
+            return Err(Error::Unavailable {
+                layer: "landlock",
+                reason: "the kernel has no landlock (boot with lsm=...,landlock)".into(),
+            });
+        }
+        Some(k) if k < version => {
+            return Err(Error::Unavailable {
+                layer: "landlock",
+                reason: format!("abi {version} asked for, the kernel has {k}"),
+            });
+        }
+        Some(_) => {}
     }
     let abi = ABI::from(version);
     let failed = |what: &str, e: &dyn std::fmt::Display| Error::Step {

@@ -20,6 +20,7 @@
 //! | 1 | close every fd not in `keep_fds`; no terminal | [`fds`] | - |
 //! | 2 | rlimits (core 0, nofile, fsize, nproc, optional AS) | [`rlimits`] | root to raise hard limits |
 //! | 3 | unshare network and IPC namespaces | [`namespaces`] | CAP_SYS_ADMIN |
+//! | 3b | mount namespace: a new root built from the allowlist (if planned) | [`mounts`] | CAP_SYS_ADMIN |
 //! | 4 | drop the bounding and ambient sets, lock securebits | [`caps`] | CAP_SETPCAP |
 //! | 5 | setgroups([]), setresgid, setresuid | [`identity`] | CAP_SETGID, CAP_SETUID |
 //! | 6 | clear permitted/effective/inheritable, verify all five sets empty | [`caps`] | - |
@@ -33,9 +34,11 @@
 //!
 //! # Enforcement
 //!
-//! Under [`Enforcement::Strict`] every step must succeed and every layer must be present
-//! (Landlock at least [`MIN_STRICT_LANDLOCK_ABI`]); anything else is an [`Error`] and the
-//! worker exits with [`EXIT_CONFINE_FAILED`] before running anything. Under
+//! Under [`Enforcement::Strict`] every step must succeed, and the layers the plan asks for
+//! must cover every threat of [`policy::THREATS`] (checked by [`Plan::validate`] before any
+//! step); anything else is an [`Error`] and the worker exits with [`EXIT_CONFINE_FAILED`]
+//! before running anything. Landlock is applied at the ABI [`policy::evaluate`] chooses for
+//! the kernel (lowered by [`Plan::landlock_abi_cap`]). Under
 //! [`Enforcement::BestEffort`] (the daemon's loudly named development flag), a layer that the
 //! kernel or the caller's privileges cannot provide is skipped and listed in
 //! [`Report::skipped`]; steps 0, 1 and 2 are never skipped.
@@ -48,21 +51,14 @@ pub mod caps;
 pub mod fds;
 pub mod identity;
 pub mod landlock;
+pub mod mounts;
 pub mod namespaces;
+pub mod policy;
 pub mod rlimits;
 pub mod seccomp;
 
 /// Environment variable that carries the JSON [`Plan`] from the daemon to a worker.
 pub const PLAN_ENV: &str = "SANDCELL_CONFINE";
-
-/// Lowest Landlock ABI accepted under [`Enforcement::Strict`].
-///
-/// ABI 6 (Linux 6.12) adds the signal and abstract-unix-socket scopes. Without the signal
-/// scope, a worker could signal every other process of its uid, including another session's
-/// worker when workers share a uid; the file-system rights of ABI 1-3 alone do not stop that,
-/// and seccomp cannot (the target pid is a run-time value). Hosts with an older kernel can run
-/// only with the development flag.
-pub const MIN_STRICT_LANDLOCK_ABI: i32 = 6;
 
 /// Which system-call policy a worker gets (see [`seccomp`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -129,6 +125,13 @@ pub struct Plan {
     pub syscalls: SyscallProfile,
     /// What to do when a layer is missing.
     pub enforcement: Enforcement,
+    /// Highest Landlock ABI to apply (`0`: none); `None` for the kernel's. The daemon sets it
+    /// from its start-up decision, so every worker enforces what the daemon announced.
+    #[serde(default)]
+    pub landlock_abi_cap: Option<i32>,
+    /// Build a mount namespace holding only the allowlisted paths (see [`mounts`]).
+    #[serde(default)]
+    pub mount_namespace: bool,
 }
 
 /// Why confinement failed. The worker prints it and exits with [`EXIT_CONFINE_FAILED`].
@@ -193,7 +196,29 @@ impl Plan {
         if let Some(fd) = self.keep_fds.iter().find(|fd| **fd < 0) {
             return Err(Error::Plan(format!("keep_fds contains negative fd {fd}")));
         }
+        if self.enforcement == Enforcement::Strict {
+            let d = policy::evaluate(&self.host());
+            if !d.strict_ok() {
+                return Err(Error::Plan(format!(
+                    "the planned layers leave threats uncovered: {}",
+                    d.problems().join("; ")
+                )));
+            }
+        }
         Ok(())
+    }
+
+    /// The layers this plan asks for on the running kernel, as [`policy::Host`]. Cgroups are
+    /// the daemon's part (the worker is already in its group) and count as present.
+    pub fn host(&self) -> policy::Host {
+        policy::Host {
+            landlock_abi: landlock::effective_abi(self.landlock_abi_cap),
+            seccomp: true,
+            session_uids: matches!((self.uid, self.gid), (Some(u), Some(g)) if u != 0 && g != 0),
+            network_namespace: self.new_net_namespace,
+            mount_namespace: self.mount_namespace,
+            cgroups: true,
+        }
     }
 }
 
@@ -211,6 +236,9 @@ pub struct StepTime {
 pub struct Report {
     /// Landlock ABI level enforced, or `None` when not applied.
     pub landlock_abi: Option<i32>,
+    /// Whether the worker runs in its own mount namespace (see [`mounts`]).
+    #[serde(default)]
+    pub mount_namespace: bool,
     /// Whether the seccomp filters are installed.
     pub seccomp: bool,
     /// Layers skipped under [`Enforcement::BestEffort`], each `"<layer>: <reason>"`.
@@ -261,6 +289,15 @@ pub fn enter(plan: &Plan) -> Result<Report, Error> {
     layer(&mut report, strict, "namespaces", ns)?;
     clock.lap(&mut report, "namespaces");
 
+    // 3b. Mount namespace (needs CAP_SYS_ADMIN, and must precede Landlock, which forbids
+    //     mount changes): the worker's file-system view holds only the allowlist.
+    if plan.mount_namespace {
+        let mounted = mounts::apply(plan);
+        report.mount_namespace = mounted.is_ok();
+        layer(&mut report, strict, "mount-namespace", mounted)?;
+        clock.lap(&mut report, "mount-namespace");
+    }
+
     // 4. Capabilities, part one (needs CAP_SETPCAP, so before the identity switch): empty the
     //    bounding and ambient sets so no later execve can gain a capability, and lock
     //    securebits so root-uid semantics cannot bring them back.
@@ -290,13 +327,37 @@ pub fn enter(plan: &Plan) -> Result<Report, Error> {
     clock.lap(&mut report, "no_new_privs");
 
     // 8. Landlock: read-only, read+exec and read-write trees; no TCP bind/connect; signal and
-    //    abstract-socket scopes. Rules open the paths, so it runs before the final fd sweep.
-    match landlock::apply(plan, strict) {
-        Ok(applied) => {
-            report.landlock_abi = Some(applied.abi);
-            report.missing_paths = applied.missing_paths;
+    //    abstract-socket scopes, as far as the ABI the policy chose goes. Rules open the paths,
+    //    so it runs before the final fd sweep.
+    let mut host = plan.host();
+    host.mount_namespace = report.mount_namespace;
+    match policy::evaluate(&host).landlock_abi {
+        Some(abi) => match landlock::apply(plan, abi) {
+            Ok(applied) => {
+                report.landlock_abi = Some(applied.abi);
+                report.missing_paths = applied.missing_paths;
+            }
+            Err(e) => layer(&mut report, strict, "landlock", Err(e))?,
+        },
+        None => {
+            let why = if host.landlock_abi.is_some() && report.mount_namespace {
+                "abi 1 substituted by the mount namespace (abi 1 refuses every rename across \
+                 directories)"
+            } else {
+                "not available on this kernel, or disabled by the plan"
+            };
+            // Under strict enforcement a missing Landlock is acceptable only when the layers
+            // in force still cover every threat (Plan::validate checked the plan; this checks
+            // what was actually applied).
+            if !strict || policy::evaluate(&host).strict_ok() {
+                report.skipped.push(format!("landlock: {why}"));
+            } else {
+                return Err(Error::Unavailable {
+                    layer: "landlock",
+                    reason: why.into(),
+                });
+            }
         }
-        Err(e) => layer(&mut report, strict, "landlock", Err(e))?,
     }
     clock.lap(&mut report, "landlock");
 
@@ -378,43 +439,67 @@ impl Clock {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct SelfCheck {
     /// Landlock ABI of the running kernel, `None` if Landlock is not built in or not enabled.
+    pub kernel_landlock_abi: Option<i32>,
+    /// Landlock ABI to plan with: the kernel's, lowered by [`landlock::TEST_ABI_ENV`].
     pub landlock_abi: Option<i32>,
+    /// The test cap in force, if any (`Some(0)`: Landlock off).
+    pub landlock_test_cap: Option<i32>,
     /// Whether a seccomp filter could be installed in a forked child and denied a call there.
     pub seccomp: bool,
     /// Whether `PR_SET_NO_NEW_PRIVS` could be set in a forked child.
     pub no_new_privs: bool,
     /// Whether a forked child could unshare network and IPC namespaces (needs root).
     pub namespaces: bool,
+    /// Whether a forked child could build a mount namespace with a tmpfs and a procfs.
+    pub mount_namespace: bool,
     /// Whether the caller can switch identity (effective uid 0).
     pub root: bool,
-    /// What stands between this host and [`Enforcement::Strict`], each with an operator hint.
-    /// Empty when strict enforcement will work.
+    /// What stands between this host and [`Enforcement::Strict`], each with an operator hint,
+    /// assuming session cgroups are present (the daemon checks those itself). Empty when
+    /// strict enforcement will work.
     pub problems: Vec<String>,
 }
 
 impl SelfCheck {
+    /// The host as [`policy::evaluate`] sees it, with or without session `cgroups`.
+    pub fn host(&self, cgroups: bool) -> policy::Host {
+        policy::Host {
+            landlock_abi: self.landlock_abi,
+            seccomp: self.seccomp && self.no_new_privs,
+            session_uids: self.root,
+            network_namespace: self.namespaces,
+            mount_namespace: self.mount_namespace,
+            cgroups,
+        }
+    }
+
     /// Succeeds when every worker could be confined under [`Enforcement::Strict`].
     ///
-    /// Errors: [`Error::Unavailable`] naming the first problem found, with its hint.
+    /// Errors: [`Error::Unavailable`] naming every problem found, with its hint.
     pub fn require_strict(&self) -> Result<(), Error> {
-        match self.problems.first() {
-            None => Ok(()),
-            Some(p) => Err(Error::Unavailable {
+        if self.problems.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Unavailable {
                 layer: "self-check",
-                reason: p.clone(),
-            }),
+                reason: self.problems.join("; "),
+            })
         }
     }
 }
 
-/// Checks, at daemon start, that the kernel and the daemon's privileges allow strict
-/// confinement. Safe to call from a multi-threaded process: probes that change process state
-/// run in forked children that only make raw system calls and `_exit`.
+/// Checks, at daemon start, which layers the kernel and the daemon's privileges allow. Safe
+/// to call from a multi-threaded process: probes that change process state run in forked
+/// children that only make raw system calls and `_exit`.
 ///
-/// Errors: only if `fork` itself fails; what is missing is reported in [`SelfCheck::problems`].
+/// Errors: only if `fork` itself fails, or [`landlock::TEST_ABI_ENV`] is malformed; what is
+/// missing is reported in [`SelfCheck::problems`].
 pub fn self_check() -> Result<SelfCheck, Error> {
+    let cap = landlock::test_abi_cap().map_err(Error::Plan)?;
     let mut check = SelfCheck {
-        landlock_abi: landlock::kernel_abi(),
+        kernel_landlock_abi: landlock::kernel_abi(),
+        landlock_abi: landlock::effective_abi(cap),
+        landlock_test_cap: cap,
         // SAFETY: geteuid has no preconditions and cannot fail.
         root: unsafe { libc::geteuid() } == 0,
         ..SelfCheck::default()
@@ -423,19 +508,8 @@ pub fn self_check() -> Result<SelfCheck, Error> {
     check.seccomp = probes.seccomp;
     check.no_new_privs = probes.no_new_privs;
     check.namespaces = probes.namespaces;
+    check.mount_namespace = check.root && mounts::probe().map_err(step("self-check"))?;
 
-    match check.landlock_abi {
-        None => check.problems.push(
-            "landlock is not enabled in the running kernel: boot with lsm=...,landlock \
-             (CONFIG_SECURITY_LANDLOCK=y), Linux 6.12 or newer"
-                .into(),
-        ),
-        Some(abi) if abi < MIN_STRICT_LANDLOCK_ABI => check.problems.push(format!(
-            "landlock abi {abi} is older than the required {MIN_STRICT_LANDLOCK_ABI} \
-             (signal and abstract-socket scopes): run Linux 6.12 or newer"
-        )),
-        Some(_) => {}
-    }
     if !check.no_new_privs {
         check
             .problems
@@ -457,9 +531,16 @@ pub fn self_check() -> Result<SelfCheck, Error> {
     } else if !check.namespaces {
         check.problems.push(
             "unshare(CLONE_NEWNET|CLONE_NEWIPC) failed in a test child: the daemon lacks \
-             CAP_SYS_ADMIN (check CapabilityBoundingSet= in sandcelld.service)"
+             CAP_SYS_ADMIN (check CapabilityBoundingSet= and RestrictNamespaces= in \
+             sandcelld.service)"
                 .into(),
         );
+    }
+    // Every threat needs an enforced layer (network namespaces are always planned).
+    if check.root && check.namespaces {
+        check
+            .problems
+            .extend(policy::evaluate(&check.host(true)).problems());
     }
     Ok(check)
 }

@@ -3,6 +3,10 @@
 //! Needs root (to switch identity, unshare and drop capabilities) and a kernel with Landlock
 //! ABI >= 6 and seccomp; each test prints why it skips otherwise. The confinement happens in
 //! the probe process, never in the test harness.
+//!
+//! The `*_at_every_level` tests lower the Landlock ABI through the plan's `landlock_abi_cap`
+//! (the daemon sets it from its start-up decision) to each level the code distinguishes,
+//! down to none (the mount namespace alone), and assert the same walls at each.
 
 use sandcell_confine::{Enforcement, PLAN_ENV, Plan, SyscallProfile};
 use serde_json::Value;
@@ -27,7 +31,7 @@ fn skip_reason() -> Option<String> {
         return Some("needs root (identity switch, namespaces)".into());
     }
     match sandcell_confine::landlock::kernel_abi() {
-        Some(abi) if abi >= sandcell_confine::MIN_STRICT_LANDLOCK_ABI => None,
+        Some(abi) if abi >= 6 => None,
         other => Some(format!("needs landlock abi >= 6, kernel has {other:?}")),
     }
 }
@@ -92,7 +96,20 @@ impl Fixture {
             new_ipc_namespace: true,
             syscalls: profile,
             enforcement: Enforcement::Strict,
+            landlock_abi_cap: None,
+            mount_namespace: false,
         }
+    }
+
+    /// The plan at Landlock level `level` (0: none) with the mount namespace.
+    fn level_plan(&self, profile: SyscallProfile, level: i32) -> Plan {
+        let mut plan = self.plan(profile);
+        plan.landlock_abi_cap = Some(level);
+        plan.mount_namespace = true;
+        // The dynamic loader's path (/lib64/ld-linux-x86-64.so.2 on x86-64): inside the
+        // mount namespace only allowlisted paths exist at all.
+        plan.read_paths.extend(["/lib".into(), "/lib64".into()]);
+        plan
     }
 }
 
@@ -685,4 +702,336 @@ fn native_profile_runs_r() {
     assert!(stdout.contains("hostname try-error"), "{stdout}");
     assert!(stdout.contains("net try-error"), "{stdout}");
     assert!(stdout.contains("alloc try-error"), "{stdout}");
+}
+
+/// The Landlock levels the code distinguishes that this kernel can show, highest first: the
+/// kernel's own ABI (at most 7), each lower one, and 0 (no Landlock: the mount namespace
+/// alone).
+fn levels() -> Vec<i32> {
+    let k = sandcell_confine::landlock::kernel_abi().unwrap_or(0).min(7);
+    (0..=k).rev().collect()
+}
+
+/// What the policy applies at `level` with a mount namespace: ABI 2 and up as asked, ABI 1
+/// substituted, none at 0.
+fn expected_abi(level: i32) -> Option<i64> {
+    (level >= 2).then_some(i64::from(level))
+}
+
+fn chown_worker(p: &Path) {
+    std::os::unix::fs::chown(p, Some(WORKER_ID), Some(WORKER_ID)).unwrap();
+}
+
+#[test]
+fn native_walls_hold_at_every_level() {
+    require_host!();
+    let daemon_pid = std::process::id().to_string();
+    for level in levels() {
+        let fx = Fixture::new();
+        let plan = fx.level_plan(SyscallProfile::Native, level);
+        // A world-writable host file next to the session: only the sandbox protects it.
+        let victim = fx.dir.join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o666)).unwrap();
+        std::fs::create_dir(fx.session.join("a")).unwrap();
+        std::fs::write(fx.session.join("a/f"), "f").unwrap();
+        std::fs::copy("/bin/true", fx.session.join("true")).unwrap();
+        for p in ["a", "a/f", "true"] {
+            chown_worker(&fx.session.join(p));
+        }
+        let s = |p: &str| fx.session.join(p).display().to_string();
+        let o = |p: &str| fx.dir.join(p).display().to_string();
+        let checks: Vec<String> = vec![
+            "ids".into(),
+            "caps".into(),
+            "nnp".into(),
+            "seccomp-mode".into(),
+            "fds".into(),
+            "read=/etc/shadow".into(),
+            "read=/etc/hostname".into(),
+            "read=/etc/passwd".into(),
+            "read=/proc/1/cmdline".into(),
+            format!("read=/proc/{daemon_pid}/cmdline"),
+            format!("write={}", o("outside.txt")),
+            format!("write={}", s("inside.txt")),
+            format!("truncate={}", victim.display()),
+            format!("truncate={}", s("a/f")),
+            format!("mkdir={}", s("b")),
+            format!("rename={},{}", s("a/f"), s("b/f")),
+            format!("rename={},{}", s("inside.txt"), o("moved.txt")),
+            format!("link={},{}", victim.display(), s("victim")),
+            format!("link=/etc/passwd,{}", s("pw")),
+            format!("connect-unix={}", fx.socket.display()),
+            format!("kill={daemon_pid}"),
+            format!("spawn={}", s("true")),
+            "spawn=/usr/bin/true".into(),
+            "socket=inet".into(),
+            "socket=unix".into(),
+            "mount".into(),
+            "ptrace=1".into(),
+            "list=/".into(),
+        ];
+        let refs: Vec<&str> = checks.iter().map(String::as_str).collect();
+        let run = probe(Some(&plan), &refs, None);
+        let ctx = format!("level {level}: {}\n{}", run.out, run.stderr);
+        assert!(run.status.success(), "{ctx}");
+        assert!(run.out["enter_error"].is_null(), "{ctx}");
+        let report = &run.out["report"];
+        assert_eq!(report["seccomp"], true, "{ctx}");
+        assert_eq!(report["mount_namespace"], true, "{ctx}");
+        assert_eq!(
+            report["landlock_abi"].as_i64(),
+            expected_abi(level),
+            "{ctx}"
+        );
+        let skipped = report["skipped"].as_array().unwrap();
+        if level >= 2 {
+            assert!(skipped.is_empty(), "{ctx}");
+        } else {
+            assert_eq!(skipped.len(), 1, "{ctx}");
+            assert!(
+                skipped[0].as_str().unwrap().starts_with("landlock:"),
+                "{ctx}"
+            );
+        }
+        let id = u64::from(WORKER_ID);
+        assert_eq!(
+            run.check("ids", "")["detail"]["uid"],
+            serde_json::json!([id, id, id])
+        );
+        assert_eq!(run.check("caps", "")["detail"]["eff"], 0);
+        assert_eq!(run.check("seccomp-mode", "")["detail"], 2);
+        assert_eq!(
+            run.check("fds", "")["detail"],
+            serde_json::json!(plan.keep_fds)
+        );
+
+        // Denied at every level.
+        let denied = [
+            ("read", "/etc/shadow".to_string()),
+            ("read", "/etc/hostname".into()),
+            ("read", "/proc/1/cmdline".into()),
+            ("read", format!("/proc/{daemon_pid}/cmdline")),
+            ("write", o("outside.txt")),
+            ("truncate", victim.display().to_string()),
+            ("rename", format!("{},{}", s("inside.txt"), o("moved.txt"))),
+            ("link", format!("{},{}", victim.display(), s("victim"))),
+            ("link", format!("/etc/passwd,{}", s("pw"))),
+            ("connect-unix", fx.socket.display().to_string()),
+            ("kill", daemon_pid.clone()),
+            ("spawn", s("true")),
+            ("socket", "inet".into()),
+            ("socket", "unix".into()),
+            ("mount", String::new()),
+            ("ptrace", "1".into()),
+        ];
+        for (check, arg) in &denied {
+            assert!(
+                !run.allowed(check, arg),
+                "level {level}: {check}={arg} allowed: {}",
+                run.check(check, arg)
+            );
+        }
+        // Allowed at every level: ordinary work inside the session, including a rename
+        // across its directories (which Landlock ABI 1 alone would refuse).
+        for (check, arg) in [
+            ("read", "/etc/passwd".to_string()),
+            ("write", s("inside.txt")),
+            ("truncate", s("a/f")),
+            ("mkdir", s("b")),
+            ("rename", format!("{},{}", s("a/f"), s("b/f"))),
+            ("spawn", "/usr/bin/true".into()),
+        ] {
+            assert!(
+                run.allowed(check, &arg),
+                "level {level}: {check}={arg} denied: {}",
+                run.check(check, &arg)
+            );
+        }
+        // Host-side effects: exactly the session's.
+        assert_eq!(
+            std::fs::read_to_string(&victim).unwrap(),
+            "precious",
+            "level {level}"
+        );
+        assert!(!fx.dir.join("outside.txt").exists(), "level {level}");
+        assert!(!fx.dir.join("moved.txt").exists(), "level {level}");
+        assert!(fx.session.join("inside.txt").exists(), "level {level}");
+        assert!(fx.session.join("b/f").exists(), "level {level}");
+        // The root of the view: only allowlisted trees (Landlock levels refuse the listing).
+        if run.allowed("list", "/") {
+            let names = run.check("list", "/")["detail"].clone();
+            for hidden in ["root", "home", "boot", "run", "srv"] {
+                assert!(
+                    !names.as_array().unwrap().contains(&hidden.into()),
+                    "level {level}: / lists {names}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn wasm_walls_hold_at_every_level() {
+    require_host!();
+    for level in levels() {
+        let fx = Fixture::new();
+        let plan = fx.level_plan(SyscallProfile::Wasm, level);
+        let s = |p: &str| fx.session.join(p).display().to_string();
+        let checks = [
+            "read=/etc/shadow".to_string(),
+            "read=/etc/hostname".into(),
+            format!("write={}", fx.dir.join("outside.txt").display()),
+            format!("write={}", s("inside.txt")),
+            "fork".into(),
+            "spawn=/bin/true".into(),
+            "thread".into(),
+            "mmap-exec".into(),
+            "socket=unix".into(),
+        ];
+        let refs: Vec<&str> = checks.iter().map(String::as_str).collect();
+        let run = probe(Some(&plan), &refs, None);
+        let ctx = format!("level {level}: {}\n{}", run.out, run.stderr);
+        assert!(run.status.success(), "{ctx}");
+        assert_eq!(
+            run.out["report"]["landlock_abi"].as_i64(),
+            expected_abi(level),
+            "{ctx}"
+        );
+        for c in [
+            "read=/etc/shadow",
+            "read=/etc/hostname",
+            "fork",
+            "spawn=/bin/true",
+            "socket=unix",
+        ] {
+            let (n, a) = c.split_once('=').unwrap_or((c, ""));
+            assert!(!run.allowed(n, a), "level {level}: {c} allowed");
+        }
+        assert!(!run.allowed("write", &fx.dir.join("outside.txt").display().to_string()));
+        assert!(run.allowed("write", &s("inside.txt")), "{ctx}");
+        assert!(
+            run.allowed("thread", "") && run.allowed("mmap-exec", ""),
+            "{ctx}"
+        );
+    }
+}
+
+/// Landlock ABI 1 alone refuses every rename across directories, even inside the session
+/// (`EXDEV`), and does not stop `truncate(2)`: strict mode refuses it without the mount
+/// namespace, and the policy substitutes the mount namespace for it.
+#[test]
+fn abi_1_alone_is_refused_in_strict_mode_and_breaks_renames() {
+    require_host!();
+    let fx = Fixture::new();
+    let mut plan = fx.plan(SyscallProfile::Native);
+    plan.landlock_abi_cap = Some(1);
+    let run = probe(Some(&plan), &["ids"], None);
+    assert_eq!(
+        run.status.code(),
+        Some(sandcell_confine::EXIT_CONFINE_FAILED)
+    );
+    let err = run.out["enter_error"].as_str().unwrap();
+    assert!(err.contains("truncate-outside-session"), "{err}");
+
+    // Best effort (the development flag) applies ABI 1: the limitation shows.
+    plan.enforcement = Enforcement::BestEffort;
+    std::fs::create_dir(fx.session.join("a")).unwrap();
+    std::fs::create_dir(fx.session.join("b")).unwrap();
+    std::fs::write(fx.session.join("a/f"), "f").unwrap();
+    for p in ["a", "b", "a/f"] {
+        chown_worker(&fx.session.join(p));
+    }
+    let across = format!(
+        "rename={},{}",
+        fx.session.join("a/f").display(),
+        fx.session.join("b/f").display()
+    );
+    let within = format!(
+        "rename={},{}",
+        fx.session.join("a/f").display(),
+        fx.session.join("a/g").display()
+    );
+    let run = probe(Some(&plan), &[&across, &within], None);
+    assert_eq!(run.out["report"]["landlock_abi"], 1, "{}", run.out);
+    let (n, a) = across.split_once('=').unwrap();
+    assert_eq!(run.errno(n, a), i64::from(libc::EXDEV), "{}", run.out);
+    let (n, a) = within.split_once('=').unwrap();
+    assert!(run.allowed(n, a), "{}", run.out);
+}
+
+/// R at every level: a tempfile renamed into the session directory, a rename across its
+/// subdirectories, a PNG plot; unlisted host files stay unreadable.
+#[test]
+fn r_file_handling_at_every_level() {
+    require_host!();
+    let rscript = "/usr/lib/R/bin/Rscript";
+    if !Path::new(rscript).exists() {
+        eprintln!("skipping: R is not installed ({rscript})");
+        return;
+    }
+    for level in levels() {
+        let fx = Fixture::new();
+        let mut plan = fx.level_plan(SyscallProfile::Native, level);
+        plan.read_paths = [
+            "/usr",
+            "/lib",
+            "/lib64",
+            "/etc/alternatives",
+            "/etc/R",
+            "/etc/fonts",
+            "/etc/ld.so.cache",
+            "/etc/nsswitch.conf",
+            "/etc/passwd",
+            "/etc/group",
+            "/var/cache/fontconfig",
+            "/dev/urandom",
+        ]
+        .iter()
+        .map(PathBuf::from)
+        .collect();
+        // Rscript runs R's shell wrapper (#!/bin/bash).
+        plan.exec_paths.push("/bin".into());
+        plan.max_open_files = 256;
+        let tmp = fx.session.join(".tmp");
+        std::fs::create_dir(&tmp).unwrap();
+        chown_worker(&tmp);
+        let code = r#"
+            setwd(Sys.getenv("HOME"))
+            tf <- tempfile(fileext = ".txt"); writeLines("hello", tf)
+            cat("tempfile-rename", file.rename(tf, "moved.txt"), "\n")
+            dir.create("sub"); writeLines("x", "sub/a.txt")
+            cat("subdir-rename", file.rename("sub/a.txt", "b.txt"), "\n")
+            png("plot.png"); plot(1:10); invisible(dev.off())
+            cat("png", file.info("plot.png")$size > 0, "\n")
+            cat("moved", readLines("moved.txt"), "\n")
+            cat("shadow", class(try(readLines("/etc/shadow"), silent = TRUE)), "\n")
+            cat("hostname", class(try(readLines("/etc/hostname"), silent = TRUE)), "\n")
+        "#;
+        let output = Command::new(PROBE)
+            .env_clear()
+            .env(PLAN_ENV, serde_json::to_string(&plan).unwrap())
+            .env("PATH", "/usr/bin:/bin")
+            .env("HOME", &fx.session)
+            .env("TMPDIR", &tmp)
+            .args(["--", rscript, "-e", code])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let ctx = format!("level {level}:\n{stdout}\n{stderr}");
+        assert!(output.status.success(), "{ctx}");
+        for want in [
+            "tempfile-rename TRUE",
+            "subdir-rename TRUE",
+            "png TRUE",
+            "moved hello",
+            "shadow try-error",
+            "hostname try-error",
+        ] {
+            assert!(stdout.contains(want), "{want}: {ctx}");
+        }
+        assert!(fx.session.join("plot.png").exists(), "{ctx}");
+    }
 }

@@ -30,8 +30,14 @@ struct Args {
     /// Validate the configuration (file and SANDCELL_* environment), print it, and exit.
     #[arg(long)]
     check_config: bool,
-    /// DEVELOPMENT ONLY: run workers without cgroups and with best-effort confinement
-    /// (every missing layer is skipped). Never use in production.
+    /// Print the kernel, its Landlock ABI, the cgroup mode and each confinement layer
+    /// (active, substituted, missing) with the threats it covers, and exit: 0 when strict
+    /// mode would start, 1 otherwise.
+    #[arg(long)]
+    check: bool,
+    /// DEVELOPMENT ONLY: best-effort confinement (every missing layer is skipped) for an
+    /// unprivileged daemon, without cgroups. As root, cgroups stay required. Never use in
+    /// production.
     #[arg(long)]
     insecure_dev: bool,
 }
@@ -64,6 +70,9 @@ fn main() -> anyhow::Result<()> {
         println!("{config:#?}");
         println!("configuration OK ({})", path.display());
         return Ok(());
+    }
+    if args.check {
+        std::process::exit(check(&config));
     }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -124,12 +133,46 @@ fn prepare_state_dir(config: &Config) -> anyhow::Result<()> {
 async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     let (listener, activated) = take_listener(&args)?;
     let root = nix::unistd::geteuid().is_root();
-    let (backend, options): (Arc<dyn Backend>, Options) = if args.insecure_dev {
+    let check = sandcell_confine::self_check().context("confinement self-check failed")?;
+    if let Some(cap) = check.landlock_test_cap {
         tracing::warn!(
-            "--insecure-dev: workers run WITHOUT cgroup limits and with best-effort confinement"
+            cap,
+            kernel_abi = ?check.kernel_landlock_abi,
+            "TEST ONLY: {} lowers the Landlock ABI workers use (0: none); never set it in \
+             production",
+            sandcell_confine::landlock::TEST_ABI_ENV
         );
+    }
+    let detect_cgroups = || -> anyhow::Result<Arc<dyn Backend>> {
+        Ok(Arc::from(
+            cgroup::detect(&cgroup::DetectConfig {
+                v1_name: config.daemon.cgroup_name.clone(),
+                ..Default::default()
+            })
+            .context("cgroup setup failed")?,
+        ))
+    };
+    let (backend, options): (Arc<dyn Backend>, Options) = if args.insecure_dev {
+        // Root never loses its cgroup limits to the development flag: only an unprivileged
+        // daemon (which could not manage cgroups anyway) runs without them.
+        let backend: Arc<dyn Backend> = if root {
+            tracing::warn!(
+                "--insecure-dev as root: best-effort confinement, cgroup limits kept (the flag \
+                 is meant for unprivileged development)"
+            );
+            detect_cgroups().context(
+                "--insecure-dev as root keeps cgroup limits and cannot set them up; run \
+                 unprivileged for development without cgroups",
+            )?
+        } else {
+            tracing::warn!(
+                "--insecure-dev: unprivileged, workers run WITHOUT cgroup limits and with \
+                 best-effort confinement"
+            );
+            Arc::new(cgroup::Unconfined)
+        };
         (
-            Arc::new(cgroup::Unconfined),
+            backend,
             Options {
                 enforcement: sandcell_confine::Enforcement::BestEffort,
                 per_session_uids: root,
@@ -141,27 +184,60 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
                 "sandcelld must run as root to confine workers (or pass --insecure-dev for development)"
             );
         }
-        let check = sandcell_confine::self_check().context("confinement self-check failed")?;
-        // Fail closed: any missing layer refuses start-up, with the hint for the operator.
+        // Fail closed: a threat without an enforced layer refuses start-up, with the hint for
+        // the operator.
         check
             .require_strict()
             .context("confinement self-check failed")?;
-        tracing::info!(?check, "confinement self-check passed");
-        let backend: Arc<dyn Backend> = Arc::from(
-            cgroup::detect(&cgroup::DetectConfig {
-                v1_name: config.daemon.cgroup_name.clone(),
-                ..Default::default()
-            })
-            .context("cgroup setup failed")?,
-        );
         (
-            backend,
+            detect_cgroups()?,
             Options {
                 enforcement: sandcell_confine::Enforcement::Strict,
                 per_session_uids: true,
             },
         )
     };
+    let cgroups = backend.mode() != "none";
+    let decision = sandcell_confine::policy::evaluate(&check.host(cgroups));
+    if options.enforcement == sandcell_confine::Enforcement::Strict && !decision.strict_ok() {
+        bail!(
+            "confinement self-check failed: {}",
+            decision.problems().join("; ")
+        );
+    }
+    let confinement = sandcelld::worker::spawn::Confinement {
+        enforcement: match options.enforcement {
+            sandcell_confine::Enforcement::Strict => "strict",
+            sandcell_confine::Enforcement::BestEffort => "best-effort",
+        },
+        kernel: kernel_release(),
+        kernel_landlock_abi: check.kernel_landlock_abi,
+        landlock_test_cap: check.landlock_test_cap,
+        cgroups: backend.mode().to_string(),
+        decision,
+    };
+    // Once, at start: what every worker enforces, and for each layer that is not active,
+    // which layers cover its threats.
+    let active: Vec<&str> = confinement
+        .decision
+        .layers
+        .iter()
+        .filter(|(_, s)| *s == sandcell_confine::policy::LayerState::Active)
+        .map(|(l, _)| l.name())
+        .collect();
+    tracing::info!(
+        enforcement = confinement.enforcement,
+        kernel = %confinement.kernel,
+        landlock_abi = ?confinement.decision.landlock_abi,
+        kernel_landlock_abi = ?confinement.kernel_landlock_abi,
+        cgroups = %confinement.cgroups,
+        active = %active.join(","),
+        "confinement"
+    );
+    for note in confinement.decision.notes() {
+        tracing::warn!("confinement layer {note}");
+    }
+    sandcelld::worker::spawn::set_confinement(confinement);
     let swept = backend
         .sweep_stale()
         .context("sweeping stale session cgroups")?;
@@ -250,6 +326,109 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     }
     tracing::info!("stopped; every worker is reaped");
     Ok(())
+}
+
+/// `uname -r`.
+fn kernel_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// The cgroup mode this host offers, found without changing anything: `v2` when the unified
+/// hierarchy has the memory and pids controllers, `v1` when those are v1 hierarchies,
+/// `none` otherwise.
+fn cgroup_mode_readonly() -> &'static str {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mut v1 = (false, false);
+    for line in mounts.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 4 {
+            continue;
+        }
+        match f[2] {
+            "cgroup2" => {
+                let c = std::fs::read_to_string(format!("{}/cgroup.controllers", f[1]))
+                    .unwrap_or_default();
+                let have: Vec<&str> = c.split_whitespace().collect();
+                if have.contains(&"memory") && have.contains(&"pids") {
+                    return "v2";
+                }
+            }
+            "cgroup" => {
+                let opts: Vec<&str> = f[3].split(',').collect();
+                v1.0 |= opts.contains(&"memory");
+                v1.1 |= opts.contains(&"pids");
+            }
+            _ => {}
+        }
+    }
+    if v1 == (true, true) { "v1" } else { "none" }
+}
+
+/// `sandcelld --check`: prints what strict mode would enforce on this host; returns the exit
+/// status (0: strict mode would start).
+fn check(config: &Config) -> i32 {
+    let _ = config;
+    let check = match sandcell_confine::self_check() {
+        Ok(c) => c,
+        Err(e) => {
+            println!("self-check failed: {e}");
+            return 1;
+        }
+    };
+    let cgroups = cgroup_mode_readonly();
+    let decision = sandcell_confine::policy::evaluate(&check.host(cgroups != "none"));
+    let abi = |a: Option<i32>| a.map_or("none".to_string(), |a| a.to_string());
+    println!("kernel:               {}", kernel_release());
+    println!(
+        "landlock abi:         {} (kernel), {} (workers)",
+        abi(check.kernel_landlock_abi),
+        abi(decision.landlock_abi)
+    );
+    if let Some(cap) = check.landlock_test_cap {
+        println!(
+            "landlock test cap:    {cap} ({} is set: TEST ONLY)",
+            sandcell_confine::landlock::TEST_ABI_ENV
+        );
+    }
+    println!("cgroups:              {cgroups}");
+    println!("layers:");
+    for (layer, state) in &decision.layers {
+        println!("  {:20} {}", layer.name(), state.as_str());
+    }
+    println!("threats:");
+    for (threat, by) in &decision.threats {
+        let by: Vec<&str> = by.iter().map(|l| l.name()).collect();
+        println!(
+            "  {:32} {}",
+            threat,
+            if by.is_empty() {
+                "NOT COVERED".to_string()
+            } else {
+                by.join(", ")
+            }
+        );
+    }
+    for note in decision.notes() {
+        println!("note: {note}");
+    }
+    let mut problems = check.problems.clone();
+    if cgroups == "none" {
+        problems.push(sandcell_confine::policy::hint(
+            sandcell_confine::policy::Layer::Cgroups,
+        ));
+    }
+    if problems.is_empty() && decision.strict_ok() {
+        println!("strict mode: would start");
+        0
+    } else {
+        for p in problems.iter().chain(decision.problems().iter()) {
+            println!("problem: {p}");
+        }
+        println!("strict mode: REFUSED");
+        1
+    }
 }
 
 fn status_line(core: &Core) -> String {

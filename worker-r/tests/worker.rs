@@ -163,6 +163,8 @@ fn plan(session: &Path, max_address_space: Option<u64>) -> Plan {
         new_ipc_namespace: true,
         syscalls: SyscallProfile::Native,
         enforcement: Enforcement::BestEffort,
+        landlock_abi_cap: None,
+        mount_namespace: false,
     }
 }
 

@@ -26,7 +26,8 @@
 //! `socket=inet|inet6|unix|netlink|packet`, `socketpair=stream|dgram`,
 //! `connect-unix=PATH`, `ptrace=PID`, `kill=PID` (signal 0), `unshare`, `clone-newuser`,
 //! `clone3`, `mount`, `bpf`, `io_uring`, `userfaultfd`, `perf`, `keyctl`, `personality`,
-//! `tiocsti`, `mmap-exec`, `chroot`, `setuid0`, `x32`.
+//! `tiocsti`, `mmap-exec`, `chroot`, `setuid0`, `truncate=PATH` (`truncate(2)` to 0 bytes),
+//! `mkdir=PATH`, `rename=FROM,TO`, `link=FROM,TO`, `list=DIR` (the names in DIR), `x32`.
 
 use sandcell_confine::{Plan, enter};
 use serde_json::{Value, json};
@@ -154,6 +155,33 @@ fn run(check: &str, arg: &str) -> Value {
             info(check, json!(open))
         }
         "read" => io_outcome(check, arg, std::fs::read(arg)),
+        "truncate" => {
+            let path = cstr(arg);
+            // SAFETY: see above.
+            let rc = unsafe { libc::truncate(path.as_ptr(), 0) };
+            outcome(check, arg, rc as i64, String::new())
+        }
+        "mkdir" => io_outcome(check, arg, std::fs::create_dir(arg)),
+        "rename" | "link" => {
+            let (from, to) = arg.split_once(',').unwrap_or((arg, ""));
+            let r = if check == "rename" {
+                std::fs::rename(from, to)
+            } else {
+                std::fs::hard_link(from, to)
+            };
+            io_outcome(check, arg, r)
+        }
+        "list" => match std::fs::read_dir(arg) {
+            Ok(rd) => {
+                let mut names: Vec<String> = rd
+                    .flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect();
+                names.sort();
+                json!({"check": check, "arg": arg, "allowed": true, "errno": 0, "detail": names})
+            }
+            Err(e) => io_outcome::<()>(check, arg, Err(e)),
+        },
         "write" => io_outcome(check, arg, std::fs::write(arg, b"probe\n")),
         "exec" => {
             let path = cstr(arg);

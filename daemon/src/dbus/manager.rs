@@ -292,6 +292,17 @@ impl Manager {
         self.core.cgroup_mode().to_string()
     }
 
+    /// The confinement decided at start: `enforcement`, `kernel`, `kernel-landlock-abi`,
+    /// `landlock-abi` (applied by workers), `cgroups`, `strict`, `layer.<name>` (`active`,
+    /// `substituted`, `missing`) and `threat.<name>` (the active layers that stop it, joined
+    /// by `+`). Empty before the decision is made.
+    #[zbus(property(emits_changed_signal = "const"))]
+    async fn confinement(&self) -> std::collections::HashMap<String, String> {
+        crate::worker::spawn::confinement()
+            .map(|c| c.map().into_iter().collect())
+            .unwrap_or_default()
+    }
+
     /// A session is ready: id, owner uid, language, object path.
     #[zbus(signal)]
     pub async fn session_opened(

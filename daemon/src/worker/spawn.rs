@@ -11,19 +11,93 @@
 //!    cgroup by writing `"0"` to each pre-opened `cgroup.procs`, starts a new session (no
 //!    controlling terminal: bubblewrap CVE-2017-5226), puts the protocol pipes on fds 3 and 4,
 //!    resets SIGINT/SIGQUIT to their defaults (an inherited SIG_IGN survives exec: seed 001),
-//!    and marks every other descriptor close-on-exec (runc CVE-2024-21626);
+//!    and marks every other descriptor close-on-exec (runc CVE-2024-21626); and sets its
+//!    `oom_score_adj` to 1000, so that the kernel's OOM killer picks a cell first and the
+//!    daemon (`OOMScoreAdjust=-500` in sandcelld.service) last: without it every worker would
+//!    inherit the daemon's protection (raising the value needs no capability);
 //! 5. after the fork, the parent verifies that the worker is in its cgroup.
+//!
+//! Which optional layers the plans ask for (the Landlock ABI, the mount namespace) is decided
+//! once at start by `sandcell_confine::policy::evaluate` and recorded with
+//! [`set_confinement`]; every plan follows that record.
 //!
 //! Nothing untrusted runs until the worker has confined itself and said `Ready`.
 
 use crate::cgroup::SessionGroup;
 use sandcell_confine::{Enforcement, Plan, SyscallProfile};
 use sandcell_proto::kernel::Language;
+use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use tokio::net::unix::pipe;
+
+/// The daemon's start-up confinement decision: what every worker enforces, for plans, logs,
+/// `sandcelld --check` and the D-Bus `Confinement` property.
+#[derive(Debug, Clone)]
+pub struct Confinement {
+    /// `strict` or `best-effort` (`--insecure-dev`).
+    pub enforcement: &'static str,
+    /// `uname -r`.
+    pub kernel: String,
+    /// The kernel's Landlock ABI (`None`: no Landlock).
+    pub kernel_landlock_abi: Option<i32>,
+    /// The test-only cap in force, if any.
+    pub landlock_test_cap: Option<i32>,
+    /// cgroup mode (`v2`, `v1`, `none`).
+    pub cgroups: String,
+    /// The policy's decision.
+    pub decision: sandcell_confine::policy::Decision,
+}
+
+impl Confinement {
+    /// The record as a string map: `enforcement`, `kernel`, `kernel-landlock-abi`,
+    /// `landlock-abi` (applied by workers; `none`), `landlock-test-cap` (only when set),
+    /// `cgroups`, `strict` (`yes`/`no`), `layer.<name>` = `active`/`substituted`/`missing`,
+    /// `threat.<name>` = the active layers that stop it, joined by `+` (empty: uncovered).
+    pub fn map(&self) -> BTreeMap<String, String> {
+        let abi = |a: Option<i32>| a.map_or("none".to_string(), |a| a.to_string());
+        let mut m = BTreeMap::new();
+        m.insert("enforcement".into(), self.enforcement.into());
+        m.insert("kernel".into(), self.kernel.clone());
+        m.insert("kernel-landlock-abi".into(), abi(self.kernel_landlock_abi));
+        m.insert("landlock-abi".into(), abi(self.decision.landlock_abi));
+        if let Some(cap) = self.landlock_test_cap {
+            m.insert("landlock-test-cap".into(), cap.to_string());
+        }
+        m.insert("cgroups".into(), self.cgroups.clone());
+        m.insert(
+            "strict".into(),
+            if self.decision.strict_ok() {
+                "yes"
+            } else {
+                "no"
+            }
+            .into(),
+        );
+        for (layer, state) in &self.decision.layers {
+            m.insert(format!("layer.{}", layer.name()), state.as_str().into());
+        }
+        for (threat, by) in &self.decision.threats {
+            let by: Vec<&str> = by.iter().map(|l| l.name()).collect();
+            m.insert(format!("threat.{threat}"), by.join("+"));
+        }
+        m
+    }
+}
+
+static CONFINEMENT: OnceLock<Confinement> = OnceLock::new();
+
+/// Records the start-up decision; the first call wins (the daemon decides once).
+pub fn set_confinement(c: Confinement) {
+    let _ = CONFINEMENT.set(c);
+}
+
+/// The start-up decision, once made.
+pub fn confinement() -> Option<&'static Confinement> {
+    CONFINEMENT.get()
+}
 
 /// What to start.
 #[derive(Debug, Clone)]
@@ -130,6 +204,10 @@ pub fn plan(spec: &WorkerSpec) -> Plan {
                 "/etc/group",
                 "/var/cache/fontconfig",
                 "/proc/self",
+                // Debian's alternatives: libblas.so.3 and liblapack.so.3 resolve through
+                // here. Landlock does not mediate symlink lookups, but inside the mount
+                // namespace only allowlisted paths exist.
+                "/etc/alternatives",
             ] {
                 read_paths.push(p.into());
             }
@@ -146,6 +224,15 @@ pub fn plan(spec: &WorkerSpec) -> Plan {
     };
     read_paths.retain(|p| p.exists());
     exec_paths.retain(|p| p.exists());
+    // Without a recorded decision (library tests), the kernel's Landlock and no mount
+    // namespace: what the worker's own policy check then accepts or refuses.
+    let (landlock_abi_cap, mount_namespace) = match confinement() {
+        Some(c) => (
+            Some(c.decision.landlock_abi.unwrap_or(0)),
+            c.decision.mount_namespace,
+        ),
+        None => (None, false),
+    };
     Plan {
         uid: spec.uid,
         gid: spec.gid,
@@ -162,6 +249,8 @@ pub fn plan(spec: &WorkerSpec) -> Plan {
         new_ipc_namespace: true,
         syscalls,
         enforcement: spec.enforcement,
+        landlock_abi_cap,
+        mount_namespace,
     }
 }
 
@@ -276,14 +365,28 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
     let procs_raw: Vec<RawFd> = procs.iter().map(|f| f.as_raw_fd()).collect();
     let (req_raw, rep_raw) = (req_r.as_raw_fd(), rep_w.as_raw_fd());
     // SAFETY: the closure runs in the forked child before exec and only makes
-    // async-signal-safe system calls (write, setsid, dup2, signal, close_range); it allocates
-    // nothing and touches no lock.
+    // async-signal-safe system calls (write, open, close, setsid, dup2, signal, close_range);
+    // it allocates nothing and touches no lock.
     unsafe {
         cmd.pre_exec(move || {
             for &fd in &procs_raw {
                 if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
                     return Err(std::io::Error::last_os_error());
                 }
+            }
+            // The OOM killer's first choice is a cell, never the daemon (whose negative
+            // OOMScoreAdjust= every child inherits). Raising the value needs no capability.
+            let adj = libc::open(
+                c"/proc/self/oom_score_adj".as_ptr(),
+                libc::O_WRONLY | libc::O_CLOEXEC,
+            );
+            if adj < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let written = libc::write(adj, b"1000".as_ptr().cast(), 4);
+            libc::close(adj);
+            if written != 4 {
+                return Err(std::io::Error::last_os_error());
             }
             if libc::setsid() < 0 {
                 return Err(std::io::Error::last_os_error());
