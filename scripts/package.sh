@@ -37,7 +37,7 @@ mkdir -p "$out"
 if ((build)); then
     cargo build "${CARGO_FLAGS[@]}" --workspace
 fi
-bins=(sandcelld sandcellctl sandcell-worker-python sandcell-worker-r sandcell-python-runtime sandcell-bench)
+bins=(sandcelld sandcellctl sandcell-worker-python sandcell-worker-r sandcell-worker-python-native sandcell-python-runtime sandcell-bench)
 for b in "${bins[@]}"; do
     [[ -x $BIN/$b ]] || { echo "package: $BIN/$b is missing: run scripts/setup.sh or pass --build" >&2; exit 2; }
 done
@@ -94,15 +94,17 @@ stage() {
         "$root/usr/lib/sysusers.d" "$root/usr/lib/tmpfiles.d" "$root/etc/sandcell" \
         "$root/usr/share/sandcell" "$root/usr/share/doc/sandcell"
     install -m 0755 "$BIN/sandcelld" "$root/usr/libexec/sandcelld"
-    for b in sandcell-worker-python sandcell-worker-r sandcell-python-runtime sandcell-bench; do
+    for b in sandcell-worker-python sandcell-worker-r sandcell-worker-python-native sandcell-python-runtime sandcell-bench; do
         install -m 0755 "$BIN/$b" "$root/usr/libexec/sandcell/$b"
     done
     install -m 0644 worker-r/worker.R "$root/usr/libexec/sandcell/sandcell-worker.R"
+    install -m 0644 worker-r/worker.py "$root/usr/libexec/sandcell/sandcell-worker.py"
+    install -m 0755 scripts/font-cache.sh "$root/usr/libexec/sandcell/sandcell-font-cache"
     install -m 0755 "$BIN/sandcellctl" "$root/usr/bin/sandcellctl"
     # Debug information and symbol tables stay out of the package.
     strip --strip-unneeded --remove-section=.comment --remove-section=.note \
         "$root/usr/libexec/sandcelld" "$root/usr/bin/sandcellctl" \
-        "$root"/usr/libexec/sandcell/sandcell-{worker-python,worker-r,python-runtime,bench}
+        "$root"/usr/libexec/sandcell/sandcell-{worker-python,worker-r,worker-python-native,python-runtime,bench}
     install -m 0644 units/sandcelld.socket units/sandcelld.service "$root$unitdir/"
     install -m 0644 units/sysusers.d/sandcell.conf "$root/usr/lib/sysusers.d/sandcell.conf"
     install -m 0644 units/tmpfiles.d/sandcell.conf "$root/usr/lib/tmpfiles.d/sandcell.conf"
@@ -157,7 +159,7 @@ if ((want_deb)); then
     mkdir -p "$shl/debian"
     printf 'Source: sandcell\n\nPackage: sandcell\nArchitecture: amd64\n' >"$shl/debian/control"
     shlibs=$(cd "$shl" && dpkg-shlibdeps -O -e"$root/usr/libexec/sandcelld" -e"$root/usr/bin/sandcellctl" \
-        "$root"/usr/libexec/sandcell/sandcell-{worker-python,worker-r,python-runtime,bench} 2>/dev/null |
+        "$root"/usr/libexec/sandcell/sandcell-{worker-python,worker-r,worker-python-native,python-runtime,bench} 2>/dev/null |
         sed -n 's/^shlibs:Depends=//p')
     rm -rf "$shl"
     [[ -n $shlibs ]] || shlibs="libc6 (>= 2.34)"

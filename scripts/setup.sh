@@ -8,9 +8,13 @@ cd "$(dirname "$0")/.."
 # R (and a font for text in plots) for the R worker; systemd for systemd-socket-activate and
 # busctl; dbus and polkitd for the control-plane tests; util-linux (setpriv) and passwd
 # (useradd) for tests that act as other users; lintian, rpm and rpmlint for the package
-# checks; procps for diagnostics.
+# checks; procps for diagnostics. The `pydata` environment (native CPython) uses Debian's
+# scientific stack, and R cells get the most used CRAN packages Debian ships; fontconfig builds
+# the font cache plots read.
 packages=(r-base-core r-cran-jsonlite fonts-dejavu-core systemd dbus polkitd util-linux passwd
-    lintian rpm rpmlint procps)
+    lintian rpm rpmlint procps
+    python3 python3-numpy python3-pandas python3-scipy python3-matplotlib python3-statsmodels
+    python3-sklearn r-cran-ggplot2 r-cran-data.table fontconfig)
 # The system-test tier (scripts/vm-test.sh) needs more; it installs them itself when run.
 missing=()
 for p in "${packages[@]}"; do
@@ -22,6 +26,10 @@ if ((${#missing[@]})); then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+
+# Font caches built once per host, read-only to workers: no session rebuilds them on its first
+# plot.
+bash scripts/font-cache.sh
 
 echo "setup: building (release) into $CARGO_TARGET_DIR"
 cargo build "${CARGO_FLAGS[@]}" --workspace

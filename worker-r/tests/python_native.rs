@@ -1,0 +1,1222 @@
+//! End-to-end tests of the native Python worker: the built `sandcell-worker-python-native`
+//! launcher, really confined (best-effort enforcement as the caller; strict as uid 65534 where
+//! the test runs as root), running `worker-r/worker.py` on Debian's /usr/bin/python3 with its
+//! scientific stack, driven over the descriptor layout of `sandcell_proto::worker` exactly as
+//! the daemon drives it (fd 0 `/dev/null`, fds 1 and 2 pipes, fd 3 requests, fd 4 JSON-lines
+//! replies). Every reply line is parsed with `sandcell_proto::worker::WorkerMessage::parse`.
+//!
+//! The analyses are the files of `examples/pydata/` with their exact expected output.
+//! Skipped, with a printed reason, when /usr/bin/python3 or a package is missing. Figures:
+//! `cargo test -p sandcell-worker-r --release --test python_native -- --nocapture figures`.
+
+use sandcell_confine::{Enforcement, Plan, SyscallProfile};
+use sandcell_proto::worker::{
+    CellError, MAX_ERROR_MESSAGE, MAX_TRACEBACK, MAX_WORKER_LINE, RequestHeader, WorkerMessage,
+    WorkerStatus,
+};
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+const PYTHON: &str = "/usr/bin/python3";
+const LAUNCHER: &str = env!("CARGO_BIN_EXE_sandcell-worker-python-native");
+const R_LAUNCHER: &str = env!("CARGO_BIN_EXE_sandcell-worker-r");
+const NONCE: &str = "0123456789abcdef";
+
+/// `true` when /usr/bin/python3 can import `modules`; otherwise prints why `test` is skipped.
+fn python_has(test: &str, modules: &[&str]) -> bool {
+    if !Path::new(PYTHON).exists() {
+        println!("skipping {test}: {PYTHON} is missing (apt-get install python3)");
+        return false;
+    }
+    if modules.is_empty() {
+        return true;
+    }
+    let code = format!("import {}", modules.join(", "));
+    let ok = Command::new(PYTHON)
+        .args(["-I", "-c", &code])
+        .env("MPLBACKEND", "Agg")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        println!(
+            "skipping {test}: {PYTHON} cannot `{code}` (scripts/setup.sh installs python3-numpy \
+             python3-pandas python3-scipy python3-matplotlib python3-statsmodels)"
+        );
+    }
+    ok
+}
+
+/// `format!` giving a `&'static str`, for lists of probes.
+macro_rules! f {
+    ($($t:tt)*) => { &*Box::leak(format!($($t)*).into_boxed_str()) };
+}
+
+macro_rules! need {
+    ($name:expr $(, $m:expr)*) => {
+        if !python_has($name, &[$($m),*]) {
+            return;
+        }
+    };
+}
+
+fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
+fn examples() -> PathBuf {
+    manifest_dir().join("../examples/pydata")
+}
+
+fn example(name: &str) -> (String, String) {
+    let code = std::fs::read_to_string(examples().join(format!("{name}.py"))).unwrap();
+    let out = std::fs::read_to_string(examples().join(format!("{name}.out"))).unwrap();
+    (code, out)
+}
+
+/// A pipe whose two ends are close-on-exec and numbered 10 or above.
+fn pipe() -> (OwnedFd, OwnedFd) {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: `fds` is a valid array of two ints for pipe2 to fill.
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    let high = |fd: RawFd| {
+        // SAFETY: duplicating a descriptor we own; the original is closed right after.
+        let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10) };
+        assert!(new >= 10);
+        // SAFETY: `fd` came from pipe2 above and is not used again.
+        unsafe { libc::close(fd) };
+        // SAFETY: `new` is a fresh descriptor owned by nobody else.
+        unsafe { OwnedFd::from_raw_fd(new) }
+    };
+    (high(fds[0]), high(fds[1]))
+}
+
+fn set_nonblocking(fd: &OwnedFd) {
+    // SAFETY: F_GETFL/F_SETFL on a descriptor we own.
+    unsafe {
+        let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+        libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
+    }
+}
+
+/// Reads what is available from a non-blocking `fd` into `buf`; returns false at end of file.
+fn read_available(fd: &OwnedFd, buf: &mut Vec<u8>) -> bool {
+    let mut chunk = [0u8; 65536];
+    loop {
+        // SAFETY: reading into a local buffer of the stated length.
+        let n = unsafe { libc::read(fd.as_raw_fd(), chunk.as_mut_ptr().cast(), chunk.len()) };
+        if n <= 0 {
+            // 0: end of file; -1: EAGAIN (or EINTR), nothing more for now.
+            return n != 0;
+        }
+        buf.extend_from_slice(&chunk[..n as usize]);
+    }
+}
+
+static SESSION_SEQ: AtomicUsize = AtomicUsize::new(0);
+
+#[derive(Clone)]
+struct Start {
+    /// Pass SANDCELL_PYTHON_WORKER_SCRIPT (else the launcher looks next to itself / embedded).
+    script: bool,
+    launcher: PathBuf,
+    /// Run as this uid/gid under strict enforcement (root only).
+    strict_as: Option<u32>,
+    /// SANDCELL_CPU_THREADS.
+    threads: u32,
+    /// SANDCELL_PYTHON_PRELOAD.
+    preload: Option<String>,
+    /// RLIMIT_AS.
+    max_address_space: Option<u64>,
+    /// Start the R launcher instead (shares the plan and the font environment).
+    r: bool,
+}
+
+impl Default for Start {
+    fn default() -> Self {
+        Start {
+            script: true,
+            launcher: PathBuf::from(LAUNCHER),
+            strict_as: None,
+            threads: 2,
+            preload: None,
+            max_address_space: None,
+            r: false,
+        }
+    }
+}
+
+fn loader() -> PathBuf {
+    std::fs::canonicalize("/lib64/ld-linux-x86-64.so.2")
+        .or_else(|_| std::fs::canonicalize("/lib/ld-linux-aarch64.so.1"))
+        .unwrap_or_else(|_| PathBuf::from("/lib64/ld-linux-x86-64.so.2"))
+}
+
+/// The plan of a native Python worker: the R worker's paths, Python's configuration
+/// (`/etc/python3.*`, `/etc/matplotlibrc`), the prebuilt font caches, and the CPU topology
+/// OpenBLAS reads.
+fn plan(session: &Path, max_address_space: Option<u64>) -> Plan {
+    let p = |s: &str| PathBuf::from(s);
+    let mut read_paths = vec![
+        p("/usr"),
+        p("/etc/R"),
+        p("/etc/fonts"),
+        p("/etc/matplotlibrc"),
+        p("/etc/ld.so.cache"),
+        p("/etc/nsswitch.conf"),
+        p("/etc/passwd"),
+        p("/etc/group"),
+        p("/var/cache/fontconfig"),
+        p("/var/cache/sandcell"),
+        p("/dev/urandom"),
+        p("/sys/devices/system/cpu"),
+        p("/proc/self"),
+        manifest_dir(),
+    ];
+    if let Ok(rd) = std::fs::read_dir("/etc") {
+        for e in rd.flatten() {
+            if e.file_name().to_string_lossy().starts_with("python3") {
+                read_paths.push(e.path());
+            }
+        }
+    }
+    read_paths.retain(|p| p.exists());
+    // Built through serde so that plan fields added later take their defaults.
+    serde_json::from_value(serde_json::json!({
+        "uid": null,
+        "gid": null,
+        "session_dir": session,
+        "read_paths": read_paths,
+        "exec_paths": [p("/usr/lib/R"), p("/usr/bin"), loader()],
+        "write_paths": [p("/dev/null")],
+        "keep_fds": [0, 1, 2, 3, 4],
+        "max_open_files": 256,
+        "max_file_bytes": 1u64 << 30,
+        "max_processes": 4096,
+        "max_address_space": max_address_space,
+        "new_net_namespace": true,
+        "new_ipc_namespace": true,
+        "syscalls": SyscallProfile::Native,
+        "enforcement": Enforcement::BestEffort,
+    }))
+    .expect("plan")
+}
+
+#[derive(Debug)]
+struct Cell {
+    status: WorkerStatus,
+    error: Option<CellError>,
+    exit_code: Option<i64>,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+    line_len: usize,
+    first_stdout: Option<Duration>,
+    elapsed: Duration,
+}
+
+impl Cell {
+    fn out(&self) -> String {
+        String::from_utf8_lossy(&self.stdout).into_owned()
+    }
+    fn err(&self) -> &CellError {
+        self.error
+            .as_ref()
+            .unwrap_or_else(|| panic!("cell has no error: {self:?}"))
+    }
+    #[track_caller]
+    fn assert_ok(&self) -> &Self {
+        assert_eq!(
+            self.status,
+            WorkerStatus::Ok,
+            "{self:?} stdout={} stderr={}",
+            self.out(),
+            String::from_utf8_lossy(&self.stderr)
+        );
+        self
+    }
+}
+
+struct Worker {
+    child: Child,
+    req: Option<File>,
+    rep: OwnedFd,
+    out: OwnedFd,
+    err: OwnedFd,
+    rep_buf: Vec<u8>,
+    session: PathBuf,
+    next_cell: u64,
+    startup: Duration,
+    boot_stderr: Vec<u8>,
+    engine: String,
+}
+
+impl Worker {
+    fn start() -> Worker {
+        Self::start_with(Start::default())
+    }
+
+    fn start_with(opts: Start) -> Worker {
+        let n = SESSION_SEQ.fetch_add(1, Ordering::SeqCst);
+        let session = std::env::temp_dir().join(format!("sandcell-wpn-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&session);
+        std::fs::create_dir_all(&session).unwrap();
+        for csv in ["mtcars.csv", "sleep.csv"] {
+            std::fs::copy(examples().join(csv), session.join(csv)).unwrap();
+        }
+        let (req_r, req_w) = pipe();
+        let (rep_r, rep_w) = pipe();
+        let (out_r, out_w) = pipe();
+        let (err_r, err_w) = pipe();
+        let mut plan = plan(&session, opts.max_address_space);
+        if let Some(id) = opts.strict_as {
+            for e in std::fs::read_dir(&session).unwrap().flatten() {
+                std::os::unix::fs::chown(e.path(), Some(id), Some(id)).unwrap();
+            }
+            std::os::unix::fs::chown(&session, Some(id), Some(id)).unwrap();
+            plan.uid = Some(id);
+            plan.gid = Some(id);
+            plan.enforcement = Enforcement::Strict;
+        }
+        let plan = serde_json::to_string(&plan).unwrap();
+        let launcher = if opts.r {
+            PathBuf::from(R_LAUNCHER)
+        } else {
+            opts.launcher.clone()
+        };
+        let mut cmd = Command::new(&launcher);
+        cmd.env_clear()
+            .env("SANDCELL_CONFINE", plan)
+            .env("SANDCELL_SESSION_DIR", &session)
+            .env("SANDCELL_CPU_THREADS", opts.threads.to_string())
+            .env("SANDCELL_TEST_CANARY", "must-not-reach-python")
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(out_w))
+            .stderr(Stdio::from(err_w))
+            .process_group(0);
+        if opts.script {
+            if opts.r {
+                cmd.env("SANDCELL_R_WORKER_SCRIPT", manifest_dir().join("worker.R"));
+            } else {
+                cmd.env(
+                    "SANDCELL_PYTHON_WORKER_SCRIPT",
+                    manifest_dir().join("worker.py"),
+                );
+            }
+        }
+        if let Some(p) = &opts.preload {
+            cmd.env("SANDCELL_PYTHON_PRELOAD", p);
+        }
+        let (a, b) = (req_r.as_raw_fd(), rep_w.as_raw_fd());
+        // SAFETY: only async-signal-safe dup2 calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::dup2(a, 3) < 0 || libc::dup2(b, 4) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let t0 = Instant::now();
+        let child = cmd.spawn().expect("spawn launcher");
+        drop((req_r, rep_w));
+        for fd in [&rep_r, &out_r, &err_r] {
+            set_nonblocking(fd);
+        }
+        let mut w = Worker {
+            child,
+            req: Some(File::from(req_w)),
+            rep: rep_r,
+            out: out_r,
+            err: err_r,
+            rep_buf: Vec::new(),
+            session,
+            next_cell: 1,
+            startup: Duration::ZERO,
+            boot_stderr: Vec::new(),
+            engine: String::new(),
+        };
+        let (mut o, mut e) = (Vec::new(), Vec::new());
+        let msg = w.next_message(&mut o, &mut e, None, Duration::from_secs(60));
+        w.startup = t0.elapsed();
+        w.boot_stderr = e;
+        match msg {
+            Some((WorkerMessage::Ready { language, engine }, _)) => {
+                assert_eq!(language, if opts.r { "r" } else { "python" });
+                w.engine = engine;
+            }
+            other => panic!(
+                "expected ready, got {other:?}; stderr: {}",
+                String::from_utf8_lossy(&w.boot_stderr)
+            ),
+        }
+        w
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    fn next_message(
+        &mut self,
+        out: &mut Vec<u8>,
+        err: &mut Vec<u8>,
+        mut first_out: Option<&mut Option<Instant>>,
+        timeout: Duration,
+    ) -> Option<(WorkerMessage, usize)> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(i) = self.rep_buf.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = self.rep_buf.drain(..=i).collect();
+                let line = &line[..line.len() - 1];
+                assert!(line.len() <= MAX_WORKER_LINE);
+                let msg = WorkerMessage::parse(line).unwrap_or_else(|e| {
+                    panic!("bad reply line {:?}: {e}", String::from_utf8_lossy(line))
+                });
+                return Some((msg, line.len()));
+            }
+            let now = Instant::now();
+            assert!(
+                now < deadline,
+                "no reply within {timeout:?}; stdout {:?} stderr {:?}",
+                String::from_utf8_lossy(out),
+                String::from_utf8_lossy(err)
+            );
+            let mut fds = [
+                self.rep.as_raw_fd(),
+                self.out.as_raw_fd(),
+                self.err.as_raw_fd(),
+            ]
+            .map(|fd| libc::pollfd {
+                fd,
+                events: libc::POLLIN,
+                revents: 0,
+            });
+            let ms = (deadline - now).as_millis().min(1000) as i32;
+            // SAFETY: polling three valid pollfd structs owned by this frame.
+            unsafe { libc::poll(fds.as_mut_ptr(), 3, ms) };
+            let before = out.len();
+            read_available(&self.out, out);
+            if out.len() > before
+                && let Some(slot) = first_out.as_deref_mut()
+            {
+                slot.get_or_insert_with(Instant::now);
+            }
+            read_available(&self.err, err);
+            let mut buf = Vec::new();
+            let open = read_available(&self.rep, &mut buf);
+            self.rep_buf.extend_from_slice(&buf);
+            if !open && buf.is_empty() && !self.rep_buf.contains(&b'\n') {
+                return None;
+            }
+        }
+    }
+
+    fn send(&mut self, code: &[u8], timeout_ms: Option<u64>) -> u64 {
+        let cell = self.next_cell;
+        self.next_cell += 1;
+        let mut h = RequestHeader::exec(cell, code.len() as u64);
+        h.timeout_ms = timeout_ms;
+        h.nonce = Some(NONCE.into());
+        let req = self.req.as_mut().expect("request pipe open");
+        req.write_all(h.to_line().as_bytes()).unwrap();
+        req.write_all(code).unwrap();
+        cell
+    }
+
+    fn wait_done(&mut self, cell: u64, t0: Instant, timeout: Duration) -> Cell {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let mut first = None;
+        let Some((msg, line_len)) =
+            self.next_message(&mut out, &mut err, Some(&mut first), timeout)
+        else {
+            panic!(
+                "worker ended before done of cell {cell}; stderr {}",
+                String::from_utf8_lossy(&err)
+            );
+        };
+        let WorkerMessage::Done {
+            cell: c,
+            nonce,
+            status,
+            error,
+            exit_code,
+            ..
+        } = msg
+        else {
+            panic!("unexpected message {msg:?}");
+        };
+        assert_eq!(c, cell);
+        assert_eq!(nonce.as_deref(), Some(NONCE), "done must echo the nonce");
+        read_available(&self.out, &mut out);
+        read_available(&self.err, &mut err);
+        Cell {
+            status,
+            error,
+            exit_code,
+            stdout: out,
+            stderr: err,
+            line_len,
+            first_stdout: first.map(|f: Instant| f - t0),
+            elapsed: t0.elapsed(),
+        }
+    }
+
+    fn exec_opts(&mut self, code: &str, timeout_ms: Option<u64>) -> Cell {
+        let t0 = Instant::now();
+        let cell = self.send(code.as_bytes(), timeout_ms);
+        self.wait_done(cell, t0, Duration::from_secs(120))
+    }
+
+    fn exec(&mut self, code: &str) -> Cell {
+        self.exec_opts(code, None)
+    }
+
+    /// SIGINT aimed at the worker's main thread (tgkill), as the daemon sends it: a
+    /// process-directed signal could be taken by an OpenBLAS thread.
+    fn sigint(&self) {
+        // SAFETY: signalling the main thread (tid == pid) of our own child.
+        let r = unsafe { libc::syscall(libc::SYS_tgkill, self.pid(), self.pid(), libc::SIGINT) };
+        assert_eq!(r, 0);
+    }
+
+    /// Interrupts `code` after `after`; returns the cell and how long the interrupt took.
+    fn interrupt(&mut self, code: &str, after: Duration) -> (Cell, Duration) {
+        let t0 = Instant::now();
+        let cell = self.send(code.as_bytes(), None);
+        std::thread::sleep(after);
+        let sent = Instant::now();
+        self.sigint();
+        let c = self.wait_done(cell, t0, Duration::from_secs(30));
+        (c, sent.elapsed())
+    }
+
+    fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st;
+            }
+            assert!(Instant::now() < deadline, "worker did not exit");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Threads of the worker process.
+    fn threads(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/task", self.pid()))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+
+    fn rss_kib(&self) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        s.lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    }
+
+    /// Names in the session directory, recursively, leaving out `.tmp` (as the daemon does).
+    fn session_files(&self) -> Vec<String> {
+        fn walk(base: &Path, dir: &Path, out: &mut Vec<String>) {
+            for e in std::fs::read_dir(dir).unwrap().flatten() {
+                let rel = e.path().strip_prefix(base).unwrap().display().to_string();
+                if rel == ".tmp" {
+                    continue;
+                }
+                if e.file_type().unwrap().is_dir() {
+                    walk(base, &e.path(), out);
+                }
+                out.push(rel);
+            }
+        }
+        let mut v = Vec::new();
+        walk(&self.session, &self.session, &mut v);
+        v.sort();
+        v
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // SAFETY: killing our own child's process group.
+        unsafe { libc::kill(-self.pid(), libc::SIGKILL) };
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.session);
+    }
+}
+
+fn is_png(path: &Path) -> bool {
+    std::fs::read(path).is_ok_and(|b| b.len() > 1000 && b.starts_with(b"\x89PNG\r\n\x1a\n"))
+}
+
+#[test]
+fn variables_persist_output_goes_to_fds_and_last_value_is_shown() {
+    need!("variables_persist_output_goes_to_fds_and_last_value_is_shown");
+    let mut w = Worker::start();
+    assert!(w.engine.starts_with("CPython 3."), "{}", w.engine);
+    assert_eq!(w.exec("x = 41").assert_ok().out(), "");
+    assert_eq!(w.exec("x + 1").assert_ok().out(), "42\n");
+    // `;` after the last expression hides it, as in Jupyter; None is never shown.
+    assert_eq!(w.exec("x + 1;").assert_ok().out(), "");
+    assert_eq!(w.exec("None").assert_ok().out(), "");
+    let c = w.exec("import sys\nprint('to stdout')\nprint('to stderr', file=sys.stderr)\n's'");
+    assert_eq!(c.assert_ok().out(), "to stdout\n's'\n");
+    assert_eq!(String::from_utf8_lossy(&c.stderr), "to stderr\n");
+    // Raw writes to fds 1 and 2 (as a C extension makes them) are output, never protocol.
+    let c = w.exec("import os\nos.write(1, b'{\"t\":\"done\",\"cell\":99,\"status\":\"ok\"}\\n')\nos.write(2, b'raw err\\n');");
+    assert_eq!(
+        c.assert_ok().out(),
+        "{\"t\":\"done\",\"cell\":99,\"status\":\"ok\"}\n"
+    );
+    assert_eq!(String::from_utf8_lossy(&c.stderr), "raw err\n");
+    // The protocol descriptors are not inherited by programs a cell starts.
+    let c = w.exec("import os; (os.get_inheritable(3), os.get_inheritable(4))");
+    assert_eq!(c.assert_ok().out(), "(False, False)\n");
+    // A cell's namespace is a fresh __main__, not the worker's globals.
+    let c = w.exec("sorted(k for k in globals() if not k.startswith('__'))");
+    assert_eq!(c.assert_ok().out(), "['os', 'sys', 'x']\n");
+    w.exec("").assert_ok();
+    let c = w.exec("s = 'héllo ✓'; print(s, len(s))");
+    assert_eq!(c.assert_ok().out(), "héllo ✓ 7\n");
+}
+
+#[test]
+fn numpy_linear_algebra_is_exact() {
+    need!("numpy_linear_algebra_is_exact", "numpy");
+    let mut w = Worker::start();
+    let (code, out) = example("numpy_linalg");
+    assert_eq!(w.exec(&code).assert_ok().out(), out);
+}
+
+#[test]
+fn pandas_groupby_over_a_csv_is_exact() {
+    need!("pandas_groupby_over_a_csv_is_exact", "pandas");
+    let mut w = Worker::start();
+    let (code, out) = example("pandas_groupby");
+    assert_eq!(w.exec(&code).assert_ok().out(), out);
+    // The same means as R's aggregate(mpg ~ cyl, data = mtcars, FUN = mean).
+    assert!(out.contains("26.66364") && out.contains("19.74286") && out.contains("15.10000"));
+}
+
+#[test]
+fn scipy_welch_test_matches_r() {
+    need!("scipy_welch_test_matches_r", "scipy", "pandas");
+    let mut w = Worker::start();
+    let (code, out) = example("scipy_welch");
+    assert_eq!(w.exec(&code).assert_ok().out(), out);
+    // R: t.test(extra ~ group, data = sleep) prints t = -1.8608, df = 17.776, p-value = 0.07939.
+    assert_eq!(out, "t = -1.8608\ndf = 17.7765\np = 0.07939\n");
+}
+
+#[test]
+fn statsmodels_ols_matches_r_lm() {
+    need!("statsmodels_ols_matches_r_lm", "statsmodels", "pandas");
+    let mut w = Worker::start();
+    let (code, out) = example("statsmodels_ols");
+    assert_eq!(w.exec(&code).assert_ok().out(), out);
+    // R: coef(lm(mpg ~ wt, data = mtcars)) is 37.285126, -5.344472.
+    assert_eq!(
+        out,
+        "Intercept    37.2851\nwt           -5.3445\nR^2: 0.7528\n"
+    );
+}
+
+#[test]
+fn matplotlib_figures_become_pngs_without_rebuilding_font_caches() {
+    need!(
+        "matplotlib_figures_become_pngs_without_rebuilding_font_caches",
+        "matplotlib",
+        "pandas"
+    );
+    let mut w = Worker::start();
+    let before = w.session_files();
+    let (code, out) = example("matplotlib_plot");
+    let c = w.exec(&code);
+    assert_eq!(c.assert_ok().out(), out);
+    assert!(is_png(&w.session.join("plot-1-001.png")));
+    // plt.show() closed the figure: nothing is left for the end of the cell.
+    assert!(!w.session.join("plot-1-002.png").exists());
+    // A figure left open is saved when its cell ends, and a second one after it.
+    let c = w.exec(
+        "import matplotlib.pyplot as plt\nplt.figure(); plt.plot([1, 3, 2])\n\
+         plt.figure(); plt.bar(['a', 'b'], [2, 1]);",
+    );
+    c.assert_ok();
+    assert!(is_png(&w.session.join("plot-2-001.png")));
+    assert!(is_png(&w.session.join("plot-2-002.png")));
+    assert_eq!(w.exec("len(plt.get_fignums())").out(), "0\n");
+    // The backend is Agg, and nothing but the plots appeared in the session directory: no
+    // .cache/fontconfig, no matplotlib font list.
+    assert_eq!(
+        w.exec("import matplotlib; matplotlib.get_backend()").out(),
+        "'agg'\n"
+    );
+    let mut after = w.session_files();
+    after.retain(|f| !before.contains(f));
+    assert_eq!(
+        after,
+        ["plot-1-001.png", "plot-2-001.png", "plot-2-002.png"]
+    );
+    // With the host's prebuilt font list, matplotlib read it instead of scanning fonts: the
+    // link the launcher made is still a link (a rebuild would have replaced it by a file).
+    let prebuilt = Path::new("/var/cache/sandcell/matplotlib");
+    let has_prebuilt = std::fs::read_dir(prebuilt).is_ok_and(|d| {
+        d.flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with("fontlist-"))
+    });
+    if has_prebuilt {
+        let cfg = w.session.join(".tmp/matplotlib");
+        let lists: Vec<_> = std::fs::read_dir(&cfg)
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("fontlist-"))
+            .collect();
+        assert!(!lists.is_empty());
+        for e in lists {
+            assert!(
+                e.file_type().unwrap().is_symlink(),
+                "{} was rebuilt in the session",
+                e.path().display()
+            );
+        }
+    } else {
+        println!(
+            "matplotlib_figures_become_pngs_without_rebuilding_font_caches: no prebuilt font \
+             list in {} (scripts/font-cache.sh); font-cache check skipped",
+            prebuilt.display()
+        );
+    }
+}
+
+#[test]
+fn r_plots_leave_no_font_cache_in_the_session() {
+    if !Path::new("/usr/lib/R/bin/exec/R").exists() {
+        println!("skipping r_plots_leave_no_font_cache_in_the_session: R is not installed");
+        return;
+    }
+    let mut w = Worker::start_with(Start {
+        r: true,
+        ..Start::default()
+    });
+    let before = w.session_files();
+    let c = w.exec("plot(1:10, main = 'Title'); text(5, 5, 'label')");
+    c.assert_ok();
+    let mut after = w.session_files();
+    after.retain(|f| !before.contains(f));
+    assert_eq!(after, ["plot-1-001.png"]);
+}
+
+#[test]
+fn interrupts_end_exactly_the_running_cell_and_keep_variables() {
+    need!(
+        "interrupts_end_exactly_the_running_cell_and_keep_variables",
+        "numpy"
+    );
+    let mut w = Worker::start();
+    w.exec("import numpy as np\nkeep = np.arange(5)\nm = np.random.default_rng(1).standard_normal((600, 600))")
+        .assert_ok();
+    // OpenBLAS runs its pool (2 threads here): SIGINT must still reach the main thread.
+    w.exec("m @ m;").assert_ok();
+    assert!(w.threads() >= 2, "OpenBLAS started no threads");
+    for code in [
+        "v = 1\nimport time\ntime.sleep(100)",
+        "v = 2\nwhile True:\n    pass",
+        "v = 3\nfor i in range(10**9):\n    m = m @ m / np.linalg.norm(m)",
+        "v = 4\nx = np.linalg.inv(np.random.default_rng(2).standard_normal((1500, 1500)))\nwhile True:\n    x = x @ x / np.linalg.norm(x)",
+    ] {
+        let (c, took) = w.interrupt(code, Duration::from_millis(400));
+        assert_eq!(c.status, WorkerStatus::Interrupted, "{code}: {c:?}");
+        assert!(
+            took < Duration::from_secs(3),
+            "{code}: interrupt took {took:?}"
+        );
+    }
+    let c = w.exec("print(v, keep.sum(), m.shape)");
+    assert_eq!(c.assert_ok().out(), "4 10 (600, 600)\n");
+    // A cell that swallows the first KeyboardInterrupt ends on the repeat (the daemon repeats
+    // SIGINT until the cell's done).
+    let t0 = Instant::now();
+    let cell = w.send(
+        b"import time\ntry:\n    time.sleep(100)\nexcept KeyboardInterrupt:\n    print('caught')\ntime.sleep(100)",
+        None,
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    w.sigint();
+    std::thread::sleep(Duration::from_millis(300));
+    w.sigint();
+    let c = w.wait_done(cell, t0, Duration::from_secs(10));
+    assert_eq!(
+        (c.status, c.out()),
+        (WorkerStatus::Interrupted, "caught\n".into())
+    );
+}
+
+#[test]
+fn sigint_between_cells_and_during_replies_is_harmless() {
+    need!("sigint_between_cells_and_during_replies_is_harmless");
+    let mut w = Worker::start();
+    w.exec("keep = 'yes'").assert_ok();
+    for _ in 0..3 {
+        w.sigint();
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let c = w.exec("import time; time.sleep(0.3); keep");
+    assert_eq!(c.assert_ok().out(), "'yes'\n");
+    // Signals racing with many short cells (landing while the worker reads a request, writes
+    // a reply, or starts a cell): each cell ends ok or interrupted, never the worker.
+    let pid = w.pid();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let s2 = stop.clone();
+    let pest = std::thread::spawn(move || {
+        while !s2.load(Ordering::Relaxed) {
+            // SAFETY: signalling the main thread of our own child.
+            unsafe { libc::syscall(libc::SYS_tgkill, pid, pid, libc::SIGINT) };
+            std::thread::sleep(Duration::from_micros(700));
+        }
+    });
+    let mut interrupted = 0;
+    for i in 0..300 {
+        let c = w.exec(&format!("n = {i}"));
+        match c.status {
+            WorkerStatus::Ok => {}
+            WorkerStatus::Interrupted => interrupted += 1,
+            other => panic!("cell {i}: {other:?} {c:?}"),
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    pest.join().unwrap();
+    assert!(w.child.try_wait().unwrap().is_none());
+    println!("signal storm: {interrupted} of 300 short cells interrupted");
+    assert_eq!(w.exec("keep").assert_ok().out(), "'yes'\n");
+}
+
+#[test]
+fn tracebacks_show_the_users_lines() {
+    need!("tracebacks_show_the_users_lines");
+    let mut w = Worker::start();
+    let c = w.exec("def f(v):\n    w = v * 2\n    return w / 0\n\ny = 2\nf(y)\n");
+    assert_eq!(c.status, WorkerStatus::Error);
+    let e = c.err();
+    assert_eq!(
+        (e.kind.as_str(), e.message.as_str()),
+        ("ZeroDivisionError", "division by zero")
+    );
+    assert_eq!(e.line, Some(3), "line of the raise inside the cell");
+    let tb = e.traceback.as_deref().unwrap();
+    assert!(
+        tb.starts_with("Traceback (most recent call last):\n  File \"<cell-1>\", line 6, in <module>\n    f(y)\n  File \"<cell-1>\", line 3, in f\n    return w / 0\n"),
+        "{tb}"
+    );
+    assert!(!tb.contains("worker.py") && !tb.contains("exec("), "{tb}");
+    // Functions defined in an earlier cell keep their source lines.
+    let c = w.exec("z = 1\nf(z)");
+    let e = c.err();
+    assert_eq!(e.line, Some(2));
+    assert!(
+        e.traceback
+            .as_deref()
+            .unwrap()
+            .contains("File \"<cell-1>\", line 3, in f\n    return w / 0"),
+        "{e:?}"
+    );
+    assert_eq!(w.exec("y").out(), "2\n");
+    // Syntax errors: the line, nothing run, no worker frames.
+    let c = w.exec("q = 1\nq q\n");
+    let e = c.err();
+    assert_eq!((e.kind.as_str(), e.line), ("SyntaxError", Some(2)));
+    assert!(!e.traceback.as_deref().unwrap().contains("ast.py"), "{e:?}");
+    assert_eq!(w.exec("'q' in globals()").out(), "False\n");
+    // Library errors carry their qualified type.
+    let c = w.exec("import json\njson.loads('{')");
+    assert_eq!(c.err().kind, "json.decoder.JSONDecodeError");
+    assert_eq!(c.err().line, Some(2));
+    // Runaway recursion: an error with the innermost frames, bounded.
+    let c = w.exec("def r(n):\n    return r(n + 1)\nr(0)");
+    let e = c.err();
+    assert_eq!((e.kind.as_str(), e.line), ("RecursionError", Some(2)));
+    assert!(e.traceback.as_deref().unwrap().len() <= MAX_TRACEBACK + 64);
+    // A huge message is bounded with a marker counting what was cut.
+    let c = w.exec("raise ValueError('x' * 200_000_000)");
+    let m = &c.err().message;
+    assert!(m.len() <= MAX_ERROR_MESSAGE + 64, "{} bytes", m.len());
+    assert!(m.ends_with(&format!(
+        "... [{} more bytes]",
+        200_000_000 - MAX_ERROR_MESSAGE
+    )));
+    assert!(c.line_len < 128 * 1024, "done line of {} bytes", c.line_len);
+    // Lone surrogates cannot break the JSON reply.
+    let c = w.exec("raise RuntimeError('bad \\udcff end')");
+    assert_eq!(c.err().message, "bad \\udcff end");
+    w.exec("1").assert_ok();
+}
+
+#[test]
+fn exit_quit_and_sys_exit_report_exited() {
+    need!("exit_quit_and_sys_exit_report_exited");
+    for (code, want) in [
+        ("print('bye'); exit()", 0),
+        ("quit(3)", 3),
+        ("import sys; sys.exit(4)", 4),
+        ("raise SystemExit('message')", 1),
+    ] {
+        let mut w = Worker::start();
+        w.exec("x = 1").assert_ok();
+        let c = w.exec(code);
+        assert_eq!(
+            (c.status, c.exit_code),
+            (WorkerStatus::Exited, Some(want)),
+            "{code}"
+        );
+        assert_eq!(
+            w.wait_exit(Duration::from_secs(10)).code(),
+            Some(want as i32),
+            "{code}"
+        );
+    }
+    // os._exit and fatal signals end the process without a done: the daemon reports
+    // worker_crashed from the exit status.
+    let mut w = Worker::start();
+    let cell = w.send(b"import os; os._exit(7)", None);
+    let (mut o, mut e) = (Vec::new(), Vec::new());
+    assert!(
+        w.next_message(&mut o, &mut e, None, Duration::from_secs(10))
+            .is_none(),
+        "cell {cell}"
+    );
+    assert_eq!(w.wait_exit(Duration::from_secs(10)).code(), Some(7));
+    let mut w = Worker::start();
+    w.send(
+        b"import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
+        None,
+    );
+    assert!(
+        w.next_message(&mut o, &mut e, None, Duration::from_secs(10))
+            .is_none()
+    );
+    assert_eq!(
+        w.wait_exit(Duration::from_secs(10)).signal(),
+        Some(libc::SIGSEGV)
+    );
+}
+
+#[test]
+fn exit_request_and_eof_end_the_worker() {
+    need!("exit_request_and_eof_end_the_worker");
+    let mut w = Worker::start();
+    w.req.as_mut().unwrap().write_all(b"exit 0 0\n").unwrap();
+    assert_eq!(w.wait_exit(Duration::from_secs(10)).code(), Some(0));
+    let mut w = Worker::start();
+    w.req = None;
+    assert_eq!(w.wait_exit(Duration::from_secs(10)).code(), Some(0));
+    let mut w = Worker::start();
+    w.req.as_mut().unwrap().write_all(b"exec x 1\n").unwrap();
+    assert_eq!(w.wait_exit(Duration::from_secs(10)).code(), Some(2));
+}
+
+#[test]
+fn forked_children_never_touch_the_protocol() {
+    need!("forked_children_never_touch_the_protocol");
+    let mut w = Worker::start();
+    // The child returns from the cell into the worker: it must exit, not read requests.
+    let c = w.exec("import os\npid = os.fork()\nif pid == 0:\n    print('child')\nelse:\n    os.waitpid(pid, 0)\n    print('parent')");
+    assert_eq!(c.assert_ok().out(), "child\nparent\n");
+    assert_eq!(w.exec("'still here'").assert_ok().out(), "'still here'\n");
+    let c = w.exec("import subprocess; print(subprocess.run(['echo', 'hi'], capture_output=True, text=True).stdout, end='')");
+    assert_eq!(c.assert_ok().out(), "hi\n");
+}
+
+#[test]
+fn timeout_option_stops_a_busy_cell() {
+    need!("timeout_option_stops_a_busy_cell");
+    let mut w = Worker::start();
+    w.exec("k = 1").assert_ok();
+    let c = w.exec_opts("while True:\n    pass", Some(500));
+    assert_eq!(c.status, WorkerStatus::Timeout, "{c:?}");
+    assert!(c.elapsed < Duration::from_secs(3));
+    let c = w.exec_opts("import time; time.sleep(10)", Some(300));
+    assert_eq!(c.status, WorkerStatus::Timeout, "{c:?}");
+    // The limit does not outlive its cell.
+    let c = w.exec("import time; time.sleep(0.7); k");
+    assert_eq!(c.assert_ok().out(), "1\n");
+}
+
+#[test]
+fn output_is_live() {
+    need!("output_is_live");
+    let mut w = Worker::start();
+    let c = w.exec("import time\nprint('first')\ntime.sleep(1)\nprint('second')");
+    assert_eq!(c.assert_ok().out(), "first\nsecond\n");
+    let first = c.first_stdout.unwrap();
+    assert!(
+        c.elapsed - first > Duration::from_millis(700),
+        "first at {first:?}"
+    );
+}
+
+#[test]
+fn memory_errors_are_memory_exhausted() {
+    need!("memory_errors_are_memory_exhausted", "numpy");
+    let mut w = Worker::start_with(Start {
+        max_address_space: Some(4 << 30),
+        ..Start::default()
+    });
+    w.exec("import numpy as np; keep = 1").assert_ok();
+    let c = w.exec("x = np.ones(10**10)"); // 80 GB under a 4 GiB RLIMIT_AS
+    assert_eq!(c.status, WorkerStatus::MemoryExhausted, "{c:?}");
+    assert_eq!(w.exec("(keep, 'x' in globals())").out(), "(1, False)\n");
+}
+
+#[test]
+fn environment_is_clean_threads_follow_the_cpu_limit_and_cwd_is_the_session() {
+    need!("environment_is_clean_threads_follow_the_cpu_limit_and_cwd_is_the_session");
+    let mut w = Worker::start_with(Start {
+        threads: 3,
+        ..Start::default()
+    });
+    let c = w.exec("import os; print(sorted(os.environ)); print(os.getcwd())");
+    let out = c.assert_ok().out();
+    assert!(
+        !out.contains("SANDCELL_TEST_CANARY") && !out.contains("SANDCELL_CONFINE"),
+        "{out}"
+    );
+    assert!(
+        out.ends_with(&format!("{}\n", w.session.display())),
+        "{out}"
+    );
+    let c = w.exec("import os, sys, tempfile\n[os.environ[k] for k in ('OPENBLAS_NUM_THREADS', 'OMP_NUM_THREADS', 'MPLBACKEND', 'HOME')] + [tempfile.gettempdir(), sys.flags.isolated]");
+    assert_eq!(
+        c.out(),
+        format!(
+            "['3', '3', 'Agg', '{}', '{}', 1]\n",
+            w.session.display(),
+            w.session.join(".tmp").display()
+        )
+    );
+    // Uploaded modules import from the session directory (after the system's own).
+    std::fs::write(w.session.join("helper_mod.py"), "VALUE = 7\n").unwrap();
+    assert_eq!(w.exec("import helper_mod; helper_mod.VALUE").out(), "7\n");
+}
+
+#[test]
+fn preloaded_modules_are_ready_before_the_first_cell() {
+    need!(
+        "preloaded_modules_are_ready_before_the_first_cell",
+        "pandas"
+    );
+    let mut w = Worker::start_with(Start {
+        preload: Some("numpy, pandas, no_such_module".into()),
+        ..Start::default()
+    });
+    assert!(
+        String::from_utf8_lossy(&w.boot_stderr).contains("preloading no_such_module failed"),
+        "{}",
+        String::from_utf8_lossy(&w.boot_stderr)
+    );
+    let c = w.exec("import sys; ('pandas' in sys.modules, 'pd' in globals())");
+    assert_eq!(c.assert_ok().out(), "(True, False)\n");
+    let c = w.exec("import pandas as pd");
+    assert!(c.elapsed < Duration::from_millis(100), "{:?}", c.elapsed);
+}
+
+#[test]
+fn embedded_script_is_used_without_a_file() {
+    need!("embedded_script_is_used_without_a_file");
+    let dir = std::env::temp_dir().join(format!("sandcell-wpn-exe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = dir.join("sandcell-worker-python-native");
+    std::fs::copy(LAUNCHER, &exe).unwrap();
+    let mut w = Worker::start_with(Start {
+        script: false,
+        launcher: exe,
+        ..Start::default()
+    });
+    assert_eq!(w.exec("1 + 1").assert_ok().out(), "2\n");
+    let c = w.exec("1/0");
+    assert_eq!(c.err().line, Some(1));
+    drop(w);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The hostile categories of the R worker, for this engine: files, network, processes,
+/// resources. Strict enforcement as uid 65534 where the test runs as root.
+#[test]
+fn hostile_cells_are_contained() {
+    need!("hostile_cells_are_contained");
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut w = Worker::start_with(Start {
+        strict_as: root.then_some(65534),
+        ..Start::default()
+    });
+    if root {
+        assert!(
+            w.boot_stderr.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&w.boot_stderr)
+        );
+        assert_eq!(
+            w.exec("import os; os.getuid(), os.getgid(), os.getgroups()")
+                .out(),
+            "(65534, 65534, [])\n"
+        );
+    }
+    let probe = |w: &mut Worker, what: &str, code: &str| -> String {
+        let c = w.exec(&format!(
+            "try:\n    r = ({code})\n    print('ALLOWED', repr(r)[:80])\nexcept BaseException as e:\n    print('DENIED', type(e).__name__)"
+        ));
+        let out = c.assert_ok().out();
+        assert!(out.starts_with("DENIED"), "{what}: {out}");
+        out
+    };
+    // Files: host secrets and other directories, reading and writing outside the session.
+    for (what, code) in [
+        ("read /etc/shadow", "open('/etc/shadow').read()"),
+        ("read /etc/hostname", "open('/etc/hostname').read()"),
+        ("list /root", "__import__('os').listdir('/root')"),
+        ("list /home", "__import__('os').listdir('/home')"),
+        ("read another process", "open('/proc/1/cmdline').read()"),
+        ("list processes", "__import__('os').listdir('/proc')"),
+        (
+            "write /usr/lib",
+            "open('/usr/lib/python3/dist-packages/evil.py', 'w').write('x')",
+        ),
+        (
+            "replace the font cache",
+            "open('/var/cache/fontconfig/x', 'w').write('x')",
+        ),
+        (
+            "write the session's parent",
+            f!("open('{}/../escape', 'w').write('x')", w.session.display()),
+        ),
+        (
+            "execute from the session",
+            "__import__('subprocess').run(['./run.sh'])",
+        ),
+    ] {
+        if what == "execute from the session" {
+            std::fs::write(w.session.join("run.sh"), "#!/bin/sh\necho pwned\n").unwrap();
+            std::fs::set_permissions(
+                w.session.join("run.sh"),
+                std::os::unix::fs::PermissionsExt::from_mode(0o755),
+            )
+            .unwrap();
+        }
+        probe(&mut w, what, code);
+    }
+    // /tmp and /var/tmp: denied, or a private directory the host never sees.
+    w.exec("for p in ('/tmp/sandcell-escape', '/var/tmp/sandcell-escape'):\n    try:\n        open(p, 'w').write('x')\n    except OSError:\n        pass").assert_ok();
+    // Symlinks leading out of the session lead nowhere.
+    let c = w.exec("import os; os.symlink('/etc/shadow', 'link'); open('link').read()");
+    assert_eq!(c.status, WorkerStatus::Error, "{c:?}");
+    // Network: no sockets at all (AF_INET, AF_INET6, AF_UNIX to the daemon or the bus).
+    for (what, code) in [
+        ("tcp socket", "__import__('socket').socket()"),
+        ("udp socket", "__import__('socket').socket(2, 2)"),
+        ("unix socket", "__import__('socket').socket(1, 1)"),
+        ("dns", "__import__('socket').getaddrinfo('example.com', 80)"),
+        (
+            "http",
+            "__import__('urllib.request').request.urlopen('http://1.1.1.1', timeout=2)",
+        ),
+    ] {
+        probe(&mut w, what, code);
+    }
+    // Processes: no signals to processes outside the session, no tracing, no namespaces.
+    w.exec("def ok0(r):\n    if r != 0:\n        raise PermissionError(r)\n    return r")
+        .assert_ok();
+    for (what, code) in [
+        ("signal init", "__import__('os').kill(1, 0)"),
+        (
+            "signal the test",
+            f!("__import__('os').kill({}, 0)", std::process::id()),
+        ),
+        (
+            "ptrace",
+            "ok0(__import__('ctypes').CDLL(None).ptrace(16, 1, 0, 0))",
+        ),
+        (
+            "user namespace",
+            "ok0(__import__('ctypes').CDLL(None).unshare(0x10000000))",
+        ),
+        (
+            "mount namespace",
+            "ok0(__import__('ctypes').CDLL(None).unshare(0x00020000))",
+        ),
+    ] {
+        probe(&mut w, what, code);
+    }
+    // Its own children are fine, and die with the cell's process group.
+    let c = w.exec("import subprocess; subprocess.run(['true']).returncode");
+    assert_eq!(c.assert_ok().out(), "0\n");
+    // Resources: the file-size limit holds, and the worker survives.
+    let c = w.exec("f = open('big', 'wb'); f.seek((1 << 30) + 10); f.write(b'x'); f.flush()");
+    assert_ne!(c.status, WorkerStatus::Ok, "{c:?}");
+    assert_eq!(w.exec("2 + 2").assert_ok().out(), "4\n");
+    // Nothing escaped.
+    assert!(!Path::new("/tmp/sandcell-escape").exists());
+    assert!(!Path::new("/var/tmp/sandcell-escape").exists());
+}
+
+#[test]
+fn missing_plan_exits_before_python_starts() {
+    let out = Command::new(LAUNCHER).env_clear().output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(sandcell_confine::EXIT_CONFINE_FAILED)
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("SANDCELL_CONFINE"));
+}
+
+/// Prints the figures the lead asked for; asserts only gross regressions.
+#[test]
+fn figures() {
+    need!("figures", "pandas");
+    let mut w = Worker::start();
+    let startup = w.startup;
+    w.exec("1;").assert_ok();
+    let mut times: Vec<Duration> = (0..200).map(|_| w.exec("print(1)").elapsed).collect();
+    times.sort();
+    let (p50, p99) = (times[100], times[197]);
+    let import = w.exec("import pandas as pd").assert_ok().elapsed;
+    let rss = w.rss_kib();
+    let plot = w
+        .exec("import matplotlib.pyplot as plt; plt.plot([1, 2]); plt.show()")
+        .assert_ok()
+        .elapsed;
+    let pre = Worker::start_with(Start {
+        preload: Some("numpy,pandas".into()),
+        ..Start::default()
+    });
+    let mut pre = pre;
+    let pre_import = pre.exec("import pandas as pd").assert_ok().elapsed;
+    println!(
+        "figures: start to ready {startup:?}; trivial cell print(1) p50 {p50:?} p99 {p99:?}; \
+         first `import pandas` {import:?} (preloaded worker: start {:?}, import {pre_import:?}); \
+         RSS after pandas {rss} KiB; first plot of the session {plot:?}",
+        pre.startup
+    );
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        let strict = Worker::start_with(Start {
+            strict_as: Some(65534),
+            ..Start::default()
+        });
+        println!(
+            "figures: start to ready, strict as uid 65534: {:?}",
+            strict.startup
+        );
+    }
+    assert!(p50 < Duration::from_millis(50), "p50 {p50:?}");
+}

@@ -1,0 +1,488 @@
+# sandcell native Python worker: the persistent CPython side of the daemon <-> worker protocol.
+#
+# Started by the `sandcell-worker-python-native` launcher (worker-r/src/python_native.rs)
+# after confinement, as `/usr/bin/python3 -I -B <this file>` (or `-c <this source>`), with the
+# descriptor layout of proto/src/worker.rs, the same as the R worker's:
+#   fd 0  /dev/null
+#   fd 1  the cells' stdout: a pipe the daemon drains and bounds
+#   fd 2  the cells' stderr: likewise
+#   fd 3  requests: "<op> <cell> <len>[ key=value]...\n" followed by exactly <len> payload bytes
+#   fd 4  replies: one JSON object per line (ready, then one done per exec, echoing the
+#         request's nonce); this worker never sends output or dropped frames
+#
+# Invariants (each has a test in worker-r/tests/python_native.rs):
+# - The protocol descriptors are not stdout or stderr: nothing a cell prints, and nothing a C
+#   extension writes to fds 1 and 2, can corrupt a reply. Both are close-on-exec, so programs a
+#   cell starts do not inherit them, and a forked child closes them.
+# - Cells run in a fresh `__main__` module, not in the worker's globals; each cell's source is
+#   registered with linecache under `<cell-N>`, so tracebacks show the user's lines and line
+#   numbers. A final expression statement is shown as in Jupyter (its repr on stdout, through
+#   sys.displayhook), unless the cell ends with `;`.
+# - One SIGINT ends exactly one cell, with KeyboardInterrupt in the main thread: the handler
+#   raises only while the cell's own code runs ("armed"). A SIGINT that lands after the request
+#   was read but before the cell's first bytecode is kept and raised when the cell starts; one
+#   that lands while the worker itself works (compiling, saving plots, writing a reply) or
+#   between cells is dropped: the daemon repeats SIGINT until the cell's `done`. Python runs
+#   signal handlers only in the main thread, at the next bytecode boundary, so native code (a
+#   long BLAS call) is interrupted when it returns.
+# - `exit()`, `quit()`, `sys.exit(n)` end the session: `done` with status `exited` and the exit
+#   code, then the process exits with it. `os._exit` and fatal signals end the process without
+#   a `done`; the daemon reports worker_crashed.
+# - The header option `timeout_ms` arms ITIMER_REAL; its SIGALRM ends the cell with status
+#   `timeout` (the daemon enforces its own deadline in every case).
+# - matplotlib uses Agg (MPLBACKEND from the launcher). `plt.show()` and every figure still
+#   open when a cell ends are saved as plot-<cell>-NNN.png in the session directory and closed,
+#   so they arrive in the cell's `files`; pyplot is patched when a cell imports it (an import
+#   hook), never imported by the worker itself unless preloaded.
+# - Every string the worker reports is bounded (message 16 KiB, traceback 32 KiB, innermost
+#   100 frames) and valid UTF-8 (lone surrogates escaped), so a reply line never exceeds the
+#   1 MiB the daemon accepts.
+# - A protocol violation by the daemon (malformed header, unknown op) ends the worker with
+#   status 2 and a message on stderr; end of input on fd 3 or an `exit` request, status 0.
+#
+# Environment read here (set by the launcher): SANDCELL_SESSION_DIR (plots go there; appended
+# to sys.path so uploaded modules import), SANDCELL_PYTHON_PATH (colon-separated extra library
+# directories, put first on sys.path), SANDCELL_PYTHON_PRELOAD (comma-separated modules
+# imported before `ready`, so a pooled worker has them loaded when its session opens).
+
+import ast
+import builtins
+import io
+import json
+import linecache
+import os
+import signal
+import sys
+import traceback
+import types
+
+MAX_WORKER_LINE = 1024 * 1024  # bytes, newline excluded
+MAX_HEADER_LINE = 256  # bytes, newline excluded
+MAX_ERROR_MESSAGE = 16 * 1024  # bytes
+MAX_TRACEBACK = 32 * 1024  # bytes
+MAX_FRAMES = 100  # innermost traceback frames shown
+MAX_LINECACHE_BYTES = 16 * 1024 * 1024  # cell sources kept for tracebacks, oldest dropped first
+REQ_FD = 3
+REP_FD = 4
+WORKER_GLOBALS = globals()
+
+
+class _State:
+    __slots__ = ("armed", "in_cell", "pending", "cell", "plot_seq", "pid", "sources", "sources_bytes", "timer")
+
+
+S = _State()
+S.armed = False  # SIGINT/SIGALRM raise only while True (the cell's own code runs)
+S.in_cell = False  # a request is being served
+S.pending = False  # a SIGINT arrived during this request before the cell started
+S.cell = 0
+S.plot_seq = 0
+S.pid = os.getpid()
+S.sources = []  # linecache names of past cells, oldest first
+S.sources_bytes = 0
+S.timer = False  # ITIMER_REAL is armed for the running cell
+
+SESSION_DIR = os.environ.get("SANDCELL_SESSION_DIR") or os.getcwd()
+
+
+class CellTimeout(BaseException):
+    """Raised in the main thread when the cell's `timeout_ms` is over."""
+
+
+# ---- text ----------------------------------------------------------------------------------
+
+
+def clean(s):
+    """`s` as text that encodes to UTF-8 (lone surrogates become backslash escapes)."""
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def bound_text(s, limit):
+    """At most `limit` bytes of `s` on a character boundary, then "... [N more bytes]"."""
+    s = clean(s)
+    if len(s) <= limit // 4:
+        return s
+    b = s.encode("utf-8")
+    if len(b) <= limit:
+        return s
+    head = b[:limit].decode("utf-8", "ignore")
+    return "%s... [%d more bytes]" % (head, len(b) - len(head.encode("utf-8")))
+
+
+def bound_tail(s, limit):
+    """At most `limit` bytes of the end of `s`, after "[N bytes not shown] ...\\n"."""
+    s = clean(s)
+    b = s.encode("utf-8")
+    if len(b) <= limit:
+        return s
+    tail = b[len(b) - limit :].decode("utf-8", "ignore")
+    return "[%d bytes not shown] ...\n%s" % (len(b) - len(tail.encode("utf-8")), tail)
+
+
+# ---- protocol ------------------------------------------------------------------------------
+
+
+def protocol_fail(msg):
+    try:
+        os.write(2, ("sandcell worker: protocol error: %s\n" % msg).encode("utf-8", "replace"))
+    finally:
+        os._exit(2)
+
+
+def send(obj):
+    line = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    if len(line) > MAX_WORKER_LINE:
+        protocol_fail("reply line too long")
+    data = memoryview(line + b"\n")
+    while data:
+        n = os.write(REP_FD, data)  # EINTR is retried (PEP 475); SIGINT is not armed here
+        data = data[n:]
+
+
+_inp = io.open(REQ_FD, "rb", buffering=1 << 16, closefd=False)
+
+
+def read_request():
+    """(op, cell, payload, opts) or None at end of input."""
+    hdr = _inp.readline(MAX_HEADER_LINE + 1)
+    if not hdr:
+        return None
+    if not hdr.endswith(b"\n"):
+        if len(hdr) > MAX_HEADER_LINE:
+            protocol_fail("request header too long")
+        return None
+    S.in_cell = True  # from here a SIGINT belongs to this request
+    try:
+        parts = hdr[:-1].decode("ascii").split(" ")
+    except UnicodeDecodeError:
+        protocol_fail("request header is not ASCII")
+    if len(parts) < 3 or not parts[1].isdigit() or not parts[2].isdigit():
+        protocol_fail("malformed request header: %r" % hdr[:256])
+    opts = {}
+    for kv in parts[3:]:
+        k, eq, v = kv.partition("=")
+        if not eq:
+            protocol_fail("bad option %r" % kv[:64])
+        if k == "nonce":
+            if len(v) != 16 or any(c not in "0123456789abcdef" for c in v):
+                protocol_fail("malformed nonce")
+            opts["nonce"] = v
+        elif v.isdigit():
+            opts[k] = int(v)
+    n = int(parts[2])
+    payload = _inp.read(n) if n else b""
+    if len(payload) < n:
+        return None
+    return parts[0], int(parts[1]), payload, opts
+
+
+# ---- signals -------------------------------------------------------------------------------
+
+
+def on_sigint(signum, frame):
+    if S.armed:
+        raise KeyboardInterrupt
+    if S.in_cell:
+        S.pending = True
+
+
+def on_sigalrm(signum, frame):
+    if S.armed:
+        raise CellTimeout
+
+
+def install_handlers():
+    # Python's table is read first: no system call unless a cell replaced a handler.
+    if signal.getsignal(signal.SIGINT) is not on_sigint:
+        signal.signal(signal.SIGINT, on_sigint)
+    if signal.getsignal(signal.SIGALRM) is not on_sigalrm:
+        signal.signal(signal.SIGALRM, on_sigalrm)
+
+
+def after_fork_in_child():
+    # A child forked by a cell must never read requests or write replies.
+    S.pid = -1
+    for fd in (REQ_FD, REP_FD):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+# ---- plots ---------------------------------------------------------------------------------
+
+
+def save_figures():
+    """Saves every open pyplot figure as plot-<cell>-NNN.png and closes it."""
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return
+    try:
+        nums = plt.get_fignums()
+    except Exception:
+        return
+    for num in nums:
+        try:
+            fig = plt.figure(num)
+            S.plot_seq += 1
+            path = os.path.join(SESSION_DIR, "plot-%d-%03d.png" % (S.cell, S.plot_seq))
+            fig.savefig(path, format="png")
+        except Exception as e:
+            sys.stderr.write("sandcell: could not save figure %s: %s\n" % (num, clean(str(e))))
+        finally:
+            try:
+                plt.close(num)
+            except Exception:
+                pass
+
+
+def patch_pyplot(plt):
+    def show(*args, **kwargs):
+        """Saves every open figure as plot-<cell>-NNN.png in the session directory."""
+        save_figures()
+
+    plt.show = show
+
+
+class PyplotHook:
+    """Patches matplotlib.pyplot the moment anything imports it."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "matplotlib.pyplot":
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        real = spec.loader.exec_module
+
+        def exec_module(module):
+            real(module)
+            patch_pyplot(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+# ---- cells ---------------------------------------------------------------------------------
+
+
+def register_source(name, src):
+    lines = src.splitlines(True)
+    linecache.cache[name] = (len(src), None, lines, name)
+    S.sources.append((name, len(src)))
+    S.sources_bytes += len(src)
+    while S.sources_bytes > MAX_LINECACHE_BYTES and len(S.sources) > 1:
+        old, size = S.sources.pop(0)
+        linecache.cache.pop(old, None)
+        S.sources_bytes -= size
+
+
+def ends_with_semicolon(src, node):
+    lines = src.splitlines()
+    if node.end_lineno is None or node.end_lineno > len(lines):
+        return False
+    rest = lines[node.end_lineno - 1].encode("utf-8")[node.end_col_offset :].decode("utf-8", "ignore")
+    return rest.lstrip().startswith(";")
+
+
+def type_name(cls):
+    mod = getattr(cls, "__module__", None)
+    name = getattr(cls, "__qualname__", None) or getattr(cls, "__name__", "Exception")
+    if mod in (None, "builtins", "__main__"):
+        return name
+    return "%s.%s" % (mod, name)
+
+
+def describe(e, fname, compiling=False):
+    """The `error` object of a reply for exception `e` raised by the cell named `fname`
+    (`compiling`: raised while the worker parsed the cell, so no frame is the user's)."""
+    tb = None if compiling else e.__traceback__
+    while tb is not None and tb.tb_frame.f_globals is WORKER_GLOBALS:
+        tb = tb.tb_next
+    line = None
+    t = tb
+    while t is not None:
+        if t.tb_frame.f_code.co_filename == fname:
+            line = t.tb_lineno
+        t = t.tb_next
+    if line is None and isinstance(e, SyntaxError) and e.filename == fname:
+        line = e.lineno
+    try:
+        msg = str(e)
+    except BaseException:
+        msg = "<str() of the exception failed>"
+    try:
+        te = traceback.TracebackException(type(e), e, tb, limit=-MAX_FRAMES, compact=True)
+        text = "".join(te.format())
+    except BaseException:
+        text = "%s: %s\n" % (type_name(type(e)), msg)
+    err = {
+        "type": bound_text(type_name(type(e)), 256),
+        "message": bound_text(msg, MAX_ERROR_MESSAGE),
+        "traceback": bound_tail(text, MAX_TRACEBACK),
+    }
+    if line is not None:
+        err["line"] = line
+    return err
+
+
+def exit_code_of(e):
+    code = e.code
+    if code is None:
+        return 0
+    if isinstance(code, bool):
+        return int(code)
+    if isinstance(code, int):
+        return code
+    try:
+        sys.stderr.write(clean(str(code)) + "\n")
+    except BaseException:
+        pass
+    return 1
+
+
+def run_cell(cell, payload, opts):
+    """Runs one cell; returns (status, error or None, exit_code or None)."""
+    S.cell = cell
+    S.plot_seq = 0
+    fname = "<cell-%d>" % cell
+    main = sys.modules["__main__"] = MAIN
+    ns = main.__dict__
+    try:
+        src = payload.decode("utf-8")
+        register_source(fname, src)
+        tree = ast.parse(src, fname)
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr) and not ends_with_semicolon(src, tree.body[-1]):
+            last = ast.Interactive(body=[tree.body.pop()])
+        body = compile(tree, fname, "exec", dont_inherit=True)
+        shown = compile(last, fname, "single", dont_inherit=True) if last is not None else None
+    except (SyntaxError, ValueError, UnicodeDecodeError) as e:
+        return "error", describe(e, fname, compiling=True), None
+    timeout = opts.get("timeout_ms")
+    if timeout:
+        signal.setitimer(signal.ITIMER_REAL, timeout / 1000.0)
+        S.timer = True
+    try:
+        try:
+            S.armed = True
+            if S.pending:
+                raise KeyboardInterrupt
+            exec(body, ns)
+            if shown is not None:
+                exec(shown, ns)
+        finally:
+            S.armed = False  # no eval-breaker check before this store: nothing can raise here
+    except KeyboardInterrupt:
+        return "interrupted", None, None
+    except CellTimeout:
+        return "timeout", {"type": "TimeoutError", "message": "cell exceeded its time limit of %d ms" % timeout}, None
+    except SystemExit as e:
+        return "exited", None, exit_code_of(e)
+    except MemoryError as e:
+        return "memory_exhausted", describe(e, fname), None
+    except BaseException as e:
+        return "error", describe(e, fname), None
+    return "ok", None, None
+
+
+def finish_cell():
+    """After every cell: back in the worker's own process, timers off, output flushed,
+    streams and handlers restored, figures saved."""
+    if os.getpid() != S.pid:
+        # A forked child of the cell returned here: it must not touch the protocol.
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except BaseException:
+                pass
+        os._exit(0)
+    if S.timer:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        S.timer = False
+    install_handlers()
+    save_figures()
+    for name, orig in (("stdout", STDOUT), ("stderr", STDERR)):
+        cur = getattr(sys, name)
+        for f in (cur, orig) if cur is not orig else (orig,):
+            try:
+                f.flush()
+            except BaseException:
+                pass
+        if cur is not orig:
+            setattr(sys, name, orig)
+
+
+def serve():
+    send({"t": "ready", "language": "python", "engine": ENGINE})
+    while True:
+        S.in_cell = False
+        S.pending = False
+        req = read_request()
+        if req is None:
+            break
+        op, cell, payload, opts = req
+        if op == "exit":
+            break
+        if op != "exec":
+            protocol_fail("unknown request %r" % op[:32])
+        status, error, code = run_cell(cell, payload, opts)
+        try:
+            finish_cell()
+        except BaseException as e:  # a broken stream or figure must not lose the reply
+            sys.__stderr__.write("sandcell: after the cell: %s\n" % clean(repr(e)))
+        done = {"t": "done", "cell": cell, "status": status, "state": "kept"}
+        if "nonce" in opts:
+            done["nonce"] = opts["nonce"]
+        if error is not None:
+            done["error"] = error
+        if code is not None:
+            done["exit_code"] = code
+        send(done)
+        if status == "exited":
+            os._exit(code & 0xFF)
+    os._exit(0)
+
+
+# ---- start ---------------------------------------------------------------------------------
+
+ENGINE = "CPython %d.%d.%d" % sys.version_info[:3]
+STDOUT = sys.stdout
+STDERR = sys.stderr
+try:
+    STDOUT.reconfigure(line_buffering=True)
+except Exception:
+    pass
+for fd in (REQ_FD, REP_FD):
+    os.set_inheritable(fd, False)
+os.register_at_fork(after_in_child=after_fork_in_child)
+install_handlers()
+sys.meta_path.insert(0, PyplotHook())
+
+for p in reversed([p for p in os.environ.get("SANDCELL_PYTHON_PATH", "").split(":") if p]):
+    sys.path.insert(0, p)
+sys.path.append(SESSION_DIR)
+sys.argv = [""]
+
+MAIN = types.ModuleType("__main__")
+MAIN.__dict__["__builtins__"] = builtins
+sys.modules["__main__"] = MAIN
+
+for name in [m.strip() for m in os.environ.get("SANDCELL_PYTHON_PRELOAD", "").split(",") if m.strip()]:
+    try:
+        __import__(name)
+    except Exception as e:
+        sys.stderr.write("sandcell: preloading %s failed: %s\n" % (name, clean(repr(e))))
+sys.stderr.flush()
+
+serve()
