@@ -249,7 +249,7 @@ impl Polkit {
     ///
     /// Errors: [`Error::Unidentified`] for a process whose start time is unknown (never sent
     /// as 0), or, without a pidfd, whose `/proc` entry no longer matches the peer.
-    #[allow(clippy::type_complexity)]
+    #[allow(clippy::type_complexity, clippy::result_large_err)]
     fn subject<'a>(
         &self,
         caller: &'a Caller,
