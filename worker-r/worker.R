@@ -7,7 +7,9 @@
 #   fd 1  the cells' stdout: a pipe the daemon drains and bounds (R output goes there directly)
 #   fd 2  the cells' stderr: likewise
 #   fd 3  requests: "<op> <cell> <len>[ key=value]...\n" followed by exactly <len> payload bytes
-#   fd 4  replies: one JSON object per line (WorkerMessage: ready, then one done per exec)
+#   fd 4  replies: one JSON object per line (WorkerMessage: ready, then one done per exec,
+#         echoing the request's nonce; R never sends output or dropped frames, and the
+#         daemon ends a worker that does)
 #
 # R cannot wrap an inherited descriptor, so fds 3 and 4 are opened by path as
 # /proc/self/fd/3 (mode "rb") and /proc/self/fd/4 (mode "ab": append, never truncate, in case
@@ -77,6 +79,7 @@ state <- new.env(parent = emptyenv())
 state$inp <- NULL # request connection
 state$out <- NULL # reply connection
 state$cell <- NULL # id (digits, as text) of the running cell, NULL between cells
+state$nonce <- NULL # the running request's nonce (16 hex digits), echoed in its `done`
 state$done_sent <- FALSE
 state$warnings <- character(0)
 
@@ -271,7 +274,13 @@ read_request <- function() {
   for (kv in parts[-(1:3)]) {
     k <- sub("=.*$", "", kv)
     v <- sub("^[^=]*=", "", kv)
-    if (grepl("^[0-9]+$", v)) opts[[k]] <- as.numeric(v)
+    if (identical(k, "nonce")) {
+      # Kept as text (64 bits do not fit a double); echoed in this request's `done`.
+      if (!grepl("^[0-9a-f]{16}$", v)) protocol_fail("malformed nonce")
+      opts$nonce <- v
+    } else if (grepl("^[0-9]+$", v)) {
+      opts[[k]] <- as.numeric(v)
+    }
   }
   payload <- if (len > 0) readBin(con, "raw", n = as.integer(len)) else raw(0)
   if (length(payload) < len) return(NULL)
@@ -303,6 +312,7 @@ send_done <- function(cell, r) {
     json_obj(list(
       t = json_str("done"),
       cell = cell,
+      nonce = if (!is.null(state$nonce)) json_str(state$nonce),
       status = json_str(r$status),
       error = enc_error(r$error, tb),
       exit_code = if (!is.null(r$exit_code)) json_int(r$exit_code),
@@ -606,6 +616,7 @@ serve <- function(ready = TRUE) {
     if (!identical(req$op, "exec")) protocol_fail(paste("unknown request", req$op))
     drain_interrupt()
     state$cell <- req$cell
+    state$nonce <- req$opts$nonce
     state$done_sent <- FALSE
     devices <- plot_device_begin(req$cell)
     r <- run_cell(req$cell, req$payload, req$opts)

@@ -9,13 +9,15 @@
 use crate::admission::Permit;
 use crate::cgroup::SessionGroup;
 use crate::identity::UidLease;
-use crate::worker::LineReader;
 use crate::worker::output::StreamCap;
 use crate::worker::spawn::Spawned;
+use crate::worker::{Fill, LineReader};
 use sandcell_proto::kernel::{
     CellResult, Frame, InterruptReply, Language, Output, Started, State, Status, Usage,
 };
-use sandcell_proto::worker::{self as wire, RequestHeader, Stream, WorkerMessage, WorkerStatus};
+use sandcell_proto::worker::{
+    self as wire, MAX_WORKER_LINE, RequestHeader, Stream, WorkerMessage, WorkerStatus,
+};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -382,6 +384,284 @@ enum Phase {
     TimedOut,
 }
 
+/// Reply lines handled per wake-up of a cell's loop at most; then the loop serves its control
+/// events (deadline, Interrupt, Close, a client gone, daemon stop) before reading on.
+const LINES_PER_WAKE: usize = 64;
+
+/// Bytes read from the reply pipe per wake-up at most (a complete line of up to
+/// [`MAX_WORKER_LINE`] bytes is still assembled over several wake-ups).
+const REPLY_BYTES_PER_WAKE: usize = 256 * 1024;
+
+/// Reply lines read after the worker exited, looking for its `done`, at most.
+const EXIT_LINES: usize = 1024;
+
+/// Reads of a raw output pipe per wake-up at most (of [`RAW_READ_BYTES`] each).
+const RAW_READS_PER_WAKE: usize = 16;
+
+/// Bytes asked for by one read of a raw output pipe.
+const RAW_READ_BYTES: usize = 64 * 1024;
+
+/// Bytes of output text a cell may have waiting for its client. Past it the daemon stops
+/// reading that worker's pipes until the client has taken some (backpressure: the worker
+/// blocks on a full pipe; its deadline still runs).
+const BACKLOG_BYTES: usize = 256 * 1024;
+
+/// Output text of one cell waiting for its client: chunks of at most
+/// [`sandcell_proto::worker::MAX_OUTPUT_CHUNK`] bytes, with their total.
+#[derive(Debug, Default)]
+struct Backlog {
+    chunks: std::collections::VecDeque<(Stream, String)>,
+    bytes: usize,
+}
+
+impl Backlog {
+    /// Whether more output may be read for it.
+    fn has_room(&self) -> bool {
+        self.bytes < BACKLOG_BYTES
+    }
+
+    fn is_empty(&self) -> bool {
+        self.chunks.is_empty()
+    }
+
+    /// Appends `text`, merging with the last chunk of the same stream and cutting on
+    /// character boundaries so that no chunk exceeds the frame size.
+    fn push(&mut self, stream: Stream, mut text: &str) {
+        use sandcell_proto::worker::MAX_OUTPUT_CHUNK;
+        while !text.is_empty() {
+            let merge = match self.chunks.back() {
+                Some((s, t)) if *s == stream && t.len() < MAX_OUTPUT_CHUNK => {
+                    MAX_OUTPUT_CHUNK - t.len()
+                }
+                _ => 0,
+            };
+            let room = if merge > 0 { merge } else { MAX_OUTPUT_CHUNK };
+            let mut end = room.min(text.len());
+            while end < text.len() && !text.is_char_boundary(end) {
+                end -= 1;
+            }
+            if end == 0 {
+                // Not even one character fits the last chunk: start a new one (a whole frame
+                // always has room for a character).
+                self.chunks.push_back((stream, String::new()));
+                continue;
+            }
+            let (head, rest) = text.split_at(end);
+            match self.chunks.back_mut() {
+                Some((s, t)) if merge > 0 && *s == stream => t.push_str(head),
+                _ => self.chunks.push_back((stream, head.to_owned())),
+            }
+            self.bytes += head.len();
+            text = rest;
+        }
+    }
+
+    /// Puts a chunk back at the front (the channel was full).
+    fn push_front(&mut self, stream: Stream, text: String) {
+        self.bytes += text.len();
+        self.chunks.push_front((stream, text));
+    }
+
+    fn pop(&mut self) -> Option<(Stream, String)> {
+        let c = self.chunks.pop_front()?;
+        self.bytes -= c.1.len();
+        Some(c)
+    }
+
+    fn clear(&mut self) {
+        self.chunks.clear();
+        self.bytes = 0;
+    }
+}
+
+/// The state of one running cell: everything its event handlers share.
+struct CellRun {
+    cell: u64,
+    /// The request's nonce, which the worker's `done` must echo.
+    nonce: String,
+    /// Where frames go; dropping the receiver means the client is gone.
+    frames: mpsc::Sender<Frame>,
+    /// False for a one-shot Run: a client gone ends it instead of abandoning the cell.
+    keep_session: bool,
+    grace: Duration,
+    caps: [StreamCap; 2],
+    /// Sequence number of the next output frame.
+    seq: u64,
+    phase: Phase,
+    deadline: tokio::time::Instant,
+    /// Once interrupted, SIGINT is repeated until the cell ends: a worker may discard one
+    /// that arrives before it has read the request (it cannot tell it from a stale one).
+    repeat: tokio::time::Interval,
+    /// Per raw stream: when to read it next (it was readable).
+    hold: [Option<tokio::time::Instant>; 2],
+    /// Per raw stream: whether its last read was big (read again without waiting).
+    busy: [bool; 2],
+    /// Output waiting for a slow client; the loop keeps serving deadlines, interrupts and
+    /// closes meanwhile (a client that stops reading must not stall its session).
+    backlog: Backlog,
+    client_gone: bool,
+    /// The client went away and the cell was interrupted for that (`keep_session`): its
+    /// output has nobody to go to.
+    abandoned: bool,
+    buf: Vec<u8>,
+    t0: Instant,
+    cpu0: Option<f64>,
+    oom0: u64,
+}
+
+impl CellRun {
+    fn new(
+        cell: u64,
+        nonce: String,
+        frames: mpsc::Sender<Frame>,
+        keep_session: bool,
+        limits: &SessionLimits,
+        pid: u32,
+        oom0: u64,
+    ) -> CellRun {
+        let t0 = Instant::now();
+        let mut repeat = tokio::time::interval(Duration::from_millis(250));
+        repeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        CellRun {
+            cell,
+            nonce,
+            frames,
+            keep_session,
+            grace: limits.grace,
+            caps: [StreamCap::new(limits.stdout), StreamCap::new(limits.stderr)],
+            seq: 0,
+            phase: Phase::Running,
+            deadline: tokio::time::Instant::from_std(t0 + limits.wall + limits.grace),
+            repeat,
+            hold: [None, None],
+            busy: [false; 2],
+            backlog: Backlog::default(),
+            client_gone: false,
+            abandoned: false,
+            buf: Vec::new(),
+            t0,
+            cpu0: proc_cpu_seconds(pid),
+            oom0,
+        }
+    }
+
+    /// Whether the loop should wait for room in the client's channel.
+    fn wants_room(&self) -> bool {
+        !self.backlog.is_empty() && !self.abandoned && !self.client_gone
+    }
+
+    /// Queues output for the client (nothing, once the cell is abandoned).
+    fn queue(&mut self, stream: Stream, text: String) {
+        if !self.abandoned {
+            self.backlog.push(stream, &text);
+        }
+    }
+
+    /// Hands over what the client's channel takes now; the rest waits for room.
+    fn flush(&mut self) {
+        while let Some((stream, text)) = self.backlog.pop() {
+            match self
+                .frames
+                .try_send(output_frame(self.cell, self.seq, stream, text))
+            {
+                Ok(()) => self.seq += 1,
+                Err(mpsc::error::TrySendError::Full(f)) => {
+                    let text = f.output.map(|o| o.text).unwrap_or_default();
+                    self.backlog.push_front(stream, text);
+                    break;
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => {
+                    self.client_gone = true;
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Reads what raw stream `i` holds now, at most `max_reads` reads, through its cap into
+    /// the backlog; closes `rx` at end of file. Returns the bytes read. `direct` asks the
+    /// kernel whatever readiness the runtime has cached (for the last read after `done`,
+    /// which must see every byte written before it); the loop's reads go through the runtime,
+    /// which clears the pipe's readiness when it is empty.
+    fn read_raw(
+        &mut self,
+        rx: &mut Option<pipe::Receiver>,
+        i: usize,
+        stream: Stream,
+        max_reads: usize,
+        direct: bool,
+    ) -> usize {
+        if self.buf.len() < RAW_READ_BYTES {
+            self.buf.resize(RAW_READ_BYTES, 0);
+        }
+        let mut total = 0;
+        for _ in 0..max_reads {
+            let Some(r) = rx.as_mut() else { break };
+            let got = if direct {
+                crate::worker::read_now(std::os::fd::AsRawFd::as_raw_fd(r), &mut self.buf)
+            } else {
+                r.try_read(&mut self.buf)
+            };
+            match got {
+                Ok(0) => {
+                    *rx = None;
+                    break;
+                }
+                Ok(n) => {
+                    total += n;
+                    if let Some(t) = self.caps[i].push_bytes(&self.buf[..n]) {
+                        self.queue(stream, t);
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(_) => {
+                    *rx = None;
+                    break;
+                }
+            }
+        }
+        total
+    }
+}
+
+/// Room in the client's channel: the oldest waiting chunk goes now (the rest with the loop's
+/// flush).
+fn send_one(permit: mpsc::OwnedPermit<Frame>, backlog: &mut Backlog, cell: u64, seq: &mut u64) {
+    if let Some((stream, text)) = backlog.pop() {
+        permit.send(output_frame(cell, *seq, stream, text));
+        *seq += 1;
+    }
+}
+
+/// Waits for room in the client's channel; the permit borrows nothing (the cell's state stays
+/// free for the handler).
+async fn reserve_owned(
+    frames: &mpsc::Sender<Frame>,
+) -> Result<mpsc::OwnedPermit<Frame>, mpsc::error::SendError<()>> {
+    frames.clone().reserve_owned().await
+}
+
+/// A fresh request nonce: 64 bits from `getrandom(2)` as 16 lowercase hex digits.
+///
+/// Errors: the kernel's random source failed.
+fn new_nonce() -> std::io::Result<String> {
+    let mut b = [0u8; wire::NONCE_HEX_LEN / 2];
+    let mut got = 0;
+    while got < b.len() {
+        // SAFETY: getrandom writes at most `b.len() - got` bytes into the rest of `b`.
+        let n = unsafe { libc::getrandom(b[got..].as_mut_ptr().cast(), b.len() - got, 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        got += n as usize;
+    }
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
 struct Actor {
     session: Arc<Session>,
     child: tokio::process::Child,
@@ -499,6 +779,10 @@ impl Actor {
     }
 
     /// Runs one cell. Returns `Some((reason, close_waiter))` when the session ended with it.
+    ///
+    /// The cell's life: `started` to the client; the stale-byte check of the worker's pipes;
+    /// the request (with a fresh nonce); the event loop ([`Actor::cell_loop`]) until the
+    /// worker's `done` or another end; then the result ([`Actor::finish_cell`]).
     async fn execute_cell(
         &mut self,
         code: String,
@@ -508,7 +792,6 @@ impl Actor {
     ) -> Option<(String, Option<oneshot::Sender<()>>)> {
         let cell = self.next_cell;
         self.next_cell += 1;
-        let limits = self.session.limits.clone();
         {
             let mut info = self.session.info.lock().unwrap();
             info.running_cell = Some(cell);
@@ -522,7 +805,7 @@ impl Actor {
             ..Default::default()
         };
         let mut close_req: CloseRequest = None;
-        let mut client_gone =
+        let client_gone =
             !send_or_command(&frames, started, cmds, &mut close_req, &mut self.deferred).await;
         // A session outlives a client that goes away during its cell: the cell is interrupted
         // (killed after the grace if it ignores that) and its output dropped, and the variables
@@ -538,252 +821,538 @@ impl Actor {
             info.last_activity = Instant::now();
             return None;
         }
-        // The client went away and the cell was interrupted for that (`keep_session`).
-        let mut abandoned = false;
-        // Output waiting for a slow client; the cell's loop keeps serving deadlines, interrupts
-        // and closes meanwhile (a client that stops reading must not stall its session).
-        let mut backlog: std::collections::VecDeque<(Stream, String)> =
-            std::collections::VecDeque::new();
-        // issue #8: the session directory before the cell, to report what it changed: the
-        // listing the last cell ended with, unless the daemon changed the directory since.
-        // (A process a cell left running that writes between cells is reported with the next
-        // cell: changes since the last report.)
+        // The session directory before the cell, to report what it changed: the listing the
+        // last cell ended with, unless the daemon changed the directory since.
         let generation = self.session.files_generation();
         let files_before = match self.known_files.take() {
             Some((g, listing)) if g == generation => Some(listing),
             _ => list_files(self.session_dir.clone()).await,
         };
-
-        let mut header = RequestHeader::exec(cell, code.len() as u64);
-        header.timeout_ms = Some(limits.wall.as_millis() as u64);
-        header.fuel = Some(limits.fuel);
-        header.max_output = Some(limits.stdout.max(limits.stderr));
-        let mut request = header.to_line().into_bytes();
-        request.extend_from_slice(code.as_bytes());
-        drop(code);
-
-        let cpu0 = proc_cpu_seconds(self.pid);
-        let oom0 = self.oom_seen;
-        let t0 = Instant::now();
-        let mut caps = [StreamCap::new(limits.stdout), StreamCap::new(limits.stderr)];
-        let mut seq = 0u64;
-        let mut phase = Phase::Running;
-        let mut deadline = tokio::time::Instant::from_std(t0 + limits.wall + limits.grace);
-        // Once interrupted, SIGINT is repeated until the cell ends: a worker may discard one
-        // that arrives before it has read the request (it cannot tell it from a stale one).
-        let mut repeat = tokio::time::interval(Duration::from_millis(250));
-        repeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut outbuf = vec![0u8; 64 * 1024];
-        let mut errbuf = vec![0u8; 64 * 1024];
-        // Per raw stream: when to read it next (it was readable), and whether its last read was
-        // big (read again without waiting).
-        let mut hold: [Option<tokio::time::Instant>; 2] = [None, None];
-        let mut busy = [false; 2];
-        let mut stale_frames = 0u64;
-
+        let limits = self.session.limits.clone();
+        let (nonce, nonce_error) = match new_nonce() {
+            Ok(n) => (n, None),
+            Err(e) => (String::new(), Some(e)),
+        };
+        let mut run = CellRun::new(
+            cell,
+            nonce,
+            frames,
+            keep_session,
+            &limits,
+            self.pid,
+            self.oom_seen,
+        );
         let end = if client_gone {
             CellEnd::Cancelled(close_req.take())
-        } else if let Err(e) = tokio::time::timeout(
-            limits.wall + limits.grace,
-            self.requests.write_all(&request),
-        )
-        .await
-        .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
-        {
-            CellEnd::WorkerGone(format!("writing the request: {e}"))
+        } else if let Some(e) = nonce_error {
+            CellEnd::WorkerGone(format!("no random nonce for the request: {e}"))
+        } else if let Err(why) = self.drain_stale() {
+            CellEnd::WorkerGone(why)
         } else {
-            drop(request);
-            loop {
-                let mut pending: Vec<(Stream, String)> = Vec::new();
-                let step: Option<CellEnd> = tokio::select! {
-                    biased;
-                    line = self.replies.next_line() => match line {
-                        Ok(Some(l)) => match WorkerMessage::parse(&l) {
-                            Ok(WorkerMessage::Output { cell: c, stream, data, bytes }) if c == cell => {
-                                if let Some(t) = caps[idx(stream)].push_text(&data, bytes) { pending.push((stream, t)); }
-                                None
-                            }
-                            Ok(WorkerMessage::Dropped { cell: c, stream, bytes }) if c == cell => {
-                                caps[idx(stream)].push_dropped(bytes);
-                                None
-                            }
-                            Ok(WorkerMessage::Output { .. } | WorkerMessage::Dropped { .. }) => { stale_frames += 1; None }
-                            Ok(m @ WorkerMessage::Done { cell: c, .. }) if c == cell => Some(CellEnd::Done(m)),
-                            Ok(other) => Some(CellEnd::WorkerGone(format!("protocol violation: unexpected {}", kind(&other)))),
-                            Err(e) => Some(CellEnd::WorkerGone(format!("protocol violation: {e}"))),
-                        },
-                        Ok(None) => Some(CellEnd::WorkerGone("worker closed its reply pipe".into())),
-                        Err(e) => Some(CellEnd::WorkerGone(format!("protocol violation: {e}"))),
-                    },
-                    // Raw output pipes (R writes each piece of a `cat` separately): the first
-                    // bytes after a quiet spell are read OUTPUT_COALESCE later, together with
-                    // what follows them; a busy stream is read at once.
-                    ready = ready_opt(&self.stdout), if hold[0].is_none() => {
-                        match ready {
-                            true => hold[0] = Some(next_read(busy[0])),
-                            false => self.stdout = None,
-                        }
-                        None
-                    }
-                    ready = ready_opt(&self.stderr), if hold[1].is_none() => {
-                        match ready {
-                            true => hold[1] = Some(next_read(busy[1])),
-                            false => self.stderr = None,
-                        }
-                        None
-                    }
-                    _ = tokio::time::sleep_until(hold.iter().flatten().min().copied().unwrap_or(deadline)), if hold.iter().any(Option::is_some) => {
-                        let now = tokio::time::Instant::now();
-                        for (i, stream) in [(0usize, Stream::Stdout), (1, Stream::Stderr)] {
-                            if hold[i].is_some_and(|t| t <= now) {
-                                hold[i] = None;
-                                let (rx, buf) = if i == 0 { (&mut self.stdout, &mut outbuf) } else { (&mut self.stderr, &mut errbuf) };
-                                let n = drain_pipe(rx, buf, &mut caps[i], stream, &mut pending, 16);
-                                busy[i] = n >= BUSY_STREAM_BYTES;
-                            }
-                        }
-                        None
-                    }
-                    _ = repeat.tick(), if phase != Phase::Running => {
-                        self.signal_interrupt();
-                        None
-                    }
-                    _ = tokio::time::sleep_until(deadline) => {
-                        if phase == Phase::Running {
-                            // Wall time plus grace is over and the worker's own limit did not end
-                            // the cell: interrupt, then kill after another grace.
-                            self.signal_interrupt();
-                            phase = Phase::TimedOut;
-                            deadline = tokio::time::Instant::now() + limits.grace;
-                            None
-                        } else {
-                            Some(CellEnd::Killed)
-                        }
-                    }
-                    cmd = cmds.recv() => match cmd {
-                        Some(Command::Interrupt { cell: c, reply }) => {
-                            let r = if c != cell {
-                                InterruptReply { delivered: false, reason: "other_cell".into() }
-                            } else if phase != Phase::Running {
-                                InterruptReply { delivered: false, reason: "already_interrupted".into() }
-                            } else {
-                                self.signal_interrupt();
-                                phase = Phase::Interrupted;
-                                // Documented escalation: a cell that ignores SIGINT (native code,
-                                // BLAS) is killed after the grace, and the session ends.
-                                deadline = tokio::time::Instant::now() + limits.grace;
-                                InterruptReply { delivered: true, reason: "delivered".into() }
-                            };
-                            let _ = reply.send(r);
-                            None
-                        }
-                        Some(Command::Close { reason, done }) => Some(CellEnd::Cancelled(Some((reason, done)))),
-                        Some(Command::Execute { .. }) => None, // refused by Session::execute
-                        None => Some(CellEnd::Cancelled(None)),
-                    },
-                    permit = frames.reserve(), if !backlog.is_empty() && !abandoned => match permit {
-                        Ok(p) => {
-                            if let Some((stream, text)) = backlog.pop_front() {
-                                p.send(output_frame(cell, seq, stream, text));
-                                seq += 1;
-                            }
-                            None
-                        }
-                        Err(_) => { client_gone = true; None }
-                    },
-                    _ = frames.closed(), if !abandoned => { client_gone = true; None }
-                    status = self.child.wait() => Some(CellEnd::WorkerGone(format!("worker exited ({})", status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string())))),
-                };
-                // Output of an abandoned cell has nobody to go to.
-                for (stream, text) in pending.into_iter().filter(|_| !abandoned) {
-                    queue_output(&mut backlog, stream, text);
-                }
-                // Hand over what the channel takes now; the rest waits for the reserve branch.
-                // While the worker's next message is already buffered, read it first: output
-                // chunks merge, and a cell's last output leaves together with its result.
-                let more_buffered = step.is_none() && !client_gone && self.replies.has_line();
-                while !more_buffered && let Some((stream, text)) = backlog.pop_front() {
-                    match frames.try_send(output_frame(cell, seq, stream, text)) {
-                        Ok(()) => seq += 1,
-                        Err(mpsc::error::TrySendError::Full(f)) => {
-                            let text = f.output.map(|o| o.text).unwrap_or_default();
-                            backlog.push_front((stream, text));
-                            break;
-                        }
-                        Err(mpsc::error::TrySendError::Closed(_)) => {
-                            client_gone = true;
-                            break;
-                        }
-                    }
-                }
-                if let Some(end) = step {
-                    break end;
-                }
-                if client_gone && !abandoned {
-                    if !keep_session {
-                        break CellEnd::Cancelled(None);
-                    }
-                    abandoned = true;
-                    backlog.clear();
-                    if phase == Phase::Running {
-                        self.signal_interrupt();
-                        phase = Phase::Interrupted;
-                        deadline = tokio::time::Instant::now() + limits.grace;
-                    }
-                    tracing::info!(session = %self.session.id, cell, "client gone during the cell: interrupting it, the session stays");
+            let mut header = RequestHeader::exec(cell, code.len() as u64);
+            header.timeout_ms = Some(limits.wall.as_millis() as u64);
+            header.fuel = Some(limits.fuel);
+            header.max_output = Some(limits.stdout.max(limits.stderr));
+            header.nonce = Some(run.nonce.clone());
+            let mut request = header.to_line().into_bytes();
+            request.extend_from_slice(code.as_bytes());
+            drop(code);
+            match tokio::time::timeout(
+                limits.wall + limits.grace,
+                self.requests.write_all(&request),
+            )
+            .await
+            .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
+            {
+                Err(e) => CellEnd::WorkerGone(format!("writing the request: {e}")),
+                Ok(()) => {
+                    drop(request);
+                    self.cell_loop(&mut run, cmds).await
                 }
             }
         };
+        self.finish_cell(run, end, one_shot, close_req, files_before, cmds)
+            .await
+    }
 
-        // Output written before the worker's reply is already in the pipes: take it, bounded.
-        if matches!(end, CellEnd::Done(_)) {
-            let mut late: Vec<(Stream, String)> = Vec::new();
-            for (i, stream) in [(0usize, Stream::Stdout), (1, Stream::Stderr)] {
-                let (rx, buf) = if i == 0 {
-                    (&mut self.stdout, &mut outbuf)
-                } else {
-                    (&mut self.stderr, &mut errbuf)
-                };
-                drain_pipe(rx, buf, &mut caps[i], stream, &mut late, 1024);
+    /// Empties the worker's pipes before a request is written, without blocking. Bytes on the
+    /// reply pipe are a protocol violation (a worker writes nothing between cells; a process
+    /// a previous cell left behind may have); bytes on the raw output pipes are discarded
+    /// (only a leftover process writes there between cells) and logged.
+    ///
+    /// Errors: the violation, or the pipe's end, as the reason the worker ends.
+    fn drain_stale(&mut self) -> Result<(), String> {
+        match self.replies.drain_stale(MAX_WORKER_LINE) {
+            Ok((0, false)) => {}
+            Ok((0, true)) => return Err("worker closed its reply pipe".into()),
+            Ok((n, _)) => {
+                return Err(format!(
+                    "protocol violation: {n} bytes on the reply pipe between cells"
+                ));
             }
-            for (stream, text) in late {
-                queue_output(&mut backlog, stream, text);
+            Err(e) => return Err(format!("protocol violation: {e}")),
+        }
+        let mut buf = [0u8; 16 * 1024];
+        let mut stale = 0usize;
+        for rx in [&mut self.stdout, &mut self.stderr] {
+            for _ in 0..RAW_READS_PER_WAKE {
+                let Some(r) = rx.as_mut() else { break };
+                match crate::worker::read_now(std::os::fd::AsRawFd::as_raw_fd(r), &mut buf) {
+                    Ok(0) => {
+                        *rx = None;
+                        break;
+                    }
+                    Ok(n) => stale += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(_) => {
+                        *rx = None;
+                        break;
+                    }
+                }
             }
         }
-        for (i, cap) in caps.iter_mut().enumerate() {
-            if let Some(t) = cap.finish() {
-                let stream = if i == 0 {
-                    Stream::Stdout
+        if stale > 0 {
+            tracing::debug!(session = %self.session.id, stale, "output written between cells discarded");
+        }
+        Ok(())
+    }
+
+    /// The event loop of one running cell: waits for the next event and hands it to its
+    /// handler, each of which does a bounded amount of work, until one of them ends the cell.
+    /// Control events (commands, the deadline, the interrupt repeat, the client's channel)
+    /// come first; the worker's pipes are read only while the cell's backlog has room.
+    async fn cell_loop(
+        &mut self,
+        run: &mut CellRun,
+        cmds: &mut mpsc::Receiver<Command>,
+    ) -> CellEnd {
+        loop {
+            let room = run.backlog.has_room();
+            let hold_until = run.hold.iter().flatten().min().copied();
+            let step: Option<CellEnd> = tokio::select! {
+                biased;
+                cmd = cmds.recv() => self.on_command(run, cmd),
+                _ = tokio::time::sleep_until(run.deadline) => self.on_deadline(run),
+                _ = run.repeat.tick(), if run.phase != Phase::Running => {
+                    self.signal_interrupt();
+                    None
+                }
+                _ = run.frames.closed(), if !run.abandoned => {
+                    run.client_gone = true;
+                    None
+                }
+                permit = reserve_owned(&run.frames), if run.wants_room() => {
+                    match permit {
+                        Ok(p) => send_one(p, &mut run.backlog, run.cell, &mut run.seq),
+                        Err(_) => run.client_gone = true,
+                    }
+                    None
+                }
+                () = self.replies.readable(), if room => self.on_replies(run),
+                ready = ready_opt(&self.stdout), if room && run.hold[0].is_none() => {
+                    self.on_raw_ready(run, 0, ready);
+                    None
+                }
+                ready = ready_opt(&self.stderr), if room && run.hold[1].is_none() => {
+                    self.on_raw_ready(run, 1, ready);
+                    None
+                }
+                _ = tokio::time::sleep_until(hold_until.unwrap_or(run.deadline)), if room && hold_until.is_some() => {
+                    self.on_raw_due(run);
+                    None
+                }
+                // Last: a worker that wrote its `done` and exited (R's quit()) is served by the
+                // reply branch first.
+                status = self.child.wait() => self.on_worker_exit(run, status),
+            };
+            if let Some(end) = step {
+                return end;
+            }
+            // While the worker's next message may already be buffered, read it first: output
+            // chunks merge, and a cell's last output leaves together with its result.
+            if !run.client_gone && !self.replies.may_have_line() {
+                run.flush();
+            }
+            if run.client_gone
+                && !run.abandoned
+                && let Some(end) = self.on_client_gone(run)
+            {
+                return end;
+            }
+        }
+    }
+
+    /// A command while the cell runs.
+    fn on_command(&mut self, run: &mut CellRun, cmd: Option<Command>) -> Option<CellEnd> {
+        match cmd {
+            Some(Command::Interrupt { cell, reply }) => {
+                let r = if cell != run.cell {
+                    InterruptReply {
+                        delivered: false,
+                        reason: "other_cell".into(),
+                    }
+                } else if run.phase != Phase::Running {
+                    InterruptReply {
+                        delivered: false,
+                        reason: "already_interrupted".into(),
+                    }
                 } else {
-                    Stream::Stderr
+                    self.signal_interrupt();
+                    run.phase = Phase::Interrupted;
+                    // Documented escalation: a cell that ignores SIGINT (native code, BLAS) is
+                    // killed after the grace, and the session ends.
+                    run.deadline = tokio::time::Instant::now() + run.grace;
+                    InterruptReply {
+                        delivered: true,
+                        reason: "delivered".into(),
+                    }
                 };
-                queue_output(&mut backlog, stream, t);
+                let _ = reply.send(r);
+                None
+            }
+            Some(Command::Close { reason, done }) => Some(CellEnd::Cancelled(Some((reason, done)))),
+            Some(Command::Execute { .. }) => None, // refused by Session::execute
+            None => Some(CellEnd::Cancelled(None)),
+        }
+    }
+
+    /// The deadline passed: at the wall time plus grace, interrupt and give another grace; at
+    /// the end of that, kill.
+    fn on_deadline(&mut self, run: &mut CellRun) -> Option<CellEnd> {
+        if run.phase == Phase::Running {
+            // The worker's own limit did not end the cell: interrupt, then kill after a grace.
+            self.signal_interrupt();
+            run.phase = Phase::TimedOut;
+            run.deadline = tokio::time::Instant::now() + run.grace;
+            None
+        } else {
+            Some(CellEnd::Killed)
+        }
+    }
+
+    /// The client went away mid-cell: a one-shot Run ends; a session's cell is interrupted and
+    /// its output dropped from now on, and the session stays.
+    fn on_client_gone(&mut self, run: &mut CellRun) -> Option<CellEnd> {
+        if !run.keep_session {
+            return Some(CellEnd::Cancelled(None));
+        }
+        run.abandoned = true;
+        run.backlog.clear();
+        if run.phase == Phase::Running {
+            self.signal_interrupt();
+            run.phase = Phase::Interrupted;
+            run.deadline = tokio::time::Instant::now() + run.grace;
+        }
+        tracing::info!(session = %self.session.id, cell = run.cell, "client gone during the cell: interrupting it, the session stays");
+        None
+    }
+
+    /// The reply pipe is readable: handles at most [`LINES_PER_WAKE`] lines and reads at most
+    /// [`REPLY_BYTES_PER_WAKE`] bytes, stopping early when the backlog fills; what is left
+    /// waits for the next turn of the loop, after the control events.
+    fn on_replies(&mut self, run: &mut CellRun) -> Option<CellEnd> {
+        let (mut lines, mut bytes) = (0usize, 0usize);
+        while lines < LINES_PER_WAKE && run.backlog.has_room() {
+            match self.replies.take_line() {
+                Ok(Some(line)) => {
+                    lines += 1;
+                    if let Some(end) = self.on_line(run, &line) {
+                        return Some(end);
+                    }
+                }
+                Ok(None) if bytes >= REPLY_BYTES_PER_WAKE => break,
+                Ok(None) => match self.replies.try_fill() {
+                    Ok(Fill::Read(n)) => bytes += n,
+                    Ok(Fill::Empty) => break,
+                    Ok(Fill::Eof) => {
+                        return Some(CellEnd::WorkerGone("worker closed its reply pipe".into()));
+                    }
+                    Err(e) => return Some(CellEnd::WorkerGone(format!("protocol violation: {e}"))),
+                },
+                Err(e) => return Some(CellEnd::WorkerGone(format!("protocol violation: {e}"))),
+            }
+        }
+        None
+    }
+
+    /// The worker exited during the cell: a `done` it wrote first still counts (R's quit()
+    /// reports `exited`, then exits); whatever else is buffered is read, bounded, and the cell
+    /// ends with the worker gone.
+    fn on_worker_exit(
+        &mut self,
+        run: &mut CellRun,
+        status: std::io::Result<std::process::ExitStatus>,
+    ) -> Option<CellEnd> {
+        for _ in 0..EXIT_LINES {
+            match self.replies.take_line() {
+                Ok(Some(line)) => match self.on_line(run, &line) {
+                    Some(end @ CellEnd::Done(_)) => return Some(end),
+                    Some(_) => break,
+                    None => {}
+                },
+                Ok(None) => match self.replies.try_fill() {
+                    Ok(Fill::Read(_)) => {}
+                    _ => break,
+                },
+                Err(_) => break,
+            }
+        }
+        Some(CellEnd::WorkerGone(format!(
+            "worker exited ({})",
+            status
+                .map(|s| s.to_string())
+                .unwrap_or_else(|e| e.to_string())
+        )))
+    }
+
+    /// One reply line of the running cell. What a worker may send is in
+    /// `sandcell_proto::worker`; anything else ends it as a protocol violation.
+    fn on_line(&mut self, run: &mut CellRun, line: &[u8]) -> Option<CellEnd> {
+        let violation =
+            |why: String| Some(CellEnd::WorkerGone(format!("protocol violation: {why}")));
+        let msg = match WorkerMessage::parse(line) {
+            Ok(m) => m,
+            Err(e) => return violation(e),
+        };
+        let raw_output = self.session.language == Language::R;
+        match msg {
+            WorkerMessage::Output { .. } | WorkerMessage::Dropped { .. } if raw_output => {
+                violation(format!("an R worker sent {}", kind(&msg)))
+            }
+            WorkerMessage::Output { cell, .. }
+            | WorkerMessage::Dropped { cell, .. }
+            | WorkerMessage::Done { cell, .. }
+                if cell != run.cell =>
+            {
+                violation(format!(
+                    "{} for cell {cell} while cell {} runs",
+                    kind(&msg),
+                    run.cell
+                ))
+            }
+            WorkerMessage::Output { stream, data, .. } => {
+                if let Some(t) = run.caps[idx(stream)].push_text(&data) {
+                    run.queue(stream, t);
+                }
+                None
+            }
+            WorkerMessage::Dropped { stream, bytes, .. } => {
+                run.caps[idx(stream)].push_dropped(bytes);
+                None
+            }
+            WorkerMessage::Done { ref nonce, .. } if nonce.as_deref() != Some(&run.nonce) => {
+                violation("done without the request's nonce".into())
+            }
+            m @ WorkerMessage::Done { .. } => Some(CellEnd::Done(m)),
+            other => violation(format!("unexpected {}", kind(&other))),
+        }
+    }
+
+    /// A raw output pipe became readable (or failed): the first bytes after a quiet spell are
+    /// read [`OUTPUT_COALESCE`] later, together with what follows them (R writes each piece
+    /// of a `cat` separately); a busy stream is read at once.
+    fn on_raw_ready(&mut self, run: &mut CellRun, i: usize, ready: bool) {
+        if ready {
+            run.hold[i] = Some(next_read(run.busy[i]));
+        } else if i == 0 {
+            self.stdout = None;
+        } else {
+            self.stderr = None;
+        }
+    }
+
+    /// A held raw stream is due: reads it, at most [`RAW_READS_PER_WAKE`] reads.
+    fn on_raw_due(&mut self, run: &mut CellRun) {
+        let now = tokio::time::Instant::now();
+        for (i, stream) in [(0usize, Stream::Stdout), (1, Stream::Stderr)] {
+            if run.hold[i].is_some_and(|t| t <= now) {
+                run.hold[i] = None;
+                let rx = if i == 0 {
+                    &mut self.stdout
+                } else {
+                    &mut self.stderr
+                };
+                let n = run.read_raw(rx, i, stream, RAW_READS_PER_WAKE, false);
+                run.busy[i] = n >= BUSY_STREAM_BYTES;
+            }
+        }
+    }
+
+    /// Everything after the cell's loop: late output, the result, the files, the end of the
+    /// cell's leftover processes, and the result's delivery.
+    async fn finish_cell(
+        &mut self,
+        mut run: CellRun,
+        end: CellEnd,
+        one_shot: bool,
+        mut close_req: CloseRequest,
+        files_before: Option<crate::files::Listing>,
+        cmds: &mut mpsc::Receiver<Command>,
+    ) -> Option<(String, Option<oneshot::Sender<()>>)> {
+        let cell = run.cell;
+        let limits = self.session.limits.clone();
+        // Output written before the worker's reply is already in the pipes: take it, bounded
+        // (the worker's own output before `done` is at most a pipe's capacity).
+        if matches!(end, CellEnd::Done(_)) {
+            run.read_raw(
+                &mut self.stdout,
+                0,
+                Stream::Stdout,
+                RAW_READS_PER_WAKE,
+                true,
+            );
+            run.read_raw(
+                &mut self.stderr,
+                1,
+                Stream::Stderr,
+                RAW_READS_PER_WAKE,
+                true,
+            );
+        }
+        for (i, stream) in [(0usize, Stream::Stdout), (1, Stream::Stderr)] {
+            if let Some(t) = run.caps[i].finish() {
+                run.queue(stream, t);
             }
         }
         let cancelled = matches!(end, CellEnd::Cancelled(_));
         if cancelled {
             close_req.get_or_insert(("cancelled".into(), oneshot::channel().0));
         }
-        if stale_frames > 0 {
-            tracing::debug!(session = %self.session.id, cell, stale_frames, "stale output frames counted, not forwarded");
+        let (mut result, mut ending) = self.result_of(&run, end).await;
+        if one_shot {
+            result.state = State::None;
+            result.session_ended = true;
+            ending.get_or_insert(("one-shot run finished".into(), None));
         }
+        // The cell's leftover processes go (a cell's processes do not outlive the cell), then
+        // the entries of the session directory the cell created or changed are listed.
+        let generation = self.session.files_generation();
+        let sweep = ending.is_none().then(|| (self.group.clone(), self.pid));
+        let after = cell_files(self.session_dir.clone(), files_before, sweep).await;
+        result.files = after.changed;
+        self.known_files = after.listing.map(|l| (generation, l));
+        if after.stopped > 0 {
+            result.warnings.push(format!(
+                "{} process(es) the cell left running were stopped: a cell's processes do not outlive it",
+                after.stopped
+            ));
+        }
+        // A cell writes the directory directly (R, and Python through /mnt/data), so the
+        // session's disk budget is checked after every cell. Over it, or with more entries
+        // than a listing can see, the session ends and its directory is removed: the safe
+        // side, since nothing else bounds a cell's disk use. So does a session whose leftover
+        // processes could not be stopped.
+        let over = if let Some(e) = &after.sweep_error {
+            Some(format!(
+                "processes the cell left running could not be stopped ({e})"
+            ))
+        } else if after.crowded {
+            Some("the session directory holds more entries than sandcell lists (1000)".to_string())
+        } else if after.bytes > limits.files_bytes {
+            Some(format!(
+                "the session directory holds {} bytes, over max_session_files_bytes ({})",
+                after.bytes, limits.files_bytes
+            ))
+        } else {
+            None
+        };
+        if ending.is_none()
+            && let Some(why) = over
+        {
+            self.kill_and_reap().await;
+            result.state = State::Lost;
+            result.session_ended = true;
+            result.warnings.push(format!(
+                "{why}; the session ended and its files were removed"
+            ));
+            ending = Some((why, None));
+        }
+        let status = result.status;
+        let wall = result.usage.wall_seconds;
+        // The rest of the output, in order, right before the result, so the connection writes
+        // them together (one write, one wake-up of the client for a short cell). A cell that was
+        // cancelled (client gone, session closed) waits for nobody: it gets no more frames.
+        while let Some((stream, text)) = run.backlog.pop() {
+            let f = output_frame(cell, run.seq, stream, text);
+            run.seq += 1;
+            if !send_or_command(&run.frames, f, cmds, &mut close_req, &mut self.deferred).await {
+                run.backlog.clear();
+            }
+        }
+        let result_frame = Frame {
+            result: Some(result),
+            ..Default::default()
+        };
+        // The session is idle (or ended) before its client can see the result: a client that
+        // sends its next cell the moment the result arrives must not find the session busy.
+        // Such an Execute, arriving while the result waits for a slow reader, is kept in
+        // `deferred` and run next.
+        {
+            let mut info = self.session.info.lock().unwrap();
+            info.running_cell = None;
+            info.cells_run += 1;
+            info.last_activity = Instant::now();
+            info.state = if ending.is_some() { "ended" } else { "idle" };
+        }
+        if cancelled {
+            let _ = run.frames.try_send(result_frame);
+            close_req = None;
+        } else {
+            let _ = send_or_command(
+                &run.frames,
+                result_frame,
+                cmds,
+                &mut close_req,
+                &mut self.deferred,
+            )
+            .await;
+        }
+        // A Close that came while a slow client held the frames: honour it now.
+        if let Some((reason, done)) = close_req.take() {
+            if ending.is_none() {
+                self.kill_and_reap().await;
+            }
+            ending = Some((reason, Some(done)));
+            self.session.info.lock().unwrap().state = "ended";
+        }
+        // Bookkeeping after the result is on its way.
+        tracing::info!(session = %self.session.id, uid = self.session.owner.uid, cell, status = status.as_str(), wall, "cell finished");
+        if ending.is_none() {
+            // A cell's child process (R's system()) can be OOM-killed without ending the
+            // session; count it here so a later death is not blamed on it.
+            self.oom_seen = self.group.oom_kills();
+        }
+        let _ = self.events.send(Event::CellFinished {
+            id: self.session.id.clone(),
+            cell,
+            status,
+        });
+        ending
+    }
 
+    /// The result of a cell that ended with `end`, and whether (and why) the session ends
+    /// with it. Kills and reaps the worker when it is gone or must go.
+    async fn result_of(
+        &mut self,
+        run: &CellRun,
+        end: CellEnd,
+    ) -> (CellResult, Option<(String, Option<oneshot::Sender<()>>)>) {
         let mut usage = Usage {
-            wall_seconds: t0.elapsed().as_secs_f64(),
+            wall_seconds: run.t0.elapsed().as_secs_f64(),
             cpu_seconds: proc_cpu_seconds(self.pid)
-                .zip(cpu0)
+                .zip(run.cpu0)
                 .map(|(a, b)| (a - b).max(0.0)),
             peak_memory_bytes: self.group.memory_peak(),
             fuel: None,
         };
         let mut result = CellResult {
-            cell,
+            cell: run.cell,
             status: Status::Ok,
             error: None,
             exit_code: None,
             usage: Usage::default(),
-            stdout: caps[0].stats(),
-            stderr: caps[1].stats(),
+            stdout: run.caps[0].stats(),
+            stderr: run.caps[1].stats(),
             state: State::Kept,
             session_ended: false,
             warnings: Vec::new(),
@@ -801,7 +1370,7 @@ impl Actor {
                 ..
             }) => {
                 usage.fuel = fuel;
-                result.status = match (status, phase) {
+                result.status = match (status, run.phase) {
                     (WorkerStatus::Interrupted | WorkerStatus::Timeout, Phase::TimedOut) => {
                         Status::Timeout
                     }
@@ -834,16 +1403,16 @@ impl Actor {
                 }
             }
             CellEnd::Done(_) => unreachable!("only Done messages end a cell"),
-            CellEnd::Killed | CellEnd::WorkerGone(_) | CellEnd::Cancelled(_) => {
+            end @ (CellEnd::Killed | CellEnd::WorkerGone(_) | CellEnd::Cancelled(_)) => {
                 // The worker is gone or must go: kill the whole group, reap, then decide.
                 self.kill_and_reap().await;
-                let oom = self.group.oom_kills() > oom0;
+                let oom = self.group.oom_kills() > run.oom0;
                 let (status, why) = match &end {
                     _ if oom => (
                         Status::Oom,
                         "worker OOM-killed at its cgroup memory limit".to_string(),
                     ),
-                    CellEnd::Killed if phase == Phase::TimedOut => (
+                    CellEnd::Killed if run.phase == Phase::TimedOut => (
                         Status::Timeout,
                         "cell ignored the interrupt at its wall time; worker killed".into(),
                     ),
@@ -856,6 +1425,9 @@ impl Actor {
                     CellEnd::WorkerGone(why) => (Status::WorkerCrashed, why.clone()),
                     CellEnd::Done(_) => unreachable!(),
                 };
+                if status == Status::WorkerCrashed {
+                    tracing::warn!(session = %self.session.id, cell = run.cell, reason = %why, "worker ended");
+                }
                 if oom {
                     let _ = self.events.send(Event::OomKilled {
                         id: self.session.id.clone(),
@@ -878,100 +1450,8 @@ impl Actor {
                 usage.peak_memory_bytes = self.group.memory_peak().or(usage.peak_memory_bytes);
             }
         }
-        if one_shot {
-            result.state = State::None;
-            result.session_ended = true;
-            ending.get_or_insert(("one-shot run finished".into(), None));
-        }
         result.usage = usage;
-        // issue #8: entries of the session directory the cell created or changed.
-        let generation = self.session.files_generation();
-        let (files, dir_bytes, crowded, after) =
-            cell_files(self.session_dir.clone(), files_before).await;
-        result.files = files;
-        self.known_files = after.map(|l| (generation, l));
-        // A cell writes the directory directly (R, and Python through /mnt/data), so the
-        // session's disk budget is checked after every cell. Over it, or with more entries
-        // than a listing can see, the session ends and its directory is removed: the safe
-        // side, since nothing else bounds a cell's disk use.
-        if ending.is_none() && (dir_bytes > limits.files_bytes || crowded) {
-            self.kill_and_reap().await;
-            result.state = State::Lost;
-            result.session_ended = true;
-            let why = if crowded {
-                "the session directory holds more entries than sandcell lists (1000)".to_string()
-            } else {
-                format!(
-                    "the session directory holds {dir_bytes} bytes, over max_session_files_bytes ({})",
-                    limits.files_bytes
-                )
-            };
-            result.warnings.push(format!(
-                "{why}; the session ended and its files were removed"
-            ));
-            ending = Some((why, None));
-        }
-        let status = result.status;
-        let wall = result.usage.wall_seconds;
-        // The rest of the output, in order, right before the result, so the connection writes
-        // them together (one write, one wake-up of the client for a short cell). A cell that was
-        // cancelled (client gone, session closed) waits for nobody: it gets no more frames.
-        while let Some((stream, text)) = backlog.pop_front() {
-            let f = output_frame(cell, seq, stream, text);
-            seq += 1;
-            if !send_or_command(&frames, f, cmds, &mut close_req, &mut self.deferred).await {
-                backlog.clear();
-            }
-        }
-        let result_frame = Frame {
-            result: Some(result),
-            ..Default::default()
-        };
-        // The session is idle (or ended) before its client can see the result: a client that
-        // sends its next cell the moment the result arrives must not find the session busy.
-        // Such an Execute, arriving while the result waits for a slow reader, is kept in
-        // `deferred` and run next.
-        {
-            let mut info = self.session.info.lock().unwrap();
-            info.running_cell = None;
-            info.cells_run += 1;
-            info.last_activity = Instant::now();
-            info.state = if ending.is_some() { "ended" } else { "idle" };
-        }
-        if cancelled {
-            let _ = frames.try_send(result_frame);
-            close_req = None;
-        } else {
-            let _ = send_or_command(
-                &frames,
-                result_frame,
-                cmds,
-                &mut close_req,
-                &mut self.deferred,
-            )
-            .await;
-        }
-        // A Close that came while a slow client held the frames: honour it now.
-        if let Some((reason, done)) = close_req.take() {
-            if ending.is_none() {
-                self.kill_and_reap().await;
-            }
-            ending = Some((reason, Some(done)));
-            self.session.info.lock().unwrap().state = "ended";
-        }
-        // Bookkeeping after the result is on its way.
-        tracing::info!(session = %self.session.id, uid = self.session.owner.uid, cell, status = status.as_str(), wall, "cell finished");
-        if ending.is_none() {
-            // A cell's child process (R's system()) can be OOM-killed without ending the
-            // session; count it here so a later death is not blamed on it.
-            self.oom_seen = self.group.oom_kills();
-        }
-        let _ = self.events.send(Event::CellFinished {
-            id: self.session.id.clone(),
-            cell,
-            status,
-        });
-        ending
+        (result, ending)
     }
 
     async fn kill_and_reap(&mut self) {
@@ -1015,25 +1495,69 @@ async fn list_files(dir: PathBuf) -> Option<crate::files::Listing> {
         .flatten()
 }
 
-/// Entries of `dir` created or changed since `before` (empty when either listing failed), the
-/// directory's bytes of regular files afterwards, whether the listing was cut short, and the
-/// listing itself (the next cell's "before").
+/// What the end of a cell found in its session (see [`cell_files`]).
+struct AfterCell {
+    /// Entries created or changed since the listing before the cell.
+    changed: Vec<sandcell_proto::kernel::FileInfo>,
+    /// Bytes of regular files in the directory.
+    bytes: u64,
+    /// The listing was cut short (more entries than it takes).
+    crowded: bool,
+    /// The listing itself (the next cell's "before").
+    listing: Option<crate::files::Listing>,
+    /// Processes the cell left running that were killed.
+    stopped: usize,
+    /// Why leftover processes could not all be killed.
+    sweep_error: Option<String>,
+}
+
+/// At the end of a cell, off the async threads: first kills every process of the session's
+/// cgroup but the worker (`sweep`: the group and the worker's pid; a cell's processes do not
+/// outlive it, so nothing writes or computes between cells), then lists `dir` and compares it
+/// with `before` (no changes reported when either listing failed).
 async fn cell_files(
     dir: PathBuf,
     before: Option<crate::files::Listing>,
-) -> (
-    Vec<sandcell_proto::kernel::FileInfo>,
-    u64,
-    bool,
-    Option<crate::files::Listing>,
-) {
-    let Some(after) = list_files(dir).await else {
-        return (Vec::new(), 0, false, None);
+    sweep: Option<(Arc<dyn SessionGroup>, u32)>,
+) -> AfterCell {
+    let done = tokio::task::spawn_blocking(move || {
+        let (stopped, sweep_error) = match sweep {
+            Some((group, keep)) => match group.kill_others(keep, LEFTOVER_KILL_TIMEOUT) {
+                Ok(n) => (n, None),
+                Err(e) => (0, Some(e.to_string())),
+            },
+            None => (0, None),
+        };
+        let after = crate::files::list(&dir).ok();
+        (stopped, sweep_error, after)
+    })
+    .await;
+    let (stopped, sweep_error, after) = match done {
+        Ok(v) => v,
+        Err(e) => (0, Some(e.to_string()), None),
     };
-    let bytes = after.regular_bytes();
-    let changed = before.map(|b| after.changed_since(&b)).unwrap_or_default();
-    (changed, bytes, after.truncated, Some(after))
+    let Some(after) = after else {
+        return AfterCell {
+            changed: Vec::new(),
+            bytes: 0,
+            crowded: false,
+            listing: None,
+            stopped,
+            sweep_error,
+        };
+    };
+    AfterCell {
+        changed: before.map(|b| after.changed_since(&b)).unwrap_or_default(),
+        bytes: after.regular_bytes(),
+        crowded: after.truncated,
+        listing: Some(after),
+        stopped,
+        sweep_error,
+    }
 }
+
+/// How long the end of a cell waits for the processes it left running to die.
+const LEFTOVER_KILL_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A Close that arrived while a frame waited for a slow client: (reason, waiter).
 type CloseRequest = Option<(String, oneshot::Sender<()>)>;
@@ -1095,23 +1619,6 @@ fn output_frame(cell: u64, seq: u64, stream: Stream, text: String) -> Frame {
     }
 }
 
-/// Appends output to the backlog of frames waiting for the client, merging with the last
-/// chunk of the same stream (the backlog is bounded by the output caps).
-fn queue_output(
-    backlog: &mut std::collections::VecDeque<(Stream, String)>,
-    stream: Stream,
-    text: String,
-) {
-    if let Some((s, t)) = backlog.back_mut()
-        && *s == stream
-        && t.len() + text.len() <= sandcell_proto::worker::MAX_OUTPUT_CHUNK
-    {
-        t.push_str(&text);
-        return;
-    }
-    backlog.push_back((stream, text));
-}
-
 fn idx(s: Stream) -> usize {
     match s {
         Stream::Stdout => 0,
@@ -1125,7 +1632,7 @@ fn kind(m: &WorkerMessage) -> &'static str {
         WorkerMessage::Fatal { .. } => "fatal",
         WorkerMessage::Output { .. } => "output",
         WorkerMessage::Dropped { .. } => "dropped",
-        WorkerMessage::Done { .. } => "done for another cell",
+        WorkerMessage::Done { .. } => "done",
     }
 }
 
@@ -1157,40 +1664,6 @@ fn next_read(busy: bool) -> tokio::time::Instant {
         }
 }
 
-/// Reads what `rx` holds now, at most `max_reads` reads of `buf`'s size, through `cap` into
-/// `out`; closes `rx` at end of file. Returns the bytes read.
-fn drain_pipe(
-    rx: &mut Option<pipe::Receiver>,
-    buf: &mut [u8],
-    cap: &mut StreamCap,
-    stream: Stream,
-    out: &mut Vec<(Stream, String)>,
-    max_reads: usize,
-) -> usize {
-    let mut total = 0;
-    for _ in 0..max_reads {
-        let Some(r) = rx.as_mut() else { break };
-        match r.try_read(buf) {
-            Ok(0) => {
-                *rx = None;
-                break;
-            }
-            Ok(n) => {
-                total += n;
-                if let Some(t) = cap.push_bytes(&buf[..n]) {
-                    out.push((stream, t));
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-            Err(_) => {
-                *rx = None;
-                break;
-            }
-        }
-    }
-    total
-}
-
 /// CPU seconds (user + system, children included) of `pid`, from `/proc/<pid>/stat`.
 fn proc_cpu_seconds(pid: u32) -> Option<f64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -1204,4 +1677,44 @@ fn proc_cpu_seconds(pid: u32) -> Option<f64> {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     Some(ticks as f64 / hz)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sandcell_proto::worker::MAX_OUTPUT_CHUNK;
+
+    #[test]
+    fn backlog_merges_splits_and_counts() {
+        let mut b = Backlog::default();
+        b.push(Stream::Stdout, "ab");
+        b.push(Stream::Stdout, "cd");
+        b.push(Stream::Stderr, "e");
+        assert_eq!(b.bytes, 5);
+        assert_eq!(b.chunks.len(), 2, "same-stream text merges");
+        // A big push is cut into frame-sized chunks on character boundaries.
+        let big = "✓".repeat(MAX_OUTPUT_CHUNK);
+        b.push(Stream::Stderr, &big);
+        assert_eq!(b.bytes, 5 + big.len());
+        let mut total = 0;
+        while let Some((_, t)) = b.pop() {
+            assert!(t.len() <= MAX_OUTPUT_CHUNK, "{}", t.len());
+            total += t.len();
+        }
+        assert_eq!(total, 5 + big.len());
+        assert_eq!(b.bytes, 0);
+        assert!(b.has_room());
+        b.push(Stream::Stdout, &"x".repeat(BACKLOG_BYTES));
+        assert!(!b.has_room());
+        b.clear();
+        assert!(b.has_room() && b.is_empty());
+    }
+
+    #[test]
+    fn nonces_are_fresh_and_well_formed() {
+        let a = new_nonce().unwrap();
+        let b = new_nonce().unwrap();
+        assert!(wire::valid_nonce(&a) && wire::valid_nonce(&b));
+        assert_ne!(a, b);
+    }
 }

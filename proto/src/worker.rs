@@ -19,8 +19,25 @@
 //!
 //! Replies are one JSON object per line, each at most [`MAX_WORKER_LINE`] bytes. The daemon
 //! treats every reply as hostile input: a native worker runs untrusted code in the same process
-//! that writes these lines, so a cell can forge them. A forged line can only misreport its own
-//! session; an oversized or malformed one ends the worker as a protocol violation.
+//! that writes these lines, and a cell's child process can write fd 4 too, so a cell can forge
+//! them. A forged line can only misreport its own session; an oversized or malformed one ends
+//! the worker as a protocol violation.
+//!
+//! What each worker kind may send, and when (anything else ends the worker as a protocol
+//! violation, reported as `worker_crashed`):
+//!
+//! | frame | Python worker | R worker |
+//! |-------|---------------|----------|
+//! | `ready`, `fatal` | once, before the first request | once, before the first request |
+//! | `output`, `dropped` | only for the running cell | never (R output travels on fds 1 and 2) |
+//! | `done` | once per `exec`, for the running cell, echoing the request's `nonce` | the same |
+//!
+//! Nothing may arrive between cells: before it writes a request the daemon drains the reply
+//! pipe without blocking, and any byte found there is a violation. The `nonce` (16 lowercase
+//! hex digits from the kernel's random source, new for every request) makes a `done` written
+//! by a process a previous cell left behind useless: it cannot know the next request's nonce.
+//! Counts of output are the bytes of `data` the daemon received; the `bytes` a worker declares
+//! are informational and never raise or lower what is kept.
 //!
 //! Interrupts are not frames: the daemon sends SIGINT to the worker's main thread, which is the
 //! only way to reach a single-threaded interpreter busy in a cell (seed 001).
@@ -64,7 +81,9 @@ impl Op {
 
 /// The header line of a request.
 ///
-/// Wire form: `<op> <cell> <len>[ timeout_ms=<u64>][ fuel=<u64>][ max_output=<u64>]\n`.
+/// Wire form:
+/// `<op> <cell> <len>[ timeout_ms=<u64>][ fuel=<u64>][ max_output=<u64>][ nonce=<hex>]\n`
+/// (at most [`MAX_HEADER_LINE`] bytes: every field at its largest takes about 160).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestHeader {
     /// What to do.
@@ -81,10 +100,21 @@ pub struct RequestHeader {
     /// Bytes of each output stream worth sending; the worker may stop forwarding output past it
     /// but must still count what it saw. The daemon caps independently.
     pub max_output: Option<u64>,
+    /// A value the worker must echo in the `done` of this request ([`NONCE_HEX_LEN`] lowercase
+    /// hex digits from the kernel's random source); `None` only in tests.
+    pub nonce: Option<String>,
 }
 
 /// Longest header line a worker must accept, in bytes.
 pub const MAX_HEADER_LINE: usize = 256;
+
+/// Length of a request nonce, in hex digits (64 random bits).
+pub const NONCE_HEX_LEN: usize = 16;
+
+/// Whether `s` is a well-formed nonce: [`NONCE_HEX_LEN`] lowercase hex digits.
+pub fn valid_nonce(s: &str) -> bool {
+    s.len() == NONCE_HEX_LEN && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
 
 impl RequestHeader {
     /// An `exec` header for a cell of `len` source bytes.
@@ -96,6 +126,7 @@ impl RequestHeader {
             timeout_ms: None,
             fuel: None,
             max_output: None,
+            nonce: None,
         }
     }
 
@@ -110,6 +141,9 @@ impl RequestHeader {
         }
         if let Some(v) = self.max_output {
             s.push_str(&format!(" max_output={v}"));
+        }
+        if let Some(v) = &self.nonce {
+            s.push_str(&format!(" nonce={v}"));
         }
         s.push('\n');
         s
@@ -139,16 +173,18 @@ impl RequestHeader {
             timeout_ms: None,
             fuel: None,
             max_output: None,
+            nonce: None,
         };
         for kv in it {
             let (k, v) = kv
                 .split_once('=')
                 .ok_or_else(|| format!("bad option {kv:?}"))?;
-            let v = num(Some(v), k)?;
             match k {
-                "timeout_ms" => h.timeout_ms = Some(v),
-                "fuel" => h.fuel = Some(v),
-                "max_output" => h.max_output = Some(v),
+                "timeout_ms" => h.timeout_ms = Some(num(Some(v), k)?),
+                "fuel" => h.fuel = Some(num(Some(v), k)?),
+                "max_output" => h.max_output = Some(num(Some(v), k)?),
+                "nonce" if valid_nonce(v) => h.nonce = Some(v.to_owned()),
+                "nonce" => return Err("bad nonce".into()),
                 _ => {} // unknown options are ignored for forward compatibility
             }
         }
@@ -259,7 +295,8 @@ pub enum WorkerMessage {
         stream: Stream,
         /// Text, invalid UTF-8 escaped as by [`crate::text::escape_lossy`].
         data: String,
-        /// Original byte length of this chunk, before escaping.
+        /// Original byte length of this chunk, before escaping. Informational only: the daemon
+        /// counts and caps the bytes of `data` it received, never this figure.
         bytes: u64,
     },
     /// Output the worker saw but did not send (past `max_output`), so the daemon's counts of
@@ -276,6 +313,9 @@ pub enum WorkerMessage {
     Done {
         /// Cell number from the request.
         cell: u64,
+        /// The request's `nonce`, echoed; the daemon refuses a `done` without the right one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nonce: Option<String>,
         /// How it ended.
         status: WorkerStatus,
         /// The error, for `error`, `memory_exhausted` and engine failures.
@@ -362,6 +402,21 @@ mod tests {
     }
 
     #[test]
+    fn header_carries_a_nonce_and_fits_the_limit() {
+        let mut h = RequestHeader::exec(u64::MAX, u64::MAX);
+        h.timeout_ms = Some(u64::MAX);
+        h.fuel = Some(u64::MAX);
+        h.max_output = Some(u64::MAX);
+        h.nonce = Some("0123456789abcdef".into());
+        let line = h.to_line();
+        assert!(line.len() <= MAX_HEADER_LINE, "{} bytes", line.len());
+        assert_eq!(RequestHeader::parse(line.trim_end()).unwrap(), h);
+        assert!(valid_nonce(h.nonce.as_deref().unwrap()));
+        assert!(RequestHeader::parse("exec 1 0 nonce=XYZ").is_err());
+        assert!(RequestHeader::parse("exec 1 0 nonce=0123").is_err());
+    }
+
+    #[test]
     fn header_rejects_garbage() {
         assert!(RequestHeader::parse("exec x 1").is_err());
         assert!(RequestHeader::parse("rm 1 1").is_err());
@@ -372,6 +427,7 @@ mod tests {
     fn message_round_trip() {
         let m = WorkerMessage::Done {
             cell: 3,
+            nonce: Some("0123456789abcdef".into()),
             status: WorkerStatus::Error,
             error: Some(CellError {
                 kind: "ValueError".into(),

@@ -474,6 +474,7 @@ impl PySession {
         let cell = req.cell;
         let done = |status, error, exit_code, fuel, state, warnings| WorkerMessage::Done {
             cell,
+            nonce: None,
             status,
             error,
             exit_code,

@@ -254,7 +254,11 @@ pub async fn serve(
                     .await;
                 interrupter.end_cell();
                 match done {
-                    Ok(done) => {
+                    Ok(mut done) => {
+                        // Echo the request's nonce: the daemon accepts no `done` without it.
+                        if let WorkerMessage::Done { nonce, .. } = &mut done {
+                            nonce.clone_from(&header.nonce);
+                        }
                         // The cell's last output frames and its Done: one write.
                         if lines.push(&done).is_err() || replies.write(&mut lines).is_err() {
                             return exit::IO;

@@ -344,6 +344,97 @@ pub fn kill_loop(
     }
 }
 
+/// Whether the process behind `pidfd` has exited (its pidfd polls readable).
+fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n > 0
+}
+
+/// Kills every process listed in `procs_files` except `keep` (the worker itself), each
+/// through a pidfd: `pidfd_open(pid)` pins the process, `is_member` (reading
+/// `/proc/<pid>/cgroup` after the pin) confirms the pinned process is still in the group,
+/// and only then `pidfd_send_signal(SIGKILL)`. A pid is never signalled bare: between reading
+/// `cgroup.procs` and the signal it could have been reused by an unrelated process. If the
+/// pinned process died and its pid was reused before the membership check, the check reads
+/// the newcomer, and the signal through the pidfd still reaches only the dead original
+/// (`ESRCH`). Re-reads the files until no other live process is listed (killed processes
+/// cannot fork; new children of not-yet-killed ones are found on the next pass), waiting for
+/// each killed process to exit. Returns how many processes were signalled.
+///
+/// Errors: [`Error::Verify`] if other processes are still alive after `timeout`.
+pub fn kill_others(
+    procs_files: &[PathBuf],
+    keep: u32,
+    is_member: &dyn Fn(u32) -> bool,
+    timeout: Duration,
+) -> Result<usize, Error> {
+    let start = Instant::now();
+    let mut signalled = 0;
+    loop {
+        let mut alive: Vec<OwnedFd> = Vec::new();
+        for pid in listed_pids(procs_files) {
+            if pid == keep {
+                continue;
+            }
+            // SAFETY: pidfd_open takes a pid and flags; returns a new close-on-exec fd or -1.
+            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0u32) };
+            if fd < 0 {
+                continue; // gone already
+            }
+            // SAFETY: fd was just returned by pidfd_open and is owned by nobody else.
+            let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+            if pidfd_exited(&pidfd) || !is_member(pid) {
+                continue;
+            }
+            // SAFETY: pidfd is a valid pidfd; no siginfo; flags 0.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_pidfd_send_signal,
+                    pidfd.as_raw_fd(),
+                    libc::SIGKILL,
+                    std::ptr::null::<libc::siginfo_t>(),
+                    0u32,
+                )
+            };
+            if rc == 0 {
+                signalled += 1;
+                alive.push(pidfd);
+            }
+        }
+        if alive.is_empty() {
+            return Ok(signalled);
+        }
+        // Wait for the killed ones to be gone before looking again.
+        while !alive.iter().all(pidfd_exited) {
+            if start.elapsed() >= timeout {
+                return Err(Error::Verify(format!(
+                    "processes other than the worker still alive in {} after {timeout:?}",
+                    procs_files
+                        .first()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if start.elapsed() >= timeout {
+            return Err(Error::Verify(format!(
+                "processes other than the worker keep appearing in {} after {timeout:?}",
+                procs_files
+                    .first()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default()
+            )));
+        }
+    }
+}
+
 /// `value` rounded down to the page size, as the kernel stores memory limits.
 pub fn page_floor(value: u64) -> u64 {
     // SAFETY: sysconf has no preconditions.

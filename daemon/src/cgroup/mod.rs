@@ -64,6 +64,19 @@ pub enum Error {
     Verify(String),
 }
 
+/// The daemon's own memory bound: `memory.max` of its supervisor group, in bytes. Everything
+/// the daemon holds per session and per connection is bounded (reply lines 1 MiB, output caps,
+/// backlogs, messages 4 MiB), so a daemon past this is a bug or an attack that slipped a bound:
+/// the kernel then OOM-kills the daemon alone (systemd restarts it) instead of the host's
+/// other services. Workers leave the group before they run anything (they are forked into
+/// their session group), so none of their memory counts here.
+pub const SUPERVISOR_MEMORY_MAX: u64 = 256 * 1024 * 1024;
+
+/// The daemon's memory throttling threshold (`memory.high` on v2, the soft limit on v1), in
+/// bytes: past it the kernel reclaims the group's memory (page cache of files it copied)
+/// before anything is killed.
+pub const SUPERVISOR_MEMORY_HIGH: u64 = 192 * 1024 * 1024;
+
 /// A cgroup implementation (v2, v1 hybrid, or none).
 pub trait Backend: Send + Sync + std::fmt::Debug {
     /// `"v2"`, `"v1"` (hybrid host) or `"none"` (development, unconfined).
@@ -77,6 +90,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn create(&self, id: &str, limits: &GroupLimits) -> Result<Box<dyn SessionGroup>, Error>;
     /// Kills and removes every session group left by a previous daemon; returns how many.
     fn sweep_stale(&self) -> Result<usize, Error>;
+    /// Bounds the daemon's own memory: `max` and `high` bytes on its supervisor group (v2:
+    /// `<root>/supervisor`, where [`detect`] moved it; v1: a `<parent>/<name>/supervisor`
+    /// group of the memory hierarchy that the daemon moves itself into, and out of again in
+    /// [`Backend::release`]). Returns the group's path for the log.
+    ///
+    /// Errors: [`Error::Io`] when a file cannot be written.
+    fn bound_supervisor(&self, _max: u64, _high: u64) -> Result<Option<PathBuf>, Error> {
+        Ok(None)
+    }
     /// Removes what [`detect`] created for this daemon instance once every session is gone
     /// (v1: the empty `<name>/sessions` and `<name>` groups; v2: nothing, the delegated root
     /// belongs to systemd). Call at shutdown, after the last session's `remove`.
@@ -100,6 +122,12 @@ pub trait SessionGroup: Send + Sync + std::fmt::Debug {
     /// Sends SIGKILL to every process in the group (cgroup.kill where available) and waits until
     /// the group is empty or `timeout` passes.
     fn kill_all(&self, timeout: Duration) -> Result<(), Error>;
+    /// Kills every process in the group except `keep` (the worker), race-free through pidfds
+    /// (see [`host::kill_others`]), and waits until they have exited. Called at the end of
+    /// every cell: a cell's processes do not outlive the cell. Returns how many were killed.
+    ///
+    /// Errors: [`Error::Verify`] if others are still alive after `timeout`.
+    fn kill_others(&self, keep: u32, timeout: Duration) -> Result<usize, Error>;
     /// Removes the group; call after [`SessionGroup::kill_all`] and after reaping the worker.
     fn remove(&self) -> Result<(), Error>;
 }
@@ -116,6 +144,9 @@ pub struct DetectConfig {
     pub v1_name: String,
     /// Where procfs is (tests point it at a fixture).
     pub host: Host,
+    /// The daemon's own memory bound (`max`, `high`) in bytes, set on its supervisor group;
+    /// `None` leaves it unbounded (tests of layouts only).
+    pub supervisor_memory: Option<(u64, u64)>,
 }
 
 impl Default for DetectConfig {
@@ -124,6 +155,7 @@ impl Default for DetectConfig {
             v1_parent: None,
             v1_name: "sandcell".into(),
             host: Host::default(),
+            supervisor_memory: Some((SUPERVISOR_MEMORY_MAX, SUPERVISOR_MEMORY_HIGH)),
         }
     }
 }
@@ -136,6 +168,21 @@ impl Default for DetectConfig {
 /// memory and pids nor v1 memory and pids hierarchies are available, or when the daemon sits
 /// in the v2 root cgroup; [`Error::Io`] when setting up fails (not root, `EBUSY`).
 pub fn detect(config: &DetectConfig) -> Result<Box<dyn Backend>, Error> {
+    let backend = detect_layout(config)?;
+    if let Some((max, high)) = config.supervisor_memory
+        && let Some(group) = backend.bound_supervisor(max, high)?
+    {
+        tracing::info!(
+            group = %group.display(),
+            memory_max = max,
+            memory_high = high,
+            "sandcelld's own memory is bounded"
+        );
+    }
+    Ok(backend)
+}
+
+fn detect_layout(config: &DetectConfig) -> Result<Box<dyn Backend>, Error> {
     let host = config.host.clone();
     let mounts = host.mounts()?;
     let own = host.memberships(None)?;
@@ -215,6 +262,9 @@ impl SessionGroup for NoGroup {
     fn kill_all(&self, _timeout: Duration) -> Result<(), Error> {
         Ok(())
     }
+    fn kill_others(&self, _keep: u32, _timeout: Duration) -> Result<usize, Error> {
+        Ok(0)
+    }
     fn remove(&self) -> Result<(), Error> {
         Ok(())
     }
@@ -241,6 +291,7 @@ mod tests {
             host: Host {
                 proc_root: dir.join("proc"),
             },
+            supervisor_memory: Some((SUPERVISOR_MEMORY_MAX, SUPERVISOR_MEMORY_HIGH)),
         };
         (dir, config)
     }

@@ -39,6 +39,31 @@ pub struct Hierarchy {
     pub base: PathBuf,
     /// The same path relative to the hierarchy root, as `/proc/<pid>/cgroup` shows it.
     pub base_rel: String,
+    /// Where the hierarchy is mounted.
+    pub mount_point: PathBuf,
+    /// Which part of the hierarchy the mount shows (`/` outside containers).
+    pub mount_root: String,
+}
+
+impl Hierarchy {
+    /// File-system path of the group `rel` (as `/proc/<pid>/cgroup` shows it), if the mount
+    /// shows it.
+    fn path_of(&self, rel: &str) -> Option<PathBuf> {
+        let root = self.mount_root.trim_end_matches('/');
+        let visible = rel.strip_prefix(root)?;
+        if !(visible.is_empty() || visible.starts_with('/')) {
+            return None;
+        }
+        Some(self.mount_point.join(visible.trim_start_matches('/')))
+    }
+}
+
+/// The daemon's own memory group on v1 ([`Backend::bound_supervisor`]): where it is, and the
+/// `cgroup.procs` of the group it came from (it moves back there in [`Backend::release`]).
+#[derive(Debug)]
+struct Supervisor {
+    dir: PathBuf,
+    back: PathBuf,
 }
 
 /// The v1 backend.
@@ -48,6 +73,7 @@ pub struct V1 {
     memory: Hierarchy,
     pids: Hierarchy,
     cpu: Option<Hierarchy>,
+    supervisor: std::sync::Mutex<Option<Supervisor>>,
 }
 
 /// Finds the v1 mount carrying `controller` (exact option match: `cpu` is not `cpuset`).
@@ -104,6 +130,8 @@ impl V1 {
                 controller,
                 base,
                 base_rel,
+                mount_point: mount.mount_point.clone(),
+                mount_root: mount.root.clone(),
             }))
         };
         let missing = |c: &str| {
@@ -121,6 +149,7 @@ impl V1 {
             memory,
             pids,
             cpu,
+            supervisor: std::sync::Mutex::new(None),
         })
     }
 
@@ -201,7 +230,63 @@ impl Backend for V1 {
         Ok(Box::new(group))
     }
 
+    fn bound_supervisor(&self, max: u64, high: u64) -> Result<Option<PathBuf>, Error> {
+        // The daemon's own memory group, whatever it was, may be shared (the hierarchy root,
+        // or a unit's group): it moves into a group of its own next to `sessions`.
+        let own = self.host.memberships(None)?;
+        let from = own
+            .iter()
+            .find(|m| m.controllers.iter().any(|c| c == "memory"))
+            .map(|m| m.path.clone())
+            .unwrap_or_else(|| "/".into());
+        let Some(name_dir) = self.memory.base.parent() else {
+            return Ok(None);
+        };
+        let dir = name_dir.join("supervisor");
+        let back = self
+            .memory
+            .path_of(&from)
+            .ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "sandcelld's memory group {from} is outside the mounted hierarchy"
+                ))
+            })?
+            .join("cgroup.procs");
+        if from.ends_with("/supervisor") && self.memory.path_of(&from).as_deref() == Some(&*dir) {
+            // Already there (a restarted daemon); its way back is unknown: the parent.
+            return Ok(Some(dir));
+        }
+        host::mkdir(&dir, true)?;
+        let limit = max.to_string();
+        host::write(&dir.join("memory.limit_in_bytes"), &limit)?;
+        let memsw = dir.join("memory.memsw.limit_in_bytes");
+        if memsw.exists() {
+            host::write(&memsw, &limit)?;
+        }
+        host::write(
+            &dir.join("memory.soft_limit_in_bytes"),
+            &high.min(max).to_string(),
+        )?;
+        // Writing a pid to cgroup.procs moves every thread of the process.
+        host::write(&dir.join("cgroup.procs"), &std::process::id().to_string())?;
+        *self.supervisor.lock().unwrap_or_else(|e| e.into_inner()) = Some(Supervisor {
+            dir: dir.clone(),
+            back,
+        });
+        Ok(Some(dir))
+    }
+
     fn release(&self) -> Result<(), Error> {
+        // The daemon leaves its supervisor group first, so the groups can go.
+        if let Some(sup) = self
+            .supervisor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            host::write(&sup.back, &std::process::id().to_string())?;
+            let _ = host::rmdir(&sup.dir, Duration::from_secs(1));
+        }
         // Only empty groups can be removed: sessions still alive keep theirs (EBUSY), which
         // is not an error here: the next daemon sweeps them.
         for h in self.hierarchies() {
@@ -388,6 +473,16 @@ impl SessionGroup for V1Group {
         let (host, dirs) = (self.host.clone(), self.dirs.clone());
         host::kill_loop(
             &self.procs(),
+            &move |pid| member_of_any(&host, &dirs, pid),
+            timeout,
+        )
+    }
+
+    fn kill_others(&self, keep: u32, timeout: Duration) -> Result<usize, Error> {
+        let (host, dirs) = (self.host.clone(), self.dirs.clone());
+        host::kill_others(
+            &self.procs(),
+            keep,
             &move |pid| member_of_any(&host, &dirs, pid),
             timeout,
         )
@@ -664,6 +759,7 @@ mod tests {
                 v1_parent: Some(parent),
                 v1_name: "sandcell".into(),
                 host: Host::default(),
+                supervisor_memory: None,
             };
             assert_eq!(super::super::detect(&config).unwrap().mode(), "v1");
 

@@ -139,6 +139,15 @@ impl Backend for V2 {
         Ok(Box::new(group))
     }
 
+    fn bound_supervisor(&self, max: u64, high: u64) -> Result<Option<PathBuf>, Error> {
+        // The root distributes memory to its children (open() enabled it), so supervisor/
+        // has the memory interface files.
+        let supervisor = self.root.join("supervisor");
+        host::write(&supervisor.join("memory.max"), &max.to_string())?;
+        host::write(&supervisor.join("memory.high"), &high.min(max).to_string())?;
+        Ok(Some(supervisor))
+    }
+
     fn sweep_stale(&self) -> Result<usize, Error> {
         // Every group gets its kill and removal even if an earlier one fails; the first error
         // is returned after all were tried.
@@ -258,6 +267,16 @@ impl SessionGroup for V2Group {
         kill_tree_with(&self.dir, timeout, &move |pid| {
             V2Group::is_member(&host, &rel, pid)
         })
+    }
+
+    fn kill_others(&self, keep: u32, timeout: Duration) -> Result<usize, Error> {
+        let (host, rel) = (self.host.clone(), self.rel.clone());
+        host::kill_others(
+            &[self.dir.join("cgroup.procs")],
+            keep,
+            &move |pid| V2Group::is_member(&host, &rel, pid),
+            timeout,
+        )
     }
 
     fn remove(&self) -> Result<(), Error> {

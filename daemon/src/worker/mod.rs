@@ -14,11 +14,21 @@ use tokio::io::AsyncReadExt;
 
 /// Reads newline-terminated lines of at most [`MAX_WORKER_LINE`] bytes from a worker.
 ///
+/// Linear in the bytes read: each byte is searched for a newline once (`scanned`), consumed
+/// lines only advance an offset (`start`), and the buffer is compacted only when the consumed
+/// prefix is at least half of it, so a flood of short lines costs no repeated `memmove` or
+/// search over the whole buffer. The buffer never holds more than one read past
+/// [`MAX_WORKER_LINE`] of an unfinished line.
+///
 /// Cancel-safe: bytes read before a cancelled call stay buffered for the next one.
 #[derive(Debug)]
 pub struct LineReader<R> {
     inner: R,
     buf: Vec<u8>,
+    /// Bytes before `start` are consumed.
+    start: usize,
+    /// `buf[start..scanned]` holds no newline.
+    scanned: usize,
     eof: bool,
 }
 
@@ -33,44 +43,218 @@ pub enum LineError {
     Io(#[from] std::io::Error),
 }
 
-impl<R: tokio::io::AsyncRead + Unpin> LineReader<R> {
+/// Bytes asked for by one read of a reply pipe.
+const READ_CHUNK: usize = 64 * 1024;
+
+impl<R> LineReader<R> {
     /// Wraps `inner`.
     pub fn new(inner: R) -> Self {
         Self {
             inner,
             buf: Vec::new(),
+            start: 0,
+            scanned: 0,
             eof: false,
         }
     }
 
-    /// Whether a complete line is already buffered (the next [`LineReader::next_line`] returns
-    /// without reading).
-    pub fn has_line(&self) -> bool {
-        self.buf.contains(&b'\n')
+    /// Bytes buffered and not yet returned as lines (a partial line included).
+    pub fn buffered(&self) -> usize {
+        self.buf.len() - self.start
     }
 
+    /// Whether a complete line may be buffered: bytes not yet searched for a newline remain
+    /// (after [`LineReader::take_line`] returned `None`, none do). Constant time.
+    pub fn may_have_line(&self) -> bool {
+        self.scanned.max(self.start) < self.buf.len()
+    }
+
+    /// Whether end of file was seen.
+    pub fn at_eof(&self) -> bool {
+        self.eof
+    }
+
+    /// The next complete buffered line without its newline, reading nothing. `Ok(None)` when
+    /// no complete line is buffered.
+    ///
+    /// Errors: [`LineError::TooLong`] when the unfinished line already exceeds the limit.
+    pub fn take_line(&mut self) -> Result<Option<Vec<u8>>, LineError> {
+        let from = self.scanned.max(self.start);
+        match self.buf[from..].iter().position(|&b| b == b'\n') {
+            Some(i) => {
+                let end = from + i;
+                if end - self.start > MAX_WORKER_LINE {
+                    return Err(LineError::TooLong);
+                }
+                let line = self.buf[self.start..end].to_vec();
+                self.start = end + 1;
+                self.scanned = self.start;
+                if self.start == self.buf.len() {
+                    self.buf.clear();
+                    self.start = 0;
+                    self.scanned = 0;
+                }
+                Ok(Some(line))
+            }
+            None => {
+                self.scanned = self.buf.len();
+                if self.buf.len() - self.start > MAX_WORKER_LINE {
+                    return Err(LineError::TooLong);
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// Makes room for one read at the end of the buffer (compacting a consumed prefix that is
+    /// at least half of it); returns where the new bytes' slot starts.
+    fn spare(&mut self) -> usize {
+        if self.start > 0 && self.start * 2 >= self.buf.len() {
+            self.buf.drain(..self.start);
+            self.scanned -= self.start;
+            self.start = 0;
+        }
+        let len = self.buf.len();
+        self.buf.resize(len + READ_CHUNK, 0);
+        len
+    }
+
+    /// Keeps `n` of the bytes read into the slot [`LineReader::spare`] made; 0 means end of
+    /// file (callers reset `eof` for a read that failed or would block).
+    fn keep(&mut self, n: usize) {
+        let len = self.buf.len() - READ_CHUNK + n;
+        self.buf.truncate(len);
+        if n == 0 {
+            self.eof = true;
+        }
+        if self.buf.capacity() > 4 * (MAX_WORKER_LINE + READ_CHUNK) {
+            self.buf.shrink_to(MAX_WORKER_LINE + READ_CHUNK);
+        }
+    }
+}
+
+impl<R: tokio::io::AsyncRead + Unpin> LineReader<R> {
     /// The next line without its newline; `None` at end of file (a partial last line is
     /// dropped: the worker died mid-write).
     pub async fn next_line(&mut self) -> Result<Option<Vec<u8>>, LineError> {
         loop {
-            if let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
-                let mut line: Vec<u8> = self.buf.drain(..=i).collect();
-                line.pop();
+            if let Some(line) = self.take_line()? {
                 return Ok(Some(line));
-            }
-            if self.buf.len() > MAX_WORKER_LINE {
-                return Err(LineError::TooLong);
             }
             if self.eof {
                 return Ok(None);
             }
-            let mut chunk = [0u8; 16 * 1024];
-            let n = self.inner.read(&mut chunk).await?;
-            if n == 0 {
-                self.eof = true;
-            } else {
-                self.buf.extend_from_slice(&chunk[..n]);
+            let at = self.spare();
+            match self.inner.read(&mut self.buf[at..]).await {
+                Ok(n) => self.keep(n),
+                Err(e) => {
+                    self.keep(0);
+                    self.eof = false;
+                    return Err(e.into());
+                }
             }
+        }
+    }
+}
+
+/// What one non-blocking read of a reply pipe found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fill {
+    /// This many bytes were added to the buffer.
+    Read(usize),
+    /// Nothing to read now (readiness is cleared: wait for [`LineReader::readable`]).
+    Empty,
+    /// End of file: the worker closed its reply pipe.
+    Eof,
+}
+
+impl LineReader<tokio::net::unix::pipe::Receiver> {
+    /// Waits until the pipe is readable (or failed, which the next read reports).
+    pub async fn readable(&self) {
+        if self.may_have_line() {
+            return;
+        }
+        if self.eof {
+            return std::future::pending().await;
+        }
+        let _ = self.inner.readable().await;
+    }
+
+    /// One non-blocking read into the buffer.
+    ///
+    /// Errors: reading failed.
+    pub fn try_fill(&mut self) -> Result<Fill, LineError> {
+        if self.eof {
+            return Ok(Fill::Eof);
+        }
+        let at = self.spare();
+        match self.inner.try_read(&mut self.buf[at..]) {
+            Ok(0) => {
+                self.keep(0);
+                Ok(Fill::Eof)
+            }
+            Ok(n) => {
+                self.keep(n);
+                Ok(Fill::Read(n))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                self.keep(0);
+                self.eof = false;
+                Ok(Fill::Empty)
+            }
+            Err(e) => {
+                self.keep(0);
+                self.eof = false;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Empties the pipe and the buffer without blocking; returns the bytes found (a worker
+    /// writes nothing between cells, so any is a protocol violation) and whether the pipe is
+    /// at end of file. Reads at most `limit` bytes. Asks the kernel, not the runtime's cached
+    /// readiness, so bytes written an instant ago are found too.
+    ///
+    /// Errors: reading failed.
+    pub fn drain_stale(&mut self, limit: usize) -> Result<(usize, bool), LineError> {
+        use std::os::fd::AsRawFd;
+        let mut found = self.buffered();
+        self.buf.clear();
+        self.start = 0;
+        self.scanned = 0;
+        if self.eof {
+            return Ok((found, true));
+        }
+        let mut chunk = [0u8; 16 * 1024];
+        while found < limit {
+            match read_now(self.inner.as_raw_fd(), &mut chunk) {
+                Ok(0) => {
+                    self.eof = true;
+                    return Ok((found, true));
+                }
+                Ok(n) => found += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok((found, false)),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok((found, false))
+    }
+}
+
+/// One `read(2)` of the non-blocking descriptor `fd` into `buf`, retried on `EINTR`: asks the
+/// kernel directly, whatever readiness the async runtime has cached (`WouldBlock` when empty).
+///
+/// Errors: the read failed.
+pub fn read_now(fd: std::os::fd::RawFd, buf: &mut [u8]) -> std::io::Result<usize> {
+    loop {
+        // SAFETY: `buf` is valid for `buf.len()` bytes; `fd` is a descriptor the caller owns.
+        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
         }
     }
 }
@@ -133,5 +317,59 @@ mod tests {
         let big = vec![b'x'; MAX_WORKER_LINE + 20_000];
         let mut r = LineReader::new(&big[..]);
         assert!(matches!(r.next_line().await, Err(LineError::TooLong)));
+        // A line of exactly the limit passes; one byte more does not.
+        let mut exact = vec![b'y'; MAX_WORKER_LINE];
+        exact.push(b'\n');
+        exact.extend_from_slice(&[b'z'; MAX_WORKER_LINE + 1]);
+        exact.push(b'\n');
+        let mut r = LineReader::new(&exact[..]);
+        assert_eq!(r.next_line().await.unwrap().unwrap().len(), MAX_WORKER_LINE);
+        assert!(matches!(r.next_line().await, Err(LineError::TooLong)));
+    }
+
+    #[tokio::test]
+    async fn many_short_lines_cost_linear_time_and_bounded_memory() {
+        // 400,000 lines in one stream: a reader that moved the buffer or searched it from the
+        // start for every line would take minutes here.
+        let mut data = Vec::new();
+        for i in 0..400_000u32 {
+            data.extend_from_slice(format!("{i}\n").as_bytes());
+        }
+        let mut r = LineReader::new(&data[..]);
+        let t0 = std::time::Instant::now();
+        let mut n = 0u32;
+        while let Some(line) = r.next_line().await.unwrap() {
+            assert_eq!(line, n.to_string().as_bytes());
+            n += 1;
+            assert!(r.buf.len() <= 2 * READ_CHUNK + MAX_WORKER_LINE);
+        }
+        assert_eq!(n, 400_000);
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(5),
+            "{:?}",
+            t0.elapsed()
+        );
+    }
+
+    #[tokio::test]
+    async fn pipe_reads_are_non_blocking_and_stale_bytes_are_found() {
+        use tokio::io::AsyncWriteExt;
+        let (mut tx, rx) = tokio::net::unix::pipe::pipe().unwrap();
+        let mut r = LineReader::new(rx);
+        assert_eq!(r.try_fill().unwrap(), Fill::Empty);
+        assert!(!r.may_have_line());
+        tx.write_all(b"{\"a\":1}\npart").await.unwrap();
+        r.readable().await;
+        assert!(matches!(r.try_fill().unwrap(), Fill::Read(12)));
+        assert!(r.may_have_line());
+        assert_eq!(r.take_line().unwrap().unwrap(), b"{\"a\":1}");
+        assert_eq!(r.take_line().unwrap(), None);
+        assert!(!r.may_have_line());
+        tx.write_all(b"more").await.unwrap();
+        assert_eq!(r.drain_stale(1 << 20).unwrap(), (8, false));
+        assert_eq!(r.buffered(), 0);
+        assert_eq!(r.drain_stale(1 << 20).unwrap(), (0, false));
+        drop(tx);
+        assert_eq!(r.drain_stale(1 << 20).unwrap(), (0, true));
     }
 }

@@ -53,20 +53,21 @@ impl StreamCap {
         (!text.is_empty()).then_some(text)
     }
 
-    /// Accounts text that a worker already converted (`Output` frames): `raw_len` original
-    /// bytes, `text` their escaped form. Returns the part to forward.
-    pub fn push_text(&mut self, text: &str, raw_len: u64) -> Option<String> {
+    /// Accounts text that a worker already converted (`Output` frames) and returns the part
+    /// to forward. What counts is the bytes of `text` the daemon received, never a length the
+    /// worker declares (a forged `bytes: 0` would otherwise pass any cap); the kept part is
+    /// cut on a character boundary at the cap.
+    pub fn push_text(&mut self, text: &str) -> Option<String> {
+        let len = text.len() as u64;
+        self.seen += len;
         let room = self.cap.saturating_sub(self.kept);
-        self.seen += raw_len;
         if room == 0 {
             return None;
         }
-        if raw_len <= room && text.len() as u64 <= room.max(raw_len) {
-            self.kept += raw_len;
+        if len <= room {
+            self.kept += len;
             return (!text.is_empty()).then(|| text.to_owned());
         }
-        // Cut on a character boundary; escapes count as the bytes they stand for only
-        // approximately, so account the cut by the text's own length (never above the cap).
         let mut end = room as usize;
         while end > 0 && !text.is_char_boundary(end) {
             end -= 1;
@@ -75,7 +76,9 @@ impl StreamCap {
         (end > 0).then(|| text[..end].to_owned())
     }
 
-    /// Accounts bytes a worker saw but did not send (`Dropped` frames).
+    /// Accounts bytes a worker saw but did not send (`Dropped` frames, Python only). Only the
+    /// `seen` count grows: nothing is kept, so a false figure cannot raise what reaches the
+    /// client, only misreport its own cell's count.
     pub fn push_dropped(&mut self, n: u64) {
         self.seen += n;
     }
@@ -133,9 +136,27 @@ mod tests {
     }
 
     #[test]
+    fn text_frames_count_what_arrived() {
+        // A frame declaring 0 bytes used to pass the cap; the text itself is what counts.
+        let mut c = StreamCap::new(4);
+        assert_eq!(c.push_text("ab").as_deref(), Some("ab"));
+        assert_eq!(c.push_text("cdef").as_deref(), Some("cd"));
+        assert_eq!(c.push_text("x"), None);
+        assert_eq!(c.stats().kept, 4);
+        assert_eq!(c.stats().seen, 7);
+        let mut c = StreamCap::new(3);
+        assert_eq!(
+            c.push_text("a✓").as_deref(),
+            Some("a"),
+            "cut on a character boundary"
+        );
+        assert_eq!(c.stats().kept, 1);
+    }
+
+    #[test]
     fn text_frames_are_capped() {
         let mut c = StreamCap::new(4);
-        assert_eq!(c.push_text("abcdef", 6).as_deref(), Some("abcd"));
+        assert_eq!(c.push_text("abcdef").as_deref(), Some("abcd"));
         c.push_dropped(100);
         assert_eq!(
             c.stats(),
