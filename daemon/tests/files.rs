@@ -261,14 +261,25 @@ async fn bad_names_are_refused_with_typed_errors() {
             matches!(&e, KernelError::InvalidFileName { name: n, .. } if n == name),
             "put {name:?}: {e:?}"
         );
+        // A leading '-' and a line break are refused for uploads only: a cell may create
+        // such names, so they stay reachable for GetFile and DeleteFile.
+        let reachable = matches!(name, "-rf" | "line\nbreak");
         let e = kernel_error(c.get_file_chunk(&s, name, 0, None).await);
         assert!(
-            matches!(e, KernelError::InvalidFileName { .. }),
+            if reachable {
+                matches!(e, KernelError::NoSuchFile { .. })
+            } else {
+                matches!(e, KernelError::InvalidFileName { .. })
+            },
             "get {name:?}: {e:?}"
         );
         let e = kernel_error(c.delete_file(&s, name).await);
         assert!(
-            matches!(e, KernelError::InvalidFileName { .. }),
+            if reachable {
+                matches!(e, KernelError::NoSuchFile { .. })
+            } else {
+                matches!(e, KernelError::InvalidFileName { .. })
+            },
             "delete {name:?}: {e:?}"
         );
     }
@@ -289,42 +300,40 @@ async fn bad_names_are_refused_with_typed_errors() {
 
 #[tokio::test]
 async fn per_file_and_per_session_limits_are_typed() {
+    // A file is charged the larger of its size and its allocated blocks (4 KiB blocks here).
     let d = daemon(&[
-        ("SANDCELL_MAX_FILE_BYTES", "1000"),
-        ("SANDCELL_MAX_SESSION_FILES_BYTES", "1500"),
+        ("SANDCELL_MAX_FILE_BYTES", "12000"),
+        ("SANDCELL_MAX_SESSION_FILES_BYTES", "20000"),
     ]);
     let mut c = d.client().await;
     let s = c.open("python", None, None).await.unwrap().session;
-    let e = kernel_error(c.put_bytes(&s, "a", &[7; 1001]).await);
+    let e = kernel_error(c.put_bytes(&s, "a", &[7; 12001]).await);
     assert_eq!(
         e,
         KernelError::LimitExceeded {
             limit: "max_file_bytes".into(),
-            value: 1001,
-            max: 1000
+            value: 12001,
+            max: 12000
         }
     );
-    c.put_bytes(&s, "a", &[7; 1000]).await.unwrap();
-    let e = kernel_error(c.put_bytes(&s, "b", &[7; 600]).await);
-    assert_eq!(
-        e,
-        KernelError::LimitExceeded {
-            limit: "max_session_files_bytes".into(),
-            value: 1600,
-            max: 1500
-        }
+    c.put_bytes(&s, "a", &[7; 12000]).await.unwrap();
+    let e = kernel_error(c.put_bytes(&s, "b", &[7; 9000]).await);
+    assert!(
+        matches!(&e, KernelError::LimitExceeded { limit, value, max: 20000 }
+            if limit == "max_session_files_bytes" && *value >= 21000),
+        "{e:?}"
     );
     // Replacing a file counts its new size, not both.
-    c.put_bytes(&s, "a", &[8; 900]).await.unwrap();
-    c.put_bytes(&s, "b", &[9; 600]).await.unwrap();
-    assert_eq!(fetch(&mut c, &s, "a").await, vec![8; 900]);
+    c.put_bytes(&s, "a", &[8; 8000]).await.unwrap();
+    c.put_bytes(&s, "b", &[9; 9000]).await.unwrap();
+    assert_eq!(fetch(&mut c, &s, "a").await, vec![8; 8000]);
     // Bounded reads: max_bytes over 1 MiB is refused, smaller chunks are honoured.
     let e = kernel_error(c.get_file_chunk(&s, "a", 0, Some(2 << 20)).await);
     assert!(
         matches!(e, KernelError::LimitExceeded { ref limit, .. } if limit == "max_bytes"),
         "{e:?}"
     );
-    let (_, chunk, eof) = c.get_file_chunk(&s, "a", 850, Some(100)).await.unwrap();
+    let (_, chunk, eof) = c.get_file_chunk(&s, "a", 7950, Some(100)).await.unwrap();
     assert_eq!((chunk.len(), eof), (50, true));
 }
 
@@ -427,8 +436,12 @@ async fn big_files_go_by_descriptor_and_come_back_in_chunks() {
     let (info, n) = c.get_file(&s, "blob.bin", &mut back).await.unwrap();
     assert_eq!((info.size, n), (data.len() as u64, data.len() as u64));
     assert!(back == data, "content differs");
-    // Inline uploads are bounded by the message size: 3 MiB inline is refused, typed.
-    let e = kernel_error(c.put_bytes(&s, "inline.bin", &vec![1; 3 << 20]).await);
+    // Inline uploads are bounded below the message size: 2 MiB + 1 KiB inline (a message
+    // that fits the 4 MiB bound) is refused, typed.
+    let e = kernel_error(
+        c.put_bytes(&s, "inline.bin", &vec![1; (2 << 20) + 1024])
+            .await,
+    );
     assert!(
         matches!(e, KernelError::LimitExceeded { ref limit, .. } if limit == "inline_bytes"),
         "{e:?}"
@@ -556,7 +569,8 @@ async fn passed_descriptors_are_bounded_and_never_kept() {
         "method": "org.sandcell.Kernel.ListFiles",
         "parameters": { "session": s },
     });
-    // Descriptors sent with a call that takes none are closed once it is answered.
+    // Descriptors sent with a call that takes none are refused (InvalidParameter fd) and
+    // closed once it is answered.
     let mut raw = zlink::tokio::unix::connect(&d.socket).await.unwrap();
     for _ in 0..20 {
         raw.send_call(&Call::new(&list), files(3)).await.unwrap();
@@ -564,7 +578,10 @@ async fn passed_descriptors_are_bounded_and_never_kept() {
             .receive_reply::<sandcell_proto::kernel::ListFilesReply, KernelError>()
             .await
             .unwrap();
-        assert!(reply.is_ok(), "{reply:?}");
+        assert!(
+            matches!(&reply, Err(KernelError::InvalidParameter { parameter, .. }) if parameter == "fd"),
+            "{reply:?}"
+        );
     }
     // (The test's temporary files show as "/tmp/#<inode> (deleted)" in /proc/<pid>/fd.)
     let passed = |t: &String| t.starts_with("/tmp/") || t.ends_with("(deleted)");

@@ -558,54 +558,90 @@ pub enum UploadRefused {
 }
 
 /// Checks an upload source without asking its file system anything (blocking; call on the
-/// blocking pool): its mount (from `/proc/self/fdinfo` and `/proc/self/mountinfo`, never
-/// `fstatfs`, which a FUSE server could leave unanswered) must be of a type in
-/// [`UPLOAD_FILE_SYSTEMS`], and only then `fstat` says whether it is a regular file. Returns
-/// the descriptor for reading.
+/// blocking pool). `statx` with `AT_STATX_DONT_SYNC` gives the file type and the device from
+/// the kernel's cached inode (FUSE and NFS do not ask their server then; `fstatfs` would, and a
+/// FUSE server could leave it unanswered). The file's mount is then found in
+/// `/proc/self/mountinfo` and must be of a type in [`UPLOAD_FILE_SYSTEMS`]. Returns the
+/// descriptor for reading.
 pub fn inspect_upload(mut u: Upload) -> Result<OwnedFd, (Upload, UploadRefused)> {
     let fd = u.fd.as_ref().expect("an upload holds its descriptor");
-    let fstype = match mount_type(fd.as_raw_fd()) {
+    let (mode, dev) = match cached_stat(fd.as_raw_fd()) {
+        Ok(v) => v,
+        Err(e) => return Err((u, UploadRefused::Io(e))),
+    };
+    if mode & libc::S_IFMT != libc::S_IFREG {
+        return Err((u, UploadRefused::NotRegular));
+    }
+    let fstype = match mount_type(fd.as_raw_fd(), dev) {
         Ok(Some(t)) => t,
-        // Sockets and pipes live on internal mounts that mountinfo does not list.
-        Ok(None) => return Err((u, UploadRefused::NotRegular)),
+        // Sockets, pipes and memfds live on internal mounts that mountinfo does not list, and
+        // a file on a mount the daemon's namespace lacks cannot be judged: refused.
+        Ok(None) => return Err((u, UploadRefused::FileSystem("unlisted".into()))),
         Err(e) => return Err((u, UploadRefused::Io(e))),
     };
     if !UPLOAD_FILE_SYSTEMS.contains(&fstype.as_str()) {
         return Err((u, UploadRefused::FileSystem(fstype)));
     }
-    // SAFETY: an all-zero stat is valid; fstat writes into it.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `fd` is open; `st` is valid for writes.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
-        let e = std::io::Error::last_os_error();
-        return Err((u, UploadRefused::Io(e)));
-    }
-    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
-        return Err((u, UploadRefused::NotRegular));
-    }
     Ok(u.fd.take().expect("checked above"))
 }
 
-/// The file system type of the mount `fd` is on, or `None` for an internal mount (sockets,
-/// pipes, anonymous inodes).
-fn mount_type(fd: i32) -> std::io::Result<Option<String>> {
+/// `(st_mode, "major:minor" of st_dev)` of `fd` from the cached inode
+/// (`statx(2)` with `AT_EMPTY_PATH | AT_STATX_DONT_SYNC`).
+fn cached_stat(fd: i32) -> std::io::Result<(u32, String)> {
+    // SAFETY: an all-zero statx is valid; statx writes into it.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: `fd` is open, the path is a NUL-terminated empty string, `st` is valid for writes.
+    let r = unsafe {
+        libc::statx(
+            fd,
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC,
+            libc::STATX_TYPE,
+            &mut st,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((
+        u32::from(st.stx_mode),
+        format!("{}:{}", st.stx_dev_major, st.stx_dev_minor),
+    ))
+}
+
+/// The file system type of the mount `fd` is on, from `/proc/self/mountinfo`: the line whose
+/// mount id (`/proc/self/fdinfo`, `mnt_id`) and device both match, else any line of the same
+/// device. Mount ids are per mount namespace: a client's file opened outside the daemon's
+/// namespace (systemd's `ProtectSystem=` gives the daemon its own) carries an id that names
+/// another mount here, or none; the device names the same file system in every namespace.
+/// `None` when no mount of that device is listed (sockets, pipes, memfds, or a file system
+/// the daemon's namespace does not have).
+fn mount_type(fd: i32, dev: String) -> std::io::Result<Option<String>> {
     let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}"))?;
-    let Some(mnt) = info
+    let mnt = info
         .lines()
         .find_map(|l| l.strip_prefix("mnt_id:"))
-        .map(|v| v.trim().to_owned())
-    else {
-        return Ok(None);
-    };
+        .map(|v| v.trim().to_owned());
     let mounts = std::fs::read_to_string("/proc/self/mountinfo")?;
-    Ok(mounts.lines().find_map(|l| {
+    // (mount id, device, file system type) of each line.
+    let rows = mounts.lines().filter_map(|l| {
         let mut f = l.split(' ');
-        if f.next() != Some(mnt.as_str()) {
-            return None;
+        let id = f.next()?;
+        let device = f.nth(1)?;
+        let fstype = l.split_once(" - ")?.1.split(' ').next()?;
+        Some((id, device, fstype))
+    });
+    let mut same_device = None;
+    for (id, device, fstype) in rows {
+        if device != dev {
+            continue;
         }
-        let rest = l.split_once(" - ")?.1;
-        rest.split(' ').next().map(str::to_owned)
-    }))
+        if mnt.as_deref() == Some(id) {
+            return Ok(Some(fstype.to_owned()));
+        }
+        same_device.get_or_insert_with(|| fstype.to_owned());
+    }
+    Ok(same_device)
 }
 
 #[cfg(test)]
