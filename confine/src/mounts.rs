@@ -282,6 +282,20 @@ fn mountpoint(target: &Path, dir: bool) -> Result<(), Error> {
 /// CAP_SYS_ADMIN, `RestrictNamespaces=` without `mnt`, a seccomp filter denying `unshare` or
 /// `mount`); [`Error::Step`] (`mount-namespace`) when a mount of the view fails.
 pub fn apply(plan: &Plan) -> Result<(), Error> {
+    // The directories made for the view (mount points and their parents on the new root's
+    // tmpfs) must be searchable by the worker's uid after the identity switch: a daemon run
+    // with systemd's UMask=0077 would otherwise leave them 0700 root's, and every path below
+    // them (the session directory itself) unreachable. The caller's umask is restored after.
+    // SAFETY: umask has no preconditions and cannot fail.
+    let old = unsafe { libc::umask(0o022) };
+    let r = build_view(plan);
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    r
+}
+
+/// [`apply`] under a umask of 0022.
+fn build_view(plan: &Plan) -> Result<(), Error> {
     // The working directory is kept when it is part of the view (same path), else "/".
     let cwd = std::env::current_dir().ok();
     // SAFETY: unshare takes only flags; the process is single-threaded (checked in step 0).
