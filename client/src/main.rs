@@ -329,6 +329,10 @@ fn artifact_parts(name: &str) -> Result<Vec<&str>, &'static str> {
         if p.starts_with('.') {
             return Err("a component starts with '.' (hidden files, '.' and '..' are not saved)");
         }
+        // A name like `-rf` in DIR turns a later `rm *` there into `rm -rf ...`.
+        if p.starts_with('-') {
+            return Err("a component starts with '-' (it would read as an option to shell tools)");
+        }
     }
     Ok(parts)
 }
@@ -698,6 +702,8 @@ mod artifact_tests {
             "a\tb",
             "x\u{202e}fdp.exe",
             "a/b/c/d/e",
+            "-rf",
+            "plots/--force",
         ] {
             assert!(artifact_parts(bad).is_err(), "{bad:?}");
         }
