@@ -110,7 +110,8 @@ async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
         gid,
         pid,
         connection: id,
-        // issue #5: pid + start time + pidfd, the polkit subject (never a bare pid).
+        // pid + start time + pidfd make the polkit subject, never a bare pid (polkit
+        // CVE-2013-4288: a bare pid can be reused between the connection and the check).
         subject: crate::polkit::process_subject(pid, pidfd.as_ref().map(|f| f.as_fd())),
     };
     drop(pidfd);
