@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 . scripts/env.sh
 bash scripts/setup.sh >/dev/null
 n="${1:-50}"
-# Everything printed is also kept for the summary of issue 7's targets at the end.
+# Everything printed is also kept for the summary of the latency targets at the end.
 out=$(mktemp -d /var/tmp/sandcell-bench-out.XXXXXX)
 trap 'rm -rf "$out"' EXIT
 exec > >(tee "$out/log")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 7's targets from one scripts/bench.sh run: each figure beside its bare baseline, the
+"""The latency targets from one scripts/bench.sh run: each figure beside its bare baseline, the
 ratio, and whether the target is met. Figures only; nothing here fails a build.
 
 Usage: bench_summary.py BENCH_LOG ERYX_JSON
@@ -68,7 +68,7 @@ def main():
         ("R open, warm pool < 10% of Rscript start", rs,
          fig("r", "warm", "session_open", "value"), 0.10),
     ]
-    print("== issue 7 targets (p50, ms; ratio = sandcell / bare)")
+    print("== latency targets (p50, ms; ratio = sandcell / bare)")
     for name, bare, got, limit in rows:
         if bare is None or got is None:
             print(f"{name:52} (figure missing)")

@@ -135,7 +135,7 @@ stage() {
     for f in polkit/*.rules.example; do
         [[ -f $f ]] && install -Dm 0644 "$f" "$root/usr/share/sandcell/polkit/$(basename "${f%.example}")"
     done
-    # The default rule is active: group sandcell may run code (issue #6: a gateway in the group
+    # The default rule is active: group sandcell may run code (a gateway in the group
     # connects and runs code after `systemctl enable --now sandcelld.socket`).
     for f in polkit/*.rules; do
         [[ -f $f ]] && install -Dm 0644 "$f" "$root/usr/share/polkit-1/rules.d/$(basename "$f")"

@@ -49,7 +49,7 @@
 # session goes on, up to 16 times (see "recovery" near the end of the worker).
 
 # Bootstrap. R's REPL re-parses an incomplete expression from its start each time it reads a
-# line, so a 600-line local({...}) read by `R --file` costs about 100 ms of start-up. This
+# line, so a 600-line local({...}) read by `R --file` costs a quadratic parse at start-up. This
 # short expression instead reads the worker's source from the console (this very file, or the
 # pipe the embedded copy arrives on) up to the end marker, parses it once and evaluates it in a
 # private environment whose parent is baseenv().

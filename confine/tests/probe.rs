@@ -660,7 +660,7 @@ fn native_profile_runs_r() {
     }
     let fx = Fixture::new();
     let mut plan = fx.plan(SyscallProfile::Native);
-    // PLATFORM-NOTES.md: what R reads.
+    // What R reads at start.
     plan.read_paths = [
         "/etc/R",
         "/etc/fonts",

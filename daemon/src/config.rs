@@ -25,11 +25,11 @@
 //! | `max_detached_idle_seconds` | 86,400 | ceiling of a client's `detached_idle_seconds` |
 //! | `max_starts_per_second_per_uid` | 20.0 | `Open`/`Run` per second of one uid (token bucket rate) |
 //! | `max_start_burst_per_uid` | 40 | `Open`/`Run` in a burst of one uid (token bucket size) |
-//! | `max_file_bytes` | 67,108,864 | one file uploaded to a session directory (issue #8) |
+//! | `max_file_bytes` | 67,108,864 | one file uploaded to a session directory |
 //! | `max_session_files_bytes` | 268,435,456 | regular files of one session directory, uploads checked against it |
 //!
 //! Every key `k` has the override `SANDCELL_<K>` (upper case), e.g. `SANDCELL_MAX_FUEL`.
-//! Validation (seed 000): every number positive; one session's charges fit their aggregate
+//! Validation: every number positive; one session's charges fit their aggregate
 //! budgets; worker memory exceeds guest memory; source at most 524,288 bytes and kept
 //! stdout+stderr at most 2,097,152 bytes (the worker protocol's ceilings).
 
@@ -39,9 +39,9 @@ use std::path::{Path, PathBuf};
 /// Default configuration file.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/sandcell/sandcelld.toml";
 
-/// Protocol ceiling for one cell's source, bytes (seed 000).
+/// Protocol ceiling for one cell's source, bytes.
 pub const SOURCE_CEILING: u64 = 524_288;
-/// Protocol ceiling for kept stdout + stderr of one cell, bytes (seed 000).
+/// Protocol ceiling for kept stdout + stderr of one cell, bytes.
 pub const OUTPUT_CEILING: u64 = 2_097_152;
 
 /// The operator's limits. All sizes in bytes, times in seconds.
@@ -710,7 +710,7 @@ impl Config {
         Ok(())
     }
 
-    /// Session-file limits (issue #8): both positive, one file within the session's total.
+    /// Session-file limits: both positive, one file within the session's total.
     fn validate_file_limits(l: &Limits) -> Result<(), Error> {
         for (key, v) in [
             ("max_file_bytes", l.max_file_bytes),

@@ -1,7 +1,7 @@
 //! The daemon's core: sessions, admission, identities, and the one authorization path.
 //!
 //! Architecture invariant: this module knows neither Varlink nor D-Bus. The `varlink/` and
-//! (later) `dbus/` shims translate their calls into the methods here, and every method follows
+//! `dbus/` shims translate their calls into the methods here, and every method follows
 //! the same order: validate -> look up -> authorize -> act.
 
 use crate::admission::{Admission, Budgets, Charge, Refused, UidBudgets, UidCharge};
@@ -222,7 +222,7 @@ impl Core {
         *self.config.write().unwrap() = Arc::new(config);
     }
 
-    /// Replaces the authority (issue #5: the polkit authority is selected once the system bus
+    /// Replaces the authority (the polkit authority is selected once the system bus
     /// answers); decisions already taken are not revisited.
     pub fn set_authority(&self, authority: Arc<dyn Authority>) {
         *self.authority.write().unwrap() = authority;
@@ -998,7 +998,7 @@ impl Core {
         }
     }
 
-    // ---- issue #8: files in and out of a session directory (all file work: files.rs) ----
+    // Files in and out of a session directory (all file work: files.rs).
 
     fn file_limits(&self) -> crate::files::Limits {
         let cfg = self.config();

@@ -1,5 +1,5 @@
 //! Files in and out of a session directory: every file-system operation the daemon does on a
-//! session directory on a client's behalf (issue #8).
+//! session directory on a client's behalf.
 //!
 //! The daemon runs as root and the directory belongs to a hostile worker that can plant
 //! symlinks, FIFOs and sockets, and swap entries while the daemon works. So:

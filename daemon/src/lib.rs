@@ -6,6 +6,7 @@
 //! - [`session`]: one session's actor: runs cells, bounds output, interrupts, releases.
 //! - [`worker`]: starting a worker (the one confinement seam: `worker/spawn.rs`), reading it.
 //! - [`cgroup`]: session cgroups (v2, v1 hybrid).
+//! - [`pool`]: warm pools of pre-started, confined, Ready workers.
 //! - [`admission`], [`identity`], [`auth`], [`config`]: budgets, uids, decisions, settings.
 //! - [`varlink`]: the `org.sandcell.Kernel` shim.
 //! - [`dbus`]: the `org.sandcell.Sandcell1` control plane shim; [`polkit`]: the polkit authority.

@@ -258,7 +258,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
             .await
             .with_context(|| format!("readiness probe ({lang}) failed"))?;
     }
-    // ---- issue #5: D-Bus control plane + polkit authority (sandcelld::dbus) ----
+    // The D-Bus control plane and the polkit authority (sandcelld::dbus).
     // Started after the readiness probe and before the Varlink socket is served, so polkit
     // (when the system bus and polkitd answer) decides from the first client on; without a
     // system bus the socket's permissions stay the only gate. `stop_tx` is created here so
@@ -273,7 +273,6 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         stop_rx.clone(),
     )
     .await;
-    // ---- end issue #5 ----
 
     core.start_pool();
     notify::ready(&status_line(&core));
@@ -318,7 +317,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     let _ = stop_tx.send(true);
     let _ = server.await;
     if let Some(d) = dbus {
-        let _ = d.await; // issue #5: releases the bus name
+        let _ = d.await; // releases the bus name
     }
     core.shutdown().await;
     if let Some(p) = &args.listen {

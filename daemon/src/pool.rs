@@ -1,7 +1,7 @@
 //! Warm worker pools: a bounded number of pre-started, already confined, Ready workers per
 //! language, so that `Open` and `Run` skip the worker's start-up.
 //!
-//! Rules (issue #7; the shape follows systemd-nsresourced's bounded pool of pre-forked workers):
+//! Rules (the shape follows systemd-nsresourced's bounded pool of pre-forked workers):
 //! - a pooled worker is a complete, unused session-to-be: its own cgroup, uid, directory and
 //!   admission charge, taken from the same budgets as any session;
 //! - a worker leaves the pool at most once and is never returned: one-shot `Run` keeps its
@@ -221,7 +221,9 @@ impl Pool {
 }
 
 /// The refill task: keeps each pool at its target, at most `pool_refill_per_second` starts a
-/// second, until the daemon stops. Holds the core weakly so it never keeps it alive.
+/// second, until the daemon stops. Holds the core weakly between rounds; during a round and
+/// its pause it holds a strong reference, so it ends at the first round
+/// that finds the core stopping or gone.
 pub async fn run(core: Weak<Core>) {
     let mut backoff_until = Instant::now();
     // Per language: the last refill was refused by admission (said once, not every second).

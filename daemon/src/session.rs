@@ -106,7 +106,8 @@ pub struct Info {
     pub running_cell: Option<u64>,
     /// Cells finished.
     pub cells_run: u64,
-    /// `starting`, `idle`, `running`, `ended`.
+    /// `idle`, `running`, `ended` (a worker still starting is not a session yet: listings
+    /// show it as `starting` from `Core::starting_sessions`).
     pub state: &'static str,
     /// Last time a cell ended or the session opened.
     pub last_activity: Instant,
@@ -133,7 +134,7 @@ pub struct Session {
     pub limits: SessionLimits,
     /// Mutable state.
     pub info: Mutex<Info>,
-    /// The session directory (issue #8: files in and out, see `files.rs`).
+    /// The session directory (files in and out: `files.rs`).
     pub dir: PathBuf,
     /// The worker's uid and gid (files the daemon stores there are theirs); `None` when the
     /// worker keeps the daemon's identity (development).
@@ -767,7 +768,7 @@ impl Actor {
             match self.session.language {
                 // The whole process group: R ignores SIGINT while it waits for a system()
                 // child, so the child must get it too. The launcher pins BLAS/OpenMP pools to
-                // one thread, so R's main thread is the only one to take it (seed 001).
+                // one thread, so R's main thread is the only one to take it.
                 Language::R => {
                     libc::kill(-pid, libc::SIGINT);
                 }
@@ -1486,7 +1487,7 @@ impl Actor {
     }
 }
 
-/// Files a cell leaves in the session directory (issue #8): a bounded lstat-only listing of
+/// Files a cell leaves in the session directory: a bounded lstat-only listing of
 /// `dir`; `None` if it cannot be read.
 async fn list_files(dir: PathBuf) -> Option<crate::files::Listing> {
     tokio::task::spawn_blocking(move || crate::files::list(&dir).ok())

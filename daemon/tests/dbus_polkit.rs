@@ -1,9 +1,9 @@
-//! The D-Bus control plane and polkit, with the real things (issue #5): a private
+//! The D-Bus control plane and polkit, with the real things: a private
 //! `dbus-daemon` with a system-like configuration that includes the shipped bus policy,
 //! the real `polkitd` on that bus with the shipped `.policy` and a rules file granting a test
 //! group, unprivileged test users, and `sandcellctl` run as those users through `setpriv`.
 //!
-//! Also the warm pools' `Pools` property (issue #7), which needs no polkitd.
+//! Also the warm pools' `Pools` property, which needs no polkitd.
 //!
 //! Needs root (useradd, polkit's action directory) and the packages `dbus-daemon` and
 //! `polkitd`; without them each test prints why it skips.
@@ -237,7 +237,8 @@ impl Polkit {
         )
         .unwrap();
         installed.push(rules);
-        // setsid: polkitd must not share the test's session (PLATFORM-NOTES).
+        // setsid: polkitd must not share the test's session (without it, polkitd died
+        // silently when the starting shell ended).
         let child = Command::new("setsid")
             .arg(POLKITD)
             .arg("--no-debug")

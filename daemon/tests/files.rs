@@ -1,4 +1,4 @@
-//! Files in and out of sessions through a real sandcelld (issue #8): uploads, listings,
+//! Files in and out of sessions through a real sandcelld: uploads, listings,
 //! downloads, the files a cell leaves, and what a hostile cell can plant.
 
 mod common;

@@ -1,4 +1,4 @@
-//! Hostile cells (issue #3): each asserts that the wall holds AND that the daemon and a
+//! Hostile cells: each asserts that the wall holds AND that the daemon and a
 //! second, concurrent session are unaffected. Python cells meet two walls (WASI inside Eryx,
 //! then the OS confinement of the worker); R cells meet only the OS confinement.
 

@@ -1,4 +1,4 @@
-//! Warm worker pools (issue #7): sessions start from pre-started, confined workers; a worker
+//! Warm worker pools: sessions start from pre-started, confined workers; a worker
 //! is never reused; idle pooled workers never cause a refusal.
 
 mod common;

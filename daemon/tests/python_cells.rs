@@ -1,4 +1,4 @@
-//! Python cells through a real sandcelld, real Eryx workers, real sockets (issue #2).
+//! Python cells through a real sandcelld, real Eryx workers, real sockets.
 
 mod common;
 

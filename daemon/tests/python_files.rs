@@ -1,4 +1,4 @@
-//! Python cells and the session directory (issue #8): uploads are visible at /mnt/data,
+//! Python cells and the session directory: uploads are visible at /mnt/data,
 //! files a cell writes come back, and the session's disk budget is enforced after each cell.
 
 mod common;

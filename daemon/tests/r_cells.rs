@@ -1,4 +1,4 @@
-//! R cells through a real sandcelld and real confined R workers (issue #4).
+//! R cells through a real sandcelld and real confined R workers.
 
 mod common;
 

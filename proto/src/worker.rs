@@ -40,7 +40,7 @@
 //! are informational and never raise or lower what is kept.
 //!
 //! Interrupts are not frames: the daemon sends SIGINT to the worker's main thread, which is the
-//! only way to reach a single-threaded interpreter busy in a cell (seed 001).
+//! only way to reach a single-threaded interpreter busy in a cell.
 
 use serde::{Deserialize, Serialize};
 
@@ -54,7 +54,7 @@ pub const MAX_WORKER_LINE: usize = 1024 * 1024;
 pub const MAX_OUTPUT_CHUNK: usize = 64 * 1024;
 
 /// Longest error message a worker reports, in bytes; longer ones are cut with a marker
-/// (`stop(strrep("x", 2e8))` must not build a 200 MB frame: issue #4).
+/// (`stop(strrep("x", 2e8))` must not build a 200 MB frame).
 pub const MAX_ERROR_MESSAGE: usize = 16 * 1024;
 
 /// Longest traceback a worker reports, in bytes.

@@ -11,7 +11,7 @@
 # under RESULT, which Eryx serialises as the execution's JSON result and then removes.
 #
 # The worker calls `run` and `snapshot` through the builtin `__sandcell__` (see `_bind`):
-# Eryx compiles the code string of every execution, at about 3 us per syntax node, so that
+# Eryx compiles the code string of every execution (a cost per syntax node), so that
 # string is kept to one short call, and `_eryx_compile` spares even that compile.
 import _eryx
 import ast as _ast
@@ -254,8 +254,8 @@ def _begin(src, fname):
 
 # --- Compiled cells, by source -----------------------------------------------------------
 #
-# Compiling costs about 2.5 us per syntax node in the guest (20 us for `print(1)`), more than
-# running a short cell, and cells are often run again unchanged. A source seen a second time
+# Compiling in the guest costs more than running a short cell (figures: ARCHITECTURE.md,
+# "Measured figures"), and cells are often run again unchanged. A source seen a second time
 # is compiled with every warning recorded; if it compiles cleanly (no warning at all, so no
 # filter setting could make a later compile of it warn), its code is kept, and later runs of
 # the same source reuse it under their own file name (`replace(co_filename=...)`, nested code
@@ -382,7 +382,7 @@ async def run_async(src, g, cell):
 # --- State snapshots -------------------------------------------------------------------
 #
 # Eryx's own snapshot_state() dill-pickles every global twice with dill's pure-Python pickler
-# (measured: 8.5 ms for four small variables, 750 ms for ~1 MB of data). This one uses the C
+# (figures: ARCHITECTURE.md, "Measured figures"). This one uses the C
 # pickler for everything it can, and only handles what lives in the cell namespace itself:
 # functions (code marshalled, globals rebound to the namespace on load) and classes (dill,
 # methods rebound on load). Module bindings are recorded by name and re-imported.

@@ -26,9 +26,8 @@
 //!
 //! # Per-cell cost
 //!
-//! Inside the guest, compiling is the dominant cost of a short cell: about 10 us for an empty
-//! source plus about 2.5-3 us per syntax node (`print(1)`: 21 us; Eryx's whole raw execute
-//! of it: 34 us). Eryx compiles the code string of every execution, and the driver compiles
+//! Inside the guest, compiling is the dominant cost of a short cell: a fixed cost plus a cost
+//! per syntax node. Eryx compiles the code string of every execution, and the driver compiles
 //! the cell again under its own file name, so the driver (`driver.py`) keeps both small:
 //! - the one-line call is `__sandcell__('<base64>',N)`, through the builtin [`ENTRY`] (no name
 //!   in the user namespace), and `_eryx_compile`, which Eryx's `_eryx_exec` finds in its
@@ -41,10 +40,7 @@
 //!   snapshot, `run` says `unchanged` and the worker takes no new snapshot
 //!   ([`DriverResult::unchanged`]).
 //!
-//! Measured on the 2-core development VM (`sandcell-python-runtime probe`, p50): a
-//! `print(1)` cell through the driver costs 70 us with the former
-//! `__import__('_sandcell').run('...', globals(), N)` line, 48 us with the short line and the
-//! compile shortcut, and 27 us when its code is reused; the snapshot call 79 us, 53 us.
+//! The figures (`sandcell-python-runtime probe`) are in ARCHITECTURE.md, "Measured figures".
 
 use base64_engine::encode as b64;
 use serde::Deserialize;
@@ -95,10 +91,10 @@ pub fn install_code() -> String {
 
 /// The builtin through which the worker's one-line calls reach the driver (its `_bind`).
 ///
-/// Eryx compiles every code string it executes, at about 3 us per syntax node inside the
-/// guest (measured with `sandcell-python-runtime probe`): `__sandcell__('...',3)` costs 27 us
-/// where `__import__('_sandcell').run('...', globals(), 3)` cost 42 us, and the snapshot's call
-/// 19 us instead of 34 us (and nothing at all through `_eryx_compile`). A builtin rather than
+/// Eryx compiles every code string it executes, at a cost per syntax node inside the guest,
+/// so the call is kept short: `__sandcell__('...',3)` rather than
+/// `__import__('_sandcell').run('...', globals(), 3)` (and nothing at all is compiled through
+/// `_eryx_compile`). A builtin rather than
 /// a global keeps the user namespace as it was.
 pub const ENTRY: &str = "__sandcell__";
 

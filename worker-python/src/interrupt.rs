@@ -3,10 +3,10 @@
 //! A `sigaction` handler (async-signal-safe: one `write(2)`) turns each SIGINT into a byte on a
 //! self-pipe; a watcher thread reads the pipe and stops the cell through its [`Target`]. The
 //! handler works whichever thread the kernel delivers to (the daemon may direct the signal at
-//! the main thread with tgkill, seed 001), and nothing in the handler touches locks.
+//! the main thread with tgkill), and nothing in the handler touches locks.
 //!
 //! Stopping a guest takes two moves, because Eryx 0.10 sessions have no cancellation of their
-//! own (PLATFORM-NOTES: a CPU-bound guest blocks its thread; dropping the handle does not
+//! own (a CPU-bound guest blocks its thread; dropping the handle does not
 //! cancel):
 //! - the engine's epoch is advanced past the cell's deadline, so a guest running WebAssembly
 //!   traps at its next epoch check (a `while True: pass` ends within milliseconds);
@@ -228,7 +228,7 @@ pub fn install(interrupter: Arc<Interrupter>) -> io::Result<()> {
         if libc::sigaction(libc::SIGINT, &sa, std::ptr::null_mut()) != 0 {
             return Err(io::Error::last_os_error());
         }
-        // An inherited blocked SIGINT would make the worker uninterruptible (seed 001).
+        // An inherited blocked SIGINT would make the worker uninterruptible (a blocked signal stays blocked across execve(2)).
         let mut set: libc::sigset_t = std::mem::zeroed();
         libc::sigemptyset(&mut set);
         libc::sigaddset(&mut set, libc::SIGINT);

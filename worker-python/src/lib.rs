@@ -1,7 +1,7 @@
 //! sandcell's Python worker: CPython inside Eryx 0.10 (WebAssembly on wasmtime), one process
 //! per session, speaking the daemon<->worker protocol of `sandcell_proto::worker`.
 //!
-//! This crate is the only one in the tree that links Eryx and wasmtime (DESIGN.md: the daemon
+//! This crate is the only one in the tree that links Eryx and wasmtime (the daemon
 //! never does). Two executables use it:
 //! - `sandcell-worker-python` ([`worker`]): confines itself (`sandcell_confine`), loads the
 //!   prepared runtime ([`runtime`]), keeps one session ([`session`]) and serves cells from fd 3,
@@ -14,7 +14,7 @@
 //! Guest-side behaviour (tracebacks with the cell's own line numbers, `SystemExit`, output
 //! streaming without guest buffering) lives in the driver module ([`driver`]).
 //!
-//! # Files (issue #8)
+//! # Files
 //!
 //! The session directory (`SANDCELL_SESSION_DIR`: 0700, the worker's uid, the one read-write
 //! path Landlock grants) is the guest's `/mnt/data`, read-write, and the working directory

@@ -3,7 +3,7 @@
 
 fn main() {
     // Confinement comes first, while the process has one thread and before any runtime file or
-    // request is read (DESIGN.md: no untrusted code before the worker is fully confined).
+    // request is read (no untrusted code before the worker is fully confined).
     let plan = match sandcell_confine::Plan::from_env() {
         Ok(p) => p,
         Err(e) => {

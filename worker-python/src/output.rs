@@ -4,7 +4,7 @@
 //! `OutputRequest`s). [`CellOutput`] turns them into [`WorkerMessage::Output`] frames:
 //! - at most `max_output` bytes per stream are forwarded; everything past that is counted and
 //!   reported once, at the end of the cell, as one [`WorkerMessage::Dropped`] per stream, so
-//!   `bytes seen = sum(Output.bytes) + Dropped.bytes` exactly (seed 001: exact seen/dropped);
+//!   `bytes seen = sum(Output.bytes) + Dropped.bytes` exactly;
 //! - a frame carries at most [`MAX_OUTPUT_CHUNK`] original bytes and never splits a UTF-8
 //!   character (an unfinished character is held back until its remaining bytes arrive, or
 //!   escaped at the end of the cell, as [`sandcell_proto::text`] describes);
@@ -17,8 +17,7 @@
 //!
 //! The guest runs on the cell loop's thread and blocks it while it computes, so live output
 //! needs another thread; but handing every cell to a thread (one spawned per cell, or woken per
-//! cell) costs more than a short cell itself (measured: a thread spawned and joined per cell
-//! was 65 us of a 0.3 ms round trip; waking a parked thread per cell, 20-40 us). So one
+//! cell) costs more than a short cell itself (ARCHITECTURE.md, "Measured figures"). So one
 //! persistent thread takes a cell's output over only once the cell has run for
 //! [`TAKEOVER_AFTER`]: from then on it forwards as above, each batch as soon as it is queued,
 //! until the cell's channel closes. A cell that ends before that (most cells) never involves
@@ -29,9 +28,9 @@
 //! The cell loop only stores the cell's start in an atomic: the thread looks at it every
 //! [`TAKEOVER_AFTER`] while cells keep coming, and once no cell began for [`IDLE_AFTER`]
 //! sleeps until the next `begin` unparks it (only then does `begin` make a system call).
-//! Measured alternatives: unparking the thread for every cell cost 20-40 us of a sparse
-//! cell's round trip, and re-arming a timerfd per cell 15 us of every cell's (a timer
-//! reprogramming in a virtual machine).
+//! The alternatives (unparking the thread for every cell, re-arming a timerfd per cell: a
+//! timer reprogramming in a virtual machine) cost a measurable part of a short cell's round
+//! trip (ARCHITECTURE.md, "Measured figures").
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

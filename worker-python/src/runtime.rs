@@ -10,7 +10,7 @@
 //! ```
 //!
 //! The worker loads the directory read-only. It never uses Eryx's shared, unversioned
-//! `/tmp/eryx-embedded` stdlib (PLATFORM-NOTES, 0.10 traps). Loading a `.cwasm` is `unsafe`
+//! `/tmp/eryx-embedded` stdlib (Eryx 0.10 trusts that directory if it exists). Loading a `.cwasm` is `unsafe`
 //! (wasmtime trusts the machine code in it), so [`load_executor`] refuses artefacts that
 //! anyone but their owner (root or the worker's own uid) could have written, and refuses a
 //! manifest whose Eryx version, engine configuration or CPU features do not match this host.

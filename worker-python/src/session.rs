@@ -25,12 +25,11 @@
 //! the report is `state: lost` with an error saying what was lost and from which cell the
 //! variables come. Never a silently empty namespace.
 //!
-//! Decision (measured with `sandcell-python-runtime bench`, 2 cores, p50): Eryx's own
-//! `snapshot_state()` costs 24 ms for a handful of small variables and 1.4 s for ~1 MB of data
-//! (dill's pure-Python pickler, every value pickled twice), far too much per cell. The
-//! driver's snapshot (C pickle; only functions and classes defined in cells go by value, via
-//! `marshal`/dill) costs 0.1 ms for an empty namespace, 1.1 ms for the small one (871 bytes)
-//! and 6 ms for ~1 MB; a rebuild with restore costs 4 ms and 37 ms respectively. Which cell
+//! Decision (figures from `sandcell-python-runtime bench` in ARCHITECTURE.md, "Measured
+//! figures"): Eryx's own `snapshot_state()` (dill's pure-Python pickler, every value pickled
+//! twice) costs far too much per cell; the driver's snapshot (C pickle; only functions and
+//! classes defined in cells go by value, via `marshal`/dill) costs a small fraction of it,
+//! and so does a rebuild with restore. Which cell
 //! will need the snapshot cannot be known in advance (the timeout comes from the cell after),
 //! so a snapshot is taken after every completed cell, but *after* its `Done` is sent
 //! ([`PySession::finish_cell`]): it is not part of the cell's round trip, and the next request

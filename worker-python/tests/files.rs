@@ -1,4 +1,4 @@
-//! Files in and out of a Python session (issue #8): the session directory is the guest's
+//! Files in and out of a Python session: the session directory is the guest's
 //! `/mnt/data` (read-write, the working directory), nothing else of the host is visible, and
 //! symlinks or `..` never lead out of it. Every test runs the real worker binary.
 

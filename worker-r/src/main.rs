@@ -17,7 +17,7 @@
 //!    `SIG_IGN` for SIGINT survives `execve` and R honours it, which would make cells
 //!    uninterruptible);
 //! 5. replaces itself with R's own executable, `$R_HOME/bin/exec/R` (not the `/usr/bin/R` shell
-//!    wrapper: about 30 ms faster and needs no shell, `sed` or `uname` inside the confinement),
+//!    wrapper: it starts faster and needs no shell, `sed` or `uname` inside the confinement),
 //!    as `R --vanilla --no-echo --no-restore --file=<script>`, with an environment built only
 //!    from the allowlist in [`r_environment`].
 //!

@@ -1179,7 +1179,7 @@ fn missing_plan_exits_before_python_starts() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("SANDCELL_CONFINE"));
 }
 
-/// Prints the figures the lead asked for; asserts only gross regressions.
+/// Prints the start-up and round-trip figures; asserts only gross regressions.
 #[test]
 fn figures() {
     need!("figures", "pandas");

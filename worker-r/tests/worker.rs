@@ -126,7 +126,7 @@ fn loader() -> PathBuf {
         .unwrap_or_else(|_| PathBuf::from("/lib64/ld-linux-x86-64.so.2"))
 }
 
-/// The confinement plan used by the tests: the R paths of PLATFORM-NOTES, the worker's own
+/// The confinement plan used by the tests: the paths R reads at start, the worker's own
 /// `/proc/<pid>`, no `/tmp`.
 fn plan(session: &Path, max_address_space: Option<u64>) -> Plan {
     let p = |s: &str| PathBuf::from(s);
@@ -1101,7 +1101,7 @@ fn missing_plan_exits_before_r_starts() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("SANDCELL_CONFINE"));
 }
 
-/// Prints the figures the lead asked for; asserts only gross regressions.
+/// Prints the start-up and round-trip figures; asserts only gross regressions.
 #[test]
 fn figures() {
     need_r!("figures");

@@ -10,7 +10,7 @@
 //! [`SessionGroup::procs_files`] with `O_WRONLY | O_CLOEXEC`; in the child, between fork and
 //! exec, it writes `"0"` to each (async-signal-safe: `write(2)` only), so the worker is inside
 //! its group before its first instruction. The parent then calls [`SessionGroup::verify_member`]
-//! before sending the first request (seed 000: attach, then verify the limit).
+//! before sending the first request (attach first, then verify the membership and the limit).
 //!
 //! Descriptor hygiene (runc CVE-2024-21626 leaked a cgroup directory fd into containers):
 //! every file and directory of the cgroup tree is opened close-on-exec (Rust's `std` opens

@@ -179,7 +179,7 @@ impl V2Group {
     fn apply_limits(&self) -> Result<(), Error> {
         let l = &self.limits;
         host::write(&self.dir.join("memory.max"), &l.memory_bytes.to_string())?;
-        // No swap: memory.max must be the whole budget (seed 000). The file is missing when
+        // No swap: memory.max must be the whole budget. The file is missing when
         // the kernel has no swap support or no swap accounting; that is acceptable only while
         // no swap is active (/proc/swaps), since then nothing can extend the limit.
         match host::write(&self.dir.join("memory.swap.max"), "0") {

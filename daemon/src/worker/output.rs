@@ -1,4 +1,4 @@
-//! Host-end output bounding (seed 001 `sink_drain`): keep the first N bytes of each stream,
+//! Host-end output bounding: keep the first N bytes of each stream,
 //! count and discard the rest as it arrives, and say exactly how much was seen and kept.
 //!
 //! The daemon applies this to every byte a worker produces, whether it comes as `Output`

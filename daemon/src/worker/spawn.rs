@@ -10,7 +10,7 @@
 //! 4. forks; between fork and exec the child (async-signal-safe calls only) joins the session
 //!    cgroup by writing `"0"` to each pre-opened `cgroup.procs`, starts a new session (no
 //!    controlling terminal: bubblewrap CVE-2017-5226), puts the protocol pipes on fds 3 and 4,
-//!    resets SIGINT/SIGQUIT to their defaults (an inherited SIG_IGN survives exec: seed 001),
+//!    resets SIGINT/SIGQUIT to their defaults (an inherited SIG_IGN survives exec: execve(2)),
 //!    and marks every other descriptor close-on-exec (runc CVE-2024-21626); and sets its
 //!    `oom_score_adj` to 1000, so that the kernel's OOM killer picks a cell first and the
 //!    daemon (`OOMScoreAdjust=-500` in sandcelld.service) last: without it every worker would
@@ -194,7 +194,7 @@ pub fn plan(spec: &WorkerSpec) -> Plan {
         }
         Language::R => {
             // R's installation, its configuration, fonts for plots, and the user database
-            // R reads at start (PLATFORM-NOTES, measured).
+            // R reads at start.
             for p in [
                 "/usr/share",
                 "/etc/R",
@@ -350,7 +350,7 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
             )
         }
         // Eryx lets raw guest writes to fds 1 and 2 through to the host process: they go to
-        // /dev/null and never reach the daemon, its log, or the client (seed 000).
+        // /dev/null and never reach the daemon, its log, or the client.
         Language::Python => (devnull()?.into(), devnull()?.into(), None, None),
     };
 
