@@ -68,5 +68,9 @@ bench "cold (no pool)" r --clients 1,2,4 --sessions 1,2,4 --idle-sessions 100
 bench "warm pool" r --clients 1,2,4 --sessions 0 --idle-sessions 0 --pace-ms 400 -- \
     SANDCELL_POOL_R_MIN=4 SANDCELL_POOL_R_MAX=8 SANDCELL_POOL_REFILL_PER_SECOND=200
 
+echo "== the pydata environment beside Jupyter (ipykernel, IRkernel) and bubblewrap"
+/usr/bin/python3 scripts/bench_pydata.py --bin "$BIN" --runtime "$SANDCELL_TEST_PYTHON_RUNTIME" \
+    --iterations "$n" || echo "(pydata bench failed)"
+
 echo
 python3 scripts/bench_summary.py "$out/log" "$out/eryx.json" || echo "(summary failed)"

@@ -160,11 +160,44 @@ impl Client {
         code: &str,
         limits: Option<&Limits>,
     ) -> Result<(), Error> {
+        self.run_in(language, None, code, limits).await
+    }
+
+    /// [`Client::run`] in the named `environment` (`None`: the language's default).
+    /// Errors besides `run`'s: `NoSuchEnvironment`, `EnvironmentMismatch`.
+    pub async fn run_in(
+        &mut self,
+        language: &str,
+        environment: Option<&str>,
+        code: &str,
+        limits: Option<&Limits>,
+    ) -> Result<(), Error> {
         let mut p = json!({ "language": language, "code": code });
         if let Some(l) = limits {
             p["limits"] = serde_json::to_value(l).expect("limits serialise");
         }
+        if let Some(e) = environment {
+            p["environment"] = json!(e);
+        }
         self.start_cell("Run", p).await
+    }
+
+    /// [`Client::run_in`], then [`Client::finish`].
+    pub async fn run_collect_in(
+        &mut self,
+        language: &str,
+        environment: Option<&str>,
+        code: &str,
+        limits: Option<&Limits>,
+    ) -> Result<Collected, Error> {
+        self.run_in(language, environment, code, limits).await?;
+        self.finish(|_| {}).await
+    }
+
+    /// The environments the daemon serves (`ListEnvironments`), in name order.
+    pub async fn list_environments(&mut self) -> Result<Vec<k::Environment>, Error> {
+        let r: k::ListEnvironmentsReply = self.call("ListEnvironments", json!({})).await?;
+        Ok(r.environments)
     }
 
     /// Starts a cell in an open session; read it with [`Client::next_frame`].
@@ -226,7 +259,23 @@ impl Client {
         limits: Option<&Limits>,
         detached_idle_seconds: Option<u64>,
     ) -> Result<OpenReply, Error> {
+        self.open_in(language, None, limits, detached_idle_seconds)
+            .await
+    }
+
+    /// [`Client::open`] in the named `environment` (`None`: the language's default).
+    /// Errors besides `open`'s: `NoSuchEnvironment`, `EnvironmentMismatch`.
+    pub async fn open_in(
+        &mut self,
+        language: &str,
+        environment: Option<&str>,
+        limits: Option<&Limits>,
+        detached_idle_seconds: Option<u64>,
+    ) -> Result<OpenReply, Error> {
         let mut p = json!({ "language": language });
+        if let Some(e) = environment {
+            p["environment"] = json!(e);
+        }
         if let Some(l) = limits {
             p["limits"] = serde_json::to_value(l).expect("limits serialise");
         }

@@ -47,6 +47,10 @@ enum Cmd {
         /// python or r; inferred from a .R/.r or .py extension, else python.
         #[arg(long, short)]
         language: Option<String>,
+        /// The environment to run in (see `sandcellctl environments`); default: the
+        /// language's default environment.
+        #[arg(long, short, value_name = "NAME")]
+        environment: Option<String>,
         /// Lower the wall-time limit of the cell, seconds.
         #[arg(long, value_name = "SECONDS")]
         wall_time: Option<f64>,
@@ -81,6 +85,10 @@ enum Cmd {
         /// python or r.
         #[arg(long, short, default_value = "python")]
         language: String,
+        /// The environment (see `sandcellctl environments`); default: the language's default
+        /// environment.
+        #[arg(long, short, value_name = "NAME")]
+        environment: Option<String>,
         /// Idle lifetime in seconds.
         #[arg(long, default_value_t = 600)]
         idle: u64,
@@ -99,6 +107,13 @@ enum Cmd {
         session: String,
         /// Cell number (Varlink); omit to use D-Bus InterruptSession.
         cell: Option<u64>,
+    },
+    /// List the environments the daemon serves: name, language, engine, default, ready,
+    /// interpreter version, installed packages.
+    Environments {
+        /// Also print every environment's installed packages with their versions.
+        #[arg(long)]
+        packages: bool,
     },
     /// Close SESSION.
     Close {
@@ -561,6 +576,7 @@ async fn main() -> ExitCode {
         match &args.cmd {
             Cmd::Run {
                 language,
+                environment,
                 wall_time,
                 artifacts,
                 file,
@@ -577,11 +593,15 @@ async fn main() -> ExitCode {
                     ..Default::default()
                 });
                 let Some(dir) = artifacts else {
-                    c.run(&lang, &code, limits.as_ref()).await?;
+                    c.run_in(&lang, environment.as_deref(), &code, limits.as_ref())
+                        .await?;
                     return stream(&mut c, args.json).await;
                 };
                 // A one-shot Run's directory is gone with its result: use a session instead.
-                let session = c.open(&lang, limits.as_ref(), None).await?.session;
+                let session = c
+                    .open_in(&lang, environment.as_deref(), limits.as_ref(), None)
+                    .await?
+                    .session;
                 c.execute(&session, &code).await?;
                 let (status, result) = stream_result(&mut c, args.json).await?;
                 let files = result.map(|r| r.files).unwrap_or_default();
@@ -634,8 +654,50 @@ async fn main() -> ExitCode {
                 }
                 Ok(0)
             }
-            Cmd::Open { language, idle } => {
-                let o = c.open(language, None, Some(*idle)).await?;
+            Cmd::Environments { packages } => {
+                let envs = c.list_environments().await?;
+                if args.json {
+                    println!("{}", serde_json::to_string(&envs).expect("serialises"));
+                    return Ok(0);
+                }
+                println!(
+                    "{:<16} {:<8} {:<7} {:<7} {:<5} {:<24} {:>8}",
+                    "NAME", "LANGUAGE", "ENGINE", "DEFAULT", "READY", "VERSION", "PACKAGES"
+                );
+                for e in &envs {
+                    println!(
+                        "{:<16} {:<8} {:<7} {:<7} {:<5} {:<24} {:>8}",
+                        escape_name(&e.name),
+                        escape_name(&e.language),
+                        escape_name(&e.engine),
+                        if e.default { "yes" } else { "no" },
+                        if e.ready { "yes" } else { "no" },
+                        escape_name(&e.interpreter_version),
+                        format!(
+                            "{}{}",
+                            e.packages.len(),
+                            if e.packages_truncated { "+" } else { "" }
+                        )
+                    );
+                    if let Some(r) = &e.reason {
+                        println!("  not ready: {}", escape_name(r));
+                    }
+                    if *packages {
+                        for p in &e.packages {
+                            println!("  {} {}", escape_name(&p.name), escape_name(&p.version));
+                        }
+                    }
+                }
+                Ok(0)
+            }
+            Cmd::Open {
+                language,
+                environment,
+                idle,
+            } => {
+                let o = c
+                    .open_in(language, environment.as_deref(), None, Some(*idle))
+                    .await?;
                 if args.json {
                     println!("{}", serde_json::to_string(&o).expect("serialises"));
                 } else {

@@ -16,6 +16,7 @@
 //!      charged to the session's memory cgroup); no `/dev/mqueue`;
 //!    - a minimal `/dev`: `null`, `zero`, `full`, `random`, `urandom` bound from the host, and
 //!      the `fd`, `stdin`, `stdout`, `stderr` symlinks;
+//!    - `/mnt/data`, a symlink to the session directory;
 //!    - a new procfs with `hidepid=invisible` (Linux 5.8 or newer: per-mount procfs options):
 //!      the worker sees only its own uid's processes;
 //! 4. `pivot_root(".", ".")` and a lazy unmount of the old root (the `pivot_root(2)` manual's
@@ -208,6 +209,15 @@ fn collect(plan: &Plan) -> Result<Vec<Entry>, Error> {
         entries.push(Entry {
             path: Path::new("/dev").join(name),
             kind: Kind::Symlink(target.into()),
+        });
+    }
+    // The session directory is also reachable as /mnt/data (the path OpenAI's
+    // code_interpreter uses, and where the Eryx engine's virtual file system mounts it): a
+    // symlink in the read-only root, so nothing new becomes writable.
+    if !entries.iter().any(|e| e.path.starts_with("/mnt")) {
+        entries.push(Entry {
+            path: "/mnt/data".into(),
+            kind: Kind::Symlink(plan.session_dir.clone()),
         });
     }
     // Parents before children; at the same path the tmpfs comes before what goes into it.

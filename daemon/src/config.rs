@@ -28,6 +28,11 @@
 //! | `max_file_bytes` | 67,108,864 | one file uploaded to a session directory |
 //! | `max_session_files_bytes` | 268,435,456 | regular files of one session directory, uploads checked against it |
 //!
+//! Named environments are `[environments.<name>]` tables (language, engine, default,
+//! interpreter, library_paths, preload, pool_min, pool_max, enabled), merged with the shipped
+//! `python` (Eryx, Python's default), `pydata` (native CPython) and `r` (native R, R's
+//! default); see [`Config::environments`]. They have no environment overrides.
+//!
 //! Every key `k` has the override `SANDCELL_<K>` (upper case), e.g. `SANDCELL_MAX_FUEL`.
 //! Validation: every number positive; one session's charges fit their aggregate
 //! budgets; worker memory exceeds guest memory; source at most 524,288 bytes and kept
@@ -281,6 +286,119 @@ impl Default for Daemon {
     }
 }
 
+/// How an environment runs its cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Engine {
+    /// CPython inside Eryx (WebAssembly on wasmtime), Python only: two walls.
+    Eryx,
+    /// The system's interpreter, confined by the OS (the native seccomp profile, Landlock,
+    /// namespaces, cgroup, uid): `sandcell-worker-r` for R, `sandcell-worker-python-native`
+    /// for Python.
+    Native,
+}
+
+impl Engine {
+    /// `eryx` or `native`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Engine::Eryx => "eryx",
+            Engine::Native => "native",
+        }
+    }
+}
+
+/// One `[environments.<name>]` table as written by the operator.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvironmentConfig {
+    /// `python` or `r`.
+    pub language: String,
+    /// `eryx` (Python only) or `native`.
+    pub engine: Engine,
+    /// The language's default environment (at most one per language; unset: the shipped
+    /// default of that language stays the default).
+    #[serde(default)]
+    pub default: bool,
+    /// Native engines: the interpreter (Python: the `python3` executable, default
+    /// `/usr/bin/python3`; R: the R home, default `/usr/lib/R`).
+    #[serde(default)]
+    pub interpreter: Option<PathBuf>,
+    /// Native engines: extra directories the worker may read, put first on the library path
+    /// (Python: `sys.path`; R: `.libPaths()`). Absolute paths.
+    #[serde(default)]
+    pub library_paths: Vec<PathBuf>,
+    /// Native Python: modules imported before the worker says Ready (a pooled worker has
+    /// them loaded when its session opens).
+    #[serde(default)]
+    pub preload: Vec<String>,
+    /// Warm workers kept idle at least (unset: `pool_<language>_min` for the language's
+    /// default environment, 0 for others).
+    #[serde(default)]
+    pub pool_min: Option<usize>,
+    /// Warm workers kept idle at most while sessions are being opened (unset: as `pool_min`).
+    #[serde(default)]
+    pub pool_max: Option<usize>,
+    /// `false` removes a shipped environment of this name.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// An environment as the daemon serves it: the shipped ones merged with the file's, pool
+/// sizes resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Environment {
+    /// Its name (`[a-z0-9_-]`, 1-32 characters).
+    pub name: String,
+    /// Its language.
+    pub language: sandcell_proto::kernel::Language,
+    /// Its engine.
+    pub engine: Engine,
+    /// The language's default.
+    pub default: bool,
+    /// Native engines: the interpreter (Python executable or R home).
+    pub interpreter: Option<PathBuf>,
+    /// Extra read-only library directories.
+    pub library_paths: Vec<PathBuf>,
+    /// Modules imported before Ready (native Python).
+    pub preload: Vec<String>,
+    /// Warm pool minimum.
+    pub pool_min: usize,
+    /// Warm pool maximum.
+    pub pool_max: usize,
+}
+
+/// The environments shipped: `python` (Eryx, Python's default), `pydata` (native CPython with
+/// Debian's scientific stack), `r` (native R, R's default).
+pub fn shipped_environments() -> Vec<(String, EnvironmentConfig)> {
+    let env = |language: &str, engine, default, interpreter: Option<&str>| EnvironmentConfig {
+        language: language.into(),
+        engine,
+        default,
+        interpreter: interpreter.map(PathBuf::from),
+        library_paths: Vec::new(),
+        preload: Vec::new(),
+        pool_min: None,
+        pool_max: None,
+        enabled: true,
+    };
+    vec![
+        ("python".into(), env("python", Engine::Eryx, true, None)),
+        (
+            "pydata".into(),
+            env("python", Engine::Native, false, Some("/usr/bin/python3")),
+        ),
+        (
+            "r".into(),
+            env("r", Engine::Native, true, Some("/usr/lib/R")),
+        ),
+    ]
+}
+
 /// The whole configuration file.
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -289,6 +407,9 @@ pub struct Config {
     pub limits: Limits,
     /// `[daemon]`.
     pub daemon: Daemon,
+    /// `[environments.<name>]` tables: each replaces the shipped environment of its name or
+    /// adds one (see [`Config::environments`]).
+    pub environments: std::collections::BTreeMap<String, EnvironmentConfig>,
 }
 
 /// A configuration error; the message names the offending key.
@@ -602,7 +723,162 @@ impl Config {
                 });
             }
         }
+        let envs = self.try_environments()?;
+        for env in &envs {
+            if env.pool_max as u64 > l.max_concurrent_sessions {
+                return Err(Error::Invalid {
+                    key: "environments",
+                    reason: format!("{}: pool_max exceeds max_concurrent_sessions", env.name),
+                });
+            }
+        }
         Ok(())
+    }
+
+    /// The environments served, in name order: the shipped ones, each replaced by a file
+    /// table of the same name (or removed by `enabled = false`), plus the file's new ones;
+    /// only those of a language in `daemon.languages`. Each served language has exactly one
+    /// default. A configuration that passed [`Config::validate`] never fails here.
+    pub fn environments(&self) -> Vec<Environment> {
+        self.try_environments().unwrap_or_default()
+    }
+
+    /// The served environment named `name`.
+    pub fn environment(&self, name: &str) -> Option<Environment> {
+        self.environments().into_iter().find(|e| e.name == name)
+    }
+
+    fn try_environments(&self) -> Result<Vec<Environment>, Error> {
+        use sandcell_proto::kernel::Language;
+        let invalid = |reason: String| Error::Invalid {
+            key: "environments",
+            reason,
+        };
+        let mut merged: std::collections::BTreeMap<String, (EnvironmentConfig, bool)> =
+            shipped_environments()
+                .into_iter()
+                .map(|(n, e)| (n, (e, true)))
+                .collect();
+        for (name, e) in &self.environments {
+            if name.is_empty()
+                || name.len() > 32
+                || !name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+            {
+                return Err(invalid(format!(
+                    "{name:?}: a name is 1-32 characters of [a-z0-9_-]"
+                )));
+            }
+            merged.insert(name.clone(), (e.clone(), false));
+        }
+        let served: Vec<Language> = self
+            .daemon
+            .languages
+            .iter()
+            .filter_map(|l| Language::parse(l))
+            .collect();
+        // A default named in the file wins over a shipped one of the same language.
+        let file_default = |lang: Language| {
+            merged.values().any(|(e, shipped)| {
+                !shipped && e.enabled && e.default && Language::parse(&e.language) == Some(lang)
+            })
+        };
+        let mut out = Vec::new();
+        for (name, (e, shipped)) in &merged {
+            if !e.enabled {
+                continue;
+            }
+            let language = Language::parse(&e.language).ok_or_else(|| {
+                invalid(format!(
+                    "{name}: unknown language {:?} (python, r)",
+                    e.language
+                ))
+            })?;
+            if !served.contains(&language) {
+                continue;
+            }
+            if e.engine == Engine::Eryx
+                && (language != Language::Python
+                    || e.interpreter.is_some()
+                    || !e.library_paths.is_empty()
+                    || !e.preload.is_empty())
+            {
+                return Err(invalid(format!(
+                    "{name}: the eryx engine runs Python only, with no interpreter, library_paths or preload"
+                )));
+            }
+            if language == Language::R && !e.preload.is_empty() {
+                return Err(invalid(format!("{name}: preload is for Python only")));
+            }
+            for p in e.interpreter.iter().chain(&e.library_paths) {
+                let ok = p.is_absolute()
+                    && p.to_str().is_some_and(|s| !s.contains(':') && !s.contains(','))
+                    && !p.components().any(|c| c == std::path::Component::ParentDir);
+                if !ok {
+                    return Err(invalid(format!(
+                        "{name}: {} must be an absolute path without '..', ':' or ','",
+                        p.display()
+                    )));
+                }
+            }
+            for m in &e.preload {
+                if m.is_empty()
+                    || m.len() > 128
+                    || !m
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.')
+                {
+                    return Err(invalid(format!("{name}: preload {m:?} is not a module name")));
+                }
+            }
+            let default = if *shipped && file_default(language) {
+                false
+            } else {
+                e.default
+            };
+            let d = &self.daemon;
+            let (lang_min, lang_max) = match language {
+                Language::Python => (d.pool_python_min, d.pool_python_max),
+                Language::R => (d.pool_r_min, d.pool_r_max),
+            };
+            let (pool_min, pool_max) = match (e.pool_min, e.pool_max) {
+                (None, None) if default => (lang_min, lang_max),
+                (None, None) => (0, 0),
+                (Some(a), None) => (a, a),
+                (None, Some(b)) => (0, b),
+                (Some(a), Some(b)) => (a, b),
+            };
+            if pool_max < pool_min {
+                return Err(invalid(format!(
+                    "{name}: pool_max {pool_max} is below pool_min {pool_min}"
+                )));
+            }
+            out.push(Environment {
+                name: name.clone(),
+                language,
+                engine: e.engine,
+                default,
+                interpreter: e.interpreter.clone(),
+                library_paths: e.library_paths.clone(),
+                preload: e.preload.clone(),
+                pool_min,
+                pool_max,
+            });
+        }
+        for lang in served {
+            let n = out
+                .iter()
+                .filter(|e| e.language == lang && e.default)
+                .count();
+            if n != 1 {
+                return Err(invalid(format!(
+                    "language {} has {n} default environments (exactly one is needed)",
+                    lang.as_str()
+                )));
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -844,6 +1120,51 @@ mod tests {
             .apply_env(env(&[("SANDCELL_MAX_FUEL", "lots")]))
             .unwrap_err();
         assert!(e.to_string().contains("SANDCELL_MAX_FUEL"));
+    }
+
+    #[test]
+    fn environments_merge_with_the_shipped_ones() {
+        let c = Config::default();
+        let envs = c.environments();
+        let names: Vec<&str> = envs.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, ["pydata", "python", "r"]);
+        let py = c.environment("python").unwrap();
+        assert!(py.default && py.engine == Engine::Eryx);
+        let pd = c.environment("pydata").unwrap();
+        assert!(!pd.default && pd.engine == Engine::Native);
+        assert!(c.environment("r").unwrap().default);
+
+        // A file default replaces the shipped one; a pool of its own; a removal.
+        let c = Config::parse(
+            Path::new("t"),
+            "[daemon]\npool_python_min = 1\npool_python_max = 2\n\n[environments.pydata]\nlanguage = \"python\"\nengine = \"native\"\ndefault = true\npool_min = 1\npool_max = 3\npreload = [\"numpy\"]\n\n[environments.r]\nlanguage = \"r\"\nengine = \"native\"\nenabled = false\n",
+        )
+        .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("language r has 0 default"), "{e}");
+        let mut c2 = c.clone();
+        c2.daemon.languages = vec!["python".into()];
+        c2.validate().unwrap();
+        let pd = c2.environment("pydata").unwrap();
+        assert!(pd.default && pd.pool_min == 1 && pd.pool_max == 3);
+        let py = c2.environment("python").unwrap();
+        assert!(!py.default && py.pool_max == 0);
+        assert!(c2.environment("r").is_none());
+
+        // Nonsense is named.
+        for bad in [
+            "[environments.x]\nlanguage = \"r\"\nengine = \"eryx\"\n",
+            "[environments.x]\nlanguage = \"cobol\"\nengine = \"native\"\n",
+            "[environments.x]\nlanguage = \"python\"\nengine = \"native\"\nlibrary_paths = [\"rel\"]\n",
+            "[environments.x]\nlanguage = \"python\"\nengine = \"native\"\ndefault = true\n[environments.y]\nlanguage = \"python\"\nengine = \"native\"\ndefault = true\n",
+            "[environments.Bad]\nlanguage = \"python\"\nengine = \"native\"\n",
+            "[environments.x]\nlanguage = \"python\"\nengine = \"native\"\npreload = [\"os; rm\"]\n",
+        ] {
+            let c = Config::parse(Path::new("t"), bad).unwrap();
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("environments"), "{bad}: {e}");
+        }
+        assert!(Config::parse(Path::new("t"), "[environments.x]\nlanguage = \"python\"\nengine = \"wasm\"\n").is_err());
     }
 
     #[test]

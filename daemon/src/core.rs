@@ -7,7 +7,7 @@
 use crate::admission::{Admission, Budgets, Charge, Refused, UidBudgets, UidCharge};
 use crate::auth::{Action, Authority};
 use crate::cgroup::{Backend, GroupLimits, SessionGroup};
-use crate::config::Config;
+use crate::config::{Config, Engine, Environment};
 use crate::identity::UidPool;
 use crate::pool::Prepared;
 use crate::session::{Caller, Event, ExecuteRefused, Session, SessionLimits};
@@ -49,6 +49,8 @@ pub struct Core {
     /// Workers being started for a client, by session id (listed as `starting`).
     starting: Mutex<HashMap<String, Starting>>,
     pool: crate::pool::Pool,
+    /// Readiness and inventory of each environment (`ListEnvironments`).
+    environments: crate::environments::Reports,
     /// This core, weakly, so work that must finish can run on its own task.
     me: std::sync::Weak<Core>,
 }
@@ -197,12 +199,18 @@ impl Core {
             connections_per_uid: Mutex::default(),
             starting: Mutex::default(),
             pool: crate::pool::Pool::default(),
+            environments: crate::environments::Reports::default(),
         })
     }
 
     /// The warm worker pools.
     pub fn pool(&self) -> &crate::pool::Pool {
         &self.pool
+    }
+
+    /// Readiness and inventories of the environments.
+    pub fn environment_reports(&self) -> &crate::environments::Reports {
+        &self.environments
     }
 
     /// Starts the warm-pool refill task (a no-op while every pool size is 0).
@@ -443,6 +451,35 @@ impl Core {
         }
     }
 
+    /// The environment a session of `language` runs in: `name`, or the language's default.
+    ///
+    /// Errors: `UnsupportedLanguage`; `NoSuchEnvironment` (listing the names served) for an
+    /// unknown name; `EnvironmentMismatch` when the environment serves another language.
+    pub fn resolve_environment(
+        &self,
+        language: &str,
+        name: Option<&str>,
+    ) -> Result<Environment, KernelError> {
+        let language = self.language(language)?;
+        let envs = self.config().environments();
+        let found = match name {
+            None => envs.iter().find(|e| e.language == language && e.default),
+            Some(n) => envs.iter().find(|e| e.name == n),
+        };
+        match found {
+            Some(e) if e.language == language => Ok(e.clone()),
+            Some(e) => Err(KernelError::EnvironmentMismatch {
+                environment: e.name.clone(),
+                language: language.as_str().into(),
+                environment_language: e.language.as_str().into(),
+            }),
+            None => Err(KernelError::NoSuchEnvironment {
+                environment: name.unwrap_or(language.as_str()).into(),
+                known: envs.iter().map(|e| e.name.clone()).collect(),
+            }),
+        }
+    }
+
     /// Looks up a session the caller may use: its owner, or root. Others get `NoSuchSession`
     /// (the session's existence is not revealed).
     fn lookup(&self, caller: &Caller, id: &str) -> Result<Arc<Session>, KernelError> {
@@ -476,6 +513,7 @@ impl Core {
         &self,
         caller: &Caller,
         language: &str,
+        environment: Option<&str>,
         limits: Option<&Limits>,
         detached_idle_seconds: Option<u64>,
     ) -> Result<Arc<Session>, KernelError> {
@@ -483,7 +521,8 @@ impl Core {
         if self.stopping() {
             return Err(KernelError::ShuttingDown {});
         }
-        let language = self.language(language)?;
+        let env = self.resolve_environment(language, environment)?;
+        let language = env.language;
         let limits = self.session_limits(language, limits)?;
         let max_idle = self.config().limits.max_detached_idle_seconds;
         let detached = match detached_idle_seconds {
@@ -521,20 +560,21 @@ impl Core {
         if !matches!(caller.subject, crate::session::Subject::Daemon) {
             self.admission.take_start(caller.uid).map_err(refused)?;
         }
-        let charge = self.charge(language, limits.guest_memory);
+        let charge = self.charge(env.engine, limits.guest_memory);
         let reserved = self
             .admission
             .reserve_uid(caller.uid, charge, detached.is_some())
             .map_err(refused)?;
         // act
-        self.spawn_session(caller, language, limits, detached, reserved)
+        self.spawn_session(caller, &env, limits, detached, reserved)
             .await
     }
 
-    /// What a session of `language` with `guest_memory` is charged.
-    fn charge(&self, language: Language, guest_memory: u64) -> Charge {
+    /// What a session run by `engine` with `guest_memory` is charged (guest memory is Eryx's
+    /// linear memory: native engines are charged none of it).
+    fn charge(&self, engine: Engine, guest_memory: u64) -> Charge {
         Charge {
-            guest_memory: if language == Language::Python {
+            guest_memory: if engine == Engine::Eryx {
                 guest_memory
             } else {
                 0
@@ -546,18 +586,18 @@ impl Core {
     async fn spawn_session(
         &self,
         caller: &Caller,
-        language: Language,
+        env: &Environment,
         limits: SessionLimits,
         detached: Option<Duration>,
         reserved: UidCharge,
     ) -> Result<Arc<Session>, KernelError> {
         // A warm worker, when one fits: already confined and Ready, never used before.
-        let warm = self.pool.take(language, limits.guest_memory);
+        let warm = self.pool.take(&env.name, env.language, limits.guest_memory);
         let from_pool = warm.is_some();
         let mut prepared = match warm {
             Some(p) => p,
             None => {
-                self.prepare_detached(caller, language, limits.guest_memory)
+                self.prepare_detached(caller, env, limits.guest_memory)
                     .await?
             }
         };
@@ -572,10 +612,11 @@ impl Core {
     async fn prepare_detached(
         &self,
         caller: &Caller,
-        language: Language,
+        env: &Environment,
         guest_memory: u64,
     ) -> Result<Prepared, KernelError> {
         let me = self.me.upgrade().ok_or(KernelError::ShuttingDown {})?;
+        let env = env.clone();
         let (mut tx, rx) = tokio::sync::oneshot::channel();
         let owner = caller.clone();
         tokio::spawn(async move {
@@ -588,13 +629,13 @@ impl Core {
             };
             let work = async {
                 match me
-                    .prepare_worker(language, guest_memory, Some(start(owner.clone())))
+                    .prepare_worker(&env, guest_memory, Some(start(owner.clone())))
                     .await
                 {
                     // Idle pooled workers hold admission charges: give one back rather than
                     // refuse.
                     Err(KernelError::CapacityExceeded { .. }) if me.pool.evict_one().await => {
-                        me.prepare_worker(language, guest_memory, Some(start(owner)))
+                        me.prepare_worker(&env, guest_memory, Some(start(owner)))
                             .await
                     }
                     other => other,
@@ -622,12 +663,13 @@ impl Core {
     /// its cancellation ends the wait for `Ready` at once.
     pub(crate) async fn prepare_worker(
         &self,
-        language: Language,
+        env: &Environment,
         guest_memory: u64,
         start_for: Option<StartFor>,
     ) -> Result<Prepared, KernelError> {
+        let language = env.language;
         let cfg = self.config();
-        let charge = self.charge(language, guest_memory);
+        let charge = self.charge(env.engine, guest_memory);
         let permit = self.admission.try_admit(charge)?;
         let lease = if self.options.per_session_uids {
             Some(
@@ -662,8 +704,19 @@ impl Core {
             }
         });
         let uid = lease.as_ref().map(|l| l.uid());
+        // BLAS/OpenMP threads follow the session's CPU quota (all CPUs when uncapped).
+        let cpu_threads = if cfg.daemon.worker_cpus > 0.0 {
+            cfg.daemon.worker_cpus.ceil() as u32
+        } else {
+            std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
+        };
         let spec = WorkerSpec {
             language,
+            engine: env.engine,
+            interpreter: env.interpreter.clone(),
+            library_paths: env.library_paths.clone(),
+            preload: env.preload.clone(),
+            cpu_threads: cpu_threads.max(1),
             session_id: id.clone(),
             session_dir: sessions_dir(&cfg).join(&id),
             uid,
@@ -751,6 +804,7 @@ impl Core {
             Ok(engine) => Ok(Prepared {
                 id,
                 language,
+                environment: env.name.clone(),
                 guest_memory,
                 engine,
                 spawned,
@@ -847,13 +901,16 @@ impl Core {
         &self,
         caller: &Caller,
         language: &str,
+        environment: Option<&str>,
         code: String,
         limits: Option<&Limits>,
         frames: mpsc::Sender<Frame>,
     ) -> Result<(), KernelError> {
         // The source is checked before any worker starts.
         self.check_source(&code)?;
-        let s = self.open(caller, language, limits, None).await?;
+        let s = self
+            .open(caller, language, environment, limits, None)
+            .await?;
         if let Err(e) = s.execute(code, frames, true).await {
             s.close("one-shot run could not start").await;
             return Err(match e {

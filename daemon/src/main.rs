@@ -2,12 +2,10 @@
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use sandcell_proto::kernel::{Frame, Status};
 use sandcelld::auth::SocketPermissions;
 use sandcelld::cgroup::{self, Backend};
 use sandcelld::config::{Config, DEFAULT_CONFIG_PATH};
 use sandcelld::core::{Core, Options};
-use sandcelld::session::Caller;
 use sandcelld::{notify, varlink};
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -249,15 +247,10 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     }
     prepare_state_dir(&config)?;
     let idle_exit = config.daemon.idle_exit_seconds;
-    let languages = config.daemon.languages.clone();
     let core = Core::new(config, options, backend, Arc::new(SocketPermissions));
     tracing::info!(cgroups = core.cgroup_mode(), activated, "starting");
 
-    for lang in &languages {
-        probe(&core, lang)
-            .await
-            .with_context(|| format!("readiness probe ({lang}) failed"))?;
-    }
+    probe_environments(&core).await?;
     // The D-Bus control plane and the polkit authority (sandcelld::dbus).
     // Started after the readiness probe and before the Varlink socket is served, so polkit
     // (when the system bus and polkitd answer) decides from the first client on; without a
@@ -441,46 +434,32 @@ fn status_line(core: &Core) -> String {
     )
 }
 
-/// Starts a worker through the normal path and runs a trivial cell.
-async fn probe(core: &Arc<Core>, language: &str) -> anyhow::Result<()> {
-    let caller = Caller {
-        uid: 0,
-        gid: 0,
-        pid: std::process::id(),
-        connection: 0,
-        subject: sandcelld::session::Subject::Daemon,
-    };
-    let code = match language {
-        "r" => "cat(1, '\\n', sep = '')",
-        _ => "print(1)",
-    };
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Frame>(16);
-    core.run(&caller, language, code.into(), None, tx)
-        .await
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut out = String::new();
-    while let Some(f) = rx.recv().await {
-        if let Some(o) = f.output {
-            out.push_str(&o.text);
-        }
-        if let Some(r) = f.result {
-            if r.status != Status::Ok || out != "1\n" {
-                bail!(
-                    "probe cell ended {:?} with output {out:?} (error: {:?})",
-                    r.status,
-                    r.error
-                );
-            }
-            // Ready means idle: the probe's worker is reaped and its charge released.
-            let t0 = Instant::now();
-            while !core.sessions().is_empty() {
-                if t0.elapsed() > Duration::from_secs(10) {
-                    bail!("probe session was not released");
-                }
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-            return Ok(());
+/// Checks every environment through the normal path (a confined one-shot session running a
+/// cell that prints the interpreter's version and installed packages). A language's default
+/// environment must pass; another one that fails is listed as not ready, with the reason.
+async fn probe_environments(core: &Arc<Core>) -> anyhow::Result<()> {
+    for env in core.config().environments() {
+        let r = sandcelld::environments::report(core, &env).await;
+        if r.ready {
+            tracing::info!(environment = %env.name, version = %r.version, packages = r.packages.len(), "environment ready");
+        } else if env.default {
+            bail!(
+                "readiness probe ({}, the default {} environment) failed: {}",
+                env.name,
+                env.language.as_str(),
+                r.reason.unwrap_or_default()
+            );
+        } else {
+            tracing::warn!(environment = %env.name, reason = r.reason.as_deref().unwrap_or(""), "environment not ready; sessions of it will fail to start");
         }
     }
-    bail!("probe cell produced no result")
+    // Ready means idle: the probes' workers are reaped and their charges released.
+    let t0 = Instant::now();
+    while !core.sessions().is_empty() {
+        if t0.elapsed() > Duration::from_secs(10) {
+            bail!("probe session was not released");
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    Ok(())
 }

@@ -1,5 +1,7 @@
 //! Warm worker pools: a bounded number of pre-started, already confined, Ready workers per
-//! language, so that `Open` and `Run` skip the worker's start-up.
+//! environment (`python`, `pydata`, `r`, and any the operator declares), so that `Open` and
+//! `Run` skip the worker's start-up. Each environment's pool is sized by its `pool_min` and
+//! `pool_max` (the language's default environment falls back to `pool_<language>_min/max`).
 //!
 //! Rules (the shape follows systemd-nsresourced's bounded pool of pre-forked workers):
 //! - a pooled worker is a complete, unused session-to-be: its own cgroup, uid, directory and
@@ -19,7 +21,7 @@ use crate::core::Core;
 use crate::identity::UidLease;
 use crate::worker::spawn::Spawned;
 use sandcell_proto::kernel::{KernelError, Language};
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -31,6 +33,8 @@ pub struct Prepared {
     pub id: String,
     /// Interpreter.
     pub language: Language,
+    /// Environment name.
+    pub environment: String,
     /// Guest memory it was started with, bytes.
     pub guest_memory: u64,
     /// Engine string from `Ready`.
@@ -62,29 +66,32 @@ impl Prepared {
     }
 }
 
-/// Pool figures for one language (shown on D-Bus as `org.sandcell.Manager1.Pools`).
+/// Pool figures for one environment (shown on D-Bus as `org.sandcell.Manager1.Pools`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Status {
-    /// Language.
+    /// Environment name.
+    pub environment: String,
+    /// Its language.
     pub language: Language,
     /// Idle warm workers now.
     pub idle: usize,
     /// How many the pool aims to keep now: `min`, or `max` while workers are being taken.
     pub target: usize,
-    /// Configured minimum (`pool_<language>_min`) as the refill task last applied it: 0 for a
-    /// language not served (its idle workers are ended) and before the task's first pass.
+    /// Configured minimum as the refill task last applied it: 0 for an environment no longer
+    /// served (its idle workers are ended) and before the task's first pass.
     pub min: usize,
-    /// Configured maximum (`pool_<language>_max`), applied likewise.
+    /// Configured maximum, applied likewise.
     pub max: usize,
     /// Workers taken from the pool since start.
     pub taken: u64,
     /// Opens that found no idle worker (of their guest memory) since start, while the
-    /// language had a pool (`max` > 0).
+    /// environment had a pool (`max` > 0).
     pub missed: u64,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Lane {
+    language: Language,
     idle: VecDeque<Prepared>,
     last_take: Option<Instant>,
     target: usize,
@@ -94,27 +101,43 @@ struct Lane {
     missed: u64,
 }
 
-/// The pools of all languages.
-#[derive(Debug, Default)]
-pub struct Pool {
-    lanes: Mutex<[Lane; 2]>,
-    wake: tokio::sync::Notify,
-}
-
-fn lane(l: Language) -> usize {
-    match l {
-        Language::Python => 0,
-        Language::R => 1,
+impl Lane {
+    fn new(language: Language) -> Lane {
+        Lane {
+            language,
+            idle: VecDeque::new(),
+            last_take: None,
+            target: 0,
+            min: 0,
+            max: 0,
+            taken: 0,
+            missed: 0,
+        }
     }
 }
 
+/// The pools of all environments, by environment name.
+#[derive(Debug, Default)]
+pub struct Pool {
+    lanes: Mutex<BTreeMap<String, Lane>>,
+    wake: tokio::sync::Notify,
+}
+
 impl Pool {
-    /// Takes a warm worker of `language` started with `guest_memory`, if one is idle.
-    pub fn take(&self, language: Language, guest_memory: u64) -> Option<Prepared> {
+    /// Takes a warm worker of `environment` (of `language`) started with `guest_memory`, if
+    /// one is idle.
+    pub fn take(
+        &self,
+        environment: &str,
+        language: Language,
+        guest_memory: u64,
+    ) -> Option<Prepared> {
         let mut lanes = self.lanes.lock().unwrap();
-        let l = &mut lanes[lane(language)];
-        // Only a language that has a pool can be busy or miss it: not the readiness probe,
-        // which runs before the refill task's first pass, nor a language with 0 and 0.
+        let l = lanes
+            .entry(environment.to_owned())
+            .or_insert_with(|| Lane::new(language));
+        // Only an environment that has a pool can be busy or miss it: not the readiness
+        // probe, which runs before the refill task's first pass, nor one with 0 and 0.
         let pooled = l.max > 0;
         if pooled {
             l.last_take = Some(Instant::now());
@@ -151,7 +174,7 @@ impl Pool {
     pub async fn evict_one(&self) -> bool {
         let victim = {
             let mut lanes = self.lanes.lock().unwrap();
-            lanes.iter_mut().find_map(|l| l.idle.pop_front())
+            lanes.values_mut().find_map(|l| l.idle.pop_front())
         };
         match victim {
             Some(p) => {
@@ -162,15 +185,15 @@ impl Pool {
         }
     }
 
-    /// Figures for each language.
+    /// Figures for each environment that has or had a pool, in name order.
     pub fn status(&self) -> Vec<Status> {
         let lanes = self.lanes.lock().unwrap();
-        [Language::Python, Language::R]
-            .into_iter()
-            .map(|language| {
-                let l = &lanes[lane(language)];
+        lanes
+            .iter()
+            .map(|(name, l)| {
                 Status {
-                    language,
+                    environment: name.clone(),
+                    language: l.language,
                     idle: l.idle.len(),
                     target: l.target,
                     min: l.min,
@@ -186,7 +209,7 @@ impl Pool {
     pub async fn drain(&self) {
         let all: Vec<Prepared> = {
             let mut lanes = self.lanes.lock().unwrap();
-            lanes.iter_mut().flat_map(|l| l.idle.drain(..)).collect()
+            lanes.values_mut().flat_map(|l| l.idle.drain(..)).collect()
         };
         for p in all {
             p.discard().await;
@@ -194,29 +217,51 @@ impl Pool {
     }
 
     fn push(&self, p: Prepared) {
-        self.lanes.lock().unwrap()[lane(p.language)]
+        let language = p.language;
+        self.lanes
+            .lock()
+            .unwrap()
+            .entry(p.environment.clone())
+            .or_insert_with(|| Lane::new(language))
             .idle
             .push_back(p);
     }
 
-    /// Decides the target of `language` and returns (idle, target).
+    /// Decides the target of `environment` and returns (idle, target).
     fn plan(
         &self,
+        environment: &str,
         language: Language,
         min: usize,
         max: usize,
         idle_after: Duration,
     ) -> (usize, usize) {
         let mut lanes = self.lanes.lock().unwrap();
-        let l = &mut lanes[lane(language)];
+        let l = lanes
+            .entry(environment.to_owned())
+            .or_insert_with(|| Lane::new(language));
         let busy = l.last_take.is_some_and(|t| t.elapsed() < idle_after);
         (l.min, l.max) = (min, max);
         l.target = if busy { max } else { min };
         (l.idle.len(), l.target)
     }
 
-    fn pop_surplus(&self, language: Language) -> Option<Prepared> {
-        self.lanes.lock().unwrap()[lane(language)].idle.pop_back()
+    fn pop_surplus(&self, environment: &str) -> Option<Prepared> {
+        self.lanes
+            .lock()
+            .unwrap()
+            .get_mut(environment)
+            .and_then(|l| l.idle.pop_back())
+    }
+
+    /// Names of the environments with a lane (that have or had a pool).
+    fn names(&self) -> Vec<(String, Language)> {
+        self.lanes
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(n, l)| (n.clone(), l.language))
+            .collect()
     }
 }
 
@@ -226,8 +271,8 @@ impl Pool {
 /// that finds the core stopping or gone.
 pub async fn run(core: Weak<Core>) {
     let mut backoff_until = Instant::now();
-    // Per language: the last refill was refused by admission (said once, not every second).
-    let mut refused = [false; 2];
+    // Per environment: the last refill was refused by admission (said once, not every second).
+    let mut refused: BTreeMap<String, bool> = BTreeMap::new();
     loop {
         let Some(c) = core.upgrade() else { return };
         if c.stopping() {
@@ -238,39 +283,46 @@ pub async fn run(core: Weak<Core>) {
         let pause = Duration::from_secs_f64(1.0 / d.pool_refill_per_second.max(0.001));
         let idle_after = Duration::from_secs(d.pool_idle_seconds);
         let mut started = false;
-        for lang in [Language::Python, Language::R] {
-            // A language no longer served (a reload dropped it) drains to nothing.
-            let served = d.languages.iter().any(|l| Language::parse(l) == Some(lang));
-            let (min, max) = match lang {
-                _ if !served => (0, 0),
-                Language::Python => (d.pool_python_min, d.pool_python_max),
-                Language::R => (d.pool_r_min, d.pool_r_max),
-            };
-            let (idle, target) = c.pool().plan(lang, min, max, idle_after);
+        let envs = cfg.environments();
+        // Environments no longer served (a reload dropped them) drain to nothing.
+        let mut todo: Vec<(String, Language, usize, usize)> = envs
+            .iter()
+            .map(|e| (e.name.clone(), e.language, e.pool_min, e.pool_max))
+            .collect();
+        for (name, language) in c.pool().names() {
+            if !envs.iter().any(|e| e.name == name) {
+                todo.push((name, language, 0, 0));
+            }
+        }
+        for (name, lang, min, max) in todo {
+            let (idle, target) = c.pool().plan(&name, lang, min, max, idle_after);
             if idle > target {
-                if let Some(p) = c.pool().pop_surplus(lang) {
+                if let Some(p) = c.pool().pop_surplus(&name) {
                     p.discard().await;
                 }
             } else if idle < target && !started && Instant::now() >= backoff_until {
                 started = true;
+                let Some(env) = envs.iter().find(|e| e.name == name) else {
+                    continue;
+                };
                 match c
-                    .prepare_worker(lang, cfg.limits.max_guest_memory_bytes, None)
+                    .prepare_worker(env, cfg.limits.max_guest_memory_bytes, None)
                     .await
                 {
                     Ok(p) => {
-                        tracing::info!(language = lang.as_str(), session = %p.id, "warm worker ready");
-                        refused[lane(lang)] = false;
+                        tracing::info!(environment = %name, language = lang.as_str(), session = %p.id, "warm worker ready");
+                        refused.insert(name.clone(), false);
                         c.pool().push(p);
                     }
                     // No room: clients come first; try again later.
                     Err(KernelError::CapacityExceeded { budget, .. }) => {
-                        if !std::mem::replace(&mut refused[lane(lang)], true) {
-                            tracing::info!(language = lang.as_str(), idle, target, budget = %budget, "warm pool below its target: admission has no room (sessions and other pools use the budget); retrying every second");
+                        if !refused.insert(name.clone(), true).unwrap_or(false) {
+                            tracing::info!(environment = %name, idle, target, budget = %budget, "warm pool below its target: admission has no room (sessions and other pools use the budget); retrying every second");
                         }
                         backoff_until = Instant::now() + Duration::from_secs(1)
                     }
                     Err(e) => {
-                        tracing::warn!(language = lang.as_str(), error = %e, "warm pool: worker failed to start; retrying in 5 s");
+                        tracing::warn!(environment = %name, error = %e, "warm pool: worker failed to start; retrying in 5 s");
                         backoff_until = Instant::now() + Duration::from_secs(5);
                     }
                 }

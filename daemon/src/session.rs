@@ -254,6 +254,7 @@ impl Session {
             group: group.clone(),
         });
         let oom_seen = group.oom_kills();
+        let (interrupt, raw_output) = (spawned.interrupt, spawned.stdout.is_some());
         let actor = Actor {
             session: session.clone(),
             child: spawned.child,
@@ -273,6 +274,8 @@ impl Session {
             known_files: None,
             oom_seen,
             deferred: None,
+            interrupt,
+            raw_output,
         };
         tokio::spawn(actor.run(rx));
         session
@@ -689,6 +692,11 @@ struct Actor {
     /// An `Execute` admitted while the previous result waited for its reader (at most one:
     /// admission marks the session running); run before the next command.
     deferred: Option<Command>,
+    /// Where an interrupt is aimed (the worker kind decides).
+    interrupt: crate::worker::InterruptTarget,
+    /// The worker's output travels on raw stdout/stderr pipes (native R and Python), so an
+    /// `output`/`dropped` frame from it is a protocol violation.
+    raw_output: bool,
 }
 
 impl Actor {
@@ -761,22 +769,9 @@ impl Actor {
     }
 
     fn signal_interrupt(&self) {
-        let pid = self.pid as libc::pid_t;
-        // SAFETY: plain signal syscalls on our own child; pid is the worker's, still unreaped
-        // (we hold its Child), so it cannot have been reused.
-        unsafe {
-            match self.session.language {
-                // The whole process group: R ignores SIGINT while it waits for a system()
-                // child, so the child must get it too. The launcher pins BLAS/OpenMP pools to
-                // one thread, so R's main thread is the only one to take it.
-                Language::R => {
-                    libc::kill(-pid, libc::SIGINT);
-                }
-                Language::Python => {
-                    libc::kill(pid, libc::SIGINT);
-                }
-            }
-        }
+        // R: the whole process group; native Python: its main thread (tgkill); Eryx: the
+        // process. See `InterruptTarget`.
+        self.interrupt.send(self.pid);
     }
 
     /// Runs one cell. Returns `Some((reason, close_waiter))` when the session ended with it.
@@ -1115,10 +1110,10 @@ impl Actor {
             Ok(m) => m,
             Err(e) => return violation(e),
         };
-        let raw_output = self.session.language == Language::R;
+        let raw_output = self.raw_output;
         match msg {
             WorkerMessage::Output { .. } | WorkerMessage::Dropped { .. } if raw_output => {
-                violation(format!("an R worker sent {}", kind(&msg)))
+                violation(format!("a native worker sent {}", kind(&msg)))
             }
             WorkerMessage::Output { cell, .. }
             | WorkerMessage::Dropped { cell, .. }

@@ -79,6 +79,9 @@ pub struct RunParams {
     /// Optional lower limits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limits: Option<Limits>,
+    /// Environment name (see `ListEnvironments`); absent: the language's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment: Option<String>,
 }
 
 /// Parameters of `Open`.
@@ -93,6 +96,59 @@ pub struct OpenParams {
     /// Keep the session after the connection ends, for this many idle seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detached_idle_seconds: Option<u64>,
+    /// Environment name (see `ListEnvironments`); absent: the language's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment: Option<String>,
+}
+
+/// Most packages `ListEnvironments` lists per environment.
+pub const MAX_LISTED_PACKAGES: usize = 500;
+
+/// One installed package of an environment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Package {
+    /// Distribution (Python) or package (R) name.
+    pub name: String,
+    /// Its version string.
+    pub version: String,
+}
+
+/// A named environment, as `ListEnvironments` reports it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Environment {
+    /// Name, e.g. `python`, `pydata`, `r`.
+    pub name: String,
+    /// `python` or `r`.
+    pub language: String,
+    /// `eryx` or `native`.
+    pub engine: String,
+    /// The language's default environment.
+    pub default: bool,
+    /// Interpreter version, e.g. `CPython 3.11.2` (empty when not ready).
+    pub interpreter_version: String,
+    /// A confined probe session started and ran a cell at daemon start.
+    pub ready: bool,
+    /// Why not ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// Installed packages in name order, at most [`MAX_LISTED_PACKAGES`].
+    #[serde(default)]
+    pub packages: Vec<Package>,
+    /// More packages are installed than listed.
+    #[serde(default)]
+    pub packages_truncated: bool,
+}
+
+/// Parameters of `ListEnvironments` (none).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListEnvironmentsParams {}
+
+/// Reply of `ListEnvironments`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ListEnvironmentsReply {
+    /// Every environment served, in name order.
+    pub environments: Vec<Environment>,
 }
 
 /// Reply of `Open`.
@@ -556,6 +612,24 @@ pub enum KernelError {
         /// `dir`, `symlink`, `special`, or `foreign` (not owned by the session's worker).
         kind: String,
     },
+    /// No environment of that name is served.
+    #[serde(rename = "org.sandcell.Kernel.NoSuchEnvironment")]
+    NoSuchEnvironment {
+        /// The name asked for.
+        environment: String,
+        /// The names served.
+        known: Vec<String>,
+    },
+    /// The environment serves another language.
+    #[serde(rename = "org.sandcell.Kernel.EnvironmentMismatch")]
+    EnvironmentMismatch {
+        /// The name asked for.
+        environment: String,
+        /// The language asked for.
+        language: String,
+        /// The environment's language.
+        environment_language: String,
+    },
     /// The daemon is stopping.
     #[serde(rename = "org.sandcell.Kernel.ShuttingDown")]
     ShuttingDown {},
@@ -635,7 +709,8 @@ mod tests {
                 "PutFile",
                 "ListFiles",
                 "GetFile",
-                "DeleteFile"
+                "DeleteFile",
+                "ListEnvironments"
             ]
         );
         let errors: Vec<_> = iface.errors().map(|e| e.name().to_string()).collect();
@@ -650,7 +725,7 @@ mod tests {
         }
         let sample = KernelError::ShuttingDown {};
         assert!(errors.iter().any(|e| sample.name().ends_with(e.as_str())));
-        assert_eq!(errors.len(), 12);
+        assert_eq!(errors.len(), 14);
         for e in ["InvalidFileName", "NoSuchFile", "NotRegularFile"] {
             assert!(errors.iter().any(|x| x == e), "{e} missing from the IDL");
         }

@@ -30,20 +30,27 @@ pub type SessionRow = (
     OwnedObjectPath,
 );
 
-/// One row of the `Pools` property: language, idle workers now, target now, configured
+/// One row of the `Pools` property: environment name, idle workers now, target now, configured
 /// minimum, configured maximum (all counts of workers), workers taken from the pool since the
 /// daemon started, opens that found no idle worker since the daemon started.
 pub type PoolRow = (String, u32, u32, u32, u32, u64, u64);
 
-/// The rows of the `Pools` property, one per language, Python first.
+/// The rows of the `Pools` property, one per environment (shipped, configured, or still
+/// holding a pool), in name order; an environment whose pool never ran has a row of zeros.
 pub(crate) fn pool_rows(core: &Core) -> Vec<PoolRow> {
     let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
-    core.pool()
+    let mut rows: std::collections::BTreeMap<String, PoolRow> = crate::config::shipped_environments()
+        .into_iter()
+        .map(|(name, _)| name)
+        .chain(core.config().environments.keys().cloned())
+        .map(|name| (name.clone(), (name, 0, 0, 0, 0, 0, 0)))
+        .collect();
+    let live = core.pool()
         .status()
         .into_iter()
         .map(|s| {
             (
-                s.language.as_str().to_string(),
+                s.environment.clone(),
                 n(s.idle),
                 n(s.target),
                 n(s.min),
@@ -51,9 +58,25 @@ pub(crate) fn pool_rows(core: &Core) -> Vec<PoolRow> {
                 s.taken,
                 s.missed,
             )
-        })
-        .collect()
+        });
+    for row in live {
+        rows.insert(row.0.clone(), row);
+    }
+    rows.into_values().collect()
 }
+
+/// One row of the `Environments` property: name, language, engine, default, interpreter
+/// version, ready, reason (empty when ready), packages as (name, version) pairs.
+pub type EnvironmentRow = (
+    String,
+    String,
+    String,
+    bool,
+    String,
+    bool,
+    String,
+    Vec<(String, String)>,
+);
 
 /// The manager object.
 #[derive(Debug)]
@@ -261,8 +284,8 @@ impl Manager {
         ]
     }
 
-    /// Warm worker pools, one row per language (`python`, `r`), whether or not the language
-    /// is served: (language, idle workers now, target now, configured minimum, configured
+    /// Warm worker pools, one row per environment (`pydata`, `python`, `r`, and any the
+    /// operator declares), whether or not it is served: (environment, idle workers now, target now, configured minimum, configured
     /// maximum, workers taken from the pool since the daemon started, opens that found no
     /// idle worker while the language had a pool). The four numbers after the language count
     /// workers; the target is the minimum, or the maximum while workers are being taken;
@@ -272,6 +295,30 @@ impl Manager {
     #[zbus(property)]
     async fn pools(&self) -> Vec<PoolRow> {
         pool_rows(&self.core)
+    }
+
+    /// The environments served, as Varlink `ListEnvironments` reports them: (name, language,
+    /// engine, default, interpreter version, ready, reason (empty when ready), packages as
+    /// (name, version) pairs in name order, at most 500). Reading it may run the confined
+    /// check of an environment not checked yet (one short one-shot session each).
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn environments(&self) -> Vec<EnvironmentRow> {
+        crate::environments::list(&self.core)
+            .await
+            .into_iter()
+            .map(|e| {
+                (
+                    e.name,
+                    e.language,
+                    e.engine,
+                    e.default,
+                    e.interpreter_version,
+                    e.ready,
+                    e.reason.unwrap_or_default(),
+                    e.packages.into_iter().map(|p| (p.name, p.version)).collect(),
+                )
+            })
+            .collect()
     }
 
     /// sandcelld's version.

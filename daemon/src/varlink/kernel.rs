@@ -160,8 +160,15 @@ pub async fn handle(
             let (tx, rx) = mpsc::channel::<Frame>(64);
             let started = if name == "Run" {
                 let p = parse!(RunParams);
-                core.run(caller, &p.language, p.code, p.limits.as_ref(), tx)
-                    .await
+                core.run(
+                    caller,
+                    &p.language,
+                    p.environment.as_deref(),
+                    p.code,
+                    p.limits.as_ref(),
+                    tx,
+                )
+                .await
             } else {
                 let p = parse!(ExecuteParams);
                 core.execute(caller, &p.session, p.code, tx).await
@@ -177,6 +184,7 @@ pub async fn handle(
                 .open(
                     caller,
                     &p.language,
+                    p.environment.as_deref(),
                     p.limits.as_ref(),
                     p.detached_idle_seconds,
                 )
@@ -242,6 +250,11 @@ pub async fn handle(
                 Ok(v) => send_reply(w, &call, v, false).await,
                 Err(e) => send_kernel_error(w, &call, e).await,
             }
+        }
+        "ListEnvironments" => {
+            let _ = parse!(k::ListEnvironmentsParams);
+            let environments = crate::environments::list(core).await;
+            send_reply(w, &call, k::ListEnvironmentsReply { environments }, false).await
         }
         "Close" => {
             let p = parse!(CloseParams);

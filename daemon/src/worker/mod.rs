@@ -259,6 +259,44 @@ pub fn read_now(fd: std::os::fd::RawFd, buf: &mut [u8]) -> std::io::Result<usize
     }
 }
 
+/// Where a worker's interrupt (SIGINT) is aimed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InterruptTarget {
+    /// The whole process group (R: R ignores SIGINT while it waits for a `system()` child, so
+    /// the child must get it too; its launcher pins BLAS/OpenMP pools to one thread, so R's
+    /// main thread is the only one to take it).
+    ProcessGroup,
+    /// The process (the Eryx worker, which forwards it to the guest).
+    Process,
+    /// The process's main thread only, with `tgkill` (native CPython: Python runs signal
+    /// handlers only in its main thread, and a process-directed signal may be taken by any
+    /// thread that does not block it, e.g. an OpenBLAS worker thread, and then reach Python
+    /// late or never).
+    MainThread,
+}
+
+impl InterruptTarget {
+    /// Sends SIGINT to the worker `pid` (which must be the caller's unreaped child, so the
+    /// pid cannot have been reused; its main thread's tid is its pid).
+    pub fn send(self, pid: u32) {
+        let pid = pid as libc::pid_t;
+        // SAFETY: plain signal syscalls aimed at the caller's own unreaped child.
+        unsafe {
+            match self {
+                InterruptTarget::ProcessGroup => {
+                    libc::kill(-pid, libc::SIGINT);
+                }
+                InterruptTarget::Process => {
+                    libc::kill(pid, libc::SIGINT);
+                }
+                InterruptTarget::MainThread => {
+                    libc::syscall(libc::SYS_tgkill, pid, pid, libc::SIGINT);
+                }
+            }
+        }
+    }
+}
+
 /// Kills every process of a worker, then reaps it: SIGKILL to its process group (it called
 /// setsid, so the group id is its pid) and to itself, then the whole cgroup (what left the
 /// group), then `wait`. The first half of the release order (ARCHITECTURE.md, "Release after

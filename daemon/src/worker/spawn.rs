@@ -24,6 +24,7 @@
 //! Nothing untrusted runs until the worker has confined itself and said `Ready`.
 
 use crate::cgroup::SessionGroup;
+use crate::config::Engine;
 use sandcell_confine::{Enforcement, Plan, SyscallProfile};
 use sandcell_proto::kernel::Language;
 use std::collections::BTreeMap;
@@ -104,6 +105,18 @@ pub fn confinement() -> Option<&'static Confinement> {
 pub struct WorkerSpec {
     /// Interpreter.
     pub language: Language,
+    /// How it runs: Eryx (Python only) or the native interpreter.
+    pub engine: Engine,
+    /// Native engines: the interpreter (Python: the `python3` executable; R: the R home);
+    /// `None`: the launcher's default.
+    pub interpreter: Option<PathBuf>,
+    /// Native engines: extra read-only library directories.
+    pub library_paths: Vec<PathBuf>,
+    /// Native Python: modules imported before Ready.
+    pub preload: Vec<String>,
+    /// BLAS/OpenMP threads of a native Python worker: the session's CPU quota, rounded up
+    /// (at least 1).
+    pub cpu_threads: u32,
     /// Session id, used in paths.
     pub session_id: String,
     /// Session directory to create.
@@ -135,10 +148,12 @@ pub struct Spawned {
     pub requests: pipe::Sender,
     /// Reply lines from the worker (its fd 4).
     pub replies: super::LineReader<pipe::Receiver>,
-    /// Read end of the worker's stdout (R only).
+    /// Read end of the worker's stdout (native workers only).
     pub stdout: Option<pipe::Receiver>,
-    /// Read end of the worker's stderr (R only).
+    /// Read end of the worker's stderr (native workers only).
     pub stderr: Option<pipe::Receiver>,
+    /// Where an interrupt is aimed.
+    pub interrupt: super::InterruptTarget,
 }
 
 /// Why a worker could not be started.
@@ -162,12 +177,52 @@ fn io(op: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
     move |source| Error::Io { op, source }
 }
 
-/// The worker executable for `language`.
-pub fn executable(worker_dir: &Path, language: Language) -> PathBuf {
-    worker_dir.join(match language {
-        Language::Python => "sandcell-worker-python",
-        Language::R => "sandcell-worker-r",
+/// The worker executable for `language` run by `engine`.
+pub fn executable(worker_dir: &Path, language: Language, engine: Engine) -> PathBuf {
+    worker_dir.join(match (language, engine) {
+        (Language::Python, Engine::Eryx) => "sandcell-worker-python",
+        (Language::Python, Engine::Native) => "sandcell-worker-python-native",
+        (Language::R, _) => "sandcell-worker-r",
     })
+}
+
+/// Read-only paths every native worker needs beside the shared libraries: data files under
+/// `/usr/share` (R's library, matplotlib's data, fonts), font configuration and the host's
+/// font caches, the user database (R and Python's `getpass`/`pwd` read it), the process's own
+/// `/proc/self`, and Debian's alternatives (libblas.so.3 and liblapack.so.3 resolve through
+/// `/etc/alternatives`; Landlock does not mediate symlink lookups, but inside the mount
+/// namespace only allowlisted paths exist).
+const NATIVE_READ: [&str; 9] = [
+    "/usr/share",
+    "/etc/fonts",
+    "/etc/nsswitch.conf",
+    "/etc/passwd",
+    "/etc/group",
+    "/var/cache/fontconfig",
+    "/proc/self",
+    "/etc/alternatives",
+    "/sys/devices/system/cpu",
+];
+
+/// Read-only paths of the native Python worker beside [`NATIVE_READ`]: Debian's interpreter
+/// configuration (`sysconfig` reads `/etc/python3.<minor>/sitecustomize.py`), matplotlib's
+/// system configuration, and the root-owned font list built once per host by
+/// `scripts/font-cache.sh` (`/var/cache/sandcell/matplotlib`). `/sys/devices/system/cpu` (in
+/// [`NATIVE_READ`]) is where OpenBLAS and `os.cpu_count` look for CPUs.
+fn python_native_read() -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = ["/etc/matplotlibrc", "/var/cache/sandcell", "/etc/mime.types"]
+        .iter()
+        .map(PathBuf::from)
+        .collect();
+    if let Ok(dir) = std::fs::read_dir("/etc") {
+        for e in dir.flatten() {
+            let name = e.file_name();
+            if name.to_str().is_some_and(|n| n.starts_with("python3")) {
+                v.push(e.path());
+            }
+        }
+    }
+    v
 }
 
 /// The confinement plan of a worker: what it may read, execute and write.
@@ -185,40 +240,47 @@ pub fn plan(spec: &WorkerSpec) -> Plan {
     .map(PathBuf::from)
     .collect();
     let mut exec_paths = vec![spec.worker_dir.clone()];
-    let (syscalls, max_address_space) = match spec.language {
-        Language::Python => {
+    let native = |read_paths: &mut Vec<PathBuf>, exec_paths: &mut Vec<PathBuf>| {
+        read_paths.extend(NATIVE_READ.iter().map(PathBuf::from));
+        read_paths.extend(spec.library_paths.iter().cloned());
+        // /bin/sh plus coreutils for system()/subprocess, and the dynamic loader: execve
+        // checks the execute right on the ELF interpreter too (measured).
+        for p in ["/usr/bin", "/bin"] {
+            exec_paths.push(p.into());
+        }
+        if let Ok(loader) = std::fs::canonicalize("/lib64/ld-linux-x86-64.so.2") {
+            exec_paths.push(loader);
+        }
+    };
+    let (syscalls, max_address_space) = match (spec.language, spec.engine) {
+        (Language::Python, Engine::Eryx) => {
             read_paths.push(spec.python_runtime_dir.clone());
             // wasmtime sizes its thread pool and checks CPU features from here.
             read_paths.push("/sys/devices/system/cpu".into());
             (SyscallProfile::Wasm, None)
         }
-        Language::R => {
-            // R's installation, its configuration, fonts for plots, and the user database
-            // R reads at start.
-            for p in [
-                "/usr/share",
-                "/etc/R",
-                "/etc/fonts",
-                "/etc/nsswitch.conf",
-                "/etc/passwd",
-                "/etc/group",
-                "/var/cache/fontconfig",
-                "/proc/self",
-                // Debian's alternatives: libblas.so.3 and liblapack.so.3 resolve through
-                // here. Landlock does not mediate symlink lookups, but inside the mount
-                // namespace only allowlisted paths exist.
-                "/etc/alternatives",
-            ] {
-                read_paths.push(p.into());
+        (Language::Python, Engine::Native) => {
+            native(&mut read_paths, &mut exec_paths);
+            read_paths.extend(python_native_read());
+            // The interpreter and whatever its path resolves through (python3 -> python3.11).
+            if let Some(i) = &spec.interpreter {
+                read_paths.push(i.clone());
+                exec_paths.push(i.clone());
+                if let Ok(real) = std::fs::canonicalize(i) {
+                    exec_paths.push(real);
+                }
             }
-            // R itself, /bin/sh plus coreutils for system(), and the dynamic loader: execve
-            // checks the execute right on the ELF interpreter too (measured).
-            for p in ["/usr/lib/R", "/usr/bin", "/bin"] {
-                exec_paths.push(p.into());
-            }
-            if let Ok(loader) = std::fs::canonicalize("/lib64/ld-linux-x86-64.so.2") {
-                exec_paths.push(loader);
-            }
+            (SyscallProfile::Native, spec.native_address_space)
+        }
+        (Language::R, _) => {
+            native(&mut read_paths, &mut exec_paths);
+            // R's configuration, and R itself.
+            read_paths.push("/etc/R".into());
+            exec_paths.push(
+                spec.interpreter
+                    .clone()
+                    .unwrap_or_else(|| PathBuf::from("/usr/lib/R")),
+            );
             (SyscallProfile::Native, spec.native_address_space)
         }
     };
@@ -268,7 +330,35 @@ fn environment(spec: &WorkerSpec, plan: &Plan) -> Vec<(String, String)> {
             serde_json::to_string(plan).expect("plan serialises"),
         ),
     ];
-    if spec.language == Language::Python {
+    match (spec.language, spec.engine) {
+        (Language::Python, Engine::Native) => {
+            if let Some(i) = &spec.interpreter {
+                env.push(("SANDCELL_PYTHON".into(), i.display().to_string()));
+            }
+            let libs: Vec<String> = spec
+                .library_paths
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect();
+            if !libs.is_empty() {
+                env.push(("SANDCELL_PYTHON_PATH".into(), libs.join(":")));
+            }
+            if !spec.preload.is_empty() {
+                env.push(("SANDCELL_PYTHON_PRELOAD".into(), spec.preload.join(",")));
+            }
+            env.push((
+                "SANDCELL_CPU_THREADS".into(),
+                spec.cpu_threads.max(1).to_string(),
+            ));
+        }
+        (Language::R, _) => {
+            if let Some(i) = &spec.interpreter {
+                env.push(("SANDCELL_R_HOME".into(), i.display().to_string()));
+            }
+        }
+        _ => {}
+    }
+    if spec.engine == Engine::Eryx {
         env.push((
             "SANDCELL_PYTHON_RUNTIME".into(),
             spec.python_runtime_dir.display().to_string(),
@@ -337,9 +427,10 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
             .open("/dev/null")
             .map_err(io("open /dev/null"))
     };
-    let (stdout, stderr, out_r, err_r) = match spec.language {
-        // R's own stdout/stderr are the cell's streams, drained and bounded by the daemon.
-        Language::R => {
+    let (stdout, stderr, out_r, err_r) = match spec.engine {
+        // A native interpreter's own stdout/stderr are the cell's streams, drained and bounded
+        // by the daemon.
+        Engine::Native => {
             let (or, ow) = high_pipe().map_err(io("pipe"))?;
             let (er, ew) = high_pipe().map_err(io("pipe"))?;
             (
@@ -351,10 +442,11 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
         }
         // Eryx lets raw guest writes to fds 1 and 2 through to the host process: they go to
         // /dev/null and never reach the daemon, its log, or the client.
-        Language::Python => (devnull()?.into(), devnull()?.into(), None, None),
+        Engine::Eryx => (devnull()?.into(), devnull()?.into(), None, None),
     };
+    let exe = executable(&spec.worker_dir, spec.language, spec.engine);
 
-    let mut cmd = tokio::process::Command::new(executable(&spec.worker_dir, spec.language));
+    let mut cmd = tokio::process::Command::new(&exe);
     cmd.env_clear()
         .envs(environment(spec, &plan))
         .current_dir("/")
@@ -410,10 +502,9 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
             Ok(())
         });
     }
-    let child = cmd.spawn().map_err(io(format!(
-        "spawn {}",
-        executable(&spec.worker_dir, spec.language).display()
-    )))?;
+    let child = cmd
+        .spawn()
+        .map_err(io(format!("spawn {}", exe.display())))?;
     // The parent keeps only its own ends: the child's ends and the cgroup files close here.
     drop(cmd);
     drop((req_r, rep_w, procs));
@@ -430,6 +521,11 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
         .map(pipe::Receiver::from_owned_fd)
         .transpose()
         .map_err(io("stderr pipe"))?;
+    let interrupt = match (spec.language, spec.engine) {
+        (Language::R, _) => super::InterruptTarget::ProcessGroup,
+        (Language::Python, Engine::Native) => super::InterruptTarget::MainThread,
+        (Language::Python, Engine::Eryx) => super::InterruptTarget::Process,
+    };
     Ok(Spawned {
         child,
         pid,
@@ -437,5 +533,6 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
         replies,
         stdout,
         stderr,
+        interrupt,
     })
 }

@@ -84,7 +84,16 @@ impl Daemon {
         Self::start_cmd(env, Some(()))
     }
 
+    /// As [`Daemon::start`], but with the configuration file `config` instead of an empty one.
+    pub fn start_with_config(config: &Path, env: &[(&str, &str)]) -> Daemon {
+        Self::start_full(env, None, Some(config))
+    }
+
     fn start_cmd(env: &[(&str, &str)], activated: Option<()>) -> Daemon {
+        Self::start_full(env, activated, None)
+    }
+
+    fn start_full(env: &[(&str, &str)], activated: Option<()>, config: Option<&Path>) -> Daemon {
         let runtime = python_runtime();
         let dir = tempfile::Builder::new()
             .prefix("sandcell-test-")
@@ -137,7 +146,10 @@ impl Daemon {
             args.push("--insecure-dev".into());
         }
         args.push("--config".into());
-        args.push(dir.path().join("none.toml").display().to_string());
+        args.push(match config {
+            Some(c) => c.display().to_string(),
+            None => dir.path().join("none.toml").display().to_string(),
+        });
         let mut cmd = match activated {
             None => {
                 let mut c = Command::new(daemon);

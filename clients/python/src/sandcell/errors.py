@@ -151,6 +151,20 @@ class NotRegularFile(VarlinkError):
     fields = ("name", "kind")
 
 
+class NoSuchEnvironment(VarlinkError):
+    """No environment of that name is served; ``known`` lists the names that are (see
+    :meth:`sandcell.Client.list_environments`)."""
+
+    fields = ("environment", "known")
+
+
+class EnvironmentMismatch(VarlinkError):
+    """The environment serves another language (``environment_language``) than the one
+    asked for (``language``)."""
+
+    fields = ("environment", "language", "environment_language")
+
+
 class ShuttingDown(VarlinkError):
     """The daemon is shutting down and takes no new work."""
 
@@ -206,6 +220,8 @@ _REGISTRY: dict[str, type[VarlinkError]] = {
         InvalidFileName,
         NoSuchFile,
         NotRegularFile,
+        NoSuchEnvironment,
+        EnvironmentMismatch,
         ShuttingDown,
         InterfaceNotFound,
         MethodNotFound,

@@ -1,0 +1,368 @@
+//! The `pydata` environment through a real sandcelld: native CPython with Debian's scientific
+//! stack in a confined worker (`sandcell-worker-python-native`), the analyses of
+//! `examples/pydata/` with their exact expected output, plots returned as PNG files,
+//! interrupts that keep the session, tracebacks with the user's lines, exits, and the walls
+//! of the native engine (files, network, processes, resources).
+//!
+//! Skipped, with the reason printed, when /usr/bin/python3 or one of the packages is missing
+//! (scripts/setup.sh installs them).
+
+mod common;
+
+use common::{Daemon, eventually};
+use sandcell_client::{Client, Collected, State, Status};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const PACKAGES: &str = "numpy, pandas, scipy, matplotlib, statsmodels";
+
+fn pydata_available() -> bool {
+    let ok = Path::new("/usr/bin/python3").exists()
+        && Command::new("/usr/bin/python3")
+            .args(["-I", "-c", &format!("import {PACKAGES}")])
+            .env("MPLBACKEND", "Agg")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!(
+            "skipped: /usr/bin/python3 cannot import {PACKAGES} (scripts/setup.sh installs python3-numpy python3-pandas python3-scipy python3-matplotlib python3-statsmodels)"
+        );
+    }
+    ok
+}
+
+fn daemon(extra: &[(&str, &str)]) -> Option<Daemon> {
+    if !pydata_available() {
+        return None;
+    }
+    Some(Daemon::start(extra))
+}
+
+async fn open(c: &mut Client) -> String {
+    c.open_in("python", Some("pydata"), None, None)
+        .await
+        .expect("open pydata")
+        .session
+}
+
+async fn cell(c: &mut Client, s: &str, code: &str) -> Collected {
+    c.execute_collect(s, code).await.expect("execute")
+}
+
+fn examples() -> std::path::PathBuf {
+    common::manifest_dir().join("../examples/pydata")
+}
+
+#[tokio::test]
+async fn pydata_analyses_print_exact_results_and_plots_arrive_as_png() {
+    let Some(d) = daemon(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "60")]) else {
+        return;
+    };
+    let mut c = d.client().await;
+    let s = open(&mut c).await;
+    for csv in ["mtcars.csv", "sleep.csv"] {
+        let data = std::fs::read(examples().join(csv)).unwrap();
+        c.put_bytes(&s, csv, &data).await.unwrap();
+    }
+    for name in [
+        "pandas_groupby",
+        "numpy_linalg",
+        "scipy_welch",
+        "statsmodels_ols",
+        "matplotlib_plot",
+    ] {
+        let code = std::fs::read_to_string(examples().join(format!("{name}.py"))).unwrap();
+        let want = std::fs::read_to_string(examples().join(format!("{name}.out"))).unwrap();
+        let out = cell(&mut c, &s, &code).await;
+        assert_eq!(
+            out.result.status,
+            Status::Ok,
+            "{name}: {:?}\n{}",
+            out.result,
+            out.stderr
+        );
+        assert_eq!(out.stdout, want, "{name}");
+        if name == "matplotlib_plot" {
+            let names: Vec<_> = out.result.files.iter().map(|f| f.name.clone()).collect();
+            let png = format!("plot-{}-001.png", out.cell);
+            let f = out
+                .result
+                .files
+                .iter()
+                .find(|f| f.name == png)
+                .unwrap_or_else(|| panic!("{png} not among the cell's files {names:?}"));
+            assert_eq!(f.media_type, "image/png");
+            // Only the plot: no font cache or configuration leaks into the session's files.
+            assert_eq!(names, [png.clone()], "{names:?}");
+            let mut bytes = Vec::new();
+            c.get_file(&s, &png, &mut bytes).await.unwrap();
+            assert!(
+                bytes.starts_with(b"\x89PNG\r\n\x1a\n") && bytes.len() > 5000,
+                "not a PNG: {} bytes",
+                bytes.len()
+            );
+        }
+    }
+    // scipy's Welch test matches R's t.test on the same data (t = -1.8608, p = 0.07939).
+    let out = cell(&mut c, &s, "print(round(res.statistic, 4), round(res.pvalue, 5))").await;
+    assert_eq!(out.stdout, "-1.8608 0.07939\n");
+}
+
+#[tokio::test]
+async fn pydata_session_state_tracebacks_exits_and_threads() {
+    let Some(d) = daemon(&[("SANDCELL_WORKER_CPUS", "2")]) else {
+        return;
+    };
+    let mut c = d.client().await;
+    let o = c
+        .open_in("python", Some("pydata"), None, None)
+        .await
+        .unwrap();
+    assert!(o.engine.starts_with("CPython 3."), "{}", o.engine);
+    let s = o.session;
+    cell(&mut c, &s, "import numpy as np\nx = np.arange(5)").await;
+    let out = cell(&mut c, &s, "x.sum()").await;
+    assert_eq!(out.stdout, "10\n", "the last expression is shown");
+    // The user's line numbers, in the error and in the traceback.
+    let out = cell(
+        &mut c,
+        &s,
+        "a = 1\n\ndef f(v):\n    return v / 0\n\nf(a)\n",
+    )
+    .await;
+    assert_eq!(out.result.status, Status::Error);
+    let e = out.result.error.clone().unwrap();
+    assert_eq!(e.kind, "ZeroDivisionError", "{e:?}");
+    assert_eq!(e.line, Some(4), "{e:?}");
+    let tb = e.traceback.unwrap_or_default();
+    assert!(
+        tb.contains("line 6") && tb.contains("return v / 0"),
+        "traceback without the user's lines: {tb}"
+    );
+    assert_eq!(out.result.state, State::Kept);
+    // BLAS/OpenMP pools follow the session's CPU quota (2 CPUs here); the working directory
+    // is the session directory.
+    let out = cell(
+        &mut c,
+        &s,
+        "import os\nprint(os.environ['OPENBLAS_NUM_THREADS'], os.environ['OMP_NUM_THREADS'])\nprint(os.getcwd() == os.environ['SANDCELL_SESSION_DIR'], os.environ.get('MPLBACKEND'))",
+    )
+    .await;
+    assert_eq!(out.stdout, "2 2\nTrue Agg\n", "{:?}", out.result);
+    // The session directory is also /mnt/data (inside the worker's mount namespace).
+    if !common::insecure() {
+        let out = cell(
+            &mut c,
+            &s,
+            "import os\nopen('/mnt/data/via-mnt.txt', 'w').write('hi')\nprint(os.path.samefile('/mnt/data', '.'))",
+        )
+        .await;
+        assert_eq!(out.stdout, "True\n", "{:?}", out.result);
+        assert!(
+            out.result.files.iter().any(|f| f.name == "via-mnt.txt"),
+            "{:?}",
+            out.result.files
+        );
+    }
+    let out = cell(&mut c, &s, "print(x.tolist())").await;
+    assert_eq!(out.stdout, "[0, 1, 2, 3, 4]\n");
+    // sys.exit(n) ends the session with its code.
+    let out = cell(&mut c, &s, "import sys\nsys.exit(3)").await;
+    assert_eq!(out.result.status, Status::Exited, "{:?}", out.result);
+    assert_eq!(out.result.exit_code, Some(3));
+    assert!(out.result.session_ended);
+    // os._exit is a crash.
+    let out = c
+        .run_collect_in("python", Some("pydata"), "import os\nos._exit(0)", None)
+        .await
+        .unwrap();
+    assert_eq!(out.result.status, Status::WorkerCrashed, "{:?}", out.result);
+}
+
+#[tokio::test]
+async fn pydata_interrupts_end_the_cell_and_keep_the_variables() {
+    let Some(d) = daemon(&[
+        ("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "120"),
+        ("SANDCELL_WORKER_CPUS", "2"),
+    ]) else {
+        return;
+    };
+    let mut a = d.client().await;
+    let s = open(&mut a).await;
+    cell(
+        &mut a,
+        &s,
+        "import numpy as np, time\nkeep = 'kept'\nm = np.random.default_rng(1).standard_normal((700, 700))",
+    )
+    .await;
+    // time.sleep, and BLAS products on two OpenBLAS threads: SIGINT goes to the main thread.
+    for code in ["time.sleep(100)", "while True:\n    m = m @ m / 700.0"] {
+        a.execute(&s, code).await.unwrap();
+        let started = a.next_frame().await.unwrap().started.unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut b = d.client().await;
+        let t0 = Instant::now();
+        assert!(b.interrupt(&s, started.cell).await.unwrap().delivered);
+        let out = a.finish(|_| {}).await.unwrap();
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "{code}: took {:?}",
+            t0.elapsed()
+        );
+        assert_eq!(
+            out.result.status,
+            Status::Interrupted,
+            "{code}: {:?}",
+            out.result
+        );
+        assert_eq!(out.result.state, State::Kept);
+        let after = cell(&mut a, &s, "print(keep, m.shape)").await;
+        assert_eq!(after.stdout, "kept (700, 700)\n", "{:?}", after.result);
+    }
+}
+
+#[tokio::test]
+async fn pydata_walls_hold() {
+    let Some(d) = daemon(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "20")]) else {
+        return;
+    };
+    let mut c = d.client().await;
+    let pid = d.pid();
+    let blocked: Vec<(&str, String)> = vec![
+        ("read /etc/shadow", "open('/etc/shadow').read()".into()),
+        ("list /root", "import os\nassert os.listdir('/root')".into()),
+        (
+            "list other sessions",
+            "import os\nassert len(os.listdir('..')) > 1".into(),
+        ),
+        (
+            "tcp to 127.0.0.1",
+            "import socket\nsocket.create_connection(('127.0.0.1', 22), 2)".into(),
+        ),
+        (
+            "unix socket",
+            "import socket\nsocket.socket(socket.AF_UNIX).connect('/run/dbus/system_bus_socket')"
+                .into(),
+        ),
+        ("signal the daemon", format!("import os\nos.kill({pid}, 9)")),
+        (
+            "read the daemon's /proc",
+            format!("open('/proc/{pid}/cmdline').read()"),
+        ),
+        (
+            "shell reads /etc/shadow",
+            "import subprocess\nsubprocess.run(['cat', '/etc/shadow'], check=True)".into(),
+        ),
+        (
+            "write /usr",
+            "open('/usr/lib/python3/dist-packages/evil.py', 'w').write('x')".into(),
+        ),
+    ];
+    for (what, code) in &blocked {
+        let out = c
+            .run_collect_in("python", Some("pydata"), code, None)
+            .await
+            .unwrap();
+        assert_eq!(
+            out.result.status,
+            Status::Error,
+            "{what}: not blocked: {out:?}"
+        );
+    }
+    // A write to /tmp lands in the session's private /tmp, never the host's.
+    let out = c
+        .run_collect_in(
+            "python",
+            Some("pydata"),
+            "open('/tmp/sandcell-escape-pydata', 'w').write('x')",
+            None,
+        )
+        .await
+        .unwrap();
+    assert_ne!(out.result.status, Status::WorkerCrashed, "{out:?}");
+    assert!(!Path::new("/tmp/sandcell-escape-pydata").exists());
+
+    // Identity and layers, seen from inside.
+    let out = c
+        .run_collect_in(
+            "python",
+            Some("pydata"),
+            "for l in open('/proc/self/status'):\n    if l.split(':')[0] in ('Uid', 'CapEff', 'NoNewPrivs', 'Seccomp'):\n        print(l.strip())\nprint(open('/proc/self/cgroup').read())",
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.result.status, Status::Ok, "{out:?}");
+    if !common::insecure() {
+        let field = |k: &str| {
+            out.stdout
+                .lines()
+                .find(|l| l.starts_with(k))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .unwrap_or("")
+                .to_string()
+        };
+        assert!(field("Uid:").parse::<u64>().unwrap() >= 3_000_000_000);
+        assert_eq!(field("CapEff:"), "0000000000000000");
+        assert_eq!(field("NoNewPrivs:"), "1");
+        assert_eq!(field("Seccomp:"), "2");
+        assert!(out.stdout.contains("/sessions/"), "{}", out.stdout);
+    }
+
+    // Processes: a fork bomb stops at pids.max; a leftover child does not outlive its cell.
+    let mut s = d.client().await;
+    let sess = open(&mut s).await;
+    let out = cell(
+        &mut s,
+        &sess,
+        "import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            import time; time.sleep(30); os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('stopped', n < 1000)",
+    )
+    .await;
+    assert_eq!(out.stdout, "stopped True\n", "{:?}", out.result);
+    let out = cell(
+        &mut s,
+        &sess,
+        "import subprocess\nsubprocess.Popen(['sleep', '1000'])\nprint('started')",
+    )
+    .await;
+    assert_eq!(out.stdout, "started\n");
+    assert!(
+        eventually(Duration::from_secs(5), || d
+            .descendants()
+            .iter()
+            .all(|p| !cmdline(*p).starts_with("sleep"))),
+        "a cell's child outlived its cell"
+    );
+    // Memory: a 4 GiB allocation fails or is OOM-killed; the daemon lives.
+    let out = cell(&mut s, &sess, "b = bytearray(4 << 30)\nprint(len(b))").await;
+    assert!(
+        matches!(
+            out.result.status,
+            Status::Oom | Status::MemoryExhausted | Status::Error
+        ),
+        "{:?}",
+        out.result
+    );
+    // Output floods are bounded at the host end with exact counts.
+    let out = c
+        .run_collect_in(
+            "python",
+            Some("pydata"),
+            "import os\nfor _ in range(1000):\n    os.write(1, b'x' * 999 + b'\\n')",
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.result.stdout.seen, 1_000_000, "{:?}", out.result);
+    assert!(out.result.stdout.truncated);
+    assert!(d.child_alive());
+}
+
+fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+        .unwrap_or_default()
+}
