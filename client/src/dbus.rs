@@ -116,21 +116,22 @@ pub struct Status {
     pub active_sessions: u32,
     /// (budget, in use, maximum).
     pub admission: Vec<(String, u64, u64)>,
-    /// Warm worker pools, one per language.
+    /// Warm worker pools, one per environment.
     pub pools: Vec<PoolInfo>,
 }
 
-/// One language's warm worker pool (a row of the `Pools` property).
+/// One environment's warm worker pool (a row of the `Pools` property).
 #[derive(Debug, Clone, Serialize)]
 pub struct PoolInfo {
-    /// `python` or `r`.
+    /// The environment's name (`python`, `pydata`, `r`, or one the operator declared); the
+    /// field keeps its earlier name, from when pools were per language.
     pub language: String,
     /// Idle warm workers now.
     pub idle: u32,
     /// How many idle workers the pool aims for now (the minimum, or the maximum while
     /// workers are being taken).
     pub target: u32,
-    /// Configured minimum (0: no pool, or the language is not served).
+    /// Configured minimum (0: no pool, or the environment is not served).
     pub min: u32,
     /// Configured maximum.
     pub max: u32,

@@ -665,6 +665,11 @@ async fn main() -> ExitCode {
                     "NAME", "LANGUAGE", "ENGINE", "DEFAULT", "READY", "VERSION", "PACKAGES"
                 );
                 for e in &envs {
+                    let count = format!(
+                        "{}{}",
+                        e.packages.len(),
+                        if e.packages_truncated { "+" } else { "" }
+                    );
                     println!(
                         "{:<16} {:<8} {:<7} {:<7} {:<5} {:<24} {:>8}",
                         escape_name(&e.name),
@@ -673,11 +678,7 @@ async fn main() -> ExitCode {
                         if e.default { "yes" } else { "no" },
                         if e.ready { "yes" } else { "no" },
                         escape_name(&e.interpreter_version),
-                        format!(
-                            "{}{}",
-                            e.packages.len(),
-                            if e.packages_truncated { "+" } else { "" }
-                        )
+                        count
                     );
                     if let Some(r) = &e.reason {
                         println!("  not ready: {}", escape_name(r));

@@ -813,7 +813,8 @@ impl Config {
             }
             for p in e.interpreter.iter().chain(&e.library_paths) {
                 let ok = p.is_absolute()
-                    && p.to_str().is_some_and(|s| !s.contains(':') && !s.contains(','))
+                    && p.to_str()
+                        .is_some_and(|s| !s.contains(':') && !s.contains(','))
                     && !p.components().any(|c| c == std::path::Component::ParentDir);
                 if !ok {
                     return Err(invalid(format!(
@@ -829,7 +830,9 @@ impl Config {
                         .bytes()
                         .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.')
                 {
-                    return Err(invalid(format!("{name}: preload {m:?} is not a module name")));
+                    return Err(invalid(format!(
+                        "{name}: preload {m:?} is not a module name"
+                    )));
                 }
             }
             let default = if *shipped && file_default(language) {
@@ -1164,7 +1167,13 @@ mod tests {
             let e = c.validate().unwrap_err().to_string();
             assert!(e.contains("environments"), "{bad}: {e}");
         }
-        assert!(Config::parse(Path::new("t"), "[environments.x]\nlanguage = \"python\"\nengine = \"wasm\"\n").is_err());
+        assert!(
+            Config::parse(
+                Path::new("t"),
+                "[environments.x]\nlanguage = \"python\"\nengine = \"wasm\"\n"
+            )
+            .is_err()
+        );
     }
 
     #[test]

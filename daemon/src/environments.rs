@@ -230,7 +230,9 @@ mod tests {
 
     #[test]
     fn inventory_is_parsed_sorted_and_bounded() {
-        let (v, p, t) = parse_inventory("CPython 3.11.2\nnumpy\t1.24.2\nPandas\t1.5.3\nbad line\nnumpy\t9\nNone\t1\n");
+        let (v, p, t) = parse_inventory(
+            "CPython 3.11.2\nnumpy\t1.24.2\nPandas\t1.5.3\nbad line\nnumpy\t9\nNone\t1\n",
+        );
         assert_eq!(v, "CPython 3.11.2");
         assert_eq!(
             p.iter().map(|p| p.name.as_str()).collect::<Vec<_>>(),

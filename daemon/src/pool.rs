@@ -190,17 +190,15 @@ impl Pool {
         let lanes = self.lanes.lock().unwrap();
         lanes
             .iter()
-            .map(|(name, l)| {
-                Status {
-                    environment: name.clone(),
-                    language: l.language,
-                    idle: l.idle.len(),
-                    target: l.target,
-                    min: l.min,
-                    max: l.max,
-                    taken: l.taken,
-                    missed: l.missed,
-                }
+            .map(|(name, l)| Status {
+                environment: name.clone(),
+                language: l.language,
+                idle: l.idle.len(),
+                target: l.target,
+                min: l.min,
+                max: l.max,
+                taken: l.taken,
+                missed: l.missed,
             })
             .collect()
     }

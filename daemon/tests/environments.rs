@@ -59,7 +59,10 @@ async fn environments_are_listed_with_versions_and_packages() {
         assert!(e.reason.is_none());
     }
     assert!(py.interpreter_version.starts_with("CPython 3."), "{py:?}");
-    assert!(py.packages.is_empty(), "Eryx serves the standard library only");
+    assert!(
+        py.packages.is_empty(),
+        "Eryx serves the standard library only"
+    );
     assert!(pd.interpreter_version.starts_with("CPython 3."), "{pd:?}");
     assert!(r.interpreter_version.starts_with("R 4."), "{r:?}");
     let version = |e: &sandcell_proto::kernel::Environment, p: &str| {
@@ -70,7 +73,10 @@ async fn environments_are_listed_with_versions_and_packages() {
     };
     for p in ["numpy", "pandas"] {
         let v = version(pd, p).unwrap_or_else(|| panic!("{p} not listed: {:?}", pd.packages));
-        assert!(v.chars().next().is_some_and(|c| c.is_ascii_digit()), "{p} {v}");
+        assert!(
+            v.chars().next().is_some_and(|c| c.is_ascii_digit()),
+            "{p} {v}"
+        );
     }
     // The version listed is the one the environment imports.
     let out = c
@@ -102,20 +108,29 @@ async fn environment_selection_defaults_unknown_and_mismatch() {
     let o = c.open("python", None, None).await.unwrap();
     assert!(o.engine.to_lowercase().contains("eryx"), "{}", o.engine);
     c.close(&o.session).await.unwrap();
-    let o = c.open_in("python", Some("python"), None, None).await.unwrap();
+    let o = c
+        .open_in("python", Some("python"), None, None)
+        .await
+        .unwrap();
     assert!(o.engine.to_lowercase().contains("eryx"), "{}", o.engine);
     c.close(&o.session).await.unwrap();
     let o = c.open_in("r", None, None, None).await.unwrap();
     assert!(o.engine.starts_with("R "), "{}", o.engine);
     c.close(&o.session).await.unwrap();
-    let o = c.open_in("python", Some("pydata"), None, None).await.unwrap();
+    let o = c
+        .open_in("python", Some("pydata"), None, None)
+        .await
+        .unwrap();
     assert!(o.engine.starts_with("CPython"), "{}", o.engine);
     c.close(&o.session).await.unwrap();
     let out = c
         .run_collect_in("r", Some("r"), "cat(1 + 1, '\\n')", None)
         .await
         .unwrap();
-    assert_eq!((out.result.status, out.stdout.as_str()), (Status::Ok, "2 \n"));
+    assert_eq!(
+        (out.result.status, out.stdout.as_str()),
+        (Status::Ok, "2 \n")
+    );
 
     // Unknown: a typed error listing the names served.
     match c.open_in("python", Some("nope"), None, None).await {
@@ -125,7 +140,10 @@ async fn environment_selection_defaults_unknown_and_mismatch() {
         }
         other => panic!("expected NoSuchEnvironment, got {other:?}"),
     }
-    match c.run_in("python", Some("nope"), "print(1)", None).await {
+    match c
+        .run_collect_in("python", Some("nope"), "print(1)", None)
+        .await
+    {
         Err(Error::Kernel(KernelError::NoSuchEnvironment { .. })) => {}
         other => panic!("expected NoSuchEnvironment from Run, got {other:?}"),
     }
@@ -147,7 +165,10 @@ async fn environment_selection_defaults_unknown_and_mismatch() {
         }
         other => panic!("expected EnvironmentMismatch, got {other:?}"),
     }
-    match c.run_in("python", Some("r"), "print(1)", None).await {
+    match c
+        .run_collect_in("python", Some("r"), "print(1)", None)
+        .await
+    {
         Err(Error::Kernel(KernelError::EnvironmentMismatch { .. })) => {}
         other => panic!("expected EnvironmentMismatch from Run, got {other:?}"),
     }
@@ -197,7 +218,10 @@ async fn operator_environments_and_a_pool_per_environment() {
     let sci = envs.iter().find(|e| e.name == "science").expect("science");
     assert!(sci.default && sci.ready, "{sci:?}");
     let py = envs.iter().find(|e| e.name == "python").unwrap();
-    assert!(!py.default, "the operator's default replaces the shipped one");
+    assert!(
+        !py.default,
+        "the operator's default replaces the shipped one"
+    );
     // The pool fills, and an Open without an environment takes its warm worker.
     assert!(
         common::eventually(std::time::Duration::from_secs(30), || d

@@ -107,7 +107,12 @@ async fn pydata_analyses_print_exact_results_and_plots_arrive_as_png() {
         }
     }
     // scipy's Welch test matches R's t.test on the same data (t = -1.8608, p = 0.07939).
-    let out = cell(&mut c, &s, "print(round(res.statistic, 4), round(res.pvalue, 5))").await;
+    let out = cell(
+        &mut c,
+        &s,
+        "print(round(res.statistic, 4), round(res.pvalue, 5))",
+    )
+    .await;
     assert_eq!(out.stdout, "-1.8608 0.07939\n");
 }
 
@@ -127,12 +132,7 @@ async fn pydata_session_state_tracebacks_exits_and_threads() {
     let out = cell(&mut c, &s, "x.sum()").await;
     assert_eq!(out.stdout, "10\n", "the last expression is shown");
     // The user's line numbers, in the error and in the traceback.
-    let out = cell(
-        &mut c,
-        &s,
-        "a = 1\n\ndef f(v):\n    return v / 0\n\nf(a)\n",
-    )
-    .await;
+    let out = cell(&mut c, &s, "a = 1\n\ndef f(v):\n    return v / 0\n\nf(a)\n").await;
     assert_eq!(out.result.status, Status::Error);
     let e = out.result.error.clone().unwrap();
     assert_eq!(e.kind, "ZeroDivisionError", "{e:?}");
@@ -318,17 +318,10 @@ async fn pydata_walls_hold() {
     let out = cell(
         &mut s,
         &sess,
-        "import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            import time; time.sleep(30); os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('stopped', n < 1000)",
-    )
-    .await;
-    assert_eq!(out.stdout, "stopped True\n", "{:?}", out.result);
-    let out = cell(
-        &mut s,
-        &sess,
         "import subprocess\nsubprocess.Popen(['sleep', '1000'])\nprint('started')",
     )
     .await;
-    assert_eq!(out.stdout, "started\n");
+    assert_eq!(out.stdout, "started\n", "{:?} {}", out.result, out.stderr);
     assert!(
         eventually(Duration::from_secs(5), || d
             .descendants()
@@ -336,8 +329,23 @@ async fn pydata_walls_hold() {
             .all(|p| !cmdline(*p).starts_with("sleep"))),
         "a cell's child outlived its cell"
     );
+    let out = cell(
+        &mut s,
+        &sess,
+        "import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            import time; time.sleep(30); os._exit(0)\n        n += 1\nexcept OSError as e:\n    print('stopped', n < 1000)",
+    )
+    .await;
+    assert_eq!(out.stdout, "stopped True\n", "{:?}", out.result);
     // Memory: a 4 GiB allocation fails or is OOM-killed; the daemon lives.
-    let out = cell(&mut s, &sess, "b = bytearray(4 << 30)\nprint(len(b))").await;
+    let out = c
+        .run_collect_in(
+            "python",
+            Some("pydata"),
+            "b = bytearray(4 << 30)\nprint(len(b))",
+            None,
+        )
+        .await
+        .unwrap();
     assert!(
         matches!(
             out.result.status,

@@ -205,6 +205,24 @@ out=$(echo 'raise ValueError("boom")' | as_gw sandcellctl run -l python - 2>&1)
 rc=$?
 if [[ $rc == 1 && $out == *boom* ]]; then pass python-cell-error-reported; else fail python-cell-error-reported "exit $rc, output: $out"; fi
 
+# ---- the pydata environment (native CPython with Debian's scientific stack) ---------------
+# The package recommends python3-numpy, python3-pandas & co; the environment is listed and
+# answers a numpy cell when they are installed.
+if /usr/bin/python3 -c 'import numpy, pandas' 2>/dev/null; then
+    out=$(as_gw sandcellctl --json environments 2>&1)
+    if [[ $out == *'"name":"pydata"'* && $out == *'"ready":true'* && $out == *'"numpy"'* ]]; then
+        pass pydata-listed
+    else
+        fail pydata-listed "output: ${out:0:400}"
+    fi
+    out=$(echo 'import numpy as np; print(int(np.linalg.det(np.array([[2.0, 1.0], [1.0, 3.0]])).round()))' \
+        | as_gw sandcellctl run -l python -e pydata - 2>&1)
+    rc=$?
+    if [[ $rc == 0 && $out == 5 ]]; then pass pydata-numpy-cell; else fail pydata-numpy-cell "exit $rc, output: $out"; journal 60; fi
+else
+    skip pydata "python3-numpy/python3-pandas are not installed in the image"
+fi
+
 # ---- a user outside the group is refused by the socket's permissions ----------------------
 out=$(echo 'print(1)' | timeout 120 runuser -u outsider -- sandcellctl run -l python - 2>&1)
 rc=$?

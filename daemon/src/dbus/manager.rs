@@ -39,26 +39,24 @@ pub type PoolRow = (String, u32, u32, u32, u32, u64, u64);
 /// holding a pool), in name order; an environment whose pool never ran has a row of zeros.
 pub(crate) fn pool_rows(core: &Core) -> Vec<PoolRow> {
     let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
-    let mut rows: std::collections::BTreeMap<String, PoolRow> = crate::config::shipped_environments()
-        .into_iter()
-        .map(|(name, _)| name)
-        .chain(core.config().environments.keys().cloned())
-        .map(|name| (name.clone(), (name, 0, 0, 0, 0, 0, 0)))
-        .collect();
-    let live = core.pool()
-        .status()
-        .into_iter()
-        .map(|s| {
-            (
-                s.environment.clone(),
-                n(s.idle),
-                n(s.target),
-                n(s.min),
-                n(s.max),
-                s.taken,
-                s.missed,
-            )
-        });
+    let mut rows: std::collections::BTreeMap<String, PoolRow> =
+        crate::config::shipped_environments()
+            .into_iter()
+            .map(|(name, _)| name)
+            .chain(core.config().environments.keys().cloned())
+            .map(|name| (name.clone(), (name, 0, 0, 0, 0, 0, 0)))
+            .collect();
+    let live = core.pool().status().into_iter().map(|s| {
+        (
+            s.environment.clone(),
+            n(s.idle),
+            n(s.target),
+            n(s.min),
+            n(s.max),
+            s.taken,
+            s.missed,
+        )
+    });
     for row in live {
         rows.insert(row.0.clone(), row);
     }
@@ -285,13 +283,13 @@ impl Manager {
     }
 
     /// Warm worker pools, one row per environment (`pydata`, `python`, `r`, and any the
-    /// operator declares), whether or not it is served: (environment, idle workers now, target now, configured minimum, configured
-    /// maximum, workers taken from the pool since the daemon started, opens that found no
-    /// idle worker while the language had a pool). The four numbers after the language count
-    /// workers; the target is the minimum, or the maximum while workers are being taken;
-    /// minimum and maximum are those the refill task last applied (0 for a language not
-    /// served). PropertiesChanged follows a change within about a second (the pools are
-    /// compared once a second).
+    /// operator declares), whether or not it is served: (environment, idle workers now,
+    /// target now, configured minimum, configured maximum, workers taken from the pool since
+    /// the daemon started, opens that found no idle worker while the environment had a
+    /// pool). The four numbers after the name count workers; the target is the minimum, or
+    /// the maximum while workers are being taken; minimum and maximum are those the refill
+    /// task last applied (0 for an environment not served). PropertiesChanged follows a
+    /// change within about a second (the pools are compared once a second).
     #[zbus(property)]
     async fn pools(&self) -> Vec<PoolRow> {
         pool_rows(&self.core)
@@ -315,7 +313,10 @@ impl Manager {
                     e.interpreter_version,
                     e.ready,
                     e.reason.unwrap_or_default(),
-                    e.packages.into_iter().map(|p| (p.name, p.version)).collect(),
+                    e.packages
+                        .into_iter()
+                        .map(|p| (p.name, p.version))
+                        .collect(),
                 )
             })
             .collect()

@@ -210,10 +210,14 @@ const NATIVE_READ: [&str; 9] = [
 /// `scripts/font-cache.sh` (`/var/cache/sandcell/matplotlib`). `/sys/devices/system/cpu` (in
 /// [`NATIVE_READ`]) is where OpenBLAS and `os.cpu_count` look for CPUs.
 fn python_native_read() -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = ["/etc/matplotlibrc", "/var/cache/sandcell", "/etc/mime.types"]
-        .iter()
-        .map(PathBuf::from)
-        .collect();
+    let mut v: Vec<PathBuf> = [
+        "/etc/matplotlibrc",
+        "/var/cache/sandcell",
+        "/etc/mime.types",
+    ]
+    .iter()
+    .map(PathBuf::from)
+    .collect();
     if let Ok(dir) = std::fs::read_dir("/etc") {
         for e in dir.flatten() {
             let name = e.file_name();
