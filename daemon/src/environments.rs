@@ -42,10 +42,13 @@ pub struct Report {
     pub truncated: bool,
 }
 
-/// Checks done or under way, by environment name, with the configuration they were done for.
+/// A check done or under way, with the configuration it was done for.
+type Check = (Environment, Arc<OnceCell<Report>>);
+
+/// Checks done or under way, by environment name.
 #[derive(Debug, Default)]
 pub struct Reports {
-    cells: Mutex<BTreeMap<String, (Environment, Arc<OnceCell<Report>>)>>,
+    cells: Mutex<BTreeMap<String, Check>>,
 }
 
 impl Reports {

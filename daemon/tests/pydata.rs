@@ -96,7 +96,7 @@ async fn pydata_analyses_print_exact_results_and_plots_arrive_as_png() {
                 .unwrap_or_else(|| panic!("{png} not among the cell's files {names:?}"));
             assert_eq!(f.media_type, "image/png");
             // Only the plot: no font cache or configuration leaks into the session's files.
-            assert_eq!(names, [png.clone()], "{names:?}");
+            assert_eq!(names, std::slice::from_ref(&png), "{names:?}");
             let mut bytes = Vec::new();
             c.get_file(&s, &png, &mut bytes).await.unwrap();
             assert!(
