@@ -725,6 +725,7 @@ impl Core {
             python_runtime_dir: cfg.daemon.python_runtime_dir.clone(),
             guest_memory_bytes: guest_memory,
             native_address_space: None,
+            max_file_bytes: cfg.limits.max_session_files_bytes,
             enforcement: self.options.enforcement,
         };
         let cpu_max = (cfg.daemon.worker_cpus > 0.0)
@@ -1131,6 +1132,12 @@ impl Core {
             }
         }
         let (dir, owner, name_owned) = (s.dir.clone(), s.worker_ids, name.to_owned());
+        // The copy itself stops at the deadline and removes its temporary (files::put_until);
+        // the answer waits a little longer for that, so nothing half-written outlives it.
+        let deadline = (
+            std::time::Instant::now() + Duration::from_secs(PUT_FILE_SECONDS),
+            PUT_FILE_SECONDS,
+        );
         let task = tokio::task::spawn_blocking(move || {
             let source = match source {
                 Upload::Inline(bytes) => crate::files::Source::Inline(bytes),
@@ -1145,10 +1152,22 @@ impl Core {
                     }
                 },
             };
-            crate::files::put(&dir, &name_owned, size, source, owner, &limits)
-                .map_err(KernelError::from)
+            crate::files::put_until(
+                &dir,
+                &name_owned,
+                size,
+                source,
+                owner,
+                &limits,
+                Some(deadline),
+            )
+            .map_err(KernelError::from)
         });
-        let stored = tokio::time::timeout(Duration::from_secs(PUT_FILE_SECONDS), task).await;
+        let stored = tokio::time::timeout(
+            Duration::from_secs(PUT_FILE_SECONDS) + crate::files::PUT_STOP_GRACE,
+            task,
+        )
+        .await;
         // Even a failed store may have left a partial file behind.
         s.files_changed();
         let stored = match stored {

@@ -32,13 +32,13 @@
 //! its end (the worker cannot do that: `fallocate(FALLOC_FL_KEEP_SIZE)` is denied by its
 //! seccomp policy, but a file can arrive from elsewhere) its blocks.
 //!
-//! This is accounting after the fact (after each cell, before each upload), not a file
-//! system that refuses the write: within one cell the worker is bounded by RLIMIT_FSIZE per
-//! file and by the entry and depth bounds of the walk, and the session ends at the next
-//! check. A per-session bounded file system (a loop-mounted image or a tmpfs with `size=` and
-//! `nr_inodes=`, or project quotas on the state directory's file system) would refuse the
-//! write itself; sandcelld does not set one up (it would need a mount per session and, for
-//! tmpfs, charges file pages to the session's memory).
+//! The total is taken before each upload, after each cell, and while a cell runs (the
+//! session's disk watch, `session.rs`, walks again every 25-250 ms and stops the cell when
+//! over); within a walk's interval one file is bounded by the worker's RLIMIT_FSIZE (the
+//! budget). This is accounting, not a file system that refuses the write: a per-session
+//! tmpfs charges file pages to the writer's memory cgroup (the daemon's own, for uploads), and
+//! a loop-mounted image needs a loop device and a mount per session (see ARCHITECTURE.md,
+//! "Files", for the worst case).
 //!
 //! All functions here block (file-system calls); callers run them on a blocking thread.
 
@@ -70,6 +70,10 @@ pub const SCRATCH_DIR: &str = ".tmp";
 const TEMP_PREFIX: &str = ".sandcell-put-";
 /// Copy buffer for descriptor uploads, bytes.
 const COPY_CHUNK: usize = 64 * 1024;
+/// How long after an upload's deadline its answer waits for the copy to stop and remove its
+/// temporary: the copy checks the deadline before each chunk, and a chunk of a local file is
+/// read and written in far less.
+pub const PUT_STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Why a file operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -116,6 +120,9 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// The upload's deadline passed before it was stored: nothing of it is left.
+    #[error("the upload did not finish within {0} s")]
+    Deadline(u64),
     /// An OS call failed.
     #[error("{op}: {source}")]
     Io {
@@ -147,6 +154,11 @@ impl From<Error> for KernelError {
             Error::BadSource { parameter, reason } => KernelError::InvalidParameter {
                 parameter: parameter.into(),
                 reason,
+            },
+            Error::Deadline(secs) => KernelError::LimitExceeded {
+                limit: "put_file_seconds".into(),
+                value: secs,
+                max: secs,
             },
             Error::Io { op, source } => KernelError::InvalidParameter {
                 parameter: "name".into(),
@@ -731,10 +743,42 @@ pub fn put(
     owner: Option<(u32, u32)>,
     limits: &Limits,
 ) -> Result<FileInfo, Error> {
+    put_until(dir, name, declared, source, owner, limits, None)
+}
+
+/// [`put`] under a deadline (`(when, seconds it stands for)`): waiting for another upload to
+/// the same directory, and the copy (checked before every chunk of [`COPY_CHUNK`] bytes,
+/// each a read of a local file system and a write), stop once it passes; the temporary is
+/// then removed, so nothing half-written stays and its disk charge is released.
+///
+/// Errors: as [`put`], and [`Error::Deadline`].
+pub fn put_until(
+    dir: &Path,
+    name: &str,
+    declared: u64,
+    source: Source,
+    owner: Option<(u32, u32)>,
+    limits: &Limits,
+    deadline: Option<(std::time::Instant, u64)>,
+) -> Result<FileInfo, Error> {
     let parts = validate_new_name(name)?;
     check_upload(declared, &source, limits)?;
     let lock = dir_lock(dir);
-    let _held = lock.lock().unwrap_or_else(|e| e.into_inner());
+    let _held = match deadline {
+        None => lock.lock().unwrap_or_else(|e| e.into_inner()),
+        Some((when, secs)) => loop {
+            match lock.try_lock() {
+                Ok(g) => break g,
+                Err(std::sync::TryLockError::Poisoned(e)) => break e.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    if std::time::Instant::now() >= when {
+                        return Err(Error::Deadline(secs));
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+            }
+        },
+    };
     let listing = list(dir)?;
     let existing = listing.files.iter().find(|f| f.name == name);
     let replaced = existing
@@ -801,7 +845,7 @@ pub fn put(
         if let Some((uid, gid)) = owner {
             std::os::unix::fs::fchown(&out, Some(uid), Some(gid)).map_err(io("fchown"))?;
         }
-        write_content(&out, declared, source)
+        write_content(&out, declared, source, deadline)
     })();
     if let Err(e) = written {
         unlink_tmp();
@@ -833,16 +877,34 @@ pub fn put(
     Ok(info(name.into(), &st))
 }
 
-fn write_content(out: &std::fs::File, declared: u64, source: Source) -> Result<(), Error> {
+fn write_content(
+    out: &std::fs::File,
+    declared: u64,
+    source: Source,
+    deadline: Option<(std::time::Instant, u64)>,
+) -> Result<(), Error> {
     use std::io::Write;
     let mut w = out;
+    let past =
+        || deadline.and_then(|(when, secs)| (std::time::Instant::now() >= when).then_some(secs));
     match source {
-        Source::Inline(bytes) => w.write_all(&bytes).map_err(io("write")),
+        Source::Inline(bytes) => {
+            for chunk in bytes.chunks(COPY_CHUNK) {
+                if let Some(secs) = past() {
+                    return Err(Error::Deadline(secs));
+                }
+                w.write_all(chunk).map_err(io("write"))?;
+            }
+            Ok(())
+        }
         Source::Fd(fd) => {
             let src = std::fs::File::from(fd);
             let mut buf = vec![0u8; COPY_CHUNK];
             let mut done: u64 = 0;
             while done < declared {
+                if let Some(secs) = past() {
+                    return Err(Error::Deadline(secs));
+                }
                 let want = ((declared - done) as usize).min(buf.len());
                 let n = std::os::unix::fs::FileExt::read_at(&src, &mut buf[..want], done)
                     .map_err(io("read the passed descriptor"))?;
@@ -967,6 +1029,76 @@ mod tests {
         max: u64,
     ) -> Result<(FileInfo, Vec<u8>, bool), Error> {
         read(dir, name, offset, max, None)
+    }
+
+    #[test]
+    fn an_upload_past_its_deadline_leaves_nothing() {
+        let d = tmp();
+        let src = tempfile::tempfile().unwrap();
+        src.set_len(4 << 20).unwrap();
+        let limits = Limits {
+            max_file_bytes: 8 << 20,
+            max_session_files_bytes: 8 << 20,
+        };
+        // The deadline passes before the first chunk is copied.
+        let past = (std::time::Instant::now(), 60);
+        let e = put_until(
+            d.path(),
+            "big",
+            4 << 20,
+            Source::Fd(src.into()),
+            None,
+            &limits,
+            Some(past),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::Deadline(60)), "{e:?}");
+        let left: Vec<_> = std::fs::read_dir(d.path()).unwrap().collect();
+        assert!(left.is_empty(), "a partial file stayed: {left:?}");
+        assert_eq!(list(d.path()).unwrap().usage.bytes, 0);
+        // Waiting for another upload's lock counts against the deadline too.
+        let lock = dir_lock(d.path());
+        let held = lock.lock().unwrap();
+        let soon = (
+            std::time::Instant::now() + std::time::Duration::from_millis(50),
+            60,
+        );
+        let e = put_until(
+            d.path(),
+            "x",
+            1,
+            Source::Inline(vec![1]),
+            None,
+            &limits,
+            Some(soon),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::Deadline(60)), "{e:?}");
+        drop(held);
+        put_until(
+            d.path(),
+            "x",
+            1,
+            Source::Inline(vec![1]),
+            None,
+            &limits,
+            Some(soon),
+        )
+        .expect_err("still past");
+        let later = (
+            std::time::Instant::now() + std::time::Duration::from_secs(60),
+            60,
+        );
+        put_until(
+            d.path(),
+            "x",
+            1,
+            Source::Inline(vec![1]),
+            None,
+            &limits,
+            Some(later),
+        )
+        .unwrap();
     }
 
     #[test]

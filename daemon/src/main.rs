@@ -72,10 +72,41 @@ fn main() -> anyhow::Result<()> {
     if args.check {
         std::process::exit(check(&config));
     }
-    tokio::runtime::Builder::new_multi_thread()
+    let outcome = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
-        .block_on(run(args, config, path))
+        .block_on(run(args, config, path));
+    if let Err(e) = &outcome
+        && (e.downcast_ref::<Refusal>().is_some() || e.chain().any(|c| c.is::<Refusal>()))
+    {
+        eprintln!("sandcelld: refusing to start: {e:#}");
+        std::process::exit(EX_CONFIG);
+    }
+    outcome
+}
+
+/// Exit status of a start-up refusal that restarting cannot cure (`EX_CONFIG`, sysexits.h):
+/// the configuration is refused, the daemon is not root, the host cannot give the
+/// confinement strict mode requires (Landlock, seccomp, namespaces), or no cgroup is
+/// delegated. The unit's `RestartPreventExitStatus=78` then stops the restart loop; other
+/// failures (a busy cgroup file, a readiness probe that failed) exit with 1 and are retried.
+const EX_CONFIG: i32 = 78;
+
+/// Marks a start-up error as a [`EX_CONFIG`] refusal (found anywhere in the error's chain).
+#[derive(Debug)]
+struct Refusal(&'static str);
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for Refusal {}
+
+/// Wraps `e` as a refusal with context `what`.
+fn refused(e: impl Into<anyhow::Error>, what: &'static str) -> anyhow::Error {
+    e.into().context(Refusal(what))
 }
 
 fn take_listener(args: &Args) -> anyhow::Result<(UnixListener, bool)> {
@@ -91,7 +122,10 @@ fn take_listener(args: &Args) -> anyhow::Result<(UnixListener, bool)> {
         return Ok((UnixListener::from_std(l)?, true));
     }
     let Some(p) = &args.listen else {
-        bail!("no socket: start under systemd socket activation or pass --listen PATH");
+        return Err(refused(
+            anyhow::anyhow!("start under systemd socket activation or pass --listen PATH"),
+            "no socket",
+        ));
     };
     match std::fs::symlink_metadata(p) {
         Ok(m) if m.file_type().is_socket_like() => std::fs::remove_file(p)?,
@@ -131,7 +165,8 @@ fn prepare_state_dir(config: &Config) -> anyhow::Result<()> {
 async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result<()> {
     let (listener, activated) = take_listener(&args)?;
     let root = nix::unistd::geteuid().is_root();
-    let check = sandcell_confine::self_check().context("confinement self-check failed")?;
+    let check =
+        sandcell_confine::self_check().map_err(|e| refused(e, "confinement self-check failed"))?;
     if let Some(cap) = check.landlock_test_cap {
         tracing::warn!(
             cap,
@@ -147,7 +182,11 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
                 v1_name: config.daemon.cgroup_name.clone(),
                 ..Default::default()
             })
-            .context("cgroup setup failed")?,
+            .map_err(|e| match e {
+                // No delegated group, no controllers: the host's setup, not a passing failure.
+                cgroup::Error::Unsupported(_) => refused(e, "cgroup setup failed"),
+                other => anyhow::Error::new(other).context("cgroup setup failed"),
+            })?,
         ))
     };
     let (backend, options): (Arc<dyn Backend>, Options) = if args.insecure_dev {
@@ -178,15 +217,18 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         )
     } else {
         if !root {
-            bail!(
-                "sandcelld must run as root to confine workers (or pass --insecure-dev for development)"
-            );
+            return Err(refused(
+                anyhow::anyhow!(
+                    "sandcelld must run as root to confine workers (or pass --insecure-dev for development)"
+                ),
+                "not root",
+            ));
         }
         // Fail closed: a threat without an enforced layer refuses start-up, with the hint for
         // the operator.
         check
             .require_strict()
-            .context("confinement self-check failed")?;
+            .map_err(|e| refused(e, "confinement self-check failed"))?;
         (
             detect_cgroups()?,
             Options {
@@ -198,10 +240,10 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     let cgroups = backend.mode() != "none";
     let decision = sandcell_confine::policy::evaluate(&check.host(cgroups));
     if options.enforcement == sandcell_confine::Enforcement::Strict && !decision.strict_ok() {
-        bail!(
-            "confinement self-check failed: {}",
-            decision.problems().join("; ")
-        );
+        return Err(refused(
+            anyhow::anyhow!("{}", decision.problems().join("; ")),
+            "confinement self-check failed",
+        ));
     }
     let confinement = sandcelld::worker::spawn::Confinement {
         enforcement: match options.enforcement {

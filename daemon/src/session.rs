@@ -276,6 +276,7 @@ impl Session {
             deferred: None,
             interrupt,
             raw_output,
+            leftovers: Vec::new(),
         };
         tokio::spawn(actor.run(rx));
         session
@@ -379,6 +380,8 @@ enum CellEnd {
     Killed,
     /// The client went away or the session was closed.
     Cancelled(Option<(String, oneshot::Sender<()>)>),
+    /// The session directory went over its disk budget while the cell ran (why).
+    DiskFull(String),
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -492,6 +495,11 @@ struct CellRun {
     /// Sequence number of the next output frame.
     seq: u64,
     phase: Phase,
+    /// The cell's wall time: past it the cell is interrupted ([`WALL_SLACK`] later) and its
+    /// result is `timeout`, however it ends.
+    wall: Duration,
+    /// When the next escalation is due: the first SIGINT (wall time plus [`WALL_SLACK`]), or
+    /// the kill (wall time plus grace, or grace after an `Interrupt`).
     deadline: tokio::time::Instant,
     /// Once interrupted, SIGINT is repeated until the cell ends: a worker may discard one
     /// that arrives before it has read the request (it cannot tell it from a stale one).
@@ -511,6 +519,10 @@ struct CellRun {
     t0: Instant,
     cpu0: Option<f64>,
     oom0: u64,
+    /// The disk watch: when the session directory is totalled next, and the walk in flight
+    /// (on the blocking pool) with its start.
+    disk_next: tokio::time::Instant,
+    disk_scan: Option<(Instant, tokio::task::JoinHandle<u64>)>,
 }
 
 impl CellRun {
@@ -535,7 +547,8 @@ impl CellRun {
             caps: [StreamCap::new(limits.stdout), StreamCap::new(limits.stderr)],
             seq: 0,
             phase: Phase::Running,
-            deadline: tokio::time::Instant::from_std(t0 + limits.wall + limits.grace),
+            deadline: tokio::time::Instant::from_std(t0 + limits.wall + WALL_SLACK),
+            wall: limits.wall,
             repeat,
             hold: [None, None],
             busy: [false; 2],
@@ -546,6 +559,8 @@ impl CellRun {
             t0,
             cpu0: proc_cpu_seconds(pid),
             oom0,
+            disk_next: tokio::time::Instant::from_std(t0 + DISK_WATCH_MIN),
+            disk_scan: None,
         }
     }
 
@@ -697,6 +712,10 @@ struct Actor {
     /// The worker's output travels on raw stdout/stderr pipes (native R and Python), so an
     /// `output`/`dropped` frame from it is a protocol violation.
     raw_output: bool,
+    /// Processes the last cell left running, killed at its end: zombies until their parent
+    /// (init, for an orphan) reaps them, and until then they count against `pids.max`. The
+    /// next cell waits for them first ([`LEFTOVER_REAP_TIMEOUT`] at most).
+    leftovers: Vec<crate::cgroup::Leftover>,
 }
 
 impl Actor {
@@ -737,7 +756,10 @@ impl Actor {
                     Some(Command::Close { reason: r, done }) => { reason = r; close_done = Some(done); break; }
                 },
                 status = self.child.wait() => {
-                    reason = format!("worker exited while idle ({})", status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()));
+                    reason = match status {
+                        Ok(st) => format!("the worker {} while idle", describe_exit(st)),
+                        Err(e) => format!("worker exited while idle ({e})"),
+                    };
                     break;
                 }
                 _ = async { match idle { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => {
@@ -825,6 +847,7 @@ impl Actor {
             _ => list_files(self.session_dir.clone()).await,
         };
         let limits = self.session.limits.clone();
+        self.wait_leftovers_reaped().await;
         let (nonce, nonce_error) = match new_nonce() {
             Ok(n) => (n, None),
             Err(e) => (String::new(), Some(e)),
@@ -869,6 +892,34 @@ impl Actor {
         };
         self.finish_cell(run, end, one_shot, close_req, files_before, cmds)
             .await
+    }
+
+    /// Waits (on the blocking pool, at most [`LEFTOVER_REAP_TIMEOUT`]) until the processes the
+    /// previous cell left behind and the daemon killed are reaped, so that their zombies no
+    /// longer hold the session's `pids.max` when this cell forks. Those the worker itself must
+    /// reap (its own children) are not waited for; what is still there at the bound is logged.
+    async fn wait_leftovers_reaped(&mut self) {
+        if self.leftovers.is_empty() {
+            return;
+        }
+        let killed = std::mem::take(&mut self.leftovers);
+        let worker = self.pid;
+        let t0 = Instant::now();
+        let left = tokio::task::spawn_blocking(move || {
+            crate::cgroup::wait_reaped(
+                &crate::cgroup::Host::default().proc_root,
+                &killed,
+                worker,
+                LEFTOVER_REAP_TIMEOUT,
+            )
+        })
+        .await
+        .unwrap_or(0);
+        if left > 0 {
+            tracing::warn!(session = %self.session.id, zombies = left, "processes killed after the last cell are not reaped yet");
+        } else {
+            tracing::debug!(session = %self.session.id, waited_ms = t0.elapsed().as_millis() as u64, "leftovers of the last cell reaped");
+        }
     }
 
     /// Empties the worker's pipes before a request is written, without blocking. Bytes on the
@@ -957,6 +1008,17 @@ impl Actor {
                     self.on_raw_due(run);
                     None
                 }
+                _ = tokio::time::sleep_until(run.disk_next), if run.disk_scan.is_none() => {
+                    let dir = self.session_dir.clone();
+                    run.disk_scan = Some((
+                        Instant::now(),
+                        tokio::task::spawn_blocking(move || disk_usage(&dir)),
+                    ));
+                    None
+                }
+                bytes = disk_scan_done(&mut run.disk_scan), if run.disk_scan.is_some() => {
+                    self.on_disk_usage(run, bytes)
+                }
                 // Last: a worker that wrote its `done` and exited (R's quit()) is served by the
                 // reply branch first.
                 status = self.child.wait() => self.on_worker_exit(run, status),
@@ -1012,18 +1074,50 @@ impl Actor {
         }
     }
 
-    /// The deadline passed: at the wall time plus grace, interrupt and give another grace; at
-    /// the end of that, kill.
+    /// The deadline passed: [`WALL_SLACK`] after the wall time, interrupt (SIGINT, repeated)
+    /// and kill at the wall time plus the grace; at the end of a grace, kill.
+    ///
+    /// The worker's own limit (R's `setTimeLimit`, Eryx's epoch deadline) is not relied on
+    /// alone: R checks its limit only between R-level operations, so a cell in `Sys.sleep`,
+    /// `system()` or native code ran on until the daemon's SIGINT.
     fn on_deadline(&mut self, run: &mut CellRun) -> Option<CellEnd> {
         if run.phase == Phase::Running {
-            // The worker's own limit did not end the cell: interrupt, then kill after a grace.
             self.signal_interrupt();
             run.phase = Phase::TimedOut;
-            run.deadline = tokio::time::Instant::now() + run.grace;
+            let kill_at = tokio::time::Instant::from_std(run.t0 + run.wall + run.grace);
+            run.deadline = kill_at.max(tokio::time::Instant::now() + KILL_AFTER_SIGINT_MIN);
             None
         } else {
             Some(CellEnd::Killed)
         }
+    }
+
+    /// A total of the session directory finished (`bytes`, with the walk's duration): over
+    /// the budget ends the cell (and its session); otherwise the next walk is due after
+    /// [`DISK_WATCH_FACTOR`] times this one's duration, within [`DISK_WATCH_MIN`] and
+    /// [`DISK_WATCH_MAX`].
+    fn on_disk_usage(
+        &mut self,
+        run: &mut CellRun,
+        (bytes, took): (u64, Duration),
+    ) -> Option<CellEnd> {
+        let budget = self.session.limits.files_bytes;
+        if bytes > budget {
+            let why = if bytes == u64::MAX {
+                format!(
+                    "the session directory holds more than {} entries",
+                    crate::files::MAX_SESSION_ENTRIES
+                )
+            } else {
+                format!(
+                    "the session directory holds {bytes} bytes, over max_session_files_bytes ({budget})"
+                )
+            };
+            return Some(CellEnd::DiskFull(why));
+        }
+        let wait = (took * DISK_WATCH_FACTOR).clamp(DISK_WATCH_MIN, DISK_WATCH_MAX);
+        run.disk_next = tokio::time::Instant::now() + wait;
+        None
     }
 
     /// The client went away mid-cell: a one-shot Run ends; a session's cell is interrupted and
@@ -1093,12 +1187,10 @@ impl Actor {
                 Err(_) => break,
             }
         }
-        Some(CellEnd::WorkerGone(format!(
-            "worker exited ({})",
-            status
-                .map(|s| s.to_string())
-                .unwrap_or_else(|e| e.to_string())
-        )))
+        Some(CellEnd::WorkerGone(match status {
+            Ok(st) => format!("worker {}", describe_exit(st)),
+            Err(e) => format!("worker exited ({e})"),
+        }))
     }
 
     /// One reply line of the running cell. What a worker may send is in
@@ -1227,12 +1319,13 @@ impl Actor {
         let after = cell_files(self.session_dir.clone(), files_before, sweep).await;
         result.files = after.changed;
         self.known_files = after.listing.map(|l| (generation, l));
-        if after.stopped > 0 {
+        if !after.stopped.is_empty() {
             result.warnings.push(format!(
                 "{} process(es) the cell left running were stopped: a cell's processes do not outlive it",
-                after.stopped
+                after.stopped.len()
             ));
         }
+        self.leftovers = after.stopped;
         // A cell writes the directory directly (R, and Python through /mnt/data), so the
         // session's disk budget is checked after every cell. Over it, or with more entries
         // than a listing can see, the session ends and its directory is removed: the safe
@@ -1366,10 +1459,19 @@ impl Actor {
                 ..
             }) => {
                 usage.fuel = fuel;
-                result.status = match (status, run.phase) {
-                    (WorkerStatus::Interrupted | WorkerStatus::Timeout, Phase::TimedOut) => {
-                        Status::Timeout
-                    }
+                // A cell that ran past its wall time timed out, however it ended: a cell whose
+                // `system('sleep 100')` was stopped by the SIGINT goes on to its end and
+                // reports ok.
+                let overran =
+                    run.phase == Phase::TimedOut || usage.wall_seconds > run.wall.as_secs_f64();
+                result.status = match (status, overran) {
+                    (
+                        WorkerStatus::Ok
+                        | WorkerStatus::Error
+                        | WorkerStatus::Interrupted
+                        | WorkerStatus::Timeout,
+                        true,
+                    ) => Status::Timeout,
                     (WorkerStatus::Ok, _) => Status::Ok,
                     (WorkerStatus::Error, _) => Status::Error,
                     (WorkerStatus::Interrupted, _) => Status::Interrupted,
@@ -1379,6 +1481,17 @@ impl Actor {
                     (WorkerStatus::Exited, _) => Status::Exited,
                 };
                 result.error = error;
+                if result.status == Status::Timeout && result.error.is_none() {
+                    result.error = Some(wire::CellError {
+                        kind: "Timeout".into(),
+                        message: format!(
+                            "the cell ran {:.1} s, past its wall time of {:.1} s",
+                            usage.wall_seconds,
+                            run.wall.as_secs_f64()
+                        ),
+                        ..Default::default()
+                    });
+                }
                 result.exit_code = exit_code;
                 result.state = match state {
                     wire::SessionState::Kept => State::Kept,
@@ -1399,7 +1512,41 @@ impl Actor {
                 }
             }
             CellEnd::Done(_) => unreachable!("only Done messages end a cell"),
+            CellEnd::DiskFull(why) => {
+                // Everything of the session stops at once (the worker and whatever it started),
+                // so nothing writes on; the session ends and its directory is removed.
+                self.kill_and_reap().await;
+                result.status = Status::Error;
+                result.state = State::Lost;
+                result.session_ended = true;
+                result.error = Some(wire::CellError {
+                    kind: "DiskQuotaExceeded".into(),
+                    message: format!(
+                        "{why}; the cell was stopped, the session ended and its files were removed"
+                    ),
+                    ..Default::default()
+                });
+                result.warnings.push(format!(
+                    "{why}; the session ended and its files were removed"
+                ));
+                tracing::warn!(session = %self.session.id, cell = run.cell, reason = %why, "disk budget exceeded during a cell");
+                ending = Some((why, None));
+            }
             end @ (CellEnd::Killed | CellEnd::WorkerGone(_) | CellEnd::Cancelled(_)) => {
+                // A worker that closed its pipes or broke the protocol is usually dying: its
+                // exit status (a signal, an exit code) tells an operator why, so it is waited
+                // for briefly before the daemon's own kill would mask it.
+                let end = match end {
+                    CellEnd::WorkerGone(why) => {
+                        match tokio::time::timeout(WORKER_EXIT_WAIT, self.child.wait()).await {
+                            Ok(Ok(st)) if !why.contains(&describe_exit(st)) => CellEnd::WorkerGone(
+                                format!("{why}; the worker {}", describe_exit(st)),
+                            ),
+                            _ => CellEnd::WorkerGone(why),
+                        }
+                    }
+                    other => other,
+                };
                 // The worker is gone or must go: kill the whole group, reap, then decide.
                 self.kill_and_reap().await;
                 let oom = self.group.oom_kills() > run.oom0;
@@ -1419,7 +1566,7 @@ impl Actor {
                     CellEnd::Cancelled(Some((r, _))) => (Status::Cancelled, r.clone()),
                     CellEnd::Cancelled(None) => (Status::Cancelled, "client disconnected".into()),
                     CellEnd::WorkerGone(why) => (Status::WorkerCrashed, why.clone()),
-                    CellEnd::Done(_) => unreachable!(),
+                    CellEnd::Done(_) | CellEnd::DiskFull(_) => unreachable!(),
                 };
                 if status == Status::WorkerCrashed {
                     tracing::warn!(session = %self.session.id, cell = run.cell, reason = %why, "worker ended");
@@ -1501,8 +1648,8 @@ struct AfterCell {
     crowded: bool,
     /// The listing itself (the next cell's "before").
     listing: Option<crate::files::Listing>,
-    /// Processes the cell left running that were killed.
-    stopped: usize,
+    /// Processes the cell left running that were killed (zombies until reaped).
+    stopped: Vec<crate::cgroup::Leftover>,
     /// Why leftover processes could not all be killed.
     sweep_error: Option<String>,
 }
@@ -1519,10 +1666,10 @@ async fn cell_files(
     let done = tokio::task::spawn_blocking(move || {
         let (stopped, sweep_error) = match sweep {
             Some((group, keep)) => match group.kill_others(keep, LEFTOVER_KILL_TIMEOUT) {
-                Ok(n) => (n, None),
-                Err(e) => (0, Some(e.to_string())),
+                Ok(killed) => (killed, None),
+                Err(e) => (Vec::new(), Some(e.to_string())),
             },
-            None => (0, None),
+            None => (Vec::new(), None),
         };
         let after = crate::files::list(&dir).ok();
         (stopped, sweep_error, after)
@@ -1530,7 +1677,7 @@ async fn cell_files(
     .await;
     let (stopped, sweep_error, after) = match done {
         Ok(v) => v,
-        Err(e) => (0, Some(e.to_string()), None),
+        Err(e) => (Vec::new(), Some(e.to_string()), None),
     };
     let Some(after) = after else {
         return AfterCell {
@@ -1551,6 +1698,98 @@ async fn cell_files(
         sweep_error,
     }
 }
+
+/// The disk watch: while a cell runs, the session directory is totalled (the same walk as
+/// after a cell: every entry, `max(st_size, st_blocks * 512)`, at most
+/// [`crate::files::MAX_SESSION_ENTRIES`] entries) again this long after the previous walk
+/// ended, at least...
+const DISK_WATCH_MIN: Duration = Duration::from_millis(25);
+
+/// ... and at most this long after it, ...
+const DISK_WATCH_MAX: Duration = Duration::from_millis(250);
+
+/// ... and otherwise this many times the previous walk's duration, so that the walks cost at
+/// most about 1/20 of a core per running cell however many entries the directory holds.
+const DISK_WATCH_FACTOR: u32 = 20;
+
+/// Bytes the session directory is charged now ([`crate::files::Listing::regular_bytes`]:
+/// `u64::MAX` when it holds more entries than the budget); 0 when it cannot be read (the
+/// check after the cell still runs).
+fn disk_usage(dir: &std::path::Path) -> u64 {
+    crate::files::list(dir)
+        .map(|l| l.regular_bytes())
+        .unwrap_or(0)
+}
+
+/// Waits for the disk walk in flight; returns its total and how long it took.
+async fn disk_scan_done(
+    scan: &mut Option<(Instant, tokio::task::JoinHandle<u64>)>,
+) -> (u64, Duration) {
+    let Some((started, handle)) = scan.as_mut() else {
+        return std::future::pending().await;
+    };
+    let bytes = handle.await.unwrap_or(0);
+    let took = started.elapsed();
+    *scan = None;
+    (bytes, took)
+}
+
+/// How long a worker that closed its reply pipe (or broke the protocol) is given to exit on
+/// its own, so that its crash report names its signal or exit code.
+const WORKER_EXIT_WAIT: Duration = Duration::from_millis(500);
+
+/// How a worker ended, for a crash report: "was killed by signal 9 (SIGKILL)" or "exited with
+/// status 2".
+fn describe_exit(st: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(sig) = st.signal() {
+        let name = match sig {
+            libc::SIGKILL => "SIGKILL",
+            libc::SIGSEGV => "SIGSEGV",
+            libc::SIGABRT => "SIGABRT",
+            libc::SIGBUS => "SIGBUS",
+            libc::SIGILL => "SIGILL",
+            libc::SIGFPE => "SIGFPE",
+            libc::SIGSYS => "SIGSYS",
+            libc::SIGTERM => "SIGTERM",
+            libc::SIGINT => "SIGINT",
+            libc::SIGHUP => "SIGHUP",
+            libc::SIGPIPE => "SIGPIPE",
+            libc::SIGXCPU => "SIGXCPU",
+            libc::SIGXFSZ => "SIGXFSZ",
+            libc::SIGQUIT => "SIGQUIT",
+            _ => "",
+        };
+        let core = if st.core_dumped() {
+            ", core dumped"
+        } else {
+            ""
+        };
+        if name.is_empty() {
+            format!("was killed by signal {sig}{core}")
+        } else {
+            format!("was killed by signal {sig} ({name}){core}")
+        }
+    } else if let Some(code) = st.code() {
+        format!("exited with status {code}")
+    } else {
+        format!("ended ({st})")
+    }
+}
+
+/// How long after its wall time a running cell gets its first SIGINT. The worker's own limit
+/// fires at the wall time and reports `timeout` itself where it can; this slack lets that
+/// report arrive first. A cell still running then is interrupted (SIGINT every 250 ms) and
+/// killed at the wall time plus the grace (`kill_grace_seconds`), which ends its session.
+const WALL_SLACK: Duration = Duration::from_millis(100);
+
+/// The kill comes at least this long after the first SIGINT (a grace shorter than
+/// [`WALL_SLACK`] still leaves the worker a moment to report).
+const KILL_AFTER_SIGINT_MIN: Duration = Duration::from_millis(100);
+
+/// How long the next cell waits for the zombies of the processes the previous cell left (and
+/// the daemon killed) to be reaped.
+const LEFTOVER_REAP_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// How long the end of a cell waits for the processes it left running to die.
 const LEFTOVER_KILL_TIMEOUT: Duration = Duration::from_secs(2);

@@ -228,7 +228,6 @@ async fn kill_mid_cell(d: &Daemon) -> sandcell_client::CellResult {
 /// The crash report of a killed worker names the signal, so that an operator can tell an
 /// outside kill (or the OOM killer) from a worker that exited.
 #[tokio::test]
-#[ignore = "the daemon reports \"worker closed its reply pipe\" without the signal (session.rs reads the pipe's EOF before the exit status)"]
 async fn a_killed_workers_crash_report_names_the_signal() {
     let d = Daemon::start(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "60")]);
     let r = kill_mid_cell(&d).await;

@@ -15,5 +15,9 @@ fn main() {
         sandcell_proto::worker::report_fatal("confine", &e.to_string());
         std::process::exit(sandcell_confine::EXIT_CONFINE_FAILED);
     }
+    // RLIMIT_FSIZE is the session's disk budget: a write to /mnt/data past it fails with
+    // EFBIG (the cell sees an OSError) instead of SIGXFSZ killing the worker.
+    // SAFETY: installing SIG_IGN is always sound; no other thread exists yet.
+    unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
     std::process::exit(sandcell_worker_python::worker::run_confined());
 }

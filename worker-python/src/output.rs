@@ -7,7 +7,8 @@
 //!   `bytes seen = sum(Output.bytes) + Dropped.bytes` exactly;
 //! - a frame carries at most [`MAX_OUTPUT_CHUNK`] original bytes and never splits a UTF-8
 //!   character (an unfinished character is held back until its remaining bytes arrive, or
-//!   escaped at the end of the cell, as [`sandcell_proto::text`] describes);
+//!   escaped at the end of the cell, as [`sandcell_proto::text`] describes); a character cut
+//!   by the `max_output` budget is dropped with the bytes past it;
 //! - consecutive writes to the same stream are coalesced while more are already queued, so a
 //!   `print` (two writes) normally becomes one frame, yet output stays live: whatever is queued
 //!   is sent as soon as the queue is momentarily empty;
@@ -54,6 +55,9 @@ struct StreamState {
     kept: u64,
     /// Accepted bytes not yet sent (may end in an unfinished UTF-8 character).
     buf: Vec<u8>,
+    /// The budget was reached: nothing more is accepted (`kept` may be below it by a
+    /// character the budget cut).
+    full: bool,
 }
 
 /// Output bookkeeping of one cell.
@@ -104,10 +108,22 @@ impl CellOutput {
         let max = self.max_output;
         let st = &mut self.streams[index(stream)];
         st.seen += data.len() as u64;
-        let room = max.saturating_sub(st.kept);
+        let room = if st.full {
+            0
+        } else {
+            max.saturating_sub(st.kept)
+        };
         let take = (data.len() as u64).min(room) as usize;
         st.buf.extend_from_slice(&data[..take]);
         st.kept += take as u64;
+        if take > 0 && st.kept == max {
+            st.full = true;
+            // The budget is used up: a character it cut never completes, so its bytes count
+            // as dropped and the kept text ends on a character boundary.
+            let tail = split_incomplete_tail(&st.buf).1.len();
+            st.buf.truncate(st.buf.len() - tail);
+            st.kept -= tail as u64;
+        }
         while self.streams[index(stream)].buf.len() >= MAX_OUTPUT_CHUNK {
             self.emit_chunk(stream, MAX_OUTPUT_CHUNK, out)?;
         }
@@ -549,13 +565,14 @@ mod tests {
     }
 
     #[test]
-    fn budget_cutting_a_character_escapes_the_tail() {
+    fn budget_cutting_a_character_drops_it() {
         let mut o = CellOutput::new(1, 2);
         let mut f = Lines::new();
         o.push(Stream::Stdout, "a✓".as_bytes(), &mut f).unwrap();
+        o.push(Stream::Stdout, b"more", &mut f).unwrap();
         o.finish(&mut f).unwrap();
-        assert_eq!(texts(&f), vec![(Stream::Stdout, "a\\xe2".into(), 2)]);
-        assert_eq!(dropped(&f, Stream::Stdout), 2);
+        assert_eq!(texts(&f), vec![(Stream::Stdout, "a".into(), 1)]);
+        assert_eq!(dropped(&f, Stream::Stdout), 7);
     }
 
     /// A forwarder writing to a pipe whose read end is returned (non-blocking).

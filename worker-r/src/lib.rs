@@ -297,7 +297,10 @@ pub fn hand_pipes_to(uid: u32, gid: u32, fds: &[RawFd]) -> Result<(), String> {
 
 /// Resets every catchable signal to its default action and unblocks all signals, so the
 /// interpreter starts as if from a clean `execve` (dispositions set to `SIG_IGN` would
-/// otherwise survive it).
+/// otherwise survive it); then ignores SIGXFSZ, on purpose: RLIMIT_FSIZE is the session's
+/// disk budget, and a write past it must fail with `EFBIG` (an error the cell sees) instead
+/// of killing the interpreter. The ignored disposition survives `execve` and `fork`, so the
+/// processes a cell starts inherit it.
 pub fn reset_signals() {
     for sig in 1..libc::SIGRTMIN() {
         if sig == libc::SIGKILL || sig == libc::SIGSTOP {
@@ -306,6 +309,8 @@ pub fn reset_signals() {
         // SAFETY: installing SIG_DFL is always sound; failures (invalid numbers) are ignored.
         unsafe { libc::signal(sig, libc::SIG_DFL) };
     }
+    // SAFETY: installing SIG_IGN is always sound.
+    unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
     // SAFETY: `set` is a local sigset_t initialised by sigemptyset before use.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();

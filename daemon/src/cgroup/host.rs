@@ -365,7 +365,8 @@ fn pidfd_exited(pidfd: &OwnedFd) -> bool {
 /// the newcomer, and the signal through the pidfd still reaches only the dead original
 /// (`ESRCH`). Re-reads the files until no other live process is listed (killed processes
 /// cannot fork; new children of not-yet-killed ones are found on the next pass), waiting for
-/// each killed process to exit. Returns how many processes were signalled.
+/// each killed process to exit. Returns the processes signalled (zombies until reaped: see
+/// [`wait_reaped`]).
 ///
 /// Errors: [`Error::Verify`] if other processes are still alive after `timeout`.
 pub fn kill_others(
@@ -373,9 +374,9 @@ pub fn kill_others(
     keep: u32,
     is_member: &dyn Fn(u32) -> bool,
     timeout: Duration,
-) -> Result<usize, Error> {
+) -> Result<Vec<Leftover>, Error> {
     let start = Instant::now();
-    let mut signalled = 0;
+    let mut signalled: Vec<Leftover> = Vec::new();
     loop {
         let mut alive: Vec<OwnedFd> = Vec::new();
         for pid in listed_pids(procs_files) {
@@ -403,7 +404,10 @@ pub fn kill_others(
                 )
             };
             if rc == 0 {
-                signalled += 1;
+                signalled.push(Leftover {
+                    pid,
+                    pidfd: pidfd.try_clone().ok(),
+                });
                 alive.push(pidfd);
             }
         }
@@ -432,6 +436,59 @@ pub fn kill_others(
                     .unwrap_or_default()
             )));
         }
+    }
+}
+
+/// A process [`kill_others`] killed: its pid, and a pidfd pinning it until it is reaped.
+#[derive(Debug)]
+pub struct Leftover {
+    /// The pid it had.
+    pub pid: u32,
+    /// Pins the process (its pid cannot be reused while this is open and it is unreaped).
+    pub pidfd: Option<OwnedFd>,
+}
+
+/// Whether the process behind `pidfd` is gone, reaped by its parent: a zombie still takes a
+/// signal (`pidfd_send_signal` of 0 succeeds), a reaped process does not (`ESRCH`).
+fn reaped(pidfd: &OwnedFd) -> bool {
+    // SAFETY: pidfd is a valid pidfd; signal 0 only checks; no siginfo; flags 0.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            0,
+            std::ptr::null::<libc::siginfo_t>(),
+            0u32,
+        )
+    };
+    rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+}
+
+/// The parent pid of `pid` (`/proc/<pid>/stat` field 4), if it can be read.
+fn parent_of(proc_root: &Path, pid: u32) -> Option<u32> {
+    let s = std::fs::read_to_string(proc_root.join(pid.to_string()).join("stat")).ok()?;
+    s[s.rfind(')')? + 2..].split(' ').nth(1)?.parse().ok()
+}
+
+/// Waits until every process in `killed` is reaped, at most `timeout`: a killed process is a
+/// zombie that still counts against the group's `pids.max` (and holds its uid) until its
+/// parent reaps it, which for an orphan is init or a subreaper, in its own time (here up to
+/// 2 s). Zombies whose parent is `worker` are not waited for: only the worker can reap its
+/// own children. Returns how many were not reaped in time (0: all gone).
+pub fn wait_reaped(proc_root: &Path, killed: &[Leftover], worker: u32, timeout: Duration) -> usize {
+    let start = Instant::now();
+    loop {
+        let waiting = killed
+            .iter()
+            .filter(|l| match &l.pidfd {
+                Some(fd) => !reaped(fd) && parent_of(proc_root, l.pid) != Some(worker),
+                None => false,
+            })
+            .count();
+        if waiting == 0 || start.elapsed() >= timeout {
+            return waiting;
+        }
+        std::thread::sleep(Duration::from_millis(2));
     }
 }
 

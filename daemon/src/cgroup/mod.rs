@@ -27,7 +27,7 @@ mod host;
 pub mod v1;
 pub mod v2;
 
-pub use host::Host;
+pub use host::{Host, Leftover, wait_reaped};
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -124,10 +124,11 @@ pub trait SessionGroup: Send + Sync + std::fmt::Debug {
     fn kill_all(&self, timeout: Duration) -> Result<(), Error>;
     /// Kills every process in the group except `keep` (the worker), race-free through pidfds
     /// (see [`host::kill_others`]), and waits until they have exited. Called at the end of
-    /// every cell: a cell's processes do not outlive the cell. Returns how many were killed.
+    /// every cell: a cell's processes do not outlive the cell. Returns the processes killed,
+    /// each pinned by its pidfd (see [`host::wait_reaped`]: they are zombies until reaped).
     ///
     /// Errors: [`Error::Verify`] if others are still alive after `timeout`.
-    fn kill_others(&self, keep: u32, timeout: Duration) -> Result<usize, Error>;
+    fn kill_others(&self, keep: u32, timeout: Duration) -> Result<Vec<Leftover>, Error>;
     /// Removes the group; call after [`SessionGroup::kill_all`] and after reaping the worker.
     fn remove(&self) -> Result<(), Error>;
 }
@@ -262,8 +263,8 @@ impl SessionGroup for NoGroup {
     fn kill_all(&self, _timeout: Duration) -> Result<(), Error> {
         Ok(())
     }
-    fn kill_others(&self, _keep: u32, _timeout: Duration) -> Result<usize, Error> {
-        Ok(0)
+    fn kill_others(&self, _keep: u32, _timeout: Duration) -> Result<Vec<Leftover>, Error> {
+        Ok(Vec::new())
     }
     fn remove(&self) -> Result<(), Error> {
         Ok(())

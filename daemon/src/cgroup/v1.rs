@@ -478,7 +478,7 @@ impl SessionGroup for V1Group {
         )
     }
 
-    fn kill_others(&self, keep: u32, timeout: Duration) -> Result<usize, Error> {
+    fn kill_others(&self, keep: u32, timeout: Duration) -> Result<Vec<host::Leftover>, Error> {
         let (host, dirs) = (self.host.clone(), self.dirs.clone());
         host::kill_others(
             &self.procs(),

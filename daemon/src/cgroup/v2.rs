@@ -269,7 +269,7 @@ impl SessionGroup for V2Group {
         })
     }
 
-    fn kill_others(&self, keep: u32, timeout: Duration) -> Result<usize, Error> {
+    fn kill_others(&self, keep: u32, timeout: Duration) -> Result<Vec<host::Leftover>, Error> {
         let (host, rel) = (self.host.clone(), self.rel.clone());
         host::kill_others(
             &[self.dir.join("cgroup.procs")],

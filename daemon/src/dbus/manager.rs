@@ -282,6 +282,66 @@ impl Manager {
         ]
     }
 
+    /// Per-uid admission: (uid, budget, in use, maximum) for `max_sessions_per_uid`,
+    /// `max_detached_sessions_per_uid` (sessions) and `max_guest_memory_bytes_per_uid`,
+    /// `max_worker_memory_bytes_per_uid` (bytes). Root and holders of
+    /// org.sandcell.manage-sessions (asked without prompting) see every uid holding sessions;
+    /// anyone else sees only their own uid (with 0 in use when they hold none), since which
+    /// uids use the service and how much is not theirs to know. Computed per caller, so no
+    /// PropertiesChanged is emitted for it: read it when needed.
+    #[zbus(property(emits_changed_signal = "false"), name = "UidAdmission")]
+    async fn uid_admission(
+        &self,
+        #[zbus(connection)] conn: &zbus::Connection,
+        #[zbus(header)] header: Option<zbus::message::Header<'_>>,
+    ) -> Result<Vec<(u32, String, u64, u64)>, zbus::fdo::Error> {
+        // The daemon itself (no caller): nothing to show.
+        let Some(h) = header else {
+            return Ok(Vec::new());
+        };
+        let mut who = caller(conn, &h)
+            .await
+            .map_err(|e| zbus::fdo::Error::Failed(format!("{e:?}")))?;
+        if let crate::session::Subject::BusName { interactive, .. } = &mut who.subject {
+            *interactive = false;
+        }
+        let only = if who.uid == 0 || self.core.authorize(&who, Action::ManageAll).await.is_ok() {
+            None
+        } else {
+            Some(who.uid)
+        };
+        let (max, mut used) = self.core.uid_admission();
+        if let Some(uid) = only {
+            used.retain(|(u, _)| *u == uid);
+            if used.is_empty() {
+                used.push((uid, Default::default()));
+            }
+        }
+        let mut rows = Vec::with_capacity(used.len() * 4);
+        for (uid, u) in used {
+            rows.push((uid, "max_sessions_per_uid".into(), u.sessions, max.sessions));
+            rows.push((
+                uid,
+                "max_detached_sessions_per_uid".into(),
+                u.detached,
+                max.detached,
+            ));
+            rows.push((
+                uid,
+                "max_guest_memory_bytes_per_uid".into(),
+                u.guest_memory,
+                max.guest_memory,
+            ));
+            rows.push((
+                uid,
+                "max_worker_memory_bytes_per_uid".into(),
+                u.worker_memory,
+                max.worker_memory,
+            ));
+        }
+        Ok(rows)
+    }
+
     /// Warm worker pools, one row per environment (`pydata`, `python`, `r`, and any the
     /// operator declares), whether or not it is served: (environment, idle workers now,
     /// target now, configured minimum, configured maximum, workers taken from the pool since

@@ -31,7 +31,8 @@ impl StreamCap {
 
     /// Accounts raw bytes and returns the text to forward, if any. Bytes past the cap are
     /// counted and dropped. A UTF-8 character cut by a read boundary is held until the next
-    /// call; one cut by the cap itself is escaped.
+    /// call; one cut by the cap itself is dropped with the bytes past the cap (the kept text
+    /// ends on a character boundary, and `kept` does not count the cut character's bytes).
     pub fn push_bytes(&mut self, bytes: &[u8]) -> Option<String> {
         self.seen += bytes.len() as u64;
         let room = self.cap.saturating_sub(self.kept);
@@ -43,13 +44,16 @@ impl StreamCap {
         let mut buf = std::mem::take(&mut self.pending);
         buf.extend_from_slice(&bytes[..take]);
         let at_cap = self.kept == self.cap;
-        let (complete, tail) = if at_cap {
-            (&buf[..], &[][..])
-        } else {
-            split_incomplete_tail(&buf)
-        };
+        let (complete, tail) = split_incomplete_tail(&buf);
         let text = escape_lossy(complete);
-        self.pending = tail.to_vec();
+        if at_cap {
+            // Nothing more of this stream is kept: the unfinished character never completes.
+            // Setting `kept` past the cap's reach keeps later bytes out as well.
+            self.kept -= tail.len() as u64;
+            self.cap = self.kept;
+        } else {
+            self.pending = tail.to_vec();
+        }
         (!text.is_empty()).then_some(text)
     }
 
@@ -73,6 +77,8 @@ impl StreamCap {
             end -= 1;
         }
         self.kept += end as u64;
+        // The cut character never completes: nothing later is kept either.
+        self.cap = self.kept;
         (end > 0).then(|| text[..end].to_owned())
     }
 
@@ -136,6 +142,23 @@ mod tests {
     }
 
     #[test]
+    fn a_character_cut_by_the_cap_is_dropped_not_escaped() {
+        // "a✓✓": the cap of 5 bytes falls inside the second check mark.
+        let mut c = StreamCap::new(5);
+        assert_eq!(c.push_bytes("a✓✓".as_bytes()).as_deref(), Some("a✓"));
+        assert_eq!(c.push_bytes(b"more"), None);
+        assert_eq!(c.finish(), None);
+        let st = c.stats();
+        assert_eq!((st.seen, st.kept, st.truncated), (11, 4, true));
+        // Cut across two reads: the pending lead byte plus the cap.
+        let mut c = StreamCap::new(3);
+        let s = "é✓".as_bytes();
+        assert_eq!(c.push_bytes(&s[..3]).as_deref(), Some("é"));
+        assert_eq!(c.push_bytes(&s[3..]), None);
+        assert_eq!(c.stats().kept, 2);
+    }
+
+    #[test]
     fn text_frames_count_what_arrived() {
         // A frame declaring 0 bytes used to pass the cap; the text itself is what counts.
         let mut c = StreamCap::new(4);
@@ -151,6 +174,7 @@ mod tests {
             "cut on a character boundary"
         );
         assert_eq!(c.stats().kept, 1);
+        assert_eq!(c.push_text("bc"), None, "nothing after a cut character");
     }
 
     #[test]

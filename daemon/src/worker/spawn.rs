@@ -133,6 +133,9 @@ pub struct WorkerSpec {
     pub guest_memory_bytes: u64,
     /// Address-space limit for native workers, bytes (RLIMIT_AS), if any.
     pub native_address_space: Option<u64>,
+    /// RLIMIT_FSIZE, bytes: the session's disk budget (`max_session_files_bytes`), so no one
+    /// file a cell writes outgrows it (workers ignore SIGXFSZ: the write fails with `EFBIG`).
+    pub max_file_bytes: u64,
     /// Strict in production; best effort only with `--insecure-dev`.
     pub enforcement: Enforcement,
 }
@@ -308,7 +311,7 @@ pub fn plan(spec: &WorkerSpec) -> Plan {
         write_paths: vec!["/dev/null".into()],
         keep_fds: vec![0, 1, 2, 3, 4],
         max_open_files: 256,
-        max_file_bytes: 256 * 1024 * 1024,
+        max_file_bytes: spec.max_file_bytes,
         max_processes: 256,
         max_address_space,
         new_net_namespace: true,
