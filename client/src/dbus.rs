@@ -13,18 +13,9 @@ use serde::Serialize;
 use zbus::proxy::MethodFlags;
 use zbus::zvariant::OwnedObjectPath;
 
-/// One row of `ListSessions`.
-pub type Row = (
-    String,
-    String,
-    u32,
-    u32,
-    String,
-    u64,
-    u64,
-    u64,
-    OwnedObjectPath,
-);
+/// One row of `ListSessions` ([`sandcell_proto::dbus::SessionRow`]).
+pub type Row = sandcell_proto::dbus::SessionRow<OwnedObjectPath>;
+use sandcell_proto::dbus::{AdmissionRow, PoolRow};
 
 #[zbus::proxy(
     interface = "org.sandcell.Manager1",
@@ -37,7 +28,7 @@ trait Manager1 {
     #[zbus(property)]
     fn active_sessions(&self) -> zbus::Result<u32>;
     #[zbus(property)]
-    fn admission(&self) -> zbus::Result<Vec<(String, u64, u64)>>;
+    fn admission(&self) -> zbus::Result<Vec<AdmissionRow>>;
     #[zbus(property)]
     fn version(&self) -> zbus::Result<String>;
     #[zbus(property, name = "LandlockABI")]
@@ -47,7 +38,7 @@ trait Manager1 {
     #[zbus(property)]
     fn confinement(&self) -> zbus::Result<std::collections::HashMap<String, String>>;
     #[zbus(property)]
-    fn pools(&self) -> zbus::Result<Vec<(String, u32, u32, u32, u32, u64, u64)>>;
+    fn pools(&self) -> zbus::Result<Vec<PoolRow>>;
 }
 
 /// Errors of the control-plane commands.
@@ -115,7 +106,7 @@ pub struct Status {
     /// Sessions alive.
     pub active_sessions: u32,
     /// (budget, in use, maximum).
-    pub admission: Vec<(String, u64, u64)>,
+    pub admission: Vec<AdmissionRow>,
     /// Warm worker pools, one per environment.
     pub pools: Vec<PoolInfo>,
 }

@@ -23,7 +23,7 @@ pub use sandcell_proto::kernel::{
     State, Status, StreamStats, Usage,
 };
 use serde::Serialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 use std::path::{Path, PathBuf};
 use zlink::tokio::unix;
 use zlink::{Call, Connection};
@@ -63,6 +63,11 @@ pub enum Error {
         /// The cause.
         source: std::io::Error,
     },
+}
+
+/// The JSON parameters of a call, from its typed parameter struct (`sandcell_proto::kernel`).
+fn params<T: Serialize>(p: &T) -> Value {
+    serde_json::to_value(p).expect("parameter structs serialise")
 }
 
 /// A connection to sandcelld.
@@ -172,14 +177,13 @@ impl Client {
         code: &str,
         limits: Option<&Limits>,
     ) -> Result<(), Error> {
-        let mut p = json!({ "language": language, "code": code });
-        if let Some(l) = limits {
-            p["limits"] = serde_json::to_value(l).expect("limits serialise");
-        }
-        if let Some(e) = environment {
-            p["environment"] = json!(e);
-        }
-        self.start_cell("Run", p).await
+        let p = k::RunParams {
+            language: language.into(),
+            code: code.into(),
+            limits: limits.cloned(),
+            environment: environment.map(str::to_owned),
+        };
+        self.start_cell("Run", params(&p)).await
     }
 
     /// [`Client::run_in`], then [`Client::finish`].
@@ -196,14 +200,19 @@ impl Client {
 
     /// The environments the daemon serves (`ListEnvironments`), in name order.
     pub async fn list_environments(&mut self) -> Result<Vec<k::Environment>, Error> {
-        let r: k::ListEnvironmentsReply = self.call("ListEnvironments", json!({})).await?;
+        let r: k::ListEnvironmentsReply = self
+            .call("ListEnvironments", params(&k::ListEnvironmentsParams {}))
+            .await?;
         Ok(r.environments)
     }
 
     /// Starts a cell in an open session; read it with [`Client::next_frame`].
     pub async fn execute(&mut self, session: &str, code: &str) -> Result<(), Error> {
-        self.start_cell("Execute", json!({ "session": session, "code": code }))
-            .await
+        let p = k::ExecuteParams {
+            session: session.into(),
+            code: code.into(),
+        };
+        self.start_cell("Execute", params(&p)).await
     }
 
     /// Reads frames until the result, calling `on_output` for each output chunk.
@@ -272,28 +281,30 @@ impl Client {
         limits: Option<&Limits>,
         detached_idle_seconds: Option<u64>,
     ) -> Result<OpenReply, Error> {
-        let mut p = json!({ "language": language });
-        if let Some(e) = environment {
-            p["environment"] = json!(e);
-        }
-        if let Some(l) = limits {
-            p["limits"] = serde_json::to_value(l).expect("limits serialise");
-        }
-        if let Some(d) = detached_idle_seconds {
-            p["detached_idle_seconds"] = json!(d);
-        }
-        self.call("Open", p).await
+        let p = k::OpenParams {
+            language: language.into(),
+            limits: limits.cloned(),
+            detached_idle_seconds,
+            environment: environment.map(str::to_owned),
+        };
+        self.call("Open", params(&p)).await
     }
 
     /// Interrupts `cell` of `session` (from any connection of the same user).
     pub async fn interrupt(&mut self, session: &str, cell: u64) -> Result<InterruptReply, Error> {
-        self.call("Interrupt", json!({ "session": session, "cell": cell }))
-            .await
+        let p = k::InterruptParams {
+            session: session.into(),
+            cell,
+        };
+        self.call("Interrupt", params(&p)).await
     }
 
     /// Ends `session`; returns after its worker is gone.
     pub async fn close(&mut self, session: &str) -> Result<(), Error> {
-        let _: Value = self.call("Close", json!({ "session": session })).await?;
+        let p = k::CloseParams {
+            session: session.into(),
+        };
+        let _: Value = self.call("Close", params(&p)).await?;
         Ok(())
     }
 
@@ -307,7 +318,13 @@ impl Client {
         name: &str,
         data: &[u8],
     ) -> Result<FileInfo, Error> {
-        let p = json!({ "session": session, "name": name, "size": data.len(), "data": k::encode_base64(data) });
+        let p = params(&k::PutFileParams {
+            session: session.into(),
+            name: name.into(),
+            size: data.len() as u64,
+            data: Some(k::encode_base64(data)),
+            fd: None,
+        });
         let r: k::PutFileReply = self.call("PutFile", p).await?;
         Ok(r.file)
     }
@@ -340,7 +357,13 @@ impl Client {
         fd: std::os::fd::OwnedFd,
         size: u64,
     ) -> Result<FileInfo, Error> {
-        let p = json!({ "session": session, "name": name, "size": size, "fd": 0 });
+        let p = params(&k::PutFileParams {
+            session: session.into(),
+            name: name.into(),
+            size,
+            data: None,
+            fd: Some(0),
+        });
         let r: k::PutFileReply = self.call_with_fds("PutFile", p, vec![fd]).await?;
         Ok(r.file)
     }
@@ -383,7 +406,12 @@ impl Client {
     /// returns the entries and whether the daemon cut the listing at its bound.
     pub async fn list_files(&mut self, session: &str) -> Result<(Vec<FileInfo>, bool), Error> {
         let r: k::ListFilesReply = self
-            .call("ListFiles", json!({ "session": session }))
+            .call(
+                "ListFiles",
+                params(&k::ListFilesParams {
+                    session: session.into(),
+                }),
+            )
             .await?;
         Ok((r.files, r.truncated))
     }
@@ -397,11 +425,13 @@ impl Client {
         offset: u64,
         max_bytes: Option<u64>,
     ) -> Result<(FileInfo, Vec<u8>, bool), Error> {
-        let mut p = json!({ "session": session, "name": name, "offset": offset });
-        if let Some(m) = max_bytes {
-            p["max_bytes"] = json!(m);
-        }
-        let r: k::GetFileReply = self.call("GetFile", p).await?;
+        let p = k::GetFileParams {
+            session: session.into(),
+            name: name.into(),
+            offset: Some(offset),
+            max_bytes,
+        };
+        let r: k::GetFileReply = self.call("GetFile", params(&p)).await?;
         let bytes = k::decode_base64(&r.data).map_err(|e| Error::File {
             what: "decoding GetFile data".into(),
             source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
@@ -436,7 +466,13 @@ impl Client {
     /// Removes `name` (a file, a symlink itself, or an empty directory) from `session`.
     pub async fn delete_file(&mut self, session: &str, name: &str) -> Result<(), Error> {
         let _: Value = self
-            .call("DeleteFile", json!({ "session": session, "name": name }))
+            .call(
+                "DeleteFile",
+                params(&k::DeleteFileParams {
+                    session: session.into(),
+                    name: name.into(),
+                }),
+            )
             .await?;
         Ok(())
     }

@@ -181,7 +181,8 @@ impl Plan {
                 _ => {
                     return Err(Error::Plan(format!(
                         "strict enforcement needs a non-root uid and gid, plan has uid {:?} gid {:?} \
-                         (set worker_uid/worker_gid in sandcelld.toml)",
+                         (the daemon leases one per session from daemon.worker_uid_base and \
+                         daemon.worker_uid_count in sandcelld.toml)",
                         self.uid, self.gid
                     )));
                 }
@@ -525,7 +526,7 @@ pub fn self_check() -> Result<SelfCheck, Error> {
     if !check.root {
         check.problems.push(
             "sandcelld is not running as root: it cannot switch workers to their uid \
-             (run it from sandcelld.service, or pass the development flag)"
+             (run it from sandcelld.service, or pass --insecure-dev)"
                 .into(),
         );
     } else if !check.namespaces {

@@ -25,22 +25,24 @@ fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-/// Returns a reason to skip, or `None` when the host can run the strict tests.
-fn skip_reason() -> Option<String> {
+/// Returns the tier missing and why, or `None` when the host can run the strict tests.
+fn skip_reason() -> Option<(&'static str, String)> {
     if !is_root() {
-        return Some("needs root (identity switch, namespaces)".into());
+        return Some(("root", "needs root (identity switch, namespaces)".into()));
     }
     match sandcell_confine::landlock::kernel_abi() {
         Some(abi) if abi >= 6 => None,
-        other => Some(format!("needs landlock abi >= 6, kernel has {other:?}")),
+        other => Some((
+            "landlock",
+            format!("needs landlock abi >= 6, kernel has {other:?}"),
+        )),
     }
 }
 
 macro_rules! require_host {
     () => {
-        if let Some(why) = skip_reason() {
-            eprintln!("skipping: {why}");
-            return;
+        if let Some((tier, why)) = skip_reason() {
+            sandcell_testing::skip!(tier, "{why}");
         }
     };
 }
@@ -655,8 +657,7 @@ fn native_profile_runs_r() {
     require_host!();
     let rscript = "/usr/lib/R/bin/Rscript";
     if !Path::new(rscript).exists() {
-        eprintln!("skipping: R is not installed ({rscript})");
-        return;
+        sandcell_testing::skip!("r", "R is not installed ({rscript})");
     }
     let fx = Fixture::new();
     let mut plan = fx.plan(SyscallProfile::Native);
@@ -967,8 +968,7 @@ fn r_file_handling_at_every_level() {
     require_host!();
     let rscript = "/usr/lib/R/bin/Rscript";
     if !Path::new(rscript).exists() {
-        eprintln!("skipping: R is not installed ({rscript})");
-        return;
+        sandcell_testing::skip!("r", "R is not installed ({rscript})");
     }
     for level in levels() {
         let fx = Fixture::new();

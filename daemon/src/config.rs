@@ -44,10 +44,9 @@ use std::path::{Path, PathBuf};
 /// Default configuration file.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/sandcell/sandcelld.toml";
 
-/// Protocol ceiling for one cell's source, bytes.
-pub const SOURCE_CEILING: u64 = 524_288;
-/// Protocol ceiling for kept stdout + stderr of one cell, bytes.
-pub const OUTPUT_CEILING: u64 = 2_097_152;
+/// Protocol ceilings for one cell's source and its kept stdout + stderr, bytes (defined with
+/// the protocol in `sandcell_proto::worker`).
+pub use sandcell_proto::worker::{OUTPUT_CEILING, SOURCE_CEILING};
 
 /// The operator's limits. All sizes in bytes, times in seconds.
 #[derive(Debug, Clone, PartialEq, Deserialize)]

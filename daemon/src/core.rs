@@ -13,7 +13,9 @@ use crate::pool::Prepared;
 use crate::session::{Caller, Event, ExecuteRefused, Session, SessionLimits};
 use crate::worker::spawn::{self, WorkerSpec};
 use sandcell_confine::Enforcement;
-use sandcell_proto::kernel::{Frame, InterruptReply, KernelError, Language, Limits};
+use sandcell_proto::kernel::{
+    Frame, InterruptReason, InterruptReply, KernelError, Language, Limits,
+};
 use sandcell_proto::worker::WorkerMessage;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -1036,7 +1038,7 @@ impl Core {
             Some(cell) => Ok(s.interrupt(cell).await),
             None => Ok(InterruptReply {
                 delivered: false,
-                reason: "not_running".into(),
+                reason: InterruptReason::NotRunning.into(),
             }),
         }
     }
@@ -1301,11 +1303,11 @@ pub fn sessions_dir(c: &Config) -> PathBuf {
     c.daemon.state_dir.join("sessions")
 }
 
-/// 128 random bits as 32 lowercase hex characters.
+/// A new session id: 128 random bits as a [`sandcell_proto::kernel::SessionId`].
 pub fn new_session_id() -> String {
     let mut b = [0u8; 16];
     // SAFETY: getrandom writes at most b.len() bytes into b.
     let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
     assert_eq!(n, 16, "getrandom failed");
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    sandcell_proto::kernel::SessionId::from_random(b).into_string()
 }

@@ -13,7 +13,8 @@ use crate::worker::output::StreamCap;
 use crate::worker::spawn::Spawned;
 use crate::worker::{Fill, LineReader};
 use sandcell_proto::kernel::{
-    CellResult, Frame, InterruptReply, Language, Output, Started, State, Status, Usage,
+    CellResult, Frame, InterruptReason, InterruptReply, Language, Output, Started, State, Status,
+    Usage,
 };
 use sandcell_proto::worker::{
     self as wire, MAX_WORKER_LINE, RequestHeader, Stream, WorkerMessage, WorkerStatus,
@@ -312,7 +313,7 @@ impl Session {
         let (tx, rx) = oneshot::channel();
         let gone = || InterruptReply {
             delivered: false,
-            reason: "session_ending".into(),
+            reason: InterruptReason::SessionEnding.into(),
         };
         if self
             .cmds
@@ -751,7 +752,7 @@ impl Actor {
                         }
                     }
                     Some(Command::Interrupt { reply, .. }) => {
-                        let _ = reply.send(InterruptReply { delivered: false, reason: "not_running".into() });
+                        let _ = reply.send(InterruptReply { delivered: false, reason: InterruptReason::NotRunning.into() });
                     }
                     Some(Command::Close { reason: r, done }) => { reason = r; close_done = Some(done); break; }
                 },
@@ -779,7 +780,7 @@ impl Actor {
                 Command::Interrupt { reply, .. } => {
                     let _ = reply.send(InterruptReply {
                         delivered: false,
-                        reason: "session_ending".into(),
+                        reason: InterruptReason::SessionEnding.into(),
                     });
                 }
                 Command::Close { done, .. } => {
@@ -1047,12 +1048,12 @@ impl Actor {
                 let r = if cell != run.cell {
                     InterruptReply {
                         delivered: false,
-                        reason: "other_cell".into(),
+                        reason: InterruptReason::OtherCell.into(),
                     }
                 } else if run.phase != Phase::Running {
                     InterruptReply {
                         delivered: false,
-                        reason: "already_interrupted".into(),
+                        reason: InterruptReason::AlreadyInterrupted.into(),
                     }
                 } else {
                     self.signal_interrupt();
@@ -1062,7 +1063,7 @@ impl Actor {
                     run.deadline = tokio::time::Instant::now() + run.grace;
                     InterruptReply {
                         delivered: true,
-                        reason: "delivered".into(),
+                        reason: InterruptReason::Delivered.into(),
                     }
                 };
                 let _ = reply.send(r);
@@ -1824,7 +1825,7 @@ async fn send_or_command(
             }
             cmd = cmds.recv() => match cmd {
                 Some(Command::Interrupt { reply, .. }) => {
-                    let _ = reply.send(InterruptReply { delivered: false, reason: "not_running".into() });
+                    let _ = reply.send(InterruptReply { delivered: false, reason: InterruptReason::NotRunning.into() });
                 }
                 Some(Command::Close { reason, done }) => {
                     *close = Some((reason, done));

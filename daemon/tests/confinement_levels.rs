@@ -24,17 +24,23 @@ fn r_available() -> bool {
     Path::new("/usr/lib/R/bin/exec/R").exists()
 }
 
-/// Why `level` cannot run here, if it cannot.
-fn skip(level: &str) -> Option<String> {
+/// The tier `level` lacks here and why, if it cannot run.
+fn skip(level: &str) -> Option<(&'static str, String)> {
     if !is_root() {
-        return Some("needs root (strict mode)".into());
+        return Some(("root", "needs root (strict mode)".into()));
     }
     if common::insecure() {
-        return Some("SANDCELL_TEST_INSECURE is set: the levels are a strict-mode matter".into());
+        return Some((
+            "cgroups",
+            "SANDCELL_TEST_INSECURE is set: the levels are a strict-mode matter".into(),
+        ));
     }
     let kernel = sandcell_confine::landlock::kernel_abi().unwrap_or(0);
     match level.parse::<i32>() {
-        Ok(n) if n > kernel => Some(format!("the kernel's landlock abi is {kernel} < {n}")),
+        Ok(n) if n > kernel => Some((
+            "landlock",
+            format!("the kernel's landlock abi is {kernel} < {n}"),
+        )),
         _ => None,
     }
 }
@@ -97,12 +103,16 @@ fn oom_score_adj(pid: u32) -> Option<i32> {
 
 /// The whole suite at one level.
 async fn suite(level: &str) {
-    if let Some(why) = skip(level) {
-        eprintln!("skipping level {level}: {why}");
-        return;
+    if let Some((tier, why)) = skip(level) {
+        sandcell_testing::skip!(tier, "level {level}: {why}");
     }
     let outside = Outside::new(level);
-    let languages = if r_available() { "python,r" } else { "python" };
+    let languages = if r_available() {
+        "python,r"
+    } else {
+        sandcell_testing::skip_part!("r", "level {level}: R is not installed, Python only");
+        "python"
+    };
     let d = Daemon::start(&[
         ("SANDCELL_LANGUAGES", languages),
         ("SANDCELL_TEST_LANDLOCK_ABI", level),
@@ -294,8 +304,7 @@ level!(landlock_none_mount_namespace_only, "none");
 #[test]
 fn check_prints_the_layers_at_each_level() {
     if !is_root() {
-        eprintln!("skipping: needs root");
-        return;
+        sandcell_testing::skip!("root", "needs root");
     }
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("none.toml");

@@ -40,22 +40,31 @@ fn rand_hex(n: usize) -> String {
 }
 
 /// Why these tests cannot run here, if they cannot.
-fn skip_reason(need_polkit: bool) -> Option<String> {
+fn skip_reason(need_polkit: bool) -> Option<(&'static str, String)> {
     if !is_root() {
-        return Some("not root (useradd, polkit actions directory and setpriv need root)".into());
+        return Some((
+            "root",
+            "not root (useradd, polkit actions directory and setpriv need root)".into(),
+        ));
     }
     if Command::new("dbus-daemon")
         .arg("--version")
         .output()
         .is_err()
     {
-        return Some("dbus-daemon missing (apt-get install dbus-daemon)".into());
+        return Some((
+            "dbus",
+            "dbus-daemon missing (apt-get install dbus-daemon)".into(),
+        ));
     }
     if Command::new("busctl").arg("--version").output().is_err() {
-        return Some("busctl missing (apt-get install systemd)".into());
+        return Some(("dbus", "busctl missing (apt-get install systemd)".into()));
     }
     if need_polkit && !Path::new(POLKITD).exists() {
-        return Some(format!("{POLKITD} missing (apt-get install polkitd)"));
+        return Some((
+            "polkit",
+            format!("{POLKITD} missing (apt-get install polkitd)"),
+        ));
     }
     None
 }
@@ -559,9 +568,8 @@ fn start_daemon(bus: &Bus) -> Daemon {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polkit_decides_for_varlink_and_dbus() {
-    if let Some(why) = skip_reason(true) {
-        eprintln!("skip: {why}");
-        return;
+    if let Some((tier, why)) = skip_reason(true) {
+        sandcell_testing::skip!(tier, "{why}");
     }
     let mut bus = Bus::start();
     let group = format!("sctg{}", rand_hex(3));
@@ -910,9 +918,8 @@ async fn polkit_decides_for_varlink_and_dbus() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn varlink_survives_the_bus_and_the_daemon_reconnects() {
-    if let Some(why) = skip_reason(false) {
-        eprintln!("skip: {why}");
-        return;
+    if let Some((tier, why)) = skip_reason(false) {
+        sandcell_testing::skip!(tier, "{why}");
     }
     let mut bus = Bus::start();
     // No polkitd on this bus. Where polkit is installed (as here) the daemon fails closed and
@@ -962,20 +969,21 @@ async fn varlink_survives_the_bus_and_the_daemon_reconnects() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oom_kill_is_signalled() {
-    if let Some(why) = skip_reason(false) {
-        eprintln!("skip: {why}");
-        return;
+    if let Some((tier, why)) = skip_reason(false) {
+        sandcell_testing::skip!(tier, "{why}");
     }
     if common::insecure() {
-        eprintln!(
-            "skip: the daemon runs --insecure-dev (no cgroups), so the kernel cannot OOM-kill a \
+        sandcell_testing::skip!(
+            "cgroups",
+            "the daemon runs --insecure-dev (no cgroups), so the kernel cannot OOM-kill a \
              worker in its session group"
         );
-        return;
     }
     if !Path::new("/usr/lib/R/bin/exec/R").exists() {
-        eprintln!("skip: R is not installed (scripts/setup.sh installs r-base-core)");
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        );
     }
     let bus = Bus::start();
     // A native R worker has no allocation limit of its own (Python's guest memory limit
@@ -1060,9 +1068,8 @@ async fn pool_until(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pools_are_visible_on_dbus() {
-    if let Some(why) = skip_reason(false) {
-        eprintln!("skip: {why}");
-        return;
+    if let Some((tier, why)) = skip_reason(false) {
+        sandcell_testing::skip!(tier, "{why}");
     }
     let bus = Bus::start();
     // Python only (the harness's default), with a pool of 1 growing to 2; no polkitd: root

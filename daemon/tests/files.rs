@@ -10,11 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 fn has_r() -> bool {
-    let ok = Path::new("/usr/lib/R/bin/exec/R").exists();
-    if !ok {
-        eprintln!("skipped: R is not installed (scripts/setup.sh installs r-base-core)");
-    }
-    ok
+    Path::new("/usr/lib/R/bin/exec/R").exists()
 }
 
 fn daemon(extra: &[(&str, &str)]) -> Daemon {
@@ -45,7 +41,10 @@ const CSV: &str = "x,y,group\n1,2.5,a\n2,3.5,b\n3,1.0,a\n4,8.25,b\n5,6.0,a\n";
 #[tokio::test]
 async fn r_reads_an_uploaded_csv_and_returns_a_summary_and_a_png() {
     if !has_r() {
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        );
     }
     let d = daemon(&[]);
     let mut c = d.client().await;
@@ -143,7 +142,10 @@ async fn r_reads_an_uploaded_csv_and_returns_a_summary_and_a_png() {
 #[tokio::test]
 async fn planted_symlinks_and_fifos_are_listed_and_never_followed() {
     if !has_r() {
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        );
     }
     let d = daemon(&[]);
     let shadow_before = std::fs::read("/etc/shadow").unwrap_or_default();
@@ -451,7 +453,10 @@ async fn big_files_go_by_descriptor_and_come_back_in_chunks() {
 #[tokio::test]
 async fn uploads_wait_for_the_running_cell() {
     if !has_r() {
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        );
     }
     let d = daemon(&[]);
     let mut a = d.client().await;
@@ -482,7 +487,10 @@ async fn uploads_wait_for_the_running_cell() {
 #[tokio::test]
 async fn sandcellctl_saves_the_cells_artifacts() {
     if !has_r() {
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        );
     }
     let ctl = common::bin_dir().join("sandcellctl");
     if !ctl.exists() {

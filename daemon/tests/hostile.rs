@@ -9,12 +9,7 @@ use sandcell_client::{Client, Collected, Status};
 use std::time::Duration;
 
 fn r_available() -> bool {
-    if std::path::Path::new("/usr/lib/R/bin/exec/R").exists() {
-        true
-    } else {
-        eprintln!("skipped: R is not installed (scripts/setup.sh installs r-base-core)");
-        false
-    }
+    std::path::Path::new("/usr/lib/R/bin/exec/R").exists()
 }
 
 /// A bystander session that must keep working while hostile cells run next to it.
@@ -160,7 +155,10 @@ async fn python_resource_bombs_are_contained() {
 #[tokio::test]
 async fn r_walls_hold() {
     if !r_available() {
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        );
     }
     let d = daemon(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "10")]);
     let mut by = Bystander::new(&d).await;
@@ -213,7 +211,10 @@ async fn r_walls_hold() {
 #[tokio::test]
 async fn r_processes_are_confined_and_reaped() {
     if !r_available() {
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        );
     }
     let d = daemon(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "20")]);
     let mut by = Bystander::new(&d).await;

@@ -292,7 +292,7 @@ async fn passed_lingering_sockets_are_refused_and_never_stall_the_daemon() {
 fn run_as(uid: u32, socket: &Path) -> Option<(i32, String, String)> {
     let exe: PathBuf = common::bin_dir().join("sandcellctl");
     if !exe.exists() {
-        eprintln!("skipped part: {} is not built", exe.display());
+        sandcell_testing::skip_part!("built", "{} is not built", exe.display());
         return None;
     }
     let mut child = Command::new("setpriv")

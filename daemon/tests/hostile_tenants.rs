@@ -17,11 +17,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 fn has_r() -> bool {
-    let ok = Path::new("/usr/lib/R/bin/exec/R").exists() && Path::new("/usr/bin/perl").exists();
-    if !ok {
-        eprintln!("skipped: R or perl is not installed (scripts/setup.sh installs r-base-core)");
-    }
-    ok
+    Path::new("/usr/lib/R/bin/exec/R").exists() && Path::new("/usr/bin/perl").exists()
 }
 
 fn is_root() -> bool {
@@ -82,7 +78,10 @@ fn probe_value<'a>(out: &'a str, key: &str) -> &'a str {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn r_cells_cannot_take_host_resources_or_reserve_blocks() {
     if !has_r() {
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R or perl is not installed (scripts/setup.sh installs r-base-core)"
+        );
     }
     let d = r_daemon(&[]);
     let mut c = d.client().await;
@@ -152,7 +151,10 @@ async fn r_cell(c: &mut Client, code: &str) -> (String, sandcell_client::Collect
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hidden_files_scratch_sparse_files_and_inodes_count_against_the_budget() {
     if !has_r() {
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R or perl is not installed (scripts/setup.sh installs r-base-core)"
+        );
     }
     // 4 MiB per session directory.
     let d = r_daemon(&[
@@ -433,9 +435,9 @@ fn ctl(d: &Daemon, bus: Option<&Bus>, user: Option<&User>, args: &[&str], stdin:
     }
 }
 
-fn bus_skip_reason() -> Option<String> {
+fn bus_skip_reason() -> Option<(&'static str, String)> {
     if !is_root() {
-        return Some("not root (useradd and setpriv need root)".into());
+        return Some(("root", "not root (useradd and setpriv need root)".into()));
     }
     for tool in ["dbus-daemon", "busctl", "setpriv", "useradd"] {
         if Command::new("sh")
@@ -444,20 +446,22 @@ fn bus_skip_reason() -> Option<String> {
             .map(|o| !o.status.success())
             .unwrap_or(true)
         {
-            return Some(format!("{tool} missing"));
+            return Some(("dbus", format!("{tool} missing")));
         }
     }
     if sandcelld::polkit::installed().is_none() {
-        return Some("polkit is not installed here (apt-get install polkitd)".into());
+        return Some((
+            "polkit",
+            "polkit is not installed here (apt-get install polkitd)".into(),
+        ));
     }
     None
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polkit_installed_but_silent_fails_closed_and_sessions_stay_private() {
-    if let Some(why) = bus_skip_reason() {
-        eprintln!("skip: {why}");
-        return;
+    if let Some((tier, why)) = bus_skip_reason() {
+        sandcell_testing::skip!(tier, "{why}");
     }
     let bus = Bus::start();
     let d = Daemon::start(&[("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)]);
@@ -586,7 +590,10 @@ cat("planted\n")
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn artifacts_never_overwrite_or_plant_and_odd_names_are_reachable() {
     if !has_r() {
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R or perl is not installed (scripts/setup.sh installs r-base-core)"
+        );
     }
     let d = r_daemon(&[]);
     let work = tempfile::tempdir().unwrap();

@@ -11,12 +11,7 @@ use sandcell_proto::kernel::Limits;
 use std::time::{Duration, Instant};
 
 fn r_available() -> bool {
-    if std::path::Path::new("/usr/lib/R/bin/exec/R").exists() {
-        true
-    } else {
-        eprintln!("skipped: R is not installed (scripts/setup.sh installs r-base-core)");
-        false
-    }
+    std::path::Path::new("/usr/lib/R/bin/exec/R").exists()
 }
 
 fn daemon(extra: &[(&str, &str)]) -> Daemon {
@@ -98,7 +93,10 @@ fn limits(wall: f64, stdout: u64) -> Limits {
 #[tokio::test]
 async fn forged_output_flood_on_the_reply_pipe_ends_the_worker() {
     if !r_available() {
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        );
     }
     let d = daemon(&[]);
     let mut by = Bystander::new(&d).await;
@@ -153,7 +151,10 @@ cat("not reached\n")"#;
 #[tokio::test]
 async fn a_done_forged_by_an_earlier_cell_is_never_taken() {
     if !r_available() {
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        );
     }
     let d = daemon(&[]);
     let mut c = d.client().await;
@@ -213,7 +214,10 @@ cat("one\n")"#;
 #[tokio::test]
 async fn raw_output_flood_with_a_client_that_does_not_read() {
     if !r_available() {
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        );
     }
     let d = daemon(&[
         ("SANDCELL_MAX_STDOUT_BYTES", "1048576"),
@@ -304,7 +308,10 @@ async fn raw_output_flood_with_a_client_that_does_not_read() {
 #[tokio::test]
 async fn a_background_writer_stops_with_its_cell() {
     if !r_available() {
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        );
     }
     let d = daemon(&[]);
     let mut c = d.client().await;
@@ -361,8 +368,7 @@ async fn file_size(c: &mut Client, session: &str, name: &str) -> u64 {
 async fn the_daemon_memory_is_bounded() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 || std::env::var_os("SANDCELL_TEST_INSECURE").is_some() {
-        eprintln!("skipped: needs root and cgroups");
-        return;
+        sandcell_testing::skip!("cgroups", "needs root and cgroups");
     }
     let d = daemon(&[]);
     let groups = std::fs::read_to_string(format!("/proc/{}/cgroup", d.pid())).unwrap();

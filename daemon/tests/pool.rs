@@ -89,17 +89,48 @@ async fn stopping_the_daemon_reaps_pooled_workers() {
         .descendants()
         .len()
         == 2));
-    let pid = d.pid();
-    let workers = d.descendants();
+    // A pidfd names the process itself, so a pid reused after the worker is gone cannot
+    // pass for it, and a worker that the daemon left behind (reparented, not killed) still
+    // shows as running.
+    let workers: Vec<(u32, std::os::fd::OwnedFd)> = d
+        .descendants()
+        .into_iter()
+        .filter_map(|w| pidfd_open(w).map(|fd| (w, fd)))
+        .collect();
+    assert_eq!(workers.len(), 2, "the pooled workers are running");
+    for (w, fd) in &workers {
+        assert!(!exited(fd), "worker {w} is running before the stop");
+    }
     assert!(
         d.terminate(Duration::from_secs(20)).is_some(),
         "daemon did not stop"
     );
-    for w in workers {
+    // SIGKILL is asynchronous: allow the kernel a moment to tear a killed worker down.
+    for (w, fd) in &workers {
         assert!(
-            !std::path::Path::new(&format!("/proc/{w}")).exists()
-                || common::descendants(pid).is_empty(),
-            "worker {w} survived"
+            eventually(Duration::from_secs(5), || exited(fd)),
+            "worker {w} survived the daemon's stop"
         );
     }
+}
+
+/// A pidfd for `pid`, `None` when it is already gone.
+fn pidfd_open(pid: u32) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    // SAFETY: a non-negative return is a descriptor this process owns from now on.
+    (fd >= 0).then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Whether the process behind a pidfd has exited (pidfd_open(2): readable once it has).
+fn exited(fd: &std::os::fd::OwnedFd) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    unsafe { libc::poll(&mut p, 1, 0) == 1 && p.revents & libc::POLLIN != 0 }
 }

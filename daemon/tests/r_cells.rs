@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 fn r_daemon(extra: &[(&str, &str)]) -> Option<Daemon> {
     if !std::path::Path::new("/usr/lib/R/bin/exec/R").exists() {
-        eprintln!("skipped: R is not installed (scripts/setup.sh installs r-base-core)");
         return None;
     }
     let mut env = vec![("SANDCELL_LANGUAGES", "python,r")];
@@ -18,7 +17,12 @@ fn r_daemon(extra: &[(&str, &str)]) -> Option<Daemon> {
 
 #[tokio::test]
 async fn r_examples_print_exact_statistics() {
-    let Some(d) = r_daemon(&[]) else { return };
+    let Some(d) = r_daemon(&[]) else {
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        )
+    };
     let mut c = d.client().await;
     let dir = common::manifest_dir().join("../examples/r");
     let mut n = 0;
@@ -52,7 +56,12 @@ async fn r_examples_print_exact_statistics() {
 
 #[tokio::test]
 async fn r_session_persists_and_reports_errors_with_lines() {
-    let Some(d) = r_daemon(&[]) else { return };
+    let Some(d) = r_daemon(&[]) else {
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        )
+    };
     let mut c = d.client().await;
     let s = c.open("r", None, None).await.unwrap().session;
     c.execute_collect(&s, "x <- c(1, 2, 3)\nf <- function(v) sum(v) * 2")
@@ -84,7 +93,10 @@ async fn r_session_persists_and_reports_errors_with_lines() {
 #[tokio::test]
 async fn r_interrupts_end_exactly_the_cell() {
     let Some(d) = r_daemon(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "120")]) else {
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        )
     };
     let mut a = d.client().await;
     let s = a.open("r", None, None).await.unwrap().session;
@@ -117,7 +129,10 @@ async fn r_interrupts_end_exactly_the_cell() {
 #[tokio::test]
 async fn r_flood_is_counted_exactly_without_growing_the_daemon() {
     let Some(d) = r_daemon(&[("SANDCELL_MAX_STDOUT_BYTES", "1000")]) else {
-        return;
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        )
     };
     let before = d.rss();
     let mut c = d.client().await;

@@ -18,6 +18,100 @@ pub const IDL: &str = include_str!("../org.sandcell.Kernel.varlink");
 /// Default socket path of the data plane.
 pub const DEFAULT_SOCKET: &str = "/run/sandcell/org.sandcell.Kernel";
 
+/// Largest Varlink message the daemon reads, bytes (its terminating NUL excluded); a longer
+/// one ends the connection.
+pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
+/// A session id as the daemon makes them: 32 lowercase hex digits (128 bits from
+/// `getrandom(2)`), usable as one path component, D-Bus object path element and cgroup name.
+///
+/// The one validator of session ids: the daemon's lookups, the D-Bus shim and clients all
+/// parse with [`SessionId::parse`]. On the wire a session id stays a `string`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct SessionId(String);
+
+/// A string that is not a [`SessionId`]; `reason` says what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidSessionId {
+    /// What is wrong, e.g. "not 32 lowercase hex digits".
+    pub reason: &'static str,
+}
+
+impl std::fmt::Display for InvalidSessionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "invalid session id: {}", self.reason)
+    }
+}
+
+impl std::error::Error for InvalidSessionId {}
+
+impl SessionId {
+    /// Length of an id, in characters.
+    pub const LEN: usize = 32;
+
+    /// The id of 16 random bytes (the caller draws them from `getrandom(2)`).
+    pub fn from_random(bytes: [u8; 16]) -> SessionId {
+        use std::fmt::Write;
+        let mut s = String::with_capacity(Self::LEN);
+        for b in bytes {
+            let _ = write!(s, "{b:02x}");
+        }
+        SessionId(s)
+    }
+
+    /// Parses `s`: exactly [`SessionId::LEN`] characters of `0-9a-f`.
+    pub fn parse(s: &str) -> Result<SessionId, InvalidSessionId> {
+        if s.len() == Self::LEN && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+            Ok(SessionId(s.to_owned()))
+        } else {
+            Err(InvalidSessionId {
+                reason: "not 32 lowercase hex digits",
+            })
+        }
+    }
+
+    /// Whether `s` parses as a session id.
+    pub fn is_valid(s: &str) -> bool {
+        Self::parse(s).is_ok()
+    }
+
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The id as an owned string.
+    pub fn into_string(self) -> String {
+        self.0
+    }
+}
+
+impl std::fmt::Display for SessionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl AsRef<str> for SessionId {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl TryFrom<String> for SessionId {
+    type Error = InvalidSessionId;
+    fn try_from(s: String) -> Result<SessionId, InvalidSessionId> {
+        SessionId::parse(&s)
+    }
+}
+
+impl From<SessionId> for String {
+    fn from(id: SessionId) -> String {
+        id.0
+    }
+}
+
 /// Languages a session can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -185,9 +279,58 @@ pub struct InterruptParams {
 pub struct InterruptReply {
     /// Whether SIGINT reached the named, running cell.
     pub delivered: bool,
-    /// `delivered`, `not_running` (no cell runs), `other_cell` (another cell runs),
-    /// `session_ending`.
+    /// One of [`InterruptReason`], as text (a client keeps working when a newer daemon adds
+    /// a reason).
     pub reason: String,
+}
+
+/// Why an `Interrupt` was or was not delivered (the reply's `reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InterruptReason {
+    /// SIGINT reached the named, running cell (`delivered` is true).
+    Delivered,
+    /// No cell runs (it finished, or none started).
+    NotRunning,
+    /// Another cell of the session runs.
+    OtherCell,
+    /// The cell was already interrupted; the daemon escalates on its own (SIGINT again, then
+    /// SIGKILL after the grace), so a second request changes nothing.
+    AlreadyInterrupted,
+    /// The session is ending (closed, expired, or its worker died).
+    SessionEnding,
+}
+
+impl InterruptReason {
+    /// Every reason, in the IDL's order.
+    pub const ALL: [InterruptReason; 5] = [
+        InterruptReason::Delivered,
+        InterruptReason::NotRunning,
+        InterruptReason::OtherCell,
+        InterruptReason::AlreadyInterrupted,
+        InterruptReason::SessionEnding,
+    ];
+
+    /// The reason on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InterruptReason::Delivered => "delivered",
+            InterruptReason::NotRunning => "not_running",
+            InterruptReason::OtherCell => "other_cell",
+            InterruptReason::AlreadyInterrupted => "already_interrupted",
+            InterruptReason::SessionEnding => "session_ending",
+        }
+    }
+
+    /// The reason for a wire string, `None` for one this version does not know.
+    pub fn parse(s: &str) -> Option<InterruptReason> {
+        Self::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+}
+
+impl From<InterruptReason> for String {
+    fn from(r: InterruptReason) -> String {
+        r.as_str().to_owned()
+    }
 }
 
 /// Parameters of `Close`.
@@ -693,48 +836,234 @@ impl RawError {
 mod tests {
     use super::*;
 
+    use zlink::idl::{Field, Interface, Type};
+
+    /// A JSON value the IDL type accepts, with every optional field present, so a field the
+    /// Rust type lacks is lost on the round trip below. Strings that Rust parses as enums get
+    /// one of their values.
+    fn sample(iface: &Interface<'_>, field: &str, ty: &Type<'_>) -> Value {
+        match ty {
+            Type::Bool => Value::Bool(true),
+            Type::Int => Value::from(7u64),
+            Type::Float => Value::from(1.5f64),
+            Type::String => Value::from(match field {
+                "status" => "ok",
+                "state" => "kept",
+                "kind" => "file",
+                "stream" => "stdout",
+                "language" => "python",
+                _ => "x",
+            }),
+            Type::Optional(t) => sample(iface, field, t.inner()),
+            Type::Array(t) => Value::Array(vec![sample(iface, field, t.inner())]),
+            Type::Map(t) => serde_json::json!({ "k": sample(iface, field, t.inner()) }),
+            Type::Custom(name) => {
+                let name = name.to_string();
+                let custom = iface
+                    .custom_types()
+                    .find(|c| c.name().to_string() == name)
+                    .unwrap_or_else(|| panic!("type {name} is not declared"));
+                let object = custom.as_object().expect("only object types are used");
+                fields(iface, object.fields())
+            }
+            Type::Object(f) => fields(iface, f.iter()),
+            other => panic!("IDL type {other:?} has no sample"),
+        }
+    }
+
+    fn fields<'a>(iface: &Interface<'_>, f: impl Iterator<Item = &'a Field<'a>>) -> Value {
+        Value::Object(
+            f.map(|f| {
+                let name = f.name().to_string();
+                let v = sample(iface, &name, f.ty());
+                (name, v)
+            })
+            .collect(),
+        )
+    }
+
+    /// Deserializes `v` as `T` and serializes it back: equal only when `T` has exactly the
+    /// IDL's fields (parameter structs refuse unknown fields; others would drop them).
+    fn round_trip<T: serde::de::DeserializeOwned + Serialize>(v: &Value) -> Result<(), String> {
+        let t: T = serde_json::from_value(v.clone()).map_err(|e| e.to_string())?;
+        let back = serde_json::to_value(&t).map_err(|e| e.to_string())?;
+        if &back == v {
+            Ok(())
+        } else {
+            Err(format!("round trip changed {v} into {back}"))
+        }
+    }
+
+    /// Every method of the IDL has Rust parameter and reply types with exactly its fields.
     #[test]
-    fn every_idl_method_and_error_is_known() {
-        let iface = zlink::idl::Interface::try_from(IDL).expect("IDL parses");
-        assert_eq!(iface.name(), INTERFACE);
-        let methods: Vec<_> = iface.methods().map(|m| m.name().to_string()).collect();
-        assert_eq!(
-            methods,
-            [
-                "Run",
-                "Open",
+    fn idl_methods_match_the_rust_types() {
+        type Check = fn(&Value) -> Result<(), String>;
+        fn empty(v: &Value) -> Result<(), String> {
+            (v == &serde_json::json!({}))
+                .then_some(())
+                .ok_or(format!("{v} is not empty"))
+        }
+        let rust: &[(&str, Check, Check)] = &[
+            ("Run", round_trip::<RunParams>, round_trip::<FrameReply>),
+            ("Open", round_trip::<OpenParams>, round_trip::<OpenReply>),
+            (
                 "Execute",
+                round_trip::<ExecuteParams>,
+                round_trip::<FrameReply>,
+            ),
+            (
                 "Interrupt",
-                "Close",
+                round_trip::<InterruptParams>,
+                round_trip::<InterruptReply>,
+            ),
+            ("Close", round_trip::<CloseParams>, empty),
+            (
                 "PutFile",
+                round_trip::<PutFileParams>,
+                round_trip::<PutFileReply>,
+            ),
+            (
                 "ListFiles",
+                round_trip::<ListFilesParams>,
+                round_trip::<ListFilesReply>,
+            ),
+            (
                 "GetFile",
-                "DeleteFile",
-                "ListEnvironments"
-            ]
-        );
-        let errors: Vec<_> = iface.errors().map(|e| e.name().to_string()).collect();
-        for e in &errors {
+                round_trip::<GetFileParams>,
+                round_trip::<GetFileReply>,
+            ),
+            ("DeleteFile", round_trip::<DeleteFileParams>, empty),
+            (
+                "ListEnvironments",
+                round_trip::<ListEnvironmentsParams>,
+                round_trip::<ListEnvironmentsReply>,
+            ),
+        ];
+        let iface = Interface::try_from(IDL).expect("IDL parses");
+        assert_eq!(iface.name().to_string(), INTERFACE);
+        let mut seen = Vec::new();
+        for m in iface.methods() {
+            let name = m.name().to_string();
+            let (_, params, reply) = rust
+                .iter()
+                .find(|(n, ..)| *n == name)
+                .unwrap_or_else(|| panic!("IDL method {name} has no Rust types"));
+            params(&fields(&iface, m.inputs()))
+                .unwrap_or_else(|e| panic!("{name} parameters: {e}"));
+            reply(&fields(&iface, m.outputs())).unwrap_or_else(|e| panic!("{name} reply: {e}"));
+            seen.push(name);
+        }
+        for (n, ..) in rust {
+            assert!(seen.iter().any(|s| s == n), "{n} is not in the IDL");
+        }
+    }
+
+    /// The short name of every [`KernelError`] variant; the match has no wildcard, so a new
+    /// variant does not compile until it is named here (and then checked against the IDL).
+    fn variant_name(e: &KernelError) -> &'static str {
+        match e {
+            KernelError::InvalidParameter { .. } => "InvalidParameter",
+            KernelError::UnsupportedLanguage { .. } => "UnsupportedLanguage",
+            KernelError::LimitExceeded { .. } => "LimitExceeded",
+            KernelError::CapacityExceeded { .. } => "CapacityExceeded",
+            KernelError::NoSuchSession { .. } => "NoSuchSession",
+            KernelError::SessionBusy { .. } => "SessionBusy",
+            KernelError::PermissionDenied { .. } => "PermissionDenied",
+            KernelError::WorkerFailed { .. } => "WorkerFailed",
+            KernelError::InvalidFileName { .. } => "InvalidFileName",
+            KernelError::NoSuchFile { .. } => "NoSuchFile",
+            KernelError::NotRegularFile { .. } => "NotRegularFile",
+            KernelError::NoSuchEnvironment { .. } => "NoSuchEnvironment",
+            KernelError::EnvironmentMismatch { .. } => "EnvironmentMismatch",
+            KernelError::ShuttingDown {} => "ShuttingDown",
+        }
+    }
+
+    /// Every error of the IDL is a [`KernelError`] with exactly its parameters, and every
+    /// [`KernelError`] is in the IDL.
+    #[test]
+    fn idl_errors_match_kernel_error() {
+        let iface = Interface::try_from(IDL).expect("IDL parses");
+        let mut variants = Vec::new();
+        for e in iface.errors() {
+            let name = e.name().to_string();
+            let params = fields(&iface, e.fields());
             let raw = RawError {
-                error: format!("{INTERFACE}.{e}"),
-                parameters: None,
+                error: format!("{INTERFACE}.{name}"),
+                parameters: Some(params.clone()),
             };
-            // Every error must at least be recognised by name (parameters may be incomplete).
-            let known = serde_json::to_string(&raw).unwrap();
-            assert!(known.contains(e.as_str()));
+            let typed = raw
+                .to_kernel_error()
+                .unwrap_or_else(|| panic!("IDL error {name} is not a KernelError"));
+            assert_eq!(variant_name(&typed), name);
+            assert_eq!(typed.name(), raw.error);
+            let back = serde_json::to_value(&typed).unwrap();
+            assert_eq!(back["parameters"], params, "{name}: parameters differ");
+            variants.push(typed);
         }
-        let sample = KernelError::ShuttingDown {};
-        assert!(errors.iter().any(|e| sample.name().ends_with(e.as_str())));
-        assert_eq!(errors.len(), 14);
-        for e in ["InvalidFileName", "NoSuchFile", "NotRegularFile"] {
-            assert!(errors.iter().any(|x| x == e), "{e} missing from the IDL");
+        // The reverse: an error the daemon could send that the IDL does not declare fails here
+        // (each declared error converted above; `variant_name` lists them all).
+        let all = [
+            "InvalidParameter",
+            "UnsupportedLanguage",
+            "LimitExceeded",
+            "CapacityExceeded",
+            "NoSuchSession",
+            "SessionBusy",
+            "PermissionDenied",
+            "WorkerFailed",
+            "InvalidFileName",
+            "NoSuchFile",
+            "NotRegularFile",
+            "NoSuchEnvironment",
+            "EnvironmentMismatch",
+            "ShuttingDown",
+        ];
+        for n in all {
+            assert!(
+                variants.iter().any(|v| variant_name(v) == n),
+                "KernelError::{n} is not in the IDL"
+            );
         }
-        let typed = KernelError::NotRegularFile {
-            name: "leak".into(),
-            kind: "symlink".into(),
+        // An unknown error name is not mistaken for one of ours.
+        let unknown = RawError {
+            error: format!("{INTERFACE}.NoSuchThing"),
+            parameters: None,
         };
-        let raw: RawError = serde_json::from_value(serde_json::to_value(&typed).unwrap()).unwrap();
-        assert_eq!(raw.to_kernel_error(), Some(typed));
+        assert_eq!(unknown.to_kernel_error(), None);
+    }
+
+    #[test]
+    fn interrupt_reasons_are_in_the_idl_and_round_trip() {
+        for r in InterruptReason::ALL {
+            assert!(
+                IDL.contains(r.as_str()),
+                "{} is not documented in the IDL",
+                r.as_str()
+            );
+            assert_eq!(InterruptReason::parse(r.as_str()), Some(r));
+            assert_eq!(String::from(r), r.as_str());
+        }
+        assert_eq!(InterruptReason::parse("no_such_reason"), None);
+    }
+
+    #[test]
+    fn session_ids_have_one_shape() {
+        let id = SessionId::from_random([0xab; 16]);
+        assert_eq!(id.as_str(), "ab".repeat(16));
+        assert_eq!(SessionId::parse(id.as_str()), Ok(id.clone()));
+        for bad in [
+            "",
+            "AB".repeat(16).as_str(),
+            "ab".repeat(17).as_str(),
+            "../etc/passwd",
+            &format!("{}/", "a".repeat(31)),
+        ] {
+            assert!(SessionId::parse(bad).is_err(), "{bad:?}");
+        }
+        let v = serde_json::to_value(&id).unwrap();
+        assert_eq!(v, serde_json::json!(id.as_str()));
+        assert!(serde_json::from_value::<SessionId>(serde_json::json!("x")).is_err());
     }
 
     #[test]

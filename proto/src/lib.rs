@@ -6,9 +6,11 @@
 //! - [`worker`]: the frames between `sandcelld` and one worker process (a request pipe into the
 //!   worker, a JSON-lines pipe out of it).
 //! - [`text`]: how arbitrary output bytes become UTF-8 text on both wires.
+//! - [`dbus`]: the row types of the `org.sandcell.Manager1` D-Bus interface.
 //!
 //! Nothing here performs I/O beyond parsing and formatting in memory.
 
+pub mod dbus;
 pub mod kernel;
 pub mod text;
 pub mod worker;

@@ -60,6 +60,49 @@ pub const MAX_ERROR_MESSAGE: usize = 16 * 1024;
 /// Longest traceback a worker reports, in bytes.
 pub const MAX_TRACEBACK: usize = 32 * 1024;
 
+/// Request descriptor of a worker: the daemon writes requests to it, the worker reads them.
+/// Every worker (`sandcell-worker-python`, `worker.R`, `worker.py`) finds it at this number.
+pub const REQUEST_FD: i32 = 3;
+
+/// Reply descriptor of a worker: JSON lines of [`WorkerMessage`] (see the module
+/// documentation).
+pub const REPLY_FD: i32 = 4;
+
+/// The descriptors a worker keeps through confinement: stdin (`/dev/null`), stdout, stderr,
+/// [`REQUEST_FD`] and [`REPLY_FD`].
+pub const WORKER_FDS: [i32; 5] = [0, 1, 2, REQUEST_FD, REPLY_FD];
+
+/// Protocol ceiling for one cell's source, bytes: no configuration may allow more
+/// (`max_source_bytes`).
+pub const SOURCE_CEILING: u64 = 512 * 1024;
+
+/// Protocol ceiling for the kept stdout + stderr of one cell, bytes: no configuration may
+/// allow more (`max_stdout_bytes + max_stderr_bytes`).
+pub const OUTPUT_CEILING: u64 = 2 * 1024 * 1024;
+
+/// Most bytes one input byte takes in a JSON string (`\u00XX`).
+pub const JSON_ESCAPE_FACTOR: usize = 6;
+
+// Compile-time checks of the ceilings against the bounds of the messages that carry them.
+// A cell's source travels in one Varlink call (`Run`/`Execute`), JSON-escaped.
+const _: () = assert!(
+    SOURCE_CEILING as usize * JSON_ESCAPE_FACTOR + 4096 <= crate::kernel::MAX_MESSAGE_BYTES
+);
+// An output chunk, escaped, fits one reply line with room for its framing.
+const _: () = assert!(MAX_OUTPUT_CHUNK * JSON_ESCAPE_FACTOR + 4096 <= MAX_WORKER_LINE);
+// An error's message and traceback, escaped, fit one `done` line.
+const _: () =
+    assert!((MAX_ERROR_MESSAGE + MAX_TRACEBACK) * JSON_ESCAPE_FACTOR + 4096 <= MAX_WORKER_LINE);
+// Inline uploads and download chunks, base64 (4/3) inside one message.
+const _: () = assert!(
+    (crate::kernel::MAX_INLINE_BYTES as usize).div_ceil(3) * 4 + 4096
+        <= crate::kernel::MAX_MESSAGE_BYTES
+);
+const _: () = assert!(
+    (crate::kernel::MAX_CHUNK_BYTES as usize).div_ceil(3) * 4 + 4096
+        <= crate::kernel::MAX_MESSAGE_BYTES
+);
+
 /// Operations the daemon sends to a worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
@@ -368,9 +411,6 @@ pub fn bound_text(s: &str, max: usize) -> String {
     }
     format!("{}... [{} more bytes]", &s[..end], s.len() - end)
 }
-
-/// Reply descriptor of a worker (fd 4), see the module documentation.
-pub const REPLY_FD: i32 = 4;
 
 /// Writes a [`WorkerMessage::Fatal`] line to the reply descriptor, best effort, and also to
 /// stderr. For a worker's own start-up failures only (confinement, interpreter load).

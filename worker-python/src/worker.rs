@@ -38,10 +38,8 @@ pub const ENV_GUEST_MEMORY: &str = "SANDCELL_GUEST_MEMORY_BYTES";
 pub const ENV_SESSION_DIR: &str = "SANDCELL_SESSION_DIR";
 /// Guest memory limit when [`ENV_GUEST_MEMORY`] is unset: Eryx's default, 128 MiB.
 pub const DEFAULT_GUEST_MEMORY: u64 = 128 * 1024 * 1024;
-/// Request pipe descriptor.
-pub const REQUEST_FD: i32 = 3;
-/// Reply pipe descriptor.
-pub const REPLY_FD: i32 = 4;
+/// Request and reply pipe descriptors, as the protocol defines them.
+pub use sandcell_proto::worker::{REPLY_FD, REQUEST_FD};
 
 /// Exit statuses, see the module docs.
 pub mod exit {

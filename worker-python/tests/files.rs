@@ -389,8 +389,7 @@ fn files_and_the_working_directory_survive_a_rebuild() {
 fn files_work_fully_confined_as_an_unprivileged_user() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root to switch uid");
-        return;
+        sandcell_testing::skip!("root", "needs root to switch uid");
     }
     let plan = |dir: &std::path::Path| {
         std::os::unix::fs::chown(dir, Some(65534), Some(65534)).unwrap();

@@ -751,8 +751,7 @@ fn c_level_recursion_aborts_the_worker_known_eryx_limit() {
 fn runs_fully_confined_as_an_unprivileged_user() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root to switch uid");
-        return;
+        sandcell_testing::skip!("root", "needs root to switch uid");
     }
     let plan = |dir: &std::path::Path| {
         std::os::unix::fs::chown(dir, Some(65534), Some(65534)).unwrap();

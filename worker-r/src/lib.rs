@@ -427,4 +427,50 @@ mod tests {
         prepare_mpl_config(&base.join("cfg2"), &base.join("absent")).unwrap();
         std::fs::remove_dir_all(&base).unwrap();
     }
+
+    /// The value of `NAME <- expr` (R) or `NAME = expr` (Python) in `script`, where `expr` is
+    /// a product of integer literals (`1024L * 1024L`, `16 * 1024`, `3`).
+    fn script_int(script: &str, name: &str) -> usize {
+        let line = script
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(name).and_then(|r| {
+                    r.trim_start()
+                        .strip_prefix("<-")
+                        .or_else(|| r.trim_start().strip_prefix('='))
+                })
+            })
+            .unwrap_or_else(|| panic!("{name} is not assigned at the start of a line"));
+        let expr = line.split('#').next().unwrap();
+        expr.split('*')
+            .map(|f| {
+                f.trim()
+                    .trim_end_matches('L')
+                    .parse::<usize>()
+                    .unwrap_or_else(|e| panic!("{name}: {f:?}: {e}"))
+            })
+            .product()
+    }
+
+    /// worker.R and worker.py restate the protocol's numbers (R and Python cannot read the
+    /// Rust constants); they must be the ones `sandcell_proto::worker` defines.
+    #[test]
+    fn script_constants_match_the_protocol() {
+        use sandcell_proto::worker as w;
+        let r = include_str!("../worker.R");
+        assert_eq!(script_int(r, "MAX_WORKER_LINE"), w::MAX_WORKER_LINE);
+        assert_eq!(script_int(r, "MAX_ERROR_MESSAGE"), w::MAX_ERROR_MESSAGE);
+        assert_eq!(script_int(r, "MAX_TRACEBACK"), w::MAX_TRACEBACK);
+        assert!(r.contains(&format!("IN_PATH <- \"/proc/self/fd/{}\"", w::REQUEST_FD)));
+        assert!(r.contains(&format!("OUT_PATH <- \"/proc/self/fd/{}\"", w::REPLY_FD)));
+        assert!(r.contains(&format!("[0-9a-f]{{{}}}", w::NONCE_HEX_LEN)));
+        let py = include_str!("../worker.py");
+        assert_eq!(script_int(py, "MAX_WORKER_LINE"), w::MAX_WORKER_LINE);
+        assert_eq!(script_int(py, "MAX_HEADER_LINE"), w::MAX_HEADER_LINE);
+        assert_eq!(script_int(py, "MAX_ERROR_MESSAGE"), w::MAX_ERROR_MESSAGE);
+        assert_eq!(script_int(py, "MAX_TRACEBACK"), w::MAX_TRACEBACK);
+        assert_eq!(script_int(py, "REQ_FD"), w::REQUEST_FD as usize);
+        assert_eq!(script_int(py, "REP_FD"), w::REPLY_FD as usize);
+        assert!(py.contains(&format!("if len(v) != {} or", w::NONCE_HEX_LEN)));
+    }
 }

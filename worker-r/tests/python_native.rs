@@ -28,14 +28,13 @@ const LAUNCHER: &str = env!("CARGO_BIN_EXE_sandcell-worker-python-native");
 const R_LAUNCHER: &str = env!("CARGO_BIN_EXE_sandcell-worker-r");
 const NONCE: &str = "0123456789abcdef";
 
-/// `true` when /usr/bin/python3 can import `modules`; otherwise prints why `test` is skipped.
-fn python_has(test: &str, modules: &[&str]) -> bool {
+/// Why /usr/bin/python3 cannot import `modules`, or `None` when it can.
+fn python_lacks(modules: &[&str]) -> Option<String> {
     if !Path::new(PYTHON).exists() {
-        println!("skipping {test}: {PYTHON} is missing (apt-get install python3)");
-        return false;
+        return Some(format!("{PYTHON} is missing (apt-get install python3)"));
     }
     if modules.is_empty() {
-        return true;
+        return None;
     }
     let code = format!("import {}", modules.join(", "));
     let ok = Command::new(PYTHON)
@@ -45,13 +44,12 @@ fn python_has(test: &str, modules: &[&str]) -> bool {
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
-    if !ok {
-        println!(
-            "skipping {test}: {PYTHON} cannot `{code}` (scripts/setup.sh installs python3-numpy \
-             python3-pandas python3-scipy python3-matplotlib python3-statsmodels)"
-        );
-    }
-    ok
+    (!ok).then(|| {
+        format!(
+            "{PYTHON} cannot `{code}` (scripts/setup.sh installs python3-numpy python3-pandas \
+             python3-scipy python3-matplotlib python3-statsmodels)"
+        )
+    })
 }
 
 /// `format!` giving a `&'static str`, for lists of probes.
@@ -59,10 +57,12 @@ macro_rules! f {
     ($($t:tt)*) => { &*Box::leak(format!($($t)*).into_boxed_str()) };
 }
 
+/// Skips the calling test (`need!("its name", "numpy", ...)`) unless /usr/bin/python3 can
+/// import the modules.
 macro_rules! need {
     ($name:expr $(, $m:expr)*) => {
-        if !python_has($name, &[$($m),*]) {
-            return;
+        if let Some(why) = python_lacks(&[$($m),*]) {
+            sandcell_testing::skip!("pydata", "{why}");
         }
     };
 }
@@ -692,9 +692,9 @@ fn matplotlib_figures_become_pngs_without_rebuilding_font_caches() {
             );
         }
     } else {
-        println!(
-            "matplotlib_figures_become_pngs_without_rebuilding_font_caches: no prebuilt font \
-             list in {} (scripts/font-cache.sh); font-cache check skipped",
+        sandcell_testing::skip_part!(
+            "fonts",
+            "no prebuilt font list in {} (scripts/font-cache.sh); font-cache check skipped",
             prebuilt.display()
         );
     }
@@ -703,8 +703,7 @@ fn matplotlib_figures_become_pngs_without_rebuilding_font_caches() {
 #[test]
 fn r_plots_leave_no_font_cache_in_the_session() {
     if !Path::new("/usr/lib/R/bin/exec/R").exists() {
-        println!("skipping r_plots_leave_no_font_cache_in_the_session: R is not installed");
-        return;
+        sandcell_testing::skip!("r", "R is not installed");
     }
     let mut w = Worker::start_with(Start {
         r: true,

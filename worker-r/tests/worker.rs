@@ -25,15 +25,9 @@ use std::time::{Duration, Instant};
 const R_EXE: &str = "/usr/lib/R/bin/exec/R";
 const LAUNCHER: &str = env!("CARGO_BIN_EXE_sandcell-worker-r");
 
-/// `true` when R is installed; otherwise prints why the calling test is skipped.
-fn r_available(test: &str) -> bool {
-    let ok = Path::new(R_EXE).exists();
-    if !ok {
-        println!(
-            "skipping {test}: R is not installed ({R_EXE} missing; apt-get install r-base-core)"
-        );
-    }
-    ok
+/// `true` when R is installed.
+fn r_available() -> bool {
+    Path::new(R_EXE).exists()
 }
 
 /// The package directory: the one cargo names at run time, the compile-time one only as a
@@ -465,10 +459,14 @@ impl Drop for Worker {
     }
 }
 
+/// Skips the calling test (`need_r!("its name")`) when R is not installed.
 macro_rules! need_r {
     ($name:expr) => {
-        if !r_available($name) {
-            return;
+        if !r_available() {
+            sandcell_testing::skip!(
+                "r",
+                "R is not installed ({R_EXE} missing; apt-get install r-base-core)"
+            );
         }
     };
 }
@@ -987,8 +985,9 @@ fn plots_produce_a_png() {
             std::fs::read(w.session.join("t.png")).unwrap() == std::fs::read(&reference).unwrap(),
             "confined plot differs from the unconfined one (fonts missing from the plan?)"
         ),
-        other => println!(
-            "plots_produce_a_png: reference plot not drawn ({other:?}); comparison skipped"
+        other => sandcell_testing::skip_part!(
+            "r",
+            "reference plot not drawn ({other:?}); comparison skipped"
         ),
     }
 }
@@ -1057,8 +1056,7 @@ fn runs_fully_confined_as_an_unprivileged_uid() {
     need_r!("runs_fully_confined_as_an_unprivileged_uid");
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        println!("skipping runs_fully_confined_as_an_unprivileged_uid: needs root to switch uid");
-        return;
+        sandcell_testing::skip!("root", "needs root to switch uid");
     }
     // Strict enforcement: every layer (identity, namespaces, Landlock, seccomp) or no start.
     let mut w = Worker::start_with(Start {

@@ -685,7 +685,7 @@ async fn interrupt_cell(
             delivered = true;
             break;
         }
-        if r.reason != "not_running" {
+        if r.reason != sandcell_proto::kernel::InterruptReason::NotRunning.as_str() {
             return Err(Outcome::Wrong(format!(
                 "interrupt not delivered: {}",
                 r.reason

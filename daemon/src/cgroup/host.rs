@@ -499,7 +499,9 @@ pub fn page_floor(value: u64) -> u64 {
     value / page * page
 }
 
-/// Checks a session id: 1-64 characters of `[A-Za-z0-9_-]`, so it is one path component.
+/// Checks a cgroup name component (a session id, which `sandcell_proto::kernel::SessionId`
+/// validates, or the configured `cgroup_name`): 1-64 characters of `[A-Za-z0-9_-]`, so it is
+/// one path component whatever its origin.
 pub fn check_id(id: &str) -> Result<(), Error> {
     if id.is_empty()
         || id.len() > 64

@@ -203,7 +203,8 @@ fn detect_layout(config: &DetectConfig) -> Result<Box<dyn Backend>, Error> {
         if v2::V2::usable(&root) {
             if rel == "/" {
                 return Err(Error::Unsupported(
-                    "sandcelld runs in the root cgroup, so nothing is delegated to it: run it                      from sandcelld.service with Delegate=yes"
+                    "sandcelld runs in the root cgroup, so nothing is delegated to it: run it \
+                     from sandcelld.service with Delegate=yes"
                         .into(),
                 ));
             }
@@ -220,7 +221,9 @@ fn detect_layout(config: &DetectConfig) -> Result<Box<dyn Backend>, Error> {
         )?));
     }
     Err(Error::Unsupported(
-        "no cgroup with the memory and pids controllers is available to sandcelld: run it          from sandcelld.service with Delegate=yes on a cgroup v2 host (or, on a hybrid host,          mount the v1 memory and pids controllers)"
+        "no cgroup with the memory and pids controllers is available to sandcelld: run it \
+         from sandcelld.service with Delegate=yes on a cgroup v2 host (or, on a hybrid host, \
+         mount the v1 memory and pids controllers)"
             .into(),
     ))
 }

@@ -16,24 +16,10 @@ use std::time::UNIX_EPOCH;
 use zbus::object_server::SignalEmitter;
 use zbus::zvariant::OwnedObjectPath;
 
-/// One row of `ListSessions`: id, language, owner uid, owner pid, state, started (µs since
-/// the Unix epoch), cells run, memory in use (bytes; `u64::MAX` when unknown), object path.
-pub type SessionRow = (
-    String,
-    String,
-    u32,
-    u32,
-    String,
-    u64,
-    u64,
-    u64,
-    OwnedObjectPath,
-);
+/// One row of `ListSessions` ([`sandcell_proto::dbus::SessionRow`]).
+pub type SessionRow = sandcell_proto::dbus::SessionRow<OwnedObjectPath>;
 
-/// One row of the `Pools` property: environment name, idle workers now, target now, configured
-/// minimum, configured maximum (all counts of workers), workers taken from the pool since the
-/// daemon started, opens that found no idle worker since the daemon started.
-pub type PoolRow = (String, u32, u32, u32, u32, u64, u64);
+pub use sandcell_proto::dbus::{AdmissionRow, PoolRow};
 
 /// The rows of the `Pools` property, one per environment (shipped, configured, or still
 /// holding a pool), in name order; an environment whose pool never ran has a row of zeros.
@@ -261,7 +247,7 @@ impl Manager {
     /// Admission use against each budget: (budget, in use, maximum); sessions are counted,
     /// memories are bytes. Idle pooled workers are charged like sessions.
     #[zbus(property)]
-    async fn admission(&self) -> Vec<(String, u64, u64)> {
+    async fn admission(&self) -> Vec<AdmissionRow> {
         let (max, used) = self.core.admission();
         vec![
             (
@@ -441,4 +427,28 @@ impl Manager {
     /// The kernel OOM-killed the worker of session `id` (its cgroup's memory limit).
     #[zbus(signal, name = "WorkerOOMKilled")]
     pub async fn worker_oom_killed(emitter: &SignalEmitter<'_>, id: &str) -> zbus::Result<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zbus::zvariant::Type;
+
+    const XML: &str = include_str!("../../../dbus/org.sandcell.Manager1.xml");
+
+    /// The row types (defined once, in `sandcell_proto::dbus`) have the signatures the shipped
+    /// introspection XML declares.
+    #[test]
+    fn row_signatures_match_the_introspection_xml() {
+        for (sig, what) in [
+            (<Vec<SessionRow>>::SIGNATURE.to_string(), "ListSessions"),
+            (<Vec<PoolRow>>::SIGNATURE.to_string(), "Pools"),
+            (<Vec<AdmissionRow>>::SIGNATURE.to_string(), "Admission"),
+        ] {
+            assert!(
+                XML.contains(&format!("type=\"{sig}\"")),
+                "{what}: {sig} is not in org.sandcell.Manager1.xml"
+            );
+        }
+    }
 }

@@ -132,19 +132,11 @@ pub fn session_path(id: &str) -> OwnedObjectPath {
         .expect("session ids are lowercase hex, valid path elements")
 }
 
-/// Validates a session id from a D-Bus caller (32 lowercase hex characters).
+/// Validates a session id from a D-Bus caller ([`sandcell_proto::kernel::SessionId`]).
 pub(crate) fn check_id(id: &str) -> Result<(), Error> {
-    if id.len() == 32
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    {
-        Ok(())
-    } else {
-        Err(Error::InvalidParameter(format!(
-            "session id {id:?} is not 32 lowercase hex characters"
-        )))
-    }
+    sandcell_proto::kernel::SessionId::parse(id)
+        .map(drop)
+        .map_err(|e| Error::InvalidParameter(format!("session id {id:?}: {}", e.reason)))
 }
 
 /// The system bus address, if there is a system bus: `DBUS_SYSTEM_BUS_ADDRESS`, else

@@ -33,9 +33,9 @@ use tokio::net::UnixStream;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
-/// Largest message accepted from a client, in bytes: the source ceiling (512 KiB) with room
-/// for JSON escaping (a `\u0000` escape is 6 bytes per source byte) and the envelope.
-pub const MAX_MESSAGE: usize = 4 * 1024 * 1024;
+/// Largest message accepted from a client, in bytes: the source ceiling with room for JSON
+/// escaping and the envelope (`sandcell_proto` checks this at compile time).
+pub const MAX_MESSAGE: usize = sandcell_proto::kernel::MAX_MESSAGE_BYTES;
 
 /// Descriptors accepted with one message (and with one `recvmsg`).
 pub const MAX_FDS: usize = 4;

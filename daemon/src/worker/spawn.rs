@@ -27,6 +27,7 @@ use crate::cgroup::SessionGroup;
 use crate::config::Engine;
 use sandcell_confine::{Enforcement, Plan, SyscallProfile};
 use sandcell_proto::kernel::Language;
+use sandcell_proto::worker::{REPLY_FD, REQUEST_FD};
 use std::collections::BTreeMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -309,7 +310,7 @@ pub fn plan(spec: &WorkerSpec) -> Plan {
         read_paths,
         exec_paths,
         write_paths: vec!["/dev/null".into()],
-        keep_fds: vec![0, 1, 2, 3, 4],
+        keep_fds: sandcell_proto::worker::WORKER_FDS.to_vec(),
         max_open_files: 256,
         max_file_bytes: spec.max_file_bytes,
         max_processes: 256,
@@ -490,7 +491,7 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
             if libc::setsid() < 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            if libc::dup2(req_raw, 3) < 0 || libc::dup2(rep_raw, 4) < 0 {
+            if libc::dup2(req_raw, REQUEST_FD) < 0 || libc::dup2(rep_raw, REPLY_FD) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             libc::signal(libc::SIGINT, libc::SIG_DFL);

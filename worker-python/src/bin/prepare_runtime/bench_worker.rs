@@ -123,7 +123,7 @@ fn drive(
     let plan = json!({
         "uid": null, "gid": null, "session_dir": session_dir,
         "read_paths": [dir], "exec_paths": [], "write_paths": ["/dev/null"],
-        "keep_fds": [0, 1, 2, 3, 4], "max_open_files": 256, "max_file_bytes": 1u64 << 20,
+        "keep_fds": sandcell_proto::worker::WORKER_FDS, "max_open_files": 256, "max_file_bytes": 1u64 << 20,
         "max_processes": 256, "max_address_space": null, "new_net_namespace": false,
         "new_ipc_namespace": false, "syscalls": "wasm", "enforcement": "best_effort"
     });
@@ -142,7 +142,8 @@ fn drive(
     // 100, so they never alias 3 or 4, and dup2 clears close-on-exec on the copies.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::dup2(a, 3) != 3 || libc::dup2(b, 4) != 4 {
+            use sandcell_proto::worker::{REPLY_FD, REQUEST_FD};
+            if libc::dup2(a, REQUEST_FD) != REQUEST_FD || libc::dup2(b, REPLY_FD) != REPLY_FD {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
