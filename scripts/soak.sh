@@ -8,7 +8,8 @@
 # Defaults: 8 clients x 100 cells. Budgets are raised so that N clients fit (sessions,
 # memory budgets, per-uid quotas, connections: every client is this script's uid; worker
 # start-up may take 120 s, since N clients start workers at once on few cores). Prints
-# samples of the daemon's RSS and descriptors, throughput, every problem, and last exactly one
+# samples of the daemon's RSS and descriptors (all of them, every 5 s, in samples.csv of the run
+# directory), throughput, every problem, and last exactly one
 # line `soak: C cells, L lost, W wrong, K leaked`; exits non-zero unless all three are 0.
 # Needs the binaries of scripts/setup.sh; builds sandcell-soak if needed.
 set -euo pipefail
@@ -23,7 +24,7 @@ while [[ $# -gt 0 ]]; do
     --cells) cells=$2; shift 2 ;;
     --seconds | --seed | --languages | --sample-seconds | --oneshot-percent | --samples-out)
         extra+=("$1" "$2"); shift 2 ;;
-    -h | --help) sed -n '2,13p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "soak: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -44,6 +45,10 @@ fi
 
 run=$(mktemp -d /var/tmp/sandcell-soak.XXXXXX)
 chmod 0711 "$run"
+# The daemon's RSS and descriptor count over time (a sample every 5 s unless told).
+if [[ ! " ${extra[*]} " =~ " --samples-out " ]]; then
+    extra+=(--samples-out "$run/samples.csv")
+fi
 sock="$run/org.sandcell.Kernel"
 notify="$run/notify"
 cgroup="sandcell-soak-$$"
@@ -79,7 +84,7 @@ activator=$!
 cleanup() {
     kill -TERM "$activator" 2>/dev/null || true
     wait "$activator" 2>/dev/null || true
-    echo "soak: daemon log: $run/daemon.log ($(grep -c -i -E 'warn|error' "$run/daemon.log" || true) warning/error lines)"
+    echo "soak: daemon log: $run/daemon.log ($(grep -c -i -E 'warn|error' "$run/daemon.log" || true) warning/error lines); samples: $run/samples.csv"
 }
 trap cleanup EXIT
 for _ in $(seq 100); do [[ -S $sock ]] && break; sleep 0.1; done

@@ -685,7 +685,7 @@ async fn interrupt_cell(
             delivered = true;
             break;
         }
-        if r.reason != sandcell_proto::kernel::InterruptReason::NotRunning.as_str() {
+        if r.reason != "not_running" {
             return Err(Outcome::Wrong(format!(
                 "interrupt not delivered: {}",
                 r.reason
@@ -1122,14 +1122,20 @@ async fn main() -> anyhow::Result<()> {
     if !samples.is_empty() {
         let peak_rss = samples.iter().map(|s| s.1).max().unwrap_or(0);
         let peak_fds = samples.iter().map(|s| s.2).max().unwrap_or(0);
+        let min_rss = samples.iter().map(|s| s.1).min().unwrap_or(0);
+        let min_fds = samples.iter().map(|s| s.2).min().unwrap_or(0);
         println!(
-            "soak: daemon rss first {} peak {} last {}; fds first {} peak {} last {}",
+            "soak: daemon rss first {} min {} peak {} last {}; fds first {} min {} peak {} last {} ({} samples every {:.1} s)",
             mib(samples[0].1),
+            mib(min_rss),
             mib(peak_rss),
             mib(samples.last().unwrap().1),
             samples[0].2,
+            min_fds,
             peak_fds,
-            samples.last().unwrap().2
+            samples.last().unwrap().2,
+            samples.len(),
+            every.as_secs_f64()
         );
     }
     println!(

@@ -30,6 +30,10 @@ use tokio::sync::{mpsc, watch};
 /// (systemd keeps it), so a socket-activated daemon that exits loses nothing.
 pub async fn serve(core: Arc<Core>, listener: UnixListener, mut stop: watch::Receiver<bool>) {
     raise_nofile(&core);
+    // One descriptor in reserve: when accept fails for want of descriptors, it is given up to
+    // accept the waiting client and answer it by name, instead of leaving that client waiting
+    // in the backlog until some descriptor is closed (the libev/nginx "reserve fd" idiom).
+    let mut reserve = std::fs::File::open("/dev/null").ok();
     loop {
         tokio::select! {
             _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
@@ -39,13 +43,60 @@ pub async fn serve(core: Arc<Core>, listener: UnixListener, mut stop: watch::Rec
                     tokio::spawn(serve_connection(core, stream));
                 }
                 Err(e) => {
-                    // EMFILE/ENFILE: the pending connection stays queued; retry shortly.
+                    let out_of_fds =
+                        matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE));
                     tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    if out_of_fds && reserve.take().is_some() {
+                        refuse_one(&listener).await;
+                        reserve = std::fs::File::open("/dev/null").ok();
+                    } else {
+                        // The pending connection stays queued; retry shortly.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
                 }
             },
         }
     }
+}
+
+/// Accepts one waiting client with the descriptor just freed, reads its first call (at most
+/// 64 KiB, 1 s) and answers `CapacityExceeded` (budget `daemon_descriptors`, the
+/// RLIMIT_NOFILE in force as `in_use` and `max`), then closes the connection.
+async fn refuse_one(listener: &UnixListener) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(Ok((mut stream, _))) =
+        tokio::time::timeout(Duration::from_millis(100), listener.accept()).await
+    else {
+        return;
+    };
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes `lim` only.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+    let reply = format!(
+        "{{\"error\":\"org.sandcell.Kernel.CapacityExceeded\",\"parameters\":{{\"budget\":\"daemon_descriptors\",\"in_use\":{n},\"requested\":1,\"max\":{n}}}}}\0",
+        n = lim.rlim_cur
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        let mut buf = [0u8; 4096];
+        let mut read = 0usize;
+        while read < 64 << 10 {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    read += n;
+                    if buf[..n].contains(&0) {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = stream.write_all(reply.as_bytes()).await;
+    })
+    .await;
+    tracing::warn!("a client was refused: the daemon is out of descriptors");
 }
 
 /// Descriptors the daemon needs besides connections and sessions (listening socket, bus
