@@ -479,8 +479,18 @@ fn status_line(core: &Core) -> String {
 /// Checks every environment through the normal path (a confined one-shot session running a
 /// cell that prints the interpreter's version and installed packages). A language's default
 /// environment must pass; another one that fails is listed as not ready, with the reason.
+///
+/// A probe answers once its cell's result arrives, while its one-shot session is still being
+/// released; nothing else holds a session before the socket is served, so each probe first
+/// waits (at most 10 s) for the sessions budget to be back to zero. Otherwise with
+/// `max_concurrent_sessions = 1` a probe would be refused `CapacityExceeded` by the one
+/// before it.
 async fn probe_environments(core: &Arc<Core>) -> anyhow::Result<()> {
     for env in core.config().environments() {
+        let t0 = std::time::Instant::now();
+        while core.admission().1.sessions > 0 && t0.elapsed() < std::time::Duration::from_secs(10) {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
         let r = sandcelld::environments::report(core, &env).await;
         if r.ready {
             tracing::info!(environment = %env.name, version = %r.version, packages = r.packages.len(), "environment ready");
