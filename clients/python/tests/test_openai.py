@@ -39,7 +39,7 @@ def plot_cell(client) -> tuple[str, str | None, str]:
     if "pydata" in names:
         code = (
             "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
-            "plt.plot([1, 2, 3], [1, 4, 9])\nplt.savefig('plot.png')\nprint('saved')\n"
+            "plt.plot([1, 2, 3], [1, 4, 9])\nplt.savefig('plot.png')\nplt.close('all')\nprint('saved')\n"
         )
         return "python", "pydata", code
     return "r", None, "plot(1:10, (1:10)^2, main = 'squares')\ncat('saved\\n')\n"
