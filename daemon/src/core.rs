@@ -1089,7 +1089,9 @@ impl Core {
     /// `max_session_files_bytes`, `put_file_seconds`), `InvalidParameter` (size mismatch,
     /// unusable descriptor: not a regular file, or on a file system such as FUSE, NFS, CIFS,
     /// 9p, proc or sysfs), `NoSuchSession`, `PermissionDenied`, `SessionBusy` (a cell is
-    /// running), `NotRegularFile` (something other than a regular file is in the way).
+    /// running), `NotRegularFile` (something other than a regular file is in the way),
+    /// `CapacityExceeded` (budget `state_directory_space`: the state directory's file system
+    /// has no room; `in_use` and `max` are its used and total bytes, `requested` the size).
     pub async fn put_file(
         &self,
         caller: &Caller,

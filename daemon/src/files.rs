@@ -75,6 +75,10 @@ const COPY_CHUNK: usize = 64 * 1024;
 /// read and written in far less.
 pub const PUT_STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// Budget named by `CapacityExceeded` when the state directory's file system refuses the
+/// daemon's own write for want of room (`ENOSPC`, `EDQUOT`).
+pub const STATE_DIRECTORY_SPACE: &str = "state_directory_space";
+
 /// Why a file operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -123,6 +127,19 @@ pub enum Error {
     /// The upload's deadline passed before it was stored: nothing of it is left.
     #[error("the upload did not finish within {0} s")]
     Deadline(u64),
+    /// The file system of the state directory has no room (`ENOSPC`, or `EDQUOT` when a
+    /// quota applies) for the daemon's own write: nothing of the upload is left. `in_use` and
+    /// `max` are that file system's used and total bytes (`statvfs`), `requested` the
+    /// upload's declared size.
+    #[error("state directory full: {in_use} of {max} bytes in use, {requested} requested")]
+    NoSpace {
+        /// Bytes in use on the file system (blocks less those available to the daemon).
+        in_use: u64,
+        /// Bytes the upload declared.
+        requested: u64,
+        /// Bytes of the file system.
+        max: u64,
+    },
     /// An OS call failed.
     #[error("{op}: {source}")]
     Io {
@@ -159,6 +176,16 @@ impl From<Error> for KernelError {
                 limit: "put_file_seconds".into(),
                 value: secs,
                 max: secs,
+            },
+            Error::NoSpace {
+                in_use,
+                requested,
+                max,
+            } => KernelError::CapacityExceeded {
+                budget: STATE_DIRECTORY_SPACE.into(),
+                in_use,
+                requested,
+                max,
             },
             Error::Io { op, source } => KernelError::InvalidParameter {
                 parameter: "name".into(),
@@ -385,14 +412,29 @@ fn classify(root: BorrowedFd<'_>, name: &str) -> Error {
     }
 }
 
+/// Directories an upload created on its way to its name, outermost first: each as (a
+/// descriptor of its parent, its name), so a failed upload removes them again without
+/// resolving a path.
+type Created = Vec<(OwnedFd, CString)>;
+
+/// Removes the directories of `created` that are still empty, innermost first.
+fn remove_created(created: &Created) {
+    for (parent, name) in created.iter().rev() {
+        // SAFETY: `parent` is an open directory and `name` NUL-terminated; AT_REMOVEDIR
+        // removes an empty directory entry only, never following a symlink.
+        unsafe { libc::unlinkat(parent.as_raw_fd(), name.as_ptr(), libc::AT_REMOVEDIR) };
+    }
+}
+
 /// Opens the directory holding the last component of `parts`, creating missing directories
-/// (mode 0700, owned by `owner`) when `create`.
+/// (mode 0700, owned by `owner`) when `create`, and noting each one it created in `created`.
 fn open_parent(
     root: &OwnedFd,
     name: &str,
     parts: &[&str],
     create: bool,
     owner: Option<(u32, u32)>,
+    created: &mut Created,
 ) -> Result<OwnedFd, Error> {
     let mut cur = root.try_clone().map_err(io("dup"))?;
     for p in &parts[..parts.len() - 1] {
@@ -402,6 +444,7 @@ fn open_parent(
             // a symlink in its last component.
             let r = unsafe { libc::mkdirat(cur.as_raw_fd(), c.as_ptr(), 0o700) };
             if r == 0 {
+                created.push((cur.try_clone().map_err(io("dup"))?, c.clone()));
                 if let Some((uid, gid)) = owner {
                     // SAFETY: as above; AT_SYMLINK_NOFOLLOW changes the entry itself.
                     let r = unsafe {
@@ -734,7 +777,7 @@ pub fn check_upload(declared: u64, source: &Source, limits: &Limits) -> Result<(
 ///
 /// Errors: [`Error::InvalidName`], [`Error::TooLarge`], [`Error::BadSource`] (content shorter
 /// than declared), [`Error::NotRegular`] (a directory, symlink or special file is in the way),
-/// [`Error::Io`].
+/// [`Error::NoSpace`] (the state directory's file system is full), [`Error::Io`].
 pub fn put(
     dir: &Path,
     name: &str,
@@ -752,6 +795,9 @@ pub fn put(
 /// then removed, so nothing half-written stays and its disk charge is released.
 ///
 /// Errors: as [`put`], and [`Error::Deadline`].
+///
+/// A write the state directory's file system refuses for want of room (`ENOSPC`, `EDQUOT`)
+/// is [`Error::NoSpace`]; the temporary and the directories the upload created are removed.
 pub fn put_until(
     dir: &Path,
     name: &str,
@@ -760,6 +806,64 @@ pub fn put_until(
     owner: Option<(u32, u32)>,
     limits: &Limits,
     deadline: Option<(std::time::Instant, u64)>,
+) -> Result<FileInfo, Error> {
+    let mut created = Created::new();
+    let r = put_inner(
+        dir,
+        name,
+        declared,
+        source,
+        owner,
+        limits,
+        deadline,
+        &mut created,
+    );
+    if r.is_err() {
+        remove_created(&created);
+    }
+    r.map_err(|e| match e {
+        Error::Io { source, .. }
+            if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) =>
+        {
+            let (in_use, max) = space(dir);
+            Error::NoSpace {
+                in_use,
+                requested: declared,
+                max,
+            }
+        }
+        other => other,
+    })
+}
+
+/// Bytes in use and in all on the file system of `dir` (`statvfs`: blocks less those
+/// available to an unprivileged writer, and blocks; fragment size units); zeros when unknown.
+fn space(dir: &Path) -> (u64, u64) {
+    let Ok(c) = CString::new(dir.as_os_str().as_encoded_bytes()) else {
+        return (0, 0);
+    };
+    // SAFETY: statvfs with a NUL-terminated path writes `st` only.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return (0, 0);
+    }
+    let unit = st.f_frsize as u64;
+    let total = (st.f_blocks as u64).saturating_mul(unit);
+    let avail = (st.f_bavail as u64).saturating_mul(unit);
+    (total.saturating_sub(avail), total)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn put_inner(
+    dir: &Path,
+    name: &str,
+    declared: u64,
+    source: Source,
+    owner: Option<(u32, u32)>,
+    limits: &Limits,
+    deadline: Option<(std::time::Instant, u64)>,
+    created: &mut Created,
 ) -> Result<FileInfo, Error> {
     let parts = validate_new_name(name)?;
     check_upload(declared, &source, limits)?;
@@ -818,7 +922,7 @@ pub fn put_until(
         });
     }
     let root = open_root(dir)?;
-    let parent = open_parent(&root, name, &parts, true, owner)?;
+    let parent = open_parent(&root, name, &parts, true, owner, created)?;
     let leaf = cstr(parts[parts.len() - 1])?;
     let tmp_name = format!("{TEMP_PREFIX}{}", random_hex());
     let tmp = cstr(&tmp_name)?;
@@ -986,7 +1090,7 @@ pub fn read(
 pub fn delete(dir: &Path, name: &str) -> Result<(), Error> {
     let parts = validate_name(name)?;
     let root = open_root(dir)?;
-    let parent = open_parent(&root, name, &parts, false, None)?;
+    let parent = open_parent(&root, name, &parts, false, None, &mut Vec::new())?;
     let leaf = cstr(parts[parts.len() - 1])?;
     let st = match lstat_at(parent.as_fd(), &leaf) {
         Ok(st) => st,

@@ -92,11 +92,26 @@ impl Daemon {
         Self::start_full(env, None, Some(config))
     }
 
+    /// As [`Daemon::start`], but listening on `socket` (e.g. the socket of a daemon that was
+    /// killed, to start its successor where its clients connect).
+    pub fn start_on(socket: &Path, env: &[(&str, &str)]) -> Daemon {
+        Self::start_at(env, None, None, Some(socket))
+    }
+
     fn start_cmd(env: &[(&str, &str)], activated: Option<()>) -> Daemon {
         Self::start_full(env, activated, None)
     }
 
     fn start_full(env: &[(&str, &str)], activated: Option<()>, config: Option<&Path>) -> Daemon {
+        Self::start_at(env, activated, config, None)
+    }
+
+    fn start_at(
+        env: &[(&str, &str)],
+        activated: Option<()>,
+        config: Option<&Path>,
+        socket: Option<&Path>,
+    ) -> Daemon {
         let runtime = python_runtime();
         let dir = tempfile::Builder::new()
             .prefix("sandcell-test-")
@@ -108,7 +123,7 @@ impl Daemon {
             std::os::unix::fs::PermissionsExt::from_mode(0o711),
         )
         .unwrap();
-        let socket = dir.path().join("kernel.sock");
+        let socket = socket.map_or_else(|| dir.path().join("kernel.sock"), Path::to_path_buf);
         let log = dir.path().join("daemon.log");
         let daemon = Path::new(env!("CARGO_BIN_EXE_sandcelld"));
         std::fs::write(dir.path().join("none.toml"), "").unwrap();
