@@ -317,6 +317,32 @@ async fn stream(c: &mut Client, json: bool) -> Result<u8, Error> {
     stream_result(c, json).await.map(|(code, _)| code)
 }
 
+/// How many of a cell's files [`list_files`] names; the rest are counted.
+const FILES_LISTED: usize = 20;
+
+/// Tells the user on standard error which files the cell created or changed (a plot's name is
+/// otherwise visible only with `--json`): one line per file, `sandcellctl: file NAME (SIZE
+/// bytes, MEDIA TYPE)`, at most [`FILES_LISTED`] lines and then a count. Names are escaped as
+/// every name is ([`escape_name`]).
+fn list_files(err: &mut impl Write, files: &[sandcell_client::FileInfo]) {
+    for f in files.iter().take(FILES_LISTED) {
+        let _ = writeln!(
+            err,
+            "sandcellctl: file {} ({} bytes, {})",
+            escape_name(&f.name),
+            f.size,
+            escape_name(&f.media_type)
+        );
+    }
+    if files.len() > FILES_LISTED {
+        let _ = writeln!(
+            err,
+            "sandcellctl: and {} more files",
+            files.len() - FILES_LISTED
+        );
+    }
+}
+
 /// Why a file name from a cell is not saved under `--artifacts`, or its components.
 ///
 /// Refused: an empty or absolute name, an empty, `.` or `..` component, any component that
@@ -517,6 +543,7 @@ async fn stream_result(
                 for w in &r.warnings {
                     let _ = writeln!(err, "sandcellctl: warning: {}", for_terminal(w, err_tty));
                 }
+                list_files(&mut err, &r.files);
             }
             if !json && r.status != Status::Ok {
                 let mut line = format!("sandcellctl: cell {} {}", r.cell, r.status.as_str());

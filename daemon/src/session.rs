@@ -849,6 +849,8 @@ impl Actor {
         };
         let limits = self.session.limits.clone();
         self.wait_leftovers_reaped().await;
+        // `usage.peak_memory_bytes` is this cell's peak where the kernel can reset it.
+        self.group.reset_memory_peak();
         let (nonce, nonce_error) = match new_nonce() {
             Ok(n) => (n, None),
             Err(e) => (String::new(), Some(e)),

@@ -197,3 +197,37 @@ fn refusals_to_start_exit_with_ex_config() {
         assert_eq!(code, Some(78), "{err}");
     }
 }
+
+/// `usage.peak_memory_bytes` is one cell's peak, not the session's: a cell that allocated
+/// 160 MB and freed it is followed by a small cell whose peak is far below it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cells_peak_memory_is_its_own() {
+    if !has_r() || common::insecure() {
+        return;
+    }
+    let d = Daemon::start(&[("SANDCELL_LANGUAGES", "r")]);
+    let mut c = d.client().await;
+    let s = c.open("r", None, None).await.unwrap().session;
+    let big = c
+        .execute_collect(
+            &s,
+            "x <- numeric(2e7); x[1] <- 1; rm(x); invisible(gc()); cat('freed')",
+        )
+        .await
+        .unwrap();
+    assert_eq!(big.stdout, "freed", "{:?}", big.result);
+    let small = c.execute_collect(&s, "cat(1 + 1)").await.unwrap();
+    assert_eq!(small.stdout, "2", "{:?}", small.result);
+    let p1 = big.result.usage.peak_memory_bytes.expect("peak of cell 1");
+    let p2 = small
+        .result
+        .usage
+        .peak_memory_bytes
+        .expect("peak of cell 2");
+    eprintln!("peak memory: cell 1 {p1} bytes, cell 2 {p2} bytes");
+    assert!(p1 >= 160_000_000, "cell 1 allocated 160 MB, peak {p1}");
+    assert!(
+        p2 + 100_000_000 < p1,
+        "cell 2's peak {p2} is not its own (cell 1's was {p1})"
+    );
+}

@@ -494,11 +494,11 @@ async fn sandcellctl_saves_the_cells_artifacts() {
     }
     let ctl = common::bin_dir().join("sandcellctl");
     if !ctl.exists() {
-        eprintln!(
-            "skipped: {} not built (cargo build -p sandcell-client)",
+        sandcell_testing::skip!(
+            "built",
+            "{} not built (cargo build -p sandcell-client)",
             ctl.display()
         );
-        return;
     }
     let d = daemon(&[]);
     let work = tempfile::tempdir().unwrap();
@@ -518,6 +518,14 @@ async fn sandcellctl_saves_the_cells_artifacts() {
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+    // The created files are also named on standard error, with size and media type.
+    let told = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        told.contains("sandcellctl: file note.txt (5 bytes, text/plain)")
+            && told.contains("sandcellctl: file plot-1-001.png (")
+            && told.contains(" bytes, image/png)"),
+        "{told}"
     );
     let printed = String::from_utf8(out.stdout).unwrap();
     let mut paths: Vec<_> = printed.lines().map(PathBuf::from).collect();

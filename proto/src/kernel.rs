@@ -382,7 +382,10 @@ pub struct Usage {
     /// CPU time of the worker and its children during the cell, seconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_seconds: Option<f64>,
-    /// Peak memory charged to the session's cgroup, bytes.
+    /// Peak memory charged to the session's cgroup during this cell, bytes. The window is
+    /// reset before each cell on cgroup v1 and on cgroup v2 with Linux 6.12+ (a write to
+    /// `memory.peak` resets it for that descriptor); on older v2 kernels it is the session's
+    /// peak since it started.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_memory_bytes: Option<u64>,
     /// WebAssembly fuel consumed (Python).

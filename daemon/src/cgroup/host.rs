@@ -192,6 +192,33 @@ pub fn number(path: &Path) -> Option<u64> {
     read(path, "read").ok()?.trim().parse().ok()
 }
 
+/// Reads one number from offset 0 of an open cgroup file (`pread`, so the descriptor can be
+/// read again).
+pub fn number_at(file: &std::fs::File) -> Option<u64> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = [0u8; 32];
+    let n = file.read_at(&mut buf, 0).ok()?;
+    std::str::from_utf8(&buf[..n]).ok()?.trim().parse().ok()
+}
+
+/// Opens `path` read-write without following symlinks and writes `value` to it in one
+/// `write(2)`, keeping the descriptor: for files whose write affects later reads through the
+/// same descriptor (`memory.peak` since Linux 6.12).
+pub fn open_reset(path: &Path, value: &str) -> Result<std::fs::File, Error> {
+    let mut opts = std::fs::OpenOptions::new();
+    opts.read(true).write(true).custom_flags(libc::O_NOFOLLOW);
+    if cfg!(test) {
+        opts.create(true);
+    }
+    opts.open(path)
+        .and_then(|mut f| f.write_all(value.as_bytes()).map(|()| f))
+        .map_err(|source| Error::Io {
+            op: format!("write {value:?} to"),
+            path: path.into(),
+            source,
+        })
+}
+
 /// Creates directory `path`; an existing one is an error unless `exist_ok`.
 pub fn mkdir(path: &Path, exist_ok: bool) -> Result<(), Error> {
     match std::fs::create_dir(path) {

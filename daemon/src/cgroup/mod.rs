@@ -117,8 +117,18 @@ pub trait SessionGroup: Send + Sync + std::fmt::Debug {
     fn oom_kills(&self) -> u64;
     /// Memory charged now, in bytes, if known.
     fn memory_current(&self) -> Option<u64>;
-    /// Peak memory charged, in bytes, if known (memory.peak / v1 max_usage_in_bytes).
+    /// Peak memory charged, in bytes, if known (memory.peak / v1 max_usage_in_bytes): since
+    /// the last successful [`SessionGroup::reset_memory_peak`], else since the group was made.
     fn memory_peak(&self) -> Option<u64>;
+    /// Starts a new peak window, so that [`SessionGroup::memory_peak`] reports one cell's
+    /// peak. v1: a write to `memory.max_usage_in_bytes` resets the watermark to the current
+    /// usage. v2: a write to `memory.peak` resets the peak seen through that one file
+    /// descriptor (Linux 6.12+, Documentation/admin-guide/cgroup-v2.rst), so the group keeps
+    /// the descriptor and reads through it. Returns false where the kernel cannot reset (v2
+    /// before 6.12, or no memory controller): the peak is then the group's lifetime peak.
+    fn reset_memory_peak(&self) -> bool {
+        false
+    }
     /// Sends SIGKILL to every process in the group (cgroup.kill where available) and waits until
     /// the group is empty or `timeout` passes.
     fn kill_all(&self, timeout: Duration) -> Result<(), Error>;

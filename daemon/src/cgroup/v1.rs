@@ -469,6 +469,11 @@ impl SessionGroup for V1Group {
         host::number(&self.dir("memory")?.join("memory.max_usage_in_bytes"))
     }
 
+    fn reset_memory_peak(&self) -> bool {
+        self.dir("memory")
+            .is_some_and(|m| host::write(&m.join("memory.max_usage_in_bytes"), "0").is_ok())
+    }
+
     fn kill_all(&self, timeout: Duration) -> Result<(), Error> {
         let (host, dirs) = (self.host.clone(), self.dirs.clone());
         host::kill_loop(

@@ -131,6 +131,7 @@ impl Backend for V2 {
             rel: format!("{}/sessions/{id}", self.root_rel.trim_end_matches('/')),
             dir,
             limits: limits.clone(),
+            peak: Default::default(),
         };
         if let Err(e) = group.apply_limits() {
             let _ = host::rmdir(&group.dir, Duration::ZERO);
@@ -173,6 +174,9 @@ pub struct V2Group {
     dir: PathBuf,
     rel: String,
     limits: GroupLimits,
+    /// `memory.peak` opened read-write and reset: reads through it give the peak since the
+    /// reset (see [`SessionGroup::reset_memory_peak`]).
+    peak: std::sync::Mutex<Option<std::fs::File>>,
 }
 
 impl V2Group {
@@ -259,7 +263,18 @@ impl SessionGroup for V2Group {
     }
 
     fn memory_peak(&self) -> Option<u64> {
-        host::number(&self.dir.join("memory.peak"))
+        let window = self.peak.lock().unwrap_or_else(|e| e.into_inner());
+        match window.as_ref() {
+            Some(f) => host::number_at(f),
+            None => host::number(&self.dir.join("memory.peak")),
+        }
+    }
+
+    fn reset_memory_peak(&self) -> bool {
+        let window = host::open_reset(&self.dir.join("memory.peak"), "reset\n").ok();
+        let reset = window.is_some();
+        *self.peak.lock().unwrap_or_else(|e| e.into_inner()) = window;
+        reset
     }
 
     fn kill_all(&self, timeout: Duration) -> Result<(), Error> {
@@ -431,6 +446,11 @@ mod tests {
         assert_eq!(g.oom_kills(), 1);
         std::fs::write(dir.join("memory.peak"), "12345\n").unwrap();
         assert_eq!(g.memory_peak(), Some(12345));
+        // A reset writes to memory.peak and later reads go through the kept descriptor.
+        assert!(g.reset_memory_peak());
+        assert_eq!(read("memory.peak"), "reset\n");
+        std::fs::write(dir.join("memory.peak"), "777\n").unwrap();
+        assert_eq!(g.memory_peak(), Some(777));
         assert_eq!(g.memory_current(), None);
 
         // kill_all: cgroup.kill written, waits for populated 0.
@@ -570,6 +590,7 @@ mod tests {
                     max_pids: 0,
                     cpu_max: None,
                 },
+                peak: Default::default(),
             };
             let mut child = spawn_in(&dir.join("cgroup.procs"), "sleep 60 & sleep 60; wait");
             assert!(V2Group::is_member(&group.host, &group.rel, child.id()));
