@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the distribution packages from the already-built release binaries:
 #   scripts/package.sh [--deb] [--rpm] [--build] [--no-lint]
-# --deb    a Debian 12 package with dpkg-deb from a staged tree (default when nothing is named)
+# --deb    Debian 12 packages with dpkg-deb from staged trees (default when nothing is named):
+#          sandcell (amd64) and python3-sandcell (all: the Python client, clients/python)
 # --rpm    a binary RPM with rpmbuild from packaging/rpm/sandcell.spec (prebuilt mode)
 # --build  run `cargo build` first (otherwise the binaries in $CARGO_TARGET_DIR/release are used)
 # --no-lint  skip lintian / rpmlint
@@ -23,7 +24,7 @@ while (($#)); do
     --rpm) want_rpm=1 ;;
     --build) build=1 ;;
     --no-lint) lint=0 ;;
-    -h | --help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
     *) echo "package: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -180,6 +181,48 @@ if ((want_deb)); then
         else
             echo "package: lintian not installed: not checked (apt-get install lintian)"
         fi
+    fi
+
+    # python3-sandcell: the Python client (clients/python) in Debian's python3 layout
+    # (/usr/lib/python3/dist-packages/sandcell, with its .dist-info so importlib.metadata
+    # knows it), architecture-independent, byte-compiled by py3compile at installation as
+    # dh_python3's maintainer scripts do. Built from the same source version as sandcell.
+    pyver=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' clients/python/pyproject.toml)
+    [[ $pyver == "$version" ]] || { echo "package: clients/python/pyproject.toml says $pyver, the workspace $version: keep them equal" >&2; exit 1; }
+    pyroot="$pkgdir/deb/python3-sandcell"
+    rm -rf "$pyroot"
+    site="$pyroot/usr/lib/python3/dist-packages"
+    install -d "$site/sandcell" "$site/sandcell-$pyver.dist-info" "$pyroot/usr/share/doc/python3-sandcell" "$pyroot/DEBIAN"
+    for f in clients/python/src/sandcell/*.py clients/python/src/sandcell/py.typed; do
+        install -m 0644 "$f" "$site/sandcell/"
+    done
+    python3 - clients/python/pyproject.toml "$site/sandcell-$pyver.dist-info/METADATA" <<'PY'
+import sys, tomllib
+p = tomllib.load(open(sys.argv[1], "rb"))["project"]
+lines = ["Metadata-Version: 2.1", f"Name: {p['name']}", f"Version: {p['version']}",
+         f"Summary: {p['description']}", f"License: {p['license']['text']}",
+         f"Requires-Python: {p['requires-python']}"]
+lines += [f"Classifier: {c}" for c in p.get("classifiers", [])]
+open(sys.argv[2], "w").write("\n".join(lines) + "\n")
+PY
+    chmod 0644 "$site/sandcell-$pyver.dist-info"/*
+    install -m 0644 packaging/debian/copyright "$pyroot/usr/share/doc/python3-sandcell/copyright"
+    gzip -9nc packaging/debian/changelog >"$pyroot/usr/share/doc/python3-sandcell/changelog.Debian.gz"
+    install -m 0644 clients/python/README.md "$pyroot/usr/share/doc/python3-sandcell/README.md"
+    chmod 0644 "$pyroot/usr/share/doc/python3-sandcell/changelog.Debian.gz"
+    install -Dm 0644 packaging/debian/python3-sandcell/lintian-overrides "$pyroot/usr/share/lintian/overrides/python3-sandcell"
+    install -m 0755 packaging/debian/python3-sandcell/postinst packaging/debian/python3-sandcell/prerm "$pyroot/DEBIAN/"
+    size=$(du -sk --exclude=DEBIAN "$pyroot" | cut -f1)
+    sed -e "s/@VERSION@/$version-$debrev/" -e "s/@INSTALLED_SIZE@/$size/" \
+        packaging/debian/python3-sandcell/control >"$pyroot/DEBIAN/control"
+    (cd "$pyroot" && find . -type f ! -path './DEBIAN/*' -printf '%P\0' | sort -z | xargs -0 md5sum) >"$pyroot/DEBIAN/md5sums"
+    chmod 0644 "$pyroot/DEBIAN/md5sums"
+    pydeb="$out/python3-sandcell_${version}-${debrev}_all.deb"
+    SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(date +%s)} dpkg-deb --root-owner-group -Zxz --build "$pyroot" "$pydeb" >/dev/null
+    echo "package: built $pydeb ($(du -h "$pydeb" | cut -f1))"
+    if ((lint)) && command -v lintian >/dev/null; then
+        lintian --fail-on error --tag-display-limit 0 "$pydeb" || { echo "package: lintian found errors in $pydeb" >&2; exit 1; }
+        echo "package: lintian: no errors (python3-sandcell)"
     fi
 fi
 
