@@ -518,3 +518,78 @@ async fn a_worker_hanging_at_start_is_cancelled_when_its_client_goes_away() {
     );
     assert!(d.log_text().contains("start cancelled"), "{}", d.log_text());
 }
+
+/// Clients that ask for large replies and never read them hold at most their uid's share of
+/// the reply budget (16 MiB), not a copy of every reply: before the budget, each unread 1 MiB
+/// `GetFile` pinned about 2.9 MB of daemon memory per connection and 80 such connections
+/// OOM-killed a daemon limited to 256 MiB.
+#[tokio::test(flavor = "multi_thread")]
+async fn unread_replies_cannot_grow_the_daemon() {
+    let d = Daemon::start(&[]);
+    let mut c = d.client().await;
+    let s = c.open("python", None, Some(600)).await.unwrap().session;
+    let big: Vec<u8> = (0..1024 * 1024u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    c.put_bytes(&s, "big.bin", &big).await.unwrap();
+    let get = serde_json::to_vec(&json!({
+        "method": "org.sandcell.Kernel.GetFile",
+        "parameters": { "session": s, "name": "big.bin", "max_bytes": 1048576 }
+    }))
+    .unwrap();
+    let list = serde_json::to_vec(&json!({
+        "method": "org.sandcell.Kernel.ListFiles",
+        "parameters": { "session": s }
+    }))
+    .unwrap();
+    // Let start-up allocations settle before the baseline.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let rss0 = d.rss();
+    let mut hoarders = Vec::new();
+    for _ in 0..60 {
+        let h = UnixStream::connect(&d.socket).unwrap();
+        for _ in 0..3 {
+            send_with_fds(&h, &get, &[]);
+        }
+        send_with_fds(&h, &list, &[]);
+        hoarders.push(h);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss1 = d.rss();
+    eprintln!(
+        "figure: 60 connections with unread GetFile/ListFiles replies: daemon RSS {:.1} -> {:.1} MB",
+        rss0 as f64 / 1e6,
+        rss1 as f64 / 1e6
+    );
+    assert!(
+        rss1 < rss0 + 48 * 1024 * 1024,
+        "daemon RSS grew from {rss0} to {rss1} bytes"
+    );
+    // This uid's share is taken: a further large reply is refused by name, at once.
+    let refused = c.get_file_chunk(&s, "big.bin", 0, None).await.unwrap_err();
+    match refused {
+        Error::Kernel(KernelError::CapacityExceeded { budget, max, .. }) => {
+            assert_eq!(budget, "reply_bytes_per_uid");
+            assert_eq!(max, 16 * 1024 * 1024);
+        }
+        other => panic!("{:.400}", format!("{other:?}")),
+    }
+    // Small calls are still served, and once the hoarders hang up the budget comes back.
+    c.execute_collect(&s, "print(1)").await.unwrap();
+    drop(hoarders);
+    let mut served = false;
+    for _ in 0..100 {
+        if let Ok((_, bytes, eof)) = c.get_file_chunk(&s, "big.bin", 0, None).await {
+            assert!(eof);
+            assert!(bytes == big, "the file came back different");
+            served = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        served,
+        "the reply budget was not returned after the hoarders left"
+    );
+}

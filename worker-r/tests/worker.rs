@@ -654,7 +654,8 @@ fn huge_error_message_is_bounded() {
         m.len()
     );
     assert!(c.line_len < 64 * 1024, "done line of {} bytes", c.line_len);
-    assert!(c.elapsed < Duration::from_secs(10), "took {:?}", c.elapsed);
+    // Bounds a hang only: building the 200 MB string takes seconds on a loaded machine.
+    assert!(c.elapsed < Duration::from_secs(60), "took {:?}", c.elapsed);
     // A condition object carries the whole 200 MB message: the worker bounds it.
     let c = w.exec(
         "stop(structure(class = c('big', 'error', 'condition'), \
@@ -665,7 +666,8 @@ fn huge_error_message_is_bounded() {
     assert!(m.len() <= MAX_ERROR_MESSAGE + 64, "{} bytes", m.len());
     assert!(m.ends_with(&marker), "{}", &m[m.len() - 40..]);
     assert!(c.line_len < 64 * 1024, "done line of {} bytes", c.line_len);
-    assert!(c.elapsed < Duration::from_secs(10), "took {:?}", c.elapsed);
+    // Bounds a hang only: building the 200 MB string takes seconds on a loaded machine.
+    assert!(c.elapsed < Duration::from_secs(60), "took {:?}", c.elapsed);
     // A parse error quotes the offending line: a 2 MB line is bounded too.
     let code = format!("x <- c({}1 1)", "1, ".repeat(500_000));
     let c = w.exec(&code);

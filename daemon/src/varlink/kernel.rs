@@ -65,7 +65,50 @@ async fn send(w: &Writer, call: &Call<RawCall>, value: &impl Serialize) -> Sent 
     }
     let mut buf = Vec::new();
     socket::encode(&mut buf, value)?;
-    w.write_all(&buf).await
+    w.write_reply(&buf).await
+}
+
+/// Bytes charged up front for a `ListFiles` reply: 1000 entries of about 1 KiB each. The
+/// encoded reply is charged at its real size before it is written.
+const LIST_REPLY_CHARGE: usize = 1024 * 1024;
+
+/// Bytes charged up front for a `GetFile` reply of at most `max` bytes of file: the file bytes,
+/// their base64 text and the encoded message (each 4/3 of `max`), and an envelope.
+fn get_file_charge(max: u64) -> usize {
+    let b64 = max.div_ceil(3) * 4;
+    (max + 2 * b64) as usize + 64 * 1024
+}
+
+fn reply_refused(r: socket::ReplyRefused) -> KernelError {
+    KernelError::CapacityExceeded {
+        budget: r.budget.into(),
+        in_use: r.in_use,
+        requested: r.requested,
+        max: r.max,
+    }
+}
+
+/// Sends a large reply under `charge`: the charge is set to the encoded size (or the call is
+/// answered `CapacityExceeded` if that does not fit) and held until the reply is written.
+async fn send_charged<T: Serialize>(
+    w: &Writer,
+    call: &Call<RawCall>,
+    value: T,
+    mut charge: socket::ReplyCharge,
+) -> Sent {
+    if call.oneway() {
+        return Ok(());
+    }
+    let mut buf = Vec::new();
+    let reply = Reply::new(Some(value));
+    socket::encode(&mut buf, &reply)?;
+    // Only the encoded message stays alive while the client reads it.
+    drop(reply);
+    if let Err(r) = charge.resize(buf.len()) {
+        drop(buf);
+        return send_kernel_error(w, call, reply_refused(r)).await;
+    }
+    w.write_reply(&buf).await
 }
 
 async fn send_error(w: &Writer, call: &Call<RawCall>, mut e: ErrorReply) -> Sent {
@@ -212,33 +255,52 @@ pub async fn handle(
                 Err(e) => send_kernel_error(w, &call, e).await,
             }
         }
-        "PutFile" | "ListFiles" | "GetFile" | "DeleteFile" => {
+        // The two replies that can be large are charged to the reply budgets before anything
+        // is read, and hold the charge until written (socket.rs, ReplyCharge).
+        "ListFiles" => {
+            let p = parse!(k::ListFilesParams);
+            let charge = match socket::ReplyCharge::new(caller.uid, LIST_REPLY_CHARGE) {
+                Ok(c) => c,
+                Err(r) => return send_kernel_error(w, &call, reply_refused(r)).await,
+            };
+            match core.list_files(caller, &p.session).await {
+                Ok((files, truncated)) => {
+                    send_charged(w, &call, k::ListFilesReply { files, truncated }, charge).await
+                }
+                Err(e) => send_kernel_error(w, &call, e).await,
+            }
+        }
+        "GetFile" => {
+            let p = parse!(k::GetFileParams);
+            let max = p
+                .max_bytes
+                .unwrap_or(k::MAX_CHUNK_BYTES)
+                .clamp(1, k::MAX_CHUNK_BYTES);
+            let charge = match socket::ReplyCharge::new(caller.uid, get_file_charge(max)) {
+                Ok(c) => c,
+                Err(r) => return send_kernel_error(w, &call, reply_refused(r)).await,
+            };
+            match core
+                .get_file(
+                    caller,
+                    &p.session,
+                    &p.name,
+                    p.offset.unwrap_or(0),
+                    p.max_bytes,
+                )
+                .await
+            {
+                Ok((file, bytes, eof)) => {
+                    let data = k::encode_base64(&bytes);
+                    drop(bytes);
+                    send_charged(w, &call, k::GetFileReply { file, data, eof }, charge).await
+                }
+                Err(e) => send_kernel_error(w, &call, e).await,
+            }
+        }
+        "PutFile" | "DeleteFile" => {
             let reply = match name {
                 "PutFile" => put_file(core, caller, parse!(k::PutFileParams), fds).await,
-                "ListFiles" => {
-                    let p = parse!(k::ListFilesParams);
-                    core.list_files(caller, &p.session)
-                        .await
-                        .map(|(files, truncated)| json!(k::ListFilesReply { files, truncated }))
-                }
-                "GetFile" => {
-                    let p = parse!(k::GetFileParams);
-                    core.get_file(
-                        caller,
-                        &p.session,
-                        &p.name,
-                        p.offset.unwrap_or(0),
-                        p.max_bytes,
-                    )
-                    .await
-                    .map(|(file, bytes, eof)| {
-                        json!(k::GetFileReply {
-                            file,
-                            data: k::encode_base64(&bytes),
-                            eof
-                        })
-                    })
-                }
                 _ => {
                     let p = parse!(k::DeleteFileParams);
                     core.delete_file(caller, &p.session, &p.name)

@@ -14,6 +14,14 @@
 //! that finds it exhausted waits (the kernel's socket buffer pushes back on its client).
 //! Replies are serialized once with `serde_json` (linear) and written whole.
 //!
+//! Replies that can be large (`GetFile`, up to 1 MiB of file as base64; `ListFiles`, up to 1000
+//! entries) are charged to a daemon-wide reply budget ([`REPLY_BYTES`]) and a per-uid one
+//! ([`REPLY_BYTES_PER_UID`]) before anything is read or encoded, and hold their charge until
+//! written ([`ReplyCharge`]). A client that sends such calls and never reads the replies thus
+//! holds at most its uid's share of daemon memory; past it, its calls are answered
+//! `CapacityExceeded` at once. A single reply that the client does not take within
+//! [`REPLY_SECONDS`] ends the connection, which returns the charge.
+//!
 //! Descriptors (`SCM_RIGHTS`, for `PutFile`): at most [`MAX_FDS`] per `recvmsg` (more truncate
 //! the control data, which ends the connection; the kernel closes the excess) and per message,
 //! close-on-exec. They are owned by [`PassedFds`], whose drop closes them on a thread of its
@@ -58,6 +66,138 @@ pub const MESSAGE_SECONDS: u64 = 30;
 /// Descriptors of one uid that may be waiting to be closed before its connections are no
 /// longer read from.
 pub const MAX_DISPOSING_PER_UID: usize = 16;
+
+/// Daemon-wide budget of large replies being built or waiting to be written, bytes.
+pub const REPLY_BYTES: usize = 64 * 1024 * 1024;
+
+/// Share of [`REPLY_BYTES`] one uid may hold, bytes: a quarter, so one uid that stops reading
+/// leaves room for others.
+pub const REPLY_BYTES_PER_UID: usize = 16 * 1024 * 1024;
+
+/// Seconds a single (non-streamed) reply may wait for the client to read it; past that the
+/// connection ends. Streamed frames are not timed here: their session's queue is bounded and
+/// the cell's wall time ends the stream.
+pub const REPLY_SECONDS: u64 = 60;
+
+/// Bytes charged to the reply budgets: daemon-wide, and per uid.
+static REPLY_IN_USE: LazyLock<Mutex<(usize, HashMap<u32, usize>)>> =
+    LazyLock::new(|| Mutex::new((0, HashMap::new())));
+
+/// A refused reply charge: the budget that was full (`daemon_reply_bytes` or
+/// `reply_bytes_per_uid`), its use, the request and its maximum, bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplyRefused {
+    pub budget: &'static str,
+    pub in_use: u64,
+    pub requested: u64,
+    pub max: u64,
+}
+
+/// Bytes of a large reply charged to the reply budgets; returned when dropped.
+#[derive(Debug)]
+pub struct ReplyCharge {
+    uid: u32,
+    bytes: usize,
+}
+
+impl ReplyCharge {
+    /// Charges `bytes` to the daemon-wide and `uid`'s reply budgets, or says which is full.
+    pub fn new(uid: u32, bytes: usize) -> Result<ReplyCharge, ReplyRefused> {
+        Self::charge(uid, bytes, REPLY_BYTES, REPLY_BYTES_PER_UID)
+    }
+
+    fn charge(
+        uid: u32,
+        bytes: usize,
+        total_max: usize,
+        uid_max: usize,
+    ) -> Result<ReplyCharge, ReplyRefused> {
+        let mut g = REPLY_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
+        let mine = g.1.get(&uid).copied().unwrap_or(0);
+        if mine + bytes > uid_max {
+            return Err(ReplyRefused {
+                budget: "reply_bytes_per_uid",
+                in_use: mine as u64,
+                requested: bytes as u64,
+                max: uid_max as u64,
+            });
+        }
+        if g.0 + bytes > total_max {
+            return Err(ReplyRefused {
+                budget: "daemon_reply_bytes",
+                in_use: g.0 as u64,
+                requested: bytes as u64,
+                max: total_max as u64,
+            });
+        }
+        g.0 += bytes;
+        *g.1.entry(uid).or_insert(0) += bytes;
+        Ok(ReplyCharge { uid, bytes })
+    }
+
+    /// Changes the charge to `bytes` (the reply's encoded size once known), or says which
+    /// budget growing to it would overflow (the charge is then unchanged).
+    pub fn resize(&mut self, bytes: usize) -> Result<(), ReplyRefused> {
+        self.resize_within(bytes, REPLY_BYTES, REPLY_BYTES_PER_UID)
+    }
+
+    fn resize_within(
+        &mut self,
+        bytes: usize,
+        total_max: usize,
+        uid_max: usize,
+    ) -> Result<(), ReplyRefused> {
+        let mut g = REPLY_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
+        let mine = g.1.get(&self.uid).copied().unwrap_or(0);
+        if bytes > self.bytes {
+            let more = bytes - self.bytes;
+            if mine + more > uid_max {
+                return Err(ReplyRefused {
+                    budget: "reply_bytes_per_uid",
+                    in_use: mine as u64,
+                    requested: more as u64,
+                    max: uid_max as u64,
+                });
+            }
+            if g.0 + more > total_max {
+                return Err(ReplyRefused {
+                    budget: "daemon_reply_bytes",
+                    in_use: g.0 as u64,
+                    requested: more as u64,
+                    max: total_max as u64,
+                });
+            }
+        }
+        g.0 = g.0 - self.bytes + bytes;
+        g.1.insert(self.uid, mine - self.bytes + bytes);
+        self.bytes = bytes;
+        Ok(())
+    }
+
+    /// Bytes charged.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for ReplyCharge {
+    fn drop(&mut self) {
+        let mut g = REPLY_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
+        g.0 -= self.bytes;
+        if let Some(mine) = g.1.get_mut(&self.uid) {
+            *mine -= self.bytes;
+            if *mine == 0 {
+                g.1.remove(&self.uid);
+            }
+        }
+    }
+}
+
+/// Bytes charged to the reply budgets now, daemon-wide and for `uid`.
+pub fn reply_bytes_in_use(uid: u32) -> (usize, usize) {
+    let g = REPLY_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
+    (g.0, g.1.get(&uid).copied().unwrap_or(0))
+}
 
 static READ_AHEAD: LazyLock<Arc<Semaphore>> =
     LazyLock::new(|| Arc::new(Semaphore::new(READ_AHEAD_BYTES / READ_CHUNK)));
@@ -352,6 +492,18 @@ impl Writer {
         }
         Ok(())
     }
+
+    /// [`Writer::write_all`] that gives up after [`REPLY_SECONDS`] with `TimedOut` (the
+    /// connection is then ended by the caller).
+    pub async fn write_reply(&self, buf: &[u8]) -> std::io::Result<()> {
+        match tokio::time::timeout(Duration::from_secs(REPLY_SECONDS), self.write_all(buf)).await {
+            Ok(r) => r,
+            Err(_) => Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "the client did not read its reply",
+            )),
+        }
+    }
 }
 
 /// Appends `value` as one Varlink message (JSON and a NUL) to `buf`, in time linear in its
@@ -642,6 +794,48 @@ fn mount_type(fd: i32, dev: String) -> std::io::Result<Option<String>> {
         same_device.get_or_insert_with(|| fstype.to_owned());
     }
     Ok(same_device)
+}
+
+#[cfg(test)]
+mod reply_budget_tests {
+    use super::*;
+
+    #[test]
+    fn charges_are_bounded_per_uid_and_in_total_and_returned_on_drop() {
+        let uid = 4_000_000_001;
+        let a = ReplyCharge::charge(uid, 600, usize::MAX / 2, 1000).unwrap();
+        let refused = ReplyCharge::charge(uid, 500, usize::MAX / 2, 1000).unwrap_err();
+        assert_eq!(
+            refused,
+            ReplyRefused {
+                budget: "reply_bytes_per_uid",
+                in_use: 600,
+                requested: 500,
+                max: 1000
+            }
+        );
+        // Another uid is not held back by the first one's share.
+        let total = reply_bytes_in_use(uid).0;
+        let b = ReplyCharge::charge(uid + 1, 500, total + 500, 1000).unwrap();
+        let refused = ReplyCharge::charge(uid + 2, 1, total + 500, 1000).unwrap_err();
+        assert_eq!(refused.budget, "daemon_reply_bytes");
+        let mut a = a;
+        a.resize(100).unwrap();
+        assert_eq!(reply_bytes_in_use(uid).1, 100);
+        // Growing past the uid's share is refused and leaves the charge as it was.
+        assert_eq!(
+            a.resize_within(2000, usize::MAX / 2, 1000)
+                .unwrap_err()
+                .budget,
+            "reply_bytes_per_uid"
+        );
+        assert_eq!(a.bytes(), 100);
+        drop(a);
+        drop(b);
+        assert_eq!(reply_bytes_in_use(uid).1, 0);
+        assert_eq!(reply_bytes_in_use(uid + 1).1, 0);
+        assert!(ReplyCharge::charge(uid, 1000, usize::MAX / 2, 1000).is_ok());
+    }
 }
 
 #[cfg(test)]
