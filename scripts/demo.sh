@@ -2,8 +2,12 @@
 # The main job, end to end: set up, start sandcelld under socket activation (as systemd
 # would), run the real example cells in examples/ through sandcellctl, show a persistent
 # session, and stop the daemon (every worker is reaped).
+# With --serve, the daemon keeps running after the examples until Ctrl-C, and the script prints
+# the two lines that point sandcellctl (and the Python client) at it from another shell.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+serve=false
+[[ ${1:-} == --serve ]] && serve=true
 . scripts/env.sh
 bash scripts/setup.sh
 
@@ -45,3 +49,11 @@ echo "print('x survived:', x[-1])" | "$BIN/sandcellctl" exec "$s" -
 echo
 echo "=== a cell that fails, with its traceback and exit status"
 printf 'def f(d):\n    return 1 / d\n\nf(0)\n' | "$BIN/sandcellctl" run - || echo "(exit status $?)"
+
+if $serve; then
+    echo
+    echo "=== sandcelld keeps running (Ctrl-C stops it). In another shell:"
+    echo "export SANDCELL_SOCKET=$sock"
+    echo "export PATH=$BIN:\$PATH"
+    wait $activator || true
+fi

@@ -15,8 +15,8 @@
 #   extension writes to fds 1 and 2, can corrupt a reply. Both are close-on-exec, so programs a
 #   cell starts do not inherit them, and a forked child closes them.
 # - Cells run in a fresh `__main__` module, not in the worker's globals; each cell's source is
-#   registered with linecache under `<cell-N>`, so tracebacks show the user's lines and line
-#   numbers. A final expression statement is shown as in Jupyter (its repr on stdout, through
+#   registered with linecache under `<cell N>` (the name the Eryx engine uses too), so
+#   tracebacks show the user's lines and line numbers. A final expression statement is shown as in Jupyter (its repr on stdout, through
 #   sys.displayhook), unless the cell ends with `;`.
 # - One SIGINT ends exactly one cell, with KeyboardInterrupt in the main thread: the handler
 #   raises only while the cell's own code runs ("armed"). A SIGINT that lands after the request
@@ -355,7 +355,7 @@ def run_cell(cell, payload, opts):
     """Runs one cell; returns (status, error or None, exit_code or None)."""
     S.cell = cell
     S.plot_seq = 0
-    fname = "<cell-%d>" % cell
+    fname = "<cell %d>" % cell
     main = sys.modules["__main__"] = MAIN
     ns = main.__dict__
     try:

@@ -48,6 +48,8 @@ pub struct Core {
     next_connection: AtomicU64,
     /// Open connections per client uid.
     connections_per_uid: Mutex<HashMap<u32, u64>>,
+    /// Rate limit of the refusal lines a uid's connections and session starts cause.
+    refusal_log: crate::loglimit::LogLimit,
     /// Workers being started for a client, by session id (listed as `starting`).
     starting: Mutex<HashMap<String, Starting>>,
     pool: crate::pool::Pool,
@@ -199,6 +201,7 @@ impl Core {
             connections: AtomicU64::new(0),
             next_connection: AtomicU64::new(1),
             connections_per_uid: Mutex::default(),
+            refusal_log: crate::loglimit::LogLimit::default(),
             starting: Mutex::default(),
             pool: crate::pool::Pool::default(),
             environments: crate::environments::Reports::default(),
@@ -278,14 +281,17 @@ impl Core {
         };
         if let Some((budget, in_use, max)) = refused {
             drop(per_uid);
-            tracing::warn!(
-                uid,
-                pid,
-                budget,
-                in_use,
-                max,
-                "connection refused: capacity exceeded"
-            );
+            if let Some(held_back) = self.refusal_log.admit(uid) {
+                tracing::warn!(
+                    uid,
+                    pid,
+                    budget,
+                    in_use,
+                    max,
+                    held_back,
+                    "connection refused: capacity exceeded"
+                );
+            }
             return None;
         }
         *per_uid.entry(uid).or_default() += 1;
@@ -547,15 +553,18 @@ impl Core {
         self.authorize(caller, Action::Execute).await?;
         // per-uid rate and budgets, before any worker is touched
         let refused = |r: Refused| {
-            tracing::warn!(
-                uid = caller.uid,
-                pid = caller.pid,
-                budget = r.budget,
-                in_use = r.in_use,
-                requested = r.requested,
-                max = r.max,
-                "session refused: capacity exceeded"
-            );
+            if let Some(held_back) = self.refusal_log.admit(caller.uid) {
+                tracing::warn!(
+                    uid = caller.uid,
+                    pid = caller.pid,
+                    budget = r.budget,
+                    in_use = r.in_use,
+                    requested = r.requested,
+                    max = r.max,
+                    held_back,
+                    "session refused: capacity exceeded"
+                );
+            }
             KernelError::from(r)
         };
         // The daemon's own readiness probe is not a client: it spends no client's tokens.

@@ -22,6 +22,7 @@ pub mod dbus;
 pub mod environments;
 pub mod files;
 pub mod identity;
+pub mod loglimit;
 pub mod notify;
 pub mod polkit;
 pub mod pool;

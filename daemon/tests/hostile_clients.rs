@@ -593,3 +593,38 @@ async fn unread_replies_cannot_grow_the_daemon() {
         "the reply budget was not returned after the hoarders left"
     );
 }
+
+/// A parameter of the wrong type is named by its path, never by the client's value.
+#[tokio::test(flavor = "multi_thread")]
+async fn type_errors_name_the_parameter_not_the_value() {
+    let d = Daemon::start(&[]);
+    let cases = [
+        (
+            json!({"method": "org.sandcell.Kernel.Execute", "more": true, "parameters": {"session": 5, "code": "1"}}),
+            "session",
+        ),
+        (
+            json!({"method": "org.sandcell.Kernel.Run", "more": true, "parameters": {"language": "python", "code": "1", "limits": {"guest_memory_bytes": "lots"}}}),
+            "limits.guest_memory_bytes",
+        ),
+        (
+            json!({"method": "org.sandcell.Kernel.Run", "more": true, "parameters": {"language": "python"}}),
+            "code",
+        ),
+        (
+            json!({"method": "org.sandcell.Kernel.Close", "parameters": {"session": "x", "evil": 1}}),
+            "evil",
+        ),
+    ];
+    for (call, parameter) in cases {
+        let (reply, _, _) = raw_call(&d.socket, &call, &[]);
+        assert_eq!(
+            reply["error"], "org.varlink.service.InvalidParameter",
+            "{call}: {reply}"
+        );
+        assert_eq!(
+            reply["parameters"]["parameter"], parameter,
+            "{call}: {reply}"
+        );
+    }
+}

@@ -135,18 +135,31 @@ async fn send_reply<T: Serialize>(
     send(w, call, &reply).await
 }
 
-/// Parses `call`'s parameters as `T`, or replies `InvalidParameter` naming the field.
+/// Parses `call`'s parameters as `T`, or replies `InvalidParameter` naming the field: the
+/// path to the value of the wrong type (`session`, `limits.memory_bytes`), or the field serde
+/// names when one is missing or unknown. Never the client's value itself.
 fn params<T: DeserializeOwned>(call: &Call<RawCall>) -> Result<T, ErrorReply> {
     let v = call
         .method()
         .parameters
         .clone()
         .unwrap_or_else(|| json!({}));
-    serde_json::from_value(v).map_err(|e| {
-        // serde names the field in its message ("missing field `code`", "unknown field `x`").
-        let msg = e.to_string();
-        let parameter = clip(msg.split('`').nth(1).unwrap_or("parameters"));
-        service_error("InvalidParameter", json!({ "parameter": parameter }))
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let parameter = if path.is_empty() || path == "." {
+            // Missing or unknown fields are reported at the top level; serde names them in
+            // backquotes ("missing field `code`", "unknown field `x`, expected ...").
+            let msg = e.inner().to_string();
+            match msg.split('`').nth(1) {
+                Some(f) if msg.starts_with("missing field") || msg.starts_with("unknown field") => {
+                    f.to_owned()
+                }
+                _ => "parameters".to_owned(),
+            }
+        } else {
+            path
+        };
+        service_error("InvalidParameter", json!({ "parameter": clip(&parameter) }))
     })
 }
 
