@@ -39,6 +39,15 @@
 # - A protocol violation by the daemon (malformed header, unknown op) ends the worker with
 #   status 2 and a message on stderr; end of input on fd 3 or an `exit` request, status 0.
 #
+# An `inspect` request (Varlink Inspect) is not a cell: it lists the variables of .GlobalEnv
+# (ls() order; not names starting with "." or "_") with their first class, object.size(),
+# dim() and the first lines of str() (at most MAX_REPR_CHARS characters), in one `inspected`
+# line of at most MAX_INSPECT_LINE bytes. It evaluates nothing at top level (.Last.value
+# stays) and gives the user's code it may call (str, dim and format methods, promises,
+# active bindings are not read) `timeout_ms` in all, with setTimeLimit() and interrupts
+# allowed only there: an error shows <repr failed: class>, the call the budget (or the
+# daemon's SIGINT) ends <repr timed out>, later values <repr skipped: time budget used up>.
+#
 # quit() and q() in a cell end the session: the worker reports `done` with status `exited`
 # and the requested exit code, then exits with that status (R's own .Last and exit
 # finalizers run when runLast = TRUE). base::quit() called directly still reports `exited`
@@ -72,6 +81,13 @@ MAX_FRAME <- 512L # bytes of one deparsed traceback frame
 MAX_FRAMES <- 100L # innermost traceback frames shown
 MAX_WARNINGS <- 50L # warnings kept per cell
 MAX_WARNING_TOTAL <- 128L * 1024L # bytes of all kept warnings of one cell
+INSPECT_DEFAULT_ITEMS <- 100L # variables an inspect lists unless max_items says otherwise
+INSPECT_MAX_ITEMS <- 1000L
+MAX_VARIABLE_NAME <- 256L # bytes; longer names are left out (and `truncated` is set)
+MAX_VARIABLE_TYPE <- 256L # bytes
+MAX_REPR_CHARS <- 200L # characters, "..." included
+MAX_SHAPE_DIMS <- 64L
+MAX_INSPECT_LINE <- 512L * 1024L # bytes of one `inspected` line
 IN_PATH <- "/proc/self/fd/3"
 OUT_PATH <- "/proc/self/fd/4"
 
@@ -583,6 +599,142 @@ plot_device_end <- function(before) {
   invisible(NULL)
 }
 
+## ---- inspect ----------------------------------------------------------------------
+
+# Calls fun() (the user's code) with the inspect's time left before st$deadline (elapsed
+# seconds): list(status = "ok", value), "error" (with class) or "budget" (the time limit,
+# an interrupt, or no time left).
+inspect_call <- function(st, fun) {
+  left <- st$deadline - proc.time()[["elapsed"]]
+  if (left <= 0) return(list(status = "budget"))
+  setTimeLimit(elapsed = left, transient = FALSE)
+  on.exit(setTimeLimit())
+  tryCatch(
+    withCallingHandlers(list(status = "ok", value = allowInterrupts(fun())),
+      warning = function(w) invokeRestart("muffleWarning")),
+    interrupt = function(e) list(status = "budget"),
+    error = function(e) {
+      msg <- tryCatch(as.character(e$message)[[1L]], error = function(e2) "")
+      if (identical(msg, "reached elapsed time limit")) {
+        list(status = "budget")
+      } else {
+        list(status = "error", class = tryCatch(class(e)[[1L]], error = function(e2) "error"))
+      }
+    })
+}
+
+# At most MAX_REPR_CHARS characters of valid UTF-8, a cut text ending with "...".
+short_text <- function(s) {
+  s <- bound_text(s, MAX_REPR_CHARS * 4L)
+  if (nchar(s, type = "chars", allowNA = TRUE) > MAX_REPR_CHARS) {
+    s <- paste0(substr(s, 1L, MAX_REPR_CHARS - 3L), "...")
+  }
+  s
+}
+
+# The JSON object of variable `nm` (a name of .GlobalEnv).
+inspect_one <- function(nm, st) {
+  fields <- list(name = json_str(nm))
+  done <- function(repr) {
+    fields$repr <- json_str(short_text(repr))
+    json_obj(fields)
+  }
+  if (st$deadline <= 0) {
+    fields$type <- json_str("?")
+    return(done("<repr skipped: time budget used up>"))
+  }
+  if (bindingIsActive(nm, .GlobalEnv)) {
+    fields$type <- json_str("active binding")
+    return(done("<active binding: not read>"))
+  }
+  got <- inspect_call(st, function() get(nm, envir = .GlobalEnv, inherits = FALSE))
+  if (identical(got$status, "budget")) st$deadline <- 0
+  if (!identical(got$status, "ok")) {
+    fields$type <- json_str("?")
+    return(done(if (identical(got$status, "budget")) "<repr timed out>" else
+      sprintf("<repr failed: %s>", got$class)))
+  }
+  x <- got$value
+  cls <- tryCatch(class(x)[[1L]], error = function(e) "?")
+  fields$type <- json_str(bound_text(cls, MAX_VARIABLE_TYPE - 64L))
+  # Generics are called from a frame parented to .GlobalEnv, as call_in_global does, so
+  # that S3 dispatch finds the user's methods.
+  in_global <- function(expr) eval(expr, list(x = x), .GlobalEnv)
+  size <- inspect_call(st, function() as.numeric(utils::object.size(x)))
+  if (identical(size$status, "ok") && is.numeric(size$value) && length(size$value) == 1L &&
+    is.finite(size$value) && size$value >= 0) {
+    fields$size_bytes <- json_int(size$value)
+  }
+  if (identical(size$status, "budget")) {
+    st$deadline <- 0
+    return(done("<repr timed out>"))
+  }
+  d <- inspect_call(st, function() in_global(quote(dim(x))))
+  if (identical(d$status, "ok") && is.numeric(d$value) && length(d$value) >= 1L &&
+    length(d$value) <= MAX_SHAPE_DIMS && all(is.finite(d$value) & d$value >= 0)) {
+    fields$shape <- paste0("[", paste(json_int(d$value), collapse = ","), "]")
+  }
+  if (identical(d$status, "budget")) {
+    st$deadline <- 0
+    return(done("<repr timed out>"))
+  }
+  r <- inspect_call(st, function() {
+    in_global(bquote(utils::capture.output(utils::str(x, max.level = 1L, list.len = 5L,
+      vec.len = 2L, give.attr = FALSE, nchar.max = .(MAX_REPR_CHARS)))))
+  })
+  if (identical(r$status, "budget")) {
+    st$deadline <- 0
+    return(done("<repr timed out>"))
+  }
+  if (!identical(r$status, "ok") || !is.character(r$value)) {
+    return(done(sprintf("<repr failed: %s>", if (is.null(r$class)) "str" else r$class)))
+  }
+  lines <- r$value
+  if (length(lines) > 12L) lines <- lines[seq_len(12L)]
+  done(sub("\\s+$", "", sub("^ +", "", paste(lines, collapse = "\n"))))
+}
+
+# The `inspected` reply line for an inspect request with options `opts`.
+inspect_reply <- function(opts) {
+  max_items <- opts[["max_items"]]
+  if (!is.numeric(max_items)) max_items <- INSPECT_DEFAULT_ITEMS
+  max_items <- max(1, min(max_items, INSPECT_MAX_ITEMS))
+  budget <- opts[["timeout_ms"]]
+  if (!is.numeric(budget)) budget <- 4000
+  st <- new.env(parent = emptyenv())
+  st$deadline <- proc.time()[["elapsed"]] + budget / 1000
+  nms <- ls(.GlobalEnv, all.names = FALSE, sorted = TRUE)
+  nms <- nms[nzchar(nms) & !startsWith(nms, "_")]
+  truncated <- FALSE
+  keep <- vapply(nms, function(n) nchar(bound_text(n, 4L * MAX_VARIABLE_NAME),
+    type = "bytes") <= MAX_VARIABLE_NAME, TRUE)
+  if (!all(keep)) truncated <- TRUE
+  nms <- nms[keep]
+  if (length(nms) > max_items) {
+    nms <- nms[seq_len(max_items)]
+    truncated <- TRUE
+  }
+  items <- character(0)
+  size <- 128
+  for (nm in nms) {
+    item <- tryCatch(inspect_one(nm, st), error = function(e) NULL)
+    if (is.null(item)) next
+    n <- nchar(item, type = "bytes") + 1
+    if (size + n > MAX_INSPECT_LINE) {
+      truncated <- TRUE
+      break
+    }
+    size <- size + n
+    items[[length(items) + 1L]] <- item
+  }
+  json_obj(list(
+    t = json_str("inspected"),
+    nonce = if (!is.null(state$nonce)) json_str(state$nonce),
+    variables = paste0("[", paste(items, collapse = ","), "]"),
+    truncated = if (truncated) "true" else "false"
+  ))
+}
+
 ## ---- quit() ------------------------------------------------------------------------
 
 # Ends the session from a cell: reports `exited`, then exits R.
@@ -613,6 +765,13 @@ serve <- function(ready = TRUE) {
     reset_io()
     req <- read_request()
     if (is.null(req) || identical(req$op, "exit")) break
+    if (identical(req$op, "inspect")) {
+      drain_interrupt()
+      state$nonce <- req$opts$nonce
+      send_line(inspect_reply(req$opts))
+      state$nonce <- NULL
+      next
+    }
     if (!identical(req$op, "exec")) protocol_fail(paste("unknown request", req$op))
     drain_interrupt()
     state$cell <- req$cell

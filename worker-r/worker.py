@@ -39,6 +39,15 @@
 #   1 MiB the daemon accepts.
 # - A protocol violation by the daemon (malformed header, unknown op) ends the worker with
 #   status 2 and a message on stderr; end of input on fd 3 or an `exit` request, status 0.
+# - An `inspect` request (Varlink Inspect) is not a cell: it lists the variables of `__main__`
+#   (name order; not names starting with `_`, not modules) with type, approximate size, shape
+#   (numpy arrays, pandas objects) and a reprlib repr of at most MAX_REPR_CHARS characters,
+#   and answers with one `inspected` line of at most MAX_INSPECT_LINE bytes. It binds nothing
+#   (no displayhook, so `_` stays), prints nothing (sys.stdout and sys.stderr are a sink while
+#   it runs) and gives the user's code it calls (repr, __sizeof__, memory_usage) `timeout_ms`
+#   in all, through the same SIGALRM and SIGINT handlers as a cell: a call that raises shows
+#   `<repr failed: Type>`, the call the budget ends `<repr timed out>`, and the values after it
+#   `<repr skipped: time budget used up>` (their size and shape left out).
 #
 # Environment read here (set by the launcher): SANDCELL_SESSION_DIR (plots go there; appended
 # to sys.path so uploaded modules import), SANDCELL_PYTHON_PATH (colon-separated extra library
@@ -51,8 +60,10 @@ import io
 import json
 import linecache
 import os
+import reprlib
 import signal
 import sys
+import time
 import traceback
 import types
 
@@ -64,6 +75,13 @@ MAX_FRAMES = 100  # innermost traceback frames shown
 MAX_LINECACHE_BYTES = 16 * 1024 * 1024  # cell sources kept for tracebacks, oldest dropped first
 REQ_FD = 3
 REP_FD = 4
+INSPECT_DEFAULT_ITEMS = 100  # variables an inspect lists unless max_items says otherwise
+INSPECT_MAX_ITEMS = 1000
+MAX_VARIABLE_NAME = 256  # bytes; longer names are left out (and `truncated` is set)
+MAX_VARIABLE_TYPE = 256  # bytes
+MAX_REPR_CHARS = 200  # characters, "..." included
+MAX_SHAPE_DIMS = 64
+MAX_INSPECT_LINE = 512 * 1024  # bytes of one `inspected` line
 WORKER_GLOBALS = globals()
 
 
@@ -396,6 +414,172 @@ def run_cell(cell, payload, opts):
     return "ok", None, None
 
 
+# ---- inspect -------------------------------------------------------------------------------
+
+
+class BudgetUsedUp(Exception):
+    """The inspect's time budget is used up: no more of the user's code is called."""
+
+
+class NullWriter:
+    """sys.stdout and sys.stderr while an inspect calls the user's code."""
+
+    encoding = "utf-8"
+
+    def write(self, s):
+        return len(s)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+
+class BoundedRepr(reprlib.Repr):
+    """reprlib's bounded repr, except that a repr that raises is not hidden (reprlib shows
+    `<X instance at 0x...>` instead): the inspect shows `<repr failed: Type>`."""
+
+    def repr_instance(self, x, level):
+        s = builtins.repr(x)
+        if len(s) > self.maxother:
+            s = s[: self.maxother - 3] + "..."
+        return s
+
+
+REPR = BoundedRepr()
+REPR.maxstring = MAX_REPR_CHARS
+REPR.maxother = MAX_REPR_CHARS
+REPR.maxlong = MAX_REPR_CHARS
+
+
+def user_call(deadline, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with SIGINT and SIGALRM armed for the time left before `deadline`
+    (time.monotonic()); BudgetUsedUp when none is left."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise BudgetUsedUp
+    signal.setitimer(signal.ITIMER_REAL, left)
+    S.timer = True
+    try:
+        try:
+            S.armed = True
+            if S.pending:
+                raise KeyboardInterrupt
+            return fn(*args, **kwargs)
+        finally:
+            S.armed = False
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        S.timer = False
+
+
+def short(text):
+    text = clean(text)
+    if len(text) > MAX_REPR_CHARS:
+        text = text[: MAX_REPR_CHARS - 3] + "..."
+    return text
+
+
+def describe_variable(name, value, state):
+    """The `Variable` of `value`; `state["deadline"]` becomes 0 once the budget is used up."""
+    t = type(value)
+    try:
+        kind = bound_text(type_name(t), MAX_VARIABLE_TYPE - 64)  # room for the cut marker
+    except BaseException:
+        kind = "?"
+    var = {"name": name, "type": kind}
+    if state["deadline"] <= 0:
+        var["repr"] = "<repr skipped: time budget used up>"
+        return var
+    np = sys.modules.get("numpy")
+    pd = sys.modules.get("pandas")
+    try:
+        if np is not None and isinstance(value, np.ndarray):
+            var["size_bytes"] = int(value.nbytes)
+            var["shape"] = [int(d) for d in value.shape][:MAX_SHAPE_DIMS]
+        elif pd is not None and isinstance(value, (pd.DataFrame, pd.Series)):
+            mem = user_call(state["deadline"], value.memory_usage, deep=False)
+            var["size_bytes"] = int(mem if isinstance(mem, int) else mem.sum())
+            var["shape"] = [int(d) for d in value.shape]
+        else:
+            var["size_bytes"] = int(user_call(state["deadline"], sys.getsizeof, value))
+    except (BudgetUsedUp, CellTimeout, KeyboardInterrupt):
+        state["deadline"] = 0
+        var["repr"] = "<repr timed out>"
+        return var
+    except BaseException:
+        pass
+    try:
+        text = user_call(state["deadline"], REPR.repr, value)
+        var["repr"] = short(text if isinstance(text, str) else "<repr failed: not a str>")
+    except (BudgetUsedUp, CellTimeout, KeyboardInterrupt):
+        state["deadline"] = 0
+        var["repr"] = "<repr timed out>"
+    except BaseException as e:
+        try:
+            var["repr"] = short("<repr failed: %s>" % type_name(type(e)))
+        except BaseException:
+            var["repr"] = "<repr failed>"
+    if var.get("size_bytes", 0) < 0:
+        del var["size_bytes"]
+    return var
+
+
+def inspect(opts):
+    """(variables, truncated) of `__main__` for an `inspect` request (see the header)."""
+    max_items = max(1, min(opts.get("max_items", INSPECT_DEFAULT_ITEMS), INSPECT_MAX_ITEMS))
+    budget = opts.get("timeout_ms", 4000) / 1000.0
+    state = {"deadline": time.monotonic() + budget}
+    ns = MAIN.__dict__
+    truncated = False
+    names = []
+    for k, v in list(ns.items()):
+        if type(k) is not str or not k or k.startswith("_") or isinstance(v, types.ModuleType):
+            continue
+        if len(clean(k).encode("utf-8")) > MAX_VARIABLE_NAME:
+            truncated = True
+            continue
+        names.append(k)
+    names.sort()
+    if len(names) > max_items:
+        names = names[:max_items]
+        truncated = True
+    out = []
+    size = 128  # the frame around the list
+    saved = sys.stdout, sys.stderr
+    sys.stdout = sys.stderr = NullWriter()
+    try:
+        for k in names:
+            if k not in ns:
+                continue  # a repr removed it
+            var = describe_variable(clean(k), ns[k], state)
+            n = len(json.dumps(var, ensure_ascii=False).encode("utf-8")) + 1
+            if size + n > MAX_INSPECT_LINE:
+                truncated = True
+                break
+            size += n
+            out.append(var)
+    finally:
+        sys.stdout, sys.stderr = saved
+    return out, truncated
+
+
+def serve_inspect(opts):
+    try:
+        variables, truncated = inspect(opts)
+    except BaseException as e:
+        sys.__stderr__.write("sandcell: inspect failed: %s\n" % clean(repr(e)))
+        variables, truncated = [], True
+    if os.getpid() != S.pid:
+        os._exit(0)  # a child forked by a repr
+    install_handlers()
+    msg = {"t": "inspected", "variables": variables, "truncated": truncated}
+    if "nonce" in opts:
+        msg["nonce"] = opts["nonce"]
+    send(msg)
+
+
 def finish_cell():
     """After every cell: back in the worker's own process, timers off, output flushed,
     streams and handlers restored, figures saved."""
@@ -434,6 +618,9 @@ def serve():
         op, cell, payload, opts = req
         if op == "exit":
             break
+        if op == "inspect":
+            serve_inspect(opts)
+            continue
         if op != "exec":
             protocol_fail("unknown request %r" % op[:32])
         status, error, code = run_cell(cell, payload, opts)

@@ -299,6 +299,26 @@ impl Client {
         self.call("Interrupt", params(&p)).await
     }
 
+    /// Lists the user's variables of `session` (name, type, approximate size, shape, short
+    /// repr), at most `max_items` (1 to [`k::INSPECT_MAX_ITEMS`]; default
+    /// [`k::INSPECT_DEFAULT_ITEMS`]); returns them and whether more exist. Not a cell: cell
+    /// numbers and history stay as they were.
+    /// Errors: `SessionBusy` (a cell runs), `LimitExceeded` (`max_items`), `NoSuchSession`,
+    /// `WorkerFailed` (the worker did not answer in time or broke the protocol; the session
+    /// ended).
+    pub async fn inspect(
+        &mut self,
+        session: &str,
+        max_items: Option<u64>,
+    ) -> Result<(Vec<k::Variable>, bool), Error> {
+        let p = k::InspectParams {
+            session: session.into(),
+            max_items,
+        };
+        let r: k::InspectReply = self.call("Inspect", params(&p)).await?;
+        Ok((r.variables, r.truncated))
+    }
+
     /// Ends `session`; returns after its worker is gone.
     pub async fn close(&mut self, session: &str) -> Result<(), Error> {
         let p = k::CloseParams {

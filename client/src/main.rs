@@ -115,6 +115,16 @@ enum Cmd {
         #[arg(long)]
         packages: bool,
     },
+    /// List SESSION's variables between cells: name, type, approximate size, shape and a
+    /// short repr (escaped like every cell-derived string). Not a cell: cell numbers and
+    /// history stay as they were.
+    Inspect {
+        /// Session id.
+        session: String,
+        /// List at most N variables (1 to 1000; the daemon's default is 100).
+        #[arg(long, value_name = "N")]
+        max_items: Option<u64>,
+    },
     /// Close SESSION.
     Close {
         /// Session id.
@@ -749,6 +759,37 @@ async fn main() -> ExitCode {
                     println!("{}", r.reason);
                 }
                 Ok(if r.delivered { 0 } else { 1 })
+            }
+            Cmd::Inspect { session, max_items } => {
+                let (vars, truncated) = c.inspect(session, *max_items).await?;
+                if args.json {
+                    let v = serde_json::json!({ "variables": vars, "truncated": truncated });
+                    println!("{v}");
+                    return Ok(0);
+                }
+                println!(
+                    "{:<20} {:<28} {:>10} {:<12} REPR",
+                    "NAME", "TYPE", "SIZE", "SHAPE"
+                );
+                for v in &vars {
+                    let shape = v
+                        .shape
+                        .as_ref()
+                        .map(|s| s.iter().map(u64::to_string).collect::<Vec<_>>().join("x"))
+                        .unwrap_or_default();
+                    println!(
+                        "{:<20} {:<28} {:>10} {:<12} {}",
+                        escape_name(&v.name),
+                        escape_name(&v.kind),
+                        v.size_bytes.map(|n| n.to_string()).unwrap_or_default(),
+                        shape,
+                        escape_name(&v.repr)
+                    );
+                }
+                if truncated {
+                    println!("(more variables exist than are listed)");
+                }
+                Ok(0)
             }
             Cmd::Close { session } => {
                 c.close(session).await?;

@@ -10,7 +10,7 @@ use crate::cgroup::{Backend, GroupLimits, SessionGroup};
 use crate::config::{Config, Engine, Environment};
 use crate::identity::UidPool;
 use crate::pool::Prepared;
-use crate::session::{Caller, Event, ExecuteRefused, Session, SessionLimits};
+use crate::session::{Caller, Event, ExecuteRefused, InspectRefused, Session, SessionLimits};
 use crate::worker::spawn::{self, WorkerSpec};
 use sandcell_confine::Enforcement;
 use sandcell_proto::kernel::{
@@ -936,6 +936,52 @@ impl Core {
             });
         }
         Ok(())
+    }
+
+    /// Lists the user's variables of `session` (`Inspect`): at most `max_items` (default
+    /// [`sandcell_proto::kernel::INSPECT_DEFAULT_ITEMS`]).
+    ///
+    /// Errors: `InvalidParameter` (`max_items` 0), `LimitExceeded` (`max_items` above
+    /// [`sandcell_proto::kernel::INSPECT_MAX_ITEMS`]), `NoSuchSession`, `PermissionDenied` (`org.sandcell.execute`:
+    /// the listing runs the session's code, its reprs), `SessionBusy` (a cell runs),
+    /// `WorkerFailed` (the worker broke the protocol or did not answer; the session ended).
+    pub async fn inspect(
+        &self,
+        caller: &Caller,
+        session: &str,
+        max_items: Option<u64>,
+    ) -> Result<sandcell_proto::kernel::InspectReply, KernelError> {
+        let max_items = match max_items {
+            None => sandcell_proto::kernel::INSPECT_DEFAULT_ITEMS,
+            Some(0) => {
+                return Err(KernelError::InvalidParameter {
+                    parameter: "max_items".into(),
+                    reason: "must be positive".into(),
+                });
+            }
+            Some(n) if n > sandcell_proto::kernel::INSPECT_MAX_ITEMS => {
+                return Err(KernelError::LimitExceeded {
+                    limit: "max_items".into(),
+                    value: n,
+                    max: sandcell_proto::kernel::INSPECT_MAX_ITEMS,
+                });
+            }
+            Some(n) => n,
+        };
+        let s = self.lookup(caller, session)?;
+        self.authorize(caller, Action::Execute).await?;
+        s.inspect(max_items).await.map_err(|e| match e {
+            InspectRefused::Busy(cell) => KernelError::SessionBusy {
+                session: session.into(),
+                cell,
+            },
+            InspectRefused::Ended => KernelError::NoSuchSession {
+                session: session.into(),
+            },
+            InspectRefused::Failed(reason) => KernelError::WorkerFailed {
+                reason: format!("Inspect: {reason}; the session ended"),
+            },
+        })
     }
 
     /// Interrupts `cell` of `session`.

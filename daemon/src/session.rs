@@ -13,8 +13,8 @@ use crate::worker::output::StreamCap;
 use crate::worker::spawn::Spawned;
 use crate::worker::{Fill, LineReader};
 use sandcell_proto::kernel::{
-    CellResult, Frame, InterruptReason, InterruptReply, Language, Output, Started, State, Status,
-    Usage,
+    CellResult, Frame, InspectReply, InterruptReason, InterruptReply, Language, Output, Started,
+    State, Status, Usage,
 };
 use sandcell_proto::worker::{
     self as wire, MAX_WORKER_LINE, RequestHeader, Stream, WorkerMessage, WorkerStatus,
@@ -169,6 +169,13 @@ pub enum Command {
         /// Answer.
         reply: oneshot::Sender<InterruptReply>,
     },
+    /// List the user's variables (the session is idle); see [`Actor::inspect`].
+    Inspect {
+        /// At most this many (already validated: 1 to `INSPECT_MAX_ITEMS`).
+        max_items: u64,
+        /// Answer.
+        reply: oneshot::Sender<Result<InspectReply, InspectRefused>>,
+    },
     /// End the session; `done` fires after everything is released.
     Close {
         /// Why (for the log and the D-Bus signal).
@@ -308,6 +315,29 @@ impl Session {
             .map_err(|_| ExecuteRefused::Ended)
     }
 
+    /// Lists the user's variables: at most `max_items` (validated by the caller). Refused while
+    /// a cell runs ([`InspectRefused::Busy`]); a worker that breaks the protocol or does not
+    /// answer in time ends the session ([`InspectRefused::Failed`]).
+    pub async fn inspect(&self, max_items: u64) -> Result<InspectReply, InspectRefused> {
+        {
+            let info = self.info.lock().unwrap();
+            match info.state {
+                "running" => return Err(InspectRefused::Busy(info.running_cell.unwrap_or(0))),
+                "ended" => return Err(InspectRefused::Ended),
+                _ => {}
+            }
+        }
+        let (tx, rx) = oneshot::channel();
+        self.cmds
+            .send(Command::Inspect {
+                max_items,
+                reply: tx,
+            })
+            .await
+            .map_err(|_| InspectRefused::Ended)?;
+        rx.await.unwrap_or(Err(InspectRefused::Ended))
+    }
+
     /// Asks the actor to interrupt `cell`.
     pub async fn interrupt(&self, cell: u64) -> InterruptReply {
         let (tx, rx) = oneshot::channel();
@@ -370,6 +400,17 @@ pub enum ExecuteRefused {
     Busy(u64),
     /// The session has ended.
     Ended,
+}
+
+/// Why `Inspect` was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InspectRefused {
+    /// A cell is running (its number; 0 for another `Inspect`).
+    Busy(u64),
+    /// The session has ended.
+    Ended,
+    /// The worker broke the protocol or did not answer in time; the session ended (why).
+    Failed(String),
 }
 
 /// How the loop of one cell ended.
@@ -754,6 +795,13 @@ impl Actor {
                     Some(Command::Interrupt { reply, .. }) => {
                         let _ = reply.send(InterruptReply { delivered: false, reason: InterruptReason::NotRunning.into() });
                     }
+                    Some(Command::Inspect { max_items, reply }) => {
+                        if let Some(end) = self.inspect(max_items, reply, &mut cmds).await {
+                            reason = end.0;
+                            close_done = end.1;
+                            break;
+                        }
+                    }
                     Some(Command::Close { reason: r, done }) => { reason = r; close_done = Some(done); break; }
                 },
                 status = self.child.wait() => {
@@ -785,6 +833,9 @@ impl Actor {
                 }
                 Command::Close { done, .. } => {
                     let _ = done.send(());
+                }
+                Command::Inspect { reply, .. } => {
+                    let _ = reply.send(Err(InspectRefused::Ended));
                 }
                 Command::Execute { .. } => {}
             }
@@ -895,6 +946,138 @@ impl Actor {
         };
         self.finish_cell(run, end, one_shot, close_req, files_before, cmds)
             .await
+    }
+
+    /// Answers an `Inspect` of the idle session: writes an `inspect` request (fresh nonce, the
+    /// worker's budget [`wire::INSPECT_BUDGET_MS`]) and waits for the worker's `inspected`
+    /// line, which it validates (count and every field's bounds) before it answers. Commands
+    /// are served meanwhile (Close ends the wait; an Execute is deferred; Interrupt finds no
+    /// cell). No answer after [`wire::INSPECT_DEADLINE_MS`]: SIGINT (repeated as for a cell);
+    /// none after the kill grace too, or any other line, or the worker's exit: the session
+    /// ends (returns `Some((reason, close waiter))`, as [`Actor::execute_cell`]).
+    async fn inspect(
+        &mut self,
+        max_items: u64,
+        reply: oneshot::Sender<Result<InspectReply, InspectRefused>>,
+        cmds: &mut mpsc::Receiver<Command>,
+    ) -> Option<(String, Option<oneshot::Sender<()>>)> {
+        let fail = |reply: oneshot::Sender<Result<InspectReply, InspectRefused>>, why: String| {
+            let _ = reply.send(Err(InspectRefused::Failed(why.clone())));
+            Some((format!("Inspect: {why}"), None))
+        };
+        if let Err(why) = self.drain_stale() {
+            return fail(reply, why);
+        }
+        let nonce = match new_nonce() {
+            Ok(n) => n,
+            Err(e) => return fail(reply, format!("no random nonce for the request: {e}")),
+        };
+        let mut header = RequestHeader::exec(0, 0);
+        header.op = wire::Op::Inspect;
+        header.timeout_ms = Some(wire::INSPECT_BUDGET_MS);
+        header.max_items = Some(max_items);
+        header.nonce = Some(nonce.clone());
+        let deadline = Duration::from_millis(wire::INSPECT_DEADLINE_MS);
+        let grace = self.session.limits.grace.max(KILL_AFTER_SIGINT_MIN);
+        let t0 = tokio::time::Instant::now();
+        match tokio::time::timeout(
+            deadline + grace,
+            self.requests.write_all(header.to_line().as_bytes()),
+        )
+        .await
+        {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return fail(reply, format!("writing the request: {e}")),
+            Err(_) => return fail(reply, "writing the request timed out".into()),
+        }
+        let mut interrupted = false;
+        let mut next_signal = t0 + deadline;
+        let kill_at = t0 + deadline + grace;
+        loop {
+            let step: Option<Result<InspectReply, String>> = tokio::select! {
+                biased;
+                cmd = cmds.recv() => match cmd {
+                    Some(Command::Interrupt { reply, .. }) => {
+                        let _ = reply.send(InterruptReply {
+                            delivered: false,
+                            reason: InterruptReason::NotRunning.into(),
+                        });
+                        None
+                    }
+                    Some(Command::Inspect { reply, .. }) => {
+                        let _ = reply.send(Err(InspectRefused::Busy(0)));
+                        None
+                    }
+                    Some(cmd @ Command::Execute { .. }) => {
+                        self.deferred = Some(cmd);
+                        None
+                    }
+                    Some(Command::Close { reason, done }) => {
+                        let _ = reply.send(Err(InspectRefused::Ended));
+                        return Some((reason, Some(done)));
+                    }
+                    None => {
+                        let _ = reply.send(Err(InspectRefused::Ended));
+                        return Some(("abandoned".into(), None));
+                    }
+                },
+                _ = tokio::time::sleep_until(kill_at) => {
+                    Some(Err(format!("the worker did not answer within {} ms", (deadline + grace).as_millis())))
+                }
+                _ = tokio::time::sleep_until(next_signal) => {
+                    // R and native Python turn it into placeholders and answer; Eryx ends the
+                    // guest call (the instance is rebuilt from its snapshot before the next cell).
+                    self.signal_interrupt();
+                    if !interrupted {
+                        tracing::info!(session = %self.session.id, "Inspect: no answer in time, interrupting the worker");
+                    }
+                    interrupted = true;
+                    next_signal = tokio::time::Instant::now() + INTERRUPT_REPEAT;
+                    None
+                }
+                () = self.replies.readable() => self.inspect_replies(&nonce, max_items),
+                status = self.child.wait() => Some(Err(match status {
+                    Ok(st) => format!("the worker {} during Inspect", describe_exit(st)),
+                    Err(e) => format!("the worker exited during Inspect ({e})"),
+                })),
+            };
+            match step {
+                None => {}
+                Some(Ok(r)) => {
+                    let _ = reply.send(Ok(r));
+                    return None;
+                }
+                Some(Err(why)) => {
+                    tracing::warn!(session = %self.session.id, why, "Inspect failed: the session ends");
+                    return fail(reply, why);
+                }
+            }
+        }
+    }
+
+    /// Reads the reply pipe during an `Inspect` (at most [`REPLY_BYTES_PER_WAKE`] bytes per
+    /// call; the first complete line decides): the answer, validated, or why the worker
+    /// broke the protocol; `None` while no complete line is there.
+    fn inspect_replies(
+        &mut self,
+        nonce: &str,
+        max_items: u64,
+    ) -> Option<Result<InspectReply, String>> {
+        let mut bytes = 0usize;
+        loop {
+            match self.replies.take_line() {
+                Ok(Some(line)) => return Some(check_inspected(&line, nonce, max_items)),
+                Ok(None) if bytes >= REPLY_BYTES_PER_WAKE => break,
+                Ok(None) => match self.replies.try_fill() {
+                    Ok(Fill::Read(n)) => bytes += n,
+                    Ok(Fill::Empty) => break,
+                    Ok(Fill::Eof) => return Some(Err("worker closed its reply pipe".into())),
+                    Err(e) => return Some(Err(format!("protocol violation: {e}"))),
+                },
+                Err(e) => return Some(Err(format!("protocol violation: {e}"))),
+            }
+        }
+        None
     }
 
     /// Waits (on the blocking pool, at most [`LEFTOVER_REAP_TIMEOUT`]) until the processes the
@@ -1069,6 +1252,10 @@ impl Actor {
                     }
                 };
                 let _ = reply.send(r);
+                None
+            }
+            Some(Command::Inspect { reply, .. }) => {
+                let _ = reply.send(Err(InspectRefused::Busy(run.cell)));
                 None
             }
             Some(Command::Close { reason, done }) => Some(CellEnd::Cancelled(Some((reason, done)))),
@@ -1797,6 +1984,44 @@ const LEFTOVER_REAP_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long the end of a cell waits for the processes it left running to die.
 const LEFTOVER_KILL_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How often an unanswered `Inspect` repeats its SIGINT (as a cell's interrupt does).
+const INTERRUPT_REPEAT: Duration = Duration::from_millis(250);
+
+/// The `Inspect` answer in a worker's reply `line`, or why the line breaks the protocol: it
+/// must be an `inspected` frame with the request's `nonce`, at most `max_items` variables,
+/// each within the bounds of [`wire::Variable::check`].
+fn check_inspected(line: &[u8], nonce: &str, max_items: u64) -> Result<InspectReply, String> {
+    let violation = |why: String| format!("protocol violation: {why}");
+    match WorkerMessage::parse(line).map_err(violation)? {
+        WorkerMessage::Inspected {
+            nonce: n,
+            variables,
+            truncated,
+        } => {
+            if n.as_deref() != Some(nonce) {
+                return Err(violation("inspected without the request's nonce".into()));
+            }
+            if variables.len() as u64 > max_items {
+                return Err(violation(format!(
+                    "{} variables listed, {max_items} asked for",
+                    variables.len()
+                )));
+            }
+            for v in &variables {
+                v.check().map_err(violation)?;
+            }
+            Ok(InspectReply {
+                variables,
+                truncated,
+            })
+        }
+        other => Err(violation(format!(
+            "{} while an inspect was answered",
+            kind(&other)
+        ))),
+    }
+}
+
 /// A Close that arrived while a frame waited for a slow client: (reason, waiter).
 type CloseRequest = Option<(String, oneshot::Sender<()>)>;
 
@@ -1828,6 +2053,10 @@ async fn send_or_command(
             cmd = cmds.recv() => match cmd {
                 Some(Command::Interrupt { reply, .. }) => {
                     let _ = reply.send(InterruptReply { delivered: false, reason: InterruptReason::NotRunning.into() });
+                }
+                // The cell's result still waits for its reader.
+                Some(Command::Inspect { reply, .. }) => {
+                    let _ = reply.send(Err(InspectRefused::Busy(0)));
                 }
                 Some(Command::Close { reason, done }) => {
                     *close = Some((reason, done));
@@ -1871,6 +2100,7 @@ fn kind(m: &WorkerMessage) -> &'static str {
         WorkerMessage::Output { .. } => "output",
         WorkerMessage::Dropped { .. } => "dropped",
         WorkerMessage::Done { .. } => "done",
+        WorkerMessage::Inspected { .. } => "inspected",
     }
 }
 

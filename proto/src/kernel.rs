@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-pub use crate::worker::{CellError, Stream};
+pub use crate::worker::{CellError, INSPECT_DEFAULT_ITEMS, INSPECT_MAX_ITEMS, Stream, Variable};
 
 /// The interface name.
 pub const INTERFACE: &str = "org.sandcell.Kernel";
@@ -262,6 +262,27 @@ pub struct ExecuteParams {
     pub session: String,
     /// The cell's source, UTF-8.
     pub code: String,
+}
+
+/// Parameters of `Inspect`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InspectParams {
+    /// Session id.
+    pub session: String,
+    /// List at most this many variables: 1 to [`INSPECT_MAX_ITEMS`], default
+    /// [`INSPECT_DEFAULT_ITEMS`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_items: Option<u64>,
+}
+
+/// Reply of `Inspect`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InspectReply {
+    /// The user's variables in name order.
+    pub variables: Vec<Variable>,
+    /// More variables exist than are listed.
+    pub truncated: bool,
 }
 
 /// Parameters of `Interrupt`.
@@ -918,6 +939,11 @@ mod tests {
                 "Interrupt",
                 round_trip::<InterruptParams>,
                 round_trip::<InterruptReply>,
+            ),
+            (
+                "Inspect",
+                round_trip::<InspectParams>,
+                round_trip::<InspectReply>,
             ),
             ("Close", round_trip::<CloseParams>, empty),
             (

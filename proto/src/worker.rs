@@ -31,6 +31,13 @@
 //! | `ready`, `fatal` | once, before the first request | once, before the first request |
 //! | `output`, `dropped` | only for the running cell | never (R output travels on fds 1 and 2) |
 //! | `done` | once per `exec`, for the running cell, echoing the request's `nonce` | the same |
+//! | `inspected` | once per `inspect`, echoing its `nonce` | the same |
+//!
+//! An `inspect` request (`inspect 0 0 timeout_ms=T max_items=N nonce=X`) is not a cell: the
+//! worker lists the user's variables without running a cell (no cell number, no history, no
+//! output to the client) and answers with one `inspected` line. The daemon validates every
+//! field against the bounds below ([`Variable::check`]); a reply out of bounds is a protocol
+//! violation like any other malformed frame.
 //!
 //! Nothing may arrive between cells: before it writes a request the daemon drains the reply
 //! pipe without blocking, and any byte found there is a violation. The `nonce` (16 lowercase
@@ -110,6 +117,8 @@ pub enum Op {
     Exec,
     /// Finish and exit with status 0 (the daemon kills the worker's cgroup anyway).
     Exit,
+    /// List the user's variables (no payload; answered by [`WorkerMessage::Inspected`]).
+    Inspect,
 }
 
 impl Op {
@@ -118,6 +127,7 @@ impl Op {
         match self {
             Op::Exec => "exec",
             Op::Exit => "exit",
+            Op::Inspect => "inspect",
         }
     }
 }
@@ -125,8 +135,8 @@ impl Op {
 /// The header line of a request.
 ///
 /// Wire form:
-/// `<op> <cell> <len>[ timeout_ms=<u64>][ fuel=<u64>][ max_output=<u64>][ nonce=<hex>]\n`
-/// (at most [`MAX_HEADER_LINE`] bytes: every field at its largest takes about 160).
+/// `<op> <cell> <len>[ timeout_ms=<u64>][ fuel=<u64>][ max_output=<u64>][ max_items=<u64>][ nonce=<hex>]\n`
+/// (at most [`MAX_HEADER_LINE`] bytes: every field at its largest takes about 190).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestHeader {
     /// What to do.
@@ -143,6 +153,8 @@ pub struct RequestHeader {
     /// Bytes of each output stream worth sending; the worker may stop forwarding output past it
     /// but must still count what it saw. The daemon caps independently.
     pub max_output: Option<u64>,
+    /// `inspect` only: list at most this many variables (1 to [`INSPECT_MAX_ITEMS`]).
+    pub max_items: Option<u64>,
     /// A value the worker must echo in the `done` of this request ([`NONCE_HEX_LEN`] lowercase
     /// hex digits from the kernel's random source); `None` only in tests.
     pub nonce: Option<String>,
@@ -169,6 +181,7 @@ impl RequestHeader {
             timeout_ms: None,
             fuel: None,
             max_output: None,
+            max_items: None,
             nonce: None,
         }
     }
@@ -185,6 +198,9 @@ impl RequestHeader {
         if let Some(v) = self.max_output {
             s.push_str(&format!(" max_output={v}"));
         }
+        if let Some(v) = self.max_items {
+            s.push_str(&format!(" max_items={v}"));
+        }
         if let Some(v) = &self.nonce {
             s.push_str(&format!(" nonce={v}"));
         }
@@ -200,6 +216,7 @@ impl RequestHeader {
         let op = match it.next() {
             Some("exec") => Op::Exec,
             Some("exit") => Op::Exit,
+            Some("inspect") => Op::Inspect,
             other => return Err(format!("unknown op {other:?}")),
         };
         let num = |v: Option<&str>, what: &str| -> Result<u64, String> {
@@ -216,6 +233,7 @@ impl RequestHeader {
             timeout_ms: None,
             fuel: None,
             max_output: None,
+            max_items: None,
             nonce: None,
         };
         for kv in it {
@@ -226,6 +244,7 @@ impl RequestHeader {
                 "timeout_ms" => h.timeout_ms = Some(num(Some(v), k)?),
                 "fuel" => h.fuel = Some(num(Some(v), k)?),
                 "max_output" => h.max_output = Some(num(Some(v), k)?),
+                "max_items" => h.max_items = Some(num(Some(v), k)?),
                 "nonce" if valid_nonce(v) => h.nonce = Some(v.to_owned()),
                 "nonce" => return Err("bad nonce".into()),
                 _ => {} // unknown options are ignored for forward compatibility
@@ -377,6 +396,108 @@ pub enum WorkerMessage {
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         warnings: Vec<String>,
     },
+    /// The answer to an `inspect` request. Exactly one per `inspect`.
+    Inspected {
+        /// The request's `nonce`, echoed; the daemon refuses an answer without the right one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nonce: Option<String>,
+        /// The user's variables in name order, at most the request's `max_items`.
+        variables: Vec<Variable>,
+        /// More variables exist than are listed (over `max_items`, or over
+        /// [`MAX_INSPECT_LINE`] bytes of reply).
+        truncated: bool,
+    },
+}
+
+/// Default number of variables an `inspect` lists.
+pub const INSPECT_DEFAULT_ITEMS: u64 = 100;
+
+/// Most variables one `inspect` lists (the Varlink `max_items` ceiling).
+pub const INSPECT_MAX_ITEMS: u64 = 1000;
+
+/// Time a worker gives the user's code (`repr`, `__sizeof__`, R `str`/`dim` methods) during
+/// one `inspect`, in milliseconds (`timeout_ms` of the request); past it the remaining values
+/// get placeholders. The daemon's own deadline is [`INSPECT_DEADLINE_MS`].
+pub const INSPECT_BUDGET_MS: u64 = 4000;
+
+/// When the daemon interrupts a worker that has not answered an `inspect` (SIGINT, as for a
+/// cell), in milliseconds after the request; it ends the session if no answer comes within
+/// the session's kill grace after that.
+pub const INSPECT_DEADLINE_MS: u64 = 5000;
+
+/// Longest a variable's name may be in an `inspected` frame, bytes; a worker leaves longer
+/// names out (and says `truncated`).
+pub const MAX_VARIABLE_NAME: usize = 256;
+
+/// Longest a variable's type (Python type name, R class) may be, bytes; workers cut longer
+/// ones.
+pub const MAX_VARIABLE_TYPE: usize = 256;
+
+/// Longest a variable's `repr` may be, in characters (a cut one ends with `...`).
+pub const MAX_REPR_CHARS: usize = 200;
+
+/// Most dimensions a variable's `shape` may have (numpy allows 64).
+pub const MAX_SHAPE_DIMS: usize = 64;
+
+/// Longest `inspected` line a worker writes, bytes: it stops listing before its line would
+/// exceed this and says `truncated`. Half of [`MAX_WORKER_LINE`], so a worker's estimate may
+/// be off without breaking the protocol.
+pub const MAX_INSPECT_LINE: usize = 512 * 1024;
+
+// The daemon re-encodes an `inspected` line (at most a worker line) in one Varlink reply: JSON
+// text decoded and encoded again never grows (an escape stays an escape or gets shorter).
+const _: () = assert!(MAX_WORKER_LINE + 4096 <= crate::kernel::MAX_MESSAGE_BYTES);
+const _: () = assert!(MAX_INSPECT_LINE <= MAX_WORKER_LINE);
+
+/// One variable of a session, as `Inspect` lists it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Variable {
+    /// The name it is bound to (never one starting with `_`), at most [`MAX_VARIABLE_NAME`]
+    /// bytes.
+    pub name: String,
+    /// Python: the value's type, module-qualified unless builtin (`int`,
+    /// `pandas.core.frame.DataFrame`); R: its first class (`data.frame`, `matrix`,
+    /// `numeric`). At most [`MAX_VARIABLE_TYPE`] bytes.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Approximate size in bytes: numpy `nbytes`, pandas `memory_usage(deep=False)` summed,
+    /// else `sys.getsizeof` (Python); `object.size` (R). Absent when it could not be had.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<u64>,
+    /// Dimensions of arrays, data frames and matrices (numpy/pandas `shape`, R `dim()`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<Vec<u64>>,
+    /// A short representation, at most [`MAX_REPR_CHARS`] characters: Python a bounded
+    /// `reprlib` repr, R the first lines of `str()`. A placeholder in angle brackets when it
+    /// failed or ran out of time (`<repr failed: ValueError>`, `<repr timed out>`,
+    /// `<repr skipped: time budget used up>`).
+    pub repr: String,
+}
+
+impl Variable {
+    /// Checks a worker's variable against the bounds above. Errors: what is out of bounds.
+    pub fn check(&self) -> Result<(), String> {
+        if self.name.is_empty() || self.name.len() > MAX_VARIABLE_NAME {
+            return Err(format!("variable name of {} bytes", self.name.len()));
+        }
+        if self.name.starts_with('_') {
+            return Err("variable name starting with _".into());
+        }
+        if self.kind.len() > MAX_VARIABLE_TYPE {
+            return Err(format!("variable type of {} bytes", self.kind.len()));
+        }
+        if self.repr.chars().count() > MAX_REPR_CHARS {
+            return Err("repr longer than its bound".into());
+        }
+        if self
+            .shape
+            .as_ref()
+            .is_some_and(|s| s.len() > MAX_SHAPE_DIMS)
+        {
+            return Err("shape with too many dimensions".into());
+        }
+        Ok(())
+    }
 }
 
 impl WorkerMessage {
@@ -481,6 +602,73 @@ mod tests {
         };
         let line = m.to_line();
         assert_eq!(WorkerMessage::parse(&line[..line.len() - 1]).unwrap(), m);
+    }
+
+    #[test]
+    fn inspect_header_and_reply_round_trip() {
+        let mut h = RequestHeader::exec(0, 0);
+        h.op = Op::Inspect;
+        h.timeout_ms = Some(INSPECT_BUDGET_MS);
+        h.max_items = Some(INSPECT_MAX_ITEMS);
+        h.nonce = Some("0123456789abcdef".into());
+        let line = h.to_line();
+        assert_eq!(
+            line,
+            "inspect 0 0 timeout_ms=4000 max_items=1000 nonce=0123456789abcdef\n"
+        );
+        assert_eq!(RequestHeader::parse(line.trim_end()).unwrap(), h);
+        let v = Variable {
+            name: "df".into(),
+            kind: "pandas.core.frame.DataFrame".into(),
+            size_bytes: Some(24),
+            shape: Some(vec![3, 2]),
+            repr: "   a  b\n0  1  x".into(),
+        };
+        let m = WorkerMessage::Inspected {
+            nonce: h.nonce.clone(),
+            variables: vec![v.clone()],
+            truncated: false,
+        };
+        let line = m.to_line();
+        assert!(String::from_utf8_lossy(&line).contains(r#""type":"pandas.core.frame.DataFrame""#));
+        assert_eq!(WorkerMessage::parse(&line[..line.len() - 1]).unwrap(), m);
+        assert_eq!(v.check(), Ok(()));
+        for bad in [
+            Variable {
+                name: String::new(),
+                ..v.clone()
+            },
+            Variable {
+                name: "_x".into(),
+                ..v.clone()
+            },
+            Variable {
+                name: "n".repeat(MAX_VARIABLE_NAME + 1),
+                ..v.clone()
+            },
+            Variable {
+                kind: "t".repeat(MAX_VARIABLE_TYPE + 1),
+                ..v.clone()
+            },
+            Variable {
+                repr: "é".repeat(MAX_REPR_CHARS + 1),
+                ..v.clone()
+            },
+            Variable {
+                shape: Some(vec![1; MAX_SHAPE_DIMS + 1]),
+                ..v.clone()
+            },
+        ] {
+            assert!(bad.check().is_err(), "{bad:?}");
+        }
+        assert!(
+            Variable {
+                repr: "é".repeat(MAX_REPR_CHARS),
+                ..v
+            }
+            .check()
+            .is_ok()
+        );
     }
 
     #[test]

@@ -37,6 +37,7 @@ MAX_NAMES = 4096
 _CO_COROUTINE = 0x80
 SNAPSHOT_STREAM = 7
 OUTCOME_STREAM = 8
+INSPECT_STREAM = 9
 
 
 def _encode(s):
@@ -571,6 +572,173 @@ def snapshot(g):
         _saved_refs, _saved_modules = refs, modules
 
 
+# --- Inspect ---------------------------------------------------------------------------
+#
+# `inspect` lists the user's variables for the host (Varlink Inspect) without running a cell:
+# no `_`, no output (sys.stdout/sys.stderr are a sink meanwhile), no new name. It sends, on
+# INSPECT_STREAM, first the names and types of the variables it lists ({"names": [[name,
+# type], ...], "truncated": bool}), then one {"i": index, "size_bytes", "shape", "repr"} per
+# variable as it computes them, so that the host still has the names when the user's code
+# (repr, __sizeof__, memory_usage) outlives the execution's time limit. That code gets
+# `budget_ms` in all: a trace function ends Python-level loops past it and `time.sleep` is
+# bounded by it while the user's code runs (`<repr timed out>`, then `<repr skipped: ...>`
+# for the rest); code stuck in C or in a sleep bound before the listing began runs into the
+# host's time limit instead (see src/session.rs, `PySession::inspect`).
+
+MAX_REPR_CHARS = 200
+MAX_VARIABLE_NAME = 256
+MAX_VARIABLE_TYPE = 256
+MAX_SHAPE_DIMS = 64
+
+
+class _BudgetUsedUp(BaseException):
+    pass
+
+
+class _Sink:
+    encoding = 'utf-8'
+
+    def write(self, s):
+        return len(s)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+
+def _short(text):
+    if len(text) > MAX_REPR_CHARS:
+        text = text[:MAX_REPR_CHARS - 3] + '...'
+    return text
+
+
+def _user_call(deadline, fn, *args, **kwargs):
+    import time
+    if time.monotonic() >= deadline:
+        raise _BudgetUsedUp
+    mono = time.monotonic
+    real_sleep = time.sleep
+
+    def tracer(frame, event, arg):
+        if mono() >= deadline:
+            raise _BudgetUsedUp
+        return tracer
+
+    def bounded_sleep(secs):
+        left = deadline - mono()
+        if secs >= left:
+            real_sleep(max(left, 0))
+            raise _BudgetUsedUp
+        real_sleep(secs)
+
+    time.sleep = bounded_sleep
+    _sys.settrace(tracer)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _sys.settrace(None)
+        time.sleep = real_sleep
+
+
+def inspect(g, max_items, budget_ms):
+    """Sends the listing of g's variables on INSPECT_STREAM (see above)."""
+    import reprlib
+    import time
+    deadline = time.monotonic() + budget_ms / 1000.0
+    names = []
+    truncated = False
+    for k, v in list(g.items()):
+        if (type(k) is not str or not k or k.startswith('_') or k in _INFRA
+                or isinstance(v, _types.ModuleType)):
+            continue
+        if len(_encode(k)) > MAX_VARIABLE_NAME:
+            truncated = True
+            continue
+        names.append(k)
+    names.sort()
+    if len(names) > max_items:
+        names, truncated = names[:max_items], True
+    listed = []
+    for k in names:
+        try:
+            kind = _type_name(g[k])
+        except BaseException:
+            kind = '?'
+        if len(_encode(kind)) > MAX_VARIABLE_TYPE:
+            kind = kind[:MAX_VARIABLE_TYPE // 4]
+        listed.append([_encode(k).decode('utf-8', 'replace'), _encode(kind).decode('utf-8', 'replace')])
+    _eryx._eryx_report_output(INSPECT_STREAM, _json.dumps(
+        {'names': listed, 'truncated': truncated}).encode())
+    class BoundedRepr(reprlib.Repr):
+        # reprlib hides a repr that raises (`<X instance at 0x...>`); this one does not.
+        def repr_instance(self, x, level):
+            s = _builtins.repr(x)
+            if len(s) > self.maxother:
+                s = s[:self.maxother - 3] + '...'
+            return s
+
+    r = BoundedRepr()
+    r.maxstring = r.maxother = r.maxlong = MAX_REPR_CHARS
+    saved = _sys.stdout, _sys.stderr
+    _sys.stdout = _sys.stderr = _Sink()
+    used_up = False
+    try:
+        for i, k in enumerate(names):
+            item = {'i': i}
+            if used_up:
+                item['repr'] = '<repr skipped: time budget used up>'
+            else:
+                try:
+                    value = g[k]
+                    item.update(_measure(deadline, value))
+                    text = _user_call(deadline, r.repr, value)
+                    if not isinstance(text, str):
+                        text = '<repr failed: not a str>'
+                    item['repr'] = _short(_encode(text).decode('utf-8', 'replace'))
+                except _BudgetUsedUp:
+                    used_up = True
+                    item['repr'] = '<repr timed out>'
+                except BaseException as e:
+                    try:
+                        item['repr'] = _short('<repr failed: %s>' % _type_name(e))
+                    except BaseException:
+                        item['repr'] = '<repr failed>'
+            _eryx._eryx_report_output(INSPECT_STREAM, _json.dumps(item).encode())
+    finally:
+        _sys.stdout, _sys.stderr = saved
+
+
+def _measure(deadline, value):
+    """size_bytes and shape of value (numpy/pandas by their own figures, else getsizeof)."""
+    out = {}
+    np = _sys.modules.get('numpy')
+    pd = _sys.modules.get('pandas')
+    try:
+        if np is not None and isinstance(value, np.ndarray):
+            out['size_bytes'] = int(value.nbytes)
+            out['shape'] = [int(d) for d in value.shape][:MAX_SHAPE_DIMS]
+        elif pd is not None and isinstance(value, (pd.DataFrame, pd.Series)):
+            mem = _user_call(deadline, value.memory_usage, deep=False)
+            out['size_bytes'] = int(mem if isinstance(mem, int) else mem.sum())
+            out['shape'] = [int(d) for d in value.shape]
+        else:
+            out['size_bytes'] = int(_user_call(deadline, _sys.getsizeof, value))
+    except _BudgetUsedUp:
+        raise
+    except BaseException:
+        pass
+    if out.get('size_bytes', 0) < 0:
+        del out['size_bytes']
+    return out
+
+
+def _inspect_here(max_items, budget_ms):
+    """`inspect` of the namespace of the calling code (the worker's one-line call)."""
+    inspect(_sys._getframe(1).f_globals, max_items, budget_ms)
+
+
 def _snapshot_here():
     """`snapshot` of the namespace of the calling code (the worker's one-line call)."""
     snapshot(_sys._getframe(1).f_globals)
@@ -616,6 +784,7 @@ def _bind():
     snapshot) without binding a name in the user namespace, and installs `_eryx_compile`."""
     global _compiled
     _run_here.snapshot = _snapshot_here
+    _run_here.inspect = _inspect_here
     _builtins.__sandcell__ = _run_here
     flags = _ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
     _compiled = (_real_compile('__sandcell__()\n', '<user>', 'exec', flags),

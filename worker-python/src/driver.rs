@@ -123,6 +123,40 @@ pub fn cell_code(cell: u64, source: &str) -> String {
     code
 }
 
+/// Output stream number on which the driver's `inspect` sends its listing: first
+/// `{"names": [[name, type], ...], "truncated": bool}`, then one [`InspectItem`] per name.
+pub const INSPECT_STREAM: u32 = 9;
+
+/// Python that lists the namespace's variables on [`INSPECT_STREAM`] (at most `max_items`;
+/// the user's code it calls gets `budget_ms` in all).
+pub fn inspect_code(max_items: u64, budget_ms: u64) -> String {
+    format!("{ENTRY}.inspect({max_items},{budget_ms})\n")
+}
+
+/// The first message of an `inspect` listing.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct InspectNames {
+    /// `[name, type]` of each variable listed, in name order.
+    pub names: Vec<(String, String)>,
+    /// More variables exist than are listed.
+    #[serde(default)]
+    pub truncated: bool,
+}
+
+/// One variable's figures in an `inspect` listing.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+pub struct InspectItem {
+    /// Index into [`InspectNames::names`].
+    pub i: usize,
+    /// Approximate size, bytes.
+    pub size_bytes: Option<u64>,
+    /// Dimensions (numpy, pandas).
+    pub shape: Option<Vec<u64>>,
+    /// Short repr or placeholder.
+    #[serde(default)]
+    pub repr: String,
+}
+
 /// Output stream number on which the driver's `snapshot` sends the pickled namespace.
 pub const SNAPSHOT_STREAM: u32 = 7;
 
@@ -260,6 +294,9 @@ mod tests {
         assert!(DRIVER_SOURCE.contains(&format!("RESULT = '{RESULT_VARIABLE}'")));
         assert!(DRIVER_SOURCE.contains(&format!("SNAPSHOT_STREAM = {SNAPSHOT_STREAM}\n")));
         assert!(DRIVER_SOURCE.contains(&format!("OUTCOME_STREAM = {OUTCOME_STREAM}\n")));
+        assert!(DRIVER_SOURCE.contains(&format!("INSPECT_STREAM = {INSPECT_STREAM}\n")));
+        assert!(DRIVER_SOURCE.contains("_run_here.inspect = _inspect_here"));
+        assert_eq!(inspect_code(5, 4000), format!("{ENTRY}.inspect(5,4000)\n"));
         assert!(DRIVER_SOURCE.contains(&format!("_builtins.{ENTRY} = _run_here")));
         assert!(snapshot_code().starts_with(&format!("{ENTRY}.snapshot()")));
         assert!(install_code().contains(&DRIVER_HASH.to_string()));

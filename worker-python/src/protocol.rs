@@ -20,6 +20,11 @@ pub enum Request {
     },
     /// Finish.
     Exit,
+    /// List the user's variables (`max_items`, `timeout_ms` of the header).
+    Inspect {
+        /// The parsed header.
+        header: RequestHeader,
+    },
 }
 
 /// Why no request could be read.
@@ -99,6 +104,7 @@ pub fn read_request<R: BufRead>(r: &mut R) -> Result<Request, ReadError> {
             source: payload,
         }),
         Op::Exit => Ok(Request::Exit),
+        Op::Inspect => Ok(Request::Inspect { header }),
     }
 }
 

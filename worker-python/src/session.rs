@@ -53,7 +53,8 @@ use eryx::{
     VfsConfig, VolumeMount,
 };
 use sandcell_proto::worker::{
-    CellError, MAX_ERROR_MESSAGE, MAX_TRACEBACK, SessionState, WorkerMessage, WorkerStatus,
+    CellError, MAX_ERROR_MESSAGE, MAX_INSPECT_LINE, MAX_REPR_CHARS, MAX_SHAPE_DIMS, MAX_TRACEBACK,
+    MAX_VARIABLE_NAME, MAX_VARIABLE_TYPE, SessionState, Variable, WorkerMessage, WorkerStatus,
     bound_text,
 };
 
@@ -699,6 +700,84 @@ impl PySession {
         Ok((end, fuel_used))
     }
 
+    /// Lists the user's variables (`Inspect`): at most `max_items`, the user's code the driver
+    /// calls given `budget` in all (see `driver.py`, "Inspect"). Not a cell: nothing is
+    /// snapshotted and no output is forwarded. The execution's own limit is `budget` plus
+    /// [`INSPECT_SLACK`]; when the guest outlives it (stuck in C code, or in a sleep the
+    /// driver could not bound), the values not yet described get placeholders, the instance
+    /// is dead and the next cell rebuilds it from the last snapshot (state `restored`).
+    /// Everything the guest sent is bounded here before it leaves: names, types, reprs,
+    /// shapes, count and the line's size (see `sandcell_proto::worker::Variable`).
+    pub async fn inspect(&mut self, max_items: u64, budget: Duration) -> (Vec<Variable>, bool) {
+        self.finish_cell().await;
+        if self.dead {
+            // Only a failed snapshot or rebuild leaves a dead instance between cells; the
+            // next cell reports what became of the variables.
+            return (Vec::new(), true);
+        }
+        let code = driver::inspect_code(max_items, budget.as_millis() as u64);
+        let mut retried = false;
+        loop {
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+            self.session
+                .set_execution_timeout(Some(budget + INSPECT_SLACK));
+            let r = self
+                .session
+                .execute(&code)
+                .with_output_streaming(tx)
+                .run()
+                .await;
+            let mut names: Option<driver::InspectNames> = None;
+            let mut items: Vec<Option<driver::InspectItem>> = Vec::new();
+            let mut received = 0usize;
+            while let Ok(req) = rx.try_recv() {
+                if req.stream != driver::INSPECT_STREAM {
+                    continue;
+                }
+                received += req.data.len();
+                if received > 4 * MAX_INSPECT_LINE {
+                    break;
+                }
+                match &names {
+                    None => {
+                        if let Ok(n) = serde_json::from_slice::<driver::InspectNames>(&req.data) {
+                            items = vec![None; n.names.len()];
+                            names = Some(n);
+                        }
+                    }
+                    Some(_) => {
+                        if let Ok(item) = serde_json::from_slice::<driver::InspectItem>(&req.data)
+                            && let Some(slot) = items.get_mut(item.i)
+                        {
+                            *slot = Some(item);
+                        }
+                    }
+                }
+            }
+            let completed = match &r {
+                Ok(_) => true,
+                Err(EryxError::PythonException(text)) => {
+                    if names.is_none() && !retried && driver::driver_missing(text) {
+                        retried = true;
+                        if self.install().await.is_ok() {
+                            continue;
+                        }
+                    }
+                    true
+                }
+                Err(_) => {
+                    // Timed out, trapped or cancelled: the instance is gone.
+                    self.dead = true;
+                    false
+                }
+            };
+            let Some(names) = names else {
+                return (Vec::new(), true);
+            };
+            return listing(names, items, max_items, completed);
+        }
+    }
+
     /// Rebuilds the instance from the last snapshot as a timeout would (bench and tests);
     /// returns the resulting state, what was lost, and warnings.
     pub async fn force_rebuild(&mut self) -> (SessionState, Option<String>, Vec<String>) {
@@ -713,6 +792,76 @@ impl PySession {
         let (blob, _) = self.capture().await.map_err(|(why, _)| why)?;
         Ok((start.elapsed(), blob.len()))
     }
+}
+
+/// Time an `inspect` execution gets beyond its budget for the user's code.
+pub const INSPECT_SLACK: Duration = Duration::from_millis(500);
+
+/// The bounded listing of an `inspect` from the guest's names and items; a name without an
+/// item gets `<repr timed out>` (the first) or `<repr skipped: time budget used up>` (the
+/// rest) when the execution did not complete, `<repr failed: no answer>` when it did.
+fn listing(
+    names: driver::InspectNames,
+    items: Vec<Option<driver::InspectItem>>,
+    max_items: u64,
+    completed: bool,
+) -> (Vec<Variable>, bool) {
+    let mut truncated = names.truncated;
+    let mut out = Vec::new();
+    let mut size = 128usize;
+    let mut missing = 0usize;
+    for ((name, kind), item) in names.names.into_iter().zip(items) {
+        if out.len() as u64 >= max_items {
+            truncated = true;
+            break;
+        }
+        if name.is_empty() || name.starts_with('_') || name.len() > MAX_VARIABLE_NAME {
+            truncated = true;
+            continue;
+        }
+        let mut v = Variable {
+            name,
+            kind: bound_text(&kind, MAX_VARIABLE_TYPE - 64),
+            size_bytes: None,
+            shape: None,
+            repr: String::new(),
+        };
+        match item {
+            Some(it) => {
+                v.size_bytes = it.size_bytes;
+                v.shape = it.shape.filter(|s| s.len() <= MAX_SHAPE_DIMS);
+                v.repr = short_repr(&it.repr);
+            }
+            None if completed => v.repr = "<repr failed: no answer>".into(),
+            None => {
+                v.repr = if missing == 0 {
+                    "<repr timed out>".into()
+                } else {
+                    "<repr skipped: time budget used up>".into()
+                };
+                missing += 1;
+            }
+        }
+        size += serde_json::to_vec(&v)
+            .map(|b| b.len() + 1)
+            .unwrap_or(usize::MAX / 2);
+        if size > MAX_INSPECT_LINE {
+            truncated = true;
+            break;
+        }
+        out.push(v);
+    }
+    (out, truncated)
+}
+
+/// At most [`MAX_REPR_CHARS`] characters of `s`, a cut one ending with `...`.
+fn short_repr(s: &str) -> String {
+    if s.chars().count() <= MAX_REPR_CHARS {
+        return s.to_owned();
+    }
+    let mut t: String = s.chars().take(MAX_REPR_CHARS - 3).collect();
+    t.push_str("...");
+    t
 }
 
 /// Maps the driver's outcome to a status, error and exit code.
@@ -774,6 +923,52 @@ mod tests {
         };
         assert_eq!(map_driver(&r).0, WorkerStatus::Error);
         assert!(map_driver(&r).1.is_some());
+    }
+
+    #[test]
+    fn inspect_listings_are_bounded_and_filled() {
+        let names = driver::InspectNames {
+            names: vec![
+                ("a".into(), "int".into()),
+                ("_hidden".into(), "int".into()),
+                ("b".into(), "t".repeat(1000)),
+                ("c".into(), "int".into()),
+                ("d".into(), "int".into()),
+            ],
+            truncated: false,
+        };
+        let item = |i, repr: &str| {
+            Some(driver::InspectItem {
+                i,
+                size_bytes: Some(28),
+                shape: None,
+                repr: repr.into(),
+            })
+        };
+        let items = vec![
+            item(0, "1"),
+            item(1, "2"),
+            item(2, &"x".repeat(500)),
+            None,
+            None,
+        ];
+        let (vars, truncated) = listing(names, items, 10, false);
+        assert!(truncated, "the hidden name was left out");
+        assert_eq!(vars.len(), 4);
+        for v in &vars {
+            assert_eq!(v.check(), Ok(()), "{v:?}");
+        }
+        assert_eq!(vars[0].repr, "1");
+        assert_eq!(vars[1].repr.chars().count(), MAX_REPR_CHARS);
+        assert_eq!(vars[2].repr, "<repr timed out>");
+        assert_eq!(vars[3].repr, "<repr skipped: time budget used up>");
+        let names = driver::InspectNames {
+            names: vec![("a".into(), "int".into()), ("b".into(), "int".into())],
+            truncated: false,
+        };
+        let (vars, truncated) = listing(names, vec![None, None], 1, true);
+        assert_eq!((vars.len(), truncated), (1, true));
+        assert_eq!(vars[0].repr, "<repr failed: no answer>");
     }
 
     #[test]

@@ -20,7 +20,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sandcell_proto::worker::{WorkerMessage, report_fatal};
+use sandcell_proto::worker::{
+    INSPECT_BUDGET_MS, INSPECT_DEFAULT_ITEMS, INSPECT_MAX_ITEMS, WorkerMessage, report_fatal,
+};
 
 use crate::interrupt::{self, Interrupter};
 use crate::output::Forwarder;
@@ -234,6 +236,28 @@ pub async fn serve(
             Err(ReadError::Io(e)) => {
                 eprintln!("sandcell-worker-python: reading requests: {e}");
                 return exit::IO;
+            }
+            Ok(Request::Inspect { header }) => {
+                let max_items = header
+                    .max_items
+                    .unwrap_or(INSPECT_DEFAULT_ITEMS)
+                    .clamp(1, INSPECT_MAX_ITEMS);
+                let budget = Duration::from_millis(
+                    header
+                        .timeout_ms
+                        .unwrap_or(INSPECT_BUDGET_MS)
+                        .min(INSPECT_BUDGET_MS),
+                );
+                let (variables, truncated) = session.inspect(max_items, budget).await;
+                interrupter.end_cell();
+                let msg = WorkerMessage::Inspected {
+                    nonce: header.nonce.clone(),
+                    variables,
+                    truncated,
+                };
+                if replies.send(&msg).is_err() {
+                    return exit::IO;
+                }
             }
             Ok(Request::Exec { header, source }) => {
                 let req = CellRequest {

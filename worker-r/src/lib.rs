@@ -472,5 +472,30 @@ mod tests {
         assert_eq!(script_int(py, "REQ_FD"), w::REQUEST_FD as usize);
         assert_eq!(script_int(py, "REP_FD"), w::REPLY_FD as usize);
         assert!(py.contains(&format!("if len(v) != {} or", w::NONCE_HEX_LEN)));
+        // The bounds of an `inspected` reply, and the Eryx driver's restatement of them.
+        let driver = include_str!("../../worker-python/src/driver.py");
+        for script in [r, py, driver] {
+            assert_eq!(script_int(script, "MAX_REPR_CHARS"), w::MAX_REPR_CHARS);
+            assert_eq!(
+                script_int(script, "MAX_VARIABLE_NAME"),
+                w::MAX_VARIABLE_NAME
+            );
+            assert_eq!(
+                script_int(script, "MAX_VARIABLE_TYPE"),
+                w::MAX_VARIABLE_TYPE
+            );
+            assert_eq!(script_int(script, "MAX_SHAPE_DIMS"), w::MAX_SHAPE_DIMS);
+        }
+        for script in [r, py] {
+            assert_eq!(script_int(script, "MAX_INSPECT_LINE"), w::MAX_INSPECT_LINE);
+            assert_eq!(
+                script_int(script, "INSPECT_DEFAULT_ITEMS") as u64,
+                w::INSPECT_DEFAULT_ITEMS
+            );
+            assert_eq!(
+                script_int(script, "INSPECT_MAX_ITEMS") as u64,
+                w::INSPECT_MAX_ITEMS
+            );
+        }
     }
 }

@@ -98,6 +98,24 @@ def test_session_persists_variables(client):
         client.session_by_id(s.id).execute("print(1)")
 
 
+def test_inspect_lists_variables_without_a_cell(client):
+    with client.session("python") as s:
+        s.execute("x = 41\nitems = list(range(100))\n_hidden = 1\nimport math\n")
+        vs = s.inspect()
+        assert [v.name for v in vs] == ["items", "x"]
+        assert not vs.truncated
+        x = vs[1]
+        assert (x.type, x.repr, x.shape) == ("int", "41", None)
+        assert x.size_bytes and x.size_bytes > 0
+        assert vs[0].repr.startswith("[0, 1, 2")
+        first = s.inspect(max_items=1)
+        assert [v.name for v in first] == ["items"] and first.truncated
+        with pytest.raises(sandcell.LimitExceeded):
+            s.inspect(max_items=1001)
+        # Not a cell: the next cell is number 2.
+        assert s.execute("print(x)").cell == 2
+
+
 def test_r_session_persists(client):
     with client.session("r") as s:
         s.execute("m <- lm(mpg ~ wt, data = mtcars)")

@@ -261,6 +261,13 @@ pub async fn handle(
                 Err(e) => send_kernel_error(w, &call, e).await,
             }
         }
+        "Inspect" => {
+            let p = parse!(k::InspectParams);
+            match core.inspect(caller, &p.session, p.max_items).await {
+                Ok(r) => send_reply(w, &call, r, false).await,
+                Err(e) => send_kernel_error(w, &call, e).await,
+            }
+        }
         "Interrupt" => {
             let p = parse!(InterruptParams);
             match core.interrupt(caller, &p.session, p.cell).await {

@@ -23,6 +23,7 @@ from . import errors
 from ._protocol import (
     DEFAULT_SOCKET,
     FileList,
+    VariableList,
     default_socket,
     qualify_session_id,
     split_session_id,
@@ -43,6 +44,7 @@ from .types import (
     Started,
     StreamStats,
     Usage,
+    Variable,
 )
 
 __version__ = "0.1.0"
@@ -65,7 +67,9 @@ __all__ = [
     "CellResult",
     "CellError",
     "FileInfo",
+    "Variable",
     "FileList",
+    "VariableList",
     "InterruptResult",
     "Limits",
     "Output",

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .errors import ProtocolError, WrongNode, error_from_reply
-from .types import CellResult, FileInfo, InterruptResult, Output, Started
+from .types import CellResult, FileInfo, InterruptResult, Output, Started, Variable
 
 INTERFACE = "org.sandcell.Kernel"
 #: The daemon's socket when neither an argument nor ``SANDCELL_SOCKET`` names one.
@@ -312,6 +312,23 @@ class FileList(list[FileInfo]):
 def op_list_files(session: str) -> Operation["FileList"]:
     r = yield Call("ListFiles", {"session": session})
     out = FileList(FileInfo.from_dict(f) for f in r.parameters.get("files") or [])
+    out.truncated = bool(r.parameters.get("truncated"))
+    return out
+
+
+class VariableList(list[Variable]):
+    """A session's variables (name order); ``truncated`` when more exist than are listed
+    (over ``max_items`` or the reply's 512 KiB bound)."""
+
+    truncated: bool = False
+
+
+def op_inspect(session: str, max_items: int | None = None) -> Operation["VariableList"]:
+    params: dict[str, Any] = {"session": session}
+    if max_items is not None:
+        params["max_items"] = max_items
+    r = yield Call("Inspect", params)
+    out = VariableList(Variable.from_dict(v) for v in r.parameters.get("variables") or [])
     out.truncated = bool(r.parameters.get("truncated"))
     return out
 

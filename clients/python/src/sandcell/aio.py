@@ -382,6 +382,10 @@ class AsyncSession:
         """The session directory's entries."""
         return await self.client._call(P.op_list_files(self._local))
 
+    async def inspect(self, max_items: int | None = None) -> P.VariableList:
+        """The session's variables between cells (see :meth:`sandcell.Session.inspect`)."""
+        return await self.client._call(P.op_inspect(self._local, max_items))
+
     async def delete_file(self, name: str) -> None:
         """Removes a file, symlink or empty directory."""
         await self.client._call(

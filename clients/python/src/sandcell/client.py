@@ -397,6 +397,17 @@ class Session:
         4 levels deep; ``.truncated`` when some were left out)."""
         return self.client._call(P.op_list_files(self._local))
 
+    def inspect(self, max_items: int | None = None) -> P.VariableList:
+        """The session's variables between cells, in name order: :class:`Variable` (name,
+        type, approximate size, shape, short repr), at most ``max_items`` (1 to 1000; the
+        daemon's default is 100; ``.truncated`` when more exist). Not a cell: cell numbers and
+        history (``_``, R's ``.Last.value``) stay as they were.
+
+        Raises :class:`SessionBusy` while a cell runs, :class:`LimitExceeded` for
+        ``max_items`` over 1000, :class:`WorkerFailed` when the worker did not answer in time
+        (the session ended)."""
+        return self.client._call(P.op_inspect(self._local, max_items))
+
     def delete_file(self, name: str) -> None:
         """Removes a file, symlink (the link itself) or empty directory."""
         self.client._call(P.op_simple("DeleteFile", {"session": self._local, "name": name}))

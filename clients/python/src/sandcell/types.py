@@ -173,6 +173,40 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class Variable:
+    """One variable of a session, as :meth:`Session.inspect` lists it.
+
+    Attributes:
+        name: the name it is bound to (names starting with ``_`` are not listed).
+        type: Python: the type, module-qualified unless builtin (``int``,
+            ``pandas.core.frame.DataFrame``); R: the first class (``data.frame``).
+        size_bytes: approximate size (numpy ``nbytes``, pandas ``memory_usage(deep=False)``,
+            ``sys.getsizeof``; R ``object.size``), or None when it could not be had in time.
+        shape: dimensions of arrays, data frames and matrices, else None.
+        repr: a short representation, at most 200 characters; a placeholder in angle brackets
+            when it failed or ran out of time (``<repr failed: ValueError>``,
+            ``<repr timed out>``).
+    """
+
+    name: str
+    type: str
+    size_bytes: int | None
+    shape: tuple[int, ...] | None
+    repr: str
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Variable:
+        shape = d.get("shape")
+        return cls(
+            name=d["name"],
+            type=d.get("type", ""),
+            size_bytes=d.get("size_bytes"),
+            shape=tuple(int(x) for x in shape) if shape is not None else None,
+            repr=d.get("repr", ""),
+        )
+
+
+@dataclass(frozen=True)
 class FileInfo:
     """One entry of a session directory, as lstat sees it (a symlink is never followed).
 
