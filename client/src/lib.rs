@@ -14,13 +14,14 @@
 //! stream the bytes seen and kept). Sizes are bytes, times seconds.
 //!
 //! Errors: [`Error::Kernel`] carries the daemon's named errors (`CapacityExceeded`,
-//! `LimitExceeded`, `NoSuchSession`, ...); [`Error::Connect`] and [`Error::Protocol`] mean the
+//! `LimitExceeded`, `NoSuchSession`, `SessionEnded` with an [`EndReason`] as text, ...;
+//! [`KernelError::is_no_such_session`] covers both of the latter); [`Error::Connect`] and [`Error::Protocol`] mean the
 //! socket could not be used.
 
 use sandcell_proto::kernel::{self as k, FrameReply};
 pub use sandcell_proto::kernel::{
-    CellResult, FileInfo, FileKind, Frame, InterruptReply, KernelError, Limits, OpenReply, Output,
-    State, Status, StreamStats, Usage,
+    CellResult, EndReason, FileInfo, FileKind, Frame, InterruptReply, KernelError, Limits,
+    OpenReply, Output, State, Status, StreamStats, Usage,
 };
 use serde::Serialize;
 use serde_json::Value;

@@ -14,7 +14,7 @@
 mod dbus;
 
 use clap::{Parser, Subcommand};
-use sandcell_client::{Client, Error, Limits, Status};
+use sandcell_client::{Client, Error, KernelError, Limits, Status};
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -316,7 +316,23 @@ fn exit_for(status: Status) -> u8 {
 }
 
 fn fail(e: Error) -> ExitCode {
-    eprintln!("sandcellctl: {}", for_stderr(&e.to_string()));
+    let text = match &e {
+        Error::Kernel(KernelError::SessionEnded {
+            session,
+            reason,
+            ended_at,
+        }) => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            format!(
+                "SessionEnded: session {session} ended {:.0} s ago ({reason})",
+                (now - ended_at).max(0.0)
+            )
+        }
+        other => other.to_string(),
+    };
+    eprintln!("sandcellctl: {}", for_stderr(&text));
     ExitCode::from(match e {
         Error::Kernel(_) => 3,
         _ => 2,

@@ -14,7 +14,7 @@ use crate::session::{Caller, Event, ExecuteRefused, InspectRefused, Session, Ses
 use crate::worker::spawn::{self, WorkerSpec};
 use sandcell_confine::Enforcement;
 use sandcell_proto::kernel::{
-    Frame, InterruptReason, InterruptReply, KernelError, Language, Limits,
+    EndReason, Frame, InterruptReason, InterruptReply, KernelError, Language, Limits,
 };
 use sandcell_proto::worker::WorkerMessage;
 use std::collections::HashMap;
@@ -42,6 +42,8 @@ pub struct Core {
     uids: UidPool,
     authority: RwLock<Arc<dyn Authority>>,
     sessions: Arc<Mutex<HashMap<String, Arc<Session>>>>,
+    /// Sessions that ended lately, for `SessionEnded`.
+    ended: Arc<crate::ended::Ended>,
     events: broadcast::Sender<Event>,
     stopping: AtomicBool,
     connections: AtomicU64,
@@ -196,6 +198,7 @@ impl Core {
             cgroups,
             authority: RwLock::new(authority),
             sessions: Arc::default(),
+            ended: Arc::default(),
             events,
             stopping: AtomicBool::new(false),
             connections: AtomicU64::new(0),
@@ -254,6 +257,42 @@ impl Core {
     /// Subscribes to session events.
     pub fn events(&self) -> broadcast::Receiver<Event> {
         self.events.subscribe()
+    }
+
+    /// Sessions that ended lately.
+    pub fn ended(&self) -> &crate::ended::Ended {
+        &self.ended
+    }
+
+    /// Records the sessions a previous daemon left owner markers of as ended with
+    /// `daemon_restarted` (ids and owners from [`crate::ended::take_markers`], read before the
+    /// start-up sweep).
+    pub fn restore_ended(&self, previous: &[(String, u32)]) {
+        let now = SystemTime::now();
+        for (id, owner) in previous {
+            self.ended
+                .record(id, *owner, EndReason::DaemonRestarted, now);
+        }
+        if !previous.is_empty() {
+            tracing::info!(
+                sessions = previous.len(),
+                "sessions of the previous daemon recorded as ended (daemon_restarted)"
+            );
+        }
+    }
+
+    /// The error for a call of `caller` naming `id` that is no live session it may use:
+    /// `SessionEnded` to the owner (and root) of a session that ended lately, else
+    /// `NoSuchSession`.
+    fn gone(&self, caller: &Caller, id: &str) -> KernelError {
+        self.ended.error_for(id, caller.uid, echo_id(id))
+    }
+
+    /// [`Core::gone`] for a session found while it was ending: waits (at most 10 s) until it
+    /// has released everything and is recorded, so the answer is the same as a moment later.
+    async fn gone_after(&self, caller: &Caller, s: &Session, id: &str) -> KernelError {
+        let _ = tokio::time::timeout(Duration::from_secs(10), s.released()).await;
+        self.gone(caller, id)
     }
 
     /// Live sessions.
@@ -320,7 +359,8 @@ impl Core {
             .filter(|s| s.owner.connection == connection && s.detached_idle.is_none())
             .collect();
         for s in owned {
-            s.close("client disconnected").await;
+            s.close(EndReason::Disconnected, "client disconnected")
+                .await;
         }
         {
             let mut per_uid = self.connections_per_uid.lock().unwrap();
@@ -494,9 +534,7 @@ impl Core {
         let s = self.sessions.lock().unwrap().get(id).cloned();
         match s {
             Some(s) if s.owner.uid == caller.uid || caller.uid == 0 => Ok(s),
-            _ => Err(KernelError::NoSuchSession {
-                session: echo_id(id),
-            }),
+            _ => Err(self.gone(caller, id)),
         }
     }
 
@@ -854,8 +892,17 @@ impl Core {
         warm: bool,
     ) -> Arc<Session> {
         let registry = self.sessions.clone();
+        let ended = self.ended.clone();
         let id = p.id.clone();
         let language = p.language;
+        // The owner marker lets a successor daemon tell the owner this session ended. The
+        // daemon's own probe sessions are neither marked nor recorded: nobody asks for them.
+        let state_dir = self.config().daemon.state_dir.clone();
+        let owner = caller.uid;
+        let client = !matches!(caller.subject, crate::session::Subject::Daemon);
+        if client {
+            crate::ended::mark(&state_dir, &id, owner);
+        }
         let session = Session::start(
             p.id,
             p.language,
@@ -868,8 +915,15 @@ impl Core {
             p.session_dir,
             p.lease,
             p.permit,
-            Box::new(move |id, _reason| {
+            Box::new(move |id, ending: &crate::session::Ending| {
+                if client {
+                    ended.record(id, owner, ending.reason, SystemTime::now());
+                }
                 registry.lock().unwrap().remove(id);
+                // A stopping daemon keeps the marker: its successor reports daemon_restarted.
+                if client && ending.reason != EndReason::DaemonStopping {
+                    crate::ended::unmark(&state_dir, id, owner);
+                }
             }),
             self.events.clone(),
         );
@@ -897,15 +951,14 @@ impl Core {
         self.check_source(&code)?;
         let s = self.lookup(caller, session)?;
         self.authorize(caller, Action::Execute).await?;
-        s.execute(code, frames, false).await.map_err(|e| match e {
-            ExecuteRefused::Busy(cell) => KernelError::SessionBusy {
+        match s.execute(code, frames, false).await {
+            Ok(()) => Ok(()),
+            Err(ExecuteRefused::Busy(cell)) => Err(KernelError::SessionBusy {
                 session: session.into(),
                 cell,
-            },
-            ExecuteRefused::Ended => KernelError::NoSuchSession {
-                session: session.into(),
-            },
-        })
+            }),
+            Err(ExecuteRefused::Ended) => Err(self.gone_after(caller, &s, session).await),
+        }
     }
 
     /// One-shot run: a fresh session for one cell, ended after it.
@@ -924,7 +977,8 @@ impl Core {
             .open(caller, language, environment, limits, None)
             .await?;
         if let Err(e) = s.execute(code, frames, true).await {
-            s.close("one-shot run could not start").await;
+            s.close(EndReason::WorkerCrashed, "one-shot run could not start")
+                .await;
             return Err(match e {
                 ExecuteRefused::Busy(cell) => KernelError::SessionBusy {
                     session: s.id.clone(),
@@ -1000,7 +1054,7 @@ impl Core {
     pub async fn close(&self, caller: &Caller, session: &str) -> Result<(), KernelError> {
         let s = self.lookup(caller, session)?;
         self.authorize(caller, Action::ManageOwn).await?;
-        s.close("closed by client").await;
+        s.close(EndReason::Closed, "closed by client").await;
         Ok(())
     }
 
@@ -1075,7 +1129,11 @@ impl Core {
             by_uid = caller.uid,
             "session terminated by request"
         );
-        s.close(&format!("terminated by uid {}", caller.uid)).await;
+        s.close(
+            EndReason::Terminated,
+            &format!("terminated by uid {}", caller.uid),
+        )
+        .await;
         Ok(())
     }
 
@@ -1103,7 +1161,7 @@ impl Core {
         self.stopping.store(true, Ordering::SeqCst);
         let mut set = tokio::task::JoinSet::new();
         for s in self.sessions() {
-            set.spawn(async move { s.close("daemon stopping").await });
+            set.spawn(async move { s.close(EndReason::DaemonStopping, "daemon stopping").await });
         }
         while set.join_next().await.is_some() {}
         self.pool.drain().await;
@@ -1173,22 +1231,23 @@ impl Core {
             });
         }
         let s = self.file_session(caller, session).await?;
-        {
+        let busy = {
             let info = s.info.lock().unwrap();
             match info.state {
-                "running" => {
-                    return Err(KernelError::SessionBusy {
-                        session: session.into(),
-                        cell: info.running_cell.unwrap_or(0),
-                    });
-                }
-                "ended" => {
-                    return Err(KernelError::NoSuchSession {
-                        session: session.into(),
-                    });
-                }
-                _ => {}
+                "running" => Some(Some(info.running_cell.unwrap_or(0))),
+                "ended" => Some(None),
+                _ => None,
             }
+        };
+        match busy {
+            Some(Some(cell)) => {
+                return Err(KernelError::SessionBusy {
+                    session: session.into(),
+                    cell,
+                });
+            }
+            Some(None) => return Err(self.gone_after(caller, &s, session).await),
+            None => {}
         }
         let (dir, owner, name_owned) = (s.dir.clone(), s.worker_ids, name.to_owned());
         // The copy itself stops at the deadline and removes its temporary (files::put_until);
@@ -1262,14 +1321,14 @@ impl Core {
     ) -> Result<(Vec<sandcell_proto::kernel::FileInfo>, bool), KernelError> {
         let s = self.file_session(caller, session).await?;
         let dir = s.dir.clone();
-        let l = tokio::task::spawn_blocking(move || crate::files::list(&dir))
+        let l = match tokio::task::spawn_blocking(move || crate::files::list(&dir))
             .await
             .map_err(|e| KernelError::WorkerFailed {
                 reason: format!("file task failed: {e}"),
-            })?
-            .map_err(|_| KernelError::NoSuchSession {
-                session: session.into(),
-            })?;
+            })? {
+            Ok(l) => l,
+            Err(_) => return Err(self.gone_after(caller, &s, session).await),
+        };
         Ok((l.files, l.truncated))
     }
 

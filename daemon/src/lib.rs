@@ -19,6 +19,7 @@ pub mod cgroup;
 pub mod config;
 pub mod core;
 pub mod dbus;
+pub mod ended;
 pub mod environments;
 pub mod files;
 pub mod identity;

@@ -278,6 +278,9 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         tracing::warn!("confinement layer {note}");
     }
     sandcelld::worker::spawn::set_confinement(confinement);
+    // Sessions a previous daemon left (it died or stopped with them): their owner markers are
+    // read before the sweep removes what they held, so their owners learn daemon_restarted.
+    let previous = sandcelld::ended::take_markers(&config.daemon.state_dir);
     let swept = backend
         .sweep_stale()
         .context("sweeping stale session cgroups")?;
@@ -290,6 +293,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     prepare_state_dir(&config)?;
     let idle_exit = config.daemon.idle_exit_seconds;
     let core = Core::new(config, options, backend, Arc::new(SocketPermissions));
+    core.restore_ended(&previous);
     tracing::info!(cgroups = core.cgroup_mode(), activated, "starting");
 
     probe_environments(&core).await?;

@@ -13,8 +13,8 @@ use crate::worker::output::StreamCap;
 use crate::worker::spawn::Spawned;
 use crate::worker::{Fill, LineReader};
 use sandcell_proto::kernel::{
-    CellResult, Frame, InspectReply, InterruptReason, InterruptReply, Language, Output, Started,
-    State, Status, Usage,
+    CellResult, EndReason, Frame, InspectReply, InterruptReason, InterruptReply, Language, Output,
+    Started, State, Status, Usage,
 };
 use sandcell_proto::worker::{
     self as wire, MAX_WORKER_LINE, RequestHeader, Stream, WorkerMessage, WorkerStatus,
@@ -147,8 +147,34 @@ pub struct Session {
     group: Arc<dyn SessionGroup>,
 }
 
-/// Called once when a session has released everything: (session id, reason).
-pub type OnEnd = Box<dyn FnOnce(&str, &str) + Send>;
+/// Called once when a session has released everything: (session id, why it ended).
+pub type OnEnd = Box<dyn FnOnce(&str, &Ending) + Send>;
+
+/// Why a session ended: the code its owner is told (`SessionEnded`) and the text that is
+/// logged and sent with the D-Bus `SessionClosed` signal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ending {
+    /// The code.
+    pub reason: EndReason,
+    /// For the log and the D-Bus signal, e.g. "the worker was killed by signal 9 while idle".
+    pub detail: String,
+}
+
+impl Ending {
+    /// `reason` with the text `detail`.
+    pub fn new(reason: EndReason, detail: impl Into<String>) -> Ending {
+        Ending {
+            reason,
+            detail: detail.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Ending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.detail)
+    }
+}
 
 /// Requests to a session's actor.
 #[derive(Debug)]
@@ -178,8 +204,8 @@ pub enum Command {
     },
     /// End the session; `done` fires after everything is released.
     Close {
-        /// Why (for the log and the D-Bus signal).
-        reason: String,
+        /// Why.
+        reason: Ending,
         /// Fires when released.
         done: oneshot::Sender<()>,
     },
@@ -215,8 +241,10 @@ pub enum Event {
     Closed {
         /// Session id.
         id: String,
-        /// Why.
+        /// Why, as text.
         reason: String,
+        /// Why, as the code its owner is told.
+        code: EndReason,
     },
 }
 
@@ -356,13 +384,19 @@ impl Session {
         rx.await.unwrap_or_else(|_| gone())
     }
 
+    /// Waits until the session's actor has released everything (returns at once for a
+    /// session that ended; never for one that lives on).
+    pub async fn released(&self) {
+        self.cmds.closed().await;
+    }
+
     /// Ends the session and waits until everything is released.
-    pub async fn close(&self, reason: &str) {
+    pub async fn close(&self, reason: EndReason, detail: &str) {
         let (tx, rx) = oneshot::channel();
         if self
             .cmds
             .send(Command::Close {
-                reason: reason.into(),
+                reason: Ending::new(reason, detail),
                 done: tx,
             })
             .await
@@ -421,7 +455,7 @@ enum CellEnd {
     /// The daemon killed the worker after the grace period.
     Killed,
     /// The client went away or the session was closed.
-    Cancelled(Option<(String, oneshot::Sender<()>)>),
+    Cancelled(Option<(Ending, oneshot::Sender<()>)>),
     /// The session directory went over its disk budget while the cell ran (why).
     DiskFull(String),
 }
@@ -762,7 +796,7 @@ struct Actor {
 
 impl Actor {
     async fn run(mut self, mut cmds: mpsc::Receiver<Command>) {
-        let reason: String;
+        let reason: Ending;
         let mut close_done: Option<oneshot::Sender<()>> = None;
         loop {
             if let Some(Command::Execute {
@@ -784,7 +818,7 @@ impl Actor {
             });
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
-                    None => { reason = "abandoned".into(); break; }
+                    None => { reason = Ending::new(EndReason::Disconnected, "abandoned"); break; }
                     Some(Command::Execute { code, frames, one_shot }) => {
                         if let Some(end) = self.execute_cell(code, frames, one_shot, &mut cmds).await {
                             reason = end.0;
@@ -805,14 +839,14 @@ impl Actor {
                     Some(Command::Close { reason: r, done }) => { reason = r; close_done = Some(done); break; }
                 },
                 status = self.child.wait() => {
-                    reason = match status {
+                    reason = Ending::new(EndReason::WorkerCrashed, match status {
                         Ok(st) => format!("the worker {} while idle", describe_exit(st)),
                         Err(e) => format!("worker exited while idle ({e})"),
-                    };
+                    });
                     break;
                 }
                 _ = async { match idle { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => {
-                    reason = "idle timeout".into();
+                    reason = Ending::new(EndReason::IdleExpired, "idle timeout");
                     break;
                 }
             }
@@ -859,7 +893,7 @@ impl Actor {
         frames: mpsc::Sender<Frame>,
         one_shot: bool,
         cmds: &mut mpsc::Receiver<Command>,
-    ) -> Option<(String, Option<oneshot::Sender<()>>)> {
+    ) -> Option<(Ending, Option<oneshot::Sender<()>>)> {
         let cell = self.next_cell;
         self.next_cell += 1;
         {
@@ -960,10 +994,13 @@ impl Actor {
         max_items: u64,
         reply: oneshot::Sender<Result<InspectReply, InspectRefused>>,
         cmds: &mut mpsc::Receiver<Command>,
-    ) -> Option<(String, Option<oneshot::Sender<()>>)> {
+    ) -> Option<(Ending, Option<oneshot::Sender<()>>)> {
         let fail = |reply: oneshot::Sender<Result<InspectReply, InspectRefused>>, why: String| {
             let _ = reply.send(Err(InspectRefused::Failed(why.clone())));
-            Some((format!("Inspect: {why}"), None))
+            Some((
+                Ending::new(EndReason::WorkerCrashed, format!("Inspect: {why}")),
+                None,
+            ))
         };
         if let Err(why) = self.drain_stale() {
             return fail(reply, why);
@@ -1018,7 +1055,7 @@ impl Actor {
                     }
                     None => {
                         let _ = reply.send(Err(InspectRefused::Ended));
-                        return Some(("abandoned".into(), None));
+                        return Some((Ending::new(EndReason::Disconnected, "abandoned"), None));
                     }
                 },
                 _ = tokio::time::sleep_until(kill_at) => {
@@ -1466,7 +1503,7 @@ impl Actor {
         mut close_req: CloseRequest,
         files_before: Option<crate::files::Listing>,
         cmds: &mut mpsc::Receiver<Command>,
-    ) -> Option<(String, Option<oneshot::Sender<()>>)> {
+    ) -> Option<(Ending, Option<oneshot::Sender<()>>)> {
         let cell = run.cell;
         let limits = self.session.limits.clone();
         // Output written before the worker's reply is already in the pipes: take it, bounded
@@ -1494,13 +1531,19 @@ impl Actor {
         }
         let cancelled = matches!(end, CellEnd::Cancelled(_));
         if cancelled {
-            close_req.get_or_insert(("cancelled".into(), oneshot::channel().0));
+            close_req.get_or_insert((
+                Ending::new(EndReason::Disconnected, "cancelled"),
+                oneshot::channel().0,
+            ));
         }
         let (mut result, mut ending) = self.result_of(&run, end).await;
         if one_shot {
             result.state = State::None;
             result.session_ended = true;
-            ending.get_or_insert(("one-shot run finished".into(), None));
+            ending.get_or_insert((
+                Ending::new(EndReason::OneShot, "one-shot run finished"),
+                None,
+            ));
         }
         // The cell's leftover processes go (a cell's processes do not outlive the cell), then
         // the entries of the session directory the cell created or changed are listed.
@@ -1522,15 +1565,22 @@ impl Actor {
         // side, since nothing else bounds a cell's disk use. So does a session whose leftover
         // processes could not be stopped.
         let over = if let Some(e) = &after.sweep_error {
-            Some(format!(
-                "processes the cell left running could not be stopped ({e})"
+            Some(Ending::new(
+                EndReason::WorkerCrashed,
+                format!("processes the cell left running could not be stopped ({e})"),
             ))
         } else if after.crowded {
-            Some("the session directory holds more entries than sandcell lists (1000)".to_string())
+            Some(Ending::new(
+                EndReason::DiskQuota,
+                "the session directory holds more entries than sandcell lists (1000)",
+            ))
         } else if after.bytes > limits.files_bytes {
-            Some(format!(
-                "the session directory holds {} bytes, over max_session_files_bytes ({})",
-                after.bytes, limits.files_bytes
+            Some(Ending::new(
+                EndReason::DiskQuota,
+                format!(
+                    "the session directory holds {} bytes, over max_session_files_bytes ({})",
+                    after.bytes, limits.files_bytes
+                ),
             ))
         } else {
             None
@@ -1615,7 +1665,7 @@ impl Actor {
         &mut self,
         run: &CellRun,
         end: CellEnd,
-    ) -> (CellResult, Option<(String, Option<oneshot::Sender<()>>)>) {
+    ) -> (CellResult, Option<(Ending, Option<oneshot::Sender<()>>)>) {
         let mut usage = Usage {
             wall_seconds: run.t0.elapsed().as_secs_f64(),
             cpu_seconds: proc_cpu_seconds(self.pid)
@@ -1637,7 +1687,7 @@ impl Actor {
             warnings: Vec::new(),
             files: Vec::new(),
         };
-        let mut ending: Option<(String, Option<oneshot::Sender<()>>)> = None;
+        let mut ending: Option<(Ending, Option<oneshot::Sender<()>>)> = None;
         match end {
             CellEnd::Done(WorkerMessage::Done {
                 status,
@@ -1698,7 +1748,10 @@ impl Actor {
                     self.kill_and_reap().await;
                     result.state = State::Lost;
                     result.session_ended = true;
-                    ending = Some(("the cell ended the interpreter".into(), None));
+                    ending = Some((
+                        Ending::new(EndReason::Exited, "the cell ended the interpreter"),
+                        None,
+                    ));
                 }
             }
             CellEnd::Done(_) => unreachable!("only Done messages end a cell"),
@@ -1720,7 +1773,7 @@ impl Actor {
                     "{why}; the session ended and its files were removed"
                 ));
                 tracing::warn!(session = %self.session.id, cell = run.cell, reason = %why, "disk budget exceeded during a cell");
-                ending = Some((why, None));
+                ending = Some((Ending::new(EndReason::DiskQuota, why), None));
             }
             end @ (CellEnd::Killed | CellEnd::WorkerGone(_) | CellEnd::Cancelled(_)) => {
                 // A worker that closed its pipes or broke the protocol is usually dying: its
@@ -1753,7 +1806,7 @@ impl Actor {
                         Status::Interrupted,
                         "cell ignored the interrupt; worker killed".into(),
                     ),
-                    CellEnd::Cancelled(Some((r, _))) => (Status::Cancelled, r.clone()),
+                    CellEnd::Cancelled(Some((r, _))) => (Status::Cancelled, r.detail.clone()),
                     CellEnd::Cancelled(None) => (Status::Cancelled, "client disconnected".into()),
                     CellEnd::WorkerGone(why) => (Status::WorkerCrashed, why.clone()),
                     CellEnd::Done(_) | CellEnd::DiskFull(_) => unreachable!(),
@@ -1776,9 +1829,15 @@ impl Actor {
                         ..Default::default()
                     });
                 }
+                let code = match (status, &end) {
+                    (Status::Oom, _) => EndReason::Oom,
+                    (Status::Timeout | Status::Interrupted, _) => EndReason::Killed,
+                    (_, CellEnd::Cancelled(_)) => EndReason::Disconnected,
+                    _ => EndReason::WorkerCrashed,
+                };
                 ending = Some(match end {
                     CellEnd::Cancelled(Some((r, done))) => (r, Some(done)),
-                    _ => (why, None),
+                    _ => (Ending::new(code, why), None),
                 });
                 usage.peak_memory_bytes = self.group.memory_peak().or(usage.peak_memory_bytes);
             }
@@ -1792,7 +1851,7 @@ impl Actor {
     }
 
     /// Releases everything, in the order of the module documentation. Idempotent.
-    async fn shutdown(&mut self, reason: &str) {
+    async fn shutdown(&mut self, reason: &Ending) {
         if self.ended {
             return;
         }
@@ -1808,13 +1867,14 @@ impl Actor {
         .await;
         self.uid.take();
         self.permit.take();
-        tracing::info!(session = %self.session.id, uid = self.session.owner.uid, reason, "session closed");
+        tracing::info!(session = %self.session.id, uid = self.session.owner.uid, reason = %reason.detail, code = reason.reason.as_str(), "session closed");
         if let Some(f) = self.on_end.take() {
             f(&self.session.id, reason);
         }
         let _ = self.events.send(Event::Closed {
             id: self.session.id.clone(),
-            reason: reason.to_owned(),
+            reason: reason.detail.clone(),
+            code: reason.reason,
         });
     }
 }
@@ -2023,7 +2083,7 @@ fn check_inspected(line: &[u8], nonce: &str, max_items: u64) -> Result<InspectRe
 }
 
 /// A Close that arrived while a frame waited for a slow client: (reason, waiter).
-type CloseRequest = Option<(String, oneshot::Sender<()>)>;
+type CloseRequest = Option<(Ending, oneshot::Sender<()>)>;
 
 /// Sends `frame`, still answering commands while the client is slow to read: an interrupt is
 /// reported undelivered (the cell is over or not yet started), a Close stops the wait and is
@@ -2065,7 +2125,10 @@ async fn send_or_command(
                 // Admitted only once the session is idle, i.e. while the result waits.
                 Some(cmd @ Command::Execute { .. }) => *deferred = Some(cmd),
                 None => {
-                    *close = Some(("abandoned".into(), oneshot::channel().0));
+                    *close = Some((
+                        Ending::new(EndReason::Disconnected, "abandoned"),
+                        oneshot::channel().0,
+                    ));
                     return false;
                 }
             }

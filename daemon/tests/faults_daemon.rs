@@ -230,11 +230,11 @@ async fn a_daemon_killed_with_sessions_open_is_swept_by_its_successor() {
         "session directories left"
     );
 
-    // The successor serves: the old sessions are unknown, a new one runs.
+    // The successor serves: the old sessions are reported ended, a new one runs.
     let mut c = second.client().await;
     match c.execute_collect(&sa, "print(v)").await {
-        Err(Error::Kernel(KernelError::NoSuchSession { .. })) => {}
-        other => panic!("a session of the killed daemon must be unknown: {other:?}"),
+        Err(Error::Kernel(KernelError::SessionEnded { reason, .. })) if reason == "daemon_restarted" => {}
+        other => panic!("a session of the killed daemon must be reported ended: {other:?}"),
     }
     let out = c.run_collect("python", "print(6 * 7)", None).await.unwrap();
     assert_eq!(out.stdout, "42\n");

@@ -235,7 +235,10 @@ async fn hidden_files_scratch_sparse_files_and_inodes_count_against_the_budget()
             "{what}: the directory was not removed"
         );
         let e = kernel_error(c.execute_collect(&s, "1").await.map(|_| ()));
-        assert!(matches!(e, KernelError::NoSuchSession { .. }), "{e:?}");
+        assert!(
+            matches!(&e, KernelError::SessionEnded { reason, .. } if reason == "disk_quota"),
+            "{e:?}"
+        );
     }
 }
 

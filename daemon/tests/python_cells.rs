@@ -96,7 +96,7 @@ async fn session_keeps_variables_and_sessions_are_isolated() {
     a.close(&sa).await.unwrap();
     let e = a.execute_collect(&sa, "print(x)").await.unwrap_err();
     assert!(
-        matches!(e, Error::Kernel(KernelError::NoSuchSession { .. })),
+        matches!(&e, Error::Kernel(KernelError::SessionEnded { reason, .. }) if reason == "closed"),
         "{e:?}"
     );
 }

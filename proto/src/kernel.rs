@@ -354,6 +354,84 @@ impl From<InterruptReason> for String {
     }
 }
 
+/// Why a session ended: the `reason` of the `SessionEnded` error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EndReason {
+    /// `Close` by its owner.
+    Closed,
+    /// The owner's connection closed (a session that was not detached).
+    Disconnected,
+    /// A detached session reached its idle timeout.
+    IdleExpired,
+    /// The worker died, broke the protocol, or left processes that could not be stopped.
+    WorkerCrashed,
+    /// The kernel OOM-killed the worker at its cgroup memory limit.
+    Oom,
+    /// A cell ignored the interrupt (its own or the one at its wall time) and the worker was
+    /// killed.
+    Killed,
+    /// A cell ended the interpreter (R's `quit()`).
+    Exited,
+    /// The session directory went over `max_session_files_bytes` or its entry bound, or its
+    /// file system filled up; its files were removed.
+    DiskQuota,
+    /// An administrator ended it (D-Bus `TerminateSession`).
+    Terminated,
+    /// A one-shot `Run` finished (its session ends with its cell).
+    OneShot,
+    /// The daemon was stopping.
+    DaemonStopping,
+    /// A previous daemon held it and stopped or died; this daemon found its record.
+    DaemonRestarted,
+}
+
+impl EndReason {
+    /// Every reason, in the IDL's order.
+    pub const ALL: [EndReason; 12] = [
+        EndReason::Closed,
+        EndReason::Disconnected,
+        EndReason::IdleExpired,
+        EndReason::WorkerCrashed,
+        EndReason::Oom,
+        EndReason::Killed,
+        EndReason::Exited,
+        EndReason::DiskQuota,
+        EndReason::Terminated,
+        EndReason::OneShot,
+        EndReason::DaemonStopping,
+        EndReason::DaemonRestarted,
+    ];
+
+    /// The reason on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndReason::Closed => "closed",
+            EndReason::Disconnected => "disconnected",
+            EndReason::IdleExpired => "idle_expired",
+            EndReason::WorkerCrashed => "worker_crashed",
+            EndReason::Oom => "oom",
+            EndReason::Killed => "killed",
+            EndReason::Exited => "exited",
+            EndReason::DiskQuota => "disk_quota",
+            EndReason::Terminated => "terminated",
+            EndReason::OneShot => "one_shot",
+            EndReason::DaemonStopping => "daemon_stopping",
+            EndReason::DaemonRestarted => "daemon_restarted",
+        }
+    }
+
+    /// The reason for a wire string, `None` for one this version does not know.
+    pub fn parse(s: &str) -> Option<EndReason> {
+        Self::ALL.into_iter().find(|r| r.as_str() == s)
+    }
+}
+
+impl std::fmt::Display for EndReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Parameters of `Close`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -737,6 +815,18 @@ pub enum KernelError {
         /// Session id.
         session: String,
     },
+    /// The session ended a short while ago; only its owner and root are told.
+    #[serde(rename = "org.sandcell.Kernel.SessionEnded")]
+    SessionEnded {
+        /// Session id as given.
+        session: String,
+        /// One of [`EndReason`], as text (a client keeps working when a newer daemon adds
+        /// a reason).
+        reason: String,
+        /// When it ended, seconds since the Unix epoch (for `daemon_restarted`: when this
+        /// daemon found its record).
+        ended_at: f64,
+    },
     /// The session is running a cell.
     #[serde(rename = "org.sandcell.Kernel.SessionBusy")]
     SessionBusy {
@@ -816,6 +906,15 @@ impl std::fmt::Display for KernelError {
 impl std::error::Error for KernelError {}
 
 impl KernelError {
+    /// Whether the error says the named session is not served (any more): `NoSuchSession` or
+    /// `SessionEnded`. A client that only cares whether the session is gone tests this.
+    pub fn is_no_such_session(&self) -> bool {
+        matches!(
+            self,
+            KernelError::NoSuchSession { .. } | KernelError::SessionEnded { .. }
+        )
+    }
+
     /// The fully qualified Varlink error name.
     pub fn name(&self) -> String {
         serde_json::to_value(self)
@@ -996,6 +1095,7 @@ mod tests {
             KernelError::LimitExceeded { .. } => "LimitExceeded",
             KernelError::CapacityExceeded { .. } => "CapacityExceeded",
             KernelError::NoSuchSession { .. } => "NoSuchSession",
+            KernelError::SessionEnded { .. } => "SessionEnded",
             KernelError::SessionBusy { .. } => "SessionBusy",
             KernelError::PermissionDenied { .. } => "PermissionDenied",
             KernelError::WorkerFailed { .. } => "WorkerFailed",
@@ -1038,6 +1138,7 @@ mod tests {
             "LimitExceeded",
             "CapacityExceeded",
             "NoSuchSession",
+            "SessionEnded",
             "SessionBusy",
             "PermissionDenied",
             "WorkerFailed",
@@ -1074,6 +1175,19 @@ mod tests {
             assert_eq!(String::from(r), r.as_str());
         }
         assert_eq!(InterruptReason::parse("no_such_reason"), None);
+    }
+
+    #[test]
+    fn end_reasons_are_in_the_idl_and_round_trip() {
+        for r in EndReason::ALL {
+            assert!(
+                IDL.contains(r.as_str()),
+                "{} is not documented in the IDL",
+                r.as_str()
+            );
+            assert_eq!(EndReason::parse(r.as_str()), Some(r));
+        }
+        assert_eq!(EndReason::parse("no_such_reason"), None);
     }
 
     #[test]

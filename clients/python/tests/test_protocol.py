@@ -196,6 +196,19 @@ def test_node_qualified_ids():
     assert isinstance(e.value, sandcell.NoSuchSession) and e.value.node == "n2"
 
 
+def test_session_ended_is_a_no_such_session():
+    local = "0123456789abcdef0123456789abcdef"
+    with pytest.raises(sandcell.NoSuchSession) as e:
+        P.parse_reply(
+            {
+                "error": "org.sandcell.Kernel.SessionEnded",
+                "parameters": {"session": local, "reason": "idle_expired", "ended_at": 1.5},
+            }
+        )
+    assert isinstance(e.value, sandcell.SessionEnded)
+    assert (e.value.session, e.value.reason, e.value.ended_at) == (local, "idle_expired", 1.5)
+
+
 def test_put_file_sources(tmp_path):
     assert P.file_source(b"x") == ("bytes", b"x")
     assert P.file_source(tmp_path) == ("path", str(tmp_path))

@@ -392,7 +392,7 @@ impl Supervisor {
                     .await?;
                 self.figures_changed(live).await?;
             }
-            Event::Closed { id, reason } => {
+            Event::Closed { id, reason, .. } => {
                 live.exported.lock().unwrap().remove(&id);
                 let _ = live
                     .conn

@@ -25,6 +25,7 @@ __all__ = [
     "ConnectionFailed",
     "ProtocolError",
     "VarlinkError",
+    "SessionEnded",
     "WrongNode",
     "error_class",
     "error_from_reply",
@@ -111,6 +112,18 @@ class NoSuchSession(VarlinkError):
     """No such session, or not one the caller may use."""
 
     fields: tuple[str, ...] = ("session",)
+
+
+class SessionEnded(NoSuchSession):
+    """The session existed and has ended: ``reason`` says why (``closed``, ``disconnected``,
+    ``idle_expired``, ``worker_crashed``, ``oom``, ``killed``, ``exited``, ``disk_quota``,
+    ``terminated``, ``one_shot``, ``daemon_stopping``, ``daemon_restarted``; a newer daemon
+    may add reasons) and ``ended_at`` when (seconds since the Unix epoch). Only the session's
+    owner (and root) is told; the daemon remembers the newest 4096 ended sessions for at most
+    24 hours, then answers :class:`NoSuchSession`. A subclass of :class:`NoSuchSession`, so
+    code that catches that keeps working."""
+
+    fields = ("session", "reason", "ended_at")
 
 
 class SessionBusy(VarlinkError):
@@ -214,6 +227,7 @@ _REGISTRY: dict[str, type[VarlinkError]] = {
         LimitExceeded,
         CapacityExceeded,
         NoSuchSession,
+        SessionEnded,
         SessionBusy,
         PermissionDenied,
         WorkerFailed,
