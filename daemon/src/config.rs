@@ -255,6 +255,11 @@ pub struct Daemon {
     /// Seconds after which a connection with no call in flight and no session it owns is
     /// closed.
     pub connection_idle_seconds: u64,
+    /// The node identifier in session ids (`<node>.<local id>`): 1 to 64 characters of
+    /// `[A-Za-z0-9._-]`; the empty string turns qualification off. Unset: the machine's
+    /// sandcell-specific id (see `node::app_specific`). Read at start; a reload keeps the
+    /// identifier in force.
+    pub node_id: Option<String>,
 }
 
 impl Default for Daemon {
@@ -281,6 +286,7 @@ impl Default for Daemon {
             max_connections: 1024,
             max_connections_per_uid: 256,
             connection_idle_seconds: 120,
+            node_id: None,
         }
     }
 }
@@ -552,6 +558,7 @@ impl Config {
                 "pool_r_max" => d.pool_r_max = parse_num(&var, &value)?,
                 "pool_refill_per_second" => d.pool_refill_per_second = parse_num(&var, &value)?,
                 "pool_idle_seconds" => d.pool_idle_seconds = u64v()?,
+                "node_id" => d.node_id = Some(value.clone()),
                 _ => {}
             }
         }
@@ -589,6 +596,14 @@ impl Config {
         }
         Self::validate_file_limits(l)?;
         self.validate_per_uid()?;
+        if let Some(node) = &self.daemon.node_id
+            && !node.is_empty()
+        {
+            sandcell_proto::kernel::check_node_id(node).map_err(|e| Error::Invalid {
+                key: "node_id",
+                reason: e.reason.into(),
+            })?;
+        }
         let wall = l.execution_wall_time_seconds;
         if !(wall.is_finite() && wall > 0.0 && wall <= 86_400.0) {
             return Err(Error::Invalid {

@@ -44,6 +44,8 @@ pub struct Core {
     sessions: Arc<Mutex<HashMap<String, Arc<Session>>>>,
     /// Sessions that ended lately, for `SessionEnded`.
     ended: Arc<crate::ended::Ended>,
+    /// The node identifier in session ids (empty: ids are not qualified); fixed at start.
+    node: String,
     events: broadcast::Sender<Event>,
     stopping: AtomicBool,
     connections: AtomicU64,
@@ -151,7 +153,9 @@ pub enum Upload {
 pub const PUT_FILE_SECONDS: u64 = 60;
 
 /// Longest client-given session id echoed in an error, bytes (real ids are 32).
-const ECHO_ID_BYTES: usize = 64;
+/// The longest valid node-qualified id (a 64-character node, a dot, 32 hex digits): 97.
+const ECHO_ID_BYTES: usize =
+    sandcell_proto::kernel::MAX_NODE_ID_LEN + 1 + sandcell_proto::kernel::SessionId::LEN;
 
 /// A client-given session id as echoed in errors: as given when it has the shape of an id,
 /// else cut to its first bytes.
@@ -193,6 +197,7 @@ impl Core {
                 config.daemon.worker_uid_base,
                 config.daemon.worker_uid_count,
             ),
+            node: crate::node::resolve(config.daemon.node_id.as_deref()),
             config: RwLock::new(Arc::new(config)),
             options,
             cgroups,
@@ -285,7 +290,40 @@ impl Core {
     /// `SessionEnded` to the owner (and root) of a session that ended lately, else
     /// `NoSuchSession`.
     fn gone(&self, caller: &Caller, id: &str) -> KernelError {
-        self.ended.error_for(id, caller.uid, echo_id(id))
+        let local = self.resolve(id).unwrap_or(id);
+        self.ended.error_for(local, caller.uid, echo_id(id))
+    }
+
+    /// The node identifier in session ids (empty: ids are not qualified).
+    pub fn node_id(&self) -> &str {
+        &self.node
+    }
+
+    /// The local session id `id` as clients see it: `<node>.<id>`, or `id` when the daemon
+    /// has no node identifier.
+    pub fn public_id(&self, id: &str) -> String {
+        if self.node.is_empty() {
+            id.to_owned()
+        } else {
+            format!("{}.{id}", self.node)
+        }
+    }
+
+    /// The local id a client-given session id names: a node-qualified id of this node gives
+    /// its local part; a bare id (or anything that is no qualified id) is looked up as given.
+    ///
+    /// Errors: `WrongNode` for a qualified id of another node (or any qualified id when the
+    /// daemon has no node identifier).
+    pub fn resolve<'a>(&self, id: &'a str) -> Result<&'a str, KernelError> {
+        match sandcell_proto::kernel::SessionId::parse_qualified(id) {
+            Ok((Some(node), _)) if node != self.node => Err(KernelError::WrongNode {
+                session: echo_id(id),
+                node: node.to_owned(),
+                expected: self.node.clone(),
+            }),
+            Ok((Some(_), local)) => Ok(&id[id.len() - local.as_str().len()..]),
+            _ => Ok(id),
+        }
     }
 
     /// [`Core::gone`] for a session found while it was ending: waits (at most 10 s) until it
@@ -531,7 +569,8 @@ impl Core {
     /// Looks up a session the caller may use: its owner, or root. Others get `NoSuchSession`
     /// (the session's existence is not revealed).
     fn lookup(&self, caller: &Caller, id: &str) -> Result<Arc<Session>, KernelError> {
-        let s = self.sessions.lock().unwrap().get(id).cloned();
+        let local = self.resolve(id)?;
+        let s = self.sessions.lock().unwrap().get(local).cloned();
         match s {
             Some(s) if s.owner.uid == caller.uid || caller.uid == 0 => Ok(s),
             _ => Err(self.gone(caller, id)),
@@ -1064,6 +1103,7 @@ impl Core {
     ///
     /// Errors: `NoSuchSession`, `PermissionDenied`.
     async fn lookup_managed(&self, caller: &Caller, id: &str) -> Result<Arc<Session>, KernelError> {
+        let id = self.resolve(id)?;
         let s = self.sessions.lock().unwrap().get(id).cloned();
         let Some(s) = s else {
             return Err(KernelError::NoSuchSession {
@@ -1107,6 +1147,7 @@ impl Core {
     /// Ends `session` for an administrator (D-Bus `TerminateSession`); returns after its
     /// worker is reaped and everything released. Errors: `NoSuchSession`, `PermissionDenied`.
     pub async fn terminate(&self, caller: &Caller, session: &str) -> Result<(), KernelError> {
+        let session = self.resolve(session)?;
         if let Some(cancel) = self.starting_cancel(caller, session).await? {
             tracing::info!(
                 session,

@@ -268,6 +268,9 @@ mod tests {
         std::fs::write(markers_dir(dir.path()).join("junk"), "").unwrap();
         let taken = take_markers(dir.path());
         assert_eq!(taken, vec![(id(7), 1000)]);
-        assert_eq!(std::fs::read_dir(markers_dir(dir.path())).unwrap().count(), 0);
+        assert_eq!(
+            std::fs::read_dir(markers_dir(dir.path())).unwrap().count(),
+            0
+        );
     }
 }

@@ -24,6 +24,7 @@ pub mod environments;
 pub mod files;
 pub mod identity;
 pub mod loglimit;
+pub mod node;
 pub mod notify;
 pub mod polkit;
 pub mod pool;

@@ -94,7 +94,8 @@ async fn a_worker_killed_mid_cell_reports_worker_crashed_and_frees_its_capacity(
         "session directory of {sa} left behind"
     );
     match a.execute_collect(&sa, "print(1)").await {
-        Err(Error::Kernel(KernelError::SessionEnded { reason, .. })) if reason == "worker_crashed" => {}
+        Err(Error::Kernel(KernelError::SessionEnded { reason, .. }))
+            if reason == "worker_crashed" => {}
         other => panic!("the crashed session must be gone: {other:?}"),
     }
     let t0 = Instant::now();

@@ -233,7 +233,8 @@ async fn a_daemon_killed_with_sessions_open_is_swept_by_its_successor() {
     // The successor serves: the old sessions are reported ended, a new one runs.
     let mut c = second.client().await;
     match c.execute_collect(&sa, "print(v)").await {
-        Err(Error::Kernel(KernelError::SessionEnded { reason, .. })) if reason == "daemon_restarted" => {}
+        Err(Error::Kernel(KernelError::SessionEnded { reason, .. }))
+            if reason == "daemon_restarted" => {}
         other => panic!("a session of the killed daemon must be reported ended: {other:?}"),
     }
     let out = c.run_collect("python", "print(6 * 7)", None).await.unwrap();
@@ -465,7 +466,7 @@ async fn a_cgroup_hierarchy_refusing_groups_fails_open_and_leaks_nothing() {
     for _ in 0..3 {
         match open_refused(&d).await {
             KernelError::WorkerFailed { reason } => {
-                // (An error's strings are cut to 96 bytes; the log has the whole reason.)
+                // (An error's strings are cut to 128 bytes; the log has the whole reason.)
                 assert!(reason.starts_with("cgroup create"), "{reason}")
             }
             other => panic!("expected WorkerFailed, got {other:?}"),

@@ -182,7 +182,12 @@ async fn idle_expiry_and_a_killed_worker_are_reported() {
     let idle = c.open("python", None, Some(1)).await.unwrap().session;
     let e = ended_within(&mut c, &idle, Duration::from_secs(30)).await;
     assert_ended(&e, &idle, "idle_expired", 30.0);
-    assert_ended(&execute_error(&mut c, &idle).await, &idle, "idle_expired", 30.0);
+    assert_ended(
+        &execute_error(&mut c, &idle).await,
+        &idle,
+        "idle_expired",
+        30.0,
+    );
 
     // A worker killed while its session is idle.
     let before = d.descendants();

@@ -24,9 +24,16 @@ pub const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
 /// A session id as the daemon makes them: 32 lowercase hex digits (128 bits from
 /// `getrandom(2)`), usable as one path component, D-Bus object path element and cgroup name.
+/// This is the *local* id: sessions are keyed by it.
+///
+/// On the wire a daemon with a node identifier gives the *node-qualified* form
+/// `<node>.<local id>` ([`SessionId::qualified`]); clients may send either form. The node is
+/// everything before the last dot (a node identifier may contain dots; a local id never
+/// does), 1 to [`MAX_NODE_ID_LEN`] characters of `[A-Za-z0-9._-]` ([`check_node_id`]).
 ///
 /// The one validator of session ids: the daemon's lookups, the D-Bus shim and clients all
-/// parse with [`SessionId::parse`]. On the wire a session id stays a `string`.
+/// parse with [`SessionId::parse`] (local ids) or [`SessionId::parse_qualified`] (either
+/// form). On the wire a session id stays a `string`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(try_from = "String", into = "String")]
 pub struct SessionId(String);
@@ -76,6 +83,29 @@ impl SessionId {
         Self::parse(s).is_ok()
     }
 
+    /// Parses a session id as a client may give it: a local id (node `None`), or
+    /// `<node>.<local id>` (the node: the text before the last dot, checked by
+    /// [`check_node_id`]).
+    pub fn parse_qualified(s: &str) -> Result<(Option<&str>, SessionId), InvalidSessionId> {
+        match s.rsplit_once('.') {
+            None => Ok((None, Self::parse(s)?)),
+            Some((node, local)) => {
+                check_node_id(node)?;
+                Ok((Some(node), Self::parse(local)?))
+            }
+        }
+    }
+
+    /// The id as a daemon whose node identifier is `node` gives it: `<node>.<id>`, or the
+    /// local id alone when `node` is empty (qualification off).
+    pub fn qualified(&self, node: &str) -> String {
+        if node.is_empty() {
+            self.0.clone()
+        } else {
+            format!("{node}.{}", self.0)
+        }
+    }
+
     /// The id as text.
     pub fn as_str(&self) -> &str {
         &self.0
@@ -110,6 +140,28 @@ impl From<SessionId> for String {
     fn from(id: SessionId) -> String {
         id.0
     }
+}
+
+/// Longest node identifier, in characters.
+pub const MAX_NODE_ID_LEN: usize = 64;
+
+/// Checks a node identifier: 1 to [`MAX_NODE_ID_LEN`] characters of `[A-Za-z0-9._-]`. (The
+/// empty configuration value, which turns qualification off, is not an identifier.)
+pub fn check_node_id(node: &str) -> Result<(), InvalidSessionId> {
+    if node.is_empty() || node.len() > MAX_NODE_ID_LEN {
+        return Err(InvalidSessionId {
+            reason: "a node identifier has 1 to 64 characters",
+        });
+    }
+    if !node
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
+        return Err(InvalidSessionId {
+            reason: "a node identifier has only the characters A-Z a-z 0-9 . _ -",
+        });
+    }
+    Ok(())
 }
 
 /// Languages a session can run.
@@ -827,6 +879,16 @@ pub enum KernelError {
         /// daemon found its record).
         ended_at: f64,
     },
+    /// A node-qualified session id names another node than this daemon's.
+    #[serde(rename = "org.sandcell.Kernel.WrongNode")]
+    WrongNode {
+        /// Session id as given.
+        session: String,
+        /// The node the id names.
+        node: String,
+        /// This daemon's node identifier (empty: it gives unqualified ids).
+        expected: String,
+    },
     /// The session is running a cell.
     #[serde(rename = "org.sandcell.Kernel.SessionBusy")]
     SessionBusy {
@@ -906,12 +968,14 @@ impl std::fmt::Display for KernelError {
 impl std::error::Error for KernelError {}
 
 impl KernelError {
-    /// Whether the error says the named session is not served (any more): `NoSuchSession` or
-    /// `SessionEnded`. A client that only cares whether the session is gone tests this.
+    /// Whether the error says the named session is not served (any more, or here):
+    /// `NoSuchSession`, `SessionEnded` or `WrongNode`. A client that only cares whether the session is gone tests this.
     pub fn is_no_such_session(&self) -> bool {
         matches!(
             self,
-            KernelError::NoSuchSession { .. } | KernelError::SessionEnded { .. }
+            KernelError::NoSuchSession { .. }
+                | KernelError::SessionEnded { .. }
+                | KernelError::WrongNode { .. }
         )
     }
 
@@ -1096,6 +1160,7 @@ mod tests {
             KernelError::CapacityExceeded { .. } => "CapacityExceeded",
             KernelError::NoSuchSession { .. } => "NoSuchSession",
             KernelError::SessionEnded { .. } => "SessionEnded",
+            KernelError::WrongNode { .. } => "WrongNode",
             KernelError::SessionBusy { .. } => "SessionBusy",
             KernelError::PermissionDenied { .. } => "PermissionDenied",
             KernelError::WorkerFailed { .. } => "WorkerFailed",
@@ -1139,6 +1204,7 @@ mod tests {
             "CapacityExceeded",
             "NoSuchSession",
             "SessionEnded",
+            "WrongNode",
             "SessionBusy",
             "PermissionDenied",
             "WorkerFailed",
@@ -1206,6 +1272,27 @@ mod tests {
         }
         let v = serde_json::to_value(&id).unwrap();
         assert_eq!(v, serde_json::json!(id.as_str()));
+        // Node-qualified ids: the node is the text before the last dot.
+        let local = id.as_str();
+        assert_eq!(SessionId::parse_qualified(local), Ok((None, id.clone())));
+        let q = id.qualified("node-1.example.org");
+        assert_eq!(q, format!("node-1.example.org.{local}"));
+        assert_eq!(
+            SessionId::parse_qualified(&q),
+            Ok((Some("node-1.example.org"), id.clone()))
+        );
+        assert_eq!(id.qualified(""), local);
+        for bad in [
+            format!(".{local}"),
+            format!("n/1.{local}"),
+            format!("{}.{local}", "n".repeat(65)),
+            format!("n1.{local}x"),
+            "n1.".to_string(),
+        ] {
+            assert!(SessionId::parse_qualified(&bad).is_err(), "{bad:?}");
+        }
+        assert!(check_node_id(&"n".repeat(64)).is_ok());
+        assert!(check_node_id("").is_err());
         assert!(serde_json::from_value::<SessionId>(serde_json::json!("x")).is_err());
     }
 

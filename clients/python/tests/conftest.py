@@ -57,6 +57,7 @@ class Daemon:
             "SANDCELL_STATE_DIR": str(self.dir / "state"),
             "SANDCELL_CGROUP_NAME": f"sandcell-pytest-{name}-{os.getpid()}",
             "SANDCELL_IDLE_EXIT_SECONDS": "0",
+            "SANDCELL_NODE_ID": "node-a.example",
             **env,
         }
         args = ["systemd-socket-activate", "-l", self.socket, "--fdname=varlink"]

@@ -189,11 +189,21 @@ def test_node_qualified_ids():
     assert P.split_session_id(f"node-1.example.org.{local}") == ("node-1.example.org", local)
     assert P.split_session_id("not.an-id") == (None, "not.an-id")
     assert P.qualify_session_id("n1", f"n0.{local}") == f"n1.{local}"
-    assert P.local_session_id(f"n1.{local}", None) == local
+    assert P.local_session_id(f"n1.{local}", None) == f"n1.{local}"
     assert P.local_session_id(f"n1.{local}", "n1") == local
     with pytest.raises(sandcell.WrongNode) as e:
         P.local_session_id(f"n2.{local}", "n1")
     assert isinstance(e.value, sandcell.NoSuchSession) and e.value.node == "n2"
+    # The daemon's own WrongNode is the same class, with the same attributes.
+    with pytest.raises(sandcell.WrongNode) as e2:
+        P.parse_reply(
+            {
+                "error": "org.sandcell.Kernel.WrongNode",
+                "parameters": {"session": f"n2.{local}", "node": "n2", "expected": "n1"},
+            }
+        )
+    assert (e2.value.node, e2.value.expected) == ("n2", "n1")
+    assert e2.value.name == "org.sandcell.Kernel.WrongNode"
 
 
 def test_session_ended_is_a_no_such_session():

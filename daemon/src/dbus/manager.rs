@@ -93,7 +93,7 @@ pub(crate) fn rows(core: &Core, uid: Option<u32>) -> Vec<SessionRow> {
         .map(|s| {
             let info = s.info.lock().unwrap().clone();
             (
-                s.id.clone(),
+                core.public_id(&s.id),
                 s.language.as_str().to_string(),
                 s.owner.uid,
                 s.owner.pid,
@@ -111,7 +111,7 @@ pub(crate) fn rows(core: &Core, uid: Option<u32>) -> Vec<SessionRow> {
                 .filter(|s| uid.is_none_or(|u| s.uid == u))
                 .map(|s| {
                     (
-                        s.id.clone(),
+                        core.public_id(&s.id),
                         s.language.as_str().to_string(),
                         s.uid,
                         s.pid,
@@ -170,9 +170,13 @@ impl Manager {
         id: &str,
     ) -> Result<OwnedObjectPath, Error> {
         check_id(id)?;
+        let local = self.core.resolve(id)?;
         let who = self.lister(conn, &header).await?;
-        if rows(&self.core, who).iter().any(|r| r.0 == id) {
-            Ok(session_path(id))
+        if rows(&self.core, who)
+            .iter()
+            .any(|r| r.8 == session_path(local))
+        {
+            Ok(session_path(local))
         } else {
             Err(Error::NoSuchSession(format!("no session {id}")))
         }

@@ -108,6 +108,13 @@ impl From<KernelError> for Error {
             KernelError::NoSuchSession { session } => {
                 Error::NoSuchSession(format!("no session {session}"))
             }
+            KernelError::WrongNode {
+                session,
+                node,
+                expected,
+            } => Error::NoSuchSession(format!(
+                "session {session} is on node {node}, not on this node ({expected:?})"
+            )),
             KernelError::PermissionDenied { action } => {
                 Error::PermissionDenied(format!("not authorized for {action}"))
             }
@@ -134,7 +141,7 @@ pub fn session_path(id: &str) -> OwnedObjectPath {
 
 /// Validates a session id from a D-Bus caller ([`sandcell_proto::kernel::SessionId`]).
 pub(crate) fn check_id(id: &str) -> Result<(), Error> {
-    sandcell_proto::kernel::SessionId::parse(id)
+    sandcell_proto::kernel::SessionId::parse_qualified(id)
         .map(drop)
         .map_err(|e| Error::InvalidParameter(format!("session id {id:?}: {}", e.reason)))
 }
@@ -388,8 +395,15 @@ impl Supervisor {
                 if self.core.sessions().iter().any(|s| s.id == id) {
                     add_session(&live.conn, &self.core, &live.exported, id.clone()).await;
                 }
-                Manager::session_opened(emitter, &id, uid, language.as_str(), session_path(&id))
-                    .await?;
+                let public = self.core.public_id(&id);
+                Manager::session_opened(
+                    emitter,
+                    &public,
+                    uid,
+                    language.as_str(),
+                    session_path(&id),
+                )
+                .await?;
                 self.figures_changed(live).await?;
             }
             Event::Closed { id, reason, .. } => {
@@ -399,11 +413,12 @@ impl Supervisor {
                     .object_server()
                     .remove::<SessionObject, _>(session_path(&id))
                     .await;
-                Manager::session_closed(emitter, &id, &reason).await?;
+                Manager::session_closed(emitter, &self.core.public_id(&id), &reason).await?;
                 self.figures_changed(live).await?;
             }
             Event::CellFinished { id, cell, status } => {
-                Manager::cell_finished(emitter, &id, cell, status.as_str()).await?;
+                Manager::cell_finished(emitter, &self.core.public_id(&id), cell, status.as_str())
+                    .await?;
                 if let Ok(s) = live
                     .conn
                     .object_server()
@@ -416,7 +431,7 @@ impl Supervisor {
                 }
             }
             Event::OomKilled { id } => {
-                Manager::worker_oom_killed(emitter, &id).await?;
+                Manager::worker_oom_killed(emitter, &self.core.public_id(&id)).await?;
             }
         }
         Ok(())

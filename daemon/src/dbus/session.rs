@@ -98,7 +98,7 @@ impl SessionObject {
         #[zbus(header)] header: Option<zbus::message::Header<'_>>,
     ) -> zbus::fdo::Result<String> {
         self.visible(conn, header.as_ref()).await?;
-        Ok(self.session.id.clone())
+        Ok(self.core.public_id(&self.session.id))
     }
 
     /// `python` or `r`.

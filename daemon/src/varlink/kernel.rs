@@ -21,8 +21,9 @@ use zlink::{Call, Reply};
 type Sent = std::io::Result<()>;
 
 /// Longest string of an error reply's parameters, bytes; longer ones (client strings echoed
-/// back) are cut at a character boundary and marked with `...`.
-pub const ECHO_BYTES: usize = 96;
+/// back) are cut at a character boundary and marked with `...`. At least the longest
+/// node-qualified session id (97 bytes), so a valid id is echoed whole.
+pub const ECHO_BYTES: usize = 128;
 
 /// An error reply of any interface.
 #[derive(Debug, Serialize)]
@@ -230,7 +231,7 @@ pub async fn handle(
                 core.execute(caller, &p.session, p.code, tx).await
             };
             match started {
-                Ok(()) => stream_frames(w, &call, rx).await,
+                Ok(()) => stream_frames(w, &call, rx, core).await,
                 Err(e) => send_kernel_error(w, &call, e).await,
             }
         }
@@ -251,7 +252,7 @@ pub async fn handle(
                         w,
                         &call,
                         OpenReply {
-                            session: s.id.clone(),
+                            session: core.public_id(&s.id),
                             engine: s.engine.clone(),
                         },
                         false,
@@ -408,7 +409,14 @@ async fn put_file(
     Ok(json!(k::PutFileReply { file }))
 }
 
-async fn stream_frames(w: &Writer, call: &Call<RawCall>, mut rx: mpsc::Receiver<Frame>) -> Sent {
+/// Writes a cell's frames as they come; the `started` frame names the session as clients see
+/// it ([`Core::public_id`]).
+async fn stream_frames(
+    w: &Writer,
+    call: &Call<RawCall>,
+    mut rx: mpsc::Receiver<Frame>,
+    core: &Core,
+) -> Sent {
     let mut buf: Vec<u8> = Vec::new();
     while let Some(first) = rx.recv().await {
         // Every frame already queued goes out in one write: a short cell's output and result
@@ -416,8 +424,11 @@ async fn stream_frames(w: &Writer, call: &Call<RawCall>, mut rx: mpsc::Receiver<
         buf.clear();
         let mut next = Some(first);
         let mut last = false;
-        while let Some(frame) = next.take() {
+        while let Some(mut frame) = next.take() {
             last = frame.result.is_some();
+            if let Some(s) = frame.started.as_mut() {
+                s.session = core.public_id(&s.session);
+            }
             let reply =
                 Reply::new(Some(FrameReply { frame })).set_continues((!last).then_some(true));
             socket::encode(&mut buf, &reply)?;

@@ -144,6 +144,10 @@ impl Daemon {
             ("SANDCELL_CGROUP_NAME".into(), cgroup),
             ("SANDCELL_LANGUAGES".into(), "python".into()),
             ("SANDCELL_LOG".into(), "info".into()),
+            // Bare session ids, so tests can name session directories and D-Bus object paths
+            // by the id Open gives; tests/node_ids.rs covers qualified ids (and the default,
+            // by removing this with "-SANDCELL_NODE_ID").
+            ("SANDCELL_NODE_ID".into(), String::new()),
             // Room for a few sessions per test; tests of admission set their own budgets.
             ("SANDCELL_MAX_CONCURRENT_SESSIONS".into(), "8".into()),
             (
@@ -156,6 +160,10 @@ impl Daemon {
             ),
         ];
         for (k, v) in env {
+            if let Some(k) = k.strip_prefix('-') {
+                vars.retain(|(x, _)| x != k);
+                continue;
+            }
             vars.retain(|(x, _)| x != k);
             vars.push((k.to_string(), v.to_string()));
         }

@@ -358,13 +358,17 @@ def qualify_session_id(node: str, session: str) -> str:
 
 
 def local_session_id(session: str, expected_node: str | None) -> str:
-    """The id to send to a daemon: a node-qualified id's local part, after checking its node
-    against ``expected_node`` (when the client knows which node it talks to).
+    """The id to send to a daemon. When the client knows which node it talks to
+    (``expected_node``), a node-qualified id's node is checked here and its local part is
+    sent; otherwise the id goes as given, and a daemon with a node identifier checks the
+    node itself (answering ``WrongNode`` for another node's id).
 
-    Raises :class:`sandcell.WrongNode` when the id names another node.
+    Raises :class:`sandcell.WrongNode` when the id names another node than ``expected_node``.
     """
     node, local = split_session_id(session)
-    if node is not None and expected_node is not None and node != expected_node:
+    if expected_node is None:
+        return session
+    if node is not None and node != expected_node:
         raise WrongNode(session, node, expected_node)
     return local
 

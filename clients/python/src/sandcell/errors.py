@@ -208,15 +208,27 @@ class ExpectedMore(VarlinkError):
 
 
 class WrongNode(NoSuchSession):
-    """A node-qualified session id names another node than the one this client talks to
-    (raised by the client before any call; route the call to that node's socket)."""
+    """A node-qualified session id names another node than the one this client talks to:
+    ``node`` is the node the id names, ``expected`` the node of this socket (empty when its
+    daemon gives unqualified ids). Raised by the client before any call when it knows its
+    node (``Client(node=...)``), else by the daemon (``org.sandcell.Kernel.WrongNode``).
+    Route the call to that node's socket."""
 
     fields = ("session", "node", "expected")
 
-    def __init__(self, session: str, node: str, expected: str):
-        super().__init__(
-            "sandcell.WrongNode", {"session": session, "node": node, "expected": expected}
-        )
+    def __init__(
+        self,
+        session: str | None = None,
+        node: str | dict[str, Any] | None = None,
+        expected: str | None = None,
+    ):
+        if isinstance(node, dict):
+            # From a daemon's error reply: (name, parameters).
+            super().__init__(session, node)
+        else:
+            super().__init__(
+                "sandcell.WrongNode", {"session": session, "node": node, "expected": expected}
+            )
 
 
 _REGISTRY: dict[str, type[VarlinkError]] = {
@@ -227,6 +239,7 @@ _REGISTRY: dict[str, type[VarlinkError]] = {
         LimitExceeded,
         CapacityExceeded,
         NoSuchSession,
+        WrongNode,
         SessionEnded,
         SessionBusy,
         PermissionDenied,
