@@ -592,6 +592,18 @@ async fn unread_replies_cannot_grow_the_daemon() {
         served,
         "the reply budget was not returned after the hoarders left"
     );
+    // The memory of the burst goes back to the kernel (malloc_trim every 30 s), instead of
+    // ratcheting the daemon's resident set up after each flood.
+    let settled = eventually(Duration::from_secs(45), || d.rss() < rss0 + 8 * 1024 * 1024);
+    eprintln!(
+        "figure: daemon RSS after the hoarders left: {:.1} MB",
+        d.rss() as f64 / 1e6
+    );
+    assert!(
+        settled,
+        "daemon RSS stayed at {} bytes (baseline {rss0})",
+        d.rss()
+    );
 }
 
 /// A parameter of the wrong type is named by its path, never by the client's value.
