@@ -355,6 +355,7 @@ impl Worker {
                     return run;
                 }
                 WorkerMessage::Ready { .. } => panic!("second Ready"),
+                WorkerMessage::Inspected { .. } => panic!("Inspected during cell {cell}"),
                 WorkerMessage::Fatal { stage, reason } => panic!("Fatal {stage}: {reason}"),
             }
         }
