@@ -112,27 +112,10 @@ impl ReplyCharge {
         total_max: usize,
         uid_max: usize,
     ) -> Result<ReplyCharge, ReplyRefused> {
-        let mut g = REPLY_IN_USE.lock().unwrap_or_else(|e| e.into_inner());
-        let mine = g.1.get(&uid).copied().unwrap_or(0);
-        if mine + bytes > uid_max {
-            return Err(ReplyRefused {
-                budget: "reply_bytes_per_uid",
-                in_use: mine as u64,
-                requested: bytes as u64,
-                max: uid_max as u64,
-            });
-        }
-        if g.0 + bytes > total_max {
-            return Err(ReplyRefused {
-                budget: "daemon_reply_bytes",
-                in_use: g.0 as u64,
-                requested: bytes as u64,
-                max: total_max as u64,
-            });
-        }
-        g.0 += bytes;
-        *g.1.entry(uid).or_insert(0) += bytes;
-        Ok(ReplyCharge { uid, bytes })
+        // A new charge is an empty one grown to `bytes`; dropped on refusal, it returns nothing.
+        let mut c = ReplyCharge { uid, bytes: 0 };
+        c.resize_within(bytes, total_max, uid_max)?;
+        Ok(c)
     }
 
     /// Changes the charge to `bytes` (the reply's encoded size once known), or says which
