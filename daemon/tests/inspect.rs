@@ -156,6 +156,10 @@ async fn common_behaviour(
     c.close(&s).await.unwrap();
 }
 
+/// A Python cell (both engines) whose variables include a repr that raises and one that
+/// sleeps far past the Inspect budget.
+const PYTHON_REPR_CELL: &str = "class Bad:\n    def __repr__(self):\n        raise ValueError('no')\n\nclass Slow:\n    def __repr__(self):\n        import time\n        time.sleep(100)\n        return 'slow'\n\nx = 41\nbad = Bad()\ny_slow = Slow()\nzz = 1\n";
+
 #[tokio::test]
 async fn python_eryx_lists_variables_and_keeps_the_session() {
     let d = daemon();
@@ -187,7 +191,7 @@ async fn python_eryx_lists_variables_and_keeps_the_session() {
         &d,
         "python",
         None,
-        "class Bad:\n    def __repr__(self):\n        raise ValueError('no')\n\nclass Slow:\n    def __repr__(self):\n        import time\n        time.sleep(100)\n        return 'slow'\n\nx = 41\nbad = Bad()\ny_slow = Slow()\nzz = 1\n",
+        PYTHON_REPR_CELL,
         "<repr failed: ValueError>",
         "import time\ntime.sleep(3)\n",
         "print(x)",
@@ -229,7 +233,7 @@ async fn pydata_lists_numpy_and_pandas_shapes() {
         &d,
         "python",
         Some("pydata"),
-        "class Bad:\n    def __repr__(self):\n        raise ValueError('no')\n\nclass Slow:\n    def __repr__(self):\n        import time\n        time.sleep(100)\n        return 'slow'\n\nx = 41\nbad = Bad()\ny_slow = Slow()\nzz = 1\n",
+        PYTHON_REPR_CELL,
         "<repr failed: ValueError>",
         "import time\ntime.sleep(3)\n",
         "print(x)",
