@@ -815,7 +815,7 @@ fn tracebacks_show_the_users_lines() {
     assert_eq!(e.line, Some(3), "line of the raise inside the cell");
     let tb = e.traceback.as_deref().unwrap();
     assert!(
-        tb.starts_with("Traceback (most recent call last):\n  File \"<cell-1>\", line 6, in <module>\n    f(y)\n  File \"<cell-1>\", line 3, in f\n    return w / 0\n"),
+        tb.starts_with("Traceback (most recent call last):\n  File \"<cell 1>\", line 6, in <module>\n    f(y)\n  File \"<cell 1>\", line 3, in f\n    return w / 0\n"),
         "{tb}"
     );
     assert!(!tb.contains("worker.py") && !tb.contains("exec("), "{tb}");
@@ -827,7 +827,7 @@ fn tracebacks_show_the_users_lines() {
         e.traceback
             .as_deref()
             .unwrap()
-            .contains("File \"<cell-1>\", line 3, in f\n    return w / 0"),
+            .contains("File \"<cell 1>\", line 3, in f\n    return w / 0"),
         "{e:?}"
     );
     assert_eq!(w.exec("y").out(), "2\n");
