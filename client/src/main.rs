@@ -271,12 +271,6 @@ fn for_terminal(text: &str, tty: bool) -> std::borrow::Cow<'_, str> {
     std::borrow::Cow::Owned(s)
 }
 
-/// Characters that change how a line displays without showing themselves: bidirectional
-/// overrides and isolates, zero-width characters, the byte-order mark.
-fn is_invisible(c: char) -> bool {
-    matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}')
-}
-
 /// A name a cell chose (a file name, a path under DIR), printable on one line whether or not
 /// the stream is a terminal: every control character (tab and newline too) and every
 /// invisible formatting character as `\xNN` / `\u{NNNN}`, and `\` as `\\`.
@@ -287,7 +281,7 @@ fn escape_name(name: &str) -> String {
             s.push_str("\\\\");
         } else if c.is_control() && (c as u32) < 0x80 {
             s.push_str(&format!("\\x{:02x}", c as u32));
-        } else if c.is_control() || is_invisible(c) {
+        } else if c.is_control() || sandcell_proto::text::is_invisible_format(c) {
             s.push_str(&format!("\\u{{{:04x}}}", c as u32));
         } else {
             s.push(c);
@@ -382,7 +376,10 @@ fn artifact_parts(name: &str) -> Result<Vec<&str>, &'static str> {
     if name.starts_with('/') {
         return Err("absolute name");
     }
-    if name.chars().any(|c| c.is_control() || is_invisible(c)) {
+    if name
+        .chars()
+        .any(|c| c.is_control() || sandcell_proto::text::is_invisible_format(c))
+    {
         return Err("control or invisible characters in the name");
     }
     let parts: Vec<&str> = name.split('/').collect();

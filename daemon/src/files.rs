@@ -258,16 +258,9 @@ pub fn validate_name(name: &str) -> Result<Vec<&str>, Error> {
     Ok(parts)
 }
 
-/// Invisible formatting characters that make a name display differently from what it is:
-/// the Unicode bidirectional controls (U+061C, U+200E-U+200F, U+202A-U+202E, U+2066-U+2069,
-/// the "Trojan Source" characters of CVE-2021-42574), zero-width characters (U+200B-U+200D,
-/// U+2060-U+2065) and the byte order mark (U+FEFF).
-pub fn is_invisible_format(c: char) -> bool {
-    matches!(c, '\u{061c}' | '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}')
-}
-
 /// [`validate_name`] for a name a client creates (`PutFile`): additionally no control
-/// character, no invisible formatting character ([`is_invisible_format`]) and no component
+/// character, no invisible formatting character
+/// ([`sandcell_proto::text::is_invisible_format`]) and no component
 /// starting with `-`, so that an upload never makes a name a shell or a terminal would
 /// misread. Errors: [`Error::InvalidName`].
 pub fn validate_new_name(name: &str) -> Result<Vec<&str>, Error> {
@@ -279,7 +272,7 @@ pub fn validate_new_name(name: &str) -> Result<Vec<&str>, Error> {
     if name.chars().any(char::is_control) {
         return Err(bad("contains a control character"));
     }
-    if name.chars().any(is_invisible_format) {
+    if name.chars().any(sandcell_proto::text::is_invisible_format) {
         return Err(bad(
             "contains an invisible formatting character (bidirectional control, zero width)",
         ));

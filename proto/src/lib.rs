@@ -5,7 +5,8 @@
 //!   and `sandcelld`), its IDL text, method, reply and error types.
 //! - [`worker`]: the frames between `sandcelld` and one worker process (a request pipe into the
 //!   worker, a JSON-lines pipe out of it).
-//! - [`text`]: how arbitrary output bytes become UTF-8 text on both wires.
+//! - [`text`]: how arbitrary output bytes become UTF-8 text on both wires, and which characters
+//!   display invisibly.
 //! - [`dbus`]: the row types of the `org.sandcell.Manager1` D-Bus interface.
 //!
 //! Nothing here performs I/O beyond parsing and formatting in memory.

@@ -47,6 +47,17 @@ pub fn split_incomplete_tail(bytes: &[u8]) -> (&[u8], &[u8]) {
     (bytes, &[])
 }
 
+/// Whether `c` is an invisible formatting character, one that makes text display differently
+/// from what it is: the Unicode bidirectional controls (U+061C, U+200E-U+200F, U+202A-U+202E,
+/// U+2066-U+2069, the "Trojan Source" characters of CVE-2021-42574), zero-width characters
+/// (U+200B-U+200D, U+2060-U+2065) and the byte order mark (U+FEFF).
+///
+/// The daemon refuses such characters in names a client creates; `sandcellctl` escapes them
+/// wherever it prints a name a cell chose.
+pub fn is_invisible_format(c: char) -> bool {
+    matches!(c, '\u{061c}' | '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2069}' | '\u{feff}')
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -67,5 +78,17 @@ mod tests {
         assert_eq!(split_incomplete_tail(&s[..3]), (&s[..1], &s[1..3]));
         assert_eq!(split_incomplete_tail(s), (s, &[][..]));
         assert_eq!(split_incomplete_tail(b"ab\xff"), (&b"ab\xff"[..], &[][..]));
+    }
+
+    #[test]
+    fn invisible_formatting_characters_are_named() {
+        for c in [
+            '\u{061c}', '\u{200b}', '\u{200e}', '\u{202e}', '\u{2066}', '\u{feff}',
+        ] {
+            assert!(is_invisible_format(c), "{c:?}");
+        }
+        for c in ['a', 'é', '✓', '\u{00a0}', '\u{2070}'] {
+            assert!(!is_invisible_format(c), "{c:?}");
+        }
     }
 }
