@@ -20,8 +20,8 @@
 
 use sandcell_proto::kernel::{self as k, FrameReply};
 pub use sandcell_proto::kernel::{
-    CellResult, EndReason, FileInfo, FileKind, Frame, InterruptReply, KernelError, Limits,
-    OpenReply, Output, State, Status, StreamStats, Usage,
+    CellResult, CellStatusReply, EndReason, FileInfo, FileKind, Frame, InterruptReply, KernelError,
+    Limits, OpenReply, Output, Retained, RetainedStats, State, Status, StreamStats, Usage,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -214,6 +214,43 @@ impl Client {
             code: code.into(),
         };
         self.start_cell("Execute", params(&p)).await
+    }
+
+    /// Starts a cell in `session` that runs on without this client (`Submit`) and returns
+    /// its number; follow it with [`Client::attach`] or ask [`Client::cell_status`].
+    /// Errors: as `execute`, and `CapacityExceeded` (`retained_output_bytes`).
+    pub async fn submit(&mut self, session: &str, code: &str) -> Result<u64, Error> {
+        let p = k::SubmitParams {
+            session: session.into(),
+            code: code.into(),
+        };
+        let r: k::SubmitReply = self.call("Submit", params(&p)).await?;
+        Ok(r.cell)
+    }
+
+    /// Follows `cell` of `session` (`Attach`): read it with [`Client::next_frame`] or
+    /// [`Client::finish`] (retained output first, then live output and the result).
+    /// Errors (when reading): `NoSuchCell`, `AttachmentReplaced`.
+    pub async fn attach(&mut self, session: &str, cell: u64) -> Result<(), Error> {
+        let p = k::CellParams {
+            session: session.into(),
+            cell,
+        };
+        self.start_cell("Attach", params(&p)).await
+    }
+
+    /// The state of `cell` of `session` without waiting (`CellStatus`): `running`, a result
+    /// status, or `lost`, and the retained result once it ended. Errors: `NoSuchCell`.
+    pub async fn cell_status(
+        &mut self,
+        session: &str,
+        cell: u64,
+    ) -> Result<CellStatusReply, Error> {
+        let p = k::CellParams {
+            session: session.into(),
+            cell,
+        };
+        self.call("CellStatus", params(&p)).await
     }
 
     /// Reads frames until the result, calling `on_output` for each output chunk.

@@ -100,6 +100,30 @@ enum Cmd {
         /// The code file, or -.
         file: PathBuf,
     },
+    /// Start FILE (or -) as the next cell of SESSION without waiting for it; prints the cell
+    /// number. The cell runs on without a client; its output is retained for `attach`.
+    Submit {
+        /// Session id from `open`.
+        session: String,
+        /// The code file, or -.
+        file: PathBuf,
+    },
+    /// Follow CELL of SESSION: the output retained so far, then live output and the result
+    /// (exit status as for `exec`). A newer attach to the cell ends this one.
+    Attach {
+        /// Session id.
+        session: String,
+        /// Cell number from `submit`.
+        cell: u64,
+    },
+    /// Print CELL's state without waiting: running, its result status (ok, error, ...) with
+    /// the counts of output retained and dropped, or lost.
+    CellStatus {
+        /// Session id.
+        session: String,
+        /// Cell number from `submit`.
+        cell: u64,
+    },
     /// Interrupt CELL of SESSION over the Varlink socket; without CELL, interrupt whatever
     /// cell SESSION is running, over D-Bus (an administrator's command).
     Interrupt {
@@ -567,6 +591,17 @@ async fn stream_result(
                     let _ = writeln!(err, "sandcellctl: warning: {}", for_terminal(w, err_tty));
                 }
                 list_files(&mut err, &r.files);
+                if let Some(kept) = &r.retained {
+                    for (name, s) in [("stdout", kept.stdout), ("stderr", kept.stderr)] {
+                        if s.dropped > 0 {
+                            let _ = writeln!(
+                                err,
+                                "sandcellctl: {name}: {} of {} bytes retained while detached, {} dropped",
+                                s.kept, s.seen, s.dropped
+                            );
+                        }
+                    }
+                }
             }
             if !json && r.status != Status::Ok {
                 let mut line = format!("sandcellctl: cell {} {}", r.cell, r.status.as_str());
@@ -760,6 +795,47 @@ async fn main() -> ExitCode {
                 let code = read_code(file).map_err(|e| Error::Protocol(zlink::Error::Io(e)))?;
                 c.execute(session, &code).await?;
                 stream(&mut c, args.json).await
+            }
+            Cmd::Submit { session, file } => {
+                let code = read_code(file).map_err(|e| Error::Protocol(zlink::Error::Io(e)))?;
+                let cell = c.submit(session, &code).await?;
+                if args.json {
+                    println!("{}", serde_json::json!({ "cell": cell }));
+                } else {
+                    println!("{cell}");
+                }
+                Ok(0)
+            }
+            Cmd::Attach { session, cell } => {
+                c.attach(session, *cell).await?;
+                stream(&mut c, args.json).await
+            }
+            Cmd::CellStatus { session, cell } => {
+                let r = c.cell_status(session, *cell).await?;
+                if args.json {
+                    println!("{}", serde_json::to_string(&r).expect("serialises"));
+                    return Ok(0);
+                }
+                println!("{}", escape_name(&r.state));
+                if let Some(res) = &r.result {
+                    if let Some(e) = &res.error {
+                        println!(
+                            "error: {}: {}",
+                            escape_name(&e.kind),
+                            escape_name(&e.message)
+                        );
+                    }
+                    if let Some(kept) = &res.retained {
+                        for (name, s) in [("stdout", kept.stdout), ("stderr", kept.stderr)] {
+                            println!(
+                                "{name}: {} bytes seen, {} retained, {} dropped",
+                                s.seen, s.kept, s.dropped
+                            );
+                        }
+                    }
+                    return Ok(exit_for(res.status));
+                }
+                Ok(0)
             }
             Cmd::Interrupt {
                 session,

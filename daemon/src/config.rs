@@ -255,6 +255,10 @@ pub struct Daemon {
     /// Seconds after which a connection with no call in flight and no session it owns is
     /// closed.
     pub connection_idle_seconds: u64,
+    /// A client that hangs up during an `Execute` on a detached session interrupts its cell
+    /// (false: the cell runs on, its output retained for `Attach` as for `Submit`). Either
+    /// way its status is kept for `CellStatus`. Sessions that end with their connection end.
+    pub interrupt_on_hangup: bool,
     /// The node identifier in session ids (`<node>.<local id>`): 1 to 64 characters of
     /// `[A-Za-z0-9._-]`; the empty string turns qualification off. Unset: the machine's
     /// sandcell-specific id (see `node::app_specific`). Read at start; a reload keeps the
@@ -286,6 +290,7 @@ impl Default for Daemon {
             max_connections: 1024,
             max_connections_per_uid: 256,
             connection_idle_seconds: 120,
+            interrupt_on_hangup: false,
             node_id: None,
         }
     }
@@ -532,6 +537,18 @@ impl Config {
                 "max_connections" => d.max_connections = u64v()?,
                 "max_connections_per_uid" => d.max_connections_per_uid = u64v()?,
                 "connection_idle_seconds" => d.connection_idle_seconds = u64v()?,
+                "interrupt_on_hangup" => {
+                    d.interrupt_on_hangup = match value.trim() {
+                        "true" | "1" => true,
+                        "false" | "0" => false,
+                        _ => {
+                            return Err(Error::Env {
+                                var: var.clone(),
+                                reason: format!("{value:?} is not true, false, 1 or 0"),
+                            });
+                        }
+                    }
+                }
                 "idle_exit_seconds" => d.idle_exit_seconds = u64v()?,
                 "worker_start_timeout_seconds" => {
                     d.worker_start_timeout_seconds = parse_num(&var, &value)?

@@ -24,6 +24,23 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime};
 use tokio::sync::{broadcast, mpsc, watch};
 
+/// Frames a cell's channel holds (the actor waits when it is full).
+const FRAME_QUEUE: usize = 64;
+
+/// Reserves retention for a new cell record of `s`.
+///
+/// Errors: `CapacityExceeded` (`retained_output_bytes`).
+fn retention_charge(s: &Session) -> Result<crate::cells::Charge, KernelError> {
+    s.cells
+        .reserve()
+        .map_err(|r| KernelError::CapacityExceeded {
+            budget: "retained_output_bytes".into(),
+            in_use: r.in_use,
+            requested: crate::cells::RESERVE,
+            max: sandcell_proto::kernel::DAEMON_RETAINED_BYTES,
+        })
+}
+
 /// How the daemon runs its workers.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -979,7 +996,13 @@ impl Core {
         session
     }
 
-    /// Runs `code` as a cell of `session`; frames go to `frames`.
+    /// Runs `code` as a cell of `session`; frames go to `frames`. On a detached session the
+    /// cell gets a record (`cells.rs`): its frames pass through a relay, so a client that
+    /// hangs up leaves it running with its output retained (or interrupted, with the
+    /// operator's `interrupt_on_hangup`), and `CellStatus`/`Attach` tell how it ended.
+    ///
+    /// Errors: as `Submit` for a detached session; else `LimitExceeded`, `NoSuchSession`,
+    /// `SessionEnded`, `PermissionDenied`, `SessionBusy`.
     pub async fn execute(
         &self,
         caller: &Caller,
@@ -990,13 +1013,116 @@ impl Core {
         self.check_source(&code)?;
         let s = self.lookup(caller, session)?;
         self.authorize(caller, Action::Execute).await?;
+        if s.detached_idle.is_none() {
+            return self.start_cell(caller, &s, session, code, frames).await;
+        }
+        let charge = retention_charge(&s)?;
+        let (tx, rx) = mpsc::channel(FRAME_QUEUE);
+        self.start_cell(caller, &s, session, code, tx).await?;
+        let hangup = self.config().daemon.interrupt_on_hangup;
+        drop(crate::cells::relay(s, rx, Some(frames), hangup, charge));
+        Ok(())
+    }
+
+    /// Hands `code` to the session's actor; frames go to `frames`.
+    async fn start_cell(
+        &self,
+        caller: &Caller,
+        s: &Arc<Session>,
+        session: &str,
+        code: String,
+        frames: mpsc::Sender<Frame>,
+    ) -> Result<(), KernelError> {
         match s.execute(code, frames, false).await {
             Ok(()) => Ok(()),
             Err(ExecuteRefused::Busy(cell)) => Err(KernelError::SessionBusy {
                 session: session.into(),
                 cell,
             }),
-            Err(ExecuteRefused::Ended) => Err(self.gone_after(caller, &s, session).await),
+            Err(ExecuteRefused::Ended) => Err(self.gone_after(caller, s, session).await),
+        }
+    }
+
+    /// Starts `code` as a cell of `session` that nobody needs to follow (`Submit`) and
+    /// returns its number once it started: its output is retained for `Attach`, its result
+    /// for `CellStatus` (`cells.rs`).
+    ///
+    /// Errors: `LimitExceeded` (source), `NoSuchSession`/`SessionEnded` (also when the
+    /// session ends before the cell starts), `PermissionDenied` (`org.sandcell.execute`),
+    /// `SessionBusy`, `CapacityExceeded` (`retained_output_bytes`: the daemon-wide retention
+    /// budget has no room for the cell's reservation).
+    pub async fn submit(
+        &self,
+        caller: &Caller,
+        session: &str,
+        code: String,
+    ) -> Result<u64, KernelError> {
+        self.check_source(&code)?;
+        let s = self.lookup(caller, session)?;
+        self.authorize(caller, Action::Execute).await?;
+        let charge = retention_charge(&s)?;
+        let (tx, rx) = mpsc::channel(FRAME_QUEUE);
+        self.start_cell(caller, &s, session, code, tx).await?;
+        match crate::cells::relay(s.clone(), rx, None, false, charge).await {
+            Ok(cell) => Ok(cell),
+            // The actor dropped the cell: the session ended before it started.
+            Err(_) => Err(self.gone_after(caller, &s, session).await),
+        }
+    }
+
+    /// `Attach`: the frames to replay; live frames go to `frames` while the cell runs.
+    ///
+    /// Errors: `NoSuchSession`/`SessionEnded`, `PermissionDenied` (`org.sandcell.execute`),
+    /// `NoSuchCell`.
+    pub async fn attach(
+        &self,
+        caller: &Caller,
+        session: &str,
+        cell: u64,
+        frames: mpsc::Sender<Frame>,
+    ) -> Result<Vec<Frame>, KernelError> {
+        let s = self.lookup(caller, session)?;
+        self.authorize(caller, Action::Execute).await?;
+        s.cells
+            .attach(&s.id, cell, frames)
+            .ok_or_else(|| KernelError::NoSuchCell {
+                session: echo_id(session),
+                cell,
+            })
+    }
+
+    /// `CellStatus`: the cell's state and, once it ended, its retained result.
+    ///
+    /// Errors: as [`Core::attach`].
+    pub async fn cell_status(
+        &self,
+        caller: &Caller,
+        session: &str,
+        cell: u64,
+    ) -> Result<sandcell_proto::kernel::CellStatusReply, KernelError> {
+        let s = self.lookup(caller, session)?;
+        self.authorize(caller, Action::Execute).await?;
+        let (state, result) = s
+            .cells
+            .status(cell)
+            .ok_or_else(|| KernelError::NoSuchCell {
+                session: echo_id(session),
+                cell,
+            })?;
+        Ok(sandcell_proto::kernel::CellStatusReply { state, result })
+    }
+
+    /// After an attachment's frames stopped without a result: the session ended
+    /// (`NoSuchSession`/`SessionEnded`), or else `WorkerFailed`.
+    pub async fn stream_lost(&self, caller: &Caller, session: &str) -> KernelError {
+        match self.lookup(caller, session) {
+            Ok(s) => match tokio::time::timeout(Duration::from_secs(10), s.released()).await {
+                Ok(()) => self.gone(caller, session),
+                Err(_) => KernelError::WorkerFailed {
+                    reason: "the cell's frames stopped without a result".into(),
+                },
+            },
+            Err(e) => e,
         }
     }
 

@@ -15,6 +15,7 @@
 
 pub mod admission;
 pub mod auth;
+pub mod cells;
 pub mod cgroup;
 pub mod config;
 pub mod core;

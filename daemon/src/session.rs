@@ -143,6 +143,9 @@ pub struct Session {
     /// Bumped after every change the daemon makes to the session directory (`PutFile`,
     /// `DeleteFile`), so the actor knows when its last listing is out of date.
     files_generation: std::sync::atomic::AtomicU64,
+    /// Records of the cells started by `Submit` (or by `Execute` on a detached session):
+    /// retained output and results for `Attach` and `CellStatus` (`cells.rs`).
+    pub cells: crate::cells::CellLog,
     cmds: mpsc::Sender<Command>,
     group: Arc<dyn SessionGroup>,
 }
@@ -286,6 +289,7 @@ impl Session {
             dir: session_dir.clone(),
             worker_ids: uid.as_ref().map(|l| (l.uid(), l.uid())),
             files_generation: std::sync::atomic::AtomicU64::new(0),
+            cells: Default::default(),
             cmds: tx,
             group: group.clone(),
         });
@@ -1686,6 +1690,7 @@ impl Actor {
             session_ended: false,
             warnings: Vec::new(),
             files: Vec::new(),
+            retained: None,
         };
         let mut ending: Option<(Ending, Option<oneshot::Sender<()>>)> = None;
         match end {

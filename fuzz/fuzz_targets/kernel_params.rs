@@ -61,6 +61,8 @@ fuzz_target!(|data: &[u8]| {
             && same_limits(&a.limits, &b.limits)
     });
     check::<k::ExecuteParams>(&v, |a, b| a == b);
+    check::<k::SubmitParams>(&v, |a, b| a == b);
+    check::<k::CellParams>(&v, |a, b| a == b);
     check::<k::InterruptParams>(&v, |a, b| a == b);
     check::<k::CloseParams>(&v, |a, b| a == b);
     check::<k::PutFileParams>(&v, |a, b| a == b);

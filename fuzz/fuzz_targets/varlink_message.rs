@@ -35,6 +35,8 @@ fn dispatch(call: &zlink::Call<RawCall>) {
     let _ = match name {
         "Run" => params::<k::RunParams>(call).map(|_| ()),
         "Execute" => params::<k::ExecuteParams>(call).map(|_| ()),
+        "Submit" => params::<k::SubmitParams>(call).map(|_| ()),
+        "Attach" | "CellStatus" => params::<k::CellParams>(call).map(|_| ()),
         "Open" => params::<k::OpenParams>(call).map(|_| ()),
         "Interrupt" => params::<k::InterruptParams>(call).map(|_| ()),
         "Close" => params::<k::CloseParams>(call).map(|_| ()),

@@ -316,6 +316,44 @@ pub struct ExecuteParams {
     pub code: String,
 }
 
+/// Parameters of `Submit`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubmitParams {
+    /// Session id from `Open`.
+    pub session: String,
+    /// The cell's source, UTF-8.
+    pub code: String,
+}
+
+/// Reply of `Submit`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SubmitReply {
+    /// The cell's number (for `Attach`, `CellStatus`, `Interrupt`).
+    pub cell: u64,
+}
+
+/// Parameters of `Attach` and `CellStatus`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CellParams {
+    /// Session id.
+    pub session: String,
+    /// Cell number.
+    pub cell: u64,
+}
+
+/// Reply of `CellStatus`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CellStatusReply {
+    /// `running`, a [`Status`] as text once the cell ended (`ok`, `error`, ...), or `lost`
+    /// (the session ended before the cell could report).
+    pub state: String,
+    /// The result once the cell ended (its retained copy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<CellResult>,
+}
+
 /// Parameters of `Inspect`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -631,7 +669,58 @@ pub struct CellResult {
     /// Entries of the session directory the cell created or changed (lstat, never followed).
     #[serde(default)]
     pub files: Vec<FileInfo>,
+    /// What the daemon retained of the cell's output for `Attach` (cells started by `Submit`,
+    /// or by `Execute` on a detached session); absent for other cells.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retained: Option<Retained>,
 }
+
+/// Output the daemon retained of one cell for `Attach`, per stream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Retained {
+    /// stdout.
+    pub stdout: RetainedStats,
+    /// stderr.
+    pub stderr: RetainedStats,
+}
+
+/// Retention of one stream of one cell, in bytes of output text (as in `output` frames: the
+/// bytes the stream's cap kept, invalid UTF-8 escaped). `seen = kept + dropped`, exactly.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetainedStats {
+    /// Bytes of text the cell's frames carried.
+    pub seen: u64,
+    /// Bytes retained now: at most [`RETAIN_HEAD_BYTES`] from the start and
+    /// [`RETAIN_TAIL_BYTES`] from the end.
+    pub kept: u64,
+    /// Bytes not retained (the middle of a longer output, or all of it once the session's or
+    /// the daemon's budget evicted it).
+    pub dropped: u64,
+}
+
+/// Bytes of text retained from the start of each stream of a cell, for `Attach`.
+pub const RETAIN_HEAD_BYTES: u64 = 64 * 1024;
+
+/// Bytes of text retained from the end of each stream of a cell, for `Attach`.
+pub const RETAIN_TAIL_BYTES: u64 = 64 * 1024;
+
+/// Largest retained result, bytes of JSON: a longer one keeps fewer `files` entries and
+/// shorter error texts in its retained copy (the attached client got it whole).
+pub const RETAINED_RESULT_BYTES: u64 = 64 * 1024;
+
+/// Output and results one session retains, bytes: a running cell reserves its most
+/// (2 x (head + tail) + result = 320 KiB); older cells' output is evicted, oldest first, to
+/// stay within it, then their results.
+pub const SESSION_RETAINED_BYTES: u64 = 1024 * 1024;
+
+/// Output and results all sessions retain, bytes. A `Submit` (or an `Execute` on a detached
+/// session) whose reservation does not fit after its own session's old output is evicted is
+/// refused: `CapacityExceeded`, budget `retained_output_bytes`.
+pub const DAEMON_RETAINED_BYTES: u64 = 64 * 1024 * 1024;
+
+/// Results of finished cells a session keeps for `CellStatus` and `Attach` (the newest); an
+/// older cell is `NoSuchCell`.
+pub const RESULTS_KEPT: usize = 8;
 
 /// Largest decoded `data` of one `PutFile` call, bytes: base64 of it fits the daemon's 4 MiB
 /// message bound. Bigger files are passed as a descriptor.
@@ -952,6 +1041,22 @@ pub enum KernelError {
     /// The daemon is stopping.
     #[serde(rename = "org.sandcell.Kernel.ShuttingDown")]
     ShuttingDown {},
+    /// The session has no record of that cell (never started, or its record was dropped).
+    #[serde(rename = "org.sandcell.Kernel.NoSuchCell")]
+    NoSuchCell {
+        /// Session id.
+        session: String,
+        /// Cell number.
+        cell: u64,
+    },
+    /// A newer `Attach` to the same cell took over this attachment.
+    #[serde(rename = "org.sandcell.Kernel.AttachmentReplaced")]
+    AttachmentReplaced {
+        /// Session id.
+        session: String,
+        /// Cell number.
+        cell: u64,
+    },
 }
 
 impl std::fmt::Display for KernelError {
@@ -1126,6 +1231,17 @@ mod tests {
             ),
             ("DeleteFile", round_trip::<DeleteFileParams>, empty),
             (
+                "Submit",
+                round_trip::<SubmitParams>,
+                round_trip::<SubmitReply>,
+            ),
+            ("Attach", round_trip::<CellParams>, round_trip::<FrameReply>),
+            (
+                "CellStatus",
+                round_trip::<CellParams>,
+                round_trip::<CellStatusReply>,
+            ),
+            (
                 "ListEnvironments",
                 round_trip::<ListEnvironmentsParams>,
                 round_trip::<ListEnvironmentsReply>,
@@ -1170,6 +1286,8 @@ mod tests {
             KernelError::NoSuchEnvironment { .. } => "NoSuchEnvironment",
             KernelError::EnvironmentMismatch { .. } => "EnvironmentMismatch",
             KernelError::ShuttingDown {} => "ShuttingDown",
+            KernelError::NoSuchCell { .. } => "NoSuchCell",
+            KernelError::AttachmentReplaced { .. } => "AttachmentReplaced",
         }
     }
 
@@ -1214,6 +1332,8 @@ mod tests {
             "NoSuchEnvironment",
             "EnvironmentMismatch",
             "ShuttingDown",
+            "NoSuchCell",
+            "AttachmentReplaced",
         ];
         for n in all {
             assert!(

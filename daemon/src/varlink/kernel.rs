@@ -231,9 +231,51 @@ pub async fn handle(
                 core.execute(caller, &p.session, p.code, tx).await
             };
             match started {
-                Ok(()) => stream_frames(w, &call, rx, core).await,
+                Ok(()) => match stream_frames(w, &call, rx, core).await? {
+                    Streamed::Result => Ok(()),
+                    Streamed::Replaced(cell) => {
+                        let session = params::<ExecuteParams>(&call)
+                            .map(|p| p.session)
+                            .unwrap_or_default();
+                        send_kernel_error(
+                            w,
+                            &call,
+                            KernelError::AttachmentReplaced { session, cell },
+                        )
+                        .await
+                    }
+                    Streamed::Stopped => {
+                        // The session ended without a result (it cannot normally happen:
+                        // every path sends one).
+                        let e = KernelError::WorkerFailed {
+                            reason: "the session ended without a result".into(),
+                        };
+                        send_kernel_error(w, &call, e).await
+                    }
+                },
                 Err(e) => send_kernel_error(w, &call, e).await,
             }
+        }
+        "Submit" => {
+            let p = parse!(k::SubmitParams);
+            match core.submit(caller, &p.session, p.code).await {
+                Ok(cell) => send_reply(w, &call, k::SubmitReply { cell }, false).await,
+                Err(e) => send_kernel_error(w, &call, e).await,
+            }
+        }
+        "CellStatus" => {
+            let p = parse!(k::CellParams);
+            match core.cell_status(caller, &p.session, p.cell).await {
+                Ok(r) => send_reply(w, &call, r, false).await,
+                Err(e) => send_kernel_error(w, &call, e).await,
+            }
+        }
+        "Attach" => {
+            if !call.more() {
+                return send_error(w, &call, service_error("ExpectedMore", json!({}))).await;
+            }
+            let p = parse!(k::CellParams);
+            attach(core, caller, w, &call, p).await
         }
         "Open" => {
             let p = parse!(OpenParams);
@@ -409,50 +451,122 @@ async fn put_file(
     Ok(json!(k::PutFileReply { file }))
 }
 
-/// Writes a cell's frames as they come; the `started` frame names the session as clients see
-/// it ([`Core::public_id`]).
+/// How a stream of frames ended.
+enum Streamed {
+    /// With the result (the call is answered).
+    Result,
+    /// A newer `Attach` took over (the cell's number); the call still needs its error.
+    Replaced(u64),
+    /// The frames stopped without a result; the call still needs its error.
+    Stopped,
+}
+
+/// Appends `frame` as a reply (continued unless it carries the result) to `buf`; the
+/// `started` frame names the session as clients see it ([`Core::public_id`]). Returns
+/// whether it was the last.
+fn encode_frame(buf: &mut Vec<u8>, mut frame: Frame, core: &Core) -> std::io::Result<bool> {
+    let last = frame.result.is_some();
+    if let Some(s) = frame.started.as_mut() {
+        s.session = core.public_id(&s.session);
+    }
+    let reply = Reply::new(Some(FrameReply { frame })).set_continues((!last).then_some(true));
+    socket::encode(buf, &reply)?;
+    Ok(last)
+}
+
+/// Writes a cell's frames as they come.
 async fn stream_frames(
     w: &Writer,
     call: &Call<RawCall>,
     mut rx: mpsc::Receiver<Frame>,
     core: &Core,
-) -> Sent {
+) -> std::io::Result<Streamed> {
     let mut buf: Vec<u8> = Vec::new();
+    let mut cell = 0;
     while let Some(first) = rx.recv().await {
         // Every frame already queued goes out in one write: a short cell's output and result
         // reach the client together. Bounded by FRAME_BATCH_BYTES.
         buf.clear();
         let mut next = Some(first);
         let mut last = false;
-        while let Some(mut frame) = next.take() {
-            last = frame.result.is_some();
-            if let Some(s) = frame.started.as_mut() {
-                s.session = core.public_id(&s.session);
+        let mut replaced = false;
+        while let Some(frame) = next.take() {
+            if crate::cells::is_replaced(&frame) {
+                replaced = true;
+                break;
             }
-            let reply =
-                Reply::new(Some(FrameReply { frame })).set_continues((!last).then_some(true));
-            socket::encode(&mut buf, &reply)?;
+            if let Some(s) = &frame.started {
+                cell = s.cell;
+            }
+            last = encode_frame(&mut buf, frame, core)?;
             if !last && buf.len() < FRAME_BATCH_BYTES {
                 next = rx.try_recv().ok();
             }
         }
-        if !call.oneway() {
+        if !call.oneway() && !buf.is_empty() {
             w.write_all(&buf).await?;
         }
         if last {
-            return Ok(());
+            return Ok(Streamed::Result);
+        }
+        if replaced {
+            return Ok(Streamed::Replaced(cell));
         }
     }
-    // The session ended without a result (it cannot normally happen: every path sends one).
-    send_kernel_error(
-        w,
-        call,
-        KernelError::WorkerFailed {
-            reason: "the session ended without a result".into(),
-        },
-    )
-    .await
+    Ok(Streamed::Stopped)
 }
+
+/// `Attach`: the retained frames, written at once under a reply-budget charge (socket.rs,
+/// `ReplyCharge`: they are up to 256 KiB of text, escaped up to six times), then the live
+/// frames until the result, or `AttachmentReplaced` when a newer `Attach` takes over.
+async fn attach(
+    core: &Core,
+    caller: &Caller,
+    w: &Writer,
+    call: &Call<RawCall>,
+    p: k::CellParams,
+) -> Sent {
+    let charge = match socket::ReplyCharge::new(caller.uid, ATTACH_REPLY_CHARGE) {
+        Ok(c) => c,
+        Err(r) => return send_kernel_error(w, call, reply_refused(r)).await,
+    };
+    let (tx, rx) = mpsc::channel::<Frame>(64);
+    let replay = match core.attach(caller, &p.session, p.cell, tx).await {
+        Ok(r) => r,
+        Err(e) => return send_kernel_error(w, call, e).await,
+    };
+    let mut buf = Vec::new();
+    let mut last = false;
+    for frame in replay {
+        last = encode_frame(&mut buf, frame, core)?;
+    }
+    let mut charge = charge;
+    if let Err(r) = charge.resize(buf.len()) {
+        drop(buf);
+        return send_kernel_error(w, call, reply_refused(r)).await;
+    }
+    if !call.oneway() {
+        w.write_reply(&buf).await?;
+    }
+    drop(buf);
+    drop(charge);
+    if last {
+        return Ok(());
+    }
+    let e = match stream_frames(w, call, rx, core).await? {
+        Streamed::Result => return Ok(()),
+        Streamed::Replaced(_) => KernelError::AttachmentReplaced {
+            session: p.session,
+            cell: p.cell,
+        },
+        Streamed::Stopped => core.stream_lost(caller, &p.session).await,
+    };
+    send_kernel_error(w, call, e).await
+}
+
+/// Bytes charged up front for an `Attach` replay: both streams' retained text, escaped, and
+/// a retained result. The encoded replay is charged at its real size before it is written.
+const ATTACH_REPLY_CHARGE: usize = 2 * 1024 * 1024;
 
 /// Bytes of serialized frames after which a batch is written without waiting for more queued
 /// frames (a frame's text is at most 64 KiB, six bytes per byte when escaped).

@@ -256,6 +256,28 @@ class AsyncClient:
         """Interrupts cell ``cell`` of ``session``; see :meth:`sandcell.Client.interrupt`."""
         return await self._call(P.op_interrupt(P.local_session_id(session, self.node), cell))
 
+    async def submit(self, session: str, code: str) -> int:
+        """Starts a cell without waiting; see :meth:`sandcell.Client.submit`."""
+        params = {"session": P.local_session_id(session, self.node), "code": code}
+        return int((await self._call(P.op_simple("Submit", params)))["cell"])
+
+    async def attach(
+        self,
+        session: str,
+        cell: int,
+        on_output: OnOutput | None = None,
+        *,
+        on_started: OnStarted | None = None,
+    ) -> CellResult:
+        """Follows a cell; see :meth:`sandcell.Client.attach`."""
+        params = {"session": P.local_session_id(session, self.node), "cell": cell}
+        return await self._call(P.op_cell("Attach", params, on_output, on_started))
+
+    async def cell_status(self, session: str, cell: int) -> dict[str, Any]:
+        """A cell's state without waiting; see :meth:`sandcell.Client.cell_status`."""
+        params = {"session": P.local_session_id(session, self.node), "cell": cell}
+        return await self._call(P.op_simple("CellStatus", params))
+
     async def close_session(self, session: str) -> None:
         """Ends a session by id."""
         await self._call(

@@ -267,6 +267,36 @@ class Client:
         not running."""
         return self._call(P.op_interrupt(P.local_session_id(session, self.node), cell))
 
+    def submit(self, session: str, code: str) -> int:
+        """Starts ``code`` as the next cell of ``session`` and returns its number at once
+        (``Submit``). The cell runs on without this client; its output is retained (the first
+        and last 64 KiB of each stream) for :meth:`attach`. Raises :class:`SessionBusy`,
+        :class:`NoSuchSession`, :class:`CapacityExceeded` (``retained_output_bytes``), ..."""
+        params = {"session": P.local_session_id(session, self.node), "code": code}
+        return int(self._call(P.op_simple("Submit", params))["cell"])
+
+    def attach(
+        self,
+        session: str,
+        cell: int,
+        on_output: OnOutput | None = None,
+        *,
+        on_started: OnStarted | None = None,
+    ) -> CellResult:
+        """Follows cell ``cell`` of ``session`` (``Attach``): the retained output, then live
+        output, until its :class:`sandcell.CellResult` (``raw["retained"]`` has the bytes
+        seen, kept and dropped per stream). Raises :class:`NoSuchCell`,
+        :class:`AttachmentReplaced` (a newer attach took over)."""
+        params = {"session": P.local_session_id(session, self.node), "cell": cell}
+        return self._call(P.op_cell("Attach", params, on_output, on_started))
+
+    def cell_status(self, session: str, cell: int) -> dict[str, Any]:
+        """The cell's state without waiting (``CellStatus``): ``{"state": "running"}``, or
+        its status (``"ok"``, ``"error"``, ...) with ``"result"`` (the daemon's result dict,
+        with ``retained`` counts). Raises :class:`NoSuchCell`."""
+        params = {"session": P.local_session_id(session, self.node), "cell": cell}
+        return self._call(P.op_simple("CellStatus", params))
+
     def close_session(self, session: str) -> None:
         """Ends a session by id: its worker and everything it started are killed."""
         self._call(P.op_simple("Close", {"session": P.local_session_id(session, self.node)}))

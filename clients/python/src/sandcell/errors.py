@@ -182,6 +182,20 @@ class ShuttingDown(VarlinkError):
     """The daemon is shutting down and takes no new work."""
 
 
+class NoSuchCell(VarlinkError):
+    """The session has no record of cell ``cell``: never started, not started by ``Submit``
+    or by ``Execute`` on a detached session, or older than the session's newest 8 finished
+    cells."""
+
+    fields = ("session", "cell")
+
+
+class AttachmentReplaced(VarlinkError):
+    """A newer ``Attach`` to cell ``cell`` took over; this attachment ends."""
+
+    fields = ("session", "cell")
+
+
 # org.varlink.service errors without a kernel namesake.
 
 
@@ -250,6 +264,8 @@ _REGISTRY: dict[str, type[VarlinkError]] = {
         NoSuchEnvironment,
         EnvironmentMismatch,
         ShuttingDown,
+        NoSuchCell,
+        AttachmentReplaced,
         InterfaceNotFound,
         MethodNotFound,
         MethodNotImplemented,

@@ -1,0 +1,662 @@
+//! Cells that outlive their client: the records of cells started by `Submit` (and by
+//! `Execute` on a detached session), their retained output, and the relay between a
+//! session's actor and whoever is attached.
+//!
+//! Such a cell's frames go from the actor to a *relay* task instead of to a connection. The
+//! relay drains them at once (the actor never waits for a client that is not there), keeps
+//! what [`Kept`] retains of each stream and the result, and forwards each frame to the
+//! cell's attachment if it has one (then a slow reader slows the cell as for `Execute`: the
+//! relay waits, the actor's channel fills, and the actor stops reading the worker's pipes).
+//!
+//! Bounds (all in `sandcell_proto::kernel`): per stream the first [`k::RETAIN_HEAD_BYTES`]
+//! and the last [`k::RETAIN_TAIL_BYTES`] of text; a retained result at most
+//! [`k::RETAINED_RESULT_BYTES`]; per session [`k::SESSION_RETAINED_BYTES`] (older cells'
+//! output is evicted first, then their records) and the newest [`k::RESULTS_KEPT`] finished
+//! records; daemon-wide [`k::DAEMON_RETAINED_BYTES`], reserved up front per running cell
+//! ([`RESERVE`]) and refused (`CapacityExceeded`) when it does not fit.
+
+use crate::session::Session;
+use sandcell_proto::kernel::{
+    self as k, CellResult, Frame, Output, Retained, RetainedStats, Started, Stream,
+};
+use sandcell_proto::worker::MAX_OUTPUT_CHUNK;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::sync::{Notify, mpsc, oneshot};
+
+/// Bytes a running cell's record reserves of its session's and the daemon's budgets: both
+/// streams' head and tail, and a retained result.
+pub const RESERVE: u64 =
+    2 * (k::RETAIN_HEAD_BYTES + k::RETAIN_TAIL_BYTES) + k::RETAINED_RESULT_BYTES;
+
+/// Bytes charged daemon-wide now (the sum of every live [`Charge`]).
+static DAEMON_USE: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes of retained output and results charged daemon-wide now.
+pub fn daemon_use() -> u64 {
+    DAEMON_USE.load(Ordering::SeqCst)
+}
+
+/// A charge against the daemon-wide retention budget ([`k::DAEMON_RETAINED_BYTES`]),
+/// released when dropped; it only ever shrinks after it is taken.
+#[derive(Debug)]
+pub struct Charge(u64);
+
+impl Charge {
+    /// Charges `bytes`, or returns the bytes in use when they do not fit.
+    pub fn new(bytes: u64) -> Result<Charge, u64> {
+        let mut cur = DAEMON_USE.load(Ordering::SeqCst);
+        loop {
+            if cur + bytes > k::DAEMON_RETAINED_BYTES {
+                return Err(cur);
+            }
+            match DAEMON_USE.compare_exchange(cur, cur + bytes, Ordering::SeqCst, Ordering::SeqCst)
+            {
+                Ok(_) => return Ok(Charge(bytes)),
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// Lowers the charge to `to` bytes (never raises it).
+    fn shrink(&mut self, to: u64) {
+        if to < self.0 {
+            DAEMON_USE.fetch_sub(self.0 - to, Ordering::SeqCst);
+            self.0 = to;
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        self.0
+    }
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        DAEMON_USE.fetch_sub(self.0, Ordering::SeqCst);
+    }
+}
+
+/// What is retained of one stream of one cell: the first [`k::RETAIN_HEAD_BYTES`] and the
+/// last [`k::RETAIN_TAIL_BYTES`] of its text, in chunks (consecutive pieces merged up to a
+/// frame's [`MAX_OUTPUT_CHUNK`], keeping the first piece's `seq`), cut on characters.
+#[derive(Debug, Default)]
+struct Kept {
+    seen: u64,
+    head: Vec<(u64, String)>,
+    head_bytes: u64,
+    tail: VecDeque<(u64, String)>,
+    tail_bytes: u64,
+    /// The session's budget took this stream's output (counted as dropped).
+    evicted: bool,
+}
+
+/// Appends `text` (frame `seq`) to the `last` chunk when the result still fits a frame; else
+/// returns the new chunk to push.
+fn push_merged(last: Option<&mut (u64, String)>, seq: u64, text: &str) -> Option<(u64, String)> {
+    match last {
+        Some((_, t)) if t.len() + text.len() <= MAX_OUTPUT_CHUNK => {
+            t.push_str(text);
+            None
+        }
+        _ => Some((seq, text.to_owned())),
+    }
+}
+
+impl Kept {
+    fn push(&mut self, seq: u64, mut text: &str) {
+        self.seen += text.len() as u64;
+        if self.evicted {
+            return;
+        }
+        if self.head_bytes < k::RETAIN_HEAD_BYTES {
+            let mut end = ((k::RETAIN_HEAD_BYTES - self.head_bytes) as usize).min(text.len());
+            while !text.is_char_boundary(end) {
+                end -= 1;
+            }
+            let (h, rest) = text.split_at(end);
+            if !h.is_empty() {
+                if let Some(c) = push_merged(self.head.last_mut(), seq, h) {
+                    self.head.push(c);
+                }
+                self.head_bytes += h.len() as u64;
+            }
+            text = rest;
+        }
+        if text.is_empty() {
+            return;
+        }
+        if let Some(c) = push_merged(self.tail.back_mut(), seq, text) {
+            self.tail.push_back(c);
+        }
+        self.tail_bytes += text.len() as u64;
+        while self.tail_bytes > k::RETAIN_TAIL_BYTES {
+            let excess = (self.tail_bytes - k::RETAIN_TAIL_BYTES) as usize;
+            let Some(front) = self.tail.front_mut() else {
+                break;
+            };
+            if front.1.len() <= excess {
+                self.tail_bytes -= front.1.len() as u64;
+                self.tail.pop_front();
+            } else {
+                let mut cut = excess;
+                while !front.1.is_char_boundary(cut) {
+                    cut += 1;
+                }
+                front.1.drain(..cut);
+                self.tail_bytes -= cut as u64;
+            }
+        }
+    }
+
+    fn kept(&self) -> u64 {
+        self.head_bytes + self.tail_bytes
+    }
+
+    fn stats(&self) -> RetainedStats {
+        RetainedStats {
+            seen: self.seen,
+            kept: self.kept(),
+            dropped: self.seen - self.kept(),
+        }
+    }
+
+    fn evict(&mut self) {
+        self.head = Vec::new();
+        self.tail = VecDeque::new();
+        self.head_bytes = 0;
+        self.tail_bytes = 0;
+        self.evicted = true;
+    }
+}
+
+/// The record of one cell.
+#[derive(Debug)]
+pub struct Record {
+    cell: u64,
+    streams: [Kept; 2],
+    /// The retained copy of the result ([`trim_result`]), once the cell ended.
+    result: Option<CellResult>,
+    /// Bytes of `result` as JSON.
+    result_bytes: u64,
+    /// The cell's frames stopped without a result (the session ended first).
+    lost: bool,
+    /// Where live frames go.
+    attach: Option<mpsc::Sender<Frame>>,
+    /// The attachment is the `Execute` that started the cell and the operator chose
+    /// `interrupt_on_hangup`: its hang-up interrupts the cell.
+    hangup_interrupts: bool,
+    charge: Charge,
+    /// Wakes the relay when the attachment changed.
+    wake: Arc<Notify>,
+}
+
+impl Record {
+    fn done(&self) -> bool {
+        self.result.is_some() || self.lost
+    }
+
+    fn retained(&self) -> Retained {
+        Retained {
+            stdout: self.streams[0].stats(),
+            stderr: self.streams[1].stats(),
+        }
+    }
+
+    /// The `state` of `CellStatus`.
+    fn state(&self) -> String {
+        match (&self.result, self.lost) {
+            (Some(r), _) => r.status.as_str().to_owned(),
+            (None, true) => "lost".to_owned(),
+            (None, false) => "running".to_owned(),
+        }
+    }
+
+    /// The result as `CellStatus` and `Attach` give it: with the retention counts of now.
+    fn result(&self) -> Option<CellResult> {
+        let mut r = self.result.clone()?;
+        r.retained = Some(self.retained());
+        Some(r)
+    }
+
+    /// The frames an `Attach` replays: `started`, the retained output in `seq` order, and
+    /// the result if the cell ended.
+    fn replay(&self, session: &str) -> Vec<Frame> {
+        let mut out: Vec<(u64, Stream, &str)> = Vec::new();
+        for (i, stream) in [(0usize, Stream::Stdout), (1, Stream::Stderr)] {
+            let s = &self.streams[i];
+            out.extend(s.head.iter().map(|(q, t)| (*q, stream, t.as_str())));
+            out.extend(s.tail.iter().map(|(q, t)| (*q, stream, t.as_str())));
+        }
+        out.sort_by_key(|(q, ..)| *q);
+        let mut frames = vec![Frame {
+            started: Some(Started {
+                session: session.to_owned(),
+                cell: self.cell,
+            }),
+            ..Default::default()
+        }];
+        frames.extend(out.into_iter().map(|(seq, stream, text)| Frame {
+            output: Some(Output {
+                cell: self.cell,
+                seq,
+                stream,
+                text: text.to_owned(),
+            }),
+            ..Default::default()
+        }));
+        if let Some(result) = self.result() {
+            frames.push(Frame {
+                result: Some(result),
+                ..Default::default()
+            });
+        }
+        frames
+    }
+
+    /// Drops the retained output (its bytes count as dropped); the result stays.
+    fn evict_output(&mut self) {
+        for s in &mut self.streams {
+            s.evict();
+        }
+        let to = if self.done() {
+            self.result_bytes
+        } else {
+            self.charge.bytes()
+        };
+        self.charge.shrink(to);
+    }
+
+    /// Takes in a frame on its way to the attachment: output is retained, a result gets the
+    /// retention counts and its trimmed copy is kept; the charge shrinks to what is held.
+    fn absorb(&mut self, frame: &mut Frame) {
+        if let Some(o) = &frame.output {
+            let i = usize::from(o.stream == Stream::Stderr);
+            self.streams[i].push(o.seq, &o.text);
+        }
+        if let Some(r) = frame.result.as_mut() {
+            r.retained = Some(self.retained());
+            let copy = trim_result(r.clone());
+            self.result_bytes = json_len(&copy);
+            self.result = Some(copy);
+            let kept = self.streams[0].kept() + self.streams[1].kept();
+            self.charge.shrink(kept + self.result_bytes);
+        }
+    }
+}
+
+fn json_len(r: &CellResult) -> u64 {
+    serde_json::to_vec(r).map(|v| v.len() as u64).unwrap_or(0)
+}
+
+/// Cuts `s` to at most `max` bytes on a character boundary.
+fn cut(s: &mut String, max: usize) {
+    if s.len() > max {
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+    }
+}
+
+/// The copy of a result a record keeps: at most [`k::RETAINED_RESULT_BYTES`] of JSON. A
+/// longer one loses `files` entries from the end, then its error texts and warnings are cut
+/// (to 4 KiB each, 16 warnings of 1 KiB); a warning says what was left out.
+fn trim_result(mut r: CellResult) -> CellResult {
+    let max = k::RETAINED_RESULT_BYTES;
+    if json_len(&r) <= max {
+        return r;
+    }
+    let files = r.files.len();
+    while !r.files.is_empty() && json_len(&r) > max - 256 {
+        let n = r.files.len().div_ceil(8);
+        r.files.truncate(r.files.len() - n);
+    }
+    if json_len(&r) > max - 256 {
+        r.warnings.truncate(16);
+        for w in &mut r.warnings {
+            cut(w, 1024);
+        }
+        if let Some(e) = r.error.as_mut() {
+            cut(&mut e.kind, 1024);
+            cut(&mut e.message, 4096);
+            if let Some(t) = e.traceback.as_mut() {
+                cut(t, 4096);
+            }
+            if let Some(c) = e.call.as_mut() {
+                cut(c, 1024);
+            }
+        }
+    }
+    r.warnings.push(format!(
+        "the retained result was cut to {max} bytes ({} of {files} file entries kept)",
+        r.files.len()
+    ));
+    r
+}
+
+/// The records of one session's cells, oldest first.
+#[derive(Debug, Default)]
+pub struct CellLog {
+    records: Mutex<VecDeque<Arc<Mutex<Record>>>>,
+}
+
+/// Why a cell could not be given a record.
+#[derive(Debug)]
+pub struct NoRoom {
+    /// Bytes charged daemon-wide.
+    pub in_use: u64,
+}
+
+impl CellLog {
+    fn get(&self, cell: u64) -> Option<Arc<Mutex<Record>>> {
+        self.records
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|r| r.lock().unwrap().cell == cell)
+            .cloned()
+    }
+
+    /// Bytes the session's records hold or have reserved.
+    pub fn bytes(&self) -> u64 {
+        self.records
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|r| r.lock().unwrap().charge.bytes())
+            .sum()
+    }
+
+    /// Number of records (finished and running).
+    pub fn len(&self) -> usize {
+        self.records.lock().unwrap().len()
+    }
+
+    /// Whether the session has no record.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Makes room for `need` more bytes within [`k::SESSION_RETAINED_BYTES`] (or all the
+    /// room there is, with `everything`): evicts finished cells' output, oldest first, then
+    /// their records; and keeps at most [`k::RESULTS_KEPT`] finished records.
+    fn make_room(&self, need: u64, everything: bool) {
+        let mut recs = self.records.lock().unwrap();
+        let mut finished = recs.iter().filter(|r| r.lock().unwrap().done()).count();
+        while finished > k::RESULTS_KEPT {
+            let Some(i) = recs.iter().position(|r| r.lock().unwrap().done()) else {
+                break;
+            };
+            recs.remove(i);
+            finished -= 1;
+        }
+        let total = |recs: &VecDeque<Arc<Mutex<Record>>>| -> u64 {
+            recs.iter().map(|r| r.lock().unwrap().charge.bytes()).sum()
+        };
+        for r in recs.iter() {
+            if !everything && total(&recs) + need <= k::SESSION_RETAINED_BYTES {
+                return;
+            }
+            let mut r = r.lock().unwrap();
+            if r.done() {
+                r.evict_output();
+            }
+        }
+        while total(&recs) + need > k::SESSION_RETAINED_BYTES {
+            let Some(i) = recs.iter().position(|r| r.lock().unwrap().done()) else {
+                break;
+            };
+            recs.remove(i);
+        }
+    }
+
+    /// Reserves [`RESERVE`] bytes for a new cell's record: room is made in the session first
+    /// ([`CellLog::make_room`]); when the daemon-wide budget still has no room, the session's
+    /// own finished output goes too, and then it is refused.
+    pub fn reserve(&self) -> Result<Charge, NoRoom> {
+        self.make_room(RESERVE, false);
+        Charge::new(RESERVE).or_else(|_| {
+            self.make_room(RESERVE, true);
+            Charge::new(RESERVE).map_err(|in_use| NoRoom { in_use })
+        })
+    }
+
+    /// `CellStatus`: (state, result), or `None` for a cell without a record.
+    pub fn status(&self, cell: u64) -> Option<(String, Option<CellResult>)> {
+        let rec = self.get(cell)?;
+        let r = rec.lock().unwrap();
+        Some((r.state(), r.result()))
+    }
+
+    /// `Attach`: the frames to replay (ending with the result if the cell ended), and, for a
+    /// running cell, `to` becomes its attachment; an older one is told it was replaced (an
+    /// empty frame, see [`is_replaced`]). `None` for a cell without a record.
+    pub fn attach(&self, session: &str, cell: u64, to: mpsc::Sender<Frame>) -> Option<Vec<Frame>> {
+        let rec = self.get(cell)?;
+        let mut r = rec.lock().unwrap();
+        let replay = r.replay(session);
+        if !r.done() {
+            if let Some(old) = r.attach.replace(to) {
+                tell_replaced(old);
+            }
+            r.hangup_interrupts = false;
+            r.wake.notify_one();
+        }
+        Some(replay)
+    }
+}
+
+/// The frame that tells an attachment a newer `Attach` took over (a frame with no field set,
+/// which no cell sends).
+pub fn is_replaced(frame: &Frame) -> bool {
+    *frame == Frame::default()
+}
+
+fn tell_replaced(old: mpsc::Sender<Frame>) {
+    if let Err(mpsc::error::TrySendError::Full(f)) = old.try_send(Frame::default()) {
+        // A slow reader gets it after what it has queued (or never, if it hangs up).
+        tokio::spawn(async move {
+            let _ = old.send(f).await;
+        });
+    }
+}
+
+/// Starts the relay of a cell whose frames the actor sends on `rx` (see the module
+/// documentation): its record, charged `charge`, joins `session`'s log when the `started`
+/// frame arrives, and the cell's number is sent on the returned channel (which closes
+/// without one when the session ended before the cell started). `attach` is the first
+/// attachment (an `Execute`'s client); `hangup_interrupts`: its hang-up interrupts the cell.
+pub fn relay(
+    session: Arc<Session>,
+    mut rx: mpsc::Receiver<Frame>,
+    attach: Option<mpsc::Sender<Frame>>,
+    hangup_interrupts: bool,
+    charge: Charge,
+) -> oneshot::Receiver<u64> {
+    let (started_tx, started_rx) = oneshot::channel();
+    tokio::spawn(async move {
+        let Some(first) = rx.recv().await else {
+            return;
+        };
+        let Some(cell) = first.started.as_ref().map(|s| s.cell) else {
+            return;
+        };
+        let wake = Arc::new(Notify::new());
+        let rec = Arc::new(Mutex::new(Record {
+            cell,
+            streams: Default::default(),
+            result: None,
+            result_bytes: 0,
+            lost: false,
+            attach: attach.clone(),
+            hangup_interrupts,
+            charge,
+            wake: wake.clone(),
+        }));
+        session.cells.records.lock().unwrap().push_back(rec.clone());
+        let _ = started_tx.send(cell);
+        if let Some(tx) = attach {
+            deliver(&session, &rec, &wake, tx, first).await;
+        }
+        loop {
+            let target = rec.lock().unwrap().attach.clone();
+            tokio::select! {
+                frame = rx.recv() => {
+                    let Some(mut frame) = frame else {
+                        let mut r = rec.lock().unwrap();
+                        if !r.done() {
+                            r.lost = true;
+                            r.attach = None;
+                            let to = r.streams[0].kept() + r.streams[1].kept();
+                            r.charge.shrink(to);
+                        }
+                        break;
+                    };
+                    let last = frame.result.is_some();
+                    let target = {
+                        let mut r = rec.lock().unwrap();
+                        r.absorb(&mut frame);
+                        r.attach.clone()
+                    };
+                    if let Some(tx) = target {
+                        deliver(&session, &rec, &wake, tx, frame).await;
+                    }
+                    if last {
+                        rec.lock().unwrap().attach = None;
+                        session.cells.make_room(0, false);
+                        break;
+                    }
+                }
+                () = attachment_closed(&target) => {
+                    if let Some(tx) = &target {
+                        hung_up(&session, &rec, tx);
+                    }
+                }
+                () = wake.notified() => {}
+            }
+        }
+    });
+    started_rx
+}
+
+async fn attachment_closed(target: &Option<mpsc::Sender<Frame>>) {
+    match target {
+        Some(tx) => tx.closed().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sends `frame` to the attachment `tx`, unless a newer attachment replaces it meanwhile.
+async fn deliver(
+    session: &Arc<Session>,
+    rec: &Arc<Mutex<Record>>,
+    wake: &Notify,
+    tx: mpsc::Sender<Frame>,
+    frame: Frame,
+) {
+    tokio::select! {
+        sent = tx.send(frame) => if sent.is_err() {
+            hung_up(session, rec, &tx);
+        },
+        () = wake.notified() => {}
+    }
+}
+
+/// The attachment `tx` went away: the cell runs on unattached, or, when it was the
+/// `Execute` that started it and the operator chose `interrupt_on_hangup`, is interrupted.
+fn hung_up(session: &Arc<Session>, rec: &Arc<Mutex<Record>>, tx: &mpsc::Sender<Frame>) {
+    let (cell, interrupt) = {
+        let mut r = rec.lock().unwrap();
+        if !r.attach.as_ref().is_some_and(|a| a.same_channel(tx)) {
+            return;
+        }
+        r.attach = None;
+        (r.cell, std::mem::take(&mut r.hangup_interrupts))
+    };
+    if interrupt {
+        tracing::info!(session = %session.id, cell, "client gone during the cell: interrupting it (interrupt_on_hangup)");
+        let s = session.clone();
+        tokio::spawn(async move {
+            s.interrupt(cell).await;
+        });
+    } else {
+        tracing::info!(session = %session.id, cell, "client gone during the cell: it runs on, its output retained");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flood_keeps_head_and_tail_with_exact_counts() {
+        let mut s = Kept::default();
+        let line = "0123456789abcdef".repeat(64); // 1 KiB
+        for seq in 0..1000u64 {
+            s.push(seq, &line);
+        }
+        let st = s.stats();
+        assert_eq!(st.seen, 1000 * 1024);
+        assert_eq!(st.kept, k::RETAIN_HEAD_BYTES + k::RETAIN_TAIL_BYTES);
+        assert_eq!(st.seen, st.kept + st.dropped);
+        assert_eq!(s.head[0].0, 0, "the head starts with the first frame");
+        assert!(s.tail.len() <= 2, "{} tail chunks", s.tail.len());
+        let tail: String = s.tail.iter().map(|(_, t)| t.as_str()).collect();
+        assert!(tail.ends_with(&line));
+        // Characters are never cut.
+        let mut u = Kept::default();
+        for seq in 0..100_000u64 {
+            u.push(seq, "✓");
+        }
+        assert!(u.head_bytes <= k::RETAIN_HEAD_BYTES && u.tail_bytes <= k::RETAIN_TAIL_BYTES);
+        assert_eq!(u.stats().seen, 300_000);
+        u.evict();
+        assert_eq!(u.stats().dropped, 300_000);
+    }
+
+    #[test]
+    fn the_daemon_budget_is_a_hard_cap() {
+        let mut held = Vec::new();
+        while let Ok(c) = Charge::new(RESERVE) {
+            held.push(c);
+        }
+        assert!(daemon_use() <= k::DAEMON_RETAINED_BYTES);
+        assert!(daemon_use() + RESERVE > k::DAEMON_RETAINED_BYTES);
+        let n = held.len() as u64;
+        assert_eq!(n, k::DAEMON_RETAINED_BYTES / RESERVE);
+        held.truncate(1);
+        held[0].shrink(10);
+        assert!(Charge::new(RESERVE).is_ok());
+    }
+
+    #[test]
+    fn a_big_result_is_trimmed_for_retention() {
+        let r = CellResult {
+            cell: 1,
+            status: k::Status::Ok,
+            error: None,
+            exit_code: None,
+            usage: Default::default(),
+            stdout: Default::default(),
+            stderr: Default::default(),
+            state: k::State::Kept,
+            session_ended: false,
+            warnings: vec!["w".repeat(100_000)],
+            files: (0..1000)
+                .map(|i| k::FileInfo {
+                    name: format!("{i:01000}"),
+                    size: 1,
+                    media_type: "text/plain".into(),
+                    kind: k::FileKind::File,
+                    modified: 0.0,
+                })
+                .collect(),
+            retained: None,
+        };
+        let t = trim_result(r);
+        assert!(json_len(&t) <= k::RETAINED_RESULT_BYTES, "{}", json_len(&t));
+    }
+}
