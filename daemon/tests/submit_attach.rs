@@ -374,6 +374,54 @@ async fn r_cells_submit_and_attach() {
     assert_eq!(out.stdout, "8 \n");
 }
 
+/// `sandcellctl submit` prints the cell number at once, `cell-status` the state and the
+/// retention counts, `attach` the retained output and the exit status of `exec`.
+#[tokio::test]
+async fn sandcellctl_submits_attaches_and_asks() {
+    let ctl = common::bin_dir().join("sandcellctl");
+    if !ctl.exists() {
+        sandcell_testing::skip!("built", "{} not built", ctl.display());
+    }
+    let d = Daemon::start(&[]);
+    let mut a = d.client().await;
+    let s = a.open("python", None, Some(60)).await.unwrap().session;
+    let work = tempfile::tempdir().unwrap();
+    let code = work.path().join("cell.py");
+    std::fs::write(
+        &code,
+        "import time\nprint('one')\ntime.sleep(1)\nprint('two')\n",
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(&ctl)
+            .arg("--socket")
+            .arg(&d.socket)
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8(out.stdout).unwrap(),
+            String::from_utf8(out.stderr).unwrap(),
+        )
+    };
+    let (code_, out, err) = run(&["submit", &s, code.to_str().unwrap()]);
+    assert_eq!((code_, out.as_str()), (Some(0), "1\n"), "{err}");
+    let (code_, out, err) = run(&["cell-status", &s, "1"]);
+    assert_eq!((code_, out.as_str()), (Some(0), "running\n"), "{err}");
+    let (code_, out, err) = run(&["attach", &s, "1"]);
+    assert_eq!((code_, out.as_str()), (Some(0), "one\ntwo\n"), "{err}");
+    let (code_, out, err) = run(&["cell-status", &s, "1"]);
+    assert_eq!(code_, Some(0), "{err}");
+    assert_eq!(
+        out,
+        "ok\nstdout: 8 bytes seen, 8 retained, 0 dropped\nstderr: 0 bytes seen, 0 retained, 0 dropped\n"
+    );
+    let (code_, _, err) = run(&["cell-status", &s, "5"]);
+    assert_ne!(code_, Some(0));
+    assert!(err.contains("NoSuchCell"), "{err}");
+}
+
 fn call_as(
     uid: u32,
     socket: &std::path::Path,
