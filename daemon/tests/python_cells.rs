@@ -127,12 +127,16 @@ async fn back_to_back_cells_never_find_the_session_busy() {
     }
 }
 
-/// A client that goes away during a cell (Ctrl-C on sandcellctl) costs that cell, not the
-/// session: the cell is interrupted, and the detached session keeps its variables for the
-/// next connection. The same holds for a session used from a second connection of its owner.
+/// With `interrupt_on_hangup`, a client that goes away during a cell (Ctrl-C on sandcellctl)
+/// costs that cell, not the session: the cell is interrupted, and the detached session keeps
+/// its variables for the next connection. The same holds for a session used from a second
+/// connection of its owner. (Without it the cell runs on: `submit_attach.rs`.)
 #[tokio::test]
 async fn a_client_gone_mid_cell_interrupts_the_cell_and_keeps_the_session() {
-    let d = Daemon::start(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "120")]);
+    let d = Daemon::start(&[
+        ("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "120"),
+        ("SANDCELL_INTERRUPT_ON_HANGUP", "true"),
+    ]);
     let mut owner = d.client().await;
     let s = owner.open("python", None, Some(300)).await.unwrap().session;
     owner.execute_collect(&s, "x = 41").await.unwrap();
