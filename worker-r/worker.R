@@ -48,6 +48,19 @@
 # allowed only there: an error shows <repr failed: class>, the call the budget (or the
 # daemon's SIGINT) ends <repr timed out>, later values <repr skipped: time budget used up>.
 #
+# Host calls: host_call("name", list(...)) in a cell calls a tool of the client and returns
+# its result (a list, from jsonlite::fromJSON(simplifyVector = FALSE)); the tool's error, a
+# timeout, or a session without host_calls raise an error of class hostCallError. Only in a
+# cell whose request says host_calls=1; the name (1 to 128 bytes of [A-Za-z0-9_.-]) and the
+# arguments (a named list, at most 256 KiB of JSON from jsonlite::toJSON) are checked before
+# one `host_call` line is sent (echoing the nonce, numbered per session from 1). The answer is
+# the `host_reply` request naming that call; R cannot wait on a pipe interruptibly, so it is
+# read by polling a second, non-blocking connection to fd 3 between short Sys.sleep()s, which
+# the daemon's SIGINT and setTimeLimit() end. Nothing is buffered on the request connection
+# ahead of it (the daemon writes nothing else while a cell runs); a `host_reply` naming
+# another call (one given up on) is skipped, here and between requests. jsonlite must be
+# installed (r-cran-jsonlite), else host_call raises.
+#
 # quit() and q() in a cell end the session: the worker reports `done` with status `exited`
 # and the requested exit code, then exits with that status (R's own .Last and exit
 # finalizers run when runLast = TRUE). base::quit() called directly still reports `exited`
@@ -88,6 +101,9 @@ MAX_VARIABLE_TYPE <- 256L # bytes
 MAX_REPR_CHARS <- 200L # characters, "..." included
 MAX_SHAPE_DIMS <- 64L
 MAX_INSPECT_LINE <- 512L * 1024L # bytes of one `inspected` line
+MAX_HOST_CALL_NAME <- 128L # bytes of [A-Za-z0-9_.-]
+MAX_HOST_CALL_ARGUMENTS <- 256L * 1024L # bytes of JSON
+MAX_HEADER_LINE <- 256L # bytes of a request header
 IN_PATH <- "/proc/self/fd/3"
 OUT_PATH <- "/proc/self/fd/4"
 
@@ -98,6 +114,9 @@ state$cell <- NULL # id (digits, as text) of the running cell, NULL between cell
 state$nonce <- NULL # the running request's nonce (16 hex digits), echoed in its `done`
 state$done_sent <- FALSE
 state$warnings <- character(0)
+state$host_calls <- FALSE # the running cell may make host calls
+state$host_seq <- 0 # id of the session's last host call
+state$host_busy <- FALSE
 
 ## ---- text: bounding and escaping -----------------------------------------------------
 
@@ -301,6 +320,91 @@ read_request <- function() {
   payload <- if (len > 0) readBin(con, "raw", n = as.integer(len)) else raw(0)
   if (length(payload) < len) return(NULL)
   list(op = parts[[1L]], cell = parts[[2L]], payload = payload, opts = opts)
+}
+
+## ---- host calls ----------------------------------------------------------------------
+
+host_call_error <- function(msg) {
+  structure(class = c("hostCallError", "error", "condition"),
+    list(message = bound_text(msg, MAX_ERROR_MESSAGE), call = NULL))
+}
+
+# The payload of the `host_reply` naming `call`: polls a non-blocking connection to fd 3,
+# sleeping between reads (interruptible: the daemon's SIGINT and the cell's time limit end
+# the wait).
+host_wait <- function(call) {
+  con <- file(IN_PATH, open = "rb", blocking = FALSE, raw = TRUE)
+  on.exit(close(con))
+  buf <- raw(0)
+  pause <- 0.0005
+  want <- paste0("call=", json_int(call))
+  repeat {
+    nl <- match(as.raw(10L), buf)
+    if (is.na(nl) && length(buf) > MAX_HEADER_LINE) protocol_fail("request header too long")
+    if (!is.na(nl)) {
+      parts <- strsplit(rawToChar(buf[seq_len(nl - 1L)]), " ", fixed = TRUE)[[1L]]
+      if (length(parts) < 3L || !identical(parts[[1L]], "host_reply") ||
+        !grepl("^[0-9]+$", parts[[3L]])) {
+        protocol_fail("unexpected request while a host call waits")
+      }
+      end <- nl + as.numeric(parts[[3L]])
+      if (length(buf) >= end) {
+        payload <- buf[seq.int(nl + 1L, length.out = end - nl)]
+        buf <- buf[-seq_len(end)]
+        if (want %in% parts[-(1:3)]) {
+          if (length(buf)) protocol_fail("bytes after a host reply")
+          return(payload)
+        }
+        next # the answer to a call given up on
+      }
+    }
+    chunk <- readBin(con, "raw", n = 65536L)
+    if (length(chunk)) {
+      buf <- c(buf, chunk)
+      pause <- 0.0005
+    } else {
+      Sys.sleep(pause)
+      pause <- min(pause * 2, 0.02)
+    }
+  }
+}
+
+# host_call() as the cells see it.
+host_call <- function(name, arguments = list()) {
+  if (!is.character(name) || length(name) != 1L || is.na(name) ||
+    !grepl("^[A-Za-z0-9_.-]+$", name) || nchar(name, type = "bytes") > MAX_HOST_CALL_NAME) {
+    stop(host_call_error(sprintf(
+      "a host call's name is 1 to %d characters of [A-Za-z0-9_.-]", MAX_HOST_CALL_NAME)))
+  }
+  if (!is.list(arguments) || (length(arguments) > 0L &&
+    (is.null(names(arguments)) || any(!nzchar(names(arguments)))))) {
+    stop(host_call_error("a host call's arguments are a named list"))
+  }
+  if (is.null(state$cell) || !isTRUE(state$host_calls)) {
+    stop(host_call_error("host calls are not enabled for this session (open it with host_calls)"))
+  }
+  if (isTRUE(state$host_busy)) stop(host_call_error("another host call waits for its answer"))
+  if (!requireNamespace("jsonlite", quietly = TRUE)) {
+    stop(host_call_error("host_call needs the jsonlite package"))
+  }
+  args <- if (length(arguments) == 0L) "{}" else
+    as.character(jsonlite::toJSON(arguments, auto_unbox = TRUE, null = "null", digits = NA))
+  if (nchar(args, type = "bytes") > MAX_HOST_CALL_ARGUMENTS) {
+    stop(host_call_error(sprintf("a host call's arguments are at most %d bytes of JSON",
+      MAX_HOST_CALL_ARGUMENTS)))
+  }
+  state$host_busy <- TRUE
+  on.exit(state$host_busy <- FALSE)
+  state$host_seq <- state$host_seq + 1
+  call <- state$host_seq
+  line <- paste0("{\"t\":\"host_call\",\"cell\":", state$cell,
+    if (!is.null(state$nonce)) paste0(",\"nonce\":", json_str(state$nonce)),
+    ",\"call\":", json_int(call), ",\"name\":", json_str(name), ",\"arguments\":", args, "}")
+  suspendInterrupts(send_line(line))
+  payload <- host_wait(call)
+  answer <- jsonlite::fromJSON(rawToChar(payload), simplifyVector = FALSE)
+  if (!is.null(answer$error)) stop(host_call_error(as.character(answer$error)))
+  answer$result
 }
 
 ## ---- replies -----------------------------------------------------------------------
@@ -772,10 +876,12 @@ serve <- function(ready = TRUE) {
       state$nonce <- NULL
       next
     }
+    if (identical(req$op, "host_reply")) next # the answer to a call the last cell gave up on
     if (!identical(req$op, "exec")) protocol_fail(paste("unknown request", req$op))
     drain_interrupt()
     state$cell <- req$cell
     state$nonce <- req$opts$nonce
+    state$host_calls <- identical(req$opts$host_calls, 1)
     state$done_sent <- FALSE
     devices <- plot_device_begin(req$cell)
     r <- run_cell(req$cell, req$payload, req$opts)
@@ -821,6 +927,7 @@ give_up <- function() {
 guards <- attach(NULL, name = "sandcell:guards")
 assign("quit", quit_from_cell, envir = guards)
 assign("q", quit_from_cell, envir = guards)
+assign("host_call", host_call, envir = guards)
 assign(".sandcell_resume", resume, envir = guards)
 assign(".sandcell_give_up", give_up, envir = guards)
 lockEnvironment(guards, bindings = TRUE)

@@ -49,6 +49,17 @@
 #   `<repr failed: Type>`, the call the budget ends `<repr timed out>`, and the values after it
 #   `<repr skipped: time budget used up>` (their size and shape left out).
 #
+# - Host calls (`from sandcell import host; host.call("name", {...})`): only in a cell whose
+#   request says `host_calls=1` (the session or run opted in), else HostCallError at once,
+#   without a line. The name (1 to 128 bytes of [A-Za-z0-9_.-]) and the arguments (a dict, at
+#   most 256 KiB of JSON) are checked here first; then one `host_call` line (echoing the nonce,
+#   numbered per session from 1) and a wait for the `host_reply` request naming that call,
+#   read straight from fd 3 (nothing is buffered ahead of it: the daemon writes nothing else
+#   while a cell runs) after a select() with SIGINT and SIGALRM armed, so an interrupt or the
+#   cell's timeout ends the wait. A `host_reply` naming another call (one given up on) is
+#   skipped, here and between requests. One call at a time per cell (a second thread's call
+#   raises HostCallError).
+#
 # Environment read here (set by the launcher): SANDCELL_SESSION_DIR (plots go there; appended
 # to sys.path so uploaded modules import), SANDCELL_PYTHON_PATH (colon-separated extra library
 # directories, put first on sys.path), SANDCELL_PYTHON_PRELOAD (comma-separated modules
@@ -61,6 +72,7 @@ import json
 import linecache
 import os
 import reprlib
+import select
 import signal
 import sys
 import time
@@ -82,11 +94,27 @@ MAX_VARIABLE_TYPE = 256  # bytes
 MAX_REPR_CHARS = 200  # characters, "..." included
 MAX_SHAPE_DIMS = 64
 MAX_INSPECT_LINE = 512 * 1024  # bytes of one `inspected` line
+MAX_HOST_CALL_NAME = 128  # bytes of [A-Za-z0-9_.-]
+MAX_HOST_CALL_ARGUMENTS = 256 * 1024  # bytes of JSON
 WORKER_GLOBALS = globals()
 
 
 class _State:
-    __slots__ = ("armed", "in_cell", "pending", "cell", "plot_seq", "pid", "sources", "sources_bytes", "timer")
+    __slots__ = (
+        "armed",
+        "in_cell",
+        "pending",
+        "cell",
+        "plot_seq",
+        "pid",
+        "sources",
+        "sources_bytes",
+        "timer",
+        "nonce",
+        "host_calls",
+        "host_seq",
+        "host_busy",
+    )
 
 
 S = _State()
@@ -99,6 +127,10 @@ S.pid = os.getpid()
 S.sources = []  # linecache names of past cells, oldest first
 S.sources_bytes = 0
 S.timer = False  # ITIMER_REAL is armed for the running cell
+S.nonce = None  # the running request's nonce
+S.host_calls = False  # the running cell may make host calls
+S.host_seq = 0  # id of the session's last host call
+S.host_busy = False  # a host call waits for its answer
 
 SESSION_DIR = os.environ.get("SANDCELL_SESSION_DIR") or os.getcwd()
 
@@ -196,6 +228,101 @@ def read_request():
     if len(payload) < n:
         return None
     return parts[0], int(parts[1]), payload, opts
+
+
+# ---- host calls ----------------------------------------------------------------------------
+
+
+class HostCallError(Exception):
+    """A host call failed: the client's tool reported an error, it did not answer in time, or
+    host calls are not enabled for this session."""
+
+
+HOST_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+def host_call(name, arguments=None):
+    """Calls the client's tool `name` with `arguments` (a dict) and returns its result (a
+    dict); raises HostCallError with the tool's error."""
+    if arguments is None:
+        arguments = {}
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_HOST_CALL_NAME or not set(name) <= HOST_NAME_CHARS:
+        raise ValueError("a host call's name is 1 to %d characters of [A-Za-z0-9_.-]" % MAX_HOST_CALL_NAME)
+    if not isinstance(arguments, dict):
+        raise TypeError("a host call's arguments are a dict, not %s" % type(arguments).__name__)
+    if os.getpid() != S.pid or not S.in_cell or not S.host_calls:
+        raise HostCallError("host calls are not enabled for this session (open it with host_calls)")
+    if S.host_busy:
+        raise HostCallError("another host call of this cell waits for its answer")
+    args = json.dumps(arguments, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    if len(args.encode("utf-8")) > MAX_HOST_CALL_ARGUMENTS:
+        raise ValueError("a host call's arguments are at most %d bytes of JSON" % MAX_HOST_CALL_ARGUMENTS)
+    armed = S.armed
+    S.host_busy = True
+    try:
+        S.armed = False  # a line is never cut by an interrupt: SIGINT now is kept in S.pending
+        S.host_seq += 1
+        call = S.host_seq
+        msg = {"t": "host_call", "cell": S.cell, "call": call, "name": name, "arguments": json.loads(args)}
+        if S.nonce is not None:
+            msg["nonce"] = S.nonce
+        send(msg)
+        payload = host_wait(call, armed)
+    finally:
+        S.armed = armed
+        S.host_busy = False
+    if armed and S.pending:
+        raise KeyboardInterrupt
+    answer = json.loads(payload)
+    if "error" in answer:
+        raise HostCallError(str(answer["error"]))
+    return answer.get("result")
+
+
+def host_wait(call, armed):
+    """The payload of the `host_reply` naming `call`, read from fd 3; waits in select() with
+    SIGINT and SIGALRM armed (when the caller had them armed)."""
+    buf = b""
+    while True:
+        nl = buf.find(b"\n")
+        if nl > MAX_HEADER_LINE or (nl < 0 and len(buf) > MAX_HEADER_LINE):
+            protocol_fail("request header too long")
+        if nl >= 0:
+            parts = buf[:nl].decode("ascii", "replace").split(" ")
+            if len(parts) < 3 or parts[0] != "host_reply" or not parts[2].isdigit():
+                protocol_fail("unexpected request while a host call waits: %r" % buf[:64])
+            end = nl + 1 + int(parts[2])
+            if len(buf) >= end:
+                payload, buf = buf[nl + 1 : end], buf[end:]
+                if "call=%d" % call in parts[3:]:
+                    if buf:
+                        protocol_fail("bytes after a host reply")
+                    return payload
+                continue  # the answer to a call given up on
+        if armed and S.pending:
+            raise KeyboardInterrupt
+        S.armed = armed
+        try:
+            select.select([REQ_FD], [], [])
+        finally:
+            S.armed = False
+        chunk = os.read(REQ_FD, 1 << 16)
+        if not chunk:
+            protocol_fail("end of input while a host call waits")
+        buf += chunk
+
+
+def install_host_module():
+    """`sandcell.host` for the cells: `from sandcell import host; host.call(name, {...})`."""
+    pkg = types.ModuleType("sandcell")
+    mod = types.ModuleType("sandcell.host")
+    mod.call = host_call
+    mod.HostCallError = HostCallError
+    mod.__all__ = ["call", "HostCallError"]
+    pkg.host = mod
+    pkg.__path__ = []
+    sys.modules["sandcell"] = pkg
+    sys.modules["sandcell.host"] = mod
 
 
 # ---- signals -------------------------------------------------------------------------------
@@ -373,6 +500,8 @@ def run_cell(cell, payload, opts):
     """Runs one cell; returns (status, error or None, exit_code or None)."""
     S.cell = cell
     S.plot_seq = 0
+    S.nonce = opts.get("nonce")
+    S.host_calls = bool(opts.get("host_calls"))
     fname = "<cell %d>" % cell
     main = sys.modules["__main__"] = MAIN
     ns = main.__dict__
@@ -621,6 +750,8 @@ def serve():
         if op == "inspect":
             serve_inspect(opts)
             continue
+        if op == "host_reply":
+            continue  # the answer to a host call the last cell gave up on
         if op != "exec":
             protocol_fail("unknown request %r" % op[:32])
         status, error, code = run_cell(cell, payload, opts)
@@ -654,6 +785,7 @@ for fd in (REQ_FD, REP_FD):
     os.set_inheritable(fd, False)
 os.register_at_fork(after_in_child=after_fork_in_child)
 install_handlers()
+install_host_module()
 sys.meta_path.insert(0, PyplotHook())
 
 for p in reversed([p for p in os.environ.get("SANDCELL_PYTHON_PATH", "").split(":") if p]):

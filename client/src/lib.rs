@@ -13,6 +13,12 @@
 //! `result` ([`CellResult`]: status, error with traceback, usage in seconds and bytes, and per
 //! stream the bytes seen and kept). Sizes are bytes, times seconds.
 //!
+//! Host calls: a session opened (or a run started) with `host_calls`
+//! ([`Client::open_with`], [`Client::run_with`]) may call tools the client provides; each call
+//! arrives as a `host_call` frame ([`HostCall`]) and is answered with [`Client::host_reply`]
+//! from another connection of the same user (the cell's own connection streams its frames
+//! until the result). [`Client::finish_with_host_calls`] does both with a handler.
+//!
 //! Errors: [`Error::Kernel`] carries the daemon's named errors (`CapacityExceeded`,
 //! `LimitExceeded`, `NoSuchSession`, `SessionEnded` with an [`EndReason`] as text, ...;
 //! [`KernelError::is_no_such_session`] covers both of the latter); [`Error::Connect`] and [`Error::Protocol`] mean the
@@ -20,8 +26,9 @@
 
 use sandcell_proto::kernel::{self as k, FrameReply};
 pub use sandcell_proto::kernel::{
-    CellResult, CellStatusReply, EndReason, FileInfo, FileKind, Frame, InterruptReply, KernelError,
-    Limits, OpenReply, Output, Retained, RetainedStats, State, Status, StreamStats, Usage,
+    CellResult, CellStatusReply, EndReason, FileInfo, FileKind, Frame, HostCall, InterruptReply,
+    KernelError, Limits, OpenParams, OpenReply, Output, Retained, RetainedStats, RunParams, State,
+    Status, StreamStats, Usage,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -183,8 +190,15 @@ impl Client {
             code: code.into(),
             limits: limits.cloned(),
             environment: environment.map(str::to_owned),
+            host_calls: None,
         };
         self.start_cell("Run", params(&p)).await
+    }
+
+    /// Starts a one-shot cell with every parameter of `Run` (e.g. `host_calls`); read it with
+    /// [`Client::next_frame`] or [`Client::finish_with_host_calls`].
+    pub async fn run_with(&mut self, p: &RunParams) -> Result<(), Error> {
+        self.start_cell("Run", params(p)).await
     }
 
     /// [`Client::run_in`], then [`Client::finish`].
@@ -324,8 +338,86 @@ impl Client {
             limits: limits.cloned(),
             detached_idle_seconds,
             environment: environment.map(str::to_owned),
+            host_calls: None,
         };
         self.call("Open", params(&p)).await
+    }
+
+    /// Opens a session with every parameter of `Open` (e.g. `host_calls`).
+    pub async fn open_with(&mut self, p: &OpenParams) -> Result<OpenReply, Error> {
+        self.call("Open", params(p)).await
+    }
+
+    /// Answers host call `call` of `session`: `Ok(object)` is returned to the cell (a JSON
+    /// object of at most [`k::MAX_HOST_CALL_RESULT`] bytes), `Err(message)` raised in it (at
+    /// most [`k::MAX_HOST_CALL_ERROR`] bytes). From any connection of the session's owner but
+    /// the one streaming the cell.
+    /// Errors: `NoSuchHostCall` (the call does not wait: answered, timed out, its cell ended,
+    /// or never made), `LimitExceeded`, `InvalidParameter` (a result that is not an object),
+    /// `NoSuchSession`.
+    pub async fn host_reply(
+        &mut self,
+        session: &str,
+        call: u64,
+        answer: Result<Value, String>,
+    ) -> Result<(), Error> {
+        let (result, error) = match answer {
+            Ok(v) => (Some(v), None),
+            Err(e) => (None, Some(e)),
+        };
+        let p = k::HostReplyParams {
+            session: session.into(),
+            call,
+            result,
+            error,
+        };
+        let _: Value = self.call("HostReply", params(&p)).await?;
+        Ok(())
+    }
+
+    /// [`Client::finish`] for a cell that may call tools: each `host_call` frame goes to
+    /// `handler` (given the session id and the call), whose answer is sent with
+    /// [`Client::host_reply`] over `replies`, a second connection of the same user. A
+    /// `NoSuchHostCall` refusal (the call timed out or the cell was interrupted meanwhile) is
+    /// not an error here: the cell's result tells what happened.
+    pub async fn finish_with_host_calls(
+        &mut self,
+        replies: &mut Client,
+        mut on_output: impl FnMut(&Output),
+        mut handler: impl FnMut(&str, &HostCall) -> Result<Value, String>,
+    ) -> Result<Collected, Error> {
+        let (mut session, mut cell, mut stdout, mut stderr) =
+            (String::new(), 0, String::new(), String::new());
+        loop {
+            let f = self.next_frame().await?;
+            if let Some(s) = f.started {
+                session = s.session;
+                cell = s.cell;
+            }
+            if let Some(o) = f.output {
+                on_output(&o);
+                match o.stream {
+                    k::Stream::Stdout => stdout.push_str(&o.text),
+                    k::Stream::Stderr => stderr.push_str(&o.text),
+                }
+            }
+            if let Some(h) = f.host_call {
+                let answer = handler(&session, &h);
+                match replies.host_reply(&session, h.call, answer).await {
+                    Ok(()) | Err(Error::Kernel(KernelError::NoSuchHostCall { .. })) => {}
+                    Err(e) => return Err(e),
+                }
+            }
+            if let Some(result) = f.result {
+                return Ok(Collected {
+                    session,
+                    cell,
+                    stdout,
+                    stderr,
+                    result,
+                });
+            }
+        }
     }
 
     /// Interrupts `cell` of `session` (from any connection of the same user).

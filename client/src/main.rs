@@ -12,6 +12,7 @@
 //! printed, e.g. `org.sandcell.Sandcell1.PermissionDenied`).
 
 mod dbus;
+mod hostcmd;
 
 use clap::{Parser, Subcommand};
 use sandcell_client::{Client, Error, KernelError, Limits, Status};
@@ -58,6 +59,11 @@ enum Cmd {
         /// their paths. Runs the cell in a session closed afterwards instead of one-shot.
         #[arg(long, value_name = "DIR")]
         artifacts: Option<PathBuf>,
+        /// Let the cell call tools (host calls), each answered by running CMD with `sh -c`:
+        /// the call as JSON on its standard input, its standard output (a JSON object) the
+        /// result; a nonzero exit raises in the cell with its standard error.
+        #[arg(long, value_name = "CMD")]
+        host_call_handler: Option<String>,
         /// The code file, or - for standard input.
         file: PathBuf,
     },
@@ -92,11 +98,18 @@ enum Cmd {
         /// Idle lifetime in seconds.
         #[arg(long, default_value_t = 600)]
         idle: u64,
+        /// Let the session's cells call tools (answer them with `exec --host-call-handler`).
+        #[arg(long)]
+        host_calls: bool,
     },
     /// Run FILE (or -) as the next cell of SESSION.
     Exec {
         /// Session id from `open`.
         session: String,
+        /// Answer the cell's host calls with CMD (as for `run`; the session must have been
+        /// opened with `--host-calls`).
+        #[arg(long, value_name = "CMD")]
+        host_call_handler: Option<String>,
         /// The code file, or -.
         file: PathBuf,
     },
@@ -357,8 +370,12 @@ fn fail(e: Error) -> ExitCode {
     })
 }
 
-async fn stream(c: &mut Client, json: bool) -> Result<u8, Error> {
-    stream_result(c, json).await.map(|(code, _)| code)
+async fn stream(
+    c: &mut Client,
+    json: bool,
+    host: Option<&mut hostcmd::HostHandler>,
+) -> Result<u8, Error> {
+    stream_result(c, json, host).await.map(|(code, _)| code)
 }
 
 /// How many of a cell's files [`list_files`] names; the rest are counted.
@@ -557,13 +574,21 @@ async fn save_artifacts(
 async fn stream_result(
     c: &mut Client,
     json: bool,
+    mut host: Option<&mut hostcmd::HostHandler>,
 ) -> Result<(u8, Option<sandcell_client::CellResult>), Error> {
     let out_tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let err_tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let mut out = std::io::stdout();
     let mut err = std::io::stderr();
+    let mut session = String::new();
     loop {
         let f = c.next_frame().await?;
+        if let Some(s) = &f.started {
+            session = s.session.clone();
+        }
+        if let (Some(h), Some(call)) = (host.as_deref_mut(), &f.host_call) {
+            h.answer(&session, call).await?;
+        }
         if json {
             let _ = writeln!(
                 out,
@@ -664,6 +689,7 @@ async fn main() -> ExitCode {
                 environment,
                 wall_time,
                 artifacts,
+                host_call_handler,
                 file,
             } => {
                 let code = read_code(file).map_err(|e| Error::Protocol(zlink::Error::Io(e)))?;
@@ -677,18 +703,34 @@ async fn main() -> ExitCode {
                     wall_time_seconds: Some(w),
                     ..Default::default()
                 });
+                let mut host = host_call_handler
+                    .clone()
+                    .map(|cmd| hostcmd::HostHandler::new(cmd, socket.clone()));
+                let host_calls = host.is_some().then_some(true);
                 let Some(dir) = artifacts else {
-                    c.run_in(&lang, environment.as_deref(), &code, limits.as_ref())
-                        .await?;
-                    return stream(&mut c, args.json).await;
+                    c.run_with(&sandcell_client::RunParams {
+                        language: lang,
+                        code,
+                        limits,
+                        environment: environment.clone(),
+                        host_calls,
+                    })
+                    .await?;
+                    return stream(&mut c, args.json, host.as_mut()).await;
                 };
                 // A one-shot Run's directory is gone with its result: use a session instead.
                 let session = c
-                    .open_in(&lang, environment.as_deref(), limits.as_ref(), None)
+                    .open_with(&sandcell_client::OpenParams {
+                        language: lang,
+                        limits,
+                        detached_idle_seconds: None,
+                        environment: environment.clone(),
+                        host_calls,
+                    })
                     .await?
                     .session;
                 c.execute(&session, &code).await?;
-                let (status, result) = stream_result(&mut c, args.json).await?;
+                let (status, result) = stream_result(&mut c, args.json, host.as_mut()).await?;
                 let files = result.map(|r| r.files).unwrap_or_default();
                 let saved = save_artifacts(&mut c, &session, &files, dir).await;
                 let _ = c.close(&session).await;
@@ -780,9 +822,16 @@ async fn main() -> ExitCode {
                 language,
                 environment,
                 idle,
+                host_calls,
             } => {
                 let o = c
-                    .open_in(language, environment.as_deref(), None, Some(*idle))
+                    .open_with(&sandcell_client::OpenParams {
+                        language: language.clone(),
+                        limits: None,
+                        detached_idle_seconds: Some(*idle),
+                        environment: environment.clone(),
+                        host_calls: host_calls.then_some(true),
+                    })
                     .await?;
                 if args.json {
                     println!("{}", serde_json::to_string(&o).expect("serialises"));
@@ -791,10 +840,17 @@ async fn main() -> ExitCode {
                 }
                 Ok(0)
             }
-            Cmd::Exec { session, file } => {
+            Cmd::Exec {
+                session,
+                host_call_handler,
+                file,
+            } => {
                 let code = read_code(file).map_err(|e| Error::Protocol(zlink::Error::Io(e)))?;
+                let mut host = host_call_handler
+                    .clone()
+                    .map(|cmd| hostcmd::HostHandler::new(cmd, socket.clone()));
                 c.execute(session, &code).await?;
-                stream(&mut c, args.json).await
+                stream(&mut c, args.json, host.as_mut()).await
             }
             Cmd::Submit { session, file } => {
                 let code = read_code(file).map_err(|e| Error::Protocol(zlink::Error::Io(e)))?;
@@ -808,7 +864,7 @@ async fn main() -> ExitCode {
             }
             Cmd::Attach { session, cell } => {
                 c.attach(session, *cell).await?;
-                stream(&mut c, args.json).await
+                stream(&mut c, args.json, None).await
             }
             Cmd::CellStatus { session, cell } => {
                 let r = c.cell_status(session, *cell).await?;

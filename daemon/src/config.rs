@@ -215,6 +215,9 @@ pub struct Daemon {
     pub worker_start_timeout_seconds: f64,
     /// Grace after a cell's wall time before the daemon interrupts, then kills, the worker.
     pub kill_grace_seconds: f64,
+    /// Seconds a cell's host call waits for the client's `HostReply`; then the call raises
+    /// in the cell. The wait also counts against the cell's wall time.
+    pub host_call_timeout_seconds: f64,
     /// Directory of worker executables (`SANDCELL_WORKER_DIR`).
     pub worker_dir: PathBuf,
     /// Prepared Eryx runtime directory (see `sandcell-python-runtime prepare`).
@@ -272,6 +275,7 @@ impl Default for Daemon {
             idle_exit_seconds: 120,
             worker_start_timeout_seconds: 20.0,
             kill_grace_seconds: 2.0,
+            host_call_timeout_seconds: 60.0,
             worker_dir: PathBuf::from("/usr/libexec/sandcell"),
             python_runtime_dir: PathBuf::from("/var/lib/sandcell/python-runtime"),
             state_dir: PathBuf::from("/var/lib/sandcell"),
@@ -554,6 +558,9 @@ impl Config {
                     d.worker_start_timeout_seconds = parse_num(&var, &value)?
                 }
                 "kill_grace_seconds" => d.kill_grace_seconds = parse_num(&var, &value)?,
+                "host_call_timeout_seconds" => {
+                    d.host_call_timeout_seconds = parse_num(&var, &value)?
+                }
                 "worker_dir" => d.worker_dir = PathBuf::from(&value),
                 "python_runtime_dir" => d.python_runtime_dir = PathBuf::from(&value),
                 "state_dir" => d.state_dir = PathBuf::from(&value),
@@ -671,6 +678,7 @@ impl Config {
                 d.worker_start_timeout_seconds,
             ),
             ("kill_grace_seconds", d.kill_grace_seconds),
+            ("host_call_timeout_seconds", d.host_call_timeout_seconds),
         ] {
             if !(v.is_finite() && v > 0.0 && v <= 3600.0) {
                 return Err(Error::Invalid {

@@ -539,6 +539,7 @@ impl Core {
             stderr: lower("stderr_bytes", a.stderr_bytes, l.max_stderr_bytes)?,
             grace: Duration::from_secs_f64(cfg.daemon.kill_grace_seconds),
             files_bytes: cfg.limits.max_session_files_bytes,
+            host_calls: None,
         })
     }
 
@@ -619,13 +620,51 @@ impl Core {
         limits: Option<&Limits>,
         detached_idle_seconds: Option<u64>,
     ) -> Result<Arc<Session>, KernelError> {
+        self.open_with(
+            caller,
+            language,
+            environment,
+            limits,
+            detached_idle_seconds,
+            false,
+        )
+        .await
+    }
+
+    /// [`Core::open`], with `host_calls`: the session's cells may call the client's tools
+    /// (each call waits at most `host_call_timeout_seconds` for `HostReply`).
+    pub async fn open_with(
+        &self,
+        caller: &Caller,
+        language: &str,
+        environment: Option<&str>,
+        limits: Option<&Limits>,
+        detached_idle_seconds: Option<u64>,
+        host_calls: bool,
+    ) -> Result<Arc<Session>, KernelError> {
         // validate
         if self.stopping() {
             return Err(KernelError::ShuttingDown {});
         }
         let env = self.resolve_environment(language, environment)?;
+        if host_calls && env.engine == Engine::Eryx {
+            // No way into the WebAssembly guest for a blocking call yet: refused up front
+            // rather than a session whose calls all fail.
+            return Err(KernelError::InvalidParameter {
+                parameter: "host_calls".into(),
+                reason: format!(
+                    "environment {} (eryx) has no host calls; use a native environment such as pydata",
+                    env.name
+                ),
+            });
+        }
         let language = env.language;
-        let limits = self.session_limits(language, limits)?;
+        let mut limits = self.session_limits(language, limits)?;
+        if host_calls {
+            limits.host_calls = Some(Duration::from_secs_f64(
+                self.config().daemon.host_call_timeout_seconds,
+            ));
+        }
         let max_idle = self.config().limits.max_detached_idle_seconds;
         let detached = match detached_idle_seconds {
             Some(0) => {
@@ -1127,6 +1166,7 @@ impl Core {
     }
 
     /// One-shot run: a fresh session for one cell, ended after it.
+    #[allow(clippy::too_many_arguments)]
     pub async fn run(
         &self,
         caller: &Caller,
@@ -1134,12 +1174,13 @@ impl Core {
         environment: Option<&str>,
         code: String,
         limits: Option<&Limits>,
+        host_calls: bool,
         frames: mpsc::Sender<Frame>,
     ) -> Result<(), KernelError> {
         // The source is checked before any worker starts.
         self.check_source(&code)?;
         let s = self
-            .open(caller, language, environment, limits, None)
+            .open_with(caller, language, environment, limits, None, host_calls)
             .await?;
         if let Err(e) = s.execute(code, frames, true).await {
             s.close(EndReason::WorkerCrashed, "one-shot run could not start")
@@ -1213,6 +1254,73 @@ impl Core {
         let s = self.lookup(caller, session)?;
         self.authorize(caller, Action::ManageOwn).await?;
         Ok(s.interrupt(cell).await)
+    }
+
+    /// Answers host call `call` of `session` (`HostReply`): `Ok` carries the tool's result
+    /// object, `Err` its error message. Authorized as [`Core::interrupt`] (any connection of
+    /// the owner).
+    ///
+    /// Errors: `InvalidParameter` (both or neither of result and error, a result that is not
+    /// an object), `LimitExceeded` (`host_call_result_bytes`, `host_call_error_bytes`),
+    /// `NoSuchSession`, `PermissionDenied`, `NoSuchHostCall` (no such call waits in that
+    /// session).
+    pub async fn host_reply(
+        &self,
+        caller: &Caller,
+        session: &str,
+        call: u64,
+        result: Option<serde_json::Value>,
+        error: Option<String>,
+    ) -> Result<(), KernelError> {
+        use sandcell_proto::kernel::{MAX_HOST_CALL_ERROR, MAX_HOST_CALL_RESULT};
+        let payload = match (result, error) {
+            (Some(r), None) => {
+                if !r.is_object() {
+                    return Err(KernelError::InvalidParameter {
+                        parameter: "result".into(),
+                        reason: "must be a JSON object".into(),
+                    });
+                }
+                let payload =
+                    serde_json::to_vec(&serde_json::json!({ "result": r })).unwrap_or_default();
+                // The object's own bytes: the payload minus `{"result":` and `}`.
+                let size = payload.len().saturating_sub(11) as u64;
+                if size > MAX_HOST_CALL_RESULT as u64 {
+                    return Err(KernelError::LimitExceeded {
+                        limit: "host_call_result_bytes".into(),
+                        value: size,
+                        max: MAX_HOST_CALL_RESULT as u64,
+                    });
+                }
+                payload
+            }
+            (None, Some(e)) => {
+                if e.len() > MAX_HOST_CALL_ERROR {
+                    return Err(KernelError::LimitExceeded {
+                        limit: "host_call_error_bytes".into(),
+                        value: e.len() as u64,
+                        max: MAX_HOST_CALL_ERROR as u64,
+                    });
+                }
+                serde_json::to_vec(&serde_json::json!({ "error": e })).unwrap_or_default()
+            }
+            _ => {
+                return Err(KernelError::InvalidParameter {
+                    parameter: "result".into(),
+                    reason: "exactly one of result and error must be given".into(),
+                });
+            }
+        };
+        let s = self.lookup(caller, session)?;
+        self.authorize(caller, Action::ManageOwn).await?;
+        if s.host_reply(call, payload).await {
+            Ok(())
+        } else {
+            Err(KernelError::NoSuchHostCall {
+                session: session.into(),
+                call,
+            })
+        }
     }
 
     /// Ends `session`; returns after its worker is reaped and everything released.

@@ -144,6 +144,7 @@ async fn probe(core: &Core, env: &Environment) -> Result<Report, KernelError> {
             Some(&env.name),
             probe_code(env).into(),
             None,
+            false,
             tx,
         )
         .await

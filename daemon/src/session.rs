@@ -98,6 +98,10 @@ pub struct SessionLimits {
     pub grace: Duration,
     /// Bytes of regular files the session directory may hold (`max_session_files_bytes`).
     pub files_bytes: u64,
+    /// The session's cells may call the client's tools (`Open`/`Run` with `host_calls`): how
+    /// long a call waits for `HostReply` (`host_call_timeout_seconds`). `None`: a cell's host
+    /// call raises at once, and a `host_call` line from its worker is a protocol violation.
+    pub host_calls: Option<Duration>,
 }
 
 /// Public, cheap-to-read state of a session (for listing and routing).
@@ -197,6 +201,16 @@ pub enum Command {
         cell: u64,
         /// Answer.
         reply: oneshot::Sender<InterruptReply>,
+    },
+    /// Answer host call `call` of the running cell with `payload` (`{"result": {...}}` or
+    /// `{"error": "..."}`, bounded by the caller); `reply` says whether that call was waiting.
+    HostReply {
+        /// Call id.
+        call: u64,
+        /// The JSON payload for the worker.
+        payload: Vec<u8>,
+        /// Answer: false when no such call waits (`NoSuchHostCall`).
+        reply: oneshot::Sender<bool>,
     },
     /// List the user's variables (the session is idle); see [`Actor::inspect`].
     Inspect {
@@ -317,6 +331,7 @@ impl Session {
             interrupt,
             raw_output,
             leftovers: Vec::new(),
+            host_calls_made: 0,
         };
         tokio::spawn(actor.run(rx));
         session
@@ -386,6 +401,25 @@ impl Session {
             return gone();
         }
         rx.await.unwrap_or_else(|_| gone())
+    }
+
+    /// Hands the answer to host call `call` to the running cell; false when no such call waits
+    /// (never made, answered, timed out, its cell ended, or the session ended).
+    pub async fn host_reply(&self, call: u64, payload: Vec<u8>) -> bool {
+        let (tx, rx) = oneshot::channel();
+        if self
+            .cmds
+            .send(Command::HostReply {
+                call,
+                payload,
+                reply: tx,
+            })
+            .await
+            .is_err()
+        {
+            return false;
+        }
+        rx.await.unwrap_or(false)
     }
 
     /// Waits until the session's actor has released everything (returns at once for a
@@ -603,6 +637,12 @@ struct CellRun {
     /// (on the blocking pool) with its start.
     disk_next: tokio::time::Instant,
     disk_scan: Option<(Instant, tokio::task::JoinHandle<u64>)>,
+    /// The host call waiting for the client's `HostReply`: its id and when it times out.
+    host: Option<(u64, tokio::time::Instant)>,
+    /// A `host_call` frame waiting for room in the client's channel (after the output before it).
+    host_frame: Option<Frame>,
+    /// Bytes for the request pipe (answers to host calls), written as the pipe takes them.
+    to_worker: Vec<u8>,
 }
 
 impl CellRun {
@@ -641,12 +681,17 @@ impl CellRun {
             oom0,
             disk_next: tokio::time::Instant::from_std(t0 + DISK_WATCH_MIN),
             disk_scan: None,
+            host: None,
+            host_frame: None,
+            to_worker: Vec::new(),
         }
     }
 
     /// Whether the loop should wait for room in the client's channel.
     fn wants_room(&self) -> bool {
-        !self.backlog.is_empty() && !self.abandoned && !self.client_gone
+        (!self.backlog.is_empty() || self.host_frame.is_some())
+            && !self.abandoned
+            && !self.client_gone
     }
 
     /// Queues output for the client (nothing, once the cell is abandoned).
@@ -671,8 +716,17 @@ impl CellRun {
                 }
                 Err(mpsc::error::TrySendError::Closed(_)) => {
                     self.client_gone = true;
-                    break;
+                    return;
                 }
+            }
+        }
+        if self.backlog.is_empty()
+            && let Some(f) = self.host_frame.take()
+        {
+            match self.frames.try_send(f) {
+                Ok(()) => {}
+                Err(mpsc::error::TrySendError::Full(f)) => self.host_frame = Some(f),
+                Err(mpsc::error::TrySendError::Closed(_)) => self.client_gone = true,
             }
         }
     }
@@ -725,10 +779,12 @@ impl CellRun {
 
 /// Room in the client's channel: the oldest waiting chunk goes now (the rest with the loop's
 /// flush).
-fn send_one(permit: mpsc::OwnedPermit<Frame>, backlog: &mut Backlog, cell: u64, seq: &mut u64) {
-    if let Some((stream, text)) = backlog.pop() {
-        permit.send(output_frame(cell, *seq, stream, text));
-        *seq += 1;
+fn send_one(permit: mpsc::OwnedPermit<Frame>, run: &mut CellRun) {
+    if let Some((stream, text)) = run.backlog.pop() {
+        permit.send(output_frame(run.cell, run.seq, stream, text));
+        run.seq += 1;
+    } else if let Some(f) = run.host_frame.take() {
+        permit.send(f);
     }
 }
 
@@ -796,6 +852,8 @@ struct Actor {
     /// (init, for an orphan) reaps them, and until then they count against `pids.max`. The
     /// next cell waits for them first ([`LEFTOVER_REAP_TIMEOUT`] at most).
     leftovers: Vec<crate::cgroup::Leftover>,
+    /// Id of the session's last host call (0: none yet); the next must be one more.
+    host_calls_made: u64,
 }
 
 impl Actor {
@@ -832,6 +890,9 @@ impl Actor {
                     }
                     Some(Command::Interrupt { reply, .. }) => {
                         let _ = reply.send(InterruptReply { delivered: false, reason: InterruptReason::NotRunning.into() });
+                    }
+                    Some(Command::HostReply { reply, .. }) => {
+                        let _ = reply.send(false);
                     }
                     Some(Command::Inspect { max_items, reply }) => {
                         if let Some(end) = self.inspect(max_items, reply, &mut cmds).await {
@@ -874,6 +935,9 @@ impl Actor {
                 }
                 Command::Inspect { reply, .. } => {
                     let _ = reply.send(Err(InspectRefused::Ended));
+                }
+                Command::HostReply { reply, .. } => {
+                    let _ = reply.send(false);
                 }
                 Command::Execute { .. } => {}
             }
@@ -965,6 +1029,7 @@ impl Actor {
             header.fuel = Some(limits.fuel);
             header.max_output = Some(limits.stdout.max(limits.stderr));
             header.nonce = Some(run.nonce.clone());
+            header.host_calls = limits.host_calls.is_some();
             let mut request = header.to_line().into_bytes();
             request.extend_from_slice(code.as_bytes());
             drop(code);
@@ -1047,6 +1112,10 @@ impl Actor {
                     }
                     Some(Command::Inspect { reply, .. }) => {
                         let _ = reply.send(Err(InspectRefused::Busy(0)));
+                        None
+                    }
+                    Some(Command::HostReply { reply, .. }) => {
+                        let _ = reply.send(false);
                         None
                     }
                     Some(cmd @ Command::Execute { .. }) => {
@@ -1217,7 +1286,7 @@ impl Actor {
                 }
                 permit = reserve_owned(&run.frames), if run.wants_room() => {
                     match permit {
-                        Ok(p) => send_one(p, &mut run.backlog, run.cell, &mut run.seq),
+                        Ok(p) => send_one(p, run),
                         Err(_) => run.client_gone = true,
                     }
                     None
@@ -1234,6 +1303,13 @@ impl Actor {
                 _ = tokio::time::sleep_until(hold_until.unwrap_or(run.deadline)), if room && hold_until.is_some() => {
                     self.on_raw_due(run);
                     None
+                }
+                _ = tokio::time::sleep_until(run.host.map_or(run.deadline, |h| h.1)), if run.host.is_some() => {
+                    self.on_host_timeout(run);
+                    None
+                }
+                ready = self.requests.writable(), if !run.to_worker.is_empty() => {
+                    self.on_request_writable(run, ready)
                 }
                 _ = tokio::time::sleep_until(run.disk_next), if run.disk_scan.is_none() => {
                     let dir = self.session_dir.clone();
@@ -1284,6 +1360,8 @@ impl Actor {
                 } else {
                     self.signal_interrupt();
                     run.phase = Phase::Interrupted;
+                    // A host call the cell waits for raises the interrupt: it is finished.
+                    run.host = None;
                     // Documented escalation: a cell that ignores SIGINT (native code, BLAS) is
                     // killed after the grace, and the session ends.
                     run.deadline = tokio::time::Instant::now() + run.grace;
@@ -1297,6 +1375,14 @@ impl Actor {
             }
             Some(Command::Inspect { reply, .. }) => {
                 let _ = reply.send(Err(InspectRefused::Busy(run.cell)));
+                None
+            }
+            Some(Command::HostReply {
+                call,
+                payload,
+                reply,
+            }) => {
+                let _ = reply.send(self.on_host_reply(run, call, payload));
                 None
             }
             Some(Command::Close { reason, done }) => Some(CellEnd::Cancelled(Some((reason, done)))),
@@ -1315,6 +1401,7 @@ impl Actor {
         if run.phase == Phase::Running {
             self.signal_interrupt();
             run.phase = Phase::TimedOut;
+            run.host = None;
             let kill_at = tokio::time::Instant::from_std(run.t0 + run.wall + run.grace);
             run.deadline = kill_at.max(tokio::time::Instant::now() + KILL_AFTER_SIGINT_MIN);
             None
@@ -1359,6 +1446,7 @@ impl Actor {
         }
         run.abandoned = true;
         run.backlog.clear();
+        run.host_frame = None;
         if run.phase == Phase::Running {
             self.signal_interrupt();
             run.phase = Phase::Interrupted;
@@ -1463,7 +1551,141 @@ impl Actor {
                 violation("done without the request's nonce".into())
             }
             m @ WorkerMessage::Done { .. } => Some(CellEnd::Done(m)),
+            WorkerMessage::HostCall {
+                cell,
+                nonce,
+                call,
+                name,
+                arguments,
+            } => self
+                .on_host_call(run, cell, nonce, call, name, arguments)
+                .err()
+                .and_then(violation),
             other => violation(format!("unexpected {}", kind(&other))),
+        }
+    }
+
+    /// A `host_call` line of the running cell: checked (opt-in, nonce, sequence, one at a
+    /// time, name and arguments' bounds), then the call waits for the client's `HostReply`
+    /// (its frame goes to the client after the output before it) until the session's
+    /// `host_call_timeout_seconds`. Errors: why the line breaks the protocol.
+    fn on_host_call(
+        &mut self,
+        run: &mut CellRun,
+        cell: u64,
+        nonce: Option<String>,
+        call: u64,
+        name: String,
+        arguments: serde_json::Value,
+    ) -> Result<(), String> {
+        use sandcell_proto::kernel::{HostCall, MAX_HOST_CALL_ARGUMENTS, valid_host_call_name};
+        let Some(timeout) = self.session.limits.host_calls else {
+            return Err("host_call in a session without host_calls".into());
+        };
+        if cell != run.cell {
+            return Err(format!(
+                "host_call for cell {cell} while cell {} runs",
+                run.cell
+            ));
+        }
+        if nonce.as_deref() != Some(&run.nonce) {
+            return Err("host_call without the request's nonce".into());
+        }
+        if let Some((waiting, _)) = run.host {
+            return Err(format!("host_call {call} while call {waiting} waits"));
+        }
+        if call != self.host_calls_made + 1 {
+            return Err(format!(
+                "host_call numbered {call} after {}",
+                self.host_calls_made
+            ));
+        }
+        if !valid_host_call_name(&name) {
+            return Err("host_call with an invalid name".into());
+        }
+        if !arguments.is_object() {
+            return Err("host_call arguments are not an object".into());
+        }
+        let size = serde_json::to_vec(&arguments).map_or(usize::MAX, |v| v.len());
+        if size > MAX_HOST_CALL_ARGUMENTS {
+            return Err(format!("host_call arguments of {size} bytes"));
+        }
+        self.host_calls_made = call;
+        run.host = Some((call, tokio::time::Instant::now() + timeout));
+        if !run.abandoned {
+            run.host_frame = Some(Frame {
+                host_call: Some(HostCall {
+                    cell,
+                    call,
+                    name,
+                    arguments,
+                }),
+                ..Default::default()
+            });
+        }
+        Ok(())
+    }
+
+    /// The client's answer to host call `call`: queued for the worker when that call waits
+    /// (returns true), else refused (`NoSuchHostCall`).
+    fn on_host_reply(&mut self, run: &mut CellRun, call: u64, payload: Vec<u8>) -> bool {
+        if run.host.is_none_or(|(waiting, _)| waiting != call) {
+            return false;
+        }
+        run.host = None;
+        self.answer_host_call(run, call, &payload);
+        true
+    }
+
+    /// The waiting host call timed out: it raises in the cell; a later `HostReply` for it is
+    /// `NoSuchHostCall`.
+    fn on_host_timeout(&mut self, run: &mut CellRun) {
+        let Some((call, _)) = run.host.take() else {
+            return;
+        };
+        let secs = self
+            .session
+            .limits
+            .host_calls
+            .unwrap_or_default()
+            .as_secs_f64();
+        let payload = serde_json::to_vec(&serde_json::json!({
+            "error": format!("host call {call} timed out: no answer from the client within {secs} s")
+        }))
+        .unwrap_or_default();
+        tracing::info!(session = %self.session.id, cell = run.cell, call, "host call timed out");
+        self.answer_host_call(run, call, &payload);
+    }
+
+    /// Queues a `host_reply` request for the worker (written as the pipe takes it).
+    fn answer_host_call(&mut self, run: &mut CellRun, call: u64, payload: &[u8]) {
+        let mut header = RequestHeader::exec(run.cell, payload.len() as u64);
+        header.op = wire::Op::HostReply;
+        header.call = Some(call);
+        run.to_worker.extend_from_slice(header.to_line().as_bytes());
+        run.to_worker.extend_from_slice(payload);
+    }
+
+    /// The request pipe takes bytes: writes what waits for the worker (a worker that does not
+    /// read is stopped by its deadline like any other).
+    fn on_request_writable(
+        &mut self,
+        run: &mut CellRun,
+        ready: std::io::Result<()>,
+    ) -> Option<CellEnd> {
+        if let Err(e) = ready {
+            return Some(CellEnd::WorkerGone(format!("request pipe: {e}")));
+        }
+        match self.requests.try_write(&run.to_worker) {
+            Ok(n) => {
+                run.to_worker.drain(..n);
+                if run.to_worker.is_empty() {
+                    run.to_worker = Vec::new();
+                }
+                None
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => None,
+            Err(e) => Some(CellEnd::WorkerGone(format!("writing a host reply: {e}"))),
         }
     }
 
@@ -2123,6 +2345,10 @@ async fn send_or_command(
                 Some(Command::Inspect { reply, .. }) => {
                     let _ = reply.send(Err(InspectRefused::Busy(0)));
                 }
+                // The cell is over (or not started): no call of it waits.
+                Some(Command::HostReply { reply, .. }) => {
+                    let _ = reply.send(false);
+                }
                 Some(Command::Close { reason, done }) => {
                     *close = Some((reason, done));
                     return false;
@@ -2169,6 +2395,7 @@ fn kind(m: &WorkerMessage) -> &'static str {
         WorkerMessage::Dropped { .. } => "dropped",
         WorkerMessage::Done { .. } => "done",
         WorkerMessage::Inspected { .. } => "inspected",
+        WorkerMessage::HostCall { .. } => "host_call",
     }
 }
 

@@ -228,6 +228,10 @@ pub struct RunParams {
     /// Environment name (see `ListEnvironments`); absent: the language's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub environment: Option<String>,
+    /// The cell may call the client's tools (`host_call` frames, answered by `HostReply`);
+    /// absent or false: a host call raises in the cell at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_calls: Option<bool>,
 }
 
 /// Parameters of `Open`.
@@ -245,6 +249,9 @@ pub struct OpenParams {
     /// Environment name (see `ListEnvironments`); absent: the language's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub environment: Option<String>,
+    /// The session's cells may call the client's tools (see [`RunParams::host_calls`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_calls: Option<bool>,
 }
 
 /// Most packages `ListEnvironments` lists per environment.
@@ -393,6 +400,68 @@ pub struct InterruptReply {
     /// One of [`InterruptReason`], as text (a client keeps working when a newer daemon adds
     /// a reason).
     pub reason: String,
+}
+
+/// Longest name of a host call's tool, bytes (of `[A-Za-z0-9_.-]`, at least one).
+pub const MAX_HOST_CALL_NAME: usize = 128;
+
+/// Largest arguments object of a host call, bytes of JSON as the daemon serialises it; a
+/// worker that sends more breaks the protocol (the cell's own `host.call` raises first).
+pub const MAX_HOST_CALL_ARGUMENTS: usize = 256 * 1024;
+
+/// Largest `result` object of a `HostReply`, bytes of JSON as the daemon serialises it
+/// (above: `LimitExceeded`, limit `host_call_result_bytes`).
+pub const MAX_HOST_CALL_RESULT: usize = 256 * 1024;
+
+/// Longest `error` of a `HostReply`, bytes (above: `LimitExceeded`, limit
+/// `host_call_error_bytes`).
+pub const MAX_HOST_CALL_ERROR: usize = crate::worker::MAX_ERROR_MESSAGE;
+
+// A host call's frame (arguments re-serialised, at most 6x when every byte is escaped) and a
+// HostReply's result fit one Varlink message; the host_call line fits one worker line.
+const _: () = assert!(MAX_HOST_CALL_ARGUMENTS * 6 + 4096 <= MAX_MESSAGE_BYTES);
+const _: () = assert!(MAX_HOST_CALL_RESULT * 6 + 4096 <= MAX_MESSAGE_BYTES);
+const _: () = assert!(MAX_HOST_CALL_ARGUMENTS * 2 + 4096 <= crate::worker::MAX_WORKER_LINE);
+
+/// Whether `name` is a valid tool name for a host call: 1 to [`MAX_HOST_CALL_NAME`] bytes of
+/// `[A-Za-z0-9_.-]`.
+pub fn valid_host_call_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_HOST_CALL_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+}
+
+/// A cell's call of a tool the client provides (the `host_call` frame of `Run`/`Execute`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostCall {
+    /// The calling cell.
+    pub cell: u64,
+    /// Call id, per session from 1: name it in `HostReply`.
+    pub call: u64,
+    /// The tool's name (see [`valid_host_call_name`]).
+    pub name: String,
+    /// Its arguments, a JSON object of at most [`MAX_HOST_CALL_ARGUMENTS`] bytes.
+    pub arguments: Value,
+}
+
+/// Parameters of `HostReply`: exactly one of `result` and `error`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HostReplyParams {
+    /// Session id.
+    pub session: String,
+    /// Call id from the `host_call` frame.
+    pub call: u64,
+    /// The tool's result, a JSON object of at most [`MAX_HOST_CALL_RESULT`] bytes: returned
+    /// to the cell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    /// The tool failed: raised in the cell with this message (at most
+    /// [`MAX_HOST_CALL_ERROR`] bytes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// Why an `Interrupt` was or was not delivered (the reply's `reason`).
@@ -896,6 +965,9 @@ pub struct Frame {
     /// Output chunk.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output: Option<Output>,
+    /// The cell calls a tool of the client: answer with `HostReply`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_call: Option<HostCall>,
     /// Last frame.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result: Option<CellResult>,
@@ -1057,6 +1129,15 @@ pub enum KernelError {
         /// Cell number.
         cell: u64,
     },
+    /// A `HostReply` names no call waiting for an answer in that session (never made,
+    /// answered, timed out, its cell ended, or another session's).
+    #[serde(rename = "org.sandcell.Kernel.NoSuchHostCall")]
+    NoSuchHostCall {
+        /// Session id as given.
+        session: String,
+        /// Call id as given.
+        call: u64,
+    },
 }
 
 impl std::fmt::Display for KernelError {
@@ -1159,6 +1240,7 @@ mod tests {
                 fields(iface, object.fields())
             }
             Type::Object(f) => fields(iface, f.iter()),
+            Type::ForeignObject => serde_json::json!({ "k": [1, "x"] }),
             other => panic!("IDL type {other:?} has no sample"),
         }
     }
@@ -1230,6 +1312,7 @@ mod tests {
                 round_trip::<GetFileReply>,
             ),
             ("DeleteFile", round_trip::<DeleteFileParams>, empty),
+            ("HostReply", round_trip::<HostReplyParams>, empty),
             (
                 "Submit",
                 round_trip::<SubmitParams>,
@@ -1288,6 +1371,7 @@ mod tests {
             KernelError::ShuttingDown {} => "ShuttingDown",
             KernelError::NoSuchCell { .. } => "NoSuchCell",
             KernelError::AttachmentReplaced { .. } => "AttachmentReplaced",
+            KernelError::NoSuchHostCall { .. } => "NoSuchHostCall",
         }
     }
 
@@ -1334,6 +1418,7 @@ mod tests {
             "ShuttingDown",
             "NoSuchCell",
             "AttachmentReplaced",
+            "NoSuchHostCall",
         ];
         for n in all {
             assert!(

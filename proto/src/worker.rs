@@ -32,6 +32,22 @@
 //! | `output`, `dropped` | only for the running cell | never (R output travels on fds 1 and 2) |
 //! | `done` | once per `exec`, for the running cell, echoing the request's `nonce` | the same |
 //! | `inspected` | once per `inspect`, echoing its `nonce` | the same |
+//! | `host_call` | never (the daemon refuses `host_calls` for Eryx environments) | only for the running cell of a request with `host_calls=1`, echoing its `nonce`, numbered from 1 per session, at most one unanswered (the native Python worker likewise) |
+//!
+//! A host call (a cell's `host.call(name, arguments)`, R `host_call(...)`) is a `host_call`
+//! line: [`WorkerMessage::HostCall`], checked by the daemon against
+//! [`crate::kernel::MAX_HOST_CALL_NAME`] and [`crate::kernel::MAX_HOST_CALL_ARGUMENTS`] and
+//! [`crate::kernel::valid_host_call_name`]. The daemon answers on the request pipe with a
+//! `host_reply <cell> <len> call=<id>` request whose payload is one JSON object,
+//! `{"result": {...}}` or `{"error": "..."}` (at most [`crate::kernel::MAX_HOST_CALL_RESULT`]
+//! plus framing). A worker waiting for the answer to call `id` skips a `host_reply` naming
+//! another call (one it gave up on: interrupted, timed out in the cell), and a worker reading
+//! its next request skips any `host_reply` (the daemon may answer a call the cell gave up on
+//! after the worker stopped waiting, before it read the cell's `done`). A `host_call` from a
+//! cell whose request lacks `host_calls=1`, a second one before the first is answered, or one
+//! out of bounds or out of sequence, is a protocol violation like any other: the worker
+//! checks the opt-in itself and raises in the cell without writing a line, so only a forged
+//! line reaches the daemon, and the forger loses only its own session.
 //!
 //! An `inspect` request (`inspect 0 0 timeout_ms=T max_items=N nonce=X`) is not a cell: the
 //! worker lists the user's variables without running a cell (no cell number, no history, no
@@ -119,6 +135,9 @@ pub enum Op {
     Exit,
     /// List the user's variables (no payload; answered by [`WorkerMessage::Inspected`]).
     Inspect,
+    /// The answer to host call `call` of the running cell (payload: one JSON object, see the
+    /// module documentation). Not a request to answer: the worker writes nothing for it.
+    HostReply,
 }
 
 impl Op {
@@ -128,6 +147,7 @@ impl Op {
             Op::Exec => "exec",
             Op::Exit => "exit",
             Op::Inspect => "inspect",
+            Op::HostReply => "host_reply",
         }
     }
 }
@@ -135,7 +155,7 @@ impl Op {
 /// The header line of a request.
 ///
 /// Wire form:
-/// `<op> <cell> <len>[ timeout_ms=<u64>][ fuel=<u64>][ max_output=<u64>][ max_items=<u64>][ nonce=<hex>]\n`
+/// `<op> <cell> <len>[ timeout_ms=<u64>][ fuel=<u64>][ max_output=<u64>][ max_items=<u64>][ call=<u64>][ host_calls=1][ nonce=<hex>]\n`
 /// (at most [`MAX_HEADER_LINE`] bytes: every field at its largest takes about 190).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestHeader {
@@ -155,6 +175,11 @@ pub struct RequestHeader {
     pub max_output: Option<u64>,
     /// `inspect` only: list at most this many variables (1 to [`INSPECT_MAX_ITEMS`]).
     pub max_items: Option<u64>,
+    /// `host_reply` only: the host call this answers.
+    pub call: Option<u64>,
+    /// `exec` only: the cell may make host calls (the session or run opted in); without it a
+    /// cell's host call raises at once.
+    pub host_calls: bool,
     /// A value the worker must echo in the `done` of this request ([`NONCE_HEX_LEN`] lowercase
     /// hex digits from the kernel's random source); `None` only in tests.
     pub nonce: Option<String>,
@@ -182,6 +207,8 @@ impl RequestHeader {
             fuel: None,
             max_output: None,
             max_items: None,
+            call: None,
+            host_calls: false,
             nonce: None,
         }
     }
@@ -201,6 +228,12 @@ impl RequestHeader {
         if let Some(v) = self.max_items {
             s.push_str(&format!(" max_items={v}"));
         }
+        if let Some(v) = self.call {
+            s.push_str(&format!(" call={v}"));
+        }
+        if self.host_calls {
+            s.push_str(" host_calls=1");
+        }
         if let Some(v) = &self.nonce {
             s.push_str(&format!(" nonce={v}"));
         }
@@ -217,6 +250,7 @@ impl RequestHeader {
             Some("exec") => Op::Exec,
             Some("exit") => Op::Exit,
             Some("inspect") => Op::Inspect,
+            Some("host_reply") => Op::HostReply,
             other => return Err(format!("unknown op {other:?}")),
         };
         let num = |v: Option<&str>, what: &str| -> Result<u64, String> {
@@ -234,6 +268,8 @@ impl RequestHeader {
             fuel: None,
             max_output: None,
             max_items: None,
+            call: None,
+            host_calls: false,
             nonce: None,
         };
         for kv in it {
@@ -245,6 +281,8 @@ impl RequestHeader {
                 "fuel" => h.fuel = Some(num(Some(v), k)?),
                 "max_output" => h.max_output = Some(num(Some(v), k)?),
                 "max_items" => h.max_items = Some(num(Some(v), k)?),
+                "call" => h.call = Some(num(Some(v), k)?),
+                "host_calls" => h.host_calls = num(Some(v), k)? != 0,
                 "nonce" if valid_nonce(v) => h.nonce = Some(v.to_owned()),
                 "nonce" => return Err("bad nonce".into()),
                 _ => {} // unknown options are ignored for forward compatibility
@@ -406,6 +444,23 @@ pub enum WorkerMessage {
         /// More variables exist than are listed (over `max_items`, or over
         /// [`MAX_INSPECT_LINE`] bytes of reply).
         truncated: bool,
+    },
+    /// The running cell calls a tool of the client (see the module documentation); the
+    /// worker then waits for the `host_reply` request naming `call`.
+    HostCall {
+        /// Cell number from the request.
+        cell: u64,
+        /// The request's `nonce`, echoed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nonce: Option<String>,
+        /// Number of the call in the session: 1 for the first, then one more per call.
+        call: u64,
+        /// The tool's name: 1 to [`crate::kernel::MAX_HOST_CALL_NAME`] bytes of
+        /// `[A-Za-z0-9_.-]`.
+        name: String,
+        /// Its arguments: a JSON object of at most [`crate::kernel::MAX_HOST_CALL_ARGUMENTS`]
+        /// bytes (as the daemon serialises it).
+        arguments: serde_json::Value,
     },
 }
 
@@ -669,6 +724,31 @@ mod tests {
             .check()
             .is_ok()
         );
+    }
+
+    #[test]
+    fn host_reply_header_and_host_call_round_trip() {
+        let mut h = RequestHeader::exec(4, 17);
+        h.op = Op::HostReply;
+        h.call = Some(u64::MAX);
+        h.nonce = Some("0123456789abcdef".into());
+        let line = h.to_line();
+        assert!(line.len() <= MAX_HEADER_LINE, "{} bytes", line.len());
+        assert_eq!(RequestHeader::parse(line.trim_end()).unwrap(), h);
+        let mut e = RequestHeader::exec(4, 1);
+        e.host_calls = true;
+        assert_eq!(e.to_line(), "exec 4 1 host_calls=1\n");
+        assert_eq!(RequestHeader::parse(e.to_line().trim_end()).unwrap(), e);
+        let m = WorkerMessage::HostCall {
+            cell: 4,
+            nonce: Some("0123456789abcdef".into()),
+            call: 1,
+            name: "search".into(),
+            arguments: serde_json::json!({"q": "x"}),
+        };
+        let line = m.to_line();
+        assert!(String::from_utf8_lossy(&line).starts_with(r#"{"t":"host_call""#));
+        assert_eq!(WorkerMessage::parse(&line[..line.len() - 1]).unwrap(), m);
     }
 
     #[test]

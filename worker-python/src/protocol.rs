@@ -94,17 +94,22 @@ fn read_payload<R: BufRead>(r: &mut R, len: u64) -> Result<Vec<u8>, ReadError> {
 /// Reads the next request.
 ///
 /// Errors: see [`ReadError`].
+/// A `host_reply` between requests answers a host call the worker no longer waits for: it is
+/// skipped.
 pub fn read_request<R: BufRead>(r: &mut R) -> Result<Request, ReadError> {
-    let line = read_header(r)?;
-    let header = RequestHeader::parse(&line).map_err(ReadError::Malformed)?;
-    let payload = read_payload(r, header.len)?;
-    match header.op {
-        Op::Exec => Ok(Request::Exec {
-            header,
-            source: payload,
-        }),
-        Op::Exit => Ok(Request::Exit),
-        Op::Inspect => Ok(Request::Inspect { header }),
+    loop {
+        let line = read_header(r)?;
+        let header = RequestHeader::parse(&line).map_err(ReadError::Malformed)?;
+        let payload = read_payload(r, header.len)?;
+        return match header.op {
+            Op::Exec => Ok(Request::Exec {
+                header,
+                source: payload,
+            }),
+            Op::Exit => Ok(Request::Exit),
+            Op::Inspect => Ok(Request::Inspect { header }),
+            Op::HostReply => continue,
+        };
     }
 }
 

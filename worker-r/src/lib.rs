@@ -486,7 +486,18 @@ mod tests {
             );
             assert_eq!(script_int(script, "MAX_SHAPE_DIMS"), w::MAX_SHAPE_DIMS);
         }
+        assert_eq!(script_int(r, "MAX_HEADER_LINE"), w::MAX_HEADER_LINE);
         for script in [r, py] {
+            // The bounds a host call checks before it sends anything.
+            use sandcell_proto::kernel as k;
+            assert_eq!(
+                script_int(script, "MAX_HOST_CALL_NAME"),
+                k::MAX_HOST_CALL_NAME
+            );
+            assert_eq!(
+                script_int(script, "MAX_HOST_CALL_ARGUMENTS"),
+                k::MAX_HOST_CALL_ARGUMENTS
+            );
             assert_eq!(script_int(script, "MAX_INSPECT_LINE"), w::MAX_INSPECT_LINE);
             assert_eq!(
                 script_int(script, "INSPECT_DEFAULT_ITEMS") as u64,

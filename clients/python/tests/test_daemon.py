@@ -388,3 +388,40 @@ def test_install_layout():
     # The package is importable from its source tree with its typed marker.
     root = Path(sandcell.__file__).parent
     assert (root / "py.typed").exists()
+
+
+def test_host_calls_round_trip_and_errors(client):
+    try:
+        names = [e["name"] for e in client.list_environments()]
+    except sandcell.MethodNotFound:
+        pytest.skip("this daemon has no named environments")
+    if "pydata" not in names:
+        pytest.skip("no pydata environment")
+    seen = []
+
+    def tool(h):
+        seen.append(h)
+        if h.name == "fail":
+            raise RuntimeError("tool broke")
+        return {"sum": h.arguments["a"] + h.arguments["b"]}
+
+    code = (
+        "from sandcell import host\n"
+        "print(host.call('add', {'a': 2, 'b': 40})['sum'])\n"
+        "host.call('fail', {})\n"
+    )
+    r = client.run(code, environment="pydata", host_call_handler=tool)
+    assert r.stdout == "42\n", r
+    assert r.status == "error" and "tool broke" in r.error.message, r
+    assert [h.call for h in seen] == [1, 2] and seen[0].session == r.session
+    # Without a handler the run does not opt in: the call raises at once.
+    r = client.run("from sandcell import host\nhost.call('add', {})", environment="pydata")
+    assert r.status == "error" and "not enabled" in r.error.message, r
+    with client.session(environment="pydata", host_calls=True) as s:
+        r = s.execute(
+            "from sandcell import host\nprint(host.call('add', {'a': 1, 'b': 1})['sum'])",
+            host_call_handler=tool,
+        )
+        assert r.stdout == "2\n", r
+        with pytest.raises(sandcell.NoSuchHostCall):
+            client.host_reply(s.id, 1, {"late": True})

@@ -166,6 +166,35 @@ def test_cell_operation_emits_in_order():
     assert res.files[0].media_type == "image/png"
 
 
+def test_cell_operation_hands_host_calls_to_the_handler():
+    calls = []
+    replies = [
+        frame("started", {"session": "a" * 32, "cell": 2}),
+        frame("host_call", {"cell": 2, "call": 1, "name": "math.add", "arguments": {"a": 1}}),
+        frame(
+            "result",
+            {
+                "cell": 2,
+                "status": "ok",
+                "usage": {"wall_seconds": 0.1},
+                "stdout": {"seen": 0, "kept": 0, "truncated": False},
+                "stderr": {"seen": 0, "kept": 0, "truncated": False},
+                "state": "kept",
+                "session_ended": False,
+                "warnings": [],
+                "files": [],
+            },
+            continues=False,
+        ),
+    ]
+    op = P.op_cell("Execute", {"session": "s", "code": "x"}, None, None, calls.append)
+    res, _ = drive(op, replies)
+    assert res.ok
+    assert calls == [sandcell.HostCall("a" * 32, 2, 1, "math.add", {"a": 1})]
+    assert P.run_params("x", "python", None, None, host_calls=True)["host_calls"] is True
+    assert "host_calls" not in P.open_params("python", None, None, None)
+
+
 def test_cell_operation_stream_without_result():
     replies = [{"parameters": {"frame": {"started": {"session": "s", "cell": 1}}}}]
     with pytest.raises(sandcell.ProtocolError):

@@ -223,6 +223,7 @@ pub async fn handle(
                     p.environment.as_deref(),
                     p.code,
                     p.limits.as_ref(),
+                    p.host_calls.unwrap_or(false),
                     tx,
                 )
                 .await
@@ -280,12 +281,13 @@ pub async fn handle(
         "Open" => {
             let p = parse!(OpenParams);
             match core
-                .open(
+                .open_with(
                     caller,
                     &p.language,
                     p.environment.as_deref(),
                     p.limits.as_ref(),
                     p.detached_idle_seconds,
+                    p.host_calls.unwrap_or(false),
                 )
                 .await
             {
@@ -315,6 +317,16 @@ pub async fn handle(
             let p = parse!(InterruptParams);
             match core.interrupt(caller, &p.session, p.cell).await {
                 Ok(r) => send_reply(w, &call, r, false).await,
+                Err(e) => send_kernel_error(w, &call, e).await,
+            }
+        }
+        "HostReply" => {
+            let p = parse!(k::HostReplyParams);
+            match core
+                .host_reply(caller, &p.session, p.call, p.result, p.error)
+                .await
+            {
+                Ok(()) => send_reply(w, &call, json!({}), false).await,
                 Err(e) => send_kernel_error(w, &call, e).await,
             }
         }

@@ -356,6 +356,7 @@ impl Worker {
                 }
                 WorkerMessage::Ready { .. } => panic!("second Ready"),
                 WorkerMessage::Inspected { .. } => panic!("Inspected during cell {cell}"),
+                WorkerMessage::HostCall { .. } => panic!("HostCall during cell {cell}"),
                 WorkerMessage::Fatal { stage, reason } => panic!("Fatal {stage}: {reason}"),
             }
         }

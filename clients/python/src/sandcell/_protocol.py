@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .errors import ProtocolError, WrongNode, error_from_reply
-from .types import CellResult, FileInfo, InterruptResult, Output, Started, Variable
+from .types import CellResult, FileInfo, HostCall, InterruptResult, Output, Started, Variable
 
 INTERFACE = "org.sandcell.Kernel"
 #: The daemon's socket when neither an argument nor ``SANDCELL_SOCKET`` names one.
@@ -194,9 +194,11 @@ def op_cell(
     parameters: dict[str, Any],
     on_output: Callable[[Output], Any] | None = None,
     on_started: Callable[[Started], Any] | None = None,
+    on_host_call: Callable[[HostCall], Any] | None = None,
 ) -> Operation[CellResult]:
     """``Run`` or ``Execute`` with ``more``: emits the started frame and every output frame
-    in order, as they arrive, and returns the :class:`CellResult`."""
+    in order, as they arrive, and each ``host_call`` frame to ``on_host_call`` (which answers
+    it over another connection), and returns the :class:`CellResult`."""
     reply = yield Call(method, parameters, more=True)
     started: Started | None = None
     outputs: list[Output] = []
@@ -213,6 +215,10 @@ def op_cell(
             outputs.append(out)
             if on_output is not None:
                 yield Emit(on_output, out)
+        elif frame.get("host_call") is not None:
+            call = HostCall.from_dict(started.session if started else "", frame["host_call"])
+            if on_host_call is not None:
+                yield Emit(on_host_call, call)
         elif frame.get("result") is not None:
             return CellResult.from_frames(started, outputs, frame["result"])
         if not reply.continues:
@@ -225,9 +231,12 @@ def run_params(
     language: str,
     environment: str | None,
     limits: dict[str, Any] | None,
+    host_calls: bool = False,
 ) -> dict[str, Any]:
     """Parameters of Run: optional ones only when given (a daemon refuses unknown ones)."""
     p: dict[str, Any] = {"language": language, "code": code}
+    if host_calls:
+        p["host_calls"] = True
     if environment is not None:
         p["environment"] = environment
     if limits:
@@ -240,9 +249,12 @@ def open_params(
     environment: str | None,
     limits: dict[str, Any] | None,
     detached_idle_seconds: int | None,
+    host_calls: bool = False,
 ) -> dict[str, Any]:
     """Parameters of Open: optional ones only when given."""
     p: dict[str, Any] = {"language": language}
+    if host_calls:
+        p["host_calls"] = True
     if environment is not None:
         p["environment"] = environment
     if limits:

@@ -18,14 +18,24 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from . import _protocol as P
-from .errors import ConnectionFailed, NoSuchSession, ProtocolError, VarlinkError
-from .types import CellResult, FileInfo, InterruptResult, Limits, Output, Started, limits_dict
+from .errors import ConnectionFailed, NoSuchHostCall, NoSuchSession, ProtocolError, VarlinkError
+from .types import (
+    CellResult,
+    FileInfo,
+    HostCall,
+    InterruptResult,
+    Limits,
+    Output,
+    Started,
+    limits_dict,
+)
 
 __all__ = ["Client", "Session"]
 
 T = TypeVar("T")
 OnOutput = Callable[[Output], Any]
 OnStarted = Callable[[Started], Any]
+HostCallHandler = Callable[[HostCall], Any]
 
 
 class _Conn:
@@ -205,6 +215,7 @@ class Client:
         on_output: OnOutput | None = None,
         *,
         on_started: OnStarted | None = None,
+        host_call_handler: HostCallHandler | None = None,
     ) -> CellResult:
         """Runs ``code`` in a fresh sandbox that is discarded afterwards (one-shot ``Run``).
 
@@ -216,14 +227,54 @@ class Client:
             on_output: called with each :class:`sandcell.Output` frame, live and in order.
                 An exception it raises abandons the cell and propagates.
             on_started: called with the :class:`sandcell.Started` frame (session, cell).
+            host_call_handler: lets the cell call tools (``host_calls``): called with each
+                :class:`sandcell.HostCall`; what it returns (a dict) is the call's result in
+                the cell, an exception it raises is raised there (as ``HostCallError`` with
+                ``str(exception)``). Without it a host call raises in the cell at once.
 
         Returns the :class:`sandcell.CellResult`; a cell that raised is a result with
         ``status == "error"``, not an exception. Raises the daemon's refusals as typed
         exceptions: :class:`CapacityExceeded`, :class:`LimitExceeded`,
         :class:`UnsupportedLanguage`, :class:`InvalidParameter`, :class:`WorkerFailed`, ...
         """
-        params = P.run_params(code, language, environment, limits_dict(limits))
-        return self._call(P.op_cell("Run", params, on_output, on_started))
+        params = P.run_params(code, language, environment, limits_dict(limits),
+                              host_calls=host_call_handler is not None)
+        return self._call(P.op_cell("Run", params, on_output, on_started,
+                                    self._host_answerer(host_call_handler)))
+
+    def host_reply(self, session: str, call: int, result: dict[str, Any] | None = None,
+                   error: str | None = None) -> None:
+        """Answers host call ``call`` of ``session`` (``HostReply``): exactly one of
+        ``result`` (a dict of at most 256 KiB of JSON, returned to the cell) and ``error``
+        (at most 16 KiB, raised in it). Raises :class:`NoSuchHostCall` when the call does not
+        wait (answered, timed out, its cell ended), :class:`LimitExceeded`,
+        :class:`InvalidParameter`."""
+        params: dict[str, Any] = {"session": P.local_session_id(session, self.node), "call": call}
+        if error is not None:
+            params["error"] = error
+        if result is not None:
+            params["result"] = result
+        self._call(P.op_simple("HostReply", params))
+
+    def _host_answerer(self, handler: HostCallHandler | None) -> Callable[[HostCall], None] | None:
+        """The ``host_call`` frame callback for ``handler``: runs it and answers over another
+        connection (the cell's own one streams its frames until the result)."""
+        if handler is None:
+            return None
+
+        def answer(h: HostCall) -> None:
+            try:
+                result, error = handler(h), None
+                if not isinstance(result, dict):
+                    result, error = None, "the host's tool returned %s, not a dict" % type(result).__name__
+            except Exception as e:  # the tool's failure is the cell's error, not ours
+                result, error = None, (str(e) or type(e).__name__)[: 16 * 1024 - 64]
+            try:
+                self.host_reply(h.session, h.call, result, error)
+            except NoSuchHostCall:
+                pass  # timed out or interrupted meanwhile: the cell's result says so
+
+        return answer
 
     def session(
         self,
@@ -231,9 +282,12 @@ class Client:
         environment: str | None = None,
         detached_idle_seconds: int | None = None,
         limits: Limits | dict[str, Any] | None = None,
+        host_calls: bool = False,
     ) -> Session:
         """Opens a persistent session (``Open``): one interpreter whose variables persist
         across cells. Use it as a context manager, or call :meth:`Session.close`.
+        With ``host_calls``, its cells may call tools (answered by the ``host_call_handler``
+        of :meth:`Session.execute`).
 
         Args:
             detached_idle_seconds: when set, the session survives this client (it is not
@@ -244,7 +298,8 @@ class Client:
         """
         owner = self._connect()
         try:
-            params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds)
+            params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds,
+                                   host_calls=host_calls)
             r = _drive(owner, P.op_simple("Open", params))
         except BaseException:
             owner.close()
@@ -355,7 +410,12 @@ class Session:
         return f"<sandcell.Session {self.id} {self.language} {self.engine!r}>"
 
     def execute(
-        self, code: str, on_output: OnOutput | None = None, *, on_started: OnStarted | None = None
+        self,
+        code: str,
+        on_output: OnOutput | None = None,
+        *,
+        on_started: OnStarted | None = None,
+        host_call_handler: HostCallHandler | None = None,
     ) -> CellResult:
         """Runs a cell in this session; its variables persist for the next cell.
 
@@ -375,7 +435,8 @@ class Session:
         self._running.set()
         try:
             return self.client._call(
-                P.op_cell("Execute", {"session": self._local, "code": code}, on_output, started)
+                P.op_cell("Execute", {"session": self._local, "code": code}, on_output, started,
+                          self.client._host_answerer(host_call_handler))
             )
         finally:
             self._running.clear()

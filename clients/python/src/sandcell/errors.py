@@ -196,6 +196,13 @@ class AttachmentReplaced(VarlinkError):
     fields = ("session", "cell")
 
 
+class NoSuchHostCall(VarlinkError):
+    """``HostReply`` named a call that does not wait for an answer in that session (never
+    made, already answered, timed out, its cell ended, or another session's call)."""
+
+    fields = ("session", "call")
+
+
 # org.varlink.service errors without a kernel namesake.
 
 
@@ -266,6 +273,7 @@ _REGISTRY: dict[str, type[VarlinkError]] = {
         ShuttingDown,
         NoSuchCell,
         AttachmentReplaced,
+        NoSuchHostCall,
         InterfaceNotFound,
         MethodNotFound,
         MethodNotImplemented,

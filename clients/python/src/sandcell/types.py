@@ -83,6 +83,32 @@ class Started:
 
 
 @dataclass(frozen=True)
+class HostCall:
+    """A cell calls a tool the client provides (the ``host_call`` frame of a session or run
+    opened with ``host_calls``).
+
+    Attributes:
+        session: the session id (from the cell's started frame).
+        cell: the calling cell.
+        call: the call id, per session from 1 (``HostReply`` names it).
+        name: the tool's name, 1 to 128 characters of ``[A-Za-z0-9_.-]``.
+        arguments: the cell's arguments, a dict (at most 256 KiB of JSON).
+    """
+
+    session: str
+    cell: int
+    call: int
+    name: str
+    arguments: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls, session: str, d: dict[str, Any]) -> HostCall:
+        args = d.get("arguments")
+        return cls(session=session, cell=int(d["cell"]), call=int(d["call"]), name=str(d["name"]),
+                   arguments=args if isinstance(args, dict) else {})
+
+
+@dataclass(frozen=True)
 class Output:
     """A chunk of a cell's output, as it arrived.
 
