@@ -345,6 +345,15 @@ impl Core {
 
     /// [`Core::gone`] for a session found while it was ending: waits (at most 10 s) until it
     /// has released everything and is recorded, so the answer is the same as a moment later.
+    /// Like [`Self::gone_after`], but `None` when `s` is still live after a short wait: a
+    /// failure seen meanwhile was not caused by the session ending.
+    async fn ended_while(&self, caller: &Caller, s: &Session, id: &str) -> Option<KernelError> {
+        tokio::time::timeout(Duration::from_secs(2), s.released())
+            .await
+            .ok()
+            .map(|_| self.gone(caller, id))
+    }
+
     async fn gone_after(&self, caller: &Caller, s: &Session, id: &str) -> KernelError {
         let _ = tokio::time::timeout(Duration::from_secs(10), s.released()).await;
         self.gone(caller, id)
@@ -1479,7 +1488,8 @@ impl Core {
     /// 9p, proc or sysfs), `NoSuchSession`, `PermissionDenied`, `SessionBusy` (a cell is
     /// running), `NotRegularFile` (something other than a regular file is in the way),
     /// `CapacityExceeded` (budget `state_directory_space`: the state directory's file system
-    /// has no room; `in_use` and `max` are its used and total bytes, `requested` the size).
+    /// has no room; `in_use` and `max` are its used and total bytes, `requested` the size),
+    /// `InternalError` (any other I/O error of the daemon's own).
     pub async fn put_file(
         &self,
         caller: &Caller,
@@ -1577,9 +1587,7 @@ impl Core {
                     max: PUT_FILE_SECONDS,
                 });
             }
-            Ok(joined) => joined.map_err(|e| KernelError::WorkerFailed {
-                reason: format!("file task failed: {e}"),
-            })??,
+            Ok(joined) => joined.map_err(file_task_failed)??,
         };
         tracing::info!(session, uid = caller.uid, name, size, "file stored");
         Ok(stored)
@@ -1588,7 +1596,8 @@ impl Core {
     /// Lists `session`'s directory (lstat only, bounded); returns the entries sorted by name
     /// and whether the listing was cut at its bound.
     ///
-    /// Errors: `NoSuchSession`, `PermissionDenied`.
+    /// Errors: `NoSuchSession`, `PermissionDenied`, `SessionEnded` (it ended meanwhile),
+    /// `InternalError` (the directory could not be read while the session lives).
     pub async fn list_files(
         &self,
         caller: &Caller,
@@ -1598,11 +1607,15 @@ impl Core {
         let dir = s.dir.clone();
         let l = match tokio::task::spawn_blocking(move || crate::files::list(&dir))
             .await
-            .map_err(|e| KernelError::WorkerFailed {
-                reason: format!("file task failed: {e}"),
-            })? {
+            .map_err(file_task_failed)?
+        {
             Ok(l) => l,
-            Err(_) => return Err(self.gone_after(caller, &s, session).await),
+            // A session that ends removes its directory: then the caller learns that it
+            // ended. A listing that fails while the session lives is a server fault.
+            Err(e) => match self.ended_while(caller, &s, session).await {
+                Some(gone) => return Err(gone),
+                None => return Err(e.into()),
+            },
         };
         Ok((l.files, l.truncated))
     }
@@ -1612,7 +1625,8 @@ impl Core {
     ///
     /// Errors: `InvalidFileName`, `LimitExceeded` (`max_bytes`), `NoSuchSession`,
     /// `PermissionDenied`, `NoSuchFile`, `NotRegularFile` (symlink, directory, FIFO, ...;
-    /// kind `foreign` for a file not owned by the session's worker, e.g. a hard link).
+    /// kind `foreign` for a file not owned by the session's worker, e.g. a hard link),
+    /// `InternalError` (an I/O error of the daemon's own).
     pub async fn get_file(
         &self,
         caller: &Caller,
@@ -1648,15 +1662,14 @@ impl Core {
                 crate::files::read(&dir, &name, offset, max, owner)
             })
             .await
-            .map_err(|e| KernelError::WorkerFailed {
-                reason: format!("file task failed: {e}"),
-            })??,
+            .map_err(file_task_failed)??,
         )
     }
 
     /// Removes `name` (a file, a symlink itself, or an empty directory) from `session`'s
     /// directory. Errors: `InvalidFileName`, `NoSuchSession`, `PermissionDenied`,
-    /// `NoSuchFile`, `NotRegularFile` (a symlink on the way).
+    /// `NoSuchFile`, `NotRegularFile` (a symlink on the way; a directory with entries, kind
+    /// `dir`), `InternalError` (an I/O error of the daemon's own).
     pub async fn delete_file(
         &self,
         caller: &Caller,
@@ -1668,9 +1681,7 @@ impl Core {
         let (dir, name) = (s.dir.clone(), name.to_owned());
         let deleted = tokio::task::spawn_blocking(move || crate::files::delete(&dir, &name)).await;
         s.files_changed();
-        Ok(deleted.map_err(|e| KernelError::WorkerFailed {
-            reason: format!("file task failed: {e}"),
-        })??)
+        Ok(deleted.map_err(file_task_failed)??)
     }
 }
 
@@ -1701,4 +1712,13 @@ pub fn new_session_id() -> String {
     let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
     assert_eq!(n, 16, "getrandom failed");
     sandcell_proto::kernel::SessionId::from_random(b).into_string()
+}
+
+/// A blocking file task of the daemon's own that did not finish (it panicked or the runtime
+/// is stopping): a server fault, never the worker's.
+fn file_task_failed(e: tokio::task::JoinError) -> KernelError {
+    KernelError::InternalError {
+        operation: "file task".into(),
+        reason: e.to_string(),
+    }
 }

@@ -42,10 +42,14 @@
 //!
 //! All functions here block (file-system calls); callers run them on a blocking thread.
 
+use nix::errno::Errno;
+use nix::fcntl::{AtFlags, OFlag};
+use nix::sys::stat::Mode;
+use nix::unistd::{Gid, Uid, UnlinkatFlags, unlinkat};
 use sandcell_proto::kernel::{FileInfo, FileKind, KernelError, media_type};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
 /// Entries a listing or a cell's change list reports at most.
@@ -140,14 +144,36 @@ pub enum Error {
         /// Bytes of the file system.
         max: u64,
     },
-    /// An OS call failed.
-    #[error("{op}: {source}")]
+    /// An OS call failed on the daemon's side: a server fault, never the client's.
+    #[error("{op} {path:?}: {source}")]
     Io {
         /// What was done.
         op: &'static str,
+        /// The name it was done to, relative to the session directory ("." for the directory
+        /// itself; empty until the public function that failed fills it in).
+        path: String,
         /// The error.
         source: std::io::Error,
     },
+}
+
+impl Error {
+    /// Names `path` (relative to the session directory) in an [`Error::Io`] that does not
+    /// name one yet; other errors are returned unchanged.
+    fn at(self, path: &str) -> Self {
+        match self {
+            Error::Io {
+                op,
+                path: p,
+                source,
+            } if p.is_empty() => Error::Io {
+                op,
+                path: path.into(),
+                source,
+            },
+            e => e,
+        }
+    }
 }
 
 impl From<Error> for KernelError {
@@ -187,16 +213,20 @@ impl From<Error> for KernelError {
                 requested,
                 max,
             },
-            Error::Io { op, source } => KernelError::InvalidParameter {
-                parameter: "name".into(),
-                reason: format!("{op}: {source}"),
+            Error::Io { op, path, source } => KernelError::InternalError {
+                operation: op.into(),
+                reason: format!("{path}: {source}"),
             },
         }
     }
 }
 
 fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> Error {
-    move |source| Error::Io { op, source }
+    move |source| Error::Io {
+        op,
+        path: String::new(),
+        source,
+    }
 }
 
 /// Size limits of uploads, bytes.
@@ -283,34 +313,20 @@ pub fn validate_new_name(name: &str) -> Result<Vec<&str>, Error> {
     Ok(parts)
 }
 
-const RESOLVE: u64 =
-    libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
-
 /// `openat2(dir, path, flags | O_CLOEXEC, mode, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
-/// RESOLVE_NO_MAGICLINKS)`.
+/// RESOLVE_NO_MAGICLINKS)`: nothing outside `dir`, no symlink and no /proc magic link is
+/// ever followed (openat2(2), Linux 5.6).
 fn openat2(dir: BorrowedFd<'_>, path: &str, flags: i32, mode: u32) -> std::io::Result<OwnedFd> {
-    let c = CString::new(path).map_err(|_| std::io::ErrorKind::InvalidInput)?;
-    // SAFETY: open_how is plain integers; all-zero is valid.
-    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = (flags | libc::O_CLOEXEC) as u64;
-    how.mode = mode as u64;
-    how.resolve = RESOLVE;
-    // SAFETY: `c` is NUL-terminated and `how` a valid open_how of the size passed; both
-    // outlive the call. The returned descriptor is new and owned by nobody else.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_openat2,
-            dir.as_raw_fd(),
-            c.as_ptr(),
-            &how as *const libc::open_how,
-            std::mem::size_of::<libc::open_how>(),
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor returned by the kernel, owned from here on.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+    let how = OpenHow::new()
+        .flags(OFlag::from_bits_retain(flags | libc::O_CLOEXEC))
+        .mode(Mode::from_bits_retain(mode))
+        .resolve(
+            ResolveFlag::RESOLVE_BENEATH
+                | ResolveFlag::RESOLVE_NO_SYMLINKS
+                | ResolveFlag::RESOLVE_NO_MAGICLINKS,
+        );
+    Ok(nix::fcntl::openat2(dir, path, how)?)
 }
 
 fn cstr(name: &str) -> Result<CString, Error> {
@@ -321,32 +337,16 @@ fn cstr(name: &str) -> Result<CString, Error> {
 }
 
 fn fstat(fd: BorrowedFd<'_>) -> std::io::Result<libc::stat> {
-    // SAFETY: an all-zero stat is a valid value to be overwritten.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `fd` is open for the call's duration; `st` is a valid out pointer.
-    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(st)
+    Ok(nix::sys::stat::fstat(fd)?)
 }
 
 /// `fstatat(dir, name, AT_SYMLINK_NOFOLLOW)`: never follows a symlink. `name` is one component.
 fn lstat_at(dir: BorrowedFd<'_>, name: &CStr) -> std::io::Result<libc::stat> {
-    // SAFETY: as in `fstat`.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `dir` is open, `name` NUL-terminated, `st` a valid out pointer.
-    let r = unsafe {
-        libc::fstatat(
-            dir.as_raw_fd(),
-            name.as_ptr(),
-            &mut st,
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(st)
+    Ok(nix::sys::stat::fstatat(
+        dir,
+        name,
+        AtFlags::AT_SYMLINK_NOFOLLOW,
+    )?)
 }
 
 fn kind_of(mode: libc::mode_t) -> FileKind {
@@ -383,7 +383,7 @@ fn open_root(dir: &Path) -> Result<OwnedFd, Error> {
         .read(true)
         .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(dir)
-        .map_err(io("open session directory"))?;
+        .map_err(|e| io("open session directory")(e).at("."))?;
     Ok(f.into())
 }
 
@@ -400,6 +400,7 @@ fn classify(root: BorrowedFd<'_>, name: &str) -> Error {
             },
             Err(e) => Error::Io {
                 op: "fstat",
+                path: name.into(),
                 source: e,
             },
         },
@@ -414,6 +415,7 @@ fn classify(root: BorrowedFd<'_>, name: &str) -> Error {
         },
         Err(e) => Error::Io {
             op: "open",
+            path: name.into(),
             source: e,
         },
     }
@@ -427,9 +429,8 @@ type Created = Vec<(OwnedFd, CString)>;
 /// Removes the directories of `created` that are still empty, innermost first.
 fn remove_created(created: &Created) {
     for (parent, name) in created.iter().rev() {
-        // SAFETY: `parent` is an open directory and `name` NUL-terminated; AT_REMOVEDIR
-        // removes an empty directory entry only, never following a symlink.
-        unsafe { libc::unlinkat(parent.as_raw_fd(), name.as_ptr(), libc::AT_REMOVEDIR) };
+        // AT_REMOVEDIR removes an empty directory entry only, never following a symlink.
+        let _ = unlinkat(parent, name.as_c_str(), UnlinkatFlags::RemoveDir);
     }
 }
 
@@ -447,31 +448,24 @@ fn open_parent(
     for p in &parts[..parts.len() - 1] {
         if create {
             let c = cstr(p)?;
-            // SAFETY: `cur` is an open directory, `c` NUL-terminated. mkdirat never follows
-            // a symlink in its last component.
-            let r = unsafe { libc::mkdirat(cur.as_raw_fd(), c.as_ptr(), 0o700) };
-            if r == 0 {
-                created.push((cur.try_clone().map_err(io("dup"))?, c.clone()));
-                if let Some((uid, gid)) = owner {
-                    // SAFETY: as above; AT_SYMLINK_NOFOLLOW changes the entry itself.
-                    let r = unsafe {
-                        libc::fchownat(
-                            cur.as_raw_fd(),
-                            c.as_ptr(),
-                            uid,
-                            gid,
-                            libc::AT_SYMLINK_NOFOLLOW,
+            // mkdirat never follows a symlink in its last component.
+            match nix::sys::stat::mkdirat(&cur, c.as_c_str(), Mode::from_bits_retain(0o700)) {
+                Ok(()) => {
+                    created.push((cur.try_clone().map_err(io("dup"))?, c.clone()));
+                    if let Some((uid, gid)) = owner {
+                        // AT_SYMLINK_NOFOLLOW changes the entry itself.
+                        nix::unistd::fchownat(
+                            &cur,
+                            c.as_c_str(),
+                            Some(Uid::from_raw(uid)),
+                            Some(Gid::from_raw(gid)),
+                            AtFlags::AT_SYMLINK_NOFOLLOW,
                         )
-                    };
-                    if r < 0 {
-                        return Err(io("fchownat")(std::io::Error::last_os_error()));
+                        .map_err(|e| io("fchownat")(e.into()))?;
                     }
                 }
-            } else {
-                let e = std::io::Error::last_os_error();
-                if e.raw_os_error() != Some(libc::EEXIST) {
-                    return Err(io("mkdirat")(e));
-                }
+                Err(Errno::EEXIST) => {}
+                Err(e) => return Err(io("mkdirat")(e.into())),
             }
         }
         cur = match openat2(
@@ -580,6 +574,9 @@ impl Listing {
     }
 }
 
+/// A directory stream that reads one entry per call and lends its descriptor for the
+/// `*at` calls on its entries. nix's `Dir` does not fit: its borrowing iterator rewinds the
+/// stream when dropped, and its owning iterator lends no descriptor, so this keeps libc's.
 struct DirStream(*mut libc::DIR);
 
 impl DirStream {
@@ -640,7 +637,7 @@ pub fn list(dir: &Path) -> Result<Listing, Error> {
     // Depth-first: one open directory per level. (stream, name prefix, depth from 1, hidden)
     let mut stack: Vec<(DirStream, String, usize, bool)> = match DirStream::open(root) {
         Ok(ds) => vec![(ds, String::new(), 1, false)],
-        Err(e) => return Err(io("read session directory")(e)),
+        Err(e) => return Err(io("read session directory")(e).at(".")),
     };
     while let Some((ds, prefix, depth, hidden)) = stack.last_mut() {
         let Some(c) = ds.next() else {
@@ -729,8 +726,8 @@ fn dir_lock(dir: &Path) -> std::sync::Arc<std::sync::Mutex<()>> {
 /// Random hex for temporary names.
 fn random_hex() -> String {
     let mut b = [0u8; 8];
-    // SAFETY: getrandom writes at most b.len() bytes into b.
-    unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    // A failure leaves zeros: the name is then still refused if it exists (O_EXCL).
+    let _ = getrandom::getrandom(&mut b);
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
@@ -752,7 +749,10 @@ pub fn check_upload(declared: u64, source: &Source, limits: &Limits) -> Result<(
         }),
         Source::Inline(_) => Ok(()),
         Source::Fd(fd) => {
-            let st = fstat(fd.as_fd()).map_err(io("fstat of the passed descriptor"))?;
+            let st = fstat(fd.as_fd()).map_err(|e| Error::BadSource {
+                parameter: "fd",
+                reason: format!("fstat of the passed descriptor: {e}"),
+            })?;
             if kind_of(st.st_mode) != FileKind::File {
                 return Err(Error::BadSource {
                     parameter: "fd",
@@ -839,25 +839,19 @@ pub fn put_until(
                 max,
             }
         }
-        other => other,
+        other => other.at(name),
     })
 }
 
 /// Bytes in use and in all on the file system of `dir` (`statvfs`: blocks less those
 /// available to an unprivileged writer, and blocks; fragment size units); zeros when unknown.
 fn space(dir: &Path) -> (u64, u64) {
-    let Ok(c) = CString::new(dir.as_os_str().as_encoded_bytes()) else {
+    let Ok(st) = nix::sys::statvfs::statvfs(dir) else {
         return (0, 0);
     };
-    // SAFETY: statvfs with a NUL-terminated path writes `st` only.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return (0, 0);
-    }
-    let unit = st.f_frsize as u64;
-    let total = (st.f_blocks as u64).saturating_mul(unit);
-    let avail = (st.f_bavail as u64).saturating_mul(unit);
+    let unit = st.fragment_size();
+    let total = st.blocks().saturating_mul(unit);
+    let avail = st.blocks_available().saturating_mul(unit);
     (total.saturating_sub(avail), total)
 }
 
@@ -933,24 +927,19 @@ fn put_inner(
     let leaf = cstr(parts[parts.len() - 1])?;
     let tmp_name = format!("{TEMP_PREFIX}{}", random_hex());
     let tmp = cstr(&tmp_name)?;
-    // SAFETY: `parent` is an open directory, `tmp` NUL-terminated; O_EXCL|O_NOFOLLOW creates
-    // a new file or fails, never opening something that exists.
-    let raw = unsafe {
-        libc::openat(
-            parent.as_raw_fd(),
-            tmp.as_ptr(),
-            libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            0o600 as libc::c_uint,
+    // O_EXCL|O_NOFOLLOW creates a new file or fails, never opening something that exists.
+    let out = std::fs::File::from(
+        nix::fcntl::openat(
+            &parent,
+            tmp.as_c_str(),
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::from_bits_retain(0o600),
         )
-    };
-    if raw < 0 {
-        return Err(io("create temporary")(std::io::Error::last_os_error()));
-    }
-    // SAFETY: a fresh descriptor, owned from here on.
-    let out = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(raw) });
+        .map_err(|e| io("create temporary")(e.into()))?,
+    );
     let unlink_tmp = || {
-        // SAFETY: `parent` is open and `tmp` NUL-terminated; removes our own temporary.
-        unsafe { libc::unlinkat(parent.as_raw_fd(), tmp.as_ptr(), 0) };
+        // Removes our own temporary.
+        let _ = unlinkat(&parent, tmp.as_c_str(), UnlinkatFlags::NoRemoveDir);
     };
     let written = (|| -> Result<(), Error> {
         if let Some((uid, gid)) = owner {
@@ -962,26 +951,16 @@ fn put_inner(
         unlink_tmp();
         return Err(e);
     }
-    // SAFETY: both names are NUL-terminated and relative to the open `parent`; renameat
-    // replaces a regular file or a symlink entry without following it and fails on a
-    // directory.
-    let r = unsafe {
-        libc::renameat(
-            parent.as_raw_fd(),
-            tmp.as_ptr(),
-            parent.as_raw_fd(),
-            leaf.as_ptr(),
-        )
-    };
-    if r < 0 {
-        let e = std::io::Error::last_os_error();
+    // renameat replaces a regular file or a symlink entry without following it and fails
+    // on a directory.
+    if let Err(e) = nix::fcntl::renameat(&parent, tmp.as_c_str(), &parent, leaf.as_c_str()) {
         unlink_tmp();
-        return Err(match e.raw_os_error() {
-            Some(libc::EISDIR) | Some(libc::ENOTEMPTY) | Some(libc::EEXIST) => Error::NotRegular {
+        return Err(match e {
+            Errno::EISDIR | Errno::ENOTEMPTY | Errno::EEXIST => Error::NotRegular {
                 name: name.into(),
                 kind: FileKind::Dir,
             },
-            _ => io("rename")(e),
+            e => io("rename")(e.into()),
         });
     }
     let st = fstat(out.as_fd()).map_err(io("fstat"))?;
@@ -1017,8 +996,12 @@ fn write_content(
                     return Err(Error::Deadline(secs));
                 }
                 let want = ((declared - done) as usize).min(buf.len());
-                let n = std::os::unix::fs::FileExt::read_at(&src, &mut buf[..want], done)
-                    .map_err(io("read the passed descriptor"))?;
+                let n = std::os::unix::fs::FileExt::read_at(&src, &mut buf[..want], done).map_err(
+                    |e| Error::BadSource {
+                        parameter: "fd",
+                        reason: format!("read of the passed descriptor: {e}"),
+                    },
+                )?;
                 if n == 0 {
                     return Err(Error::BadSource {
                         parameter: "fd",
@@ -1042,6 +1025,16 @@ fn write_content(
 /// anywhere on the path, a directory, a FIFO, a socket, a device: none is read),
 /// [`Error::Foreign`], [`Error::Io`].
 pub fn read(
+    dir: &Path,
+    name: &str,
+    offset: u64,
+    max: u64,
+    owner: Option<u32>,
+) -> Result<(FileInfo, Vec<u8>, bool), Error> {
+    read_inner(dir, name, offset, max, owner).map_err(|e| e.at(name))
+}
+
+fn read_inner(
     dir: &Path,
     name: &str,
     offset: u64,
@@ -1093,8 +1086,12 @@ pub fn read(
 /// Removes `name`: a file, a symlink (the link itself) or an empty directory.
 ///
 /// Errors: [`Error::InvalidName`], [`Error::NoSuchFile`], [`Error::NotRegular`] (a symlink on
-/// the way), [`Error::Io`] (e.g. a directory that is not empty).
+/// the way; a directory that is not empty, kind `dir`), [`Error::Io`].
 pub fn delete(dir: &Path, name: &str) -> Result<(), Error> {
+    delete_inner(dir, name).map_err(|e| e.at(name))
+}
+
+fn delete_inner(dir: &Path, name: &str) -> Result<(), Error> {
     let parts = validate_name(name)?;
     let root = open_root(dir)?;
     let parent = open_parent(&root, name, &parts, false, None, &mut Vec::new())?;
@@ -1107,13 +1104,21 @@ pub fn delete(dir: &Path, name: &str) -> Result<(), Error> {
         Err(e) => return Err(io("fstatat")(e)),
     };
     let flags = if kind_of(st.st_mode) == FileKind::Dir {
-        libc::AT_REMOVEDIR
+        UnlinkatFlags::RemoveDir
     } else {
-        0
+        UnlinkatFlags::NoRemoveDir
     };
-    // SAFETY: `parent` is open, `leaf` NUL-terminated; unlinkat removes the entry itself.
-    if unsafe { libc::unlinkat(parent.as_raw_fd(), leaf.as_ptr(), flags) } < 0 {
-        return Err(io("unlink")(std::io::Error::last_os_error()));
+    // unlinkat removes the entry itself.
+    match unlinkat(&parent, leaf.as_c_str(), flags) {
+        Ok(()) => {}
+        // The client asked for something DeleteFile does not do: not a server fault.
+        Err(Errno::ENOTEMPTY) => {
+            return Err(Error::NotRegular {
+                name: name.into(),
+                kind: FileKind::Dir,
+            });
+        }
+        Err(e) => return Err(io("unlink")(e.into())),
     }
     Ok(())
 }
@@ -1216,8 +1221,7 @@ mod tests {
     fn foreign_files_are_not_read() {
         let d = tmp();
         std::fs::write(d.path().join("mine"), "x").unwrap();
-        // SAFETY: geteuid has no preconditions.
-        let me = unsafe { libc::geteuid() };
+        let me = nix::unistd::geteuid().as_raw();
         assert_eq!(read(d.path(), "mine", 0, 1, Some(me)).unwrap().1, b"x");
         let other = read(d.path(), "mine", 0, 1, Some(me.wrapping_add(1)));
         assert!(matches!(other, Err(Error::Foreign(_))), "{other:?}");
@@ -1261,6 +1265,46 @@ mod tests {
         assert!(validate_name(&"x".repeat(256)).is_err());
         assert_eq!(validate_name("data/in.csv").unwrap(), ["data", "in.csv"]);
         assert!(validate_name(".hidden").is_ok());
+    }
+
+    /// Failures on the daemon's side are server faults naming the session-relative path;
+    /// a request DeleteFile does not serve (a directory with entries) is the client's.
+    #[test]
+    fn server_faults_are_internal_errors_with_the_path() {
+        let d = tmp();
+        let gone = d.path().join("no-such-session");
+        let e = list(&gone).unwrap_err();
+        assert!(matches!(&e, Error::Io { path, .. } if path == "."), "{e:?}");
+        match KernelError::from(e) {
+            KernelError::InternalError { operation, reason } => {
+                assert_eq!(operation, "open session directory");
+                assert!(reason.starts_with(".: "), "{reason}");
+                assert!(!reason.contains("no-such-session"), "a host path: {reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // A session directory that is not a directory.
+        std::fs::write(d.path().join("plain"), b"x").unwrap();
+        let e = read(&d.path().join("plain"), "a.txt", 0, 10, None).unwrap_err();
+        assert!(matches!(&e, Error::Io { path, .. } if path == "."), "{e:?}");
+        put(
+            d.path(),
+            "full/a.txt",
+            1,
+            Source::Inline(b"a".to_vec()),
+            None,
+            &LIMITS,
+        )
+        .unwrap();
+        let e = delete(d.path(), "full").unwrap_err();
+        assert!(
+            matches!(&e, Error::NotRegular { name, kind: FileKind::Dir } if name == "full"),
+            "{e:?}"
+        );
+        assert!(matches!(
+            KernelError::from(e),
+            KernelError::NotRegularFile { .. }
+        ));
     }
 
     #[test]
@@ -1505,10 +1549,13 @@ mod tests {
         let l2 = list(d.path()).unwrap();
         assert!(l2.usage.bytes >= l.usage.bytes + 5_000_000);
         let reserved = std::fs::File::create(d.path().join("reserved")).unwrap();
-        // SAFETY: a valid descriptor; integer arguments.
-        let r =
-            unsafe { libc::fallocate(reserved.as_raw_fd(), libc::FALLOC_FL_KEEP_SIZE, 0, 8 << 20) };
-        if r == 0 {
+        let r = nix::fcntl::fallocate(
+            &reserved,
+            nix::fcntl::FallocateFlags::FALLOC_FL_KEEP_SIZE,
+            0,
+            8 << 20,
+        );
+        if r.is_ok() {
             let l3 = list(d.path()).unwrap();
             assert!(
                 l3.usage.bytes >= l2.usage.bytes + (8 << 20),

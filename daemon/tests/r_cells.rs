@@ -109,8 +109,11 @@ async fn r_interrupts_end_exactly_the_cell() {
         let t0 = Instant::now();
         assert!(b.interrupt(&s, started.cell).await.unwrap().delivered);
         let out = a.finish(|_| {}).await.unwrap();
+        // A bound on hangs, not on speed: an interrupt the worker ignored would end only at
+        // the 120 s wall time.
+        eprintln!("figure: {code} interrupted in {:?}", t0.elapsed());
         assert!(
-            t0.elapsed() < Duration::from_secs(1),
+            t0.elapsed() < Duration::from_secs(30),
             "{code}: took {:?}",
             t0.elapsed()
         );

@@ -1070,6 +1070,14 @@ pub enum KernelError {
         /// Why.
         reason: String,
     },
+    /// The daemon failed on its own side (a server fault): nothing in the call was wrong.
+    #[serde(rename = "org.sandcell.Kernel.InternalError")]
+    InternalError {
+        /// What failed, e.g. `read session directory`, `rename`, `file task`.
+        operation: String,
+        /// The OS error, with the path relative to the session directory where there is one.
+        reason: String,
+    },
     /// A file name is refused.
     #[serde(rename = "org.sandcell.Kernel.InvalidFileName")]
     InvalidFileName {
@@ -1363,6 +1371,7 @@ mod tests {
             KernelError::SessionBusy { .. } => "SessionBusy",
             KernelError::PermissionDenied { .. } => "PermissionDenied",
             KernelError::WorkerFailed { .. } => "WorkerFailed",
+            KernelError::InternalError { .. } => "InternalError",
             KernelError::InvalidFileName { .. } => "InvalidFileName",
             KernelError::NoSuchFile { .. } => "NoSuchFile",
             KernelError::NotRegularFile { .. } => "NotRegularFile",
@@ -1410,6 +1419,7 @@ mod tests {
             "SessionBusy",
             "PermissionDenied",
             "WorkerFailed",
+            "InternalError",
             "InvalidFileName",
             "NoSuchFile",
             "NotRegularFile",

@@ -69,6 +69,18 @@ async fn send(w: &Writer, call: &Call<RawCall>, value: &impl Serialize) -> Sent 
     w.write_reply(&buf).await
 }
 
+/// Answers a message that cannot be a call (not JSON, not a Varlink call object, over the
+/// message bound, or not complete in time) with `org.varlink.service.InvalidParameter`
+/// (`parameter`: "message"), so that a client learns why the daemon is about to end the
+/// connection. Nothing of the message is echoed. The caller ends the connection afterwards
+/// whatever this returns: after a malformed message the stream cannot be resynchronised.
+pub async fn refuse_malformed(w: &Writer) -> Sent {
+    let e = service_error("InvalidParameter", json!({ "parameter": "message" }));
+    let mut buf = Vec::new();
+    socket::encode(&mut buf, &e)?;
+    w.write_reply(&buf).await
+}
+
 /// Bytes charged up front for a `ListFiles` reply: 1000 entries of about 1 KiB each. The
 /// encoded reply is charged at its real size before it is written.
 const LIST_REPLY_CHARGE: usize = 1024 * 1024;

@@ -19,7 +19,7 @@ use crate::session::Caller;
 use sandcell_proto::kernel::RawCall;
 use std::os::fd::AsFd;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, watch};
@@ -171,6 +171,10 @@ async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
     let partial = read.partial_flag();
     let (calls_tx, mut calls_rx) = mpsc::channel::<socket::Message>(1);
     let (closed_tx, mut closed_rx) = watch::channel(false);
+    // Set when the connection ends on a message that cannot be a call (over the bound, not
+    // complete in time): the client is told before the connection ends.
+    let refused = Arc::new(AtomicBool::new(false));
+    let refused_by_reader = refused.clone();
     let reader = tokio::spawn(async move {
         loop {
             match read.next().await {
@@ -181,6 +185,9 @@ async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
                 }
                 Ok(None) => break,
                 Err(e) => {
+                    if e.kind() == std::io::ErrorKind::InvalidData {
+                        refused_by_reader.store(true, Ordering::Relaxed);
+                    }
                     tracing::debug!(connection = id, error = %e, "connection ends");
                     break;
                 }
@@ -195,7 +202,15 @@ async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
             _ = async { let _ = closed_rx.wait_for(|c| *c).await; } => {
                 // Calls already read are still answered unless the peer is gone for good;
                 // a write to a closed socket fails and ends the loop.
-                match calls_rx.try_recv() { Ok(c) => c, Err(_) => break }
+                match calls_rx.try_recv() {
+                    Ok(c) => c,
+                    Err(_) => {
+                        if refused.load(Ordering::Relaxed) {
+                            let _ = kernel::refuse_malformed(&write).await;
+                        }
+                        break;
+                    }
+                }
             }
             _ = tokio::time::sleep(idle) => {
                 if partial.load(Ordering::Relaxed) || core.connection_owns_sessions(id) {
@@ -210,6 +225,7 @@ async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
             Ok(c) => c,
             Err(e) => {
                 tracing::debug!(connection = id, error = %e, "malformed call; connection ends");
+                let _ = kernel::refuse_malformed(&write).await;
                 break;
             }
         };

@@ -144,6 +144,15 @@ class WorkerFailed(VarlinkError):
     fields = ("reason",)
 
 
+class InternalError(VarlinkError):
+    """The daemon failed on its own side (a server fault: an I/O error in its state
+    directory, a task of its own that did not finish). Nothing in the call was wrong and the
+    session is unchanged; the call may be retried. ``operation`` names what failed,
+    ``reason`` the OS error with the path relative to the session directory."""
+
+    fields = ("operation", "reason")
+
+
 class InvalidFileName(VarlinkError):
     """A file name is refused: empty, absolute, "..", NUL or control characters, a leading
     "-", too long or too deep."""
@@ -265,6 +274,7 @@ _REGISTRY: dict[str, type[VarlinkError]] = {
         SessionBusy,
         PermissionDenied,
         WorkerFailed,
+        InternalError,
         InvalidFileName,
         NoSuchFile,
         NotRegularFile,
