@@ -61,6 +61,9 @@
 # another call (one given up on) is skipped, here and between requests. jsonlite must be
 # installed (r-cran-jsonlite), else host_call raises.
 #
+# Visible top-level values are printed as the REPL prints them, unless the request says
+# `display=0` (a gateway that wants print()-only semantics): then only explicit output shows.
+#
 # quit() and q() in a cell end the session: the worker reports `done` with status `exited`
 # and the requested exit code, then exits with that status (R's own .Last and exit
 # finalizers run when runLast = TRUE). base::quit() called directly still reports `exited`
@@ -599,15 +602,16 @@ message_of <- function(cond) {
 }
 
 # Evaluates the parsed cell expression by expression in .GlobalEnv, printing visible values
-# and flushing stdout after each one (R also flushes after every console write).
-run_exprs <- function(exprs) {
+# (unless `display` is FALSE) and flushing stdout after each one (R also flushes after every
+# console write).
+run_exprs <- function(exprs, display) {
   srefs <- attr(exprs, "srcref")
   for (i in seq_along(exprs)) {
     sandcell_cell_expr <- exprs[i]
     attr(sandcell_cell_expr, "srcref") <- srefs[i]
     state$expr_line <- srcref_line(srefs[[i]])
     r <- withVisible(eval(sandcell_cell_expr, .GlobalEnv))
-    if (r$visible) print_value(r$value)
+    if (display && r$visible) print_value(r$value)
     flush(stdout())
   }
 }
@@ -642,7 +646,7 @@ run_cell <- function(cell, payload, opts) {
   r <- tryCatch({
     withCallingHandlers({
       if (limited) setTimeLimit(elapsed = timeout / 1000, transient = FALSE)
-      allowInterrupts(run_exprs(exprs))
+      allowInterrupts(run_exprs(exprs, !identical(opts[["display"]], 0)))
       list(status = "ok")
     }, warning = function(w) {
       lvl <- getOption("warn")

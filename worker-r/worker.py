@@ -16,8 +16,12 @@
 #   cell starts do not inherit them, and a forked child closes them.
 # - Cells run in a fresh `__main__` module, not in the worker's globals; each cell's source is
 #   registered with linecache under `<cell N>` (the name the Eryx engine uses too), so
-#   tracebacks show the user's lines and line numbers. A final expression statement is shown as in Jupyter (its repr on stdout, through
-#   sys.displayhook), unless the cell ends with `;`.
+#   tracebacks show the user's lines and line numbers. A final expression statement is shown
+#   as in Jupyter (its repr on stdout, through sys.displayhook, `_` bound to it), unless the
+#   cell ends with `;` or the request says `display=0`; the value None shows nothing. The
+#   worker's sys.displayhook (`displayhook`, unless a cell installs its own) shows
+#   `<repr failed: Type: message>` (message cut at MAX_REPR_FAILURE_CHARS) when the repr
+#   raises an Exception, and the cell goes on; the Eryx engine's driver does the same.
 # - One SIGINT ends exactly one cell, with KeyboardInterrupt in the main thread: the handler
 #   raises only while the cell's own code runs ("armed"). A SIGINT that lands after the request
 #   was read but before the cell's first bytecode is kept and raised when the cell starts; one
@@ -93,6 +97,7 @@ MAX_VARIABLE_NAME = 256  # bytes; longer names are left out (and `truncated` is 
 MAX_VARIABLE_TYPE = 256  # bytes
 MAX_REPR_CHARS = 200  # characters, "..." included
 MAX_SHAPE_DIMS = 64
+MAX_REPR_FAILURE_CHARS = 200  # characters of the message in `<repr failed: Type: message>`
 MAX_INSPECT_LINE = 512 * 1024  # bytes of one `inspected` line
 MAX_HOST_CALL_NAME = 128  # bytes of [A-Za-z0-9_.-]
 MAX_HOST_CALL_ARGUMENTS = 256 * 1024  # bytes of JSON
@@ -440,6 +445,31 @@ def ends_with_semicolon(src, node):
     return rest.lstrip().startswith(";")
 
 
+def repr_failed(e):
+    """The placeholder shown for a last expression whose repr raised `e`."""
+    try:
+        msg = str(e)
+    except BaseException:
+        msg = ""
+    if len(msg) > MAX_REPR_FAILURE_CHARS:
+        msg = msg[: MAX_REPR_FAILURE_CHARS - 3] + "..."
+    return "<repr failed: %s%s>" % (type_name(type(e)), ": " + msg if msg else "")
+
+
+def displayhook(value):
+    """sys.displayhook of the worker: the default one, but a failing repr shows a
+    placeholder instead of failing the cell."""
+    if value is None:
+        return
+    builtins._ = None
+    try:
+        text = repr(value)
+    except Exception as e:
+        text = repr_failed(e)
+    sys.stdout.write(text + "\n")
+    builtins._ = value
+
+
 def type_name(cls):
     mod = getattr(cls, "__module__", None)
     name = getattr(cls, "__qualname__", None) or getattr(cls, "__name__", "Exception")
@@ -510,7 +540,12 @@ def run_cell(cell, payload, opts):
         register_source(fname, src)
         tree = ast.parse(src, fname)
         last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr) and not ends_with_semicolon(src, tree.body[-1]):
+        if (
+            opts.get("display", 1)
+            and tree.body
+            and isinstance(tree.body[-1], ast.Expr)
+            and not ends_with_semicolon(src, tree.body[-1])
+        ):
             last = ast.Interactive(body=[tree.body.pop()])
         body = compile(tree, fname, "exec", dont_inherit=True)
         shown = compile(last, fname, "single", dont_inherit=True) if last is not None else None
@@ -527,6 +562,8 @@ def run_cell(cell, payload, opts):
                 raise KeyboardInterrupt
             exec(body, ns)
             if shown is not None:
+                if sys.displayhook is sys.__displayhook__:
+                    sys.displayhook = displayhook  # a cell put the default one back
                 exec(shown, ns)
         finally:
             S.armed = False  # no eval-breaker check before this store: nothing can raise here
@@ -786,6 +823,7 @@ for fd in (REQ_FD, REP_FD):
 os.register_at_fork(after_in_child=after_fork_in_child)
 install_handlers()
 install_host_module()
+sys.displayhook = displayhook
 sys.meta_path.insert(0, PyplotHook())
 
 for p in reversed([p for p in os.environ.get("SANDCELL_PYTHON_PATH", "").split(":") if p]):

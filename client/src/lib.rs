@@ -185,14 +185,15 @@ impl Client {
         code: &str,
         limits: Option<&Limits>,
     ) -> Result<(), Error> {
-        let p = k::RunParams {
+        self.run_with(&k::RunParams {
             language: language.into(),
             code: code.into(),
             limits: limits.cloned(),
             environment: environment.map(str::to_owned),
             host_calls: None,
-        };
-        self.start_cell("Run", params(&p)).await
+            display_last_expression: None,
+        })
+        .await
     }
 
     /// Starts a one-shot cell with every parameter of `Run` (e.g. `host_calls`); read it with
@@ -333,14 +334,15 @@ impl Client {
         limits: Option<&Limits>,
         detached_idle_seconds: Option<u64>,
     ) -> Result<OpenReply, Error> {
-        let p = k::OpenParams {
+        self.open_with(&k::OpenParams {
             language: language.into(),
             limits: limits.cloned(),
             detached_idle_seconds,
             environment: environment.map(str::to_owned),
             host_calls: None,
-        };
-        self.call("Open", params(&p)).await
+            display_last_expression: None,
+        })
+        .await
     }
 
     /// Opens a session with every parameter of `Open` (e.g. `host_calls`).

@@ -55,6 +55,9 @@ enum Cmd {
         /// Lower the wall-time limit of the cell, seconds.
         #[arg(long, value_name = "SECONDS")]
         wall_time: Option<f64>,
+        /// Do not show the value of the cell's last expression (print()-only output).
+        #[arg(long)]
+        no_display: bool,
         /// Save the files the cell created or changed (plots, cleaned data) into DIR and print
         /// their paths. Runs the cell in a session closed afterwards instead of one-shot.
         #[arg(long, value_name = "DIR")]
@@ -101,6 +104,9 @@ enum Cmd {
         /// Let the session's cells call tools (answer them with `exec --host-call-handler`).
         #[arg(long)]
         host_calls: bool,
+        /// No cell of the session shows its last expression's value (print()-only output).
+        #[arg(long)]
+        no_display: bool,
     },
     /// Run FILE (or -) as the next cell of SESSION.
     Exec {
@@ -688,6 +694,7 @@ async fn main() -> ExitCode {
                 language,
                 environment,
                 wall_time,
+                no_display,
                 artifacts,
                 host_call_handler,
                 file,
@@ -707,6 +714,7 @@ async fn main() -> ExitCode {
                     .clone()
                     .map(|cmd| hostcmd::HostHandler::new(cmd, socket.clone()));
                 let host_calls = host.is_some().then_some(true);
+                let display = no_display.then_some(false);
                 let Some(dir) = artifacts else {
                     c.run_with(&sandcell_client::RunParams {
                         language: lang,
@@ -714,6 +722,7 @@ async fn main() -> ExitCode {
                         limits,
                         environment: environment.clone(),
                         host_calls,
+                        display_last_expression: display,
                     })
                     .await?;
                     return stream(&mut c, args.json, host.as_mut()).await;
@@ -726,6 +735,7 @@ async fn main() -> ExitCode {
                         detached_idle_seconds: None,
                         environment: environment.clone(),
                         host_calls,
+                        display_last_expression: display,
                     })
                     .await?
                     .session;
@@ -823,6 +833,7 @@ async fn main() -> ExitCode {
                 environment,
                 idle,
                 host_calls,
+                no_display,
             } => {
                 let o = c
                     .open_with(&sandcell_client::OpenParams {
@@ -831,6 +842,7 @@ async fn main() -> ExitCode {
                         detached_idle_seconds: Some(*idle),
                         environment: environment.clone(),
                         host_calls: host_calls.then_some(true),
+                        display_last_expression: no_display.then_some(false),
                     })
                     .await?;
                 if args.json {

@@ -549,6 +549,7 @@ impl Core {
             grace: Duration::from_secs_f64(cfg.daemon.kill_grace_seconds),
             files_bytes: cfg.limits.max_session_files_bytes,
             host_calls: None,
+            display: true,
         })
     }
 
@@ -636,12 +637,15 @@ impl Core {
             limits,
             detached_idle_seconds,
             false,
+            true,
         )
         .await
     }
 
     /// [`Core::open`], with `host_calls`: the session's cells may call the client's tools
-    /// (each call waits at most `host_call_timeout_seconds` for `HostReply`).
+    /// (each call waits at most `host_call_timeout_seconds` for `HostReply`); `display`: its
+    /// cells show their last expression's value (`display_last_expression`).
+    #[allow(clippy::too_many_arguments)]
     pub async fn open_with(
         &self,
         caller: &Caller,
@@ -650,6 +654,7 @@ impl Core {
         limits: Option<&Limits>,
         detached_idle_seconds: Option<u64>,
         host_calls: bool,
+        display: bool,
     ) -> Result<Arc<Session>, KernelError> {
         // validate
         if self.stopping() {
@@ -674,6 +679,7 @@ impl Core {
                 self.config().daemon.host_call_timeout_seconds,
             ));
         }
+        limits.display = display;
         let max_idle = self.config().limits.max_detached_idle_seconds;
         let detached = match detached_idle_seconds {
             Some(0) => {
@@ -1184,12 +1190,13 @@ impl Core {
         code: String,
         limits: Option<&Limits>,
         host_calls: bool,
+        display: bool,
         frames: mpsc::Sender<Frame>,
     ) -> Result<(), KernelError> {
         // The source is checked before any worker starts.
         self.check_source(&code)?;
         let s = self
-            .open_with(caller, language, environment, limits, None, host_calls)
+            .open_with(caller, language, environment, limits, None, host_calls, display)
             .await?;
         if let Err(e) = s.execute(code, frames, true).await {
             s.close(EndReason::WorkerCrashed, "one-shot run could not start")

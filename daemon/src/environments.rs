@@ -145,6 +145,7 @@ async fn probe(core: &Core, env: &Environment) -> Result<Report, KernelError> {
             probe_code(env).into(),
             None,
             false,
+            true,
             tx,
         )
         .await

@@ -102,6 +102,9 @@ pub struct SessionLimits {
     /// long a call waits for `HostReply` (`host_call_timeout_seconds`). `None`: a cell's host
     /// call raises at once, and a `host_call` line from its worker is a protocol violation.
     pub host_calls: Option<Duration>,
+    /// Not a limit but the client's choice for every cell (`display_last_expression`):
+    /// whether the worker shows the last expression's value; sent as `display=0` when false.
+    pub display: bool,
 }
 
 /// Public, cheap-to-read state of a session (for listing and routing).
@@ -1028,6 +1031,7 @@ impl Actor {
             header.timeout_ms = Some(limits.wall.as_millis() as u64);
             header.fuel = Some(limits.fuel);
             header.max_output = Some(limits.stdout.max(limits.stderr));
+            header.display = limits.display;
             header.nonce = Some(run.nonce.clone());
             header.host_calls = limits.host_calls.is_some();
             let mut request = header.to_line().into_bytes();

@@ -232,6 +232,10 @@ pub struct RunParams {
     /// absent or false: a host call raises in the cell at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_calls: Option<bool>,
+    /// Show the value of the cell's last expression as a REPL does (absent: true; see the
+    /// IDL).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display_last_expression: Option<bool>,
 }
 
 /// Parameters of `Open`.
@@ -252,6 +256,10 @@ pub struct OpenParams {
     /// The session's cells may call the client's tools (see [`RunParams::host_calls`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_calls: Option<bool>,
+    /// Show the value of each cell's last expression as a REPL does (absent: true; see
+    /// `Run`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display_last_expression: Option<bool>,
 }
 
 /// Most packages `ListEnvironments` lists per environment.

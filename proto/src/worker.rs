@@ -155,8 +155,9 @@ impl Op {
 /// The header line of a request.
 ///
 /// Wire form:
-/// `<op> <cell> <len>[ timeout_ms=<u64>][ fuel=<u64>][ max_output=<u64>][ max_items=<u64>][ call=<u64>][ host_calls=1][ nonce=<hex>]\n`
-/// (at most [`MAX_HEADER_LINE`] bytes: every field at its largest takes about 190).
+/// `<op> <cell> <len>[ timeout_ms=<u64>][ fuel=<u64>][ max_output=<u64>][ max_items=<u64>][ call=<u64>][ host_calls=1][ display=0][ nonce=<hex>]\n`
+/// (at most [`MAX_HEADER_LINE`] bytes: every field at its largest takes about 230).
+/// Workers ignore options they do not know, so an older worker runs a newer daemon's cells.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestHeader {
     /// What to do.
@@ -180,6 +181,10 @@ pub struct RequestHeader {
     /// `exec` only: the cell may make host calls (the session or run opted in); without it a
     /// cell's host call raises at once.
     pub host_calls: bool,
+    /// `exec` only: show the value of the cell's last expression as a REPL does (Python: a
+    /// final expression statement not ended by `;`, through `sys.displayhook`; R: every
+    /// visible top-level value, auto-printed). On the wire only when false, as `display=0`.
+    pub display: bool,
     /// A value the worker must echo in the `done` of this request ([`NONCE_HEX_LEN`] lowercase
     /// hex digits from the kernel's random source); `None` only in tests.
     pub nonce: Option<String>,
@@ -209,6 +214,7 @@ impl RequestHeader {
             max_items: None,
             call: None,
             host_calls: false,
+            display: true,
             nonce: None,
         }
     }
@@ -233,6 +239,9 @@ impl RequestHeader {
         }
         if self.host_calls {
             s.push_str(" host_calls=1");
+        }
+        if !self.display {
+            s.push_str(" display=0");
         }
         if let Some(v) = &self.nonce {
             s.push_str(&format!(" nonce={v}"));
@@ -270,6 +279,7 @@ impl RequestHeader {
             max_items: None,
             call: None,
             host_calls: false,
+            display: true,
             nonce: None,
         };
         for kv in it {
@@ -283,6 +293,13 @@ impl RequestHeader {
                 "max_items" => h.max_items = Some(num(Some(v), k)?),
                 "call" => h.call = Some(num(Some(v), k)?),
                 "host_calls" => h.host_calls = num(Some(v), k)? != 0,
+                "display" => {
+                    h.display = match v {
+                        "0" => false,
+                        "1" => true,
+                        _ => return Err("bad display".into()),
+                    }
+                }
                 "nonce" if valid_nonce(v) => h.nonce = Some(v.to_owned()),
                 "nonce" => return Err("bad nonce".into()),
                 _ => {} // unknown options are ignored for forward compatibility
@@ -623,6 +640,8 @@ mod tests {
         h.timeout_ms = Some(u64::MAX);
         h.fuel = Some(u64::MAX);
         h.max_output = Some(u64::MAX);
+        h.max_items = Some(u64::MAX);
+        h.display = false;
         h.nonce = Some("0123456789abcdef".into());
         let line = h.to_line();
         assert!(line.len() <= MAX_HEADER_LINE, "{} bytes", line.len());
@@ -630,6 +649,19 @@ mod tests {
         assert!(valid_nonce(h.nonce.as_deref().unwrap()));
         assert!(RequestHeader::parse("exec 1 0 nonce=XYZ").is_err());
         assert!(RequestHeader::parse("exec 1 0 nonce=0123").is_err());
+    }
+
+    #[test]
+    fn header_display_option_is_sent_only_when_off() {
+        let mut h = RequestHeader::exec(2, 3);
+        assert_eq!(h.to_line(), "exec 2 3\n");
+        h.display = false;
+        assert_eq!(h.to_line(), "exec 2 3 display=0\n");
+        assert_eq!(RequestHeader::parse("exec 2 3 display=0").unwrap(), h);
+        assert!(RequestHeader::parse("exec 2 3 display=1").unwrap().display);
+        assert!(RequestHeader::parse("exec 2 3 display=no").is_err());
+        // Unknown options are ignored (forward compatibility).
+        assert!(RequestHeader::parse("exec 2 3 colour=7").unwrap().display);
     }
 
     #[test]

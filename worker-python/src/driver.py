@@ -5,7 +5,10 @@
 #
 # Each cell is run by one call of `run` (or `run_async` for sources that contain top-level
 # `await`/`async`), compiled under the file name "<cell N>" so that tracebacks carry the
-# cell's own line numbers. The outcome, a JSON object, is the last thing the call sends to
+# cell's own line numbers. Unless the call says `display=0`, a final expression statement not
+# followed by `;` is shown as in Jupyter and in the pydata engine (worker-r/worker.py): it is
+# compiled apart in 'single' mode, so its value goes through sys.displayhook, which the driver
+# sets to `_displayhook` (see there). The outcome, a JSON object, is the last thing the call sends to
 # the host, on OUTCOME_STREAM (Eryx's result variable would cost a json.dumps with a fresh
 # encoder on every cell). `snapshot` and `restore` store theirs as a dict in the user globals
 # under RESULT, which Eryx serialises as the execution's JSON result and then removes.
@@ -244,13 +247,80 @@ def _outcome(e, fname):
     return {'status': status, 'error': _describe(e, fname)}
 
 
-def _begin(src, fname):
+def _begin(src, fname, display):
     text = _binascii.a2b_base64(src).decode('utf-8')
     _linecache.cache[fname] = (len(text), None, text.splitlines(True), fname)
     _cells.append(fname)
     while len(_cells) > MAX_LINECACHE_CELLS:
         _linecache.cache.pop(_cells.pop(0), None)
-    return _compile(text, fname)
+    return _compile(text, fname, display)
+
+
+# --- The last expression ------------------------------------------------------------------
+#
+# The same rules as the pydata engine (worker-r/worker.py): a value that is not None shows
+# its repr on stdout, as the cell's output (bounded like any other); `_` is bound to it; a
+# repr that raises an Exception shows `<repr failed: Type: message>` (message cut at
+# MAX_REPR_FAILURE_CHARS) and the cell goes on (an interrupt or a timeout during the repr
+# still ends it); a cell whose last statement ends with `;` shows nothing. The driver installs
+# `_displayhook` as sys.displayhook unless the user's code replaced it with one of its own.
+
+MAX_REPR_FAILURE_CHARS = 200
+
+
+def _repr_failed(e):
+    try:
+        msg = str(e)
+    except BaseException:
+        msg = ''
+    if len(msg) > MAX_REPR_FAILURE_CHARS:
+        msg = msg[:MAX_REPR_FAILURE_CHARS - 3] + '...'
+    return '<repr failed: %s%s>' % (_type_name(e), ': ' + msg if msg else '')
+
+
+def _displayhook(value):
+    """sys.displayhook of the sandbox: the default one, but a failing repr shows a
+    placeholder instead of failing the cell."""
+    if value is None:
+        return
+    _builtins._ = None
+    try:
+        text = repr(value)
+    except Exception as e:
+        text = _repr_failed(e)
+    _sys.stdout.write(text + '\n')
+    _builtins._ = value
+
+
+_displayhook._sandcell = True
+
+
+def _install_displayhook():
+    hook = _sys.displayhook
+    if hook is not _displayhook and (hook is _sys.__displayhook__
+                                     or getattr(hook, '_sandcell', False)):
+        _sys.displayhook = _displayhook
+
+
+def _ends_with_semicolon(text, node):
+    lines = text.splitlines()
+    if node.end_lineno is None or node.end_lineno > len(lines):
+        return False
+    rest = lines[node.end_lineno - 1].encode('utf-8')[node.end_col_offset:]
+    return rest.decode('utf-8', 'ignore').lstrip().startswith(';')
+
+
+def _compile_cell(text, fname, display, flags):
+    """(code of the cell, code of its shown last expression or None)."""
+    if not display:
+        return compile(text, fname, 'exec', flags, True), None
+    tree = compile(text, fname, 'exec', flags | _ast.PyCF_ONLY_AST, True)
+    body = tree.body
+    if not body or type(body[-1]) is not _ast.Expr or _ends_with_semicolon(text, body[-1]):
+        return compile(tree, fname, 'exec', flags, True), None
+    last = _ast.Interactive(body=[body.pop()])
+    return (compile(tree, fname, 'exec', flags, True),
+            compile(last, fname, 'single', flags, True))
 
 
 # --- Compiled cells, by source -----------------------------------------------------------
@@ -267,7 +337,7 @@ MAX_CACHED_SOURCE = 16384
 MAX_CACHED_SOURCES = 64
 _SEEN_ONCE = 1
 _UNCACHEABLE = 2
-_compiled_cells = {}  # source -> code object, _SEEN_ONCE or _UNCACHEABLE
+_compiled_cells = {}  # (display, source) -> (code, code or None), _SEEN_ONCE or _UNCACHEABLE
 
 
 def _refile(code, fname):
@@ -280,32 +350,34 @@ def _refile(code, fname):
     return code.replace(co_filename=fname)
 
 
-def _compile(text, fname):
+def _compile(text, fname, display):
+    """(code of the cell, code of its shown last expression or None); see _compile_cell."""
     flags = _ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
     if len(text) > MAX_CACHED_SOURCE:
-        return compile(text, fname, 'exec', flags, True)
-    known = _compiled_cells.get(text)
-    if type(known) is _types.CodeType:
+        return _compile_cell(text, fname, display, flags)
+    key = (display, text)
+    known = _compiled_cells.get(key)
+    if type(known) is tuple:
         _sys.audit('compile', text, fname)
-        return _refile(known, fname)
+        return tuple(None if c is None else _refile(c, fname) for c in known)
     if known is None:
         if len(_compiled_cells) >= MAX_CACHED_SOURCES:
             del _compiled_cells[next(iter(_compiled_cells))]
-        _compiled_cells[text] = _SEEN_ONCE
+        _compiled_cells[key] = _SEEN_ONCE
     elif known == _SEEN_ONCE:
         import warnings
         code = None
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter('always')
-                code = compile(text, fname, 'exec', flags, True)
+                code = _compile_cell(text, fname, display, flags)
         except BaseException:
             caught = True
         if code is not None and not caught:
-            _compiled_cells[text] = code
+            _compiled_cells[key] = code
             return code
-        _compiled_cells[text] = _UNCACHEABLE
-    return compile(text, fname, 'exec', flags, True)
+        _compiled_cells[key] = _UNCACHEABLE
+    return _compile_cell(text, fname, display, flags)
 
 
 _OK = {'status': 'ok'}
@@ -325,20 +397,24 @@ def _report(g, res):
     _eryx._eryx_report_output(OUTCOME_STREAM, data)
 
 
-def run(src, g, cell):
-    """Runs one cell without top-level await; the outcome goes to the host (`_report`)."""
+def run(src, g, cell, display=1):
+    """Runs one cell without top-level await; the outcome goes to the host (`_report`).
+    `display`: whether the last expression is shown."""
     fname = '<cell %d>' % cell
     saved = _sys.stdout, _sys.stderr
     _sys.stdout, _sys.stderr = _OUT, _ERR
     res = None
     try:
-        code = _begin(src, fname)
-        if code.co_flags & _CO_COROUTINE:
+        code, shown = _begin(src, fname, display)
+        if (code.co_flags | (shown.co_flags if shown else 0)) & _CO_COROUTINE:
             res = {'status': 'error', 'error': {
                 'type': 'RuntimeError', 'message': 'top-level await reached the sync driver',
                 'traceback': None, 'line': None}}
         else:
             exec(code, g)
+            if shown is not None:
+                _install_displayhook()
+                exec(shown, g)
             res = _OK
     except BaseException as e:
         res = _outcome(e, fname)
@@ -348,29 +424,35 @@ def run(src, g, cell):
     _report(g, res)
 
 
-def _run_here(src=None, cell=None):
+def _run_here(src=None, cell=None, display=1):
     """`run` in the namespace of the calling code (the worker's one-line cell call); without
     arguments, of the call `_eryx_compile` just took apart."""
     global _pending
     if src is None:
         if _pending is None:
             raise TypeError('__sandcell__() missing required arguments')
-        (src, cell), _pending = _pending, None
-    run(src, _sys._getframe(1).f_globals, cell)
+        (src, cell, display), _pending = _pending, None
+    run(src, _sys._getframe(1).f_globals, cell, display)
 
 
-async def run_async(src, g, cell):
-    """Runs one cell that may use top-level await; the outcome goes to the host (`_report`)."""
+async def run_async(src, g, cell, display=1):
+    """Runs one cell that may use top-level await; the outcome goes to the host (`_report`).
+    `display`: whether the last expression is shown."""
     fname = '<cell %d>' % cell
     saved = _sys.stdout, _sys.stderr
     _sys.stdout, _sys.stderr = _OUT, _ERR
     res = None
     try:
-        code = _begin(src, fname)
-        if code.co_flags & _CO_COROUTINE:
-            await _types.FunctionType(code, g)()
-        else:
-            exec(code, g)
+        code, shown = _begin(src, fname, display)
+        if shown is not None:
+            _install_displayhook()
+        for c in (code, shown):
+            if c is None:
+                pass
+            elif c.co_flags & _CO_COROUTINE:
+                await _types.FunctionType(c, g)()
+            else:
+                exec(c, g)
         res = _OK
     except BaseException as e:
         res = _outcome(e, fname)
@@ -749,9 +831,10 @@ def _snapshot_here():
 # Eryx 0.10.1 runs every execution through `_eryx_exec` in its `__main__` module, which
 # compiles the code string with the name `compile`, looked up in that module before builtins.
 # `_bind` puts `_eryx_compile` there (not in builtins: user code calling `compile` gets the
-# real one). It recognises exactly the two lines the worker sends per cell and returns code
-# compiled once instead (`__sandcell__()`, which picks up the arguments from `_pending`, and
-# the snapshot call); anything else, and any other arguments, go to the real compile. If a
+# real one). It recognises exactly the two lines the worker sends per cell
+# (`__sandcell__('<base64>',N)` or `...,N,0)` without display, and the snapshot call) and
+# returns code compiled once instead (`__sandcell__()`, which picks up the arguments from
+# `_pending`); anything else, and any other arguments, go to the real compile. If a
 # cell removes it, or Eryx stops looking it up there, the same lines are compiled as before
 # and behave the same.
 
@@ -769,9 +852,10 @@ def _eryx_compile(source, filename, mode, flags=0, dont_inherit=False, optimize=
             and optimize == -1 and not kw and _compiled is not None):
         if source.startswith(_PREFIX) and source.endswith(')\n'):
             j = source.find("',", 14)
-            cell = source[j + 2:-2]
-            if j > 0 and cell.isascii() and cell.isdigit() and "'" not in source[14:j]:
-                _pending = (source[14:j], int(cell))
+            cell, comma, display = source[j + 2:-2].partition(',')
+            if (j > 0 and cell.isascii() and cell.isdigit() and display in ('', '0')
+                    and (display or not comma) and "'" not in source[14:j]):
+                _pending = (source[14:j], int(cell), 0 if display else 1)
                 return _compiled[0]
         elif source == _SNAPSHOT_LINE:
             return _compiled[1]

@@ -6,6 +6,10 @@
 //! pre-initialised snapshot and re-installed when missing) which:
 //! - compiles the cell as `<cell N>` so tracebacks and [`DriverResult`] lines are the cell's
 //!   own line numbers (no preamble offsets), and registers the source with `linecache`;
+//! - shows the value of a final expression statement as the pydata engine does (its repr on
+//!   stdout through `sys.displayhook`, `<repr failed: Type: message>` when the repr raises,
+//!   nothing for `None` or after a trailing `;`), unless the request's `display=0` turned it
+//!   off ([`cell_code`]);
 //! - maps `SystemExit` to `exited`, `MemoryError` to `memory_exhausted` and any other
 //!   exception to `error` with type, bounded message, bounded traceback and line;
 //! - replaces `sys.stdout`/`sys.stderr` during the cell with line-buffered writers that send
@@ -105,12 +109,15 @@ pub fn needs_async(source: &str) -> bool {
     source.contains("await") || source.contains("async")
 }
 
-/// The one-line Python the worker executes for cell `cell` with `source`.
-pub fn cell_code(cell: u64, source: &str) -> String {
+/// The one-line Python the worker executes for cell `cell` with `source`. With `display`,
+/// the driver shows the value of a final expression statement (not ended by `;`) on stdout;
+/// without, the line says so with a last argument `0`.
+pub fn cell_code(cell: u64, source: &str, display: bool) -> String {
+    let off = if display { "" } else { ",0" };
     if needs_async(source) {
         let encoded = b64(source.as_bytes());
         return format!(
-            "await __import__('_sandcell').run_async('{encoded}', globals(), {cell})\n"
+            "await __import__('_sandcell').run_async('{encoded}', globals(), {cell}{off})\n"
         );
     }
     let mut code = String::with_capacity(source.len().div_ceil(3) * 4 + 40);
@@ -119,6 +126,7 @@ pub fn cell_code(cell: u64, source: &str) -> String {
     base64_engine::encode_into(source.as_bytes(), &mut code);
     code.push_str("',");
     code.push_str(&cell.to_string());
+    code.push_str(off);
     code.push_str(")\n");
     code
 }
@@ -304,8 +312,18 @@ mod tests {
 
     #[test]
     fn cell_code_picks_the_async_driver_only_when_needed() {
-        assert_eq!(cell_code(3, "print(1)"), "__sandcell__('cHJpbnQoMSk=',3)\n");
-        assert!(cell_code(4, "await x()").starts_with("await __import__('_sandcell').run_async("));
+        assert_eq!(
+            cell_code(3, "print(1)", true),
+            "__sandcell__('cHJpbnQoMSk=',3)\n"
+        );
+        assert_eq!(
+            cell_code(3, "print(1)", false),
+            "__sandcell__('cHJpbnQoMSk=',3,0)\n"
+        );
+        let a = cell_code(4, "await x()", true);
+        assert!(a.starts_with("await __import__('_sandcell').run_async("));
+        assert!(a.ends_with(", globals(), 4)\n"), "{a}");
+        assert!(cell_code(4, "await x()", false).ends_with(", globals(), 4,0)\n"));
     }
 
     #[test]

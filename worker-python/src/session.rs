@@ -100,6 +100,8 @@ pub struct CellRequest<'a> {
     pub fuel: Option<u64>,
     /// Bytes per stream worth forwarding.
     pub max_output: u64,
+    /// Show the value of a final expression statement (the request's `display`).
+    pub display: bool,
 }
 
 /// Largest snapshot kept, in bytes; a larger namespace is not captured (state `lost` on a
@@ -528,7 +530,7 @@ impl PySession {
             }
         }
 
-        let code = driver::cell_code(cell, source);
+        let code = driver::cell_code(cell, source, req.display);
         let mut retried = false;
         loop {
             let fired = Arc::new(AtomicBool::new(false));

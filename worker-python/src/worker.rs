@@ -270,6 +270,7 @@ pub async fn serve(
                         .min(MAX_TIMEOUT),
                     fuel: header.fuel,
                     max_output: header.max_output.unwrap_or(u64::MAX),
+                    display: header.display,
                 };
                 let done = session
                     .exec_cell(&req, &mut output, &interrupter, &mut lines)

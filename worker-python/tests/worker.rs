@@ -22,6 +22,47 @@ fn print_output_is_exact_on_both_streams() {
 }
 
 #[test]
+fn the_last_expression_is_shown_unless_the_request_says_display_0() {
+    let mut w = Worker::start();
+    let r = w.cell(1, "x = 21\nx * 2");
+    assert_eq!(
+        (r.status(), r.stdout.as_str()),
+        (WorkerStatus::Ok, "42\n"),
+        "{r:?}"
+    );
+    assert_eq!(w.cell(2, "x * 2;").stdout, "");
+    assert_eq!(w.cell(3, "None").stdout, "");
+    let r = w.cell(
+        4,
+        "class B:\n    def __repr__(self):\n        raise ValueError('nope')\nB()",
+    );
+    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.stdout, "<repr failed: ValueError: nope>\n");
+    // The same source again (its code is reused from the compile cache), and without display.
+    assert_eq!(w.cell(5, "x * 2").stdout, "42\n");
+    assert_eq!(w.cell(6, "x * 2").stdout, "42\n");
+    let off = Opts {
+        timeout_ms: Some(30_000),
+        display: Some(false),
+        ..Opts::default()
+    };
+    for cell in 7..10 {
+        let r = w.run(cell, "x * 2", &off);
+        assert_eq!(
+            (r.status(), r.stdout.as_str()),
+            (WorkerStatus::Ok, ""),
+            "{r:?}"
+        );
+    }
+    // A cell's own displayhook is kept.
+    let r = w.cell(
+        10,
+        "import sys\nsys.displayhook = lambda v: print('hook', v)\nx",
+    );
+    assert_eq!(r.stdout, "hook 21\n", "{r:?}");
+}
+
+#[test]
 fn a_session_starts_with_an_empty_namespace() {
     let mut w = Worker::start();
     let r = w.cell(
@@ -319,7 +360,7 @@ fn output_flood_is_bounded_with_exact_drop_counts() {
     let mut w = Worker::start();
     let r = w.run(
         1,
-        "print('x' * 10**6)\nimport sys\nsys.stderr.write('e' * 5000)\n",
+        "print('x' * 10**6)\nimport sys\nsys.stderr.write('e' * 5000);\n",
         &Opts {
             timeout_ms: Some(30_000),
             max_output: Some(1000),
@@ -351,7 +392,7 @@ fn large_output_is_chunked_without_splitting_characters() {
 #[test]
 fn invalid_utf8_output_is_escaped() {
     let mut w = Worker::start();
-    let r = w.cell(1, "import sys\nsys.stdout.buffer.write(b'a\\xffb')\n");
+    let r = w.cell(1, "import sys\nsys.stdout.buffer.write(b'a\\xffb');\n");
     assert_eq!(r.frames, vec![(Stream::Stdout, "a\\xffb".to_string(), 3)]);
 }
 

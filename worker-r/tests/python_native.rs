@@ -571,6 +571,12 @@ fn variables_persist_output_goes_to_fds_and_last_value_is_shown() {
     // `;` after the last expression hides it, as in Jupyter; None is never shown.
     assert_eq!(w.exec("x + 1;").assert_ok().out(), "");
     assert_eq!(w.exec("None").assert_ok().out(), "");
+    // A repr that raises shows a placeholder, as in the Eryx engine; the cell is ok.
+    let c = w.exec("type('B', (), {'__repr__': lambda self: [][0]})()");
+    assert_eq!(
+        c.assert_ok().out(),
+        "<repr failed: IndexError: list index out of range>\n"
+    );
     let c = w.exec("import sys\nprint('to stdout')\nprint('to stderr', file=sys.stderr)\n's'");
     assert_eq!(c.assert_ok().out(), "to stdout\n's'\n");
     assert_eq!(String::from_utf8_lossy(&c.stderr), "to stderr\n");

@@ -36,6 +36,15 @@ def test_run_python(client):
     assert len(sandcell.split_session_id(r.session)[1]) == 32 and r.cell >= 1
 
 
+def test_last_expression_shows_unless_turned_off(client):
+    assert client.run("x = 21\nx * 2").stdout == "42\n"
+    assert client.run("x = 21\nx * 2", display_last_expression=False).stdout == ""
+    with client.session(display_last_expression=False) as s:
+        assert s.execute("x = 21\nx * 2\nprint(x)").stdout == "21\n"
+    with client.session() as s:
+        assert s.execute("x = 21\nx * 2").stdout == "42\n"
+
+
 def test_run_r(client):
     r = client.run("cat(sum(1:10), '\\n')", language="r")
     assert r.status == "ok", r

@@ -348,3 +348,7 @@ def test_file_info_and_limits_shapes():
     assert P.run_params("x", "python", "pydata", {"fuel": 1})["environment"] == "pydata"
     assert "environment" not in P.open_params("r", None, None, None)
     assert P.open_params("r", None, None, 60)["detached_idle_seconds"] == 60
+    assert "display_last_expression" not in P.run_params("x", "python", None, None)
+    assert P.run_params("x", "python", None, None, display_last_expression=False)["display_last_expression"] is False
+    assert "display_last_expression" not in P.open_params("r", None, None, None)
+    assert P.open_params("r", None, None, None, display_last_expression=False)["display_last_expression"] is False

@@ -236,6 +236,7 @@ pub async fn handle(
                     p.code,
                     p.limits.as_ref(),
                     p.host_calls.unwrap_or(false),
+                    p.display_last_expression.unwrap_or(true),
                     tx,
                 )
                 .await
@@ -300,6 +301,7 @@ pub async fn handle(
                     p.limits.as_ref(),
                     p.detached_idle_seconds,
                     p.host_calls.unwrap_or(false),
+                    p.display_last_expression.unwrap_or(true),
                 )
                 .await
             {

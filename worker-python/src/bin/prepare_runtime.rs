@@ -392,6 +392,7 @@ async fn run_cell(
         timeout: Duration::from_secs(60),
         fuel: None,
         max_output: 1 << 20,
+        display: true,
     };
     interrupter.begin_cell();
     let mut lines = Lines::new();
@@ -447,7 +448,7 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
     }
     let mut via_driver = Vec::with_capacity(n);
     for i in 0..n {
-        let code = driver::cell_code(i as u64 + 1, "print(1)");
+        let code = driver::cell_code(i as u64 + 1, "print(1)", true);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let t = Instant::now();
         session
@@ -464,7 +465,7 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
     }
     // (d) Eryx's own snapshot_state (dill), for comparison with the driver's.
     session
-        .execute(driver::cell_code(10_001, SMALL_NAMESPACE))
+        .execute(driver::cell_code(10_001, SMALL_NAMESPACE, true))
         .run()
         .await?;
     let mut eryx_snap_small = Vec::with_capacity(n.min(20));
@@ -474,7 +475,7 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
         eryx_snap_small.push(t.elapsed());
     }
     session
-        .execute(driver::cell_code(10_002, ONE_MB_NAMESPACE))
+        .execute(driver::cell_code(10_002, ONE_MB_NAMESPACE, true))
         .run()
         .await?;
     let mut eryx_snap_big = Vec::with_capacity(n.min(5));
@@ -502,6 +503,7 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
             timeout: Duration::from_secs(10),
             fuel: None,
             max_output: 1 << 20,
+            display: true,
         };
         let t = Instant::now();
         interrupter.begin_cell();

@@ -159,6 +159,8 @@ pub struct Opts {
     pub timeout_ms: Option<u64>,
     pub fuel: Option<u64>,
     pub max_output: Option<u64>,
+    /// `Some(false)`: the request says `display=0`.
+    pub display: Option<bool>,
 }
 
 impl Worker {
@@ -309,6 +311,7 @@ impl Worker {
         h.timeout_ms = opts.timeout_ms;
         h.fuel = opts.fuel;
         h.max_output = opts.max_output;
+        h.display = opts.display.unwrap_or(true);
         let mut bytes = h.to_line().into_bytes();
         bytes.extend_from_slice(code.as_bytes());
         self.write_raw(&bytes);

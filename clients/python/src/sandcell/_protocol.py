@@ -232,6 +232,7 @@ def run_params(
     environment: str | None,
     limits: dict[str, Any] | None,
     host_calls: bool = False,
+    display_last_expression: bool | None = None,
 ) -> dict[str, Any]:
     """Parameters of Run: optional ones only when given (a daemon refuses unknown ones)."""
     p: dict[str, Any] = {"language": language, "code": code}
@@ -241,6 +242,8 @@ def run_params(
         p["environment"] = environment
     if limits:
         p["limits"] = limits
+    if display_last_expression is not None:
+        p["display_last_expression"] = bool(display_last_expression)
     return p
 
 
@@ -250,6 +253,7 @@ def open_params(
     limits: dict[str, Any] | None,
     detached_idle_seconds: int | None,
     host_calls: bool = False,
+    display_last_expression: bool | None = None,
 ) -> dict[str, Any]:
     """Parameters of Open: optional ones only when given."""
     p: dict[str, Any] = {"language": language}
@@ -261,6 +265,8 @@ def open_params(
         p["limits"] = limits
     if detached_idle_seconds is not None:
         p["detached_idle_seconds"] = int(detached_idle_seconds)
+    if display_last_expression is not None:
+        p["display_last_expression"] = bool(display_last_expression)
     return p
 
 

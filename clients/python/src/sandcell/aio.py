@@ -216,10 +216,12 @@ class AsyncClient:
         on_output: OnOutput | None = None,
         *,
         on_started: OnStarted | None = None,
+        display_last_expression: bool | None = None,
     ) -> CellResult:
         """Runs ``code`` in a fresh sandbox (one-shot ``Run``); see
         :meth:`sandcell.Client.run` for arguments, result and errors."""
-        params = P.run_params(code, language, environment, limits_dict(limits))
+        params = P.run_params(code, language, environment, limits_dict(limits),
+                              display_last_expression=display_last_expression)
         return await self._call(P.op_cell("Run", params, on_output, on_started))
 
     def session(
@@ -228,17 +230,22 @@ class AsyncClient:
         environment: str | None = None,
         detached_idle_seconds: int | None = None,
         limits: Limits | dict[str, Any] | None = None,
+        *,
+        display_last_expression: bool | None = None,
     ) -> _Opening:
         """Opens a persistent session: ``s = await client.session()`` or ``async with
         client.session() as s:`` (closed at the end). See :meth:`sandcell.Client.session`."""
-        return _Opening(self, language, environment, detached_idle_seconds, limits)
+        return _Opening(self, language, environment, detached_idle_seconds, limits,
+                        display_last_expression)
 
     async def _open(self, language: str, environment: str | None,
                     detached_idle_seconds: int | None,
-                    limits: Limits | dict[str, Any] | None) -> AsyncSession:
+                    limits: Limits | dict[str, Any] | None,
+                    display_last_expression: bool | None = None) -> AsyncSession:
         owner = await self._connect()
         try:
-            params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds)
+            params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds,
+                                   display_last_expression=display_last_expression)
             r = await _drive(owner, P.op_simple("Open", params))
         except BaseException:
             owner.close()

@@ -216,6 +216,7 @@ class Client:
         *,
         on_started: OnStarted | None = None,
         host_call_handler: HostCallHandler | None = None,
+        display_last_expression: bool | None = None,
     ) -> CellResult:
         """Runs ``code`` in a fresh sandbox that is discarded afterwards (one-shot ``Run``).
 
@@ -231,6 +232,10 @@ class Client:
                 :class:`sandcell.HostCall`; what it returns (a dict) is the call's result in
                 the cell, an exception it raises is raised there (as ``HostCallError`` with
                 ``str(exception)``). Without it a host call raises in the cell at once.
+            display_last_expression: ``False`` for print()-only output: the value of the
+                cell's last expression is not shown (by default it is, as in a REPL:
+                Python shows the repr of a final expression that is not ``None`` and not
+                followed by ``;``, R auto-prints visible values). Sent only when given.
 
         Returns the :class:`sandcell.CellResult`; a cell that raised is a result with
         ``status == "error"``, not an exception. Raises the daemon's refusals as typed
@@ -238,7 +243,8 @@ class Client:
         :class:`UnsupportedLanguage`, :class:`InvalidParameter`, :class:`WorkerFailed`, ...
         """
         params = P.run_params(code, language, environment, limits_dict(limits),
-                              host_calls=host_call_handler is not None)
+                              host_calls=host_call_handler is not None,
+                              display_last_expression=display_last_expression)
         return self._call(P.op_cell("Run", params, on_output, on_started,
                                     self._host_answerer(host_call_handler)))
 
@@ -283,6 +289,8 @@ class Client:
         detached_idle_seconds: int | None = None,
         limits: Limits | dict[str, Any] | None = None,
         host_calls: bool = False,
+        *,
+        display_last_expression: bool | None = None,
     ) -> Session:
         """Opens a persistent session (``Open``): one interpreter whose variables persist
         across cells. Use it as a context manager, or call :meth:`Session.close`.
@@ -292,6 +300,8 @@ class Client:
         Args:
             detached_idle_seconds: when set, the session survives this client (it is not
                 tied to a connection) and ends after that many seconds without a cell.
+            display_last_expression: ``False``: no cell of the session shows its last
+                expression's value (see :meth:`run`). Sent only when given.
 
         Raises :class:`CapacityExceeded`, :class:`UnsupportedLanguage`,
         :class:`LimitExceeded`, :class:`WorkerFailed`, ...
@@ -299,7 +309,8 @@ class Client:
         owner = self._connect()
         try:
             params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds,
-                                   host_calls=host_calls)
+                                   host_calls=host_calls,
+                                   display_last_expression=display_last_expression)
             r = _drive(owner, P.op_simple("Open", params))
         except BaseException:
             owner.close()
