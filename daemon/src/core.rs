@@ -1196,7 +1196,15 @@ impl Core {
         // The source is checked before any worker starts.
         self.check_source(&code)?;
         let s = self
-            .open_with(caller, language, environment, limits, None, host_calls, display)
+            .open_with(
+                caller,
+                language,
+                environment,
+                limits,
+                None,
+                host_calls,
+                display,
+            )
             .await?;
         if let Err(e) = s.execute(code, frames, true).await {
             s.close(EndReason::WorkerCrashed, "one-shot run could not start")

@@ -44,6 +44,7 @@ async fn open(c: &mut Client, language: &str, env: Option<&str>, display: Option
         limits: None,
         detached_idle_seconds: None,
         environment: env.map(str::to_owned),
+        host_calls: None,
         display_last_expression: display,
     })
     .await
@@ -74,6 +75,7 @@ async fn run(
         code: code.into(),
         limits: None,
         environment: env.map(str::to_owned),
+        host_calls: None,
         display_last_expression: display,
     })
     .await
