@@ -61,6 +61,7 @@ async fn open(c: &mut Client, language: &str, env: &str, host_calls: bool) -> St
         detached_idle_seconds: None,
         environment: Some(env.into()),
         host_calls: host_calls.then_some(true),
+        display_last_expression: None,
     })
     .await
     .expect("open")
@@ -194,6 +195,7 @@ async fn host_calls_round_trip_and_error_replies_raise_in_the_cell() {
             limits: None,
             environment: Some(env.into()),
             host_calls: Some(true),
+            display_last_expression: None,
         })
         .await
         .unwrap();
@@ -218,6 +220,7 @@ async fn a_host_call_without_opt_in_raises_at_once() {
             detached_idle_seconds: None,
             environment: Some("python".into()),
             host_calls: Some(true),
+            display_last_expression: None,
         })
         .await
         .unwrap_err();
