@@ -1935,6 +1935,10 @@ impl Actor {
                 // reports ok.
                 let overran =
                     run.phase == Phase::TimedOut || usage.wall_seconds > run.wall.as_secs_f64();
+                // Likewise a cell interrupted by its client reports interrupted however it
+                // ended: R ignores SIGINT while it waits in `system()`, so such a cell can
+                // finish (running the statements after the interrupt) and say ok.
+                let interrupted = run.phase == Phase::Interrupted;
                 result.status = match (status, overran) {
                     (
                         WorkerStatus::Ok
@@ -1943,6 +1947,9 @@ impl Actor {
                         | WorkerStatus::Timeout,
                         true,
                     ) => Status::Timeout,
+                    (WorkerStatus::Ok | WorkerStatus::Error, _) if interrupted => {
+                        Status::Interrupted
+                    }
                     (WorkerStatus::Ok, _) => Status::Ok,
                     (WorkerStatus::Error, _) => Status::Error,
                     (WorkerStatus::Interrupted, _) => Status::Interrupted,

@@ -129,6 +129,35 @@ async fn r_interrupts_end_exactly_the_cell() {
     }
 }
 
+/// R ignores SIGINT while it waits in `system()`, so an interrupted cell of `system()` calls
+/// can run on to its end: it is reported `interrupted`, never `ok`.
+#[tokio::test]
+async fn an_interrupted_r_cell_in_system_is_reported_interrupted() {
+    let Some(d) = r_daemon(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "120")]) else {
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        )
+    };
+    let mut a = d.client().await;
+    let s = a.open("r", None, None).await.unwrap().session;
+    a.execute(
+        &s,
+        "for (i in 1:3) { system('sleep 2'); cat('iter', i, '\\n') }",
+    )
+    .await
+    .unwrap();
+    let started = a.next_frame().await.unwrap().started.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut b = d.client().await;
+    assert!(b.interrupt(&s, started.cell).await.unwrap().delivered);
+    let out = a.finish(|_| {}).await.unwrap();
+    assert_eq!(out.result.status, Status::Interrupted, "{:?}", out.result);
+    // The session goes on.
+    let after = a.execute_collect(&s, "cat('alive\\n')").await.unwrap();
+    assert_eq!(after.stdout, "alive\n");
+}
+
 #[tokio::test]
 async fn r_flood_is_counted_exactly_without_growing_the_daemon() {
     // The wall time only bounds a hang: 300 MB of output takes several seconds on a loaded
