@@ -9,19 +9,15 @@
 
 mod common;
 
-use common::Daemon;
+use common::{Daemon, r_available};
 use sandcell_client::{Client, Collected, Status};
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
-}
-
-fn r_available() -> bool {
-    Path::new("/usr/lib/R/bin/exec/R").exists()
 }
 
 /// The tier `level` lacks here and why, if it cannot run.

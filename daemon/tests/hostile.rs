@@ -4,13 +4,9 @@
 
 mod common;
 
-use common::{Daemon, eventually};
+use common::{Daemon, eventually, r_available};
 use sandcell_client::{Client, Collected, Status};
 use std::time::Duration;
-
-fn r_available() -> bool {
-    std::path::Path::new("/usr/lib/R/bin/exec/R").exists()
-}
 
 /// A bystander session that must keep working while hostile cells run next to it.
 struct Bystander {

@@ -5,14 +5,10 @@
 
 mod common;
 
-use common::{Daemon, eventually};
+use common::{Daemon, eventually, r_available};
 use sandcell_client::{Client, Status};
 use sandcell_proto::kernel::Limits;
 use std::time::{Duration, Instant};
-
-fn r_available() -> bool {
-    std::path::Path::new("/usr/lib/R/bin/exec/R").exists()
-}
 
 fn daemon(extra: &[(&str, &str)]) -> Daemon {
     let mut env = vec![

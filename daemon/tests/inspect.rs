@@ -6,26 +6,10 @@
 
 mod common;
 
-use common::Daemon;
+use common::{Daemon, pydata_available, r_available};
 use sandcell_client::{Client, Error, KernelError, Status};
 use sandcell_proto::kernel::Variable;
-use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn r_available() -> bool {
-    Path::new("/usr/lib/R/bin/exec/R").exists()
-}
-
-fn pydata_available() -> bool {
-    Path::new("/usr/bin/python3").exists()
-        && Command::new("/usr/bin/python3")
-            .args(["-I", "-c", "import numpy, pandas"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-}
 
 fn daemon() -> Daemon {
     let mut env = vec![("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "60")];

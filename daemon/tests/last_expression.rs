@@ -7,27 +7,11 @@
 
 mod common;
 
-use common::Daemon;
+use common::{Daemon, pydata_available, r_available};
 use sandcell_client::{Client, Collected, OpenParams, RunParams, Status};
-use std::path::Path;
-use std::process::{Command, Stdio};
 
 /// The stdout cap of the daemon these tests start, bytes.
 const STDOUT_CAP: u64 = 1000;
-
-fn r_available() -> bool {
-    Path::new("/usr/lib/R/bin/exec/R").exists()
-}
-
-fn pydata_available() -> bool {
-    Path::new("/usr/bin/python3").exists()
-        && Command::new("/usr/bin/python3")
-            .args(["-I", "-c", "import numpy"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-}
 
 fn daemon() -> Daemon {
     let cap = STDOUT_CAP.to_string();

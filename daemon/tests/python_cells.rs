@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{Daemon, eventually};
+use common::{Daemon, call_as, eventually};
 use sandcell_client::{Error, KernelError, Limits, State, Status};
 use std::time::{Duration, Instant};
 
@@ -543,44 +543,4 @@ async fn clients_leaving_while_their_worker_starts_leave_nothing_behind() {
         left(),
         d.descendants()
     );
-}
-
-/// One Varlink call (with `more`, as `Run`/`Execute` need) from a connection made as `uid` (the connecting thread alone switches its
-/// real and effective uid with the raw system call, so the daemon's `SO_PEERCRED` names
-/// `uid`); returns the reply object.
-fn call_as(
-    uid: u32,
-    socket: &std::path::Path,
-    method: &str,
-    parameters: serde_json::Value,
-) -> serde_json::Value {
-    use std::io::{Read, Write};
-    let socket = socket.to_owned();
-    let stream = std::thread::spawn(move || {
-        // SAFETY: setresuid(2) on this thread only (the raw call, not glibc's broadcast);
-        // the saved uid stays 0 and the thread ends right after the connect.
-        let r = unsafe { libc::syscall(libc::SYS_setresuid, uid, uid, 0) };
-        assert_eq!(r, 0, "setresuid: {}", std::io::Error::last_os_error());
-        std::os::unix::net::UnixStream::connect(&socket).expect("connect as another uid")
-    })
-    .join()
-    .unwrap();
-    let mut stream = stream;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    let mut msg = serde_json::to_vec(&serde_json::json!({
-        "method": format!("org.sandcell.Kernel.{method}"),
-        "parameters": parameters,
-        "more": true,
-    }))
-    .unwrap();
-    msg.push(0);
-    stream.write_all(&msg).unwrap();
-    let mut reply = Vec::new();
-    let mut byte = [0u8; 1];
-    while stream.read(&mut byte).unwrap() == 1 && byte[0] != 0 {
-        reply.push(byte[0]);
-    }
-    serde_json::from_slice(&reply).unwrap()
 }

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::Daemon;
+use common::{Daemon, call_as};
 use sandcell_client::{Client, Error, KernelError};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -54,43 +54,6 @@ fn assert_ended(e: &KernelError, id: &str, reason: &str, window: f64) {
         }
         other => panic!("expected SessionEnded({reason}) for {id}, got {other:?}"),
     }
-}
-
-/// A raw call of `method` as `uid` (a thread that changes only its own uid to connect).
-fn call_as(
-    uid: u32,
-    socket: &std::path::Path,
-    method: &str,
-    parameters: serde_json::Value,
-) -> serde_json::Value {
-    use std::io::{Read, Write};
-    let socket = socket.to_owned();
-    let mut stream = std::thread::spawn(move || {
-        // SAFETY: setresuid(2) on this thread only (the raw call, not glibc's broadcast);
-        // the saved uid stays 0 and the thread ends right after the connect.
-        let r = unsafe { libc::syscall(libc::SYS_setresuid, uid, uid, 0) };
-        assert_eq!(r, 0, "setresuid: {}", std::io::Error::last_os_error());
-        std::os::unix::net::UnixStream::connect(&socket).expect("connect as another uid")
-    })
-    .join()
-    .unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    let mut msg = serde_json::to_vec(&serde_json::json!({
-        "method": format!("org.sandcell.Kernel.{method}"),
-        "parameters": parameters,
-        "more": method == "Execute",
-    }))
-    .unwrap();
-    msg.push(0);
-    stream.write_all(&msg).unwrap();
-    let mut reply = Vec::new();
-    let mut byte = [0u8; 1];
-    while stream.read(&mut byte).unwrap() == 1 && byte[0] != 0 {
-        reply.push(byte[0]);
-    }
-    serde_json::from_slice(&reply).unwrap()
 }
 
 #[tokio::test]

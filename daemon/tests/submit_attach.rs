@@ -7,15 +7,10 @@
 
 mod common;
 
-use common::Daemon;
+use common::{Daemon, call_as, r_available};
 use sandcell_client::{Client, Error, KernelError, Status};
 use sandcell_proto::kernel as k;
-use std::path::Path;
 use std::time::{Duration, Instant};
-
-fn r_available() -> bool {
-    Path::new("/usr/lib/R/bin/exec/R").exists()
-}
 
 async fn status(c: &mut Client, session: &str, cell: u64) -> k::CellStatusReply {
     c.cell_status(session, cell).await.unwrap()
@@ -420,42 +415,4 @@ async fn sandcellctl_submits_attaches_and_asks() {
     let (code_, _, err) = run(&["cell-status", &s, "5"]);
     assert_ne!(code_, Some(0));
     assert!(err.contains("NoSuchCell"), "{err}");
-}
-
-fn call_as(
-    uid: u32,
-    socket: &std::path::Path,
-    method: &str,
-    parameters: serde_json::Value,
-) -> serde_json::Value {
-    use std::io::{Read, Write};
-    let socket = socket.to_owned();
-    let stream = std::thread::spawn(move || {
-        // SAFETY: setresuid(2) on this thread only (the raw call, not glibc's broadcast);
-        // the saved uid stays 0 and the thread ends right after the connect.
-        let r = unsafe { libc::syscall(libc::SYS_setresuid, uid, uid, 0) };
-        assert_eq!(r, 0, "setresuid: {}", std::io::Error::last_os_error());
-        std::os::unix::net::UnixStream::connect(&socket).expect("connect as another uid")
-    })
-    .join()
-    .unwrap();
-    let mut stream = stream;
-    stream
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    let more = method == "Attach";
-    let mut msg = serde_json::to_vec(&serde_json::json!({
-        "method": format!("org.sandcell.Kernel.{method}"),
-        "parameters": parameters,
-        "more": more,
-    }))
-    .unwrap();
-    msg.push(0);
-    stream.write_all(&msg).unwrap();
-    let mut reply = Vec::new();
-    let mut byte = [0u8; 1];
-    while stream.read(&mut byte).unwrap() == 1 && byte[0] != 0 {
-        reply.push(byte[0]);
-    }
-    serde_json::from_slice(&reply).unwrap()
 }

@@ -366,3 +366,58 @@ pub fn manifest_dir() -> std::path::PathBuf {
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
+
+/// Whether R is installed (the R tiers need `/usr/lib/R/bin/exec/R`).
+pub fn r_available() -> bool {
+    Path::new("/usr/lib/R/bin/exec/R").exists()
+}
+
+/// Whether the `pydata` environment's interpreter can import numpy and pandas.
+pub fn pydata_available() -> bool {
+    Path::new("/usr/bin/python3").exists()
+        && Command::new("/usr/bin/python3")
+            .args(["-I", "-c", "import numpy, pandas"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+}
+
+/// One raw call of `org.sandcell.Kernel.<method>` as `uid`, on a fresh connection made by a
+/// thread that changes only its own uid to connect (the raw `setresuid` system call, not
+/// glibc's process-wide one; the saved uid stays 0). Streaming methods (`Run`, `Execute`,
+/// `Attach`) are called with `more`; the first reply is returned.
+pub fn call_as(
+    uid: u32,
+    socket: &Path,
+    method: &str,
+    parameters: serde_json::Value,
+) -> serde_json::Value {
+    use std::io::Write;
+    let socket = socket.to_owned();
+    let mut stream = std::thread::spawn(move || {
+        // SAFETY: setresuid(2) on this thread only; the thread ends right after the connect.
+        let r = unsafe { libc::syscall(libc::SYS_setresuid, uid, uid, 0) };
+        assert_eq!(r, 0, "setresuid: {}", std::io::Error::last_os_error());
+        std::os::unix::net::UnixStream::connect(&socket).expect("connect as another uid")
+    })
+    .join()
+    .unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut msg = serde_json::to_vec(&serde_json::json!({
+        "method": format!("org.sandcell.Kernel.{method}"),
+        "parameters": parameters,
+        "more": matches!(method, "Run" | "Execute" | "Attach"),
+    }))
+    .unwrap();
+    msg.push(0);
+    stream.write_all(&msg).unwrap();
+    let mut reply = Vec::new();
+    let mut byte = [0u8; 1];
+    while stream.read(&mut byte).unwrap() == 1 && byte[0] != 0 {
+        reply.push(byte[0]);
+    }
+    serde_json::from_slice(&reply).unwrap()
+}
