@@ -105,6 +105,43 @@ pub struct Collected {
     pub result: CellResult,
 }
 
+/// The frames of one cell gathered as they arrive: the session and cell of its `started`
+/// frame and the text of each stream, until the frame with the result.
+#[derive(Default)]
+struct Collector {
+    session: String,
+    cell: u64,
+    stdout: String,
+    stderr: String,
+}
+
+impl Collector {
+    /// Takes `f`'s started, output and result parts (passing an output chunk to
+    /// `on_output`); returns the collection once `f` carries the result. Other parts (a host
+    /// call) stay in `f`.
+    fn take(&mut self, f: &mut Frame, on_output: &mut impl FnMut(&Output)) -> Option<Collected> {
+        if let Some(s) = f.started.take() {
+            self.session = s.session;
+            self.cell = s.cell;
+        }
+        if let Some(o) = f.output.take() {
+            on_output(&o);
+            match o.stream {
+                k::Stream::Stdout => self.stdout.push_str(&o.text),
+                k::Stream::Stderr => self.stderr.push_str(&o.text),
+            }
+        }
+        let result = f.result.take()?;
+        Some(Collected {
+            session: std::mem::take(&mut self.session),
+            cell: self.cell,
+            stdout: std::mem::take(&mut self.stdout),
+            stderr: std::mem::take(&mut self.stderr),
+            result,
+        })
+    }
+}
+
 impl Client {
     /// Connects to the socket at `path`.
     pub async fn connect(path: impl AsRef<Path>) -> Result<Client, Error> {
@@ -270,29 +307,11 @@ impl Client {
 
     /// Reads frames until the result, calling `on_output` for each output chunk.
     pub async fn finish(&mut self, mut on_output: impl FnMut(&Output)) -> Result<Collected, Error> {
-        let (mut session, mut cell, mut stdout, mut stderr) =
-            (String::new(), 0, String::new(), String::new());
+        let mut c = Collector::default();
         loop {
-            let f = self.next_frame().await?;
-            if let Some(s) = f.started {
-                session = s.session;
-                cell = s.cell;
-            }
-            if let Some(o) = f.output {
-                on_output(&o);
-                match o.stream {
-                    k::Stream::Stdout => stdout.push_str(&o.text),
-                    k::Stream::Stderr => stderr.push_str(&o.text),
-                }
-            }
-            if let Some(result) = f.result {
-                return Ok(Collected {
-                    session,
-                    cell,
-                    stdout,
-                    stderr,
-                    result,
-                });
+            let mut f = self.next_frame().await?;
+            if let Some(done) = c.take(&mut f, &mut on_output) {
+                return Ok(done);
             }
         }
     }
@@ -388,36 +407,18 @@ impl Client {
         mut on_output: impl FnMut(&Output),
         mut handler: impl FnMut(&str, &HostCall) -> Result<Value, String>,
     ) -> Result<Collected, Error> {
-        let (mut session, mut cell, mut stdout, mut stderr) =
-            (String::new(), 0, String::new(), String::new());
+        let mut c = Collector::default();
         loop {
-            let f = self.next_frame().await?;
-            if let Some(s) = f.started {
-                session = s.session;
-                cell = s.cell;
-            }
-            if let Some(o) = f.output {
-                on_output(&o);
-                match o.stream {
-                    k::Stream::Stdout => stdout.push_str(&o.text),
-                    k::Stream::Stderr => stderr.push_str(&o.text),
-                }
+            let mut f = self.next_frame().await?;
+            if let Some(done) = c.take(&mut f, &mut on_output) {
+                return Ok(done);
             }
             if let Some(h) = f.host_call {
-                let answer = handler(&session, &h);
-                match replies.host_reply(&session, h.call, answer).await {
+                let answer = handler(&c.session, &h);
+                match replies.host_reply(&c.session, h.call, answer).await {
                     Ok(()) | Err(Error::Kernel(KernelError::NoSuchHostCall { .. })) => {}
                     Err(e) => return Err(e),
                 }
-            }
-            if let Some(result) = f.result {
-                return Ok(Collected {
-                    session,
-                    cell,
-                    stdout,
-                    stderr,
-                    result,
-                });
             }
         }
     }
