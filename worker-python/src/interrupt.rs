@@ -13,11 +13,15 @@
 //! - the cell's [`CancellationToken`] is cancelled, which the cell loop races against the
 //!   execution, so a guest parked in a host call (`time.sleep`) is dropped at once.
 //!
-//! A SIGINT while no cell is in progress is ignored (the daemon counts it as undelivered),
-//! unless the next request is already waiting on the request pipe: then it was meant for that
-//! cell (the daemon wrote the request and interrupted before the worker read it), and that
-//! cell is stopped before it starts. Likewise a SIGINT after a request was read but before the
-//! guest started.
+//! A SIGINT that arrives while no request is served is ignored, and so is one that arrived
+//! before the current request was taken up: [`Interrupter::begin_cell`] starts a new
+//! generation and drains the self-pipe, and the watcher counts a SIGINT only for the
+//! generation it read it in. A SIGINT the daemon sent to end the previous cell therefore never
+//! stops the next one, however late the watcher thread runs. An interrupt meant for the new
+//! cell that lands before the worker took up its request is discarded with them; the daemon
+//! repeats SIGINT every 250 ms until an interrupted cell ends, so the next one stops it. A
+//! SIGINT after the request was taken up but before the guest started stops the guest as soon
+//! as it is armed.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -79,46 +83,45 @@ struct State {
     in_cell: bool,
     /// A SIGINT arrived during this request before a target was armed.
     pending: bool,
-    /// A SIGINT arrived between requests while the next request was already in the pipe.
-    pending_next: bool,
+    /// Counts requests taken up ([`Interrupter::begin_cell`]); a SIGINT read in an earlier
+    /// generation is stale.
+    generation: u64,
     target: Option<Target>,
 }
 
 /// Shared between the cell loop and the watcher thread.
+#[derive(Default)]
 pub struct Interrupter {
     state: Mutex<State>,
-    /// The request pipe, polled when a SIGINT arrives between requests; -1 for none.
-    request_fd: i32,
+    /// Read end of the self-pipe (non-blocking), drained when a request is taken up; -1
+    /// before [`install`].
+    pipe_read: AtomicI32,
 }
 
-impl Default for Interrupter {
-    fn default() -> Self {
-        Self::new(-1)
-    }
-}
-
-/// Whether `fd` has bytes to read now.
-fn readable_now(fd: i32) -> bool {
+/// Reads everything `fd` (non-blocking) holds now; returns whether it held anything.
+fn drain(fd: i32) -> bool {
     if fd < 0 {
         return false;
     }
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd, zero timeout; poll only reads the descriptor state.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n == 1 && p.revents & libc::POLLIN != 0
+    let mut buf = [0u8; 64];
+    let mut any = false;
+    loop {
+        // SAFETY: reading into a local buffer; `fd` is the self-pipe, never closed.
+        let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        if n > 0 {
+            any = true;
+        } else if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+            continue;
+        } else {
+            return any;
+        }
+    }
 }
 
 impl Interrupter {
-    /// An interrupter for a worker whose requests arrive on `request_fd` (-1: none).
-    pub fn new(request_fd: i32) -> Self {
-        Self {
-            state: Mutex::new(State::default()),
-            request_fd,
-        }
+    /// An interrupter with no self-pipe yet ([`install`] gives it one).
+    pub fn new() -> Self {
+        Self::default()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -127,12 +130,20 @@ impl Interrupter {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// A request was read: SIGINTs count from now on.
+    /// A request is taken up: SIGINTs count from now on. Those already written to the
+    /// self-pipe, or read by the watcher in an earlier generation, are stale and dropped.
     pub fn begin_cell(&self) {
         let mut s = self.lock();
+        s.generation += 1;
+        drain(self.pipe_read.load(Ordering::SeqCst));
         s.in_cell = true;
-        s.pending = std::mem::take(&mut s.pending_next);
+        s.pending = false;
         s.target = None;
+    }
+
+    /// The current generation, for a SIGINT about to be read.
+    fn generation(&self) -> u64 {
+        self.lock().generation
     }
 
     /// Arms `target` for the running cell; fires at once if a SIGINT already arrived.
@@ -166,13 +177,17 @@ impl Interrupter {
         s.target = None;
     }
 
-    /// Handles one SIGINT.
+    /// Handles one SIGINT arriving now.
     pub fn fire(&self) {
+        let g = self.generation();
+        self.fire_in(g);
+    }
+
+    /// Handles one SIGINT read in `generation`: ignored between requests and when a newer
+    /// request has been taken up since.
+    fn fire_in(&self, generation: u64) {
         let mut s = self.lock();
-        if !s.in_cell {
-            if readable_now(self.request_fd) {
-                s.pending_next = true;
-            }
+        if !s.in_cell || s.generation != generation {
             return;
         }
         if s.target.is_none() {
@@ -208,10 +223,15 @@ pub fn install(interrupter: Arc<Interrupter>) -> io::Result<()> {
     // SAFETY: pipe2 just returned these two descriptors; nothing else owns them.
     let (read_end, write_end) =
         unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-    // SAFETY: F_SETFL on a descriptor we own.
-    if unsafe { libc::fcntl(write_end.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } != 0 {
-        return Err(io::Error::last_os_error());
+    for fd in [&read_end, &write_end] {
+        // SAFETY: F_SETFL on a descriptor we own.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
     }
+    interrupter
+        .pipe_read
+        .store(read_end.as_raw_fd(), Ordering::SeqCst);
     // The write end lives as long as the process: the handler may run at any time.
     PIPE_WRITE.store(
         std::os::fd::IntoRawFd::into_raw_fd(write_end),
@@ -238,17 +258,29 @@ pub fn install(interrupter: Arc<Interrupter>) -> io::Result<()> {
     std::thread::Builder::new()
         .name("sigint-watcher".into())
         .spawn(move || {
-            let mut buf = [0u8; 64];
+            let fd = read_end.as_raw_fd();
             loop {
-                // SAFETY: reading into a local buffer from a descriptor this thread owns.
-                let n =
-                    unsafe { libc::read(read_end.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-                if n > 0 {
-                    interrupter.fire();
-                } else if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                    continue;
-                } else {
+                let mut p = libc::pollfd {
+                    fd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd; waits without a timeout.
+                let n = unsafe { libc::poll(&mut p, 1, -1) };
+                if n < 0 {
+                    if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                        continue;
+                    }
                     return;
+                }
+                if p.revents & (libc::POLLERR | libc::POLLNVAL) != 0 {
+                    return;
+                }
+                // The generation is taken before the bytes: a request taken up in between
+                // drains them first, or makes them stale.
+                let g = interrupter.generation();
+                if drain(fd) {
+                    interrupter.fire_in(g);
                 }
             }
         })?;
@@ -345,23 +377,42 @@ mod tests {
     }
 
     #[test]
-    fn sigint_with_the_next_request_waiting_counts_for_it() {
-        let mut fds = [0; 2];
-        // SAFETY: a two-int array for pipe2.
-        assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
-        // SAFETY: fresh descriptors owned by nothing else.
-        let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-        let i = Interrupter::new(r.as_raw_fd());
-        i.fire(); // idle, nothing waiting: ignored
-        // SAFETY: writing one byte from a static to a pipe we own.
-        let n = unsafe { libc::write(w.as_raw_fd(), b"e".as_ptr().cast(), 1) };
-        assert_eq!(n, 1);
-        i.fire(); // idle, a request waiting: meant for it
+    fn a_sigint_from_an_earlier_request_never_stops_the_next() {
+        let i = Interrupter::new();
         let count = Arc::new(AtomicU32::new(0));
         i.begin_cell();
-        let (t, token, _) = target(&count);
+        // Read by the watcher during the first request, handled after the next was taken up.
+        let stale = i.generation();
+        i.end_cell();
+        i.begin_cell();
+        i.fire_in(stale);
+        let (t, token, fired) = target(&count);
         i.arm(t);
+        assert!(!token.is_cancelled() && !fired.load(Ordering::SeqCst));
+        // A SIGINT of this request's generation stops it.
+        i.fire();
         assert!(token.is_cancelled());
         assert_eq!(count.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn sigints_still_in_the_pipe_when_a_request_is_taken_up_are_dropped() {
+        let mut fds = [0; 2];
+        let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
+        // SAFETY: a two-int array for pipe2.
+        let r = unsafe { libc::pipe2(fds.as_mut_ptr(), flags) };
+        assert_eq!(r, 0);
+        // SAFETY: fresh descriptors owned by nothing else.
+        let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let i = Interrupter::new();
+        i.pipe_read.store(r.as_raw_fd(), Ordering::SeqCst);
+        // SAFETY: writing one byte from a static to a pipe we own.
+        let n = unsafe { libc::write(w.as_raw_fd(), b"i".as_ptr().cast(), 1) };
+        assert_eq!(n, 1);
+        i.begin_cell();
+        assert!(
+            !drain(r.as_raw_fd()),
+            "begin_cell left the stale byte in the pipe"
+        );
     }
 }

@@ -158,7 +158,7 @@ pub fn run_confined() -> i32 {
         eprintln!("sandcell-worker-python: descriptors {REQUEST_FD} and {REPLY_FD} must be open");
         return exit::IO;
     };
-    let interrupter = Arc::new(Interrupter::new(REQUEST_FD));
+    let interrupter = Arc::new(Interrupter::new());
     if let Err(e) = interrupt::install(Arc::clone(&interrupter)) {
         report_fatal("runtime", &format!("installing the SIGINT handler: {e}"));
         return exit::STARTUP;
@@ -221,8 +221,8 @@ pub async fn serve(
     let mut reader = BufReader::new(requests);
     loop {
         // Wait until a request is in the pipe without consuming it, then count SIGINTs from
-        // now on: a SIGINT sent right after the request was written is either seen by the
-        // watcher with the request still in the pipe, or arrives after begin_cell.
+        // now on: those sent for the previous cell are stale and dropped, and one meant for
+        // this cell that came earlier is sent again by the daemon (every 250 ms).
         if reader.buffer().is_empty() {
             wait_readable(REQUEST_FD);
         }

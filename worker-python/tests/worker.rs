@@ -323,6 +323,7 @@ fn sigint_with_the_longest_timeout_is_still_quick() {
 fn sigint_right_after_the_request_still_reaches_that_cell() {
     let mut w = Worker::start();
     w.cell(1, "a = 1");
+    let pid = w.child.id() as i32;
     for cell in 2..6 {
         w.send(
             cell,
@@ -333,8 +334,20 @@ fn sigint_right_after_the_request_still_reaches_that_cell() {
             },
         );
         let t = Instant::now();
-        w.sigint();
+        // As the daemon does: SIGINT at once, then every 250 ms until the cell ends (one that
+        // lands before the worker took up the request is dropped with the stale ones).
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s2 = stop.clone();
+        let repeat = std::thread::spawn(move || {
+            while !s2.load(std::sync::atomic::Ordering::Relaxed) {
+                // SAFETY: signalling our own child, which is not reaped before the test ends.
+                unsafe { libc::kill(pid, libc::SIGINT) };
+                std::thread::sleep(Duration::from_millis(250));
+            }
+        });
         let r = w.collect(cell, Duration::from_secs(10));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        repeat.join().unwrap();
         assert_eq!(r.status(), WorkerStatus::Interrupted, "{r:?}");
         assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
     }
