@@ -311,13 +311,7 @@ async fn an_unanswered_host_call_times_out_in_the_cell() {
             .host_reply(&s, h.call, Ok(json!({"late": true})))
             .await
             .unwrap_err();
-        assert!(
-            matches!(
-                e,
-                sandcell_client::Error::Kernel(KernelError::NoSuchHostCall { .. })
-            ),
-            "{e:?}"
-        );
+        assert_no_such_host_call(&e);
         // The session goes on (and the late answer never reaches a later cell).
         let out = c
             .execute_collect(&s, &code(language, "print('after')", "cat('after\\n')"))
@@ -360,13 +354,7 @@ async fn an_interrupt_while_a_call_waits_ends_the_cell_and_the_session_survives(
             .host_reply(&s, h.call, Ok(json!({})))
             .await
             .unwrap_err();
-        assert!(
-            matches!(
-                e,
-                sandcell_client::Error::Kernel(KernelError::NoSuchHostCall { .. })
-            ),
-            "{e:?}"
-        );
+        assert_no_such_host_call(&e);
         let out = c
             .execute_collect(&s, &code(language, "print(x + 1)", "cat(x + 1, '\\n')"))
             .await
@@ -520,4 +508,15 @@ async fn sandcellctl_answers_host_calls_with_a_command() {
     assert_eq!(o.status.code(), Some(1), "{o:?}");
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("HostCallError: tool broke"), "{err}");
+}
+
+/// `e` is the daemon's `NoSuchHostCall`.
+fn assert_no_such_host_call(e: &sandcell_client::Error) {
+    assert!(
+        matches!(
+            e,
+            sandcell_client::Error::Kernel(KernelError::NoSuchHostCall { .. })
+        ),
+        "{e:?}"
+    );
 }
