@@ -17,6 +17,9 @@ cache=${SANDCELL_VM_CACHE:-/var/tmp/sandcell-vm}
 # (modules for 9p and the initramfs), and a few tools the guest test uses.
 packages=(systemd-sysv udev dbus polkitd pkexec libpam-systemd r-base-core r-cran-jsonlite
     kmod procps util-linux iproute2 psmisc less bc)
+# What the package recommends for the pydata environment (native CPython with the scientific
+# stack); the guest test fails when they are missing, so the image must carry them.
+packages+=(python3-numpy python3-pandas python3-scipy python3-matplotlib fontconfig)
 # The kernels: bookworm's own (6.1, Landlock ABI 2) from --include, then bookworm-backports'
 # (6.12, Landlock ABI 6) by upgrading the linux-image-amd64 metapackage in a customize hook.
 # The upgrade keeps the 6.1 image package installed (apt does not remove a package the old

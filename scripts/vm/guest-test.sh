@@ -206,8 +206,9 @@ rc=$?
 if [[ $rc == 1 && $out == *boom* ]]; then pass python-cell-error-reported; else fail python-cell-error-reported "exit $rc, output: $out"; fi
 
 # ---- the pydata environment (native CPython with Debian's scientific stack) ---------------
-# The package recommends python3-numpy, python3-pandas & co; the environment is listed and
-# answers a numpy cell when they are installed.
+# The package recommends python3-numpy, python3-pandas & co, and the image installs them
+# (scripts/vm/build-image.sh): the environment must be listed as ready and answer a numpy
+# cell and a pandas cell.
 if /usr/bin/python3 -c 'import numpy, pandas' 2>/dev/null; then
     out=$(as_gw sandcellctl --json environments 2>&1)
     if [[ $out == *'"name":"pydata"'* && $out == *'"ready":true'* && $out == *'"numpy"'* ]]; then
@@ -219,8 +220,23 @@ if /usr/bin/python3 -c 'import numpy, pandas' 2>/dev/null; then
         | as_gw sandcellctl run -l python -e pydata - 2>&1)
     rc=$?
     if [[ $rc == 0 && $out == 5 ]]; then pass pydata-numpy-cell; else fail pydata-numpy-cell "exit $rc, output: $out"; journal 60; fi
+    out=$(printf '%s\n' 'import pandas as pd' \
+        'df = pd.DataFrame({"k": ["a", "b", "a"], "v": [1, 2, 3]})' \
+        'print(df.groupby("k")["v"].sum().to_dict())' | as_gw sandcellctl run -l python -e pydata - 2>&1)
+    rc=$?
+    if [[ $rc == 0 && $out == "{'a': 4, 'b': 2}" ]]; then pass pydata-pandas-cell; else fail pydata-pandas-cell "exit $rc, output: $out"; fi
+    # A figure left open at the end of the cell comes back as a PNG, and no font cache is
+    # written into the session (the caches are built once, at install).
+    out=$(printf '%s\n' 'import matplotlib.pyplot as plt' 'plt.plot([1, 2, 3])' \
+        | as_gw sandcellctl run -l python -e pydata - 2>&1)
+    rc=$?
+    if [[ $rc == 0 && $out == *'file plot-1-001.png ('*'image/png)'* && $out != *fontconfig* && $out != *matplotlib/* ]]; then
+        pass pydata-plot-png
+    else
+        fail pydata-plot-png "exit $rc, output: ${out:0:400}"
+    fi
 else
-    skip pydata "python3-numpy/python3-pandas are not installed in the image"
+    fail pydata "python3-numpy/python3-pandas are not installed in the image (build-image.sh installs them)"
 fi
 
 # ---- a user outside the group is refused by the socket's permissions ----------------------
