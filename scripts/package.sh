@@ -79,9 +79,11 @@ done
 tmpconf=$(mktemp)
 sed -E 's/^#([a-z_]+ = )/\1/' packaging/sandcelld.toml >"$tmpconf"
 "$BIN/sandcelld" --check-config --config "$tmpconf" >/dev/null
-# Every key of config.rs appears in the example (the keys are the struct's pub fields).
+# Every key of config.rs appears in the example and in sandcelld.toml(5) (the keys are the
+# structs' pub fields).
 for key in $(awk '/^pub struct (Limits|Daemon)/ { s = 1 } s && /^}/ { s = 0 } s && /^    pub [a-z_]+:/ { sub(":", "", $2); print $2 }' daemon/src/config.rs); do
     grep -q "^#$key = " packaging/sandcelld.toml || { echo "package: packaging/sandcelld.toml lacks $key" >&2; exit 1; }
+    grep -qw -- "$key" man/sandcelld.toml.5 || { echo "package: man/sandcelld.toml.5 does not document $key" >&2; exit 1; }
 done
 rm -f "$tmpconf"
 echo "package: man pages and example configuration are current"

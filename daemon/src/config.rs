@@ -267,7 +267,25 @@ pub struct Daemon {
     /// sandcell-specific id (see `node::app_specific`). Read at start; a reload keeps the
     /// identifier in force.
     pub node_id: Option<String>,
+    /// The capacity file in the Prometheus text exposition format (format 0.0.4) for a node
+    /// exporter's textfile collector (`metrics.rs`): an absolute path, rewritten atomically
+    /// every `metrics_interval_seconds` (a temporary in the same directory, renamed over it),
+    /// mode 0644, removed when the daemon exits cleanly. The empty path turns it off.
+    pub metrics_file: PathBuf,
+    /// Seconds between two rewrites of `metrics_file`, in
+    /// [[`METRICS_INTERVAL_MIN`], [`METRICS_INTERVAL_MAX`]] (the main loop ticks once a second).
+    pub metrics_interval_seconds: u64,
 }
+
+/// Shortest `metrics_interval_seconds`: the daemon's main loop ticks once a second.
+pub const METRICS_INTERVAL_MIN: u64 = 1;
+
+/// Longest `metrics_interval_seconds` (an hour; exporters scrape every 15 to 60 s).
+pub const METRICS_INTERVAL_MAX: u64 = 3600;
+
+/// Default `metrics_file`: in the socket's directory `/run/sandcell` (root's, mode 0755, made
+/// by `sandcelld.socket` and tmpfiles; the unit makes it writable with `ReadWritePaths=`).
+pub const DEFAULT_METRICS_FILE: &str = "/run/sandcell/metrics.prom";
 
 impl Default for Daemon {
     fn default() -> Self {
@@ -296,6 +314,8 @@ impl Default for Daemon {
             connection_idle_seconds: 120,
             interrupt_on_hangup: false,
             node_id: None,
+            metrics_file: PathBuf::from(DEFAULT_METRICS_FILE),
+            metrics_interval_seconds: 5,
         }
     }
 }
@@ -583,6 +603,8 @@ impl Config {
                 "pool_refill_per_second" => d.pool_refill_per_second = parse_num(&var, &value)?,
                 "pool_idle_seconds" => d.pool_idle_seconds = u64v()?,
                 "node_id" => d.node_id = Some(value.clone()),
+                "metrics_file" => d.metrics_file = PathBuf::from(&value),
+                "metrics_interval_seconds" => d.metrics_interval_seconds = u64v()?,
                 _ => {}
             }
         }
@@ -628,6 +650,7 @@ impl Config {
                 reason: e.reason.into(),
             })?;
         }
+        self.validate_metrics()?;
         let wall = l.execution_wall_time_seconds;
         if !(wall.is_finite() && wall > 0.0 && wall <= 86_400.0) {
             return Err(Error::Invalid {
@@ -1028,6 +1051,38 @@ impl Config {
         Ok(())
     }
 
+    /// The capacity file: off (empty) or an absolute path naming a file (no `..`, not a
+    /// directory's trailing `/`); its interval within its bounds.
+    fn validate_metrics(&self) -> Result<(), Error> {
+        let d = &self.daemon;
+        let p = &d.metrics_file;
+        if !p.as_os_str().is_empty() {
+            let text = p.to_str().unwrap_or("");
+            let ok = p.is_absolute()
+                && !text.ends_with('/')
+                && !text.contains('\n')
+                && p.file_name().is_some()
+                && !p.components().any(|c| c == std::path::Component::ParentDir);
+            if !ok {
+                return Err(Error::Invalid {
+                    key: "metrics_file",
+                    reason: format!(
+                        "{} is not an absolute path of a file (without '..'); \"\" turns it off",
+                        p.display()
+                    ),
+                });
+            }
+        }
+        let i = d.metrics_interval_seconds;
+        if !(METRICS_INTERVAL_MIN..=METRICS_INTERVAL_MAX).contains(&i) {
+            return Err(Error::Invalid {
+                key: "metrics_interval_seconds",
+                reason: format!("{i} is not in [{METRICS_INTERVAL_MIN}, {METRICS_INTERVAL_MAX}]"),
+            });
+        }
+        Ok(())
+    }
+
     /// Session-file limits: both positive, one file within the session's total.
     fn validate_file_limits(l: &Limits) -> Result<(), Error> {
         for (key, v) in [
@@ -1212,6 +1267,53 @@ mod tests {
                 "[environments.x]\nlanguage = \"python\"\nengine = \"wasm\"\n"
             )
             .is_err()
+        );
+    }
+
+    #[test]
+    fn metrics_keys_are_checked() {
+        let c = Config::default();
+        assert_eq!(c.daemon.metrics_file, Path::new(DEFAULT_METRICS_FILE));
+        assert_eq!(c.daemon.metrics_interval_seconds, 5);
+        for (file, interval, bad) in [
+            ("", "5", None),
+            ("/var/lib/node_exporter/textfile/sandcell.prom", "1", None),
+            ("/run/sandcell/metrics.prom", "3600", None),
+            (
+                "/run/sandcell/metrics.prom",
+                "0",
+                Some("metrics_interval_seconds"),
+            ),
+            (
+                "/run/sandcell/metrics.prom",
+                "3601",
+                Some("metrics_interval_seconds"),
+            ),
+            ("metrics.prom", "5", Some("metrics_file")),
+            ("/run/sandcell/", "5", Some("metrics_file")),
+            ("/run/sandcell/../x.prom", "5", Some("metrics_file")),
+            ("/", "5", Some("metrics_file")),
+        ] {
+            let mut c = Config::default();
+            c.apply_env(env(&[
+                ("SANDCELL_METRICS_FILE", file),
+                ("SANDCELL_METRICS_INTERVAL_SECONDS", interval),
+            ]))
+            .unwrap();
+            match (c.validate(), bad) {
+                (Ok(()), None) => {}
+                (Err(Error::Invalid { key, .. }), Some(k)) => {
+                    assert_eq!(key, k, "{file} {interval}")
+                }
+                (r, _) => panic!("{file} {interval}: {r:?}"),
+            }
+        }
+        let e = Config::default()
+            .apply_env(env(&[("SANDCELL_METRICS_INTERVAL_SECONDS", "soon")]))
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("SANDCELL_METRICS_INTERVAL_SECONDS"),
+            "{e}"
         );
     }
 

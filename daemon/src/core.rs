@@ -462,6 +462,11 @@ impl Core {
         (self.admission.uid_budgets(), self.admission.uid_use())
     }
 
+    /// Worker uids leased now and the size of their range (`worker_uid_count`).
+    pub fn worker_uids(&self) -> (u64, u64) {
+        self.uids.usage()
+    }
+
     /// Open connections.
     pub fn connection_count(&self) -> u64 {
         self.connections.load(Ordering::SeqCst)
@@ -1042,6 +1047,7 @@ impl Core {
             .unwrap()
             .insert(id.clone(), session.clone());
         tracing::info!(session = %id, uid = caller.uid, pid = caller.pid, language = language.as_str(), warm, "session opened");
+        crate::metrics::counters().session_opened();
         let _ = self.events.send(Event::Opened {
             id,
             uid: caller.uid,

@@ -50,6 +50,15 @@ impl UidPool {
         }
     }
 
+    /// Uids leased now (one per live session and idle pooled worker), and the size of the
+    /// range.
+    pub fn usage(&self) -> (u64, u64) {
+        (
+            self.used.lock().unwrap().len() as u64,
+            u64::from(self.count),
+        )
+    }
+
     /// Allocates the lowest free uid that no process has, or `None` when all are in use or
     /// quarantined. Reads `/proc` once per call (and only when a free uid exists).
     pub fn allocate(&self) -> Option<UidLease> {

@@ -11,7 +11,8 @@
 //! - [`varlink`]: the `org.sandcell.Kernel` shim.
 //! - [`dbus`]: the `org.sandcell.Sandcell1` control plane shim; [`polkit`]: the polkit authority.
 //! - [`files`]: files in and out of session directories (never following a symlink).
-//! - [`notify`]: systemd readiness, status, watchdog.
+//! - [`notify`]: systemd readiness, status, watchdog; [`metrics`]: the capacity file
+//!   (Prometheus text format) for node exporters.
 
 pub mod admission;
 pub mod auth;
@@ -25,6 +26,7 @@ pub mod environments;
 pub mod files;
 pub mod identity;
 pub mod loglimit;
+pub mod metrics;
 pub mod node;
 pub mod notify;
 pub mod polkit;

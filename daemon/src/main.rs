@@ -163,6 +163,8 @@ fn prepare_state_dir(config: &Config) -> anyhow::Result<()> {
 }
 
 async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result<()> {
+    // The capacity file (metrics_file): written from the tick below, removed at a clean exit.
+    let mut metrics = sandcelld::metrics::Writer::new();
     let (listener, activated) = take_listener(&args)?;
     let root = nix::unistd::geteuid().is_root();
     let check =
@@ -338,6 +340,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
             }
             _ = tick.tick() => {
                 notify::status(&status_line(&core));
+                metrics.tick(&core).await;
                 if let Some(every) = watchdog && last_watchdog.elapsed() >= every {
                     notify::watchdog();
                     last_watchdog = Instant::now();
@@ -358,6 +361,8 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         }
     }
     notify::stopping();
+    // No capacity is offered from here on: the file goes first.
+    metrics.finish().await;
     let _ = stop_tx.send(true);
     let _ = server.await;
     if let Some(d) = dbus {

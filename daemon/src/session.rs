@@ -1881,6 +1881,7 @@ impl Actor {
             // session; count it here so a later death is not blamed on it.
             self.oom_seen = self.group.oom_kills();
         }
+        crate::metrics::counters().cell_finished(status);
         let _ = self.events.send(Event::CellFinished {
             id: self.session.id.clone(),
             cell,
@@ -2053,6 +2054,7 @@ impl Actor {
                     tracing::warn!(session = %self.session.id, cell = run.cell, reason = %why, "worker ended");
                 }
                 if oom {
+                    crate::metrics::counters().oom_killed();
                     let _ = self.events.send(Event::OomKilled {
                         id: self.session.id.clone(),
                     });
@@ -2109,6 +2111,7 @@ impl Actor {
         if let Some(f) = self.on_end.take() {
             f(&self.session.id, reason);
         }
+        crate::metrics::counters().session_ended();
         let _ = self.events.send(Event::Closed {
             id: self.session.id.clone(),
             reason: reason.detail.clone(),

@@ -686,6 +686,20 @@ pub enum Status {
 }
 
 impl Status {
+    /// Every status, in declaration order (`ALL[s as usize] == s`).
+    pub const ALL: [Status; 10] = [
+        Status::Ok,
+        Status::Error,
+        Status::Interrupted,
+        Status::Timeout,
+        Status::FuelExhausted,
+        Status::MemoryExhausted,
+        Status::Oom,
+        Status::Exited,
+        Status::WorkerCrashed,
+        Status::Cancelled,
+    ];
+
     /// The status as on the wire.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -1464,6 +1478,31 @@ mod tests {
             assert_eq!(String::from(r), r.as_str());
         }
         assert_eq!(InterruptReason::parse("no_such_reason"), None);
+    }
+
+    #[test]
+    fn statuses_are_all_listed_in_order() {
+        for (i, s) in Status::ALL.into_iter().enumerate() {
+            assert_eq!(s as usize, i);
+            assert!(IDL.contains(s.as_str()), "{} is not in the IDL", s.as_str());
+            assert_eq!(
+                serde_json::to_string(&s).unwrap(),
+                format!("\"{}\"", s.as_str())
+            );
+        }
+        // A status added to the enum and not to ALL fails to compile here.
+        match Status::Ok {
+            Status::Ok
+            | Status::Error
+            | Status::Interrupted
+            | Status::Timeout
+            | Status::FuelExhausted
+            | Status::MemoryExhausted
+            | Status::Oom
+            | Status::Exited
+            | Status::WorkerCrashed
+            | Status::Cancelled => {}
+        }
     }
 
     #[test]

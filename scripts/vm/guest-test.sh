@@ -290,6 +290,11 @@ if command -v busctl >/dev/null && [[ -f /usr/share/dbus-1/system.d/org.sandcell
 else
     skip busctl-lists-session "the D-Bus part is not installed"
 fi
+# The capacity file (metrics_file, default /run/sandcell/metrics.prom): the unit lets the
+# daemon write the socket's directory (ReadWritePaths=); the open session is counted.
+metrics_counts_session() { grep -Eq '^sandcell_sessions\{node="[^"]*"\} [1-9]' /run/sandcell/metrics.prom 2>/dev/null; }
+check metrics-file-counts-session wait_for 10 metrics_counts_session
+check metrics-file-mode-0644 test "$(stat -c %a:%U /run/sandcell/metrics.prom 2>&1)" = 644:root
 check close-session as_gw sandcellctl close "$sid"
 no_session_groups() { [[ -z $(find "$root/sessions" -mindepth 1 -maxdepth 1 -type d) ]]; }
 check session-group-removed wait_for 10 no_session_groups
@@ -303,6 +308,7 @@ sid=$(as_gw sandcellctl open -l "$(has_r && echo r || echo python)" --idle 300 2
 [[ -n $(worker_procs) ]] && pass worker-alive-before-stop || fail worker-alive-before-stop
 check stop-service systemctl stop sandcelld.service
 check no-worker-after-stop test -z "$(worker_procs)"
+check metrics-file-removed-at-stop test ! -e /run/sandcell/metrics.prom
 check no-session-dir-after-stop test -z "$(ls -A /var/lib/sandcell/sessions 2>/dev/null)"
 check socket-still-listening test "$(unit_state sandcelld.socket)" = active
 

@@ -58,6 +58,8 @@ class Daemon:
             "SANDCELL_CGROUP_NAME": f"sandcell-pytest-{name}-{os.getpid()}",
             "SANDCELL_IDLE_EXIT_SECONDS": "0",
             "SANDCELL_NODE_ID": "node-a.example",
+            # The capacity file in the private directory, never /run/sandcell/metrics.prom.
+            "SANDCELL_METRICS_FILE": str(self.dir / "metrics.prom"),
             **env,
         }
         args = ["systemd-socket-activate", "-l", self.socket, "--fdname=varlink"]

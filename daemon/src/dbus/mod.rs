@@ -36,6 +36,7 @@ mod manager;
 mod session;
 
 pub use manager::Manager;
+pub(crate) use manager::pool_rows;
 pub use session::SessionObject;
 
 use crate::core::Core;

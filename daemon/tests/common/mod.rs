@@ -148,6 +148,9 @@ impl Daemon {
             // by the id Open gives; tests/node_ids.rs covers qualified ids (and the default,
             // by removing this with "-SANDCELL_NODE_ID").
             ("SANDCELL_NODE_ID".into(), String::new()),
+            // No capacity file (never /run/sandcell/metrics.prom, shared by every daemon on
+            // the machine); tests/metrics.rs sets its own.
+            ("SANDCELL_METRICS_FILE".into(), String::new()),
             // Room for a few sessions per test; tests of admission set their own budgets.
             ("SANDCELL_MAX_CONCURRENT_SESSIONS".into(), "8".into()),
             (
