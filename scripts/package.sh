@@ -3,7 +3,8 @@
 #   scripts/package.sh [--deb] [--rpm] [--build] [--no-lint]
 # --deb    Debian 12 packages with dpkg-deb from staged trees (default when nothing is named):
 #          sandcell (amd64) and python3-sandcell (all: the Python client, clients/python)
-# --rpm    a binary RPM with rpmbuild from packaging/rpm/sandcell.spec (prebuilt mode)
+# --rpm    binary RPMs with rpmbuild from packaging/rpm/sandcell.spec (prebuilt mode): sandcell
+#          (x86_64) and python3-sandcell (noarch: the Python client, clients/python)
 # --build  run `cargo build` first (otherwise the binaries in $CARGO_TARGET_DIR/release are used)
 # --no-lint  skip lintian / rpmlint
 # Output: /var/tmp/sandcell-pkg/out/ (SANDCELL_PKG_DIR). Also checks that the man pages
@@ -24,7 +25,7 @@ while (($#)); do
     --rpm) want_rpm=1 ;;
     --build) build=1 ;;
     --no-lint) lint=0 ;;
-    -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "package: unknown argument $1" >&2; exit 2 ;;
     esac
     shift
@@ -198,15 +199,7 @@ if ((want_deb)); then
     for f in clients/python/src/sandcell/*.py clients/python/src/sandcell/py.typed; do
         install -m 0644 "$f" "$site/sandcell/"
     done
-    python3 - clients/python/pyproject.toml "$site/sandcell-$pyver.dist-info/METADATA" <<'PY'
-import sys, tomllib
-p = tomllib.load(open(sys.argv[1], "rb"))["project"]
-lines = ["Metadata-Version: 2.1", f"Name: {p['name']}", f"Version: {p['version']}",
-         f"Summary: {p['description']}", f"License: {p['license']['text']}",
-         f"Requires-Python: {p['requires-python']}"]
-lines += [f"Classifier: {c}" for c in p.get("classifiers", [])]
-open(sys.argv[2], "w").write("\n".join(lines) + "\n")
-PY
+    python3 packaging/python-metadata.py clients/python/pyproject.toml "$site/sandcell-$pyver.dist-info/METADATA" "$version"
     chmod 0644 "$site/sandcell-$pyver.dist-info"/*
     install -m 0644 packaging/debian/copyright "$pyroot/usr/share/doc/python3-sandcell/copyright"
     gzip -9nc packaging/debian/changelog >"$pyroot/usr/share/doc/python3-sandcell/changelog.Debian.gz"
@@ -222,6 +215,11 @@ PY
     pydeb="$out/python3-sandcell_${version}-${debrev}_all.deb"
     SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(date +%s)} dpkg-deb --root-owner-group -Zxz --build "$pyroot" "$pydeb" >/dev/null
     echo "package: built $pydeb ($(du -h "$pydeb" | cut -f1))"
+    listing=$(dpkg-deb -c "$pydeb")
+    for f in clients/python/src/sandcell/*.py clients/python/src/sandcell/py.typed; do
+        grep -q " \./usr/lib/python3/dist-packages/sandcell/$(basename "$f")$" <<<"$listing" ||
+            { echo "package: $pydeb lacks sandcell/$(basename "$f")" >&2; exit 1; }
+    done
     if ((lint)) && command -v lintian >/dev/null; then
         lintian --fail-on error --tag-display-limit 0 "$pydeb" || { echo "package: lintian found errors in $pydeb" >&2; exit 1; }
         echo "package: lintian: no errors (python3-sandcell)"
@@ -237,7 +235,11 @@ if ((want_rpm)); then
     stage "$rpmtop/SOURCES/staged" /usr/lib/systemd/system
     # --nodeps: this host's rpm database knows none of the build dependencies; the systemd
     # directories are those of systemd-rpm-macros, which Debian does not ship.
+    # The Python client comes from this checkout (sandcell_source); python3_sitelib is the
+    # spec's own fallback (Fedora/RHEL layout, python3_version 3.12): this host has no
+    # python3-rpm-macros.
     rpmbuild -bb --nodeps --define "_topdir $rpmtop" --define "sandcell_prebuilt $rpmtop/SOURCES/staged" \
+        --define "sandcell_source $top" \
         --define "_unitdir /usr/lib/systemd/system" --define "_sysusersdir /usr/lib/sysusers.d" \
         --define "_tmpfilesdir /usr/lib/tmpfiles.d" --define "_sharedstatedir /var/lib" \
         --define "_build_id_links none" packaging/rpm/sandcell.spec >"$rpmtop/build.log" 2>&1 ||
@@ -245,12 +247,39 @@ if ((want_rpm)); then
     rpm=$(ls "$rpmtop"/RPMS/*/sandcell-*.rpm | head -1)
     cp "$rpm" "$out/"
     echo "package: built $out/$(basename "$rpm")"
+    pyrpm=$(ls "$rpmtop"/RPMS/noarch/python3-sandcell-*.noarch.rpm 2>/dev/null | head -1)
+    [[ -n $pyrpm ]] || { echo "package: rpmbuild made no python3-sandcell noarch package" >&2; exit 1; }
+    cp "$pyrpm" "$out/"
+    pyrpm="$out/$(basename "$pyrpm")"
+    echo "package: built $pyrpm"
+    # python3-sandcell: exactly the client's modules, py.typed, the metadata and the README
+    # (rpmbuild itself refuses a build root file the spec's %files does not list), noarch,
+    # requiring python3; it imports from its payload and importlib.metadata knows it.
+    pysite=$(rpm -qlp "$pyrpm" | sed -n 's|/sandcell/__init__.py$||p')
+    [[ $pysite == /usr/lib/python3.*/site-packages ]] || { echo "package: $pyrpm: no sandcell/__init__.py under /usr/lib/python3.*/site-packages" >&2; exit 1; }
+    want=$( (echo "$pysite/sandcell"
+        for f in clients/python/src/sandcell/*.py clients/python/src/sandcell/py.typed; do echo "$pysite/sandcell/$(basename "$f")"; done
+        echo "$pysite/sandcell-$version.dist-info"
+        echo "$pysite/sandcell-$version.dist-info/METADATA"
+        echo /usr/share/doc/python3-sandcell
+        echo /usr/share/doc/python3-sandcell/README.md) | sort)
+    have=$(rpm -qlp "$pyrpm" | grep -v '/__pycache__' | sort)
+    [[ $have == "$want" ]] || { echo "package: $pyrpm does not hold exactly the client's files:" >&2; diff <(echo "$want") <(echo "$have") >&2; exit 1; }
+    [[ $(rpm -qp --qf '%{ARCH}' "$pyrpm") == noarch ]] || { echo "package: $pyrpm is not noarch" >&2; exit 1; }
+    grep -q '^python3 >= 3.11' <<<"$(rpm -qp --requires "$pyrpm")" || { echo "package: $pyrpm does not require python3" >&2; exit 1; }
+    pyx=$(mktemp -d)
+    (cd "$pyx" && rpm2cpio "$pyrpm" | cpio -idm --quiet)
+    (cd "$pyx" && python3 -I -c 'import sys; sys.path.insert(0, sys.argv[1]); import importlib.metadata, sandcell, sandcell.aio, sandcell.openai; assert sandcell.__file__.startswith(sys.argv[1]), sandcell.__file__; assert importlib.metadata.version("sandcell") == sys.argv[2]' "$pyx$pysite" "$version") ||
+        { rm -rf "$pyx"; echo "package: $pyrpm: the client does not import from the payload" >&2; exit 1; }
+    rm -rf "$pyx"
+    echo "package: $(basename "$pyrpm"): $(wc -l <<<"$have") paths, the client's $(ls clients/python/src/sandcell/*.py | wc -l) modules under $pysite, imports"
     if ((lint)); then
         rpmspec --parse packaging/rpm/sandcell.spec >/dev/null
         if command -v rpmlint >/dev/null; then
-            # The spec must be clean; the binary package's findings are printed.
+            # The spec must be clean; the binary packages' findings are printed.
             rpmlint -r packaging/rpm/sandcell.rpmlintrc packaging/rpm/sandcell.spec
             rpmlint "$out/$(basename "$rpm")" || true
+            rpmlint "$pyrpm" || true
         fi
     fi
 fi
