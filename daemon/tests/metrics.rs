@@ -2,7 +2,8 @@
 //! every line parses as the Prometheus text exposition format (a strict parser below), its
 //! figures follow a session opening, running cells and closing, a reader never sees part of a
 //! file while it is rewritten, an empty path turns it off (also by reload, which removes it),
-//! a bad interval or path refuses start-up with the key named, and a clean exit removes it.
+//! a bad interval or path refuses start-up with the key named, and a clean exit (stop, idle
+//! exit) removes it. `admission_dbus.rs` compares it with the D-Bus properties.
 
 mod common;
 
@@ -427,6 +428,41 @@ async fn an_empty_path_turns_it_off_at_start_and_by_reload() {
     );
     std::thread::sleep(Duration::from_millis(1500));
     assert_eq!(entries(dir.path()), ["sandcelld.toml"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_exit_removes_the_file() {
+    if !std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .any(|d| d.join("systemd-socket-activate").exists())
+    {
+        sandcell_testing::skip!(
+            "socket-activation",
+            "systemd-socket-activate not installed (package systemd)"
+        );
+    }
+    let dir = metrics_dir();
+    let path = dir.path().join("metrics.prom");
+    let p = path.display().to_string();
+    let mut d = Daemon::start_activated(&[
+        ("SANDCELL_IDLE_EXIT_SECONDS", "2"),
+        ("SANDCELL_METRICS_FILE", &p),
+        ("SANDCELL_METRICS_INTERVAL_SECONDS", "1"),
+    ]);
+    let mut c = d.client().await;
+    c.run_collect("python", "print(1)", None).await.unwrap();
+    wait_for(&path, 5, "the activated daemon's file", |e| {
+        e.value("sandcell_up") == 1.0
+    });
+    drop(c);
+    let mut status = None;
+    eventually(Duration::from_secs(15), || {
+        status = d.child.try_wait().ok().flatten();
+        status.is_some()
+    });
+    let status = status.unwrap_or_else(|| panic!("no idle exit:\n{}", d.log_text()));
+    assert!(status.success(), "{status:?}");
+    assert!(d.log_text().contains("idle: exiting"), "{}", d.log_text());
+    assert_eq!(entries(dir.path()), Vec::<String>::new());
 }
 
 /// Starts sandcelld with `env` and an empty configuration; it must refuse with exit status
