@@ -465,6 +465,25 @@ async fn an_idle_exit_removes_the_file() {
     assert_eq!(entries(dir.path()), Vec::<String>::new());
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_that_cannot_be_written_is_logged_once_and_the_daemon_serves_on() {
+    let dir = metrics_dir();
+    let path = dir.path().join("missing/metrics.prom");
+    let d = Daemon::start(&[
+        ("SANDCELL_METRICS_FILE", &path.display().to_string()),
+        ("SANDCELL_METRICS_INTERVAL_SECONDS", "1"),
+    ]);
+    std::thread::sleep(Duration::from_millis(3500));
+    let mut c = d.client().await;
+    let out = c.run_collect("python", "print(6 * 7)", None).await.unwrap();
+    assert_eq!(out.stdout, "42\n");
+    // Four or more failed writes by now, one line about them (the next in 5 minutes).
+    let log = d.log_text();
+    let lines = log.matches("metrics file: write failed").count();
+    assert_eq!(lines, 1, "{log}");
+    assert_eq!(entries(dir.path()), Vec::<String>::new());
+}
+
 /// Starts sandcelld with `env` and an empty configuration; it must refuse with exit status
 /// 78 and name `key` on stderr.
 fn refused(env: &[(&str, &str)], key: &str) {
