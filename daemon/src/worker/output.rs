@@ -34,7 +34,7 @@ impl StreamCap {
     /// call; one cut by the cap itself is dropped with the bytes past the cap (the kept text
     /// ends on a character boundary, and `kept` does not count the cut character's bytes).
     pub fn push_bytes(&mut self, bytes: &[u8]) -> Option<String> {
-        self.seen += bytes.len() as u64;
+        self.seen = self.seen.saturating_add(bytes.len() as u64);
         let room = self.cap.saturating_sub(self.kept);
         if room == 0 {
             return None;
@@ -63,7 +63,7 @@ impl StreamCap {
     /// cut on a character boundary at the cap.
     pub fn push_text(&mut self, text: &str) -> Option<String> {
         let len = text.len() as u64;
-        self.seen += len;
+        self.seen = self.seen.saturating_add(len);
         let room = self.cap.saturating_sub(self.kept);
         if room == 0 {
             return None;
@@ -83,10 +83,10 @@ impl StreamCap {
     }
 
     /// Accounts bytes a worker saw but did not send (`Dropped` frames, Python only). Only the
-    /// `seen` count grows: nothing is kept, so a false figure cannot raise what reaches the
-    /// client, only misreport its own cell's count.
+    /// `seen` count grows, saturating at `u64::MAX`: nothing is kept, so a false figure cannot
+    /// raise what reaches the client, only misreport its own cell's count.
     pub fn push_dropped(&mut self, n: u64) {
-        self.seen += n;
+        self.seen = self.seen.saturating_add(n);
     }
 
     /// Flushes a held-back partial character (escaped), at the end of a cell.
@@ -123,6 +123,20 @@ mod tests {
                 truncated: true
             }
         );
+    }
+
+    /// A forged `dropped` count (a worker's reply pipe is written by untrusted code) saturates
+    /// instead of wrapping: found by the `worker_reply` fuzz target, two `dropped` lines of
+    /// 13333333333333333300 bytes each.
+    #[test]
+    fn forged_dropped_counts_saturate() {
+        let mut c = StreamCap::new(4);
+        c.push_bytes(b"abcdef");
+        c.push_dropped(13_333_333_333_333_333_300);
+        c.push_dropped(13_333_333_333_333_333_300);
+        c.push_text("more");
+        let s = c.stats();
+        assert_eq!((s.seen, s.kept, s.truncated), (u64::MAX, 4, true));
     }
 
     #[test]
