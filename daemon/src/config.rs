@@ -38,7 +38,7 @@
 //! budgets; worker memory exceeds guest memory; source at most 524,288 bytes and kept
 //! stdout+stderr at most 2,097,152 bytes (the worker protocol's ceilings).
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 /// Default configuration file.
@@ -49,7 +49,7 @@ pub const DEFAULT_CONFIG_PATH: &str = "/etc/sandcell/sandcelld.toml";
 pub use sandcell_proto::worker::{OUTPUT_CEILING, SOURCE_CEILING};
 
 /// The operator's limits. All sizes in bytes, times in seconds.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
     /// UTF-8 source bytes of one cell.
@@ -205,7 +205,7 @@ impl Default for Limits {
 }
 
 /// Settings of the daemon itself (not limits).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Daemon {
     /// Exit after this many seconds with no session and no connection, when socket-activated;
@@ -321,7 +321,7 @@ impl Default for Daemon {
 }
 
 /// How an environment runs its cells.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Engine {
     /// CPython inside Eryx (WebAssembly on wasmtime), Python only: two walls.
@@ -343,7 +343,7 @@ impl Engine {
 }
 
 /// One `[environments.<name>]` table as written by the operator.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct EnvironmentConfig {
     /// `python` or `r`.
@@ -434,7 +434,7 @@ pub fn shipped_environments() -> Vec<(String, EnvironmentConfig)> {
 }
 
 /// The whole configuration file.
-#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// `[limits]`.
@@ -504,6 +504,41 @@ impl Config {
         cfg.apply_env(env)?;
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// The configuration in force as a configuration file (TOML): every key of `[limits]`
+    /// and `[daemon]` with its value, derived values resolved (the per-uid budgets and the
+    /// node identifier, given the machine's node identifier `node`), and every environment
+    /// the daemon serves, shipped ones included. Feeding it back to [`Config::parse`] gives
+    /// the same limits. `sandcelld --check-config` prints it; the packaging check reads the
+    /// key list from it.
+    pub fn to_effective_toml(&self, node: &str) -> String {
+        let mut c = self.clone();
+        let l = &mut c.limits;
+        l.max_sessions_per_uid = Some(self.limits.sessions_per_uid());
+        l.max_detached_sessions_per_uid = Some(self.limits.detached_per_uid());
+        l.max_guest_memory_bytes_per_uid = Some(self.limits.guest_memory_per_uid());
+        l.max_worker_memory_bytes_per_uid = Some(self.limits.worker_memory_per_uid());
+        c.daemon.node_id = Some(node.to_owned());
+        c.environments = self
+            .environments()
+            .into_iter()
+            .map(|e| {
+                let table = EnvironmentConfig {
+                    language: e.language.as_str().to_owned(),
+                    engine: e.engine,
+                    default: e.default,
+                    interpreter: e.interpreter,
+                    library_paths: e.library_paths,
+                    preload: e.preload,
+                    pool_min: Some(e.pool_min),
+                    pool_max: Some(e.pool_max),
+                    enabled: true,
+                };
+                (e.name, table)
+            })
+            .collect();
+        toml::to_string(&c).unwrap_or_else(|e| format!("# not representable as TOML: {e}\n"))
     }
 
     /// Parses TOML text; unknown keys are errors.
@@ -1268,6 +1303,33 @@ mod tests {
             )
             .is_err()
         );
+    }
+
+    /// `--check-config` prints a file that loads back to the same configuration in force, and
+    /// names every key (the packaging check reads the key list from it).
+    #[test]
+    fn effective_toml_round_trips_and_names_every_key() {
+        let c = Config::parse(
+            Path::new("t"),
+            "[limits]\nmax_concurrent_sessions = 9\n[environments.sci]\nlanguage = \"python\"\nengine = \"native\"\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        let text = c.to_effective_toml("node-a");
+        let back = Config::parse(Path::new("t"), &text).unwrap();
+        back.validate().unwrap();
+        assert_eq!(back.to_effective_toml("node-a"), text);
+        assert_eq!(back.limits.sessions_per_uid(), c.limits.sessions_per_uid());
+        assert_eq!(back.environments(), c.environments());
+        for key in [
+            "max_sessions_per_uid = ",
+            "max_worker_memory_bytes_per_uid = ",
+            "node_id = \"node-a\"",
+            "[environments.sci]",
+            "[environments.python]",
+        ] {
+            assert!(text.contains(key), "{key} missing from\n{text}");
+        }
     }
 
     #[test]

@@ -7,7 +7,7 @@
 use crate::admission::{Admission, Budgets, Charge, Refused, UidBudgets, UidCharge};
 use crate::auth::{Action, Authority};
 use crate::cgroup::{Backend, GroupLimits, SessionGroup};
-use crate::config::{Config, Engine, Environment};
+use crate::config::{self, Config, Engine, Environment};
 use crate::identity::UidPool;
 use crate::pool::Prepared;
 use crate::session::{Caller, Event, ExecuteRefused, InspectRefused, Session, SessionLimits};
@@ -18,7 +18,7 @@ use sandcell_proto::kernel::{
 };
 use sandcell_proto::worker::WorkerMessage;
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime};
@@ -258,6 +258,30 @@ impl Core {
         self.admission
             .set_budgets(budgets(&config), uid_budgets(&config));
         *self.config.write().unwrap() = Arc::new(config);
+    }
+
+    /// Re-reads the configuration file `path` (a missing file is fine unless `required`) and
+    /// the SANDCELL_* environment, and applies the result to sessions opened from now on: the
+    /// one reload path of SIGHUP and D-Bus `Reload`. `by` names who asked, for the log. An
+    /// invalid configuration is refused with its error and the previous one stays in force.
+    /// Subscribers of [`Core::events`] get [`Event::Reloaded`] (the D-Bus shim announces the
+    /// new admission figures with it).
+    pub fn reload_from(&self, path: &Path, required: bool, by: &str) -> Result<(), config::Error> {
+        match Config::load(path, required, std::env::vars()) {
+            Ok(c) => {
+                self.reload(c);
+                tracing::info!(
+                    by,
+                    "configuration reloaded; new limits apply to new sessions"
+                );
+                let _ = self.events.send(Event::Reloaded);
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(by, error = %e, "reload refused; the previous configuration stays in force");
+                Err(e)
+            }
+        }
     }
 
     /// Replaces the authority (the polkit authority is selected once the system bus

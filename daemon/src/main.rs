@@ -25,7 +25,9 @@ struct Args {
     /// Listen on this socket path instead of taking the socket from systemd.
     #[arg(long, value_name = "PATH")]
     listen: Option<PathBuf>,
-    /// Validate the configuration (file and SANDCELL_* environment), print it, and exit.
+    /// Validate the configuration (file and SANDCELL_* environment), print the configuration
+    /// in force as a configuration file (every key with its value, derived values resolved,
+    /// every environment served), and exit.
     #[arg(long)]
     check_config: bool,
     /// Print the kernel, its Landlock ABI, the cgroup mode and each confinement layer
@@ -65,8 +67,9 @@ fn main() -> anyhow::Result<()> {
         }
     };
     if args.check_config {
-        println!("{config:#?}");
-        println!("configuration OK ({})", path.display());
+        let node = sandcelld::node::resolve(config.daemon.node_id.as_deref());
+        print!("{}", config.to_effective_toml(&node));
+        println!("# configuration OK ({})", path.display());
         return Ok(());
     }
     if args.check {
@@ -332,12 +335,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         tokio::select! {
             _ = term.recv() => { tracing::info!("SIGTERM: stopping"); break; }
             _ = int.recv() => { tracing::info!("SIGINT: stopping"); break; }
-            _ = hup.recv() => {
-                match Config::load(&config_path, args.config.is_some(), std::env::vars()) {
-                    Ok(c) => { core.reload(c); tracing::info!("configuration reloaded; new limits apply to new sessions"); }
-                    Err(e) => tracing::error!(error = %e, "reload refused; the previous configuration stays in force"),
-                }
-            }
+            _ = hup.recv() => { let _ = core.reload_from(&config_path, args.config.is_some(), "SIGHUP"); }
             _ = tick.tick() => {
                 notify::status(&status_line(&core));
                 metrics.tick(&core).await;

@@ -257,6 +257,9 @@ pub enum Event {
         /// Session id.
         id: String,
     },
+    /// The configuration was reloaded (SIGHUP or D-Bus `Reload`): budgets and pool sizes may
+    /// have changed.
+    Reloaded,
     /// A session ended and everything it held is released.
     Closed {
         /// Session id.

@@ -874,6 +874,42 @@ async fn polkit_decides_for_varlink_and_dbus() {
         "no PropertiesChanged(Admission) after reload"
     );
 
+    // SIGHUP takes the same reload path: the file applies and the figures are announced again.
+    let admission_changes = || {
+        seen.lock()
+            .unwrap()
+            .iter()
+            .filter(|s| s.member == "PropertiesChanged" && s.args.iter().any(|a| a == "Admission"))
+            .count()
+    };
+    let before = admission_changes();
+    std::fs::write(&config, "[limits]\nmax_source_bytes = 2500\n").unwrap();
+    let hup = std::process::Command::new("kill")
+        .args(["-HUP", &d.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(hup.success());
+    let t0 = Instant::now();
+    loop {
+        let max = source_limit(root.run_collect("python", &source, None).await.map(|_| ()));
+        if max == 2500 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "SIGHUP did not apply the file: max {max}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let t0 = Instant::now();
+    while admission_changes() == before && t0.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(
+        admission_changes() > before,
+        "no PropertiesChanged(Admission) after SIGHUP"
+    );
+
     // Bus policy: only root owns the name; properties are read-only.
     let o = run(bus.busctl().args([
         "call",

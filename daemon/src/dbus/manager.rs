@@ -9,7 +9,6 @@
 
 use super::{Error, Settings, caller, check_id, session_path};
 use crate::auth::Action;
-use crate::config::Config;
 use crate::core::Core;
 use std::sync::Arc;
 use std::time::UNIX_EPOCH;
@@ -214,31 +213,25 @@ impl Manager {
 
     /// Re-reads the configuration file the daemon was started with (and its SANDCELL_*
     /// environment); new limits apply to sessions opened from now on. An invalid file is
-    /// refused with InvalidConfig and the previous configuration stays in force.
+    /// refused with InvalidConfig and the previous configuration stays in force. The same
+    /// path as SIGHUP; either way `Admission` and `Pools` then change (PropertiesChanged).
     /// Needs org.sandcell.reload.
     async fn reload(
         &self,
         #[zbus(connection)] conn: &zbus::Connection,
         #[zbus(header)] header: zbus::message::Header<'_>,
-        #[zbus(signal_emitter)] emitter: SignalEmitter<'_>,
     ) -> Result<(), Error> {
         let who = caller(conn, &header).await?;
         self.core.authorize(&who, Action::Reload).await?;
-        let config = Config::load(
-            &self.settings.config_path,
-            self.settings.config_required,
-            std::env::vars(),
-        )
-        .map_err(|e| {
-            tracing::error!(error = %e, uid = who.uid, "reload refused; the previous configuration stays in force");
-            Error::InvalidConfig(format!("{e}; the previous configuration stays in force"))
-        })?;
-        self.core.reload(config);
-        tracing::info!(
-            uid = who.uid,
-            "configuration reloaded over D-Bus; new limits apply to new sessions"
-        );
-        self.admission_changed(&emitter).await?;
+        self.core
+            .reload_from(
+                &self.settings.config_path,
+                self.settings.config_required,
+                &format!("D-Bus Reload by uid {}", who.uid),
+            )
+            .map_err(|e| {
+                Error::InvalidConfig(format!("{e}; the previous configuration stays in force"))
+            })?;
         Ok(())
     }
 

@@ -434,6 +434,10 @@ impl Supervisor {
             Event::OomKilled { id } => {
                 Manager::worker_oom_killed(emitter, &self.core.public_id(&id)).await?;
             }
+            Event::Reloaded => {
+                self.figures_changed(live).await?;
+                self.pools_changed(live).await?;
+            }
         }
         Ok(())
     }
