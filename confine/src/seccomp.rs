@@ -133,7 +133,7 @@ macro_rules! deny {
     ($name:ident, $when:expr, $profiles:ident, $reason:expr) => {
         Deny {
             name: stringify!($name),
-            nr: syscall_nr!($name),
+            nr: pastey::paste!(nr::[<SYS_ $name>]),
             when: $when,
             profiles: Profiles::$profiles,
             reason: $reason,
@@ -141,256 +141,20 @@ macro_rules! deny {
     };
 }
 
-macro_rules! syscall_nr {
-    (ptrace) => {
-        libc::SYS_ptrace
-    };
-    (process_vm_readv) => {
-        libc::SYS_process_vm_readv
-    };
-    (process_vm_writev) => {
-        libc::SYS_process_vm_writev
-    };
-    (process_madvise) => {
-        libc::SYS_process_madvise
-    };
-    (pidfd_getfd) => {
-        libc::SYS_pidfd_getfd
-    };
-    (kcmp) => {
-        libc::SYS_kcmp
-    };
-    (mount) => {
-        libc::SYS_mount
-    };
-    (umount2) => {
-        libc::SYS_umount2
-    };
-    (pivot_root) => {
-        libc::SYS_pivot_root
-    };
-    (chroot) => {
-        libc::SYS_chroot
-    };
-    (open_tree) => {
-        libc::SYS_open_tree
-    };
-    (move_mount) => {
-        libc::SYS_move_mount
-    };
-    (fsopen) => {
-        libc::SYS_fsopen
-    };
-    (fsconfig) => {
-        libc::SYS_fsconfig
-    };
-    (fsmount) => {
-        libc::SYS_fsmount
-    };
-    (fspick) => {
-        libc::SYS_fspick
-    };
-    (mount_setattr) => {
-        libc::SYS_mount_setattr
-    };
-    (unshare) => {
-        libc::SYS_unshare
-    };
-    (setns) => {
-        libc::SYS_setns
-    };
-    (bpf) => {
-        libc::SYS_bpf
-    };
-    (perf_event_open) => {
-        libc::SYS_perf_event_open
-    };
-    (userfaultfd) => {
-        libc::SYS_userfaultfd
-    };
-    (io_uring_setup) => {
-        libc::SYS_io_uring_setup
-    };
-    (io_uring_enter) => {
-        libc::SYS_io_uring_enter
-    };
-    (io_uring_register) => {
-        libc::SYS_io_uring_register
-    };
-    (keyctl) => {
-        libc::SYS_keyctl
-    };
-    (add_key) => {
-        libc::SYS_add_key
-    };
-    (request_key) => {
-        libc::SYS_request_key
-    };
-    (kexec_load) => {
-        libc::SYS_kexec_load
-    };
-    (kexec_file_load) => {
-        libc::SYS_kexec_file_load
-    };
-    (reboot) => {
-        libc::SYS_reboot
-    };
-    (swapon) => {
-        libc::SYS_swapon
-    };
-    (swapoff) => {
-        libc::SYS_swapoff
-    };
-    (init_module) => {
-        libc::SYS_init_module
-    };
-    (finit_module) => {
-        libc::SYS_finit_module
-    };
-    (delete_module) => {
-        libc::SYS_delete_module
-    };
-    (acct) => {
-        libc::SYS_acct
-    };
-    (quotactl) => {
-        libc::SYS_quotactl
-    };
-    (quotactl_fd) => {
-        libc::SYS_quotactl_fd
-    };
-    (name_to_handle_at) => {
-        libc::SYS_name_to_handle_at
-    };
-    (open_by_handle_at) => {
-        libc::SYS_open_by_handle_at
-    };
-    (lookup_dcookie) => {
-        libc::SYS_lookup_dcookie
-    };
-    (syslog) => {
-        libc::SYS_syslog
-    };
-    (settimeofday) => {
-        libc::SYS_settimeofday
-    };
-    (clock_settime) => {
-        libc::SYS_clock_settime
-    };
-    (clock_adjtime) => {
-        libc::SYS_clock_adjtime
-    };
-    (adjtimex) => {
-        libc::SYS_adjtimex
-    };
-    (sethostname) => {
-        libc::SYS_sethostname
-    };
-    (setdomainname) => {
-        libc::SYS_setdomainname
-    };
-    (vhangup) => {
-        libc::SYS_vhangup
-    };
-    (fanotify_init) => {
-        libc::SYS_fanotify_init
-    };
-    (migrate_pages) => {
-        libc::SYS_migrate_pages
-    };
-    (move_pages) => {
-        libc::SYS_move_pages
-    };
-    (personality) => {
-        libc::SYS_personality
-    };
-    (ioctl) => {
-        libc::SYS_ioctl
-    };
-    (socket) => {
-        libc::SYS_socket
-    };
-    (socketpair) => {
-        libc::SYS_socketpair
-    };
-    (clone) => {
-        libc::SYS_clone
-    };
-    (execve) => {
-        libc::SYS_execve
-    };
-    (execveat) => {
-        libc::SYS_execveat
-    };
-    (iopl) => {
-        libc::SYS_iopl
-    };
-    (ioperm) => {
-        libc::SYS_ioperm
-    };
-    (modify_ldt) => {
-        libc::SYS_modify_ldt
-    };
-    (uselib) => {
-        libc::SYS_uselib
-    };
-    (fork) => {
-        libc::SYS_fork
-    };
-    (vfork) => {
-        libc::SYS_vfork
-    };
-    (io_setup) => {
-        libc::SYS_io_setup
-    };
-    (io_destroy) => {
-        libc::SYS_io_destroy
-    };
-    (io_submit) => {
-        libc::SYS_io_submit
-    };
-    (io_cancel) => {
-        libc::SYS_io_cancel
-    };
-    (io_getevents) => {
-        libc::SYS_io_getevents
-    };
-    (io_pgetevents) => {
-        SYS_IO_PGETEVENTS
-    };
-    (sync) => {
-        libc::SYS_sync
-    };
-    (syncfs) => {
-        libc::SYS_syncfs
-    };
-    (fallocate) => {
-        libc::SYS_fallocate
-    };
-    (memfd_secret) => {
-        libc::SYS_memfd_secret
-    };
-    (cachestat) => {
-        SYS_CACHESTAT
-    };
-    (nfsservctl) => {
-        libc::SYS_nfsservctl
-    };
-    (sysfs) => {
-        libc::SYS_sysfs
-    };
-    (ustat) => {
-        libc::SYS_ustat
-    };
+/// System-call numbers by name: the libc crate's `SYS_<name>` constants, and the two that it
+/// lacks for some targets. An item declared here shadows libc's glob-imported one.
+#[allow(non_upper_case_globals)]
+mod nr {
+    pub use libc::*;
+    /// `io_pgetevents` (Linux 4.18).
+    #[cfg(target_arch = "x86_64")]
+    pub const SYS_io_pgetevents: c_long = 333;
+    /// `io_pgetevents` (Linux 4.18; the generic table's number).
+    #[cfg(not(target_arch = "x86_64"))]
+    pub const SYS_io_pgetevents: c_long = 292;
+    /// `cachestat` (Linux 6.5; the same number on every architecture's table).
+    pub const SYS_cachestat: c_long = 451;
 }
-
-/// `io_pgetevents` (not in the libc crate for every target).
-#[cfg(target_arch = "x86_64")]
-const SYS_IO_PGETEVENTS: libc::c_long = 333;
-#[cfg(not(target_arch = "x86_64"))]
-const SYS_IO_PGETEVENTS: libc::c_long = 292;
-/// `cachestat` (Linux 6.5; the same number on every architecture's table).
-const SYS_CACHESTAT: libc::c_long = 451;
 
 /// `TIOCSTI`: push a byte into a terminal's input queue.
 const TIOCSTI: u32 = 0x5412;
