@@ -59,7 +59,7 @@ uid_count=65536
 # killed and the session lost) is raised from 2 s to 10 s: on a loaded machine (N clients on
 # few cores, load average far above the core count) a worker may not be scheduled within 2 s
 # of its SIGINT, and the soak checks results and leaks, not scheduling latency. The default
-# grace and the escalation itself are tested in daemon/tests (faults.rs, cell_reports.rs).
+# grace and the escalation itself are tested in tests/integration (faults.rs, cell_reports.rs).
 kill_grace=${SANDCELL_SOAK_KILL_GRACE_SECONDS:-10}
 # Each client holds at most one worker at a time; releases are asynchronous, so leave slack.
 sessions=$((clients * 2 + 4))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # System test tier: boot a Debian 12 VM (qemu, TCG) with systemd as PID 1 and pure cgroup v2,
 # install the built sandcell .deb in it, and drive it as an operator would
-# (scripts/vm/guest-test.sh). By default the same image boots twice: once with Debian 12's own
+# (tests/system/guest-test.sh). By default the same image boots twice: once with Debian 12's own
 # kernel (bookworm's linux-image-amd64, 6.1, Landlock ABI 2) and once with bookworm-backports'
 # (6.12, Landlock ABI 6). Exit status: 0 when every check passed on every kernel booted.
 #
@@ -61,7 +61,7 @@ command -v qemu-system-x86_64 >/dev/null || { echo "vm-test: qemu-system-x86_64 
 
 # One image for every kernel (both are installed in it; -kernel picks one at boot).
 t0=$SECONDS
-bash scripts/vm/build-image.sh
+bash tests/system/build-image.sh
 t_image=$((SECONDS - t0))
 
 if [[ -z $deb ]]; then
@@ -97,7 +97,7 @@ boot() {
     run=$(mktemp -d "$cache/run-$k.XXXXXX")
     chmod 0755 "$run"
     cp "$deb" "$run/sandcell.deb"
-    cp scripts/vm/guest-test.sh "$run/guest-test.sh"
+    cp tests/system/guest-test.sh "$run/guest-test.sh"
     cp -r examples "$run/examples" 2>/dev/null || true
     echo "${SANDCELL_VM_LANGUAGES:-python,r}" >"$run/languages"
     if [[ -f $cache/python-runtime.tar && ${SANDCELL_VM_FRESH_RUNTIME:-0} != 1 ]]; then

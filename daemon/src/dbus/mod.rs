@@ -30,7 +30,7 @@
 //! Shipped with it (repository root): `dbus/org.sandcell.Sandcell1.conf` (bus policy),
 //! `dbus/org.sandcell.Sandcell1.service` (activation), `dbus/org.sandcell.Manager1.xml` and
 //! `dbus/org.sandcell.Session1.xml` (introspection, checked against the live objects by
-//! `daemon/tests/dbus_polkit.rs`).
+//! `tests/integration/dbus_polkit.rs`).
 
 mod manager;
 mod session;

@@ -207,7 +207,7 @@ if [[ $rc == 1 && $out == *boom* ]]; then pass python-cell-error-reported; else 
 
 # ---- the pydata environment (native CPython with Debian's scientific stack) ---------------
 # The package recommends python3-numpy, python3-pandas & co, and the image installs them
-# (scripts/vm/build-image.sh): the environment must be listed as ready and answer a numpy
+# (tests/system/build-image.sh): the environment must be listed as ready and answer a numpy
 # cell and a pandas cell.
 if /usr/bin/python3 -c 'import numpy, pandas' 2>/dev/null; then
     out=$(as_gw sandcellctl --json environments 2>&1)
