@@ -20,6 +20,12 @@ echo "== packages (man pages and example config checked against the code; lintia
 bash scripts/package.sh --deb --rpm
 echo "note: the system-test tier (a VM with systemd as PID 1 and pure cgroup v2) is not part of"
 echo "      this run; it takes about 15 minutes: bash scripts/vm-test.sh"
+echo "== every integration test is a test target (tests/integration/*.rs in daemon/Cargo.toml)"
+for f in tests/integration/*.rs; do
+    grep -qF "path = \"../$f\"" daemon/Cargo.toml \
+        || { echo "test: $f is not listed as a [[test]] in daemon/Cargo.toml: it would never run" >&2; exit 1; }
+done
+[[ ! -e daemon/tests ]] || { echo "test: daemon/tests/ exists; integration tests live in tests/integration/" >&2; exit 1; }
 echo "== cargo test"
 cargo test "${CARGO_FLAGS[@]}" --workspace --no-fail-fast -- --test-threads=2
 echo "== python client (clients/python) against a real sandcelld; docs/deploy manifests"
