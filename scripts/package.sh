@@ -63,6 +63,11 @@ check_man() {
     done
     return $missing
 }
+# Every page renders without a groff warning (a stray escape is otherwise only a lintian W:).
+for page in man/*.[1-8]; do
+    warn=$(LC_ALL=C groff -man -ww -z "$page" 2>&1)
+    [[ -z $warn ]] || { echo "package: $page: $warn" >&2; exit 1; }
+done
 check_man sandcelld man/sandcelld.8
 check_man sandcellctl man/sandcellctl.1
 # API pages: every Varlink method and error, every D-Bus method, signal and property is named.
