@@ -191,9 +191,14 @@ else
 fi
 # Ordinary file handling inside the session directory: a temporary file, and a rename across
 # two directories (Landlock's REFER right from ABI 2; ABI 1 forbids reparenting).
-out=$(echo 'dir.create("d1"); writeLines("moved", "d1/f"); ok <- file.rename("d1/f", "g"); f <- tempfile(); writeLines("t", f); cat(ok, readLines("g"), readLines(f)); cat("\n")' | as_gw sandcellctl run -l r - 2>&1)
+out=$(echo 'dir.create("d1"); writeLines("moved", "d1/f"); ok <- file.rename("d1/f", "g"); f <- tempfile(); writeLines("t", f); cat(ok, readLines("g"), readLines(f)); cat("\n")' | as_gw sandcellctl run -l r - 2>/tmp/rename.err)
 rc=$?
-if [[ $rc == 0 && $out == "TRUE moved t" ]]; then pass r-session-files-tempfile-rename; else fail r-session-files-tempfile-rename "exit $rc, output: $out"; fi
+# sandcellctl names the files the cell created on standard error: d1 and g.
+if [[ $rc == 0 && $out == "TRUE moved t" ]] && grep -q 'file g (6 bytes' /tmp/rename.err; then
+    pass r-session-files-tempfile-rename
+else
+    fail r-session-files-tempfile-rename "exit $rc, output: $out; stderr: $(head -c 400 /tmp/rename.err)"
+fi
 
 out=$(echo 'stop("boom")' | as_gw sandcellctl run -l r - 2>&1)
 rc=$?
