@@ -17,7 +17,7 @@
 
 use crate::session::Session;
 use sandcell_proto::kernel::{
-    self as k, CellResult, Frame, Output, Retained, RetainedStats, Started, Stream,
+    self as k, CellResult, Frame, HostCall, Output, Retained, RetainedStats, Started, Stream,
 };
 use sandcell_proto::worker::MAX_OUTPUT_CHUNK;
 use std::collections::VecDeque;
@@ -182,6 +182,10 @@ pub struct Record {
     result_bytes: u64,
     /// The cell's frames stopped without a result (the session ended first).
     lost: bool,
+    /// The cell's last host call, until it is answered (`HostReply`) or the cell ends: an
+    /// `Attach` replays it so the attached client can answer (a call that timed out since
+    /// is replayed too; answering it is `NoSuchHostCall`). At most one call waits per cell.
+    host_call: Option<HostCall>,
     /// Where live frames go.
     attach: Option<mpsc::Sender<Frame>>,
     /// The attachment is the `Execute` that started the cell and the operator chose
@@ -220,8 +224,8 @@ impl Record {
         Some(r)
     }
 
-    /// The frames an `Attach` replays: `started`, the retained output in `seq` order, and
-    /// the result if the cell ended.
+    /// The frames an `Attach` replays: `started`, the retained output in `seq` order, then
+    /// the result if the cell ended, else its unanswered host call if one waits.
     fn replay(&self, session: &str) -> Vec<Frame> {
         let mut out: Vec<(u64, Stream, &str)> = Vec::new();
         for (i, stream) in [(0usize, Stream::Stdout), (1, Stream::Stderr)] {
@@ -251,6 +255,11 @@ impl Record {
                 result: Some(result),
                 ..Default::default()
             });
+        } else if let Some(h) = self.host_call.as_ref().filter(|_| !self.lost) {
+            frames.push(Frame {
+                host_call: Some(h.clone()),
+                ..Default::default()
+            });
         }
         frames
     }
@@ -271,11 +280,15 @@ impl Record {
     /// Takes in a frame on its way to the attachment: output is retained, a result gets the
     /// retention counts and its trimmed copy is kept; the charge shrinks to what is held.
     fn absorb(&mut self, frame: &mut Frame) {
+        if let Some(h) = &frame.host_call {
+            self.host_call = Some(h.clone());
+        }
         if let Some(o) = &frame.output {
             let i = usize::from(o.stream == Stream::Stderr);
             self.streams[i].push(o.seq, &o.text);
         }
         if let Some(r) = frame.result.as_mut() {
+            self.host_call = None;
             r.retained = Some(self.retained());
             let copy = trim_result(r.clone());
             self.result_bytes = json_len(&copy);
@@ -351,6 +364,16 @@ pub struct NoRoom {
 }
 
 impl CellLog {
+    /// Host call `call` was answered: an `Attach` no longer replays it.
+    pub fn host_answered(&self, call: u64) {
+        for rec in self.records.lock().unwrap().iter() {
+            let mut r = rec.lock().unwrap();
+            if r.host_call.as_ref().is_some_and(|h| h.call == call) {
+                r.host_call = None;
+            }
+        }
+    }
+
     fn get(&self, cell: u64) -> Option<Arc<Mutex<Record>>> {
         self.records
             .lock()
@@ -491,6 +514,7 @@ pub fn relay(
             result: None,
             result_bytes: 0,
             lost: false,
+            host_call: None,
             attach: attach.clone(),
             hangup_interrupts,
             charge,

@@ -690,17 +690,6 @@ impl Core {
             return Err(KernelError::ShuttingDown {});
         }
         let env = self.resolve_environment(language, environment)?;
-        if host_calls && env.engine == Engine::Eryx {
-            // No way into the WebAssembly guest for a blocking call yet: refused up front
-            // rather than a session whose calls all fail.
-            return Err(KernelError::InvalidParameter {
-                parameter: "host_calls".into(),
-                reason: format!(
-                    "environment {} (eryx) has no host calls; use a native environment such as pydata",
-                    env.name
-                ),
-            });
-        }
         let language = env.language;
         let mut limits = self.session_limits(language, limits)?;
         if host_calls {
@@ -1368,6 +1357,7 @@ impl Core {
         let s = self.lookup(caller, session)?;
         self.authorize(caller, Action::ManageOwn).await?;
         if s.host_reply(call, payload).await {
+            s.cells.host_answered(call);
             Ok(())
         } else {
             Err(KernelError::NoSuchHostCall {

@@ -1617,6 +1617,16 @@ impl Actor {
         if size > MAX_HOST_CALL_ARGUMENTS {
             return Err(format!("host_call arguments of {size} bytes"));
         }
+        // Output a native worker wrote before its line may still be in the raw pipes (read
+        // 1 ms late to coalesce): take it now, so the frame follows it, as a result does.
+        for (i, stream) in [(0usize, Stream::Stdout), (1, Stream::Stderr)] {
+            let rx = if i == 0 {
+                &mut self.stdout
+            } else {
+                &mut self.stderr
+            };
+            run.read_raw(rx, i, stream, RAW_READS_PER_WAKE, true);
+        }
         self.host_calls_made = call;
         run.host = Some((call, tokio::time::Instant::now() + timeout));
         if !run.abandoned {

@@ -32,7 +32,7 @@
 //! | `output`, `dropped` | only for the running cell | never (R output travels on fds 1 and 2) |
 //! | `done` | once per `exec`, for the running cell, echoing the request's `nonce` | the same |
 //! | `inspected` | once per `inspect`, echoing its `nonce` | the same |
-//! | `host_call` | never (the daemon refuses `host_calls` for Eryx environments) | only for the running cell of a request with `host_calls=1`, echoing its `nonce`, numbered from 1 per session, at most one unanswered (the native Python worker likewise) |
+//! | `host_call` | only for the running cell of a request with `host_calls=1`, echoing its `nonce`, numbered from 1 per session, at most one unanswered | the same (the native Python worker likewise) |
 //!
 //! A host call (a cell's `host.call(name, arguments)`, R `host_call(...)`) is a `host_call`
 //! line: [`WorkerMessage::HostCall`], checked by the daemon against

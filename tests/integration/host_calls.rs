@@ -1,8 +1,9 @@
 //! Host calls through a real sandcelld: a cell calls a tool the client provides
 //! (`from sandcell import host; host.call(...)`, R `host_call(...)`), the stream carries a
-//! `host_call` frame, the client answers with `HostReply` from a second connection. Native
-//! Python (`pydata`) and R workers; the opt-in, the reply timeout, an interrupt while a call
-//! waits, the bounds of a reply, another session's call id and another uid's reply.
+//! `host_call` frame, the client answers with `HostReply` from a second connection. Every
+//! engine: Eryx (`python`, the WebAssembly guest), native Python (`pydata`) and R; the opt-in,
+//! the reply timeout, an interrupt while a call waits, the bounds of a reply, another
+//! session's call id and another uid's reply; an `Attach` replays a call that waits.
 
 mod common;
 
@@ -38,9 +39,9 @@ fn daemon(extra: &[(&str, &str)]) -> Daemon {
     Daemon::start(&env)
 }
 
-/// The environments to test: (language, environment) for each engine present.
+/// The environments to test: (language, environment) for each engine present (Eryx always).
 fn engines() -> Vec<(&'static str, &'static str)> {
-    let mut v = Vec::new();
+    let mut v = vec![("python", "python")];
     if have_pydata() {
         v.push(("python", "pydata"));
     } else {
@@ -212,22 +213,6 @@ async fn host_calls_round_trip_and_error_replies_raise_in_the_cell() {
 async fn a_host_call_without_opt_in_raises_at_once() {
     let d = daemon(&[]);
     let mut c = d.client().await;
-    // The Eryx engine has no host calls: asking for them is refused up front.
-    let e = c
-        .open_with(&OpenParams {
-            language: "python".into(),
-            limits: None,
-            detached_idle_seconds: None,
-            environment: Some("python".into()),
-            host_calls: Some(true),
-            display_last_expression: None,
-        })
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(&e, sandcell_client::Error::Kernel(KernelError::InvalidParameter { parameter, .. }) if parameter == "host_calls"),
-        "{e:?}"
-    );
     for (language, env) in engines() {
         let s = open(&mut c, language, env, false).await;
         let t0 = Instant::now();
@@ -363,6 +348,61 @@ async fn an_interrupt_while_a_call_waits_ends_the_cell_and_the_session_survives(
     }
 }
 
+#[tokio::test]
+async fn an_attach_replays_the_host_call_that_waits() {
+    let d = daemon(&[]);
+    for (language, env) in engines() {
+        let mut c = d.client().await;
+        let s = c
+            .open_with(&OpenParams {
+                language: language.into(),
+                limits: None,
+                detached_idle_seconds: Some(120),
+                environment: Some(env.into()),
+                host_calls: Some(true),
+                display_last_expression: None,
+            })
+            .await
+            .expect("open")
+            .session;
+        let cell = c
+            .submit(
+                &s,
+                &code(
+                    language,
+                    "from sandcell import host\nprint('before')\nr = host.call('math.add', {'a': 1, 'b': 2})\nprint(r['sum'])",
+                    "cat('before\\n')\nr <- host_call('math.add', list(a = 1L, b = 2L))\ncat(r$sum, '\\n')",
+                ),
+            )
+            .await
+            .unwrap();
+        // The first attachment sees the call (live or replayed) ...
+        let mut first = d.client().await;
+        first.attach(&s, cell).await.unwrap();
+        let (_, h) = until_host_call(&mut first).await;
+        // ... and one that replaces it gets the waiting call at the end of its replay.
+        let mut second = d.client().await;
+        second.attach(&s, cell).await.unwrap();
+        let (_, again) = until_host_call(&mut second).await;
+        assert_eq!((again.call, &again.name), (h.call, &h.name), "{env}");
+        c.host_reply(&s, h.call, tool(&s, &h)).await.unwrap();
+        let (out, r) = until_result(&mut second).await;
+        assert_eq!(r.status, Status::Ok, "{env}: {r:?}");
+        assert_eq!(out.trim(), "3", "{env}");
+        // Answered: a later attachment replays no call.
+        let mut third = d.client().await;
+        third.attach(&s, cell).await.unwrap();
+        let (out, r) = until_result(&mut third).await;
+        assert_eq!(r.status, Status::Ok, "{env}: {r:?}");
+        assert_eq!(
+            out.split_whitespace().collect::<Vec<_>>(),
+            ["before", "3"],
+            "{env}"
+        );
+        c.close(&s).await.unwrap();
+    }
+}
+
 /// Connects to the daemon as effective uid `uid` (this thread only: the raw system call, not
 /// libc's wrapper that changes every thread), then back to root.
 async fn connect_as(d: &Daemon, uid: u32) -> Client {
@@ -381,22 +421,26 @@ async fn connect_as(d: &Daemon, uid: u32) -> Client {
 
 #[tokio::test(flavor = "current_thread")]
 async fn host_replies_are_bounded_and_name_their_own_sessions_call() {
-    if !have_pydata() {
-        sandcell_testing::skip!("pydata", "/usr/bin/python3 is missing");
-    }
     let d = daemon(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "30")]);
     let mut c = d.client().await;
     let mut replies = d.client().await;
-    let a = open(&mut replies, "python", "pydata", true).await;
-    let b = open(&mut c, "python", "pydata", true).await;
+    for (_, env) in engines().into_iter().filter(|(l, _)| *l == "python") {
+        bounded_replies(&d, &mut c, &mut replies, env).await;
+    }
+}
+
+/// One engine's part of `host_replies_are_bounded_and_name_their_own_sessions_call`.
+async fn bounded_replies(d: &Daemon, c: &mut Client, replies: &mut Client, env: &str) {
+    let a = open(replies, "python", env, true).await;
+    let b = open(c, "python", env, true).await;
     c.execute(
         &b,
         "from sandcell import host\nr = host.call('t', {'n': 1})\nprint(len(r['v']))",
     )
     .await
     .unwrap();
-    let (_, h) = until_host_call(&mut c).await;
-    assert_eq!(h.call, 1);
+    let (_, h) = until_host_call(c).await;
+    assert_eq!(h.call, 1, "{env}");
     let kernel = |e: sandcell_client::Error| match e {
         sandcell_client::Error::Kernel(k) => k,
         other => panic!("{other:?}"),
@@ -405,14 +449,17 @@ async fn host_replies_are_bounded_and_name_their_own_sessions_call() {
     let e = kernel(replies.host_reply(&a, 1, Ok(json!({}))).await.unwrap_err());
     assert!(
         matches!(&e, KernelError::NoSuchHostCall { session, call: 1 } if *session == a),
-        "{e:?}"
+        "{env}: {e:?}"
     );
     // Another uid cannot answer (nor learn that the session exists).
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
-        let mut nobody = connect_as(&d, 65534).await;
+        let mut nobody = connect_as(d, 65534).await;
         let e = kernel(nobody.host_reply(&b, 1, Ok(json!({}))).await.unwrap_err());
-        assert!(matches!(e, KernelError::NoSuchSession { .. }), "{e:?}");
+        assert!(
+            matches!(e, KernelError::NoSuchSession { .. }),
+            "{env}: {e:?}"
+        );
     }
     // Oversized: LimitExceeded, and the call still waits.
     let big = "x".repeat(sandcell_proto::kernel::MAX_HOST_CALL_RESULT);
@@ -424,7 +471,7 @@ async fn host_replies_are_bounded_and_name_their_own_sessions_call() {
     );
     assert!(
         matches!(&e, KernelError::LimitExceeded { limit, .. } if limit == "host_call_result_bytes"),
-        "{e:?}"
+        "{env}: {e:?}"
     );
     let e = kernel(
         replies
@@ -438,7 +485,7 @@ async fn host_replies_are_bounded_and_name_their_own_sessions_call() {
     );
     assert!(
         matches!(&e, KernelError::LimitExceeded { limit, .. } if limit == "host_call_error_bytes"),
-        "{e:?}"
+        "{env}: {e:?}"
     );
     let e = kernel(
         replies
@@ -446,11 +493,14 @@ async fn host_replies_are_bounded_and_name_their_own_sessions_call() {
             .await
             .unwrap_err(),
     );
-    assert!(matches!(e, KernelError::InvalidParameter { .. }), "{e:?}");
+    assert!(
+        matches!(e, KernelError::InvalidParameter { .. }),
+        "{env}: {e:?}"
+    );
     let e = kernel(replies.host_reply(&b, 2, Ok(json!({}))).await.unwrap_err());
     assert!(
         matches!(e, KernelError::NoSuchHostCall { call: 2, .. }),
-        "{e:?}"
+        "{env}: {e:?}"
     );
     // The largest result that fits goes through; a second answer to the same call does not.
     let fits = "y".repeat(sandcell_proto::kernel::MAX_HOST_CALL_RESULT - 100);
@@ -461,14 +511,17 @@ async fn host_replies_are_bounded_and_name_their_own_sessions_call() {
     let e = kernel(replies.host_reply(&b, 1, Ok(json!({}))).await.unwrap_err());
     assert!(
         matches!(e, KernelError::NoSuchHostCall { call: 1, .. }),
-        "{e:?}"
+        "{env}: {e:?}"
     );
-    let (out, r) = until_result(&mut c).await;
-    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let (out, r) = until_result(c).await;
+    assert_eq!(r.status, Status::Ok, "{env}: {r:?}");
     assert_eq!(
         out.trim(),
-        (sandcell_proto::kernel::MAX_HOST_CALL_RESULT - 100).to_string()
+        (sandcell_proto::kernel::MAX_HOST_CALL_RESULT - 100).to_string(),
+        "{env}"
     );
+    c.close(&b).await.unwrap();
+    replies.close(&a).await.unwrap();
 }
 
 #[tokio::test]

@@ -27,6 +27,7 @@ import io as _io
 import json as _json
 import linecache as _linecache
 import marshal as _marshal
+import os as _os
 import pickle as _pickle
 import sys as _sys
 import traceback as _traceback
@@ -190,7 +191,7 @@ def _message(e):
 def _type_name(e):
     t = type(e)
     mod = getattr(t, '__module__', None)
-    if mod in (None, 'builtins', '__main__'):
+    if mod in (None, 'builtins', '__main__', 'sandcell.host'):
         return t.__qualname__
     return mod + '.' + t.__qualname__
 
@@ -862,11 +863,96 @@ def _eryx_compile(source, filename, mode, flags=0, dont_inherit=False, optimize=
     return _real_compile(source, filename, mode, flags, dont_inherit, optimize, **kw)
 
 
+# --- Host calls --------------------------------------------------------------------------
+#
+# `from sandcell import host; host.call(name, {...})` calls a tool of the client and returns its
+# result (src/host.rs). The request goes to the host-call file, which is not a file: the worker
+# makes the call on the first read after a request and answers with one JSON object, `result`,
+# `error` (the tool's, or the daemon's timeout), `raise` + `error` (refused by the worker before
+# any line: not enabled, bad name or arguments) or `interrupted` (SIGINT while it waited). The
+# checks here only give early, precise errors: the worker repeats every one of them.
+
+HOST_FILE = '/tmp/.sandcell-host'
+MAX_HOST_CALL_NAME = 128
+MAX_HOST_CALL_ARGUMENTS = 256 * 1024
+_HOST_NAME_CHARS = frozenset('abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-')
+
+
+class HostCallError(Exception):
+    """A host call failed: the client's tool reported an error, it did not answer in time, or
+    host calls are not enabled for this session."""
+
+
+def host_call(name, arguments=None):
+    """Calls the client's tool `name` with `arguments` (a dict) and returns its result (a
+    dict); raises HostCallError with the tool's error."""
+    if arguments is None:
+        arguments = {}
+    if (not isinstance(name, str) or not 0 < len(name) <= MAX_HOST_CALL_NAME
+            or not set(name) <= _HOST_NAME_CHARS):
+        raise ValueError("a host call's name is 1 to %d characters of [A-Za-z0-9_.-]"
+                         % MAX_HOST_CALL_NAME)
+    if not isinstance(arguments, dict):
+        raise TypeError("a host call's arguments are a dict, not %s" % type(arguments).__name__)
+    args = _json.dumps(arguments, ensure_ascii=False, separators=(',', ':'), allow_nan=False)
+    if len(args.encode('utf-8')) > MAX_HOST_CALL_ARGUMENTS:
+        raise ValueError("a host call's arguments are at most %d bytes of JSON"
+                         % MAX_HOST_CALL_ARGUMENTS)
+    data = ('{"name":%s,"arguments":%s}' % (_json.dumps(name), args)).encode('utf-8')
+    _flush_all()
+    fd = _os.open(HOST_FILE, _os.O_RDWR)
+    try:
+        view = memoryview(data)
+        off = 0
+        while off < len(data):
+            off += _os.pwrite(fd, view[off:], off)
+        parts = []
+        off = 0
+        while True:
+            chunk = _os.pread(fd, 1 << 16, off)
+            if not chunk:
+                break
+            parts.append(chunk)
+            off += len(chunk)
+    finally:
+        _os.close(fd)
+    answer = _json.loads(b''.join(parts))
+    if 'result' in answer:
+        return answer['result']
+    if answer.get('interrupted'):
+        raise KeyboardInterrupt
+    kind = {'ValueError': ValueError, 'TypeError': TypeError}.get(answer.get('raise'),
+                                                                  HostCallError)
+    raise kind(str(answer.get('error', 'the host call failed')))
+
+
+HostCallError.__module__ = 'sandcell.host'
+host_call.__module__ = 'sandcell.host'
+host_call.__qualname__ = host_call.__name__ = 'call'
+
+
+def _install_host_module():
+    """`sandcell.host` for the cells (kept when this driver installed it already, so
+    `HostCallError` stays one class for the whole instance)."""
+    if getattr(_sys.modules.get('sandcell.host'), 'call', None) is host_call:
+        return
+    pkg = _types.ModuleType('sandcell')
+    mod = _types.ModuleType('sandcell.host')
+    mod.call = host_call
+    mod.HostCallError = HostCallError
+    mod.__all__ = ['call', 'HostCallError']
+    pkg.host = mod
+    pkg.__path__ = []
+    _sys.modules['sandcell'] = pkg
+    _sys.modules['sandcell.host'] = mod
+
+
 def _bind():
     """Makes the worker's entry points reachable from its one-line calls as the builtin
     `__sandcell__` (`__sandcell__(src, cell)` runs a cell, `__sandcell__.snapshot()` takes a
     snapshot) without binding a name in the user namespace, and installs `_eryx_compile`."""
     global _compiled
+    _install_host_module()
     _run_here.snapshot = _snapshot_here
     _run_here.inspect = _inspect_here
     _builtins.__sandcell__ = _run_here

@@ -13,6 +13,11 @@
 //! - the cell's [`CancellationToken`] is cancelled, which the cell loop races against the
 //!   execution, so a guest parked in a host call (`time.sleep`) is dropped at once.
 //!
+//! A guest waiting in `sandcell.host.call` is not stopped that way: the first SIGINT goes to
+//! the waiting call ([`Target::host_call`], [`crate::host`]), which returns, and the guest
+//! raises `KeyboardInterrupt` with its instance kept; a SIGINT that no call takes (the
+//! daemon repeats them every 250 ms) stops the guest as above.
+//!
 //! A SIGINT that arrives while no request is served is ignored, and so is one that arrived
 //! before the current request was taken up: [`Interrupter::begin_cell`] starts a new
 //! generation and drains the self-pipe, and the watcher counts a SIGINT only for the
@@ -59,6 +64,10 @@ pub struct Target {
     /// Makes a guest running WebAssembly trap: advances the engine epoch past the cell's
     /// deadline (see [`Target::epoch_advance`]). Called at most once per cell.
     pub stop_guest: Box<dyn Fn() + Send + Sync>,
+    /// Hands the SIGINT to a host call the guest waits in, if one does (returns true then):
+    /// the call returns and the guest raises `KeyboardInterrupt`, with its instance kept
+    /// ([`crate::host`]). Asked before each stop; a SIGINT no call takes stops the guest.
+    pub host_call: Option<Box<dyn Fn() -> bool + Send + Sync>>,
 }
 
 impl Target {
@@ -87,6 +96,8 @@ struct State {
     /// generation is stale.
     generation: u64,
     target: Option<Target>,
+    /// The armed target's guest was stopped (token and epoch): later SIGINTs do nothing more.
+    stopped: bool,
 }
 
 /// Shared between the cell loop and the watcher thread.
@@ -151,6 +162,7 @@ impl Interrupter {
         let mut s = self.lock();
         let pending = s.pending;
         s.target = Some(target);
+        s.stopped = false;
         if pending {
             Self::fire_locked(&mut s);
         }
@@ -201,9 +213,11 @@ impl Interrupter {
     /// waits on.
     fn fire_locked(s: &mut State) {
         let Some(t) = s.target.as_ref() else { return };
-        if t.fired.swap(true, Ordering::SeqCst) {
+        t.fired.store(true, Ordering::SeqCst);
+        if s.stopped || t.host_call.as_ref().is_some_and(|take| take()) {
             return;
         }
+        s.stopped = true;
         t.token.cancel();
         (t.stop_guest)();
     }
@@ -302,8 +316,32 @@ mod tests {
             stop_guest: Box::new(move || {
                 c.fetch_add(1, Ordering::SeqCst);
             }),
+            host_call: None,
         };
         (t, token, fired)
+    }
+
+    #[test]
+    fn a_waiting_host_call_takes_the_sigint_and_a_later_one_stops_the_guest() {
+        let i = Interrupter::default();
+        let count = Arc::new(AtomicU32::new(0));
+        let waiting = Arc::new(AtomicBool::new(true));
+        i.begin_cell();
+        let (mut t, token, fired) = target(&count);
+        let w = Arc::clone(&waiting);
+        t.host_call = Some(Box::new(move || w.swap(false, Ordering::SeqCst)));
+        i.arm(t);
+        i.fire();
+        assert!(
+            fired.load(Ordering::SeqCst),
+            "the cell knows it was interrupted"
+        );
+        assert!(!token.is_cancelled(), "the call took it");
+        assert_eq!(count.load(Ordering::SeqCst), 0);
+        i.fire();
+        i.fire();
+        assert!(token.is_cancelled());
+        assert_eq!(count.load(Ordering::SeqCst), 1, "stopped once");
     }
 
     #[test]
@@ -361,6 +399,7 @@ mod tests {
                     t.fetch_add(1, Ordering::SeqCst);
                 }
             }),
+            host_call: None,
         });
         let watcher = {
             let i = Arc::clone(&i);

@@ -6,7 +6,7 @@
 //! - `sandcell-worker-python` ([`worker`]): confines itself (`sandcell_confine`), loads the
 //!   prepared runtime ([`runtime`]), keeps one session ([`session`]) and serves cells from fd 3,
 //!   replying on fd 4 ([`protocol`], [`replies`], [`output`]); SIGINT stops the running cell
-//!   ([`interrupt`]).
+//!   ([`interrupt`]); cells call the client's tools through a host-backed file ([`host`]).
 //! - `sandcell-python-runtime`: prepares the runtime directory offline (`prepare`), checks it
 //!   (`check`), measures in-process Eryx baselines (`bench`) and a real worker's cell round
 //!   trip over its pipes next to raw Eryx (`bench-worker`).
@@ -54,6 +54,7 @@
 //!   and the rebuilt instance mounts the same directory again.
 
 pub mod driver;
+pub mod host;
 pub mod interrupt;
 pub mod output;
 pub mod protocol;

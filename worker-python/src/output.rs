@@ -44,6 +44,7 @@ use sandcell_proto::worker::{MAX_OUTPUT_CHUNK, Stream, WorkerMessage};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use crate::driver::OUTCOME_STREAM;
+use crate::host::{HOST_CALL_STREAM, HostCalls};
 use crate::replies::{Lines, Replies};
 
 /// Per-stream counters and the bytes not yet framed.
@@ -244,6 +245,8 @@ struct Live {
     closed: bool,
     /// Writing to the reply pipe failed.
     error: Option<io::Error>,
+    /// Turns a marker on [`HOST_CALL_STREAM`] into its `host_call` line.
+    host: Option<Arc<HostCalls>>,
 }
 
 struct Shared {
@@ -277,6 +280,8 @@ pub struct Forwarder {
     thread: std::thread::Thread,
     /// Last value stored in `started` (kept unique).
     last_start: u64,
+    /// Host calls of the cells, whose lines travel in the output channel.
+    host: Option<Arc<HostCalls>>,
 }
 
 impl Forwarder {
@@ -300,7 +305,14 @@ impl Forwarder {
             shared,
             thread: handle.thread().clone(),
             last_start: 0,
+            host: None,
         })
+    }
+
+    /// Writes the `host_call` line a cell's host call puts in its output channel (a marker on
+    /// [`HOST_CALL_STREAM`]) in its place among the cell's output (see [`crate::host`]).
+    pub fn set_host_calls(&mut self, host: Arc<HostCalls>) {
+        self.host = Some(host);
     }
 
     /// The reply pipe.
@@ -320,6 +332,7 @@ impl Forwarder {
             outcome: None,
             closed: false,
             error: None,
+            host: self.host.clone(),
         });
         let start = self.shared.now().max(self.last_start + 1);
         self.last_start = start;
@@ -417,10 +430,18 @@ fn take_over(shared: &Shared, started: u64) {
 }
 
 impl Live {
-    /// Takes one message: output, or the driver's outcome.
+    /// Takes one message: output, the driver's outcome, or a host call's marker (its line
+    /// follows the output before it).
     fn accept(&mut self, req: OutputRequest, lines: &mut Lines) -> io::Result<()> {
         if req.stream == OUTCOME_STREAM {
             self.outcome = Some(req.data);
+            return Ok(());
+        }
+        if req.stream == HOST_CALL_STREAM {
+            if let Some(msg) = self.host.as_ref().and_then(|h| h.take_line(&req.data)) {
+                self.out.flush(lines)?;
+                lines.push(&msg)?;
+            }
             return Ok(());
         }
         self.out.push(stream_of(req.stream), &req.data, lines)

@@ -59,6 +59,7 @@ use sandcell_proto::worker::{
 };
 
 use crate::driver::{self, DriverResult};
+use crate::host::{HostCalls, HostFile};
 use crate::interrupt::{Interrupter, Target};
 use crate::output::Forwarder;
 use crate::replies::Lines;
@@ -102,6 +103,10 @@ pub struct CellRequest<'a> {
     pub max_output: u64,
     /// Show the value of a final expression statement (the request's `display`).
     pub display: bool,
+    /// The request's `nonce`, echoed by the cell's `host_call` lines.
+    pub nonce: Option<String>,
+    /// The cell may make host calls (the request's `host_calls=1`, see [`crate::host`]).
+    pub host_calls: bool,
 }
 
 /// Largest snapshot kept, in bytes; a larger namespace is not captured (state `lost` on a
@@ -155,6 +160,8 @@ pub struct PySession {
     pending_checkpoint: Option<u64>,
     /// The session directory is mounted at [`GUEST_FILES_DIR`].
     files: bool,
+    /// Host calls of the cells, through the host-call file in the scratch directory.
+    host: Option<Arc<HostCalls>>,
     /// Figures.
     pub stats: Stats,
 }
@@ -202,11 +209,28 @@ impl PySession {
         guest_memory: Option<u64>,
         files_dir: Option<&std::path::Path>,
     ) -> anyhow::Result<Self> {
+        Self::with_host_calls(executor, guest_memory, files_dir, None).await
+    }
+
+    /// [`PySession::new`] whose cells make host calls through `host` (see [`crate::host`]):
+    /// the scratch directory gets the host-call file.
+    ///
+    /// Errors: as [`PySession::new`].
+    pub async fn with_host_calls(
+        executor: Arc<PythonExecutor>,
+        guest_memory: Option<u64>,
+        files_dir: Option<&std::path::Path>,
+        host: Option<Arc<HostCalls>>,
+    ) -> anyhow::Result<Self> {
         let limits = ResourceLimits::default()
             .with_execution_timeout(INTERNAL_TIMEOUT)
             .with_max_memory_bytes(guest_memory)
             .with_max_fuel(None);
-        let scratch = ArcStorage::new(Arc::new(InMemoryStorage::with_max_bytes(SCRATCH_MAX_BYTES)));
+        let mut scratch =
+            ArcStorage::new(Arc::new(InMemoryStorage::with_max_bytes(SCRATCH_MAX_BYTES)));
+        if let Some(h) = &host {
+            scratch = ArcStorage::new(Arc::new(HostFile::new(scratch, Arc::clone(h))));
+        }
         let mut vfs = VfsConfig::new(GUEST_SCRATCH_DIR);
         if let Some(dir) = files_dir {
             // Eryx mounts a single file instead when the host path is a file: insist on a
@@ -238,6 +262,7 @@ impl PySession {
             dead: false,
             pending_checkpoint: None,
             files: files_dir.is_some(),
+            host,
             stats: Stats::default(),
         };
         s.install().await.context("installing the cell driver")?;
@@ -552,7 +577,17 @@ impl PySession {
                     match outcome {
                         Some(Ok(r)) => {
                             self.had_cells = true;
-                            let (status, error, code) = map_driver(&r);
+                            let (mut status, mut error, code) = map_driver(&r);
+                            if interrupted
+                                && error
+                                    .as_ref()
+                                    .is_some_and(|e| e.kind == "KeyboardInterrupt")
+                            {
+                                // A host call took the SIGINT and the cell let the
+                                // KeyboardInterrupt through: interrupted, instance kept.
+                                status = WorkerStatus::Interrupted;
+                                error = None;
+                            }
                             self.completed(cell, r.unchanged);
                             (status, error, code, fuel, false)
                         }
@@ -659,12 +694,26 @@ impl PySession {
         lines: &mut Lines,
     ) -> std::io::Result<(RunEnd, Option<u64>)> {
         let tx = output.begin(req.cell, req.max_output);
+        if let Some(h) = &self.host {
+            h.begin(
+                req.cell,
+                req.nonce.clone(),
+                req.host_calls,
+                Instant::now() + req.timeout,
+                tx.clone(),
+            );
+        }
 
         let token = CancellationToken::new();
+        let host_call = self.host.clone().map(|h| {
+            let take: Box<dyn Fn() -> bool + Send + Sync> = Box::new(move || h.interrupt());
+            take
+        });
         interrupter.arm(Target {
             token: token.clone(),
             fired: Arc::clone(fired),
             stop_guest: Target::epoch_advance(Arc::clone(&self.executor), ticks(req.timeout) + 3),
+            host_call,
         });
         let initial_fuel = req.fuel.unwrap_or(u64::MAX);
         let end = if token.is_cancelled() {
@@ -685,6 +734,10 @@ impl PySession {
         // Before anything else touches the engine: a stop in progress finishes first, and
         // no later SIGINT advances the epoch under the next instance.
         interrupter.disarm();
+        if let Some(h) = &self.host {
+            // Its output sender goes before the output is gathered.
+            h.end();
+        }
         if matches!(end, RunEnd::Dropped) {
             self.dead = true;
         }

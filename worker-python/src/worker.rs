@@ -14,7 +14,6 @@
 //! [`sandcell_confine::EXIT_CONFINE_FAILED`] from `main` when confinement fails.
 
 use std::fs::File;
-use std::io::BufReader;
 use std::os::fd::FromRawFd;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -24,6 +23,7 @@ use sandcell_proto::worker::{
     INSPECT_BUDGET_MS, INSPECT_DEFAULT_ITEMS, INSPECT_MAX_ITEMS, WorkerMessage, report_fatal,
 };
 
+use crate::host::HostCalls;
 use crate::interrupt::{self, Interrupter};
 use crate::output::Forwarder;
 use crate::protocol::{ReadError, Request, read_request};
@@ -195,8 +195,22 @@ pub async fn serve(
             return exit::STARTUP;
         }
     };
+    let host = match HostCalls::new(requests) {
+        Ok(h) => h,
+        Err(e) => {
+            report_fatal("runtime", &format!("preparing host calls: {e}"));
+            return exit::STARTUP;
+        }
+    };
     let files = config.session_dir.as_deref();
-    let mut session = match PySession::new(executor, Some(config.guest_memory), files).await {
+    let mut session = match PySession::with_host_calls(
+        executor,
+        Some(config.guest_memory),
+        files,
+        Some(Arc::clone(&host)),
+    )
+    .await
+    {
         Ok(s) => s,
         Err(e) => {
             report_fatal("runtime", &format!("{e:#}"));
@@ -210,6 +224,7 @@ pub async fn serve(
             return exit::STARTUP;
         }
     };
+    output.set_host_calls(Arc::clone(&host));
     let ready = WorkerMessage::Ready {
         language: "python".into(),
         engine: format!("eryx {ERYX_VERSION} (CPython {PYTHON_VERSION})"),
@@ -218,16 +233,20 @@ pub async fn serve(
         return exit::IO;
     }
     let mut lines = Lines::new();
-    let mut reader = BufReader::new(requests);
     loop {
         // Wait until a request is in the pipe without consuming it, then count SIGINTs from
         // now on: those sent for the previous cell are stale and dropped, and one meant for
         // this cell that came earlier is sent again by the daemon (every 250 ms).
-        if reader.buffer().is_empty() {
-            wait_readable(REQUEST_FD);
-        }
-        interrupter.begin_cell();
-        match read_request(&mut reader) {
+        // (Host calls read the pipe while the cell runs: the reader is not held past this.)
+        let request = {
+            let mut reader = host.requests();
+            if reader.buffer().is_empty() && reader.get_ref().is_empty() {
+                wait_readable(REQUEST_FD);
+            }
+            interrupter.begin_cell();
+            read_request(&mut *reader)
+        };
+        match request {
             Err(ReadError::Eof) | Ok(Request::Exit) => return exit::OK,
             Err(ReadError::Malformed(why)) => {
                 eprintln!("sandcell-worker-python: malformed request: {why}");
@@ -271,6 +290,8 @@ pub async fn serve(
                     fuel: header.fuel,
                     max_output: header.max_output.unwrap_or(u64::MAX),
                     display: header.display,
+                    nonce: header.nonce.clone(),
+                    host_calls: header.host_calls,
                 };
                 let done = session
                     .exec_cell(&req, &mut output, &interrupter, &mut lines)

@@ -393,6 +393,8 @@ async fn run_cell(
         fuel: None,
         max_output: 1 << 20,
         display: true,
+        nonce: None,
+        host_calls: false,
     };
     interrupter.begin_cell();
     let mut lines = Lines::new();
@@ -504,6 +506,8 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
             fuel: None,
             max_output: 1 << 20,
             display: true,
+            nonce: None,
+            host_calls: false,
         };
         let t = Instant::now();
         interrupter.begin_cell();
