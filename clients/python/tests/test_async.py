@@ -150,3 +150,40 @@ def test_cancelled_call_costs_the_cell_not_the_session(socket_path):
                 await s.close()
 
     assert arun(main()) == "3\n"
+
+
+def test_async_host_call_handlers(socket_path):
+    # The default environment (Eryx): a coroutine handler and a plain one.
+    async def main():
+        async with sandcell.AsyncClient(socket_path) as c:
+            seen = []
+
+            async def tool(h):
+                seen.append(h)
+                await asyncio.sleep(0.01)  # other tasks run while the cell waits
+                if h.name == "fail":
+                    raise RuntimeError("tool broke")
+                return {"sum": h.arguments["a"] + h.arguments["b"]}
+
+            code = (
+                "from sandcell import host\n"
+                "print(host.call('add', {'a': 2, 'b': 40})['sum'])\n"
+                "host.call('fail', {})\n"
+            )
+            r = await c.run(code, host_call_handler=tool)
+            assert r.stdout == "42\n", r
+            assert r.status == "error" and "tool broke" in r.error.message, r
+            assert [h.call for h in seen] == [1, 2] and seen[0].session == r.session
+            # Without a handler the run does not opt in: the call raises at once.
+            r = await c.run("from sandcell import host\nhost.call('add', {})")
+            assert r.status == "error" and "not enabled" in r.error.message, r
+            async with c.session(host_calls=True) as s:
+                r = await s.execute(
+                    "from sandcell import host\nprint(host.call('add', {'a': 1, 'b': 1}))",
+                    host_call_handler=lambda h: {"plain": h.arguments["a"]},
+                )
+                assert r.stdout == "{'plain': 1}\n", r
+                with pytest.raises(sandcell.NoSuchHostCall):
+                    await c.host_reply(s.id, 1, {"late": True})
+
+    arun(main())

@@ -18,14 +18,26 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from . import _protocol as P
-from .errors import ConnectionFailed, NoSuchSession, ProtocolError, VarlinkError
-from .types import CellResult, FileInfo, InterruptResult, Limits, Output, Started, limits_dict
+from .errors import ConnectionFailed, NoSuchHostCall, NoSuchSession, ProtocolError, VarlinkError
+from .types import (
+    CellResult,
+    FileInfo,
+    HostCall,
+    InterruptResult,
+    Limits,
+    Output,
+    Started,
+    limits_dict,
+)
 
 __all__ = ["AsyncClient", "AsyncSession"]
 
 T = TypeVar("T")
 OnOutput = Callable[[Output], Any]
 OnStarted = Callable[[Started], Any]
+#: A host-call handler: a plain function or a coroutine function of a :class:`HostCall`
+#: that returns the result (a dict) or raises.
+AsyncHostCallHandler = Callable[[HostCall], Any]
 
 
 class _AConn:
@@ -216,13 +228,53 @@ class AsyncClient:
         on_output: OnOutput | None = None,
         *,
         on_started: OnStarted | None = None,
+        host_call_handler: AsyncHostCallHandler | None = None,
         display_last_expression: bool | None = None,
     ) -> CellResult:
         """Runs ``code`` in a fresh sandbox (one-shot ``Run``); see
-        :meth:`sandcell.Client.run` for arguments, result and errors."""
+        :meth:`sandcell.Client.run` for arguments, result and errors. ``host_call_handler``
+        may be a coroutine function; the cell waits for it (other tasks run meanwhile)."""
         params = P.run_params(code, language, environment, limits_dict(limits),
+                              host_calls=host_call_handler is not None,
                               display_last_expression=display_last_expression)
-        return await self._call(P.op_cell("Run", params, on_output, on_started))
+        return await self._call(P.op_cell("Run", params, on_output, on_started,
+                                          self._host_answerer(host_call_handler)))
+
+    async def host_reply(self, session: str, call: int, result: dict[str, Any] | None = None,
+                         error: str | None = None) -> None:
+        """Answers host call ``call`` of ``session`` (``HostReply``); see
+        :meth:`sandcell.Client.host_reply`."""
+        params: dict[str, Any] = {"session": P.local_session_id(session, self.node), "call": call}
+        if error is not None:
+            params["error"] = error
+        if result is not None:
+            params["result"] = result
+        await self._call(P.op_simple("HostReply", params))
+
+    def _host_answerer(
+        self, handler: AsyncHostCallHandler | None
+    ) -> Callable[[HostCall], Any] | None:
+        """The ``host_call`` frame callback for ``handler``: awaits it (when it returns an
+        awaitable) and answers over another pooled connection (the cell's own one streams its
+        frames until the result)."""
+        if handler is None:
+            return None
+
+        async def answer(h: HostCall) -> None:
+            try:
+                result, error = handler(h), None
+                if inspect.isawaitable(result):
+                    result = await result
+                if not isinstance(result, dict):
+                    result, error = None, "the host's tool returned %s, not a dict" % type(result).__name__
+            except Exception as e:  # the tool's failure is the cell's error, not ours
+                result, error = None, (str(e) or type(e).__name__)[: 16 * 1024 - 64]
+            try:
+                await self.host_reply(h.session, h.call, result, error)
+            except NoSuchHostCall:
+                pass  # timed out or interrupted meanwhile: the cell's result says so
+
+        return answer
 
     def session(
         self,
@@ -230,21 +282,26 @@ class AsyncClient:
         environment: str | None = None,
         detached_idle_seconds: int | None = None,
         limits: Limits | dict[str, Any] | None = None,
+        host_calls: bool = False,
         *,
         display_last_expression: bool | None = None,
     ) -> _Opening:
         """Opens a persistent session: ``s = await client.session()`` or ``async with
-        client.session() as s:`` (closed at the end). See :meth:`sandcell.Client.session`."""
+        client.session() as s:`` (closed at the end). See :meth:`sandcell.Client.session`;
+        with ``host_calls``, the ``host_call_handler`` of :meth:`AsyncSession.execute`
+        answers its cells' calls."""
         return _Opening(self, language, environment, detached_idle_seconds, limits,
-                        display_last_expression)
+                        display_last_expression, host_calls)
 
     async def _open(self, language: str, environment: str | None,
                     detached_idle_seconds: int | None,
                     limits: Limits | dict[str, Any] | None,
-                    display_last_expression: bool | None = None) -> AsyncSession:
+                    display_last_expression: bool | None = None,
+                    host_calls: bool = False) -> AsyncSession:
         owner = await self._connect()
         try:
             params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds,
+                                   host_calls=host_calls,
                                    display_last_expression=display_last_expression)
             r = await _drive(owner, P.op_simple("Open", params))
         except BaseException:
@@ -357,9 +414,16 @@ class AsyncSession:
         return f"<sandcell.AsyncSession {self.id} {self.language} {self.engine!r}>"
 
     async def execute(
-        self, code: str, on_output: OnOutput | None = None, *, on_started: OnStarted | None = None
+        self,
+        code: str,
+        on_output: OnOutput | None = None,
+        *,
+        on_started: OnStarted | None = None,
+        host_call_handler: AsyncHostCallHandler | None = None,
     ) -> CellResult:
-        """Runs a cell in this session; see :meth:`sandcell.Session.execute`."""
+        """Runs a cell in this session; see :meth:`sandcell.Session.execute`.
+        ``host_call_handler`` (a plain or coroutine function) answers the cell's host calls
+        in a session opened with ``host_calls``."""
 
         async def started(s: Started) -> None:
             self.last_cell = s.cell
@@ -373,7 +437,8 @@ class AsyncSession:
         self._running = True
         try:
             return await self.client._call(
-                P.op_cell("Execute", {"session": self._local, "code": code}, on_output, started)
+                P.op_cell("Execute", {"session": self._local, "code": code}, on_output, started,
+                          self.client._host_answerer(host_call_handler))
             )
         finally:
             self._running = False
