@@ -10,8 +10,8 @@
 # memory budgets, per-uid quotas, connections: every client is this script's uid; worker
 # start-up may take 120 s, since N clients start workers at once on few cores). Prints
 # samples of the daemon's RSS and descriptors (all of them, every 5 s, in samples.csv of the run
-# directory), throughput, every problem, and last exactly one
-# line `soak: C cells, L lost, W wrong, K leaked`; exits non-zero unless all three are 0.
+# directory), throughput, every problem, then one closing line `soak: C cells, L lost, W wrong,
+# K leaked` (the `soak: daemon log: ...` line follows it); exits non-zero unless all are 0.
 # Needs the binaries of scripts/setup.sh; builds sandcell-soak if needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

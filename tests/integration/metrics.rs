@@ -274,7 +274,8 @@ async fn the_file_follows_sessions_is_never_torn_and_goes_at_exit() {
     );
     assert_eq!(e.types["sandcell_cells_total"], "counter");
     assert_eq!(e.value("sandcell_sessions"), 0.0);
-    // The harness's budgets (tests/common): 8 sessions, 8 x 128 MiB guest, 8 GiB worker memory.
+    // The harness's budgets (tests/integration/common): 8 sessions, 8 x 128 MiB guest,
+    // 8 GiB worker memory.
     assert_eq!(e.value("sandcell_admission_sessions_max"), 8.0);
     assert_eq!(
         e.value("sandcell_admission_guest_memory_max_bytes"),
