@@ -50,6 +50,19 @@ pub struct Refused {
     pub max: u64,
 }
 
+/// A refusal as clients see it: `CapacityExceeded` naming the budget, with its use, the
+/// amount asked and its size.
+impl From<Refused> for sandcell_proto::kernel::KernelError {
+    fn from(r: Refused) -> Self {
+        sandcell_proto::kernel::KernelError::CapacityExceeded {
+            budget: r.budget.into(),
+            in_use: r.in_use,
+            requested: r.requested,
+            max: r.max,
+        }
+    }
+}
+
 /// Per-uid budgets.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct UidBudgets {

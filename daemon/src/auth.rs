@@ -2,7 +2,7 @@
 //! **authorize** -> act). The actions are the polkit actions shipped in
 //! `polkit/org.sandcell.policy`.
 
-use crate::session::Caller;
+use crate::identity::Caller;
 
 /// Something a caller may be allowed to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

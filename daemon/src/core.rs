@@ -4,21 +4,18 @@
 //! `dbus/` shims translate their calls into the methods here, and every method follows
 //! the same order: validate -> look up -> authorize -> act.
 
-use crate::admission::{Admission, Budgets, Charge, Refused, UidBudgets, UidCharge};
+use crate::admission::{Admission, Budgets, Refused, UidBudgets, UidCharge};
 use crate::auth::{Action, Authority};
-use crate::cgroup::{Backend, GroupLimits, SessionGroup};
-use crate::config::{self, Config, Engine, Environment};
-use crate::identity::UidPool;
-use crate::pool::Prepared;
-use crate::session::{Caller, Event, ExecuteRefused, InspectRefused, Session, SessionLimits};
-use crate::worker::spawn::{self, WorkerSpec};
-use sandcell_confine::Enforcement;
+use crate::cgroup::Backend;
+use crate::config::{self, Config, Environment};
+use crate::identity::{Caller, UidPool};
+use crate::session::{Event, ExecuteRefused, InspectRefused, Session, SessionLimits, SessionState};
+use crate::worker::start::{Options, Prepared, StartError, StartFor, Starter, StartingInfo};
 use sandcell_proto::kernel::{
     EndReason, Frame, InterruptReason, InterruptReply, KernelError, Language, Limits,
 };
-use sandcell_proto::worker::WorkerMessage;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime};
@@ -41,22 +38,14 @@ fn retention_charge(s: &Session) -> Result<crate::cells::Charge, KernelError> {
         })
 }
 
-/// How the daemon runs its workers.
-#[derive(Debug, Clone)]
-pub struct Options {
-    /// Strict confinement (production) or best effort (`--insecure-dev`).
-    pub enforcement: Enforcement,
-    /// Per-session uids; `None` keeps the daemon's uid (development without root only).
-    pub per_session_uids: bool,
-}
-
 /// The core.
 pub struct Core {
     config: RwLock<Arc<Config>>,
-    options: Options,
     admission: Admission,
     cgroups: Arc<dyn Backend>,
-    uids: UidPool,
+    /// Starts workers (admission charge, uid, cgroup, spawn, Ready) and lists the starts
+    /// under way for clients (listed as `starting`).
+    starter: Starter,
     authority: RwLock<Arc<dyn Authority>>,
     sessions: Arc<Mutex<HashMap<String, Arc<Session>>>>,
     /// Sessions that ended lately, for `SessionEnded`.
@@ -71,9 +60,7 @@ pub struct Core {
     connections_per_uid: Mutex<HashMap<u32, u64>>,
     /// Rate limit of the refusal lines a uid's connections and session starts cause.
     refusal_log: crate::loglimit::LogLimit,
-    /// Workers being started for a client, by session id (listed as `starting`).
-    starting: Mutex<HashMap<String, Starting>>,
-    pool: crate::pool::Pool,
+    pool: crate::pool::Pool<Prepared>,
     /// Readiness and inventory of each environment (`ListEnvironments`).
     environments: crate::environments::Reports,
     /// This core, weakly, so work that must finish can run on its own task.
@@ -123,38 +110,6 @@ impl ConnectionGuard {
     }
 }
 
-/// A worker being started for a client: visible in listings (state `starting`), cancelled by
-/// `TerminateSession` or when its client goes away.
-#[derive(Debug)]
-struct Starting {
-    owner: Caller,
-    language: Language,
-    since: SystemTime,
-    cancel: Arc<watch::Sender<bool>>,
-}
-
-/// A session whose worker is still starting, as listed.
-#[derive(Debug, Clone)]
-pub struct StartingInfo {
-    /// Session id it will have.
-    pub id: String,
-    /// Interpreter.
-    pub language: Language,
-    /// Owner uid.
-    pub uid: u32,
-    /// Owner pid.
-    pub pid: u32,
-    /// When the start began.
-    pub since: SystemTime,
-}
-
-/// Who asked for a worker and how to call its start off.
-pub(crate) struct StartFor {
-    owner: Caller,
-    cancel: watch::Receiver<bool>,
-    cancel_tx: Arc<watch::Sender<bool>>,
-}
-
 /// The content of an upload: decoded inline bytes, or a passed descriptor (inspected and read
 /// on the blocking pool only).
 #[derive(Debug)]
@@ -187,17 +142,6 @@ fn echo_id(id: &str) -> String {
     format!("{}...", &id[..end])
 }
 
-impl From<Refused> for KernelError {
-    fn from(r: Refused) -> Self {
-        KernelError::CapacityExceeded {
-            budget: r.budget.into(),
-            in_use: r.in_use,
-            requested: r.requested,
-            max: r.max,
-        }
-    }
-}
-
 impl Core {
     /// A core serving `config` with `cgroups` and `authority`.
     pub fn new(
@@ -207,16 +151,17 @@ impl Core {
         authority: Arc<dyn Authority>,
     ) -> Arc<Core> {
         let (events, _) = broadcast::channel(256);
+        let admission = Admission::new(budgets(&config), uid_budgets(&config));
+        let uids = UidPool::new(
+            config.daemon.worker_uid_base,
+            config.daemon.worker_uid_count,
+        );
         Arc::new_cyclic(|me| Core {
             me: me.clone(),
-            admission: Admission::new(budgets(&config), uid_budgets(&config)),
-            uids: UidPool::new(
-                config.daemon.worker_uid_base,
-                config.daemon.worker_uid_count,
-            ),
+            starter: Starter::new(admission.clone(), cgroups.clone(), uids, options),
+            admission,
             node: crate::node::resolve(config.daemon.node_id.as_deref()),
             config: RwLock::new(Arc::new(config)),
-            options,
             cgroups,
             authority: RwLock::new(authority),
             sessions: Arc::default(),
@@ -227,14 +172,13 @@ impl Core {
             next_connection: AtomicU64::new(1),
             connections_per_uid: Mutex::default(),
             refusal_log: crate::loglimit::LogLimit::default(),
-            starting: Mutex::default(),
             pool: crate::pool::Pool::default(),
             environments: crate::environments::Reports::default(),
         })
     }
 
     /// The warm worker pools.
-    pub fn pool(&self) -> &crate::pool::Pool {
+    pub fn pool(&self) -> &crate::pool::Pool<Prepared> {
         &self.pool
     }
 
@@ -464,21 +408,7 @@ impl Core {
 
     /// Sessions whose worker is still starting for a client (not yet in [`Core::sessions`]).
     pub fn starting_sessions(&self) -> Vec<StartingInfo> {
-        let mut v: Vec<_> = self
-            .starting
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(id, s)| StartingInfo {
-                id: id.clone(),
-                language: s.language,
-                uid: s.owner.uid,
-                pid: s.owner.pid,
-                since: s.since,
-            })
-            .collect();
-        v.sort_by_key(|s| s.since);
-        v
+        self.starter.starting()
     }
 
     /// Per-uid budgets in force and the use of every uid holding sessions.
@@ -488,7 +418,7 @@ impl Core {
 
     /// Worker uids leased now and the size of their range (`worker_uid_count`).
     pub fn worker_uids(&self) -> (u64, u64) {
-        self.uids.usage()
+        self.starter.uids().usage()
     }
 
     /// Open connections.
@@ -734,10 +664,10 @@ impl Core {
             KernelError::from(r)
         };
         // The daemon's own readiness probe is not a client: it spends no client's tokens.
-        if !matches!(caller.subject, crate::session::Subject::Daemon) {
+        if !matches!(caller.subject, crate::identity::Subject::Daemon) {
             self.admission.take_start(caller.uid).map_err(refused)?;
         }
-        let charge = self.charge(env.engine, limits.guest_memory);
+        let charge = crate::worker::start::charge(&self.config(), env.engine, limits.guest_memory);
         let reserved = self
             .admission
             .reserve_uid(caller.uid, charge, detached.is_some())
@@ -745,19 +675,6 @@ impl Core {
         // act
         self.spawn_session(caller, &env, limits, detached, reserved)
             .await
-    }
-
-    /// What a session run by `engine` with `guest_memory` is charged (guest memory is Eryx's
-    /// linear memory: native engines are charged none of it).
-    fn charge(&self, engine: Engine, guest_memory: u64) -> Charge {
-        Charge {
-            guest_memory: if engine == Engine::Eryx {
-                guest_memory
-            } else {
-                0
-            },
-            worker_memory: self.config().limits.max_worker_memory_bytes,
-        }
     }
 
     async fn spawn_session(
@@ -782,7 +699,7 @@ impl Core {
         Ok(self.start_session(prepared, caller, limits, detached, from_pool))
     }
 
-    /// [`Core::prepare_worker`] on a task of its own, so that a client that goes away while its
+    /// A worker start ([`Starter::start`]) on a task of its own, so that a client that goes away while its
     /// worker starts cannot leave a cgroup or directory behind: the task always finishes. When
     /// nobody waits for the worker any more (the client went away), its start is cancelled at
     /// once (killed, reaped, released) rather than awaited until Ready or the start timeout.
@@ -797,22 +714,22 @@ impl Core {
         let (mut tx, rx) = tokio::sync::oneshot::channel();
         let owner = caller.clone();
         tokio::spawn(async move {
-            let (cancel_tx, cancel) = watch::channel(false);
+            // A receiver kept for the whole task: a send to a channel without one is lost.
+            let (cancel_tx, _open) = watch::channel(false);
             let cancel_tx = Arc::new(cancel_tx);
-            let start = |owner: Caller| StartFor {
-                owner,
-                cancel: cancel.clone(),
-                cancel_tx: cancel_tx.clone(),
-            };
+            let start = |owner: Caller| Some(StartFor::new(owner, cancel_tx.clone()));
+            let cfg = me.config();
             let work = async {
                 match me
-                    .prepare_worker(&env, guest_memory, Some(start(owner.clone())))
+                    .starter
+                    .start(&cfg, &env, guest_memory, start(owner.clone()))
                     .await
                 {
                     // Idle pooled workers hold admission charges: give one back rather than
                     // refuse.
-                    Err(KernelError::CapacityExceeded { .. }) if me.pool.evict_one().await => {
-                        me.prepare_worker(&env, guest_memory, Some(start(owner)))
+                    Err(e) if e.budget().is_some() && me.pool.evict_one().await => {
+                        me.starter
+                            .start(&cfg, &env, guest_memory, start(owner))
                             .await
                     }
                     other => other,
@@ -826,188 +743,12 @@ impl Core {
                     work.await
                 }
             };
-            if let Err(Ok(p)) = tx.send(r) {
+            if let Err(Ok(p)) = tx.send(r.map_err(KernelError::from)) {
                 tracing::info!(session = %p.id, "client left while its worker started; discarding it");
                 p.discard().await;
             }
         });
         rx.await.unwrap_or(Err(KernelError::ShuttingDown {}))
-    }
-
-    /// Admits, creates the cgroup and directory, spawns a confined worker and waits for its
-    /// `Ready`. On any failure everything taken so far is released. With `start_for` (a
-    /// client's start, not the pool's), the worker is listed as `starting` until then, and
-    /// its cancellation ends the wait for `Ready` at once.
-    pub(crate) async fn prepare_worker(
-        &self,
-        env: &Environment,
-        guest_memory: u64,
-        start_for: Option<StartFor>,
-    ) -> Result<Prepared, KernelError> {
-        let language = env.language;
-        let cfg = self.config();
-        let charge = self.charge(env.engine, guest_memory);
-        let permit = self.admission.try_admit(charge)?;
-        let lease = if self.options.per_session_uids {
-            Some(
-                self.uids
-                    .allocate()
-                    .ok_or_else(|| KernelError::CapacityExceeded {
-                        budget: "worker_uid_count".into(),
-                        in_use: cfg.daemon.worker_uid_count as u64,
-                        requested: 1,
-                        max: cfg.daemon.worker_uid_count as u64,
-                    })?,
-            )
-        } else {
-            None
-        };
-        let id = new_session_id();
-        let mut cancel = None;
-        let _listed = start_for.map(|s| {
-            self.starting.lock().unwrap().insert(
-                id.clone(),
-                Starting {
-                    owner: s.owner,
-                    language,
-                    since: SystemTime::now(),
-                    cancel: s.cancel_tx,
-                },
-            );
-            cancel = Some(s.cancel);
-            Unlist {
-                core: self,
-                id: id.clone(),
-            }
-        });
-        let uid = lease.as_ref().map(|l| l.uid());
-        // BLAS/OpenMP threads follow the session's CPU quota (all CPUs when uncapped).
-        let cpu_threads = if cfg.daemon.worker_cpus > 0.0 {
-            cfg.daemon.worker_cpus.ceil() as u32
-        } else {
-            std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
-        };
-        let spec = WorkerSpec {
-            language,
-            engine: env.engine,
-            interpreter: env.interpreter.clone(),
-            library_paths: env.library_paths.clone(),
-            preload: env.preload.clone(),
-            cpu_threads: cpu_threads.max(1),
-            session_id: id.clone(),
-            session_dir: sessions_dir(&cfg).join(&id),
-            uid,
-            gid: uid,
-            worker_dir: cfg.daemon.worker_dir.clone(),
-            python_runtime_dir: cfg.daemon.python_runtime_dir.clone(),
-            guest_memory_bytes: guest_memory,
-            native_address_space: None,
-            max_file_bytes: cfg.limits.max_session_files_bytes,
-            enforcement: self.options.enforcement,
-        };
-        let cpu_max = (cfg.daemon.worker_cpus > 0.0)
-            .then(|| ((cfg.daemon.worker_cpus * 100_000.0) as u64, 100_000));
-        let group: Arc<dyn SessionGroup> = self
-            .cgroups
-            .create(
-                &id,
-                &GroupLimits {
-                    memory_bytes: cfg.limits.max_worker_memory_bytes,
-                    max_pids: cfg.daemon.max_worker_pids,
-                    cpu_max,
-                },
-            )
-            .map(Arc::from)
-            .map_err(|e| KernelError::WorkerFailed {
-                reason: e.to_string(),
-            })?;
-
-        let fail_id = id.clone();
-        let fail = |reason: String, group: Arc<dyn SessionGroup>, dir: PathBuf| async move {
-            let id = fail_id;
-            let g = group.clone();
-            let _ = tokio::task::spawn_blocking(move || g.kill_all(Duration::from_secs(5))).await;
-            crate::worker::remove_remains(&id, group, dir).await;
-            tracing::warn!(%reason, "worker failed to start");
-            KernelError::WorkerFailed { reason }
-        };
-        let mut spawned = match spawn::spawn(&spec, &group) {
-            Ok(s) => s,
-            Err(e) => return Err(fail(e.to_string(), group, spec.session_dir.clone()).await),
-        };
-        // The worker confines itself, loads its interpreter and says Ready; nothing is sent to
-        // it before that.
-        let timeout = Duration::from_secs_f64(cfg.daemon.worker_start_timeout_seconds);
-        let cancelled = async {
-            match cancel.as_mut() {
-                Some(c) => {
-                    let _ = c.wait_for(|c| *c).await;
-                }
-                None => std::future::pending::<()>().await,
-            }
-        };
-        let ready = tokio::select! {
-            r = tokio::time::timeout(timeout, spawned.replies.next_line()) => Some(r),
-            _ = cancelled => None,
-        };
-        let engine = match ready {
-            None => Err(
-                "start cancelled (the client went away, or the session was terminated)".to_string(),
-            ),
-            Some(ready) => match ready {
-                Ok(Ok(Some(line))) => match WorkerMessage::parse(&line) {
-                    Ok(WorkerMessage::Ready { engine, .. }) => Ok(engine),
-                    Ok(WorkerMessage::Fatal { stage, reason }) => {
-                        Err(format!("worker failed at {stage}: {reason}"))
-                    }
-                    Ok(_) => Err("worker spoke before it was ready".to_string()),
-                    Err(e) => Err(format!("bad ready line: {e}")),
-                },
-                Ok(Ok(None)) => {
-                    let status = spawned
-                        .child
-                        .wait()
-                        .await
-                        .map(|s| s.to_string())
-                        .unwrap_or_default();
-                    Err(format!(
-                        "worker exited before it was ready ({status}); see the daemon's log"
-                    ))
-                }
-                Ok(Err(e)) => Err(e.to_string()),
-                Err(_) => Err(format!("worker not ready after {timeout:?}")),
-            },
-        };
-        match engine {
-            Ok(engine) => Ok(Prepared {
-                id,
-                language,
-                environment: env.name.clone(),
-                guest_memory,
-                engine,
-                spawned,
-                group,
-                session_dir: spec.session_dir,
-                lease,
-                permit,
-            }),
-            Err(reason) => {
-                let _ = spawned.child.start_kill();
-                let _ = spawned.child.wait().await;
-                // Before Ready only trusted code (the launcher, the confinement) has written
-                // to stderr: log its head for the operator (never sent to the client).
-                if let Some(err) = spawned.stderr.as_mut() {
-                    let mut buf = vec![0u8; 4096];
-                    if let Ok(n) = err.try_read(&mut buf)
-                        && n > 0
-                    {
-                        let text = sandcell_proto::text::escape_lossy(&buf[..n]);
-                        tracing::warn!(session = %id, stderr = %text.trim_end(), "worker stderr before it was ready");
-                    }
-                }
-                Err(fail(reason, group, spec.session_dir.clone()).await)
-            }
-        }
     }
 
     /// Turns a Ready worker into a session owned by `caller`.
@@ -1027,22 +768,15 @@ impl Core {
         // daemon's own probe sessions are neither marked nor recorded: nobody asks for them.
         let state_dir = self.config().daemon.state_dir.clone();
         let owner = caller.uid;
-        let client = !matches!(caller.subject, crate::session::Subject::Daemon);
+        let client = !matches!(caller.subject, crate::identity::Subject::Daemon);
         if client {
             crate::ended::mark(&state_dir, &id, owner);
         }
         let session = Session::start(
-            p.id,
-            p.language,
+            p,
             caller.clone(),
             detached,
-            p.engine,
             limits,
-            p.spawned,
-            p.group,
-            p.session_dir,
-            p.lease,
-            p.permit,
             Box::new(move |id, ending: &crate::session::Ending| {
                 if client {
                     ended.record(id, owner, ending.reason, SystemTime::now());
@@ -1404,13 +1138,7 @@ impl Core {
         caller: &Caller,
         id: &str,
     ) -> Result<Option<Arc<watch::Sender<bool>>>, KernelError> {
-        let found = self
-            .starting
-            .lock()
-            .unwrap()
-            .get(id)
-            .map(|s| (s.owner.uid, s.cancel.clone()));
-        let Some((owner, cancel)) = found else {
+        let Some((owner, cancel)) = self.starter.find_starting(id) else {
             return Ok(None);
         };
         let action = if owner == caller.uid {
@@ -1435,9 +1163,7 @@ impl Core {
             let _ = cancel.send(true);
             // The start ends (kill, reap, release) on its own task; wait until it is unlisted.
             let t0 = std::time::Instant::now();
-            while self.starting.lock().unwrap().contains_key(session)
-                && t0.elapsed() < Duration::from_secs(10)
-            {
+            while self.starter.is_starting(session) && t0.elapsed() < Duration::from_secs(10) {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
             return Ok(());
@@ -1554,9 +1280,9 @@ impl Core {
         let busy = {
             let info = s.info.lock().unwrap();
             match info.state {
-                "running" => Some(Some(info.running_cell.unwrap_or(0))),
-                "ended" => Some(None),
-                _ => None,
+                SessionState::Running => Some(Some(info.running_cell.unwrap_or(0))),
+                SessionState::Ended => Some(None),
+                SessionState::Idle => None,
             }
         };
         match busy {
@@ -1720,34 +1446,8 @@ impl Core {
     }
 }
 
-/// Removes a starting worker from the listing when its start ends, however it ends.
-struct Unlist<'a> {
-    core: &'a Core,
-    id: String,
-}
-
-impl Drop for Unlist<'_> {
-    fn drop(&mut self) {
-        self.core.starting.lock().unwrap().remove(&self.id);
-    }
-}
-
 /// Smallest guest memory a client may ask for, bytes (32 MiB).
 pub const MIN_GUEST_MEMORY: u64 = 32 * 1024 * 1024;
-
-/// `<state_dir>/sessions`.
-pub fn sessions_dir(c: &Config) -> PathBuf {
-    c.daemon.state_dir.join("sessions")
-}
-
-/// A new session id: 128 random bits as a [`sandcell_proto::kernel::SessionId`].
-pub fn new_session_id() -> String {
-    let mut b = [0u8; 16];
-    // SAFETY: getrandom writes at most b.len() bytes into b.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    assert_eq!(n, 16, "getrandom failed");
-    sandcell_proto::kernel::SessionId::from_random(b).into_string()
-}
 
 /// A blocking file task of the daemon's own that did not finish (it panicked or the runtime
 /// is stopping): a server fault, never the worker's.
@@ -1755,5 +1455,24 @@ fn file_task_failed(e: tokio::task::JoinError) -> KernelError {
     KernelError::InternalError {
         operation: "file task".into(),
         reason: e.to_string(),
+    }
+}
+
+/// The warm pools are filled through the core: its configuration, its stop, its starter.
+impl crate::pool::Source for Core {
+    type Worker = Prepared;
+
+    fn config(&self) -> Option<Arc<Config>> {
+        (!self.stopping()).then(|| Core::config(self))
+    }
+
+    async fn start(&self, env: &Environment, guest_memory: u64) -> Result<Prepared, StartError> {
+        self.starter
+            .start(&Core::config(self), env, guest_memory, None)
+            .await
+    }
+
+    fn pool(&self) -> &crate::pool::Pool<Prepared> {
+        &self.pool
     }
 }

@@ -13,7 +13,7 @@
 
 use crate::config::{Engine, Environment};
 use crate::core::Core;
-use crate::session::{Caller, Subject};
+use crate::identity::{Caller, Subject};
 use sandcell_proto::kernel::{self as k, Frame, KernelError, MAX_LISTED_PACKAGES, Package, Status};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

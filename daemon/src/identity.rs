@@ -1,3 +1,9 @@
+//! Identities: who calls ([`Caller`], its authorization [`Subject`]) and who runs
+//! ([`UidPool`]).
+//!
+//! Callers come from the transport, never from a message: a Varlink connection's peer
+//! credentials and pidfd, or a D-Bus sender's unique name.
+//!
 //! Per-session worker identities: each live session gets its own uid (and a group of the same
 //! number) from the configured range, so sessions cannot signal each other or read each
 //! other's files even where another wall fails (RLIMIT_NPROC also counts per uid).
@@ -11,6 +17,61 @@
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
+
+/// Who called: taken from the connection's peer credentials (never from the message).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// Peer uid.
+    pub uid: u32,
+    /// Peer gid.
+    pub gid: u32,
+    /// Peer pid at connect time.
+    pub pid: u32,
+    /// Connection id (unique per daemon run); 0 for the daemon itself and D-Bus callers.
+    pub connection: u64,
+    /// How the authority (polkit) identifies the caller; never a bare pid (see [`Subject`]).
+    pub subject: Subject,
+}
+
+/// The caller as an authorization subject (polkit's `unix-process` or `system-bus-name`).
+///
+/// A bare pid is never a subject: a pid can be recycled between the connection and the check,
+/// and a caller that vanishes mid-check must be refused, not mistaken for another process
+/// (polkit CVE-2013-4288, the pid-reuse race; CVE-2021-3560, a requester killed mid-check was
+/// treated as root). Hence start time + uid, and a pidfd where the kernel gives one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Subject {
+    /// The daemon itself (readiness probe).
+    Daemon,
+    /// A local process from a socket's peer credentials.
+    Process {
+        /// Peer pid at connect time.
+        pid: u32,
+        /// Start time of `pid`: `/proc/<pid>/stat` field 22, clock ticks since boot; read
+        /// while the pidfd proved the pid still named the peer. 0 if unknown.
+        start_time: u64,
+        /// `SO_PEERPIDFD` (Linux 6.5+), shared by every clone of the caller.
+        pidfd: Option<PidFd>,
+    },
+    /// A D-Bus peer, by its unique name on the system bus (e.g. `:1.42`).
+    BusName {
+        /// Unique bus name of the sender.
+        name: String,
+        /// The call carried `ALLOW_INTERACTIVE_AUTHORIZATION`: polkit may prompt.
+        interactive: bool,
+    },
+}
+
+/// A process file descriptor, shared; two are equal when they are the same descriptor.
+#[derive(Debug, Clone)]
+pub struct PidFd(pub Arc<std::os::fd::OwnedFd>);
+
+impl PartialEq for PidFd {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+impl Eq for PidFd {}
 
 /// The pool of worker uids `[base, base + count)`.
 #[derive(Debug, Clone)]

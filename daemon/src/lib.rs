@@ -4,10 +4,12 @@
 //! Code map:
 //! - [`core`]: sessions, admission, identities, authorization order; no protocol knowledge.
 //! - [`session`]: one session's actor: runs cells, bounds output, interrupts, releases.
-//! - [`worker`]: starting a worker (the one confinement seam: `worker/spawn.rs`), reading it.
+//! - [`worker`]: starting a worker (charge, uid, cgroup, Ready: `worker/start.rs`; the one
+//!   confinement seam: `worker/spawn.rs`), reading it, signalling it.
 //! - [`cgroup`]: session cgroups (v2, v1 hybrid).
-//! - [`pool`]: warm pools of pre-started, confined, Ready workers.
-//! - [`admission`], [`identity`], [`auth`], [`config`]: budgets, uids, decisions, settings.
+//! - [`pool`]: warm pools of pre-started, confined, Ready workers, filled from a `Source`.
+//! - [`admission`], [`identity`], [`auth`], [`config`]: budgets, callers and uids, decisions,
+//!   settings.
 //! - [`varlink`]: the `org.sandcell.Kernel` shim.
 //! - [`dbus`]: the `org.sandcell.Sandcell1` control plane shim; [`polkit`]: the polkit authority.
 //! - [`files`]: files in and out of session directories (never following a symlink).

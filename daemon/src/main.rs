@@ -5,7 +5,8 @@ use clap::Parser;
 use sandcelld::auth::SocketPermissions;
 use sandcelld::cgroup::{self, Backend};
 use sandcelld::config::{Config, DEFAULT_CONFIG_PATH};
-use sandcelld::core::{Core, Options};
+use sandcelld::core::Core;
+use sandcelld::worker::start::Options;
 use sandcelld::{notify, varlink};
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -152,7 +153,7 @@ impl SocketLike for std::fs::FileType {
 }
 
 fn prepare_state_dir(config: &Config) -> anyhow::Result<()> {
-    let dir = sandcelld::core::sessions_dir(config);
+    let dir = sandcelld::worker::start::sessions_dir(config);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     // Traversable, not listable: a worker may reach its own directory only.
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))?;

@@ -33,7 +33,7 @@
 //! uid, pid and the action.
 
 use crate::auth::{Action, Authority};
-use crate::session::{Caller, PidFd, Subject};
+use crate::identity::{Caller, PidFd, Subject};
 use std::collections::HashMap;
 use std::future::Future;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};

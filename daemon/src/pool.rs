@@ -14,56 +14,66 @@
 //!   on a client's path;
 //! - when admission refuses a client and idle pooled workers hold charges, one is evicted and
 //!   the client admitted: the pool never causes a refusal.
+//!
+//! The pool knows no core: the refill task ([`run`]) fills it from a [`Source`] (the core,
+//! which starts workers with `worker::start`), and what it plans per round (targets, starts,
+//! retirements) is tested with a fake source.
 
-use crate::admission::Permit;
-use crate::cgroup::SessionGroup;
-use crate::core::Core;
-use crate::identity::UidLease;
-use crate::worker::spawn::Spawned;
-use sandcell_proto::kernel::{KernelError, Language};
+use crate::config::{Config, Environment};
+use crate::worker::start::{Prepared, StartError};
+use sandcell_proto::kernel::Language;
 use std::collections::{BTreeMap, VecDeque};
-use std::path::PathBuf;
+use std::future::Future;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-/// A worker that has confined itself and said `Ready`, not yet owned by any session.
-#[derive(Debug)]
-pub struct Prepared {
-    /// Session id it will have.
-    pub id: String,
-    /// Interpreter.
-    pub language: Language,
-    /// Environment name.
-    pub environment: String,
-    /// Guest memory it was started with, bytes.
-    pub guest_memory: u64,
-    /// Engine string from `Ready`.
-    pub engine: String,
-    /// The process and its pipes.
-    pub spawned: Spawned,
-    /// Its cgroup.
-    pub group: Arc<dyn SessionGroup>,
-    /// Its directory.
-    pub session_dir: PathBuf,
-    /// Its uid.
-    pub lease: Option<UidLease>,
-    /// Its admission charge.
-    pub permit: Permit,
+/// A worker a pool can keep idle: a [`Prepared`] worker in the daemon, a fake in tests.
+pub trait Warm: std::fmt::Debug + Send + 'static {
+    /// Its session id (for the log).
+    fn id(&self) -> &str;
+    /// Guest memory it was started with, bytes (a take must ask for exactly this).
+    fn guest_memory(&self) -> u64;
+    /// Whether it still runs (checked before it is handed out).
+    fn alive(&mut self) -> bool;
+    /// Kills and releases it (it never served a session).
+    fn discard(self) -> impl Future<Output = ()> + Send;
 }
 
-impl Prepared {
-    /// Kills and releases an unused worker in the session release order: kill, reap, remove
-    /// cgroup and directory, then uid and permit.
-    pub async fn discard(mut self) {
-        crate::worker::kill_and_reap(self.spawned.pid, &mut self.spawned.child, &self.group).await;
-        crate::worker::remove_remains(&self.id, self.group.clone(), self.session_dir.clone()).await;
-        drop(self.lease.take());
-        drop(self.permit);
+impl Warm for Prepared {
+    fn id(&self) -> &str {
+        &self.id
     }
-
+    fn guest_memory(&self) -> u64 {
+        self.guest_memory
+    }
     fn alive(&mut self) -> bool {
-        matches!(self.spawned.child.try_wait(), Ok(None))
+        Prepared::alive(self)
     }
+    fn discard(self) -> impl Future<Output = ()> + Send {
+        Prepared::discard(self)
+    }
+}
+
+/// What the refill task fills the pools from: the daemon's core (through its worker
+/// starter), or a fake in tests. The task holds it weakly between rounds.
+pub trait Source: Send + Sync + 'static {
+    /// The workers it starts.
+    type Worker: Warm;
+    /// The configuration in force (environments and their pool sizes, refill rate, idle
+    /// time, guest memory); `None` once the daemon stops, which ends the refill task.
+    fn config(&self) -> Option<Arc<Config>>;
+    /// Starts a worker of `env` with `guest_memory` bytes for a pool (no client: it is not
+    /// listed as starting and cannot be cancelled).
+    ///
+    /// Errors: as [`crate::worker::start::Starter::start`]; a refusal with a
+    /// [`StartError::budget`] makes the task retry after 1 s, any other failure after 5 s.
+    fn start(
+        &self,
+        env: &Environment,
+        guest_memory: u64,
+    ) -> impl Future<Output = Result<Self::Worker, StartError>> + Send;
+    /// The pools it fills.
+    fn pool(&self) -> &Pool<Self::Worker>;
 }
 
 /// Pool figures for one environment (shown on D-Bus as `org.sandcell.Manager1.Pools`).
@@ -90,9 +100,9 @@ pub struct Status {
 }
 
 #[derive(Debug)]
-struct Lane {
+struct Lane<W> {
     language: Language,
-    idle: VecDeque<Prepared>,
+    idle: VecDeque<W>,
     last_take: Option<Instant>,
     target: usize,
     min: usize,
@@ -101,8 +111,8 @@ struct Lane {
     missed: u64,
 }
 
-impl Lane {
-    fn new(language: Language) -> Lane {
+impl<W> Lane<W> {
+    fn new(language: Language) -> Lane<W> {
         Lane {
             language,
             idle: VecDeque::new(),
@@ -116,22 +126,28 @@ impl Lane {
     }
 }
 
-/// The pools of all environments, by environment name.
-#[derive(Debug, Default)]
-pub struct Pool {
-    lanes: Mutex<BTreeMap<String, Lane>>,
+/// The pools of all environments, by environment name, of workers `W` ([`Prepared`] in the
+/// daemon).
+#[derive(Debug)]
+pub struct Pool<W> {
+    lanes: Mutex<BTreeMap<String, Lane<W>>>,
     wake: tokio::sync::Notify,
 }
 
-impl Pool {
-    /// Takes a warm worker of `environment` (of `language`) started with `guest_memory`, if
-    /// one is idle.
-    pub fn take(
-        &self,
-        environment: &str,
-        language: Language,
-        guest_memory: u64,
-    ) -> Option<Prepared> {
+impl<W> Default for Pool<W> {
+    fn default() -> Self {
+        Pool {
+            lanes: Mutex::default(),
+            wake: tokio::sync::Notify::new(),
+        }
+    }
+}
+
+impl<W: Warm> Pool<W> {
+    /// Takes a warm worker of `environment` (of `language`) started with `guest_memory`
+    /// bytes, if one is idle. Dead idle workers met on the way are discarded on a task of
+    /// their own; the refill task is woken.
+    pub fn take(&self, environment: &str, language: Language, guest_memory: u64) -> Option<W> {
         let mut lanes = self.lanes.lock().unwrap();
         let l = lanes
             .entry(environment.to_owned())
@@ -149,7 +165,7 @@ impl Pool {
                 dead.push(p);
                 continue;
             }
-            if p.guest_memory == guest_memory {
+            if p.guest_memory() == guest_memory {
                 found = Some(p);
                 break;
             }
@@ -185,6 +201,37 @@ impl Pool {
         }
     }
 
+    /// Discards every idle worker (daemon stop).
+    pub async fn drain(&self) {
+        let all: Vec<W> = {
+            let mut lanes = self.lanes.lock().unwrap();
+            lanes.values_mut().flat_map(|l| l.idle.drain(..)).collect()
+        };
+        for p in all {
+            p.discard().await;
+        }
+    }
+
+    fn push(&self, environment: &str, language: Language, p: W) {
+        self.lanes
+            .lock()
+            .unwrap()
+            .entry(environment.to_owned())
+            .or_insert_with(|| Lane::new(language))
+            .idle
+            .push_back(p);
+    }
+
+    fn pop_surplus(&self, environment: &str) -> Option<W> {
+        self.lanes
+            .lock()
+            .unwrap()
+            .get_mut(environment)
+            .and_then(|l| l.idle.pop_back())
+    }
+}
+
+impl<W> Pool<W> {
     /// Figures for each environment that has or had a pool, in name order.
     pub fn status(&self) -> Vec<Status> {
         let lanes = self.lanes.lock().unwrap();
@@ -203,29 +250,13 @@ impl Pool {
             .collect()
     }
 
-    /// Discards every idle worker (daemon stop).
-    pub async fn drain(&self) {
-        let all: Vec<Prepared> = {
-            let mut lanes = self.lanes.lock().unwrap();
-            lanes.values_mut().flat_map(|l| l.idle.drain(..)).collect()
-        };
-        for p in all {
-            p.discard().await;
-        }
+    /// Wakes the refill task (after a take).
+    pub fn notifier(&self) -> &tokio::sync::Notify {
+        &self.wake
     }
 
-    fn push(&self, p: Prepared) {
-        let language = p.language;
-        self.lanes
-            .lock()
-            .unwrap()
-            .entry(p.environment.clone())
-            .or_insert_with(|| Lane::new(language))
-            .idle
-            .push_back(p);
-    }
-
-    /// Decides the target of `environment` and returns (idle, target).
+    /// Decides the target of `environment`: `max` while it was taken from in the last
+    /// `idle_after`, else `min`; returns (idle, target).
     fn plan(
         &self,
         environment: &str,
@@ -244,14 +275,6 @@ impl Pool {
         (l.idle.len(), l.target)
     }
 
-    fn pop_surplus(&self, environment: &str) -> Option<Prepared> {
-        self.lanes
-            .lock()
-            .unwrap()
-            .get_mut(environment)
-            .and_then(|l| l.idle.pop_back())
-    }
-
     /// Names of the environments with a lane (that have or had a pool).
     fn names(&self) -> Vec<(String, Language)> {
         self.lanes
@@ -263,23 +286,34 @@ impl Pool {
     }
 }
 
-/// The refill task: keeps each pool at its target, at most `pool_refill_per_second` starts a
-/// second, until the daemon stops. Holds the core weakly between rounds; during a round and
-/// its pause it holds a strong reference, so it ends at the first round
-/// that finds the core stopping or gone.
-pub async fn run(core: Weak<Core>) {
-    let mut backoff_until = Instant::now();
-    // Per environment: the last refill was refused by admission (said once, not every second).
-    let mut refused: BTreeMap<String, bool> = BTreeMap::new();
-    loop {
-        let Some(c) = core.upgrade() else { return };
-        if c.stopping() {
-            return;
+/// What the refill task remembers between rounds.
+#[derive(Debug)]
+struct Refill {
+    /// No start before this (after a refused or failed one).
+    backoff_until: Instant,
+    /// Per environment: the last refill was refused by admission (said once, not every
+    /// round).
+    refused: BTreeMap<String, bool>,
+}
+
+impl Refill {
+    fn new() -> Refill {
+        Refill {
+            backoff_until: Instant::now(),
+            refused: BTreeMap::new(),
         }
-        let cfg = c.config();
+    }
+
+    /// One round at `now` with `cfg`: every served environment, and every one that had a
+    /// pool and is no longer served (target 0), gets its target; one idle worker over its
+    /// target is retired per environment, and at most one worker in the whole round is
+    /// started (for the first environment, in name order, below its target), unless a
+    /// refusal or failure set a back-off that `now` has not reached. Returns whether a start
+    /// was tried.
+    async fn round<S: Source>(&mut self, source: &S, cfg: &Config, now: Instant) -> bool {
         let d = &cfg.daemon;
-        let pause = Duration::from_secs_f64(1.0 / d.pool_refill_per_second.max(0.001));
         let idle_after = Duration::from_secs(d.pool_idle_seconds);
+        let pool = source.pool();
         let mut started = false;
         let envs = cfg.environments();
         // Environments no longer served (a reload dropped them) drain to nothing.
@@ -287,63 +321,315 @@ pub async fn run(core: Weak<Core>) {
             .iter()
             .map(|e| (e.name.clone(), e.language, e.pool_min, e.pool_max))
             .collect();
-        for (name, language) in c.pool().names() {
+        for (name, language) in pool.names() {
             if !envs.iter().any(|e| e.name == name) {
                 todo.push((name, language, 0, 0));
             }
         }
         for (name, lang, min, max) in todo {
-            let (idle, target) = c.pool().plan(&name, lang, min, max, idle_after);
+            let (idle, target) = pool.plan(&name, lang, min, max, idle_after);
             if idle > target {
-                if let Some(p) = c.pool().pop_surplus(&name) {
+                if let Some(p) = pool.pop_surplus(&name) {
                     p.discard().await;
                 }
-            } else if idle < target && !started && Instant::now() >= backoff_until {
+            } else if idle < target && !started && now >= self.backoff_until {
                 started = true;
                 let Some(env) = envs.iter().find(|e| e.name == name) else {
                     continue;
                 };
-                match c
-                    .prepare_worker(env, cfg.limits.max_guest_memory_bytes, None)
-                    .await
-                {
+                match source.start(env, cfg.limits.max_guest_memory_bytes).await {
                     Ok(p) => {
-                        tracing::info!(environment = %name, language = lang.as_str(), session = %p.id, "warm worker ready");
-                        refused.insert(name.clone(), false);
-                        c.pool().push(p);
+                        tracing::info!(environment = %name, language = lang.as_str(), session = %p.id(), "warm worker ready");
+                        self.refused.insert(name.clone(), false);
+                        pool.push(&name, lang, p);
                     }
                     // No room: clients come first; try again later.
-                    Err(KernelError::CapacityExceeded { budget, .. }) => {
-                        if !refused.insert(name.clone(), true).unwrap_or(false) {
-                            tracing::info!(environment = %name, idle, target, budget = %budget, "warm pool below its target: admission has no room (sessions and other pools use the budget); retrying every second");
+                    Err(e) if e.budget().is_some() => {
+                        if !self.refused.insert(name.clone(), true).unwrap_or(false) {
+                            tracing::info!(environment = %name, idle, target, budget = e.budget().unwrap_or_default(), "warm pool below its target: admission has no room (sessions and other pools use the budget); retrying every second");
                         }
-                        backoff_until = Instant::now() + Duration::from_secs(1)
+                        self.backoff_until = Instant::now() + REFUSED_BACKOFF;
                     }
                     Err(e) => {
                         tracing::warn!(environment = %name, error = %e, "warm pool: worker failed to start; retrying in 5 s");
-                        backoff_until = Instant::now() + Duration::from_secs(5);
+                        self.backoff_until = Instant::now() + FAILED_BACKOFF;
                     }
                 }
             }
         }
-        let wait = if started {
-            pause
-        } else {
-            Duration::from_millis(500)
-        };
-        let core_ref = c.clone();
-        drop(c);
-        tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
-            _ = core_ref.pool().notifier().notified(), if !started => {}
-        }
-        drop(core_ref);
+        started
     }
 }
 
-impl Pool {
-    /// Wakes the refill task (after a take).
-    pub fn notifier(&self) -> &tokio::sync::Notify {
-        &self.wake
+/// How long the refill task waits after admission refused a warm worker.
+const REFUSED_BACKOFF: Duration = Duration::from_secs(1);
+
+/// How long the refill task waits after a warm worker failed to start.
+const FAILED_BACKOFF: Duration = Duration::from_secs(5);
+
+/// How long the refill task sleeps after a round that started nothing, unless a take wakes
+/// it.
+const IDLE_ROUND: Duration = Duration::from_millis(500);
+
+/// The refill task: keeps each pool at its target, at most `pool_refill_per_second` starts a
+/// second, until the daemon stops. Holds the source weakly between rounds; during a round and
+/// its pause it holds a strong reference, so it ends at the first round that finds the source
+/// stopping ([`Source::config`] is `None`) or gone.
+pub async fn run<S: Source>(source: Weak<S>) {
+    let mut refill = Refill::new();
+    loop {
+        let Some(s) = source.upgrade() else { return };
+        let Some(cfg) = s.config() else { return };
+        let started = refill.round(&*s, &cfg, Instant::now()).await;
+        let wait = if started {
+            Duration::from_secs_f64(1.0 / cfg.daemon.pool_refill_per_second.max(0.001))
+        } else {
+            IDLE_ROUND
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = s.pool().notifier().notified(), if !started => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+    /// A pooled worker that is only a record: no process, no cgroup, no uid.
+    #[derive(Debug)]
+    struct Fake {
+        id: String,
+        guest_memory: u64,
+        alive: Arc<AtomicBool>,
+        discarded: Arc<AtomicUsize>,
+    }
+
+    impl Warm for Fake {
+        fn id(&self) -> &str {
+            &self.id
+        }
+        fn guest_memory(&self) -> u64 {
+            self.guest_memory
+        }
+        fn alive(&mut self) -> bool {
+            self.alive.load(Ordering::SeqCst)
+        }
+        fn discard(self) -> impl Future<Output = ()> + Send {
+            self.discarded.fetch_add(1, Ordering::SeqCst);
+            std::future::ready(())
+        }
+    }
+
+    /// A starter that makes [`Fake`]s, or refuses or fails as told.
+    #[derive(Debug)]
+    struct FakeSource {
+        config: Mutex<Arc<Config>>,
+        pool: Pool<Fake>,
+        started: Mutex<Vec<String>>,
+        refuse: AtomicBool,
+        fail: AtomicBool,
+        discarded: Arc<AtomicUsize>,
+        alive: Arc<AtomicBool>,
+    }
+
+    impl Source for FakeSource {
+        type Worker = Fake;
+        fn config(&self) -> Option<Arc<Config>> {
+            Some(self.config.lock().unwrap().clone())
+        }
+        fn start(
+            &self,
+            env: &Environment,
+            guest_memory: u64,
+        ) -> impl Future<Output = Result<Fake, StartError>> + Send {
+            let r = if self.refuse.load(Ordering::SeqCst) {
+                Err(StartError::Uids { count: 1 })
+            } else if self.fail.load(Ordering::SeqCst) {
+                Err(StartError::Cancelled)
+            } else {
+                let mut started = self.started.lock().unwrap();
+                started.push(env.name.clone());
+                Ok(Fake {
+                    id: format!("{}-{}", env.name, started.len()),
+                    guest_memory,
+                    alive: self.alive.clone(),
+                    discarded: self.discarded.clone(),
+                })
+            };
+            std::future::ready(r)
+        }
+        fn pool(&self) -> &Pool<Fake> {
+            &self.pool
+        }
+    }
+
+    /// A configuration serving `python` (Eryx) and `r`, with the given pool sizes, an idle
+    /// time of `idle_seconds` and a refill rate of 4 a second.
+    fn config(python: (usize, usize), r: (usize, usize), idle_seconds: u64) -> Arc<Config> {
+        let text = format!(
+            "[daemon]\nlanguages = [\"python\", \"r\"]\npool_idle_seconds = {idle_seconds}\n\
+             [environments.python]\nlanguage = \"python\"\nengine = \"eryx\"\ndefault = true\n\
+             pool_min = {}\npool_max = {}\n\
+             [environments.pydata]\nlanguage = \"python\"\nengine = \"native\"\nenabled = false\n\
+             [environments.r]\nlanguage = \"r\"\nengine = \"native\"\ndefault = true\n\
+             pool_min = {}\npool_max = {}\n",
+            python.0, python.1, r.0, r.1
+        );
+        let c = Config::parse(Path::new("test.toml"), &text).unwrap();
+        c.validate().unwrap();
+        Arc::new(c)
+    }
+
+    fn source(cfg: Arc<Config>) -> FakeSource {
+        FakeSource {
+            config: Mutex::new(cfg),
+            pool: Pool::default(),
+            started: Mutex::default(),
+            refuse: AtomicBool::new(false),
+            fail: AtomicBool::new(false),
+            discarded: Arc::default(),
+            alive: Arc::new(AtomicBool::new(true)),
+        }
+    }
+
+    /// Runs `n` rounds at once (no back-off can pass meanwhile); returns the rounds that
+    /// started a worker.
+    async fn rounds(refill: &mut Refill, s: &FakeSource, n: usize) -> usize {
+        let mut started = 0;
+        for _ in 0..n {
+            let cfg = s.config().unwrap();
+            started += usize::from(refill.round(s, &cfg, Instant::now()).await);
+        }
+        started
+    }
+
+    fn idle(s: &FakeSource, env: &str) -> usize {
+        s.pool
+            .status()
+            .iter()
+            .find(|st| st.environment == env)
+            .map_or(0, |st| st.idle)
+    }
+
+    #[tokio::test]
+    async fn fills_each_pool_to_its_minimum_one_start_a_round() {
+        let s = source(config((2, 3), (1, 1), 60));
+        let mut refill = Refill::new();
+        assert_eq!(rounds(&mut refill, &s, 1).await, 1);
+        assert_eq!(*s.started.lock().unwrap(), ["python"]);
+        assert_eq!(rounds(&mut refill, &s, 5).await, 2);
+        assert_eq!(*s.started.lock().unwrap(), ["python", "python", "r"]);
+        assert_eq!((idle(&s, "python"), idle(&s, "r")), (2, 1));
+        let st = s.pool.status();
+        assert_eq!(
+            st.iter()
+                .map(|x| (x.environment.as_str(), x.target, x.min, x.max))
+                .collect::<Vec<_>>(),
+            [("python", 2, 2, 3), ("r", 1, 1, 1)]
+        );
+    }
+
+    #[tokio::test]
+    async fn grows_to_its_maximum_while_taken_and_shrinks_when_idle() {
+        let s = source(config((1, 3), (0, 0), 60));
+        let mut refill = Refill::new();
+        rounds(&mut refill, &s, 2).await;
+        assert_eq!(idle(&s, "python"), 1);
+        let gm = s.config().unwrap().limits.max_guest_memory_bytes;
+        let taken = s.pool.take("python", Language::Python, gm).unwrap();
+        assert_eq!(taken.id, "python-1");
+        // Taken a moment ago: the target is the maximum.
+        assert_eq!(rounds(&mut refill, &s, 5).await, 3);
+        assert_eq!(idle(&s, "python"), 3);
+        assert_eq!(s.pool.status()[0].taken, 1);
+        // With an idle time of 0 the pool is idle at once: back to the minimum, one worker
+        // retired a round, none started.
+        *s.config.lock().unwrap() = config((1, 3), (0, 0), 0);
+        assert_eq!(rounds(&mut refill, &s, 1).await, 0);
+        assert_eq!(idle(&s, "python"), 2);
+        assert_eq!(rounds(&mut refill, &s, 3).await, 0);
+        assert_eq!(idle(&s, "python"), 1);
+        assert_eq!(s.discarded.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn an_environment_no_longer_served_drains_to_nothing() {
+        let s = source(config((0, 0), (2, 2), 60));
+        let mut refill = Refill::new();
+        rounds(&mut refill, &s, 2).await;
+        assert_eq!(idle(&s, "r"), 2);
+        let mut c = (*config((0, 0), (0, 0), 60)).clone();
+        c.daemon.languages = vec!["python".into()];
+        c.validate().unwrap();
+        *s.config.lock().unwrap() = Arc::new(c);
+        assert_eq!(rounds(&mut refill, &s, 3).await, 0);
+        assert_eq!(idle(&s, "r"), 0);
+        assert_eq!(s.discarded.load(Ordering::SeqCst), 2);
+        let r = s.pool.status().into_iter().find(|x| x.environment == "r");
+        assert_eq!(r.map(|x| (x.target, x.min, x.max)), Some((0, 0, 0)));
+    }
+
+    #[tokio::test]
+    async fn a_refused_or_failed_start_backs_off() {
+        let s = source(config((1, 1), (0, 0), 60));
+        let mut refill = Refill::new();
+        s.refuse.store(true, Ordering::SeqCst);
+        assert_eq!(rounds(&mut refill, &s, 1).await, 1);
+        // Refused by admission: no new try within a second.
+        assert_eq!(rounds(&mut refill, &s, 3).await, 0);
+        s.refuse.store(false, Ordering::SeqCst);
+        let cfg = s.config().unwrap();
+        let later = Instant::now() + REFUSED_BACKOFF + Duration::from_millis(50);
+        assert!(refill.round(&s, &cfg, later).await);
+        assert_eq!(idle(&s, "python"), 1);
+        // A failed start waits longer.
+        let gm = cfg.limits.max_guest_memory_bytes;
+        assert!(s.pool.take("python", Language::Python, gm).is_some());
+        s.fail.store(true, Ordering::SeqCst);
+        assert!(refill.round(&s, &cfg, later).await);
+        let later = Instant::now() + REFUSED_BACKOFF + Duration::from_millis(50);
+        assert!(!refill.round(&s, &cfg, later).await);
+        let later = Instant::now() + FAILED_BACKOFF + Duration::from_millis(50);
+        s.fail.store(false, Ordering::SeqCst);
+        assert!(refill.round(&s, &cfg, later).await);
+        assert_eq!(idle(&s, "python"), 1);
+    }
+
+    #[tokio::test]
+    async fn takes_match_guest_memory_and_skip_dead_workers() {
+        let s = source(config((2, 2), (0, 0), 60));
+        let mut refill = Refill::new();
+        rounds(&mut refill, &s, 2).await;
+        let gm = s.config().unwrap().limits.max_guest_memory_bytes;
+        // Another guest memory: a miss, nothing handed out or lost.
+        assert!(s.pool.take("python", Language::Python, gm / 2).is_none());
+        assert_eq!(idle(&s, "python"), 2);
+        assert_eq!(s.pool.status()[0].missed, 1);
+        // Dead workers are discarded, never handed out.
+        s.alive.store(false, Ordering::SeqCst);
+        assert!(s.pool.take("python", Language::Python, gm).is_none());
+        tokio::task::yield_now().await;
+        assert_eq!(idle(&s, "python"), 0);
+        assert_eq!(s.discarded.load(Ordering::SeqCst), 2);
+        // An environment without a pool never counts a miss.
+        assert!(s.pool.take("r", Language::R, gm).is_none());
+        let r = s.pool.status().into_iter().find(|x| x.environment == "r");
+        assert_eq!(r.map(|x| x.missed), Some(0));
+    }
+
+    #[tokio::test]
+    async fn eviction_and_drain_discard_idle_workers() {
+        let s = source(config((2, 2), (1, 1), 60));
+        let mut refill = Refill::new();
+        rounds(&mut refill, &s, 3).await;
+        assert!(s.pool.evict_one().await);
+        assert_eq!(s.discarded.load(Ordering::SeqCst), 1);
+        s.pool.drain().await;
+        assert_eq!(s.discarded.load(Ordering::SeqCst), 3);
+        assert!(!s.pool.evict_one().await);
     }
 }

@@ -8,9 +8,9 @@
 
 use crate::admission::Permit;
 use crate::cgroup::SessionGroup;
-use crate::identity::UidLease;
+use crate::identity::{Caller, UidLease};
 use crate::worker::output::StreamCap;
-use crate::worker::spawn::Spawned;
+use crate::worker::start::Prepared;
 use crate::worker::{Fill, LineReader};
 use sandcell_proto::kernel::{
     CellResult, EndReason, Frame, InspectReply, InterruptReason, InterruptReply, Language, Output,
@@ -25,61 +25,6 @@ use std::time::{Duration, Instant, SystemTime};
 use tokio::io::AsyncWriteExt;
 use tokio::net::unix::pipe;
 use tokio::sync::{mpsc, oneshot};
-
-/// Who called: taken from the connection's peer credentials (never from the message).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Caller {
-    /// Peer uid.
-    pub uid: u32,
-    /// Peer gid.
-    pub gid: u32,
-    /// Peer pid at connect time.
-    pub pid: u32,
-    /// Connection id (unique per daemon run); 0 for the daemon itself and D-Bus callers.
-    pub connection: u64,
-    /// How the authority (polkit) identifies the caller; never a bare pid (see [`Subject`]).
-    pub subject: Subject,
-}
-
-/// The caller as an authorization subject (polkit's `unix-process` or `system-bus-name`).
-///
-/// A bare pid is never a subject: a pid can be recycled between the connection and the check,
-/// and a caller that vanishes mid-check must be refused, not mistaken for another process
-/// (polkit CVE-2013-4288, the pid-reuse race; CVE-2021-3560, a requester killed mid-check was
-/// treated as root). Hence start time + uid, and a pidfd where the kernel gives one.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Subject {
-    /// The daemon itself (readiness probe).
-    Daemon,
-    /// A local process from a socket's peer credentials.
-    Process {
-        /// Peer pid at connect time.
-        pid: u32,
-        /// Start time of `pid`: `/proc/<pid>/stat` field 22, clock ticks since boot; read
-        /// while the pidfd proved the pid still named the peer. 0 if unknown.
-        start_time: u64,
-        /// `SO_PEERPIDFD` (Linux 6.5+), shared by every clone of the caller.
-        pidfd: Option<PidFd>,
-    },
-    /// A D-Bus peer, by its unique name on the system bus (e.g. `:1.42`).
-    BusName {
-        /// Unique bus name of the sender.
-        name: String,
-        /// The call carried `ALLOW_INTERACTIVE_AUTHORIZATION`: polkit may prompt.
-        interactive: bool,
-    },
-}
-
-/// A process file descriptor, shared; two are equal when they are the same descriptor.
-#[derive(Debug, Clone)]
-pub struct PidFd(pub Arc<std::os::fd::OwnedFd>);
-
-impl PartialEq for PidFd {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-}
-impl Eq for PidFd {}
 
 /// Limits in force for one session, after the client's lowering.
 #[derive(Debug, Clone, PartialEq)]
@@ -107,6 +52,34 @@ pub struct SessionLimits {
     pub display: bool,
 }
 
+/// What a session is doing, as listings show it (`idle`, `running`, `ended`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionState {
+    /// No cell runs; the next `Execute` may start.
+    Idle,
+    /// A cell runs (or was admitted and is about to).
+    Running,
+    /// The session ended or is ending; it takes no more cells.
+    Ended,
+}
+
+impl SessionState {
+    /// The listed name: `idle`, `running`, `ended`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SessionState::Idle => "idle",
+            SessionState::Running => "running",
+            SessionState::Ended => "ended",
+        }
+    }
+}
+
+impl std::fmt::Display for SessionState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Public, cheap-to-read state of a session (for listing and routing).
 #[derive(Debug, Clone)]
 pub struct Info {
@@ -114,9 +87,9 @@ pub struct Info {
     pub running_cell: Option<u64>,
     /// Cells finished.
     pub cells_run: u64,
-    /// `idle`, `running`, `ended` (a worker still starting is not a session yet: listings
-    /// show it as `starting` from `Core::starting_sessions`).
-    pub state: &'static str,
+    /// What it is doing (a worker still starting is not a session yet: listings show it as
+    /// `starting` from `Core::starting_sessions`).
+    pub state: SessionState,
     /// Last time a cell ended or the session opened.
     pub last_activity: Instant,
 }
@@ -272,23 +245,28 @@ pub enum Event {
 }
 
 impl Session {
-    /// Creates the session record and starts its actor. `spawned` must have said `Ready`.
-    #[allow(clippy::too_many_arguments)]
+    /// Creates the session record of the Ready worker `prepared`, owned by `owner`, and starts
+    /// its actor. `detached_idle`: the session survives its connection for this long idle;
+    /// `on_end` runs once everything is released; `events` gets the session's events.
     pub fn start(
-        id: String,
-        language: Language,
+        prepared: Prepared,
         owner: Caller,
         detached_idle: Option<Duration>,
-        engine: String,
         limits: SessionLimits,
-        spawned: Spawned,
-        group: Arc<dyn SessionGroup>,
-        session_dir: PathBuf,
-        uid: Option<UidLease>,
-        permit: Permit,
         on_end: OnEnd,
         events: tokio::sync::broadcast::Sender<Event>,
     ) -> Arc<Session> {
+        let Prepared {
+            id,
+            language,
+            engine,
+            spawned,
+            group,
+            session_dir,
+            lease: uid,
+            permit,
+            ..
+        } = prepared;
         let (tx, rx) = mpsc::channel(16);
         let pid = spawned.pid;
         let session = Arc::new(Session {
@@ -303,7 +281,7 @@ impl Session {
             info: Mutex::new(Info {
                 running_cell: None,
                 cells_run: 0,
-                state: "idle",
+                state: SessionState::Idle,
                 last_activity: Instant::now(),
             }),
             dir: session_dir.clone(),
@@ -319,6 +297,7 @@ impl Session {
             session: session.clone(),
             child: spawned.child,
             pid,
+            pidfd: spawned.pidfd,
             requests: spawned.requests,
             replies: spawned.replies,
             stdout: spawned.stdout,
@@ -353,9 +332,11 @@ impl Session {
         {
             let mut info = self.info.lock().unwrap();
             match info.state {
-                "running" => return Err(ExecuteRefused::Busy(info.running_cell.unwrap_or(0))),
-                "ended" => return Err(ExecuteRefused::Ended),
-                _ => info.state = "running",
+                SessionState::Running => {
+                    return Err(ExecuteRefused::Busy(info.running_cell.unwrap_or(0)));
+                }
+                SessionState::Ended => return Err(ExecuteRefused::Ended),
+                SessionState::Idle => info.state = SessionState::Running,
             }
         }
         self.cmds
@@ -375,9 +356,11 @@ impl Session {
         {
             let info = self.info.lock().unwrap();
             match info.state {
-                "running" => return Err(InspectRefused::Busy(info.running_cell.unwrap_or(0))),
-                "ended" => return Err(InspectRefused::Ended),
-                _ => {}
+                SessionState::Running => {
+                    return Err(InspectRefused::Busy(info.running_cell.unwrap_or(0)));
+                }
+                SessionState::Ended => return Err(InspectRefused::Ended),
+                SessionState::Idle => {}
             }
         }
         let (tx, rx) = oneshot::channel();
@@ -826,7 +809,10 @@ fn new_nonce() -> std::io::Result<String> {
 struct Actor {
     session: Arc<Session>,
     child: tokio::process::Child,
+    /// The worker's pid (for `/proc` reads; never signalled once the child is reaped).
     pid: u32,
+    /// The worker's pidfd, when the kernel gave one.
+    pidfd: Option<crate::worker::WorkerPidfd>,
     requests: pipe::Sender,
     replies: LineReader<pipe::Receiver>,
     stdout: Option<pipe::Receiver>,
@@ -953,7 +939,7 @@ impl Actor {
     fn signal_interrupt(&self) {
         // R: the whole process group; native Python: its main thread (tgkill); Eryx: the
         // process. See `InterruptTarget`.
-        self.interrupt.send(self.pid);
+        self.interrupt.send(&self.child, self.pidfd.as_ref());
     }
 
     /// Runs one cell. Returns `Some((reason, close_waiter))` when the session ended with it.
@@ -973,7 +959,7 @@ impl Actor {
         {
             let mut info = self.session.info.lock().unwrap();
             info.running_cell = Some(cell);
-            info.state = "running";
+            info.state = SessionState::Running;
         }
         let started = Frame {
             started: Some(Started {
@@ -995,7 +981,7 @@ impl Actor {
             // Nobody to run it for, and it has not started: the session stays as it was.
             let mut info = self.session.info.lock().unwrap();
             info.running_cell = None;
-            info.state = "idle";
+            info.state = SessionState::Idle;
             info.last_activity = Instant::now();
             return None;
         }
@@ -1864,7 +1850,11 @@ impl Actor {
             info.running_cell = None;
             info.cells_run += 1;
             info.last_activity = Instant::now();
-            info.state = if ending.is_some() { "ended" } else { "idle" };
+            info.state = if ending.is_some() {
+                SessionState::Ended
+            } else {
+                SessionState::Idle
+            };
         }
         if cancelled {
             let _ = run.frames.try_send(result_frame);
@@ -1885,7 +1875,7 @@ impl Actor {
                 self.kill_and_reap().await;
             }
             ending = Some((reason, Some(done)));
-            self.session.info.lock().unwrap().state = "ended";
+            self.session.info.lock().unwrap().state = SessionState::Ended;
         }
         // Bookkeeping after the result is on its way.
         tracing::info!(session = %self.session.id, uid = self.session.owner.uid, cell, status = status.as_str(), wall, "cell finished");
@@ -2100,7 +2090,7 @@ impl Actor {
     }
 
     async fn kill_and_reap(&mut self) {
-        crate::worker::kill_and_reap(self.pid, &mut self.child, &self.group).await;
+        crate::worker::kill_and_reap(&mut self.child, self.pidfd.as_ref(), &self.group).await;
     }
 
     /// Releases everything, in the order of the module documentation. Idempotent.
@@ -2109,7 +2099,7 @@ impl Actor {
             return;
         }
         self.ended = true;
-        self.session.info.lock().unwrap().state = "ended";
+        self.session.info.lock().unwrap().state = SessionState::Ended;
         // Ask politely first only when idle: there is nothing worth saving, so just kill.
         self.kill_and_reap().await;
         crate::worker::remove_remains(

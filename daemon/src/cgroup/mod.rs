@@ -64,6 +64,13 @@ pub enum Error {
     Verify(String),
 }
 
+/// How long a kill of a session group (a worker's release, a failed start, the start-up sweep
+/// of a predecessor's groups) waits for the group to empty before it reports
+/// [`Error::Verify`]: 10 s. SIGKILL'd processes normally leave within milliseconds; one in
+/// uninterruptible sleep (a hung file system) may take longer, and then the group cannot be
+/// removed.
+pub const KILL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The daemon's own memory bound: `memory.max` of its supervisor group, in bytes. Everything
 /// the daemon holds per session and per connection is bounded (reply lines 1 MiB, output caps,
 /// backlogs, messages 4 MiB), so a daemon past this is a bug or an attack that slipped a bound:

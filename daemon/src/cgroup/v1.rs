@@ -339,7 +339,7 @@ impl Backend for V1 {
                 },
             };
             if let Err(e) = group
-                .kill_all(Duration::from_secs(5))
+                .kill_all(super::KILL_TIMEOUT)
                 .and_then(|()| group.remove())
             {
                 first_error.get_or_insert(e);

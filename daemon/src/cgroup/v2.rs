@@ -156,7 +156,7 @@ impl Backend for V2 {
         let mut first_error = None;
         for name in host::subdirs(&self.sessions())? {
             let dir = self.sessions().join(&name);
-            match kill_tree(&dir, Duration::from_secs(5)).and_then(|()| remove_tree(&dir)) {
+            match kill_tree(&dir, super::KILL_TIMEOUT).and_then(|()| remove_tree(&dir)) {
                 Ok(()) => swept += 1,
                 Err(e) => {
                     first_error.get_or_insert(e);

@@ -134,7 +134,7 @@ impl Manager {
         header: &zbus::message::Header<'_>,
     ) -> Result<Option<u32>, Error> {
         let mut who = caller(conn, header).await?;
-        if let crate::session::Subject::BusName { interactive, .. } = &mut who.subject {
+        if let crate::identity::Subject::BusName { interactive, .. } = &mut who.subject {
             *interactive = false;
         }
         Ok(match self.core.authorize(&who, Action::ManageAll).await {
@@ -285,7 +285,7 @@ impl Manager {
         let mut who = caller(conn, &h)
             .await
             .map_err(|e| zbus::fdo::Error::Failed(format!("{e:?}")))?;
-        if let crate::session::Subject::BusName { interactive, .. } = &mut who.subject {
+        if let crate::identity::Subject::BusName { interactive, .. } = &mut who.subject {
             *interactive = false;
         }
         let only = if who.uid == 0 || self.core.authorize(&who, Action::ManageAll).await.is_ok() {

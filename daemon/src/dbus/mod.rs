@@ -40,8 +40,9 @@ pub(crate) use manager::pool_rows;
 pub use session::SessionObject;
 
 use crate::core::Core;
+use crate::identity::{Caller, Subject};
 use crate::polkit::Polkit;
-use crate::session::{Caller, Event, Subject};
+use crate::session::Event;
 use sandcell_proto::kernel::KernelError;
 use std::collections::HashSet;
 use std::path::PathBuf;

@@ -43,7 +43,7 @@ impl SessionObject {
         if who.uid == 0 || who.uid == self.session.owner.uid {
             return Ok(());
         }
-        if let crate::session::Subject::BusName { interactive, .. } = &mut who.subject {
+        if let crate::identity::Subject::BusName { interactive, .. } = &mut who.subject {
             *interactive = false;
         }
         match self.core.authorize(&who, Action::ManageAll).await {

@@ -6,7 +6,7 @@
 
 use super::socket::{self, PassedFds, Writer};
 use crate::core::Core;
-use crate::session::Caller;
+use crate::identity::Caller;
 use sandcell_proto::kernel::{
     self as k, CloseParams, ExecuteParams, Frame, FrameReply, InterruptParams, KernelError,
     OpenParams, OpenReply, RawCall, RunParams,

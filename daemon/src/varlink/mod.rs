@@ -15,7 +15,7 @@ mod kernel;
 pub mod socket;
 
 use crate::core::Core;
-use crate::session::Caller;
+use crate::identity::Caller;
 use sandcell_proto::kernel::RawCall;
 use std::os::fd::AsFd;
 use std::sync::Arc;

@@ -1,13 +1,16 @@
-//! Worker processes: how they start ([`spawn`]), how their replies are read ([`LineReader`]),
-//! and how their output is bounded ([`output`]).
+//! Worker processes: how they are spawned confined ([`spawn`]), how a start is charged,
+//! placed and awaited until `Ready` ([`start`]), how their replies are read ([`LineReader`]),
+//! how their output is bounded ([`output`]), and how they are signalled: only while they are
+//! the daemon's unreaped children ([`kill_and_reap`], [`InterruptTarget::send`]).
 
 pub mod output;
 pub mod spawn;
+pub mod start;
 
 use crate::cgroup::SessionGroup;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use sandcell_proto::worker::MAX_WORKER_LINE;
 use tokio::io::AsyncReadExt;
@@ -259,6 +262,55 @@ pub fn read_now(fd: std::os::fd::RawFd, buf: &mut [u8]) -> std::io::Result<usize
     }
 }
 
+/// A pidfd of a worker, opened right after the spawn while the worker was the daemon's
+/// unreaped child, so it names that process for good: a signal through it reaches the worker
+/// or, once the worker has exited, nobody (`ESRCH`), never a process that took its pid.
+#[derive(Debug)]
+pub struct WorkerPidfd(OwnedFd);
+
+impl WorkerPidfd {
+    /// `pidfd_open(pid)`; call only while `pid` is the caller's unreaped child.
+    ///
+    /// Errors: the kernel has no `pidfd_open` (before Linux 5.3) or the process is gone.
+    pub fn open(pid: u32) -> std::io::Result<WorkerPidfd> {
+        // SAFETY: pidfd_open takes a pid and flags; it returns a new descriptor (always
+        // close-on-exec) or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0u32) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: fd was just returned by pidfd_open and is owned by nobody else.
+        Ok(WorkerPidfd(unsafe { OwnedFd::from_raw_fd(fd as i32) }))
+    }
+
+    /// `pidfd_send_signal(signal)`; a worker that has exited is not an error.
+    pub fn signal(&self, signal: libc::c_int) {
+        // SAFETY: a valid pidfd; no siginfo; flags 0.
+        unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.0.as_raw_fd(),
+                signal,
+                std::ptr::null::<libc::siginfo_t>(),
+                0u32,
+            );
+        }
+    }
+}
+
+/// Sends `signal` to the worker `child`: through `pidfd` when there is one, else by pid, and
+/// only while `child` is unreaped (tokio forgets the pid once it reaped the child).
+fn signal_process(child: &tokio::process::Child, pidfd: Option<&WorkerPidfd>, signal: libc::c_int) {
+    match (pidfd, child.id()) {
+        (Some(fd), _) => fd.signal(signal),
+        // SAFETY: a signal to our own unreaped child: nothing else can hold its pid.
+        (None, Some(pid)) => unsafe {
+            libc::kill(pid as libc::pid_t, signal);
+        },
+        (None, None) => {}
+    }
+}
+
 /// Where a worker's interrupt (SIGINT) is aimed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum InterruptTarget {
@@ -276,45 +328,46 @@ pub enum InterruptTarget {
 }
 
 impl InterruptTarget {
-    /// Sends SIGINT to the worker `pid` (which must be the caller's unreaped child, so the
-    /// pid cannot have been reused; its main thread's tid is its pid).
-    pub fn send(self, pid: u32) {
+    /// Sends SIGINT to the worker `child` (its main thread's tid is its pid, and it called
+    /// setsid, so its process-group id is its pid too). Nothing is sent once `child` is
+    /// reaped: its pid, and the group id, could then name another process.
+    pub fn send(self, child: &tokio::process::Child, pidfd: Option<&WorkerPidfd>) {
+        let Some(pid) = child.id() else { return };
         let pid = pid as libc::pid_t;
-        // SAFETY: plain signal syscalls aimed at the caller's own unreaped child.
-        unsafe {
-            match self {
-                InterruptTarget::ProcessGroup => {
-                    libc::kill(-pid, libc::SIGINT);
-                }
-                InterruptTarget::Process => {
-                    libc::kill(pid, libc::SIGINT);
-                }
-                InterruptTarget::MainThread => {
-                    libc::syscall(libc::SYS_tgkill, pid, pid, libc::SIGINT);
-                }
-            }
+        match self {
+            // SAFETY: the group of our own unreaped child: its id cannot be reused meanwhile.
+            InterruptTarget::ProcessGroup => unsafe {
+                libc::kill(-pid, libc::SIGINT);
+            },
+            InterruptTarget::Process => signal_process(child, pidfd, libc::SIGINT),
+            // SAFETY: tgkill of our own unreaped child's main thread.
+            InterruptTarget::MainThread => unsafe {
+                libc::syscall(libc::SYS_tgkill, pid, pid, libc::SIGINT);
+            },
         }
     }
 }
 
 /// Kills every process of a worker, then reaps it: SIGKILL to its process group (it called
-/// setsid, so the group id is its pid) and to itself, then the whole cgroup (what left the
-/// group), then `wait`. The first half of the release order (ARCHITECTURE.md, "Release after
-/// reaping").
+/// setsid, so the group id is its pid) and to itself while it is unreaped, then the whole
+/// cgroup (what left the group; at most [`crate::cgroup::KILL_TIMEOUT`]), then `wait`. A
+/// worker already reaped (its exit was awaited) gets no signal by pid: only its cgroup is
+/// killed. The first half of the release order (ARCHITECTURE.md, "Release after reaping").
 pub async fn kill_and_reap(
-    pid: u32,
     child: &mut tokio::process::Child,
+    pidfd: Option<&WorkerPidfd>,
     group: &Arc<dyn SessionGroup>,
 ) {
-    let pid = pid as libc::pid_t;
-    // SAFETY: signals to our own unreaped child and its process group; nothing else can hold
-    // that pid until we reap it.
-    unsafe {
-        libc::kill(-pid, libc::SIGKILL);
-        libc::kill(pid, libc::SIGKILL);
+    if let Some(pid) = child.id() {
+        // SAFETY: the process group of our own unreaped child; its id cannot be reused until
+        // we reap the child.
+        unsafe {
+            libc::kill(-(pid as libc::pid_t), libc::SIGKILL);
+        }
     }
+    signal_process(child, pidfd, libc::SIGKILL);
     let group = group.clone();
-    let _ = tokio::task::spawn_blocking(move || group.kill_all(Duration::from_secs(10))).await;
+    let _ = tokio::task::spawn_blocking(move || group.kill_all(crate::cgroup::KILL_TIMEOUT)).await;
     let _ = child.wait().await;
 }
 

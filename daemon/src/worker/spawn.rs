@@ -148,6 +148,9 @@ pub struct Spawned {
     pub child: tokio::process::Child,
     /// Its pid.
     pub pid: u32,
+    /// Its pidfd, opened before anything could reap it; `None` where the kernel has no
+    /// `pidfd_open` (then it is signalled by pid, and only while unreaped).
+    pub pidfd: Option<super::WorkerPidfd>,
     /// Write end of the request pipe (worker fd 3).
     pub requests: pipe::Sender,
     /// Reply lines from the worker (its fd 4).
@@ -518,6 +521,8 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
     drop((req_r, rep_w, procs));
     let pid = child.id().unwrap_or(0);
     group.verify_member(pid)?;
+    // Nothing has waited for the child yet, so `pid` still names it.
+    let pidfd = super::WorkerPidfd::open(pid).ok();
     let requests = pipe::Sender::from_owned_fd(req_w).map_err(io("request pipe"))?;
     let replies =
         super::LineReader::new(pipe::Receiver::from_owned_fd(rep_r).map_err(io("reply pipe"))?);
@@ -537,6 +542,7 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
     Ok(Spawned {
         child,
         pid,
+        pidfd,
         requests,
         replies,
         stdout,
