@@ -699,10 +699,15 @@ impl Core {
         Ok(self.start_session(prepared, caller, limits, detached, from_pool))
     }
 
-    /// A worker start ([`Starter::start`]) on a task of its own, so that a client that goes away while its
-    /// worker starts cannot leave a cgroup or directory behind: the task always finishes. When
-    /// nobody waits for the worker any more (the client went away), its start is cancelled at
-    /// once (killed, reaped, released) rather than awaited until Ready or the start timeout.
+    /// A worker start ([`Starter::start`]) on a task of its own, so that a client that goes
+    /// away while its worker starts cannot leave a cgroup or directory behind: the task always
+    /// finishes. When nobody waits for the worker any more (the client went away), its start
+    /// is cancelled at once (killed, reaped, released) rather than awaited until Ready or the
+    /// start timeout. When admission refuses and idle pooled workers hold charges, one is
+    /// evicted and the start tried once more.
+    ///
+    /// Errors: `ShuttingDown`, and the [`StartError`]s as clients see them
+    /// (`CapacityExceeded`, `WorkerFailed`).
     async fn prepare_detached(
         &self,
         caller: &Caller,

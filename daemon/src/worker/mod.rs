@@ -398,6 +398,44 @@ pub async fn remove_remains(session: &str, group: Arc<dyn SessionGroup>, dir: Pa
 mod tests {
     use super::*;
 
+    fn no_group() -> Arc<dyn SessionGroup> {
+        let limits = crate::cgroup::GroupLimits {
+            memory_bytes: 0,
+            max_pids: 0,
+            cpu_max: None,
+        };
+        use crate::cgroup::Backend;
+        Arc::from(crate::cgroup::Unconfined.create("t", &limits).unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_worker_is_killed_through_its_pidfd_and_its_pid_forgotten_once_reaped() {
+        use std::os::unix::process::ExitStatusExt;
+        let group = no_group();
+        let mut child = tokio::process::Command::new("sleep")
+            .arg("30")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let pidfd = WorkerPidfd::open(child.id().unwrap()).unwrap();
+        let t0 = std::time::Instant::now();
+        kill_and_reap(&mut child, Some(&pidfd), &group).await;
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+        assert_eq!(child.wait().await.unwrap().signal(), Some(libc::SIGKILL));
+        // What every signal by pid relies on: once reaped, the child has no pid any more.
+        assert_eq!(child.id(), None);
+        kill_and_reap(&mut child, Some(&pidfd), &group).await;
+        InterruptTarget::ProcessGroup.send(&child, None);
+
+        // A worker found dead (the pool's liveness check reaps it) is forgotten too.
+        let mut child = tokio::process::Command::new("true").spawn().unwrap();
+        while matches!(child.try_wait(), Ok(None)) {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        assert_eq!(child.id(), None);
+        kill_and_reap(&mut child, None, &group).await;
+    }
+
     #[tokio::test]
     async fn splits_lines_and_bounds_them() {
         let data: &[u8] = b"{\"a\":1}\nsecond\npartial";

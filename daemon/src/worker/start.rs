@@ -278,6 +278,11 @@ impl Starter {
         }
     }
 
+    /// The worker uids it leases from (shared: leases return on drop).
+    pub fn uids(&self) -> &UidPool {
+        &self.uids
+    }
+
     /// Workers starting for clients now, oldest first.
     pub fn starting(&self) -> Vec<StartingInfo> {
         let mut v: Vec<_> = self
