@@ -70,7 +70,14 @@ fn main() -> anyhow::Result<()> {
     if args.check_config {
         let node = sandcelld::node::resolve(config.daemon.node_id.as_deref());
         print!("{}", config.to_effective_toml(&node));
-        println!("# configuration OK ({})", path.display());
+        if path.exists() {
+            println!("# configuration OK ({})", path.display());
+        } else {
+            println!(
+                "# configuration OK (built-in defaults and SANDCELL_* variables: {} does not exist)",
+                path.display()
+            );
+        }
         return Ok(());
     }
     if args.check {

@@ -15,6 +15,13 @@
 //!   file is written on the blocking pool, at most one write at a time: a write still in
 //!   progress (a slow or hung file system) makes the next ones skip, and the loop never waits
 //!   for it.
+//! - **Where**: the daemon is root and rewrites, then removes, the file by name, so the path
+//!   must not let anyone else choose what gets replaced: no symlink anywhere in it
+//!   (`openat2(RESOLVE_NO_SYMLINKS)`), a directory owned by the daemon's user and writable by
+//!   no one else, and the name itself absent or a regular file of the daemon's (never a
+//!   socket such as the daemon's own, a directory, or another user's file). All later steps
+//!   are `*at` calls on that directory. A path that fails these checks is refused (logged as
+//!   any failure) and nothing is written.
 //! - **How**: a temporary `.<name>.tmp` in the same directory (`O_EXCL | O_NOFOLLOW`, mode
 //!   0644 whatever the umask), then `rename(2)` over the file, so a reader sees the old file
 //!   or the new one, never part of one; no fsync (the file lives in `/run`, and a crash loses
@@ -29,10 +36,15 @@
 //!   collector refuses them.
 
 use crate::core::Core;
+use nix::fcntl::{AtFlags, OFlag};
+use nix::sys::stat::Mode;
+use nix::unistd::{UnlinkatFlags, unlinkat};
 use sandcell_proto::kernel::Status;
+use std::ffi::{CStr, CString};
 use std::fmt::Write as _;
 use std::io::Write as _;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -485,46 +497,128 @@ pub fn escape_help(v: &str) -> String {
     v.replace('\\', "\\\\").replace('\n', "\\n")
 }
 
-/// The temporary a write goes through: `.<name>.tmp` beside `path`.
-fn temporary(path: &Path) -> PathBuf {
-    let name = path.file_name().unwrap_or_default().to_string_lossy();
-    path.with_file_name(format!(".{name}.tmp"))
+/// The directory of `path`, opened for `*at` calls, and the file's name in it, after checking
+/// that only the daemon's own user can change that directory.
+///
+/// The daemon runs as root and the file is rewritten and finally removed by name, so the
+/// path must not let anyone else choose what gets replaced: the directory is opened with
+/// `openat2(RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)` (no symlink anywhere in the path,
+/// openat2(2)), must be owned by the daemon's effective uid and writable by no group and no
+/// other user. Errors: `InvalidInput` for a relative path or one without a file name,
+/// `PermissionDenied` for a directory someone else could change, the open's own error
+/// otherwise (`ELOOP` for a symlink).
+fn open_parent(path: &Path) -> std::io::Result<(OwnedFd, CString)> {
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+    use std::os::unix::ffi::OsStrExt;
+    let invalid =
+        |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, what.to_owned());
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(invalid("metrics_file needs a directory and a file name"));
+    };
+    if !path.is_absolute() {
+        return Err(invalid("metrics_file must be an absolute path"));
+    }
+    let name = CString::new(name.as_bytes()).map_err(|_| invalid("metrics_file contains NUL"))?;
+    let how = OpenHow::new()
+        .flags(OFlag::O_DIRECTORY | OFlag::O_RDONLY | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    let dir = nix::fcntl::openat2(nix::fcntl::AT_FDCWD, parent, how)?;
+    let st = nix::sys::stat::fstat(&dir)?;
+    if st.st_uid != nix::unistd::geteuid().as_raw() || st.st_mode & 0o022 != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "the directory of metrics_file (owner uid {}, mode {:o}) must be the daemon's \
+                 own and writable by no one else",
+                st.st_uid,
+                st.st_mode & 0o7777
+            ),
+        ));
+    }
+    Ok((dir, name))
 }
 
-/// Writes `text` to `path` atomically: a new temporary beside it (a leftover one is removed
-/// first; `O_EXCL | O_NOFOLLOW`, mode 0644), renamed over `path`. The temporary is removed
-/// when any step fails. Blocking.
-pub fn write_atomic(path: &Path, text: &str) -> std::io::Result<()> {
-    let tmp = temporary(path);
-    match std::fs::remove_file(&tmp) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-        _ => {}
+/// Whether `name` in `dir` is absent (`Ok(false)`) or a regular file of the daemon's user
+/// (`Ok(true)`); anything else (a socket, a directory, a symlink, another user's file) is
+/// `AlreadyExists` and is never replaced or removed.
+fn ours(dir: &OwnedFd, name: &CStr) -> std::io::Result<bool> {
+    match nix::sys::stat::fstatat(dir, name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+        Err(nix::errno::Errno::ENOENT) => Ok(false),
+        Err(e) => Err(e.into()),
+        Ok(st)
+            if st.st_mode & libc::S_IFMT == libc::S_IFREG
+                && st.st_uid == nix::unistd::geteuid().as_raw() =>
+        {
+            Ok(true)
+        }
+        Ok(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            "metrics_file names something that is not a regular file of the daemon's; it is \
+             left alone",
+        )),
     }
-    let written = (|| {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o644)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&tmp)?;
+}
+
+/// The temporary a write goes through: `.<name>.tmp` beside the file.
+fn temporary(name: &CStr) -> CString {
+    let mut t = b".".to_vec();
+    t.extend_from_slice(name.to_bytes());
+    t.extend_from_slice(b".tmp");
+    CString::new(t).expect("no NUL in a CStr")
+}
+
+/// Writes `text` to `path` atomically: a new temporary beside it (a leftover one of the
+/// daemon's is removed first; `O_EXCL | O_NOFOLLOW`, mode 0644), renamed over `path`, all
+/// relative to the directory [`open_parent`] checked. `path` itself must be absent or a
+/// regular file of the daemon's ([`ours`]): the daemon never replaces a socket, a directory
+/// or another user's file. The temporary is removed when any step fails. Blocking.
+pub fn write_atomic(path: &Path, text: &str) -> std::io::Result<()> {
+    let (dir, name) = open_parent(path)?;
+    ours(&dir, &name)?;
+    let tmp = temporary(&name);
+    if ours(&dir, &tmp)? {
+        unlinkat(&dir, tmp.as_c_str(), UnlinkatFlags::NoRemoveDir)?;
+    }
+    let written = (|| -> std::io::Result<()> {
+        let fd = nix::fcntl::openat(
+            &dir,
+            tmp.as_c_str(),
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::from_bits_retain(0o644),
+        )?;
+        let mut f = std::fs::File::from(fd);
         // The unit's UMask=0077 would leave 0600: the exporter does not run as root.
         f.set_permissions(std::fs::Permissions::from_mode(0o644))?;
         f.write_all(text.as_bytes())?;
         drop(f);
-        std::fs::rename(&tmp, path)
+        Ok(nix::fcntl::renameat(
+            &dir,
+            tmp.as_c_str(),
+            &dir,
+            name.as_c_str(),
+        )?)
     })();
     if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+        let _ = unlinkat(&dir, tmp.as_c_str(), UnlinkatFlags::NoRemoveDir);
     }
     written
 }
 
-/// Removes `path` and a leftover temporary of it; a missing file is no error. Blocking.
-fn remove(path: &Path) -> std::io::Result<()> {
-    let _ = std::fs::remove_file(temporary(path));
-    match std::fs::remove_file(path) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
+/// Removes `path` and a leftover temporary of it when they are regular files of the daemon's
+/// ([`ours`]); returns whether `path` was there. Blocking.
+fn remove(path: &Path) -> std::io::Result<bool> {
+    let (dir, name) = open_parent(path)?;
+    let tmp = temporary(&name);
+    if ours(&dir, &tmp).unwrap_or(false) {
+        let _ = unlinkat(&dir, tmp.as_c_str(), UnlinkatFlags::NoRemoveDir);
+    }
+    if !ours(&dir, &name)? {
+        return Ok(false);
+    }
+    match unlinkat(&dir, name.as_c_str(), UnlinkatFlags::NoRemoveDir) {
+        Err(nix::errno::Errno::ENOENT) => Ok(false),
+        Err(e) => Err(e.into()),
+        Ok(()) => Ok(true),
     }
 }
 
@@ -629,7 +723,7 @@ impl Writer {
             if let Some(old) = old {
                 self.in_flight = Some((
                     old.clone(),
-                    tokio::task::spawn_blocking(move || remove(&old)),
+                    tokio::task::spawn_blocking(move || remove(&old).map(|_| ())),
                 ));
             }
             return;
@@ -669,7 +763,8 @@ impl Writer {
         let p = path.clone();
         match tokio::time::timeout(EXIT_WAIT, tokio::task::spawn_blocking(move || remove(&p))).await
         {
-            Ok(Ok(Ok(()))) => tracing::info!(path = %path.display(), "metrics file removed"),
+            Ok(Ok(Ok(true))) => tracing::info!(path = %path.display(), "metrics file removed"),
+            Ok(Ok(Ok(false))) => {}
             Ok(Ok(Err(e))) => {
                 tracing::warn!(path = %path.display(), error = %e, "metrics file: removal failed")
             }
@@ -802,23 +897,64 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "a 2\n");
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o644);
-        // A leftover temporary (a crash mid-write) is replaced; a symlink in its place is
-        // removed, never followed.
+        // A leftover temporary of the daemon's (a crash mid-write) is replaced.
+        let tmp = dir.path().join(".metrics.prom.tmp");
+        std::fs::write(&tmp, "half").unwrap();
+        write_atomic(&path, "a 3\n").unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "a 3\n");
+        assert!(!tmp.exists());
+        // A symlink in the temporary's place is never followed, nor replaced.
         let victim = dir.path().join("victim");
         std::fs::write(&victim, "keep").unwrap();
-        std::os::unix::fs::symlink(&victim, temporary(&path)).unwrap();
-        write_atomic(&path, "a 3\n").unwrap();
+        std::os::unix::fs::symlink(&victim, &tmp).unwrap();
+        assert!(write_atomic(&path, "a 4\n").is_err());
         assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "a 3\n");
-        let names: Vec<_> = std::fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(names.len(), 2, "{names:?}");
+        std::fs::remove_file(&tmp).unwrap();
         // A directory that is gone: an error, nothing left behind.
         assert!(write_atomic(&dir.path().join("gone/metrics.prom"), "x").is_err());
-        remove(&path).unwrap();
-        remove(&path).unwrap();
+        assert!(remove(&path).unwrap());
+        assert!(!remove(&path).unwrap());
         assert!(!path.exists());
+    }
+
+    /// The daemon is root and rewrites and removes the file by name: a path that lets anyone
+    /// else choose what gets replaced is refused, and nothing but a regular file of the
+    /// daemon's is ever replaced or removed.
+    #[test]
+    fn only_a_private_directory_and_a_regular_file_of_ours_are_written() {
+        use std::os::unix::fs::FileTypeExt;
+        let dir = tempfile::tempdir().unwrap();
+        // A directory others may write to.
+        let open = dir.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let e = write_atomic(&open.join("m.prom"), "x").unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+        assert_eq!(std::fs::read_dir(&open).unwrap().count(), 0);
+        // A symlink anywhere in the path.
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(dir.path(), &link).unwrap();
+        assert!(write_atomic(&link.join("m.prom"), "x").is_err());
+        assert!(!dir.path().join("m.prom").exists());
+        // A relative path.
+        assert!(write_atomic(Path::new("m.prom"), "x").is_err());
+        // A socket (the daemon's own listening socket lives beside the default path), a
+        // directory: left alone, by writes and by removal.
+        let sock = dir.path().join("sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let e = write_atomic(&sock, "x").unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::AlreadyExists, "{e}");
+        assert!(remove(&sock).is_err());
+        assert!(
+            std::fs::symlink_metadata(&sock)
+                .unwrap()
+                .file_type()
+                .is_socket()
+        );
+        let sub = dir.path().join("sub");
+        std::fs::create_dir(&sub).unwrap();
+        assert!(write_atomic(&sub, "x").is_err());
+        assert!(sub.is_dir());
     }
 }
