@@ -306,6 +306,40 @@ async fn an_unanswered_host_call_times_out_in_the_cell() {
     }
 }
 
+/// A cell that catches the error of a call given up at its wall time and calls again gets an
+/// error at once, without a second `host_call` line: the daemon allows one call in flight and
+/// would end the worker (and the session) for a second one. The cell ends `timeout` and the
+/// session goes on.
+#[tokio::test]
+async fn a_cell_that_retries_after_its_wall_time_keeps_its_session() {
+    let d = daemon(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "2")]);
+    let mut c = d.client().await;
+    for (_, env) in engines().into_iter().filter(|(l, _)| *l == "python") {
+        let s = open(&mut c, "python", env, true).await;
+        c.execute_collect(&s, "y = 7").await.unwrap();
+        c.execute(
+            &s,
+            "from sandcell import host\nwhile True:\n    try:\n        host.call('slow', {})\n    except host.HostCallError:\n        pass\n",
+        )
+        .await
+        .unwrap();
+        let mut calls = 0;
+        let r = loop {
+            let f = c.next_frame().await.expect("frame");
+            if f.host_call.is_some() {
+                calls += 1;
+            }
+            if let Some(r) = f.result {
+                break r;
+            }
+        };
+        assert_eq!(r.status, Status::Timeout, "{env}: {r:?}");
+        assert_eq!(calls, 1, "{env}: one call in flight, never a second line");
+        let out = c.execute_collect(&s, "print(y)").await.unwrap();
+        assert_eq!(out.stdout.trim(), "7", "{env}: {:?}", out.result);
+    }
+}
+
 #[tokio::test]
 async fn an_interrupt_while_a_call_waits_ends_the_cell_and_the_session_survives() {
     let d = daemon(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "30")]);

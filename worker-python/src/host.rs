@@ -34,8 +34,11 @@
 //!   ([`HostCalls::interrupt`]) instead of stopping the guest; the guest raises
 //!   `KeyboardInterrupt`, the cell ends `interrupted` and the instance and its variables stay
 //!   (the daemon's SIGINT repeats stop the guest the usual way if the cell catches it);
-//! - the cell's deadline: `HostCallError`, and the guest traps at its next epoch check (the
-//!   epoch advanced meanwhile), so the cell ends `timeout` as any other.
+//! - the cell's deadline: `HostCallError`, and the cell ends `timeout` as any other (at the
+//!   guest's next epoch check, or by the daemon's SIGINT and kill). A cell that catches it and
+//!   calls again after its deadline gets `HostCallError` at once and no line is written: the
+//!   daemon still counts the given-up call as in flight and would end the worker for a second
+//!   one.
 //!
 //! The request pipe is read here directly (through the same [`Requests`] reader as the
 //! worker's request loop): the daemon writes nothing else while a cell runs. A `host_reply`
@@ -386,6 +389,15 @@ impl HostCalls {
                 &format!(
                     "a host call's arguments are at most {MAX_HOST_CALL_ARGUMENTS} bytes of JSON"
                 ),
+            );
+        }
+        if Instant::now() >= ctx.deadline {
+            // A call given up at the deadline may still be waiting at the daemon until it
+            // ends the cell: a cell that catches the error and calls again must not write a
+            // second line (the daemon allows one call in flight and ends the worker).
+            return answer_raise(
+                "HostCallError",
+                "the cell's wall time ran out; no host call is made",
             );
         }
         let call = s.seq + 1;
