@@ -9,14 +9,10 @@
 
 mod common;
 
+use common::bus::Bus;
 use common::{Daemon, eventually};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
-
-fn repo() -> PathBuf {
-    common::manifest_dir().join("..")
-}
 
 fn skip_reason() -> Option<String> {
     // SAFETY: geteuid has no preconditions.
@@ -31,78 +27,7 @@ fn skip_reason() -> Option<String> {
     None
 }
 
-/// A private system-like bus with the shipped policy of sandcelld's name.
-struct Bus {
-    child: Child,
-    _dir: tempfile::TempDir,
-    address: String,
-}
-
 impl Bus {
-    fn start() -> Bus {
-        let dir = tempfile::Builder::new()
-            .prefix("sandcell-bus-")
-            .tempdir_in("/var/tmp")
-            .unwrap();
-        std::fs::set_permissions(
-            dir.path(),
-            std::os::unix::fs::PermissionsExt::from_mode(0o711),
-        )
-        .unwrap();
-        let socket = dir.path().join("system_bus_socket");
-        let config = dir.path().join("system.conf");
-        let shipped = repo().join("dbus/org.sandcell.Sandcell1.conf");
-        std::fs::write(
-            &config,
-            format!(
-                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>system</type>
-  <auth>EXTERNAL</auth>
-  <listen>unix:path={socket}</listen>
-  <policy context="default">
-    <allow user="*"/>
-    <deny own="*"/>
-    <deny send_type="method_call"/>
-    <allow send_type="signal"/>
-    <allow send_requested_reply="true" send_type="method_return"/>
-    <allow send_requested_reply="true" send_type="error"/>
-    <allow receive_type="method_call"/>
-    <allow receive_type="method_return"/>
-    <allow receive_type="error"/>
-    <allow receive_type="signal"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Properties"/>
-  </policy>
-  <include>{shipped}</include>
-</busconfig>
-"#,
-                socket = socket.display(),
-                shipped = shipped.display()
-            ),
-        )
-        .unwrap();
-        let child = Command::new("dbus-daemon")
-            .arg(format!("--config-file={}", config.display()))
-            .arg("--nofork")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting dbus-daemon");
-        assert!(
-            eventually(Duration::from_secs(10), || socket.exists()),
-            "dbus-daemon did not start"
-        );
-        Bus {
-            child,
-            address: format!("unix:path={}", socket.display()),
-            _dir: dir,
-        }
-    }
-
-    /// `busctl get-property` of the manager's `property`, as root: its output.
     fn property(&self, property: &str) -> String {
         let o = Command::new("busctl")
             .env("DBUS_SYSTEM_BUS_ADDRESS", &self.address)
@@ -153,13 +78,6 @@ impl Bus {
             String::from_utf8_lossy(&o.stdout).into_owned(),
             String::from_utf8_lossy(&o.stderr).into_owned(),
         )
-    }
-}
-
-impl Drop for Bus {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -10,6 +10,7 @@
 
 mod common;
 
+use common::bus::{Bus, Out, run};
 use common::{Daemon, eventually};
 use sandcell_client::KernelError;
 use std::collections::HashMap;
@@ -67,141 +68,6 @@ fn skip_reason(need_polkit: bool) -> Option<(&'static str, String)> {
         ));
     }
     None
-}
-
-/// Output of a finished command: exit code, stdout, stderr.
-struct Out {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn run(cmd: &mut Command) -> Out {
-    let o = cmd
-        .stdin(Stdio::null())
-        .output()
-        .expect("running a command");
-    Out {
-        code: o.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-    }
-}
-
-/// A private system-like bus on a socket in a temporary directory.
-struct Bus {
-    child: Child,
-    dir: tempfile::TempDir,
-    address: String,
-    config: PathBuf,
-}
-
-impl Bus {
-    fn start() -> Bus {
-        let dir = tempfile::Builder::new()
-            .prefix("sandcell-bus-")
-            .tempdir_in("/var/tmp")
-            .unwrap();
-        // Traversable by the unprivileged test users (the socket itself is world-writable).
-        std::fs::set_permissions(
-            dir.path(),
-            std::os::unix::fs::PermissionsExt::from_mode(0o711),
-        )
-        .unwrap();
-        let socket = dir.path().join("system_bus_socket");
-        let config = dir.path().join("system.conf");
-        // The default context of Debian's /usr/share/dbus-1/system.conf, minus the parts that
-        // need a real system (user switch, fork, pid file, activation), plus the shipped policy.
-        let shipped = repo().join("dbus/org.sandcell.Sandcell1.conf");
-        std::fs::write(
-            &config,
-            format!(
-                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>system</type>
-  <auth>EXTERNAL</auth>
-  <listen>unix:path={socket}</listen>
-  <policy context="default">
-    <allow user="*"/>
-    <deny own="*"/>
-    <deny send_type="method_call"/>
-    <allow send_type="signal"/>
-    <allow send_requested_reply="true" send_type="method_return"/>
-    <allow send_requested_reply="true" send_type="error"/>
-    <allow receive_type="method_call"/>
-    <allow receive_type="method_return"/>
-    <allow receive_type="error"/>
-    <allow receive_type="signal"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Introspectable"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Properties"/>
-    <deny send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus" send_member="UpdateActivationEnvironment"/>
-  </policy>
-  <includedir>/usr/share/dbus-1/system.d</includedir>
-  <include>{shipped}</include>
-</busconfig>
-"#,
-                socket = socket.display(),
-                shipped = shipped.display()
-            ),
-        )
-        .unwrap();
-        let address = format!("unix:path={}", socket.display());
-        let child = Self::spawn(&config, &socket);
-        Bus {
-            child,
-            dir,
-            address,
-            config,
-        }
-    }
-
-    fn spawn(config: &Path, socket: &Path) -> Child {
-        let _ = std::fs::remove_file(socket);
-        let child = Command::new("dbus-daemon")
-            .arg(format!("--config-file={}", config.display()))
-            .arg("--nofork")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting dbus-daemon");
-        assert!(
-            eventually(Duration::from_secs(10), || socket.exists()),
-            "dbus-daemon did not create {}",
-            socket.display()
-        );
-        child
-    }
-
-    fn socket(&self) -> PathBuf {
-        self.dir.path().join("system_bus_socket")
-    }
-
-    /// Kills the bus (every connection on it ends).
-    fn stop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    /// Starts the bus again at the same address.
-    fn restart(&mut self) {
-        self.child = Self::spawn(&self.config, &self.socket());
-    }
-
-    fn busctl(&self) -> Command {
-        let mut c = Command::new("busctl");
-        c.env("DBUS_SYSTEM_BUS_ADDRESS", &self.address)
-            .arg("--system");
-        c
-    }
-}
-
-impl Drop for Bus {
-    fn drop(&mut self) {
-        self.stop();
-    }
 }
 
 /// polkitd on a private bus, the shipped policy installed, a rules file granting `group`

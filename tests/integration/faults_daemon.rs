@@ -10,6 +10,7 @@
 
 mod common;
 
+use common::bus::{Bus, Out, run};
 use common::{Daemon, eventually};
 use sandcell_client::{Error, KernelError, Status};
 use std::path::{Path, PathBuf};
@@ -526,124 +527,7 @@ fn repo() -> PathBuf {
     common::manifest_dir().join("..")
 }
 
-/// Output of a finished command: exit code, stdout, stderr.
-struct Out {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
-fn run(cmd: &mut Command) -> Out {
-    let o = cmd
-        .stdin(Stdio::null())
-        .output()
-        .expect("running a command");
-    Out {
-        code: o.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-    }
-}
-
-/// A private system-like bus (the default policy of Debian's system bus and the shipped
-/// policy of sandcelld's name) on a socket in a temporary directory.
-struct Bus {
-    child: Child,
-    dir: tempfile::TempDir,
-    address: String,
-    config: PathBuf,
-}
-
 impl Bus {
-    fn start() -> Bus {
-        let dir = tempfile::Builder::new()
-            .prefix("sandcell-bus-")
-            .tempdir_in("/var/tmp")
-            .unwrap();
-        std::fs::set_permissions(
-            dir.path(),
-            std::os::unix::fs::PermissionsExt::from_mode(0o711),
-        )
-        .unwrap();
-        let socket = dir.path().join("system_bus_socket");
-        let config = dir.path().join("system.conf");
-        let shipped = repo().join("dbus/org.sandcell.Sandcell1.conf");
-        std::fs::write(
-            &config,
-            format!(
-                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>system</type>
-  <auth>EXTERNAL</auth>
-  <listen>unix:path={socket}</listen>
-  <policy context="default">
-    <allow user="*"/>
-    <deny own="*"/>
-    <deny send_type="method_call"/>
-    <allow send_type="signal"/>
-    <allow send_requested_reply="true" send_type="method_return"/>
-    <allow send_requested_reply="true" send_type="error"/>
-    <allow receive_type="method_call"/>
-    <allow receive_type="method_return"/>
-    <allow receive_type="error"/>
-    <allow receive_type="signal"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Introspectable"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Properties"/>
-  </policy>
-  <includedir>/usr/share/dbus-1/system.d</includedir>
-  <include>{shipped}</include>
-</busconfig>
-"#,
-                socket = socket.display(),
-                shipped = shipped.display()
-            ),
-        )
-        .unwrap();
-        let child = Self::spawn(&config, &socket);
-        Bus {
-            child,
-            address: format!("unix:path={}", socket.display()),
-            dir,
-            config,
-        }
-    }
-
-    fn spawn(config: &Path, socket: &Path) -> Child {
-        let _ = std::fs::remove_file(socket);
-        let child = Command::new("dbus-daemon")
-            .arg(format!("--config-file={}", config.display()))
-            .arg("--nofork")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting dbus-daemon");
-        assert!(
-            eventually(Duration::from_secs(10), || socket.exists()),
-            "dbus-daemon did not create {}",
-            socket.display()
-        );
-        child
-    }
-
-    fn stop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn restart(&mut self) {
-        self.child = Self::spawn(&self.config, &self.dir.path().join("system_bus_socket"));
-    }
-
-    fn busctl(&self) -> Command {
-        let mut c = Command::new("busctl");
-        c.env("DBUS_SYSTEM_BUS_ADDRESS", &self.address)
-            .arg("--system");
-        c
-    }
-
     /// Whether polkitd answers on this bus.
     fn polkit_up(&self) -> bool {
         run(self.busctl().args([
@@ -655,12 +539,6 @@ impl Bus {
         ]))
         .code
             == 0
-    }
-}
-
-impl Drop for Bus {
-    fn drop(&mut self) {
-        self.stop();
     }
 }
 

@@ -10,10 +10,11 @@
 
 mod common;
 
+use common::bus::Bus;
 use common::{Daemon, eventually};
 use sandcell_client::{Client, Error, FileKind, KernelError, Status};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 fn has_r() -> bool {
@@ -245,79 +246,8 @@ async fn hidden_files_scratch_sparse_files_and_inodes_count_against_the_budget()
 // ---------------------------------------------------------------------------------------
 // Authorization edges: a private system bus (no polkitd on it) with polkit installed here.
 
-/// A private system-like bus on a socket in a temporary directory, with the shipped policy.
-struct Bus {
-    child: Child,
-    _dir: tempfile::TempDir,
-    address: String,
-}
-
 impl Bus {
-    fn start() -> Bus {
-        let dir = tempfile::Builder::new()
-            .prefix("sandcell-bus-")
-            .tempdir_in("/var/tmp")
-            .unwrap();
-        std::fs::set_permissions(
-            dir.path(),
-            std::os::unix::fs::PermissionsExt::from_mode(0o711),
-        )
-        .unwrap();
-        let socket = dir.path().join("system_bus_socket");
-        let config = dir.path().join("system.conf");
-        let shipped = common::manifest_dir().join("../dbus/org.sandcell.Sandcell1.conf");
-        std::fs::write(
-            &config,
-            format!(
-                r#"<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>system</type>
-  <auth>EXTERNAL</auth>
-  <listen>unix:path={socket}</listen>
-  <policy context="default">
-    <allow user="*"/>
-    <deny own="*"/>
-    <deny send_type="method_call"/>
-    <allow send_type="signal"/>
-    <allow send_requested_reply="true" send_type="method_return"/>
-    <allow send_requested_reply="true" send_type="error"/>
-    <allow receive_type="method_call"/>
-    <allow receive_type="method_return"/>
-    <allow receive_type="error"/>
-    <allow receive_type="signal"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Introspectable"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Properties"/>
-  </policy>
-  <include>{shipped}</include>
-</busconfig>
-"#,
-                socket = socket.display(),
-                shipped = shipped.display()
-            ),
-        )
-        .unwrap();
-        let child = Command::new("dbus-daemon")
-            .arg(format!("--config-file={}", config.display()))
-            .arg("--nofork")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting dbus-daemon");
-        assert!(
-            eventually(Duration::from_secs(10), || socket.exists()),
-            "dbus-daemon did not start"
-        );
-        Bus {
-            child,
-            address: format!("unix:path={}", socket.display()),
-            _dir: dir,
-        }
-    }
-
-    fn busctl(&self, user: Option<&User>) -> Command {
+    fn busctl_as(&self, user: Option<&User>) -> Command {
         let mut c = match user {
             None => Command::new("busctl"),
             Some(u) => {
@@ -332,13 +262,6 @@ impl Bus {
         c.env("DBUS_SYSTEM_BUS_ADDRESS", &self.address)
             .arg("--system");
         c
-    }
-}
-
-impl Drop for Bus {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -514,7 +437,7 @@ async fn polkit_installed_but_silent_fails_closed_and_sessions_stay_private() {
         o.stdout
     );
     for prop in ["OwnerUID", "OwnerPID", "State", "MemoryCurrent", "Id"] {
-        let o = output(bus.busctl(Some(&mallory)).args([
+        let o = output(bus.busctl_as(Some(&mallory)).args([
             "get-property",
             "org.sandcell.Sandcell1",
             &path,
@@ -527,7 +450,7 @@ async fn polkit_installed_but_silent_fails_closed_and_sessions_stay_private() {
             "{prop}: {}",
             o.stderr
         );
-        let o = output(bus.busctl(None).args([
+        let o = output(bus.busctl_as(None).args([
             "get-property",
             "org.sandcell.Sandcell1",
             &path,
@@ -537,7 +460,7 @@ async fn polkit_installed_but_silent_fails_closed_and_sessions_stay_private() {
         assert_eq!(o.code, 0, "{prop} not readable by root: {}", o.stderr);
     }
     // GetAll, and listing the objects by introspection.
-    let o = output(bus.busctl(Some(&mallory)).args([
+    let o = output(bus.busctl_as(Some(&mallory)).args([
         "call",
         "org.sandcell.Sandcell1",
         &path,
@@ -553,7 +476,7 @@ async fn polkit_installed_but_silent_fails_closed_and_sessions_stay_private() {
         "GetAll answered a stranger: {}",
         o.stdout
     );
-    let o = output(bus.busctl(Some(&mallory)).args([
+    let o = output(bus.busctl_as(Some(&mallory)).args([
         "introspect",
         "--xml-interface",
         "org.sandcell.Sandcell1",
@@ -564,7 +487,7 @@ async fn polkit_installed_but_silent_fails_closed_and_sessions_stay_private() {
         "session ids listed to a stranger: {}",
         o.stdout
     );
-    let o = output(bus.busctl(None).args([
+    let o = output(bus.busctl_as(None).args([
         "introspect",
         "--xml-interface",
         "org.sandcell.Sandcell1",

@@ -5,6 +5,8 @@
 //! `--insecure-dev` and says so on stderr.
 #![allow(dead_code)]
 
+pub mod bus;
+
 use sandcell_client::Client;
 use std::io::Read;
 use std::path::{Path, PathBuf};
