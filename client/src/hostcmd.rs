@@ -100,7 +100,9 @@ impl HostHandler {
     }
 
     /// Answers `call` of `session`: runs the command and sends its answer. A call that no
-    /// longer waits (`NoSuchHostCall`: timed out, interrupted) is not an error.
+    /// longer waits (`NoSuchHostCall`: timed out, interrupted; `SessionEnded` or
+    /// `NoSuchSession`: a one-shot run or a session that ended meanwhile) is not an error: the
+    /// stream still carries the cell's result, which the caller goes on to read.
     pub async fn answer(&mut self, session: &str, call: &HostCall) -> Result<(), Error> {
         let answer = self.run(session, call);
         if self.replies.is_none() {
@@ -108,7 +110,12 @@ impl HostHandler {
         }
         let c = self.replies.as_mut().expect("connected above");
         match c.host_reply(session, call.call, answer).await {
-            Ok(()) | Err(Error::Kernel(KernelError::NoSuchHostCall { .. })) => Ok(()),
+            Ok(())
+            | Err(Error::Kernel(
+                KernelError::NoSuchHostCall { .. }
+                | KernelError::SessionEnded { .. }
+                | KernelError::NoSuchSession { .. },
+            )) => Ok(()),
             Err(e) => Err(e),
         }
     }
