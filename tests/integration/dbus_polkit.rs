@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::bus::{Bus, Out, run};
+use common::bus::{Bus, Out, run, run_input};
 use common::{Daemon, eventually};
 use sandcell_client::KernelError;
 use std::collections::HashMap;
@@ -215,27 +215,7 @@ fn ctl(d: &Daemon, bus: &Bus, user: Option<&User>, args: &[&str], stdin: Option<
         .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address);
     match stdin {
         None => run(&mut cmd),
-        Some(text) => {
-            let mut child = cmd
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap();
-            use std::io::Write;
-            child
-                .stdin
-                .take()
-                .unwrap()
-                .write_all(text.as_bytes())
-                .unwrap();
-            let o = child.wait_with_output().unwrap();
-            Out {
-                code: o.status.code().unwrap_or(-1),
-                stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-                stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-            }
-        }
+        Some(text) => run_input(&mut cmd, text),
     }
 }
 

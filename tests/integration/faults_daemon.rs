@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::bus::{Bus, Out, run};
+use common::bus::{Bus, Out, run, run_input};
 use common::{Daemon, eventually};
 use sandcell_client::{Error, KernelError, Status};
 use std::path::{Path, PathBuf};
@@ -670,31 +670,16 @@ impl Drop for Polkit {
 
 /// `sandcellctl run -` of `code` as `user`, through the daemon's socket.
 fn run_as(d: &Daemon, user: &User, code: &str) -> Out {
-    use std::io::Write;
-    let mut child = Command::new("setpriv")
-        .arg(format!("--reuid={}", user.uid))
-        .arg(format!("--regid={}", user.gid))
-        .arg("--init-groups")
-        .arg(common::bin_dir().join("sandcellctl"))
-        .args(["run", "-"])
-        .env("SANDCELL_SOCKET", &d.socket)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(code.as_bytes())
-        .unwrap();
-    let o = child.wait_with_output().unwrap();
-    Out {
-        code: o.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-    }
+    run_input(
+        Command::new("setpriv")
+            .arg(format!("--reuid={}", user.uid))
+            .arg(format!("--regid={}", user.gid))
+            .arg("--init-groups")
+            .arg(common::bin_dir().join("sandcellctl"))
+            .args(["run", "-"])
+            .env("SANDCELL_SOCKET", &d.socket),
+        code,
+    )
 }
 
 /// Asserts that `user`'s run is refused by the fail-closed authority, promptly.

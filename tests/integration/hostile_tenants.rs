@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::bus::Bus;
+use common::bus::{Bus, Out, run_input};
 use common::{Daemon, eventually};
 use sandcell_client::{Client, Error, FileKind, KernelError, Status};
 use std::path::{Path, PathBuf};
@@ -307,12 +307,6 @@ impl Drop for User {
     }
 }
 
-struct Out {
-    code: i32,
-    stdout: String,
-    stderr: String,
-}
-
 fn output(cmd: &mut Command) -> Out {
     let o = cmd.stdin(Stdio::null()).output().unwrap();
     Out {
@@ -340,25 +334,7 @@ fn ctl(d: &Daemon, bus: Option<&Bus>, user: Option<&User>, args: &[&str], stdin:
     if let Some(b) = bus {
         cmd.env("DBUS_SYSTEM_BUS_ADDRESS", &b.address);
     }
-    let mut child = cmd
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    use std::io::Write;
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    let o = child.wait_with_output().unwrap();
-    Out {
-        code: o.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-    }
+    run_input(&mut cmd, stdin)
 }
 
 fn bus_skip_reason() -> Option<(&'static str, String)> {

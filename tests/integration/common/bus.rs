@@ -29,6 +29,30 @@ pub fn run(cmd: &mut Command) -> Out {
     }
 }
 
+/// Runs `cmd` with `stdin` written to its standard input (then closed) and collects its
+/// output.
+pub fn run_input(cmd: &mut Command, stdin: &str) -> Out {
+    use std::io::Write;
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running a command");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    Out {
+        code: o.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+    }
+}
+
 /// The bus; killed on drop.
 pub struct Bus {
     pub child: Child,
