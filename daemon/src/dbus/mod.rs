@@ -436,8 +436,10 @@ impl Supervisor {
                 Manager::worker_oom_killed(emitter, &self.core.public_id(&id)).await?;
             }
             Event::Reloaded => {
+                // Pools first; figures_changed announces Admission once for both.
+                let m = live.manager.get().await;
+                m.pools_changed(live.manager.signal_emitter()).await?;
                 self.figures_changed(live).await?;
-                self.pools_changed(live).await?;
             }
         }
         Ok(())
