@@ -15,7 +15,6 @@
 //! records; daemon-wide [`k::DAEMON_RETAINED_BYTES`], reserved up front per running cell
 //! ([`RESERVE`]) and refused (`CapacityExceeded`) when it does not fit.
 
-use crate::session::Session;
 use sandcell_proto::kernel::{
     self as k, CellResult, Frame, HostCall, Output, Retained, RetainedStats, Started, Stream,
 };
@@ -24,6 +23,18 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{Notify, mpsc, oneshot};
+
+/// What a relay needs of the session its cell runs in (`session::Session` is one): its id
+/// for log lines, its cell log, and a way to interrupt a cell. The relay holds the session
+/// (an `Arc`) until the cell's frames end.
+pub trait Host: Send + Sync + 'static {
+    /// The session's id.
+    fn id(&self) -> &str;
+    /// The session's cell records.
+    fn log(&self) -> &CellLog;
+    /// Interrupts `cell` (a client's hang-up under `interrupt_on_hangup`).
+    fn interrupt_cell(&self, cell: u64) -> impl Future<Output = ()> + Send;
+}
 
 /// Bytes a running cell's record reserves of its session's and the daemon's budgets: both
 /// streams' head and tail, and a retained result.
@@ -492,8 +503,8 @@ fn tell_replaced(old: mpsc::Sender<Frame>) {
 /// frame arrives, and the cell's number is sent on the returned channel (which closes
 /// without one when the session ended before the cell started). `attach` is the first
 /// attachment (an `Execute`'s client); `hangup_interrupts`: its hang-up interrupts the cell.
-pub fn relay(
-    session: Arc<Session>,
+pub fn relay<S: Host>(
+    session: Arc<S>,
     mut rx: mpsc::Receiver<Frame>,
     attach: Option<mpsc::Sender<Frame>>,
     hangup_interrupts: bool,
@@ -520,7 +531,7 @@ pub fn relay(
             charge,
             wake: wake.clone(),
         }));
-        session.cells.records.lock().unwrap().push_back(rec.clone());
+        session.log().records.lock().unwrap().push_back(rec.clone());
         let _ = started_tx.send(cell);
         if let Some(tx) = attach {
             deliver(&session, &rec, &wake, tx, first).await;
@@ -550,7 +561,7 @@ pub fn relay(
                     }
                     if last {
                         rec.lock().unwrap().attach = None;
-                        session.cells.make_room(0, false);
+                        session.log().make_room(0, false);
                         break;
                     }
                 }
@@ -574,8 +585,8 @@ async fn attachment_closed(target: &Option<mpsc::Sender<Frame>>) {
 }
 
 /// Sends `frame` to the attachment `tx`, unless a newer attachment replaces it meanwhile.
-async fn deliver(
-    session: &Arc<Session>,
+async fn deliver<S: Host>(
+    session: &Arc<S>,
     rec: &Arc<Mutex<Record>>,
     wake: &Notify,
     tx: mpsc::Sender<Frame>,
@@ -591,7 +602,7 @@ async fn deliver(
 
 /// The attachment `tx` went away: the cell runs on unattached, or, when it was the
 /// `Execute` that started it and the operator chose `interrupt_on_hangup`, is interrupted.
-fn hung_up(session: &Arc<Session>, rec: &Arc<Mutex<Record>>, tx: &mpsc::Sender<Frame>) {
+fn hung_up<S: Host>(session: &Arc<S>, rec: &Arc<Mutex<Record>>, tx: &mpsc::Sender<Frame>) {
     let (cell, interrupt) = {
         let mut r = rec.lock().unwrap();
         if !r.attach.as_ref().is_some_and(|a| a.same_channel(tx)) {
@@ -601,13 +612,13 @@ fn hung_up(session: &Arc<Session>, rec: &Arc<Mutex<Record>>, tx: &mpsc::Sender<F
         (r.cell, std::mem::take(&mut r.hangup_interrupts))
     };
     if interrupt {
-        tracing::info!(session = %session.id, cell, "client gone during the cell: interrupting it (interrupt_on_hangup)");
+        tracing::info!(session = %session.id(), cell, "client gone during the cell: interrupting it (interrupt_on_hangup)");
         let s = session.clone();
         tokio::spawn(async move {
-            s.interrupt(cell).await;
+            s.interrupt_cell(cell).await;
         });
     } else {
-        tracing::info!(session = %session.id, cell, "client gone during the cell: it runs on, its output retained");
+        tracing::info!(session = %session.id(), cell, "client gone during the cell: it runs on, its output retained");
     }
 }
 

@@ -117,7 +117,7 @@ pub enum Upload {
     /// Decoded inline data.
     Inline(Vec<u8>),
     /// A descriptor the client passed.
-    Fd(crate::varlink::socket::Upload),
+    Fd(crate::files::UploadFd),
 }
 
 /// Seconds a `PutFile` may take on the blocking pool before its client is answered with
@@ -182,9 +182,55 @@ impl Core {
         &self.pool
     }
 
-    /// Readiness and inventories of the environments.
-    pub fn environment_reports(&self) -> &crate::environments::Reports {
-        &self.environments
+    /// The readiness and inventory of `env`: kept from an earlier check of the same
+    /// configuration, or learned now by running its probe cell (`environments.rs`).
+    pub async fn environment_report(&self, env: &Environment) -> crate::environments::Report {
+        self.environments
+            .get(env, || self.probe_environment(env))
+            .await
+    }
+
+    /// Every environment served, in name order, with its report (checks run as needed, one
+    /// at a time): `ListEnvironments` and the D-Bus `Environments` property.
+    pub async fn list_environments(&self) -> Vec<sandcell_proto::kernel::Environment> {
+        let mut out = Vec::new();
+        for env in self.config().environments() {
+            let r = self.environment_report(&env).await;
+            out.push(crate::environments::listing(&env, r));
+        }
+        out
+    }
+
+    /// Runs the probe cell of `env` as a one-shot session of the daemon's own. `Err` only for
+    /// reasons that say nothing about the environment (no capacity now, the daemon stopping).
+    async fn probe_environment(
+        &self,
+        env: &Environment,
+    ) -> Result<crate::environments::Report, KernelError> {
+        let caller = Caller {
+            uid: 0,
+            gid: 0,
+            pid: std::process::id(),
+            connection: 0,
+            subject: crate::identity::Subject::Daemon,
+        };
+        let (tx, rx) = mpsc::channel::<Frame>(16);
+        if let Err(e) = self
+            .run(
+                &caller,
+                env.language.as_str(),
+                Some(&env.name),
+                crate::environments::probe_code(env).into(),
+                None,
+                false,
+                true,
+                tx,
+            )
+            .await
+        {
+            return crate::environments::refused(e);
+        }
+        Ok(crate::environments::read_probe(rx).await)
     }
 
     /// Starts the warm-pool refill task (a no-op while every pool size is 0).
@@ -799,7 +845,7 @@ impl Core {
             .unwrap()
             .insert(id.clone(), session.clone());
         tracing::info!(session = %id, uid = caller.uid, pid = caller.pid, language = language.as_str(), warm, "session opened");
-        crate::metrics::counters().session_opened();
+        crate::counters::counters().session_opened();
         let _ = self.events.send(Event::Opened {
             id,
             uid: caller.uid,
@@ -1310,7 +1356,7 @@ impl Core {
         let task = tokio::task::spawn_blocking(move || {
             let source = match source {
                 Upload::Inline(bytes) => crate::files::Source::Inline(bytes),
-                Upload::Fd(u) => match crate::varlink::socket::inspect_upload(u) {
+                Upload::Fd(u) => match crate::files::inspect_upload(u) {
                     Ok(fd) => crate::files::Source::Fd(fd),
                     Err((u, why)) => {
                         drop(u);

@@ -10,15 +10,16 @@
 //! one is then listed as not ready, with the reason). Results are kept until the environment's
 //! configuration changes (a reload: it is then checked again on the next listing); a check
 //! that could not run for want of capacity, or because the daemon is stopping, is not kept.
+//!
+//! This module is the registry of those reports and reads a probe's output; the core runs the
+//! probe cells (`Core::environment_report`, `Core::list_environments`).
 
 use crate::config::{Engine, Environment};
-use crate::core::Core;
-use crate::identity::{Caller, Subject};
 use sandcell_proto::kernel::{self as k, Frame, KernelError, MAX_LISTED_PACKAGES, Package, Status};
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
-
-use tokio::sync::OnceCell;
+use tokio::sync::{OnceCell, mpsc};
 
 /// Bytes of a probe cell's output that are read at most (names and versions of at most
 /// [`MAX_LISTED_PACKAGES`] packages fit comfortably).
@@ -52,6 +53,20 @@ pub struct Reports {
 }
 
 impl Reports {
+    /// The report of `env`: kept from an earlier check of the same configuration, or checked
+    /// now by `probe` (whose `Err` is not kept: the report then says the check did not run).
+    pub async fn get<F, P>(&self, env: &Environment, probe: P) -> Report
+    where
+        P: FnOnce() -> F,
+        F: Future<Output = Result<Report, KernelError>>,
+    {
+        let cell = self.cell(env);
+        match cell.get_or_try_init(probe).await {
+            Ok(r) => r.clone(),
+            Err(e) => not_ready(format!("not checked yet: {e}")),
+        }
+    }
+
     fn cell(&self, env: &Environment) -> Arc<OnceCell<Report>> {
         let mut cells = self.cells.lock().unwrap();
         match cells.get(&env.name) {
@@ -119,45 +134,23 @@ pub fn parse_inventory(out: &str) -> (String, Vec<Package>, bool) {
     (version, packages, truncated)
 }
 
-/// Runs the probe of `env`. `Err` only for reasons that say nothing about the environment
-/// (no capacity now, the daemon stopping), which are not kept.
-async fn probe(core: &Core, env: &Environment) -> Result<Report, KernelError> {
-    let caller = Caller {
-        uid: 0,
-        gid: 0,
-        pid: std::process::id(),
-        connection: 0,
-        subject: Subject::Daemon,
-    };
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Frame>(16);
-    let not_ready = |reason: String| Report {
+/// A report of an environment that is not ready, and why.
+fn not_ready(reason: String) -> Report {
+    Report {
         ready: false,
         reason: Some(reason),
         version: String::new(),
         packages: Vec::new(),
         truncated: false,
-    };
-    match core
-        .run(
-            &caller,
-            env.language.as_str(),
-            Some(&env.name),
-            probe_code(env).into(),
-            None,
-            false,
-            true,
-            tx,
-        )
-        .await
-    {
-        Ok(()) => {}
-        Err(e @ (KernelError::CapacityExceeded { .. } | KernelError::ShuttingDown {})) => {
-            return Err(e);
-        }
-        Err(e) => return Ok(not_ready(e.to_string())),
     }
+}
+
+/// What the probe cell of an environment found, from the frames of its one-shot run (after
+/// the run was admitted): ready with its version and packages when it ended `ok` and printed
+/// a version; else not ready, with the reason.
+pub async fn read_probe(mut frames: mpsc::Receiver<Frame>) -> Report {
     let mut out = String::new();
-    while let Some(f) = rx.recv().await {
+    while let Some(f) = frames.recv().await {
         if let Some(o) = f.output
             && o.stream == k::Stream::Stdout
             && out.len() < MAX_PROBE_OUTPUT
@@ -170,63 +163,47 @@ async fn probe(core: &Core, env: &Environment) -> Result<Report, KernelError> {
                     .error
                     .map(|e| format!(": {}: {}", e.kind, e.message))
                     .unwrap_or_default();
-                return Ok(not_ready(format!(
-                    "the probe cell ended {:?}{why}",
-                    r.status
-                )));
+                return not_ready(format!("the probe cell ended {:?}{why}", r.status));
             }
             let (version, packages, truncated) = parse_inventory(&out);
             if version.is_empty() {
-                return Ok(not_ready(
-                    "the probe cell printed no interpreter version".into(),
-                ));
+                return not_ready("the probe cell printed no interpreter version".into());
             }
-            return Ok(Report {
+            return Report {
                 ready: true,
                 reason: None,
                 version,
                 packages,
                 truncated,
-            });
+            };
         }
     }
-    Ok(not_ready("the probe cell produced no result".into()))
+    not_ready("the probe cell produced no result".into())
 }
 
-/// The report of `env`: kept from an earlier check of the same configuration, or checked now.
-pub async fn report(core: &Core, env: &Environment) -> Report {
-    let cell = core.environment_reports().cell(env);
-    match cell.get_or_try_init(|| probe(core, env)).await {
-        Ok(r) => r.clone(),
-        Err(e) => Report {
-            ready: false,
-            reason: Some(format!("not checked yet: {e}")),
-            version: String::new(),
-            packages: Vec::new(),
-            truncated: false,
-        },
+/// The probe's result for a run that was refused: `Err` for reasons that say nothing about
+/// the environment (no capacity now, the daemon stopping), which are not kept; else a report
+/// of an environment that is not ready.
+pub fn refused(e: KernelError) -> Result<Report, KernelError> {
+    match e {
+        e @ (KernelError::CapacityExceeded { .. } | KernelError::ShuttingDown {}) => Err(e),
+        e => Ok(not_ready(e.to_string())),
     }
 }
 
-/// Every environment served, in name order, with its report (checks run as needed, one at a
-/// time).
-pub async fn list(core: &Core) -> Vec<k::Environment> {
-    let mut out = Vec::new();
-    for env in core.config().environments() {
-        let r = report(core, &env).await;
-        out.push(k::Environment {
-            name: env.name.clone(),
-            language: env.language.as_str().into(),
-            engine: env.engine.as_str().into(),
-            default: env.default,
-            interpreter_version: r.version,
-            ready: r.ready,
-            reason: r.reason,
-            packages: r.packages,
-            packages_truncated: r.truncated,
-        });
+/// An environment as `ListEnvironments` lists it, with its report.
+pub fn listing(env: &Environment, r: Report) -> k::Environment {
+    k::Environment {
+        name: env.name.clone(),
+        language: env.language.as_str().into(),
+        engine: env.engine.as_str().into(),
+        default: env.default,
+        interpreter_version: r.version,
+        ready: r.ready,
+        reason: r.reason,
+        packages: r.packages,
+        packages_truncated: r.truncated,
     }
-    out
 }
 
 #[cfg(test)]

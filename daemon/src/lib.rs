@@ -13,8 +13,12 @@
 //! - [`varlink`]: the `org.sandcell.Kernel` shim.
 //! - [`dbus`]: the `org.sandcell.Sandcell1` control plane shim; [`polkit`]: the polkit authority.
 //! - [`files`]: files in and out of session directories (never following a symlink).
+//! - [`cells`]: cells that outlive their client; [`environments`]: environments' reports.
 //! - [`notify`]: systemd readiness, status, watchdog; [`metrics`]: the capacity file
-//!   (Prometheus text format) for node exporters.
+//!   (Prometheus text format) for node exporters; [`counters`]: the counters it reports.
+//!
+//! Dependencies point down: the shims and the metrics file use the core, the core uses the
+//! rest, and no module imports one that imports it.
 
 pub mod admission;
 pub mod auth;
@@ -22,6 +26,7 @@ pub mod cells;
 pub mod cgroup;
 pub mod config;
 pub mod core;
+pub mod counters;
 pub mod dbus;
 pub mod ended;
 pub mod environments;

@@ -526,7 +526,7 @@ async fn probe_environments(core: &Arc<Core>) -> anyhow::Result<()> {
         while core.admission().1.sessions > 0 && t0.elapsed() < std::time::Duration::from_secs(10) {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
-        let r = sandcelld::environments::report(core, &env).await;
+        let r = core.environment_report(&env).await;
         if r.ready {
             tracing::info!(environment = %env.name, version = %r.version, packages = r.packages.len(), "environment ready");
         } else if env.default {

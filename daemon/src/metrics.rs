@@ -47,7 +47,6 @@ use std::os::fd::OwnedFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 /// Shortest gap between two log lines about failed writes.
@@ -58,43 +57,6 @@ const TICK_SLACK: Duration = Duration::from_millis(500);
 
 /// How long a clean exit waits for a write in progress, then for the removal.
 const EXIT_WAIT: Duration = Duration::from_secs(2);
-
-/// Counters since the daemon started (process-wide: one daemon per process).
-#[derive(Debug, Default)]
-pub struct Counters {
-    cells: [AtomicU64; Status::ALL.len()],
-    sessions_opened: AtomicU64,
-    sessions_ended: AtomicU64,
-    oom_kills: AtomicU64,
-}
-
-/// The daemon's counters.
-pub fn counters() -> &'static Counters {
-    static C: OnceLock<Counters> = OnceLock::new();
-    C.get_or_init(Counters::default)
-}
-
-impl Counters {
-    /// A cell finished with `status`.
-    pub fn cell_finished(&self, status: Status) {
-        self.cells[status as usize].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// A session is ready (one-shot runs and readiness probes included).
-    pub fn session_opened(&self) {
-        self.sessions_opened.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// A session ended and released everything.
-    pub fn session_ended(&self) {
-        self.sessions_ended.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// The kernel OOM-killed a worker.
-    pub fn oom_killed(&self) {
-        self.oom_kills.fetch_add(1, Ordering::Relaxed);
-    }
-}
 
 /// One warm pool's figures (the D-Bus `Pools` row): workers, and counts since start.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -177,7 +139,7 @@ impl Snapshot {
         let (max, used) = core.admission();
         let (per_uid, uids) = core.uid_admission();
         let cfg = core.config();
-        let c = counters();
+        let c = crate::counters::counters();
         Snapshot {
             node: core.node_id().to_owned(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -196,7 +158,9 @@ impl Snapshot {
                 crate::cells::daemon_use(),
                 sandcell_proto::kernel::DAEMON_RETAINED_BYTES,
             ),
-            pools: crate::dbus::pool_rows(core)
+            pools: core
+                .pool()
+                .rows(&core.config())
                 .into_iter()
                 .map(
                     |(environment, idle, target, min, max, taken, missed)| PoolFigures {
@@ -210,13 +174,10 @@ impl Snapshot {
                     },
                 )
                 .collect(),
-            cells: Status::ALL
-                .iter()
-                .map(|s| (*s, c.cells[*s as usize].load(Ordering::Relaxed)))
-                .collect(),
-            sessions_opened: c.sessions_opened.load(Ordering::Relaxed),
-            sessions_ended: c.sessions_ended.load(Ordering::Relaxed),
-            oom_kills: c.oom_kills.load(Ordering::Relaxed),
+            cells: Status::ALL.iter().map(|s| (*s, c.cells(*s))).collect(),
+            sessions_opened: c.sessions_opened(),
+            sessions_ended: c.sessions_ended(),
+            oom_kills: c.oom_kills(),
         }
     }
 

@@ -21,6 +21,7 @@
 
 use crate::config::{Config, Environment};
 use crate::worker::start::{Prepared, StartError};
+use sandcell_proto::dbus::PoolRow;
 use sandcell_proto::kernel::Language;
 use std::collections::{BTreeMap, VecDeque};
 use std::future::Future;
@@ -248,6 +249,34 @@ impl<W> Pool<W> {
                 missed: l.missed,
             })
             .collect()
+    }
+
+    /// The rows of the D-Bus `Pools` property (and the metrics file's pool figures), one per
+    /// environment (shipped, configured in `config`, or still holding a pool), in name order;
+    /// an environment whose pool never ran has a row of zeros.
+    pub fn rows(&self, config: &Config) -> Vec<PoolRow> {
+        let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+        let mut rows: BTreeMap<String, PoolRow> = crate::config::shipped_environments()
+            .into_iter()
+            .map(|(name, _)| name)
+            .chain(config.environments.keys().cloned())
+            .map(|name| (name.clone(), (name, 0, 0, 0, 0, 0, 0)))
+            .collect();
+        let live = self.status().into_iter().map(|s| {
+            (
+                s.environment.clone(),
+                n(s.idle),
+                n(s.target),
+                n(s.min),
+                n(s.max),
+                s.taken,
+                s.missed,
+            )
+        });
+        for row in live {
+            rows.insert(row.0.clone(), row);
+        }
+        rows.into_values().collect()
     }
 
     /// Wakes the refill task (after a take).

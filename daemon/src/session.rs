@@ -454,6 +454,20 @@ impl Session {
     }
 }
 
+impl crate::cells::Host for Session {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn log(&self) -> &crate::cells::CellLog {
+        &self.cells
+    }
+
+    async fn interrupt_cell(&self, cell: u64) {
+        self.interrupt(cell).await;
+    }
+}
+
 /// Why `Execute` was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ExecuteRefused {
@@ -1884,7 +1898,7 @@ impl Actor {
             // session; count it here so a later death is not blamed on it.
             self.oom_seen = self.group.oom_kills();
         }
-        crate::metrics::counters().cell_finished(status);
+        crate::counters::counters().cell_finished(status);
         let _ = self.events.send(Event::CellFinished {
             id: self.session.id.clone(),
             cell,
@@ -2057,7 +2071,7 @@ impl Actor {
                     tracing::warn!(session = %self.session.id, cell = run.cell, reason = %why, "worker ended");
                 }
                 if oom {
-                    crate::metrics::counters().oom_killed();
+                    crate::counters::counters().oom_killed();
                     let _ = self.events.send(Event::OomKilled {
                         id: self.session.id.clone(),
                     });
@@ -2114,7 +2128,7 @@ impl Actor {
         if let Some(f) = self.on_end.take() {
             f(&self.session.id, reason);
         }
-        crate::metrics::counters().session_ended();
+        crate::counters::counters().session_ended();
         let _ = self.events.send(Event::Closed {
             id: self.session.id.clone(),
             reason: reason.detail.clone(),

@@ -20,34 +20,6 @@ pub type SessionRow = sandcell_proto::dbus::SessionRow<OwnedObjectPath>;
 
 pub use sandcell_proto::dbus::{AdmissionRow, PoolRow};
 
-/// The rows of the `Pools` property, one per environment (shipped, configured, or still
-/// holding a pool), in name order; an environment whose pool never ran has a row of zeros.
-pub(crate) fn pool_rows(core: &Core) -> Vec<PoolRow> {
-    let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
-    let mut rows: std::collections::BTreeMap<String, PoolRow> =
-        crate::config::shipped_environments()
-            .into_iter()
-            .map(|(name, _)| name)
-            .chain(core.config().environments.keys().cloned())
-            .map(|name| (name.clone(), (name, 0, 0, 0, 0, 0, 0)))
-            .collect();
-    let live = core.pool().status().into_iter().map(|s| {
-        (
-            s.environment.clone(),
-            n(s.idle),
-            n(s.target),
-            n(s.min),
-            n(s.max),
-            s.taken,
-            s.missed,
-        )
-    });
-    for row in live {
-        rows.insert(row.0.clone(), row);
-    }
-    rows.into_values().collect()
-}
-
 /// One row of the `Environments` property: name, language, engine, default, interpreter
 /// version, ready, reason (empty when ready), packages as (name, version) pairs.
 pub type EnvironmentRow = (
@@ -335,7 +307,7 @@ impl Manager {
     /// change within about a second (the pools are compared once a second).
     #[zbus(property)]
     async fn pools(&self) -> Vec<PoolRow> {
-        pool_rows(&self.core)
+        self.core.pool().rows(&self.core.config())
     }
 
     /// The environments served, as Varlink `ListEnvironments` reports them: (name, language,
@@ -344,7 +316,8 @@ impl Manager {
     /// check of an environment not checked yet (one short one-shot session each).
     #[zbus(property(emits_changed_signal = "false"))]
     async fn environments(&self) -> Vec<EnvironmentRow> {
-        crate::environments::list(&self.core)
+        self.core
+            .list_environments()
             .await
             .into_iter()
             .map(|e| {

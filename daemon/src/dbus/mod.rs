@@ -36,7 +36,6 @@ mod manager;
 mod session;
 
 pub use manager::Manager;
-pub(crate) use manager::pool_rows;
 pub use session::SessionObject;
 
 use crate::core::Core;
@@ -354,13 +353,13 @@ impl Supervisor {
     /// Forwards core events, and pool changes every [`POOL_CHECK`], until the connection
     /// closes (false) or the daemon stops (true).
     async fn serve(&self, mut live: Live, stop: &mut watch::Receiver<bool>) -> bool {
-        let mut pools = manager::pool_rows(&self.core);
+        let mut pools = self.core.pool().rows(&self.core.config());
         let mut tick = tokio::time::interval(POOL_CHECK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 _ = tick.tick() => {
-                    let now = manager::pool_rows(&self.core);
+                    let now = self.core.pool().rows(&self.core.config());
                     if now != pools {
                         pools = now;
                         if let Err(e) = self.pools_changed(&live).await {

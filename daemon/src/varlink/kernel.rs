@@ -404,7 +404,7 @@ pub async fn handle(
         }
         "ListEnvironments" => {
             let _ = parse!(k::ListEnvironmentsParams);
-            let environments = crate::environments::list(core).await;
+            let environments = core.list_environments().await;
             send_reply(w, &call, k::ListEnvironmentsReply { environments }, false).await
         }
         "Close" => {

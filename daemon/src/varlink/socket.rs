@@ -30,6 +30,7 @@
 //! before the close. A uid with more than [`MAX_DISPOSING_PER_UID`] descriptors still being
 //! closed is not read from until they are.
 
+use crate::files::UploadFd;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -584,12 +585,12 @@ impl PassedFds {
     }
 
     /// Takes the descriptor at `i` out (to be used on the blocking pool only: inspect it with
-    /// [`inspect_upload`]); `None` when there is no such index.
-    pub fn take(&mut self, i: usize) -> Option<Upload> {
-        (i < self.fds.len()).then(|| Upload {
-            fd: Some(self.fds.swap_remove(i)),
-            uid: self.uid,
-        })
+    /// [`crate::files::inspect_upload`]); `None` when there is no such index. Dropped, it is
+    /// closed as the others are.
+    pub fn take(&mut self, i: usize) -> Option<UploadFd> {
+        let uid = self.uid;
+        (i < self.fds.len())
+            .then(|| UploadFd::new(self.fds.swap_remove(i), move |fd| dispose(vec![fd], uid)))
     }
 }
 
@@ -654,129 +655,6 @@ fn no_linger(fd: &OwnedFd) {
             std::mem::size_of::<libc::linger>() as libc::socklen_t,
         )
     };
-}
-
-/// A descriptor passed as a `PutFile` source. Inspect and read it on the blocking pool only;
-/// dropping it closes it off the runtime like [`PassedFds`].
-#[derive(Debug)]
-pub struct Upload {
-    fd: Option<OwnedFd>,
-    uid: Option<u32>,
-}
-
-impl Drop for Upload {
-    fn drop(&mut self) {
-        if let Some(fd) = self.fd.take() {
-            dispose(vec![fd], self.uid);
-        }
-    }
-}
-
-/// File systems whose regular files `PutFile` reads: local, block- or memory-backed, where a
-/// read cannot wait on another process or the network. Names as in `/proc/self/mountinfo`.
-pub const UPLOAD_FILE_SYSTEMS: &[&str] = &[
-    "ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "ramfs", "overlay", "f2fs",
-];
-
-/// Why a passed descriptor is refused as an upload source.
-#[derive(Debug, thiserror::Error)]
-pub enum UploadRefused {
-    /// Not a regular file (a socket, pipe, device, directory).
-    #[error("the passed descriptor is not a regular file")]
-    NotRegular,
-    /// A regular file on a file system outside [`UPLOAD_FILE_SYSTEMS`].
-    #[error("the passed file is on a {0} file system; only local file systems are read")]
-    FileSystem(String),
-    /// The checks themselves failed.
-    #[error("inspecting the passed descriptor: {0}")]
-    Io(std::io::Error),
-}
-
-/// Checks an upload source without asking its file system anything (blocking; call on the
-/// blocking pool). `statx` with `AT_STATX_DONT_SYNC` gives the file type and the device from
-/// the kernel's cached inode (FUSE and NFS do not ask their server then; `fstatfs` would, and a
-/// FUSE server could leave it unanswered). The file's mount is then found in
-/// `/proc/self/mountinfo` and must be of a type in [`UPLOAD_FILE_SYSTEMS`]. Returns the
-/// descriptor for reading.
-pub fn inspect_upload(mut u: Upload) -> Result<OwnedFd, (Upload, UploadRefused)> {
-    let fd = u.fd.as_ref().expect("an upload holds its descriptor");
-    let (mode, dev) = match cached_stat(fd.as_raw_fd()) {
-        Ok(v) => v,
-        Err(e) => return Err((u, UploadRefused::Io(e))),
-    };
-    if mode & libc::S_IFMT != libc::S_IFREG {
-        return Err((u, UploadRefused::NotRegular));
-    }
-    let fstype = match mount_type(fd.as_raw_fd(), dev) {
-        Ok(Some(t)) => t,
-        // Sockets, pipes and memfds live on internal mounts that mountinfo does not list, and
-        // a file on a mount the daemon's namespace lacks cannot be judged: refused.
-        Ok(None) => return Err((u, UploadRefused::FileSystem("unlisted".into()))),
-        Err(e) => return Err((u, UploadRefused::Io(e))),
-    };
-    if !UPLOAD_FILE_SYSTEMS.contains(&fstype.as_str()) {
-        return Err((u, UploadRefused::FileSystem(fstype)));
-    }
-    Ok(u.fd.take().expect("checked above"))
-}
-
-/// `(st_mode, "major:minor" of st_dev)` of `fd` from the cached inode
-/// (`statx(2)` with `AT_EMPTY_PATH | AT_STATX_DONT_SYNC`).
-fn cached_stat(fd: i32) -> std::io::Result<(u32, String)> {
-    // SAFETY: an all-zero statx is valid; statx writes into it.
-    let mut st: libc::statx = unsafe { std::mem::zeroed() };
-    // SAFETY: `fd` is open, the path is a NUL-terminated empty string, `st` is valid for writes.
-    let r = unsafe {
-        libc::statx(
-            fd,
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH | libc::AT_STATX_DONT_SYNC,
-            libc::STATX_TYPE,
-            &mut st,
-        )
-    };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok((
-        u32::from(st.stx_mode),
-        format!("{}:{}", st.stx_dev_major, st.stx_dev_minor),
-    ))
-}
-
-/// The file system type of the mount `fd` is on, from `/proc/self/mountinfo`: the line whose
-/// mount id (`/proc/self/fdinfo`, `mnt_id`) and device both match, else any line of the same
-/// device. Mount ids are per mount namespace: a client's file opened outside the daemon's
-/// namespace (systemd's `ProtectSystem=` gives the daemon its own) carries an id that names
-/// another mount here, or none; the device names the same file system in every namespace.
-/// `None` when no mount of that device is listed (sockets, pipes, memfds, or a file system
-/// the daemon's namespace does not have).
-fn mount_type(fd: i32, dev: String) -> std::io::Result<Option<String>> {
-    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}"))?;
-    let mnt = info
-        .lines()
-        .find_map(|l| l.strip_prefix("mnt_id:"))
-        .map(|v| v.trim().to_owned());
-    let mounts = std::fs::read_to_string("/proc/self/mountinfo")?;
-    // (mount id, device, file system type) of each line.
-    let rows = mounts.lines().filter_map(|l| {
-        let mut f = l.split(' ');
-        let id = f.next()?;
-        let device = f.nth(1)?;
-        let fstype = l.split_once(" - ")?.1.split(' ').next()?;
-        Some((id, device, fstype))
-    });
-    let mut same_device = None;
-    for (id, device, fstype) in rows {
-        if device != dev {
-            continue;
-        }
-        if mnt.as_deref() == Some(id) {
-            return Ok(Some(fstype.to_owned()));
-        }
-        same_device.get_or_insert_with(|| fstype.to_owned());
-    }
-    Ok(same_device)
 }
 
 #[cfg(test)]
@@ -862,27 +740,5 @@ mod tests {
         .unwrap();
         assert_eq!(*buf.last().unwrap(), 0);
         assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
-    }
-
-    #[test]
-    fn uploads_from_sockets_are_refused() {
-        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let u = Upload {
-            fd: Some(a.into()),
-            uid: None,
-        };
-        assert!(matches!(
-            inspect_upload(u),
-            Err((_, UploadRefused::NotRegular))
-        ));
-        let f = tempfile::tempfile_in("/var/tmp").unwrap();
-        let u = Upload {
-            fd: Some(f.into()),
-            uid: None,
-        };
-        if let Err((_, e)) = inspect_upload(u) {
-            // /var/tmp on an unusual file system says which.
-            assert!(matches!(e, UploadRefused::FileSystem(_)), "{e}");
-        }
     }
 }
