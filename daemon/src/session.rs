@@ -2474,6 +2474,9 @@ fn proc_cpu_seconds(pid: u32) -> Option<f64> {
 }
 
 #[cfg(test)]
+mod actor_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use sandcell_proto::worker::MAX_OUTPUT_CHUNK;

@@ -3,6 +3,8 @@
 //! how their output is bounded ([`output`]), and how they are signalled: only while they are
 //! the daemon's unreaped children ([`kill_and_reap`], [`InterruptTarget::send`]).
 
+#[cfg(test)]
+pub mod fake;
 pub mod output;
 pub mod spawn;
 pub mod start;

@@ -393,7 +393,7 @@ pub fn create_session_dir(dir: &Path, uid: Option<u32>, gid: Option<u32>) -> std
 
 /// A pipe whose both ends are close-on-exec, each moved above fd 63 so that placing them on
 /// fds 0-4 in the child can never overwrite another descriptor the child still needs.
-fn high_pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+pub(crate) fn high_pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
     let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(std::io::Error::from)?;
     Ok((dup_high(r)?, dup_high(w)?))
 }
