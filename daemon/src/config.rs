@@ -650,6 +650,25 @@ impl Config {
     /// protocol ceilings.
     pub fn validate(&self) -> Result<(), Error> {
         let l = &self.limits;
+        Self::validate_positive(l)?;
+        Self::validate_file_limits(l)?;
+        self.validate_per_uid()?;
+        if let Some(node) = &self.daemon.node_id
+            && !node.is_empty()
+        {
+            sandcell_proto::kernel::check_node_id(node).map_err(|e| Error::Invalid {
+                key: "node_id",
+                reason: e.reason.into(),
+            })?;
+        }
+        self.validate_metrics()?;
+        Self::validate_session_limits(l)?;
+        self.validate_workers()?;
+        self.validate_pools_and_languages()
+    }
+
+    /// Limits and budgets that must not be zero.
+    fn validate_positive(l: &Limits) -> Result<(), Error> {
         let positive: [(&'static str, u64); 9] = [
             ("max_source_bytes", l.max_source_bytes),
             ("max_fuel", l.max_fuel),
@@ -675,17 +694,12 @@ impl Config {
                 });
             }
         }
-        Self::validate_file_limits(l)?;
-        self.validate_per_uid()?;
-        if let Some(node) = &self.daemon.node_id
-            && !node.is_empty()
-        {
-            sandcell_proto::kernel::check_node_id(node).map_err(|e| Error::Invalid {
-                key: "node_id",
-                reason: e.reason.into(),
-            })?;
-        }
-        self.validate_metrics()?;
+        Ok(())
+    }
+
+    /// A cell's wall time, the protocol ceilings of source and output, and one session's
+    /// memory within the budgets (and its worker's above its guest's).
+    fn validate_session_limits(l: &Limits) -> Result<(), Error> {
         let wall = l.execution_wall_time_seconds;
         if !(wall.is_finite() && wall > 0.0 && wall <= 86_400.0) {
             return Err(Error::Invalid {
@@ -729,6 +743,11 @@ impl Config {
                 reason: "must exceed max_guest_memory_bytes".into(),
             });
         }
+        Ok(())
+    }
+
+    /// Worker timeouts, CPUs, the worker uid range, pids and the cgroup name.
+    fn validate_workers(&self) -> Result<(), Error> {
         let d = &self.daemon;
         for (key, v) in [
             (
@@ -780,6 +799,13 @@ impl Config {
                 reason: "1-64 characters of [A-Za-z0-9_-]".into(),
             });
         }
+        Ok(())
+    }
+
+    /// Pool sizes within admission, the refill rate, the languages served, and each
+    /// environment's pool.
+    fn validate_pools_and_languages(&self) -> Result<(), Error> {
+        let (l, d) = (&self.limits, &self.daemon);
         for (key, min, max) in [
             ("pool_python_max", d.pool_python_min, d.pool_python_max),
             ("pool_r_max", d.pool_r_min, d.pool_r_max),

@@ -9,7 +9,7 @@ use sandcelld::core::Core;
 use sandcelld::worker::start::Options;
 use sandcelld::{notify, varlink};
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::net::UnixListener;
@@ -189,6 +189,81 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
             sandcell_confine::landlock::TEST_ABI_ENV
         );
     }
+    let (backend, options) = enforcement(&args, &config, root, &check)?;
+    announce_confinement(&check, &backend, &options)?;
+    // Sessions a previous daemon left (it died or stopped with them): their owner markers are
+    // read before the sweep removes what they held, so their owners learn daemon_restarted.
+    let previous = sandcelld::ended::take_markers(&config.daemon.state_dir);
+    let swept = backend
+        .sweep_stale()
+        .context("sweeping stale session cgroups")?;
+    if swept > 0 {
+        tracing::warn!(
+            swept,
+            "killed and removed session groups left by a previous daemon"
+        );
+    }
+    prepare_state_dir(&config)?;
+    let idle_exit = config.daemon.idle_exit_seconds;
+    let core = Core::new(config, options, backend, Arc::new(SocketPermissions));
+    core.restore_ended(&previous);
+    tracing::info!(cgroups = core.cgroup_mode(), activated, "starting");
+
+    probe_environments(&core).await?;
+    // The D-Bus control plane and the polkit authority (sandcelld::dbus).
+    // Started after the readiness probe and before the Varlink socket is served, so polkit
+    // (when the system bus and polkitd answer) decides from the first client on; without a
+    // system bus the socket's permissions stay the only gate. `stop_tx` is created here so
+    // the D-Bus supervisor stops with the rest.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let dbus = sandcelld::dbus::start(
+        core.clone(),
+        sandcelld::dbus::Settings {
+            config_path: config_path.clone(),
+            config_required: args.config.is_some(),
+        },
+        stop_rx.clone(),
+    )
+    .await;
+
+    core.start_pool();
+    notify::ready(&status_line(&core));
+    tracing::info!("ready to serve");
+
+    let server = tokio::spawn(varlink::serve(core.clone(), listener, stop_rx));
+    serve_until_stopped(
+        &core,
+        &mut metrics,
+        &config_path,
+        args.config.is_some(),
+        (activated && idle_exit > 0).then_some(idle_exit),
+    )
+    .await?;
+    notify::stopping();
+    // No capacity is offered from here on: the file goes first.
+    metrics.finish().await;
+    let _ = stop_tx.send(true);
+    let _ = server.await;
+    if let Some(d) = dbus {
+        let _ = d.await; // releases the bus name
+    }
+    core.shutdown().await;
+    if let Some(p) = &args.listen {
+        let _ = std::fs::remove_file(p);
+    }
+    tracing::info!("stopped; every worker is reaped");
+    Ok(())
+}
+
+/// The cgroup backend and the workers' options: strict confinement with cgroups as root, or
+/// what `--insecure-dev` allows. Errors: not root without `--insecure-dev`, a threat without
+/// an enforced layer (strict), cgroups that cannot be set up.
+fn enforcement(
+    args: &Args,
+    config: &Config,
+    root: bool,
+    check: &sandcell_confine::SelfCheck,
+) -> anyhow::Result<(Arc<dyn Backend>, Options)> {
     let detect_cgroups = || -> anyhow::Result<Arc<dyn Backend>> {
         Ok(Arc::from(
             cgroup::detect(&cgroup::DetectConfig {
@@ -202,7 +277,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
             })?,
         ))
     };
-    let (backend, options): (Arc<dyn Backend>, Options) = if args.insecure_dev {
+    if args.insecure_dev {
         // Root never loses its cgroup limits to the development flag: only an unprivileged
         // daemon (which could not manage cgroups anyway) runs without them.
         let backend: Arc<dyn Backend> = if root {
@@ -221,13 +296,13 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
             );
             Arc::new(cgroup::Unconfined)
         };
-        (
+        Ok((
             backend,
             Options {
                 enforcement: sandcell_confine::Enforcement::BestEffort,
                 per_session_uids: root,
             },
-        )
+        ))
     } else {
         if !root {
             return Err(refused(
@@ -242,14 +317,24 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         check
             .require_strict()
             .map_err(|e| refused(e, "confinement self-check failed"))?;
-        (
+        Ok((
             detect_cgroups()?,
             Options {
                 enforcement: sandcell_confine::Enforcement::Strict,
                 per_session_uids: true,
             },
-        )
-    };
+        ))
+    }
+}
+
+/// Decides what every worker enforces on this host (`sandcell_confine::policy`), refuses a
+/// strict start that leaves a threat uncovered, logs the decision once and records it for
+/// every worker plan.
+fn announce_confinement(
+    check: &sandcell_confine::SelfCheck,
+    backend: &Arc<dyn Backend>,
+    options: &Options,
+) -> anyhow::Result<()> {
     let cgroups = backend.mode() != "none";
     let decision = sandcell_confine::policy::evaluate(&check.host(cgroups));
     if options.enforcement == sandcell_confine::Enforcement::Strict && !decision.strict_ok() {
@@ -291,46 +376,19 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         tracing::warn!("confinement layer {note}");
     }
     sandcelld::worker::spawn::set_confinement(confinement);
-    // Sessions a previous daemon left (it died or stopped with them): their owner markers are
-    // read before the sweep removes what they held, so their owners learn daemon_restarted.
-    let previous = sandcelld::ended::take_markers(&config.daemon.state_dir);
-    let swept = backend
-        .sweep_stale()
-        .context("sweeping stale session cgroups")?;
-    if swept > 0 {
-        tracing::warn!(
-            swept,
-            "killed and removed session groups left by a previous daemon"
-        );
-    }
-    prepare_state_dir(&config)?;
-    let idle_exit = config.daemon.idle_exit_seconds;
-    let core = Core::new(config, options, backend, Arc::new(SocketPermissions));
-    core.restore_ended(&previous);
-    tracing::info!(cgroups = core.cgroup_mode(), activated, "starting");
+    Ok(())
+}
 
-    probe_environments(&core).await?;
-    // The D-Bus control plane and the polkit authority (sandcelld::dbus).
-    // Started after the readiness probe and before the Varlink socket is served, so polkit
-    // (when the system bus and polkitd answer) decides from the first client on; without a
-    // system bus the socket's permissions stay the only gate. `stop_tx` is created here so
-    // the D-Bus supervisor stops with the rest.
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let dbus = sandcelld::dbus::start(
-        core.clone(),
-        sandcelld::dbus::Settings {
-            config_path: config_path.clone(),
-            config_required: args.config.is_some(),
-        },
-        stop_rx.clone(),
-    )
-    .await;
-
-    core.start_pool();
-    notify::ready(&status_line(&core));
-    tracing::info!("ready to serve");
-
-    let server = tokio::spawn(varlink::serve(core.clone(), listener, stop_rx));
+/// Serves until SIGTERM or SIGINT, or, with `idle_exit`, until no session or connection was
+/// left for that many seconds; SIGHUP reloads `config_path`. Every second: the sd_notify
+/// status, the metrics file, the watchdog, and a heap trim every [`TRIM_EVERY`].
+async fn serve_until_stopped(
+    core: &Arc<Core>,
+    metrics: &mut sandcelld::metrics::Writer,
+    config_path: &Path,
+    config_required: bool,
+    idle_exit: Option<u64>,
+) -> anyhow::Result<()> {
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut hup = signal(SignalKind::hangup())?;
@@ -343,10 +401,10 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         tokio::select! {
             _ = term.recv() => { tracing::info!("SIGTERM: stopping"); break; }
             _ = int.recv() => { tracing::info!("SIGINT: stopping"); break; }
-            _ = hup.recv() => { let _ = core.reload_from(&config_path, args.config.is_some(), "SIGHUP"); }
+            _ = hup.recv() => { let _ = core.reload_from(config_path, config_required, "SIGHUP"); }
             _ = tick.tick() => {
-                notify::status(&status_line(&core));
-                metrics.tick(&core).await;
+                notify::status(&status_line(core));
+                metrics.tick(core).await;
                 if let Some(every) = watchdog && last_watchdog.elapsed() >= every {
                     notify::watchdog();
                     last_watchdog = Instant::now();
@@ -356,7 +414,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
                     last_trim = Instant::now();
                 }
                 if core.sessions().is_empty() && core.connection_count() == 0 {
-                    if activated && idle_exit > 0 && last_busy.elapsed() >= Duration::from_secs(idle_exit) {
+                    if let Some(idle_exit) = idle_exit && last_busy.elapsed() >= Duration::from_secs(idle_exit) {
                         tracing::info!(idle_exit, "idle: exiting; systemd starts the daemon again on the next connection");
                         break;
                     }
@@ -366,19 +424,6 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
             }
         }
     }
-    notify::stopping();
-    // No capacity is offered from here on: the file goes first.
-    metrics.finish().await;
-    let _ = stop_tx.send(true);
-    let _ = server.await;
-    if let Some(d) = dbus {
-        let _ = d.await; // releases the bus name
-    }
-    core.shutdown().await;
-    if let Some(p) = &args.listen {
-        let _ = std::fs::remove_file(p);
-    }
-    tracing::info!("stopped; every worker is reaped");
     Ok(())
 }
 

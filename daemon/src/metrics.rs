@@ -185,6 +185,16 @@ impl Snapshot {
     /// family at a time, each sample labelled with the node; ends with a newline.
     pub fn render(&self) -> String {
         let mut out = Exposition::new(&self.node);
+        self.render_daemon(&mut out);
+        self.render_admission(&mut out);
+        self.render_limits(&mut out);
+        self.render_pools(&mut out);
+        self.render_counters(&mut out);
+        out.text
+    }
+
+    /// The daemon itself: up, version, start time, this file's time, sessions alive and starting.
+    fn render_daemon(&self, out: &mut Exposition<'_>) {
         out.family(
             "sandcell_up",
             "gauge",
@@ -221,6 +231,10 @@ impl Snapshot {
             "Workers being started for a client.",
         )
         .sample(&[], self.starting);
+    }
+
+    /// Admission: use and budget of sessions, guest memory and worker memory.
+    fn render_admission(&self, out: &mut Exposition<'_>) {
         let budgets = [
             (
                 "sandcell_admission_sessions",
@@ -251,6 +265,10 @@ impl Snapshot {
             out.family(name, "gauge", help).sample(&[], used);
             out.family(max_name, "gauge", max_help).sample(&[], max);
         }
+    }
+
+    /// Per-uid maxima, uids, connections and retained output.
+    fn render_limits(&self, out: &mut Exposition<'_>) {
         for (name, help, v) in [
             (
                 "sandcell_uid_sessions_max",
@@ -310,6 +328,10 @@ impl Snapshot {
         ] {
             out.family(name, "gauge", help).sample(&[], v);
         }
+    }
+
+    /// Warm pools, one sample per environment of each family.
+    fn render_pools(&self, out: &mut Exposition<'_>) {
         type Pick = fn(&PoolFigures) -> u64;
         let pools: [(&str, &str, &str, Pick); 6] = [
             (
@@ -355,6 +377,10 @@ impl Snapshot {
                 f.sample(&[("environment", &p.environment)], pick(p));
             }
         }
+    }
+
+    /// Counters since start: cells by status, sessions opened and ended, OOM kills.
+    fn render_counters(&self, out: &mut Exposition<'_>) {
         let f = out.family(
             "sandcell_cells_total",
             "counter",
@@ -382,7 +408,6 @@ impl Snapshot {
         ] {
             out.family(name, "counter", help).sample(&[], v);
         }
-        out.text
     }
 }
 

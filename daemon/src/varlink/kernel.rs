@@ -176,6 +176,29 @@ fn params<T: DeserializeOwned>(call: &Call<RawCall>) -> Result<T, ErrorReply> {
     })
 }
 
+/// The parameters of `$call` as `$t`, or returns the `InvalidParameter` reply ([`params`])
+/// from the calling function.
+macro_rules! parse {
+    ($w:expr, $call:expr, $t:ty) => {
+        match params::<$t>($call) {
+            Ok(p) => p,
+            Err(e) => return send_error($w, $call, e).await,
+        }
+    };
+}
+
+/// Answers `call` with `result`: its value as the one reply, or its error.
+async fn answer<T: Serialize>(
+    w: &Writer,
+    call: &Call<RawCall>,
+    result: Result<T, KernelError>,
+) -> Sent {
+    match result {
+        Ok(v) => send_reply(w, call, v, false).await,
+        Err(e) => send_kernel_error(w, call, e).await,
+    }
+}
+
 /// Answers one call; `fds` are the descriptors passed with it: only `PutFile` takes one (and
 /// exactly the one it names), any other call that comes with descriptors is refused with
 /// `InvalidParameter` (`fd`). Unused descriptors are closed off the runtime when dropped. An
@@ -187,6 +210,7 @@ pub async fn handle(
     call: Call<RawCall>,
     fds: PassedFds,
 ) -> Sent {
+    let call = &call;
     let method = call.method().method.clone();
     let (iface, name) = method.rsplit_once('.').unwrap_or(("", method.as_str()));
     let takes_fds = iface == k::INTERFACE && name == "PutFile";
@@ -199,229 +223,232 @@ pub async fn handle(
             ),
         };
         drop(fds);
-        return send_kernel_error(w, &call, e).await;
+        return send_kernel_error(w, call, e).await;
     }
     match iface {
-        "org.varlink.service" => return service(w, &call, name).await,
+        "org.varlink.service" => return service(w, call, name).await,
         k::INTERFACE => {}
         _ => {
             return send_error(
                 w,
-                &call,
+                call,
                 service_error("InterfaceNotFound", json!({ "interface": iface })),
             )
             .await;
         }
     }
-    macro_rules! parse {
-        ($t:ty) => {
-            match params::<$t>(&call) {
-                Ok(p) => p,
-                Err(e) => return send_error(w, &call, e).await,
-            }
-        };
-    }
+    kernel(core, caller, w, call, name, fds).await
+}
+
+/// Answers a call of `org.sandcell.Kernel` method `name`.
+async fn kernel(
+    core: &Core,
+    caller: &Caller,
+    w: &Writer,
+    call: &Call<RawCall>,
+    name: &str,
+    fds: PassedFds,
+) -> Sent {
     match name {
-        "Run" | "Execute" => {
-            if !call.more() {
-                return send_error(w, &call, service_error("ExpectedMore", json!({}))).await;
-            }
-            let (tx, rx) = mpsc::channel::<Frame>(64);
-            let started = if name == "Run" {
-                let p = parse!(RunParams);
-                core.run(
-                    caller,
-                    &p.language,
-                    p.environment.as_deref(),
-                    p.code,
-                    p.limits.as_ref(),
-                    p.host_calls.unwrap_or(false),
-                    p.display_last_expression.unwrap_or(true),
-                    tx,
-                )
-                .await
-            } else {
-                let p = parse!(ExecuteParams);
-                core.execute(caller, &p.session, p.code, tx).await
-            };
-            match started {
-                Ok(()) => match stream_frames(w, &call, rx, core).await? {
-                    Streamed::Result => Ok(()),
-                    Streamed::Replaced(cell) => {
-                        let session = params::<ExecuteParams>(&call)
-                            .map(|p| p.session)
-                            .unwrap_or_default();
-                        send_kernel_error(
-                            w,
-                            &call,
-                            KernelError::AttachmentReplaced { session, cell },
-                        )
-                        .await
-                    }
-                    Streamed::Stopped => {
-                        // The session ended without a result (it cannot normally happen:
-                        // every path sends one).
-                        let e = KernelError::WorkerFailed {
-                            reason: "the session ended without a result".into(),
-                        };
-                        send_kernel_error(w, &call, e).await
-                    }
-                },
-                Err(e) => send_kernel_error(w, &call, e).await,
-            }
+        "Run" | "Execute" | "Attach" if !call.more() => {
+            send_error(w, call, service_error("ExpectedMore", json!({}))).await
         }
+        "Run" => run(core, caller, w, call).await,
+        "Execute" => execute(core, caller, w, call).await,
         "Submit" => {
-            let p = parse!(k::SubmitParams);
-            match core.submit(caller, &p.session, p.code).await {
-                Ok(cell) => send_reply(w, &call, k::SubmitReply { cell }, false).await,
-                Err(e) => send_kernel_error(w, &call, e).await,
-            }
+            let p = parse!(w, call, k::SubmitParams);
+            let r = core.submit(caller, &p.session, p.code).await;
+            answer(w, call, r.map(|cell| k::SubmitReply { cell })).await
         }
         "CellStatus" => {
-            let p = parse!(k::CellParams);
-            match core.cell_status(caller, &p.session, p.cell).await {
-                Ok(r) => send_reply(w, &call, r, false).await,
-                Err(e) => send_kernel_error(w, &call, e).await,
-            }
+            let p = parse!(w, call, k::CellParams);
+            answer(w, call, core.cell_status(caller, &p.session, p.cell).await).await
         }
         "Attach" => {
-            if !call.more() {
-                return send_error(w, &call, service_error("ExpectedMore", json!({}))).await;
-            }
-            let p = parse!(k::CellParams);
-            attach(core, caller, w, &call, p).await
+            let p = parse!(w, call, k::CellParams);
+            attach(core, caller, w, call, p).await
         }
-        "Open" => {
-            let p = parse!(OpenParams);
-            match core
-                .open_with(
-                    caller,
-                    &p.language,
-                    p.environment.as_deref(),
-                    p.limits.as_ref(),
-                    p.detached_idle_seconds,
-                    p.host_calls.unwrap_or(false),
-                    p.display_last_expression.unwrap_or(true),
-                )
-                .await
-            {
-                Ok(s) => {
-                    send_reply(
-                        w,
-                        &call,
-                        OpenReply {
-                            session: core.public_id(&s.id),
-                            engine: s.engine.clone(),
-                        },
-                        false,
-                    )
-                    .await
-                }
-                Err(e) => send_kernel_error(w, &call, e).await,
-            }
-        }
+        "Open" => open(core, caller, w, call).await,
         "Inspect" => {
-            let p = parse!(k::InspectParams);
-            match core.inspect(caller, &p.session, p.max_items).await {
-                Ok(r) => send_reply(w, &call, r, false).await,
-                Err(e) => send_kernel_error(w, &call, e).await,
-            }
+            let p = parse!(w, call, k::InspectParams);
+            answer(w, call, core.inspect(caller, &p.session, p.max_items).await).await
         }
         "Interrupt" => {
-            let p = parse!(InterruptParams);
-            match core.interrupt(caller, &p.session, p.cell).await {
-                Ok(r) => send_reply(w, &call, r, false).await,
-                Err(e) => send_kernel_error(w, &call, e).await,
-            }
+            let p = parse!(w, call, InterruptParams);
+            answer(w, call, core.interrupt(caller, &p.session, p.cell).await).await
         }
         "HostReply" => {
-            let p = parse!(k::HostReplyParams);
-            match core
+            let p = parse!(w, call, k::HostReplyParams);
+            let r = core
                 .host_reply(caller, &p.session, p.call, p.result, p.error)
-                .await
-            {
-                Ok(()) => send_reply(w, &call, json!({}), false).await,
-                Err(e) => send_kernel_error(w, &call, e).await,
-            }
+                .await;
+            answer(w, call, r.map(|()| json!({}))).await
         }
-        // The two replies that can be large are charged to the reply budgets before anything
-        // is read, and hold the charge until written (socket.rs, ReplyCharge).
-        "ListFiles" => {
-            let p = parse!(k::ListFilesParams);
-            let charge = match socket::ReplyCharge::new(caller.uid, LIST_REPLY_CHARGE) {
-                Ok(c) => c,
-                Err(r) => return send_kernel_error(w, &call, reply_refused(r)).await,
-            };
-            match core.list_files(caller, &p.session).await {
-                Ok((files, truncated)) => {
-                    send_charged(w, &call, k::ListFilesReply { files, truncated }, charge).await
-                }
-                Err(e) => send_kernel_error(w, &call, e).await,
-            }
+        "ListFiles" => list_files(core, caller, w, call).await,
+        "GetFile" => get_file(core, caller, w, call).await,
+        "PutFile" => {
+            let p = parse!(w, call, k::PutFileParams);
+            answer(w, call, put_file(core, caller, p, fds).await).await
         }
-        "GetFile" => {
-            let p = parse!(k::GetFileParams);
-            let max = p
-                .max_bytes
-                .unwrap_or(k::MAX_CHUNK_BYTES)
-                .clamp(1, k::MAX_CHUNK_BYTES);
-            let charge = match socket::ReplyCharge::new(caller.uid, get_file_charge(max)) {
-                Ok(c) => c,
-                Err(r) => return send_kernel_error(w, &call, reply_refused(r)).await,
-            };
-            match core
-                .get_file(
-                    caller,
-                    &p.session,
-                    &p.name,
-                    p.offset.unwrap_or(0),
-                    p.max_bytes,
-                )
-                .await
-            {
-                Ok((file, bytes, eof)) => {
-                    let data = k::encode_base64(&bytes);
-                    drop(bytes);
-                    send_charged(w, &call, k::GetFileReply { file, data, eof }, charge).await
-                }
-                Err(e) => send_kernel_error(w, &call, e).await,
-            }
-        }
-        "PutFile" | "DeleteFile" => {
-            let reply = match name {
-                "PutFile" => put_file(core, caller, parse!(k::PutFileParams), fds).await,
-                _ => {
-                    let p = parse!(k::DeleteFileParams);
-                    core.delete_file(caller, &p.session, &p.name)
-                        .await
-                        .map(|()| json!({}))
-                }
-            };
-            match reply {
-                Ok(v) => send_reply(w, &call, v, false).await,
-                Err(e) => send_kernel_error(w, &call, e).await,
-            }
+        "DeleteFile" => {
+            let p = parse!(w, call, k::DeleteFileParams);
+            let r = core.delete_file(caller, &p.session, &p.name).await;
+            answer(w, call, r.map(|()| json!({}))).await
         }
         "ListEnvironments" => {
-            let _ = parse!(k::ListEnvironmentsParams);
+            let _ = parse!(w, call, k::ListEnvironmentsParams);
             let environments = core.list_environments().await;
-            send_reply(w, &call, k::ListEnvironmentsReply { environments }, false).await
+            send_reply(w, call, k::ListEnvironmentsReply { environments }, false).await
         }
         "Close" => {
-            let p = parse!(CloseParams);
-            match core.close(caller, &p.session).await {
-                Ok(()) => send_reply(w, &call, json!({}), false).await,
-                Err(e) => send_kernel_error(w, &call, e).await,
-            }
+            let p = parse!(w, call, CloseParams);
+            answer(
+                w,
+                call,
+                core.close(caller, &p.session).await.map(|()| json!({})),
+            )
+            .await
         }
         _ => {
             send_error(
                 w,
-                &call,
-                service_error("MethodNotFound", json!({ "method": method })),
+                call,
+                service_error("MethodNotFound", json!({ "method": call.method().method })),
             )
             .await
         }
+    }
+}
+
+/// `Run` (the caller checked `more`): a one-shot session's frames, streamed.
+async fn run(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) -> Sent {
+    let (tx, rx) = mpsc::channel::<Frame>(64);
+    let p = parse!(w, call, RunParams);
+    let started = core
+        .run(
+            caller,
+            &p.language,
+            p.environment.as_deref(),
+            p.code,
+            p.limits.as_ref(),
+            p.host_calls.unwrap_or(false),
+            p.display_last_expression.unwrap_or(true),
+            tx,
+        )
+        .await;
+    stream_cell(core, w, call, rx, started).await
+}
+
+/// `Execute` (the caller checked `more`): the cell's frames, streamed.
+async fn execute(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) -> Sent {
+    let (tx, rx) = mpsc::channel::<Frame>(64);
+    let p = parse!(w, call, ExecuteParams);
+    let started = core.execute(caller, &p.session, p.code, tx).await;
+    stream_cell(core, w, call, rx, started).await
+}
+
+/// Answers a `Run` or `Execute` whose cell `started` (or was refused): its frames from `rx`
+/// until the result, or the error that ends the stream.
+async fn stream_cell(
+    core: &Core,
+    w: &Writer,
+    call: &Call<RawCall>,
+    rx: mpsc::Receiver<Frame>,
+    started: Result<(), KernelError>,
+) -> Sent {
+    if let Err(e) = started {
+        return send_kernel_error(w, call, e).await;
+    }
+    match stream_frames(w, call, rx, core).await? {
+        Streamed::Result => Ok(()),
+        Streamed::Replaced(cell) => {
+            let session = params::<ExecuteParams>(call)
+                .map(|p| p.session)
+                .unwrap_or_default();
+            send_kernel_error(w, call, KernelError::AttachmentReplaced { session, cell }).await
+        }
+        Streamed::Stopped => {
+            // The session ended without a result (it cannot normally happen: every path
+            // sends one).
+            let e = KernelError::WorkerFailed {
+                reason: "the session ended without a result".into(),
+            };
+            send_kernel_error(w, call, e).await
+        }
+    }
+}
+
+/// `Open`: a session, named as clients see it.
+async fn open(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) -> Sent {
+    let p = parse!(w, call, OpenParams);
+    let opened = core
+        .open_with(
+            caller,
+            &p.language,
+            p.environment.as_deref(),
+            p.limits.as_ref(),
+            p.detached_idle_seconds,
+            p.host_calls.unwrap_or(false),
+            p.display_last_expression.unwrap_or(true),
+        )
+        .await;
+    match opened {
+        Ok(s) => {
+            let reply = OpenReply {
+                session: core.public_id(&s.id),
+                engine: s.engine.clone(),
+            };
+            send_reply(w, call, reply, false).await
+        }
+        Err(e) => send_kernel_error(w, call, e).await,
+    }
+}
+
+// The two replies that can be large (`ListFiles`, `GetFile`) are charged to the reply budgets
+// before anything is read, and hold the charge until written (socket.rs, ReplyCharge).
+
+/// `ListFiles`, charged [`LIST_REPLY_CHARGE`] up front.
+async fn list_files(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) -> Sent {
+    let p = parse!(w, call, k::ListFilesParams);
+    let charge = match socket::ReplyCharge::new(caller.uid, LIST_REPLY_CHARGE) {
+        Ok(c) => c,
+        Err(r) => return send_kernel_error(w, call, reply_refused(r)).await,
+    };
+    match core.list_files(caller, &p.session).await {
+        Ok((files, truncated)) => {
+            send_charged(w, call, k::ListFilesReply { files, truncated }, charge).await
+        }
+        Err(e) => send_kernel_error(w, call, e).await,
+    }
+}
+
+/// `GetFile`, charged [`get_file_charge`] of the chunk asked for up front.
+async fn get_file(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) -> Sent {
+    let p = parse!(w, call, k::GetFileParams);
+    let max = p
+        .max_bytes
+        .unwrap_or(k::MAX_CHUNK_BYTES)
+        .clamp(1, k::MAX_CHUNK_BYTES);
+    let charge = match socket::ReplyCharge::new(caller.uid, get_file_charge(max)) {
+        Ok(c) => c,
+        Err(r) => return send_kernel_error(w, call, reply_refused(r)).await,
+    };
+    let got = core
+        .get_file(
+            caller,
+            &p.session,
+            &p.name,
+            p.offset.unwrap_or(0),
+            p.max_bytes,
+        )
+        .await;
+    match got {
+        Ok((file, bytes, eof)) => {
+            let data = k::encode_base64(&bytes);
+            drop(bytes);
+            send_charged(w, call, k::GetFileReply { file, data, eof }, charge).await
+        }
+        Err(e) => send_kernel_error(w, call, e).await,
     }
 }
 
