@@ -1936,171 +1936,204 @@ impl Actor {
             files: Vec::new(),
             retained: None,
         };
-        let mut ending: Option<(Ending, Option<oneshot::Sender<()>>)> = None;
-        match end {
-            CellEnd::Done(WorkerMessage::Done {
-                status,
-                error,
-                exit_code,
-                fuel,
-                state,
-                warnings,
-                ..
-            }) => {
-                usage.fuel = fuel;
-                // A cell that ran past its wall time timed out, however it ended: a cell whose
-                // `system('sleep 100')` was stopped by the SIGINT goes on to its end and
-                // reports ok.
-                let overran =
-                    run.phase == Phase::TimedOut || usage.wall_seconds > run.wall.as_secs_f64();
-                // Likewise a cell interrupted by its client reports interrupted however it
-                // ended: R ignores SIGINT while it waits in `system()`, so such a cell can
-                // finish (running the statements after the interrupt) and say ok.
-                let interrupted = run.phase == Phase::Interrupted;
-                result.status = match (status, overran) {
-                    (
-                        WorkerStatus::Ok
-                        | WorkerStatus::Error
-                        | WorkerStatus::Interrupted
-                        | WorkerStatus::Timeout,
-                        true,
-                    ) => Status::Timeout,
-                    (WorkerStatus::Ok | WorkerStatus::Error, _) if interrupted => {
-                        Status::Interrupted
-                    }
-                    (WorkerStatus::Ok, _) => Status::Ok,
-                    (WorkerStatus::Error, _) => Status::Error,
-                    (WorkerStatus::Interrupted, _) => Status::Interrupted,
-                    (WorkerStatus::Timeout, _) => Status::Timeout,
-                    (WorkerStatus::FuelExhausted, _) => Status::FuelExhausted,
-                    (WorkerStatus::MemoryExhausted, _) => Status::MemoryExhausted,
-                    (WorkerStatus::Exited, _) => Status::Exited,
-                };
-                result.error = error;
-                if result.status == Status::Timeout && result.error.is_none() {
-                    result.error = Some(wire::CellError {
-                        kind: "Timeout".into(),
-                        message: format!(
-                            "the cell ran {:.1} s, past its wall time of {:.1} s",
-                            usage.wall_seconds,
-                            run.wall.as_secs_f64()
-                        ),
-                        ..Default::default()
-                    });
-                }
-                result.exit_code = exit_code;
-                result.state = match state {
-                    wire::SessionState::Kept => State::Kept,
-                    wire::SessionState::Restored => State::Restored,
-                    wire::SessionState::Lost => State::Lost,
-                };
-                result.warnings = warnings;
-                // A worker whose interpreter ended (R's quit()) exits after reporting it: then
-                // the session ends here, and says so. (Python's sys.exit does not end Eryx.)
-                if result.status == Status::Exited
-                    && let Ok(Ok(_)) =
-                        tokio::time::timeout(Duration::from_millis(500), self.child.wait()).await
-                {
-                    self.kill_and_reap().await;
-                    result.state = State::Lost;
-                    result.session_ended = true;
-                    ending = Some((
-                        Ending::new(EndReason::Exited, "the cell ended the interpreter"),
-                        None,
-                    ));
-                }
-            }
-            CellEnd::Done(_) => unreachable!("only Done messages end a cell"),
-            CellEnd::DiskFull(why) => {
-                // Everything of the session stops at once (the worker and whatever it started),
-                // so nothing writes on; the session ends and its directory is removed.
-                self.kill_and_reap().await;
-                result.status = Status::Error;
-                result.state = State::Lost;
-                result.session_ended = true;
-                result.error = Some(wire::CellError {
-                    kind: "DiskQuotaExceeded".into(),
-                    message: format!(
-                        "{why}; the cell was stopped, the session ended and its files were removed"
-                    ),
-                    ..Default::default()
-                });
-                result.warnings.push(format!(
-                    "{why}; the session ended and its files were removed"
-                ));
-                tracing::warn!(session = %self.session.id, cell = run.cell, reason = %why, "disk budget exceeded during a cell");
-                ending = Some((Ending::new(EndReason::DiskQuota, why), None));
-            }
+        let ending = match end {
+            CellEnd::Done(done) => self.finished(run, done, &mut usage, &mut result).await,
+            CellEnd::DiskFull(why) => Some(self.disk_full(run, why, &mut result).await),
             end @ (CellEnd::Killed | CellEnd::WorkerGone(_) | CellEnd::Cancelled(_)) => {
-                // A worker that closed its pipes or broke the protocol is usually dying: its
-                // exit status (a signal, an exit code) tells an operator why, so it is waited
-                // for briefly before the daemon's own kill would mask it.
-                let end = match end {
-                    CellEnd::WorkerGone(why) => {
-                        match tokio::time::timeout(WORKER_EXIT_WAIT, self.child.wait()).await {
-                            Ok(Ok(st)) if !why.contains(&describe_exit(st)) => CellEnd::WorkerGone(
-                                format!("{why}; the worker {}", describe_exit(st)),
-                            ),
-                            _ => CellEnd::WorkerGone(why),
-                        }
-                    }
-                    other => other,
-                };
-                // The worker is gone or must go: kill the whole group, reap, then decide.
-                self.kill_and_reap().await;
-                let oom = self.group.oom_kills() > run.oom0;
-                let (status, why) = match &end {
-                    _ if oom => (
-                        Status::Oom,
-                        "worker OOM-killed at its cgroup memory limit".to_string(),
-                    ),
-                    CellEnd::Killed if run.phase == Phase::TimedOut => (
-                        Status::Timeout,
-                        "cell ignored the interrupt at its wall time; worker killed".into(),
-                    ),
-                    CellEnd::Killed => (
-                        Status::Interrupted,
-                        "cell ignored the interrupt; worker killed".into(),
-                    ),
-                    CellEnd::Cancelled(Some((r, _))) => (Status::Cancelled, r.detail.clone()),
-                    CellEnd::Cancelled(None) => (Status::Cancelled, "client disconnected".into()),
-                    CellEnd::WorkerGone(why) => (Status::WorkerCrashed, why.clone()),
-                    CellEnd::Done(_) | CellEnd::DiskFull(_) => unreachable!(),
-                };
-                if status == Status::WorkerCrashed {
-                    tracing::warn!(session = %self.session.id, cell = run.cell, reason = %why, "worker ended");
-                }
-                if oom {
-                    crate::counters::counters().oom_killed();
-                    let _ = self.events.send(Event::OomKilled {
-                        id: self.session.id.clone(),
-                    });
-                }
-                result.status = status;
-                result.state = State::Lost;
-                result.session_ended = true;
-                if status != Status::Cancelled {
-                    result.error = Some(wire::CellError {
-                        kind: "SessionLost".into(),
-                        message: format!("{why}; the session's variables are lost"),
-                        ..Default::default()
-                    });
-                }
-                let code = match (status, &end) {
-                    (Status::Oom, _) => EndReason::Oom,
-                    (Status::Timeout | Status::Interrupted, _) => EndReason::Killed,
-                    (_, CellEnd::Cancelled(_)) => EndReason::Disconnected,
-                    _ => EndReason::WorkerCrashed,
-                };
-                ending = Some(match end {
-                    CellEnd::Cancelled(Some((r, done))) => (r, Some(done)),
-                    _ => (Ending::new(code, why), None),
-                });
-                usage.peak_memory_bytes = self.group.memory_peak().or(usage.peak_memory_bytes);
+                Some(self.lost(run, end, &mut usage, &mut result).await)
             }
-        }
+        };
         result.usage = usage;
         (result, ending)
+    }
+
+    /// The result of a cell whose worker reported `done` (into `result`, its fuel into
+    /// `usage`); the session ends with it only when the cell ended the interpreter and the
+    /// worker exited.
+    async fn finished(
+        &mut self,
+        run: &CellRun,
+        done: WorkerMessage,
+        usage: &mut Usage,
+        result: &mut CellResult,
+    ) -> Option<(Ending, Option<oneshot::Sender<()>>)> {
+        let WorkerMessage::Done {
+            status,
+            error,
+            exit_code,
+            fuel,
+            state,
+            warnings,
+            ..
+        } = done
+        else {
+            unreachable!("only Done messages end a cell")
+        };
+        usage.fuel = fuel;
+        // A cell that ran past its wall time timed out, however it ended: a cell whose
+        // `system('sleep 100')` was stopped by the SIGINT goes on to its end and
+        // reports ok.
+        let overran = run.phase == Phase::TimedOut || usage.wall_seconds > run.wall.as_secs_f64();
+        // Likewise a cell interrupted by its client reports interrupted however it
+        // ended: R ignores SIGINT while it waits in `system()`, so such a cell can
+        // finish (running the statements after the interrupt) and say ok.
+        let interrupted = run.phase == Phase::Interrupted;
+        result.status = match (status, overran) {
+            (
+                WorkerStatus::Ok
+                | WorkerStatus::Error
+                | WorkerStatus::Interrupted
+                | WorkerStatus::Timeout,
+                true,
+            ) => Status::Timeout,
+            (WorkerStatus::Ok | WorkerStatus::Error, _) if interrupted => Status::Interrupted,
+            (WorkerStatus::Ok, _) => Status::Ok,
+            (WorkerStatus::Error, _) => Status::Error,
+            (WorkerStatus::Interrupted, _) => Status::Interrupted,
+            (WorkerStatus::Timeout, _) => Status::Timeout,
+            (WorkerStatus::FuelExhausted, _) => Status::FuelExhausted,
+            (WorkerStatus::MemoryExhausted, _) => Status::MemoryExhausted,
+            (WorkerStatus::Exited, _) => Status::Exited,
+        };
+        result.error = error;
+        if result.status == Status::Timeout && result.error.is_none() {
+            result.error = Some(wire::CellError {
+                kind: "Timeout".into(),
+                message: format!(
+                    "the cell ran {:.1} s, past its wall time of {:.1} s",
+                    usage.wall_seconds,
+                    run.wall.as_secs_f64()
+                ),
+                ..Default::default()
+            });
+        }
+        result.exit_code = exit_code;
+        result.state = match state {
+            wire::SessionState::Kept => State::Kept,
+            wire::SessionState::Restored => State::Restored,
+            wire::SessionState::Lost => State::Lost,
+        };
+        result.warnings = warnings;
+        // A worker whose interpreter ended (R's quit()) exits after reporting it: then
+        // the session ends here, and says so. (Python's sys.exit does not end Eryx.)
+        if result.status == Status::Exited
+            && let Ok(Ok(_)) =
+                tokio::time::timeout(Duration::from_millis(500), self.child.wait()).await
+        {
+            self.kill_and_reap().await;
+            result.state = State::Lost;
+            result.session_ended = true;
+            return Some((
+                Ending::new(EndReason::Exited, "the cell ended the interpreter"),
+                None,
+            ));
+        }
+        None
+    }
+
+    /// The result of a cell stopped because its session went over its disk budget: the
+    /// session ends (killed and reaped here).
+    async fn disk_full(
+        &mut self,
+        run: &CellRun,
+        why: String,
+        result: &mut CellResult,
+    ) -> (Ending, Option<oneshot::Sender<()>>) {
+        // Everything of the session stops at once (the worker and whatever it started),
+        // so nothing writes on; the session ends and its directory is removed.
+        self.kill_and_reap().await;
+        result.status = Status::Error;
+        result.state = State::Lost;
+        result.session_ended = true;
+        result.error = Some(wire::CellError {
+            kind: "DiskQuotaExceeded".into(),
+            message: format!(
+                "{why}; the cell was stopped, the session ended and its files were removed"
+            ),
+            ..Default::default()
+        });
+        result.warnings.push(format!(
+            "{why}; the session ended and its files were removed"
+        ));
+        tracing::warn!(session = %self.session.id, cell = run.cell, reason = %why, "disk budget exceeded during a cell");
+        (Ending::new(EndReason::DiskQuota, why), None)
+    }
+
+    /// The result of a cell whose worker is gone or must go (killed at its deadline or for
+    /// ignoring an interrupt, dead, OOM-killed, or its session cancelled): the worker is
+    /// killed and reaped here, and the session ends.
+    async fn lost(
+        &mut self,
+        run: &CellRun,
+        end: CellEnd,
+        usage: &mut Usage,
+        result: &mut CellResult,
+    ) -> (Ending, Option<oneshot::Sender<()>>) {
+        // A worker that closed its pipes or broke the protocol is usually dying: its
+        // exit status (a signal, an exit code) tells an operator why, so it is waited
+        // for briefly before the daemon's own kill would mask it.
+        let end = match end {
+            CellEnd::WorkerGone(why) => {
+                match tokio::time::timeout(WORKER_EXIT_WAIT, self.child.wait()).await {
+                    Ok(Ok(st)) if !why.contains(&describe_exit(st)) => {
+                        CellEnd::WorkerGone(format!("{why}; the worker {}", describe_exit(st)))
+                    }
+                    _ => CellEnd::WorkerGone(why),
+                }
+            }
+            other => other,
+        };
+        // The worker is gone or must go: kill the whole group, reap, then decide.
+        self.kill_and_reap().await;
+        let oom = self.group.oom_kills() > run.oom0;
+        let (status, why) = match &end {
+            _ if oom => (
+                Status::Oom,
+                "worker OOM-killed at its cgroup memory limit".to_string(),
+            ),
+            CellEnd::Killed if run.phase == Phase::TimedOut => (
+                Status::Timeout,
+                "cell ignored the interrupt at its wall time; worker killed".into(),
+            ),
+            CellEnd::Killed => (
+                Status::Interrupted,
+                "cell ignored the interrupt; worker killed".into(),
+            ),
+            CellEnd::Cancelled(Some((r, _))) => (Status::Cancelled, r.detail.clone()),
+            CellEnd::Cancelled(None) => (Status::Cancelled, "client disconnected".into()),
+            CellEnd::WorkerGone(why) => (Status::WorkerCrashed, why.clone()),
+            CellEnd::Done(_) | CellEnd::DiskFull(_) => unreachable!(),
+        };
+        if status == Status::WorkerCrashed {
+            tracing::warn!(session = %self.session.id, cell = run.cell, reason = %why, "worker ended");
+        }
+        if oom {
+            crate::counters::counters().oom_killed();
+            let _ = self.events.send(Event::OomKilled {
+                id: self.session.id.clone(),
+            });
+        }
+        result.status = status;
+        result.state = State::Lost;
+        result.session_ended = true;
+        if status != Status::Cancelled {
+            result.error = Some(wire::CellError {
+                kind: "SessionLost".into(),
+                message: format!("{why}; the session's variables are lost"),
+                ..Default::default()
+            });
+        }
+        let code = match (status, &end) {
+            (Status::Oom, _) => EndReason::Oom,
+            (Status::Timeout | Status::Interrupted, _) => EndReason::Killed,
+            (_, CellEnd::Cancelled(_)) => EndReason::Disconnected,
+            _ => EndReason::WorkerCrashed,
+        };
+        usage.peak_memory_bytes = self.group.memory_peak().or(usage.peak_memory_bytes);
+        match end {
+            CellEnd::Cancelled(Some((r, done))) => (r, Some(done)),
+            _ => (Ending::new(code, why), None),
+        }
     }
 
     async fn kill_and_reap(&mut self) {
