@@ -11,7 +11,8 @@
 mod common;
 
 use common::bus::{Bus, Out, run, run_input};
-use common::{Daemon, eventually};
+use common::polkit::{POLKITD, Polkit, User};
+use common::{Daemon, eventually, rand_hex};
 use sandcell_client::KernelError;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -20,10 +21,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use zbus::zvariant::{OwnedObjectPath, OwnedValue};
 
-const POLKITD: &str = "/usr/lib/polkit-1/polkitd";
-const ACTIONS_DIR: &str = "/usr/share/polkit-1/actions";
-const RULES_DIR: &str = "/etc/polkit-1/rules.d";
-
 fn repo() -> PathBuf {
     common::manifest_dir().join("..")
 }
@@ -31,13 +28,6 @@ fn repo() -> PathBuf {
 fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
-}
-
-fn rand_hex(n: usize) -> String {
-    let mut b = vec![0u8; n];
-    // SAFETY: getrandom writes at most b.len() bytes into b.
-    unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// Why these tests cannot run here, if they cannot.
@@ -68,132 +58,6 @@ fn skip_reason(need_polkit: bool) -> Option<(&'static str, String)> {
         ));
     }
     None
-}
-
-/// polkitd on a private bus, the shipped policy installed, a rules file granting `group`
-/// (the shipped example with its group name replaced), and the test users. Everything is
-/// removed again on drop.
-struct Polkit {
-    child: Child,
-    installed: Vec<PathBuf>,
-    users: Vec<String>,
-    group: String,
-}
-
-impl Polkit {
-    fn start(bus: &Bus, group: &str) -> Polkit {
-        let mut installed = Vec::new();
-        let policy = Path::new(ACTIONS_DIR).join("org.sandcell.policy");
-        let shipped = std::fs::read(repo().join("polkit/org.sandcell.policy")).unwrap();
-        if std::fs::read(&policy).ok().as_deref() != Some(&shipped[..]) {
-            assert!(
-                !policy.exists(),
-                "{} exists and differs from the shipped policy: not overwriting it",
-                policy.display()
-            );
-            std::fs::write(&policy, &shipped).unwrap();
-            installed.push(policy);
-        }
-        let example =
-            std::fs::read_to_string(repo().join("polkit/50-sandcell.rules.example")).unwrap();
-        assert_eq!(
-            example.matches("isInGroup(\"sandcell\")").count(),
-            1,
-            "the example rules grant group sandcell once"
-        );
-        std::fs::create_dir_all(RULES_DIR).unwrap();
-        let rules = Path::new(RULES_DIR).join(format!("50-sandcell-test-{group}.rules"));
-        std::fs::write(
-            &rules,
-            example.replace(
-                "isInGroup(\"sandcell\")",
-                &format!("isInGroup(\"{group}\")"),
-            ),
-        )
-        .unwrap();
-        installed.push(rules);
-        // setsid: polkitd must not share the test's session (without it, polkitd died
-        // silently when the starting shell ended).
-        let child = Command::new("setsid")
-            .arg(POLKITD)
-            .arg("--no-debug")
-            .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting polkitd");
-        let p = Polkit {
-            child,
-            installed,
-            users: Vec::new(),
-            group: group.to_string(),
-        };
-        let st = run(Command::new("groupadd").arg(group));
-        assert_eq!(st.code, 0, "groupadd: {}", st.stderr);
-        let up = eventually(Duration::from_secs(20), || {
-            run(bus.busctl().args([
-                "get-property",
-                "org.freedesktop.PolicyKit1",
-                "/org/freedesktop/PolicyKit1/Authority",
-                "org.freedesktop.PolicyKit1.Authority",
-                "BackendVersion",
-            ]))
-            .code
-                == 0
-        });
-        if !up {
-            drop(p);
-            panic!("polkitd did not come up on the private bus");
-        }
-        p
-    }
-
-    /// Creates a user (no home, no login shell), in the test group if `in_group`.
-    fn add_user(&mut self, tag: &str, in_group: bool) -> User {
-        let name = format!("sct{tag}{}", rand_hex(3));
-        let mut cmd = Command::new("useradd");
-        cmd.args(["-M", "-N", "-s", "/usr/sbin/nologin"]);
-        if in_group {
-            cmd.args(["-G", &self.group]);
-        }
-        let st = run(cmd.arg(&name));
-        assert_eq!(st.code, 0, "useradd {name}: {}", st.stderr);
-        self.users.push(name.clone());
-        let id = |flag: &str| -> u32 {
-            run(Command::new("id").arg(flag).arg(&name))
-                .stdout
-                .trim()
-                .parse()
-                .unwrap()
-        };
-        User {
-            uid: id("-u"),
-            gid: id("-g"),
-            name,
-        }
-    }
-}
-
-impl Drop for Polkit {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        for f in &self.installed {
-            let _ = std::fs::remove_file(f);
-        }
-        for u in &self.users {
-            let _ = run(Command::new("userdel").arg(u));
-        }
-        let _ = run(Command::new("groupdel").arg(&self.group));
-    }
-}
-
-#[derive(Debug, Clone)]
-struct User {
-    name: String,
-    uid: u32,
-    gid: u32,
 }
 
 /// `sandcellctl ARGS` as `user` (root when `None`), with the daemon's socket and the bus.

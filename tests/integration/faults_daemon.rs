@@ -11,10 +11,11 @@
 mod common;
 
 use common::bus::{Bus, Out, run, run_input};
-use common::{Daemon, eventually};
+use common::polkit::{POLKITD, Polkit, User};
+use common::{Daemon, eventually, rand_hex};
 use sandcell_client::{Error, KernelError, Status};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 fn is_root() -> bool {
@@ -27,13 +28,6 @@ fn rand_u32() -> u32 {
     // SAFETY: getrandom writes at most b.len() bytes into b.
     unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
     u32::from_le_bytes(b)
-}
-
-fn rand_hex(n: usize) -> String {
-    let mut b = vec![0u8; n];
-    // SAFETY: getrandom writes at most b.len() bytes into b.
-    unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// A private worker uid range (base, count) and cgroup name, so that what another daemon on
@@ -519,155 +513,6 @@ async fn a_cgroup_hierarchy_refusing_groups_fails_open_and_leaks_nothing() {
 
 // ---- polkitd and the system bus ---------------------------------------------------------
 
-const POLKITD: &str = "/usr/lib/polkit-1/polkitd";
-const ACTIONS_DIR: &str = "/usr/share/polkit-1/actions";
-const RULES_DIR: &str = "/etc/polkit-1/rules.d";
-
-fn repo() -> PathBuf {
-    common::manifest_dir().join("..")
-}
-
-impl Bus {
-    /// Whether polkitd answers on this bus.
-    fn polkit_up(&self) -> bool {
-        run(self.busctl().args([
-            "get-property",
-            "org.freedesktop.PolicyKit1",
-            "/org/freedesktop/PolicyKit1/Authority",
-            "org.freedesktop.PolicyKit1.Authority",
-            "BackendVersion",
-        ]))
-        .code
-            == 0
-    }
-}
-
-/// polkitd on a private bus with the shipped policy and a rule granting a test group (the
-/// shipped example rule with its group replaced), and the test users; removed on drop.
-struct Polkit {
-    child: Option<Child>,
-    address: String,
-    installed: Vec<PathBuf>,
-    users: Vec<String>,
-    group: String,
-}
-
-#[derive(Debug, Clone)]
-struct User {
-    uid: u32,
-    gid: u32,
-}
-
-impl Polkit {
-    fn start(bus: &Bus) -> Polkit {
-        let group = format!("sctf{}", rand_hex(3));
-        let mut installed = Vec::new();
-        let policy = Path::new(ACTIONS_DIR).join("org.sandcell.policy");
-        let shipped = std::fs::read(repo().join("polkit/org.sandcell.policy")).unwrap();
-        if std::fs::read(&policy).ok().as_deref() != Some(&shipped[..]) {
-            assert!(
-                !policy.exists(),
-                "{} exists and differs from the shipped policy: not overwriting it",
-                policy.display()
-            );
-            std::fs::write(&policy, &shipped).unwrap();
-            installed.push(policy);
-        }
-        let example =
-            std::fs::read_to_string(repo().join("polkit/50-sandcell.rules.example")).unwrap();
-        std::fs::create_dir_all(RULES_DIR).unwrap();
-        let rules = Path::new(RULES_DIR).join(format!("50-sandcell-test-{group}.rules"));
-        std::fs::write(
-            &rules,
-            example.replace(
-                "isInGroup(\"sandcell\")",
-                &format!("isInGroup(\"{group}\")"),
-            ),
-        )
-        .unwrap();
-        installed.push(rules);
-        let mut p = Polkit {
-            child: None,
-            address: bus.address.clone(),
-            installed,
-            users: Vec::new(),
-            group: group.clone(),
-        };
-        let st = run(Command::new("groupadd").arg(&group));
-        assert_eq!(st.code, 0, "groupadd: {}", st.stderr);
-        p.start_polkitd(bus);
-        p
-    }
-
-    /// Starts polkitd (again) and waits until it answers.
-    fn start_polkitd(&mut self, bus: &Bus) {
-        // setsid: polkitd must not share the test's session.
-        self.child = Some(
-            Command::new("setsid")
-                .arg(POLKITD)
-                .arg("--no-debug")
-                .env("DBUS_SYSTEM_BUS_ADDRESS", &self.address)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("starting polkitd"),
-        );
-        assert!(
-            eventually(Duration::from_secs(20), || bus.polkit_up()),
-            "polkitd did not come up on the private bus"
-        );
-    }
-
-    /// Kills polkitd.
-    fn stop_polkitd(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// A user (no home, no login shell) in the granted group.
-    fn add_granted_user(&mut self) -> User {
-        let name = format!("sctf{}", rand_hex(3));
-        let st = run(Command::new("useradd").args([
-            "-M",
-            "-N",
-            "-s",
-            "/usr/sbin/nologin",
-            "-G",
-            &self.group,
-            &name,
-        ]));
-        assert_eq!(st.code, 0, "useradd {name}: {}", st.stderr);
-        self.users.push(name.clone());
-        let id = |flag: &str| -> u32 {
-            run(Command::new("id").arg(flag).arg(&name))
-                .stdout
-                .trim()
-                .parse()
-                .unwrap()
-        };
-        User {
-            uid: id("-u"),
-            gid: id("-g"),
-        }
-    }
-}
-
-impl Drop for Polkit {
-    fn drop(&mut self) {
-        self.stop_polkitd();
-        for f in &self.installed {
-            let _ = std::fs::remove_file(f);
-        }
-        for u in &self.users {
-            let _ = run(Command::new("userdel").arg(u));
-        }
-        let _ = run(Command::new("groupdel").arg(&self.group));
-    }
-}
-
 /// `sandcellctl run -` of `code` as `user`, through the daemon's socket.
 fn run_as(d: &Daemon, user: &User, code: &str) -> Out {
     run_input(
@@ -748,8 +593,8 @@ async fn polkitd_and_the_bus_going_away_fail_closed_and_recover() {
         sandcell_testing::skip!("polkit", "{POLKITD} missing (apt-get install polkitd)");
     }
     let mut bus = Bus::start();
-    let mut pk = Polkit::start(&bus);
-    let alice = pk.add_granted_user();
+    let mut pk = Polkit::start(&bus, &format!("sctf{}", rand_hex(3)));
+    let alice = pk.add_user("f", true);
     let d = Daemon::start(&[("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)]);
     std::fs::set_permissions(
         &d.socket,

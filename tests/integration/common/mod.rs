@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod bus;
+pub mod polkit;
 
 use sandcell_client::Client;
 use std::io::Read;
@@ -71,11 +72,16 @@ pub struct Daemon {
     pub log: PathBuf,
 }
 
-fn unique() -> String {
-    let mut b = [0u8; 6];
+/// `n` random bytes in hex.
+pub fn rand_hex(n: usize) -> String {
+    let mut b = vec![0u8; n];
     // SAFETY: getrandom writes at most b.len() bytes into b.
     unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
     b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unique() -> String {
+    rand_hex(6)
 }
 
 impl Daemon {
