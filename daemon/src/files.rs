@@ -773,6 +773,14 @@ impl Drop for DirStream {
 ///
 /// Errors: the directory itself cannot be opened.
 pub fn list(dir: &Path) -> Result<Listing, Error> {
+    Ok(list_within(dir, u64::MAX)?.unwrap_or_default())
+}
+
+/// [`list`], or `None` as soon as the walk meets more than `max_entries` entries (any kind,
+/// any depth, hidden ones included): a walk whose cost is bounded by the caller.
+///
+/// Errors: the directory itself cannot be opened.
+pub fn list_within(dir: &Path, max_entries: u64) -> Result<Option<Listing>, Error> {
     let root = open_root(dir)?;
     let mut out = Listing::default();
     // Inodes with several links, charged once.
@@ -792,6 +800,9 @@ pub fn list(dir: &Path) -> Result<Listing, Error> {
             continue; // removed meanwhile
         };
         out.usage.entries += 1;
+        if out.usage.entries > max_entries {
+            return Ok(None);
+        }
         if out.usage.entries > MAX_SESSION_ENTRIES {
             out.usage.over = true;
             out.truncated = true;
@@ -849,7 +860,7 @@ pub fn list(dir: &Path) -> Result<Listing, Error> {
         }
     }
     out.files.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(out)
+    Ok(Some(out))
 }
 
 /// A lock per session directory, held by [`put`] from its budget check to its rename, so

@@ -2195,15 +2195,27 @@ struct AfterCell {
     sweep_error: Option<String>,
 }
 
-/// At the end of a cell, off the async threads: first kills every process of the session's
-/// cgroup but the worker (`sweep`: the group and the worker's pid; a cell's processes do not
-/// outlive it, so nothing writes or computes between cells), then lists `dir` and compares it
-/// with `before` (no changes reported when either listing failed).
+/// At the end of a cell: first kills every process of the session's cgroup but the worker
+/// (`sweep`: the group and the worker's pid; a cell's processes do not outlive the cell, so
+/// nothing writes or computes between cells), then lists `dir` and compares it with `before`
+/// (no changes reported when either listing failed).
+///
+/// The common end, a cgroup that holds only the worker and a directory of at most
+/// [`INLINE_END_ENTRIES`] entries, is done on the actor's own thread: a hand-off to the
+/// blocking pool and back costs two thread wake-ups, more than the few reads themselves.
+/// Anything more (processes to kill and wait for, a larger directory) runs off the async
+/// threads.
 async fn cell_files(
     dir: PathBuf,
     before: Option<crate::files::Listing>,
     sweep: Option<(Arc<dyn SessionGroup>, u32)>,
 ) -> AfterCell {
+    let alone = sweep
+        .as_ref()
+        .is_none_or(|(group, keep)| group.holds_only(*keep));
+    if alone && let Ok(Some(after)) = crate::files::list_within(&dir, INLINE_END_ENTRIES) {
+        return AfterCell::new(before, Vec::new(), None, Some(after));
+    }
     let done = tokio::task::spawn_blocking(move || {
         let (stopped, sweep_error) = match sweep {
             Some((group, keep)) => match group.kill_others(keep, LEFTOVER_KILL_TIMEOUT) {
@@ -2216,27 +2228,43 @@ async fn cell_files(
         (stopped, sweep_error, after)
     })
     .await;
-    let (stopped, sweep_error, after) = match done {
-        Ok(v) => v,
-        Err(e) => (Vec::new(), Some(e.to_string()), None),
-    };
-    let Some(after) = after else {
-        return AfterCell {
-            changed: Vec::new(),
-            bytes: 0,
-            crowded: false,
-            listing: None,
+    match done {
+        Ok((stopped, sweep_error, after)) => AfterCell::new(before, stopped, sweep_error, after),
+        Err(e) => AfterCell::new(before, Vec::new(), Some(e.to_string()), None),
+    }
+}
+
+/// The most entries a session directory may hold for the end of a cell to be listed on the
+/// actor's thread ([`cell_files`]); a walk that meets more stops and is done again off the
+/// async threads. Bounds that thread's time to this many `lstat` calls.
+const INLINE_END_ENTRIES: u64 = 128;
+
+impl AfterCell {
+    /// What a cell changed: `after` compared with `before`, and what the sweep found.
+    fn new(
+        before: Option<crate::files::Listing>,
+        stopped: Vec<crate::cgroup::Leftover>,
+        sweep_error: Option<String>,
+        after: Option<crate::files::Listing>,
+    ) -> Self {
+        let Some(after) = after else {
+            return AfterCell {
+                changed: Vec::new(),
+                bytes: 0,
+                crowded: false,
+                listing: None,
+                stopped,
+                sweep_error,
+            };
+        };
+        AfterCell {
+            changed: before.map(|b| after.changed_since(&b)).unwrap_or_default(),
+            bytes: after.regular_bytes(),
+            crowded: after.truncated,
+            listing: Some(after),
             stopped,
             sweep_error,
-        };
-    };
-    AfterCell {
-        changed: before.map(|b| after.changed_since(&b)).unwrap_or_default(),
-        bytes: after.regular_bytes(),
-        crowded: after.truncated,
-        listing: Some(after),
-        stopped,
-        sweep_error,
+        }
     }
 }
 

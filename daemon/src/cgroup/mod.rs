@@ -146,6 +146,13 @@ pub trait SessionGroup: Send + Sync + std::fmt::Debug {
     ///
     /// Errors: [`Error::Verify`] if others are still alive after `timeout`.
     fn kill_others(&self, keep: u32, timeout: Duration) -> Result<Vec<Leftover>, Error>;
+    /// Whether the group holds no process but `keep` now: a read of its `cgroup.procs` files
+    /// (an unreadable one counts as empty, as in [`SessionGroup::kill_others`]).
+    fn holds_only(&self, keep: u32) -> bool {
+        host::listed_pids(&self.procs_files())
+            .iter()
+            .all(|&pid| pid == keep)
+    }
     /// Removes the group; call after [`SessionGroup::kill_all`] and after reaping the worker.
     fn remove(&self) -> Result<(), Error>;
 }

@@ -548,12 +548,25 @@ async fn stream_frames(
                 replaced = true;
                 break;
             }
-            if let Some(s) = &frame.started {
-                cell = s.cell;
+            let started = frame.started.as_ref().map(|s| s.cell);
+            if let Some(c) = started {
+                cell = c;
             }
             last = encode_frame(&mut buf, frame, core)?;
             if !last && buf.len() < FRAME_BATCH_BYTES {
-                next = rx.try_recv().ok();
+                next = match rx.try_recv() {
+                    Ok(f) => Some(f),
+                    // A cell that ends at once reaches the client in one write (one wake-up
+                    // of the client) with its `started`; a longer one gets its `started` at
+                    // most STARTED_COALESCE later.
+                    Err(mpsc::error::TryRecvError::Empty) if started.is_some() => {
+                        tokio::time::timeout(STARTED_COALESCE, rx.recv())
+                            .await
+                            .ok()
+                            .flatten()
+                    }
+                    Err(_) => None,
+                };
             }
         }
         if !call.oneway() && !buf.is_empty() {
@@ -624,6 +637,10 @@ const ATTACH_REPLY_CHARGE: usize = 2 * 1024 * 1024;
 /// Bytes of serialized frames after which a batch is written without waiting for more queued
 /// frames (a frame's text is at most 64 KiB, six bytes per byte when escaped).
 const FRAME_BATCH_BYTES: usize = 256 * 1024;
+
+/// How long a cell's `started` frame waits for the cell's next frame before it is written
+/// alone (see [`stream_frames`]).
+const STARTED_COALESCE: std::time::Duration = std::time::Duration::from_millis(1);
 
 async fn service(w: &Writer, call: &Call<RawCall>, name: &str) -> Sent {
     match name {
