@@ -1818,6 +1818,22 @@ mod tests {
     }
 
     #[test]
+    fn a_bounded_walk_gives_up_past_its_budget_and_hidden_entries_count() {
+        let d = tmp();
+        std::fs::write(d.path().join("a"), "1").unwrap();
+        std::fs::create_dir(d.path().join(SCRATCH_DIR)).unwrap();
+        std::fs::write(d.path().join(SCRATCH_DIR).join("x"), "1").unwrap();
+        // Three entries, one listed: the budget counts what the walk visits.
+        let full = list_within(d.path(), 3)
+            .unwrap()
+            .expect("within its budget");
+        assert_eq!(full.usage.entries, 3);
+        assert_eq!(full.files.len(), 1);
+        assert!(list_within(d.path(), 2).unwrap().is_none());
+        assert_eq!(list(d.path()).unwrap().usage, full.usage);
+    }
+
+    #[test]
     fn uploads_from_sockets_are_refused() {
         let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
         let u = UploadFd::new(a.into(), drop);
