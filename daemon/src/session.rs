@@ -1736,21 +1736,10 @@ impl Actor {
         }
     }
 
-    /// Everything after the cell's loop: late output, the result, the files, the end of the
-    /// cell's leftover processes, and the result's delivery.
-    async fn finish_cell(
-        &mut self,
-        mut run: CellRun,
-        end: CellEnd,
-        one_shot: bool,
-        mut close_req: CloseRequest,
-        files_before: Option<crate::files::Listing>,
-        cmds: &mut mpsc::Receiver<Command>,
-    ) -> Option<(Ending, Option<oneshot::Sender<()>>)> {
-        let cell = run.cell;
-        let limits = self.session.limits.clone();
-        // Output written before the worker's reply is already in the pipes: take it, bounded
-        // (the worker's own output before `done` is at most a pipe's capacity).
+    /// The end of a cell's output: what the worker wrote to its raw pipes before its `done`
+    /// is already there and is taken, bounded (at most a pipe's capacity), and each stream's
+    /// cap gives up its kept tail.
+    fn take_last_output(&mut self, run: &mut CellRun, end: &CellEnd) {
         if matches!(end, CellEnd::Done(_)) {
             run.read_raw(
                 &mut self.stdout,
@@ -1772,6 +1761,22 @@ impl Actor {
                 run.queue(stream, t);
             }
         }
+    }
+
+    /// Everything after the cell's loop: late output, the result, the files, the end of the
+    /// cell's leftover processes, and the result's delivery.
+    async fn finish_cell(
+        &mut self,
+        mut run: CellRun,
+        end: CellEnd,
+        one_shot: bool,
+        mut close_req: CloseRequest,
+        files_before: Option<crate::files::Listing>,
+        cmds: &mut mpsc::Receiver<Command>,
+    ) -> Option<(Ending, Option<oneshot::Sender<()>>)> {
+        let cell = run.cell;
+        let limits = self.session.limits.clone();
+        self.take_last_output(&mut run, &end);
         let cancelled = matches!(end, CellEnd::Cancelled(_));
         if cancelled {
             close_req.get_or_insert((
@@ -1793,6 +1798,7 @@ impl Actor {
         let generation = self.session.files_generation();
         let sweep = ending.is_none().then(|| (self.group.clone(), self.pid));
         let after = cell_files(self.session_dir.clone(), files_before, sweep).await;
+        let over = after.ends_session(limits.files_bytes);
         result.files = after.changed;
         self.known_files = after.listing.map(|l| (generation, l));
         if !after.stopped.is_empty() {
@@ -1802,32 +1808,6 @@ impl Actor {
             ));
         }
         self.leftovers = after.stopped;
-        // A cell writes the directory directly (R, and Python through /mnt/data), so the
-        // session's disk budget is checked after every cell. Over it, or with more entries
-        // than a listing can see, the session ends and its directory is removed: the safe
-        // side, since nothing else bounds a cell's disk use. So does a session whose leftover
-        // processes could not be stopped.
-        let over = if let Some(e) = &after.sweep_error {
-            Some(Ending::new(
-                EndReason::WorkerCrashed,
-                format!("processes the cell left running could not be stopped ({e})"),
-            ))
-        } else if after.crowded {
-            Some(Ending::new(
-                EndReason::DiskQuota,
-                "the session directory holds more entries than sandcell lists (1000)",
-            ))
-        } else if after.bytes > limits.files_bytes {
-            Some(Ending::new(
-                EndReason::DiskQuota,
-                format!(
-                    "the session directory holds {} bytes, over max_session_files_bytes ({})",
-                    after.bytes, limits.files_bytes
-                ),
-            ))
-        } else {
-            None
-        };
         if ending.is_none()
             && let Some(why) = over
         {
@@ -2240,6 +2220,39 @@ async fn cell_files(
 const INLINE_END_ENTRIES: u64 = 128;
 
 impl AfterCell {
+    /// Whether the session must end after this cell, and why. A cell writes the directory
+    /// directly (R, and Python through /mnt/data), so the session's disk budget
+    /// (`files_bytes`) is checked after every cell. Over it, or with more entries than a
+    /// listing can see, the session ends and its directory is removed: the safe side, since
+    /// nothing else bounds a cell's disk use. So does a session whose leftover processes
+    /// could not be stopped.
+    fn ends_session(&self, files_bytes: u64) -> Option<Ending> {
+        if let Some(e) = &self.sweep_error {
+            Some(Ending::new(
+                EndReason::WorkerCrashed,
+                format!("processes the cell left running could not be stopped ({e})"),
+            ))
+        } else if self.crowded {
+            Some(Ending::new(
+                EndReason::DiskQuota,
+                format!(
+                    "the session directory holds more entries than sandcell lists ({})",
+                    crate::files::MAX_ENTRIES
+                ),
+            ))
+        } else if self.bytes > files_bytes {
+            Some(Ending::new(
+                EndReason::DiskQuota,
+                format!(
+                    "the session directory holds {} bytes, over max_session_files_bytes ({files_bytes})",
+                    self.bytes
+                ),
+            ))
+        } else {
+            None
+        }
+    }
+
     /// What a cell changed: `after` compared with `before`, and what the sweep found.
     fn new(
         before: Option<crate::files::Listing>,
@@ -2541,6 +2554,28 @@ mod actor_tests;
 mod tests {
     use super::*;
     use sandcell_proto::worker::MAX_OUTPUT_CHUNK;
+
+    #[test]
+    fn a_cell_ends_its_session_over_the_disk_budget_or_with_unstoppable_leftovers() {
+        let after = |bytes, crowded, sweep_error: Option<&str>| AfterCell {
+            changed: Vec::new(),
+            bytes,
+            crowded,
+            listing: None,
+            stopped: Vec::new(),
+            sweep_error: sweep_error.map(str::to_owned),
+        };
+        let reason = |a: AfterCell| a.ends_session(100).map(|e| e.reason);
+        assert_eq!(reason(after(100, false, None)), None);
+        assert_eq!(reason(after(101, false, None)), Some(EndReason::DiskQuota));
+        assert_eq!(reason(after(0, true, None)), Some(EndReason::DiskQuota));
+        assert_eq!(
+            reason(after(101, true, Some("still alive"))),
+            Some(EndReason::WorkerCrashed)
+        );
+        let e = after(101, false, None).ends_session(100).unwrap();
+        assert!(e.detail.contains("101 bytes"), "{}", e.detail);
+    }
 
     #[test]
     fn backlog_merges_splits_and_counts() {
