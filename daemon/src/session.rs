@@ -317,6 +317,8 @@ impl Session {
             raw_output,
             leftovers: Vec::new(),
             host_calls_made: 0,
+            disk_next: tokio::time::Instant::now() + DISK_IDLE_WATCH,
+            disk_scan: None,
         };
         tokio::spawn(actor.run(rx));
         session
@@ -860,6 +862,11 @@ struct Actor {
     leftovers: Vec<crate::cgroup::Leftover>,
     /// Id of the session's last host call (0: none yet); the next must be one more.
     host_calls_made: u64,
+    /// The disk watch between cells (see [`DISK_IDLE_WATCH`]): when the session directory is
+    /// totalled next, and the walk in flight with its start. A cell takes the walk in flight
+    /// over and hands back the one it leaves, so a session never walks twice at once.
+    disk_next: tokio::time::Instant,
+    disk_scan: Option<(Instant, tokio::task::JoinHandle<u64>)>,
 }
 
 impl Actor {
@@ -878,6 +885,7 @@ impl Actor {
                     close_done = end.1;
                     break;
                 }
+                self.disk_next = tokio::time::Instant::now() + DISK_IDLE_WATCH;
                 continue;
             }
             let idle = self.session.detached_idle.map(|d| {
@@ -893,6 +901,7 @@ impl Actor {
                             close_done = end.1;
                             break;
                         }
+                        self.disk_next = tokio::time::Instant::now() + DISK_IDLE_WATCH;
                     }
                     Some(Command::Interrupt { reply, .. }) => {
                         let _ = reply.send(InterruptReply { delivered: false, reason: InterruptReason::NotRunning.into() });
@@ -919,6 +928,16 @@ impl Actor {
                 _ = async { match idle { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => {
                     reason = Ending::new(EndReason::IdleExpired, "idle timeout");
                     break;
+                }
+                _ = tokio::time::sleep_until(self.disk_next), if self.disk_scan.is_none() => {
+                    let dir = self.session_dir.clone();
+                    self.disk_scan = Some((Instant::now(), tokio::task::spawn_blocking(move || disk_usage(&dir))));
+                }
+                walked = disk_scan_done(&mut self.disk_scan), if self.disk_scan.is_some() => {
+                    if let Some(end) = self.on_idle_disk_usage(walked) {
+                        reason = end;
+                        break;
+                    }
                 }
             }
         }
@@ -1023,6 +1042,7 @@ impl Actor {
             self.pid,
             self.oom_seen,
         );
+        run.disk_scan = self.disk_scan.take();
         let end = if client_gone {
             CellEnd::Cancelled(close_req.take())
         } else if let Some(e) = nonce_error {
@@ -1054,6 +1074,7 @@ impl Actor {
                 }
             }
         };
+        self.disk_scan = run.disk_scan.take();
         self.finish_cell(run, end, one_shot, close_req, files_before, cmds)
             .await
     }
@@ -1228,7 +1249,8 @@ impl Actor {
     /// Empties the worker's pipes before a request is written, without blocking. Bytes on the
     /// reply pipe are a protocol violation (a worker writes nothing between cells; a process
     /// a previous cell left behind may have); bytes on the raw output pipes are discarded
-    /// (only a leftover process writes there between cells) and logged.
+    /// (what a cell left running writes there between cells: a process before the end-of-cell
+    /// sweep stopped it, or a thread of a native Python worker) and logged.
     ///
     /// Errors: the violation, or the pipe's end, as the reason the worker ends.
     fn drain_stale(&mut self) -> Result<(), String> {
@@ -1426,22 +1448,29 @@ impl Actor {
         run: &mut CellRun,
         (bytes, took): (u64, Duration),
     ) -> Option<CellEnd> {
-        let budget = self.session.limits.files_bytes;
-        if bytes > budget {
-            let why = if bytes == u64::MAX {
-                format!(
-                    "the session directory holds more than {} entries",
-                    crate::files::MAX_SESSION_ENTRIES
-                )
-            } else {
-                format!(
-                    "the session directory holds {bytes} bytes, over max_session_files_bytes ({budget})"
-                )
-            };
+        if let Some(why) = over_disk_budget(bytes, self.session.limits.files_bytes) {
             return Some(CellEnd::DiskFull(why));
         }
         let wait = (took * DISK_WATCH_FACTOR).clamp(DISK_WATCH_MIN, DISK_WATCH_MAX);
         run.disk_next = tokio::time::Instant::now() + wait;
+        None
+    }
+
+    /// A total of the session directory taken between cells finished: over the budget (bytes
+    /// or entries), the session ends as an over-budget cell ends it (`disk_quota`; the
+    /// shutdown kills and reaps the worker, with any thread of it still writing, and removes
+    /// the directory); otherwise the next walk is due [`DISK_IDLE_WATCH`] later, or
+    /// [`DISK_WATCH_FACTOR`] times this walk's duration when that is longer.
+    fn on_idle_disk_usage(&mut self, (bytes, took): (u64, Duration)) -> Option<Ending> {
+        if let Some(why) = over_disk_budget(bytes, self.session.limits.files_bytes) {
+            tracing::warn!(session = %self.session.id, reason = %why, "disk budget exceeded between cells");
+            return Some(Ending::new(
+                EndReason::DiskQuota,
+                format!("{why} (between cells)"),
+            ));
+        }
+        self.disk_next =
+            tokio::time::Instant::now() + (took * DISK_WATCH_FACTOR).max(DISK_IDLE_WATCH);
         None
     }
 
@@ -2176,9 +2205,10 @@ struct AfterCell {
 }
 
 /// At the end of a cell: first kills every process of the session's cgroup but the worker
-/// (`sweep`: the group and the worker's pid; a cell's processes do not outlive the cell, so
-/// nothing writes or computes between cells), then lists `dir` and compares it with `before`
-/// (no changes reported when either listing failed).
+/// (`sweep`: the group and the worker's pid; a cell's processes do not outlive the cell;
+/// threads inside the worker, such as a native Python worker's, cannot be stopped without
+/// ending it and may run on, which the disk watch between cells bounds), then lists `dir`
+/// and compares it with `before` (no changes reported when either listing failed).
 ///
 /// The common end, a cgroup that holds only the worker and a directory of at most
 /// [`INLINE_END_ENTRIES`] entries, is done on the actor's own thread: a hand-off to the
@@ -2293,6 +2323,29 @@ const DISK_WATCH_MAX: Duration = Duration::from_millis(250);
 /// ... and otherwise this many times the previous walk's duration, so that the walks cost at
 /// most about 1/20 of a core per running cell however many entries the directory holds.
 const DISK_WATCH_FACTOR: u32 = 20;
+
+/// The disk watch between cells: a cell's Python threads (native worker) run on after it,
+/// and can write, so an idle session's directory is totalled too, this long after the
+/// previous walk ended (or [`DISK_WATCH_FACTOR`] times that walk's duration, when longer:
+/// the same cost bound as during a cell). One walk per interval per idle session, never two
+/// at once; what a writer adds within one interval is the overshoot before the session ends.
+const DISK_IDLE_WATCH: Duration = Duration::from_secs(1);
+
+/// Why `bytes` (a [`disk_usage`] total) breaks the session's disk budget `budget`, if it does.
+fn over_disk_budget(bytes: u64, budget: u64) -> Option<String> {
+    if bytes <= budget {
+        None
+    } else if bytes == u64::MAX {
+        Some(format!(
+            "the session directory holds more than {} entries",
+            crate::files::MAX_SESSION_ENTRIES
+        ))
+    } else {
+        Some(format!(
+            "the session directory holds {bytes} bytes, over max_session_files_bytes ({budget})"
+        ))
+    }
+}
 
 /// Bytes the session directory is charged now ([`crate::files::Listing::regular_bytes`]:
 /// `u64::MAX` when it holds more entries than the budget); 0 when it cannot be read (the

@@ -369,6 +369,53 @@ async fn pydata_walls_hold() {
     assert!(d.child_alive());
 }
 
+/// A Python thread a cell starts runs on after the cell (it cannot be stopped without ending
+/// the worker). One that writes past the session's disk budget while the session is idle
+/// ends the session (`disk_quota`) by the disk watch between cells, without another cell:
+/// its directory is removed and the next `Execute` learns why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pydata_thread_writing_between_cells_ends_the_session_at_the_disk_budget() {
+    const BUDGET: u64 = 32 << 20;
+    let budget = BUDGET.to_string();
+    let Some(d) = daemon(&[
+        ("SANDCELL_MAX_SESSION_FILES_BYTES", budget.as_str()),
+        ("SANDCELL_MAX_FILE_BYTES", budget.as_str()),
+    ]) else {
+        return;
+    };
+    let mut c = d.client().await;
+    let s = open(&mut c).await;
+    let dir = d.dir.path().join("state/sessions").join(&s);
+    // 64 MiB in 8 files, after the cell has ended.
+    let out = cell(
+        &mut c,
+        &s,
+        "import threading, time\ndef w():\n    time.sleep(0.5)\n    for i in range(8):\n        with open(f'fill{i}.bin', 'wb') as f:\n            for _ in range(8):\n                f.write(b'x' * (1 << 20))\nthreading.Thread(target=w, daemon=True).start()\nprint('started')",
+    )
+    .await;
+    assert_eq!(out.stdout, "started\n", "{:?} {}", out.result, out.stderr);
+    assert_eq!(out.result.state, State::Kept, "{:?}", out.result);
+    let t0 = Instant::now();
+    assert!(
+        eventually(Duration::from_secs(8), || !dir.exists()),
+        "the idle session's directory outlived its disk budget"
+    );
+    eprintln!("session ended {:?} after its cell", t0.elapsed());
+    match c.execute_collect(&s, "1").await {
+        Err(sandcell_client::Error::Kernel(sandcell_client::KernelError::SessionEnded {
+            reason,
+            ..
+        })) => assert_eq!(reason, "disk_quota"),
+        other => panic!("the session over its budget answered {other:?}"),
+    }
+    assert!(
+        d.log_text().contains("disk budget exceeded between cells"),
+        "{}",
+        d.log_text()
+    );
+    assert!(d.child_alive());
+}
+
 fn cmdline(pid: u32) -> String {
     std::fs::read(format!("/proc/{pid}/cmdline"))
         .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
