@@ -33,8 +33,10 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
-/// Private tmpfs mounts of the view, with their options.
-const TMPFS: [&str; 3] = ["/tmp", "/var/tmp", "/dev/shm"];
+/// The private tmpfs mounts of the view (mode 1777, 64 MiB and 16384 inodes each, `nosuid`,
+/// `nodev`, `noexec`): a fresh, empty one per worker, gone with its mount namespace. Landlock
+/// lets a worker write them only when its plan names them in `write_paths`.
+pub const TMPFS: [&str; 3] = ["/tmp", "/var/tmp", "/dev/shm"];
 /// Device nodes bound into the view's `/dev`.
 const DEVICES: [&str; 5] = ["null", "zero", "full", "random", "urandom"];
 
@@ -117,9 +119,12 @@ fn collect(plan: &Plan) -> Result<Vec<Entry>, Error> {
     let mut entries: Vec<Entry> = Vec::new();
     let mut binds: Vec<(PathBuf, bool, bool)> = Vec::new();
     for (path, writable, noexec) in wanted {
+        // A private tmpfs is mounted, not bound: it must not hide what is bound below it
+        // (a session directory under /var/tmp) as "already visible".
         if !path.is_absolute()
             || path.components().any(|c| matches!(c, Component::ParentDir))
             || provided(&path)
+            || TMPFS.iter().any(|t| Path::new(t) == path)
         {
             continue;
         }
@@ -164,9 +169,6 @@ fn collect(plan: &Plan) -> Result<Vec<Entry>, Error> {
         kept.push(b);
     }
     for (path, writable, noexec) in kept {
-        if TMPFS.iter().any(|t| Path::new(t) == path) {
-            continue;
-        }
         let dir = std::fs::metadata(&path)
             .map(|m| m.is_dir())
             .unwrap_or(false);
@@ -505,6 +507,52 @@ pub fn probe() -> std::io::Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_writable_private_tmp_hides_no_session_directory_below_it() {
+        let dir = PathBuf::from(format!(
+            "/var/tmp/sandcell-mounts-tmp-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(dir.join("session")).unwrap();
+        let plan = Plan {
+            uid: None,
+            gid: None,
+            session_dir: dir.join("session"),
+            read_paths: vec![],
+            exec_paths: vec![],
+            write_paths: ["/dev/null", "/tmp", "/var/tmp", "/dev/shm"]
+                .map(PathBuf::from)
+                .to_vec(),
+            keep_fds: vec![],
+            max_open_files: 64,
+            max_file_bytes: 1,
+            max_processes: 1,
+            max_address_space: None,
+            new_net_namespace: false,
+            new_ipc_namespace: false,
+            syscalls: crate::SyscallProfile::Native,
+            enforcement: crate::Enforcement::BestEffort,
+            landlock_abi_cap: None,
+            mount_namespace: true,
+        };
+        let entries = collect(&plan).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let binds: Vec<_> = entries
+            .iter()
+            .filter(|e| matches!(e.kind, Kind::Bind { .. }))
+            .map(|e| e.path.clone())
+            .collect();
+        assert_eq!(binds, vec![dir.join("session")]);
+        for t in TMPFS {
+            assert!(
+                entries
+                    .iter()
+                    .any(|e| e.path == Path::new(t) && matches!(e.kind, Kind::Tmpfs(_))),
+                "{t}"
+            );
+        }
+    }
 
     #[test]
     fn symlinked_and_nested_paths_collapse() {

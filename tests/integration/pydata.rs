@@ -56,6 +56,57 @@ fn examples() -> std::path::PathBuf {
     common::manifest_dir().join("../examples/pydata")
 }
 
+/// A native worker writes its own private /tmp, /var/tmp and /dev/shm (Python's tempfile,
+/// multiprocessing's semaphores, R's tempdir()), which no other session sees.
+#[tokio::test]
+async fn native_workers_write_their_own_private_tmp() {
+    let with_r = common::r_available();
+    let languages = if with_r { "python,r" } else { "python" };
+    let Some(d) = daemon(&[("SANDCELL_LANGUAGES", languages)]) else {
+        return;
+    };
+    let mut c = d.client().await;
+    let s = match c.open_in("python", Some("pydata"), None, None).await {
+        Ok(o) => o.session,
+        Err(e) => panic!("open pydata: {e:?}\n{}", d.log_text()),
+    };
+    let r = cell(
+        &mut c,
+        &s,
+        "import multiprocessing, tempfile\n\
+         for d in ('/tmp', '/var/tmp', '/dev/shm'):\n\
+         \x20   open(d + '/mine', 'w').write(d)\n\
+         \x20   print(open(d + '/mine').read())\n\
+         with tempfile.NamedTemporaryFile() as f: print(f.write(b'1'))\n\
+         multiprocessing.Lock(); print('lock')\n",
+    )
+    .await;
+    assert_eq!(r.result.status, Status::Ok, "{r:?}");
+    assert_eq!(r.stdout, "/tmp\n/var/tmp\n/dev/shm\n1\nlock\n");
+    let other = open(&mut c).await;
+    let r = cell(
+        &mut c,
+        &other,
+        "import os; print([os.path.exists(d + '/mine') for d in ('/tmp', '/var/tmp', '/dev/shm')])",
+    )
+    .await;
+    assert_eq!(r.stdout, "[False, False, False]\n", "{r:?}");
+    if with_r {
+        let rs = c
+            .open_in("r", None, None, None)
+            .await
+            .expect("open r")
+            .session;
+        let r = cell(
+            &mut c,
+            &rs,
+            "writeLines('x', '/tmp/r'); f <- tempfile(); writeLines('y', f); cat(readLines('/tmp/r'), readLines(f), file.exists('/tmp/mine'), '\\n')",
+        )
+        .await;
+        assert_eq!(r.stdout, "x y FALSE \n", "{r:?}");
+    }
+}
+
 #[tokio::test]
 async fn pydata_analyses_print_exact_results_and_plots_arrive_as_png() {
     let Some(d) = daemon(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "60")]) else {

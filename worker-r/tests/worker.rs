@@ -261,7 +261,18 @@ impl Worker {
             });
         }
         let t0 = Instant::now();
-        let child = cmd.spawn().expect("spawn launcher");
+        // A launcher copied by this test binary can be briefly "busy" (ETXTBSY): another
+        // test thread's fork may still hold the copy's write descriptor until its exec.
+        let mut tries = 0;
+        let child = loop {
+            match cmd.spawn() {
+                Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 100 => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                r => break r.expect("spawn launcher"),
+            }
+        };
         drop((req_r, rep_w));
         for fd in [&rep_r, &out_r, &err_r] {
             set_nonblocking(fd);

@@ -306,13 +306,21 @@ pub fn plan(spec: &WorkerSpec) -> Plan {
         ),
         None => (None, false),
     };
+    // A native worker may write its own private /tmp, /var/tmp and /dev/shm (tmpfs mounts of
+    // its mount namespace: Python's tempfile, multiprocessing's semaphores, joblib, R's
+    // tempdir()). Without a mount namespace those paths are the host's, shared by every
+    // session, and stay unwritable.
+    let mut write_paths: Vec<PathBuf> = vec!["/dev/null".into()];
+    if mount_namespace && syscalls == SyscallProfile::Native {
+        write_paths.extend(sandcell_confine::mounts::TMPFS.iter().map(PathBuf::from));
+    }
     Plan {
         uid: spec.uid,
         gid: spec.gid,
         session_dir: spec.session_dir.clone(),
         read_paths,
         exec_paths,
-        write_paths: vec!["/dev/null".into()],
+        write_paths,
         keep_fds: sandcell_proto::worker::WORKER_FDS.to_vec(),
         max_open_files: 256,
         max_file_bytes: spec.max_file_bytes,
