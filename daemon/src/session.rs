@@ -1828,6 +1828,13 @@ impl Actor {
         let sweep = ending.is_none().then(|| (self.group.clone(), self.pid));
         let after = cell_files(self.session_dir.clone(), files_before, sweep).await;
         let over = after.ends_session(limits.files_bytes);
+        if after.partial && over.is_none() {
+            result.warnings.push(format!(
+                "the session directory holds more than {} entries or names more than {} levels deep; the list of files this cell changed may be incomplete",
+                crate::files::MAX_ENTRIES,
+                crate::files::MAX_DEPTH
+            ));
+        }
         result.files = after.changed;
         self.known_files = after.listing.map(|l| (generation, l));
         if !after.stopped.is_empty() {
@@ -2194,8 +2201,13 @@ struct AfterCell {
     changed: Vec<sandcell_proto::kernel::FileInfo>,
     /// Bytes of regular files in the directory.
     bytes: u64,
-    /// The listing was cut short (more entries than it takes).
+    /// The directory is over its entry budget: more than [`crate::files::MAX_SESSION_ENTRIES`]
+    /// entries, or deeper than [`crate::files::MAX_WALK_DEPTH`] levels.
     crowded: bool,
+    /// The listing shows only part of the directory (more than [`crate::files::MAX_ENTRIES`]
+    /// visible entries, or names deeper than [`crate::files::MAX_DEPTH`] levels): `changed`
+    /// may be incomplete. Not an ending: the budgets are what bound the directory.
+    partial: bool,
     /// The listing itself (the next cell's "before").
     listing: Option<crate::files::Listing>,
     /// Processes the cell left running that were killed (zombies until reaped).
@@ -2266,8 +2278,9 @@ impl AfterCell {
             Some(Ending::new(
                 EndReason::DiskQuota,
                 format!(
-                    "the session directory holds more entries than sandcell lists ({})",
-                    crate::files::MAX_ENTRIES
+                    "the session directory holds more than {} entries or is deeper than {} levels",
+                    crate::files::MAX_SESSION_ENTRIES,
+                    crate::files::MAX_WALK_DEPTH
                 ),
             ))
         } else if self.bytes > files_bytes {
@@ -2295,6 +2308,7 @@ impl AfterCell {
                 changed: Vec::new(),
                 bytes: 0,
                 crowded: false,
+                partial: false,
                 listing: None,
                 stopped,
                 sweep_error,
@@ -2303,7 +2317,8 @@ impl AfterCell {
         AfterCell {
             changed: before.map(|b| after.changed_since(&b)).unwrap_or_default(),
             bytes: after.regular_bytes(),
-            crowded: after.truncated,
+            crowded: after.usage.over,
+            partial: after.truncated,
             listing: Some(after),
             stopped,
             sweep_error,
@@ -2614,6 +2629,7 @@ mod tests {
             changed: Vec::new(),
             bytes,
             crowded,
+            partial: true,
             listing: None,
             stopped: Vec::new(),
             sweep_error: sweep_error.map(str::to_owned),

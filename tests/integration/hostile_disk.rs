@@ -282,3 +282,43 @@ async fn python_writers_are_stopped_at_the_budget_during_the_cell() {
         .unwrap();
     assert_eq!(out.stdout, "ok\n", "{:?}", out.result);
 }
+
+/// A directory the listing shows only in part (names more than 4 levels deep, more than 1000
+/// entries) within the budgets keeps its session and its files; the result says its list of
+/// files may be incomplete. Past the entry budget (4096), the session ends.
+#[tokio::test]
+async fn a_deep_or_crowded_directory_within_the_budgets_keeps_its_session() {
+    let d = daemon("python");
+    let mut c = d.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    let out = c
+        .execute_collect(
+            &s,
+            "import os\nos.makedirs('/mnt/data/a/b/c/d')\nopen('/mnt/data/a/b/c/d/deep', 'w').write('1')\nfor i in range(1100):\n    open(f'/mnt/data/n{i}', 'w').close()\nkept = 7\n",
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.result.status, Status::Ok, "{out:?}");
+    assert!(!out.result.session_ended, "{out:?}");
+    assert!(
+        out.result
+            .warnings
+            .iter()
+            .any(|w| w.contains("may be incomplete")),
+        "{:?}",
+        out.result.warnings
+    );
+    assert!(session_dir(&d, &s).join("a/b/c/d/deep").exists());
+    let out = c.execute_collect(&s, "print(kept)").await.unwrap();
+    assert_eq!(out.stdout, "7\n");
+    // Past the entry budget the session ends and its directory goes.
+    let out = c
+        .execute_collect(
+            &s,
+            "for i in range(5000):\n    open(f'/mnt/data/m{i}', 'w').close()\n",
+        )
+        .await
+        .unwrap();
+    assert!(out.result.session_ended, "{out:?}");
+    assert!(eventually(Duration::from_secs(10), || !session_dir(&d, &s).exists()));
+}
