@@ -508,22 +508,20 @@ pub fn probe() -> std::io::Result<bool> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_writable_private_tmp_hides_no_session_directory_below_it() {
-        let dir = PathBuf::from(format!(
-            "/var/tmp/sandcell-mounts-tmp-{}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(dir.join("session")).unwrap();
-        let plan = Plan {
+    /// A plan of a native worker with a mount namespace and no identity change.
+    fn plan(
+        session_dir: PathBuf,
+        read_paths: Vec<PathBuf>,
+        exec_paths: Vec<PathBuf>,
+        write_paths: &[&str],
+    ) -> Plan {
+        Plan {
             uid: None,
             gid: None,
-            session_dir: dir.join("session"),
-            read_paths: vec![],
-            exec_paths: vec![],
-            write_paths: ["/dev/null", "/tmp", "/var/tmp", "/dev/shm"]
-                .map(PathBuf::from)
-                .to_vec(),
+            session_dir,
+            read_paths,
+            exec_paths,
+            write_paths: write_paths.iter().map(PathBuf::from).collect(),
             keep_fds: vec![],
             max_open_files: 64,
             max_file_bytes: 1,
@@ -535,7 +533,22 @@ mod tests {
             enforcement: crate::Enforcement::BestEffort,
             landlock_abi_cap: None,
             mount_namespace: true,
-        };
+        }
+    }
+
+    #[test]
+    fn a_writable_private_tmp_hides_no_session_directory_below_it() {
+        let dir = PathBuf::from(format!(
+            "/var/tmp/sandcell-mounts-tmp-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(dir.join("session")).unwrap();
+        let plan = plan(
+            dir.join("session"),
+            vec![],
+            vec![],
+            &["/dev/null", "/tmp", "/var/tmp", "/dev/shm"],
+        );
         let entries = collect(&plan).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         let binds: Vec<_> = entries
@@ -561,25 +574,12 @@ mod tests {
         std::fs::create_dir_all(dir.join("usr/lib/sub")).unwrap();
         std::os::unix::fs::symlink("usr/lib", dir.join("lib")).unwrap();
         std::fs::create_dir_all(dir.join("session")).unwrap();
-        let plan = Plan {
-            uid: None,
-            gid: None,
-            session_dir: dir.join("session"),
-            read_paths: vec![dir.join("usr/lib"), dir.join("lib"), dir.join("missing")],
-            exec_paths: vec![dir.join("usr/lib/sub"), "/proc/self".into()],
-            write_paths: vec!["/dev/null".into()],
-            keep_fds: vec![],
-            max_open_files: 64,
-            max_file_bytes: 1,
-            max_processes: 1,
-            max_address_space: None,
-            new_net_namespace: false,
-            new_ipc_namespace: false,
-            syscalls: crate::SyscallProfile::Native,
-            enforcement: crate::Enforcement::BestEffort,
-            landlock_abi_cap: None,
-            mount_namespace: true,
-        };
+        let plan = plan(
+            dir.join("session"),
+            vec![dir.join("usr/lib"), dir.join("lib"), dir.join("missing")],
+            vec![dir.join("usr/lib/sub"), "/proc/self".into()],
+            &["/dev/null"],
+        );
         let entries = collect(&plan).unwrap();
         let binds: Vec<_> = entries
             .iter()

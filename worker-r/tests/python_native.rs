@@ -9,6 +9,8 @@
 //! Skipped, with a printed reason, when /usr/bin/python3 or a package is missing. Figures:
 //! `cargo test -p sandcell-worker-r --release --test python_native -- --nocapture figures`.
 
+mod common;
+
 use sandcell_confine::{Enforcement, Plan, SyscallProfile};
 use sandcell_proto::worker::{
     CellError, MAX_ERROR_MESSAGE, MAX_TRACEBACK, MAX_WORKER_LINE, RequestHeader, WorkerMessage,
@@ -326,18 +328,7 @@ impl Worker {
             });
         }
         let t0 = Instant::now();
-        // A launcher copied by this test binary can be briefly "busy" (ETXTBSY): another
-        // test thread's fork may still hold the copy's write descriptor until its exec.
-        let mut tries = 0;
-        let child = loop {
-            match cmd.spawn() {
-                Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 100 => {
-                    tries += 1;
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                r => break r.expect("spawn launcher"),
-            }
-        };
+        let child = common::spawn_retrying(&mut cmd);
         drop((req_r, rep_w));
         for fd in [&rep_r, &out_r, &err_r] {
             set_nonblocking(fd);

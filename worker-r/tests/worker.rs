@@ -9,6 +9,8 @@
 //! Skipped, with a printed reason, when R is not installed. Figures (start-up, round trip, RSS)
 //! are printed by `figures`: `cargo test -p sandcell-worker-r --release -- --nocapture figures`.
 
+mod common;
+
 use sandcell_confine::{Enforcement, Plan, SyscallProfile};
 use sandcell_proto::worker::{
     CellError, MAX_ERROR_MESSAGE, MAX_WORKER_LINE, RequestHeader, WorkerMessage, WorkerStatus,
@@ -261,18 +263,7 @@ impl Worker {
             });
         }
         let t0 = Instant::now();
-        // A launcher copied by this test binary can be briefly "busy" (ETXTBSY): another
-        // test thread's fork may still hold the copy's write descriptor until its exec.
-        let mut tries = 0;
-        let child = loop {
-            match cmd.spawn() {
-                Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 100 => {
-                    tries += 1;
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-                r => break r.expect("spawn launcher"),
-            }
-        };
+        let child = common::spawn_retrying(&mut cmd);
         drop((req_r, rep_w));
         for fd in [&rep_r, &out_r, &err_r] {
             set_nonblocking(fd);
