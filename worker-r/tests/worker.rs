@@ -13,7 +13,8 @@ mod common;
 
 use sandcell_confine::{Enforcement, Plan, SyscallProfile};
 use sandcell_proto::worker::{
-    CellError, MAX_ERROR_MESSAGE, MAX_WORKER_LINE, RequestHeader, WorkerMessage, WorkerStatus,
+    CellError, MAX_ERROR_MESSAGE, MAX_WORKER_LINE, REPLY_FD, REQUEST_FD, RequestHeader,
+    WorkerMessage, WorkerStatus,
 };
 use std::fs::File;
 use std::io::Write;
@@ -256,7 +257,7 @@ impl Worker {
         // open in the parent until spawn returns.
         unsafe {
             cmd.pre_exec(move || {
-                if libc::dup2(a, 3) < 0 || libc::dup2(b, 4) < 0 {
+                if libc::dup2(a, REQUEST_FD) < 0 || libc::dup2(b, REPLY_FD) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())

@@ -13,7 +13,9 @@ use std::sync::OnceLock;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::time::{Duration, Instant};
 
-use sandcell_proto::worker::{RequestHeader, SessionState, Stream, WorkerMessage, WorkerStatus};
+use sandcell_proto::worker::{
+    REPLY_FD, REQUEST_FD, RequestHeader, SessionState, Stream, WorkerMessage, WorkerStatus,
+};
 
 /// Where the test runtime is cached (prepare is a no-op when its manifest is current).
 pub const RUNTIME_DIR: &str = "/var/tmp/sandcell-python-runtime-test";
@@ -227,7 +229,7 @@ impl Worker {
         // above 100, so they never alias 3 or 4, and dup2 clears close-on-exec on the copies.
         unsafe {
             cmd.pre_exec(move || {
-                if libc::dup2(a, 3) != 3 || libc::dup2(b, 4) != 4 {
+                if libc::dup2(a, REQUEST_FD) != REQUEST_FD || libc::dup2(b, REPLY_FD) != REPLY_FD {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
