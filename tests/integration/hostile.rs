@@ -168,7 +168,7 @@ async fn r_walls_hold() {
         ),
         (
             "write outside",
-            "writeLines('x', '/tmp/sandcell-escape-r')".into(),
+            "writeLines('x', '/etc/sandcell-escape-r')".into(),
         ),
         (
             "tcp to 127.0.0.1",
@@ -200,6 +200,10 @@ async fn r_walls_hold() {
         );
         by.check().await;
     }
+    assert!(!std::path::Path::new("/etc/sandcell-escape-r").exists());
+    // A write to /tmp lands in the session's private /tmp, never the host's.
+    let out = run(&mut c, "r", "writeLines('x', '/tmp/sandcell-escape-r')").await;
+    assert_eq!(out.result.status, Status::Ok, "{out:?}");
     assert!(!std::path::Path::new("/tmp/sandcell-escape-r").exists());
     assert!(d.child_alive());
 }
