@@ -89,8 +89,9 @@ pub fn self_check() -> Result<SelfCheck, Error> {
     }
     if !check.seccomp {
         check.problems.push(
-            "seccomp filters are unavailable: the kernel needs CONFIG_SECCOMP_FILTER=y, and a \
-             container runtime must not forbid seccomp(2)"
+            "seccomp filters are unavailable: the kernel needs CONFIG_SECCOMP_FILTER=y, a \
+             container runtime must not forbid seccomp(2), and sandcelld.service's \
+             SystemCallFilter= must allow it"
                 .into(),
         );
     }

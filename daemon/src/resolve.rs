@@ -548,8 +548,8 @@ mod tests {
             jf,
             k,
         };
-        let ld = (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u32;
-        let ret = (libc::BPF_RET | libc::BPF_K) as u32;
+        let ld = libc::BPF_LD | libc::BPF_W | libc::BPF_ABS;
+        let ret = libc::BPF_RET | libc::BPF_K;
         let mut prog = [
             stmt(ld, 4), // seccomp_data.arch
             jeq(ARCH, 0, 2),
