@@ -15,7 +15,8 @@
 //! sandcelld.service) cannot see the mode inside openat2's `struct open_how` (seccomp sees
 //! only registers), so it makes openat2 fail with `ENOSYS` for the whole unit, so that libc
 //! falls back to openat (systemd.exec(5), `RestrictSUIDSGID=`; systemd's
-//! `seccomp_restrict_suid_sgid`). Other seccomp sandboxes answer it with `EPERM`
+//! `seccomp_restrict_sxid` in src/shared/seccomp-util.c, `ENOSYS` since systemd 248, so on
+//! Debian 12's 252 and Debian 13's 257 alike). Other seccomp sandboxes answer it with `EPERM`
 //! (`SystemCallErrorNumber=EPERM` for a system call outside `SystemCallFilter=`), and kernels
 //! before 5.6 with `ENOSYS`.
 //!
