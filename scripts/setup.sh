@@ -8,13 +8,14 @@ cd "$(dirname "$0")/.."
 # R (and a font for text in plots) for the R worker; systemd for systemd-socket-activate and
 # busctl; dbus and polkitd for the control-plane tests; util-linux (setpriv) and passwd
 # (useradd) for tests that act as other users; lintian, groff, rpm and rpmlint for the package
-# checks; procps for diagnostics. The `pydata` environment (native CPython) uses Debian's
+# checks; procps for diagnostics; linux-libc-dev for the system-call numbers the unit-sandbox
+# test tier reads (asm/unistd_64.h). The `pydata` environment (native CPython) uses Debian's
 # scientific stack, and R cells get the most used CRAN packages Debian ships; fontconfig builds
 # the font cache plots read. scripts/bench.sh puts the tools users would otherwise pick
 # beside sandcell: a Jupyter ipykernel and IRkernel driven by jupyter_client, and a
 # bubblewrap one-shot.
 packages=(r-base-core r-cran-jsonlite fonts-dejavu-core systemd dbus polkitd util-linux passwd
-    lintian groff-base rpm rpmlint procps
+    lintian groff-base rpm rpmlint procps linux-libc-dev
     python3 python3-numpy python3-pandas python3-scipy python3-matplotlib python3-statsmodels
     python3-sklearn r-cran-ggplot2 r-cran-data.table fontconfig
     python3-ipykernel python3-jupyter-client r-cran-irkernel bubblewrap)
