@@ -39,5 +39,6 @@ pub mod notify;
 pub mod polkit;
 pub mod pool;
 pub mod session;
+pub mod session_fs;
 pub mod varlink;
 pub mod worker;
