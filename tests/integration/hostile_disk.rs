@@ -349,3 +349,118 @@ fn count_entries(dir: &Path) -> u64 {
     }
     n
 }
+
+/// The memory-cgroup file giving what `pid`'s group is charged now, bytes (cgroup v1
+/// `memory.usage_in_bytes`, v2 `memory.current`).
+fn memory_usage_file(pid: u32) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    for l in text.lines() {
+        let mut parts = l.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        if controllers.split(',').any(|c| c == "memory") {
+            return Some(PathBuf::from(format!(
+                "/sys/fs/cgroup/memory{path}/memory.usage_in_bytes"
+            )));
+        }
+    }
+    let path = text.lines().find_map(|l| l.strip_prefix("0::"))?;
+    Some(PathBuf::from(format!(
+        "/sys/fs/cgroup{path}/memory.current"
+    )))
+}
+
+fn usage(file: &Path) -> u64 {
+    std::fs::read_to_string(file)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn mounted(session: &str) -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo").is_ok_and(|m| m.contains(session))
+}
+
+/// A session's files live in its own tmpfs, whose pages are charged to the session's memory
+/// cgroup, whoever writes them: the cell, or the daemon storing an upload (its copier joins
+/// the session's group). The daemon's own group is not charged for the upload, and closing the
+/// session unmounts its file system. Prints the figures: session open latency, write
+/// throughput, memory charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_files_are_charged_to_the_session_and_unmounted_at_its_end() {
+    if common::insecure() {
+        sandcell_testing::skip!("cgroups", "no session cgroups in development mode");
+    }
+    let langs = if has_r() { "python,r" } else { "python" };
+    let d = daemon(langs);
+    let mut c = d.client().await;
+    // Session open latency (a fresh worker each: no pool in these tests).
+    let mut opens = Vec::new();
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        let s = c.open("python", None, None).await.unwrap().session;
+        opens.push(t0.elapsed());
+        c.close(&s).await.unwrap();
+    }
+    opens.sort();
+    eprintln!("python session open: median {:?} (of 5)", opens[2]);
+
+    let s = c.open("python", None, None).await.unwrap().session;
+    assert!(mounted(&s), "no session file system mounted");
+    let worker = *d.descendants().first().expect("the worker");
+    let session_mem = memory_usage_file(worker).expect("the worker's memory cgroup");
+    let daemon_mem = memory_usage_file(d.pid()).expect("the daemon's memory cgroup");
+    let (s0, d0) = (usage(&session_mem), usage(&daemon_mem));
+    // An upload of 16 MiB by descriptor.
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    std::io::Write::write_all(&mut f, &vec![3u8; 16 << 20]).unwrap();
+    c.put_file(&s, "up.bin", f.path()).await.unwrap();
+    let (s1, d1) = (usage(&session_mem), usage(&daemon_mem));
+    eprintln!(
+        "upload of 16 MiB: session group +{} KiB, daemon group {:+} KiB",
+        (s1.saturating_sub(s0)) >> 10,
+        (d1 as i64 - d0 as i64) >> 10
+    );
+    // 32 MiB written by the cell.
+    let out = c
+        .execute_collect(
+            &s,
+            "import time\nt = time.perf_counter()\nwith open('/mnt/data/cell.bin', 'wb') as f:\n    for _ in range(32):\n        f.write(bytes(1 << 20))\nprint(round(32 / (time.perf_counter() - t)))\n",
+        )
+        .await
+        .unwrap();
+    let s2 = usage(&session_mem);
+    eprintln!(
+        "python cell writing 32 MiB: {} MiB/s, session group +{} KiB",
+        out.stdout.trim(),
+        (s2.saturating_sub(s1)) >> 10
+    );
+    assert!(
+        s1 >= s0 + (15 << 20),
+        "the upload was not charged to the session: {s0} -> {s1}"
+    );
+    assert!(
+        d1 < d0 + (8 << 20),
+        "the upload was charged to the daemon: {d0} -> {d1}"
+    );
+    assert!(
+        s2 >= s1 + (30 << 20),
+        "the cell's files were not charged to the session: {s1} -> {s2}"
+    );
+    if has_r() {
+        let r = c.open("r", None, None).await.unwrap().session;
+        let out = c
+            .execute_collect(
+                &r,
+                "system('yes | dd of=tp bs=1M count=48 iflag=fullblock 2>&1 | tail -1')",
+            )
+            .await
+            .unwrap();
+        eprintln!("R dd of 48 MiB: {}", out.stdout.trim());
+        c.close(&r).await.unwrap();
+    }
+    c.close(&s).await.unwrap();
+    assert!(
+        common::eventually(Duration::from_secs(10), || !mounted(&s)),
+        "the session file system outlived its session"
+    );
+}
