@@ -29,8 +29,6 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-/// `statfs(2)` `f_type` of a tmpfs (`TMPFS_MAGIC`, linux/magic.h).
-const TMPFS_MAGIC: i64 = 0x0102_1994;
 /// Page size the tmpfs size is rounded down to, bytes.
 const PAGE: u64 = 4096;
 
@@ -96,7 +94,8 @@ pub fn is_bounded(dir: &Path) -> bool {
     let Ok(fs) = nix::sys::statfs::statfs(dir) else {
         return false;
     };
-    if fs.filesystem_type().0 as i64 != TMPFS_MAGIC {
+    // `TMPFS_MAGIC` of linux/magic.h.
+    if fs.filesystem_type() != nix::sys::statfs::TMPFS_MAGIC {
         return false;
     }
     match (
