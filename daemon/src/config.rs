@@ -1294,6 +1294,25 @@ mod tests {
     }
 
     #[test]
+    fn the_disk_budget_fits_in_half_the_worker_memory() {
+        // A session's files are a tmpfs charged to its worker's memory cgroup.
+        let mut c = Config::default();
+        c.apply_env(env(&[
+            ("SANDCELL_MAX_WORKER_MEMORY_BYTES", "268435456"),
+            ("SANDCELL_MAX_SESSION_FILES_BYTES", "134217728"),
+        ]))
+        .unwrap();
+        c.validate().unwrap();
+        c.apply_env(env(&[("SANDCELL_MAX_SESSION_FILES_BYTES", "134217729")]))
+            .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("max_session_files_bytes") && e.contains("max_worker_memory_bytes"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn environments_merge_with_the_shipped_ones() {
         let c = Config::default();
         let envs = c.environments();
