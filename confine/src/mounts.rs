@@ -17,8 +17,9 @@
 //!    - a minimal `/dev`: `null`, `zero`, `full`, `random`, `urandom` bound from the host, and
 //!      the `fd`, `stdin`, `stdout`, `stderr` symlinks;
 //!    - `/mnt/data`, a symlink to the session directory;
-//!    - a new procfs with `hidepid=invisible` (Linux 5.8 or newer: per-mount procfs options):
-//!      the worker sees only its own uid's processes;
+//!    - a new procfs, read-only, with `hidepid=invisible` (Linux 5.8 or newer: per-mount
+//!      procfs options): the worker sees only its own uid's processes and writes nothing
+//!      there (not its own `oom_score_adj`);
 //! 4. `pivot_root(".", ".")` and a lazy unmount of the old root (the `pivot_root(2)` manual's
 //!    idiom, used by runc); the root tmpfs is then remounted read-only.
 //!
@@ -401,11 +402,14 @@ fn build_view(plan: &Plan) -> Result<(), Error> {
     // there is no fallback: an older kernel fails here (and in `probe`).
     let proc = under(root, Path::new("/proc"));
     mountpoint(&proc, true)?;
+    // Read-only: a cell writes nothing under /proc, in particular not its own
+    // /proc/self/oom_score_adj (lowering it would make another process the OOM killer's
+    // choice; the kernel bounds it only where the daemon holds CAP_SYS_RESOURCE, proc(5)).
     mount(
         Some(Path::new("proc")),
         &proc,
         Some("proc"),
-        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC | libc::MS_RDONLY,
         Some("hidepid=invisible"),
     )?;
     // The minimal /dev is complete: make its tmpfs read-only.

@@ -35,7 +35,7 @@
 //!
 //! Every key `k` has the override `SANDCELL_<K>` (upper case), e.g. `SANDCELL_MAX_FUEL`.
 //! Validation: every number positive; one session's charges fit their aggregate
-//! budgets; worker memory exceeds guest memory; source at most 524,288 bytes and kept
+//! budgets; worker memory exceeds guest memory and is at least twice the session files; source at most 524,288 bytes and kept
 //! stdout+stderr at most 2,097,152 bytes (the worker protocol's ceilings).
 
 use serde::{Deserialize, Serialize};
@@ -1144,7 +1144,8 @@ impl Config {
         Ok(())
     }
 
-    /// Session-file limits: both positive, one file within the session's total.
+    /// Session-file limits: both positive, one file within the session's total, the total
+    /// at most half of the worker's memory.
     fn validate_file_limits(l: &Limits) -> Result<(), Error> {
         for (key, v) in [
             ("max_file_bytes", l.max_file_bytes),
@@ -1161,6 +1162,18 @@ impl Config {
             return Err(Error::Invalid {
                 key: "max_file_bytes",
                 reason: "exceeds max_session_files_bytes".into(),
+            });
+        }
+        // A session's files live in a tmpfs whose pages are charged to its worker's memory
+        // cgroup (sandcelld(8), DISK): a full directory leaves the interpreter at least half.
+        if l.max_session_files_bytes > l.max_worker_memory_bytes / 2 {
+            return Err(Error::Invalid {
+                key: "max_session_files_bytes",
+                reason: format!(
+                    "{} exceeds half of max_worker_memory_bytes ({}): a session's files are \
+                     held in memory charged to its worker",
+                    l.max_session_files_bytes, l.max_worker_memory_bytes
+                ),
             });
         }
         Ok(())
@@ -1278,6 +1291,25 @@ mod tests {
             .apply_env(env(&[("SANDCELL_MAX_FUEL", "lots")]))
             .unwrap_err();
         assert!(e.to_string().contains("SANDCELL_MAX_FUEL"));
+    }
+
+    #[test]
+    fn the_disk_budget_fits_in_half_the_worker_memory() {
+        // A session's files are a tmpfs charged to its worker's memory cgroup.
+        let mut c = Config::default();
+        c.apply_env(env(&[
+            ("SANDCELL_MAX_WORKER_MEMORY_BYTES", "268435456"),
+            ("SANDCELL_MAX_SESSION_FILES_BYTES", "134217728"),
+        ]))
+        .unwrap();
+        c.validate().unwrap();
+        c.apply_env(env(&[("SANDCELL_MAX_SESSION_FILES_BYTES", "134217729")]))
+            .unwrap();
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("max_session_files_bytes") && e.contains("max_worker_memory_bytes"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -1299,8 +1299,11 @@ impl Core {
     /// unusable descriptor: not a regular file, or on a file system such as FUSE, NFS, CIFS,
     /// 9p, proc or sysfs), `NoSuchSession`, `PermissionDenied`, `SessionBusy` (a cell is
     /// running), `NotRegularFile` (something other than a regular file is in the way),
-    /// `CapacityExceeded` (budget `state_directory_space`: the state directory's file system
-    /// has no room; `in_use` and `max` are its used and total bytes, `requested` the size),
+    /// `LimitExceeded` also when the session's own file system refuses the write (`ENOSPC`:
+    /// `max_session_files_bytes`, or `max_session_entries` with no inode left; a cell's thread
+    /// may fill it meanwhile), `CapacityExceeded` (budget `state_directory_space`: the state
+    /// directory's file system has no room; `in_use` and `max` are its used and total bytes,
+    /// `requested` the size),
     /// `InternalError` (any other I/O error of the daemon's own).
     pub async fn put_file(
         &self,
@@ -1347,6 +1350,7 @@ impl Core {
             None => {}
         }
         let (dir, owner, name_owned) = (s.dir.clone(), s.worker_ids, name.to_owned());
+        let charge_to = s.group_procs();
         // The copy itself stops at the deadline and removes its temporary (files::put_until);
         // the answer waits a little longer for that, so nothing half-written outlives it.
         let deadline = (
@@ -1367,7 +1371,7 @@ impl Core {
                     }
                 },
             };
-            crate::files::put_until(
+            crate::files::put_charged(
                 &dir,
                 &name_owned,
                 size,
@@ -1375,6 +1379,7 @@ impl Core {
                 owner,
                 &limits,
                 Some(deadline),
+                &charge_to,
             )
             .map_err(KernelError::from)
         });

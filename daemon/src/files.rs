@@ -35,13 +35,13 @@
 //! its end (the worker cannot do that: `fallocate(FALLOC_FL_KEEP_SIZE)` is denied by its
 //! seccomp policy, but a file can arrive from elsewhere) its blocks.
 //!
-//! The total is taken before each upload, after each cell, and while a cell runs (the
-//! session's disk watch, `session.rs`, walks again every 25-250 ms and stops the cell when
-//! over); within a walk's interval one file is bounded by the worker's RLIMIT_FSIZE (the
-//! budget). This is accounting, not a file system that refuses the write: a per-session
-//! tmpfs charges file pages to the writer's memory cgroup (the daemon's own, for uploads), and
-//! a loop-mounted image needs a loop device and a mount per session (see ARCHITECTURE.md,
-//! "Files", for the worst case).
+//! The kernel holds the budget: each session directory is its own tmpfs of the budget's
+//! size and the entry budget's inodes (`crate::session_fs`), so a write past either fails
+//! with `ENOSPC` in the writer; an upload the tmpfs refuses is [`Error::TooLarge`]
+//! ([`put_charged`]), and uploads are written from the session's memory cgroup. The total is
+//! still taken before each upload, after each cell, and while a cell runs (the session's
+//! disk watch, `session.rs`, walks again every 25-250 ms and stops the cell when over), for
+//! reporting and for what a tmpfs does not bound (sparse sizes, hard links).
 //!
 //! All functions here block (file-system calls); callers run them on a blocking thread.
 
@@ -967,6 +967,28 @@ pub fn put_until(
     limits: &Limits,
     deadline: Option<(std::time::Instant, u64)>,
 ) -> Result<FileInfo, Error> {
+    put_charged(dir, name, declared, source, owner, limits, deadline, &[])
+}
+
+/// [`put_until`], with the content written by a child process that joins the session's group
+/// first (`charge_to`: its `cgroup.procs` files, [`crate::session_fs::copy_in_group`]), so
+/// that a session file system's pages are charged to the session's memory, not the
+/// daemon's; empty: written by the calling thread.
+///
+/// Errors: as [`put_until`]; a write the session's own file system refuses (`ENOSPC`) is
+/// [`Error::TooLarge`] naming `max_session_files_bytes` (or `max_session_entries` when it
+/// has no inode left), never [`Error::NoSpace`].
+#[allow(clippy::too_many_arguments)]
+pub fn put_charged(
+    dir: &Path,
+    name: &str,
+    declared: u64,
+    source: Source,
+    owner: Option<(u32, u32)>,
+    limits: &Limits,
+    deadline: Option<(std::time::Instant, u64)>,
+    charge_to: &[std::path::PathBuf],
+) -> Result<FileInfo, Error> {
     let mut created = Created::new();
     let r = put_inner(
         dir,
@@ -977,11 +999,24 @@ pub fn put_until(
         limits,
         deadline,
         &mut created,
+        charge_to,
     );
     if r.is_err() {
         remove_created(&created);
     }
     r.map_err(|e| match e {
+        Error::Io { source, .. }
+            if source.raw_os_error() == Some(libc::ENOSPC)
+                && crate::session_fs::is_bounded(dir) =>
+        {
+            crate::session_fs::refusal(dir, declared, limits.max_session_files_bytes).unwrap_or(
+                Error::TooLarge {
+                    limit: "max_session_files_bytes",
+                    value: limits.max_session_files_bytes.saturating_add(1),
+                    max: limits.max_session_files_bytes,
+                },
+            )
+        }
         Error::Io { source, .. }
             if matches!(source.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) =>
         {
@@ -1018,6 +1053,7 @@ fn put_inner(
     limits: &Limits,
     deadline: Option<(std::time::Instant, u64)>,
     created: &mut Created,
+    charge_to: &[std::path::PathBuf],
 ) -> Result<FileInfo, Error> {
     let parts = validate_new_name(name)?;
     check_upload(declared, &source, limits)?;
@@ -1098,7 +1134,11 @@ fn put_inner(
         if let Some((uid, gid)) = owner {
             std::os::unix::fs::fchown(&out, Some(uid), Some(gid)).map_err(io("fchown"))?;
         }
-        write_content(&out, declared, source, deadline)
+        if charge_to.is_empty() {
+            write_content(&out, declared, source, deadline)
+        } else {
+            write_in_group(&out, declared, source, deadline, charge_to)
+        }
     })();
     if let Err(e) = written {
         unlink_tmp();
@@ -1166,6 +1206,52 @@ fn write_content(
             }
             Ok(())
         }
+    }
+}
+
+/// [`write_content`] by a child process in the session's group ([`put_charged`]).
+fn write_in_group(
+    out: &std::fs::File,
+    declared: u64,
+    source: Source,
+    deadline: Option<(std::time::Instant, u64)>,
+    charge_to: &[std::path::PathBuf],
+) -> Result<(), Error> {
+    use crate::session_fs::{Copied, CopySource};
+    let copied = match &source {
+        Source::Inline(bytes) => crate::session_fs::copy_in_group(
+            charge_to,
+            out.as_raw_fd(),
+            CopySource::Bytes(bytes),
+            declared.min(bytes.len() as u64),
+            deadline.map(|d| d.0),
+        ),
+        Source::Fd(fd) => crate::session_fs::copy_in_group(
+            charge_to,
+            out.as_raw_fd(),
+            CopySource::Fd(fd.as_raw_fd()),
+            declared,
+            deadline.map(|d| d.0),
+        ),
+    }
+    .map_err(io("copy into the session's group"))?;
+    let errno = |n: i32| std::io::Error::from_raw_os_error(n);
+    match copied {
+        Copied::Done => Ok(()),
+        Copied::Deadline => Err(Error::Deadline(deadline.map_or(0, |d| d.1))),
+        Copied::Short(done) => Err(Error::BadSource {
+            parameter: "fd",
+            reason: format!("the passed file ended after {done} of {declared} bytes"),
+        }),
+        Copied::Read(n) => Err(Error::BadSource {
+            parameter: "fd",
+            reason: format!("read of the passed descriptor: {}", errno(n)),
+        }),
+        Copied::Write(n) => Err(io("write")(errno(n))),
+        Copied::Join(n) => Err(io("join the session's group")(errno(n))),
+        Copied::Killed(sig) => Err(io("copy into the session's group")(std::io::Error::other(
+            format!("the copier was killed by signal {sig} (the session's memory limit)"),
+        ))),
     }
 }
 

@@ -40,5 +40,6 @@ pub mod polkit;
 pub mod pool;
 pub mod resolve;
 pub mod session;
+pub mod session_fs;
 pub mod varlink;
 pub mod worker;

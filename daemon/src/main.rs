@@ -165,6 +165,12 @@ fn prepare_state_dir(config: &Config) -> anyhow::Result<()> {
     // Traversable, not listable: a worker may reach its own directory only.
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))?;
     // Directories left by a crashed predecessor: their workers are swept with the cgroups.
+    // Its session file systems first (only a predecessor run in the host's mount namespace
+    // leaves any: under the unit's PrivateMounts= they went with its namespace).
+    let unmounted = sandcelld::session_fs::sweep(&dir);
+    if unmounted > 0 {
+        tracing::warn!(unmounted, "unmounted stale session file systems");
+    }
     for e in std::fs::read_dir(&dir)?.flatten() {
         if let Err(err) = std::fs::remove_dir_all(e.path()) {
             tracing::warn!(path = %e.path().display(), error = %err, "removing stale session directory");

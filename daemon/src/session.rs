@@ -445,6 +445,13 @@ impl Session {
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// The `cgroup.procs` files of the session's group: what an upload's copier joins, so
+    /// that the session file system's pages are charged to the session
+    /// ([`crate::files::put_charged`]).
+    pub fn group_procs(&self) -> Vec<PathBuf> {
+        self.group.procs_files()
+    }
+
     fn files_generation(&self) -> u64 {
         self.files_generation
             .load(std::sync::atomic::Ordering::SeqCst)

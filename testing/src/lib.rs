@@ -51,6 +51,10 @@ pub const TIERS: &[(&str, &str)] = &[
         "fonts",
         "a fontconfig cache for the fonts R and matplotlib use (scripts/font-cache.sh)",
     ),
+    (
+        "sys-resource",
+        "CAP_SYS_RESOURCE in the tests' effective set (some VMs and containers withhold it)",
+    ),
 ];
 
 /// Whether `tier` must not skip on this machine ([`REQUIRE_ENV`]).

@@ -5,7 +5,8 @@
 //! alone), and runs the same R and Python cells at each level: ordinary file handling inside
 //! the session directory works (a tempfile renamed into it, a rename across its directories,
 //! a PNG plot, Python file I/O), and every hostile cell fails the same way, with no effect on
-//! the host. Levels above the running kernel's ABI are skipped, saying so.
+//! the host (lowering the worker's own `oom_score_adj` included). Levels above the running
+//! kernel's ABI are skipped, saying so.
 
 mod common;
 
@@ -95,6 +96,48 @@ fn oom_score_adj(pid: u32) -> Option<i32> {
         .trim()
         .parse()
         .ok()
+}
+
+/// Whether this process's effective capabilities include CAP_SYS_RESOURCE (bit 24), which the
+/// daemon it starts then inherits.
+fn has_sys_resource() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        .is_some_and(|caps| caps & (1 << 24) != 0)
+}
+
+/// With CAP_SYS_RESOURCE the daemon's write of 1000 also raised each worker's
+/// `oom_score_adj_min` (proc(5)): even root without that capability cannot lower it.
+fn oom_floor_holds(level: &str, workers: &[u32]) {
+    if !has_sys_resource() {
+        sandcell_testing::skip_part!(
+            "sys-resource",
+            "level {level}: no CAP_SYS_RESOURCE here, so the daemon cannot raise the workers' \
+             oom_score_adj_min; the read-only procfs and Landlock hold the value instead"
+        );
+        return;
+    }
+    for &w in workers {
+        if oom_score_adj(w) != Some(1000) {
+            continue;
+        }
+        let st = Command::new("setpriv")
+            .args(["--bounding-set", "-sys_resource", "--", "sh", "-c"])
+            .arg(format!("echo 0 > /proc/{w}/oom_score_adj"))
+            .stderr(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert!(
+            !st.success(),
+            "level {level}: worker {w}'s oom_score_adj lowered by a process without CAP_SYS_RESOURCE"
+        );
+        assert_eq!(oom_score_adj(w), Some(1000), "level {level}: worker {w}");
+    }
 }
 
 /// The whole suite at one level.
@@ -193,6 +236,29 @@ async fn suite(level: &str) {
         .await;
         assert_eq!(out.result.status, Status::Ok, "level {level}: {out:?}");
         assert_eq!(out.stdout.trim(), "hello 1000", "level {level}");
+
+        // A cell cannot lower its OOM score back towards the daemon's (-500 under the unit):
+        // neither R itself nor a child of it, through /proc/self or its parent's /proc entry.
+        let out = exec(
+            &mut c,
+            &r,
+            "for (v in c('0', '-500')) {\n\
+               ok <- tryCatch({ writeLines(v, '/proc/self/oom_score_adj'); TRUE },\n\
+                              error = function(e) FALSE, warning = function(w) FALSE)\n\
+               if (ok) stop('lowered to ', v)\n\
+             }\n\
+             system(paste0('echo -500 > /proc/', Sys.getpid(), '/oom_score_adj 2>/dev/null'))\n\
+             system('echo 0 > /proc/self/oom_score_adj 2>/dev/null')\n\
+             cat(readLines('/proc/self/oom_score_adj'), '\\n')",
+        )
+        .await;
+        assert_eq!(out.result.status, Status::Ok, "level {level}: {out:?}");
+        assert_eq!(
+            out.stdout.split_whitespace().collect::<Vec<_>>(),
+            ["1000"],
+            "level {level}: a cell lowered its oom_score_adj: {out:?}"
+        );
+        oom_floor_holds(level, &d.descendants());
 
         // Every worker is the OOM killer's first choice, whatever the daemon's own score.
         let workers = d.descendants();

@@ -740,6 +740,8 @@ async fn oom_kill_is_signalled() {
         ("SANDCELL_LANGUAGES", "r"),
         ("SANDCELL_MAX_GUEST_MEMORY_BYTES", "67108864"),
         ("SANDCELL_MAX_WORKER_MEMORY_BYTES", "268435456"),
+        // At most half the worker's memory (the session's files are a tmpfs charged to it).
+        ("SANDCELL_MAX_SESSION_FILES_BYTES", "67108864"),
     ]);
     let seen = watch_signals(&bus.address).await;
     let mut c = d.client().await;

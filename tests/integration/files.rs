@@ -219,7 +219,8 @@ async fn planted_symlinks_and_fifos_are_listed_and_never_followed() {
     // A hard link to a file the worker does not own (as if protected_hardlinks were off) is
     // never read with the daemon's rights.
     if !common::insecure() {
-        let secret = d.dir.path().join("secret");
+        // Inside the session's file system (a link cannot cross into it): root's, hidden.
+        let secret = session_dir(&d, &s).join(".secret");
         std::fs::write(&secret, "root only\n").unwrap();
         std::fs::hard_link(&secret, session_dir(&d, &s).join("hl")).unwrap();
         let e = kernel_error(c.get_file_chunk(&s, "hl", 0, None).await);
@@ -325,17 +326,29 @@ async fn per_file_and_per_session_limits_are_typed() {
             if limit == "max_session_files_bytes" && *value >= 21000),
         "{e:?}"
     );
-    // Replacing a file counts its new size, not both.
-    c.put_bytes(&s, "a", &[8; 8000]).await.unwrap();
+    // Replacing a file counts its new size, not both, once stored. While the new copy is
+    // written both take room in the session's file system (20000 bytes rounded down to
+    // 4 pages): 3 pages of "a" and 1 of its replacement fit.
+    c.put_bytes(&s, "a", &[8; 4000]).await.unwrap();
     c.put_bytes(&s, "b", &[9; 9000]).await.unwrap();
-    assert_eq!(fetch(&mut c, &s, "a").await, vec![8; 8000]);
+    assert_eq!(fetch(&mut c, &s, "a").await, vec![8; 4000]);
+    // Within the budget as the walk counts it (4096 + 9000 bytes), but the file system is
+    // full (4 of 4 pages) and the new copy of "b" needs 3 more: the kernel's refusal is the
+    // same typed error, never an internal one, and the old "b" stays.
+    let e = kernel_error(c.put_bytes(&s, "b", &[10; 9000]).await);
+    assert!(
+        matches!(&e, KernelError::LimitExceeded { limit, max: 20000, .. }
+            if limit == "max_session_files_bytes"),
+        "{e:?}"
+    );
+    assert_eq!(fetch(&mut c, &s, "b").await, vec![9; 9000]);
     // Bounded reads: max_bytes over 1 MiB is refused, smaller chunks are honoured.
     let e = kernel_error(c.get_file_chunk(&s, "a", 0, Some(2 << 20)).await);
     assert!(
         matches!(e, KernelError::LimitExceeded { ref limit, .. } if limit == "max_bytes"),
         "{e:?}"
     );
-    let (_, chunk, eof) = c.get_file_chunk(&s, "a", 7950, Some(100)).await.unwrap();
+    let (_, chunk, eof) = c.get_file_chunk(&s, "a", 3950, Some(100)).await.unwrap();
     assert_eq!((chunk.len(), eof), (50, true));
 }
 

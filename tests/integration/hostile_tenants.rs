@@ -150,7 +150,7 @@ async fn r_cell(c: &mut Client, code: &str) -> (String, sandcell_client::Collect
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hidden_files_scratch_sparse_files_and_inodes_count_against_the_budget() {
+async fn hidden_files_scratch_sparse_files_and_inodes_are_held_to_the_budget() {
     if !has_r() {
         sandcell_testing::skip!(
             "r",
@@ -197,27 +197,38 @@ async fn hidden_files_scratch_sparse_files_and_inodes_count_against_the_budget()
         other => panic!("a second MiB fit next to hidden files: {other:?}"),
     }
 
-    // Hidden files, scratch files and a sparse file each end their session when over budget.
+    // Hidden files, scratch files and inodes are refused by the session's own file system
+    // (its size and inode count are the budgets): the session lives, within them.
     for (what, code) in [
         (
             "hidden files",
-            "for (i in 1:5) writeBin(as.raw(rep(1L, 1e6)), sprintf('.h%d', i)); cat('wrote')",
+            "for (i in 1:5) try(writeBin(as.raw(rep(1L, 1e6)), sprintf('.h%d', i)), silent = TRUE); cat('wrote')",
         ),
         (
             "scratch files",
-            "for (i in 1:5) writeBin(as.raw(rep(1L, 1e6)), tempfile()); cat('wrote')",
-        ),
-        (
-            "a sparse file",
-            // Each under RLIMIT_FSIZE (the 4 MiB budget), together over it.
-            "system('truncate -s 3M .sparse; truncate -s 3M .sparse2'); cat('wrote')",
+            "for (i in 1:5) try(writeBin(as.raw(rep(1L, 1e6)), tempfile()), silent = TRUE); cat('wrote')",
         ),
         (
             "many empty files (inodes)",
             "d <- file.path(tempdir(), 'many'); dir.create(d); \
-             invisible(file.create(file.path(d, seq_len(5000)))); cat('wrote')",
+             invisible(suppressWarnings(file.create(file.path(d, seq_len(5000))))); cat('wrote')",
         ),
     ] {
+        let (s, out) = r_cell(&mut c, code).await;
+        eprintln!("{what}: {:?} {:?}", out.stdout, out.result.status);
+        assert_eq!(out.stdout, "wrote", "{what}: {:?}", out.result);
+        assert!(!out.result.session_ended, "{what}: {:?}", out.result);
+        let (bytes, entries) = held(&session_dir(&d, &s));
+        assert!(bytes <= 4194304, "{what}: {bytes} bytes held");
+        assert!(entries <= 4096, "{what}: {entries} entries held");
+        c.close(&s).await.unwrap();
+    }
+    // A sparse file costs the session file system nothing, but the walk charges its size:
+    // over budget, its session ends.
+    {
+        let what = "a sparse file";
+        // Each under RLIMIT_FSIZE (the 4 MiB budget), together over it.
+        let code = "system('truncate -s 3M .sparse; truncate -s 3M .sparse2'); cat('wrote')";
         let (s, out) = r_cell(&mut c, code).await;
         // Stopped by the disk watch during the cell, or found over budget after it.
         let stopped =
@@ -241,6 +252,25 @@ async fn hidden_files_scratch_sparse_files_and_inodes_count_against_the_budget()
             "{e:?}"
         );
     }
+}
+
+/// Bytes of the regular files below `dir` (the larger of size and blocks) and its entries, at
+/// any depth.
+fn held(dir: &std::path::Path) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    let (mut bytes, mut entries) = (0, 0);
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let Ok(m) = e.metadata() else { continue };
+        entries += 1;
+        if m.is_file() {
+            bytes += m.len().max(m.blocks() * 512);
+        } else if m.is_dir() {
+            let (b, n) = held(&e.path());
+            bytes += b;
+            entries += n;
+        }
+    }
+    (bytes, entries)
 }
 
 // ---------------------------------------------------------------------------------------

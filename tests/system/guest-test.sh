@@ -349,7 +349,8 @@ fi
 # R, a Python worker's own footprint plus its guest memory must exceed the cgroup's limit
 # before Eryx's guest limit (128 MiB) turns the growth into a MemoryError.
 if has_r; then oom_limit=268435456; else oom_limit=167772160; fi
-printf '[Service]\nEnvironment=SANDCELL_MAX_WORKER_MEMORY_BYTES=%s\n' "$oom_limit" >/etc/systemd/system/sandcelld.service.d/60-oom.conf
+# The session files budget stays at most half the worker's memory (its tmpfs is charged there).
+printf '[Service]\nEnvironment=SANDCELL_MAX_WORKER_MEMORY_BYTES=%s\nEnvironment=SANDCELL_MAX_SESSION_FILES_BYTES=67108864\n' "$oom_limit" >/etc/systemd/system/sandcelld.service.d/60-oom.conf
 systemctl daemon-reload
 systemctl stop sandcelld.service 2>/dev/null
 mon=""

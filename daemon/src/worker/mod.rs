@@ -373,11 +373,17 @@ pub async fn kill_and_reap(
     let _ = child.wait().await;
 }
 
-/// Removes what a dead worker leaves: its cgroup, then its session directory, logging failures.
+/// Removes what a dead worker leaves: its session file system (unmounted), its cgroup, then
+/// its session directory, logging failures.
 /// `remove_dir_all` unlinks symlinks a cell planted and never follows them, and the worker is
 /// dead, so nothing races with it (Judge0 CVE-2024-28185). The second half of the release order.
 pub async fn remove_remains(session: &str, group: Arc<dyn SessionGroup>, dir: PathBuf) {
     let removed = tokio::task::spawn_blocking(move || {
+        // The session file system first: its pages are charged to the group, and are freed
+        // while the group still exists.
+        if let Err(e) = crate::session_fs::unmount(&dir) {
+            tracing::warn!(path = %dir.display(), error = %e, "unmounting the session file system");
+        }
         let g = group.remove();
         let d = match std::fs::remove_dir_all(&dir) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),

@@ -2,7 +2,8 @@
 //!
 //! [`spawn`] does, in this order:
 //! 1. creates the session directory (mode 0700, owned by the worker identity; `mkdir` never
-//!    follows a symlink in its last component and the parents are root-owned);
+//!    follows a symlink in its last component and the parents are root-owned) and mounts the
+//!    session's bounded tmpfs on it (`crate::session_fs`);
 //! 2. writes the [`Plan`] the worker executable applies to itself before anything else
 //!    (`sandcell_confine::enter`: fds, rlimits, namespaces, identity, no_new_privs,
 //!    capabilities, Landlock, seccomp — see ARCHITECTURE.md "Confinement order");
@@ -14,7 +15,10 @@
 //!    and marks every other descriptor close-on-exec (runc CVE-2024-21626); and sets its
 //!    `oom_score_adj` to 1000, so that the kernel's OOM killer picks a cell first and the
 //!    daemon (`OOMScoreAdjust=-500` in sandcelld.service) last: without it every worker would
-//!    inherit the daemon's protection (raising the value needs no capability);
+//!    inherit the daemon's protection. The child still holds the daemon's capabilities there;
+//!    with CAP_SYS_RESOURCE the kernel also raises its `oom_score_adj_min` to 1000 (proc(5)),
+//!    so the cell cannot lower the value again (the worker's read-only procfs and Landlock
+//!    refuse the write too);
 //! 5. after the fork, the parent verifies that the worker is in its cgroup.
 //!
 //! Which optional layers the plans ask for (the Landlock ABI, the mount namespace) is decided
@@ -420,6 +424,26 @@ fn dup_high(fd: OwnedFd) -> std::io::Result<OwnedFd> {
 pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned, Error> {
     create_session_dir(&spec.session_dir, spec.uid, spec.gid)
         .map_err(io(format!("create {}", spec.session_dir.display())))?;
+    // The session's own file system, bounded by its disk and entry budgets; mounted before
+    // the fork, so the worker's mount namespace (a copy of the daemon's) binds it.
+    if let Err(e) =
+        crate::session_fs::mount(&spec.session_dir, spec.max_file_bytes, spec.uid, spec.gid)
+    {
+        if spec.enforcement == Enforcement::Strict {
+            return Err(Error::Io {
+                op: format!(
+                    "mount the session file system on {} (needs CAP_SYS_ADMIN and the mount \
+                     system calls)",
+                    spec.session_dir.display()
+                ),
+                source: e,
+            });
+        }
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            tracing::warn!(error = %e, "no session file system (best effort): the disk budget is held by the walks only");
+        });
+    }
     let plan = plan(spec);
 
     // Opened before the fork, close-on-exec, so the child only has to write(2).
@@ -486,7 +510,9 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
                 }
             }
             // The OOM killer's first choice is a cell, never the daemon (whose negative
-            // OOMScoreAdjust= every child inherits). Raising the value needs no capability.
+            // OOMScoreAdjust= every child inherits). Written while the child holds the
+            // daemon's capabilities: with CAP_SYS_RESOURCE the kernel raises the process's
+            // oom_score_adj_min to the same 1000, so nothing it runs can lower it (proc(5)).
             let adj = libc::open(
                 c"/proc/self/oom_score_adj".as_ptr(),
                 libc::O_WRONLY | libc::O_CLOEXEC,

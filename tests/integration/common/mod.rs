@@ -326,6 +326,29 @@ impl Drop for Daemon {
             let _ = self.child.kill();
             let _ = self.child.wait();
         }
+        unmount_below(self.dir.path());
+    }
+}
+
+/// Lazily unmounts every mount below `dir` in this mount namespace: session file systems a
+/// killed test daemon left (a daemon under its unit keeps them in its private namespace).
+pub fn unmount_below(dir: &Path) {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return;
+    };
+    let mut points: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(PathBuf::from)
+        .filter(|p| p.starts_with(dir) && p != dir)
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
+    for p in points {
+        let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
+            continue;
+        };
+        // SAFETY: a NUL-terminated path; umount2 touches nothing else.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
     }
 }
 
