@@ -187,3 +187,46 @@ def test_async_host_call_handlers(socket_path):
                     await c.host_reply(s.id, 1, {"late": True})
 
     arun(main())
+
+
+def test_async_timeout_is_a_per_call_deadline(socket_path):
+    async def main():
+        async with sandcell.AsyncClient(socket_path, timeout=5) as c:
+            await c.info()
+            t0 = time.monotonic()
+            for _ in range(5):
+                await c.info()
+            per_call = (time.monotonic() - t0) / 5
+            t1 = time.monotonic()
+            r = await c.run("import time\ntime.sleep(8)", timeout=1.5)
+            took = time.monotonic() - t1
+            async with c.session() as s:
+                await s.execute("kept = 1")
+                r2 = await s.execute("import time\ntime.sleep(8)", timeout=1)
+                after = await s.execute("print(kept)")
+            return per_call, r, took, r2, after
+
+    per_call, r, took, r2, after = arun(main())
+    assert per_call < 0.5, per_call
+    assert r.status == "timeout" and 1 < took < 7, (r, took)
+    assert r2.status == "timeout" and after.stdout == "1\n", (r2, after)
+
+
+def test_a_cancelled_execute_frees_the_session(socket_path):
+    async def main():
+        async with sandcell.AsyncClient(socket_path) as c:
+            async with c.session() as s:
+                await s.execute("kept = 3")
+                task = asyncio.create_task(s.execute("import time\ntime.sleep(30)"))
+                await asyncio.wait_for(s._started.wait(), 10)
+                await asyncio.sleep(0.3)
+                task.cancel()
+                t0 = time.monotonic()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                settled = time.monotonic() - t0
+                # At once: no SessionBusy, variables kept.
+                return settled, await s.execute("print(kept)")
+
+    settled, r = arun(main())
+    assert r.stdout == "3\n" and settled < 15, (r, settled)

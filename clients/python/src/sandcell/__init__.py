@@ -32,7 +32,7 @@ from .aio import AsyncClient, AsyncSession
 from .client import Client, Session
 from .errors import *  # noqa: F403  (every error class, named after the Varlink error)
 from .errors import KERNEL_ERRORS, ConnectionFailed, ProtocolError, SandcellError, VarlinkError
-from .errors import WrongNode, error_class
+from .errors import Timeout, WrongNode, error_class
 from .types import (
     STATUSES,
     CellError,
@@ -87,6 +87,7 @@ __all__ = [
     "ConnectionFailed",
     "ProtocolError",
     "VarlinkError",
+    "Timeout",
     "WrongNode",
     "error_class",
     *KERNEL_ERRORS,

@@ -125,18 +125,63 @@ def parse_reply(msg: dict[str, Any]) -> Reply:
 def idle_connection_alive(sock: Any) -> bool:
     """Whether an idle connection is still usable: nothing to read (the daemon has not
     closed it, as it does with connections idle for its ``connection_idle_seconds``) and no
-    error pending. Peeks without blocking or consuming."""
-    import socket
+    error or hang-up pending. Polls with a zero timeout (poll(2)), so it never waits, whatever
+    timeout the socket object carries (a ``recv`` with ``MSG_DONTWAIT`` on a socket with a
+    timeout first waits for that whole timeout in CPython)."""
+    import select
 
     try:
-        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except (BlockingIOError, InterruptedError):
-        return True
-    except OSError:
+        fd = sock.fileno()
+        if fd < 0:
+            return False
+        p = select.poll()
+        p.register(fd, select.POLLIN | select.POLLPRI)
+        events = p.poll(0)
+    except (OSError, ValueError):
         return False
-    # b"" (the daemon closed it) or a stray reply (the connection is out of step).
-    del data
-    return False
+    # Readable: b"" (the daemon closed it) or a stray reply (the connection is out of step);
+    # POLLHUP / POLLERR / POLLNVAL: broken. Any event means the connection is not reusable.
+    return not events
+
+
+class _ClientDefault:
+    """The type of :data:`CLIENT_DEFAULT`."""
+
+    def __repr__(self) -> str:
+        return "CLIENT_DEFAULT"
+
+
+#: A call's ``timeout=`` when not given: the client's own ``timeout``.
+CLIENT_DEFAULT = _ClientDefault()
+
+#: Seconds a cell past its deadline is given to end after the client interrupts it, before
+#: the client closes its connection (the daemon then interrupts it, too) and raises
+#: :class:`sandcell.Timeout`.
+INTERRUPT_GRACE_SECONDS = 10.0
+
+
+def call_timeout(given: float | None | _ClientDefault, client: float | None) -> float | None:
+    """The deadline of one call, seconds from now: ``given`` unless it is
+    :data:`CLIENT_DEFAULT`, else the client's ``timeout``; ``None`` for none. Raises
+    ``ValueError`` for a negative or NaN value."""
+    t = client if isinstance(given, _ClientDefault) else given
+    if t is None:
+        return None
+    t = float(t)
+    if not t >= 0:
+        raise ValueError(f"timeout must be a number of seconds >= 0 or None, not {t!r}")
+    return t
+
+
+def timed_out_result(r: CellResult, seconds: float) -> CellResult:
+    """``r``, a cell the client interrupted at its deadline, reported as ``timeout`` (a cell
+    that ended some other way at the same moment keeps its status), with a warning."""
+    if r.status == "interrupted":
+        r.status = "timeout"
+        r.warnings.append(
+            f"the client's deadline of {seconds:g} s passed; the client interrupted the cell"
+        )
+    return r
 
 
 # --- operations ---------------------------------------------------------------------------

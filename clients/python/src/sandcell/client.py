@@ -14,11 +14,20 @@ from __future__ import annotations
 import os
 import socket as _socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from . import _protocol as P
-from .errors import ConnectionFailed, NoSuchHostCall, NoSuchSession, ProtocolError, VarlinkError
+from .errors import (
+    ConnectionFailed,
+    SandcellError,
+    NoSuchHostCall,
+    NoSuchSession,
+    ProtocolError,
+    Timeout,
+    VarlinkError,
+)
 from .types import (
     CellResult,
     FileInfo,
@@ -38,6 +47,31 @@ OnStarted = Callable[[Started], Any]
 HostCallHandler = Callable[[HostCall], Any]
 
 
+class _DeadlinePassed(Exception):
+    """Internal: a reply did not arrive before the call's deadline (nothing was consumed)."""
+
+
+class _Clock:
+    """The deadline of one call (``time.monotonic()`` seconds, or ``None``) and what to do
+    when it passes: ``expire()`` returns a later deadline to keep reading until (the cell
+    was interrupted) or raises."""
+
+    def __init__(self, seconds: float | None, method: str,
+                 expire: Callable[[], float] | None = None):
+        self.seconds = seconds
+        self.method = method
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.expire = expire
+
+    def remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return self.deadline - time.monotonic()
+
+    def timeout(self) -> Timeout:
+        return Timeout(self.seconds or 0.0, self.method)
+
+
 class _Conn:
     """One blocking connection: sends calls, reads replies, knows whether a call is open."""
 
@@ -47,18 +81,30 @@ class _Conn:
         self.sock.settimeout(timeout)
         try:
             self.sock.connect(path)
+        except TimeoutError as e:
+            self.sock.close()
+            raise Timeout(timeout or 0.0, f"connecting to {path}") from e
         except OSError as e:
             self.sock.close()
             raise ConnectionFailed(e.errno, f"connecting to {path}: {e.strerror or e}") from e
+        # Calls wait by their own deadlines (see _Clock), never by a socket timeout.
+        self.sock.settimeout(None)
         self.reader = P.MessageReader()
         self.queue: list[dict[str, Any]] = []
         self.in_call = False
         self.closed = False
 
-    def send(self, call: P.Call) -> None:
+    def send(self, call: P.Call, clock: _Clock | None = None) -> None:
         data = call.encode()
         self.in_call = True
+        if clock is not None and not clock.method:
+            clock.method = call.method
+        left = clock.remaining() if clock else None
         try:
+            if left is not None:
+                if left <= 0:
+                    raise TimeoutError
+                self.sock.settimeout(left)
             if call.fds:
                 # The descriptors travel with the first bytes of the message.
                 n = _socket.send_fds(self.sock, [data], list(call.fds))
@@ -66,17 +112,34 @@ class _Conn:
                     self.sock.sendall(data[n:])
             else:
                 self.sock.sendall(data)
+        except TimeoutError:
+            # Part of a call may be out: the connection is out of step.
+            self.close()
+            raise (clock.timeout() if clock else Timeout(0.0, call.method)) from None
         except OSError as e:
             self.close()
             raise ConnectionFailed(e.errno, f"sending to {self.path}: {e}") from e
+        finally:
+            if left is not None and not self.closed:
+                self.sock.settimeout(None)
 
-    def reply(self) -> P.Reply:
+    def reply(self, clock: _Clock | None = None) -> P.Reply:
         while not self.queue:
+            left = clock.remaining() if clock else None
             try:
+                if left is not None:
+                    if left <= 0:
+                        raise _DeadlinePassed
+                    self.sock.settimeout(left)
                 data = self.sock.recv(256 * 1024)
+            except TimeoutError:
+                raise _DeadlinePassed from None
             except OSError as e:
                 self.close()
                 raise ConnectionFailed(e.errno, f"reading from {self.path}: {e}") from e
+            finally:
+                if left is not None and not self.closed:
+                    self.sock.settimeout(None)
             if not data:
                 self.close()
                 raise ConnectionFailed(0, f"{self.path}: the daemon closed the connection")
@@ -101,17 +164,35 @@ class _Conn:
             self.sock.close()
 
 
-def _drive(conn: _Conn, op: P.Operation[T]) -> T:
-    """Runs an operation on a connection."""
+def _reply(conn: _Conn, clock: _Clock | None) -> P.Reply:
+    """The next reply, by the call's deadline: when it passes, ``clock.expire()`` may extend
+    it (a cell being interrupted); otherwise the connection is closed and
+    :class:`sandcell.Timeout` raised."""
+    while True:
+        try:
+            return conn.reply(clock)
+        except _DeadlinePassed:
+            assert clock is not None
+            try:
+                if clock.expire is None:
+                    raise clock.timeout() from None
+                clock.deadline = clock.expire()
+            except BaseException:
+                conn.close()
+                raise
+
+
+def _drive(conn: _Conn, op: P.Operation[T], clock: _Clock | None = None) -> T:
+    """Runs an operation on a connection, by ``clock``'s deadline when given."""
     value: Any = None
     try:
         step = next(op)
         while True:
             if isinstance(step, P.Call):
-                conn.send(step)
-                value = conn.reply()
+                conn.send(step, clock)
+                value = _reply(conn, clock)
             elif step is P.NEXT:
-                value = conn.reply()
+                value = _reply(conn, clock)
             elif isinstance(step, P.Emit):
                 try:
                     step.callback(step.value)
@@ -132,8 +213,13 @@ class Client:
     Args:
         socket: the daemon's socket path; default ``$SANDCELL_SOCKET``, else
             ``/run/sandcell/org.sandcell.Kernel``.
-        timeout: seconds a connect, send or receive may block; ``None`` (the default) waits
-            as long as the cell's own wall-time limit makes the daemon wait.
+        timeout: the default deadline of every call, seconds (each of :meth:`run`,
+            :meth:`Session.execute`, ... may give its own ``timeout=``); ``None`` (the
+            default): no deadline, a cell runs as long as its wall-time limit lets it. A
+            cell past its deadline is interrupted and its result has ``status ==
+            "timeout"``; any other call past it raises :class:`sandcell.Timeout` (not
+            :class:`ConnectionFailed`). It bounds connecting, too. Idle time between
+            calls is never counted.
         node: the node identifier of this socket's daemon, if known. A node-qualified
             session id (``<node>.<id>``) of another node is then refused locally with
             :class:`sandcell.WrongNode` instead of reaching the wrong daemon.
@@ -183,12 +269,76 @@ class Client:
             else:
                 self._idle.append(conn)
 
-    def _call(self, op: P.Operation[T]) -> T:
+    def _call(self, op: P.Operation[T], timeout: Any = P.CLIENT_DEFAULT) -> T:
+        seconds = P.call_timeout(timeout, self.timeout)
+        clock = None if seconds is None else _Clock(seconds, "")
         conn = self._acquire()
         try:
-            return _drive(conn, op)
+            return _drive(conn, op, clock)
         finally:
             self._release(conn)
+
+    def _clock(self) -> _Clock | None:
+        """A deadline of the client's ``timeout`` for one call on a connection of its own."""
+        return None if self.timeout is None else _Clock(self.timeout, "")
+
+    def _cell(self, method: str, params: dict[str, Any], on_output: OnOutput | None,
+              on_started: OnStarted | None, host_call_handler: HostCallHandler | None,
+              timeout: Any) -> CellResult:
+        """Runs a cell (``Run`` or ``Execute``) by its deadline: past it, the cell is
+        interrupted (over another connection) and given :data:`P.INTERRUPT_GRACE_SECONDS` to
+        end; its result then says ``timeout``."""
+        seconds = P.call_timeout(timeout, self.timeout)
+        started: list[Started] = []
+        interrupted = False
+
+        def on_start(s: Started) -> None:
+            started.append(s)
+            if on_started is not None:
+                on_started(s)
+
+        def expire() -> float:
+            nonlocal interrupted
+            if interrupted or not started:
+                raise clock.timeout()
+            interrupted = True
+            s = started[0]
+            try:
+                self._call(P.op_interrupt(P.local_session_id(s.session, self.node), s.cell),
+                           timeout=P.INTERRUPT_GRACE_SECONDS)
+            except SandcellError:
+                pass  # it ended meanwhile, or the daemon is slow: the grace period decides
+            return time.monotonic() + P.INTERRUPT_GRACE_SECONDS
+
+        clock = _Clock(seconds, method, expire)
+        op = P.op_cell(method, params, on_output, on_start, self._host_answerer(host_call_handler))
+        conn = self._acquire()
+        try:
+            r = _drive(conn, op, clock if seconds is not None else None)
+        except BaseException:
+            # KeyboardInterrupt, or an exception of a callback: the cell is interrupted and
+            # its end awaited, so its session is free when the exception propagates.
+            self._settle(conn, started[0] if started else None)
+            raise
+        finally:
+            self._release(conn)
+        return P.timed_out_result(r, seconds or 0.0) if interrupted else r
+
+    def _settle(self, conn: _Conn, started: Started | None) -> None:
+        """Ends a cell abandoned while ``conn`` still streams it: interrupts it over another
+        connection and reads ``conn`` up to its result, for at most
+        :data:`P.INTERRUPT_GRACE_SECONDS` (past that, the connection is closed and the daemon
+        interrupts the cell itself)."""
+        if conn.closed or not conn.in_call or started is None:
+            return
+        try:
+            self._call(P.op_interrupt(P.local_session_id(started.session, self.node),
+                                      started.cell), timeout=P.INTERRUPT_GRACE_SECONDS)
+            clock = _Clock(P.INTERRUPT_GRACE_SECONDS, "Interrupt")
+            while conn.in_call and not conn.closed:
+                _reply(conn, clock)
+        except SandcellError:
+            conn.close()
 
     def close(self) -> None:
         """Closes every idle connection; later calls raise :class:`ConnectionFailed`."""
@@ -217,6 +367,7 @@ class Client:
         on_started: OnStarted | None = None,
         host_call_handler: HostCallHandler | None = None,
         display_last_expression: bool | None = None,
+        timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
     ) -> CellResult:
         """Runs ``code`` in a fresh sandbox that is discarded afterwards (one-shot ``Run``).
 
@@ -236,6 +387,10 @@ class Client:
                 cell's last expression is not shown (by default it is, as in a REPL:
                 Python shows the repr of a final expression that is not ``None`` and not
                 followed by ``;``, R auto-prints visible values). Sent only when given.
+            timeout: this call's deadline, seconds (default: the client's ``timeout``;
+                ``None``: none). Past it the cell is interrupted and the result has
+                ``status == "timeout"``; :class:`sandcell.Timeout` is raised when the cell
+                had not started yet or did not end within 10 s of the interrupt.
 
         Returns the :class:`sandcell.CellResult`; a cell that raised is a result with
         ``status == "error"``, not an exception. Raises the daemon's refusals as typed
@@ -245,8 +400,7 @@ class Client:
         params = P.run_params(code, language, environment, limits_dict(limits),
                               host_calls=host_call_handler is not None,
                               display_last_expression=display_last_expression)
-        return self._call(P.op_cell("Run", params, on_output, on_started,
-                                    self._host_answerer(host_call_handler)))
+        return self._cell("Run", params, on_output, on_started, host_call_handler, timeout)
 
     def host_reply(self, session: str, call: int, result: dict[str, Any] | None = None,
                    error: str | None = None) -> None:
@@ -311,7 +465,7 @@ class Client:
             params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds,
                                    host_calls=host_calls,
                                    display_last_expression=display_last_expression)
-            r = _drive(owner, P.op_simple("Open", params))
+            r = _drive(owner, P.op_simple("Open", params), self._clock())
         except BaseException:
             owner.close()
             raise
@@ -409,6 +563,8 @@ class Session:
         self._local = P.local_session_id(session_id, client.node)
         self._running = threading.Event()
         self._started = threading.Event()
+        self._cell_done = threading.Event()
+        self._cell_done.set()
         self._closed = False
 
     def __enter__(self) -> Session:
@@ -427,10 +583,14 @@ class Session:
         *,
         on_started: OnStarted | None = None,
         host_call_handler: HostCallHandler | None = None,
+        timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
     ) -> CellResult:
         """Runs a cell in this session; its variables persist for the next cell.
 
         ``on_output`` is called with each :class:`sandcell.Output` frame, live and in order.
+        ``timeout`` is this cell's deadline, seconds (default: the client's; ``None``: none):
+        past it the cell is interrupted, the session keeps its variables and the result has
+        ``status == "timeout"`` (see :meth:`Client.run`).
         Returns the :class:`sandcell.CellResult` (a cell that raised has ``status ==
         "error"``). Raises :class:`NoSuchSession` (closed or expired), :class:`SessionBusy`
         (a cell of another caller is running), :class:`LimitExceeded`, ...
@@ -443,26 +603,34 @@ class Session:
                 on_started(s)
 
         self._started.clear()
+        self._cell_done.clear()
         self._running.set()
         try:
-            return self.client._call(
-                P.op_cell("Execute", {"session": self._local, "code": code}, on_output, started,
-                          self.client._host_answerer(host_call_handler))
-            )
+            return self.client._cell("Execute", {"session": self._local, "code": code},
+                                     on_output, started, host_call_handler, timeout)
         finally:
             self._running.clear()
+            self._cell_done.set()
 
     def interrupt(self, cell: int | None = None, wait_seconds: float = 5.0) -> InterruptResult:
         """Interrupts the running cell (or cell ``cell``); for use from another thread while
         :meth:`execute` runs. Without ``cell``, waits up to ``wait_seconds`` for the running
-        cell's number. The session keeps its variables."""
+        cell's number. The session keeps its variables.
+
+        When the interrupted cell is this object's running :meth:`execute`, returns only
+        once that cell has ended (at most ``wait_seconds`` more), so the session takes the
+        next cell at once (no :class:`SessionBusy`)."""
         if cell is None:
             if self._running.is_set():
                 self._started.wait(wait_seconds)
             if self.last_cell is None:
                 return InterruptResult(False, "no cell has run in this session")
             cell = self.last_cell
-        return self.client._call(P.op_interrupt(self._local, cell))
+        own = self._running.is_set() and cell == self.last_cell
+        r = self.client._call(P.op_interrupt(self._local, cell))
+        if r.delivered and own:
+            self._cell_done.wait(wait_seconds)
+        return r
 
     def put_file(self, name: str, data_or_path: Any) -> FileInfo:
         """Stores a file in the session directory (mode 0600), replacing a regular file of
@@ -522,10 +690,11 @@ class Session:
         self._closed = True
         try:
             if self._owner is not None and not self._owner.closed:
-                _drive(self._owner, P.op_simple("Close", {"session": self._local}))
+                _drive(self._owner, P.op_simple("Close", {"session": self._local}),
+                       self.client._clock())
             else:
                 self.client._call(P.op_simple("Close", {"session": self._local}))
-        except (NoSuchSession, ConnectionFailed):
+        except (NoSuchSession, ConnectionFailed, Timeout):
             # NoSuchSession: it already ended (expired, crashed, closed elsewhere).
             pass
         finally:
