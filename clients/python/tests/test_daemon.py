@@ -508,3 +508,21 @@ def test_ctrl_c_in_a_cell_frees_its_session_before_it_propagates(client):
             s.execute("import time\nprint('a', flush=True)\ntime.sleep(30)", on_output=ctrl_c)
         assert time.monotonic() - t0 < 15
         assert s.execute("print(kept)").stdout == "6\n"  # at once, no SessionBusy
+
+
+def test_run_with_input_files_runs_the_pydata_examples_as_written(client):
+    names = [e["name"] if isinstance(e, dict) else str(e) for e in client.list_environments()]
+    if "pydata" not in names:
+        pytest.skip("the daemon serves no pydata environment")
+    examples = Path(__file__).resolve().parents[3] / "examples" / "pydata"
+    if not examples.exists():
+        pytest.skip(f"the examples are not at {examples} (tests run outside the tree)")
+    for script in sorted(examples.glob("*.py")):
+        r = client.run(script.read_text(), environment="pydata",
+                       files=[examples / "mtcars.csv", examples / "sleep.csv"])
+        assert r.status == "ok", (script.name, r.error, r.stderr)
+        assert r.stdout == script.with_suffix(".out").read_text(), script.name
+    r = client.run("print(open('d.txt').read())", files={"d.txt": b"inline"})
+    assert r.stdout == "inline\n", r
+    with pytest.raises(FileNotFoundError):
+        client.run("1", files=[examples / "no-such.csv"])

@@ -436,6 +436,30 @@ def local_session_id(session: str, expected_node: str | None) -> str:
     return local
 
 
+def input_files(files: Any) -> list[tuple[str, Any]]:
+    """The ``files=`` of a one-shot run as ``(name, source)`` pairs: a mapping of name to
+    content (bytes, a path or a binary file, as :meth:`sandcell.Session.put_file` takes), or
+    an iterable of local paths, each stored under its file name. Raises ``TypeError`` for
+    anything else, ``FileNotFoundError`` (naming the file) for a path that does not exist,
+    before anything is sent."""
+    if files is None:
+        return []
+    if isinstance(files, (str, bytes, os.PathLike)):
+        raise TypeError("files= takes a mapping of name to content, or a list of paths")
+    if hasattr(files, "items"):
+        pairs = [(str(k), v) for k, v in files.items()]
+    else:
+        pairs = []
+        for p in files:
+            if not isinstance(p, (str, os.PathLike)):
+                raise TypeError("files= as a list holds paths (str or os.PathLike)")
+            pairs.append((os.path.basename(os.fspath(p)), p))
+    for name, source in pairs:
+        if isinstance(source, (str, os.PathLike)) and not os.path.exists(source):
+            raise FileNotFoundError(2, f"input file for {name!r} not found", os.fspath(source))
+    return pairs
+
+
 # --- put_file sources ------------------------------------------------------------------------
 
 

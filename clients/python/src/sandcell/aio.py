@@ -15,7 +15,7 @@ import inspect
 import os
 import socket as _socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from . import _protocol as P
@@ -373,11 +373,22 @@ class AsyncClient:
         host_call_handler: AsyncHostCallHandler | None = None,
         display_last_expression: bool | None = None,
         timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
+        files: Mapping[str, Any] | Iterable[str | os.PathLike[str]] | None = None,
     ) -> CellResult:
         """Runs ``code`` in a fresh sandbox (one-shot ``Run``); see
-        :meth:`sandcell.Client.run` for arguments (``timeout``: this call's deadline),
-        result and errors. ``host_call_handler`` may be a coroutine function; the cell waits
+        :meth:`sandcell.Client.run` for arguments (``timeout``: this call's deadline;
+        ``files``: input files, uploaded to a session opened for the cell), result and
+        errors. ``host_call_handler`` may be a coroutine function; the cell waits
         for it (other tasks run meanwhile)."""
+        inputs = P.input_files(files)
+        if inputs:
+            async with self.session(language, environment, limits=limits,
+                                    host_calls=host_call_handler is not None,
+                                    display_last_expression=display_last_expression) as s:
+                for name, source in inputs:
+                    await s.put_file(name, source)
+                return await s.execute(code, on_output, on_started=on_started,
+                                       host_call_handler=host_call_handler, timeout=timeout)
         params = P.run_params(code, language, environment, limits_dict(limits),
                               host_calls=host_call_handler is not None,
                               display_last_expression=display_last_expression)

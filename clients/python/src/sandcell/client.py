@@ -15,7 +15,7 @@ import os
 import socket as _socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from . import _protocol as P
@@ -368,6 +368,7 @@ class Client:
         host_call_handler: HostCallHandler | None = None,
         display_last_expression: bool | None = None,
         timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
+        files: Mapping[str, Any] | Iterable[str | os.PathLike[str]] | None = None,
     ) -> CellResult:
         """Runs ``code`` in a fresh sandbox that is discarded afterwards (one-shot ``Run``).
 
@@ -391,12 +392,28 @@ class Client:
                 ``None``: none). Past it the cell is interrupted and the result has
                 ``status == "timeout"``; :class:`sandcell.Timeout` is raised when the cell
                 had not started yet or did not end within 10 s of the interrupt.
+            files: input files the cell reads from its working directory: a mapping of
+                name to content (bytes, a path or a binary file, as
+                :meth:`Session.put_file`), or a list of local paths stored under their file
+                names. The cell then runs in a session opened for it and closed afterwards
+                (``Open``, ``PutFile``..., ``Execute``, ``Close``); its result's ``state``
+                is the session's. A missing local file raises ``FileNotFoundError`` before
+                anything is sent.
 
         Returns the :class:`sandcell.CellResult`; a cell that raised is a result with
         ``status == "error"``, not an exception. Raises the daemon's refusals as typed
         exceptions: :class:`CapacityExceeded`, :class:`LimitExceeded`,
         :class:`UnsupportedLanguage`, :class:`InvalidParameter`, :class:`WorkerFailed`, ...
         """
+        inputs = P.input_files(files)
+        if inputs:
+            with self.session(language, environment, limits=limits,
+                              host_calls=host_call_handler is not None,
+                              display_last_expression=display_last_expression) as s:
+                for name, source in inputs:
+                    s.put_file(name, source)
+                return s.execute(code, on_output, on_started=on_started,
+                                 host_call_handler=host_call_handler, timeout=timeout)
         params = P.run_params(code, language, environment, limits_dict(limits),
                               host_calls=host_call_handler is not None,
                               display_last_expression=display_last_expression)
