@@ -160,6 +160,61 @@ pub fn describe(e: &KernelError) -> String {
     }
 }
 
+/// Import names whose distribution (package) name differs, for [`module_hint`].
+const MODULE_PACKAGES: &[(&str, &str)] = &[
+    ("sklearn", "scikit-learn"),
+    ("PIL", "pillow"),
+    ("yaml", "pyyaml"),
+    ("bs4", "beautifulsoup4"),
+    ("cv2", "opencv-python"),
+    ("dateutil", "python-dateutil"),
+    ("skimage", "scikit-image"),
+];
+
+fn norm(name: &str) -> String {
+    name.to_lowercase().replace(['-', '.'], "_")
+}
+
+/// The top-level module of a `ModuleNotFoundError` message (`No module named 'pandas.x'`
+/// gives `pandas`), or `None`.
+pub fn missing_module(kind: &str, message: &str) -> Option<String> {
+    if kind != "ModuleNotFoundError" {
+        return None;
+    }
+    let rest = message.split("No module named '").nth(1)?;
+    let name: String = rest
+        .chars()
+        .take_while(|c| *c != '\'' && *c != '.')
+        .collect();
+    (!name.is_empty()).then_some(name)
+}
+
+/// A sentence naming the ready environments of `language` whose installed packages include
+/// `module` (from `ListEnvironments`), or `None` when none has it.
+pub fn module_hint(
+    module: &str,
+    environments: &[sandcell_proto::kernel::Environment],
+    language: &str,
+) -> Option<String> {
+    let dist = MODULE_PACKAGES
+        .iter()
+        .find(|(m, _)| *m == module)
+        .map_or(module, |(_, d)| d);
+    let want = [norm(module), norm(dist)];
+    let having: Vec<&str> = environments
+        .iter()
+        .filter(|e| e.language == language && e.ready)
+        .filter(|e| e.packages.iter().any(|p| want.contains(&norm(&p.name))))
+        .map(|e| e.name.as_str())
+        .collect();
+    let first = having.first()?;
+    Some(format!(
+        "{module} is not installed in this environment; environment {} has it \
+         (sandcellctl run -e {first})",
+        having.join(", ")
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,5 +245,38 @@ mod tests {
         };
         let d = describe(&e);
         assert!(d.contains("retry later") && !d.contains('{'), "{d}");
+    }
+
+    #[test]
+    fn a_missing_module_is_found_in_another_environment() {
+        assert_eq!(
+            missing_module("ModuleNotFoundError", "No module named 'pandas.core'").as_deref(),
+            Some("pandas")
+        );
+        assert_eq!(missing_module("ImportError", "No module named 'x'"), None);
+        let env = |name: &str, pkgs: &[&str]| sandcell_proto::kernel::Environment {
+            name: name.into(),
+            language: "python".into(),
+            engine: "native".into(),
+            default: false,
+            interpreter_version: String::new(),
+            ready: true,
+            reason: None,
+            packages: pkgs
+                .iter()
+                .map(|p| sandcell_proto::kernel::Package {
+                    name: (*p).into(),
+                    version: "1".into(),
+                })
+                .collect(),
+            packages_truncated: false,
+        };
+        let envs = [
+            env("python", &[]),
+            env("pydata", &["pandas", "scikit-learn"]),
+        ];
+        let h = module_hint("sklearn", &envs, "python").unwrap();
+        assert!(h.contains("environment pydata has it"), "{h}");
+        assert_eq!(module_hint("torch", &envs, "python"), None);
     }
 }

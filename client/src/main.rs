@@ -781,6 +781,16 @@ async fn stream_result(
                     }
                 }
                 let _ = writeln!(err, "{line}");
+                if let Some(module) = r
+                    .error
+                    .as_ref()
+                    .and_then(|e| sandcell_client::human::missing_module(&e.kind, &e.message))
+                    && let Ok(envs) = c.list_environments().await
+                    && let Some(hint) =
+                        sandcell_client::human::module_hint(&module, &envs, "python")
+                {
+                    let _ = writeln!(err, "sandcellctl: hint: {}", escape_message(&hint));
+                }
             } else if !json {
                 for (name, s) in [("stdout", r.stdout), ("stderr", r.stderr)] {
                     if s.truncated {

@@ -615,3 +615,27 @@ fn run_put_uploads_inputs_so_the_pydata_examples_run_as_written() {
         text(&out.stderr)
     );
 }
+
+#[test]
+fn a_missing_module_names_the_environment_that_has_it() {
+    let pydata = Command::new("/usr/bin/python3")
+        .args(["-I", "-c", "import numpy, pandas"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !pydata {
+        sandcell_testing::skip!("pydata", "the hint names the pydata environment");
+    }
+    let Some(d) = Daemon::start(&[]) else { return };
+    let out = run(d.ctl().args(["run", "-"]), Some("import pandas\n"));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(
+            "sandcellctl: hint: pandas is not installed in this environment; environment \
+             pydata has it (sandcellctl run -e pydata)"
+        ),
+        "{err}"
+    );
+}

@@ -526,3 +526,14 @@ def test_run_with_input_files_runs_the_pydata_examples_as_written(client):
     assert r.stdout == "inline\n", r
     with pytest.raises(FileNotFoundError):
         client.run("1", files=[examples / "no-such.csv"])
+
+
+def test_a_missing_module_names_the_environment_that_has_it(client):
+    envs = client.list_environments()
+    pydata = [e for e in envs if isinstance(e, dict) and e.get("name") == "pydata"
+              and e.get("ready") is not False]
+    if not pydata:
+        pytest.skip("the daemon serves no ready pydata environment")
+    r = client.run("import pandas")  # the default python environment (Eryx)
+    assert r.status == "error" and r.error.type == "ModuleNotFoundError", r
+    assert any("environment 'pydata' has it" in w for w in r.warnings), r.warnings

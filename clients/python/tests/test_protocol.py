@@ -430,3 +430,24 @@ def test_an_unreachable_socket_is_one_sentence():
     text = str(info.value)
     assert text.startswith("cannot reach sandcelld: connecting to /nonexistent/sandcell.sock")
     assert "[Errno" not in text and info.value.errno == 2
+
+
+def test_which_environment_has_a_module():
+    envs = [
+        {"name": "python", "language": "python", "ready": True, "packages": []},
+        {"name": "pydata", "language": "python", "ready": True,
+         "packages": [{"name": "pandas", "version": "1.5"},
+                      {"name": "scikit-learn", "version": "1.2"}]},
+        {"name": "r", "language": "r", "ready": True, "packages": [{"name": "pandas"}]},
+    ]
+    hint = P.module_hint("pandas", envs, "python")
+    assert hint and "environment 'pydata' has it" in hint and "'r'" not in hint
+    assert "environment='pydata'" in P.module_hint("sklearn", envs, "python")
+    assert P.module_hint("torch", envs, "python") is None
+    r = CellResult(status="error", error=sandcell.CellError(
+        "ModuleNotFoundError", "No module named 'pandas.core'"))
+    assert P.missing_module(r) == "pandas"
+    assert sco.preferred_environment(envs, "python") == "pydata"
+    assert sco.preferred_environment(envs[:1], "python") is None
+    envs[1]["ready"] = False
+    assert sco.preferred_environment(envs, "python") is None

@@ -460,6 +460,56 @@ def input_files(files: Any) -> list[tuple[str, Any]]:
     return pairs
 
 
+# --- which environment has a module ---------------------------------------------------------
+
+#: Import names whose distribution (package) name differs, for the hint below.
+MODULE_PACKAGES = {
+    "sklearn": "scikit-learn",
+    "PIL": "pillow",
+    "yaml": "pyyaml",
+    "bs4": "beautifulsoup4",
+    "cv2": "opencv-python",
+    "dateutil": "python-dateutil",
+    "skimage": "scikit-image",
+}
+
+_MISSING_MODULE = re.compile(r"No module named '([^'.]+)")
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
+def missing_module(result: CellResult) -> str | None:
+    """The top-level module a cell failed to import (``ModuleNotFoundError``), or None."""
+    e = result.error
+    if e is None or e.type != "ModuleNotFoundError":
+        return None
+    m = _MISSING_MODULE.search(e.message or "")
+    return m.group(1) if m else None
+
+
+def module_hint(module: str, environments: Any, language: str) -> str | None:
+    """A sentence naming the environments (of ``language``, ready) whose installed packages
+    include ``module``, from a ``ListEnvironments`` answer; None when none has it."""
+    want = {_norm(module), _norm(MODULE_PACKAGES.get(module, module))}
+    having = []
+    for env in environments or []:
+        if not isinstance(env, dict) or env.get("language") != language:
+            continue
+        if env.get("ready") is False:
+            continue
+        names = {_norm(str(p.get("name", ""))) for p in env.get("packages") or []
+                 if isinstance(p, dict)}
+        if want & names:
+            having.append(str(env.get("name")))
+    if not having:
+        return None
+    envs = ", ".join(repr(h) for h in having)
+    return (f"{module} is not installed in this environment; environment {envs} has it "
+            f"(environment={having[0]!r}, or sandcellctl run -e {having[0]})")
+
+
 # --- put_file sources ------------------------------------------------------------------------
 
 

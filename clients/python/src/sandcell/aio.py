@@ -289,7 +289,7 @@ class AsyncClient:
     async def _cell(self, method: str, params: dict[str, Any], on_output: OnOutput | None,
                     on_started: OnStarted | None,
                     host_call_handler: AsyncHostCallHandler | None,
-                    timeout: Any) -> CellResult:
+                    timeout: Any, language: str = "python") -> CellResult:
         """Runs a cell by its deadline; see the blocking client's ``_cell``."""
         seconds = P.call_timeout(timeout, self.timeout)
         started: list[Started] = []
@@ -329,7 +329,23 @@ class AsyncClient:
             raise
         finally:
             self._release(conn)
-        return P.timed_out_result(r, seconds or 0.0) if interrupted else r
+        if interrupted:
+            r = P.timed_out_result(r, seconds or 0.0)
+        module = P.missing_module(r)
+        if module is not None:
+            hint = await self._module_hint(module, language)
+            if hint:
+                r.warnings.append(hint)
+        return r
+
+    async def _module_hint(self, module: str, language: str) -> str | None:
+        """Which served environment has ``module`` (a cell failed to import it), from
+        ``ListEnvironments``; None when none has it or the daemon cannot say."""
+        try:
+            envs = await self.list_environments()
+        except SandcellError:
+            return None
+        return P.module_hint(module, envs, language)
 
     async def _settle(self, conn: _AConn, started: Started | None) -> None:
         """Ends a cell abandoned while ``conn`` still streams it: interrupts it over another
@@ -393,7 +409,7 @@ class AsyncClient:
                               host_calls=host_call_handler is not None,
                               display_last_expression=display_last_expression)
         return await self._cell("Run", params, on_output, on_started, host_call_handler,
-                                timeout)
+                                timeout, language)
 
     async def host_reply(self, session: str, call: int, result: dict[str, Any] | None = None,
                          error: str | None = None) -> None:
@@ -597,7 +613,8 @@ class AsyncSession:
         self._running = True
         try:
             return await self.client._cell("Execute", {"session": self._local, "code": code},
-                                           on_output, started, host_call_handler, timeout)
+                                           on_output, started, host_call_handler, timeout,
+                                           self.language or "python")
         finally:
             self._running = False
             self._cell_done.set()

@@ -284,7 +284,7 @@ class Client:
 
     def _cell(self, method: str, params: dict[str, Any], on_output: OnOutput | None,
               on_started: OnStarted | None, host_call_handler: HostCallHandler | None,
-              timeout: Any) -> CellResult:
+              timeout: Any, language: str = "python") -> CellResult:
         """Runs a cell (``Run`` or ``Execute``) by its deadline: past it, the cell is
         interrupted (over another connection) and given :data:`P.INTERRUPT_GRACE_SECONDS` to
         end; its result then says ``timeout``."""
@@ -322,7 +322,23 @@ class Client:
             raise
         finally:
             self._release(conn)
-        return P.timed_out_result(r, seconds or 0.0) if interrupted else r
+        if interrupted:
+            r = P.timed_out_result(r, seconds or 0.0)
+        module = P.missing_module(r)
+        if module is not None:
+            hint = self._module_hint(module, language)
+            if hint:
+                r.warnings.append(hint)
+        return r
+
+    def _module_hint(self, module: str, language: str) -> str | None:
+        """Which served environment has ``module`` (a cell failed to import it), from
+        ``ListEnvironments``; None when none has it or the daemon cannot say."""
+        try:
+            envs = self.list_environments()
+        except SandcellError:
+            return None
+        return P.module_hint(module, envs, language)
 
     def _settle(self, conn: _Conn, started: Started | None) -> None:
         """Ends a cell abandoned while ``conn`` still streams it: interrupts it over another
@@ -417,7 +433,8 @@ class Client:
         params = P.run_params(code, language, environment, limits_dict(limits),
                               host_calls=host_call_handler is not None,
                               display_last_expression=display_last_expression)
-        return self._cell("Run", params, on_output, on_started, host_call_handler, timeout)
+        return self._cell("Run", params, on_output, on_started, host_call_handler, timeout,
+                          language)
 
     def host_reply(self, session: str, call: int, result: dict[str, Any] | None = None,
                    error: str | None = None) -> None:
@@ -624,7 +641,8 @@ class Session:
         self._running.set()
         try:
             return self.client._cell("Execute", {"session": self._local, "code": code},
-                                     on_output, started, host_call_handler, timeout)
+                                     on_output, started, host_call_handler, timeout,
+                                     self.language or "python")
         finally:
             self._running.clear()
             self._cell_done.set()
