@@ -4,6 +4,7 @@ interrupts and cancellation."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -230,3 +231,34 @@ def test_a_cancelled_execute_frees_the_session(socket_path):
 
     settled, r = arun(main())
     assert r.stdout == "3\n" and settled < 15, (r, settled)
+
+
+def test_stream_yields_started_outputs_and_the_result(socket_path):
+    async def main():
+        async with sandcell.AsyncClient(socket_path) as c:
+            async with c.session() as s:
+                frames = [f async for f in s.stream("for i in range(3):\n    print(i, flush=True)")]
+                # Closing it early interrupts the cell and frees the session.
+                code = "import time\nprint('a', flush=True)\ntime.sleep(30)"
+                async with contextlib.aclosing(s.stream(code)) as early:
+                    async for f in early:
+                        if isinstance(f, sandcell.Output):
+                            break
+                after = await s.execute("print('free')")
+                return frames, after
+
+    frames, after = arun(main())
+    assert isinstance(frames[0], sandcell.Started)
+    assert isinstance(frames[-1], sandcell.CellResult) and frames[-1].status == "ok"
+    assert "".join(f.text for f in frames if isinstance(f, sandcell.Output)) == "0\n1\n2\n"
+    assert after.stdout == "free\n"
+
+
+def test_public_types():
+    import typing
+
+    assert set(typing.get_args(sandcell.Status)) == set(sandcell.STATUSES)
+    assert sandcell.FileList and sandcell.VariableList and sandcell.Environment
+    hints = typing.get_type_hints(sandcell.Client.list_environments)
+    assert hints["return"] == list[sandcell.Environment]
+    assert typing.get_type_hints(sandcell.Client.cell_status)["return"] is sandcell.CellStatus

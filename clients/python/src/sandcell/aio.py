@@ -15,8 +15,8 @@ import inspect
 import os
 import socket as _socket
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Any, TypeVar, cast
 
 from . import _protocol as P
 from .errors import (
@@ -30,6 +30,8 @@ from .errors import (
 )
 from .types import (
     CellResult,
+    CellStatus,
+    Environment,
     FileInfo,
     HostCall,
     InterruptResult,
@@ -508,10 +510,10 @@ class AsyncClient:
         params = {"session": P.local_session_id(session, self.node), "cell": cell}
         return await self._call(P.op_cell("Attach", params, on_output, on_started))
 
-    async def cell_status(self, session: str, cell: int) -> dict[str, Any]:
+    async def cell_status(self, session: str, cell: int) -> CellStatus:
         """A cell's state without waiting; see :meth:`sandcell.Client.cell_status`."""
         params = {"session": P.local_session_id(session, self.node), "cell": cell}
-        return await self._call(P.op_simple("CellStatus", params))
+        return cast(CellStatus, await self._call(P.op_simple("CellStatus", params)))
 
     async def close_session(self, session: str) -> None:
         """Ends a session by id."""
@@ -530,10 +532,10 @@ class AsyncClient:
         )
         return str(r.get("description", ""))
 
-    async def list_environments(self) -> Any:
+    async def list_environments(self) -> list[Environment]:
         """The daemon's named environments; :class:`MethodNotFound` on a daemon without."""
         r = await self._call(P.op_simple("ListEnvironments", {}))
-        return r.get("environments", r)
+        return list(r.get("environments") or [])
 
 
 class _Opening:
@@ -618,6 +620,57 @@ class AsyncSession:
         finally:
             self._running = False
             self._cell_done.set()
+
+    async def stream(
+        self,
+        code: str,
+        *,
+        host_call_handler: AsyncHostCallHandler | None = None,
+        timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
+    ) -> AsyncIterator[Started | Output | CellResult]:
+        """Runs a cell and yields its frames as they arrive, beside the callbacks of
+        :meth:`execute`: the :class:`Started` frame, each :class:`Output`, and last the
+        :class:`CellResult`::
+
+            async for frame in session.stream("for i in range(3): print(i)"):
+                if isinstance(frame, sandcell.Output):
+                    print(frame.text, end="")
+                elif isinstance(frame, sandcell.CellResult):
+                    print(frame.status)
+
+        Closing the iterator early interrupts the cell and waits for its end, as a cancelled
+        :meth:`execute` does. Python closes an abandoned async iterator only later (at its
+        finalization), so to leave the loop with ``break`` and run the next cell at once,
+        close it then: ``async with contextlib.aclosing(session.stream(code)) as frames:
+        async for frame in frames: ...``. Raises what :meth:`execute` raises."""
+        queue: asyncio.Queue[Started | Output | CellResult | BaseException] = asyncio.Queue()
+
+        async def run() -> None:
+            try:
+                r = await self.execute(code, queue.put_nowait, on_started=queue.put_nowait,
+                                       host_call_handler=host_call_handler, timeout=timeout)
+                queue.put_nowait(r)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # handed to the consumer, raised there
+                queue.put_nowait(e)
+
+        task = asyncio.ensure_future(run())
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, CellResult):
+                    return
+        finally:
+            if not task.done():
+                task.cancel()
+                try:
+                    await asyncio.shield(task)
+                except (asyncio.CancelledError, Exception):
+                    pass
 
     async def interrupt(self, cell: int | None = None, wait_seconds: float = 5.0) -> InterruptResult:
         """Interrupts the running cell (or cell ``cell``) from another task. When that is

@@ -16,7 +16,7 @@ import socket as _socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from . import _protocol as P
 from .errors import (
@@ -30,6 +30,8 @@ from .errors import (
 )
 from .types import (
     CellResult,
+    CellStatus,
+    Environment,
     FileInfo,
     HostCall,
     InterruptResult,
@@ -544,12 +546,12 @@ class Client:
         params = {"session": P.local_session_id(session, self.node), "cell": cell}
         return self._call(P.op_cell("Attach", params, on_output, on_started))
 
-    def cell_status(self, session: str, cell: int) -> dict[str, Any]:
+    def cell_status(self, session: str, cell: int) -> CellStatus:
         """The cell's state without waiting (``CellStatus``): ``{"state": "running"}``, or
         its status (``"ok"``, ``"error"``, ...) with ``"result"`` (the daemon's result dict,
         with ``retained`` counts). Raises :class:`NoSuchCell`."""
         params = {"session": P.local_session_id(session, self.node), "cell": cell}
-        return self._call(P.op_simple("CellStatus", params))
+        return cast(CellStatus, self._call(P.op_simple("CellStatus", params)))
 
     def close_session(self, session: str) -> None:
         """Ends a session by id: its worker and everything it started are killed."""
@@ -567,11 +569,11 @@ class Client:
         )
         return str(r.get("description", ""))
 
-    def list_environments(self) -> Any:
+    def list_environments(self) -> list[Environment]:
         """The daemon's named environments (``ListEnvironments``), as the daemon reports
         them. Raises :class:`MethodNotFound` on a daemon without environments."""
         r = self._call(P.op_simple("ListEnvironments", {}))
-        return r.get("environments", r)
+        return list(r.get("environments") or [])
 
 
 class Session:

@@ -8,7 +8,7 @@ out when ``None``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 __all__ = [
     "Limits",
@@ -21,7 +21,63 @@ __all__ = [
     "CellResult",
     "InterruptResult",
     "STATUSES",
+    "Status",
+    "Environment",
+    "Package",
+    "CellStatus",
 ]
+
+#: A cell's status, as :data:`STATUSES` lists them (a newer daemon may add one: code that
+#: matches on it keeps a default branch).
+Status = Literal[
+    "ok",
+    "error",
+    "interrupted",
+    "timeout",
+    "fuel_exhausted",
+    "memory_exhausted",
+    "oom",
+    "exited",
+    "worker_crashed",
+    "cancelled",
+]
+
+
+class Package(TypedDict):
+    """An installed package of an environment: distribution (Python) or package (R)
+    ``name`` and its ``version`` string."""
+
+    name: str
+    version: str
+
+
+class Environment(TypedDict, total=False):
+    """One environment as :meth:`sandcell.Client.list_environments` returns it (a dict).
+
+    Keys: ``name``; ``language`` (``python`` or ``r``); ``engine`` (``eryx``, ``native``,
+    ``r``); ``default`` (the language's default); ``interpreter_version``; ``ready`` and,
+    when not, ``reason``; ``packages`` (:class:`Package` dicts) and ``packages_truncated``.
+    """
+
+    name: str
+    language: str
+    engine: str
+    default: bool
+    interpreter_version: str
+    ready: bool
+    reason: str | None
+    packages: list[Package]
+    packages_truncated: bool
+
+
+class CellStatus(TypedDict, total=False):
+    """A cell's state as :meth:`sandcell.Client.cell_status` returns it (a dict):
+    ``state`` is ``running``, a :data:`Status` or ``lost``; ``result`` (once it ended) is
+    the daemon's result dict, with ``retained`` (bytes seen, kept and dropped per stream)."""
+
+    state: str
+    result: dict[str, Any]
+
 
 #: Every status a cell can end with (``CellResult.status``).
 STATUSES = (
@@ -286,7 +342,7 @@ class CellResult:
         raw: the result as the daemon sent it.
     """
 
-    status: str
+    status: Status
     stdout: str = ""
     stderr: str = ""
     error: CellError | None = None
@@ -320,7 +376,7 @@ class CellResult:
         """Builds the result from a cell's frames: ``started``, the outputs in order and the
         final ``result`` dict."""
         return cls(
-            status=result.get("status", ""),
+            status=result.get("status", ""),  # type: ignore[arg-type]  # a newer status passes
             stdout="".join(o.text for o in outputs if o.stream == "stdout"),
             stderr="".join(o.text for o in outputs if o.stream == "stderr"),
             error=CellError.from_dict(result.get("error")),
