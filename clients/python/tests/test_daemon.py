@@ -537,3 +537,23 @@ def test_a_missing_module_names_the_environment_that_has_it(client):
     r = client.run("import pandas")  # the default python environment (Eryx)
     assert r.status == "error" and r.error.type == "ModuleNotFoundError", r
     assert any("environment 'pydata' has it" in w for w in r.warnings), r.warnings
+
+
+def test_opt_in_retry_on_capacity_exceeded(daemon_factory):
+    d = daemon_factory("capacity", {"SANDCELL_MAX_CONCURRENT_SESSIONS": "1"})
+    with sandcell.Client(d.socket) as c:
+        held = c.session()
+        try:
+            with pytest.raises(sandcell.CapacityExceeded) as info:
+                c.run("print(1)")  # no retry by default
+            assert "retry later" in str(info.value)
+            t0 = time.monotonic()
+            with pytest.raises(sandcell.CapacityExceeded):
+                c.run("print(1)", retry=sandcell.Retry(attempts=3, initial_seconds=0.2,
+                                                     max_seconds=0.4, jitter=False))
+            assert 0.5 < time.monotonic() - t0 < 5  # 0.2 + 0.4 s of backoff, bounded
+            threading.Timer(1.0, held.close).start()
+            r = c.run("print('admitted')", retry=sandcell.Retry(attempts=20, max_seconds=0.5))
+            assert r.stdout == "admitted\n"
+        finally:
+            held.close()

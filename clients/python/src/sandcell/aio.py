@@ -20,6 +20,7 @@ from typing import Any, TypeVar, cast
 
 from . import _protocol as P
 from .errors import (
+    CapacityExceeded,
     ConnectionFailed,
     NoSuchHostCall,
     NoSuchSession,
@@ -30,6 +31,7 @@ from .errors import (
 )
 from .types import (
     CellResult,
+    Retry,
     CellStatus,
     Environment,
     FileInfo,
@@ -392,12 +394,27 @@ class AsyncClient:
         display_last_expression: bool | None = None,
         timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
         files: Mapping[str, Any] | Iterable[str | os.PathLike[str]] | None = None,
+        retry: Retry | None = None,
     ) -> CellResult:
         """Runs ``code`` in a fresh sandbox (one-shot ``Run``); see
         :meth:`sandcell.Client.run` for arguments (``timeout``: this call's deadline;
-        ``files``: input files, uploaded to a session opened for the cell), result and
-        errors. ``host_call_handler`` may be a coroutine function; the cell waits
+        ``files``: input files, uploaded to a session opened for the cell; ``retry``: a
+        :class:`sandcell.Retry` on ``CapacityExceeded``), result and errors. ``host_call_handler`` may be a coroutine function; the cell waits
         for it (other tasks run meanwhile)."""
+        if retry is not None:
+            attempt = 1
+            while True:
+                try:
+                    return await self.run(
+                        code, language, environment, limits, on_output, on_started=on_started,
+                        host_call_handler=host_call_handler,
+                        display_last_expression=display_last_expression, timeout=timeout,
+                        files=files)
+                except CapacityExceeded as e:
+                    if attempt >= max(1, retry.attempts):
+                        raise
+                    await asyncio.sleep(retry.delay(attempt, e))
+                    attempt += 1
         inputs = P.input_files(files)
         if inputs:
             async with self.session(language, environment, limits=limits,

@@ -20,6 +20,7 @@ from typing import Any, TypeVar, cast
 
 from . import _protocol as P
 from .errors import (
+    CapacityExceeded,
     ConnectionFailed,
     SandcellError,
     NoSuchHostCall,
@@ -30,6 +31,7 @@ from .errors import (
 )
 from .types import (
     CellResult,
+    Retry,
     CellStatus,
     Environment,
     FileInfo,
@@ -387,6 +389,7 @@ class Client:
         display_last_expression: bool | None = None,
         timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
         files: Mapping[str, Any] | Iterable[str | os.PathLike[str]] | None = None,
+        retry: Retry | None = None,
     ) -> CellResult:
         """Runs ``code`` in a fresh sandbox that is discarded afterwards (one-shot ``Run``).
 
@@ -417,12 +420,29 @@ class Client:
                 (``Open``, ``PutFile``..., ``Execute``, ``Close``); its result's ``state``
                 is the session's. A missing local file raises ``FileNotFoundError`` before
                 anything is sent.
+            retry: an opt-in :class:`sandcell.Retry`: a run refused with
+                :class:`CapacityExceeded` (nothing ran) is tried again after a backoff, at
+                most ``retry.attempts`` calls in all; the last refusal is raised.
 
         Returns the :class:`sandcell.CellResult`; a cell that raised is a result with
         ``status == "error"``, not an exception. Raises the daemon's refusals as typed
         exceptions: :class:`CapacityExceeded`, :class:`LimitExceeded`,
         :class:`UnsupportedLanguage`, :class:`InvalidParameter`, :class:`WorkerFailed`, ...
         """
+        if retry is not None:
+            attempt = 1
+            while True:
+                try:
+                    return self.run(
+                        code, language, environment, limits, on_output, on_started=on_started,
+                        host_call_handler=host_call_handler,
+                        display_last_expression=display_last_expression, timeout=timeout,
+                        files=files)
+                except CapacityExceeded as e:
+                    if attempt >= max(1, retry.attempts):
+                        raise
+                    time.sleep(retry.delay(attempt, e))
+                    attempt += 1
         inputs = P.input_files(files)
         if inputs:
             with self.session(language, environment, limits=limits,

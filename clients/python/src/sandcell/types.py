@@ -25,6 +25,7 @@ __all__ = [
     "Environment",
     "Package",
     "CellStatus",
+    "Retry",
 ]
 
 #: A cell's status, as :data:`STATUSES` lists them (a newer daemon may add one: code that
@@ -115,6 +116,42 @@ class Limits:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Retry:
+    """An opt-in, bounded retry of a one-shot run refused with
+    :class:`sandcell.CapacityExceeded` (admission: nothing ran, so a retry cannot run the
+    code twice), with exponential backoff and full jitter (a random wait between 0 and the
+    backoff, so many clients refused together do not come back together).
+
+    Attributes:
+        attempts: calls at most, the first included (at least 1).
+        initial_seconds: the first backoff, seconds.
+        max_seconds: no backoff longer than this, seconds.
+        multiplier: each backoff is the previous one times this.
+        jitter: wait a random time up to the backoff (True) or the backoff itself.
+
+    A refusal that carries ``retry_after_seconds`` (when the daemon knows when capacity
+    frees) waits that long instead, capped at ``max_seconds``. After the last attempt the
+    refusal is raised.
+    """
+
+    attempts: int = 4
+    initial_seconds: float = 0.5
+    max_seconds: float = 8.0
+    multiplier: float = 2.0
+    jitter: bool = True
+
+    def delay(self, attempt: int, error: Any = None) -> float:
+        """Seconds to wait after failed attempt number ``attempt`` (from 1)."""
+        import random
+
+        hinted = getattr(error, "retry_after_seconds", None)
+        if isinstance(hinted, (int, float)) and hinted >= 0:
+            return min(float(hinted), self.max_seconds)
+        backoff = min(self.max_seconds, self.initial_seconds * self.multiplier ** (attempt - 1))
+        return random.uniform(0, backoff) if self.jitter else backoff
 
 
 def limits_dict(limits: Limits | dict[str, Any] | None) -> dict[str, Any] | None:
