@@ -1050,9 +1050,11 @@ async fn main() -> ExitCode {
                 host_call_handler,
                 file: _,
             } => {
-                let mut host = host_call_handler
-                    .clone()
-                    .map(|cmd| hostcmd::HostHandler::new(cmd, socket.clone()));
+                // Without a command, a host call of the cell is refused at once.
+                let mut host = Some(match host_call_handler.clone() {
+                    Some(cmd) => hostcmd::HostHandler::new(cmd, socket.clone()),
+                    None => hostcmd::HostHandler::refusing(socket.clone()),
+                });
                 let following = ctrlc::install(socket.clone());
                 c.execute(session, &code).await?;
                 stream(&mut c, args.json, host.as_mut(), Some(&following)).await

@@ -639,3 +639,28 @@ fn a_missing_module_names_the_environment_that_has_it() {
         "{err}"
     );
 }
+
+#[test]
+fn a_host_call_without_a_handler_fails_at_once() {
+    let Some(d) = Daemon::start(&[]) else { return };
+    let out = run(
+        d.ctl().args(["open", "--idle", "120", "--host-calls"]),
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let session = text(&out.stdout).trim().to_owned();
+    let t0 = Instant::now();
+    let out = run(
+        d.ctl().args(["exec", &session, "-"]),
+        Some("from sandcell import host\nhost.call('tool', {'a': 1})\n"),
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(15),
+        "waited {:?}",
+        t0.elapsed()
+    );
+    assert!(err.contains("no handler for host calls"), "{err}");
+    let _ = run(d.ctl().args(["close", &session]), None);
+}

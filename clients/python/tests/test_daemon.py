@@ -557,3 +557,12 @@ def test_opt_in_retry_on_capacity_exceeded(daemon_factory):
             assert r.stdout == "admitted\n"
         finally:
             held.close()
+
+
+def test_a_host_call_without_a_handler_fails_at_once(client):
+    with client.session(host_calls=True) as s:
+        t0 = time.monotonic()
+        r = s.execute("from sandcell import host\nhost.call('tool', {'a': 1})")
+        assert time.monotonic() - t0 < 15  # not the daemon's 60 s host-call timeout
+        assert r.status == "error", r
+        assert "no handler for host calls" in (r.error.message + (r.error.traceback or "")), r

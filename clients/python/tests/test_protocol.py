@@ -451,3 +451,17 @@ def test_which_environment_has_a_module():
     assert sco.preferred_environment(envs[:1], "python") is None
     envs[1]["ready"] = False
     assert sco.preferred_environment(envs, "python") is None
+
+
+def test_function_call_output_offers_images_as_input_image_parts():
+    call = {"call_id": "call_2"}
+    url = "data:image/png;base64,iVBORw0KGgo="
+    item = {"status": "completed", "outputs": [{"type": "logs", "logs": "ok\n"},
+                                               {"type": "image", "url": url}]}
+    out = sco.function_call_output(call, item)
+    parts = out["output"]
+    assert parts[0]["type"] == "input_text"
+    assert json.loads(parts[0]["text"]) == {"status": "completed", "logs": "ok\n", "images": 1}
+    assert parts[1:] == [{"type": "input_image", "image_url": url}]
+    flat = sco.function_call_output(call, item, image_parts=False)
+    assert json.loads(flat["output"])["images"] == 1

@@ -43,6 +43,10 @@ from .types import (
     limits_dict,
 )
 
+#: The error a cell's host call gets when the client streaming the cell has no handler.
+NO_HANDLER = ("this client has no handler for host calls "
+              "(pass host_call_handler= to execute or run)")
+
 __all__ = ["AsyncClient", "AsyncSession"]
 
 T = TypeVar("T")
@@ -448,7 +452,15 @@ class AsyncClient:
         awaitable) and answers over another pooled connection (the cell's own one streams its
         frames until the result)."""
         if handler is None:
-            return None
+            # A session opened with host_calls whose execute has no handler: the cell's call
+            # fails at once instead of waiting for the daemon's host-call timeout.
+            async def refuse(h: HostCall) -> None:
+                try:
+                    await self.host_reply(h.session, h.call, None, NO_HANDLER)
+                except NoSuchHostCall:
+                    pass
+
+            return refuse
 
         async def answer(h: HostCall) -> None:
             try:

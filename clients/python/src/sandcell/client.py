@@ -43,6 +43,10 @@ from .types import (
     limits_dict,
 )
 
+#: The error a cell's host call gets when the client streaming the cell has no handler.
+NO_HANDLER = ("this client has no handler for host calls "
+              "(pass host_call_handler= to execute or run)")
+
 __all__ = ["Client", "Session"]
 
 T = TypeVar("T")
@@ -476,7 +480,15 @@ class Client:
         """The ``host_call`` frame callback for ``handler``: runs it and answers over another
         connection (the cell's own one streams its frames until the result)."""
         if handler is None:
-            return None
+            # A session opened with host_calls whose execute has no handler: the cell's call
+            # fails at once instead of waiting for the daemon's host-call timeout.
+            def refuse(h: HostCall) -> None:
+                try:
+                    self.host_reply(h.session, h.call, None, NO_HANDLER)
+                except NoSuchHostCall:
+                    pass
+
+            return refuse
 
         def answer(h: HostCall) -> None:
             try:

@@ -439,17 +439,30 @@ def function_tool(api: str = "responses", description: str | None = None) -> dic
     return {"type": "function", **fn}
 
 
-def function_call_output(call: dict[str, Any], item: dict[str, Any]) -> dict[str, Any]:
+def function_call_output(call: dict[str, Any], item: dict[str, Any], *,
+                         image_parts: bool = True) -> dict[str, Any]:
     """The ``function_call_output`` input item that answers a model's ``function_call``
-    (``call``) of ``code_interpreter`` with the result ``item``: ``output`` is a JSON string
-    with the status, the logs and the number of images."""
+    (``call``) of ``code_interpreter`` with the result ``item``.
+
+    Without images (or with ``image_parts=False``), ``output`` is a JSON string with the
+    status, the logs and the number of images. With images, ``output`` is a list of input
+    content parts, so the model sees the plots: an ``input_text`` part holding that JSON
+    string, then one ``{"type": "input_image", "image_url": "data:image/png;base64,..."}``
+    part per image, in the item's order (the Responses API's function-call output content).
+    """
     logs = "".join(o.get("logs", "") for o in item.get("outputs") or [] if o["type"] == "logs")
-    images = sum(1 for o in item.get("outputs") or [] if o["type"] == "image")
-    out = {"status": item["status"], "logs": logs, "images": images}
+    urls = [o.get("url", "") for o in item.get("outputs") or [] if o["type"] == "image"]
+    summary = json.dumps({"status": item["status"], "logs": logs, "images": len(urls)},
+                         ensure_ascii=False)
+    output: Any = summary
+    if image_parts and urls:
+        output = [{"type": "input_text", "text": summary}] + [
+            {"type": "input_image", "image_url": url} for url in urls
+        ]
     return {
         "type": "function_call_output",
         "call_id": call.get("call_id", ""),
-        "output": json.dumps(out, ensure_ascii=False),
+        "output": output,
     }
 
 
