@@ -37,6 +37,19 @@ for f in examples/python/*.py examples/r/*.R; do
     "$BIN/sandcellctl" run "$f" || echo "(exit status $?)"
 done
 
+# The pydata examples read data files: --put uploads them into the cell's directory first.
+if "$BIN/sandcellctl" environments | grep -q '^pydata '; then
+    for f in examples/pydata/*.py; do
+        echo
+        echo "=== sandcellctl run -e pydata --put examples/pydata/mtcars.csv --put examples/pydata/sleep.csv $f"
+        "$BIN/sandcellctl" run -e pydata --put examples/pydata/mtcars.csv \
+            --put examples/pydata/sleep.csv "$f" || echo "(exit status $?)"
+    done
+else
+    echo
+    echo "=== (no pydata environment served here: the examples in examples/pydata are skipped)"
+fi
+
 echo
 echo "=== a persistent Python session: variables survive across cells"
 s=$("$BIN/sandcellctl" open --language python --idle 60)

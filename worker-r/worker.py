@@ -36,6 +36,7 @@
 #   `timeout` (the daemon enforces its own deadline in every case).
 # - matplotlib uses Agg (MPLBACKEND from the launcher). `plt.show()` and every figure still
 #   open when a cell ends are saved as plot-<cell>-NNN.png in the session directory and closed,
+#   except figures the cell saved itself with savefig (closed without a second copy),
 #   so they arrive in the cell's `files`; pyplot is patched when a cell imports it (an import
 #   hook), never imported by the worker itself unless preloaded.
 # - Every string the worker reports is bounded (message 16 KiB, traceback 32 KiB, innermost
@@ -378,6 +379,8 @@ def save_figures():
     for num in nums:
         try:
             fig = plt.figure(num)
+            if getattr(fig, "_sandcell_saved", False):
+                continue  # the cell saved it itself (savefig): no second copy (closed below)
             S.plot_seq += 1
             path = os.path.join(SESSION_DIR, "plot-%d-%03d.png" % (S.cell, S.plot_seq))
             fig.savefig(path, format="png")
@@ -396,6 +399,27 @@ def patch_pyplot(plt):
         save_figures()
 
     plt.show = show
+    # A figure the cell saved itself (plt.savefig / fig.savefig) is not captured again as
+    # plot-<cell>-NNN.png: the file the cell chose is its image.
+    try:
+        import matplotlib.figure as mfigure
+
+        real_savefig = mfigure.Figure.savefig
+        if not getattr(real_savefig, "_sandcell", False):
+
+            def savefig(self, *args, **kwargs):
+                out = real_savefig(self, *args, **kwargs)
+                try:
+                    self._sandcell_saved = True
+                except Exception:
+                    pass
+                return out
+
+            savefig._sandcell = True
+            savefig.__doc__ = real_savefig.__doc__
+            mfigure.Figure.savefig = savefig
+    except Exception:
+        pass
 
 
 class PyplotHook:

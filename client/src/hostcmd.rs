@@ -14,9 +14,9 @@ use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
-/// Answers host calls with a command.
+/// Answers host calls with a command (or, without one, refuses them at once).
 pub struct HostHandler {
-    cmd: String,
+    cmd: Option<String>,
     socket: PathBuf,
     replies: Option<Client>,
 }
@@ -43,7 +43,18 @@ impl HostHandler {
     /// A handler running `cmd`, answering over a new connection to `socket`.
     pub fn new(cmd: String, socket: PathBuf) -> HostHandler {
         HostHandler {
-            cmd,
+            cmd: Some(cmd),
+            socket,
+            replies: None,
+        }
+    }
+
+    /// A handler without a command, for `exec` without `--host-call-handler`: a host call
+    /// of the cell (a session opened with `--host-calls`) raises in the cell at once instead
+    /// of waiting for the daemon's `host_call_timeout_seconds`.
+    pub fn refusing(socket: PathBuf) -> HostHandler {
+        HostHandler {
+            cmd: None,
             socket,
             replies: None,
         }
@@ -51,6 +62,11 @@ impl HostHandler {
 
     /// Runs the command for `call` of `session` and returns its answer.
     fn run(&self, session: &str, call: &HostCall) -> Result<Value, String> {
+        let Some(cmd) = &self.cmd else {
+            return Err("sandcellctl has no handler for host calls (pass \
+                        --host-call-handler CMD to exec)"
+                .into());
+        };
         let input = serde_json::json!({
             "session": session,
             "cell": call.cell,
@@ -60,7 +76,7 @@ impl HostHandler {
         });
         let mut child = Command::new("/bin/sh")
             .arg("-c")
-            .arg(&self.cmd)
+            .arg(cmd)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

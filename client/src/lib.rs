@@ -24,6 +24,8 @@
 //! [`KernelError::is_no_such_session`] covers both of the latter); [`Error::Connect`] and [`Error::Protocol`] mean the
 //! socket could not be used.
 
+pub mod human;
+
 use sandcell_proto::kernel::{self as k, FrameReply};
 pub use sandcell_proto::kernel::{
     CellResult, CellStatusReply, EndReason, FileInfo, FileKind, Frame, HostCall, InterruptReply,
@@ -46,31 +48,61 @@ pub fn default_socket() -> PathBuf {
 /// Client errors.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The socket could not be reached.
-    #[error("connecting to {path}: {source}")]
+    /// The socket could not be reached. Displayed as one sentence naming the socket, the
+    /// OS error and what to check.
+    #[error("cannot reach sandcelld at {}: {}", path.display(), connect_cause(source))]
     Connect {
         /// Socket path.
         path: PathBuf,
         /// Cause.
         source: zlink::Error,
     },
-    /// The daemon refused the call with one of the interface's named errors.
-    #[error("{0}")]
+    /// The daemon refused the call with one of the interface's named errors. Displayed as
+    /// one human sentence ([`human::describe`]); the error's name and parameters are in the
+    /// value.
+    #[error("{}", human::describe(.0))]
     Kernel(KernelError),
     /// Transport or protocol failure (including `org.varlink.service` errors).
-    #[error("varlink: {0}")]
+    #[error("the connection to sandcelld failed: {0}")]
     Protocol(#[from] zlink::Error),
     /// The stream ended before a result.
     #[error("the daemon closed the cell's stream before its result")]
     Incomplete,
     /// A local file could not be read or written, or the daemon's data was not base64.
-    #[error("{what}: {source}")]
+    #[error("{what}: {}", io_text(source))]
     File {
         /// What was done.
         what: String,
         /// The cause.
         source: std::io::Error,
     },
+}
+
+/// An I/O error's text without Rust's ` (os error N)` suffix.
+fn io_text(e: &std::io::Error) -> String {
+    let text = e.to_string();
+    text.split(" (os error").next().unwrap_or(&text).to_owned()
+}
+
+/// The OS error of a failed connect, with what to check for the common ones.
+fn connect_cause(e: &zlink::Error) -> String {
+    let zlink::Error::Io(io) = e else {
+        return e.to_string();
+    };
+    let hint = match io.kind() {
+        std::io::ErrorKind::NotFound => {
+            " (no socket there: is sandcelld installed and its socket unit enabled? \
+             --socket or $SANDCELL_SOCKET names another socket)"
+        }
+        std::io::ErrorKind::ConnectionRefused => {
+            " (nothing listens there: is sandcelld's socket unit running?)"
+        }
+        std::io::ErrorKind::PermissionDenied => {
+            " (the socket's mode or group does not admit this user)"
+        }
+        _ => "",
+    };
+    format!("{}{hint}", io_text(io))
 }
 
 /// The JSON parameters of a call, from its typed parameter struct (`sandcell_proto::kernel`).
@@ -139,6 +171,29 @@ impl Collector {
             stderr: std::mem::take(&mut self.stderr),
             result,
         })
+    }
+}
+
+impl Error {
+    /// The error as one JSON object (what `sandcellctl --json` prints): a daemon's refusal as
+    /// the daemon sent it, `{"error": "org.sandcell.Kernel.<Name>", "parameters": {...}}`,
+    /// other errors as `{"error": "sandcell.client.<Kind>"}`; both with `"message"`, the
+    /// human sentence of [`Error`]'s `Display`.
+    pub fn to_json(&self) -> Value {
+        let mut v = match self {
+            Error::Kernel(k) => serde_json::to_value(k).unwrap_or(Value::Null),
+            Error::Connect { path, .. } => serde_json::json!({
+                "error": "sandcell.client.ConnectionFailed",
+                "parameters": {"socket": path.display().to_string()},
+            }),
+            Error::Protocol(_) => serde_json::json!({"error": "sandcell.client.ProtocolError"}),
+            Error::Incomplete => serde_json::json!({"error": "sandcell.client.Incomplete"}),
+            Error::File { .. } => serde_json::json!({"error": "sandcell.client.FileError"}),
+        };
+        if let Value::Object(m) = &mut v {
+            m.insert("message".into(), Value::String(self.to_string()));
+        }
+        v
     }
 }
 

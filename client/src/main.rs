@@ -11,10 +11,31 @@
 //! 1 the interrupt was not delivered; 2 bus unreachable; 3 the daemon refused (error name
 //! printed, e.g. `org.sandcell.Sandcell1.PermissionDenied`).
 
+use clap::{CommandFactory, Parser, Subcommand};
+
+/// `println!` that never panics: when standard output is a closed pipe (`sandcellctl
+/// environments --packages | head`), sandcellctl ends quietly with status 0 (the reader took
+/// what it wanted); another write error is reported and ends it with status 2.
+macro_rules! outln {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout(), $($t)*) {
+            $crate::output_failed(e)
+        }
+    }};
+}
+
+/// `eprintln!` that never panics (a closed standard error is ignored).
+macro_rules! errln {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($t)*);
+    }};
+}
+
+mod ctrlc;
 mod dbus;
 mod hostcmd;
-
-use clap::{Parser, Subcommand};
 use sandcell_client::{Client, Error, KernelError, Limits, Status};
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -67,6 +88,10 @@ enum Cmd {
         /// result; a nonzero exit raises in the cell with its standard error.
         #[arg(long, value_name = "CMD")]
         host_call_handler: Option<String>,
+        /// Upload FILE into the cell's directory first, as NAME (default: FILE's file name);
+        /// repeatable. The cell then runs in a session closed afterwards.
+        #[arg(long = "put", value_name = "FILE[:NAME]")]
+        put: Vec<String>,
         /// The code file, or - for standard input.
         file: PathBuf,
     },
@@ -185,6 +210,22 @@ enum Cmd {
     },
     /// Make sandcelld re-read its configuration (D-Bus; polkit: org.sandcell.reload).
     Reload,
+    /// Print the completion script for SHELL (bash, zsh, fish, elvish or powershell) on
+    /// standard output; the packages install those for bash, zsh and fish.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+}
+
+/// Ends sandcellctl after a failed write to standard output: quietly (status 0) for a closed
+/// pipe, else with a message (status 2).
+fn output_failed(e: std::io::Error) -> ! {
+    if e.kind() != std::io::ErrorKind::BrokenPipe {
+        errln!("sandcellctl: writing to standard output: {e}");
+        std::process::exit(2);
+    }
+    std::process::exit(0);
 }
 
 /// Runs a D-Bus subcommand; `None` if `cmd` is a Varlink one.
@@ -200,15 +241,32 @@ async fn admin(cmd: &Cmd, json: bool, interactive: bool) -> Option<ExitCode> {
             Cmd::List => {
                 let rows = a.list().await?;
                 if json {
-                    println!("{}", serde_json::to_string(&rows).expect("serialises"));
+                    outln!("{}", serde_json::to_string(&rows).expect("serialises"));
                 } else {
-                    println!(
-                        "{:<32} {:<8} {:>6} {:>8} {:<8} {:<20} {:>6} {:>10}",
-                        "SESSION", "LANGUAGE", "UID", "PID", "STATE", "STARTED", "CELLS", "MEMORY"
+                    // Columns as wide as their widest entry: node-qualified ids are longer
+                    // than 32 characters.
+                    let width = |f: &dyn Fn(&dbus::SessionInfo) -> String, min: usize| {
+                        rows.iter()
+                            .map(|s| f(s).chars().count())
+                            .fold(min, usize::max)
+                    };
+                    let idw = width(&|s| escape_name(&s.id), "SESSION".len());
+                    let lw = width(&|s| escape_name(&s.language), "LANGUAGE".len());
+                    let sw = width(&|s| escape_name(&s.state), "STATE".len());
+                    outln!(
+                        "{:<idw$} {:<lw$} {:>6} {:>8} {:<sw$} {:<20} {:>6} {:>10}",
+                        "SESSION",
+                        "LANGUAGE",
+                        "UID",
+                        "PID",
+                        "STATE",
+                        "STARTED",
+                        "CELLS",
+                        "MEMORY"
                     );
                     for s in &rows {
-                        println!(
-                            "{:<32} {:<8} {:>6} {:>8} {:<8} {:<20} {:>6} {:>10}",
+                        outln!(
+                            "{:<idw$} {:<lw$} {:>6} {:>8} {:<sw$} {:<20} {:>6} {:>10}",
                             escape_name(&s.id),
                             escape_name(&s.language),
                             s.uid,
@@ -219,35 +277,47 @@ async fn admin(cmd: &Cmd, json: bool, interactive: bool) -> Option<ExitCode> {
                             dbus::human_bytes(s.memory_bytes)
                         );
                     }
-                    println!("\n{} sessions listed.", rows.len());
+                    outln!("\n{} sessions listed.", rows.len());
                 }
             }
             Cmd::Status => {
                 let st = a.status().await?;
                 if json {
-                    println!("{}", serde_json::to_string(&st).expect("serialises"));
+                    outln!("{}", serde_json::to_string(&st).expect("serialises"));
                 } else {
-                    println!("version:         {}", st.version);
-                    println!("cgroups:         {}", st.cgroup_mode);
-                    println!("landlock abi:    {}", st.landlock_abi);
+                    outln!("version:         {}", st.version);
+                    outln!("cgroups:         {}", st.cgroup_mode);
+                    outln!("landlock abi:    {}", st.landlock_abi);
                     if !st.confinement.is_empty() {
-                        println!("confinement:");
+                        outln!("confinement:");
                         for (k, v) in &st.confinement {
-                            println!("  {k:40} {v}");
+                            outln!("  {k:40} {v}");
                         }
                     }
-                    println!("active sessions: {}", st.active_sessions);
+                    outln!("active sessions: {}", st.active_sessions);
                     for (budget, used, max) in &st.admission {
-                        println!("{budget}: {used} of {max}");
+                        outln!("{budget}: {used} of {max}");
                     }
-                    println!(
+                    outln!(
                         "\n{:<8} {:>5} {:>6} {:>4} {:>4} {:>8} {:>8}",
-                        "POOL", "IDLE", "TARGET", "MIN", "MAX", "TAKEN", "MISSED"
+                        "POOL",
+                        "IDLE",
+                        "TARGET",
+                        "MIN",
+                        "MAX",
+                        "TAKEN",
+                        "MISSED"
                     );
                     for p in &st.pools {
-                        println!(
+                        outln!(
                             "{:<8} {:>5} {:>6} {:>4} {:>4} {:>8} {:>8}",
-                            p.language, p.idle, p.target, p.min, p.max, p.taken, p.missed
+                            p.language,
+                            p.idle,
+                            p.target,
+                            p.min,
+                            p.max,
+                            p.taken,
+                            p.missed
                         );
                     }
                 }
@@ -257,12 +327,12 @@ async fn admin(cmd: &Cmd, json: bool, interactive: bool) -> Option<ExitCode> {
             Cmd::Interrupt { session, .. } => {
                 let (delivered, reason) = a.interrupt(session).await?;
                 if json {
-                    println!(
+                    outln!(
                         "{}",
                         serde_json::json!({"delivered": delivered, "reason": reason})
                     );
                 } else {
-                    println!("{reason}");
+                    outln!("{reason}");
                 }
                 return Ok(if delivered { 0 } else { 1 });
             }
@@ -274,7 +344,20 @@ async fn admin(cmd: &Cmd, json: bool, interactive: bool) -> Option<ExitCode> {
     Some(match r {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("sandcellctl: {}", for_stderr(&e.to_string()));
+            if json {
+                let v = match &e {
+                    dbus::Error::Refused { name, message } => {
+                        serde_json::json!({"error": name, "message": message})
+                    }
+                    dbus::Error::Bus(b) => serde_json::json!({
+                        "error": "sandcell.client.BusUnreachable",
+                        "message": format!("system bus: {b}"),
+                    }),
+                };
+                errln!("{v}");
+            } else {
+                errln!("sandcellctl: {}", escape_message(&e.to_string()));
+            }
             ExitCode::from(match e {
                 dbus::Error::Refused { .. } => 3,
                 dbus::Error::Bus(_) => 2,
@@ -333,13 +416,6 @@ fn escape_name(name: &str) -> String {
     s
 }
 
-/// Text from the daemon or a cell (an error message, a traceback, a warning) for standard
-/// error: escaped as cell output is when standard error is a terminal.
-fn for_stderr(text: &str) -> String {
-    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    for_terminal(text, tty).into_owned()
-}
-
 fn exit_for(status: Status) -> u8 {
     match status {
         Status::Ok => 0,
@@ -352,27 +428,63 @@ fn exit_for(status: Status) -> u8 {
     }
 }
 
-fn fail(e: Error) -> ExitCode {
-    let text = match &e {
-        Error::Kernel(KernelError::SessionEnded {
-            session,
-            reason,
-            ended_at,
-        }) => {
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0.0, |d| d.as_secs_f64());
-            format!(
-                "SessionEnded: session {session} ended {:.0} s ago ({reason})",
-                (now - ended_at).max(0.0)
-            )
-        }
-        other => other.to_string(),
-    };
-    eprintln!("sandcellctl: {}", for_stderr(&text));
+/// Reports `e` on standard error and returns the exit status for it (3 for a daemon's
+/// refusal, 2 otherwise). One human sentence, `sandcellctl: ...` (a daemon's refusal led by
+/// the error's short name, `sandcellctl: LimitExceeded: ...`), escaped whether or not
+/// standard error is a terminal (the daemon's strings may carry a cell's or a caller's
+/// text); with `--json`, the error as one JSON object ([`Error::to_json`]) instead.
+fn fail(e: Error, json: bool) -> ExitCode {
+    if json {
+        errln!("{}", e.to_json());
+    } else if let Error::Kernel(k) = &e {
+        // The error's name first, as org.sandcell.Kernel(7) lists it, then the sentence.
+        let name = k.name();
+        let short = name.rsplit('.').next().unwrap_or_default();
+        errln!("sandcellctl: {short}: {}", escape_message(&e.to_string()));
+    } else {
+        errln!("sandcellctl: {}", escape_message(&e.to_string()));
+    }
     ExitCode::from(match e {
         Error::Kernel(_) => 3,
         _ => 2,
+    })
+}
+
+/// A message of sandcellctl's own that carries text from the daemon or a cell: control
+/// characters other than newline and tab shown as `\xNN` / `\u{NNNN}`, on a terminal or not.
+fn escape_message(text: &str) -> String {
+    for_terminal(text, true).into_owned()
+}
+
+/// `run --put FILE[:NAME]`: the local path and the name in the cell's directory. The whole
+/// argument is the path when a file of that name exists (a path may contain `:`); otherwise
+/// it splits at the last `:`. Without a name, the path's file name.
+fn put_spec(arg: &str) -> (PathBuf, String) {
+    let whole = PathBuf::from(arg);
+    let (path, name) = match arg.rsplit_once(':') {
+        Some((p, n)) if !whole.exists() && !p.is_empty() && !n.is_empty() => {
+            (PathBuf::from(p), Some(n.to_owned()))
+        }
+        _ => (whole, None),
+    };
+    let name = name.unwrap_or_else(|| {
+        path.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    });
+    (path, name)
+}
+
+/// The code of `run`, `exec` and `submit` (`-`: standard input), read before connecting so
+/// that a missing file is named as such.
+fn read_code_named(file: &PathBuf) -> Result<String, Error> {
+    read_code(file).map_err(|source| Error::File {
+        what: if file.as_os_str() == "-" {
+            "cannot read the code from standard input".into()
+        } else {
+            format!("cannot read the code file {}", file.display())
+        },
+        source,
     })
 }
 
@@ -380,8 +492,11 @@ async fn stream(
     c: &mut Client,
     json: bool,
     host: Option<&mut hostcmd::HostHandler>,
+    following: Option<&ctrlc::Following>,
 ) -> Result<u8, Error> {
-    stream_result(c, json, host).await.map(|(code, _)| code)
+    stream_result(c, json, host, following)
+        .await
+        .map(|(code, _)| code)
 }
 
 /// How many of a cell's files [`list_files`] names; the rest are counted.
@@ -508,14 +623,14 @@ async fn save_artifacts(
         let shown = escape_name(&f.name);
         if f.kind != sandcell_client::FileKind::File {
             if f.kind != sandcell_client::FileKind::Dir {
-                eprintln!("sandcellctl: not saved: {shown} is a {}", f.kind.as_str());
+                errln!("sandcellctl: not saved: {shown} is a {}", f.kind.as_str());
             }
             continue;
         }
         let parts = match artifact_parts(&f.name) {
             Ok(p) => p,
             Err(why) => {
-                eprintln!("sandcellctl: not saved: {shown}: {why}");
+                errln!("sandcellctl: not saved: {shown}: {why}");
                 continue;
             }
         };
@@ -532,7 +647,7 @@ async fn save_artifacts(
             }
         }
         if let Some(e) = blocked {
-            eprintln!("sandcellctl: not saved: {shown}: {e}");
+            errln!("sandcellctl: not saved: {shown}: {e}");
             continue;
         }
         let path = dir.join(&f.name);
@@ -544,14 +659,14 @@ async fn save_artifacts(
         ) {
             Ok(out) => out,
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {
-                eprintln!(
+                errln!(
                     "sandcellctl: not saved: {} exists (never overwritten)",
                     escape_name(&path.display().to_string())
                 );
                 continue;
             }
             Err(e) => {
-                eprintln!("sandcellctl: not saved: {shown}: {e}");
+                errln!("sandcellctl: not saved: {shown}: {e}");
                 continue;
             }
         };
@@ -572,15 +687,18 @@ async fn save_artifacts(
             }
             return Err(e);
         }
-        println!("{}", escape_name(&path.display().to_string()));
+        outln!("{}", escape_name(&path.display().to_string()));
     }
     Ok(())
 }
 
+/// Follows the started cell on `c` to its result, printing its output; `following` (when
+/// Ctrl-C interrupts it) learns the cell from its `started` frame.
 async fn stream_result(
     c: &mut Client,
     json: bool,
     mut host: Option<&mut hostcmd::HostHandler>,
+    following: Option<&ctrlc::Following>,
 ) -> Result<(u8, Option<sandcell_client::CellResult>), Error> {
     let out_tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let err_tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
@@ -591,6 +709,9 @@ async fn stream_result(
         let f = c.next_frame().await?;
         if let Some(s) = &f.started {
             session = s.session.clone();
+            if let Some(f) = following {
+                f.started(&s.session, s.cell);
+            }
         }
         if let (Some(h), Some(call)) = (host.as_deref_mut(), &f.host_call) {
             h.answer(&session, call).await?;
@@ -619,7 +740,7 @@ async fn stream_result(
         if let Some(r) = f.result {
             if !json {
                 for w in &r.warnings {
-                    let _ = writeln!(err, "sandcellctl: warning: {}", for_terminal(w, err_tty));
+                    let _ = writeln!(err, "sandcellctl: warning: {}", escape_message(w));
                 }
                 list_files(&mut err, &r.files);
                 if let Some(kept) = &r.retained {
@@ -637,13 +758,15 @@ async fn stream_result(
             if !json && r.status != Status::Ok {
                 let mut line = format!("sandcellctl: cell {} {}", r.cell, r.status.as_str());
                 if let Some(e) = &r.error {
+                    // sandcellctl's own lines escape what the cell chose the same way on a
+                    // terminal and a pipe; only the cell's streams pass exactly to a pipe.
                     line.push_str(&format!(
                         ": {}: {}",
-                        for_terminal(&e.kind, err_tty),
-                        for_terminal(&e.message, err_tty)
+                        escape_message(&e.kind),
+                        escape_message(&e.message)
                     ));
                     if let Some(tb) = &e.traceback {
-                        let _ = writeln!(err, "{}", for_terminal(tb, err_tty));
+                        let _ = writeln!(err, "{}", escape_message(tb));
                     }
                 }
                 if let Some(code) = r.exit_code {
@@ -658,6 +781,16 @@ async fn stream_result(
                     }
                 }
                 let _ = writeln!(err, "{line}");
+                if let Some(module) = r
+                    .error
+                    .as_ref()
+                    .and_then(|e| sandcell_client::human::missing_module(&e.kind, &e.message))
+                    && let Ok(envs) = c.list_environments().await
+                    && let Some(hint) =
+                        sandcell_client::human::module_hint(&module, &envs, "python")
+                {
+                    let _ = writeln!(err, "sandcellctl: hint: {}", escape_message(&hint));
+                }
             } else if !json {
                 for (name, s) in [("stdout", r.stdout), ("stderr", r.stderr)] {
                     if s.truncated {
@@ -677,6 +810,14 @@ async fn stream_result(
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let args = Args::parse();
+    if let Cmd::Completions { shell } = args.cmd {
+        let mut script = Vec::new();
+        clap_complete::generate(shell, &mut Args::command(), "sandcellctl", &mut script);
+        if let Err(e) = std::io::Write::write_all(&mut std::io::stdout(), &script) {
+            output_failed(e);
+        }
+        return ExitCode::SUCCESS;
+    }
     if let Some(code) = admin(&args.cmd, args.json, args.interactive).await {
         return code;
     }
@@ -684,9 +825,37 @@ async fn main() -> ExitCode {
         .socket
         .clone()
         .unwrap_or_else(sandcell_client::default_socket);
+    // Local inputs first: a missing file is named before any connection is tried.
+    let code = match &args.cmd {
+        Cmd::Run { file, put, .. } => {
+            for p in put {
+                let (path, _) = put_spec(p);
+                if let Err(source) = std::fs::metadata(&path) {
+                    let what = format!("cannot upload {}", path.display());
+                    return fail(Error::File { what, source }, args.json);
+                }
+            }
+            match read_code_named(file) {
+                Ok(c) => c,
+                Err(e) => return fail(e, args.json),
+            }
+        }
+        Cmd::Exec { file, .. } | Cmd::Submit { file, .. } => match read_code_named(file) {
+            Ok(c) => c,
+            Err(e) => return fail(e, args.json),
+        },
+        Cmd::Put { file, .. } => {
+            if let Err(source) = std::fs::metadata(file) {
+                let what = format!("cannot upload {}", file.display());
+                return fail(Error::File { what, source }, args.json);
+            }
+            String::new()
+        }
+        _ => String::new(),
+    };
     let mut c = match Client::connect(&socket).await {
         Ok(c) => c,
-        Err(e) => return fail(e),
+        Err(e) => return fail(e, args.json),
     };
     let r: Result<u8, Error> = async {
         match &args.cmd {
@@ -697,9 +866,10 @@ async fn main() -> ExitCode {
                 no_display,
                 artifacts,
                 host_call_handler,
+                put,
                 file,
             } => {
-                let code = read_code(file).map_err(|e| Error::Protocol(zlink::Error::Io(e)))?;
+                let code = code.clone();
                 let lang = language.clone().unwrap_or_else(|| {
                     match file.extension().and_then(|e| e.to_str()) {
                         Some("R" | "r") => "r".into(),
@@ -715,7 +885,8 @@ async fn main() -> ExitCode {
                     .map(|cmd| hostcmd::HostHandler::new(cmd, socket.clone()));
                 let host_calls = host.is_some().then_some(true);
                 let display = no_display.then_some(false);
-                let Some(dir) = artifacts else {
+                let following = ctrlc::install(socket.clone());
+                if artifacts.is_none() && put.is_empty() {
                     c.run_with(&sandcell_client::RunParams {
                         language: lang,
                         code,
@@ -725,9 +896,10 @@ async fn main() -> ExitCode {
                         display_last_expression: display,
                     })
                     .await?;
-                    return stream(&mut c, args.json, host.as_mut()).await;
-                };
-                // A one-shot Run's directory is gone with its result: use a session instead.
+                    return stream(&mut c, args.json, host.as_mut(), Some(&following)).await;
+                }
+                // Input files, or a directory that must outlive the result: a session closed
+                // afterwards (Open, PutFile..., Execute, Close) instead of a one-shot Run.
                 let session = c
                     .open_with(&sandcell_client::OpenParams {
                         language: lang,
@@ -739,12 +911,23 @@ async fn main() -> ExitCode {
                     })
                     .await?
                     .session;
-                c.execute(&session, &code).await?;
-                let (status, result) = stream_result(&mut c, args.json, host.as_mut()).await?;
-                let files = result.map(|r| r.files).unwrap_or_default();
-                let saved = save_artifacts(&mut c, &session, &files, dir).await;
+                let ran = async {
+                    for p in put {
+                        let (path, name) = put_spec(p);
+                        c.put_file(&session, &name, &path).await?;
+                    }
+                    c.execute(&session, &code).await?;
+                    let (status, result) =
+                        stream_result(&mut c, args.json, host.as_mut(), Some(&following)).await?;
+                    if let Some(dir) = artifacts {
+                        let files = result.map(|r| r.files).unwrap_or_default();
+                        save_artifacts(&mut c, &session, &files, dir).await?;
+                    }
+                    Ok(status)
+                }
+                .await;
                 let _ = c.close(&session).await;
-                saved.map(|()| status)
+                ran
             }
             Cmd::Put {
                 session,
@@ -760,9 +943,9 @@ async fn main() -> ExitCode {
                 };
                 let info = c.put_file(session, &name, file).await?;
                 if args.json {
-                    println!("{}", serde_json::to_string(&info).expect("serialises"));
+                    outln!("{}", serde_json::to_string(&info).expect("serialises"));
                 } else {
-                    println!("{} {} bytes", escape_name(&info.name), info.size);
+                    outln!("{} {} bytes", escape_name(&info.name), info.size);
                 }
                 Ok(0)
             }
@@ -794,12 +977,22 @@ async fn main() -> ExitCode {
             Cmd::Environments { packages } => {
                 let envs = c.list_environments().await?;
                 if args.json {
-                    println!("{}", serde_json::to_string(&envs).expect("serialises"));
+                    outln!("{}", serde_json::to_string(&envs).expect("serialises"));
                     return Ok(0);
                 }
-                println!(
-                    "{:<16} {:<8} {:<7} {:<7} {:<5} {:<24} {:>8}",
-                    "NAME", "LANGUAGE", "ENGINE", "DEFAULT", "READY", "VERSION", "PACKAGES"
+                let nw = envs
+                    .iter()
+                    .map(|e| escape_name(&e.name).chars().count())
+                    .fold(16, usize::max);
+                outln!(
+                    "{:<nw$} {:<8} {:<7} {:<7} {:<5} {:<24} {:>8}",
+                    "NAME",
+                    "LANGUAGE",
+                    "ENGINE",
+                    "DEFAULT",
+                    "READY",
+                    "VERSION",
+                    "PACKAGES"
                 );
                 for e in &envs {
                     let count = format!(
@@ -807,8 +1000,8 @@ async fn main() -> ExitCode {
                         e.packages.len(),
                         if e.packages_truncated { "+" } else { "" }
                     );
-                    println!(
-                        "{:<16} {:<8} {:<7} {:<7} {:<5} {:<24} {:>8}",
+                    outln!(
+                        "{:<nw$} {:<8} {:<7} {:<7} {:<5} {:<24} {:>8}",
                         escape_name(&e.name),
                         escape_name(&e.language),
                         escape_name(&e.engine),
@@ -818,11 +1011,11 @@ async fn main() -> ExitCode {
                         count
                     );
                     if let Some(r) = &e.reason {
-                        println!("  not ready: {}", escape_name(r));
+                        outln!("  not ready: {}", escape_name(r));
                     }
                     if *packages {
                         for p in &e.packages {
-                            println!("  {} {}", escape_name(&p.name), escape_name(&p.version));
+                            outln!("  {} {}", escape_name(&p.name), escape_name(&p.version));
                         }
                     }
                 }
@@ -846,48 +1039,49 @@ async fn main() -> ExitCode {
                     })
                     .await?;
                 if args.json {
-                    println!("{}", serde_json::to_string(&o).expect("serialises"));
+                    outln!("{}", serde_json::to_string(&o).expect("serialises"));
                 } else {
-                    println!("{}", o.session);
+                    outln!("{}", o.session);
                 }
                 Ok(0)
             }
             Cmd::Exec {
                 session,
                 host_call_handler,
-                file,
+                file: _,
             } => {
-                let code = read_code(file).map_err(|e| Error::Protocol(zlink::Error::Io(e)))?;
-                let mut host = host_call_handler
-                    .clone()
-                    .map(|cmd| hostcmd::HostHandler::new(cmd, socket.clone()));
+                // Without a command, a host call of the cell is refused at once.
+                let mut host = Some(match host_call_handler.clone() {
+                    Some(cmd) => hostcmd::HostHandler::new(cmd, socket.clone()),
+                    None => hostcmd::HostHandler::refusing(socket.clone()),
+                });
+                let following = ctrlc::install(socket.clone());
                 c.execute(session, &code).await?;
-                stream(&mut c, args.json, host.as_mut()).await
+                stream(&mut c, args.json, host.as_mut(), Some(&following)).await
             }
-            Cmd::Submit { session, file } => {
-                let code = read_code(file).map_err(|e| Error::Protocol(zlink::Error::Io(e)))?;
+            Cmd::Submit { session, file: _ } => {
                 let cell = c.submit(session, &code).await?;
                 if args.json {
-                    println!("{}", serde_json::json!({ "cell": cell }));
+                    outln!("{}", serde_json::json!({ "cell": cell }));
                 } else {
-                    println!("{cell}");
+                    outln!("{cell}");
                 }
                 Ok(0)
             }
             Cmd::Attach { session, cell } => {
                 c.attach(session, *cell).await?;
-                stream(&mut c, args.json, None).await
+                stream(&mut c, args.json, None, None).await
             }
             Cmd::CellStatus { session, cell } => {
                 let r = c.cell_status(session, *cell).await?;
                 if args.json {
-                    println!("{}", serde_json::to_string(&r).expect("serialises"));
+                    outln!("{}", serde_json::to_string(&r).expect("serialises"));
                     return Ok(0);
                 }
-                println!("{}", escape_name(&r.state));
+                outln!("{}", escape_name(&r.state));
                 if let Some(res) = &r.result {
                     if let Some(e) = &res.error {
-                        println!(
+                        outln!(
                             "error: {}: {}",
                             escape_name(&e.kind),
                             escape_name(&e.message)
@@ -895,9 +1089,11 @@ async fn main() -> ExitCode {
                     }
                     if let Some(kept) = &res.retained {
                         for (name, s) in [("stdout", kept.stdout), ("stderr", kept.stderr)] {
-                            println!(
+                            outln!(
                                 "{name}: {} bytes seen, {} retained, {} dropped",
-                                s.seen, s.kept, s.dropped
+                                s.seen,
+                                s.kept,
+                                s.dropped
                             );
                         }
                     }
@@ -911,9 +1107,9 @@ async fn main() -> ExitCode {
             } => {
                 let r = c.interrupt(session, *cell).await?;
                 if args.json {
-                    println!("{}", serde_json::to_string(&r).expect("serialises"));
+                    outln!("{}", serde_json::to_string(&r).expect("serialises"));
                 } else {
-                    println!("{}", r.reason);
+                    outln!("{}", r.reason);
                 }
                 Ok(if r.delivered { 0 } else { 1 })
             }
@@ -921,12 +1117,15 @@ async fn main() -> ExitCode {
                 let (vars, truncated) = c.inspect(session, *max_items).await?;
                 if args.json {
                     let v = serde_json::json!({ "variables": vars, "truncated": truncated });
-                    println!("{v}");
+                    outln!("{v}");
                     return Ok(0);
                 }
-                println!(
+                outln!(
                     "{:<20} {:<28} {:>10} {:<12} REPR",
-                    "NAME", "TYPE", "SIZE", "SHAPE"
+                    "NAME",
+                    "TYPE",
+                    "SIZE",
+                    "SHAPE"
                 );
                 for v in &vars {
                     let shape = v
@@ -934,7 +1133,7 @@ async fn main() -> ExitCode {
                         .as_ref()
                         .map(|s| s.iter().map(u64::to_string).collect::<Vec<_>>().join("x"))
                         .unwrap_or_default();
-                    println!(
+                    outln!(
                         "{:<20} {:<28} {:>10} {:<12} {}",
                         escape_name(&v.name),
                         escape_name(&v.kind),
@@ -944,28 +1143,38 @@ async fn main() -> ExitCode {
                     );
                 }
                 if truncated {
-                    println!("(more variables exist than are listed)");
+                    outln!("(more variables exist than are listed)");
                 }
                 Ok(0)
             }
-            Cmd::Close { session } => {
-                c.close(session).await?;
-                Ok(0)
-            }
+            Cmd::Close { session } => match c.close(session).await {
+                Ok(()) => Ok(0),
+                // Already ended: the wish is fulfilled; say so and succeed.
+                Err(Error::Kernel(KernelError::SessionEnded { reason, .. })) => {
+                    errln!(
+                        "sandcellctl: session {} had already ended ({}); nothing to close",
+                        escape_name(session),
+                        escape_name(&reason)
+                    );
+                    Ok(0)
+                }
+                Err(e) => Err(e),
+            },
             // Handled by `admin` before the socket is opened.
             Cmd::List
             | Cmd::Status
             | Cmd::Terminate { .. }
             | Cmd::Reload
-            | Cmd::Interrupt { cell: None, .. } => {
-                unreachable!("D-Bus commands are handled first")
+            | Cmd::Interrupt { cell: None, .. }
+            | Cmd::Completions { .. } => {
+                unreachable!("D-Bus commands and completions are handled first")
             }
         }
     }
     .await;
     match r {
         Ok(code) => ExitCode::from(code),
-        Err(e) => fail(e),
+        Err(e) => fail(e, args.json),
     }
 }
 

@@ -4,6 +4,7 @@ interrupts and cancellation."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -187,3 +188,77 @@ def test_async_host_call_handlers(socket_path):
                     await c.host_reply(s.id, 1, {"late": True})
 
     arun(main())
+
+
+def test_async_timeout_is_a_per_call_deadline(socket_path):
+    async def main():
+        async with sandcell.AsyncClient(socket_path, timeout=5) as c:
+            await c.info()
+            t0 = time.monotonic()
+            for _ in range(5):
+                await c.info()
+            per_call = (time.monotonic() - t0) / 5
+            t1 = time.monotonic()
+            r = await c.run("import time\ntime.sleep(8)", timeout=1.5)
+            took = time.monotonic() - t1
+            async with c.session() as s:
+                await s.execute("kept = 1")
+                r2 = await s.execute("import time\ntime.sleep(8)", timeout=1)
+                after = await s.execute("print(kept)")
+            return per_call, r, took, r2, after
+
+    per_call, r, took, r2, after = arun(main())
+    assert per_call < 0.5, per_call
+    assert r.status == "timeout" and 1 < took < 7, (r, took)
+    assert r2.status == "timeout" and after.stdout == "1\n", (r2, after)
+
+
+def test_a_cancelled_execute_frees_the_session(socket_path):
+    async def main():
+        async with sandcell.AsyncClient(socket_path) as c:
+            async with c.session() as s:
+                await s.execute("kept = 3")
+                task = asyncio.create_task(s.execute("import time\ntime.sleep(30)"))
+                await asyncio.wait_for(s._started.wait(), 10)
+                await asyncio.sleep(0.3)
+                task.cancel()
+                t0 = time.monotonic()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                settled = time.monotonic() - t0
+                # At once: no SessionBusy, variables kept.
+                return settled, await s.execute("print(kept)")
+
+    settled, r = arun(main())
+    assert r.stdout == "3\n" and settled < 15, (r, settled)
+
+
+def test_stream_yields_started_outputs_and_the_result(socket_path):
+    async def main():
+        async with sandcell.AsyncClient(socket_path) as c:
+            async with c.session() as s:
+                frames = [f async for f in s.stream("for i in range(3):\n    print(i, flush=True)")]
+                # Closing it early interrupts the cell and frees the session.
+                code = "import time\nprint('a', flush=True)\ntime.sleep(30)"
+                async with contextlib.aclosing(s.stream(code)) as early:
+                    async for f in early:
+                        if isinstance(f, sandcell.Output):
+                            break
+                after = await s.execute("print('free')")
+                return frames, after
+
+    frames, after = arun(main())
+    assert isinstance(frames[0], sandcell.Started)
+    assert isinstance(frames[-1], sandcell.CellResult) and frames[-1].status == "ok"
+    assert "".join(f.text for f in frames if isinstance(f, sandcell.Output)) == "0\n1\n2\n"
+    assert after.stdout == "free\n"
+
+
+def test_public_types():
+    import typing
+
+    assert set(typing.get_args(sandcell.Status)) == set(sandcell.STATUSES)
+    assert sandcell.FileList and sandcell.VariableList and sandcell.Environment
+    hints = typing.get_type_hints(sandcell.Client.list_environments)
+    assert hints["return"] == list[sandcell.Environment]
+    assert typing.get_type_hints(sandcell.Client.cell_status)["return"] is sandcell.CellStatus

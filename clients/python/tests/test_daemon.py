@@ -434,3 +434,135 @@ def test_host_calls_round_trip_and_errors(client):
         assert r.stdout == "2\n", r
         with pytest.raises(sandcell.NoSuchHostCall):
             client.host_reply(s.id, 1, {"late": True})
+
+
+def test_client_timeout_is_a_deadline_not_a_delay(socket_path):
+    # timeout= bounds each call; it used to add itself to every call (a 1 ms call took 5 s).
+    with sandcell.Client(socket_path, timeout=5) as c:
+        c.info()
+        t0 = time.monotonic()
+        for _ in range(5):
+            c.info()
+        per_call = (time.monotonic() - t0) / 5
+        assert per_call < 0.5, f"{per_call:.3f} s per call with timeout=5"
+        t0 = time.monotonic()
+        assert c.run("print(1)").stdout == "1\n"
+        assert time.monotonic() - t0 < 4.5
+
+
+def test_a_silent_cell_past_its_deadline_is_a_timeout_not_a_connection_error(socket_path):
+    with sandcell.Client(socket_path, timeout=2) as c:
+        t0 = time.monotonic()
+        r = c.run("import time\ntime.sleep(8)\nprint('late')")
+        took = time.monotonic() - t0
+        assert r.status == "timeout", r
+        assert "late" not in r.stdout
+        assert any("deadline of 2 s" in w for w in r.warnings), r.warnings
+        assert 1.5 < took < 7, took
+        # Per call: a longer deadline, or none, lets the cell finish.
+        assert c.run("import time\ntime.sleep(3)\nprint('done')", timeout=None).stdout == "done\n"
+        with c.session() as s:
+            s.execute("kept = 41")
+            r = s.execute("import time\ntime.sleep(8)", timeout=1)
+            assert r.status == "timeout" and r.state in ("kept", "restored"), r
+            # The session is free at once: no SessionBusy, variables kept.
+            assert s.execute("print(kept + 1)").stdout == "42\n"
+
+
+def test_a_refusal_reads_as_a_sentence_naming_its_setting(client):
+    with pytest.raises(sandcell.LimitExceeded) as info:
+        client.run("x = 1\n" + "#" * (1 << 20))
+    text = str(info.value)
+    assert text.startswith("max_source_bytes exceeded:"), text
+    assert "sandcelld.toml" in text and "{" not in text
+    with pytest.raises(sandcell.NoSuchEnvironment) as info:
+        client.run("1", environment="no-such-env")
+    assert "no environment 'no-such-env' is served (served:" in str(info.value)
+
+
+def test_interrupt_returns_when_the_cell_has_ended(client):
+    with client.session() as s:
+        s.execute("kept = 5")
+        out: dict = {}
+        t = threading.Thread(
+            target=lambda: out.setdefault("r", s.execute("import time\ntime.sleep(30)")))
+        t.start()
+        assert s._started.wait(10)
+        time.sleep(0.3)
+        assert s.interrupt().delivered
+        # No SessionBusy: the interrupted cell has ended when interrupt() returns.
+        assert s.execute("print(kept)").stdout == "5\n"
+        t.join(10)
+        assert out["r"].status == "interrupted"
+
+
+def test_ctrl_c_in_a_cell_frees_its_session_before_it_propagates(client):
+    with client.session() as s:
+        s.execute("kept = 6")
+
+        def ctrl_c(o):
+            raise KeyboardInterrupt
+
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            s.execute("import time\nprint('a', flush=True)\ntime.sleep(30)", on_output=ctrl_c)
+        assert time.monotonic() - t0 < 15
+        assert s.execute("print(kept)").stdout == "6\n"  # at once, no SessionBusy
+
+
+def test_run_with_input_files_runs_the_pydata_examples_as_written(client):
+    names = [e["name"] if isinstance(e, dict) else str(e) for e in client.list_environments()]
+    if "pydata" not in names:
+        pytest.skip("the daemon serves no pydata environment")
+    examples = Path(__file__).resolve().parents[3] / "examples" / "pydata"
+    if not examples.exists():
+        pytest.skip(f"the examples are not at {examples} (tests run outside the tree)")
+    for script in sorted(examples.glob("*.py")):
+        r = client.run(script.read_text(), environment="pydata",
+                       files=[examples / "mtcars.csv", examples / "sleep.csv"])
+        assert r.status == "ok", (script.name, r.error, r.stderr)
+        assert r.stdout == script.with_suffix(".out").read_text(), script.name
+    r = client.run("print(open('d.txt').read())", files={"d.txt": b"inline"})
+    assert r.stdout == "inline\n", r
+    with pytest.raises(FileNotFoundError):
+        client.run("1", files=[examples / "no-such.csv"])
+
+
+def test_a_missing_module_names_the_environment_that_has_it(client):
+    envs = client.list_environments()
+    pydata = [e for e in envs if isinstance(e, dict) and e.get("name") == "pydata"
+              and e.get("ready") is not False]
+    if not pydata:
+        pytest.skip("the daemon serves no ready pydata environment")
+    r = client.run("import pandas")  # the default python environment (Eryx)
+    assert r.status == "error" and r.error.type == "ModuleNotFoundError", r
+    assert any("environment 'pydata' has it" in w for w in r.warnings), r.warnings
+
+
+def test_opt_in_retry_on_capacity_exceeded(daemon_factory):
+    d = daemon_factory("capacity", {"SANDCELL_MAX_CONCURRENT_SESSIONS": "1"})
+    with sandcell.Client(d.socket) as c:
+        held = c.session()
+        try:
+            with pytest.raises(sandcell.CapacityExceeded) as info:
+                c.run("print(1)")  # no retry by default
+            assert "retry later" in str(info.value)
+            t0 = time.monotonic()
+            with pytest.raises(sandcell.CapacityExceeded):
+                c.run("print(1)", retry=sandcell.Retry(attempts=3, initial_seconds=0.2,
+                                                     max_seconds=0.4, jitter=False))
+            assert 0.5 < time.monotonic() - t0 < 5  # 0.2 + 0.4 s of backoff, bounded
+            threading.Timer(1.0, held.close).start()
+            r = c.run("print('admitted')", retry=sandcell.Retry(attempts=20, max_seconds=0.5))
+            assert r.stdout == "admitted\n"
+        finally:
+            held.close()
+
+
+def test_a_host_call_without_a_handler_fails_at_once(client):
+    with client.session(host_calls=True) as s:
+        t0 = time.monotonic()
+        r = s.execute("from sandcell import host\nhost.call('tool', {'a': 1})")
+        assert time.monotonic() - t0 < 15  # not the daemon's 60 s host-call timeout
+        assert r.status == "error", r
+        assert "no handler for host calls" in (r.error.message + (r.error.traceback or "")), r

@@ -182,3 +182,33 @@ def test_gateway_example(socket_path, tmp_path):
     events = [json.loads(line) for line in lines]
     assert events[0]["type"] == EVENTS[0] and events[-1]["type"] == EVENTS[-1]
     assert events[-1]["item"]["outputs"] == item["outputs"]
+
+
+def test_the_adapter_runs_python_in_pydata_when_served(client):
+    envs = client.list_environments()
+    if not any(isinstance(e, dict) and e.get("name") == "pydata" and e.get("ready") is not False
+               for e in envs):
+        pytest.skip("the daemon serves no ready pydata environment")
+    item = sco.code_interpreter_call(client, "import pandas\nprint(pandas.DataFrame({'a': [1]}).shape)")
+    assert item["status"] == "completed", item
+    assert item["outputs"][0]["logs"] == "(1, 1)\n"
+    # Overridable: the Eryx environment by name.
+    item = sco.code_interpreter_call(client, "import pandas", environment="python")
+    assert item["status"] == "failed"
+
+
+def test_a_saved_figure_is_one_image_not_two(client):
+    envs = client.list_environments()
+    if not any(isinstance(e, dict) and e.get("name") == "pydata" and e.get("ready") is not False
+               for e in envs):
+        pytest.skip("the daemon serves no ready pydata environment")
+    code = ("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3])\nplt.savefig('p.png')\n"
+            "fig = plt.figure()\nplt.plot([3, 2, 1])\n")  # the second figure left open, unsaved
+    item = sco.code_interpreter_call(client, code, environment="pydata")
+    assert item["status"] == "completed", item
+    images = [o for o in item["outputs"] if o["type"] == "image"]
+    assert len(images) == 2, [o.get("url", "")[:40] for o in images]  # p.png and the open one
+    with client.session(environment="pydata") as s:
+        r = s.execute(code)
+        names = sorted(f.name for f in r.files)
+        assert names == ["p.png", f"plot-{r.cell}-001.png"], names

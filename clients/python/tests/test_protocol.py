@@ -352,3 +352,116 @@ def test_file_info_and_limits_shapes():
     assert P.run_params("x", "python", None, None, display_last_expression=False)["display_last_expression"] is False
     assert "display_last_expression" not in P.open_params("r", None, None, None)
     assert P.open_params("r", None, None, None, display_last_expression=False)["display_last_expression"] is False
+
+
+def test_idle_connection_check_never_waits_for_the_socket_timeout():
+    # A socket with a timeout: a MSG_DONTWAIT peek first waited for that whole timeout in
+    # CPython, so every call of a Client(timeout=5) took 5 s longer and then redialled.
+    import socket
+    import time
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        a.settimeout(5)
+        t0 = time.monotonic()
+        assert P.idle_connection_alive(a) is True
+        assert time.monotonic() - t0 < 0.5
+        b.sendall(b"stray")
+        assert P.idle_connection_alive(a) is False  # out of step
+        b.close()
+        c, d = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.settimeout(5)
+        d.close()
+        t0 = time.monotonic()
+        assert P.idle_connection_alive(c) is False  # the peer closed it
+        assert time.monotonic() - t0 < 0.5
+        c.close()
+    finally:
+        a.close()
+
+
+def test_call_timeout_resolution_and_timeout_error():
+    assert P.call_timeout(P.CLIENT_DEFAULT, 5) == 5.0
+    assert P.call_timeout(P.CLIENT_DEFAULT, None) is None
+    assert P.call_timeout(None, 5) is None
+    assert P.call_timeout(2, None) == 2.0
+    with pytest.raises(ValueError):
+        P.call_timeout(-1, None)
+    e = sandcell.Timeout(2.0, "org.sandcell.Kernel.Run")
+    assert isinstance(e, TimeoutError) and isinstance(e, sandcell.SandcellError)
+    assert not isinstance(e, sandcell.ConnectionFailed)
+    assert "2 s" in str(e) and "Run" in str(e)
+
+
+def test_every_error_reads_as_one_human_sentence():
+    samples = {
+        "parameter": "limits.fuel", "reason": "must be positive", "language": "julia",
+        "supported": ["python", "r"], "limit": "max_source_bytes", "value": 70000,
+        "max": 65536, "budget": "max_concurrent_sessions", "in_use": 8, "requested": 1,
+        "session": "0123456789abcdef0123456789abcdef", "ended_at": 0.0, "cell": 3,
+        "action": "org.sandcell.manage-sessions", "operation": "rename", "name": "a.csv",
+        "kind": "dir", "environment": "pydatas", "known": ["python", "pydata", "r"],
+        "environment_language": "r", "call": 2, "node": "n1", "expected": "n2",
+        "method": "org.sandcell.Kernel.Foo", "interface": "x",
+    }
+    for name, cls in sandcell.errors.KERNEL_ERRORS.items():
+        params = {f: samples[f] for f in cls.fields if f in samples}
+        if name == "SessionEnded":
+            params["reason"] = "idle_expired"
+        text = str(sandcell.error_from_reply(f"org.sandcell.Kernel.{name}", params))
+        assert "{" not in text and "=" not in text and "\n" not in text, (name, text)
+        assert not text.startswith("org."), (name, text)
+    e = sandcell.error_from_reply(
+        "org.sandcell.Kernel.LimitExceeded",
+        {"limit": "max_source_bytes", "value": 70000, "max": 65536})
+    assert str(e).startswith("max_source_bytes exceeded: 70000 bytes asked, at most 65536")
+    assert "sandcelld.toml" in str(e)
+    # A lowering names the operator's key it may not exceed.
+    e = sandcell.error_from_reply(
+        "org.sandcell.Kernel.LimitExceeded", {"limit": "wall_time_seconds", "value": 90, "max": 10})
+    assert "execution_wall_time_seconds" in str(e)
+    # The machine form stays available.
+    assert "org.sandcell.Kernel.LimitExceeded" in repr(e) and e.parameters["max"] == 10
+
+
+def test_an_unreachable_socket_is_one_sentence():
+    with pytest.raises(sandcell.ConnectionFailed) as info:
+        sandcell.Client("/nonexistent/sandcell.sock")
+    text = str(info.value)
+    assert text.startswith("cannot reach sandcelld: connecting to /nonexistent/sandcell.sock")
+    assert "[Errno" not in text and info.value.errno == 2
+
+
+def test_which_environment_has_a_module():
+    envs = [
+        {"name": "python", "language": "python", "ready": True, "packages": []},
+        {"name": "pydata", "language": "python", "ready": True,
+         "packages": [{"name": "pandas", "version": "1.5"},
+                      {"name": "scikit-learn", "version": "1.2"}]},
+        {"name": "r", "language": "r", "ready": True, "packages": [{"name": "pandas"}]},
+    ]
+    hint = P.module_hint("pandas", envs, "python")
+    assert hint and "environment 'pydata' has it" in hint and "'r'" not in hint
+    assert "environment='pydata'" in P.module_hint("sklearn", envs, "python")
+    assert P.module_hint("torch", envs, "python") is None
+    r = CellResult(status="error", error=sandcell.CellError(
+        "ModuleNotFoundError", "No module named 'pandas.core'"))
+    assert P.missing_module(r) == "pandas"
+    assert sco.preferred_environment(envs, "python") == "pydata"
+    assert sco.preferred_environment(envs[:1], "python") is None
+    envs[1]["ready"] = False
+    assert sco.preferred_environment(envs, "python") is None
+
+
+def test_function_call_output_offers_images_as_input_image_parts():
+    call = {"call_id": "call_2"}
+    url = "data:image/png;base64,iVBORw0KGgo="
+    item = {"status": "completed", "outputs": [{"type": "logs", "logs": "ok\n"},
+                                               {"type": "image", "url": url}]}
+    out = sco.function_call_output(call, item)
+    parts = out["output"]
+    assert parts[0]["type"] == "input_text"
+    assert json.loads(parts[0]["text"]) == {"status": "completed", "logs": "ok\n", "images": 1}
+    assert parts[1:] == [{"type": "input_image", "image_url": url}]
+    flat = sco.function_call_output(call, item, image_parts=False)
+    assert json.loads(flat["output"])["images"] == 1

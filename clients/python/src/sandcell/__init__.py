@@ -32,10 +32,15 @@ from .aio import AsyncClient, AsyncSession
 from .client import Client, Session
 from .errors import *  # noqa: F403  (every error class, named after the Varlink error)
 from .errors import KERNEL_ERRORS, ConnectionFailed, ProtocolError, SandcellError, VarlinkError
-from .errors import WrongNode, error_class
+from .errors import Timeout, WrongNode, error_class
 from .types import (
     STATUSES,
     CellError,
+    CellStatus,
+    Environment,
+    Package,
+    Retry,
+    Status,
     CellResult,
     FileInfo,
     HostCall,
@@ -79,6 +84,11 @@ __all__ = [
     "StreamStats",
     "Usage",
     "STATUSES",
+    "Status",
+    "Environment",
+    "Package",
+    "CellStatus",
+    "Retry",
     "DEFAULT_SOCKET",
     "default_socket",
     "split_session_id",
@@ -87,6 +97,7 @@ __all__ = [
     "ConnectionFailed",
     "ProtocolError",
     "VarlinkError",
+    "Timeout",
     "WrongNode",
     "error_class",
     *KERNEL_ERRORS,

@@ -125,18 +125,63 @@ def parse_reply(msg: dict[str, Any]) -> Reply:
 def idle_connection_alive(sock: Any) -> bool:
     """Whether an idle connection is still usable: nothing to read (the daemon has not
     closed it, as it does with connections idle for its ``connection_idle_seconds``) and no
-    error pending. Peeks without blocking or consuming."""
-    import socket
+    error or hang-up pending. Polls with a zero timeout (poll(2)), so it never waits, whatever
+    timeout the socket object carries (a ``recv`` with ``MSG_DONTWAIT`` on a socket with a
+    timeout first waits for that whole timeout in CPython)."""
+    import select
 
     try:
-        data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except (BlockingIOError, InterruptedError):
-        return True
-    except OSError:
+        fd = sock.fileno()
+        if fd < 0:
+            return False
+        p = select.poll()
+        p.register(fd, select.POLLIN | select.POLLPRI)
+        events = p.poll(0)
+    except (OSError, ValueError):
         return False
-    # b"" (the daemon closed it) or a stray reply (the connection is out of step).
-    del data
-    return False
+    # Readable: b"" (the daemon closed it) or a stray reply (the connection is out of step);
+    # POLLHUP / POLLERR / POLLNVAL: broken. Any event means the connection is not reusable.
+    return not events
+
+
+class _ClientDefault:
+    """The type of :data:`CLIENT_DEFAULT`."""
+
+    def __repr__(self) -> str:
+        return "CLIENT_DEFAULT"
+
+
+#: A call's ``timeout=`` when not given: the client's own ``timeout``.
+CLIENT_DEFAULT = _ClientDefault()
+
+#: Seconds a cell past its deadline is given to end after the client interrupts it, before
+#: the client closes its connection (the daemon then interrupts it, too) and raises
+#: :class:`sandcell.Timeout`.
+INTERRUPT_GRACE_SECONDS = 10.0
+
+
+def call_timeout(given: float | None | _ClientDefault, client: float | None) -> float | None:
+    """The deadline of one call, seconds from now: ``given`` unless it is
+    :data:`CLIENT_DEFAULT`, else the client's ``timeout``; ``None`` for none. Raises
+    ``ValueError`` for a negative or NaN value."""
+    t = client if isinstance(given, _ClientDefault) else given
+    if t is None:
+        return None
+    t = float(t)
+    if not t >= 0:
+        raise ValueError(f"timeout must be a number of seconds >= 0 or None, not {t!r}")
+    return t
+
+
+def timed_out_result(r: CellResult, seconds: float) -> CellResult:
+    """``r``, a cell the client interrupted at its deadline, reported as ``timeout`` (a cell
+    that ended some other way at the same moment keeps its status), with a warning."""
+    if r.status == "interrupted":
+        r.status = "timeout"
+        r.warnings.append(
+            f"the client's deadline of {seconds:g} s passed; the client interrupted the cell"
+        )
+    return r
 
 
 # --- operations ---------------------------------------------------------------------------
@@ -389,6 +434,80 @@ def local_session_id(session: str, expected_node: str | None) -> str:
     if node is not None and node != expected_node:
         raise WrongNode(session, node, expected_node)
     return local
+
+
+def input_files(files: Any) -> list[tuple[str, Any]]:
+    """The ``files=`` of a one-shot run as ``(name, source)`` pairs: a mapping of name to
+    content (bytes, a path or a binary file, as :meth:`sandcell.Session.put_file` takes), or
+    an iterable of local paths, each stored under its file name. Raises ``TypeError`` for
+    anything else, ``FileNotFoundError`` (naming the file) for a path that does not exist,
+    before anything is sent."""
+    if files is None:
+        return []
+    if isinstance(files, (str, bytes, os.PathLike)):
+        raise TypeError("files= takes a mapping of name to content, or a list of paths")
+    if hasattr(files, "items"):
+        pairs = [(str(k), v) for k, v in files.items()]
+    else:
+        pairs = []
+        for p in files:
+            if not isinstance(p, (str, os.PathLike)):
+                raise TypeError("files= as a list holds paths (str or os.PathLike)")
+            pairs.append((os.path.basename(os.fspath(p)), p))
+    for name, source in pairs:
+        if isinstance(source, (str, os.PathLike)) and not os.path.exists(source):
+            raise FileNotFoundError(2, f"input file for {name!r} not found", os.fspath(source))
+    return pairs
+
+
+# --- which environment has a module ---------------------------------------------------------
+
+#: Import names whose distribution (package) name differs, for the hint below.
+MODULE_PACKAGES = {
+    "sklearn": "scikit-learn",
+    "PIL": "pillow",
+    "yaml": "pyyaml",
+    "bs4": "beautifulsoup4",
+    "cv2": "opencv-python",
+    "dateutil": "python-dateutil",
+    "skimage": "scikit-image",
+}
+
+_MISSING_MODULE = re.compile(r"No module named '([^'.]+)")
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
+def missing_module(result: CellResult) -> str | None:
+    """The top-level module a cell failed to import (``ModuleNotFoundError``), or None."""
+    e = result.error
+    if e is None or e.type != "ModuleNotFoundError":
+        return None
+    m = _MISSING_MODULE.search(e.message or "")
+    return m.group(1) if m else None
+
+
+def module_hint(module: str, environments: Any, language: str) -> str | None:
+    """A sentence naming the environments (of ``language``, ready) whose installed packages
+    include ``module``, from a ``ListEnvironments`` answer; None when none has it."""
+    want = {_norm(module), _norm(MODULE_PACKAGES.get(module, module))}
+    having = []
+    for env in environments or []:
+        if not isinstance(env, dict) or env.get("language") != language:
+            continue
+        if env.get("ready") is False:
+            continue
+        names = {_norm(str(p.get("name", ""))) for p in env.get("packages") or []
+                 if isinstance(p, dict)}
+        if want & names:
+            having.append(str(env.get("name")))
+    if not having:
+        return None
+    envs = ", ".join(repr(h) for h in having)
+    return (f"{module} is not installed in this environment; environment {envs} has it "
+            f"(environment={having[0]!r}, or sandcellctl run -e {having[0]})")
 
 
 # --- put_file sources ------------------------------------------------------------------------

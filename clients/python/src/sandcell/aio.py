@@ -14,13 +14,26 @@ import asyncio
 import inspect
 import os
 import socket as _socket
-from collections.abc import Callable
-from typing import Any, TypeVar
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Any, TypeVar, cast
 
 from . import _protocol as P
-from .errors import ConnectionFailed, NoSuchHostCall, NoSuchSession, ProtocolError, VarlinkError
+from .errors import (
+    CapacityExceeded,
+    ConnectionFailed,
+    NoSuchHostCall,
+    NoSuchSession,
+    ProtocolError,
+    SandcellError,
+    Timeout,
+    VarlinkError,
+)
 from .types import (
     CellResult,
+    Retry,
+    CellStatus,
+    Environment,
     FileInfo,
     HostCall,
     InterruptResult,
@@ -30,6 +43,10 @@ from .types import (
     limits_dict,
 )
 
+#: The error a cell's host call gets when the client streaming the cell has no handler.
+NO_HANDLER = ("this client has no handler for host calls "
+              "(pass host_call_handler= to execute or run)")
+
 __all__ = ["AsyncClient", "AsyncSession"]
 
 T = TypeVar("T")
@@ -38,6 +55,30 @@ OnStarted = Callable[[Started], Any]
 #: A host-call handler: a plain function or a coroutine function of a :class:`HostCall`
 #: that returns the result (a dict) or raises.
 AsyncHostCallHandler = Callable[[HostCall], Any]
+
+
+class _DeadlinePassed(Exception):
+    """Internal: a reply did not arrive before the call's deadline (nothing was consumed)."""
+
+
+class _Clock:
+    """The deadline of one call (``time.monotonic()`` seconds, or ``None``) and what to do
+    when it passes: ``await expire()`` returns a later deadline or raises."""
+
+    def __init__(self, seconds: float | None, method: str,
+                 expire: Callable[[], Any] | None = None):
+        self.seconds = seconds
+        self.method = method
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.expire = expire
+
+    def remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return self.deadline - time.monotonic()
+
+    def timeout(self) -> Timeout:
+        return Timeout(self.seconds or 0.0, self.method)
 
 
 class _AConn:
@@ -52,9 +93,14 @@ class _AConn:
         self.in_call = False
         self.closed = False
 
-    async def connect(self) -> None:
+    async def connect(self, timeout: float | None = None) -> None:
         try:
-            await asyncio.get_running_loop().sock_connect(self.sock, self.path)
+            await asyncio.wait_for(
+                asyncio.get_running_loop().sock_connect(self.sock, self.path), timeout
+            )
+        except TimeoutError as e:
+            self.close()
+            raise Timeout(timeout or 0.0, f"connecting to {self.path}") from e
         except OSError as e:
             self.close()
             raise ConnectionFailed(e.errno, f"connecting to {self.path}: {e.strerror or e}") from e
@@ -77,26 +123,42 @@ class _AConn:
                 finally:
                     loop.remove_writer(self.sock.fileno())
 
-    async def send(self, call: P.Call) -> None:
+    async def send(self, call: P.Call, clock: _Clock | None = None) -> None:
         data = call.encode()
         loop = asyncio.get_running_loop()
         self.in_call = True
-        try:
+        if clock is not None and not clock.method:
+            clock.method = call.method
+
+        async def out() -> None:
             if call.fds:
                 n = await self._send_fds(data, list(call.fds))
                 if n < len(data):
                     await loop.sock_sendall(self.sock, data[n:])
             else:
                 await loop.sock_sendall(self.sock, data)
+
+        left = clock.remaining() if clock else None
+        try:
+            await asyncio.wait_for(out(), None if left is None else max(left, 0.0))
+        except TimeoutError:
+            self.close()  # part of the call may be out: the connection is out of step
+            raise (clock.timeout() if clock else Timeout(0.0, call.method)) from None
         except OSError as e:
             self.close()
             raise ConnectionFailed(e.errno, f"sending to {self.path}: {e}") from e
 
-    async def reply(self) -> P.Reply:
+    async def reply(self, clock: _Clock | None = None) -> P.Reply:
         loop = asyncio.get_running_loop()
         while not self.queue:
+            left = clock.remaining() if clock else None
             try:
-                data = await loop.sock_recv(self.sock, 256 * 1024)
+                if left is not None and left <= 0:
+                    raise _DeadlinePassed
+                # A cancelled sock_recv consumes nothing: the connection stays in step.
+                data = await asyncio.wait_for(loop.sock_recv(self.sock, 256 * 1024), left)
+            except TimeoutError:
+                raise _DeadlinePassed from None
             except OSError as e:
                 self.close()
                 raise ConnectionFailed(e.errno, f"reading from {self.path}: {e}") from e
@@ -124,17 +186,34 @@ class _AConn:
             self.sock.close()
 
 
-async def _drive(conn: _AConn, op: P.Operation[T]) -> T:
-    """Runs an operation on a connection; callbacks may be coroutine functions."""
+async def _reply(conn: _AConn, clock: _Clock | None) -> P.Reply:
+    """The next reply, by the call's deadline (see the blocking client's ``_reply``)."""
+    while True:
+        try:
+            return await conn.reply(clock)
+        except _DeadlinePassed:
+            assert clock is not None
+            try:
+                if clock.expire is None:
+                    raise clock.timeout() from None
+                clock.deadline = await clock.expire()
+            except BaseException:
+                conn.close()
+                raise
+
+
+async def _drive(conn: _AConn, op: P.Operation[T], clock: _Clock | None = None) -> T:
+    """Runs an operation on a connection, by ``clock``'s deadline when given; callbacks may
+    be coroutine functions."""
     value: Any = None
     try:
         step = next(op)
         while True:
             if isinstance(step, P.Call):
-                await conn.send(step)
-                value = await conn.reply()
+                await conn.send(step, clock)
+                value = await _reply(conn, clock)
             elif step is P.NEXT:
-                value = await conn.reply()
+                value = await _reply(conn, clock)
             elif isinstance(step, P.Emit):
                 try:
                     r = step.callback(step.value)
@@ -165,20 +244,29 @@ class AsyncClient:
         node: the node identifier of this socket's daemon, if known (see
             :class:`sandcell.Client`).
         max_idle: idle connections kept for reuse.
+        timeout: the default deadline of every call, seconds (``run`` and
+            ``AsyncSession.execute`` take their own ``timeout=``); ``None`` (the default):
+            none. As in :class:`sandcell.Client`: a cell past it is interrupted and reported
+            with ``status == "timeout"``, other calls raise :class:`sandcell.Timeout`.
     """
 
     def __init__(self, socket: str | os.PathLike[str] | None = None, *, node: str | None = None,
-                 max_idle: int = 16):
+                 max_idle: int = 16, timeout: float | None = None):
         self.socket = os.fspath(socket) if socket is not None else P.default_socket()
         self.node = node
+        self.timeout = timeout
         self.max_idle = max_idle
         self._idle: list[_AConn] = []
         self._closed = False
 
     async def _connect(self) -> _AConn:
         c = _AConn(self.socket)
-        await c.connect()
+        await c.connect(self.timeout)
         return c
+
+    def _clock(self) -> _Clock | None:
+        """A deadline of the client's ``timeout`` for one call on a connection of its own."""
+        return None if self.timeout is None else _Clock(self.timeout, "")
 
     async def _acquire(self) -> _AConn:
         if self._closed:
@@ -198,12 +286,90 @@ class AsyncClient:
         else:
             self._idle.append(conn)
 
-    async def _call(self, op: P.Operation[T]) -> T:
+    async def _call(self, op: P.Operation[T], timeout: Any = P.CLIENT_DEFAULT) -> T:
+        seconds = P.call_timeout(timeout, self.timeout)
         conn = await self._acquire()
         try:
-            return await _drive(conn, op)
+            return await _drive(conn, op, None if seconds is None else _Clock(seconds, ""))
         finally:
             self._release(conn)
+
+    async def _cell(self, method: str, params: dict[str, Any], on_output: OnOutput | None,
+                    on_started: OnStarted | None,
+                    host_call_handler: AsyncHostCallHandler | None,
+                    timeout: Any, language: str = "python") -> CellResult:
+        """Runs a cell by its deadline; see the blocking client's ``_cell``."""
+        seconds = P.call_timeout(timeout, self.timeout)
+        started: list[Started] = []
+        interrupted = False
+
+        async def on_start(s: Started) -> None:
+            started.append(s)
+            if on_started is not None:
+                r = on_started(s)
+                if inspect.isawaitable(r):
+                    await r
+
+        async def expire() -> float:
+            nonlocal interrupted
+            if interrupted or not started:
+                raise clock.timeout()
+            interrupted = True
+            s = started[0]
+            try:
+                await self._call(
+                    P.op_interrupt(P.local_session_id(s.session, self.node), s.cell),
+                    timeout=P.INTERRUPT_GRACE_SECONDS,
+                )
+            except SandcellError:
+                pass  # it ended meanwhile, or the daemon is slow: the grace period decides
+            return time.monotonic() + P.INTERRUPT_GRACE_SECONDS
+
+        clock = _Clock(seconds, method, expire)
+        op = P.op_cell(method, params, on_output, on_start, self._host_answerer(host_call_handler))
+        conn = await self._acquire()
+        try:
+            r = await _drive(conn, op, clock if seconds is not None else None)
+        except BaseException:
+            # Cancelled, or an exception of a callback: the cell is interrupted and its end
+            # awaited, so its session is free when the cancellation propagates.
+            await self._settle(conn, started[0] if started else None)
+            raise
+        finally:
+            self._release(conn)
+        if interrupted:
+            r = P.timed_out_result(r, seconds or 0.0)
+        module = P.missing_module(r)
+        if module is not None:
+            hint = await self._module_hint(module, language)
+            if hint:
+                r.warnings.append(hint)
+        return r
+
+    async def _module_hint(self, module: str, language: str) -> str | None:
+        """Which served environment has ``module`` (a cell failed to import it), from
+        ``ListEnvironments``; None when none has it or the daemon cannot say."""
+        try:
+            envs = await self.list_environments()
+        except SandcellError:
+            return None
+        return P.module_hint(module, envs, language)
+
+    async def _settle(self, conn: _AConn, started: Started | None) -> None:
+        """Ends a cell abandoned while ``conn`` still streams it: interrupts it over another
+        connection and reads ``conn`` up to its result, for at most
+        :data:`P.INTERRUPT_GRACE_SECONDS` (then the connection is closed and the daemon
+        interrupts the cell itself). A second cancellation meanwhile stops waiting."""
+        if conn.closed or not conn.in_call or started is None:
+            return
+        try:
+            await self._call(P.op_interrupt(P.local_session_id(started.session, self.node),
+                                            started.cell), timeout=P.INTERRUPT_GRACE_SECONDS)
+            clock = _Clock(P.INTERRUPT_GRACE_SECONDS, "Interrupt")
+            while conn.in_call and not conn.closed:
+                await _reply(conn, clock)
+        except (SandcellError, asyncio.CancelledError):
+            conn.close()
 
     async def __aenter__(self) -> AsyncClient:
         self._release(await self._connect())
@@ -230,15 +396,43 @@ class AsyncClient:
         on_started: OnStarted | None = None,
         host_call_handler: AsyncHostCallHandler | None = None,
         display_last_expression: bool | None = None,
+        timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
+        files: Mapping[str, Any] | Iterable[str | os.PathLike[str]] | None = None,
+        retry: Retry | None = None,
     ) -> CellResult:
         """Runs ``code`` in a fresh sandbox (one-shot ``Run``); see
-        :meth:`sandcell.Client.run` for arguments, result and errors. ``host_call_handler``
-        may be a coroutine function; the cell waits for it (other tasks run meanwhile)."""
+        :meth:`sandcell.Client.run` for arguments (``timeout``: this call's deadline;
+        ``files``: input files, uploaded to a session opened for the cell; ``retry``: a
+        :class:`sandcell.Retry` on ``CapacityExceeded``), result and errors. ``host_call_handler`` may be a coroutine function; the cell waits
+        for it (other tasks run meanwhile)."""
+        if retry is not None:
+            attempt = 1
+            while True:
+                try:
+                    return await self.run(
+                        code, language, environment, limits, on_output, on_started=on_started,
+                        host_call_handler=host_call_handler,
+                        display_last_expression=display_last_expression, timeout=timeout,
+                        files=files)
+                except CapacityExceeded as e:
+                    if attempt >= max(1, retry.attempts):
+                        raise
+                    await asyncio.sleep(retry.delay(attempt, e))
+                    attempt += 1
+        inputs = P.input_files(files)
+        if inputs:
+            async with self.session(language, environment, limits=limits,
+                                    host_calls=host_call_handler is not None,
+                                    display_last_expression=display_last_expression) as s:
+                for name, source in inputs:
+                    await s.put_file(name, source)
+                return await s.execute(code, on_output, on_started=on_started,
+                                       host_call_handler=host_call_handler, timeout=timeout)
         params = P.run_params(code, language, environment, limits_dict(limits),
                               host_calls=host_call_handler is not None,
                               display_last_expression=display_last_expression)
-        return await self._call(P.op_cell("Run", params, on_output, on_started,
-                                          self._host_answerer(host_call_handler)))
+        return await self._cell("Run", params, on_output, on_started, host_call_handler,
+                                timeout, language)
 
     async def host_reply(self, session: str, call: int, result: dict[str, Any] | None = None,
                          error: str | None = None) -> None:
@@ -258,7 +452,15 @@ class AsyncClient:
         awaitable) and answers over another pooled connection (the cell's own one streams its
         frames until the result)."""
         if handler is None:
-            return None
+            # A session opened with host_calls whose execute has no handler: the cell's call
+            # fails at once instead of waiting for the daemon's host-call timeout.
+            async def refuse(h: HostCall) -> None:
+                try:
+                    await self.host_reply(h.session, h.call, None, NO_HANDLER)
+                except NoSuchHostCall:
+                    pass
+
+            return refuse
 
         async def answer(h: HostCall) -> None:
             try:
@@ -303,7 +505,7 @@ class AsyncClient:
             params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds,
                                    host_calls=host_calls,
                                    display_last_expression=display_last_expression)
-            r = await _drive(owner, P.op_simple("Open", params))
+            r = await _drive(owner, P.op_simple("Open", params), self._clock())
         except BaseException:
             owner.close()
             raise
@@ -337,10 +539,10 @@ class AsyncClient:
         params = {"session": P.local_session_id(session, self.node), "cell": cell}
         return await self._call(P.op_cell("Attach", params, on_output, on_started))
 
-    async def cell_status(self, session: str, cell: int) -> dict[str, Any]:
+    async def cell_status(self, session: str, cell: int) -> CellStatus:
         """A cell's state without waiting; see :meth:`sandcell.Client.cell_status`."""
         params = {"session": P.local_session_id(session, self.node), "cell": cell}
-        return await self._call(P.op_simple("CellStatus", params))
+        return cast(CellStatus, await self._call(P.op_simple("CellStatus", params)))
 
     async def close_session(self, session: str) -> None:
         """Ends a session by id."""
@@ -359,10 +561,10 @@ class AsyncClient:
         )
         return str(r.get("description", ""))
 
-    async def list_environments(self) -> Any:
+    async def list_environments(self) -> list[Environment]:
         """The daemon's named environments; :class:`MethodNotFound` on a daemon without."""
         r = await self._call(P.op_simple("ListEnvironments", {}))
-        return r.get("environments", r)
+        return list(r.get("environments") or [])
 
 
 class _Opening:
@@ -402,6 +604,8 @@ class AsyncSession:
         self._local = P.local_session_id(session_id, client.node)
         self._running = False
         self._started = asyncio.Event()
+        self._cell_done = asyncio.Event()
+        self._cell_done.set()
         self._closed = False
 
     async def __aenter__(self) -> AsyncSession:
@@ -420,8 +624,10 @@ class AsyncSession:
         *,
         on_started: OnStarted | None = None,
         host_call_handler: AsyncHostCallHandler | None = None,
+        timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
     ) -> CellResult:
-        """Runs a cell in this session; see :meth:`sandcell.Session.execute`.
+        """Runs a cell in this session; see :meth:`sandcell.Session.execute` (``timeout``:
+        this cell's deadline, seconds).
         ``host_call_handler`` (a plain or coroutine function) answers the cell's host calls
         in a session opened with ``host_calls``."""
 
@@ -434,17 +640,71 @@ class AsyncSession:
                     await r
 
         self._started.clear()
+        self._cell_done.clear()
         self._running = True
         try:
-            return await self.client._call(
-                P.op_cell("Execute", {"session": self._local, "code": code}, on_output, started,
-                          self.client._host_answerer(host_call_handler))
-            )
+            return await self.client._cell("Execute", {"session": self._local, "code": code},
+                                           on_output, started, host_call_handler, timeout,
+                                           self.language or "python")
         finally:
             self._running = False
+            self._cell_done.set()
+
+    async def stream(
+        self,
+        code: str,
+        *,
+        host_call_handler: AsyncHostCallHandler | None = None,
+        timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
+    ) -> AsyncIterator[Started | Output | CellResult]:
+        """Runs a cell and yields its frames as they arrive, beside the callbacks of
+        :meth:`execute`: the :class:`Started` frame, each :class:`Output`, and last the
+        :class:`CellResult`::
+
+            async for frame in session.stream("for i in range(3): print(i)"):
+                if isinstance(frame, sandcell.Output):
+                    print(frame.text, end="")
+                elif isinstance(frame, sandcell.CellResult):
+                    print(frame.status)
+
+        Closing the iterator early interrupts the cell and waits for its end, as a cancelled
+        :meth:`execute` does. Python closes an abandoned async iterator only later (at its
+        finalization), so to leave the loop with ``break`` and run the next cell at once,
+        close it then: ``async with contextlib.aclosing(session.stream(code)) as frames:
+        async for frame in frames: ...``. Raises what :meth:`execute` raises."""
+        queue: asyncio.Queue[Started | Output | CellResult | BaseException] = asyncio.Queue()
+
+        async def run() -> None:
+            try:
+                r = await self.execute(code, queue.put_nowait, on_started=queue.put_nowait,
+                                       host_call_handler=host_call_handler, timeout=timeout)
+                queue.put_nowait(r)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # handed to the consumer, raised there
+                queue.put_nowait(e)
+
+        task = asyncio.ensure_future(run())
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, CellResult):
+                    return
+        finally:
+            if not task.done():
+                task.cancel()
+                try:
+                    await asyncio.shield(task)
+                except (asyncio.CancelledError, Exception):
+                    pass
 
     async def interrupt(self, cell: int | None = None, wait_seconds: float = 5.0) -> InterruptResult:
-        """Interrupts the running cell (or cell ``cell``) from another task."""
+        """Interrupts the running cell (or cell ``cell``) from another task. When that is
+        this object's running :meth:`execute`, returns once the cell has ended (at most
+        ``wait_seconds`` more), so the next cell is not refused with :class:`SessionBusy`."""
         if cell is None:
             if self._running:
                 try:
@@ -454,7 +714,14 @@ class AsyncSession:
             if self.last_cell is None:
                 return InterruptResult(False, "no cell has run in this session")
             cell = self.last_cell
-        return await self.client._call(P.op_interrupt(self._local, cell))
+        own = self._running and cell == self.last_cell
+        r = await self.client._call(P.op_interrupt(self._local, cell))
+        if r.delivered and own:
+            try:
+                await asyncio.wait_for(self._cell_done.wait(), wait_seconds)
+            except asyncio.TimeoutError:
+                pass
+        return r
 
     async def put_file(self, name: str, data_or_path: Any) -> FileInfo:
         """Stores a file in the session directory; see :meth:`sandcell.Session.put_file`."""
@@ -493,10 +760,11 @@ class AsyncSession:
         self._closed = True
         try:
             if self._owner is not None and not self._owner.closed:
-                await _drive(self._owner, P.op_simple("Close", {"session": self._local}))
+                await _drive(self._owner, P.op_simple("Close", {"session": self._local}),
+                             self.client._clock())
             else:
                 await self.client._call(P.op_simple("Close", {"session": self._local}))
-        except (NoSuchSession, ConnectionFailed):
+        except (NoSuchSession, ConnectionFailed, Timeout):
             pass
         finally:
             if self._owner is not None:

@@ -14,13 +14,26 @@ from __future__ import annotations
 import os
 import socket as _socket
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar, cast
 
 from . import _protocol as P
-from .errors import ConnectionFailed, NoSuchHostCall, NoSuchSession, ProtocolError, VarlinkError
+from .errors import (
+    CapacityExceeded,
+    ConnectionFailed,
+    SandcellError,
+    NoSuchHostCall,
+    NoSuchSession,
+    ProtocolError,
+    Timeout,
+    VarlinkError,
+)
 from .types import (
     CellResult,
+    Retry,
+    CellStatus,
+    Environment,
     FileInfo,
     HostCall,
     InterruptResult,
@@ -30,12 +43,41 @@ from .types import (
     limits_dict,
 )
 
+#: The error a cell's host call gets when the client streaming the cell has no handler.
+NO_HANDLER = ("this client has no handler for host calls "
+              "(pass host_call_handler= to execute or run)")
+
 __all__ = ["Client", "Session"]
 
 T = TypeVar("T")
 OnOutput = Callable[[Output], Any]
 OnStarted = Callable[[Started], Any]
 HostCallHandler = Callable[[HostCall], Any]
+
+
+class _DeadlinePassed(Exception):
+    """Internal: a reply did not arrive before the call's deadline (nothing was consumed)."""
+
+
+class _Clock:
+    """The deadline of one call (``time.monotonic()`` seconds, or ``None``) and what to do
+    when it passes: ``expire()`` returns a later deadline to keep reading until (the cell
+    was interrupted) or raises."""
+
+    def __init__(self, seconds: float | None, method: str,
+                 expire: Callable[[], float] | None = None):
+        self.seconds = seconds
+        self.method = method
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.expire = expire
+
+    def remaining(self) -> float | None:
+        if self.deadline is None:
+            return None
+        return self.deadline - time.monotonic()
+
+    def timeout(self) -> Timeout:
+        return Timeout(self.seconds or 0.0, self.method)
 
 
 class _Conn:
@@ -47,18 +89,30 @@ class _Conn:
         self.sock.settimeout(timeout)
         try:
             self.sock.connect(path)
+        except TimeoutError as e:
+            self.sock.close()
+            raise Timeout(timeout or 0.0, f"connecting to {path}") from e
         except OSError as e:
             self.sock.close()
             raise ConnectionFailed(e.errno, f"connecting to {path}: {e.strerror or e}") from e
+        # Calls wait by their own deadlines (see _Clock), never by a socket timeout.
+        self.sock.settimeout(None)
         self.reader = P.MessageReader()
         self.queue: list[dict[str, Any]] = []
         self.in_call = False
         self.closed = False
 
-    def send(self, call: P.Call) -> None:
+    def send(self, call: P.Call, clock: _Clock | None = None) -> None:
         data = call.encode()
         self.in_call = True
+        if clock is not None and not clock.method:
+            clock.method = call.method
+        left = clock.remaining() if clock else None
         try:
+            if left is not None:
+                if left <= 0:
+                    raise TimeoutError
+                self.sock.settimeout(left)
             if call.fds:
                 # The descriptors travel with the first bytes of the message.
                 n = _socket.send_fds(self.sock, [data], list(call.fds))
@@ -66,17 +120,34 @@ class _Conn:
                     self.sock.sendall(data[n:])
             else:
                 self.sock.sendall(data)
+        except TimeoutError:
+            # Part of a call may be out: the connection is out of step.
+            self.close()
+            raise (clock.timeout() if clock else Timeout(0.0, call.method)) from None
         except OSError as e:
             self.close()
             raise ConnectionFailed(e.errno, f"sending to {self.path}: {e}") from e
+        finally:
+            if left is not None and not self.closed:
+                self.sock.settimeout(None)
 
-    def reply(self) -> P.Reply:
+    def reply(self, clock: _Clock | None = None) -> P.Reply:
         while not self.queue:
+            left = clock.remaining() if clock else None
             try:
+                if left is not None:
+                    if left <= 0:
+                        raise _DeadlinePassed
+                    self.sock.settimeout(left)
                 data = self.sock.recv(256 * 1024)
+            except TimeoutError:
+                raise _DeadlinePassed from None
             except OSError as e:
                 self.close()
                 raise ConnectionFailed(e.errno, f"reading from {self.path}: {e}") from e
+            finally:
+                if left is not None and not self.closed:
+                    self.sock.settimeout(None)
             if not data:
                 self.close()
                 raise ConnectionFailed(0, f"{self.path}: the daemon closed the connection")
@@ -101,17 +172,35 @@ class _Conn:
             self.sock.close()
 
 
-def _drive(conn: _Conn, op: P.Operation[T]) -> T:
-    """Runs an operation on a connection."""
+def _reply(conn: _Conn, clock: _Clock | None) -> P.Reply:
+    """The next reply, by the call's deadline: when it passes, ``clock.expire()`` may extend
+    it (a cell being interrupted); otherwise the connection is closed and
+    :class:`sandcell.Timeout` raised."""
+    while True:
+        try:
+            return conn.reply(clock)
+        except _DeadlinePassed:
+            assert clock is not None
+            try:
+                if clock.expire is None:
+                    raise clock.timeout() from None
+                clock.deadline = clock.expire()
+            except BaseException:
+                conn.close()
+                raise
+
+
+def _drive(conn: _Conn, op: P.Operation[T], clock: _Clock | None = None) -> T:
+    """Runs an operation on a connection, by ``clock``'s deadline when given."""
     value: Any = None
     try:
         step = next(op)
         while True:
             if isinstance(step, P.Call):
-                conn.send(step)
-                value = conn.reply()
+                conn.send(step, clock)
+                value = _reply(conn, clock)
             elif step is P.NEXT:
-                value = conn.reply()
+                value = _reply(conn, clock)
             elif isinstance(step, P.Emit):
                 try:
                     step.callback(step.value)
@@ -132,8 +221,13 @@ class Client:
     Args:
         socket: the daemon's socket path; default ``$SANDCELL_SOCKET``, else
             ``/run/sandcell/org.sandcell.Kernel``.
-        timeout: seconds a connect, send or receive may block; ``None`` (the default) waits
-            as long as the cell's own wall-time limit makes the daemon wait.
+        timeout: the default deadline of every call, seconds (each of :meth:`run`,
+            :meth:`Session.execute`, ... may give its own ``timeout=``); ``None`` (the
+            default): no deadline, a cell runs as long as its wall-time limit lets it. A
+            cell past its deadline is interrupted and its result has ``status ==
+            "timeout"``; any other call past it raises :class:`sandcell.Timeout` (not
+            :class:`ConnectionFailed`). It bounds connecting, too. Idle time between
+            calls is never counted.
         node: the node identifier of this socket's daemon, if known. A node-qualified
             session id (``<node>.<id>``) of another node is then refused locally with
             :class:`sandcell.WrongNode` instead of reaching the wrong daemon.
@@ -183,12 +277,92 @@ class Client:
             else:
                 self._idle.append(conn)
 
-    def _call(self, op: P.Operation[T]) -> T:
+    def _call(self, op: P.Operation[T], timeout: Any = P.CLIENT_DEFAULT) -> T:
+        seconds = P.call_timeout(timeout, self.timeout)
+        clock = None if seconds is None else _Clock(seconds, "")
         conn = self._acquire()
         try:
-            return _drive(conn, op)
+            return _drive(conn, op, clock)
         finally:
             self._release(conn)
+
+    def _clock(self) -> _Clock | None:
+        """A deadline of the client's ``timeout`` for one call on a connection of its own."""
+        return None if self.timeout is None else _Clock(self.timeout, "")
+
+    def _cell(self, method: str, params: dict[str, Any], on_output: OnOutput | None,
+              on_started: OnStarted | None, host_call_handler: HostCallHandler | None,
+              timeout: Any, language: str = "python") -> CellResult:
+        """Runs a cell (``Run`` or ``Execute``) by its deadline: past it, the cell is
+        interrupted (over another connection) and given :data:`P.INTERRUPT_GRACE_SECONDS` to
+        end; its result then says ``timeout``."""
+        seconds = P.call_timeout(timeout, self.timeout)
+        started: list[Started] = []
+        interrupted = False
+
+        def on_start(s: Started) -> None:
+            started.append(s)
+            if on_started is not None:
+                on_started(s)
+
+        def expire() -> float:
+            nonlocal interrupted
+            if interrupted or not started:
+                raise clock.timeout()
+            interrupted = True
+            s = started[0]
+            try:
+                self._call(P.op_interrupt(P.local_session_id(s.session, self.node), s.cell),
+                           timeout=P.INTERRUPT_GRACE_SECONDS)
+            except SandcellError:
+                pass  # it ended meanwhile, or the daemon is slow: the grace period decides
+            return time.monotonic() + P.INTERRUPT_GRACE_SECONDS
+
+        clock = _Clock(seconds, method, expire)
+        op = P.op_cell(method, params, on_output, on_start, self._host_answerer(host_call_handler))
+        conn = self._acquire()
+        try:
+            r = _drive(conn, op, clock if seconds is not None else None)
+        except BaseException:
+            # KeyboardInterrupt, or an exception of a callback: the cell is interrupted and
+            # its end awaited, so its session is free when the exception propagates.
+            self._settle(conn, started[0] if started else None)
+            raise
+        finally:
+            self._release(conn)
+        if interrupted:
+            r = P.timed_out_result(r, seconds or 0.0)
+        module = P.missing_module(r)
+        if module is not None:
+            hint = self._module_hint(module, language)
+            if hint:
+                r.warnings.append(hint)
+        return r
+
+    def _module_hint(self, module: str, language: str) -> str | None:
+        """Which served environment has ``module`` (a cell failed to import it), from
+        ``ListEnvironments``; None when none has it or the daemon cannot say."""
+        try:
+            envs = self.list_environments()
+        except SandcellError:
+            return None
+        return P.module_hint(module, envs, language)
+
+    def _settle(self, conn: _Conn, started: Started | None) -> None:
+        """Ends a cell abandoned while ``conn`` still streams it: interrupts it over another
+        connection and reads ``conn`` up to its result, for at most
+        :data:`P.INTERRUPT_GRACE_SECONDS` (past that, the connection is closed and the daemon
+        interrupts the cell itself)."""
+        if conn.closed or not conn.in_call or started is None:
+            return
+        try:
+            self._call(P.op_interrupt(P.local_session_id(started.session, self.node),
+                                      started.cell), timeout=P.INTERRUPT_GRACE_SECONDS)
+            clock = _Clock(P.INTERRUPT_GRACE_SECONDS, "Interrupt")
+            while conn.in_call and not conn.closed:
+                _reply(conn, clock)
+        except SandcellError:
+            conn.close()
 
     def close(self) -> None:
         """Closes every idle connection; later calls raise :class:`ConnectionFailed`."""
@@ -217,6 +391,9 @@ class Client:
         on_started: OnStarted | None = None,
         host_call_handler: HostCallHandler | None = None,
         display_last_expression: bool | None = None,
+        timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
+        files: Mapping[str, Any] | Iterable[str | os.PathLike[str]] | None = None,
+        retry: Retry | None = None,
     ) -> CellResult:
         """Runs ``code`` in a fresh sandbox that is discarded afterwards (one-shot ``Run``).
 
@@ -236,17 +413,54 @@ class Client:
                 cell's last expression is not shown (by default it is, as in a REPL:
                 Python shows the repr of a final expression that is not ``None`` and not
                 followed by ``;``, R auto-prints visible values). Sent only when given.
+            timeout: this call's deadline, seconds (default: the client's ``timeout``;
+                ``None``: none). Past it the cell is interrupted and the result has
+                ``status == "timeout"``; :class:`sandcell.Timeout` is raised when the cell
+                had not started yet or did not end within 10 s of the interrupt.
+            files: input files the cell reads from its working directory: a mapping of
+                name to content (bytes, a path or a binary file, as
+                :meth:`Session.put_file`), or a list of local paths stored under their file
+                names. The cell then runs in a session opened for it and closed afterwards
+                (``Open``, ``PutFile``..., ``Execute``, ``Close``); its result's ``state``
+                is the session's. A missing local file raises ``FileNotFoundError`` before
+                anything is sent.
+            retry: an opt-in :class:`sandcell.Retry`: a run refused with
+                :class:`CapacityExceeded` (nothing ran) is tried again after a backoff, at
+                most ``retry.attempts`` calls in all; the last refusal is raised.
 
         Returns the :class:`sandcell.CellResult`; a cell that raised is a result with
         ``status == "error"``, not an exception. Raises the daemon's refusals as typed
         exceptions: :class:`CapacityExceeded`, :class:`LimitExceeded`,
         :class:`UnsupportedLanguage`, :class:`InvalidParameter`, :class:`WorkerFailed`, ...
         """
+        if retry is not None:
+            attempt = 1
+            while True:
+                try:
+                    return self.run(
+                        code, language, environment, limits, on_output, on_started=on_started,
+                        host_call_handler=host_call_handler,
+                        display_last_expression=display_last_expression, timeout=timeout,
+                        files=files)
+                except CapacityExceeded as e:
+                    if attempt >= max(1, retry.attempts):
+                        raise
+                    time.sleep(retry.delay(attempt, e))
+                    attempt += 1
+        inputs = P.input_files(files)
+        if inputs:
+            with self.session(language, environment, limits=limits,
+                              host_calls=host_call_handler is not None,
+                              display_last_expression=display_last_expression) as s:
+                for name, source in inputs:
+                    s.put_file(name, source)
+                return s.execute(code, on_output, on_started=on_started,
+                                 host_call_handler=host_call_handler, timeout=timeout)
         params = P.run_params(code, language, environment, limits_dict(limits),
                               host_calls=host_call_handler is not None,
                               display_last_expression=display_last_expression)
-        return self._call(P.op_cell("Run", params, on_output, on_started,
-                                    self._host_answerer(host_call_handler)))
+        return self._cell("Run", params, on_output, on_started, host_call_handler, timeout,
+                          language)
 
     def host_reply(self, session: str, call: int, result: dict[str, Any] | None = None,
                    error: str | None = None) -> None:
@@ -266,7 +480,15 @@ class Client:
         """The ``host_call`` frame callback for ``handler``: runs it and answers over another
         connection (the cell's own one streams its frames until the result)."""
         if handler is None:
-            return None
+            # A session opened with host_calls whose execute has no handler: the cell's call
+            # fails at once instead of waiting for the daemon's host-call timeout.
+            def refuse(h: HostCall) -> None:
+                try:
+                    self.host_reply(h.session, h.call, None, NO_HANDLER)
+                except NoSuchHostCall:
+                    pass
+
+            return refuse
 
         def answer(h: HostCall) -> None:
             try:
@@ -311,7 +533,7 @@ class Client:
             params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds,
                                    host_calls=host_calls,
                                    display_last_expression=display_last_expression)
-            r = _drive(owner, P.op_simple("Open", params))
+            r = _drive(owner, P.op_simple("Open", params), self._clock())
         except BaseException:
             owner.close()
             raise
@@ -356,12 +578,12 @@ class Client:
         params = {"session": P.local_session_id(session, self.node), "cell": cell}
         return self._call(P.op_cell("Attach", params, on_output, on_started))
 
-    def cell_status(self, session: str, cell: int) -> dict[str, Any]:
+    def cell_status(self, session: str, cell: int) -> CellStatus:
         """The cell's state without waiting (``CellStatus``): ``{"state": "running"}``, or
         its status (``"ok"``, ``"error"``, ...) with ``"result"`` (the daemon's result dict,
         with ``retained`` counts). Raises :class:`NoSuchCell`."""
         params = {"session": P.local_session_id(session, self.node), "cell": cell}
-        return self._call(P.op_simple("CellStatus", params))
+        return cast(CellStatus, self._call(P.op_simple("CellStatus", params)))
 
     def close_session(self, session: str) -> None:
         """Ends a session by id: its worker and everything it started are killed."""
@@ -379,11 +601,11 @@ class Client:
         )
         return str(r.get("description", ""))
 
-    def list_environments(self) -> Any:
+    def list_environments(self) -> list[Environment]:
         """The daemon's named environments (``ListEnvironments``), as the daemon reports
         them. Raises :class:`MethodNotFound` on a daemon without environments."""
         r = self._call(P.op_simple("ListEnvironments", {}))
-        return r.get("environments", r)
+        return list(r.get("environments") or [])
 
 
 class Session:
@@ -409,6 +631,8 @@ class Session:
         self._local = P.local_session_id(session_id, client.node)
         self._running = threading.Event()
         self._started = threading.Event()
+        self._cell_done = threading.Event()
+        self._cell_done.set()
         self._closed = False
 
     def __enter__(self) -> Session:
@@ -427,10 +651,14 @@ class Session:
         *,
         on_started: OnStarted | None = None,
         host_call_handler: HostCallHandler | None = None,
+        timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
     ) -> CellResult:
         """Runs a cell in this session; its variables persist for the next cell.
 
         ``on_output`` is called with each :class:`sandcell.Output` frame, live and in order.
+        ``timeout`` is this cell's deadline, seconds (default: the client's; ``None``: none):
+        past it the cell is interrupted, the session keeps its variables and the result has
+        ``status == "timeout"`` (see :meth:`Client.run`).
         Returns the :class:`sandcell.CellResult` (a cell that raised has ``status ==
         "error"``). Raises :class:`NoSuchSession` (closed or expired), :class:`SessionBusy`
         (a cell of another caller is running), :class:`LimitExceeded`, ...
@@ -443,26 +671,35 @@ class Session:
                 on_started(s)
 
         self._started.clear()
+        self._cell_done.clear()
         self._running.set()
         try:
-            return self.client._call(
-                P.op_cell("Execute", {"session": self._local, "code": code}, on_output, started,
-                          self.client._host_answerer(host_call_handler))
-            )
+            return self.client._cell("Execute", {"session": self._local, "code": code},
+                                     on_output, started, host_call_handler, timeout,
+                                     self.language or "python")
         finally:
             self._running.clear()
+            self._cell_done.set()
 
     def interrupt(self, cell: int | None = None, wait_seconds: float = 5.0) -> InterruptResult:
         """Interrupts the running cell (or cell ``cell``); for use from another thread while
         :meth:`execute` runs. Without ``cell``, waits up to ``wait_seconds`` for the running
-        cell's number. The session keeps its variables."""
+        cell's number. The session keeps its variables.
+
+        When the interrupted cell is this object's running :meth:`execute`, returns only
+        once that cell has ended (at most ``wait_seconds`` more), so the session takes the
+        next cell at once (no :class:`SessionBusy`)."""
         if cell is None:
             if self._running.is_set():
                 self._started.wait(wait_seconds)
             if self.last_cell is None:
                 return InterruptResult(False, "no cell has run in this session")
             cell = self.last_cell
-        return self.client._call(P.op_interrupt(self._local, cell))
+        own = self._running.is_set() and cell == self.last_cell
+        r = self.client._call(P.op_interrupt(self._local, cell))
+        if r.delivered and own:
+            self._cell_done.wait(wait_seconds)
+        return r
 
     def put_file(self, name: str, data_or_path: Any) -> FileInfo:
         """Stores a file in the session directory (mode 0600), replacing a regular file of
@@ -522,10 +759,11 @@ class Session:
         self._closed = True
         try:
             if self._owner is not None and not self._owner.closed:
-                _drive(self._owner, P.op_simple("Close", {"session": self._local}))
+                _drive(self._owner, P.op_simple("Close", {"session": self._local}),
+                       self.client._clock())
             else:
                 self.client._call(P.op_simple("Close", {"session": self._local}))
-        except (NoSuchSession, ConnectionFailed):
+        except (NoSuchSession, ConnectionFailed, Timeout):
             # NoSuchSession: it already ended (expired, crashed, closed elsewhere).
             pass
         finally:

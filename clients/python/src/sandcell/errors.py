@@ -26,6 +26,7 @@ __all__ = [
     "ProtocolError",
     "VarlinkError",
     "SessionEnded",
+    "Timeout",
     "WrongNode",
     "error_class",
     "error_from_reply",
@@ -38,7 +39,45 @@ class SandcellError(Exception):
 
 
 class ConnectionFailed(SandcellError, OSError):
-    """The socket could not be reached, or the connection broke during a call."""
+    """The socket could not be reached, or the connection broke during a call.
+
+    ``errno`` is the OS error number (0 when the daemon closed the connection);
+    ``str(exc)`` is one sentence naming the socket and what to check."""
+
+    def __str__(self) -> str:
+        text = str(self.strerror) if self.strerror is not None else super().__str__()
+        if text.startswith("connecting to ") and self.errno in (2, 111, 13):
+            hint = {
+                2: "no socket there: is sandcelld installed and its socket unit enabled? "
+                   "$SANDCELL_SOCKET or socket= names another socket",
+                111: "nothing listens there: is sandcelld's socket unit running?",
+                13: "permission denied: the socket's mode or group does not admit this user",
+            }[self.errno]
+            return f"cannot reach sandcelld: {text} ({hint})"
+        return text
+
+
+class Timeout(SandcellError, TimeoutError):
+    """A call did not finish within its deadline (the ``timeout=`` of the client or of the
+    call, seconds). Raised for calls other than cells, and for a cell that did not even
+    start, or did not end within a grace period after the client interrupted it (a cell
+    past its deadline is otherwise interrupted and returned with ``status == "timeout"``).
+    Distinct from :class:`ConnectionFailed`: the daemon was reachable but slower than the
+    deadline. The connection the call used is closed (the daemon then cancels what it was
+    doing for it).
+
+    Attributes:
+        seconds: the deadline that passed, seconds.
+        method: the Varlink method that did not finish (e.g. ``Run``).
+    """
+
+    def __init__(self, seconds: float, method: str):
+        self.seconds = seconds
+        self.method = method
+        super().__init__(
+            f"{method} did not finish within the client's deadline of {seconds:g} s "
+            "(raise timeout= on the client or the call, or pass timeout=None for no deadline)"
+        )
 
 
 class ProtocolError(SandcellError):
@@ -68,10 +107,61 @@ class VarlinkError(SandcellError):
         super().__init__(self._message())
 
     def _message(self) -> str:
+        """``str(exc)``: one human sentence (what happened, the limit and its configuration
+        key where there is one, what to do). The machine form is :meth:`__repr__`."""
+        try:
+            text = self.describe()
+        except Exception:  # a parameter of an unexpected type from a newer daemon
+            text = None
+        if text:
+            return text
+        short = self.name.rsplit(".", 1)[-1]
+        details = "; ".join(f"{k}: {v}" for k, v in self.parameters.items())
+        return f"the daemon refused the call with {short}" + (f" ({details})" if details else "")
+
+    def describe(self) -> str | None:
+        """The human sentence of this error, or ``None`` for the generic form. Subclasses
+        override it."""
+        return None
+
+    def machine(self) -> str:
+        """``<full error name>(param=value, ...)``: the error as the daemon sent it."""
         if not self.parameters:
             return self.name
         inner = ", ".join(f"{k}={v!r}" for k, v in self.parameters.items())
         return f"{self.name}({inner})"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.machine()!r})"
+
+
+#: Limit names of ``LimitExceeded`` that are (or lower) an operator's setting of
+#: sandcelld.toml(5), by the key that sets them; the others are fixed bounds of the protocol.
+LIMIT_KEYS = {
+    "max_source_bytes": "max_source_bytes",
+    "max_file_bytes": "max_file_bytes",
+    "max_session_files_bytes": "max_session_files_bytes",
+    "max_detached_idle_seconds": "max_detached_idle_seconds",
+    "wall_time_seconds": "execution_wall_time_seconds",
+    "fuel": "max_fuel",
+    "guest_memory_bytes": "max_guest_memory_bytes",
+    "stdout_bytes": "max_stdout_bytes",
+    "stderr_bytes": "max_stderr_bytes",
+}
+
+
+def _unit(name: str) -> str:
+    if name.endswith("_bytes") or name == "max_bytes":
+        return " bytes"
+    if name.endswith("_seconds"):
+        return " s"
+    return ""
+
+
+def _names(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return ", ".join(str(x) for x in v) or "none"
+    return str(v)
 
 
 def _kernel(name: str, fields: tuple[str, ...], doc: str) -> type[VarlinkError]:
@@ -87,11 +177,21 @@ class InvalidParameter(VarlinkError):
 
     fields = ("parameter", "reason")
 
+    def describe(self) -> str | None:
+        p, why = self.parameters.get("parameter"), self.parameters.get("reason")
+        if p and why:
+            return f"invalid parameter {p}: {why}"
+        return f"invalid parameter {p}" if p else None
+
 
 class UnsupportedLanguage(VarlinkError):
     """The language is not served by this daemon; ``supported`` lists those that are."""
 
     fields = ("language", "supported")
+
+    def describe(self) -> str | None:
+        return (f"language {self.language!r} is not served by this daemon "
+                f"(it serves: {_names(self.supported)})")
 
 
 class LimitExceeded(VarlinkError):
@@ -100,6 +200,18 @@ class LimitExceeded(VarlinkError):
 
     fields = ("limit", "value", "max")
 
+    def describe(self) -> str | None:
+        name = str(self.limit)
+        unit = _unit(name)
+        text = f"{name} exceeded: {self.value}{unit} asked, at most {self.max}{unit}"
+        key = LIMIT_KEYS.get(name)
+        if key is None:
+            return text + " (a fixed bound of the protocol); send less"
+        if key != name:
+            return (text + f" (a request may only lower the operator's {key} of "
+                    "sandcelld.toml); ask for less, or have an operator raise it")
+        return text + f"; send less, or have an operator raise {key} in sandcelld.toml"
+
 
 class CapacityExceeded(VarlinkError):
     """Admission refused: ``budget`` is used up (``in_use`` + ``requested`` > ``max``).
@@ -107,11 +219,22 @@ class CapacityExceeded(VarlinkError):
 
     fields = ("budget", "in_use", "requested", "max")
 
+    def describe(self) -> str | None:
+        b = str(self.budget)
+        where = (f"; an operator raises {b} in sandcelld.toml" if b.startswith("max_")
+                 or b == "worker_uid_count" else "")
+        return (f"the daemon is at capacity: {b} has {self.in_use} in use of {self.max}, "
+                f"{self.requested} more asked; retry later or on another node{where}")
+
 
 class NoSuchSession(VarlinkError):
     """No such session, or not one the caller may use."""
 
     fields: tuple[str, ...] = ("session",)
+
+    def describe(self) -> str | None:
+        return (f"no session {self.session} for this user (never opened, or ended and "
+                "forgotten)")
 
 
 class SessionEnded(NoSuchSession):
@@ -125,11 +248,23 @@ class SessionEnded(NoSuchSession):
 
     fields = ("session", "reason", "ended_at")
 
+    def describe(self) -> str | None:
+        import time
+
+        ago = ""
+        if isinstance(self.ended_at, (int, float)):
+            ago = f" {max(0.0, time.time() - self.ended_at):.0f} s ago"
+        return f"session {self.session} ended{ago} ({self.reason}); open a new one"
+
 
 class SessionBusy(VarlinkError):
     """The session is already running cell ``cell``."""
 
     fields = ("session", "cell")
+
+    def describe(self) -> str | None:
+        return (f"session {self.session} is running cell {self.cell}; wait for it or "
+                "interrupt it")
 
 
 class PermissionDenied(VarlinkError):
@@ -137,11 +272,18 @@ class PermissionDenied(VarlinkError):
 
     fields = ("action",)
 
+    def describe(self) -> str | None:
+        a = self.parameters.get("action")
+        return f"permission denied (polkit action {a})" if a else "permission denied"
+
 
 class WorkerFailed(VarlinkError):
     """A worker could not be started or died before it was ready (``reason``)."""
 
     fields = ("reason",)
+
+    def describe(self) -> str | None:
+        return f"the worker failed: {self.reason}"
 
 
 class InternalError(VarlinkError):
@@ -152,6 +294,10 @@ class InternalError(VarlinkError):
 
     fields = ("operation", "reason")
 
+    def describe(self) -> str | None:
+        return (f"the daemon failed on its side ({self.operation}: {self.reason}); nothing "
+                "in the call was wrong, it may be retried")
+
 
 class InvalidFileName(VarlinkError):
     """A file name is refused: empty, absolute, "..", NUL or control characters, a leading
@@ -159,11 +305,17 @@ class InvalidFileName(VarlinkError):
 
     fields = ("name", "reason")
 
+    def describe(self) -> str | None:
+        return f"invalid file name {self.name!r}: {self.reason}"
+
 
 class NoSuchFile(VarlinkError):
     """The session directory has no entry of that name."""
 
     fields = ("name",)
+
+    def describe(self) -> str | None:
+        return f"no file {self.name!r} in the session directory"
 
 
 class NotRegularFile(VarlinkError):
@@ -172,12 +324,19 @@ class NotRegularFile(VarlinkError):
 
     fields = ("name", "kind")
 
+    def describe(self) -> str | None:
+        return f"{self.name!r} is not a regular file (it is a {self.kind})"
+
 
 class NoSuchEnvironment(VarlinkError):
     """No environment of that name is served; ``known`` lists the names that are (see
     :meth:`sandcell.Client.list_environments`)."""
 
     fields = ("environment", "known")
+
+    def describe(self) -> str | None:
+        return (f"no environment {self.environment!r} is served (served: "
+                f"{_names(self.known)})")
 
 
 class EnvironmentMismatch(VarlinkError):
@@ -186,9 +345,17 @@ class EnvironmentMismatch(VarlinkError):
 
     fields = ("environment", "language", "environment_language")
 
+    def describe(self) -> str | None:
+        return (f"environment {self.environment!r} serves {self.environment_language}, not "
+                f"{self.language}")
+
 
 class ShuttingDown(VarlinkError):
     """The daemon is shutting down and takes no new work."""
+
+    def describe(self) -> str | None:
+        return "the daemon is shutting down and takes no new work; retry in a moment"
+
 
 
 class NoSuchCell(VarlinkError):
@@ -198,11 +365,17 @@ class NoSuchCell(VarlinkError):
 
     fields = ("session", "cell")
 
+    def describe(self) -> str | None:
+        return f"session {self.session} has no record of cell {self.cell}"
+
 
 class AttachmentReplaced(VarlinkError):
     """A newer ``Attach`` to cell ``cell`` took over; this attachment ends."""
 
     fields = ("session", "cell")
+
+    def describe(self) -> str | None:
+        return f"a newer attach to cell {self.cell} of session {self.session} took over"
 
 
 class NoSuchHostCall(VarlinkError):
@@ -210,6 +383,10 @@ class NoSuchHostCall(VarlinkError):
     made, already answered, timed out, its cell ended, or another session's call)."""
 
     fields = ("session", "call")
+
+    def describe(self) -> str | None:
+        return (f"host call {self.call} of session {self.session} does not wait for an "
+                "answer (answered, timed out, or its cell ended)")
 
 
 # org.varlink.service errors without a kernel namesake.
@@ -220,11 +397,17 @@ class InterfaceNotFound(VarlinkError):
 
     fields = ("interface",)
 
+    def describe(self) -> str | None:
+        return f"the daemon does not offer the interface {self.interface}"
+
 
 class MethodNotFound(VarlinkError):
     """The daemon does not know the method (a daemon older than this client)."""
 
     fields = ("method",)
+
+    def describe(self) -> str | None:
+        return f"the daemon does not know {self.method} (it is older than this client)"
 
 
 class MethodNotImplemented(VarlinkError):
@@ -232,9 +415,15 @@ class MethodNotImplemented(VarlinkError):
 
     fields = ("method",)
 
+    def describe(self) -> str | None:
+        return f"the daemon declares {self.method} but does not serve it"
+
 
 class ExpectedMore(VarlinkError):
     """The method must be called with ``more``."""
+
+    def describe(self) -> str | None:
+        return "the method must be called with more (a client bug)"
 
 
 class WrongNode(NoSuchSession):
@@ -245,6 +434,10 @@ class WrongNode(NoSuchSession):
     Route the call to that node's socket."""
 
     fields = ("session", "node", "expected")
+
+    def describe(self) -> str | None:
+        return (f"session {self.session} belongs to node {self.node}, not this one "
+                f"({self.expected or 'unqualified ids'}); call that node's socket")
 
     def __init__(
         self,

@@ -63,6 +63,8 @@ __all__ = [
     "item_status",
     "session_id_of_container",
     "STATUS_MAP",
+    "PREFERRED_ENVIRONMENT",
+    "preferred_environment",
 ]
 
 #: sandcell cell status -> ``code_interpreter_call`` status (``exited`` depends on the exit
@@ -96,6 +98,52 @@ MAX_IMAGES = 10
 MAX_IMAGE_BYTES = 8 * 1024 * 1024
 
 CONTAINER_PREFIX = "cntr_"
+
+#: The environment a fresh sandbox of Python code uses when no ``environment`` is given:
+#: ``pydata`` (native CPython with numpy, pandas, scipy, matplotlib, statsmodels: what a
+#: model's code expects, and where its plots come from) when the daemon serves it and it is
+#: ready, else the daemon's default for the language. Pass ``environment=`` to choose.
+PREFERRED_ENVIRONMENT = "pydata"
+
+
+def preferred_environment(environments: Any, language: str) -> str | None:
+    """:data:`PREFERRED_ENVIRONMENT` when ``environments`` (a ``ListEnvironments`` answer)
+    has it ready for ``language``, else None (the daemon's default)."""
+    for env in environments or []:
+        if (isinstance(env, dict) and env.get("name") == PREFERRED_ENVIRONMENT
+                and env.get("language") == language and env.get("ready") is not False):
+            return PREFERRED_ENVIRONMENT
+    return None
+
+
+_CACHE_ATTR = "_sandcell_openai_environment"
+
+
+def _default_environment(client: Client, language: str) -> str | None:
+    """The environment for a fresh sandbox of ``client`` (asked once per client)."""
+    cached = getattr(client, _CACHE_ATTR, {})
+    if language not in cached:
+        from .errors import SandcellError
+
+        try:
+            cached[language] = preferred_environment(client.list_environments(), language)
+        except SandcellError:
+            cached[language] = None
+        setattr(client, _CACHE_ATTR, cached)
+    return cached[language]
+
+
+async def _adefault_environment(client: AsyncClient, language: str) -> str | None:
+    cached = getattr(client, _CACHE_ATTR, {})
+    if language not in cached:
+        from .errors import SandcellError
+
+        try:
+            cached[language] = preferred_environment(await client.list_environments(), language)
+        except SandcellError:
+            cached[language] = None
+        setattr(client, _CACHE_ATTR, cached)
+    return cached[language]
 
 
 def item_status(result: CellResult) -> str:
@@ -207,7 +255,8 @@ def code_interpreter_call(
     Args:
         session: run in this session (a session object or id) instead of a fresh sandbox.
         language, environment, limits: as for :meth:`sandcell.Client.session` (only for a
-            fresh sandbox).
+            fresh sandbox). Without ``environment``, Python runs in ``pydata`` when the
+            daemon serves it (see :data:`PREFERRED_ENVIRONMENT`).
         item_id: the item's id (default ``ci_`` + 48 random hex digits).
         on_output: called with each output frame, live.
 
@@ -218,6 +267,8 @@ def code_interpreter_call(
     item_id = item_id or _new_item_id()
     own: Session | None = None
     if session is None:
+        if environment is None:
+            environment = _default_environment(client, language)
         own = client.session(language, environment, limits=limits)
         s = own
     elif isinstance(session, str):
@@ -295,7 +346,8 @@ async def code_interpreter_events(
     6. ``response.output_item.done`` with the final item, as :func:`code_interpreter_call`
        returns it.
 
-    A fresh sandbox is opened before the first event, so a refusal
+    A fresh sandbox (in ``pydata`` when served and no ``environment`` is given, as for
+    :func:`code_interpreter_call`) is opened before the first event, so a refusal
     (:class:`sandcell.CapacityExceeded`, ...) is raised before anything was yielded.
     ``client`` must be an :class:`sandcell.AsyncClient`.
     """
@@ -305,6 +357,8 @@ async def code_interpreter_events(
     seq = sequence_start
     own: AsyncSession | None = None
     if session is None:
+        if environment is None:
+            environment = await _adefault_environment(client, language)
         own = await client.session(language, environment, limits=limits)
         s = own
     elif isinstance(session, str):
@@ -385,17 +439,30 @@ def function_tool(api: str = "responses", description: str | None = None) -> dic
     return {"type": "function", **fn}
 
 
-def function_call_output(call: dict[str, Any], item: dict[str, Any]) -> dict[str, Any]:
+def function_call_output(call: dict[str, Any], item: dict[str, Any], *,
+                         image_parts: bool = True) -> dict[str, Any]:
     """The ``function_call_output`` input item that answers a model's ``function_call``
-    (``call``) of ``code_interpreter`` with the result ``item``: ``output`` is a JSON string
-    with the status, the logs and the number of images."""
+    (``call``) of ``code_interpreter`` with the result ``item``.
+
+    Without images (or with ``image_parts=False``), ``output`` is a JSON string with the
+    status, the logs and the number of images. With images, ``output`` is a list of input
+    content parts, so the model sees the plots: an ``input_text`` part holding that JSON
+    string, then one ``{"type": "input_image", "image_url": "data:image/png;base64,..."}``
+    part per image, in the item's order (the Responses API's function-call output content).
+    """
     logs = "".join(o.get("logs", "") for o in item.get("outputs") or [] if o["type"] == "logs")
-    images = sum(1 for o in item.get("outputs") or [] if o["type"] == "image")
-    out = {"status": item["status"], "logs": logs, "images": images}
+    urls = [o.get("url", "") for o in item.get("outputs") or [] if o["type"] == "image"]
+    summary = json.dumps({"status": item["status"], "logs": logs, "images": len(urls)},
+                         ensure_ascii=False)
+    output: Any = summary
+    if image_parts and urls:
+        output = [{"type": "input_text", "text": summary}] + [
+            {"type": "input_image", "image_url": url} for url in urls
+        ]
     return {
         "type": "function_call_output",
         "call_id": call.get("call_id", ""),
-        "output": json.dumps(out, ensure_ascii=False),
+        "output": output,
     }
 
 

@@ -8,7 +8,7 @@ out when ``None``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 __all__ = [
     "Limits",
@@ -21,7 +21,64 @@ __all__ = [
     "CellResult",
     "InterruptResult",
     "STATUSES",
+    "Status",
+    "Environment",
+    "Package",
+    "CellStatus",
+    "Retry",
 ]
+
+#: A cell's status, as :data:`STATUSES` lists them (a newer daemon may add one: code that
+#: matches on it keeps a default branch).
+Status = Literal[
+    "ok",
+    "error",
+    "interrupted",
+    "timeout",
+    "fuel_exhausted",
+    "memory_exhausted",
+    "oom",
+    "exited",
+    "worker_crashed",
+    "cancelled",
+]
+
+
+class Package(TypedDict):
+    """An installed package of an environment: distribution (Python) or package (R)
+    ``name`` and its ``version`` string."""
+
+    name: str
+    version: str
+
+
+class Environment(TypedDict, total=False):
+    """One environment as :meth:`sandcell.Client.list_environments` returns it (a dict).
+
+    Keys: ``name``; ``language`` (``python`` or ``r``); ``engine`` (``eryx``, ``native``,
+    ``r``); ``default`` (the language's default); ``interpreter_version``; ``ready`` and,
+    when not, ``reason``; ``packages`` (:class:`Package` dicts) and ``packages_truncated``.
+    """
+
+    name: str
+    language: str
+    engine: str
+    default: bool
+    interpreter_version: str
+    ready: bool
+    reason: str | None
+    packages: list[Package]
+    packages_truncated: bool
+
+
+class CellStatus(TypedDict, total=False):
+    """A cell's state as :meth:`sandcell.Client.cell_status` returns it (a dict):
+    ``state`` is ``running``, a :data:`Status` or ``lost``; ``result`` (once it ended) is
+    the daemon's result dict, with ``retained`` (bytes seen, kept and dropped per stream)."""
+
+    state: str
+    result: dict[str, Any]
+
 
 #: Every status a cell can end with (``CellResult.status``).
 STATUSES = (
@@ -59,6 +116,42 @@ class Limits:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Retry:
+    """An opt-in, bounded retry of a one-shot run refused with
+    :class:`sandcell.CapacityExceeded` (admission: nothing ran, so a retry cannot run the
+    code twice), with exponential backoff and full jitter (a random wait between 0 and the
+    backoff, so many clients refused together do not come back together).
+
+    Attributes:
+        attempts: calls at most, the first included (at least 1).
+        initial_seconds: the first backoff, seconds.
+        max_seconds: no backoff longer than this, seconds.
+        multiplier: each backoff is the previous one times this.
+        jitter: wait a random time up to the backoff (True) or the backoff itself.
+
+    A refusal that carries ``retry_after_seconds`` (when the daemon knows when capacity
+    frees) waits that long instead, capped at ``max_seconds``. After the last attempt the
+    refusal is raised.
+    """
+
+    attempts: int = 4
+    initial_seconds: float = 0.5
+    max_seconds: float = 8.0
+    multiplier: float = 2.0
+    jitter: bool = True
+
+    def delay(self, attempt: int, error: Any = None) -> float:
+        """Seconds to wait after failed attempt number ``attempt`` (from 1)."""
+        import random
+
+        hinted = getattr(error, "retry_after_seconds", None)
+        if isinstance(hinted, (int, float)) and hinted >= 0:
+            return min(float(hinted), self.max_seconds)
+        backoff = min(self.max_seconds, self.initial_seconds * self.multiplier ** (attempt - 1))
+        return random.uniform(0, backoff) if self.jitter else backoff
 
 
 def limits_dict(limits: Limits | dict[str, Any] | None) -> dict[str, Any] | None:
@@ -286,7 +379,7 @@ class CellResult:
         raw: the result as the daemon sent it.
     """
 
-    status: str
+    status: Status
     stdout: str = ""
     stderr: str = ""
     error: CellError | None = None
@@ -320,7 +413,7 @@ class CellResult:
         """Builds the result from a cell's frames: ``started``, the outputs in order and the
         final ``result`` dict."""
         return cls(
-            status=result.get("status", ""),
+            status=result.get("status", ""),  # type: ignore[arg-type]  # a newer status passes
             stdout="".join(o.text for o in outputs if o.stream == "stdout"),
             stderr="".join(o.text for o in outputs if o.stream == "stderr"),
             error=CellError.from_dict(result.get("error")),

@@ -1,0 +1,666 @@
+//! sandcellctl as a user meets it: the built binary against a real sandcelld (started here on
+//! a private socket with the built workers, as root), its messages, exit statuses and
+//! signals; terminal-specific behaviour on a pseudo-terminal.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The built sandcellctl.
+fn ctl() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_sandcellctl"))
+}
+
+/// The directory of the built binaries (sandcelld and the workers sit beside sandcellctl).
+fn bin_dir() -> PathBuf {
+    ctl().parent().unwrap().to_owned()
+}
+
+/// A sandcelld on a private socket; stopped (SIGTERM, then SIGKILL) when dropped.
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    /// Starts one with extra `SANDCELL_*` settings, or `None` (having said why on stderr)
+    /// when this machine cannot run it: not root, or the workspace's binaries not built.
+    fn start(env: &[(&str, &str)]) -> Option<Daemon> {
+        if !sandcell_testing::is_root() {
+            sandcell_testing::skipped(
+                "root",
+                "cli",
+                "sandcelld runs as root here (cgroups, per-session uids)",
+            );
+            return None;
+        }
+        let daemon = bin_dir().join("sandcelld");
+        if !daemon.exists() {
+            sandcell_testing::skipped(
+                "built",
+                "cli",
+                &format!(
+                    "{} is not built (cargo build --workspace --bins)",
+                    daemon.display()
+                ),
+            );
+            return None;
+        }
+        let runtime = std::env::var_os("SANDCELL_TEST_PYTHON_RUNTIME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/var/tmp/sandcell-cache/python-runtime"));
+        let dir = tempfile::Builder::new()
+            .prefix("sandcell-cli-test-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o711),
+        )
+        .unwrap();
+        let socket = dir.path().join("kernel.sock");
+        let log = dir.path().join("daemon.log");
+        std::fs::write(dir.path().join("none.toml"), "").unwrap();
+        let mut rnd = [0u8; 6];
+        // SAFETY: getrandom writes at most rnd.len() bytes into rnd.
+        unsafe { libc::getrandom(rnd.as_mut_ptr().cast(), rnd.len(), 0) };
+        let tag: String = rnd.iter().map(|b| format!("{b:02x}")).collect();
+        let mut cmd = Command::new(&daemon);
+        cmd.arg("--listen")
+            .arg(&socket)
+            .arg("--config")
+            .arg(dir.path().join("none.toml"))
+            .env("SANDCELL_WORKER_DIR", bin_dir())
+            .env("SANDCELL_PYTHON_RUNTIME_DIR", &runtime)
+            .env("SANDCELL_STATE_DIR", dir.path().join("state"))
+            .env("SANDCELL_CGROUP_NAME", format!("sandcell-cli-test-{tag}"))
+            .env("SANDCELL_LANGUAGES", "python")
+            .env("SANDCELL_LOG", "info")
+            .env("SANDCELL_NODE_ID", "")
+            .env("SANDCELL_METRICS_FILE", "")
+            .env("SANDCELL_MAX_CONCURRENT_SESSIONS", "6")
+            .env(
+                "SANDCELL_MAX_AGGREGATE_GUEST_MEMORY_BYTES",
+                (6u64 << 27).to_string(),
+            )
+            .env(
+                "SANDCELL_MAX_AGGREGATE_WORKER_MEMORY_BYTES",
+                (6u64 << 30).to_string(),
+            );
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap());
+        let mut d = Daemon {
+            child: cmd.spawn().expect("starting sandcelld"),
+            socket,
+            log,
+            _dir: dir,
+        };
+        let t0 = Instant::now();
+        while !d.log_text().contains("ready to serve") {
+            if let Ok(Some(st)) = d.child.try_wait() {
+                panic!("sandcelld exited ({st}):\n{}", d.log_text());
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "sandcelld not ready after 120 s:\n{}",
+                d.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(d)
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// sandcellctl with `--socket` of this daemon and `args`.
+    fn ctl(&self) -> Command {
+        let mut c = Command::new(ctl());
+        c.arg("--socket").arg(&self.socket);
+        c
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // SAFETY: a signal to our own child, not yet reaped.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(20) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs `cmd` to its end with `input` on standard input (nothing when `None`).
+fn run(cmd: &mut Command, input: Option<&str>) -> Output {
+    cmd.stdin(if input.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("starting sandcellctl");
+    if let Some(text) = input {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A file in a fresh temporary directory holding `content`.
+fn script(dir: &Path, name: &str, content: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, content).unwrap();
+    p
+}
+
+#[test]
+fn a_missing_code_file_is_named_before_connecting() {
+    // No daemon: the file is looked at first, so the socket's absence never shows.
+    let out = run(
+        Command::new(ctl())
+            .args(["--socket", "/nonexistent/kernel.sock", "run"])
+            .arg("no-such-script.py"),
+        None,
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(
+        err,
+        "sandcellctl: cannot read the code file no-such-script.py: No such file or directory\n"
+    );
+    let out = run(
+        Command::new(ctl()).args([
+            "--socket",
+            "/nonexistent/kernel.sock",
+            "put",
+            "0123",
+            "no-such-data.csv",
+        ]),
+        None,
+    );
+    assert!(
+        text(&out.stderr).contains("cannot upload no-such-data.csv: No such file or directory"),
+        "{}",
+        text(&out.stderr)
+    );
+    // With --json, the error is one JSON object.
+    let out = run(
+        Command::new(ctl())
+            .args(["--json", "--socket", "/nonexistent/kernel.sock", "run"])
+            .arg("no-such-script.py"),
+        None,
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stderr).expect("a JSON error");
+    assert_eq!(v["error"], "sandcell.client.FileError");
+    assert!(v["message"].as_str().unwrap().contains("no-such-script.py"));
+}
+
+#[test]
+fn an_unreachable_socket_is_one_sentence() {
+    let dir = tempfile::tempdir().unwrap();
+    let code = script(dir.path(), "a.py", "print(1)\n");
+    let out = run(
+        Command::new(ctl())
+            .args(["--socket", "/nonexistent/kernel.sock", "run"])
+            .arg(&code),
+        None,
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.starts_with(
+            "sandcellctl: cannot reach sandcelld at /nonexistent/kernel.sock: No such file or \
+             directory (no socket there"
+        ),
+        "{err}"
+    );
+    assert!(
+        !err.contains("os error") && !err.contains("varlink:"),
+        "{err}"
+    );
+}
+
+#[test]
+fn refusals_read_as_sentences_and_as_json_with_json() {
+    let Some(d) = Daemon::start(&[]) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let code = script(dir.path(), "a.py", "print(1)\n");
+    let out = run(
+        d.ctl().args(["run", "--wall-time", "100000"]).arg(&code),
+        None,
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(
+        err.starts_with(
+            "sandcellctl: LimitExceeded: wall_time_seconds exceeded: 100000 s asked, at most "
+        ) && err.contains("execution_wall_time_seconds")
+            && !err.contains('{'),
+        "{err}"
+    );
+    let out = run(
+        d.ctl()
+            .args(["--json", "run", "--wall-time", "100000"])
+            .arg(&code),
+        None,
+    );
+    assert_eq!(out.status.code(), Some(3));
+    let v: serde_json::Value = serde_json::from_slice(&out.stderr).expect("a JSON error");
+    assert_eq!(v["error"], "org.sandcell.Kernel.LimitExceeded");
+    assert_eq!(v["parameters"]["limit"], "wall_time_seconds");
+    assert!(v["message"].as_str().unwrap().contains("exceeded"));
+}
+
+/// Opens a detached session with `sandcellctl open`; returns its id.
+fn open_session(d: &Daemon) -> String {
+    let out = run(d.ctl().args(["open", "--idle", "120"]), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    text(&out.stdout).trim().to_owned()
+}
+
+/// Starts `sandcellctl exec SESSION FILE` and waits until its standard output has a line
+/// (the cell's first print); returns the child and that line.
+fn exec_started(d: &Daemon, session: &str, file: &Path) -> (Child, String) {
+    let mut child = d
+        .ctl()
+        .args(["exec", session])
+        .arg(file)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = child.stdout.take().unwrap();
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while !line.ends_with(b"\n") {
+        assert_eq!(
+            out.read(&mut b).unwrap(),
+            1,
+            "sandcellctl exec printed nothing"
+        );
+        line.push(b[0]);
+    }
+    (child, text(&line))
+}
+
+fn sigint(child: &Child) {
+    // SAFETY: a signal to our own child, not yet reaped.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+}
+
+/// Waits up to `limit` for `child` to exit; returns its status and standard error.
+fn wait_for(child: &mut Child, limit: Duration) -> (Option<i32>, String) {
+    let t0 = Instant::now();
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
+            return (st.code(), err);
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("sandcellctl did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn ctrl_c_interrupts_the_cell_and_frees_the_session() {
+    let Some(d) = Daemon::start(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "60")]) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let session = open_session(&d);
+    let slow = script(
+        dir.path(),
+        "slow.py",
+        "import time\nprint('started', flush=True)\ntime.sleep(50)\n",
+    );
+    let (mut child, line) = exec_started(&d, &session, &slow);
+    assert_eq!(line, "started\n");
+    let t0 = Instant::now();
+    sigint(&child);
+    let (code, err) = wait_for(&mut child, Duration::from_secs(20));
+    assert_eq!(code, Some(5), "interrupted is exit status 5; stderr: {err}");
+    assert!(err.contains("sandcellctl: interrupting cell "), "{err}");
+    assert!(err.contains("interrupted"), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(15));
+    // The session is free at once: no SessionBusy for the next cell.
+    let quick = script(dir.path(), "quick.py", "print('next')\n");
+    let out = run(d.ctl().args(["exec", &session]).arg(&quick), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "next\n");
+    let _ = run(d.ctl().args(["close", &session]), None);
+}
+
+#[test]
+fn a_second_ctrl_c_detaches() {
+    // A cell that ignores interrupts: native CPython (pydata) raises KeyboardInterrupt for
+    // each of the daemon's repeated SIGINTs, and the cell catches them.
+    let pydata = Command::new("/usr/bin/python3")
+        .args(["-I", "-c", "import numpy, pandas"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !pydata {
+        sandcell_testing::skip!(
+            "pydata",
+            "a cell that catches KeyboardInterrupt needs pydata"
+        );
+    }
+    let Some(d) = Daemon::start(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "60")]) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(
+        d.ctl()
+            .args(["open", "--idle", "120", "--environment", "pydata"]),
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let session = text(&out.stdout).trim().to_owned();
+    let stubborn = script(
+        dir.path(),
+        "stubborn.py",
+        "import time\nprint('started', flush=True)\nwhile True:\n    try:\n        \
+         time.sleep(50)\n    except KeyboardInterrupt:\n        pass\n",
+    );
+    let (mut child, _) = exec_started(&d, &session, &stubborn);
+    sigint(&child);
+    std::thread::sleep(Duration::from_millis(1500));
+    if let Some(st) = child.try_wait().unwrap() {
+        let mut err = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        panic!("the first Ctrl-C ended sandcellctl ({st}) while the cell ran: {err}");
+    }
+    let t0 = Instant::now();
+    sigint(&child);
+    let (code, err) = wait_for(&mut child, Duration::from_secs(5));
+    assert_eq!(code, Some(130), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(3));
+    assert!(err.contains("sandcellctl: detached"), "{err}");
+    let _ = run(d.ctl().args(["close", &session]), None);
+}
+
+/// Runs `cmd` with standard output a pipe whose reading end is already closed (every write
+/// fails with EPIPE); returns the exit status and standard error.
+fn with_closed_stdout(cmd: &mut Command) -> (Option<i32>, String) {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 fills fds with two new descriptors on success.
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    // SAFETY: fresh descriptors, owned from here on.
+    let (r, w) = unsafe {
+        (
+            std::fs::File::from_raw_fd(fds[0]),
+            std::fs::File::from_raw_fd(fds[1]),
+        )
+    };
+    drop(r);
+    let out = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(w))
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    (out.status.code(), text(&out.stderr))
+}
+
+#[test]
+fn completions_for_bash_zsh_and_fish() {
+    for (shell, mark) in [
+        ("bash", "complete -F"),
+        ("zsh", "#compdef sandcellctl"),
+        ("fish", "complete -c sandcellctl"),
+    ] {
+        let out = run(Command::new(ctl()).args(["completions", shell]), None);
+        assert!(out.status.success(), "{shell}: {}", text(&out.stderr));
+        let script = text(&out.stdout);
+        assert!(script.contains(mark), "{shell}: {script:.200}");
+        for sub in ["run", "exec", "environments", "completions"] {
+            assert!(script.contains(sub), "{shell} completion lacks {sub}");
+        }
+    }
+}
+
+#[test]
+fn a_closed_pipe_never_panics() {
+    let (code, err) = with_closed_stdout(Command::new(ctl()).args(["completions", "bash"]));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let Some(d) = Daemon::start(&[]) else { return };
+    let (code, err) = with_closed_stdout(d.ctl().args(["environments", "--packages"]));
+    assert_eq!(code, Some(0), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn closing_an_ended_session_is_not_an_error() {
+    let Some(d) = Daemon::start(&[]) else { return };
+    let session = open_session(&d);
+    let out = run(d.ctl().args(["close", &session]), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = run(d.ctl().args(["close", &session]), None);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_eq!(
+        err,
+        format!("sandcellctl: session {session} had already ended (closed); nothing to close\n")
+    );
+}
+
+/// Runs `cmd` with standard error on a new pseudo-terminal (standard output a pipe);
+/// returns what the terminal received.
+fn stderr_on_pty(cmd: &mut Command) -> String {
+    use std::os::fd::FromRawFd;
+    let (mut master, mut slave) = (0, 0);
+    // SAFETY: openpty fills the two descriptors; the name, termios and winsize are unused.
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0, "openpty");
+    // SAFETY: fresh descriptors, owned from here on.
+    let (mut master, slave) = unsafe {
+        (
+            std::fs::File::from_raw_fd(master),
+            std::fs::File::from_raw_fd(slave),
+        )
+    };
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(slave))
+        .spawn()
+        .unwrap();
+    // Drop the command's copy of the slave end: once the child exits, reads end with EIO.
+    cmd.stderr(Stdio::null());
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match master.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    child.wait().unwrap();
+    text(&got)
+}
+
+#[test]
+fn own_messages_escape_cell_text_alike_on_a_terminal_and_a_pipe() {
+    let Some(d) = Daemon::start(&[]) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let code = script(
+        dir.path(),
+        "raise.py",
+        "raise ValueError('\\x1b]0;pwned\\x07\\x1b[31mred')\n",
+    );
+    let piped = run(d.ctl().arg("run").arg(&code), None);
+    let piped = text(&piped.stderr);
+    let on_tty = stderr_on_pty(d.ctl().arg("run").arg(&code));
+    for (how, err) in [("pipe", &piped), ("terminal", &on_tty)] {
+        let line = err
+            .lines()
+            .find(|l| l.starts_with("sandcellctl: cell "))
+            .unwrap_or_else(|| panic!("{how}: no summary line in {err:?}"));
+        assert!(!line.contains('\x1b'), "{how}: raw escape in {line:?}");
+        assert!(
+            line.contains("ValueError: \\x1b]0;pwned\\x07\\x1b[31mred"),
+            "{how}: {line:?}"
+        );
+        assert!(!err.contains('\x1b'), "{how}: raw escape in {err:?}");
+    }
+}
+
+#[test]
+fn run_put_uploads_inputs_so_the_pydata_examples_run_as_written() {
+    let pydata = Command::new("/usr/bin/python3")
+        .args([
+            "-I",
+            "-c",
+            "import numpy, pandas, scipy, matplotlib, statsmodels",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !pydata {
+        sandcell_testing::skip!(
+            "pydata",
+            "the pydata examples need Debian's scientific stack"
+        );
+    }
+    let Some(d) = Daemon::start(&[]) else { return };
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/pydata");
+    let mut ran = 0;
+    for entry in std::fs::read_dir(&examples).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("py") {
+            continue;
+        }
+        let expected = std::fs::read_to_string(path.with_extension("out")).unwrap();
+        let out = run(
+            d.ctl()
+                .args(["run", "--environment", "pydata", "--put"])
+                .arg(examples.join("mtcars.csv"))
+                .arg("--put")
+                .arg(format!(
+                    "{}:sleep.csv",
+                    examples.join("sleep.csv").display()
+                ))
+                .arg(&path),
+            None,
+        );
+        let err = text(&out.stderr);
+        assert!(out.status.success(), "{}: {err}", path.display());
+        assert_eq!(text(&out.stdout), expected, "{}: {err}", path.display());
+        ran += 1;
+    }
+    assert_eq!(ran, 5, "the five pydata examples");
+    // A missing input is named before connecting.
+    let out = run(
+        d.ctl()
+            .args(["run", "--put", "no-such.csv"])
+            .arg(examples.join("pandas_groupby.py")),
+        None,
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("cannot upload no-such.csv: No such file or directory"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn a_missing_module_names_the_environment_that_has_it() {
+    let pydata = Command::new("/usr/bin/python3")
+        .args(["-I", "-c", "import numpy, pandas"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !pydata {
+        sandcell_testing::skip!("pydata", "the hint names the pydata environment");
+    }
+    let Some(d) = Daemon::start(&[]) else { return };
+    let out = run(d.ctl().args(["run", "-"]), Some("import pandas\n"));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(
+            "sandcellctl: hint: pandas is not installed in this environment; environment \
+             pydata has it (sandcellctl run -e pydata)"
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_host_call_without_a_handler_fails_at_once() {
+    let Some(d) = Daemon::start(&[]) else { return };
+    let out = run(
+        d.ctl().args(["open", "--idle", "120", "--host-calls"]),
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let session = text(&out.stdout).trim().to_owned();
+    let t0 = Instant::now();
+    let out = run(
+        d.ctl().args(["exec", &session, "-"]),
+        Some("from sandcell import host\nhost.call('tool', {'a': 1})\n"),
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(15),
+        "waited {:?}",
+        t0.elapsed()
+    );
+    assert!(err.contains("no handler for host calls"), "{err}");
+    let _ = run(d.ctl().args(["close", &session]), None);
+}
