@@ -539,3 +539,88 @@ fn caps_that_cannot_fit_are_refused_naming_the_keys() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("memory_max_bytes = 536870912"), "{text}");
 }
+
+/// A client that sends calls and reads nothing: once its send queue has not moved for
+/// `SEND_STALL_SECONDS` (30 s) the daemon ends the connection, and the connection keeps its
+/// place under the uid's cap until the client closes its end (the bytes queued for it are
+/// the daemon's memory until then).
+#[test]
+fn a_client_that_reads_nothing_is_ended_and_holds_its_place_until_it_closes() {
+    if !sandcell_testing::is_root() {
+        sandcell_testing::skip!("root", "acting as another uid needs root");
+    }
+    let stall = sandcelld::varlink::socket::SEND_STALL_SECONDS;
+    let d = Daemon::start(&[("SANDCELL_MAX_CONNECTIONS_PER_UID", "1")]);
+    std::fs::set_permissions(
+        &d.socket,
+        std::os::unix::fs::PermissionsExt::from_mode(0o666),
+    )
+    .unwrap();
+    let uid = ATTACKERS[0];
+    let mut hog = connect_as(uid, &d.socket).unwrap();
+    let one = message(&kernel("ListEnvironments"), json!({}), false);
+    let calls: Vec<u8> = one.iter().copied().cycle().take(one.len() * 2000).collect();
+    hog.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = hog.write_all(&calls);
+    let t0 = Instant::now();
+    // A second connection of the uid is over its cap: closed at once, unanswered.
+    let refused = |d: &Daemon| {
+        let mut c = connect_as(uid, &d.socket).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let _ = c.write_all(&message(&kernel("ListEnvironments"), json!({}), false));
+        let mut b = [0u8; 1];
+        matches!(c.read(&mut b), Ok(0) | Err(_))
+    };
+    assert!(
+        refused(&d),
+        "a second connection of a uid capped at 1 was served"
+    );
+    let ended = common::eventually(Duration::from_secs(stall + 20), || {
+        d.log_text()
+            .contains("closing a connection whose client reads nothing")
+    });
+    let waited = t0.elapsed().as_secs_f64();
+    assert!(ended, "the connection was not ended after {waited:.0} s");
+    assert!(
+        waited >= stall as f64 - 1.0,
+        "ended after {waited:.1} s, before the {stall} s deadline"
+    );
+    eprintln!("figure: a client reading nothing was ended after {waited:.1} s");
+    // Still holding its place while its queue is unread.
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(
+        refused(&d),
+        "the ended connection's place was given up while its queue is held"
+    );
+    // Reading what is queued, the client then sees the end.
+    hog.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut sink = Vec::new();
+    let _ = hog.read_to_end(&mut sink);
+    assert!(!sink.is_empty());
+    drop(hog);
+    // Its place is free again.
+    assert!(common::eventually(Duration::from_secs(5), || {
+        let mut c = connect_as(uid, &d.socket).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        c.write_all(&message(&kernel("ListEnvironments"), json!({}), false))
+            .is_ok()
+            && read_reply_opt(&mut c).is_some()
+    }));
+    assert!(d.child_alive());
+}
+
+fn read_reply_opt(s: &mut UnixStream) -> Option<Value> {
+    let mut reply = Vec::new();
+    let mut b = [0u8; 4096];
+    loop {
+        let n = s.read(&mut b).ok()?;
+        if n == 0 {
+            return None;
+        }
+        if let Some(i) = b[..n].iter().position(|&x| x == 0) {
+            reply.extend_from_slice(&b[..i]);
+            return serde_json::from_slice(&reply).ok();
+        }
+        reply.extend_from_slice(&b[..n]);
+    }
+}

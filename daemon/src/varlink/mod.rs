@@ -258,7 +258,17 @@ async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
             // the session actor sees that and cancels the cell (kill, reap, release).
             _ = async { let _ = closed.wait_for(|c| *c).await; } => Err(std::io::ErrorKind::BrokenPipe.into()),
         };
-        if handled.is_err() {
+        if let Err(e) = handled {
+            if e.kind() == std::io::ErrorKind::TimedOut {
+                tracing::info!(
+                    connection = id,
+                    uid,
+                    pid,
+                    queued = write.queued(),
+                    stall_seconds = socket::SEND_STALL_SECONDS,
+                    "closing a connection whose client reads nothing of its replies"
+                );
+            }
             break;
         }
     }
