@@ -275,6 +275,10 @@ pub struct Daemon {
     /// Seconds between two rewrites of `metrics_file`, in
     /// [[`METRICS_INTERVAL_MIN`], [`METRICS_INTERVAL_MAX`]] (the main loop ticks once a second).
     pub metrics_interval_seconds: u64,
+    /// Ceiling of the daemon's own memory bound, bytes; 0 = none besides the machine's memory.
+    /// The bound itself follows from the caps ([`crate::memory`]; sandcelld(8), MEMORY): a
+    /// configuration whose caps need more is refused, naming them.
+    pub memory_max_bytes: u64,
 }
 
 /// Shortest `metrics_interval_seconds`: the daemon's main loop ticks once a second.
@@ -316,6 +320,7 @@ impl Default for Daemon {
             node_id: None,
             metrics_file: PathBuf::from(DEFAULT_METRICS_FILE),
             metrics_interval_seconds: 5,
+            memory_max_bytes: 0,
         }
     }
 }
@@ -640,6 +645,7 @@ impl Config {
                 "node_id" => d.node_id = Some(value.clone()),
                 "metrics_file" => d.metrics_file = PathBuf::from(&value),
                 "metrics_interval_seconds" => d.metrics_interval_seconds = u64v()?,
+                "memory_max_bytes" => d.memory_max_bytes = u64v()?,
                 _ => {}
             }
         }
@@ -664,7 +670,33 @@ impl Config {
         self.validate_metrics()?;
         Self::validate_session_limits(l)?;
         self.validate_workers()?;
-        self.validate_pools_and_languages()
+        self.validate_pools_and_languages()?;
+        self.validate_memory()
+    }
+
+    /// The caps the daemon's own memory bound follows from.
+    pub fn memory_caps(&self) -> crate::memory::Caps {
+        crate::memory::Caps {
+            max_connections: self.daemon.max_connections,
+            max_connections_per_uid: self.daemon.max_connections_per_uid,
+            max_concurrent_sessions: self.limits.max_concurrent_sessions,
+            max_sessions_per_uid: self.limits.sessions_per_uid(),
+            memory_max_bytes: self.daemon.memory_max_bytes,
+        }
+    }
+
+    /// The daemon's own memory bound ([`crate::memory::Bound`]), bytes.
+    pub fn memory_bound(&self) -> crate::memory::Bound {
+        crate::memory::Bound::derive(&self.memory_caps())
+    }
+
+    /// The caps fit the daemon's memory: under `memory_max_bytes` when set, and under the
+    /// machine's memory.
+    fn validate_memory(&self) -> Result<(), Error> {
+        let caps = self.memory_caps();
+        crate::memory::Bound::derive(&caps)
+            .check(&caps, crate::memory::machine_bytes())
+            .map_err(|(key, reason)| Error::Invalid { key, reason })
     }
 
     /// Limits and budgets that must not be zero.

@@ -428,9 +428,8 @@ impl Core {
             .any(|s| s.owner.connection == connection && s.detached_idle.is_none())
     }
 
-    /// A connection ended: its sessions that are not detached end too (killed and reaped).
-    pub async fn connection_closed(&self, guard: ConnectionGuard) {
-        let connection = guard.id;
+    /// Ends the sessions that end with `connection` (not detached): `Disconnected`.
+    pub async fn close_owned_sessions(&self, connection: u64) {
         let owned: Vec<_> = self
             .sessions()
             .into_iter()
@@ -440,6 +439,11 @@ impl Core {
             s.close(EndReason::Disconnected, "client disconnected")
                 .await;
         }
+    }
+
+    /// A connection ended: its sessions that are not detached end too (killed and reaped).
+    pub async fn connection_closed(&self, guard: ConnectionGuard) {
+        self.close_owned_sessions(guard.id).await;
         {
             let mut per_uid = self.connections_per_uid.lock().unwrap();
             if let Some(n) = per_uid.get_mut(&guard.uid) {

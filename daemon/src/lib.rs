@@ -16,6 +16,7 @@
 //! - [`cells`]: cells that outlive their client; [`environments`]: environments' reports.
 //! - [`notify`]: systemd readiness, status, watchdog; [`metrics`]: the capacity file
 //!   (Prometheus text format) for node exporters; [`counters`]: the counters it reports.
+//! - [`memory`]: the daemon's own memory bound, derived from its caps.
 //!
 //! Dependencies point down: the shims and the metrics file use the core, the core uses the
 //! rest, and no module imports one that imports it.
@@ -33,6 +34,7 @@ pub mod environments;
 pub mod files;
 pub mod identity;
 pub mod loglimit;
+pub mod memory;
 pub mod metrics;
 pub mod node;
 pub mod notify;

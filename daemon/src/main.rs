@@ -280,6 +280,10 @@ fn enforcement(
         Ok(Arc::from(
             cgroup::detect(&cgroup::DetectConfig {
                 v1_name: config.daemon.cgroup_name.clone(),
+                supervisor_memory: {
+                    let b = config.memory_bound();
+                    Some((b.max, b.high))
+                },
                 ..Default::default()
             })
             .map_err(|e| match e {

@@ -359,7 +359,8 @@ async fn file_size(c: &mut Client, session: &str, name: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// The daemon bounds its own memory: it sits in a supervisor group with a memory limit.
+/// The daemon bounds its own memory: it sits in a supervisor group with the memory limit its
+/// caps imply.
 #[tokio::test]
 async fn the_daemon_memory_is_bounded() {
     // SAFETY: geteuid has no preconditions.
@@ -385,6 +386,14 @@ async fn the_daemon_memory_is_bounded() {
             .parse::<u64>()
             .ok()
     });
-    assert_eq!(limit, Some(256 * 1024 * 1024), "{groups}");
+    // Derived from the caps in force (6 sessions, the default 1024 connections).
+    let bound = sandcelld::memory::Bound::derive(&sandcelld::memory::Caps {
+        max_connections: 1024,
+        max_connections_per_uid: 256,
+        max_concurrent_sessions: 6,
+        max_sessions_per_uid: 5,
+        memory_max_bytes: 0,
+    });
+    assert_eq!(limit, Some(bound.max), "{groups}");
     assert!(eventually(Duration::from_secs(1), || d.child_alive()));
 }

@@ -71,18 +71,17 @@ pub enum Error {
 /// removed.
 pub const KILL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// The daemon's own memory bound: `memory.max` of its supervisor group, in bytes. Everything
-/// the daemon holds per session and per connection is bounded (reply lines 1 MiB, output caps,
-/// backlogs, messages 4 MiB), so a daemon past this is a bug or an attack that slipped a bound:
-/// the kernel then OOM-kills the daemon alone (systemd restarts it) instead of the host's
-/// other services. Workers leave the group before they run anything (they are forked into
-/// their session group), so none of their memory counts here.
-pub const SUPERVISOR_MEMORY_MAX: u64 = 256 * 1024 * 1024;
-
-/// The daemon's memory throttling threshold (`memory.high` on v2, the soft limit on v1), in
-/// bytes: past it the kernel reclaims the group's memory (page cache of files it copied)
-/// before anything is killed.
-pub const SUPERVISOR_MEMORY_HIGH: u64 = 192 * 1024 * 1024;
+/// The daemon's own memory bound for [`DetectConfig::default`]: `memory.max` of its
+/// supervisor group with the default caps, in bytes. The daemon sets the bound its
+/// configuration implies ([`crate::memory::Bound`]): everything it holds per session and per
+/// connection is bounded, so a daemon past it is a bug or an attack that slipped a bound: the
+/// kernel then OOM-kills the daemon alone (systemd restarts it) instead of the host's other
+/// services. Workers leave the group before they run anything (they are forked into their
+/// session group), so none of their memory counts here.
+pub fn supervisor_memory_default() -> (u64, u64) {
+    let b = crate::config::Config::default().memory_bound();
+    (b.max, b.high)
+}
 
 /// A cgroup implementation (v2, v1 hybrid, or none).
 pub trait Backend: Send + Sync + std::fmt::Debug {
@@ -180,7 +179,7 @@ impl Default for DetectConfig {
             v1_parent: None,
             v1_name: "sandcell".into(),
             host: Host::default(),
-            supervisor_memory: Some((SUPERVISOR_MEMORY_MAX, SUPERVISOR_MEMORY_HIGH)),
+            supervisor_memory: Some(supervisor_memory_default()),
         }
     }
 }
@@ -319,7 +318,7 @@ mod tests {
             host: Host {
                 proc_root: dir.join("proc"),
             },
-            supervisor_memory: Some((SUPERVISOR_MEMORY_MAX, SUPERVISOR_MEMORY_HIGH)),
+            supervisor_memory: Some(supervisor_memory_default()),
         };
         (dir, config)
     }

@@ -253,20 +253,13 @@ impl Backend for V1 {
             })?
             .join("cgroup.procs");
         if from.ends_with("/supervisor") && self.memory.path_of(&from).as_deref() == Some(&*dir) {
-            // Already there (a restarted daemon); its way back is unknown: the parent.
+            // Already there (a restarted daemon); its way back is unknown: the parent. The
+            // bound follows this configuration, which may differ from the last one's.
+            set_supervisor_limits(&dir, max, high)?;
             return Ok(Some(dir));
         }
         host::mkdir(&dir, true)?;
-        let limit = max.to_string();
-        host::write(&dir.join("memory.limit_in_bytes"), &limit)?;
-        let memsw = dir.join("memory.memsw.limit_in_bytes");
-        if memsw.exists() {
-            host::write(&memsw, &limit)?;
-        }
-        host::write(
-            &dir.join("memory.soft_limit_in_bytes"),
-            &high.min(max).to_string(),
-        )?;
+        set_supervisor_limits(&dir, max, high)?;
         // Writing a pid to cgroup.procs moves every thread of the process.
         host::write(&dir.join("cgroup.procs"), &std::process::id().to_string())?;
         *self.supervisor.lock().unwrap_or_else(|e| e.into_inner()) = Some(Supervisor {
@@ -355,6 +348,30 @@ struct Dir {
     controller: &'static str,
     path: PathBuf,
     rel: String,
+}
+
+/// Sets the daemon's memory group `dir` to `max` bytes (memory and memory+swap, so swap adds
+/// nothing) and its soft limit to `high`. The kernel refuses a memory limit above the
+/// memory+swap one and the other way round (`EINVAL`, cgroup-v1/memory.rst), so when the
+/// first write of the pair fails it is retried after the second.
+fn set_supervisor_limits(dir: &Path, max: u64, high: u64) -> Result<(), Error> {
+    let limit = max.to_string();
+    let mem = dir.join("memory.limit_in_bytes");
+    let memsw = dir.join("memory.memsw.limit_in_bytes");
+    if memsw.exists() {
+        if host::write(&mem, &limit).is_err() {
+            host::write(&memsw, &limit)?;
+            host::write(&mem, &limit)?;
+        } else {
+            host::write(&memsw, &limit)?;
+        }
+    } else {
+        host::write(&mem, &limit)?;
+    }
+    host::write(
+        &dir.join("memory.soft_limit_in_bytes"),
+        &high.min(max).to_string(),
+    )
 }
 
 /// One session's v1 groups (one directory per hierarchy).

@@ -66,7 +66,35 @@ async fn send(w: &Writer, call: &Call<RawCall>, value: &impl Serialize) -> Sent 
     }
     let mut buf = Vec::new();
     socket::encode(&mut buf, value)?;
-    w.write_reply(&buf).await
+    deliver(w, buf).await.map(drop)
+}
+
+/// Writes one encoded reply through [`Writer::send`], which charges it to the reply budgets;
+/// one that does not fit is answered `CapacityExceeded` naming the budget instead (a small
+/// reply, never refused). Returns whether the reply itself was written.
+async fn deliver(w: &Writer, buf: Vec<u8>) -> std::io::Result<bool> {
+    match w.send(buf, socket::Kind::Reply).await {
+        Ok(()) => Ok(true),
+        Err(socket::SendError::Io(e)) => Err(e),
+        Err(socket::SendError::Refused(r)) => {
+            let e = reply_refused(r);
+            let v = serde_json::to_value(&e).unwrap_or(Value::Null);
+            let reply = ErrorReply {
+                error: e.name(),
+                parameters: v.get("parameters").cloned().unwrap_or(json!({})),
+            };
+            let mut buf = Vec::new();
+            socket::encode(&mut buf, &reply)?;
+            debug_assert!(buf.len() <= socket::SMALL_REPLY_BYTES);
+            match w.send(buf, socket::Kind::Reply).await {
+                Ok(()) => Ok(false),
+                Err(socket::SendError::Io(e)) => Err(e),
+                Err(socket::SendError::Refused(_)) => {
+                    Err(std::io::Error::other("a small reply was refused"))
+                }
+            }
+        }
+    }
 }
 
 /// Answers a message that cannot be a call (not JSON, not a Varlink call object, over the
@@ -78,7 +106,7 @@ pub async fn refuse_malformed(w: &Writer) -> Sent {
     let e = service_error("InvalidParameter", json!({ "parameter": "message" }));
     let mut buf = Vec::new();
     socket::encode(&mut buf, &e)?;
-    w.write_reply(&buf).await
+    deliver(w, buf).await.map(drop)
 }
 
 /// Bytes charged up front for a `ListFiles` reply: 1000 entries of about 1 KiB each. The
@@ -101,13 +129,14 @@ fn reply_refused(r: socket::ReplyRefused) -> KernelError {
     }
 }
 
-/// Sends a large reply under `charge`: the charge is set to the encoded size (or the call is
-/// answered `CapacityExceeded` if that does not fit) and held until the reply is written.
+/// Sends a reply built under `charge` (taken before its content was read): once encoded, the
+/// value is dropped and the charge handed over to [`deliver`], which charges the encoded
+/// message until the client has it (or answers `CapacityExceeded` if it does not fit).
 async fn send_charged<T: Serialize>(
     w: &Writer,
     call: &Call<RawCall>,
     value: T,
-    mut charge: socket::ReplyCharge,
+    charge: socket::ReplyCharge,
 ) -> Sent {
     if call.oneway() {
         return Ok(());
@@ -117,11 +146,8 @@ async fn send_charged<T: Serialize>(
     socket::encode(&mut buf, &reply)?;
     // Only the encoded message stays alive while the client reads it.
     drop(reply);
-    if let Err(r) = charge.resize(buf.len()) {
-        drop(buf);
-        return send_kernel_error(w, call, reply_refused(r)).await;
-    }
-    w.write_reply(&buf).await
+    drop(charge);
+    deliver(w, buf).await.map(drop)
 }
 
 async fn send_error(w: &Writer, call: &Call<RawCall>, mut e: ErrorReply) -> Sent {
@@ -404,8 +430,9 @@ async fn open(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) ->
     }
 }
 
-// The two replies that can be large (`ListFiles`, `GetFile`) are charged to the reply budgets
-// before anything is read, and hold the charge until written (socket.rs, ReplyCharge).
+// The two replies that are large before they are encoded (`ListFiles`, `GetFile`) are charged
+// to the reply budgets before anything is read (socket.rs, ReplyCharge); once encoded, every
+// reply is charged by `Writer::send` until the client has it.
 
 /// `ListFiles`, charged [`LIST_REPLY_CHARGE`] up front.
 async fn list_files(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) -> Sent {
@@ -570,7 +597,13 @@ async fn stream_frames(
             }
         }
         if !call.oneway() && !buf.is_empty() {
-            w.write_all(&buf).await?;
+            match w.send(std::mem::take(&mut buf), socket::Kind::Stream).await {
+                Ok(()) => {}
+                Err(socket::SendError::Io(e)) => return Err(e),
+                Err(socket::SendError::Refused(_)) => {
+                    return Err(std::io::Error::other("streamed frames were refused"));
+                }
+            }
         }
         if last {
             return Ok(Streamed::Result);
@@ -606,16 +639,12 @@ async fn attach(
     for frame in replay {
         last = encode_frame(&mut buf, frame, core)?;
     }
-    let mut charge = charge;
-    if let Err(r) = charge.resize(buf.len()) {
-        drop(buf);
-        return send_kernel_error(w, call, reply_refused(r)).await;
-    }
-    if !call.oneway() {
-        w.write_reply(&buf).await?;
-    }
-    drop(buf);
+    // The replay is charged as any reply from here on (deliver); refused, it is answered
+    // `CapacityExceeded` and the attachment ends.
     drop(charge);
+    if !call.oneway() && !deliver(w, buf).await? {
+        return Ok(());
+    }
     if last {
         return Ok(());
     }

@@ -6,6 +6,9 @@
 //! one message beyond the one being answered) and notices a hang-up at once, even during a
 //! silent cell. Calls on one connection are answered in order, as Varlink requires.
 //!
+//! Every byte written to a client goes through [`socket::Writer::send`], which charges it to
+//! the reply budgets until the kernel's send queue has handed it over (socket.rs).
+//!
 //! Connections are capped in total (`daemon.max_connections`) and per uid
 //! (`daemon.max_connections_per_uid`): one over a cap is closed at once and logged with its
 //! uid. A connection with no call in flight, no partial message and no session it owns is
@@ -168,7 +171,25 @@ async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
     drop(pidfd);
     tracing::debug!(connection = id, uid, pid, "client connected");
     let (mut read, write) = socket::split(stream, uid);
+    let write = Arc::new(write);
     let partial = read.partial_flag();
+    // Keeps the connection's charge equal to its kernel send queue; a queue that stays full
+    // ends the connection (the reader then sees end of file).
+    let watcher = {
+        let write = write.clone();
+        tokio::spawn(async move {
+            write.watch().await;
+            tracing::info!(
+                connection = id,
+                uid,
+                pid,
+                queued = write.queued(),
+                stall_seconds = socket::SEND_STALL_SECONDS,
+                "closing a connection whose client reads nothing of its replies"
+            );
+            write.end();
+        })
+    };
     let (calls_tx, mut calls_rx) = mpsc::channel::<socket::Message>(1);
     let (closed_tx, mut closed_rx) = watch::channel(false);
     // Set when the connection ends on a message that cannot be a call (over the bound, not
@@ -237,12 +258,29 @@ async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
             // the session actor sees that and cancels the cell (kill, reap, release).
             _ = async { let _ = closed.wait_for(|c| *c).await; } => Err(std::io::ErrorKind::BrokenPipe.into()),
         };
-        if handled.is_err() {
+        if let Err(e) = handled {
+            if e.kind() == std::io::ErrorKind::TimedOut {
+                tracing::info!(
+                    connection = id,
+                    uid,
+                    pid,
+                    queued = write.queued(),
+                    stall_seconds = socket::SEND_STALL_SECONDS,
+                    "closing a connection whose client reads nothing of its replies"
+                );
+            }
             break;
         }
     }
     reader.abort();
     let _ = reader.await;
+    watcher.abort();
+    let _ = watcher.await;
+    // Sessions end with their connection at once; the connection's place under the caps and
+    // its charge are kept until the client has taken (or dropped) what the kernel still
+    // queues for it.
+    core.close_owned_sessions(id).await;
+    write.linger().await;
     core.connection_closed(guard).await;
     tracing::debug!(connection = id, "client disconnected");
 }

@@ -14,13 +14,21 @@
 //! that finds it exhausted waits (the kernel's socket buffer pushes back on its client).
 //! Replies are serialized once with `serde_json` (linear) and written whole.
 //!
-//! Replies that can be large (`GetFile`, up to 1 MiB of file as base64; `ListFiles`, up to 1000
-//! entries) are charged to a daemon-wide reply budget ([`REPLY_BYTES`]) and a per-uid one
-//! ([`REPLY_BYTES_PER_UID`]) before anything is read or encoded, and hold their charge until
-//! written ([`ReplyCharge`]). A client that sends such calls and never reads the replies thus
-//! holds at most its uid's share of daemon memory; past it, its calls are answered
-//! `CapacityExceeded` at once. A single reply that the client does not take within
-//! [`REPLY_SECONDS`] ends the connection, which returns the charge.
+//! Every byte the daemon holds for a client is charged to a daemon-wide reply budget
+//! ([`REPLY_BYTES`]) and a per-uid one ([`REPLY_BYTES_PER_UID`]) until the kernel has handed
+//! it to the client, in one place: [`Writer::send`], the only way bytes reach a client. It
+//! charges each reply of every method (errors included) and each batch of streamed frames,
+//! with what the connection's kernel send queue holds; a reply that does not fit is answered
+//! `CapacityExceeded` instead (replies of at most [`SMALL_REPLY_BYTES`] are charged but never
+//! refused), streamed frames wait for room. Once written, bytes stay charged while they sit
+//! in the kernel's send queue (`SIOCOUTQ`, [`Writer::watch`]), which `SO_SNDBUF` keeps small
+//! ([`SEND_BUFFER_BYTES`]); a connection whose queue does not shrink for
+//! [`SEND_STALL_SECONDS`] is ended, and keeps its charge (and its place under the connection
+//! caps) until its client has read or closed ([`Writer::linger`]). Replies that are large
+//! before they are encoded (`GetFile`, `ListFiles`, an `Attach` replay) are also charged
+//! ([`ReplyCharge`]) before anything is read. A client that sends calls and never reads the
+//! replies thus holds at most its uid's share of daemon memory; past it, its calls are
+//! answered `CapacityExceeded` at once.
 //!
 //! Descriptors (`SCM_RIGHTS`, for `PutFile`): at most [`MAX_FDS`] per `recvmsg` (more truncate
 //! the control data, which ends the connection; the kernel closes the excess) and per message,
@@ -57,8 +65,8 @@ pub const READ_CHUNK: usize = 64 * 1024;
 pub const KEEP_BUFFER: usize = 64 * 1024;
 
 /// Daemon-wide budget of buffered client bytes beyond each connection's first
-/// [`KEEP_BUFFER`], bytes (16 messages of the largest size).
-pub const READ_AHEAD_BYTES: usize = 64 * 1024 * 1024;
+/// [`KEEP_BUFFER`], bytes (16 messages of the largest size; [`crate::memory`]).
+pub const READ_AHEAD_BYTES: usize = crate::memory::READ_AHEAD_BYTES as usize;
 
 /// Seconds within which a message must be complete once its first byte arrived; a client that
 /// trickles a message slower than that is disconnected.
@@ -68,17 +76,13 @@ pub const MESSAGE_SECONDS: u64 = 30;
 /// longer read from.
 pub const MAX_DISPOSING_PER_UID: usize = 16;
 
-/// Daemon-wide budget of large replies being built or waiting to be written, bytes.
-pub const REPLY_BYTES: usize = 64 * 1024 * 1024;
+/// Daemon-wide budget of replies being built, written or queued in the kernel, bytes
+/// (`daemon_reply_bytes`; [`crate::memory::REPLY_BYTES`]).
+pub const REPLY_BYTES: usize = crate::memory::REPLY_BYTES as usize;
 
-/// Share of [`REPLY_BYTES`] one uid may hold, bytes: a quarter, so one uid that stops reading
-/// leaves room for others.
-pub const REPLY_BYTES_PER_UID: usize = 16 * 1024 * 1024;
-
-/// Seconds a single (non-streamed) reply may wait for the client to read it; past that the
-/// connection ends. Streamed frames are not timed here: their session's queue is bounded and
-/// the cell's wall time ends the stream.
-pub const REPLY_SECONDS: u64 = 60;
+/// Share of [`REPLY_BYTES`] one uid may hold, bytes (`reply_bytes_per_uid`): a quarter, so one
+/// uid that stops reading leaves room for others.
+pub const REPLY_BYTES_PER_UID: usize = crate::memory::REPLY_BYTES_PER_UID as usize;
 
 /// Bytes charged to the reply budgets: daemon-wide, and per uid.
 static REPLY_IN_USE: LazyLock<Mutex<(usize, HashMap<u32, usize>)>> =
@@ -158,6 +162,13 @@ impl ReplyCharge {
         Ok(())
     }
 
+    /// Sets the charge to `bytes` whatever the budgets hold (for bytes that exist already and
+    /// are bounded otherwise: a connection's send queue, a small reply).
+    pub fn force(&mut self, bytes: usize) {
+        self.resize_within(bytes, usize::MAX, usize::MAX)
+            .expect("an unbounded budget takes any charge");
+    }
+
     /// Bytes charged.
     pub fn bytes(&self) -> usize {
         self.bytes
@@ -212,12 +223,22 @@ pub struct Reader {
     partial: Arc<AtomicBool>,
 }
 
-/// The write side of a client connection.
+/// The write side of a client connection: its socket and the charge of the bytes it holds
+/// for the client (a reply being written and the kernel's send queue).
 #[derive(Debug)]
-pub struct Writer(OwnedWriteHalf);
+pub struct Writer {
+    half: OwnedWriteHalf,
+    held: Mutex<ReplyCharge>,
+    /// A [`Writer::send`] is under way (it owns the charge meanwhile).
+    sending: AtomicBool,
+    /// Woken after every send, for [`Writer::watch`].
+    wrote: Notify,
+}
 
-/// Splits an accepted connection for a client of `uid`.
+/// Splits an accepted connection for a client of `uid`, after setting its `SO_SNDBUF` to
+/// [`SEND_BUFFER_BYTES`].
 pub fn split(stream: UnixStream, uid: u32) -> (Reader, Writer) {
+    set_send_buffer(&stream);
     let (r, w) = stream.into_split();
     (
         Reader {
@@ -230,8 +251,32 @@ pub fn split(stream: UnixStream, uid: u32) -> (Reader, Writer) {
             started: None,
             partial: Arc::default(),
         },
-        Writer(w),
+        Writer {
+            half: w,
+            held: Mutex::new(ReplyCharge { uid, bytes: 0 }),
+            sending: AtomicBool::new(false),
+            wrote: Notify::new(),
+        },
     )
+}
+
+/// Sets `SO_SNDBUF` to [`SEND_BUFFER_BYTES`] (the kernel doubles it; socket(7)). A failure is
+/// logged: the kernel's default then applies, still charged while queued.
+fn set_send_buffer(s: &UnixStream) {
+    let v = SEND_BUFFER_BYTES as libc::c_int;
+    // SAFETY: setsockopt reads one int.
+    let r = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "SO_SNDBUF not set");
+    }
 }
 
 fn invalid(msg: String) -> std::io::Error {
@@ -460,34 +505,219 @@ fn recv_with_fds(sock: &UnixStream, buf: &mut [u8]) -> std::io::Result<(usize, V
     Ok((n as usize, fds))
 }
 
+/// Bytes asked of the kernel as `SO_SNDBUF` on every accepted connection
+/// ([`crate::memory::SEND_BUFFER_BYTES`]). The kernel doubles the value (socket(7)), so a
+/// connection's send queue takes about 32 KiB of the daemon's memory before `write()` blocks,
+/// instead of the default `wmem_default` (about 208 KiB; 232 KiB measured with overhead).
+pub const SEND_BUFFER_BYTES: usize = crate::memory::SEND_BUFFER_BYTES as usize;
+
+/// Kernel memory one connection's send queue can hold, bytes
+/// ([`crate::memory::SEND_QUEUE_BOUND`]).
+pub const SEND_QUEUE_BOUND: usize = crate::memory::SEND_QUEUE_BOUND as usize;
+
+/// Replies of at most this many bytes are never refused for want of reply budget (errors,
+/// `CapacityExceeded` itself, `Open`, small statuses): they are charged all the same, and
+/// the connection's fixed share of the daemon's memory covers one of them.
+pub const SMALL_REPLY_BYTES: usize = 4 * 1024;
+
+/// Seconds a connection's send queue may stay non-empty without the client taking a byte of
+/// it (and a reply or frame may wait to enter the kernel) before the connection is ended.
+pub const SEND_STALL_SECONDS: u64 = 30;
+
+/// Shortest and longest interval between two looks at a connection's send queue (`SIOCOUTQ`)
+/// while it is not empty.
+const QUEUE_POLL_MIN: Duration = Duration::from_millis(20);
+const QUEUE_POLL_MAX: Duration = Duration::from_secs(1);
+
+/// What kind of bytes a [`Writer::send`] carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A reply: refused with [`SendError::Refused`] when it does not fit the reply budgets
+    /// (unless it is at most [`SMALL_REPLY_BYTES`]).
+    Reply,
+    /// Frames of a stream already under way: wait for the budgets to have room (a client
+    /// that reads nothing stalls its own stream), ending the connection after
+    /// [`SEND_STALL_SECONDS`].
+    Stream,
+}
+
+/// Why a [`Writer::send`] did not write.
+#[derive(Debug)]
+pub enum SendError {
+    /// The reply does not fit a reply budget; nothing was written, the connection is fine.
+    Refused(ReplyRefused),
+    /// The connection is unusable (peer gone, socket failed, or stalled:
+    /// `TimedOut`).
+    Io(std::io::Error),
+}
+
+impl From<std::io::Error> for SendError {
+    fn from(e: std::io::Error) -> Self {
+        SendError::Io(e)
+    }
+}
+
+/// Bytes of the kernel's send queue of socket `fd` not yet taken by the peer (`SIOCOUTQ`,
+/// unix(7): on a Unix socket, the memory its queued buffers take, overhead included); 0 when
+/// the socket cannot say.
+fn send_queue(fd: std::os::fd::RawFd) -> usize {
+    let mut n: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ (= SIOCOUTQ) writes one int.
+    let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut n) };
+    if r == 0 { n.max(0) as usize } else { 0 }
+}
+
 impl Writer {
-    /// Writes all of `buf` (whole Varlink messages, each ending in NUL).
+    fn fd(&self) -> std::os::fd::RawFd {
+        let s: &UnixStream = self.half.as_ref();
+        s.as_raw_fd()
+    }
+
+    /// Bytes of this connection's kernel send queue not yet taken by the client.
+    pub fn queued(&self) -> usize {
+        send_queue(self.fd())
+    }
+
+    /// Bytes this connection holds charged to the reply budgets now (a reply being written and
+    /// the kernel's send queue).
+    pub fn held(&self) -> usize {
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).bytes()
+    }
+
+    /// Sets the charge to the send queue's size (never refused: bounded by
+    /// [`SEND_QUEUE_BOUND`]).
+    fn settle(&self) {
+        let q = self.queued();
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).force(q);
+    }
+
+    /// Writes `buf` (whole Varlink messages, each ending in NUL): the one way bytes reach a
+    /// client, so every reply of every method is charged. The charge is the message plus what
+    /// the kernel's send queue already holds, to the daemon-wide and the client uid's reply
+    /// budgets ([`REPLY_BYTES`], [`REPLY_BYTES_PER_UID`]); once written, the message's bytes
+    /// stay charged as long as they sit in the send queue (see [`Writer::watch`]).
     ///
-    /// Errors: the peer is gone or the socket failed.
-    pub async fn write_all(&self, mut buf: &[u8]) -> std::io::Result<()> {
-        let stream: &UnixStream = self.0.as_ref();
-        while !buf.is_empty() {
-            stream.writable().await?;
-            match stream.try_write(buf) {
-                Ok(n) => buf = &buf[n..],
+    /// Errors: [`SendError::Refused`] for a [`Kind::Reply`] of more than
+    /// [`SMALL_REPLY_BYTES`] that does not fit (nothing written); [`SendError::Io`] when the
+    /// peer is gone or the socket failed, or `TimedOut` when the client took nothing for
+    /// [`SEND_STALL_SECONDS`] (the caller then ends the connection).
+    pub async fn send(&self, buf: Vec<u8>, kind: Kind) -> Result<(), SendError> {
+        struct Sending<'a>(&'a Writer);
+        impl Drop for Sending<'_> {
+            fn drop(&mut self) {
+                self.0.settle();
+                self.0.sending.store(false, Ordering::Relaxed);
+                self.0.wrote.notify_one();
+            }
+        }
+        self.sending.store(true, Ordering::Relaxed);
+        let _sending = Sending(self);
+        let stall = Duration::from_secs(SEND_STALL_SECONDS);
+        let since = tokio::time::Instant::now();
+        let mut pause = QUEUE_POLL_MIN;
+        loop {
+            let charged = {
+                let mut h = self.held.lock().unwrap_or_else(|e| e.into_inner());
+                let want = self.queued() + buf.len();
+                if buf.len() <= SMALL_REPLY_BYTES {
+                    h.force(want);
+                    Ok(())
+                } else {
+                    h.resize(want)
+                }
+            };
+            match (charged, kind) {
+                (Ok(()), _) => break,
+                (Err(r), Kind::Reply) => return Err(SendError::Refused(r)),
+                (Err(_), Kind::Stream) if since.elapsed() >= stall => {
+                    return Err(stalled().into());
+                }
+                (Err(_), Kind::Stream) => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(QUEUE_POLL_MAX);
+                }
+            }
+        }
+        let stream: &UnixStream = self.half.as_ref();
+        let mut rest = &buf[..];
+        while !rest.is_empty() {
+            match tokio::time::timeout(stall, stream.writable()).await {
+                Ok(r) => r?,
+                Err(_) => return Err(stalled().into()),
+            }
+            match stream.try_write(rest) {
+                Ok(n) => rest = &rest[n..],
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             }
         }
         Ok(())
     }
 
-    /// [`Writer::write_all`] that gives up after [`REPLY_SECONDS`] with `TimedOut` (the
-    /// connection is then ended by the caller).
-    pub async fn write_reply(&self, buf: &[u8]) -> std::io::Result<()> {
-        match tokio::time::timeout(Duration::from_secs(REPLY_SECONDS), self.write_all(buf)).await {
-            Ok(r) => r,
-            Err(_) => Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "the client did not read its reply",
-            )),
+    /// Keeps this connection's charge equal to its kernel send queue while the queue drains
+    /// (looking every 20 ms to 1 s while it is not empty, and after every write), and returns
+    /// when the queue stayed non-empty without shrinking for [`SEND_STALL_SECONDS`]: the
+    /// client stopped reading, and the caller ends the connection.
+    pub async fn watch(&self) {
+        let stall = Duration::from_secs(SEND_STALL_SECONDS);
+        let mut last = (0usize, tokio::time::Instant::now());
+        let mut pause = QUEUE_POLL_MIN;
+        loop {
+            let wrote = self.wrote.notified();
+            let q = self.queued();
+            if !self.sending.load(Ordering::Relaxed) {
+                self.settle();
+            }
+            if q == 0 {
+                wrote.await;
+                last = (0, tokio::time::Instant::now());
+                pause = QUEUE_POLL_MIN;
+                continue;
+            }
+            if q != last.0 {
+                if q < last.0 {
+                    pause = QUEUE_POLL_MIN;
+                }
+                last = (q, tokio::time::Instant::now());
+            } else if last.1.elapsed() >= stall && !self.sending.load(Ordering::Relaxed) {
+                return;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(QUEUE_POLL_MAX);
         }
     }
+
+    /// Shuts the connection down both ways (`shutdown(2)`): the reader sees end of file and
+    /// writes fail, so the connection's task ends it.
+    pub fn end(&self) {
+        // SAFETY: shutdown on a socket descriptor this writer owns.
+        unsafe { libc::shutdown(self.fd(), libc::SHUT_RDWR) };
+    }
+
+    /// Ends the connection for the client (`shutdown(2)` both ways: it reads what is queued,
+    /// then end of file) and returns once the kernel's send queue is empty, keeping it
+    /// charged until then: bytes a client leaves unread stay in the daemon's memory (they are
+    /// the daemon's socket buffers, in the client's receive queue) until it reads them or
+    /// closes its end, whatever the daemon does with its own end.
+    pub async fn linger(&self) {
+        self.end();
+        let mut pause = QUEUE_POLL_MIN;
+        loop {
+            self.settle();
+            if self.queued() == 0 {
+                return;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(QUEUE_POLL_MAX);
+        }
+    }
+}
+
+fn stalled() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("the client took nothing of its replies for {SEND_STALL_SECONDS} s"),
+    )
 }
 
 /// Appends `value` as one Varlink message (JSON and a NUL) to `buf`, in time linear in its
