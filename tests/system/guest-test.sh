@@ -493,7 +493,7 @@ if command -v varlinkctl >/dev/null; then
     echo "$out" | tr -d '\n' | cut -c1-600 | sed 's/^/    varlinkctl call --more Run: /'
     echo
     if [[ $rc == 0 && $(tr -d ' \n' <<<"$out") == *'"42\n"'* ]]; then pass varlinkctl-call-more-run; else fail varlinkctl-call-more-run "exit $rc"; fi
-    out=$(timeout 300 runuser -u gw -- varlinkctl call "$ksock" org.sandcell.Kernel.Inspect '{"session": "no-such-session"}' 2>&1)
+    out=$(timeout 300 runuser -u gw -- varlinkctl call "$ksock" org.sandcell.Kernel.Inspect '{"session": "00000000000000000000000000000000"}' 2>&1)
     rc=$?
     echo "    varlinkctl typed error: ${out:0:300}"
     if [[ $rc != 0 && $out == *org.sandcell.Kernel.NoSuchSession* ]]; then pass varlinkctl-typed-error; else fail varlinkctl-typed-error "exit $rc"; fi
