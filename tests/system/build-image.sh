@@ -36,6 +36,8 @@ packages=(systemd-sysv udev dbus polkitd pkexec libpam-systemd r-base-core r-cra
 packages+=(python3-numpy python3-pandas python3-scipy python3-matplotlib fontconfig)
 # The Python client's own test suite runs in the guest against the installed python3-sandcell.
 packages+=(python3-pytest)
+# trixie's apt variant no longer has passwd (useradd, which the guest test uses, and passwd).
+[[ $dist == trixie ]] && packages+=(passwd)
 # The kernels: bookworm's own (6.1, Landlock ABI 2) from --include, then bookworm-backports'
 # (6.12, Landlock ABI 6) by upgrading the linux-image-amd64 metapackage in a customize hook.
 # The upgrade keeps the 6.1 image package installed (apt does not remove a package the old
