@@ -28,6 +28,12 @@ done
 [[ ! -e daemon/tests ]] || { echo "test: daemon/tests/ exists; integration tests live in tests/integration/" >&2; exit 1; }
 echo "== cargo test"
 cargo test "${CARGO_FLAGS[@]}" --workspace --no-fail-fast -- --test-threads=2
+echo "== cargo test under the unit's sandbox: units/sandcelld.service's seccomp filters, bounding"
+echo "   set and no_new_privs, applied without systemd (tests/integration/common/unit_sandbox.rs);"
+echo "   the suites covering every org.sandcell.Kernel method and the metrics file"
+SANDCELL_TEST_UNIT_SANDBOX=1 cargo test "${CARGO_FLAGS[@]}" -p sandcelld --no-fail-fast \
+    --test unit_sandbox --test files --test submit_attach --test inspect --test host_calls \
+    --test pydata --test metrics -- --test-threads=2
 echo "== python client (clients/python) against a real sandcelld; docs/deploy manifests"
 bash scripts/test-python-client.sh
 echo "== soak: 8 clients x 100 cells against a socket-activated sandcelld, every result checked"

@@ -8,7 +8,8 @@
 //!   component, no NUL or control character, no leading `-`, at most [`MAX_NAME_BYTES`] bytes
 //!   and [`MAX_DEPTH`] components;
 //! - every path is resolved with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
-//!   RESOLVE_NO_MAGICLINKS)` from a descriptor of the session directory, and every further
+//!   RESOLVE_NO_MAGICLINKS)` (or, where a sandbox refuses openat2, the equivalent walk of
+//!   [`crate::resolve`]) from a descriptor of the session directory, and every further
 //!   step is relative to a descriptor, never to a path: a symlink anywhere fails the call
 //!   (`ELOOP`), `..` can never leave the directory;
 //! - reads open with `O_NOFOLLOW | O_NONBLOCK` (a FIFO must not block) and check `fstat` is a
@@ -457,19 +458,17 @@ pub fn validate_new_name(name: &str) -> Result<Vec<&str>, Error> {
 }
 
 /// `openat2(dir, path, flags | O_CLOEXEC, mode, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
-/// RESOLVE_NO_MAGICLINKS)`: nothing outside `dir`, no symlink and no /proc magic link is
-/// ever followed (openat2(2), Linux 5.6).
+/// RESOLVE_NO_MAGICLINKS)`, or the equivalent walk where openat2 is refused
+/// ([`crate::resolve`]): nothing outside `dir`, no symlink and no /proc magic link is ever
+/// followed (openat2(2), Linux 5.6).
 fn openat2(dir: BorrowedFd<'_>, path: &str, flags: i32, mode: u32) -> std::io::Result<OwnedFd> {
-    use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
-    let how = OpenHow::new()
-        .flags(OFlag::from_bits_retain(flags | libc::O_CLOEXEC))
-        .mode(Mode::from_bits_retain(mode))
-        .resolve(
-            ResolveFlag::RESOLVE_BENEATH
-                | ResolveFlag::RESOLVE_NO_SYMLINKS
-                | ResolveFlag::RESOLVE_NO_MAGICLINKS,
-        );
-    Ok(nix::fcntl::openat2(dir, path, how)?)
+    crate::resolve::open(
+        dir,
+        Path::new(path),
+        flags,
+        mode,
+        crate::resolve::Scope::Beneath,
+    )
 }
 
 fn cstr(name: &str) -> Result<CString, Error> {

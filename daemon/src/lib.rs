@@ -38,6 +38,7 @@ pub mod node;
 pub mod notify;
 pub mod polkit;
 pub mod pool;
+pub mod resolve;
 pub mod session;
 pub mod varlink;
 pub mod worker;

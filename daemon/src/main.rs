@@ -208,6 +208,12 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     let core = Core::new(config, options, backend, Arc::new(SocketPermissions));
     core.restore_ended(&previous);
     tracing::info!(cgroups = core.cgroup_mode(), activated, "starting");
+    // How session files and the metrics file are opened: openat2, or the equivalent walk
+    // where a seccomp filter (systemd's RestrictSUIDSGID=) or the kernel refuses openat2.
+    tracing::info!(
+        path_resolution = sandcelld::resolve::decide(),
+        "path resolution"
+    );
 
     probe_environments(&core).await?;
     // The D-Bus control plane and the polkit authority (sandcelld::dbus).

@@ -489,12 +489,12 @@ pub fn escape_help(v: &str) -> String {
 /// The daemon runs as root and the file is rewritten and finally removed by name, so the
 /// path must not let anyone else choose what gets replaced: the directory is opened with
 /// `openat2(RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)` (no symlink anywhere in the path,
-/// openat2(2)), must be owned by the daemon's effective uid and writable by no group and no
+/// openat2(2); the equivalent walk of [`crate::resolve`] where a sandbox refuses openat2),
+/// must be owned by the daemon's effective uid and writable by no group and no
 /// other user. Errors: `InvalidInput` for a relative path or one without a file name,
 /// `PermissionDenied` for a directory someone else could change, the open's own error
 /// otherwise (`ELOOP` for a symlink).
 fn open_parent(path: &Path) -> std::io::Result<(OwnedFd, CString)> {
-    use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
     use std::os::unix::ffi::OsStrExt;
     let invalid =
         |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidInput, what.to_owned());
@@ -505,10 +505,13 @@ fn open_parent(path: &Path) -> std::io::Result<(OwnedFd, CString)> {
         return Err(invalid("metrics_file must be an absolute path"));
     }
     let name = CString::new(name.as_bytes()).map_err(|_| invalid("metrics_file contains NUL"))?;
-    let how = OpenHow::new()
-        .flags(OFlag::O_DIRECTORY | OFlag::O_RDONLY | OFlag::O_CLOEXEC)
-        .resolve(ResolveFlag::RESOLVE_NO_SYMLINKS | ResolveFlag::RESOLVE_NO_MAGICLINKS);
-    let dir = nix::fcntl::openat2(nix::fcntl::AT_FDCWD, parent, how)?;
+    let dir = crate::resolve::open(
+        crate::resolve::cwd(),
+        parent,
+        libc::O_DIRECTORY | libc::O_RDONLY,
+        0,
+        crate::resolve::Scope::Anywhere,
+    )?;
     let st = nix::sys::stat::fstat(&dir)?;
     if st.st_uid != nix::unistd::geteuid().as_raw() || st.st_mode & 0o022 != 0 {
         return Err(std::io::Error::new(

@@ -7,6 +7,7 @@
 
 pub mod bus;
 pub mod polkit;
+pub mod unit_sandbox;
 
 use sandcell_client::Client;
 use std::io::Read;
@@ -82,6 +83,20 @@ pub fn rand_hex(n: usize) -> String {
 
 fn unique() -> String {
     rand_hex(6)
+}
+
+/// The sandbox of units/sandcelld.service, built once per test process (it runs
+/// systemd-analyze).
+fn unit_sandbox_of_unit() -> &'static unit_sandbox::UnitSandbox {
+    static S: std::sync::OnceLock<unit_sandbox::UnitSandbox> = std::sync::OnceLock::new();
+    S.get_or_init(|| {
+        eprintln!(
+            "note: sandcelld runs under units/sandcelld.service's seccomp filters, bounding set \
+             and no_new_privs ({}=1)",
+            unit_sandbox::ENV
+        );
+        unit_sandbox::UnitSandbox::of_unit()
+    })
 }
 
 impl Daemon {
@@ -204,6 +219,9 @@ impl Daemon {
                 c
             }
         };
+        if unit_sandbox::enabled() {
+            unit_sandbox_of_unit().apply(&mut cmd);
+        }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap());
