@@ -618,9 +618,13 @@ CONF
     chown -R gw: /tmp/pyclient
     t=$(date +%s)
     out=$(cd /tmp/pyclient && timeout 2400 runuser -u gw -- env SANDCELL_TEST_SOCKET=/run/sandcell/org.sandcell.Kernel \
-        python3 -m pytest -p no:cacheprovider -q -rs --durations=8 clients/python/tests 2>&1)
+        python3 -m pytest -p no:cacheprovider -q -rfEs --durations=8 clients/python/tests 2>&1)
     rc=$?
-    echo "$out" | tail -60 | sed 's/^/    pytest: /'
+    # The whole report goes to the host (pytest.log in the staging directory); the log shows
+    # each failure's last lines and the summary.
+    echo "$out" >"$share/pytest.log"
+    grep -E '^(E  |_{5,} test_)' <<<"$out" | head -60 | sed 's/^/    pytest: /'
+    sed -n '/slowest .* durations/,$p' <<<"$out" | sed 's/^/    pytest: /'
     echo "    (the Python client's suite: $(($(date +%s) - t)) s)"
     summary=$(grep -E '^[0-9]+ (passed|failed)|(passed|failed|skipped).* in [0-9.]+s' <<<"$out" | tail -1)
     echo "guest: python client suite: $summary"
