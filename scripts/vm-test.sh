@@ -149,7 +149,8 @@ boot() {
     echo "---- guest log [$k] ($run/guest.log) ----"
     cat "$run/guest.log" 2>/dev/null || echo "(no guest log)"
     echo "---- end of guest log [$k] ----"
-    grep -h '^sandcell-vm-run:' "$run/console.log" 2>/dev/null || true
+    # systemd 257 writes terminal control sequences on the console before a line: unanchored.
+    grep -ho 'sandcell-vm-run:.*' "$run/console.log" 2>/dev/null || true
     guest_rc=""
     if [[ $rc == 124 ]]; then
         echo "vm-test[$k]: the VM did not power off within ${limit}s; console tail:" >&2
@@ -164,8 +165,8 @@ boot() {
     [[ -f $run/python-runtime.new.tar ]] && mv "$run/python-runtime.new.tar" "$cache/python-runtime.tar"
 
     # Figures: boot = kernel start to the test unit (guest uptime), guest run = the test itself.
-    booted=$(sed -n 's/^sandcell-vm-run: guest booted in \([0-9.]*\) s.*/\1/p' "$run/console.log" 2>/dev/null | head -1)
-    finished=$(sed -n 's/^sandcell-vm-run: guest test finished with [0-9]* after \([0-9.]*\) s.*/\1/p' "$run/console.log" 2>/dev/null | head -1)
+    booted=$(sed -n 's/^.*sandcell-vm-run: guest booted in \([0-9.]*\) s.*/\1/p' "$run/console.log" 2>/dev/null | head -1)
+    finished=$(sed -n 's/^.*sandcell-vm-run: guest test finished with [0-9]* after \([0-9.]*\) s.*/\1/p' "$run/console.log" 2>/dev/null | head -1)
     passed=$(grep -c '^PASS' "$run/guest.log" 2>/dev/null || true)
     failed=$(grep -c '^FAIL' "$run/guest.log" 2>/dev/null || true)
     skipped=$(grep -c '^SKIP' "$run/guest.log" 2>/dev/null || true)
