@@ -1,18 +1,25 @@
 #!/usr/bin/env bash
-# System test tier: boot a Debian 12 VM (qemu, TCG) with systemd as PID 1 and pure cgroup v2,
-# install the built sandcell .deb in it, and drive it as an operator would
-# (tests/system/guest-test.sh). By default the same image boots twice: once with Debian 12's own
-# kernel (bookworm's linux-image-amd64, 6.1, Landlock ABI 2) and once with bookworm-backports'
-# (6.12, Landlock ABI 6). Exit status: 0 when every check passed on every kernel booted.
+# System test tier: boot a Debian VM (qemu, TCG) with systemd as PID 1 and pure cgroup v2,
+# install the built sandcell and python3-sandcell .debs in it, and drive them as an operator
+# would (tests/system/guest-test.sh: every Kernel method, the metrics file, the Python client's
+# own test suite). By default the Debian 12 image boots twice: once with Debian 12's own kernel
+# (bookworm's linux-image-amd64, 6.1, Landlock ABI 2) and once with bookworm-backports' (6.12,
+# Landlock ABI 6). --kernel trixie boots a Debian 13 image (its own kernel, systemd 257), where
+# the test also talks to the socket with systemd's varlinkctl. Exit status: 0 when every check
+# passed on every kernel booted.
 #
-#   scripts/vm-test.sh [--kernel stable|backports|both] [--deb FILE] [--keep]
+#   scripts/vm-test.sh [--kernel stable|backports|both|trixie|all] [--release bookworm|trixie]
+#                      [--deb FILE] [--keep]
 #
-# --kernel K  which kernel(s) to boot (default both: stable, then backports)
-# --deb FILE  test this package (default: build one with scripts/package.sh --deb)
-# --keep      keep the staging directories (guest log, console log) even on success
+# --kernel K   which kernel(s) to boot (default both: stable, then backports; all: stable,
+#              backports, then trixie)
+# --release R  bookworm: the same as --kernel both; trixie: the same as --kernel trixie
+# --deb FILE   test this package (default: build one with scripts/package.sh --deb); the
+#              python3-sandcell package of the same version is taken from FILE's directory
+# --keep       keep the staging directories (guest log, console log) even on success
 #
-# Environment: SANDCELL_VM_CACHE (/var/tmp/sandcell-vm; the image is rebuilt when absent),
-# SANDCELL_VM_KERNEL (default of --kernel), SANDCELL_VM_MEMORY (MiB, 3072), SANDCELL_VM_CPUS
+# Environment: SANDCELL_VM_CACHE (/var/tmp/sandcell-vm; an image is rebuilt when absent),
+# SANDCELL_VM_KERNEL (default of --kernel), SANDCELL_VM_MEMORY (MiB, 4096), SANDCELL_VM_CPUS
 # (2), SANDCELL_VM_TIMEOUT (seconds per boot, 2700), SANDCELL_VM_LANGUAGES (python,r: what the
 # daemon serves and the test runs), SANDCELL_VM_FRESH_RUNTIME=1 (do not seed the guest with the
 # Python runtime a previous run prepared; the package's postinst then prepares it, about 6
@@ -29,19 +36,28 @@ while (($#)); do
     --deb) deb=$(realpath "$2"); shift 2 ;;
     --kernel) which=$2; shift 2 ;;
     --kernel=*) which=${1#--kernel=}; shift ;;
+    --release | --release=*)
+        if [[ $1 == --release ]]; then r=${2:-}; shift 2; else r=${1#--release=}; shift; fi
+        case $r in bookworm) which=both ;; trixie) which=trixie ;;
+        *) echo "vm-test: --release must be bookworm or trixie" >&2; exit 2 ;; esac ;;
     --keep) keep=1; shift ;;
-    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "vm-test: unknown argument $1" >&2; exit 2 ;;
     esac
 done
 case $which in
 both) kernels=(stable backports) ;;
-stable | backports) kernels=("$which") ;;
-*) echo "vm-test: --kernel must be stable, backports or both" >&2; exit 2 ;;
+all) kernels=(stable backports trixie) ;;
+stable | backports | trixie) kernels=("$which") ;;
+*) echo "vm-test: --kernel must be stable, backports, both, trixie or all" >&2; exit 2 ;;
 esac
+# The image each kernel boots (tests/system/build-image.sh RELEASE builds it).
+image_of() { [[ $1 == trixie ]] && echo rootfs-trixie.img || echo rootfs.img; }
+release_of() { [[ $1 == trixie ]] && echo trixie || echo bookworm; }
 cache=${SANDCELL_VM_CACHE:-/var/tmp/sandcell-vm}
 export SANDCELL_VM_CACHE=$cache
-mem=${SANDCELL_VM_MEMORY:-3072}
+# 4 GiB: the Python client's suite runs 16 one-shot Python workers at once.
+mem=${SANDCELL_VM_MEMORY:-4096}
 cpus=${SANDCELL_VM_CPUS:-2}
 limit=${SANDCELL_VM_TIMEOUT:-2700}
 # What a fresh machine lacks: the base set and the binaries (scripts/setup.sh; not needed to
@@ -59,16 +75,23 @@ if ((${#missing[@]})); then
 fi
 command -v qemu-system-x86_64 >/dev/null || { echo "vm-test: qemu-system-x86_64 is missing (apt-get install qemu-system-x86)" >&2; exit 2; }
 
-# One image for every kernel (both are installed in it; -kernel picks one at boot).
-t0=$SECONDS
-bash tests/system/build-image.sh
-t_image=$((SECONDS - t0))
+# One image per Debian release (bookworm's holds both of its kernels; -kernel picks one).
+declare -A t_image
+for d in $(for k in "${kernels[@]}"; do release_of "$k"; done | awk '!seen[$0]++'); do
+    t0=$SECONDS
+    bash tests/system/build-image.sh "$d"
+    t_image[$d]=$((SECONDS - t0))
+done
 
 if [[ -z $deb ]]; then
     bash scripts/package.sh --deb
     deb=$(ls -t "${SANDCELL_PKG_DIR:-/var/tmp/sandcell-pkg}"/out/sandcell_*_amd64.deb | head -1)
 fi
 [[ -f $deb ]] || { echo "vm-test: no package $deb" >&2; exit 2; }
+# The Python client of the same version, beside the daemon's package.
+debver=$(dpkg-deb -f "$deb" Version)
+pydeb=$(dirname "$deb")/python3-sandcell_${debver}_all.deb
+[[ -f $pydeb ]] || { echo "vm-test: no $pydeb beside $deb (scripts/package.sh --deb builds both)" >&2; exit 2; }
 
 # Boot units the test does not need (a factor 2-3 in boot time under TCG).
 masks=(modprobe@.service systemd-pstore.service systemd-random-seed.service
@@ -97,8 +120,16 @@ boot() {
     run=$(mktemp -d "$cache/run-$k.XXXXXX")
     chmod 0755 "$run"
     cp "$deb" "$run/sandcell.deb"
+    cp "$pydeb" "$run/python3-sandcell.deb"
     cp tests/system/guest-test.sh "$run/guest-test.sh"
     cp -r examples "$run/examples" 2>/dev/null || true
+    # The Python client's tests (not shipped by python3-sandcell), laid out as in the tree so
+    # they find the interface definition and the gateway example; they import the installed
+    # package.
+    mkdir -p "$run/pyclient/clients/python"
+    cp -r clients/python/tests "$run/pyclient/clients/python/tests"
+    cp -r proto "$run/pyclient/proto"
+    cp -r examples "$run/pyclient/examples" 2>/dev/null || true
     echo "${SANDCELL_VM_LANGUAGES:-python,r}" >"$run/languages"
     if [[ -f $cache/python-runtime.tar && ${SANDCELL_VM_FRESH_RUNTIME:-0} != 1 ]]; then
         cp "$cache/python-runtime.tar" "$run/"
@@ -109,7 +140,7 @@ boot() {
     timeout --foreground "$limit" qemu-system-x86_64 \
         -machine pc -accel tcg,thread=multi -cpu max -smp "$cpus" -m "$mem" \
         -kernel "$cache/vmlinux-$k" -initrd "$cache/initrd-$k.img" -append "$cmdline" \
-        -drive "file=$cache/rootfs.img,if=virtio,format=raw,snapshot=on" \
+        -drive "file=$cache/$(image_of "$k"),if=virtio,format=raw,snapshot=on" \
         -virtfs "local,path=$run,mount_tag=share,security_model=none,id=share" \
         -nic none -display none -monitor none -serial "file:$run/console.log" \
         -no-reboot || rc=$?
@@ -118,7 +149,8 @@ boot() {
     echo "---- guest log [$k] ($run/guest.log) ----"
     cat "$run/guest.log" 2>/dev/null || echo "(no guest log)"
     echo "---- end of guest log [$k] ----"
-    grep -h '^sandcell-vm-run:' "$run/console.log" 2>/dev/null || true
+    # systemd 257 writes terminal control sequences on the console before a line: unanchored.
+    grep -ho 'sandcell-vm-run:.*' "$run/console.log" 2>/dev/null || true
     guest_rc=""
     if [[ $rc == 124 ]]; then
         echo "vm-test[$k]: the VM did not power off within ${limit}s; console tail:" >&2
@@ -133,8 +165,8 @@ boot() {
     [[ -f $run/python-runtime.new.tar ]] && mv "$run/python-runtime.new.tar" "$cache/python-runtime.tar"
 
     # Figures: boot = kernel start to the test unit (guest uptime), guest run = the test itself.
-    booted=$(sed -n 's/^sandcell-vm-run: guest booted in \([0-9.]*\) s.*/\1/p' "$run/console.log" 2>/dev/null | head -1)
-    finished=$(sed -n 's/^sandcell-vm-run: guest test finished with [0-9]* after \([0-9.]*\) s.*/\1/p' "$run/console.log" 2>/dev/null | head -1)
+    booted=$(sed -n 's/^.*sandcell-vm-run: guest booted in \([0-9.]*\) s.*/\1/p' "$run/console.log" 2>/dev/null | head -1)
+    finished=$(sed -n 's/^.*sandcell-vm-run: guest test finished with [0-9]* after \([0-9.]*\) s.*/\1/p' "$run/console.log" 2>/dev/null | head -1)
     passed=$(grep -c '^PASS' "$run/guest.log" 2>/dev/null || true)
     failed=$(grep -c '^FAIL' "$run/guest.log" 2>/dev/null || true)
     skipped=$(grep -c '^SKIP' "$run/guest.log" 2>/dev/null || true)
@@ -143,7 +175,7 @@ boot() {
     check=$(guest_value "$run" "sandcelld --check")
     summary[$k]="kernel ${release:-$(cat "$cache/release-$k") (not seen in the guest)}; lsm $(guest_value "$run" lsm); landlock abi ${abi:-?}; sandcelld --check: ${check:-?}
     checks: ${passed:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped; guest exit ${guest_rc:-none (qemu $rc)}
-    times: image ${t_image}s, boot ${booted:-?}s, guest run $(if [[ -n $booted && -n $finished ]]; then awk -v a="$booted" -v b="$finished" 'BEGIN { printf "%.0f", b - a }'; else echo "?"; fi)s, VM total ${t_vm}s (boot + run + power off)"
+    times: image ${t_image[$(release_of "$k")]}s, boot ${booted:-?}s, guest run $(if [[ -n $booted && -n $finished ]]; then awk -v a="$booted" -v b="$finished" 'BEGIN { printf "%.0f", b - a }'; else echo "?"; fi)s, VM total ${t_vm}s (boot + run + power off)"
     echo "vm-test[$k]: ${summary[$k]}"
     if [[ $guest_rc == 0 && $keep == 0 ]]; then
         rm -rf "$run"

@@ -1,17 +1,31 @@
 #!/usr/bin/env bash
-# Builds the cached Debian 12 guest of the system test (scripts/vm-test.sh), or reuses it. The
-# image holds two kernels, and the test boots it once with each (qemu's -kernel picks one):
+# Builds a cached guest image of the system test (scripts/vm-test.sh), or reuses it.
+#
+#   tests/system/build-image.sh [bookworm|trixie]
+#
+# bookworm (the default, Debian 12): one image holding two kernels; the test boots it once
+# with each (qemu's -kernel picks one):
 #   $SANDCELL_VM_CACHE/rootfs.img              ext4 root file system (booted with snapshot=on)
 #   $SANDCELL_VM_CACHE/vmlinux-stable          bookworm's own linux-image-amd64 (6.1), uncompressed
 #   $SANDCELL_VM_CACHE/vmlinux-backports       bookworm-backports' linux-image-amd64 (6.12)
 #   $SANDCELL_VM_CACHE/initrd-{stable,backports}.img  busybox + that kernel's virtio/ext4 modules
 #   $SANDCELL_VM_CACHE/release-{stable,backports}     the kernel release (uname -r)
+# trixie (Debian 13: its own kernel and systemd 257): rootfs-trixie.img, vmlinux-trixie,
+# initrd-trixie.img and release-trixie, built the same way from the trixie suites of the same
+# archives.
 # The uncompressed kernel boots through PVH and skips the slow in-guest decompressor.
-# The image is rebuilt when absent or when this script, the package list or a guest file changes.
-# The mirror comes from the host's apt configuration, read at run time.
+# An image is rebuilt when absent or when this script, the package list or a guest file changes.
+# The mirror comes from the host's apt configuration, read at run time (a bookworm host's
+# suites are renamed to trixie's for the trixie image).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${SANDCELL_VM_CACHE:-/var/tmp/sandcell-vm}
+dist=${1:-bookworm}
+case $dist in
+bookworm) kernels=(stable backports); img=rootfs.img; stamp=stamp ;;
+trixie) kernels=(trixie); img=rootfs-trixie.img; stamp=stamp-trixie ;;
+*) echo "vm: unknown release $dist (bookworm or trixie)" >&2; exit 2 ;;
+esac
 # What the guest needs: systemd as PID 1, the system bus and polkit (the control plane), a
 # login-capable PAM stack, R (the R worker's runtime and the package's dependency), the kernel
 # (modules for 9p and the initramfs), and a few tools the guest test uses.
@@ -20,20 +34,24 @@ packages=(systemd-sysv udev dbus polkitd pkexec libpam-systemd r-base-core r-cra
 # What the package recommends for the pydata environment (native CPython with the scientific
 # stack); the guest test fails when they are missing, so the image must carry them.
 packages+=(python3-numpy python3-pandas python3-scipy python3-matplotlib fontconfig)
+# The Python client's own test suite runs in the guest against the installed python3-sandcell.
+packages+=(python3-pytest)
+# trixie's apt variant no longer has passwd (useradd, which the guest test uses, and passwd).
+[[ $dist == trixie ]] && packages+=(passwd)
 # The kernels: bookworm's own (6.1, Landlock ABI 2) from --include, then bookworm-backports'
 # (6.12, Landlock ABI 6) by upgrading the linux-image-amd64 metapackage in a customize hook.
 # The upgrade keeps the 6.1 image package installed (apt does not remove a package the old
 # metapackage depended on), so both kernels and their modules share one root file system.
+# trixie: its own linux-image-amd64 only.
 packages+=(linux-image-amd64)
-kernels=(stable backports)
-want=$( (echo "${kernels[*]}"; cat "$0" "$here/initramfs-init" "$here/sandcell-vm-run" "$here/sandcell-vm-test.service") \
+want=$( (echo "$dist ${kernels[*]}"; cat "$0" "$here/initramfs-init" "$here/sandcell-vm-run" "$here/sandcell-vm-test.service") \
     | sha256sum | cut -c1-16)
 ready=1
 for k in "${kernels[@]}"; do
     [[ -f $cache/vmlinux-$k && -f $cache/initrd-$k.img && -f $cache/release-$k ]] || ready=0
 done
-if [[ -f $cache/stamp && $(cat "$cache/stamp") == "$want" && -f $cache/rootfs.img && $ready == 1 ]]; then
-    echo "vm: reusing the guest image in $cache"
+if [[ -f $cache/$stamp && $(cat "$cache/$stamp") == "$want" && -f $cache/$img && $ready == 1 ]]; then
+    echo "vm: reusing the $dist guest image in $cache"
     exit 0
 fi
 for t in mmdebstrap mkfs.ext4 busybox cpio zstd python3; do
@@ -56,20 +74,31 @@ while IFS= read -r line; do mirrors+=("$line"); done < <(
         END { flush() }' /etc/apt/sources.list.d/*.sources 2>/dev/null
     grep -hE '^deb[[:space:]]' /etc/apt/sources.list 2>/dev/null || true)
 ((${#mirrors[@]})) || { echo "vm: no Debian mirror in /etc/apt/sources.list{,.d}" >&2; exit 2; }
-# bookworm-backports from the same archive as bookworm itself.
-base=$(printf '%s\n' "${mirrors[@]}" | awk '$3 == "bookworm" { print $2; exit }')
-[[ -n $base ]] || { echo "vm: no bookworm mirror to derive bookworm-backports from" >&2; exit 2; }
-mirrors+=("deb $base bookworm-backports main")
+if [[ $dist == bookworm ]]; then
+    # bookworm-backports from the same archive as bookworm itself.
+    base=$(printf '%s\n' "${mirrors[@]}" | awk '$3 == "bookworm" { print $2; exit }')
+    [[ -n $base ]] || { echo "vm: no bookworm mirror to derive bookworm-backports from" >&2; exit 2; }
+    mirrors+=("deb $base bookworm-backports main")
+    hooks=(--customize-hook='chroot "$1" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q -t bookworm-backports linux-image-amd64')
+else
+    # The same archives' trixie suites (bookworm -> trixie, bookworm-security ->
+    # trixie-security, ...); a host that already lists trixie keeps its lines.
+    mapfile -t mirrors < <(printf '%s\n' "${mirrors[@]}" | awk '{ sub(/^bookworm/, "trixie", $3); print }' | awk '!seen[$0]++')
+    printf '%s\n' "${mirrors[@]}" | awk '$3 == "trixie" { ok = 1 } END { exit !ok }' ||
+        { echo "vm: no Debian archive in the host's apt sources to take trixie from" >&2; exit 2; }
+    hooks=()
+fi
 printf 'vm: mirror: %s\n' "${mirrors[@]}"
 
 mkdir -p "$cache"
-root="$cache/rootfs.dir"
-rm -f "$cache/rootfs.img" "$cache/stamp" "$cache"/vmlinux* "$cache"/initrd*.img "$cache"/release-*
+root="$cache/rootfs-$dist.dir"
+rm -f "$cache/$img" "$cache/$stamp"
+for k in "${kernels[@]}"; do rm -f "$cache/vmlinux-$k" "$cache/initrd-$k.img" "$cache/release-$k"; done
 start=$SECONDS
-if [[ -f $cache/rootfs.dir.ok && $(cat "$cache/rootfs.dir.ok") == "$want" && -d $root ]]; then
+if [[ -f $root.ok && $(cat "$root.ok") == "$want" && -d $root ]]; then
     echo "vm: reusing the bootstrapped tree $root"
 else
-rm -rf "$root" "$cache/rootfs.dir.ok"
+rm -rf "$root" "$root.ok"
 # Documentation and locales are dropped: the guest is a test rig, nobody reads them there.
 mmdebstrap --variant=apt --mode=root --format=directory \
     --aptopt='Acquire::Check-Valid-Until "false"' \
@@ -82,23 +111,23 @@ mmdebstrap --variant=apt --mode=root --format=directory \
     --customize-hook="install -m 0755 '$here/sandcell-vm-run' \"\$1/usr/local/sbin/sandcell-vm-run\"" \
     --customize-hook="install -m 0644 '$here/sandcell-vm-test.service' \"\$1/etc/systemd/system/sandcell-vm-test.service\"" \
     --customize-hook='chroot "$1" systemctl enable sandcell-vm-test.service' \
-    --customize-hook='chroot "$1" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q -t bookworm-backports linux-image-amd64' \
+    "${hooks[@]}" \
     --customize-hook='chroot "$1" passwd -d root' \
     --customize-hook='rm -f "$1"/etc/machine-id; touch "$1"/etc/machine-id' \
-    bookworm "$root" "${mirrors[@]}"
-echo "$want" >"$cache/rootfs.dir.ok"
+    "$dist" "$root" "${mirrors[@]}"
+echo "$want" >"$root.ok"
 echo "vm: debootstrap took $((SECONDS - start)) s"
 fi
 
-# Kernels: each .deb's vmlinuz, and the uncompressed ELF inside it (PVH boot in qemu). The
-# older release is bookworm's own, the newer one bookworm-backports'.
+# Kernels: each .deb's vmlinuz, and the uncompressed ELF inside it (PVH boot in qemu). In the
+# bookworm image the older release is bookworm's own, the newer one bookworm-backports'.
 mapfile -t vmlinuzes < <(ls "$root"/boot/vmlinuz-* | sort -V)
-if ((${#vmlinuzes[@]} != 2)); then
-    echo "vm: expected two kernels in the image (bookworm and bookworm-backports), found: ${vmlinuzes[*]##*/}" >&2
+if ((${#vmlinuzes[@]} != ${#kernels[@]})); then
+    echo "vm: expected ${#kernels[@]} kernels in the $dist image (${kernels[*]}), found: ${vmlinuzes[*]##*/}" >&2
     exit 1
 fi
 releases=()
-for i in 0 1; do
+for ((i = 0; i < ${#kernels[@]}; i++)); do
 k=${kernels[$i]}
 vmlinuz=${vmlinuzes[$i]}
 kver=${vmlinuz##*/vmlinuz-}
@@ -176,7 +205,7 @@ done
 # initramfs-tools' images are not booted (the tiny initramfs above is): not worth their space.
 rm -f "$root"/boot/initrd.img-*
 
-mkfs.ext4 -q -F -L sandcell-root -d "$root" "$cache/rootfs.img" 4G
-rm -rf "$root" "$cache/rootfs.dir.ok"
-echo "$want" >"$cache/stamp"
-echo "vm: guest image ready in $cache ($((SECONDS - start)) s, kernels: $(IFS=,; echo "${releases[*]}"))"
+mkfs.ext4 -q -F -L sandcell-root -d "$root" "$cache/$img" 4G
+rm -rf "$root" "$root.ok"
+echo "$want" >"$cache/$stamp"
+echo "vm: $dist guest image ready in $cache ($((SECONDS - start)) s, kernels: $(IFS=,; echo "${releases[*]}"))"

@@ -73,6 +73,10 @@ fi
 t=$(date +%s)
 check install dpkg -i "$share/sandcell.deb" || { journal; exit 1; }
 echo "    (dpkg -i incl. Python runtime preparation: $(($(date +%s) - t)) s)"
+# The Python client, as an operator installs it beside the service: Debian's python3 imports it
+# from its own dist-packages.
+check install-python-client dpkg -i "$share/python3-sandcell.deb"
+check python-client-importable python3 -c 'import sandcell, sandcell.openai, sys; print(sandcell.__file__); sys.exit(not sandcell.__file__.startswith("/usr/lib/python3/dist-packages/"))'
 check group-exists getent group sandcell
 check state-dir-0711 test "$(stat -c '%a %U' /var/lib/sandcell)" = "711 root"
 check python-runtime-prepared test -f /var/lib/sandcell/python-runtime/manifest.json
@@ -304,6 +308,199 @@ check close-session as_gw sandcellctl close "$sid"
 no_session_groups() { [[ -z $(find "$root/sessions" -mindepth 1 -maxdepth 1 -type d) ]]; }
 check session-group-removed wait_for 10 no_session_groups
 
+# ---- every Kernel method on one session -----------------------------------------------------
+# One pydata session (native CPython with numpy and matplotlib) that accepts host calls:
+# Execute, Submit, Attach, CellStatus, Interrupt (Varlink, by cell; D-Bus, whole session),
+# Inspect, HostReply (sandcellctl --host-call-handler), PutFile, GetFile (a plot, byte for byte
+# against a hash the cell computed; a 5 MB file both ways), ListFiles and DeleteFile (the
+# installed Python client: sandcellctl has no command for them), Close. Run, Open and
+# ListEnvironments are checked above.
+# The tool the cells call: "add" returns the sum, "fail" fails with a message on stderr.
+cat >/usr/local/bin/sandcell-test-tool <<'TOOL'
+#!/usr/bin/python3
+import json, sys
+call = json.load(sys.stdin)
+if call["name"] == "fail":
+    sys.stderr.write("tool broke\n")
+    sys.exit(1)
+a = call["arguments"]
+print(json.dumps({"sum": a["a"] + a["b"], "cell": call["cell"]}))
+TOOL
+chmod 0755 /usr/local/bin/sandcell-test-tool
+# files: NAME... as the Python client's ListFiles sees them in session $msid ("name size" lines);
+# delete_file NAME: its DeleteFile.
+py_files() {
+    as_gw python3 - "$msid" "$@" <<'PY'
+import sys
+import sandcell
+sid, names = sys.argv[1], sys.argv[2:]
+with sandcell.Client() as c:
+    s = c.session_by_id(sid, "python")
+    for n in names:
+        s.delete_file(n)
+        print("deleted", n)
+    for f in s.list_files():
+        print(f.name, f.size, f.kind)
+PY
+}
+# cell_state CELL: the first line of cell-status (running, ok, interrupted, ...).
+cell_state() { as_gw sandcellctl cell-status "$msid" "$1" 2>&1 | head -1; }
+cell_running() { [[ $(cell_state "$1") == running ]]; }
+gwh=$(getent passwd gw | cut -d: -f6)
+if /usr/bin/python3 -c 'import numpy, matplotlib' 2>/dev/null; then
+    menv=(-e pydata)
+else
+    menv=()
+    echo "    (no numpy/matplotlib: the method checks run in the default Python environment)"
+fi
+msid=$(as_gw sandcellctl open -l python "${menv[@]}" --host-calls --idle 600 2>&1)
+rc=$?
+if [[ $rc == 0 && -n $msid ]]; then pass methods-open-host-calls-session; else fail methods-open-host-calls-session "exit $rc: $msid"; journal; fi
+
+# Execute keeps state; Inspect lists the variables between cells, with numpy's shape.
+printf '%s\n' 'x = 41' 'import numpy as np' 'arr = np.zeros((3, 4))' | as_gw sandcellctl exec "$msid" - >/dev/null 2>&1
+out=$(as_gw sandcellctl --json inspect "$msid" 2>&1)
+rc=$?
+echo "    inspect: ${out:0:300}"
+if [[ $rc == 0 ]] && python3 -c '
+import json, sys
+v = {x["name"]: x for x in json.loads(sys.argv[1])["variables"]}
+sys.exit(not (v["x"]["type"] == "int" and "41" in v["x"]["repr"] and v["arr"]["shape"] == [3, 4]))' "$out" 2>/dev/null; then
+    pass inspect-variables
+else
+    fail inspect-variables "exit $rc"
+fi
+
+# Submit returns the cell's number at once; Attach follows it to its end; CellStatus then gives
+# its result and stream counts.
+cell=$(printf '%s\n' 'import time' 'for i in range(3):' '    print("tick", i, flush=True)' '    time.sleep(0.5)' | as_gw sandcellctl submit "$msid" - 2>&1)
+rc=$?
+if [[ $rc == 0 && $cell =~ ^[0-9]+$ ]]; then pass submit-returns-cell; else fail submit-returns-cell "exit $rc: $cell"; fi
+out=$(as_gw sandcellctl attach "$msid" "$cell" 2>&1)
+rc=$?
+if [[ $rc == 0 && $out == "$(printf 'tick 0\ntick 1\ntick 2')" ]]; then pass attach-follows-submitted-cell; else fail attach-follows-submitted-cell "exit $rc, output: $out"; fi
+out=$(as_gw sandcellctl cell-status "$msid" "$cell" 2>&1)
+rc=$?
+echo "$out" | sed 's/^/    cell-status: /'
+if [[ $rc == 0 && $(head -1 <<<"$out") == ok && $out == *"stdout: 21 bytes seen"* ]]; then pass cell-status-ok; else fail cell-status-ok "exit $rc"; fi
+
+# Interrupt by cell over Varlink: a sleeping cell is interrupted, the session keeps x.
+cell=$(printf '%s\n' 'import time' 'for i in range(1200):' '    time.sleep(0.5)' | as_gw sandcellctl submit "$msid" - 2>&1)
+wait_for 60 cell_running "$cell"
+out=$(as_gw sandcellctl interrupt "$msid" "$cell" 2>&1)
+rc=$?
+if [[ $rc == 0 && $out == delivered ]]; then pass interrupt-cell-delivered; else fail interrupt-cell-delivered "exit $rc, output: $out"; fi
+out=$(as_gw sandcellctl attach "$msid" "$cell" 2>&1)
+rc=$?
+st=$(cell_state "$cell")
+if [[ $rc == 5 && $st == interrupted ]]; then pass interrupted-cell-status; else fail interrupted-cell-status "attach exit $rc ($out), state $st"; fi
+out=$(echo 'print(x + 1)' | as_gw sandcellctl exec "$msid" - 2>&1)
+[[ $out == 42 ]] && pass session-survives-interrupt || fail session-survives-interrupt "output: $out"
+# Interrupt without a cell: the administrators' D-Bus InterruptSession (root here; polkit).
+cell=$(printf '%s\n' 'import time' 'for i in range(1200):' '    time.sleep(0.5)' | as_gw sandcellctl submit "$msid" - 2>&1)
+wait_for 60 cell_running "$cell"
+out=$(timeout 120 sandcellctl interrupt "$msid" 2>&1)
+rc=$?
+as_gw sandcellctl attach "$msid" "$cell" >/dev/null 2>&1
+rc2=$?
+if [[ $rc == 0 && $rc2 == 5 ]]; then pass dbus-interrupt-session; else fail dbus-interrupt-session "interrupt exit $rc ($out), attach exit $rc2"; fi
+
+# HostReply: the cell's host calls are answered by a command (sandcellctl's handler replies
+# over a second connection); a failing tool raises in the cell with its message.
+out=$(echo "from sandcell import host; r = host.call('add', {'a': 2, 'b': 40}); print(r['sum'], r['cell'] > 0)" |
+    as_gw sandcellctl exec --host-call-handler /usr/local/bin/sandcell-test-tool "$msid" - 2>&1)
+rc=$?
+if [[ $rc == 0 && $out == "42 True" ]]; then pass host-call-reply; else fail host-call-reply "exit $rc, output: $out"; journal 20; fi
+out=$(echo "from sandcell import host; host.call('fail', {})" |
+    as_gw sandcellctl exec --host-call-handler /usr/local/bin/sandcell-test-tool "$msid" - 2>&1)
+rc=$?
+if [[ $rc == 1 && $out == *"tool broke"* ]]; then pass host-call-error-raises; else fail host-call-error-raises "exit $rc, output: ${out:0:400}"; fi
+
+# GetFile: a plot the cell saved, byte for byte against the hash the cell computed.
+if ((${#menv[@]})); then
+    want=$(printf '%s\n' 'import hashlib' 'import matplotlib' 'matplotlib.use("Agg")' 'import matplotlib.pyplot as plt' \
+        'fig = plt.figure()' 'plt.plot([1, 4, 9, 16])' 'fig.savefig("fig.png")' 'plt.close(fig)' \
+        'print(hashlib.sha256(open("fig.png", "rb").read()).hexdigest())' | as_gw sandcellctl exec "$msid" - 2>/dev/null)
+    rm -f "$gwh/fig.png"
+    out=$(as_gw sandcellctl get "$msid" fig.png "$gwh/fig.png" 2>&1)
+    rc=$?
+    got=$(sha256sum "$gwh/fig.png" 2>/dev/null | cut -d' ' -f1)
+    echo "    fig.png: cell sha256 $want, downloaded $(stat -c %s "$gwh/fig.png" 2>/dev/null) bytes, sha256 $got"
+    if [[ $rc == 0 && ${#want} == 64 && $got == "$want" && $(head -c 4 "$gwh/fig.png" | od -An -tx1 | tr -d ' ') == 89504e47 ]]; then
+        pass get-file-plot-png-byte-for-byte
+    else
+        fail get-file-plot-png-byte-for-byte "exit $rc: $out"
+        journal 10
+    fi
+else
+    skip get-file-plot-png-byte-for-byte "matplotlib is not installed in the guest"
+fi
+# PutFile and GetFile of 5 MB (several GetFile chunks of at most 1 MiB), byte for byte.
+head -c 5242880 /dev/urandom >"$gwh/big.bin"
+chown gw: "$gwh/big.bin"
+sum=$(sha256sum "$gwh/big.bin" | cut -d' ' -f1)
+out=$(as_gw sandcellctl put "$msid" "$gwh/big.bin" data/big.bin 2>&1)
+rc=$?
+if [[ $rc == 0 && $out == "data/big.bin 5242880 bytes" ]]; then pass put-file-5mb; else fail put-file-5mb "exit $rc: $out"; fi
+out=$(printf '%s\n' 'import hashlib' 'print(hashlib.sha256(open("data/big.bin", "rb").read()).hexdigest())' | as_gw sandcellctl exec "$msid" - 2>&1)
+[[ $out == "$sum" ]] && pass put-file-5mb-seen-by-cell || fail put-file-5mb-seen-by-cell "cell sha256 ${out:0:200}, sent $sum"
+rm -f "$gwh/big.out"
+out=$(as_gw sandcellctl get "$msid" data/big.bin "$gwh/big.out" 2>&1)
+rc=$?
+if [[ $rc == 0 ]] && cmp -s "$gwh/big.bin" "$gwh/big.out"; then pass get-file-5mb-byte-for-byte; else fail get-file-5mb-byte-for-byte "exit $rc: $out; $(stat -c %s "$gwh/big.out" 2>&1) bytes"; fi
+# ListFiles names both files with their sizes; DeleteFile removes one, for the cell too.
+out=$(py_files 2>&1)
+rc=$?
+echo "$out" | head -20 | sed 's/^/    ListFiles: /'
+if [[ $rc == 0 && $out == *"data/big.bin 5242880 file"* ]] && { ((${#menv[@]} == 0)) || grep -qx "fig.png $(stat -c %s "$gwh/fig.png" 2>/dev/null) file" <<<"$out"; }; then
+    pass list-files
+else
+    fail list-files "exit $rc"
+fi
+out=$(py_files data/big.bin 2>&1)
+rc=$?
+echo "$out" | head -20 | sed 's/^/    DeleteFile, then ListFiles: /'
+gone=$(echo 'import os; print(os.path.exists("data/big.bin"))' | as_gw sandcellctl exec "$msid" - 2>&1)
+if [[ $rc == 0 && $out == *"deleted data/big.bin"* && $out != *"data/big.bin 5242880"* && $gone == False ]]; then pass delete-file; else fail delete-file "exit $rc, cell sees the file: $gone"; fi
+out=$(as_gw sandcellctl get "$msid" data/big.bin - 2>&1 >/dev/null)
+rc=$?
+if [[ $rc == 3 && $out == *NoSuchFile* ]]; then pass get-deleted-file-no-such-file; else fail get-deleted-file-no-such-file "exit $rc: $out"; fi
+check methods-close-session as_gw sandcellctl close "$msid"
+out=$(echo 'print(1)' | as_gw sandcellctl exec "$msid" - 2>&1)
+rc=$?
+if [[ $rc == 3 && ($out == *SessionEnded* || $out == *NoSuchSession*) ]]; then pass closed-session-refuses-cells; else fail closed-session-refuses-cells "exit $rc: $out"; fi
+rm -f "$gwh/big.bin" "$gwh/big.out" "$gwh/fig.png"
+
+# ---- systemd's own Varlink client (systemd 255 and later: varlinkctl) -----------------------
+# Interoperability: another implementation of the protocol introspects the socket and calls a
+# plain method and a streaming one (Run, with "more") as a member of the group.
+if command -v varlinkctl >/dev/null; then
+    ksock=/run/sandcell/org.sandcell.Kernel
+    out=$(timeout 300 runuser -u gw -- varlinkctl introspect "$ksock" org.sandcell.Kernel 2>&1)
+    rc=$?
+    echo "$out" | grep -E '^(interface|method)' | head -30 | sed 's/^/    varlinkctl introspect: /'
+    if [[ $rc == 0 && $out == *"interface org.sandcell.Kernel"* && $out == *"method Run("* && $out == *"method GetFile("* ]]; then
+        pass varlinkctl-introspect
+    else
+        fail varlinkctl-introspect "exit $rc: ${out:0:400}"
+    fi
+    out=$(timeout 300 runuser -u gw -- varlinkctl call "$ksock" org.sandcell.Kernel.ListEnvironments '{}' 2>&1)
+    rc=$?
+    echo "    varlinkctl call ListEnvironments: $(tr -d ' \n' <<<"$out" | cut -c1-300)"
+    if [[ $rc == 0 && $(tr -d ' \n' <<<"$out") == *'"name":"python"'* ]]; then pass varlinkctl-call; else fail varlinkctl-call "exit $rc: ${out:0:400}"; fi
+    out=$(timeout 600 runuser -u gw -- varlinkctl call --more "$ksock" org.sandcell.Kernel.Run '{"language": "python", "code": "print(6 * 7)"}' 2>&1)
+    rc=$?
+    echo "$out" | tr -d '\n' | cut -c1-600 | sed 's/^/    varlinkctl call --more Run: /'
+    echo
+    if [[ $rc == 0 && $(tr -d ' \n' <<<"$out") == *'"42\n"'* ]]; then pass varlinkctl-call-more-run; else fail varlinkctl-call-more-run "exit $rc"; fi
+    out=$(timeout 300 runuser -u gw -- varlinkctl call "$ksock" org.sandcell.Kernel.Inspect '{"session": "00000000000000000000000000000000"}' 2>&1)
+    rc=$?
+    echo "    varlinkctl typed error: ${out:0:300}"
+    if [[ $rc != 0 && $out == *org.sandcell.Kernel.NoSuchSession* ]]; then pass varlinkctl-typed-error; else fail varlinkctl-typed-error "exit $rc"; fi
+else
+    skip varlinkctl "systemd $(systemctl --version | awk 'NR == 1 { print $2 }') has no varlinkctl (systemd 255 and later)"
+fi
+
 # ---- reload ---------------------------------------------------------------------------------
 check reload systemctl reload sandcelld.service
 check active-after-reload test "$(unit_state sandcelld.service)" = active
@@ -401,10 +598,49 @@ if ((daemon_works)); then
     [[ $out == upgraded ]] && pass cell-after-upgrade || fail cell-after-upgrade "$out"
 fi
 
+
+# ---- the installed Python client's own test suite, against the installed service ------------
+# python3-sandcell does not ship its tests: they run from the harness's copy of the tree
+# (clients/python/tests beside proto/ and examples/), importing the installed package, against
+# the running service (SANDCELL_TEST_SOCKET; the tests that need a daemon with other limits
+# skip, saying so). The suite's expectations: the node id its fixtures name, room for 16
+# concurrent one-shot runs of one uid, and a start burst above the default.
+if ((daemon_works)) && [[ -d $share/pyclient/clients/python/tests ]]; then
+    cat >/etc/systemd/system/sandcelld.service.d/70-pyclient.conf <<'CONF'
+[Service]
+Environment=SANDCELL_NODE_ID=node-a.example SANDCELL_MAX_CONCURRENT_SESSIONS=24 SANDCELL_MAX_SESSIONS_PER_UID=24 SANDCELL_MAX_DETACHED_SESSIONS_PER_UID=8 SANDCELL_MAX_START_BURST_PER_UID=200
+Environment=SANDCELL_MAX_AGGREGATE_GUEST_MEMORY_BYTES=3221225472 SANDCELL_MAX_GUEST_MEMORY_BYTES_PER_UID=3221225472
+Environment=SANDCELL_MAX_AGGREGATE_WORKER_MEMORY_BYTES=25769803776 SANDCELL_MAX_WORKER_MEMORY_BYTES_PER_UID=25769803776
+CONF
+    systemctl daemon-reload
+    systemctl stop sandcelld.service
+    rm -rf /tmp/pyclient
+    cp -r "$share/pyclient" /tmp/pyclient
+    chown -R gw: /tmp/pyclient
+    t=$(date +%s)
+    out=$(cd /tmp/pyclient && timeout 2400 runuser -u gw -- env SANDCELL_TEST_SOCKET=/run/sandcell/org.sandcell.Kernel \
+        python3 -m pytest -p no:cacheprovider -q -rfEs --durations=8 clients/python/tests 2>&1)
+    rc=$?
+    # The whole report goes to the host (pytest.log in the staging directory); the log shows
+    # each failure's last lines and the summary.
+    echo "$out" >"$share/pytest.log"
+    grep -E '^(E  |_{5,} test_)' <<<"$out" | head -60 | sed 's/^/    pytest: /'
+    sed -n '/slowest .* durations/,$p' <<<"$out" | sed 's/^/    pytest: /'
+    echo "    (the Python client's suite: $(($(date +%s) - t)) s)"
+    summary=$(grep -E '^[0-9]+ (passed|failed)|(passed|failed|skipped).* in [0-9.]+s' <<<"$out" | tail -1)
+    echo "guest: python client suite: $summary"
+    if [[ $rc == 0 ]]; then pass python-client-test-suite; else fail python-client-test-suite "pytest exit $rc: $summary"; journal 30; fi
+    rm /etc/systemd/system/sandcelld.service.d/70-pyclient.conf
+    systemctl daemon-reload
+    systemctl stop sandcelld.service
+else
+    skip python-client-test-suite "no working daemon or no copy of the client's tests in the shared folder"
+fi
+
 # ---- removal --------------------------------------------------------------------------------
 check stop-socket systemctl stop sandcelld.socket sandcelld.service
 check socket-removed-on-stop test ! -e /run/sandcell/org.sandcell.Kernel
-check purge dpkg --purge sandcell
+check purge dpkg --purge python3-sandcell sandcell
 check nothing-left test ! -e /lib/systemd/system/sandcelld.service -a ! -e /var/lib/sandcell -a -z "$(worker_procs)" -a -z "$(pgrep -x sandcelld)"
 
 echo "---- journal of sandcelld (last 60 lines) ----"
