@@ -471,6 +471,242 @@ rc=$?
 if [[ $rc == 3 && ($out == *SessionEnded* || $out == *NoSuchSession*) ]]; then pass closed-session-refuses-cells; else fail closed-session-refuses-cells "exit $rc: $out"; fi
 rm -f "$gwh/big.bin" "$gwh/big.out" "$gwh/fig.png"
 
+# ---- the daemon's own memory under a client that never reads (cgroup v2) --------------------
+# The daemon's memory.max is derived from its caps (sandcelld.toml daemon.memory_max_bytes:
+# 64 MiB + max_connections x 388 KiB + 192 MiB of budgets + max_concurrent_sessions x 8 MiB),
+# and every reply stays charged to the reply budgets until the client has taken it from the
+# kernel's send queue (SO_SNDBUF 16 KiB). The adversary: a session with 1000 variables, then
+# one uid opens as many connections as max_connections_per_uid allows, each sends Inspect
+# (max_items 1000, about 250 KiB of reply) and reads nothing. Meanwhile another uid must get
+# answers, and afterwards the daemon must be the same process, not OOM-killed, well under its
+# limit. The same session then serves the session tmpfs and oom_score_adj checks.
+useradd -m -G sandcell gw2 2>/dev/null
+root=$(cg)
+sup=$root/supervisor
+adv_sid=$(as_gw sandcellctl open -l python "${menv[@]}" --idle 600 2>&1)
+rc=$?
+if [[ $rc == 0 && -n $adv_sid ]]; then
+    out=$(printf '%s\n' 'for i in range(1000):' '    globals()["v%04d" % i] = "x" * 180' 'print(len([k for k in globals() if k.startswith("v")]))' |
+        as_gw sandcellctl exec "$adv_sid" - 2>&1)
+    [[ $out == 1000 ]] && pass memory-adversary-1000-variables || fail memory-adversary-1000-variables "output: ${out:0:300}"
+else
+    fail memory-adversary-1000-variables "open: exit $rc: $adv_sid"
+fi
+adv_hex=${adv_sid##*.}
+main0=$(systemctl show -p MainPID --value sandcelld.service)
+smax=$(cat "$sup/memory.max" 2>/dev/null)
+shigh=$(cat "$sup/memory.high" 2>/dev/null)
+per_uid=$(sed -n 's/^[[:space:]]*max_connections_per_uid[[:space:]]*=[[:space:]]*\([0-9]*\).*/\1/p' /etc/sandcell/sandcelld.toml 2>/dev/null | tail -1)
+per_uid=${per_uid:-256}
+# What the daemon derives from its caps, from the figures of its capacity file.
+conn_max=$(sed -n 's/^sandcell_connections_max{[^}]*} \([0-9]*\).*/\1/p' /run/sandcell/metrics.prom 2>/dev/null | head -1)
+sess_max=$(sed -n 's/^sandcell_admission_sessions_max{[^}]*} \([0-9]*\).*/\1/p' /run/sandcell/metrics.prom 2>/dev/null | head -1)
+want_max=""
+[[ -n $conn_max && -n $sess_max ]] && want_max=$((64 * 1048576 + conn_max * 388 * 1024 + 192 * 1048576 + sess_max * 8 * 1048576))
+echo "    supervisor: memory.max $smax, memory.high $shigh; derived from max_connections ${conn_max:-?} and max_concurrent_sessions ${sess_max:-?}: ${want_max:-?}; max_connections_per_uid $per_uid"
+echo "    supervisor before: memory.current $(cat "$sup/memory.current" 2>/dev/null), memory.peak $(cat "$sup/memory.peak" 2>/dev/null), memory.events: $(tr '\n' ' ' <"$sup/memory.events" 2>/dev/null)"
+if [[ $smax =~ ^[0-9]+$ && $smax != 268435456 && -n $want_max && $smax == "$want_max" && $shigh == $((smax / 4 * 3)) ]]; then
+    pass supervisor-memory-max-derived-from-caps
+elif [[ $smax =~ ^[0-9]+$ && $smax != 268435456 && -z $want_max && $shigh == $((smax / 4 * 3)) ]]; then
+    echo "    (no capacity file: checked only not max, not 256 MiB, high 3/4)"
+    pass supervisor-memory-max-derived-from-caps
+else
+    fail supervisor-memory-max-derived-from-caps "memory.max $smax, memory.high $shigh, derived ${want_max:-?}"
+fi
+# The adversary: connects per_uid times as gw; sends Inspect on each, one after another while
+# time allows (each waits for its answer to start arriving, so each gets its own reply rather
+# than SessionBusy), the rest at once; reads nothing, only peeks at what arrived; holds until
+# /tmp/adv.stop exists (at most 60 s), then reports and closes.
+cat >/tmp/adversary.py <<'PY'
+import fcntl, json, os, select, socket, struct, sys, termios, time
+sid, n = sys.argv[1], int(sys.argv[2])
+msg = json.dumps({"method": "org.sandcell.Kernel.Inspect", "parameters": {"session": sid, "max_items": 1000}}).encode() + b"\0"
+socks, refused = [], 0
+for i in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect("/run/sandcell/org.sandcell.Kernel")
+    except OSError as e:
+        refused += 1
+        continue
+    socks.append(s)
+def queued(s):
+    return struct.unpack("i", fcntl.ioctl(s.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+t0 = time.monotonic()
+seq = 0
+for s in socks:
+    try:
+        s.sendall(msg)
+    except OSError:
+        continue
+    if time.monotonic() - t0 < 45:
+        seq += 1
+        p = select.poll()
+        p.register(s, select.POLLIN)
+        p.poll(15000)
+print(f"adversary: {len(socks)} connections ({refused} refused at connect), {seq} calls sent one by one in {time.monotonic() - t0:.1f} s, the rest at once", flush=True)
+open("/tmp/adv.ready", "w").close()
+end = time.monotonic() + 60
+while not os.path.exists("/tmp/adv.stop") and time.monotonic() < end:
+    time.sleep(0.1)
+kinds, inq = {}, 0
+for s in socks:
+    try:
+        q = queued(s)
+        head = s.recv(300, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        k = "nothing yet"
+    except OSError as e:
+        k = "error " + type(e).__name__
+    else:
+        inq += q
+        if not head:
+            k = "closed by the daemon"
+        elif head.startswith(b'{"error"') or b'"error":' in head[:40]:
+            k = "error " + head.split(b'"error":"', 1)[-1].split(b'"', 1)[0].decode(errors="replace")
+        elif b'"variables"' in head or b'"parameters"' in head:
+            k = "reply" if q >= 4096 else "reply (small)"
+        elif q == 0:
+            k = "nothing yet"
+        else:
+            k = "other: " + head[:60].decode(errors="replace")
+    kinds[k] = kinds.get(k, 0) + 1
+print("adversary: unread bytes queued to this client in all:", inq, flush=True)
+for k, v in sorted(kinds.items()):
+    print(f"adversary: {v} x {k}", flush=True)
+for s in socks:
+    s.close()
+PY
+chmod 0644 /tmp/adversary.py
+rm -f /tmp/adv.ready /tmp/adv.stop /tmp/adv.out
+# Uncontended: how fast another uid's one-shot cell answers here (TCG).
+t=$(date +%s%N)
+out=$(echo 'print("calm")' | timeout 120 runuser -u gw2 -- sandcellctl run - 2>&1)
+calm_ms=$((($(date +%s%N) - t) / 1000000))
+echo "    gw2 sandcellctl run before the adversary: ${calm_ms} ms ($out)"
+t=$(date +%s%N)
+timeout 60 runuser -u gw2 -- sandcellctl environments >/dev/null 2>&1
+calm_env_ms=$((($(date +%s%N) - t) / 1000000))
+echo "    gw2 sandcellctl environments before the adversary: ${calm_env_ms} ms"
+timeout 300 runuser -u gw -- python3 /tmp/adversary.py "$adv_sid" "$per_uid" >/tmp/adv.out 2>&1 &
+adv=$!
+adv_ready() { [[ -e /tmp/adv.ready ]] || ! kill -0 "$adv" 2>/dev/null; }
+wait_for 200 adv_ready
+peak_cur=0
+sample() { local c; c=$(cat "$sup/memory.current" 2>/dev/null || echo 0); ((c > peak_cur)) && peak_cur=$c; }
+sample
+# Another uid, while gw holds every connection it may: the daemon answers at once.
+t=$(date +%s%N)
+out_env=$(timeout 60 runuser -u gw2 -- sandcellctl environments 2>&1)
+rc_env=$?
+env_ms=$((($(date +%s%N) - t) / 1000000))
+sample
+t=$(date +%s%N)
+out=$(echo 'print("busy")' | timeout 120 runuser -u gw2 -- sandcellctl run - 2>&1)
+rc=$?
+run_ms=$((($(date +%s%N) - t) / 1000000))
+sample
+for ((i = 0; i < 20; i++)); do sample; sleep 0.25; done
+echo "    gw2 during the adversary: sandcellctl environments ${env_ms} ms (exit $rc_env), sandcellctl run ${run_ms} ms (exit $rc: $out)"
+touch /tmp/adv.stop
+wait "$adv"
+sed 's/^/    /' /tmp/adv.out
+# Under 1 s, or (TCG) no slower than uncontended + 50 % + 0.5 s.
+if [[ $rc_env == 0 ]] && ((env_ms < 1000 || env_ms < calm_env_ms * 3 / 2 + 500)); then
+    pass memory-adversary-other-uid-answered
+else
+    fail memory-adversary-other-uid-answered "environments: exit $rc_env after ${env_ms} ms (uncontended ${calm_env_ms} ms): ${out_env:0:200}"
+fi
+# A one-shot cell under TCG: under 1 s, or no slower than it was uncontended (+ 50 %, + 1 s).
+if [[ $rc == 0 && $out == busy ]] && ((run_ms < 1000 || run_ms < calm_ms * 3 / 2 + 1000)); then
+    pass memory-adversary-other-uid-run
+else
+    fail memory-adversary-other-uid-run "exit $rc after ${run_ms} ms (uncontended ${calm_ms} ms): ${out:0:200}"
+fi
+# The connections' owner is a member of group sandcell: load must not turn into refusals.
+if grep -q PermissionDenied /tmp/adv.out; then
+    fail memory-adversary-owner-not-denied "$(grep PermissionDenied /tmp/adv.out)"
+    journalctl -b -u sandcelld.service --no-pager -o cat | grep -iE 'polkit|permission' | tail -5 | cut -c1-300 | sed 's/^/    journal: /'
+else
+    pass memory-adversary-owner-not-denied
+fi
+grep -q 'x reply$' /tmp/adv.out && pass memory-adversary-got-large-replies || fail memory-adversary-got-large-replies "no connection got an Inspect reply started"
+main1=$(systemctl show -p MainPID --value sandcelld.service)
+ev=$(cat "$sup/memory.events" 2>/dev/null)
+oomk=$(awk '$1 == "oom_kill" { print $2 }' <<<"$ev")
+speak=$(cat "$sup/memory.peak" 2>/dev/null)
+echo "    supervisor after: memory.current $(cat "$sup/memory.current" 2>/dev/null), sampled max $peak_cur, memory.peak ${speak:-none}, memory.events: $(tr '\n' ' ' <<<"$ev")"
+if [[ $main1 == "$main0" && $main0 != 0 ]]; then pass memory-adversary-daemon-same-pid; else fail memory-adversary-daemon-same-pid "MainPID $main0 before, $main1 after"; journal 30; fi
+if [[ $oomk == 0 ]]; then pass memory-adversary-no-oom-kill; else fail memory-adversary-no-oom-kill "memory.events: $(tr '\n' ' ' <<<"$ev")"; fi
+top=${speak:-$peak_cur}
+[[ $top =~ ^[0-9]+$ ]] || top=$peak_cur
+if [[ $smax =~ ^[0-9]+$ ]] && ((top > 0 && top * 4 < smax * 3)); then
+    echo "    (peak $((top >> 20)) MiB of $((smax >> 20)) MiB)"
+    pass memory-adversary-peak-under-limit
+else
+    fail memory-adversary-peak-under-limit "peak $top of memory.max $smax"
+fi
+
+
+# ---- the session directory is its own size-limited tmpfs --------------------------------------
+# Mounted by the daemon in its own mount namespace (PrivateMounts=yes) on
+# /var/lib/sandcell/sessions/<id> with size= max_session_files_bytes: a cell that writes past
+# it gets ENOSPC, the session survives; the mount is gone after Close.
+main=$(systemctl show -p MainPID --value sandcelld.service)
+sess_mounts() { nsenter -t "$main" -m findmnt -rn -o TARGET,FSTYPE,OPTIONS 2>/dev/null | grep '/var/lib/sandcell/sessions/'; }
+m=$(sess_mounts | grep -- "$adv_hex")
+echo "    session mounts in the daemon's namespace: $(sess_mounts | cut -c1-200 | tr '\n' ';')"
+if [[ -n $adv_hex && $m == *" tmpfs "*size=* ]]; then
+    pass session-tmpfs-mounted
+else
+    fail session-tmpfs-mounted "no tmpfs on sessions/*$adv_hex* in the daemon's mount namespace; /proc/$main/mountinfo: $(grep -c sandcell/sessions "/proc/$main/mountinfo" 2>/dev/null) session lines"
+fi
+# Files of at most 32 MiB each (below RLIMIT_FSIZE = the budget, so the file system's size is
+# what refuses), until a write fails; then they are removed.
+out=$(printf '%s\n' 'import errno, os' 'chunk = b"\0" * (1 << 20)' 'err, n, total = None, 0, 0' \
+    'try:' '    while err is None and n < 64:' '        with open("fill%02d" % n, "wb") as f:' '            for _ in range(32):' \
+    '                f.write(chunk); f.flush(); total += len(chunk)' '        n += 1' 'except OSError as e:' '    err = e.errno' \
+    'for i in range(n + 1):' '    try:' '        os.remove("fill%02d" % i)' '    except FileNotFoundError:' '        pass' \
+    'print("errno", err, "after", total >> 20, "MiB")' | as_gw sandcellctl exec "$adv_sid" - 2>&1)
+rc=$?
+echo "    $out"
+if [[ $rc == 0 && $out == "errno 28 after"* ]]; then pass session-files-enospc; else fail session-files-enospc "exit $rc: ${out:0:300}"; journal 10; fi
+out=$(echo 'print("still here", v0999[:3])' | as_gw sandcellctl exec "$adv_sid" - 2>&1)
+[[ $out == "still here xxx" ]] && pass session-survives-enospc || fail session-survives-enospc "output: ${out:0:300}"
+
+# ---- the worker's oom_score_adj ---------------------------------------------------------------
+# 1000 (the OOM killer's first choice), and a cell cannot lower it (read-only /proc in the
+# worker's view; oom_score_adj_min raised by the daemon's write with CAP_SYS_RESOURCE).
+wp=""
+for g in "$root"/sessions/*"$adv_hex"*; do
+    [[ -f $g/cgroup.procs ]] && wp+=" $(cat "$g/cgroup.procs" | tr '\n' ' ')"
+done
+wp=$(echo $wp)
+adjs=""
+for p in $wp; do adjs+=" $p:$(cat "/proc/$p/oom_score_adj" 2>/dev/null)"; done
+echo "    worker processes of the session (pid:oom_score_adj):${adjs:- none found}"
+if [[ -n $wp ]] && ! grep -qvE ':1000$' <<<"$(tr ' ' '\n' <<<"${adjs# }")"; then
+    pass worker-oom-score-adj-1000
+else
+    fail worker-oom-score-adj-1000 "${adjs:-no worker group sessions/*$adv_hex*}"
+fi
+out=$(printf '%s\n' 'try:' '    with open("/proc/self/oom_score_adj", "w") as f:' '        f.write("0")' '    print("written")' \
+    'except OSError as e:' '    print("refused", e.errno, e.strerror)' 'print("now", open("/proc/self/oom_score_adj").read().strip())' |
+    as_gw sandcellctl exec "$adv_sid" - 2>&1)
+rc=$?
+echo "    $(tr '\n' ' ' <<<"$out")"
+after=""
+for p in $wp; do after+=" $(cat "/proc/$p/oom_score_adj" 2>/dev/null)"; done
+if [[ $rc == 0 && $out == refused* && $out != *written* && $out == *"now 1000"* ]] && ! grep -qv '^1000$' <<<"$(tr ' ' '\n' <<<"${after# }" | grep .)"; then
+    pass cell-cannot-lower-oom-score-adj
+else
+    fail cell-cannot-lower-oom-score-adj "exit $rc; worker values after:$after"
+fi
+
+check adversary-session-close as_gw sandcellctl close "$adv_sid"
+adv_mount_gone() { [[ -z $(sess_mounts | grep -- "$adv_hex") ]]; }
+if [[ -n $adv_hex ]] && wait_for 15 adv_mount_gone; then pass session-tmpfs-gone-after-close; else fail session-tmpfs-gone-after-close "$(sess_mounts | grep -- "$adv_hex")"; fi
+
 # ---- systemd's own Varlink client (systemd 255 and later: varlinkctl) -----------------------
 # Interoperability: another implementation of the protocol introspects the socket and calls a
 # plain method and a streaming one (Run, with "more") as a member of the group.
