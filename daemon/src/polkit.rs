@@ -24,6 +24,13 @@
 //! that `/proc/<pid>/status` still shows the peer's uid and gid (from `SO_PEERCRED`) and the
 //! same start time, so a recycled pid of another user is never asked about.
 //!
+//! Calls in flight are bounded: at most [`IN_FLIGHT_MAX`] daemon-wide and
+//! [`IN_FLIGHT_PER_UID`] for one caller uid; a check waits for a place, within its own
+//! timeout. dbus-daemon answers `org.freedesktop.DBus.Error.LimitsExceeded` to a connection
+//! with more pending method calls than its `max_replies_per_connection` limit (128 on a
+//! system bus, dbus-daemon(1)); unbounded, one uid opening a few hundred connections made
+//! every check fail and so got every other uid refused.
+//!
 //! When polkit cannot be asked (bus gone, polkitd not answering) the decision fails closed:
 //! root is allowed (polkit would allow root too), everyone else is refused until polkit
 //! answers. The daemon selects this authority at start-up whenever polkit is installed
@@ -41,6 +48,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use zbus::zvariant::{Fd, Value};
 
 /// Most cached answers; the whole cache is dropped when it is full.
@@ -49,6 +57,12 @@ pub const CACHE_MAX: usize = 4096;
 pub const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long an interactive check (a human typing a password) may take.
 pub const INTERACTIVE_TIMEOUT: Duration = Duration::from_secs(300);
+/// Most `CheckAuthorization` calls in flight at once, daemon-wide: well below dbus-daemon's
+/// `max_replies_per_connection` (128 on a system bus, dbus-daemon(1)).
+pub const IN_FLIGHT_MAX: usize = 32;
+/// Most `CheckAuthorization` calls in flight for one caller uid, so that one uid's flood of
+/// connections leaves the other places to the other uids.
+pub const IN_FLIGHT_PER_UID: usize = 4;
 /// First polkit version that accepts a `pidfd` in a `unix-process` subject.
 pub const PIDFD_MIN_VERSION: u32 = 124;
 
@@ -161,12 +175,32 @@ trait PolkitAuthority {
 
 /// The polkit authority. Cheap to share; the bus connection is attached and detached by the
 /// D-Bus service as the system bus comes and goes.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Polkit {
     bus: RwLock<Option<zbus::Connection>>,
     pidfd_subjects: AtomicBool,
     cache: Mutex<HashMap<(u64, Action), bool>>,
+    /// Places for calls in flight, daemon-wide ([`IN_FLIGHT_MAX`]).
+    in_flight: Arc<Semaphore>,
+    /// Places for calls in flight per caller uid ([`IN_FLIGHT_PER_UID`]); an entry lives
+    /// while some check of that uid holds or waits for one.
+    per_uid: Mutex<HashMap<u32, Arc<Semaphore>>>,
 }
+
+impl Default for Polkit {
+    fn default() -> Polkit {
+        Polkit {
+            bus: RwLock::new(None),
+            pidfd_subjects: AtomicBool::new(false),
+            cache: Mutex::new(HashMap::new()),
+            in_flight: Arc::new(Semaphore::new(IN_FLIGHT_MAX)),
+            per_uid: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+/// The two places a check in flight holds: its uid's and the daemon-wide one.
+type Places = (OwnedSemaphorePermit, OwnedSemaphorePermit);
 
 impl Polkit {
     /// An authority with no bus yet (every non-root caller refused until [`Polkit::attach`]).
@@ -232,17 +266,38 @@ impl Polkit {
         } else {
             CHECK_TIMEOUT
         };
-        let answer = tokio::time::timeout(
-            after,
-            proxy.check_authorization(&subject, id, HashMap::new(), flags, ""),
-        )
+        // The wait for a place counts against the check's timeout.
+        let answer = tokio::time::timeout(after, async {
+            let _places = self.place_for(caller.uid).await.ok_or(Error::NoBus)?;
+            proxy
+                .check_authorization(&subject, id, HashMap::new(), flags, "")
+                .await
+                .map_err(call)
+        })
         .await
-        .map_err(|_| Error::Timeout { action: id, after })?
-        .map_err(call)?;
+        .map_err(|_| Error::Timeout { action: id, after })??;
         Ok(Decision {
             authorized: answer.0,
             challenge: answer.1,
         })
+    }
+
+    /// Waits for a place for one call of `uid`: first one of the uid's
+    /// [`IN_FLIGHT_PER_UID`], then one of the daemon's [`IN_FLIGHT_MAX`]. `None` only if a
+    /// semaphore was closed, which this type never does.
+    async fn place_for(&self, uid: u32) -> Option<Places> {
+        let mine = {
+            let mut m = self.per_uid.lock().unwrap();
+            // Entries nobody holds or waits on are dropped, so the map is bounded by the
+            // uids with a check under way.
+            m.retain(|_, s| Arc::strong_count(s) > 1);
+            m.entry(uid)
+                .or_insert_with(|| Arc::new(Semaphore::new(IN_FLIGHT_PER_UID)))
+                .clone()
+        };
+        let own = mine.acquire_owned().await.ok()?;
+        let shared = self.in_flight.clone().acquire_owned().await.ok()?;
+        Some((own, shared))
     }
 
     /// The polkit subject for `caller` and whether the check may be interactive.
@@ -547,6 +602,39 @@ mod tests {
             pidfd: None,
         };
         assert!(!p.check(&caller(0, 3, subject), Action::Execute).await);
+    }
+
+    #[tokio::test]
+    async fn one_uid_cannot_take_every_place_for_calls_in_flight() {
+        let p = Polkit::default();
+        let mut held = Vec::new();
+        for _ in 0..IN_FLIGHT_PER_UID {
+            held.push(p.place_for(1000).await.unwrap());
+        }
+        // The flooding uid waits for its own places ...
+        let more = tokio::time::timeout(Duration::from_millis(50), p.place_for(1000)).await;
+        assert!(
+            more.is_err(),
+            "uid 1000 got more than {IN_FLIGHT_PER_UID} places"
+        );
+        // ... while another uid gets one at once.
+        let other = tokio::time::timeout(Duration::from_millis(50), p.place_for(1002)).await;
+        assert!(
+            other.is_ok_and(|p| p.is_some()),
+            "uid 1002 waited behind uid 1000"
+        );
+        drop(held);
+        // Daemon-wide: many uids together hold at most IN_FLIGHT_MAX places.
+        let mut many = Vec::new();
+        for uid in 0..IN_FLIGHT_MAX as u32 {
+            many.push(p.place_for(2000 + uid).await.unwrap());
+        }
+        let over = tokio::time::timeout(Duration::from_millis(50), p.place_for(9999)).await;
+        assert!(over.is_err(), "more than {IN_FLIGHT_MAX} calls in flight");
+        drop(many);
+        assert!(p.place_for(9999).await.is_some());
+        // Idle uids are forgotten.
+        assert!(p.per_uid.lock().unwrap().len() <= 1);
     }
 
     #[test]
