@@ -4,7 +4,7 @@
 //! at least one *enforced* layer on this host; it then enforces every layer the host offers,
 //! and says once, at start, which optional layers are missing and what covers their threats.
 //! [`evaluate`] is that decision; [`THREATS`] is the table it reads, and the table printed in
-//! sandcelld(8) and ARCHITECTURE.md.
+//! sandcelld(8) and docs/internals/confinement.md.
 //!
 //! A layer *covers* a threat when it stops it on its own. Layers that only narrow a threat
 //! (file permissions for the per-session uid, the network namespace for pathname unix sockets)

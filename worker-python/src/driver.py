@@ -466,7 +466,7 @@ async def run_async(src, g, cell, display=1):
 # --- State snapshots -------------------------------------------------------------------
 #
 # Eryx's own snapshot_state() dill-pickles every global twice with dill's pure-Python pickler
-# (figures: ARCHITECTURE.md, "Measured figures"). This one uses the C
+# (figures: docs/internals/figures.md). This one uses the C
 # pickler for everything it can, and only handles what lives in the cell namespace itself:
 # functions (code marshalled, globals rebound to the namespace on load) and classes (dill,
 # methods rebound on load). Module bindings are recorded by name and re-imported.

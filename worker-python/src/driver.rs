@@ -44,7 +44,7 @@
 //!   snapshot, `run` says `unchanged` and the worker takes no new snapshot
 //!   ([`DriverResult::unchanged`]).
 //!
-//! The figures (`sandcell-python-runtime probe`) are in ARCHITECTURE.md, "Measured figures".
+//! The figures (`sandcell-python-runtime probe`) are in docs/internals/figures.md.
 
 use base64_engine::encode as b64;
 use serde::Deserialize;

@@ -18,7 +18,7 @@
 //!
 //! The guest runs on the cell loop's thread and blocks it while it computes, so live output
 //! needs another thread; but handing every cell to a thread (one spawned per cell, or woken per
-//! cell) costs more than a short cell itself (ARCHITECTURE.md, "Measured figures"). So one
+//! cell) costs more than a short cell itself (docs/internals/figures.md). So one
 //! persistent thread takes a cell's output over only once the cell has run for
 //! [`TAKEOVER_AFTER`]: from then on it forwards as above, each batch as soon as it is queued,
 //! until the cell's channel closes. A cell that ends before that (most cells) never involves
@@ -31,7 +31,7 @@
 //! sleeps until the next `begin` unparks it (only then does `begin` make a system call).
 //! The alternatives (unparking the thread for every cell, re-arming a timerfd per cell: a
 //! timer reprogramming in a virtual machine) cost a measurable part of a short cell's round
-//! trip (ARCHITECTURE.md, "Measured figures").
+//! trip (docs/internals/figures.md).
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -25,8 +25,8 @@
 //! the report is `state: lost` with an error saying what was lost and from which cell the
 //! variables come. Never a silently empty namespace.
 //!
-//! Decision (figures from `sandcell-python-runtime bench` in ARCHITECTURE.md, "Measured
-//! figures"): Eryx's own `snapshot_state()` (dill's pure-Python pickler, every value pickled
+//! Decision (figures from `sandcell-python-runtime bench` in
+//! docs/internals/figures.md): Eryx's own `snapshot_state()` (dill's pure-Python pickler, every value pickled
 //! twice) costs far too much per cell; the driver's snapshot (C pickle; only functions and
 //! classes defined in cells go by value, via `marshal`/dill) costs a small fraction of it,
 //! and so does a rebuild with restore. Which cell

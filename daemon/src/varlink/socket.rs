@@ -4,7 +4,7 @@
 //! 0.8: its writer serializes a message into a buffer that starts at 256 bytes and, when the
 //! message does not fit, grows it by 256 bytes and serializes the whole message again, so a
 //! reply of n bytes costs O(n^2 / 256) (seconds of CPU for a 4 MiB error reply echoing a
-//! client string: ARCHITECTURE.md, "Hostile clients"); its reader grows a buffer to the largest message
+//! client string: docs/internals/hostile-input.md, "Hostile clients"); its reader grows a buffer to the largest message
 //! ever received and never gives it back; and it reads 256 bytes per system call.
 //!
 //! Here a message is read in chunks of [`READ_CHUNK`] bytes, bounded by [`MAX_MESSAGE`], must

@@ -6,7 +6,7 @@
 //!    session's bounded tmpfs on it (`crate::session_fs`);
 //! 2. writes the [`Plan`] the worker executable applies to itself before anything else
 //!    (`sandcell_confine::enter`: fds, rlimits, namespaces, identity, no_new_privs,
-//!    capabilities, Landlock, seccomp — see ARCHITECTURE.md "Confinement order");
+//!    capabilities, Landlock, seccomp — see docs/internals/confinement.md, "Confinement order");
 //! 3. builds an environment from an allowlist (never the daemon's own);
 //! 4. forks; between fork and exec the child (async-signal-safe calls only) joins the session
 //!    cgroup by writing `"0"` to each pre-opened `cgroup.procs`, starts a new session (no
