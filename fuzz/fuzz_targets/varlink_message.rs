@@ -15,12 +15,7 @@ use serde_json::{Value, json};
 /// `varlink/kernel.rs`'s `params`: the call's parameters (absent = `{}`) as `T`, or the name
 /// of the offending parameter.
 fn params<T: DeserializeOwned>(call: &zlink::Call<RawCall>) -> Result<T, String> {
-    let v = call
-        .method()
-        .parameters
-        .clone()
-        .unwrap_or_else(|| json!({}));
-    serde_json::from_value(v).map_err(|e| {
+    serde_json::from_str(call.method().parameters_text()).map_err(|e| {
         let msg = e.to_string();
         msg.split('`').nth(1).unwrap_or("parameters").to_owned()
     })

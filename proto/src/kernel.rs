@@ -1205,13 +1205,26 @@ impl KernelError {
 }
 
 /// A method call as received, before its parameters are checked.
+///
+/// The parameters stay JSON text until the method's own parameter type is decoded from them
+/// (`serde_json`'s `RawValue`: the text is checked and copied once, no tree is built). A
+/// `serde_json::Value` tree costs about 32 bytes per JSON value, so 4 MiB of `[0,0,...]`
+/// (the message bound) became a 64 MiB allocation per call being decoded; typed parameters
+/// skip unknown fields without allocating and hold strings at their own size.
 #[derive(Debug, Deserialize)]
 pub struct RawCall {
     /// Fully qualified method name.
     pub method: String,
-    /// Parameters object (absent means none).
+    /// Parameters object as received (absent means none).
     #[serde(default)]
-    pub parameters: Option<Value>,
+    pub parameters: Option<Box<serde_json::value::RawValue>>,
+}
+
+impl RawCall {
+    /// The parameters' JSON text; `{}` when absent.
+    pub fn parameters_text(&self) -> &str {
+        self.parameters.as_deref().map_or("{}", |r| r.get())
+    }
 }
 
 /// Any error reply as received by a client.

@@ -624,3 +624,61 @@ fn read_reply_opt(s: &mut UnixStream) -> Option<Value> {
         reply.extend_from_slice(&b[..n]);
     }
 }
+
+/// The daemon's peak resident set so far, bytes (`VmHWM`, proc(5)).
+fn high_water(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// A call whose parameters are 4 MiB of tiny JSON values costs the daemon about its own bytes,
+/// not a tree of them: decoded into a `serde_json::Value` it cost about 32 bytes a value
+/// (64 MiB for one such call, per runtime thread decoding one at a time), outside every
+/// budget. Each is answered `InvalidParameter`, and the connection keeps serving.
+#[test]
+fn a_call_of_tiny_values_costs_its_bytes_not_a_tree() {
+    let d = Daemon::start(&[]);
+    let mut s = UnixStream::connect(&d.socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    // Warm up: the first answered call grows the daemon's pools.
+    let first = call(&mut s, "ListEnvironments", json!({}));
+    assert!(first.get("error").is_none(), "{first}");
+    let before = high_water(d.pid());
+    let values = (sandcell_proto::kernel::MAX_MESSAGE_BYTES - 4096) / 2;
+    let junk = format!("[{}0]", "0,".repeat(values - 1));
+    for method in ["Inspect", "HostReply", "Open", "PutFile"] {
+        let mut m = format!(
+            "{{\"method\":\"{}\",\"parameters\":{{\"session\":\"x\",\"junk\":{junk}}}}}",
+            kernel(method)
+        )
+        .into_bytes();
+        m.push(0);
+        assert!(m.len() <= sandcell_proto::kernel::MAX_MESSAGE_BYTES + 1);
+        s.write_all(&m).unwrap();
+        let reply = read_reply(&mut s);
+        let error = reply.get("error").and_then(Value::as_str).unwrap_or("");
+        assert!(
+            error.ends_with("InvalidParameter") || error.ends_with("LimitExceeded"),
+            "{method}: {reply}"
+        );
+    }
+    let grown = high_water(d.pid()).saturating_sub(before);
+    eprintln!(
+        "figure: four calls of {values} JSON values each grew the daemon's peak RSS by {} KiB",
+        grown / 1024
+    );
+    assert!(
+        grown < 32 << 20,
+        "the daemon's peak RSS grew by {} MiB decoding 4 MiB calls",
+        grown >> 20
+    );
+    let again = call(&mut s, "ListEnvironments", json!({}));
+    assert!(again.get("error").is_none(), "{again}");
+    assert!(d.child_alive());
+}

@@ -25,6 +25,10 @@ type Sent = std::io::Result<()>;
 /// node-qualified session id (97 bytes), so a valid id is echoed whole.
 pub const ECHO_BYTES: usize = 128;
 
+/// Longest `HostReply` parameters text decoded, bytes: a result and an error at their caps,
+/// every byte escaped (`\uXXXX`, 6 bytes), and the other fields.
+const HOST_REPLY_TEXT_MAX: usize = (k::MAX_HOST_CALL_RESULT + k::MAX_HOST_CALL_ERROR) * 6 + 4096;
+
 /// An error reply of any interface.
 #[derive(Debug, Serialize)]
 struct ErrorReply {
@@ -178,12 +182,8 @@ async fn send_reply<T: Serialize>(
 /// path to the value of the wrong type (`session`, `limits.memory_bytes`), or the field serde
 /// names when one is missing or unknown. Never the client's value itself.
 fn params<T: DeserializeOwned>(call: &Call<RawCall>) -> Result<T, ErrorReply> {
-    let v = call
-        .method()
-        .parameters
-        .clone()
-        .unwrap_or_else(|| json!({}));
-    serde_path_to_error::deserialize(v).map_err(|e| {
+    let mut de = serde_json::Deserializer::from_str(call.method().parameters_text());
+    serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
         let parameter = if path.is_empty() || path == "." {
             // Missing or unknown fields are reported at the top level; serde names them in
@@ -304,6 +304,18 @@ async fn kernel(
             answer(w, call, core.interrupt(caller, &p.session, p.cell).await).await
         }
         "HostReply" => {
+            // `result` is any JSON object, decoded as a tree (about 32 bytes a value): text
+            // longer than the largest valid reply can encode to (every byte of the result
+            // and error escaped as `\uXXXX`) is refused before it is decoded.
+            let text = call.method().parameters_text().len();
+            if text > HOST_REPLY_TEXT_MAX {
+                let e = KernelError::LimitExceeded {
+                    limit: "host_call_result_bytes".into(),
+                    value: text as u64,
+                    max: k::MAX_HOST_CALL_RESULT as u64,
+                };
+                return send_kernel_error(w, call, e).await;
+            }
             let p = parse!(w, call, k::HostReplyParams);
             let r = core
                 .host_reply(caller, &p.session, p.call, p.result, p.error)
@@ -684,14 +696,14 @@ async fn service(w: &Writer, call: &Call<RawCall>, name: &str) -> Sent {
             send_reply(w, call, info, false).await
         }
         "GetInterfaceDescription" => {
-            let asked = call
-                .method()
-                .parameters
-                .as_ref()
-                .and_then(|p| p.get("interface"))
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_owned();
+            #[derive(serde::Deserialize)]
+            struct Asked {
+                #[serde(default)]
+                interface: String,
+            }
+            let asked = serde_json::from_str::<Asked>(call.method().parameters_text())
+                .map(|a| a.interface)
+                .unwrap_or_default();
             let description = match asked.as_str() {
                 k::INTERFACE => k::IDL.to_owned(),
                 "org.varlink.service" => zlink::varlink_service::DESCRIPTION.to_string(),
