@@ -1,0 +1,81 @@
+"""The run_code tool of `sandcellctl mcp` through the official MCP Python SDK (one stdio
+connection) beside the same `print(1)` through the Python client (one connection), calls
+interleaved, against one sandcelld started as the tests start it (tests/mcp/conftest.py).
+Prints p50 and p99 of each, in ms, and what MCP adds at p50 (goal: under 2 ms).
+Run by scripts/bench.sh with the venv of scripts/mcp-venv.sh and PYTHONPATH=clients/python/src.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import anyio
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests/mcp"))
+from conftest import BIN, ROOMY, Daemon  # noqa: E402
+
+import sandcell  # noqa: E402
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def main(n: int, socket: str) -> None:
+    params = StdioServerParameters(command=str(BIN / "sandcellctl"), args=["--socket", socket, "mcp"])
+    mcp_ms, py_ms, bare_ms = [], [], []
+    async with stdio_client(params) as (r, w), ClientSession(r, w) as s:
+        await s.initialize()
+        await s.list_tools()
+        with sandcell.Client(socket) as c:
+            for i in range(n + 5):
+                t = time.perf_counter()
+                res = await s.call_tool("run_code", {"code": "print(1)"})
+                m = (time.perf_counter() - t) * 1000
+                assert res.structured_content["stdout"] == "1\n", res
+                t = time.perf_counter()
+                assert c.run("print(1)").stdout == "1\n"
+                p = (time.perf_counter() - t) * 1000
+                t = time.perf_counter()
+                await s.call_tool("list_sessions", {})
+                b = (time.perf_counter() - t) * 1000
+                if i >= 5:  # warm-up
+                    mcp_ms.append(m)
+                    py_ms.append(p)
+                    bare_ms.append(b)
+    rows = (
+        ("python client Run", py_ms),
+        ("MCP run_code (SDK, stdio)", mcp_ms),
+        ("MCP list_sessions (no daemon call)", bare_ms),
+    )
+    for label, xs in rows:
+        print("%-40s p50 %.2f ms, p99 %.2f ms (%d calls)" % (label, pct(xs, 0.5), pct(xs, 0.99), len(xs)))
+    added = statistics.median(mcp_ms) - statistics.median(py_ms)
+    print("MCP adds at p50: %.2f ms (goal: under 2 ms)" % added)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iterations", type=int, default=50)
+    a = ap.parse_args()
+    # A warm pool: the cell's own cost is steady, so the difference is the MCP path's.
+    d = Daemon(
+        "bench-mcp",
+        {
+            **ROOMY,
+            "SANDCELL_POOL_PYTHON_MIN": "4",
+            "SANDCELL_POOL_PYTHON_MAX": "8",
+            "SANDCELL_POOL_REFILL_PER_SECOND": "200",
+        },
+    )
+    try:
+        anyio.run(main, a.iterations, d.socket)
+    finally:
+        d.stop()
