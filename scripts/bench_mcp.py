@@ -61,6 +61,30 @@ async def main(n: int, socket: str) -> None:
     print("MCP adds at p50: %.2f ms (goal: under 2 ms)" % added)
 
 
+def raw(n: int, socket: str) -> None:
+    """The server's own cost: run_code and list_sessions with JSON-RPC lines written by hand."""
+    from test_mcp import Raw
+
+    r = Raw(str(BIN / "sandcellctl"), socket)
+    run_ms, bare_ms = [], []
+    for i in range(n + 5):
+        t = time.perf_counter()
+        r.call(i, "run_code", {"code": "print(1)"})
+        assert r.reply(i)["result"]["structuredContent"]["stdout"] == "1\n"
+        m = (time.perf_counter() - t) * 1000
+        t = time.perf_counter()
+        r.call(100000 + i, "list_sessions", {})
+        r.reply(100000 + i)
+        b = (time.perf_counter() - t) * 1000
+        if i >= 5:
+            run_ms.append(m)
+            bare_ms.append(b)
+    r.close()
+    for label, xs in (("MCP run_code (raw JSON-RPC lines)", run_ms),
+                      ("MCP list_sessions (raw JSON-RPC lines)", bare_ms)):
+        print("%-40s p50 %.2f ms, p99 %.2f ms (%d calls)" % (label, pct(xs, 0.5), pct(xs, 0.99), len(xs)))
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=50)
@@ -77,5 +101,6 @@ if __name__ == "__main__":
     )
     try:
         anyio.run(main, a.iterations, d.socket)
+        raw(a.iterations, d.socket)
     finally:
         d.stop()

@@ -9,8 +9,8 @@
 //! - one *owner* connection opens every session; sessions opened without
 //!   `detached_idle_seconds` belong to it and end when this process ends (the MCP client
 //!   closed stdin or killed it); detached ones outlive it for their idle time;
-//! - every other call takes a connection from a small pool ([`POOL_IDLE`] kept idle) or opens
-//!   one; a cell streams on its own connection;
+//! - every other call, cells included, takes a connection from a small pool ([`POOL_IDLE`]
+//!   kept idle) or opens one, and gives it back once answered (a cell: after its result);
 //! - at most [`MAX_IN_FLIGHT`] tool calls run at once; more are refused at once with the tool
 //!   error `sandcell.mcp.Busy`; a JSON-RPC line longer than [`MAX_LINE_BYTES`] is dropped by
 //!   the transport (answered with a JSON-RPC error);
@@ -902,8 +902,13 @@ impl Server {
         session: Option<&str>,
         start: impl AsyncFnOnce(&mut Client) -> Result<(), Error>,
     ) -> Reply {
-        let mut c = Client::connect(&self.socket).await?;
-        start(&mut c).await?;
+        let mut c = self.conn().await?;
+        if let Err(e) = start(&mut c).await {
+            if matches!(e, Error::Kernel(_)) {
+                self.put_back(c);
+            }
+            return Err(e.into());
+        }
         // The cell's (session, cell), once `started` arrives; a cancellation waits for it.
         let (started_tx, mut started_rx) = watch::channel(None::<(String, u64)>);
         let ct = ctx.ct.clone();
@@ -931,6 +936,10 @@ impl Server {
                 Err(e) => {
                     interrupter.abort();
                     self.set_running(session, None);
+                    if matches!(e, Error::Kernel(_)) {
+                        // A refusal ends the call: the connection is clean.
+                        self.put_back(c);
+                    }
                     return Err(e.into());
                 }
             };
@@ -983,8 +992,9 @@ impl Server {
         let mut content = Vec::new();
         let mut images = Vec::new();
         let mut omitted = Vec::new();
+        // The stream ended with its result: the connection is clean for the next call.
+        self.put_back(c);
         if !result.session_ended && session.is_some() {
-            self.put_back(c);
             for f in result
                 .files
                 .iter()
