@@ -656,12 +656,14 @@ impl Server {
             .await
     }
 
-    /// The language of `environment` (default `python`), from `ListEnvironments`.
-    async fn language(&self, environment: Option<&str>) -> Result<(String, String), Refusal> {
+    /// The name and language of `environment` (default `python`), from `ListEnvironments`,
+    /// and whether it is its language's default (then the call names only the language, as
+    /// other clients do).
+    async fn language(&self, environment: Option<&str>) -> Result<(String, String, bool), Refusal> {
         let name = environment.unwrap_or("python");
         let envs = self.environments().await?;
         match envs.iter().find(|e| e.name == name) {
-            Some(e) => Ok((e.name.clone(), e.language.clone())),
+            Some(e) => Ok((e.name.clone(), e.language.clone(), e.default)),
             None => Err(Refusal(
                 Error::Kernel(KernelError::NoSuchEnvironment {
                     environment: name.into(),
@@ -678,12 +680,12 @@ impl Server {
             "run_code" => {
                 let i: RunCodeIn = args(a)?;
                 check_code(&i.code)?;
-                let (env, lang) = self.language(i.environment.as_deref()).await?;
+                let (env, lang, default) = self.language(i.environment.as_deref()).await?;
                 let params = k::RunParams {
                     language: lang,
                     code: i.code,
                     limits: i.limits.as_ref().map(LimitsIn::to_limits),
-                    environment: Some(env),
+                    environment: (!default).then_some(env),
                     host_calls: None,
                     display_last_expression: None,
                 };
@@ -845,12 +847,12 @@ impl Server {
                 json!({"max": MAX_TRACKED_SESSIONS}),
             ));
         }
-        let (env, lang) = self.language(i.environment.as_deref()).await?;
+        let (env, lang, default) = self.language(i.environment.as_deref()).await?;
         let params = k::OpenParams {
             language: lang,
             limits: i.limits.as_ref().map(LimitsIn::to_limits),
             detached_idle_seconds: i.detached_idle_seconds,
-            environment: Some(env.clone()),
+            environment: (!default).then(|| env.clone()),
             host_calls: None,
             display_last_expression: None,
         };
