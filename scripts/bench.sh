@@ -72,5 +72,9 @@ echo "== the pydata environment beside Jupyter (ipykernel, IRkernel) and bubblew
 /usr/bin/python3 scripts/bench_pydata.py --bin "$BIN" --runtime "$SANDCELL_TEST_PYTHON_RUNTIME" \
     --iterations "$n" || echo "(pydata bench failed)"
 
+echo "== MCP: run_code through the MCP Python SDK beside Run through the Python client (print(1))"
+PYTHONPATH=clients/python/src "$SANDCELL_CACHE/mcp-venv/bin/python" scripts/bench_mcp.py \
+    --iterations "$n" || echo "(mcp bench failed)"
+
 echo
 python3 scripts/bench_summary.py "$out/log" "$out/eryx.json" || echo "(summary failed)"

@@ -40,4 +40,6 @@ cargo build "${CARGO_FLAGS[@]}" --workspace
 
 echo "setup: preparing the Python runtime in $SANDCELL_TEST_PYTHON_RUNTIME"
 "$BIN/sandcell-python-runtime" prepare --out "$SANDCELL_TEST_PYTHON_RUNTIME" >/dev/null
+# The pinned MCP clients `sandcellctl mcp`'s tests use (MCP Python SDK venv, MCP Inspector).
+bash scripts/mcp-venv.sh
 echo "setup: done"

@@ -36,6 +36,7 @@ macro_rules! errln {
 mod ctrlc;
 mod dbus;
 mod hostcmd;
+mod mcp;
 use sandcell_client::{Client, Error, KernelError, Limits, Status};
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -210,6 +211,10 @@ enum Cmd {
     },
     /// Make sandcelld re-read its configuration (D-Bus; polkit: org.sandcell.reload).
     Reload,
+    /// Serve the Model Context Protocol on standard input and output (JSON-RPC lines), for
+    /// agents that launch tools as a subprocess: run code, sessions, files, plots; see
+    /// docs/mcp.md. Sessions opened through it end when it ends unless opened detached.
+    Mcp,
     /// Print the completion script for SHELL (bash, zsh, fish, elvish or powershell) on
     /// standard output; the packages install those for bash, zsh and fish.
     Completions {
@@ -818,6 +823,16 @@ async fn main() -> ExitCode {
         }
         return ExitCode::SUCCESS;
     }
+    if let Cmd::Mcp = args.cmd {
+        let socket = args.socket.unwrap_or_else(sandcell_client::default_socket);
+        return match mcp::serve(socket).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                errln!("sandcellctl mcp: {e:#}");
+                ExitCode::from(2)
+            }
+        };
+    }
     if let Some(code) = admin(&args.cmd, args.json, args.interactive).await {
         return code;
     }
@@ -1166,7 +1181,8 @@ async fn main() -> ExitCode {
             | Cmd::Terminate { .. }
             | Cmd::Reload
             | Cmd::Interrupt { cell: None, .. }
-            | Cmd::Completions { .. } => {
+            | Cmd::Completions { .. }
+            | Cmd::Mcp => {
                 unreachable!("D-Bus commands and completions are handled first")
             }
         }
