@@ -8,7 +8,7 @@
 //! Needs root (cgroups, tmpfs mounts, per-session uids; polkit: useradd and polkit's
 //! directories) and, for the last test, `dbus-daemon`, `busctl`, `setpriv` and `polkitd`.
 
-mod common;
+use crate::common;
 
 use common::bus::{Bus, Out, run, run_input};
 use common::polkit::{POLKITD, Polkit, User};

@@ -8,7 +8,7 @@
 //! in the cell's child, which inherits the worker's seccomp filter (a filter can never be
 //! removed, so what the child cannot do the R process cannot either).
 
-mod common;
+use crate::common;
 
 use common::bus::{Bus, Out, run_input};
 use common::{Daemon, eventually};

@@ -1,7 +1,7 @@
 //! Warm worker pools: sessions start from pre-started, confined workers; a worker
 //! is never reused; idle pooled workers never cause a refusal.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, eventually};
 use std::time::Duration;

@@ -3,7 +3,7 @@
 //! owner `SessionEnded` with the reason; another uid and an id that never existed get
 //! `NoSuchSession`; the store of ended sessions is bounded.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, call_as};
 use sandcell_client::{Client, Error, KernelError};
