@@ -303,13 +303,7 @@ struct User {
 
 impl User {
     fn add() -> User {
-        let mut b = [0u8; 3];
-        // SAFETY: getrandom writes at most b.len() bytes into b.
-        unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-        let name = format!(
-            "sctt{}",
-            b.iter().map(|x| format!("{x:02x}")).collect::<String>()
-        );
+        let name = format!("sctt{}", common::rand_hex(3));
         let st = Command::new("useradd")
             .args(["-M", "-N", "-s", "/usr/sbin/nologin", &name])
             .status()

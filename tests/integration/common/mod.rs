@@ -76,10 +76,14 @@ pub struct Daemon {
 
 /// `n` random bytes in hex.
 pub fn rand_hex(n: usize) -> String {
-    let mut b = vec![0u8; n];
-    // SAFETY: getrandom writes at most b.len() bytes into b.
-    unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    sandcelld::sys::random_hex(n).expect("getrandom(2)")
+}
+
+/// A random `u32`.
+pub fn rand_u32() -> u32 {
+    let mut b = [0u8; 4];
+    sandcelld::sys::random_bytes(&mut b).expect("getrandom(2)");
+    u32::from_le_bytes(b)
 }
 
 fn unique() -> String {
