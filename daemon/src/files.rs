@@ -876,12 +876,11 @@ fn dir_lock(dir: &Path) -> std::sync::Arc<std::sync::Mutex<()>> {
     m.entry(dir.to_path_buf()).or_default().clone()
 }
 
-/// Random hex for temporary names.
-fn random_hex() -> String {
-    let mut b = [0u8; 8];
-    // A failure leaves zeros: the name is then still refused if it exists (O_EXCL).
-    let _ = getrandom::getrandom(&mut b);
-    b.iter().map(|x| format!("{x:02x}")).collect()
+/// Random hex for temporary names (64 bits).
+///
+/// Errors: [`Error::Io`] (`random`) when the kernel's random source failed.
+fn random_hex() -> Result<String, Error> {
+    crate::sys::random_hex(8).map_err(io("random"))
 }
 
 /// Checks the size of an upload before anything is read: the declared size against
@@ -1114,7 +1113,7 @@ fn put_inner(
     let root = open_root(dir)?;
     let parent = open_parent(&root, name, &parts, true, owner, created)?;
     let leaf = cstr(parts[parts.len() - 1])?;
-    let tmp_name = format!("{TEMP_PREFIX}{}", random_hex());
+    let tmp_name = format!("{TEMP_PREFIX}{}", random_hex()?);
     let tmp = cstr(&tmp_name)?;
     // O_EXCL|O_NOFOLLOW creates a new file or fails, never opening something that exists.
     let out = std::fs::File::from(

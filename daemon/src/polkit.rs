@@ -681,15 +681,10 @@ mod tests {
         let me = std::process::id();
         let t = start_time(me).expect("own stat");
         assert!(t > 0);
-        // SAFETY: pidfd_open has no memory-safety preconditions; the result is checked.
-        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, me as libc::pid_t, 0) };
-        if raw < 0 {
+        let Ok(fd) = crate::sys::pidfd_open(me) else {
             eprintln!("skip: pidfd_open unavailable on this kernel");
             return;
-        }
-        // SAFETY: pidfd_open returned a new descriptor that nothing else owns.
-        let fd =
-            unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
+        };
         match process_subject(me, Some(fd.as_fd())) {
             Subject::Process {
                 pid,

@@ -812,21 +812,7 @@ async fn reserve_owned(
 ///
 /// Errors: the kernel's random source failed.
 fn new_nonce() -> std::io::Result<String> {
-    let mut b = [0u8; wire::NONCE_HEX_LEN / 2];
-    let mut got = 0;
-    while got < b.len() {
-        // SAFETY: getrandom writes at most `b.len() - got` bytes into the rest of `b`.
-        let n = unsafe { libc::getrandom(b[got..].as_mut_ptr().cast(), b.len() - got, 0) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        got += n as usize;
-    }
-    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+    crate::sys::random_hex(wire::NONCE_HEX_LEN / 2)
 }
 
 struct Actor {

@@ -7,7 +7,7 @@
 //! Needs root and the packages `dbus-daemon`, `systemd` (busctl) and `util-linux` (setpriv);
 //! without them the test prints why it skips.
 
-mod common;
+use crate::common;
 
 use common::bus::Bus;
 use common::{Daemon, eventually};

@@ -4,7 +4,7 @@
 //! behind are gone (reaped, not zombies holding `pids.max`) before the next cell starts; a
 //! daemon that cannot start for its configuration or confinement exits with 78 (EX_CONFIG).
 
-mod common;
+use crate::common;
 
 use common::Daemon;
 use sandcell_client::{Limits, Status};

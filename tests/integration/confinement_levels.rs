@@ -8,7 +8,7 @@
 //! the host (lowering the worker's own `oom_score_adj` included). Levels above the running
 //! kernel's ABI are skipped, saying so.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, r_available};
 use sandcell_client::{Client, Collected, Status};

@@ -8,7 +8,7 @@
 //! Needs root (useradd, polkit's action directory) and the packages `dbus-daemon` and
 //! `polkitd`; without them each test prints why it skips.
 
-mod common;
+use crate::common;
 
 use common::bus::{Bus, Out, run, run_input};
 use common::polkit::{POLKITD, Polkit, User};

@@ -4,7 +4,7 @@
 //! ones; another language's: `EnvironmentMismatch`), an operator-declared environment, and a
 //! warm pool per environment.
 
-mod common;
+use crate::common;
 
 use common::Daemon;
 use sandcell_client::{Error, Status};

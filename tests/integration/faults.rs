@@ -3,7 +3,7 @@
 //! test asserts what the client saw and that nothing was left behind (worker processes, the
 //! session directory, the admission charge).
 
-mod common;
+use crate::common;
 
 use common::{Daemon, eventually};
 use sandcell_client::{Error, KernelError, Limits, State, Status};

@@ -8,11 +8,11 @@
 //! Needs root (cgroups, tmpfs mounts, per-session uids; polkit: useradd and polkit's
 //! directories) and, for the last test, `dbus-daemon`, `busctl`, `setpriv` and `polkitd`.
 
-mod common;
+use crate::common;
 
 use common::bus::{Bus, Out, run, run_input};
 use common::polkit::{POLKITD, Polkit, User};
-use common::{Daemon, eventually, rand_hex};
+use common::{Daemon, eventually, rand_hex, rand_u32};
 use sandcell_client::{Error, KernelError};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -21,13 +21,6 @@ use std::time::{Duration, Instant};
 fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
-}
-
-fn rand_u32() -> u32 {
-    let mut b = [0u8; 4];
-    // SAFETY: getrandom writes at most b.len() bytes into b.
-    unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    u32::from_le_bytes(b)
 }
 
 /// A private worker uid range (base, count) and cgroup name, so that what another daemon on

@@ -1,7 +1,7 @@
 //! Files in and out of sessions through a real sandcelld: uploads, listings,
 //! downloads, the files a cell leaves, and what a hostile cell can plant.
 
-mod common;
+use crate::common;
 
 use common::Daemon;
 use sandcell_client::{Client, Error, FileKind, KernelError, Status};

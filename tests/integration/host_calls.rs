@@ -5,7 +5,7 @@
 //! the reply timeout, an interrupt while a call waits, the bounds of a reply, another
 //! session's call id and another uid's reply; an `Attach` replays a call that waits.
 
-mod common;
+use crate::common;
 
 use common::Daemon;
 use sandcell_client::{

@@ -2,7 +2,7 @@
 //! second, concurrent session are unaffected. Python cells meet two walls (WASI inside Eryx,
 //! then the OS confinement of the worker); R cells meet only the OS confinement.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, eventually, r_available};
 use sandcell_client::{Client, Collected, Status};

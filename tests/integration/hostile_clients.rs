@@ -4,7 +4,7 @@
 //! uid cannot hold every session, session starts are rate-limited, and a worker that hangs at
 //! start is cancelled when its client goes away.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, eventually};
 use sandcell_client::{Error, KernelError, Limits, Status};

@@ -6,7 +6,7 @@
 //! in the session directory never exceeds the budget, and the session lives on to free its
 //! space; other sessions and later sessions work.
 
-mod common;
+use crate::common;
 
 use common::Daemon;
 use sandcell_client::{Client, Status};

@@ -6,7 +6,7 @@
 //! must be answered within a second throughout. Also: a configuration whose caps do not fit
 //! is refused (exit 78), naming the keys.
 
-mod common;
+use crate::common;
 
 use common::Daemon;
 use sandcelld::memory::{Bound, Caps};

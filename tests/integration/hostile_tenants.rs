@@ -8,7 +8,7 @@
 //! in the cell's child, which inherits the worker's seccomp filter (a filter can never be
 //! removed, so what the child cannot do the R process cannot either).
 
-mod common;
+use crate::common;
 
 use common::bus::{Bus, Out, run_input};
 use common::{Daemon, eventually};
@@ -303,13 +303,7 @@ struct User {
 
 impl User {
     fn add() -> User {
-        let mut b = [0u8; 3];
-        // SAFETY: getrandom writes at most b.len() bytes into b.
-        unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-        let name = format!(
-            "sctt{}",
-            b.iter().map(|x| format!("{x:02x}")).collect::<String>()
-        );
+        let name = format!("sctt{}", common::rand_hex(3));
         let st = Command::new("useradd")
             .args(["-M", "-N", "-s", "/usr/sbin/nologin", &name])
             .status()

@@ -3,7 +3,7 @@
 //! daemon with real R workers and asserts the bound: what reaches the client, the daemon's own
 //! memory and responsiveness, deadlines, and a bystander session that keeps working.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, eventually, r_available};
 use sandcell_client::{Client, Status};

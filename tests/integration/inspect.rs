@@ -4,7 +4,7 @@
 //! the time budget and the session goes on; `SessionBusy` while a cell runs; `max_items`
 //! bounds and truncation.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, pydata_available, r_available};
 use sandcell_client::{Client, Error, KernelError, Status};

@@ -5,7 +5,7 @@
 //! ok; R: visible values auto-printed), bounded by the stdout cap like any output, and not
 //! shown at all with `display_last_expression: false` on `Open` or `Run`.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, pydata_available, r_available};
 use sandcell_client::{Client, Collected, OpenParams, RunParams, Status};

@@ -5,7 +5,7 @@
 //! a bad interval or path refuses start-up with the key named, and a clean exit (stop, idle
 //! exit) removes it. `admission_dbus.rs` compares it with the D-Bus properties.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, eventually};
 use std::collections::BTreeMap;

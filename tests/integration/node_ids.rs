@@ -2,7 +2,7 @@
 //! `<node>.<local id>`, every method accepts the qualified and the bare id, an id naming
 //! another node is `WrongNode`, and `node_id = ""` gives bare ids.
 
-mod common;
+use crate::common;
 
 use common::Daemon;
 use sandcell_client::{Error, KernelError};

@@ -1,7 +1,7 @@
 //! Warm worker pools: sessions start from pre-started, confined workers; a worker
 //! is never reused; idle pooled workers never cause a refusal.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, eventually};
 use std::time::Duration;
@@ -116,21 +116,10 @@ async fn stopping_the_daemon_reaps_pooled_workers() {
 
 /// A pidfd for `pid`, `None` when it is already gone.
 fn pidfd_open(pid: u32) -> Option<std::os::fd::OwnedFd> {
-    use std::os::fd::FromRawFd;
-    // SAFETY: pidfd_open(2) takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    // SAFETY: a non-negative return is a descriptor this process owns from now on.
-    (fd >= 0).then(|| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+    sandcelld::sys::pidfd_open(pid).ok()
 }
 
 /// Whether the process behind a pidfd has exited (pidfd_open(2): readable once it has).
 fn exited(fd: &std::os::fd::OwnedFd) -> bool {
-    use std::os::fd::AsRawFd;
-    let mut p = libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd, zero timeout.
-    unsafe { libc::poll(&mut p, 1, 0) == 1 && p.revents & libc::POLLIN != 0 }
+    sandcelld::sys::pidfd_exited(std::os::fd::AsFd::as_fd(fd))
 }

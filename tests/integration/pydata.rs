@@ -7,7 +7,7 @@
 //! Skipped, with the reason printed, when /usr/bin/python3 or one of the packages is missing
 //! (scripts/setup.sh installs them).
 
-mod common;
+use crate::common;
 
 use common::{Daemon, eventually};
 use sandcell_client::{Client, Collected, State, Status};

@@ -1,6 +1,6 @@
 //! Python cells through a real sandcelld, real Eryx workers, real sockets.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, call_as, eventually};
 use sandcell_client::{Error, KernelError, Limits, State, Status};

@@ -1,7 +1,7 @@
 //! Python cells and the session directory: uploads are visible at /mnt/data,
 //! files a cell writes come back, and the session's disk budget is enforced after each cell.
 
-mod common;
+use crate::common;
 
 use common::Daemon;
 use sandcell_client::Status;

@@ -1,6 +1,6 @@
 //! R cells through a real sandcelld and real confined R workers.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, eventually};
 use sandcell_client::{State, Status};

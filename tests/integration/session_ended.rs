@@ -3,22 +3,15 @@
 //! owner `SessionEnded` with the reason; another uid and an id that never existed get
 //! `NoSuchSession`; the store of ended sessions is bounded.
 
-mod common;
+use crate::common;
 
-use common::{Daemon, call_as};
+use common::{Daemon, call_as, rand_hex};
 use sandcell_client::{Client, Error, KernelError};
 use std::time::{Duration, Instant, SystemTime};
 
 fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
-}
-
-fn rand_hex(n: usize) -> String {
-    let mut b = vec![0u8; n];
-    // SAFETY: getrandom writes at most b.len() bytes into b.
-    unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 fn now() -> f64 {

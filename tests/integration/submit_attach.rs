@@ -5,7 +5,7 @@
 //! a detached session costs nothing (or interrupts, with `interrupt_on_hangup`); the
 //! retention budgets hold against many Submits; another uid learns nothing; Python and R.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, call_as, r_available};
 use sandcell_client::{Client, Error, KernelError, Status};

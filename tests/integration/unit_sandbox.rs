@@ -4,7 +4,7 @@
 //! which `RestrictSUIDSGID=yes` answers with ENOSYS) does not cost a tenant a file download
 //! or the operator the metrics file.
 
-mod common;
+use crate::common;
 
 use common::Daemon;
 use common::unit_sandbox::{self, UnitSandbox};

@@ -5,8 +5,9 @@
 //! (the style of Firecracker's `cgroup.rs`, which takes the mounts file as a parameter).
 
 use super::Error;
+use crate::sys;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -315,28 +316,13 @@ pub fn listed_pids(procs_files: &[PathBuf]) -> Vec<u32> {
 /// by an unrelated process; a pidfd pins the process, and the membership check after pinning
 /// tells whether the pinned process is ours. Returns whether a signal was sent.
 pub fn kill_if_member(pid: u32, is_member: &dyn Fn(u32) -> bool) -> bool {
-    // SAFETY: pidfd_open takes a pid and flags; it returns a new descriptor (always
-    // close-on-exec) or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0u32) };
-    if fd < 0 {
+    let Ok(pidfd) = sys::pidfd_open(pid) else {
         return false; // gone already (ESRCH)
-    }
-    // SAFETY: fd was just returned by pidfd_open and is owned by nobody else.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    };
     if !is_member(pid) {
         return false;
     }
-    // SAFETY: pidfd is a valid pidfd; no siginfo; flags 0.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            libc::SIGKILL,
-            std::ptr::null::<libc::siginfo_t>(),
-            0u32,
-        )
-    };
-    rc == 0
+    sys::pidfd_send_signal(pidfd.as_fd(), libc::SIGKILL).is_ok()
 }
 
 /// Kills every process listed in `procs_files` (re-reading them, since a process may fork
@@ -373,14 +359,7 @@ pub fn kill_loop(
 
 /// Whether the process behind `pidfd` has exited (its pidfd polls readable).
 fn pidfd_exited(pidfd: &OwnedFd) -> bool {
-    let mut p = libc::pollfd {
-        fd: pidfd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    // SAFETY: one valid pollfd, zero timeout.
-    let n = unsafe { libc::poll(&mut p, 1, 0) };
-    n > 0
+    sys::pidfd_exited(pidfd.as_fd())
 }
 
 /// Kills every process listed in `procs_files` except `keep` (the worker itself), each
@@ -410,27 +389,13 @@ pub fn kill_others(
             if pid == keep {
                 continue;
             }
-            // SAFETY: pidfd_open takes a pid and flags; returns a new close-on-exec fd or -1.
-            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0u32) };
-            if fd < 0 {
+            let Ok(pidfd) = sys::pidfd_open(pid) else {
                 continue; // gone already
-            }
-            // SAFETY: fd was just returned by pidfd_open and is owned by nobody else.
-            let pidfd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+            };
             if pidfd_exited(&pidfd) || !is_member(pid) {
                 continue;
             }
-            // SAFETY: pidfd is a valid pidfd; no siginfo; flags 0.
-            let rc = unsafe {
-                libc::syscall(
-                    libc::SYS_pidfd_send_signal,
-                    pidfd.as_raw_fd(),
-                    libc::SIGKILL,
-                    std::ptr::null::<libc::siginfo_t>(),
-                    0u32,
-                )
-            };
-            if rc == 0 {
+            if sys::pidfd_send_signal(pidfd.as_fd(), libc::SIGKILL).is_ok() {
                 signalled.push(Leftover {
                     pid,
                     pidfd: pidfd.try_clone().ok(),
@@ -478,17 +443,8 @@ pub struct Leftover {
 /// Whether the process behind `pidfd` is gone, reaped by its parent: a zombie still takes a
 /// signal (`pidfd_send_signal` of 0 succeeds), a reaped process does not (`ESRCH`).
 fn reaped(pidfd: &OwnedFd) -> bool {
-    // SAFETY: pidfd is a valid pidfd; signal 0 only checks; no siginfo; flags 0.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            0,
-            std::ptr::null::<libc::siginfo_t>(),
-            0u32,
-        )
-    };
-    rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    // Signal 0 only checks.
+    sys::pidfd_send_signal(pidfd.as_fd(), 0).is_err_and(|e| e.raw_os_error() == Some(libc::ESRCH))
 }
 
 /// The parent pid of `pid` (`/proc/<pid>/stat` field 4), if it can be read.

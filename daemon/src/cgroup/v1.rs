@@ -699,8 +699,7 @@ mod tests {
 
     /// The real v1 backend under a private parent, or why the test cannot run.
     fn real() -> Result<V1, String> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
+        if !nix::unistd::geteuid().is_root() {
             return Err("needs root".into());
         }
         let mounts = Host::default().mounts().map_err(|e| e.to_string())?;

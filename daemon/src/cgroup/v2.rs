@@ -527,8 +527,7 @@ mod tests {
     // exercised on it directly. Limits are tested on v1 here and in the VM system tests.
 
     fn real_mount() -> Result<PathBuf, String> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
+        if !nix::unistd::geteuid().is_root() {
             return Err("needs root".into());
         }
         let mounts = Host::default().mounts().map_err(|e| e.to_string())?;

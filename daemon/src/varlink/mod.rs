@@ -72,15 +72,11 @@ async fn refuse_one(listener: &UnixListener) {
     else {
         return;
     };
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes `lim` only.
-    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) };
+    let (soft, _) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .unwrap_or((0, 0));
     let reply = format!(
         "{{\"error\":\"org.sandcell.Kernel.CapacityExceeded\",\"parameters\":{{\"budget\":\"daemon_descriptors\",\"in_use\":{n},\"requested\":1,\"max\":{n}}}}}\0",
-        n = lim.rlim_cur
+        n = soft
     );
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
         let mut buf = [0u8; 4096];
@@ -118,31 +114,26 @@ pub const FDS_PER_CONNECTION: u64 = 2 + 2 * socket::MAX_FDS as u64;
 /// `max_connections x FDS_PER_CONNECTION (10) + max_concurrent_sessions x FDS_PER_SESSION (8)
 /// + NOFILE_SLACK (256)` descriptors.
 fn raise_nofile(core: &Core) {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit read and write `lim` only.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max {
-            lim.rlim_cur = lim.rlim_max;
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
-                libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
-            }
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let mut soft = 0;
+    if let Ok((cur, max)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        soft = cur;
+        if cur < max && setrlimit(Resource::RLIMIT_NOFILE, max, max).is_ok() {
+            soft = max;
         }
     }
     let cfg = core.config();
     let need = cfg.daemon.max_connections * FDS_PER_CONNECTION
         + cfg.limits.max_concurrent_sessions * FDS_PER_SESSION
         + NOFILE_SLACK;
-    if lim.rlim_cur < need {
+    if soft < need {
         tracing::warn!(
-            nofile = lim.rlim_cur,
+            nofile = soft,
             need,
             "RLIMIT_NOFILE is below max_connections x 10 + max_concurrent_sessions x 8 + 256; raise LimitNOFILE= or lower the caps"
         );
     } else {
-        tracing::info!(nofile = lim.rlim_cur, need, "descriptor limit");
+        tracing::info!(nofile = soft, need, "descriptor limit");
     }
 }
 

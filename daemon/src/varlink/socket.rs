@@ -690,8 +690,8 @@ impl Writer {
     /// Shuts the connection down both ways (`shutdown(2)`): the reader sees end of file and
     /// writes fail, so the connection's task ends it.
     pub fn end(&self) {
-        // SAFETY: shutdown on a socket descriptor this writer owns.
-        unsafe { libc::shutdown(self.fd(), libc::SHUT_RDWR) };
+        let s: &UnixStream = self.half.as_ref();
+        let _ = nix::sys::socket::shutdown(s.as_raw_fd(), nix::sys::socket::Shutdown::Both);
     }
 
     /// Ends the connection for the client (`shutdown(2)` both ways: it reads what is queued,

@@ -145,7 +145,7 @@ pub fn flood_text(bytes: usize, chunk: usize) -> String {
 /// admission permit of its own, charged to the returned [`Admission`] (whose use falls back to
 /// zero once the session has released it).
 pub async fn start(script: &Script) -> (Prepared, Admission) {
-    let id = crate::worker::start::new_session_id();
+    let id = crate::worker::start::new_session_id().expect("random session id");
     let session_dir = std::env::temp_dir().join(format!("sandcell-fake-{id}"));
     std::fs::create_dir(&session_dir).expect("session directory");
     let limits = GroupLimits {

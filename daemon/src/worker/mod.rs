@@ -10,7 +10,7 @@ pub mod spawn;
 pub mod start;
 
 use crate::cgroup::SessionGroup;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -275,28 +275,12 @@ impl WorkerPidfd {
     ///
     /// Errors: the kernel has no `pidfd_open` (before Linux 5.3) or the process is gone.
     pub fn open(pid: u32) -> std::io::Result<WorkerPidfd> {
-        // SAFETY: pidfd_open takes a pid and flags; it returns a new descriptor (always
-        // close-on-exec) or -1.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0u32) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: fd was just returned by pidfd_open and is owned by nobody else.
-        Ok(WorkerPidfd(unsafe { OwnedFd::from_raw_fd(fd as i32) }))
+        crate::sys::pidfd_open(pid).map(WorkerPidfd)
     }
 
     /// `pidfd_send_signal(signal)`; a worker that has exited is not an error.
     pub fn signal(&self, signal: libc::c_int) {
-        // SAFETY: a valid pidfd; no siginfo; flags 0.
-        unsafe {
-            libc::syscall(
-                libc::SYS_pidfd_send_signal,
-                self.0.as_raw_fd(),
-                signal,
-                std::ptr::null::<libc::siginfo_t>(),
-                0u32,
-            );
-        }
+        let _ = crate::sys::pidfd_send_signal(self.0.as_fd(), signal);
     }
 }
 
@@ -305,10 +289,10 @@ impl WorkerPidfd {
 fn signal_process(child: &tokio::process::Child, pidfd: Option<&WorkerPidfd>, signal: libc::c_int) {
     match (pidfd, child.id()) {
         (Some(fd), _) => fd.signal(signal),
-        // SAFETY: a signal to our own unreaped child: nothing else can hold its pid.
-        (None, Some(pid)) => unsafe {
-            libc::kill(pid as libc::pid_t, signal);
-        },
+        // Our own unreaped child: nothing else can hold its pid.
+        (None, Some(pid)) => {
+            let _ = crate::sys::kill(pid, signal);
+        }
         (None, None) => {}
     }
 }
@@ -335,17 +319,16 @@ impl InterruptTarget {
     /// reaped: its pid, and the group id, could then name another process.
     pub fn send(self, child: &tokio::process::Child, pidfd: Option<&WorkerPidfd>) {
         let Some(pid) = child.id() else { return };
-        let pid = pid as libc::pid_t;
+        // The group and the main thread of our own unreaped child: their ids cannot be reused
+        // meanwhile. A failure (the worker exited meanwhile) leaves nothing to interrupt.
         match self {
-            // SAFETY: the group of our own unreaped child: its id cannot be reused meanwhile.
-            InterruptTarget::ProcessGroup => unsafe {
-                libc::kill(-pid, libc::SIGINT);
-            },
+            InterruptTarget::ProcessGroup => {
+                let _ = crate::sys::kill_group(pid, libc::SIGINT);
+            }
             InterruptTarget::Process => signal_process(child, pidfd, libc::SIGINT),
-            // SAFETY: tgkill of our own unreaped child's main thread.
-            InterruptTarget::MainThread => unsafe {
-                libc::syscall(libc::SYS_tgkill, pid, pid, libc::SIGINT);
-            },
+            InterruptTarget::MainThread => {
+                let _ = crate::sys::tgkill(pid, pid, libc::SIGINT);
+            }
         }
     }
 }
@@ -361,11 +344,9 @@ pub async fn kill_and_reap(
     group: &Arc<dyn SessionGroup>,
 ) {
     if let Some(pid) = child.id() {
-        // SAFETY: the process group of our own unreaped child; its id cannot be reused until
-        // we reap the child.
-        unsafe {
-            libc::kill(-(pid as libc::pid_t), libc::SIGKILL);
-        }
+        // The process group of our own unreaped child; its id cannot be reused until we reap
+        // the child.
+        let _ = crate::sys::kill_group(pid, libc::SIGKILL);
     }
     signal_process(child, pidfd, libc::SIGKILL);
     let group = group.clone();

@@ -106,6 +106,9 @@ pub enum StartError {
         /// The worker's own reason.
         reason: String,
     },
+    /// The kernel's random source failed (getrandom(2)), so no session id could be drawn.
+    #[error("drawing a session id: {0}")]
+    Random(std::io::Error),
     /// The worker exited before it said `Ready`.
     #[error("worker exited before it was ready ({status}); see the daemon's log")]
     ExitedEarly {
@@ -220,12 +223,12 @@ pub fn sessions_dir(c: &Config) -> PathBuf {
 }
 
 /// A new session id: 128 random bits as a [`sandcell_proto::kernel::SessionId`].
-pub fn new_session_id() -> String {
+///
+/// Errors: the kernel's random source failed ([`crate::sys::random_bytes`]).
+pub fn new_session_id() -> std::io::Result<String> {
     let mut b = [0u8; 16];
-    // SAFETY: getrandom writes at most b.len() bytes into b.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    assert_eq!(n, 16, "getrandom failed");
-    sandcell_proto::kernel::SessionId::from_random(b).into_string()
+    crate::sys::random_bytes(&mut b)?;
+    Ok(sandcell_proto::kernel::SessionId::from_random(b).into_string())
 }
 
 /// Starts workers: holds what every start draws on (admission, uids, cgroups) and the list of
@@ -343,7 +346,7 @@ impl Starter {
         } else {
             None
         };
-        let id = new_session_id();
+        let id = new_session_id().map_err(StartError::Random)?;
         let mut cancel = None;
         let _listed = start_for.map(|s| {
             self.starting.lock().unwrap().insert(

@@ -11,6 +11,7 @@ pub mod unit_sandbox;
 
 use sandcell_client::Client;
 use std::io::Read;
+use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Once;
@@ -75,10 +76,14 @@ pub struct Daemon {
 
 /// `n` random bytes in hex.
 pub fn rand_hex(n: usize) -> String {
-    let mut b = vec![0u8; n];
-    // SAFETY: getrandom writes at most b.len() bytes into b.
-    unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    sandcelld::sys::random_hex(n).expect("getrandom(2)")
+}
+
+/// A random `u32`.
+pub fn rand_u32() -> u32 {
+    let mut b = [0u8; 4];
+    sandcelld::sys::random_bytes(&mut b).expect("getrandom(2)");
+    u32::from_le_bytes(b)
 }
 
 fn unique() -> String {
@@ -222,6 +227,18 @@ impl Daemon {
         if unit_sandbox::enabled() {
             unit_sandbox_of_unit().apply(&mut cmd);
         }
+        // Readiness as systemd learns it (sd_notify(3)): the daemon sends READY=1 to the
+        // datagram socket NOTIFY_SOCKET names once it serves. Under socket activation the
+        // daemon starts on the first connection, so the listening socket is what is awaited.
+        let notify = match activated {
+            None => {
+                let path = dir.path().join("notify");
+                let sock = UnixDatagram::bind(&path).expect("binding the notify socket");
+                cmd.env("NOTIFY_SOCKET", &path);
+                Some(sock)
+            }
+            Some(()) => None,
+        };
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap());
@@ -232,39 +249,69 @@ impl Daemon {
             dir,
             log,
         };
-        d.wait_ready(activated.is_some());
+        match notify {
+            Some(sock) => d.wait_notified_ready(&sock),
+            None => d.wait_listening(),
+        }
         d
     }
 
-    fn wait_ready(&mut self, activated: bool) {
+    /// Waits for READY=1 on `sock` (the daemon's NOTIFY_SOCKET); panics with the daemon's log
+    /// if it exits first or is not ready within 120 s.
+    fn wait_notified_ready(&mut self, sock: &UnixDatagram) {
         let t0 = Instant::now();
+        // The timeout only bounds how late an early exit of the daemon is noticed.
+        sock.set_read_timeout(Some(Duration::from_millis(250)))
+            .unwrap();
+        let mut buf = [0u8; 4096];
         loop {
-            if activated {
-                if self.socket.exists() {
-                    // systemd-socket-activate starts the daemon on the first connection.
-                    std::fs::set_permissions(
-                        &self.socket,
-                        std::os::unix::fs::PermissionsExt::from_mode(0o666),
-                    )
-                    .unwrap();
-                    return;
+            match sock.recv(&mut buf) {
+                Ok(n) => {
+                    if buf[..n].split(|&b| b == b'\n').any(|l| l == b"READY=1") {
+                        return;
+                    }
                 }
-            } else if self.log_text().contains("ready to serve") {
-                return;
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock
+                            | std::io::ErrorKind::TimedOut
+                            | std::io::ErrorKind::Interrupted
+                    ) => {}
+                Err(e) => panic!("reading the notify socket: {e}"),
             }
-            if let Ok(Some(st)) = self.child.try_wait() {
-                panic!(
-                    "sandcelld exited ({st}) before it was ready:\n{}",
-                    self.log_text()
-                );
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(120),
-                "sandcelld not ready after 120 s:\n{}",
-                self.log_text()
-            );
+            self.check_starting(t0);
+        }
+    }
+
+    /// Waits until systemd-socket-activate listens on the socket (it starts the daemon on the
+    /// first connection) and opens it to every uid.
+    fn wait_listening(&mut self) {
+        let t0 = Instant::now();
+        while !self.socket.exists() {
+            self.check_starting(t0);
             std::thread::sleep(Duration::from_millis(20));
         }
+        std::fs::set_permissions(
+            &self.socket,
+            std::os::unix::fs::PermissionsExt::from_mode(0o666),
+        )
+        .unwrap();
+    }
+
+    /// Panics with the daemon's log if it has exited or 120 s have passed since `t0`.
+    fn check_starting(&mut self, t0: Instant) {
+        if let Ok(Some(st)) = self.child.try_wait() {
+            panic!(
+                "sandcelld exited ({st}) before it was ready:\n{}",
+                self.log_text()
+            );
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "sandcelld not ready after 120 s:\n{}",
+            self.log_text()
+        );
     }
 
     /// The daemon's log so far.
