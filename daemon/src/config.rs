@@ -251,6 +251,10 @@ pub struct Daemon {
     pub pool_refill_per_second: f64,
     /// Seconds without a take after which a pool shrinks back to its minimum.
     pub pool_idle_seconds: u64,
+    /// Seconds without a take (counted from the pool's first round when nothing was ever
+    /// taken) after which a pool empties entirely, so an idle machine keeps no warm worker;
+    /// 0 = keep `min` for ever.
+    pub pool_empty_seconds: u64,
     /// Client connections open at once; one more is closed at once (and logged).
     pub max_connections: u64,
     /// Client connections of one uid open at once.
@@ -307,12 +311,13 @@ impl Default for Daemon {
             max_worker_pids: 64,
             worker_cpus: 1.0,
             cgroup_name: "sandcell".into(),
-            pool_python_min: 0,
-            pool_python_max: 0,
-            pool_r_min: 0,
-            pool_r_max: 0,
+            pool_python_min: 1,
+            pool_python_max: 2,
+            pool_r_min: 1,
+            pool_r_max: 2,
             pool_refill_per_second: 4.0,
             pool_idle_seconds: 60,
+            pool_empty_seconds: 600,
             max_connections: 1024,
             max_connections_per_uid: 256,
             connection_idle_seconds: 120,
@@ -429,7 +434,14 @@ pub fn shipped_environments() -> Vec<(String, EnvironmentConfig)> {
         ("python".into(), env("python", Engine::Eryx, true, None)),
         (
             "pydata".into(),
-            env("python", Engine::Native, false, Some("/usr/bin/python3")),
+            EnvironmentConfig {
+                // Imported before a warm worker is ready, so a session's first import of
+                // them costs milliseconds; one missing is reported on stderr, not fatal.
+                preload: ["numpy", "pandas", "matplotlib"].map(String::from).to_vec(),
+                pool_min: Some(1),
+                pool_max: Some(1),
+                ..env("python", Engine::Native, false, Some("/usr/bin/python3"))
+            },
         ),
         (
             "r".into(),
@@ -642,6 +654,7 @@ impl Config {
                 "pool_r_max" => d.pool_r_max = parse_num(&var, &value)?,
                 "pool_refill_per_second" => d.pool_refill_per_second = parse_num(&var, &value)?,
                 "pool_idle_seconds" => d.pool_idle_seconds = u64v()?,
+                "pool_empty_seconds" => d.pool_empty_seconds = u64v()?,
                 "node_id" => d.node_id = Some(value.clone()),
                 "metrics_file" => d.metrics_file = PathBuf::from(&value),
                 "metrics_interval_seconds" => d.metrics_interval_seconds = u64v()?,

@@ -9,7 +9,8 @@
 //! - a worker leaves the pool at most once and is never returned: one-shot `Run` keeps its
 //!   fresh-sandbox-per-call semantics;
 //! - the pool keeps `min` idle workers, grows to `max` while workers are being taken (a take in
-//!   the last `pool_idle_seconds`), and shrinks back to `min` when idle;
+//!   the last `pool_idle_seconds`), shrinks back to `min` when idle, and empties entirely
+//!   after `pool_empty_seconds` without a take (so an idle machine keeps no warm worker);
 //! - refills are rate-limited (`pool_refill_per_second`) and run on one background task, never
 //!   on a client's path;
 //! - when admission refuses a client and idle pooled workers hold charges, one is evicted and
@@ -105,6 +106,8 @@ struct Lane<W> {
     language: Language,
     idle: VecDeque<W>,
     last_take: Option<Instant>,
+    /// When the lane was made (the pool's first round for the environment).
+    since: Instant,
     target: usize,
     min: usize,
     max: usize,
@@ -118,6 +121,7 @@ impl<W> Lane<W> {
             language,
             idle: VecDeque::new(),
             last_take: None,
+            since: Instant::now(),
             target: 0,
             min: 0,
             max: 0,
@@ -285,7 +289,9 @@ impl<W> Pool<W> {
     }
 
     /// Decides the target of `environment`: `max` while it was taken from in the last
-    /// `idle_after`, else `min`; returns (idle, target).
+    /// `idle_after`, 0 when nothing was taken for `empty_after` (counted from the lane's
+    /// first plan when nothing was ever taken; zero = never), else `min`; returns (idle,
+    /// target).
     fn plan(
         &self,
         environment: &str,
@@ -293,14 +299,23 @@ impl<W> Pool<W> {
         min: usize,
         max: usize,
         idle_after: Duration,
+        empty_after: Duration,
     ) -> (usize, usize) {
         let mut lanes = self.lanes.lock().unwrap();
         let l = lanes
             .entry(environment.to_owned())
             .or_insert_with(|| Lane::new(language));
         let busy = l.last_take.is_some_and(|t| t.elapsed() < idle_after);
+        let active = l.last_take.unwrap_or(l.since).elapsed();
+        let empty = !empty_after.is_zero() && active >= empty_after;
         (l.min, l.max) = (min, max);
-        l.target = if busy { max } else { min };
+        l.target = if busy {
+            max
+        } else if empty {
+            0
+        } else {
+            min
+        };
         (l.idle.len(), l.target)
     }
 
@@ -342,6 +357,7 @@ impl Refill {
     async fn round<S: Source>(&mut self, source: &S, cfg: &Config, now: Instant) -> bool {
         let d = &cfg.daemon;
         let idle_after = Duration::from_secs(d.pool_idle_seconds);
+        let empty_after = Duration::from_secs(d.pool_empty_seconds);
         let pool = source.pool();
         let mut started = false;
         let envs = cfg.environments();
@@ -356,7 +372,7 @@ impl Refill {
             }
         }
         for (name, lang, min, max) in todo {
-            let (idle, target) = pool.plan(&name, lang, min, max, idle_after);
+            let (idle, target) = pool.plan(&name, lang, min, max, idle_after, empty_after);
             if idle > target {
                 if let Some(p) = pool.pop_surplus(&name) {
                     p.discard().await;
@@ -583,6 +599,27 @@ mod tests {
         assert_eq!(rounds(&mut refill, &s, 3).await, 0);
         assert_eq!(idle(&s, "python"), 1);
         assert_eq!(s.discarded.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn empties_after_the_empty_time_without_a_take_and_refills_on_the_next() {
+        let mut c = (*config((1, 2), (0, 0), 60)).clone();
+        c.daemon.pool_empty_seconds = 1;
+        let s = source(Arc::new(c));
+        let mut refill = Refill::new();
+        rounds(&mut refill, &s, 2).await;
+        assert_eq!(idle(&s, "python"), 1);
+        // Nothing taken for the empty time (counted from the first round): no warm worker.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        assert_eq!(rounds(&mut refill, &s, 1).await, 0);
+        assert_eq!(idle(&s, "python"), 0);
+        assert_eq!(s.discarded.load(Ordering::SeqCst), 1);
+        assert_eq!(s.pool.status()[0].target, 0);
+        // A take (here a miss) makes the pool active again: it refills.
+        let gm = s.config().unwrap().limits.max_guest_memory_bytes;
+        assert!(s.pool.take("python", Language::Python, gm).is_none());
+        rounds(&mut refill, &s, 3).await;
+        assert!(idle(&s, "python") >= 1);
     }
 
     #[tokio::test]
