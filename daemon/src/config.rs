@@ -239,6 +239,8 @@ pub struct Daemon {
     /// which `sessions/<id>` groups are made; one name per daemon instance. Ignored on v2, where
     /// the delegated root is the service's own group.
     pub cgroup_name: String,
+    /// Whether any warm pool is kept (false: every pool size counts as 0).
+    pub pools: bool,
     /// Warm Python workers kept idle at least (0 = no pool).
     pub pool_python_min: usize,
     /// Warm Python workers kept idle at most, while sessions are being opened.
@@ -311,6 +313,7 @@ impl Default for Daemon {
             max_worker_pids: 64,
             worker_cpus: 1.0,
             cgroup_name: "sandcell".into(),
+            pools: true,
             pool_python_min: 1,
             pool_python_max: 2,
             pool_r_min: 1,
@@ -435,11 +438,10 @@ pub fn shipped_environments() -> Vec<(String, EnvironmentConfig)> {
         (
             "pydata".into(),
             EnvironmentConfig {
-                // Imported before a warm worker is ready, so a session's first import of
-                // them costs milliseconds; one missing is reported on stderr, not fatal.
+                // Imported before the worker is ready, so that with a pool (pool_min) a
+                // session's first import of them costs milliseconds; one missing is reported
+                // on stderr, not fatal.
                 preload: ["numpy", "pandas", "matplotlib"].map(String::from).to_vec(),
-                pool_min: Some(1),
-                pool_max: Some(1),
                 ..env("python", Engine::Native, false, Some("/usr/bin/python3"))
             },
         ),
@@ -648,6 +650,12 @@ impl Config {
                 "max_worker_pids" => d.max_worker_pids = u64v()?,
                 "worker_cpus" => d.worker_cpus = parse_num(&var, &value)?,
                 "cgroup_name" => d.cgroup_name = value.clone(),
+                "pools" => {
+                    d.pools = value.trim().parse().map_err(|_| Error::Env {
+                        var: var.clone(),
+                        reason: format!("{value:?} is not true or false"),
+                    })?
+                }
                 "pool_python_min" => d.pool_python_min = parse_num(&var, &value)?,
                 "pool_python_max" => d.pool_python_max = parse_num(&var, &value)?,
                 "pool_r_min" => d.pool_r_min = parse_num(&var, &value)?,

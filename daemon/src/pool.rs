@@ -137,6 +137,8 @@ impl<W> Lane<W> {
 pub struct Pool<W> {
     lanes: Mutex<BTreeMap<String, Lane<W>>>,
     wake: tokio::sync::Notify,
+    /// Warm workers being started now (their admission charges are held already).
+    filling: tokio::sync::watch::Sender<usize>,
 }
 
 impl<W> Default for Pool<W> {
@@ -144,6 +146,7 @@ impl<W> Default for Pool<W> {
         Pool {
             lanes: Mutex::default(),
             wake: tokio::sync::Notify::new(),
+            filling: tokio::sync::watch::Sender::new(0),
         }
     }
 }
@@ -191,12 +194,21 @@ impl<W: Warm> Pool<W> {
     }
 
     /// Evicts the idle worker that waited longest, of any language, and waits until its
-    /// charge is released. Returns false when the pool is empty.
+    /// charge is released. When none is idle but warm workers are being started (holding
+    /// admission charges a client may need), waits until those starts end (Ready or failed,
+    /// within the worker start timeout) and evicts one of them. Returns false when the pool
+    /// has nothing to give back.
     pub async fn evict_one(&self) -> bool {
-        let victim = {
+        let take = || {
             let mut lanes = self.lanes.lock().unwrap();
             lanes.values_mut().find_map(|l| l.idle.pop_front())
         };
+        let mut victim = take();
+        if victim.is_none() && *self.filling.borrow() > 0 {
+            let mut rx = self.filling.subscribe();
+            let _ = rx.wait_for(|n| *n == 0).await;
+            victim = take();
+        }
         match victim {
             Some(p) => {
                 p.discard().await;
@@ -364,7 +376,10 @@ impl Refill {
         // Environments no longer served (a reload dropped them) drain to nothing.
         let mut todo: Vec<(String, Language, usize, usize)> = envs
             .iter()
-            .map(|e| (e.name.clone(), e.language, e.pool_min, e.pool_max))
+            .map(|e| match d.pools {
+                true => (e.name.clone(), e.language, e.pool_min, e.pool_max),
+                false => (e.name.clone(), e.language, 0, 0),
+            })
             .collect();
         for (name, language) in pool.names() {
             if !envs.iter().any(|e| e.name == name) {
@@ -382,12 +397,23 @@ impl Refill {
                 let Some(env) = envs.iter().find(|e| e.name == name) else {
                     continue;
                 };
-                match source.start(env, cfg.limits.max_guest_memory_bytes).await {
+                pool.filling.send_modify(|n| *n += 1);
+                let r = source.start(env, cfg.limits.max_guest_memory_bytes).await;
+                if let Ok(p) = &r {
+                    tracing::info!(environment = %name, language = lang.as_str(), session = %p.id(), "warm worker ready");
+                    self.refused.insert(name.clone(), false);
+                }
+                // Pushed before the count drops, so a client waiting in `evict_one` finds it.
+                let r = match r {
                     Ok(p) => {
-                        tracing::info!(environment = %name, language = lang.as_str(), session = %p.id(), "warm worker ready");
-                        self.refused.insert(name.clone(), false);
                         pool.push(&name, lang, p);
+                        Ok(())
                     }
+                    Err(e) => Err(e),
+                };
+                pool.filling.send_modify(|n| *n -= 1);
+                match r {
+                    Ok(()) => {}
                     // No room: clients come first; try again later.
                     Err(e) if e.budget().is_some() => {
                         if !self.refused.insert(name.clone(), true).unwrap_or(false) {

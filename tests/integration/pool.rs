@@ -9,6 +9,7 @@ use std::time::Duration;
 #[tokio::test]
 async fn sessions_take_warm_workers_and_never_reuse_them() {
     let d = Daemon::start(&[
+        ("SANDCELL_POOLS", "true"),
         ("SANDCELL_POOL_PYTHON_MIN", "1"),
         ("SANDCELL_POOL_PYTHON_MAX", "2"),
     ]);
@@ -48,6 +49,7 @@ async fn sessions_take_warm_workers_and_never_reuse_them() {
 #[tokio::test]
 async fn idle_pooled_workers_are_evicted_rather_than_refusing_a_client() {
     let d = Daemon::start(&[
+        ("SANDCELL_POOLS", "true"),
         ("SANDCELL_MAX_CONCURRENT_SESSIONS", "2"),
         ("SANDCELL_POOL_PYTHON_MIN", "2"),
         ("SANDCELL_POOL_PYTHON_MAX", "2"),
@@ -82,6 +84,7 @@ async fn idle_pooled_workers_are_evicted_rather_than_refusing_a_client() {
 #[tokio::test]
 async fn stopping_the_daemon_reaps_pooled_workers() {
     let mut d = Daemon::start(&[
+        ("SANDCELL_POOLS", "true"),
         ("SANDCELL_POOL_PYTHON_MIN", "2"),
         ("SANDCELL_POOL_PYTHON_MAX", "2"),
     ]);
@@ -133,4 +136,136 @@ fn exited(fd: &std::os::fd::OwnedFd) -> bool {
     };
     // SAFETY: one valid pollfd, zero timeout.
     unsafe { libc::poll(&mut p, 1, 0) == 1 && p.revents & libc::POLLIN != 0 }
+}
+
+/// The shipped defaults (no `pools = false`, no pool sizes): a warm worker per default
+/// environment after start, taken by the first Run.
+#[tokio::test]
+async fn default_config_keeps_a_warm_worker_per_default_environment() {
+    let r = std::path::Path::new("/usr/lib/R/bin/exec/R").exists();
+    if !r {
+        eprintln!(
+            "default_config_keeps_a_warm_worker_per_default_environment: R not installed at /usr/lib/R; checking the Python pool only"
+        );
+    }
+    let d = Daemon::start(&[
+        ("-SANDCELL_POOLS", ""),
+        ("SANDCELL_LANGUAGES", if r { "python,r" } else { "python" }),
+    ]);
+    let want = if r { 2 } else { 1 };
+    assert!(
+        eventually(Duration::from_secs(20), || d.descendants().len() == want),
+        "{:?}\n{}",
+        d.descendants(),
+        d.log_text()
+    );
+    let text = d.log_text();
+    assert!(text.contains("environment=python"), "{text}");
+    if r {
+        assert!(text.contains("environment=r"), "{text}");
+    }
+    let mut c = d.client().await;
+    let a = c.run_collect("python", "print(1)", None).await.unwrap();
+    assert_eq!(a.stdout, "1\n");
+    assert!(d.log_text().contains("warm=true"), "{}", d.log_text());
+}
+
+/// With no take for `pool_empty_seconds` a pool empties: the daemon keeps no worker.
+#[tokio::test]
+async fn an_unused_pool_empties_after_the_empty_time() {
+    let d = Daemon::start(&[
+        ("SANDCELL_POOLS", "true"),
+        ("SANDCELL_POOL_PYTHON_MIN", "1"),
+        ("SANDCELL_POOL_PYTHON_MAX", "2"),
+        ("SANDCELL_POOL_EMPTY_SECONDS", "3"),
+    ]);
+    assert!(
+        eventually(Duration::from_secs(10), || d.descendants().len() == 1),
+        "pool did not fill: {}",
+        d.log_text()
+    );
+    assert!(
+        eventually(Duration::from_secs(15), || d.descendants().is_empty()),
+        "pool did not empty: {:?}",
+        d.descendants()
+    );
+    // A Run after that starts its own worker, and the pool refills behind it.
+    let mut c = d.client().await;
+    let a = c.run_collect("python", "print(2)", None).await.unwrap();
+    assert_eq!(a.stdout, "2\n");
+    assert!(
+        eventually(Duration::from_secs(10), || d.descendants().len() >= 1),
+        "pool did not refill after a miss"
+    );
+}
+
+/// Warm workers are not sessions: a socket-activated daemon with a full pool still exits
+/// when idle, and takes its pool with it.
+#[tokio::test]
+async fn an_activated_daemon_idle_exits_with_warm_workers() {
+    if !std::path::Path::new("/usr/bin/systemd-socket-activate").exists()
+        && !std::path::Path::new("/bin/systemd-socket-activate").exists()
+    {
+        sandcell_testing::skip!(
+            "socket-activation",
+            "systemd-socket-activate not installed (package systemd)"
+        );
+    }
+    let mut d = Daemon::start_activated(&[
+        ("SANDCELL_POOLS", "true"),
+        ("SANDCELL_IDLE_EXIT_SECONDS", "3"),
+    ]);
+    // Activation is by the first connection; it goes away at once.
+    drop(d.client().await);
+    assert!(
+        eventually(Duration::from_secs(10), || d
+            .log_text()
+            .contains("warm worker ready")),
+        "pool did not fill: {}",
+        d.log_text()
+    );
+    let mut status = None;
+    eventually(Duration::from_secs(20), || {
+        status = d.child.try_wait().ok().flatten();
+        status.is_some()
+    });
+    let status = status.unwrap_or_else(|| {
+        panic!(
+            "daemon with a warm pool did not exit when idle:\n{}",
+            d.log_text()
+        )
+    });
+    assert!(status.success(), "{status:?}\n{}", d.log_text());
+}
+
+/// Tenant sessions fill the whole session budget while the pool wants workers: every Open
+/// succeeds, the pool yields (its idle workers are evicted, its refills refused).
+#[tokio::test]
+async fn tenants_fill_the_budget_and_the_pool_yields() {
+    let d = Daemon::start(&[
+        ("SANDCELL_POOLS", "true"),
+        ("SANDCELL_MAX_CONCURRENT_SESSIONS", "3"),
+        ("SANDCELL_MAX_SESSIONS_PER_UID", "3"),
+        ("SANDCELL_MAX_DETACHED_SESSIONS_PER_UID", "3"),
+        ("SANDCELL_POOL_PYTHON_MIN", "2"),
+        ("SANDCELL_POOL_PYTHON_MAX", "3"),
+    ]);
+    assert!(eventually(Duration::from_secs(10), || d
+        .descendants()
+        .len()
+        == 2));
+    let mut c = d.client().await;
+    let mut open = Vec::new();
+    for i in 0..3 {
+        let s = c.open("python", None, Some(60)).await.unwrap_or_else(|e| {
+            panic!("tenant Open {i} refused while the pool held capacity: {e:?}")
+        });
+        open.push(s.session);
+    }
+    // The budget is the tenants': no warm worker runs beside their 3 sessions.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(d.descendants().len(), 3, "{}", d.log_text());
+    for s in &open {
+        c.close(s).await.unwrap();
+    }
 }
