@@ -1,16 +1,40 @@
 #!/usr/bin/env bash
-# Benchmark, one run, figures only (no assertions): the engines alone (Eryx in process,
-# Rscript), then sandcelld through its socket, confined (as root), without and with warm pools.
-# Usage: scripts/bench.sh [iterations]
+# Benchmark, one run, figures only (no assertions): first sandcelld with the shipped defaults
+# beside bubblewrap + python3, Jupyter (ipykernel, IRkernel) and Rscript, per environment p50,
+# p99 and max of one-shot Run, open + cell + close and a session cell, with the ratios and the
+# memory of each warm worker (scripts/bench_shipped.py); then the engines alone (Eryx in
+# process, Rscript), and sandcelld through its socket, confined (as root), without and with
+# warm pools of chosen sizes.
+# Usage: scripts/bench.sh [--iterations N] [--pace-ms MS] [--shipped-only] [--no-setup] [DETAIL_N]
+#   --iterations N   samples per figure of the shipped-defaults comparison (default 10000)
+#   --pace-ms MS     pause before each one-shot and open sample there (default 300, so that
+#                    each finds its warm worker; 0 = back to back)
+#   --shipped-only   only the shipped-defaults comparison
+#   --no-setup       do not run scripts/setup.sh first (a machine already set up)
+#   DETAIL_N         samples per figure of the other sections (default 50)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh
-bash scripts/setup.sh >/dev/null
-n="${1:-50}"
+iterations=10000 pace=300 shipped_only=0 setup=1 n=50
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --iterations) iterations=$2; shift 2 ;;
+        --pace-ms) pace=$2; shift 2 ;;
+        --shipped-only) shipped_only=1; shift ;;
+        --no-setup) setup=0; shift ;;
+        [0-9]*) n=$1; shift ;;
+        *) echo "bench.sh: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+((setup)) && bash scripts/setup.sh >/dev/null
 # Everything printed is also kept for the summary of the latency targets at the end.
 out=$(mktemp -d /var/tmp/sandcell-bench-out.XXXXXX)
 trap 'rm -rf "$out"' EXIT
 exec > >(tee "$out/log")
+
+/usr/bin/python3 scripts/bench_shipped.py --bin "$BIN" --runtime "$SANDCELL_TEST_PYTHON_RUNTIME" \
+    --iterations "$iterations" --pace-ms "$pace" || echo "(shipped-defaults bench failed)"
+((shipped_only)) && exit 0
 
 echo "== Eryx in process (the floor)"
 "$BIN/sandcell-python-runtime" bench --dir "$SANDCELL_TEST_PYTHON_RUNTIME" --iterations "$n" \

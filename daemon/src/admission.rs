@@ -261,24 +261,37 @@ impl Admission {
 
     /// Admits one session with `charge`, or says which budget is exhausted.
     pub fn try_admit(&self, charge: Charge) -> Result<Permit, Refused> {
+        self.admit(charge, false)
+    }
+
+    /// Admits one warm pool worker with `charge` only while a session of the same charge
+    /// still fits after it (one session and its memory stay free in every budget), so a pool
+    /// refill never takes the last capacity a client's `Open` or `Run` needs. Errors: as
+    /// [`Admission::try_admit`], `requested` being the charge with that room.
+    pub fn try_admit_leaving_room(&self, charge: Charge) -> Result<Permit, Refused> {
+        self.admit(charge, true)
+    }
+
+    fn admit(&self, charge: Charge, leave_room: bool) -> Result<Permit, Refused> {
+        let room = u64::from(leave_room) + 1;
         let mut g = self.0.lock().unwrap();
         let checks = [
             (
                 "max_concurrent_sessions",
                 g.used.sessions,
-                1,
+                room,
                 g.max.sessions,
             ),
             (
                 "max_aggregate_guest_memory_bytes",
                 g.used.guest_memory,
-                charge.guest_memory,
+                charge.guest_memory.saturating_mul(room),
                 g.max.guest_memory,
             ),
             (
                 "max_aggregate_worker_memory_bytes",
                 g.used.worker_memory,
-                charge.worker_memory,
+                charge.worker_memory.saturating_mul(room),
                 g.max.worker_memory,
             ),
         ];
@@ -406,6 +419,47 @@ mod tests {
             1
         );
         assert!(a.reserve_uid(1000, c, true).is_ok());
+    }
+
+    #[test]
+    fn a_pool_admission_leaves_one_session_and_its_memory_free() {
+        let a = Admission::new(
+            Budgets {
+                sessions: 3,
+                guest_memory: 300,
+                worker_memory: 250,
+            },
+            per_uid(),
+        );
+        let c = Charge {
+            guest_memory: 100,
+            worker_memory: 100,
+        };
+        // Worker memory: 100 used + 2 x 100 > 250, though a plain admission fits.
+        let _p1 = a.try_admit_leaving_room(c).unwrap();
+        let e = a.try_admit_leaving_room(c).unwrap_err();
+        assert_eq!(
+            (e.budget, e.in_use, e.requested),
+            ("max_aggregate_worker_memory_bytes", 100, 200)
+        );
+        let _p2 = a.try_admit(c).unwrap();
+        // Sessions: one left free is never taken by a pool.
+        let a = Admission::new(
+            Budgets {
+                sessions: 2,
+                guest_memory: 1000,
+                worker_memory: 1000,
+            },
+            per_uid(),
+        );
+        let _p1 = a.try_admit_leaving_room(c).unwrap();
+        let e = a.try_admit_leaving_room(c).unwrap_err();
+        assert_eq!(
+            (e.budget, e.in_use, e.max),
+            ("max_concurrent_sessions", 1, 2)
+        );
+        assert_eq!(a.snapshot().1.sessions, 1);
+        let _p2 = a.try_admit(c).unwrap();
     }
 
     #[test]

@@ -239,18 +239,28 @@ pub struct Daemon {
     /// which `sessions/<id>` groups are made; one name per daemon instance. Ignored on v2, where
     /// the delegated root is the service's own group.
     pub cgroup_name: String,
-    /// Warm Python workers kept idle at least (0 = no pool).
-    pub pool_python_min: usize,
-    /// Warm Python workers kept idle at most, while sessions are being opened.
-    pub pool_python_max: usize,
-    /// Warm R workers kept idle at least (0 = no pool).
-    pub pool_r_min: usize,
-    /// Warm R workers kept idle at most, while sessions are being opened.
-    pub pool_r_max: usize,
+    /// Whether any warm pool is kept (false: every pool size counts as 0).
+    pub pools: bool,
+    /// Warm workers of Python's default environment kept idle at least (0 = no pool); unset:
+    /// derived from the machine and the budgets ([`pool_sizes`]).
+    pub pool_python_min: Option<usize>,
+    /// Warm workers of Python's default environment kept idle at most, while sessions are
+    /// being opened; unset: as `pool_python_min` when that is set, else derived.
+    pub pool_python_max: Option<usize>,
+    /// Warm workers of R's default environment kept idle at least (0 = no pool); unset:
+    /// derived.
+    pub pool_r_min: Option<usize>,
+    /// Warm workers of R's default environment kept idle at most; unset: as `pool_r_min`
+    /// when that is set, else derived.
+    pub pool_r_max: Option<usize>,
     /// Warm workers started per second at most.
     pub pool_refill_per_second: f64,
     /// Seconds without a take after which a pool shrinks back to its minimum.
     pub pool_idle_seconds: u64,
+    /// Seconds without a take (counted from the pool's first round when nothing was ever
+    /// taken) after which a pool empties entirely, so an idle machine keeps no warm worker;
+    /// 0 = keep `min` for ever.
+    pub pool_empty_seconds: u64,
     /// Client connections open at once; one more is closed at once (and logged).
     pub max_connections: u64,
     /// Client connections of one uid open at once.
@@ -307,12 +317,14 @@ impl Default for Daemon {
             max_worker_pids: 64,
             worker_cpus: 1.0,
             cgroup_name: "sandcell".into(),
-            pool_python_min: 0,
-            pool_python_max: 0,
-            pool_r_min: 0,
-            pool_r_max: 0,
+            pools: true,
+            pool_python_min: None,
+            pool_python_max: None,
+            pool_r_min: None,
+            pool_r_max: None,
             pool_refill_per_second: 4.0,
             pool_idle_seconds: 60,
+            pool_empty_seconds: 600,
             max_connections: 1024,
             max_connections_per_uid: 256,
             connection_idle_seconds: 120,
@@ -429,13 +441,82 @@ pub fn shipped_environments() -> Vec<(String, EnvironmentConfig)> {
         ("python".into(), env("python", Engine::Eryx, true, None)),
         (
             "pydata".into(),
-            env("python", Engine::Native, false, Some("/usr/bin/python3")),
+            EnvironmentConfig {
+                // Imported before the worker is ready, so that with a pool (pool_min) a
+                // session's first import of them costs milliseconds; one missing is reported
+                // on stderr, not fatal.
+                preload: ["numpy", "pandas", "matplotlib"].map(String::from).to_vec(),
+                ..env("python", Engine::Native, false, Some("/usr/bin/python3"))
+            },
         ),
         (
             "r".into(),
             env("r", Engine::Native, true, Some("/usr/lib/R")),
         ),
     ]
+}
+
+/// Online CPUs (sysconf(3) `_SC_NPROCESSORS_ONLN`, at least 1).
+pub fn online_cpus() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as u64
+}
+
+/// The warm pool sizes `(min, max)` of `n` environments whose sizes the operator left unset,
+/// in priority order (the first `defaults` are the languages' default environments, Python
+/// before R; then the shipped `pydata`), from the budgets in `limits`, `cpus`, and `sized`,
+/// the maxima the operator set for other pools:
+///
+/// ```text
+/// share = min(max_concurrent_sessions / 4,
+///             max_aggregate_worker_memory_bytes / 4 / max_worker_memory_bytes)
+/// warm  = max(defaults, share - sized)         total warm workers these pools may hold
+/// min   = 1 for the first `warm` environments, 0 for the rest
+/// max   = min, plus one more for each environment in turn while the sum of the maxima is
+///         below `warm` and the extra ones number fewer than `cpus`
+/// ```
+///
+/// So the pools hold at most the quarter of the session and worker-memory budgets that the
+/// per-uid quotas keep from any one tenant (`max_sessions_per_uid` is the total less a
+/// quarter), but always one warm worker per default environment; the extra workers a pool
+/// grows to while being taken are at most one per CPU (starting them costs CPU). Every warm
+/// worker is a session of the admission budgets, inside `max_concurrent_sessions`, and a
+/// refill that would take the last free session or the last worker's memory is refused
+/// (see `crate::admission::Admission::try_admit_leaving_room`).
+pub fn pool_sizes(
+    limits: &Limits,
+    cpus: u64,
+    defaults: usize,
+    n: usize,
+    sized: usize,
+) -> Vec<(usize, usize)> {
+    let per_worker = limits.max_worker_memory_bytes.max(1);
+    let share = (limits.max_concurrent_sessions / 4)
+        .min(limits.max_aggregate_worker_memory_bytes / 4 / per_worker);
+    let warm = usize::try_from(share)
+        .unwrap_or(usize::MAX)
+        .saturating_sub(sized)
+        .max(defaults);
+    let mut out: Vec<(usize, usize)> = (0..n)
+        .map(|i| (usize::from(i < warm), usize::from(i < warm)))
+        .collect();
+    let mut total = out.iter().map(|s| s.1).sum::<usize>();
+    let mut extra = 0u64;
+    while total < warm && extra < cpus {
+        let before = total;
+        for s in out.iter_mut().filter(|s| s.0 > 0) {
+            if total >= warm || extra >= cpus {
+                break;
+            }
+            s.1 += 1;
+            total += 1;
+            extra += 1;
+        }
+        if total == before {
+            break;
+        }
+    }
+    out
 }
 
 /// The whole configuration file.
@@ -525,6 +606,26 @@ impl Config {
         l.max_guest_memory_bytes_per_uid = Some(self.limits.guest_memory_per_uid());
         l.max_worker_memory_bytes_per_uid = Some(self.limits.worker_memory_per_uid());
         c.daemon.node_id = Some(node.to_owned());
+        // The language keys as resolved: the sizes of each language's default environment.
+        for e in self.environments().iter().filter(|e| e.default) {
+            let (min, max) = match e.language {
+                sandcell_proto::kernel::Language::Python => {
+                    (&mut c.daemon.pool_python_min, &mut c.daemon.pool_python_max)
+                }
+                sandcell_proto::kernel::Language::R => {
+                    (&mut c.daemon.pool_r_min, &mut c.daemon.pool_r_max)
+                }
+            };
+            (*min, *max) = (Some(e.pool_min), Some(e.pool_max));
+        }
+        for k in [
+            &mut c.daemon.pool_python_min,
+            &mut c.daemon.pool_python_max,
+            &mut c.daemon.pool_r_min,
+            &mut c.daemon.pool_r_max,
+        ] {
+            k.get_or_insert(0);
+        }
         c.environments = self
             .environments()
             .into_iter()
@@ -636,12 +737,19 @@ impl Config {
                 "max_worker_pids" => d.max_worker_pids = u64v()?,
                 "worker_cpus" => d.worker_cpus = parse_num(&var, &value)?,
                 "cgroup_name" => d.cgroup_name = value.clone(),
-                "pool_python_min" => d.pool_python_min = parse_num(&var, &value)?,
-                "pool_python_max" => d.pool_python_max = parse_num(&var, &value)?,
-                "pool_r_min" => d.pool_r_min = parse_num(&var, &value)?,
-                "pool_r_max" => d.pool_r_max = parse_num(&var, &value)?,
+                "pools" => {
+                    d.pools = value.trim().parse().map_err(|_| Error::Env {
+                        var: var.clone(),
+                        reason: format!("{value:?} is not true or false"),
+                    })?
+                }
+                "pool_python_min" => d.pool_python_min = Some(parse_num(&var, &value)?),
+                "pool_python_max" => d.pool_python_max = Some(parse_num(&var, &value)?),
+                "pool_r_min" => d.pool_r_min = Some(parse_num(&var, &value)?),
+                "pool_r_max" => d.pool_r_max = Some(parse_num(&var, &value)?),
                 "pool_refill_per_second" => d.pool_refill_per_second = parse_num(&var, &value)?,
                 "pool_idle_seconds" => d.pool_idle_seconds = u64v()?,
+                "pool_empty_seconds" => d.pool_empty_seconds = u64v()?,
                 "node_id" => d.node_id = Some(value.clone()),
                 "metrics_file" => d.metrics_file = PathBuf::from(&value),
                 "metrics_interval_seconds" => d.metrics_interval_seconds = u64v()?,
@@ -842,6 +950,13 @@ impl Config {
             ("pool_python_max", d.pool_python_min, d.pool_python_max),
             ("pool_r_max", d.pool_r_min, d.pool_r_max),
         ] {
+            // Unset keys are derived within the budgets; set ones are checked here.
+            let (min, max) = match (min, max) {
+                (Some(a), Some(b)) => (a, b),
+                (Some(a), None) => (a, a),
+                (None, Some(b)) => (0, b),
+                (None, None) => continue,
+            };
             if max < min {
                 return Err(Error::Invalid {
                     key,
@@ -940,6 +1055,8 @@ impl Config {
             })
         };
         let mut out = Vec::new();
+        // Environments whose pool sizes are derived: (priority, index in `out`).
+        let mut derived: Vec<(u8, usize)> = Vec::new();
         for (name, (e, shipped)) in &merged {
             if !e.enabled {
                 continue;
@@ -1000,12 +1117,29 @@ impl Config {
                 Language::Python => (d.pool_python_min, d.pool_python_max),
                 Language::R => (d.pool_r_min, d.pool_r_max),
             };
-            let (pool_min, pool_max) = match (e.pool_min, e.pool_max) {
-                (None, None) if default => (lang_min, lang_max),
-                (None, None) => (0, 0),
-                (Some(a), None) => (a, a),
-                (None, Some(b)) => (0, b),
-                (Some(a), Some(b)) => (a, b),
+            let sizes = |min: Option<usize>, max: Option<usize>| match (min, max) {
+                (None, None) => None,
+                (Some(a), None) => Some((a, a)),
+                (None, Some(b)) => Some((0, b)),
+                (Some(a), Some(b)) => Some((a, b)),
+            };
+            // Unset sizes: the language's default and the shipped pydata are sized from the
+            // machine and the budgets below; other environments have no pool.
+            let (pool_min, pool_max) = match sizes(e.pool_min, e.pool_max) {
+                Some(s) => s,
+                None if default => match sizes(lang_min, lang_max) {
+                    Some(s) => s,
+                    None => {
+                        derived.push((0, out.len()));
+                        (0, 0)
+                    }
+                },
+                // The shipped pydata (a shipped environment that is no language's default).
+                None if *shipped && !e.default => {
+                    derived.push((1, out.len()));
+                    (0, 0)
+                }
+                None => (0, 0),
             };
             if pool_max < pool_min {
                 return Err(invalid(format!(
@@ -1023,6 +1157,17 @@ impl Config {
                 pool_min,
                 pool_max,
             });
+        }
+        // Language defaults first (Python before R), then the shipped pydata.
+        derived.sort_by_key(|&(priority, i)| (priority, out[i].language != Language::Python, i));
+        let defaults = derived.iter().filter(|(p, _)| *p == 0).count();
+        let sized: usize = (0..out.len())
+            .filter(|i| !derived.iter().any(|(_, j)| j == i))
+            .map(|i| out[i].pool_max)
+            .sum();
+        let shares = pool_sizes(&self.limits, online_cpus(), defaults, derived.len(), sized);
+        for ((_, i), (min, max)) in derived.into_iter().zip(shares) {
+            (out[i].pool_min, out[i].pool_max) = (min, max);
         }
         for lang in served {
             let n = out
@@ -1342,6 +1487,90 @@ mod tests {
             e.contains("max_session_files_bytes") && e.contains("max_worker_memory_bytes"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn pool_sizes_follow_the_budgets_and_the_cpus() {
+        let machine = |cpus, gib| {
+            Limits::for_machine(Machine {
+                cpus,
+                memory: gib * GIB,
+            })
+        };
+        // 2 CPUs, 24 GiB: 16 sessions, 18 GiB of worker memory; a quarter is 4 warm workers.
+        let l = machine(2, 24);
+        assert_eq!(pool_sizes(&l, 2, 2, 3, 0), [(1, 2), (1, 1), (1, 1)]);
+        // 2 CPUs, 4 GiB: 3 sessions, a quarter is none, but each default keeps one; no pydata.
+        let l = machine(2, 4);
+        assert_eq!(pool_sizes(&l, 2, 2, 3, 0), [(1, 1), (1, 1), (0, 0)]);
+        // 64 CPUs, 256 GiB: 192 sessions, 48 warm workers, the extra ones capped by the CPUs.
+        let l = machine(64, 256);
+        let s = pool_sizes(&l, 64, 2, 3, 0);
+        assert!(s.iter().all(|&(min, max)| min == 1 && max > min), "{s:?}");
+        assert_eq!(s.iter().map(|x| x.1).sum::<usize>(), 48);
+        assert_eq!(pool_sizes(&l, 4, 2, 3, 0), [(1, 3), (1, 2), (1, 2)]);
+        // Worker memory bounds the share too: 4 GiB of it, 1 GiB a worker, is 1 warm worker.
+        let mut l = machine(64, 256);
+        l.max_aggregate_worker_memory_bytes = 4 * GIB;
+        assert_eq!(pool_sizes(&l, 64, 1, 2, 0), [(1, 1), (0, 0)]);
+        // Never above the session budget, never max below min.
+        for sessions in 1..40 {
+            let mut l = machine(8, 64);
+            l.max_concurrent_sessions = sessions;
+            for (min, max) in pool_sizes(&l, 8, 2, 3, 0) {
+                assert!(min <= max && max as u64 <= sessions.max(1), "{sessions}");
+            }
+        }
+    }
+
+    #[test]
+    fn shipped_pools_are_derived_and_an_operator_size_wins() {
+        let mut c = Config::default();
+        c.limits = Limits::for_machine(Machine {
+            cpus: 2,
+            memory: 24 * GIB,
+        });
+        c.validate().unwrap();
+        let sizes = |c: &Config, n: &str| {
+            let e = c.environment(n).unwrap();
+            (e.pool_min, e.pool_max)
+        };
+        let cpus = online_cpus();
+        let want = pool_sizes(&c.limits, cpus, 2, 3, 0);
+        assert_eq!(sizes(&c, "python"), want[0]);
+        assert_eq!(sizes(&c, "r"), want[1]);
+        assert_eq!(sizes(&c, "pydata"), want[2]);
+        // The effective file names the language keys with the derived sizes.
+        let text = c.to_effective_toml("n");
+        assert!(
+            text.contains(&format!("pool_python_min = {}", want[0].0)),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("pool_r_max = {}", want[1].1)),
+            "{text}"
+        );
+        // A language key set by the operator wins (max unset: as min); pydata stays derived.
+        c.apply_env(env(&[("SANDCELL_POOL_PYTHON_MIN", "0")]))
+            .unwrap();
+        c.validate().unwrap();
+        assert_eq!(sizes(&c, "python"), (0, 0));
+        let want = pool_sizes(&c.limits, cpus, 1, 2, 0);
+        assert_eq!((sizes(&c, "r"), sizes(&c, "pydata")), (want[0], want[1]));
+        // Pools the operator sized count against the share: 16 sessions give 4, python's
+        // maximum of 3 leaves 1, which R's default takes; none for pydata.
+        c.limits = Limits::for_machine(Machine {
+            cpus: 2,
+            memory: 24 * GIB,
+        });
+        c.apply_env(env(&[
+            ("SANDCELL_POOL_PYTHON_MIN", "1"),
+            ("SANDCELL_POOL_PYTHON_MAX", "3"),
+        ]))
+        .unwrap();
+        c.validate().unwrap();
+        assert_eq!(sizes(&c, "python"), (1, 3));
+        assert_eq!((sizes(&c, "r"), sizes(&c, "pydata")), ((1, 1), (0, 0)));
     }
 
     #[test]

@@ -64,7 +64,9 @@ pub const READ_AHEAD_BYTES: u64 = 64 * 1024 * 1024;
 
 /// Memory of one live session in the daemon outside the retention budget, bytes: the worker's
 /// reply line being read and decoded (at most 1 MiB each), its frame queues (64 + 16 frames of
-/// at most 64 KiB of text), and its actor.
+/// at most 64 KiB of text), and its actor. A warm pool worker is a session here too: it holds
+/// one of `max_concurrent_sessions` from its start (its admission permit), so the pools need
+/// no term of their own.
 pub const SESSION_BYTES: u64 = 8 * 1024 * 1024;
 
 /// The caps the bound follows from.

@@ -9,7 +9,8 @@
 //! - a worker leaves the pool at most once and is never returned: one-shot `Run` keeps its
 //!   fresh-sandbox-per-call semantics;
 //! - the pool keeps `min` idle workers, grows to `max` while workers are being taken (a take in
-//!   the last `pool_idle_seconds`), and shrinks back to `min` when idle;
+//!   the last `pool_idle_seconds`), shrinks back to `min` when idle, and empties entirely
+//!   after `pool_empty_seconds` without a take (so an idle machine keeps no warm worker);
 //! - refills are rate-limited (`pool_refill_per_second`) and run on one background task, never
 //!   on a client's path;
 //! - when admission refuses a client and idle pooled workers hold charges, one is evicted and
@@ -105,6 +106,8 @@ struct Lane<W> {
     language: Language,
     idle: VecDeque<W>,
     last_take: Option<Instant>,
+    /// When the lane was made (the pool's first round for the environment).
+    since: Instant,
     target: usize,
     min: usize,
     max: usize,
@@ -118,6 +121,7 @@ impl<W> Lane<W> {
             language,
             idle: VecDeque::new(),
             last_take: None,
+            since: Instant::now(),
             target: 0,
             min: 0,
             max: 0,
@@ -133,6 +137,8 @@ impl<W> Lane<W> {
 pub struct Pool<W> {
     lanes: Mutex<BTreeMap<String, Lane<W>>>,
     wake: tokio::sync::Notify,
+    /// Warm workers being started now (their admission charges are held already).
+    filling: tokio::sync::watch::Sender<usize>,
 }
 
 impl<W> Default for Pool<W> {
@@ -140,6 +146,7 @@ impl<W> Default for Pool<W> {
         Pool {
             lanes: Mutex::default(),
             wake: tokio::sync::Notify::new(),
+            filling: tokio::sync::watch::Sender::new(0),
         }
     }
 }
@@ -187,12 +194,21 @@ impl<W: Warm> Pool<W> {
     }
 
     /// Evicts the idle worker that waited longest, of any language, and waits until its
-    /// charge is released. Returns false when the pool is empty.
+    /// charge is released. When none is idle but warm workers are being started (holding
+    /// admission charges a client may need), waits until those starts end (Ready or failed,
+    /// within the worker start timeout) and evicts one of them. Returns false when the pool
+    /// has nothing to give back.
     pub async fn evict_one(&self) -> bool {
-        let victim = {
+        let take = || {
             let mut lanes = self.lanes.lock().unwrap();
             lanes.values_mut().find_map(|l| l.idle.pop_front())
         };
+        let mut victim = take();
+        if victim.is_none() && *self.filling.borrow() > 0 {
+            let mut rx = self.filling.subscribe();
+            let _ = rx.wait_for(|n| *n == 0).await;
+            victim = take();
+        }
         match victim {
             Some(p) => {
                 p.discard().await;
@@ -285,7 +301,9 @@ impl<W> Pool<W> {
     }
 
     /// Decides the target of `environment`: `max` while it was taken from in the last
-    /// `idle_after`, else `min`; returns (idle, target).
+    /// `idle_after`, 0 when nothing was taken for `empty_after` (counted from the lane's
+    /// first plan when nothing was ever taken; zero = never), else `min`; returns (idle,
+    /// target).
     fn plan(
         &self,
         environment: &str,
@@ -293,14 +311,23 @@ impl<W> Pool<W> {
         min: usize,
         max: usize,
         idle_after: Duration,
+        empty_after: Duration,
     ) -> (usize, usize) {
         let mut lanes = self.lanes.lock().unwrap();
         let l = lanes
             .entry(environment.to_owned())
             .or_insert_with(|| Lane::new(language));
         let busy = l.last_take.is_some_and(|t| t.elapsed() < idle_after);
+        let active = l.last_take.unwrap_or(l.since).elapsed();
+        let empty = !empty_after.is_zero() && active >= empty_after;
         (l.min, l.max) = (min, max);
-        l.target = if busy { max } else { min };
+        l.target = if busy {
+            max
+        } else if empty {
+            0
+        } else {
+            min
+        };
         (l.idle.len(), l.target)
     }
 
@@ -342,13 +369,17 @@ impl Refill {
     async fn round<S: Source>(&mut self, source: &S, cfg: &Config, now: Instant) -> bool {
         let d = &cfg.daemon;
         let idle_after = Duration::from_secs(d.pool_idle_seconds);
+        let empty_after = Duration::from_secs(d.pool_empty_seconds);
         let pool = source.pool();
         let mut started = false;
         let envs = cfg.environments();
         // Environments no longer served (a reload dropped them) drain to nothing.
         let mut todo: Vec<(String, Language, usize, usize)> = envs
             .iter()
-            .map(|e| (e.name.clone(), e.language, e.pool_min, e.pool_max))
+            .map(|e| match d.pools {
+                true => (e.name.clone(), e.language, e.pool_min, e.pool_max),
+                false => (e.name.clone(), e.language, 0, 0),
+            })
             .collect();
         for (name, language) in pool.names() {
             if !envs.iter().any(|e| e.name == name) {
@@ -356,7 +387,7 @@ impl Refill {
             }
         }
         for (name, lang, min, max) in todo {
-            let (idle, target) = pool.plan(&name, lang, min, max, idle_after);
+            let (idle, target) = pool.plan(&name, lang, min, max, idle_after, empty_after);
             if idle > target {
                 if let Some(p) = pool.pop_surplus(&name) {
                     p.discard().await;
@@ -366,12 +397,23 @@ impl Refill {
                 let Some(env) = envs.iter().find(|e| e.name == name) else {
                     continue;
                 };
-                match source.start(env, cfg.limits.max_guest_memory_bytes).await {
+                pool.filling.send_modify(|n| *n += 1);
+                let r = source.start(env, cfg.limits.max_guest_memory_bytes).await;
+                if let Ok(p) = &r {
+                    tracing::info!(environment = %name, language = lang.as_str(), session = %p.id(), "warm worker ready");
+                    self.refused.insert(name.clone(), false);
+                }
+                // Pushed before the count drops, so a client waiting in `evict_one` finds it.
+                let r = match r {
                     Ok(p) => {
-                        tracing::info!(environment = %name, language = lang.as_str(), session = %p.id(), "warm worker ready");
-                        self.refused.insert(name.clone(), false);
                         pool.push(&name, lang, p);
+                        Ok(())
                     }
+                    Err(e) => Err(e),
+                };
+                pool.filling.send_modify(|n| *n -= 1);
+                match r {
+                    Ok(()) => {}
                     // No room: clients come first; try again later.
                     Err(e) if e.budget().is_some() => {
                         if !self.refused.insert(name.clone(), true).unwrap_or(false) {
@@ -583,6 +625,27 @@ mod tests {
         assert_eq!(rounds(&mut refill, &s, 3).await, 0);
         assert_eq!(idle(&s, "python"), 1);
         assert_eq!(s.discarded.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn empties_after_the_empty_time_without_a_take_and_refills_on_the_next() {
+        let mut c = (*config((1, 2), (0, 0), 60)).clone();
+        c.daemon.pool_empty_seconds = 1;
+        let s = source(Arc::new(c));
+        let mut refill = Refill::new();
+        rounds(&mut refill, &s, 2).await;
+        assert_eq!(idle(&s, "python"), 1);
+        // Nothing taken for the empty time (counted from the first round): no warm worker.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        assert_eq!(rounds(&mut refill, &s, 1).await, 0);
+        assert_eq!(idle(&s, "python"), 0);
+        assert_eq!(s.discarded.load(Ordering::SeqCst), 1);
+        assert_eq!(s.pool.status()[0].target, 0);
+        // A take (here a miss) makes the pool active again: it refills.
+        let gm = s.config().unwrap().limits.max_guest_memory_bytes;
+        assert!(s.pool.take("python", Language::Python, gm).is_none());
+        rounds(&mut refill, &s, 3).await;
+        assert!(idle(&s, "python") >= 1);
     }
 
     #[tokio::test]

@@ -73,7 +73,10 @@ fuzz_target!(|data: &[u8]| {
             assert!((d.worker_uid_base as u64 + d.worker_uid_count as u64) < u32::MAX as u64 - 1);
             assert!(!d.cgroup_name.is_empty() && d.cgroup_name.len() <= 64);
             assert!(!d.cgroup_name.contains('/') && d.cgroup_name != "." && d.cgroup_name != "..");
-            assert!(d.pool_python_min <= d.pool_python_max && d.pool_r_min <= d.pool_r_max);
+            for e in cfg.environments() {
+                assert!(e.pool_min <= e.pool_max);
+                assert!(e.pool_max as u64 <= l.max_concurrent_sessions);
+            }
             assert!(!d.languages.is_empty());
             // cpu.max quota as the daemon computes it.
             let _ = (d.worker_cpus * 100_000.0) as u64;

@@ -167,6 +167,7 @@ async fn the_metrics_file_says_what_the_dbus_properties_say() {
         ("DBUS_SYSTEM_BUS_ADDRESS", &bus.address),
         ("SANDCELL_METRICS_FILE", &file.display().to_string()),
         ("SANDCELL_METRICS_INTERVAL_SECONDS", "1"),
+        ("SANDCELL_POOLS", "true"),
         ("SANDCELL_POOL_PYTHON_MIN", "1"),
         ("SANDCELL_POOL_PYTHON_MAX", "2"),
     ]);

@@ -824,6 +824,7 @@ async fn pools_are_visible_on_dbus() {
     // runs the test and the socket's permissions decide.
     let d = Daemon::start(&[
         ("DBUS_SYSTEM_BUS_ADDRESS", &bus.address),
+        ("SANDCELL_POOLS", "true"),
         ("SANDCELL_POOL_PYTHON_MIN", "1"),
         ("SANDCELL_POOL_PYTHON_MAX", "2"),
     ]);

@@ -212,7 +212,7 @@ async fn operator_environments_and_a_pool_per_environment() {
         .unwrap();
     let conf_path = dir.path().join("sandcelld.toml");
     std::fs::write(&conf_path, conf).unwrap();
-    let d = Daemon::start_with_config(&conf_path, &[]);
+    let d = Daemon::start_with_config(&conf_path, &[("SANDCELL_POOLS", "true")]);
     let mut c = d.client().await;
     let envs = c.list_environments().await.unwrap();
     let sci = envs.iter().find(|e| e.name == "science").expect("science");
@@ -226,7 +226,7 @@ async fn operator_environments_and_a_pool_per_environment() {
     assert!(
         common::eventually(std::time::Duration::from_secs(30), || d
             .log_text()
-            .contains("warm worker ready")),
+            .contains("warm worker ready environment=science")),
         "{}",
         d.log_text()
     );

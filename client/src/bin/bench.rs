@@ -21,6 +21,9 @@ struct Args {
     /// Language to measure.
     #[arg(long, default_value = "python")]
     language: String,
+    /// Environment to measure (e.g. `pydata`); unset: the language's default.
+    #[arg(long)]
+    environment: Option<String>,
     /// Sequential samples per latency figure.
     #[arg(long, default_value_t = 50)]
     iterations: usize,
@@ -67,11 +70,14 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v[i]
 }
 
+/// Prints one latency figure as JSON (`p50`, `p99`, `max`, milliseconds) and returns its p50
+/// and p99.
 fn report(name: &str, mut ms: Vec<f64>) -> (f64, f64) {
     let (p50, p99) = (percentile(&mut ms, 0.5), percentile(&mut ms, 0.99));
+    let max = percentile(&mut ms, 1.0);
     println!(
         "{}",
-        serde_json::json!({"figure": name, "unit": "ms", "samples": ms.len(), "p50": p50, "p99": p99})
+        serde_json::json!({"figure": name, "unit": "ms", "samples": ms.len(), "p50": p50, "p99": p99, "max": max})
     );
     (p50, p99)
 }
@@ -92,19 +98,20 @@ fn rss(pid: u32) -> Option<u64> {
 async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let code = trivial(&a.language);
+    let env = a.environment.as_deref();
     let mut table: Vec<(String, String)> = Vec::new();
     let mut c = Client::connect(&a.socket).await?;
 
     // Warm up (page cache, first worker).
     for _ in 0..3 {
-        c.run_collect(&a.language, code, None).await?;
+        c.run_collect_in(&a.language, env, code, None).await?;
     }
     let mut ms = Vec::new();
     let pace = Duration::from_millis(a.pace_ms);
     for _ in 0..a.iterations {
         tokio::time::sleep(pace).await;
         let t = Instant::now();
-        let out = c.run_collect(&a.language, code, None).await?;
+        let out = c.run_collect_in(&a.language, env, code, None).await?;
         anyhow::ensure!(
             out.result.status == Status::Ok,
             "one-shot cell failed: {:?}",
@@ -118,9 +125,30 @@ async fn main() -> anyhow::Result<()> {
         format!("p50 {p50:.2} ms, p99 {p99:.2} ms"),
     ));
 
+    // open + one trivial cell + close: what a short-lived session costs a client.
+    let mut ms = Vec::new();
+    for _ in 0..a.iterations {
+        tokio::time::sleep(pace).await;
+        let t = Instant::now();
+        let s = c.open_in(&a.language, env, None, None).await?.session;
+        let out = c.execute_collect(&s, code).await?;
+        c.close(&s).await?;
+        anyhow::ensure!(
+            out.result.status == Status::Ok,
+            "session cell failed: {:?}",
+            out.result
+        );
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let (p50, p99) = report("open_cell_close_latency", ms);
+    table.push((
+        "open + trivial cell + close".into(),
+        format!("p50 {p50:.2} ms, p99 {p99:.2} ms"),
+    ));
+
     tokio::time::sleep(pace).await;
     let t = Instant::now();
-    let s = c.open(&a.language, None, None).await?.session;
+    let s = c.open_in(&a.language, env, None, None).await?.session;
     let open_ms = t.elapsed().as_secs_f64() * 1e3;
     println!(
         "{}",
@@ -225,7 +253,7 @@ async fn main() -> anyhow::Result<()> {
         let mut conns = Vec::new();
         for _ in 0..a.idle_sessions {
             let mut c = Client::connect(&a.socket).await?;
-            match c.open(&a.language, None, None).await {
+            match c.open_in(&a.language, env, None, None).await {
                 Ok(o) => sessions.push(o.session),
                 Err(e) => {
                     eprintln!("stopped opening sessions: {e}");

@@ -324,7 +324,8 @@ impl Starter {
     /// `worker_start_timeout_seconds` of `cfg`) for its `Ready`. On any failure everything
     /// taken so far is released. With `start_for` (a client's start, not the pool's), the
     /// worker is listed as `starting` until then, and its cancellation ends the wait for
-    /// `Ready` at once.
+    /// `Ready` at once; without it (a warm pool's start) admission leaves a session of room
+    /// ([`crate::admission::Admission::try_admit_leaving_room`]).
     ///
     /// Errors: every [`StartError`].
     pub async fn start(
@@ -335,10 +336,13 @@ impl Starter {
         start_for: Option<StartFor>,
     ) -> Result<Prepared, StartError> {
         let language = env.language;
-        let permit = self
-            .admission
-            .try_admit(charge(cfg, env.engine, guest_memory))
-            .map_err(StartError::Admission)?;
+        // A pool's start (no client) never takes the last free session or memory.
+        let charge = charge(cfg, env.engine, guest_memory);
+        let permit = match start_for {
+            Some(_) => self.admission.try_admit(charge),
+            None => self.admission.try_admit_leaving_room(charge),
+        }
+        .map_err(StartError::Admission)?;
         let lease = if self.options.per_session_uids {
             Some(self.uids.allocate().ok_or(StartError::Uids {
                 count: cfg.daemon.worker_uid_count,

@@ -181,6 +181,9 @@ impl Daemon {
             ("SANDCELL_METRICS_FILE".into(), String::new()),
             // Room for a few sessions per test; tests of admission set their own budgets.
             ("SANDCELL_MAX_CONCURRENT_SESSIONS".into(), "8".into()),
+            // Warm pools are on by default; a test that counts workers or admission charges
+            // must not see them, so the tests of pools turn them on ("SANDCELL_POOLS", "true").
+            ("SANDCELL_POOLS".into(), "false".into()),
             (
                 "SANDCELL_MAX_AGGREGATE_GUEST_MEMORY_BYTES".into(),
                 (8u64 << 27).to_string(),
