@@ -147,6 +147,7 @@ impl From<StartError> for KernelError {
                 in_use: u64::from(count),
                 requested: 1,
                 max: u64::from(count),
+                retry_after_seconds: None,
             },
             other => KernelError::WorkerFailed {
                 reason: other.to_string(),
@@ -506,6 +507,7 @@ mod tests {
             in_use: 4,
             requested: 1,
             max: 4,
+            retry_after_ms: None,
         }
     }
 
@@ -522,6 +524,7 @@ mod tests {
                 in_use: 4,
                 requested: 1,
                 max: 4,
+                retry_after_seconds: None,
             }
         );
         assert_eq!(
@@ -531,6 +534,7 @@ mod tests {
                 in_use: 3,
                 requested: 1,
                 max: 3,
+                retry_after_seconds: None,
             }
         );
         assert_eq!(StartError::Cancelled.budget(), None);
