@@ -429,7 +429,7 @@ fn build_view(plan: &Plan) -> Result<(), Error> {
     // reads its first line to learn the kernel's CPU-time fields, and prints a traceback
     // when it cannot: `import sklearn` through joblib). A synthesized copy is bound over it,
     // in the style of lxcfs: the host's field count and boot time, every counter zero.
-    let stat_src = under(root, Path::new("/.proc-stat"));
+    let stat_src = under(root, Path::new(PROC_STAT_SOURCE));
     std::fs::write(&stat_src, synthesized_proc_stat())
         .map_err(|x| err(format!("write {}: {x}", stat_src.display())))?;
     let stat = under(root, Path::new(PROC_STAT));
@@ -446,9 +446,8 @@ fn build_view(plan: &Plan) -> Result<(), Error> {
             | libc::MS_NOEXEC,
         None,
     )?;
-    // The bind keeps the file; its name goes.
-    std::fs::remove_file(&stat_src)
-        .map_err(|x| err(format!("remove {}: {x}", stat_src.display())))?;
+    // The source keeps its name: an unlinked file still held by the bind would make the read-only
+    // remount of the root below fail (EBUSY).
     // The minimal /dev is complete: make its tmpfs read-only.
     mount(
         None,
@@ -494,6 +493,8 @@ fn build_view(plan: &Plan) -> Result<(), Error> {
 /// The view's `/proc/stat`: a synthesized file bound over the procfs one (see
 /// [`synthesized_proc_stat`]); a plan may list it among its read paths.
 pub const PROC_STAT: &str = "/proc/stat";
+/// Where the view keeps the file bound over [`PROC_STAT`] (on its read-only root).
+const PROC_STAT_SOURCE: &str = "/.sandcell-proc-stat";
 
 /// The content of the view's `/proc/stat` (format: proc_stat(5)): a `cpu` line and one
 /// `cpuN` line per online CPU with as many fields as the host's (all zero), the host's
