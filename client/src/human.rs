@@ -81,15 +81,20 @@ pub fn describe(e: &KernelError) -> String {
             in_use,
             requested,
             max,
+            retry_after_seconds,
         } => {
             let key = if budget.starts_with("max_") || budget == "worker_uid_count" {
                 format!("; an operator raises {budget} in sandcelld.toml")
             } else {
                 String::new()
             };
+            let when = match retry_after_seconds {
+                Some(s) => format!("in {s:.2} s"),
+                None => "later".into(),
+            };
             format!(
                 "the daemon is at capacity: {budget} has {in_use} in use of {max}, \
-                 {requested} more asked; retry later or on another node{key}"
+                 {requested} more asked; retry {when} or on another node{key}"
             )
         }
         K::NoSuchSession { session } => {
@@ -242,6 +247,7 @@ mod tests {
             in_use: 8,
             requested: 1,
             max: 8,
+            retry_after_seconds: None,
         };
         let d = describe(&e);
         assert!(d.contains("retry later") && !d.contains('{'), "{d}");
@@ -270,6 +276,7 @@ mod tests {
                 })
                 .collect(),
             packages_truncated: false,
+            limits: None,
         };
         let envs = [
             env("python", &[]),

@@ -28,9 +28,9 @@ pub mod human;
 
 use sandcell_proto::kernel::{self as k, FrameReply};
 pub use sandcell_proto::kernel::{
-    CellResult, CellStatusReply, EndReason, FileInfo, FileKind, Frame, HostCall, InterruptReply,
-    KernelError, Limits, OpenParams, OpenReply, Output, Retained, RetainedStats, RunParams, State,
-    Status, StreamStats, Usage,
+    CellResult, CellStatusReply, EndReason, EnvironmentLimits, FileInfo, FileKind, Frame, HostCall,
+    InterruptReply, InterruptSessionReply, KernelError, Limits, OpenParams, OpenReply, Output,
+    Retained, RetainedStats, RunParams, SessionSummary, State, Status, StreamStats, Usage,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -485,6 +485,28 @@ impl Client {
             cell,
         };
         self.call("Interrupt", params(&p)).await
+    }
+
+    /// Interrupts whatever cell `session` runs now, without knowing its number (from any
+    /// connection of the same user); the reply names the cell that was running.
+    /// Errors: `NoSuchSession`, `PermissionDenied`.
+    pub async fn interrupt_session(
+        &mut self,
+        session: &str,
+    ) -> Result<k::InterruptSessionReply, Error> {
+        let p = k::InterruptSessionParams {
+            session: session.into(),
+        };
+        self.call("InterruptSession", params(&p)).await
+    }
+
+    /// The caller's own sessions (its uid's, from any connection), oldest first, and whether
+    /// more exist than the daemon lists (1000).
+    pub async fn list_sessions(&mut self) -> Result<(Vec<k::SessionSummary>, bool), Error> {
+        let r: k::ListSessionsReply = self
+            .call("ListSessions", params(&k::ListSessionsParams {}))
+            .await?;
+        Ok((r.sessions, r.truncated))
     }
 
     /// Lists the user's variables of `session` (name, type, approximate size, shape, short

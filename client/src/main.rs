@@ -37,6 +37,7 @@ mod ctrlc;
 mod dbus;
 mod hostcmd;
 mod mcp;
+mod progress;
 use sandcell_client::{Client, Error, KernelError, Limits, Status};
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -169,12 +170,13 @@ enum Cmd {
         /// Cell number from `submit`.
         cell: u64,
     },
-    /// Interrupt CELL of SESSION over the Varlink socket; without CELL, interrupt whatever
-    /// cell SESSION is running, over D-Bus (an administrator's command).
+    /// Interrupt CELL of SESSION; without CELL, whatever cell SESSION is running. Over the
+    /// Varlink socket for one's own sessions; without CELL, a session the socket does not
+    /// show (another user's, for an administrator) is interrupted over D-Bus.
     Interrupt {
         /// Session id.
         session: String,
-        /// Cell number (Varlink); omit to use D-Bus InterruptSession.
+        /// Cell number (`exec` prints it when the cell starts); omit for the running cell.
         cell: Option<u64>,
     },
     /// List the environments the daemon serves: name, language, engine, default, ready,
@@ -200,7 +202,13 @@ enum Cmd {
         session: String,
     },
     /// List live sessions (D-Bus): id, language, owner uid and pid, state, start, cells, memory.
-    List,
+    /// With --own, or when the system bus is unreachable, list one's own sessions over the
+    /// Varlink socket instead: id, language, state, running cell, cells, start, detached.
+    List {
+        /// List one's own sessions over the Varlink socket (no D-Bus needed).
+        #[arg(long)]
+        own: bool,
+    },
     /// Show daemon-wide figures (D-Bus): version, cgroup mode, Landlock ABI, admission use,
     /// warm pools per language.
     Status,
@@ -223,6 +231,45 @@ enum Cmd {
     },
 }
 
+/// The default limits of an environment, as `environments` prints them under its row: one
+/// line per cell, one per session, each value with its sandcelld.toml key.
+fn limit_lines(l: &sandcell_client::EnvironmentLimits) -> [String; 2] {
+    let mut cell = format!(
+        "per cell: wall time {} s [execution_wall_time_seconds]",
+        l.wall_time_seconds
+    );
+    if let Some(f) = l.fuel {
+        cell.push_str(&format!(", fuel {f} WebAssembly instructions [max_fuel]"));
+    }
+    cell.push_str(&format!(
+        ", output kept {} stdout / {} stderr [max_stdout_bytes, max_stderr_bytes]",
+        dbus::human_bytes(Some(l.stdout_bytes)),
+        dbus::human_bytes(Some(l.stderr_bytes))
+    ));
+    let mut session = format!(
+        "per session: memory {} [max_worker_memory_bytes]",
+        dbus::human_bytes(Some(l.memory_bytes))
+    );
+    if let Some(g) = l.guest_memory_bytes {
+        session.push_str(&format!(
+            ", interpreter memory {} [max_guest_memory_bytes]",
+            dbus::human_bytes(Some(g))
+        ));
+    }
+    let cpus = if l.cpus > 0.0 {
+        format!("{} CPU", l.cpus)
+    } else {
+        "no CPU cap".into()
+    };
+    session.push_str(&format!(
+        ", disk {} [max_session_files_bytes], one file {} [max_file_bytes], {cpus} [worker_cpus], detached idle at most {} s [max_detached_idle_seconds]",
+        dbus::human_bytes(Some(l.disk_bytes)),
+        dbus::human_bytes(Some(l.file_bytes)),
+        l.detached_idle_seconds
+    ));
+    [cell, session]
+}
+
 /// Ends sandcellctl after a failed write to standard output: quietly (status 0) for a closed
 /// pipe, else with a message (status 2).
 fn output_failed(e: std::io::Error) -> ! {
@@ -236,14 +283,14 @@ fn output_failed(e: std::io::Error) -> ! {
 /// Runs a D-Bus subcommand; `None` if `cmd` is a Varlink one.
 async fn admin(cmd: &Cmd, json: bool, interactive: bool) -> Option<ExitCode> {
     match cmd {
-        Cmd::List | Cmd::Status | Cmd::Terminate { .. } | Cmd::Reload => {}
+        Cmd::List { own: false } | Cmd::Status | Cmd::Terminate { .. } | Cmd::Reload => {}
         Cmd::Interrupt { cell: None, .. } => {}
         _ => return None,
     }
     let r: Result<u8, dbus::Error> = async {
         let a = dbus::Admin::connect(interactive).await?;
         match cmd {
-            Cmd::List => {
+            Cmd::List { .. } => {
                 let rows = a.list().await?;
                 if json {
                     outln!("{}", serde_json::to_string(&rows).expect("serialises"));
@@ -346,6 +393,13 @@ async fn admin(cmd: &Cmd, json: bool, interactive: bool) -> Option<ExitCode> {
         Ok(0)
     }
     .await;
+    if let (Cmd::List { .. }, Err(dbus::Error::Bus(b))) = (cmd, &r) {
+        errln!(
+            "sandcellctl: the system bus is unreachable ({}); listing your own sessions over the Varlink socket",
+            escape_message(&b.to_string())
+        );
+        return None;
+    }
     Some(match r {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
@@ -498,8 +552,9 @@ async fn stream(
     json: bool,
     host: Option<&mut hostcmd::HostHandler>,
     following: Option<&ctrlc::Following>,
+    announce: bool,
 ) -> Result<u8, Error> {
-    stream_result(c, json, host, following)
+    stream_result(c, json, host, following, announce)
         .await
         .map(|(code, _)| code)
 }
@@ -698,24 +753,40 @@ async fn save_artifacts(
 }
 
 /// Follows the started cell on `c` to its result, printing its output; `following` (when
-/// Ctrl-C interrupts it) learns the cell from its `started` frame.
+/// Ctrl-C interrupts it) learns the cell from its `started` frame. With `announce` (`exec`),
+/// the cell's number is printed on standard error when it starts (`sandcellctl: cell N
+/// started; interrupt it with: sandcellctl interrupt SESSION N`). On a terminal, a silent
+/// cell shows its elapsed time ([`progress`]).
 async fn stream_result(
     c: &mut Client,
     json: bool,
     mut host: Option<&mut hostcmd::HostHandler>,
     following: Option<&ctrlc::Following>,
+    announce: bool,
 ) -> Result<(u8, Option<sandcell_client::CellResult>), Error> {
     let out_tty = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let err_tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let mut out = std::io::stdout();
     let mut err = std::io::stderr();
     let mut session = String::new();
+    let progress = progress::Progress::start(err_tty && !json);
     loop {
         let f = c.next_frame().await?;
+        progress.output();
         if let Some(s) = &f.started {
             session = s.session.clone();
+            progress.started(s.cell);
             if let Some(f) = following {
                 f.started(&s.session, s.cell);
+            }
+            if announce && !json {
+                let _ = writeln!(
+                    err,
+                    "sandcellctl: cell {} started; interrupt it with: sandcellctl interrupt {} {}",
+                    s.cell,
+                    escape_name(&s.session),
+                    s.cell
+                );
             }
         }
         if let (Some(h), Some(call)) = (host.as_deref_mut(), &f.host_call) {
@@ -833,7 +904,10 @@ async fn main() -> ExitCode {
             }
         };
     }
-    if let Some(code) = admin(&args.cmd, args.json, args.interactive).await {
+    // An interrupt without a cell tries the Varlink socket first (one's own sessions, no
+    // D-Bus needed), then D-Bus.
+    let own_interrupt = matches!(args.cmd, Cmd::Interrupt { cell: None, .. });
+    if !own_interrupt && let Some(code) = admin(&args.cmd, args.json, args.interactive).await {
         return code;
     }
     let socket = args
@@ -870,8 +944,39 @@ async fn main() -> ExitCode {
     };
     let mut c = match Client::connect(&socket).await {
         Ok(c) => c,
+        Err(_) if own_interrupt => {
+            return admin(&args.cmd, args.json, args.interactive)
+                .await
+                .expect("an interrupt without a cell is a D-Bus command");
+        }
         Err(e) => return fail(e, args.json),
     };
+    if let Cmd::Interrupt {
+        session,
+        cell: None,
+    } = &args.cmd
+    {
+        return match c.interrupt_session(session).await {
+            Ok(r) => {
+                if args.json {
+                    outln!("{}", serde_json::to_string(&r).expect("serialises"));
+                } else {
+                    match r.cell {
+                        Some(n) => outln!("{} (cell {n})", r.reason),
+                        None => outln!("{}", r.reason),
+                    }
+                }
+                ExitCode::from(if r.delivered { 0 } else { 1 })
+            }
+            // Not one of the caller's sessions: an administrator's, over D-Bus.
+            Err(Error::Kernel(
+                KernelError::NoSuchSession { .. } | KernelError::PermissionDenied { .. },
+            )) => admin(&args.cmd, args.json, args.interactive)
+                .await
+                .expect("an interrupt without a cell is a D-Bus command"),
+            Err(e) => fail(e, args.json),
+        };
+    }
     let r: Result<u8, Error> = async {
         match &args.cmd {
             Cmd::Run {
@@ -911,7 +1016,7 @@ async fn main() -> ExitCode {
                         display_last_expression: display,
                     })
                     .await?;
-                    return stream(&mut c, args.json, host.as_mut(), Some(&following)).await;
+                    return stream(&mut c, args.json, host.as_mut(), Some(&following), false).await;
                 }
                 // Input files, or a directory that must outlive the result: a session closed
                 // afterwards (Open, PutFile..., Execute, Close) instead of a one-shot Run.
@@ -933,7 +1038,8 @@ async fn main() -> ExitCode {
                     }
                     c.execute(&session, &code).await?;
                     let (status, result) =
-                        stream_result(&mut c, args.json, host.as_mut(), Some(&following)).await?;
+                        stream_result(&mut c, args.json, host.as_mut(), Some(&following), false)
+                            .await?;
                     if let Some(dir) = artifacts {
                         let files = result.map(|r| r.files).unwrap_or_default();
                         save_artifacts(&mut c, &session, &files, dir).await?;
@@ -1028,6 +1134,11 @@ async fn main() -> ExitCode {
                     if let Some(r) = &e.reason {
                         outln!("  not ready: {}", escape_name(r));
                     }
+                    if let Some(l) = &e.limits {
+                        for line in limit_lines(l) {
+                            outln!("  {line}");
+                        }
+                    }
                     if *packages {
                         for p in &e.packages {
                             outln!("  {} {}", escape_name(&p.name), escape_name(&p.version));
@@ -1072,7 +1183,7 @@ async fn main() -> ExitCode {
                 });
                 let following = ctrlc::install(socket.clone());
                 c.execute(session, &code).await?;
-                stream(&mut c, args.json, host.as_mut(), Some(&following)).await
+                stream(&mut c, args.json, host.as_mut(), Some(&following), true).await
             }
             Cmd::Submit { session, file: _ } => {
                 let cell = c.submit(session, &code).await?;
@@ -1085,7 +1196,7 @@ async fn main() -> ExitCode {
             }
             Cmd::Attach { session, cell } => {
                 c.attach(session, *cell).await?;
-                stream(&mut c, args.json, None, None).await
+                stream(&mut c, args.json, None, None, false).await
             }
             Cmd::CellStatus { session, cell } => {
                 let r = c.cell_status(session, *cell).await?;
@@ -1175,9 +1286,49 @@ async fn main() -> ExitCode {
                 }
                 Err(e) => Err(e),
             },
+            Cmd::List { .. } => {
+                let (rows, truncated) = c.list_sessions().await?;
+                if args.json {
+                    let v = serde_json::json!({ "sessions": rows, "truncated": truncated });
+                    outln!("{v}");
+                    return Ok(0);
+                }
+                let idw = rows
+                    .iter()
+                    .map(|s| escape_name(&s.session).chars().count())
+                    .fold("SESSION".len(), usize::max);
+                outln!(
+                    "{:<idw$} {:<8} {:<8} {:>7} {:>6} {:<20} DETACHED",
+                    "SESSION",
+                    "LANGUAGE",
+                    "STATE",
+                    "RUNNING",
+                    "CELLS",
+                    "STARTED"
+                );
+                for s in &rows {
+                    let started = (s.started * 1e6) as u64;
+                    outln!(
+                        "{:<idw$} {:<8} {:<8} {:>7} {:>6} {:<20} {}",
+                        escape_name(&s.session),
+                        escape_name(&s.language),
+                        escape_name(&s.state),
+                        s.running_cell.map_or("-".into(), |c| c.to_string()),
+                        s.cells_run,
+                        dbus::utc(started),
+                        s.detached_idle_seconds
+                            .map_or("no".into(), |i| format!("idle {i} s")),
+                    );
+                }
+                outln!(
+                    "\n{} sessions listed{}.",
+                    rows.len(),
+                    if truncated { " (more exist)" } else { "" }
+                );
+                Ok(0)
+            }
             // Handled by `admin` before the socket is opened.
-            Cmd::List
-            | Cmd::Status
+            Cmd::Status
             | Cmd::Terminate { .. }
             | Cmd::Reload
             | Cmd::Interrupt { cell: None, .. }

@@ -664,3 +664,114 @@ fn a_host_call_without_a_handler_fails_at_once() {
     assert!(err.contains("no handler for host calls"), "{err}");
     let _ = run(d.ctl().args(["close", &session]), None);
 }
+
+#[test]
+fn exec_names_its_cell_and_interrupt_and_list_need_no_bus() {
+    let Some(d) = Daemon::start(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "60")]) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let session = open_session(&d);
+    // One's own sessions over the socket, without D-Bus.
+    let out = run(d.ctl().args(["--json", "list", "--own"]), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = v["sessions"].as_array().unwrap();
+    assert!(
+        rows.iter()
+            .any(|r| r["session"] == session.as_str() && r["state"] == "idle"),
+        "{v}"
+    );
+    // A cell number the session never reached is NoSuchCell.
+    let out = run(d.ctl().args(["interrupt", &session, "7"]), None);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("NoSuchCell"),
+        "{}",
+        text(&out.stderr)
+    );
+    let slow = script(
+        dir.path(),
+        "slow.py",
+        "import time\nprint('started', flush=True)\ntime.sleep(50)\n",
+    );
+    let (mut child, line) = exec_started(&d, &session, &slow);
+    assert_eq!(line, "started\n");
+    let out = run(d.ctl().args(["list", "--own"]), None);
+    let listing = text(&out.stdout);
+    assert!(
+        listing
+            .lines()
+            .any(|l| l.starts_with(&session) && l.contains("running")),
+        "{listing}"
+    );
+    // Interrupted without its number, over the socket.
+    let out = run(d.ctl().args(["interrupt", &session]), None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "delivered (cell 1)\n");
+    let (code, err) = wait_for(&mut child, Duration::from_secs(20));
+    assert_eq!(code, Some(5), "{err}");
+    // exec said which cell it started, and how to interrupt it.
+    assert!(
+        err.contains(&format!(
+            "sandcellctl: cell 1 started; interrupt it with: sandcellctl interrupt {session} 1"
+        )),
+        "{err}"
+    );
+    let out = run(d.ctl().args(["--json", "interrupt", &session]), None);
+    assert_eq!(out.status.code(), Some(1));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["reason"], "not_running", "{v}");
+    let _ = run(d.ctl().args(["close", &session]), None);
+}
+
+#[test]
+fn a_silent_cell_shows_its_elapsed_time_on_a_terminal_only() {
+    let Some(d) = Daemon::start(&[]) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let quiet = script(
+        dir.path(),
+        "quiet.py",
+        "import time\ntime.sleep(4)\nprint('done')\n",
+    );
+    let on_tty = stderr_on_pty(d.ctl().arg("run").arg(&quiet));
+    assert!(
+        on_tty.contains("\r\x1b[2Ksandcellctl: cell 1 running, ") && on_tty.contains(" s"),
+        "no elapsed time on the terminal: {on_tty:?}"
+    );
+    // Erased before anything else is written, and at the end.
+    assert!(on_tty.ends_with("\r\x1b[2K"), "{on_tty:?}");
+    let piped = run(d.ctl().arg("run").arg(&quiet), None);
+    assert_eq!(text(&piped.stdout), "done\n");
+    assert_eq!(text(&piped.stderr), "", "a pipe gets no elapsed time");
+    // A cell that prints keeps its output clean.
+    let chatty = script(dir.path(), "chatty.py", "print('quick')\n");
+    let on_tty = stderr_on_pty(d.ctl().arg("run").arg(&chatty));
+    assert!(!on_tty.contains("running"), "{on_tty:?}");
+}
+
+#[test]
+fn environments_state_the_default_limits_with_their_keys() {
+    let Some(d) = Daemon::start(&[]) else { return };
+    let out = run(d.ctl().arg("environments"), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let o = text(&out.stdout);
+    for want in [
+        "per cell: wall time 10 s [execution_wall_time_seconds]",
+        "fuel 10000000000 WebAssembly instructions [max_fuel]",
+        "per session: memory 1.0 GiB [max_worker_memory_bytes]",
+        "disk 256.0 MiB [max_session_files_bytes]",
+    ] {
+        assert!(o.contains(want), "{want:?} missing in:\n{o}");
+    }
+    let out = run(d.ctl().args(["--json", "environments"]), None);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let py = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "python")
+        .expect("python listed");
+    assert_eq!(py["limits"]["wall_time_seconds"], 10.0, "{py}");
+    assert_eq!(py["limits"]["fuel"], 10_000_000_000u64, "{py}");
+}

@@ -16,10 +16,11 @@
 //!      charged to the session's memory cgroup); no `/dev/mqueue`;
 //!    - a minimal `/dev`: `null`, `zero`, `full`, `random`, `urandom` bound from the host, and
 //!      the `fd`, `stdin`, `stdout`, `stderr` symlinks;
-//!    - `/mnt/data`, a symlink to the session directory;
+//!    - `/mnt/data`, a second bind of the session directory (same flags);
 //!    - a new procfs, read-only, with `hidepid=invisible` (Linux 5.8 or newer: per-mount
 //!      procfs options): the worker sees only its own uid's processes and writes nothing
-//!      there (not its own `oom_score_adj`);
+//!      there (not its own `oom_score_adj`); its host-wide `/proc/stat` is covered by a
+//!      synthesized copy ([`synthesized_proc_stat`]: zero counters);
 //! 4. `pivot_root(".", ".")` and a lazy unmount of the old root (the `pivot_root(2)` manual's
 //!    idiom, used by runc); the root tmpfs is then remounted read-only.
 //!
@@ -38,6 +39,9 @@ use std::path::{Component, Path, PathBuf};
 /// `nodev`, `noexec`): a fresh, empty one per worker, gone with its mount namespace. Landlock
 /// lets a worker write them only when its plan names them in `write_paths`.
 pub const TMPFS: [&str; 3] = ["/tmp", "/var/tmp", "/dev/shm"];
+/// Where the view binds the session directory a second time (OpenAI code_interpreter's path);
+/// a native worker makes it its working directory when it is there.
+pub const MNT_DATA: &str = "/mnt/data";
 /// Device nodes bound into the view's `/dev`.
 const DEVICES: [&str; 5] = ["null", "zero", "full", "random", "urandom"];
 
@@ -216,11 +220,19 @@ fn collect(plan: &Plan) -> Result<Vec<Entry>, Error> {
     }
     // The session directory is also reachable as /mnt/data (the path OpenAI's
     // code_interpreter uses, and where the Eryx engine's virtual file system mounts it): a
-    // symlink in the read-only root, so nothing new becomes writable.
-    if !entries.iter().any(|e| e.path.starts_with("/mnt")) {
+    // second bind of the same directory, with the same flags, so nothing new becomes
+    // writable (Landlock's rules are on the directory's inode, which both paths reach). A
+    // bind, not a symlink: a native worker working in /mnt/data sees that path in getcwd(3)
+    // (a symlink would resolve to the host path).
+    if !entries.iter().any(|e| e.path.starts_with("/mnt")) && plan.session_dir.is_dir() {
         entries.push(Entry {
-            path: "/mnt/data".into(),
-            kind: Kind::Symlink(plan.session_dir.clone()),
+            path: MNT_DATA.into(),
+            kind: Kind::Bind {
+                fd: open_path(&plan.session_dir)?,
+                dir: true,
+                writable: true,
+                noexec: true,
+            },
         });
     }
     // Parents before children; at the same path the tmpfs comes before what goes into it.
@@ -412,6 +424,30 @@ fn build_view(plan: &Plan) -> Result<(), Error> {
         libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC | libc::MS_RDONLY,
         Some("hidepid=invisible"),
     )?;
+    // /proc/stat is host-wide (every CPU's times, the host's process counts): a cell must
+    // not watch other tenants' activity through it, yet libraries read it on import (psutil
+    // reads its first line to learn the kernel's CPU-time fields, and prints a traceback
+    // when it cannot: `import sklearn` through joblib). A synthesized copy is bound over it,
+    // in the style of lxcfs: the host's field count and boot time, every counter zero.
+    let stat_src = under(root, Path::new(PROC_STAT_SOURCE));
+    std::fs::write(&stat_src, synthesized_proc_stat())
+        .map_err(|x| err(format!("write {}: {x}", stat_src.display())))?;
+    let stat = under(root, Path::new(PROC_STAT));
+    mount(Some(&stat_src), &stat, None, libc::MS_BIND, None)?;
+    mount(
+        None,
+        &stat,
+        None,
+        libc::MS_BIND
+            | libc::MS_REMOUNT
+            | libc::MS_RDONLY
+            | libc::MS_NOSUID
+            | libc::MS_NODEV
+            | libc::MS_NOEXEC,
+        None,
+    )?;
+    // The source keeps its name: an unlinked file still held by the bind would make the read-only
+    // remount of the root below fail (EBUSY).
     // The minimal /dev is complete: make its tmpfs read-only.
     mount(
         None,
@@ -452,6 +488,46 @@ fn build_view(plan: &Plan) -> Result<(), Error> {
         Some("mode=0755"),
     )?;
     Ok(())
+}
+
+/// The view's `/proc/stat`: a synthesized file bound over the procfs one (see
+/// [`synthesized_proc_stat`]); a plan may list it among its read paths.
+pub const PROC_STAT: &str = "/proc/stat";
+/// Where the view keeps the file bound over [`PROC_STAT`] (on its read-only root).
+const PROC_STAT_SOURCE: &str = "/.sandcell-proc-stat";
+
+/// The content of the view's `/proc/stat` (format: proc_stat(5)): a `cpu` line and one
+/// `cpuN` line per online CPU with as many fields as the host's (all zero), the host's
+/// `btime`, and zero `intr`, `ctxt`, `processes`, `procs_running` (1) and `procs_blocked`.
+/// Read from the host's /proc/stat (still visible when the view is built); ten fields and
+/// no CPU lines beyond `cpu` when that fails.
+pub fn synthesized_proc_stat() -> String {
+    let host = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let mut out = String::new();
+    let mut btime = 0u64;
+    for line in host.lines() {
+        let mut words = line.split_whitespace();
+        match words.next() {
+            Some(cpu) if cpu.starts_with("cpu") => {
+                let n = words.count();
+                out.push_str(cpu);
+                out.push_str(if cpu == "cpu" { " " } else { "" });
+                for _ in 0..n {
+                    out.push_str(" 0");
+                }
+                out.push('\n');
+            }
+            Some("btime") => btime = words.next().and_then(|b| b.parse().ok()).unwrap_or(0),
+            _ => {}
+        }
+    }
+    if out.is_empty() {
+        out.push_str("cpu  0 0 0 0 0 0 0 0 0 0\n");
+    }
+    out.push_str(&format!(
+        "intr 0\nctxt 0\nbtime {btime}\nprocesses 0\nprocs_running 1\nprocs_blocked 0\n"
+    ));
+    out
 }
 
 /// Whether a mount namespace with a tmpfs and a procfs can be built here: forks a child that
@@ -510,6 +586,29 @@ pub fn probe() -> std::io::Result<bool> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_synthesized_proc_stat_has_the_hosts_fields_and_no_counts() {
+        let s = synthesized_proc_stat();
+        let first = s.lines().next().unwrap();
+        let host = std::fs::read_to_string("/proc/stat").unwrap();
+        let host_first = host.lines().next().unwrap();
+        assert_eq!(
+            first.split_whitespace().count(),
+            host_first.split_whitespace().count()
+        );
+        assert!(first.starts_with("cpu  0 0"), "{first}");
+        assert!(
+            s.lines()
+                .filter(|l| l.starts_with("cpu"))
+                .all(|l| l.split_whitespace().skip(1).all(|f| f == "0")),
+            "{s}"
+        );
+        assert!(
+            s.contains("\nbtime ") && s.contains("procs_running 1"),
+            "{s}"
+        );
+    }
+
     use super::*;
 
     /// A plan of a native worker with a mount namespace and no identity change.

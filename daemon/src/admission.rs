@@ -48,6 +48,9 @@ pub struct Refused {
     pub requested: u64,
     /// The budget.
     pub max: u64,
+    /// When a retry can succeed, milliseconds from now, where that is known (the start
+    /// rate's next token); `None` for budgets that free up only when a session ends.
+    pub retry_after_ms: Option<u64>,
 }
 
 /// A refusal as clients see it: `CapacityExceeded` naming the budget, with its use, the
@@ -59,6 +62,7 @@ impl From<Refused> for sandcell_proto::kernel::KernelError {
             in_use: r.in_use,
             requested: r.requested,
             max: r.max,
+            retry_after_seconds: r.retry_after_ms.map(|ms| ms as f64 / 1000.0),
         }
     }
 }
@@ -166,6 +170,9 @@ impl Admission {
                 in_use: burst as u64,
                 requested: 1,
                 max: burst as u64,
+                // The bucket gains `rate` tokens a second; one is due after (1 - tokens) / rate.
+                retry_after_ms: (rate > 0.0)
+                    .then(|| ((1.0 - b.tokens) / rate * 1000.0).ceil().max(1.0) as u64),
             });
         }
         b.tokens -= 1.0;
@@ -230,6 +237,7 @@ impl Admission {
                         in_use: g_use,
                         requested,
                         max: g_max,
+                        retry_after_ms: None,
                     });
                 }
                 return Err(Refused {
@@ -237,6 +245,7 @@ impl Admission {
                     in_use,
                     requested,
                     max,
+                    retry_after_ms: None,
                 });
             }
         }
@@ -302,6 +311,7 @@ impl Admission {
                     in_use,
                     requested,
                     max,
+                    retry_after_ms: None,
                 });
             }
         }
@@ -468,9 +478,17 @@ mod tests {
         for _ in 0..3 {
             a.take_start(7).unwrap();
         }
-        assert_eq!(
-            a.take_start(7).unwrap_err().budget,
-            "max_starts_per_second_per_uid"
+        let e = a.take_start(7).unwrap_err();
+        assert_eq!(e.budget, "max_starts_per_second_per_uid");
+        // Rate 1 per second, bucket empty: the next token is due in at most a second.
+        let after = e
+            .retry_after_ms
+            .expect("the start rate knows when to retry");
+        assert!((900..=1000).contains(&after), "retry after {after} ms");
+        let k = sandcell_proto::kernel::KernelError::from(e);
+        assert!(
+            matches!(k, sandcell_proto::kernel::KernelError::CapacityExceeded { retry_after_seconds: Some(s), .. } if s > 0.8 && s <= 1.0),
+            "{k:?}"
         );
         a.take_start(8).unwrap();
     }

@@ -21,6 +21,10 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime};
 use tokio::sync::{broadcast, mpsc, watch};
 
+mod connections;
+mod own;
+pub use connections::{ConnectionRefused, Shares};
+
 /// Frames a cell's channel holds (the actor waits when it is full).
 const FRAME_QUEUE: usize = 64;
 
@@ -35,6 +39,7 @@ fn retention_charge(s: &Session) -> Result<crate::cells::Charge, KernelError> {
             in_use: r.in_use,
             requested: crate::cells::RESERVE,
             max: sandcell_proto::kernel::DAEMON_RETAINED_BYTES,
+            retry_after_seconds: None,
         })
 }
 
@@ -196,7 +201,9 @@ impl Core {
         let mut out = Vec::new();
         for env in self.config().environments() {
             let r = self.environment_report(&env).await;
-            out.push(crate::environments::listing(&env, r));
+            let mut listed = crate::environments::listing(&env, r);
+            listed.limits = Some(crate::environments::default_limits(&self.config(), &env));
+            out.push(listed);
         }
         out
     }
@@ -376,47 +383,6 @@ impl Core {
     /// Live sessions.
     pub fn sessions(&self) -> Vec<Arc<Session>> {
         self.sessions.lock().unwrap().values().cloned().collect()
-    }
-
-    /// Registers a new client connection of `uid` (process `pid`), or refuses it (logged with
-    /// the uid) when `max_connections` or `max_connections_per_uid` is reached.
-    pub fn connection_opened(&self, uid: u32, pid: u32) -> Option<ConnectionGuard> {
-        let cfg = self.config();
-        let mut per_uid = self.connections_per_uid.lock().unwrap();
-        let total = self.connections.load(Ordering::SeqCst);
-        let mine = per_uid.get(&uid).copied().unwrap_or(0);
-        let refused = if total >= cfg.daemon.max_connections {
-            Some(("max_connections", total, cfg.daemon.max_connections))
-        } else if mine >= cfg.daemon.max_connections_per_uid {
-            Some((
-                "max_connections_per_uid",
-                mine,
-                cfg.daemon.max_connections_per_uid,
-            ))
-        } else {
-            None
-        };
-        if let Some((budget, in_use, max)) = refused {
-            drop(per_uid);
-            if let Some(held_back) = self.refusal_log.admit(uid) {
-                tracing::warn!(
-                    uid,
-                    pid,
-                    budget,
-                    in_use,
-                    max,
-                    held_back,
-                    "connection refused: capacity exceeded"
-                );
-            }
-            return None;
-        }
-        *per_uid.entry(uid).or_default() += 1;
-        self.connections.fetch_add(1, Ordering::SeqCst);
-        Some(ConnectionGuard {
-            id: self.next_connection.fetch_add(1, Ordering::SeqCst),
-            uid,
-        })
     }
 
     /// Whether `connection` owns a session that ends with it (not detached).
@@ -1076,7 +1042,8 @@ impl Core {
         })
     }
 
-    /// Interrupts `cell` of `session`.
+    /// Interrupts `cell` of `session`. Errors: `NoSuchSession`, `PermissionDenied`,
+    /// `NoSuchCell` (a number the session never reached).
     pub async fn interrupt(
         &self,
         caller: &Caller,
@@ -1085,6 +1052,7 @@ impl Core {
     ) -> Result<InterruptReply, KernelError> {
         let s = self.lookup(caller, session)?;
         self.authorize(caller, Action::ManageOwn).await?;
+        own::check_cell_reached(&s, session, cell)?;
         Ok(s.interrupt(cell).await)
     }
 

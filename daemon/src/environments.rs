@@ -203,6 +203,36 @@ pub fn listing(env: &Environment, r: Report) -> k::Environment {
         reason: r.reason,
         packages: r.packages,
         packages_truncated: r.truncated,
+        limits: None,
+    }
+}
+
+/// The warning a `fuel_exhausted` cell's result carries: what fuel is and who raises it.
+pub fn fuel_exhausted(fuel: u64) -> String {
+    format!(
+        "the cell used up its fuel: {fuel} units of WebAssembly work (about one per \
+         instruction the Python interpreter runs in the Eryx engine), a budget per cell that \
+         stops runaway computation; split the work into several cells, use the pydata \
+         environment (no fuel), or have an operator raise max_fuel in sandcelld.toml (a \
+         client may only ask for less, with limits.fuel)"
+    )
+}
+
+/// The limits a session of `env` gets under `cfg` when its client asks for none.
+pub fn default_limits(cfg: &crate::config::Config, env: &Environment) -> k::EnvironmentLimits {
+    let l = &cfg.limits;
+    let eryx = env.engine == crate::config::Engine::Eryx;
+    k::EnvironmentLimits {
+        wall_time_seconds: l.execution_wall_time_seconds,
+        memory_bytes: l.max_worker_memory_bytes,
+        guest_memory_bytes: eryx.then_some(l.max_guest_memory_bytes),
+        fuel: eryx.then_some(l.max_fuel),
+        disk_bytes: l.max_session_files_bytes,
+        file_bytes: l.max_file_bytes,
+        stdout_bytes: l.max_stdout_bytes,
+        stderr_bytes: l.max_stderr_bytes,
+        cpus: cfg.daemon.worker_cpus,
+        detached_idle_seconds: l.max_detached_idle_seconds,
     }
 }
 

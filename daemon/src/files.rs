@@ -115,7 +115,8 @@ pub enum Error {
     /// A size limit: `limit` is the configuration key.
     #[error("{limit}: {value} exceeds {max}")]
     TooLarge {
-        /// `max_file_bytes`, `max_session_files_bytes`, `max_session_entries` (every entry,
+        /// `max_file_bytes`, `max_session_files_bytes`, `max_worker_pids` (an upload into a
+        /// session at its process limit), `max_session_entries` (every entry,
         /// [`MAX_SESSION_ENTRIES`]) or `max_listed_entries` ([`MAX_ENTRIES`]).
         limit: &'static str,
         /// Requested bytes (for the session limit: in use + requested).
@@ -215,6 +216,7 @@ impl From<Error> for KernelError {
                 in_use,
                 requested,
                 max,
+                retry_after_seconds: None,
             },
             Error::Io { op, path, source } => KernelError::InternalError {
                 operation: op.into(),
@@ -1247,11 +1249,38 @@ fn write_in_group(
             reason: format!("read of the passed descriptor: {}", errno(n)),
         }),
         Copied::Write(n) => Err(io("write")(errno(n))),
+        // The join is a migration, which the pids controller lets past pids.max (only fork
+        // and clone are refused, cgroup-v2.rst "PID"); should a kernel refuse it with EAGAIN
+        // all the same, the session runs as many processes as it may: the typed limit.
+        Copied::Join(libc::EAGAIN) => {
+            let (current, max) = pids_of(charge_to).unwrap_or((0, 0));
+            Err(Error::TooLarge {
+                limit: "max_worker_pids",
+                value: current + 1,
+                max,
+            })
+        }
         Copied::Join(n) => Err(io("join the session's group")(errno(n))),
         Copied::Killed(sig) => Err(io("copy into the session's group")(std::io::Error::other(
             format!("the copier was killed by signal {sig} (the session's memory limit)"),
         ))),
     }
+}
+
+/// `pids.current` and `pids.max` of the first group among `procs` (`cgroup.procs` files) that
+/// has the pids controller; `None` when none is readable or its pids.max is `max`.
+fn pids_of(procs: &[std::path::PathBuf]) -> Option<(u64, u64)> {
+    procs.iter().find_map(|p| {
+        let dir = p.parent()?;
+        let read = |f: &str| -> Option<u64> {
+            std::fs::read_to_string(dir.join(f))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
+        };
+        Some((read("pids.current")?, read("pids.max")?))
+    })
 }
 
 /// Reads at most `max` bytes of the regular file `name` from `offset`. Returns the file's

@@ -87,6 +87,8 @@ pub struct Info {
     pub running_cell: Option<u64>,
     /// Cells finished.
     pub cells_run: u64,
+    /// The number of the newest cell started (0: none yet); cells are numbered from 1.
+    pub cells_started: u64,
     /// What it is doing (a worker still starting is not a session yet: listings show it as
     /// `starting` from `Core::starting_sessions`).
     pub state: SessionState,
@@ -281,6 +283,7 @@ impl Session {
             info: Mutex::new(Info {
                 running_cell: None,
                 cells_run: 0,
+                cells_started: 0,
                 state: SessionState::Idle,
                 last_activity: Instant::now(),
             }),
@@ -985,6 +988,7 @@ impl Actor {
         {
             let mut info = self.session.info.lock().unwrap();
             info.running_cell = Some(cell);
+            info.cells_started = cell;
             info.state = SessionState::Running;
         }
         let started = Frame {
@@ -1847,6 +1851,11 @@ impl Actor {
                 "{why}; the session ended and its files were removed"
             ));
             ending = Some((why, None));
+        }
+        if result.status == sandcell_proto::kernel::Status::FuelExhausted {
+            result
+                .warnings
+                .push(crate::environments::fuel_exhausted(limits.fuel));
         }
         let status = result.status;
         let wall = result.usage.wall_seconds;

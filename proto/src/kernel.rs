@@ -298,6 +298,42 @@ pub struct Environment {
     /// More packages are installed than listed.
     #[serde(default)]
     pub packages_truncated: bool,
+    /// The operator's limits a session of this environment gets when the client asks for
+    /// none (a daemon before this field: absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<EnvironmentLimits>,
+}
+
+/// The default (and highest) limits of an environment's sessions, from sandcelld.toml.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EnvironmentLimits {
+    /// Wall time of one cell, seconds (`execution_wall_time_seconds`).
+    pub wall_time_seconds: f64,
+    /// Memory of one session (its worker's cgroup `memory.max`), bytes
+    /// (`max_worker_memory_bytes`).
+    pub memory_bytes: u64,
+    /// Interpreter memory of one session in the Eryx engine, bytes (`max_guest_memory_bytes`);
+    /// absent for native engines, whose interpreter has the session's memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_memory_bytes: Option<u64>,
+    /// WebAssembly fuel of one cell in the Eryx engine (`max_fuel`: about one unit per
+    /// WebAssembly instruction); absent for native engines, which have no fuel.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fuel: Option<u64>,
+    /// Bytes of one session directory (`max_session_files_bytes`).
+    pub disk_bytes: u64,
+    /// Bytes of one file in it (`max_file_bytes`).
+    pub file_bytes: u64,
+    /// Output kept per cell on stdout and on stderr, bytes (`max_stdout_bytes`,
+    /// `max_stderr_bytes`).
+    pub stdout_bytes: u64,
+    /// See `stdout_bytes`.
+    pub stderr_bytes: u64,
+    /// CPUs of one session (its cgroup's `cpu.max` as a fraction of one CPU,
+    /// `worker_cpus`; 0: no cap).
+    pub cpus: f64,
+    /// Longest idle lifetime of a detached session, seconds (`max_detached_idle_seconds`).
+    pub detached_idle_seconds: u64,
 }
 
 /// Parameters of `ListEnvironments` (none).
@@ -409,6 +445,67 @@ pub struct InterruptReply {
     /// a reason).
     pub reason: String,
 }
+
+/// Parameters of `InterruptSession`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InterruptSessionParams {
+    /// Session id.
+    pub session: String,
+}
+
+/// Reply of `InterruptSession`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InterruptSessionReply {
+    /// Whether SIGINT reached the session's running cell.
+    pub delivered: bool,
+    /// One of [`InterruptReason`], as text: `delivered`, `not_running` (no cell runs),
+    /// `already_interrupted`, `session_ending`.
+    pub reason: String,
+    /// The cell that was running, if one was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cell: Option<u64>,
+}
+
+/// Parameters of `ListSessions` (none).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ListSessionsParams {}
+
+/// One of the caller's sessions, as `ListSessions` lists it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionSummary {
+    /// Session id, as `Open` gave it.
+    pub session: String,
+    /// `python` or `r`.
+    pub language: String,
+    /// `idle`, `running`, `ended` (ending now) or `starting` (its worker is not ready yet).
+    pub state: String,
+    /// The running cell's number.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_cell: Option<u64>,
+    /// Cells finished.
+    pub cells_run: u64,
+    /// When it opened, seconds since the Unix epoch.
+    pub started: f64,
+    /// The idle lifetime of a detached session, seconds (absent: it ends with its connection).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detached_idle_seconds: Option<u64>,
+    /// Whether it belongs to the connection that lists it.
+    pub this_connection: bool,
+}
+
+/// Reply of `ListSessions`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ListSessionsReply {
+    /// The caller's sessions, oldest first (at most [`MAX_LISTED_SESSIONS`]).
+    pub sessions: Vec<SessionSummary>,
+    /// Whether the caller has more sessions than listed.
+    pub truncated: bool,
+}
+
+/// Most sessions one `ListSessions` reply lists.
+pub const MAX_LISTED_SESSIONS: usize = 1000;
 
 /// Longest name of a host call's tool, bytes (of `[A-Za-z0-9_.-]`, at least one).
 pub const MAX_HOST_CALL_NAME: usize = 128;
@@ -1043,6 +1140,11 @@ pub enum KernelError {
         requested: u64,
         /// The budget.
         max: u64,
+        /// When a retry can succeed, seconds from now, where the daemon knows it (the session
+        /// start rate, `max_starts_per_second_per_uid`: when the next start token is due);
+        /// absent for budgets that free up only when something else ends.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        retry_after_seconds: Option<f64>,
     },
     /// No such session for this caller.
     #[serde(rename = "org.sandcell.Kernel.NoSuchSession")]
@@ -1332,6 +1434,16 @@ mod tests {
                 "Interrupt",
                 round_trip::<InterruptParams>,
                 round_trip::<InterruptReply>,
+            ),
+            (
+                "InterruptSession",
+                round_trip::<InterruptSessionParams>,
+                round_trip::<InterruptSessionReply>,
+            ),
+            (
+                "ListSessions",
+                round_trip::<ListSessionsParams>,
+                round_trip::<ListSessionsReply>,
             ),
             (
                 "Inspect",

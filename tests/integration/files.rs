@@ -640,3 +640,54 @@ async fn passed_descriptors_are_bounded_and_never_kept() {
     );
     c.list_files(&s).await.unwrap();
 }
+
+/// The directories named `name` under `root` (at most 8 levels down).
+fn dirs_named(root: &Path, name: &str, depth: u32, out: &mut Vec<PathBuf>) {
+    if depth == 0 {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            let p = e.path();
+            if e.file_name() == name {
+                out.push(p);
+            } else {
+                dirs_named(&p, name, depth - 1, out);
+            }
+        }
+    }
+}
+
+/// An upload into a session whose cgroup is at its pids.max succeeds: the daemon's copier
+/// process joins the group by migration, which pids.max does not refuse (only fork and
+/// clone are refused, cgroup-v2.rst "PID"), so it is never an internal error; the cell reads
+/// the file.
+#[tokio::test]
+async fn an_upload_into_a_session_at_its_process_limit_succeeds() {
+    if common::insecure() {
+        return;
+    }
+    let d = daemon(&[]);
+    let mut c = d.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    let mut groups = Vec::new();
+    dirs_named(Path::new("/sys/fs/cgroup"), &s, 8, &mut groups);
+    let pids: Vec<PathBuf> = groups
+        .into_iter()
+        .filter(|g| g.join("pids.max").exists())
+        .collect();
+    assert!(!pids.is_empty(), "no pids group of session {s}");
+    let group = &pids[0];
+    let current = std::fs::read_to_string(group.join("pids.current")).unwrap();
+    std::fs::write(group.join("pids.max"), current.trim()).unwrap();
+    let info = c.put_bytes(&s, "in.txt", b"data").await.unwrap();
+    assert_eq!(info.size, 4);
+    let out = c
+        .execute_collect(&s, "print(open('/mnt/data/in.txt').read())")
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "data\n", "{:?}", out.result);
+}

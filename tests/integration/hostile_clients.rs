@@ -1,8 +1,9 @@
 //! Hostile clients: a member of group `sandcell` with a raw socket. Each test drives the real
 //! daemon and asserts the bound: huge strings are answered fast with a bounded echo, passed
 //! descriptors never stall the daemon, idle connections cannot exhaust its descriptors, one
-//! uid cannot hold every session, session starts are rate-limited, and a worker that hangs at
-//! start is cancelled when its client goes away.
+//! uid cannot hold every session, session starts are rate-limited, a few uids that fill the
+//! connection caps leave room for root and a fresh uid (and refused connections are told
+//! why), and a worker that hangs at start is cancelled when its client goes away.
 
 use crate::common;
 
@@ -454,9 +455,17 @@ async fn session_starts_are_rate_limited_per_uid() {
         c.close(&s).await.unwrap();
     }
     match c.open("python", None, None).await.unwrap_err() {
-        Error::Kernel(KernelError::CapacityExceeded { budget, max, .. }) => {
+        Error::Kernel(KernelError::CapacityExceeded {
+            budget,
+            max,
+            retry_after_seconds,
+            ..
+        }) => {
             assert_eq!(budget, "max_starts_per_second_per_uid");
             assert_eq!(max, 2);
+            // One start every 20 s: the next token is due within 20 s, and not at once.
+            let after = retry_after_seconds.expect("the start rate says when to retry");
+            assert!(after > 1.0 && after <= 20.0, "retry after {after} s");
         }
         other => panic!("{other:?}"),
     }
@@ -670,4 +679,127 @@ async fn malformed_messages_are_answered_then_the_connection_ends() {
     let mut c = d.client().await;
     let r = c.run_collect("python", "print(1)", None).await.unwrap();
     assert_eq!(r.stdout, "1\n");
+}
+
+/// Held by a uid through setpriv: connects `n` times to the socket, waits until the daemon
+/// has answered or closed the refused ones, counts those still open, then makes one more
+/// connection, sends a call on it and prints `{"held": N, "reply": "..."}`; keeps its
+/// connections until its standard input closes.
+const HOLDER: &str = r#"
+import json, socket, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+held = []
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    held.append(s)
+time.sleep(2)
+still = []
+for s in held:
+    s.setblocking(False)
+    try:
+        if s.recv(1) == b"":
+            continue
+    except BlockingIOError:
+        pass
+    still.append(s)
+extra = socket.socket(socket.AF_UNIX)
+extra.connect(path)
+extra.sendall(b'{"method":"org.varlink.service.GetInfo"}\0')
+extra.settimeout(5)
+reply = b""
+while not reply.endswith(b"\0"):
+    chunk = extra.recv(4096)
+    if not chunk:
+        break
+    reply += chunk
+print(json.dumps({"held": len(still), "reply": reply.rstrip(b"\0").decode()}), flush=True)
+sys.stdin.read()
+"#;
+
+/// Starts [`HOLDER`] as `uid` with `n` connections; returns the child and its report.
+fn hold_connections(uid: u32, socket: &Path, n: usize) -> (std::process::Child, Value) {
+    let mut child = Command::new("setpriv")
+        .arg(format!("--reuid={uid}"))
+        .arg(format!("--regid={uid}"))
+        .arg("--clear-groups")
+        .args(["/usr/bin/python3", "-I", "-c", HOLDER])
+        .arg(socket)
+        .arg(n.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("setpriv");
+    let mut out = child.stdout.take().unwrap();
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while !line.ends_with(b"\n") {
+        match out.read(&mut b) {
+            Ok(1) => line.push(b[0]),
+            _ => break,
+        }
+    }
+    let v: Value = serde_json::from_slice(&line).unwrap_or_else(|e| {
+        panic!(
+            "holder of uid {uid}: {e}: {:?}",
+            String::from_utf8_lossy(&line)
+        )
+    });
+    (child, v)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn uids_filling_the_connection_caps_leave_room_for_root_and_a_fresh_uid() {
+    // max_connections 32, 16 per uid: general room 20, a shared reserve of 8 at 1 per uid,
+    // 4 for root (sandcelld(8), CONNECTIONS).
+    let d = Daemon::start(&[
+        ("SANDCELL_MAX_CONNECTIONS", "32"),
+        ("SANDCELL_MAX_CONNECTIONS_PER_UID", "16"),
+    ]);
+    open_socket(&d);
+    let (mut a, ra) = hold_connections(60_001, &d.socket, 16);
+    assert_eq!(ra["held"], 16, "{ra}");
+    // Over its own cap: told so by name on its first call.
+    let reply: Value = serde_json::from_str(ra["reply"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        reply["error"], "org.sandcell.Kernel.CapacityExceeded",
+        "{reply}"
+    );
+    assert_eq!(
+        reply["parameters"]["budget"], "max_connections_per_uid",
+        "{reply}"
+    );
+    assert_eq!(reply["parameters"]["max"], 16, "{reply}");
+    // The second uid fills the general room (4 more) and is refused the reserve: it holds
+    // more than a reserve share.
+    let (mut b, rb) = hold_connections(60_002, &d.socket, 16);
+    assert_eq!(rb["held"], 4, "{rb}");
+    let reply: Value = serde_json::from_str(rb["reply"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        reply["error"], "org.sandcell.Kernel.CapacityExceeded",
+        "{reply}"
+    );
+    assert_eq!(
+        reply["parameters"]["budget"], "connections_reserved",
+        "{reply}"
+    );
+    // A fresh uid still gets in and runs a cell.
+    if let Some((code, out, err)) = run_as(60_003, &d.socket) {
+        assert_eq!(code, 0, "a fresh uid's run: {out} {err}");
+        assert_eq!(out, "1\n");
+    }
+    // So does root.
+    let mut c = d.client().await;
+    let out = c.run_collect("python", "print(2)", None).await.unwrap();
+    assert_eq!(out.stdout, "2\n");
+    let log = d.log_text();
+    assert!(
+        log.contains("connection refused: capacity exceeded"),
+        "{log}"
+    );
+    for h in [&mut a, &mut b] {
+        drop(h.stdin.take());
+        let _ = h.wait();
+    }
 }

@@ -512,3 +512,87 @@ fn cmdline(pid: u32) -> String {
         .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
         .unwrap_or_default()
 }
+
+/// `import sklearn` (joblib imports psutil, which reads the first line of /proc/stat at
+/// import) prints nothing: the worker's /proc/stat is a synthesized copy with the host's
+/// fields and zero counters, so no other tenant's CPU use shows through it.
+#[tokio::test]
+async fn importing_sklearn_prints_nothing_and_proc_stat_shows_no_host_activity() {
+    let Some(d) = daemon(&[]) else { return };
+    if common::insecure() {
+        return;
+    }
+    let mut c = d.client().await;
+    let s = open(&mut c).await;
+    let out = cell(&mut c, &s, "import sklearn, psutil\nprint('imported')").await;
+    assert_eq!(out.result.status, Status::Ok, "{:?}", out.result);
+    assert_eq!(out.stdout, "imported\n");
+    assert_eq!(out.stderr, "", "import sklearn wrote on stderr");
+    let out = cell(
+        &mut c,
+        &s,
+        "first = open('/proc/stat').readline().split()\nprint(first[0], set(first[1:]), len(first) > 8)\nimport psutil\nprint(psutil.cpu_times().user)",
+    )
+    .await;
+    assert_eq!(out.stdout, "cpu {'0'} True\n0.0\n", "{:?}", out.result);
+    // Other processes' /proc stays closed.
+    let out = cell(
+        &mut c,
+        &s,
+        "import os\nprint(os.path.exists('/proc/1/stat'), os.path.exists('/proc/self/stat'))",
+    )
+    .await;
+    assert_eq!(out.stdout, "False True\n", "{:?}", out.result);
+}
+
+/// Every engine works in /mnt/data, as OpenAI's code_interpreter does: getcwd shows that
+/// path (not the daemon's state directory) and a listing of it holds the cell's files only
+/// (no scratch entry of the worker's).
+#[tokio::test]
+async fn every_engine_works_in_mnt_data_and_lists_only_the_cells_files() {
+    let with_r = common::r_available();
+    let languages = if with_r { "python,r" } else { "python" };
+    let Some(d) = daemon(&[("SANDCELL_LANGUAGES", languages)]) else {
+        return;
+    };
+    if common::insecure() {
+        return;
+    }
+    let mut c = d.client().await;
+    let py = "import os\nopen('mine.txt', 'w').write('x')\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))";
+    let want = "/mnt/data\n['mine.txt']\n";
+    for env in ["pydata", "python"] {
+        let s = c
+            .open_in("python", Some(env), None, None)
+            .await
+            .unwrap()
+            .session;
+        let out = cell(&mut c, &s, py).await;
+        assert_eq!(out.stdout, want, "{env}: {:?}", out.result);
+        c.close(&s).await.unwrap();
+    }
+    if with_r {
+        let s = c.open_in("r", None, None, None).await.unwrap().session;
+        let out = cell(
+            &mut c,
+            &s,
+            "writeLines('x', 'mine.txt'); cat(getwd(), '\\n'); cat(list.files(all.files = TRUE, no.. = TRUE), '\\n')",
+        )
+        .await;
+        assert_eq!(out.stdout, "/mnt/data \nmine.txt \n", "r: {:?}", out.result);
+        // R's tempdir() still works, on the private /tmp.
+        let out = cell(
+            &mut c,
+            &s,
+            "f <- tempfile(); writeLines('t', f); cat(readLines(f))",
+        )
+        .await;
+        assert_eq!(out.stdout, "t", "r: {:?}", out.result);
+        c.close(&s).await.unwrap();
+    } else {
+        sandcell_testing::skip_part!(
+            "r",
+            "R is not installed: its working directory is not checked"
+        );
+    }
+}

@@ -230,6 +230,73 @@ async fn fuel_ends_a_loop() {
         .unwrap();
     assert_eq!(out.result.status, Status::FuelExhausted, "{:?}", out.result);
     assert!(out.result.usage.fuel.unwrap_or(0) > 0);
+    // The result says what fuel is and which key raises it.
+    let w = out.result.warnings.join("\n");
+    assert!(
+        w.contains("WebAssembly") && w.contains("max_fuel") && w.contains("50000000"),
+        "{w}"
+    );
+}
+
+#[tokio::test]
+async fn own_sessions_are_listed_and_their_running_cell_interrupted_by_session() {
+    let d = Daemon::start(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "120")]);
+    let mut a = d.client().await;
+    let s = a.open("python", None, Some(600)).await.unwrap().session;
+    let mut b = d.client().await;
+    // Nothing has run: an interrupt names no cell, and a cell number never reached is
+    // NoSuchCell, not not_running.
+    let r = b.interrupt_session(&s).await.unwrap();
+    assert_eq!(
+        (r.delivered, r.reason.as_str(), r.cell),
+        (false, "not_running", None)
+    );
+    for cell in [0, 1, 99] {
+        match b.interrupt(&s, cell).await.unwrap_err() {
+            Error::Kernel(KernelError::NoSuchCell { cell: c, .. }) => assert_eq!(c, cell),
+            other => panic!("cell {cell}: {other:?}"),
+        }
+    }
+    a.execute(&s, "import time\ntime.sleep(60)\n")
+        .await
+        .unwrap();
+    let started = a
+        .next_frame()
+        .await
+        .unwrap()
+        .started
+        .expect("started frame first");
+    // Listed from another connection of the same uid, running that cell.
+    let (rows, truncated) = b.list_sessions().await.unwrap();
+    assert!(!truncated);
+    let row = rows
+        .iter()
+        .find(|r| r.session == s)
+        .expect("own session listed");
+    assert_eq!(row.language, "python");
+    assert_eq!(row.detached_idle_seconds, Some(600));
+    assert!(!row.this_connection);
+    assert!(row.started > 1.0e9, "{row:?}");
+    assert_eq!(row.running_cell, Some(started.cell), "{row:?}");
+    assert_eq!(row.state, "running");
+    // Interrupted without knowing the cell's number.
+    let r = b.interrupt_session(&s).await.unwrap();
+    assert!(r.delivered, "{r:?}");
+    assert_eq!(r.cell, Some(started.cell));
+    let out = a.finish(|_| {}).await.unwrap();
+    assert_eq!(out.result.status, Status::Interrupted);
+    // The finished cell is not running: not_running, not NoSuchCell.
+    let r = b.interrupt(&s, started.cell).await.unwrap();
+    assert_eq!(r.reason, "not_running");
+    let (rows, _) = a.list_sessions().await.unwrap();
+    let row = rows.iter().find(|r| r.session == s).unwrap();
+    assert_eq!(
+        (row.state.as_str(), row.cells_run, row.this_connection),
+        ("idle", 1, true)
+    );
+    a.close(&s).await.unwrap();
+    let (rows, _) = b.list_sessions().await.unwrap();
+    assert!(rows.iter().all(|r| r.session != s), "{rows:?}");
 }
 
 #[tokio::test]

@@ -11,7 +11,9 @@
 //!    [`hand_pipes_to`]), and enters the plan ([`sandcell_confine::enter`]); on failure it
 //!    prints the reason on stderr and exits with [`sandcell_confine::EXIT_CONFINE_FAILED`];
 //! 2. [`enter_session`]: changes directory to the session directory and creates the private
-//!    temporary directory (`<session>/.tmp`, or `SANDCELL_TMPDIR`);
+//!    temporary directory (`<session>/.tmp`, or `SANDCELL_TMPDIR`); inside the mount
+//!    namespace the working directory is `/mnt/data` and the temporary directory
+//!    [`VIEW_TMPDIR`] on the private /tmp;
 //! 3. [`reset_signals`] just before `execve` (an inherited `SIG_IGN` for SIGINT survives
 //!    `execve`, and both R and CPython honour it, which would make cells uninterruptible).
 //!
@@ -84,7 +86,7 @@ pub struct SessionPaths {
 /// Step 2: enters the session directory and creates the temporary directory, with the
 /// worker's own rights (after [`confine`]). Exits with [`EXIT_LAUNCH_FAILED`] on failure.
 pub fn enter_session(prog: &str, plan: &sandcell_confine::Plan) -> SessionPaths {
-    let session = std::env::var_os("SANDCELL_SESSION_DIR")
+    let mut session = std::env::var_os("SANDCELL_SESSION_DIR")
         .filter(|s| !s.is_empty())
         .map(PathBuf::from)
         .unwrap_or_else(|| plan.session_dir.clone());
@@ -95,10 +97,25 @@ pub fn enter_session(prog: &str, plan: &sandcell_confine::Plan) -> SessionPaths 
             &format!("cannot enter session directory {}: {e}", session.display()),
         );
     }
+    // Inside the mount namespace the session directory is bound a second time at /mnt/data:
+    // the cells work there, so getcwd(3) shows /mnt/data (as in the Eryx engine and OpenAI's
+    // code_interpreter) rather than a host path, and scratch files go to the private /tmp,
+    // so no entry of the worker's own shows in a listing of the session directory.
+    let in_view = same_directory(Path::new(sandcell_confine::mounts::MNT_DATA), &session)
+        && std::env::set_current_dir(sandcell_confine::mounts::MNT_DATA).is_ok();
+    if in_view {
+        session = PathBuf::from(sandcell_confine::mounts::MNT_DATA);
+    }
     let tmp = std::env::var_os("SANDCELL_TMPDIR")
         .filter(|s| !s.is_empty())
         .map(PathBuf::from)
-        .unwrap_or_else(|| session.join(".tmp"));
+        .unwrap_or_else(|| {
+            if in_view {
+                PathBuf::from(VIEW_TMPDIR)
+            } else {
+                session.join(".tmp")
+            }
+        });
     if let Err(e) = std::fs::create_dir_all(&tmp) {
         fail(
             prog,
@@ -107,6 +124,19 @@ pub fn enter_session(prog: &str, plan: &sandcell_confine::Plan) -> SessionPaths 
         );
     }
     SessionPaths { session, tmp }
+}
+
+/// The temporary directory inside the mount namespace: on the worker's private /tmp (a
+/// tmpfs charged to the session's memory cgroup), out of the session directory.
+pub const VIEW_TMPDIR: &str = "/tmp/sandcell";
+
+/// Whether `a` is a bind mount (a directory, not a symlink) of the same directory as `b`.
+fn same_directory(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::symlink_metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.is_dir() && x.dev() == y.dev() && x.ino() == y.ino(),
+        _ => false,
+    }
 }
 
 /// Threads a session's BLAS and OpenMP pools may use: `SANDCELL_CPU_THREADS` (set by the

@@ -574,3 +574,55 @@ def test_a_host_call_without_a_handler_fails_at_once(client):
         assert time.monotonic() - t0 < 15  # not the daemon's 60 s host-call timeout
         assert r.status == "error", r
         assert "no handler for host calls" in (r.error.message + (r.error.traceback or "")), r
+
+
+def test_own_sessions_are_listed_and_interrupted_without_a_cell_number(client):
+    with client.session("python", detached_idle_seconds=60) as s:
+        with pytest.raises(sandcell.NoSuchCell):
+            client.interrupt(s.id, 99)  # never reached: NoSuchCell, not not_running
+        started = threading.Event()
+        out: dict = {}
+        t = threading.Thread(
+            target=lambda: out.setdefault(
+                "r", s.execute("import time\ntime.sleep(30)", on_started=lambda st: started.set())
+            )
+        )
+        t.start()
+        assert started.wait(10)
+        rows = client.list_sessions()
+        row = next(r for r in rows if s.id.endswith(r["session"]))
+        assert row["state"] == "running" and row["running_cell"] == s.last_cell, row
+        assert row["detached_idle_seconds"] == 60
+        ir = client.interrupt_session(s.id)
+        t.join(20)
+        assert ir.delivered and ir.cell == s.last_cell, ir
+        assert out["r"].status == "interrupted"
+        assert client.interrupt_session(s.id).reason == "not_running"
+
+
+def test_environments_state_their_default_limits(client):
+    envs = {e["name"]: e for e in client.list_environments()}
+    limits = envs["python"]["limits"]
+    assert limits["wall_time_seconds"] > 0 and limits["fuel"] > 0, limits
+    assert limits["memory_bytes"] > 0 and limits["disk_bytes"] > 0, limits
+
+
+def test_a_start_rate_refusal_says_when_to_retry_and_retry_waits_that_long(daemon_factory):
+    if os.environ.get("SANDCELL_TEST_SOCKET"):
+        pytest.skip("needs a daemon of its own (SANDCELL_TEST_SOCKET is set)")
+    d = daemon_factory(
+        "rate",
+        {"SANDCELL_MAX_STARTS_PER_SECOND_PER_UID": "2", "SANDCELL_MAX_START_BURST_PER_UID": "1"},
+    )
+    with sandcell.Client(d.socket) as c:
+        assert c.run("print(1)").ok
+        with pytest.raises(sandcell.CapacityExceeded) as e:
+            c.run("print(2)")
+        assert e.value.budget == "max_starts_per_second_per_uid"
+        assert 0 < e.value.retry_after_seconds <= 0.5, e.value.retry_after_seconds
+        assert "retry in" in str(e.value)
+        # The hint, not the 5 s backoff asked for, decides the wait.
+        t0 = time.monotonic()
+        r = c.run("print(3)", retry=sandcell.Retry(attempts=3, initial_seconds=5, jitter=False))
+        assert r.stdout == "3\n"
+        assert time.monotonic() - t0 < 3

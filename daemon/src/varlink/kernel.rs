@@ -130,6 +130,7 @@ fn reply_refused(r: socket::ReplyRefused) -> KernelError {
         in_use: r.in_use,
         requested: r.requested,
         max: r.max,
+        retry_after_seconds: None,
     }
 }
 
@@ -302,6 +303,19 @@ async fn kernel(
         "Interrupt" => {
             let p = parse!(w, call, InterruptParams);
             answer(w, call, core.interrupt(caller, &p.session, p.cell).await).await
+        }
+        "InterruptSession" => {
+            let p = parse!(w, call, k::InterruptSessionParams);
+            answer(
+                w,
+                call,
+                core.interrupt_own_session(caller, &p.session).await,
+            )
+            .await
+        }
+        "ListSessions" => {
+            let _ = parse!(w, call, k::ListSessionsParams);
+            answer(w, call, core.list_own_sessions(caller).await).await
         }
         "HostReply" => {
             // `result` is any JSON object, decoded as a tree (about 32 bytes a value): text

@@ -10,8 +10,9 @@
 //! the reply budgets until the kernel's send queue has handed it over (socket.rs).
 //!
 //! Connections are capped in total (`daemon.max_connections`) and per uid
-//! (`daemon.max_connections_per_uid`): one over a cap is closed at once and logged with its
-//! uid. A connection with no call in flight, no partial message and no session it owns is
+//! (`daemon.max_connections_per_uid`), with room kept for root and for uids under their share
+//! (core/connections.rs): one over a cap is logged with its uid, answered `CapacityExceeded`
+//! naming the budget on its first call, and closed. A connection with no call in flight, no partial message and no session it owns is
 //! closed after `daemon.connection_idle_seconds`.
 
 mod kernel;
@@ -62,23 +63,38 @@ pub async fn serve(core: Arc<Core>, listener: UnixListener, mut stop: watch::Rec
     }
 }
 
-/// Accepts one waiting client with the descriptor just freed, reads its first call (at most
-/// 64 KiB, 1 s) and answers `CapacityExceeded` (budget `daemon_descriptors`, the
-/// RLIMIT_NOFILE in force as `in_use` and `max`), then closes the connection.
-async fn refuse_one(listener: &UnixListener) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(Ok((mut stream, _))) =
-        tokio::time::timeout(Duration::from_millis(100), listener.accept()).await
-    else {
+/// Refused connections being answered at once at most; more are closed unanswered, so that a
+/// flood of refused connections holds at most this many descriptors for at most
+/// [`REFUSAL_SECONDS`] each.
+pub const MAX_REFUSALS_IN_FLIGHT: usize = 64;
+
+/// Longest wait for a refused connection's first call, seconds.
+pub const REFUSAL_SECONDS: u64 = 1;
+
+static REFUSALS_IN_FLIGHT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Answers a connection the connection caps refused: reads its first call and answers
+/// `CapacityExceeded` naming the budget (`max_connections`, `max_connections_per_uid` or
+/// `connections_reserved`; `requested` 1), then closes it. Beyond
+/// [`MAX_REFUSALS_IN_FLIGHT`] refusals at once, the connection is closed unanswered.
+async fn refuse_connection(stream: tokio::net::UnixStream, r: &crate::core::ConnectionRefused) {
+    if REFUSALS_IN_FLIGHT.fetch_add(1, Ordering::SeqCst) >= MAX_REFUSALS_IN_FLIGHT {
+        REFUSALS_IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
         return;
-    };
-    let (soft, _) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
-        .unwrap_or((0, 0));
+    }
     let reply = format!(
-        "{{\"error\":\"org.sandcell.Kernel.CapacityExceeded\",\"parameters\":{{\"budget\":\"daemon_descriptors\",\"in_use\":{n},\"requested\":1,\"max\":{n}}}}}\0",
-        n = soft
+        "{{\"error\":\"org.sandcell.Kernel.CapacityExceeded\",\"parameters\":{{\"budget\":\"{}\",\"in_use\":{},\"requested\":1,\"max\":{}}}}}\0",
+        r.budget, r.in_use, r.max
     );
-    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+    answer_first_call(stream, reply).await;
+    REFUSALS_IN_FLIGHT.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// Reads a client's first call (at most 64 KiB, [`REFUSAL_SECONDS`]), writes `reply` (an
+/// encoded error, NUL-terminated) and closes the connection.
+async fn answer_first_call(mut stream: tokio::net::UnixStream, reply: String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _ = tokio::time::timeout(Duration::from_secs(REFUSAL_SECONDS), async {
         let mut buf = [0u8; 4096];
         let mut read = 0usize;
         while read < 64 << 10 {
@@ -95,6 +111,24 @@ async fn refuse_one(listener: &UnixListener) {
         let _ = stream.write_all(reply.as_bytes()).await;
     })
     .await;
+}
+
+/// Accepts one waiting client with the descriptor just freed, reads its first call (at most
+/// 64 KiB, 1 s) and answers `CapacityExceeded` (budget `daemon_descriptors`, the
+/// RLIMIT_NOFILE in force as `in_use` and `max`), then closes the connection.
+async fn refuse_one(listener: &UnixListener) {
+    let Ok(Ok((stream, _))) =
+        tokio::time::timeout(Duration::from_millis(100), listener.accept()).await
+    else {
+        return;
+    };
+    let (soft, _) = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .unwrap_or((0, 0));
+    let reply = format!(
+        "{{\"error\":\"org.sandcell.Kernel.CapacityExceeded\",\"parameters\":{{\"budget\":\"daemon_descriptors\",\"in_use\":{n},\"requested\":1,\"max\":{n}}}}}\0",
+        n = soft
+    );
+    answer_first_call(stream, reply).await;
     tracing::warn!("a client was refused: the daemon is out of descriptors");
 }
 
@@ -145,9 +179,14 @@ async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
             return;
         }
     };
-    let Some(guard) = core.connection_opened(uid, pid) else {
-        // Refused and logged by the core; closing is the refusal.
-        return;
+    let guard = match core.connection_opened(uid, pid) {
+        Ok(g) => g,
+        Err(r) => {
+            // Refused and logged by the core: the client is told why on its first call.
+            drop(pidfd);
+            refuse_connection(stream, &r).await;
+            return;
+        }
     };
     let id = guard.id();
     let caller = Caller {

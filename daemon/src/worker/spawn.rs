@@ -317,6 +317,9 @@ pub fn plan(spec: &WorkerSpec) -> Plan {
     let mut write_paths: Vec<PathBuf> = vec!["/dev/null".into()];
     if mount_namespace && syscalls == SyscallProfile::Native {
         write_paths.extend(sandcell_confine::mounts::TMPFS.iter().map(PathBuf::from));
+        // The view's /proc/stat is a synthesized copy with zero counters (psutil reads it on
+        // import); without the view it is the host's and stays unreadable.
+        read_paths.push(sandcell_confine::mounts::PROC_STAT.into());
     }
     Plan {
         uid: spec.uid,

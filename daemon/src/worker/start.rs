@@ -150,6 +150,7 @@ impl From<StartError> for KernelError {
                 in_use: u64::from(count),
                 requested: 1,
                 max: u64::from(count),
+                retry_after_seconds: None,
             },
             other => KernelError::WorkerFailed {
                 reason: other.to_string(),
@@ -513,6 +514,7 @@ mod tests {
             in_use: 4,
             requested: 1,
             max: 4,
+            retry_after_ms: None,
         }
     }
 
@@ -529,6 +531,7 @@ mod tests {
                 in_use: 4,
                 requested: 1,
                 max: 4,
+                retry_after_seconds: None,
             }
         );
         assert_eq!(
@@ -538,6 +541,7 @@ mod tests {
                 in_use: 3,
                 requested: 1,
                 max: 3,
+                retry_after_seconds: None,
             }
         );
         assert_eq!(StartError::Cancelled.budget(), None);

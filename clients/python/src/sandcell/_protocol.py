@@ -320,6 +320,17 @@ def op_interrupt(session: str, cell: int) -> Operation[InterruptResult]:
     return InterruptResult(bool(r.parameters.get("delivered")), str(r.parameters.get("reason", "")))
 
 
+def op_interrupt_session(session: str) -> Operation[InterruptResult]:
+    """InterruptSession: whatever cell the session runs now."""
+    r = yield Call("InterruptSession", {"session": session})
+    cell = r.parameters.get("cell")
+    return InterruptResult(
+        bool(r.parameters.get("delivered")),
+        str(r.parameters.get("reason", "")),
+        int(cell) if cell is not None else None,
+    )
+
+
 def op_put_inline(session: str, name: str, data: bytes) -> Operation[FileInfo]:
     """PutFile with the content inline (base64), at most :data:`MAX_INLINE_BYTES`."""
     p: dict[str, Any] = {"session": session, "name": name, "size": len(data)}

@@ -34,6 +34,7 @@ from .types import (
     Retry,
     CellStatus,
     Environment,
+    SessionSummary,
     FileInfo,
     HostCall,
     InterruptResult,
@@ -538,6 +539,17 @@ class AsyncClient:
         """Follows a cell; see :meth:`sandcell.Client.attach`."""
         params = {"session": P.local_session_id(session, self.node), "cell": cell}
         return await self._call(P.op_cell("Attach", params, on_output, on_started))
+
+    async def interrupt_session(self, session: str) -> InterruptResult:
+        """Interrupts whatever cell ``session`` runs now (``InterruptSession``), as
+        :meth:`sandcell.Client.interrupt_session`."""
+        return await self._call(P.op_interrupt_session(P.local_session_id(session, self.node)))
+
+    async def list_sessions(self) -> list[SessionSummary]:
+        """The caller's own sessions (``ListSessions``), as
+        :meth:`sandcell.Client.list_sessions`."""
+        r = await self._call(P.op_simple("ListSessions", {}))
+        return list(r.get("sessions") or [])
 
     async def cell_status(self, session: str, cell: int) -> CellStatus:
         """A cell's state without waiting; see :meth:`sandcell.Client.cell_status`."""

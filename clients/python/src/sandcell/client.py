@@ -34,6 +34,7 @@ from .types import (
     Retry,
     CellStatus,
     Environment,
+    SessionSummary,
     FileInfo,
     HostCall,
     InterruptResult,
@@ -554,6 +555,19 @@ class Client:
         session keeps its variables. ``delivered`` is False, with a reason, when that cell is
         not running."""
         return self._call(P.op_interrupt(P.local_session_id(session, self.node), cell))
+
+    def interrupt_session(self, session: str) -> InterruptResult:
+        """Interrupts whatever cell ``session`` runs now, without knowing its number
+        (``InterruptSession``; any session of the same user). ``cell`` in the answer is the
+        cell that was running; ``delivered`` is False with reason ``not_running`` when none
+        was. Raises :class:`NoSuchSession`."""
+        return self._call(P.op_interrupt_session(P.local_session_id(session, self.node)))
+
+    def list_sessions(self) -> list[SessionSummary]:
+        """The caller's own sessions (its uid's, opened from any connection), oldest first
+        (``ListSessions``; at most 1000)."""
+        r = self._call(P.op_simple("ListSessions", {}))
+        return list(r.get("sessions") or [])
 
     def submit(self, session: str, code: str) -> int:
         """Starts ``code`` as the next cell of ``session`` and returns its number at once

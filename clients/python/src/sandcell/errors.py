@@ -215,16 +215,21 @@ class LimitExceeded(VarlinkError):
 
 class CapacityExceeded(VarlinkError):
     """Admission refused: ``budget`` is used up (``in_use`` + ``requested`` > ``max``).
-    Never queued; retry later or on another node."""
+    Never queued; retry later or on another node. ``retry_after_seconds``, where the daemon
+    knows it (the session start rate), is when a retry can succeed; ``None`` otherwise. The
+    connection caps (``max_connections``, ``max_connections_per_uid``,
+    ``connections_reserved``) refuse with this error too, then close the connection."""
 
-    fields = ("budget", "in_use", "requested", "max")
+    fields = ("budget", "in_use", "requested", "max", "retry_after_seconds")
 
     def describe(self) -> str | None:
         b = str(self.budget)
         where = (f"; an operator raises {b} in sandcelld.toml" if b.startswith("max_")
                  or b == "worker_uid_count" else "")
+        when = ("later" if self.retry_after_seconds is None
+                else f"in {float(self.retry_after_seconds):.2f} s")
         return (f"the daemon is at capacity: {b} has {self.in_use} in use of {self.max}, "
-                f"{self.requested} more asked; retry later or on another node{where}")
+                f"{self.requested} more asked; retry {when} or on another node{where}")
 
 
 class NoSuchSession(VarlinkError):

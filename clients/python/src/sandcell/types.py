@@ -23,6 +23,8 @@ __all__ = [
     "STATUSES",
     "Status",
     "Environment",
+    "EnvironmentLimits",
+    "SessionSummary",
     "Package",
     "CellStatus",
     "Retry",
@@ -69,6 +71,47 @@ class Environment(TypedDict, total=False):
     reason: str | None
     packages: list[Package]
     packages_truncated: bool
+    limits: EnvironmentLimits
+
+
+class EnvironmentLimits(TypedDict, total=False):
+    """The limits a session of an environment gets when the client asks for none (the
+    highest it may ask for), each from a sandcelld.toml key: ``wall_time_seconds`` of one
+    cell (``execution_wall_time_seconds``); ``memory_bytes`` of one session
+    (``max_worker_memory_bytes``); Eryx only: ``guest_memory_bytes``
+    (``max_guest_memory_bytes``) and ``fuel`` of one cell (``max_fuel``: about one unit per
+    WebAssembly instruction); ``disk_bytes`` of the session directory
+    (``max_session_files_bytes``) and ``file_bytes`` of one file (``max_file_bytes``);
+    ``stdout_bytes``, ``stderr_bytes`` kept per cell; ``cpus`` (``worker_cpus``, 0: no cap);
+    ``detached_idle_seconds`` (``max_detached_idle_seconds``)."""
+
+    wall_time_seconds: float
+    memory_bytes: int
+    guest_memory_bytes: int
+    fuel: int
+    disk_bytes: int
+    file_bytes: int
+    stdout_bytes: int
+    stderr_bytes: int
+    cpus: float
+    detached_idle_seconds: int
+
+
+class SessionSummary(TypedDict, total=False):
+    """One of the caller's sessions as :meth:`sandcell.Client.list_sessions` returns it (a
+    dict): ``session`` (its id), ``language``, ``state`` (``idle``, ``running``, ``ended``,
+    ``starting``), ``running_cell`` (when one runs), ``cells_run``, ``started`` (seconds
+    since the Unix epoch), ``detached_idle_seconds`` (detached sessions only) and
+    ``this_connection`` (it belongs to this client's connection)."""
+
+    session: str
+    language: str
+    state: str
+    running_cell: int
+    cells_run: int
+    started: float
+    detached_idle_seconds: int
+    this_connection: bool
 
 
 class CellStatus(TypedDict, total=False):
@@ -435,7 +478,9 @@ class CellResult:
 @dataclass(frozen=True)
 class InterruptResult:
     """Answer to an interrupt: ``delivered`` is False, with a ``reason``, when the cell was
-    not running (finished, not started, or another cell)."""
+    not running (finished, not started, or another cell). ``cell``: the cell that was running
+    (set by :meth:`sandcell.Client.interrupt_session`)."""
 
     delivered: bool
     reason: str = ""
+    cell: int | None = None
