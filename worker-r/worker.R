@@ -458,9 +458,11 @@ send_done <- function(cell, r) {
 ## ---- the cell --------------------------------------------------------------------
 
 # Drops a pending SIGINT that arrived while no cell was running (Sys.sleep checks for one
-# deterministically; a for loop or an empty expression does not).
+# deterministically; a for loop or an empty expression does not). Sys.sleep(0) polls without
+# sleeping: any positive time gives up the CPU before every cell, and on a busy machine the
+# worker then waits for the scheduler before it can run the cell.
 drain_interrupt <- function() {
-  tryCatch(allowInterrupts(Sys.sleep(1e-6)), interrupt = function(e) NULL)
+  tryCatch(allowInterrupts(Sys.sleep(0)), interrupt = function(e) NULL)
   invisible(NULL)
 }
 

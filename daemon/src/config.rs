@@ -379,8 +379,8 @@ pub struct EnvironmentConfig {
     /// (Python: `sys.path`; R: `.libPaths()`). Absolute paths.
     #[serde(default)]
     pub library_paths: Vec<PathBuf>,
-    /// Native Python: modules imported before the worker says Ready (a pooled worker has
-    /// them loaded when its session opens).
+    /// Native Python: modules a warm pool worker imports before it says Ready, so it has them
+    /// loaded when its session opens (a worker started for a waiting client skips them).
     #[serde(default)]
     pub preload: Vec<String>,
     /// Warm workers kept idle at least (unset: `pool_<language>_min` for the language's
@@ -442,9 +442,9 @@ pub fn shipped_environments() -> Vec<(String, EnvironmentConfig)> {
         (
             "pydata".into(),
             EnvironmentConfig {
-                // Imported before the worker is ready, so that with a pool (pool_min) a
-                // session's first import of them costs milliseconds; one missing is reported
-                // on stderr, not fatal.
+                // Imported by a warm worker before it is ready, so that a session's first
+                // import of them costs milliseconds; one missing is reported on stderr, not
+                // fatal.
                 preload: ["numpy", "pandas", "matplotlib"].map(String::from).to_vec(),
                 ..env("python", Engine::Native, false, Some("/usr/bin/python3"))
             },
@@ -1525,11 +1525,13 @@ mod tests {
 
     #[test]
     fn shipped_pools_are_derived_and_an_operator_size_wins() {
-        let mut c = Config::default();
-        c.limits = Limits::for_machine(Machine {
-            cpus: 2,
-            memory: 24 * GIB,
-        });
+        let mut c = Config {
+            limits: Limits::for_machine(Machine {
+                cpus: 2,
+                memory: 24 * GIB,
+            }),
+            ..Config::default()
+        };
         c.validate().unwrap();
         let sizes = |c: &Config, n: &str| {
             let e = c.environment(n).unwrap();

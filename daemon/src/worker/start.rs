@@ -326,7 +326,8 @@ impl Starter {
     /// taken so far is released. With `start_for` (a client's start, not the pool's), the
     /// worker is listed as `starting` until then, and its cancellation ends the wait for
     /// `Ready` at once; without it (a warm pool's start) admission leaves a session of room
-    /// ([`crate::admission::Admission::try_admit_leaving_room`]).
+    /// ([`crate::admission::Admission::try_admit_leaving_room`]) and the environment's
+    /// `preload` modules are imported before `Ready` (a client's own start skips them).
     ///
     /// Errors: every [`StartError`].
     pub async fn start(
@@ -338,10 +339,12 @@ impl Starter {
     ) -> Result<Prepared, StartError> {
         let language = env.language;
         // A pool's start (no client) never takes the last free session or memory.
+        let pooled = start_for.is_none();
         let charge = charge(cfg, env.engine, guest_memory);
-        let permit = match start_for {
-            Some(_) => self.admission.try_admit(charge),
-            None => self.admission.try_admit_leaving_room(charge),
+        let permit = if pooled {
+            self.admission.try_admit_leaving_room(charge)
+        } else {
+            self.admission.try_admit(charge)
         }
         .map_err(StartError::Admission)?;
         let lease = if self.options.per_session_uids {
@@ -381,7 +384,13 @@ impl Starter {
             engine: env.engine,
             interpreter: env.interpreter.clone(),
             library_paths: env.library_paths.clone(),
-            preload: env.preload.clone(),
+            // Only a warm worker imports the preloads ahead of its session; a client waiting
+            // for its own worker does not wait for modules its cells may never import.
+            preload: if pooled {
+                env.preload.clone()
+            } else {
+                Vec::new()
+            },
             cpu_threads: cpu_threads.max(1),
             session_id: id.clone(),
             session_dir: sessions_dir(cfg).join(&id),
