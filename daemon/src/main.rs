@@ -44,6 +44,11 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    // A session keeper (sandcelld(8), ADOPTION): started by the daemon only, never by hand.
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(sandcelld::keeper::SUBCOMMAND) {
+        sandcelld::keeper::main(&argv[2..]);
+    }
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_env_filter(

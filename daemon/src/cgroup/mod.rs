@@ -23,7 +23,7 @@
 //! pids in `cgroup.controllers`; otherwise v1 if memory and pids v1 hierarchies are mounted;
 //! otherwise an error telling the operator what to set up.
 
-mod host;
+pub(crate) mod host;
 pub mod v1;
 pub mod v2;
 
@@ -150,7 +150,7 @@ pub trait SessionGroup: Send + Sync + std::fmt::Debug {
     fn holds_only(&self, keep: u32) -> bool {
         host::listed_pids(&self.procs_files())
             .iter()
-            .all(|&pid| pid == keep)
+            .all(|&pid| pid == keep || host::is_keeper(pid))
     }
     /// Removes the group; call after [`SessionGroup::kill_all`] and after reaping the worker.
     fn remove(&self) -> Result<(), Error>;
