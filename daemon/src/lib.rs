@@ -22,6 +22,7 @@
 //! rest, and no module imports one that imports it.
 
 pub mod admission;
+pub mod adopt;
 pub mod auth;
 pub mod cells;
 pub mod cgroup;
@@ -40,6 +41,7 @@ pub mod metrics;
 pub mod node;
 pub mod notify;
 pub mod polkit;
+pub mod records;
 pub mod pool;
 pub mod resolve;
 pub mod session;

@@ -372,7 +372,7 @@ pub fn kill_loop(
 }
 
 /// Whether the process behind `pidfd` has exited (its pidfd polls readable).
-fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+pub(crate) fn pidfd_exited(pidfd: &OwnedFd) -> bool {
     let mut p = libc::pollfd {
         fd: pidfd.as_raw_fd(),
         events: libc::POLLIN,
