@@ -102,8 +102,7 @@ pub fn finish(
     let rest: Vec<(String, u32)> = previous
         .iter()
         .filter(|(id, _)| {
-            !found.adoptable.iter().any(|a| a.record.id == *id)
-                && !ended.iter().any(|n| n.0 == *id)
+            !found.adoptable.iter().any(|a| a.record.id == *id) && !ended.iter().any(|n| n.0 == *id)
         })
         .cloned()
         .collect();

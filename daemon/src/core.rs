@@ -253,8 +253,8 @@ impl Core {
                 pidfd: None,
             },
         };
-        let adopted_idle = (!detached)
-            .then(|| Duration::from_secs(cfg.limits.max_detached_idle_seconds));
+        let adopted_idle =
+            (!detached).then(|| Duration::from_secs(cfg.limits.max_detached_idle_seconds));
         let session = crate::session::Session::adopt(
             a,
             crate::session::AdoptWith {

@@ -237,14 +237,12 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         dir: config.daemon.adopt_dir.clone(),
         timeout: Duration::from_secs(config.daemon.adopt_timeout_seconds),
     };
-    let core = Core::new(config, options, backend.clone(), Arc::new(SocketPermissions));
-    match found {
-        Some(found) => {
-            core.enable_adoption(adopt_keep);
-            sandcelld::adopt::finish(&core, &backend, found, &previous);
-        }
-        None => core.restore_ended(&previous),
-    }
+    let core = Core::new(
+        config,
+        options,
+        backend.clone(),
+        Arc::new(SocketPermissions),
+    );
     tracing::info!(cgroups = core.cgroup_mode(), activated, "starting");
     // How session files and the metrics file are opened: openat2, or the equivalent walk
     // where a seccomp filter (systemd's RestrictSUIDSGID=) or the kernel refuses openat2.
@@ -254,6 +252,15 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     );
 
     probe_environments(&core).await?;
+    // The kept sessions are adopted after the probes (which need an idle daemon and room in
+    // the budgets) and before the first client is served; their keepers hold them meanwhile.
+    match found {
+        Some(found) => {
+            core.enable_adoption(adopt_keep);
+            sandcelld::adopt::finish(&core, &backend, found, &previous);
+        }
+        None => core.restore_ended(&previous),
+    }
     // The D-Bus control plane and the polkit authority (sandcelld::dbus).
     // Started after the readiness probe and before the Varlink socket is served, so polkit
     // (when the system bus and polkitd answer) decides from the first client on; without a

@@ -259,15 +259,7 @@ impl Session {
         on_end: OnEnd,
         events: tokio::sync::broadcast::Sender<Event>,
     ) -> Arc<Session> {
-        Self::start_kept(
-            prepared,
-            owner,
-            detached_idle,
-            limits,
-            on_end,
-            events,
-            None,
-        )
+        Self::start_kept(prepared, owner, detached_idle, limits, on_end, events, None)
     }
 
     /// [`Session::start`], and with `keep` the session gets a keeper and a record, so that a
@@ -382,7 +374,9 @@ impl Session {
             host_calls_made: l.host_calls_made,
             disk_next: tokio::time::Instant::now() + DISK_IDLE_WATCH,
             disk_scan: None,
-            kept: l.keep.map(|k| keep::Kept::new(k, l.environment, l.lifeline)),
+            kept: l
+                .keep
+                .map(|k| keep::Kept::new(k, l.environment, l.lifeline)),
         };
         tokio::spawn(actor.run(rx));
         session
@@ -998,10 +992,14 @@ impl Actor {
                 self.disk_next = tokio::time::Instant::now() + DISK_IDLE_WATCH;
                 continue;
             }
-            let idle = self.session.detached_idle.or(self.session.adopted_idle).map(|d| {
-                let last = self.session.info.lock().unwrap().last_activity;
-                tokio::time::Instant::from_std(last + d)
-            });
+            let idle = self
+                .session
+                .detached_idle
+                .or(self.session.adopted_idle)
+                .map(|d| {
+                    let last = self.session.info.lock().unwrap().last_activity;
+                    tokio::time::Instant::from_std(last + d)
+                });
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
                     None => { reason = Ending::new(EndReason::Disconnected, "abandoned"); break; }
@@ -2144,8 +2142,7 @@ impl Actor {
         // A worker whose interpreter ended (R's quit()) exits after reporting it: then
         // the session ends here, and says so. (Python's sys.exit does not end Eryx.)
         if result.status == Status::Exited
-            && let Ok(_) =
-                tokio::time::timeout(Duration::from_millis(500), self.child.wait()).await
+            && let Ok(_) = tokio::time::timeout(Duration::from_millis(500), self.child.wait()).await
         {
             self.kill_and_reap().await;
             result.state = State::Lost;

@@ -308,7 +308,10 @@ impl Backend for V1 {
         host::check_id(id)?;
         let group = self.group_of(id, limits.clone());
         if let Some(d) = group.dirs.iter().find(|d| !d.path.is_dir()) {
-            return Err(Error::Verify(format!("{} does not exist", d.path.display())));
+            return Err(Error::Verify(format!(
+                "{} does not exist",
+                d.path.display()
+            )));
         }
         Ok(Box::new(group))
     }

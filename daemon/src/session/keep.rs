@@ -81,7 +81,10 @@ impl Actor {
             .as_ref()
             .ok_or_else(|| std::io::Error::other("the kernel gave no pidfd (Linux 5.3+)"))?;
         let raw = match (&self.stdout, &self.stderr) {
-            (Some(o), Some(e)) => Some((o.as_fd().try_clone_to_owned()?, e.as_fd().try_clone_to_owned()?)),
+            (Some(o), Some(e)) => Some((
+                o.as_fd().try_clone_to_owned()?,
+                e.as_fd().try_clone_to_owned()?,
+            )),
             _ => None,
         };
         Ok(Held {
