@@ -327,7 +327,11 @@ fn keep(a: &Args, lifeline: OwnedFd, listener: &OwnedFd) -> std::io::Result<i32>
     let mut lifeline = lifeline;
     loop {
         match wait_lifeline(lifeline.as_fd(), held.pidfd.as_fd())? {
-            Wait::End | Wait::WorkerGone => return Ok(0),
+            Wait::End => return Ok(0),
+            Wait::WorkerGone => {
+                eprintln!("sandcelld keeper: session {}: the worker exited", a.session);
+                return Ok(0);
+            }
             Wait::Orphaned => {}
         }
         drop(lifeline);
