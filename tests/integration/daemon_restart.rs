@@ -193,11 +193,13 @@ async fn sessions_survive_a_daemon_killed_with_sigkill() {
         .collect();
     let keeper_rss: Vec<u64> = before.iter().map(|(_, k)| rss_kib(*k)).collect();
     eprintln!("keeper RSS, KiB: {keeper_rss:?}");
-    drop(c);
 
-    // A crash: nothing of the daemon's shutdown runs.
+    // A crash: nothing of the daemon's shutdown runs. The client stays connected meanwhile
+    // (a session that is not detached ends when its connection is closed, not when its
+    // daemon dies).
     kill_daemon(&mut first, libc::SIGKILL);
     let t_kill = Instant::now();
+    drop(c);
     for (w, k) in &before {
         assert!(
             alive(*w) && alive(*k),
@@ -291,10 +293,10 @@ async fn sigusr2_keeps_sessions_sigterm_ends_them_and_forged_records_are_refused
     stdout_of(&mut c, &b, "x = 'kept-b'").await;
     let (wa, _) = record_pids(&setup.adopt, &a);
     let (wb, _) = record_pids(&setup.adopt, &b);
-    drop(c);
 
-    // Exit keeping sessions.
+    // Exit keeping sessions (the client still connected: `b` is not detached).
     kill_daemon(&mut first, libc::SIGUSR2);
+    drop(c);
     assert!(alive(wa) && alive(wb));
     let mut second = successor(&first, &setup);
     let mut c = second.client().await;
@@ -307,8 +309,8 @@ async fn sigusr2_keeps_sessions_sigterm_ends_them_and_forged_records_are_refused
         .arg("60")
         .spawn()
         .unwrap();
-    drop(c);
     kill_daemon(&mut second, libc::SIGKILL);
+    drop(c);
     let path = setup.adopt.join(format!("{b}.json"));
     let mut v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
