@@ -44,6 +44,11 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    // A session keeper (sandcelld(8), ADOPTION): started by the daemon only, never by hand.
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(sandcelld::keeper::SUBCOMMAND) {
+        sandcelld::keeper::main(&argv[2..]);
+    }
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -159,7 +164,7 @@ impl SocketLike for std::fs::FileType {
     }
 }
 
-fn prepare_state_dir(config: &Config) -> anyhow::Result<()> {
+fn prepare_state_dir(config: &Config, keep: &[String]) -> anyhow::Result<()> {
     let dir = sandcelld::worker::start::sessions_dir(config);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     // Traversable, not listable: a worker may reach its own directory only.
@@ -167,11 +172,14 @@ fn prepare_state_dir(config: &Config) -> anyhow::Result<()> {
     // Directories left by a crashed predecessor: their workers are swept with the cgroups.
     // Its session file systems first (only a predecessor run in the host's mount namespace
     // leaves any: under the unit's PrivateMounts= they went with its namespace).
-    let unmounted = sandcelld::session_fs::sweep(&dir);
+    let unmounted = sandcelld::session_fs::sweep_except(&dir, keep);
     if unmounted > 0 {
         tracing::warn!(unmounted, "unmounted stale session file systems");
     }
     for e in std::fs::read_dir(&dir)?.flatten() {
+        if keep.iter().any(|id| e.file_name() == id.as_str()) {
+            continue;
+        }
         if let Err(err) = std::fs::remove_dir_all(e.path()) {
             tracing::warn!(path = %e.path().display(), error = %err, "removing stale session directory");
         }
@@ -197,11 +205,25 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     }
     let (backend, options) = enforcement(&args, &config, root, &check)?;
     announce_confinement(&check, &backend, &options)?;
+    // Sessions a previous daemon kept for adoption: their keepers are asked for the workers
+    // before anything is swept, and the sweep spares what passes (sandcelld(8), ADOPTION).
+    let found = if root {
+        match sandcelld::adopt::collect(&config.daemon.adopt_dir) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                tracing::warn!(dir = %config.daemon.adopt_dir.display(), error = %e, "no adoption: sessions will end with this daemon");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let keep_ids = found.as_ref().map(|f| f.keep_ids()).unwrap_or_default();
     // Sessions a previous daemon left (it died or stopped with them): their owner markers are
     // read before the sweep removes what they held, so their owners learn daemon_restarted.
     let previous = sandcelld::ended::take_markers(&config.daemon.state_dir);
     let swept = backend
-        .sweep_stale()
+        .sweep_stale_except(&keep_ids)
         .context("sweeping stale session cgroups")?;
     if swept > 0 {
         tracing::warn!(
@@ -209,10 +231,18 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
             "killed and removed session groups left by a previous daemon"
         );
     }
-    prepare_state_dir(&config)?;
+    prepare_state_dir(&config, &keep_ids)?;
     let idle_exit = config.daemon.idle_exit_seconds;
-    let core = Core::new(config, options, backend, Arc::new(SocketPermissions));
-    core.restore_ended(&previous);
+    let adopt_keep = sandcelld::session::Keep {
+        dir: config.daemon.adopt_dir.clone(),
+        timeout: Duration::from_secs(config.daemon.adopt_timeout_seconds),
+    };
+    let core = Core::new(
+        config,
+        options,
+        backend.clone(),
+        Arc::new(SocketPermissions),
+    );
     tracing::info!(cgroups = core.cgroup_mode(), activated, "starting");
     // How session files and the metrics file are opened: openat2, or the equivalent walk
     // where a seccomp filter (systemd's RestrictSUIDSGID=) or the kernel refuses openat2.
@@ -222,6 +252,15 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     );
 
     probe_environments(&core).await?;
+    // The kept sessions are adopted after the probes (which need an idle daemon and room in
+    // the budgets) and before the first client is served; their keepers hold them meanwhile.
+    match found {
+        Some(found) => {
+            core.enable_adoption(adopt_keep);
+            sandcelld::adopt::finish(&core, &backend, found, &previous);
+        }
+        None => core.restore_ended(&previous),
+    }
     // The D-Bus control plane and the polkit authority (sandcelld::dbus).
     // Started after the readiness probe and before the Varlink socket is served, so polkit
     // (when the system bus and polkitd answer) decides from the first client on; without a
@@ -243,7 +282,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     tracing::info!("ready to serve");
 
     let server = tokio::spawn(varlink::serve(core.clone(), listener, stop_rx));
-    serve_until_stopped(
+    let stop = serve_until_stopped(
         &core,
         &mut metrics,
         &config_path,
@@ -251,6 +290,11 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         (activated && idle_exit > 0).then_some(idle_exit),
     )
     .await?;
+    if stop == Stop::KeepSessions {
+        notify::stopping();
+        metrics.finish().await;
+        core.exit_keeping_sessions();
+    }
     notify::stopping();
     // No capacity is offered from here on: the file goes first.
     metrics.finish().await;
@@ -404,8 +448,9 @@ async fn serve_until_stopped(
     config_path: &Path,
     config_required: bool,
     idle_exit: Option<u64>,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Stop> {
     let mut term = signal(SignalKind::terminate())?;
+    let mut usr2 = signal(SignalKind::user_defined2())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut hup = signal(SignalKind::hangup())?;
     let watchdog = notify::watchdog_interval();
@@ -416,6 +461,13 @@ async fn serve_until_stopped(
     loop {
         tokio::select! {
             _ = term.recv() => { tracing::info!("SIGTERM: stopping"); break; }
+            _ = usr2.recv() => {
+                if core.adoption_enabled() {
+                    tracing::info!("SIGUSR2: exiting, keeping sessions for the next daemon");
+                    return Ok(Stop::KeepSessions);
+                }
+                tracing::warn!("SIGUSR2: adoption is not enabled; ignored");
+            }
             _ = int.recv() => { tracing::info!("SIGINT: stopping"); break; }
             _ = hup.recv() => { let _ = core.reload_from(config_path, config_required, "SIGHUP"); }
             _ = tick.tick() => {
@@ -440,7 +492,16 @@ async fn serve_until_stopped(
             }
         }
     }
-    Ok(())
+    Ok(Stop::EndSessions)
+}
+
+/// How the daemon stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// End every session (SIGTERM, SIGINT, idle exit).
+    EndSessions,
+    /// Exit keeping sessions for the next daemon (SIGUSR2).
+    KeepSessions,
 }
 
 /// How often the daemon hands freed heap memory back to the kernel.

@@ -6,6 +6,7 @@
 #[cfg(test)]
 pub mod fake;
 pub mod output;
+pub mod process;
 pub mod spawn;
 pub mod start;
 
@@ -61,6 +62,11 @@ impl<R> LineReader<R> {
             scanned: 0,
             eof: false,
         }
+    }
+
+    /// The reader.
+    pub fn get_ref(&self) -> &R {
+        &self.inner
     }
 
     /// Bytes buffered and not yet returned as lines (a partial line included).
@@ -314,18 +320,28 @@ pub enum InterruptTarget {
 }
 
 impl InterruptTarget {
-    /// Sends SIGINT to the worker `child` (its main thread's tid is its pid, and it called
-    /// setsid, so its process-group id is its pid too). Nothing is sent once `child` is
-    /// reaped: its pid, and the group id, could then name another process.
-    pub fn send(self, child: &tokio::process::Child, pidfd: Option<&WorkerPidfd>) {
-        let Some(pid) = child.id() else { return };
-        // The group and the main thread of our own unreaped child: their ids cannot be reused
-        // meanwhile. A failure (the worker exited meanwhile) leaves nothing to interrupt.
+    /// Sends SIGINT to the worker whose pid is `worker` (its main thread's tid is its pid,
+    /// and it called setsid, so its process-group id is its pid too). `None` (a child that is
+    /// reaped, an adopted worker whose pidfd reported its exit: see
+    /// [`process::WorkerProcess::id`]) sends nothing: its pid, and the group id, could then
+    /// name another process. A failure (the worker exited meanwhile) leaves nothing to
+    /// interrupt.
+    pub fn send(self, worker: Option<u32>, pidfd: Option<&WorkerPidfd>) {
+        let Some(pid) = worker else { return };
         match self {
+            // The group of our own live worker: its id cannot be reused meanwhile.
             InterruptTarget::ProcessGroup => {
                 let _ = crate::sys::kill_group(pid, libc::SIGINT);
             }
-            InterruptTarget::Process => signal_process(child, pidfd, libc::SIGINT),
+            InterruptTarget::Process => match pidfd {
+                Some(fd) => fd.signal(libc::SIGINT),
+                // `worker` is the caller's live worker (an unreaped child, or an adopted
+                // worker whose pidfd just said it lives).
+                None => {
+                    let _ = crate::sys::kill(pid, libc::SIGINT);
+                }
+            },
+            // The main thread of our own live worker.
             InterruptTarget::MainThread => {
                 let _ = crate::sys::tgkill(pid, pid, libc::SIGINT);
             }
@@ -414,7 +430,7 @@ mod tests {
         // What every signal by pid relies on: once reaped, the child has no pid any more.
         assert_eq!(child.id(), None);
         kill_and_reap(&mut child, Some(&pidfd), &group).await;
-        InterruptTarget::ProcessGroup.send(&child, None);
+        InterruptTarget::ProcessGroup.send(child.id(), None);
 
         // A worker found dead (the pool's liveness check reaps it) is forgotten too.
         let mut child = tokio::process::Command::new("true").spawn().unwrap();

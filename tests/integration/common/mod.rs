@@ -170,6 +170,12 @@ impl Daemon {
                 dir.path().join("state").display().to_string(),
             ),
             ("SANDCELL_CGROUP_NAME".into(), cgroup),
+            // Session records and keeper sockets of this daemon only (never the machine's
+            // /run/sandcell/adopt, which a daemon would adopt from).
+            (
+                "SANDCELL_ADOPT_DIR".into(),
+                dir.path().join("adopt").display().to_string(),
+            ),
             ("SANDCELL_LANGUAGES".into(), "python".into()),
             ("SANDCELL_LOG".into(), "info".into()),
             // Bare session ids, so tests can name session directories and D-Bus object paths

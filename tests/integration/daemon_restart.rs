@@ -1,0 +1,366 @@
+//! Sessions outlive their daemon, against the real daemon, workers, cgroups and keepers: a
+//! daemon killed with SIGKILL, or told to exit keeping sessions (SIGUSR2), is followed by a
+//! new daemon on the same configuration and state that adopts every session: variables, worker
+//! pids, files, owners, per-uid charges and idle deadlines are as before. A plain SIGTERM still
+//! ends every worker; a record that does not match the live worker ends its session
+//! (`adoption_refused`) and signals nobody; keepers nobody adopts end their sessions after
+//! `adopt_timeout_seconds`.
+
+mod common;
+
+use common::{Daemon, call_as, rand_hex};
+use sandcell_client::{Client, Error, KernelError};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+macro_rules! skip_unless_root {
+    () => {
+        if common::insecure() {
+            sandcell_testing::skip!(
+                "root",
+                "keepers join session cgroups and adoption needs a root daemon with cgroups"
+            );
+        }
+    };
+}
+
+/// The record of session `id` in `adopt`: (worker pid, keeper pid).
+fn record_pids(adopt: &Path, id: &str) -> (u32, u32) {
+    let text = std::fs::read_to_string(adopt.join(format!("{id}.json")))
+        .unwrap_or_else(|e| panic!("record of {id}: {e}"));
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    (
+        v["worker"]["pid"].as_u64().unwrap() as u32,
+        v["keeper"]["pid"].as_u64().unwrap() as u32,
+    )
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn kill_daemon(d: &mut Daemon, signal: i32) {
+    // SAFETY: a signal to our own child, not yet reaped.
+    unsafe { libc::kill(d.child.id() as i32, signal) };
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(30) {
+        if let Ok(Some(_)) = d.child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("the daemon did not exit on signal {signal}");
+}
+
+struct Setup {
+    env: Vec<(String, String)>,
+    adopt: PathBuf,
+}
+
+/// The first daemon, and the settings its successors start with (same cgroup name, state
+/// directory and adoption directory).
+fn first_daemon(extra: &[(&str, &str)]) -> (Daemon, Setup) {
+    let cgroup = format!("sandcell-adopt-{}", rand_hex(5));
+    let mut env: Vec<(String, String)> = vec![("SANDCELL_CGROUP_NAME".into(), cgroup)];
+    for (k, v) in extra {
+        env.push((k.to_string(), v.to_string()));
+    }
+    let borrowed: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let d = Daemon::start(&borrowed);
+    let state = d.dir.path().join("state");
+    let adopt = d.dir.path().join("adopt");
+    env.push(("SANDCELL_STATE_DIR".into(), state.display().to_string()));
+    env.push(("SANDCELL_ADOPT_DIR".into(), adopt.display().to_string()));
+    (d, Setup { env, adopt })
+}
+
+fn successor(first: &Daemon, s: &Setup) -> Daemon {
+    let borrowed: Vec<(&str, &str)> = s
+        .env
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    Daemon::start_on(&first.socket, &borrowed)
+}
+
+async fn stdout_of(c: &mut Client, id: &str, code: &str) -> String {
+    c.execute_collect(id, code)
+        .await
+        .unwrap_or_else(|e| panic!("Execute on {id}: {e:?}"))
+        .stdout
+}
+
+async fn execute_error(c: &mut Client, id: &str) -> KernelError {
+    match c.execute_collect(id, "print(1)").await {
+        Err(Error::Kernel(e)) => e,
+        other => panic!("Execute on {id} must fail: {other:?}"),
+    }
+}
+
+/// One session of the SIGKILL test: id, language, what sets `v`, what prints it.
+struct Opened {
+    id: String,
+    set: &'static str,
+    print: &'static str,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_survive_a_daemon_killed_with_sigkill() {
+    skip_unless_root!();
+    let r = common::r_available();
+    let pydata = common::pydata_available();
+    if !r {
+        eprintln!("note: R is not installed: R sessions are replaced by Python ones");
+    }
+    if !pydata {
+        eprintln!("note: the pydata stack is not installed: its session is an Eryx one");
+    }
+    let (mut first, setup) = first_daemon(&[
+        ("SANDCELL_LANGUAGES", if r { "python,r" } else { "python" }),
+        ("SANDCELL_MAX_SESSIONS_PER_UID", "8"),
+        ("SANDCELL_MAX_DETACHED_SESSIONS_PER_UID", "8"),
+        ("SANDCELL_MAX_WORKER_MEMORY_BYTES_PER_UID", "8589934592"),
+        ("SANDCELL_MAX_GUEST_MEMORY_BYTES_PER_UID", "1073741824"),
+        ("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "60"),
+    ]);
+    let mut c = first.client().await;
+    let mut sessions: Vec<Opened> = Vec::new();
+    // (language, environment, detached idle, host calls)
+    let kinds: [(&str, Option<&str>, Option<u64>, bool); 8] = [
+        ("python", None, Some(600), false),
+        ("python", None, None, false),
+        ("python", None, Some(600), true),
+        ("python", None, Some(40), false),
+        ("python", pydata.then_some("pydata"), Some(600), false),
+        (if r { "r" } else { "python" }, None, Some(600), false),
+        (if r { "r" } else { "python" }, None, None, false),
+        ("python", None, None, true),
+    ];
+    for (i, (lang, env, idle, host)) in kinds.iter().enumerate() {
+        let id = c
+            .open_with(&sandcell_client::OpenParams {
+                language: lang.to_string(),
+                limits: None,
+                detached_idle_seconds: *idle,
+                environment: env.map(str::to_owned),
+                host_calls: host.then_some(true),
+                display_last_expression: None,
+            })
+            .await
+            .unwrap_or_else(|e| panic!("open {lang} {env:?}: {e:?}"))
+            .session;
+        let (set, print) = if *lang == "r" {
+            (["v <- 100", "v <- 105", "v <- 106"][i % 3], "cat(v)")
+        } else {
+            (
+                [
+                    "v = 100", "v = 101", "v = 102", "v = 103", "v = 104", "v = 105", "v = 106",
+                    "v = 107",
+                ][i],
+                "print(v)",
+            )
+        };
+        stdout_of(&mut c, &id, set).await;
+        sessions.push(Opened { id, set, print });
+    }
+    c.put_bytes(&sessions[0].id, "kept.txt", b"survives the daemon")
+        .await
+        .unwrap();
+    // The per-uid cap (8) is reached: one more is refused.
+    let refused = c.open("python", None, Some(60)).await;
+    assert!(
+        matches!(
+            refused,
+            Err(Error::Kernel(KernelError::CapacityExceeded { .. }))
+        ),
+        "{refused:?}"
+    );
+    let idle_opened = Instant::now();
+    let before: Vec<(u32, u32)> = sessions
+        .iter()
+        .map(|s| record_pids(&setup.adopt, &s.id))
+        .collect();
+    let keeper_rss: Vec<u64> = before.iter().map(|(_, k)| rss_kib(*k)).collect();
+    eprintln!("keeper RSS, KiB: {keeper_rss:?}");
+
+    // A crash: nothing of the daemon's shutdown runs. The client stays connected meanwhile
+    // (a session that is not detached ends when its connection is closed, not when its
+    // daemon dies).
+    kill_daemon(&mut first, libc::SIGKILL);
+    let t_kill = Instant::now();
+    drop(c);
+    for (w, k) in &before {
+        assert!(
+            alive(*w) && alive(*k),
+            "worker {w} ({}) or keeper {k} ({}) died with the daemon:\n{}",
+            alive(*w),
+            alive(*k),
+            first.log_text()
+        );
+    }
+    let second = successor(&first, &setup);
+    let mut c = second.client().await;
+    let out = stdout_of(&mut c, &sessions[0].id, sessions[0].print).await;
+    let gap = t_kill.elapsed();
+    eprintln!("gap from SIGKILL to the first adopted Execute answered: {gap:?}");
+    assert_eq!(out.trim(), "100");
+    for (i, s) in sessions.iter().enumerate() {
+        let want = s.set.rsplit(' ').next().unwrap();
+        let got = stdout_of(&mut c, &s.id, s.print).await;
+        assert_eq!(got.trim(), want, "session {i} ({}) lost its variable", s.id);
+        let (w, _) = record_pids(&setup.adopt, &s.id);
+        assert_eq!(w, before[i].0, "session {i}: the worker changed");
+    }
+    let pids: Vec<u32> = before.iter().map(|p| p.0).collect();
+    eprintln!("worker pids before and after: {pids:?}");
+    let (files, _) = c.list_files(&sessions[0].id).await.unwrap();
+    assert!(files.iter().any(|f| f.name == "kept.txt"), "{files:?}");
+    // Owners are enforced: another uid does not see the sessions.
+    let reply = call_as(
+        65534,
+        &second.socket,
+        "Execute",
+        serde_json::json!({"session": sessions[0].id, "code": "print(1)"}),
+    );
+    assert_eq!(
+        reply["error"], "org.sandcell.Kernel.NoSuchSession",
+        "{reply}"
+    );
+    // The per-uid charges are the same: the cap still refuses one more.
+    let refused = c.open("python", None, Some(60)).await;
+    assert!(
+        matches!(
+            refused,
+            Err(Error::Kernel(KernelError::CapacityExceeded { .. }))
+        ),
+        "{refused:?}"
+    );
+    // Idle deadlines are kept: the 40 s session ends 40 s after its last cell (the one run
+    // just above), whatever the adoption did.
+    let _ = idle_opened;
+    let t_last = Instant::now();
+    let idle = &sessions[3].id;
+    let t0 = Instant::now();
+    loop {
+        match c.list_files(idle).await {
+            Err(Error::Kernel(KernelError::SessionEnded { reason, .. })) => {
+                assert_eq!(reason, "idle_expired");
+                break;
+            }
+            Ok(_) => {}
+            Err(e) => panic!("{e:?}"),
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "idle session never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(t_last.elapsed() < Duration::from_secs(45));
+    // A slot is free again: one open succeeds, and then the cap holds once more.
+    let extra = c.open("python", None, Some(60)).await.unwrap().session;
+    stdout_of(&mut c, &extra, "print(1)").await;
+    drop(c);
+    drop(second);
+    // The successor's SIGTERM (its Drop) ended every worker and keeper.
+    for (w, k) in &before {
+        assert!(
+            common::eventually(Duration::from_secs(20), || !alive(*w) && !alive(*k)),
+            "worker {w} or keeper {k} outlived the stop"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigusr2_keeps_sessions_sigterm_ends_them_and_forged_records_are_refused() {
+    skip_unless_root!();
+    let (mut first, setup) = first_daemon(&[]);
+    let mut c = first.client().await;
+    let a = c.open("python", None, Some(600)).await.unwrap().session;
+    let b = c.open("python", None, None).await.unwrap().session;
+    stdout_of(&mut c, &a, "x = 'kept-a'").await;
+    stdout_of(&mut c, &b, "x = 'kept-b'").await;
+    let (wa, _) = record_pids(&setup.adopt, &a);
+    let (wb, _) = record_pids(&setup.adopt, &b);
+
+    // Exit keeping sessions (the client still connected: `b` is not detached).
+    kill_daemon(&mut first, libc::SIGUSR2);
+    drop(c);
+    assert!(alive(wa) && alive(wb));
+    let mut second = successor(&first, &setup);
+    let mut c = second.client().await;
+    assert_eq!(stdout_of(&mut c, &a, "print(x)").await.trim(), "kept-a");
+    assert_eq!(stdout_of(&mut c, &b, "print(x)").await.trim(), "kept-b");
+    assert_eq!(record_pids(&setup.adopt, &a).0, wa);
+
+    // A forged record: its worker pid names a stranger (a process of this test).
+    let mut stranger = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    kill_daemon(&mut second, libc::SIGKILL);
+    drop(c);
+    let path = setup.adopt.join(format!("{b}.json"));
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    v["worker"]["pid"] = serde_json::json!(stranger.id());
+    std::fs::write(&path, serde_json::to_vec(&v).unwrap()).unwrap();
+    let mut third = successor(&first, &setup);
+    let mut c = third.client().await;
+    assert_eq!(stdout_of(&mut c, &a, "print(x)").await.trim(), "kept-a");
+    match execute_error(&mut c, &b).await {
+        KernelError::SessionEnded { reason, .. } => assert_eq!(reason, "adoption_refused"),
+        other => panic!("forged record: {other:?}"),
+    }
+    assert!(
+        matches!(stranger.try_wait(), Ok(None)),
+        "the stranger was signalled"
+    );
+    let _ = stranger.kill();
+    let _ = stranger.wait();
+    assert!(
+        common::eventually(Duration::from_secs(20), || !alive(wb)),
+        "the refused session's worker lives on"
+    );
+
+    // A plain SIGTERM ends every worker, and leaves no record to adopt.
+    drop(c);
+    kill_daemon(&mut third, libc::SIGTERM);
+    assert!(
+        common::eventually(Duration::from_secs(20), || !alive(wa)),
+        "SIGTERM left the worker"
+    );
+    assert!(!setup.adopt.join(format!("{a}.json")).exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepers_nobody_adopts_end_their_sessions_after_the_timeout() {
+    skip_unless_root!();
+    let (mut first, setup) = first_daemon(&[("SANDCELL_ADOPT_TIMEOUT_SECONDS", "2")]);
+    let mut c = first.client().await;
+    let a = c.open("python", None, Some(600)).await.unwrap().session;
+    stdout_of(&mut c, &a, "x = 1").await;
+    let (w, k) = record_pids(&setup.adopt, &a);
+    drop(c);
+    kill_daemon(&mut first, libc::SIGKILL);
+    let t0 = Instant::now();
+    assert!(alive(w) && alive(k));
+    assert!(
+        common::eventually(Duration::from_secs(20), || !alive(w) && !alive(k)),
+        "worker {w} or keeper {k} outlived the adoption timeout"
+    );
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_millis(1500), "ended after {took:?}");
+    eprintln!("an unadopted session ended {took:?} after its daemon");
+}
