@@ -6,7 +6,7 @@
 //! (`adoption_refused`) and signals nobody; keepers nobody adopts end their sessions after
 //! `adopt_timeout_seconds`.
 
-mod common;
+use crate::common;
 
 use common::{Daemon, call_as, rand_hex};
 use sandcell_client::{Client, Error, KernelError};

@@ -16,6 +16,7 @@ mod common;
 mod admission_dbus;
 mod cell_reports;
 mod confinement_levels;
+mod daemon_restart;
 mod dbus_polkit;
 mod environments;
 mod faults;
