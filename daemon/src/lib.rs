@@ -33,6 +33,7 @@ pub mod ended;
 pub mod environments;
 pub mod files;
 pub mod identity;
+pub mod lifecycle;
 pub mod loglimit;
 pub mod memory;
 pub mod metrics;
