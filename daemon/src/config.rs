@@ -279,7 +279,17 @@ pub struct Daemon {
     /// The bound itself follows from the caps ([`crate::memory`]; sandcelld(8), MEMORY): a
     /// configuration whose caps need more is refused, naming them.
     pub memory_max_bytes: u64,
+    /// Seconds a session's keeper waits for a new daemon to adopt the session after its
+    /// daemon died or exited keeping sessions; then it kills the session's processes
+    /// (sandcelld(8), ADOPTION).
+    pub adopt_timeout_seconds: u64,
+    /// Root-only directory (mode 0700) of the session records and keeper sockets a successor
+    /// daemon adopts sessions from; on tmpfs (`/run`).
+    pub adopt_dir: PathBuf,
 }
+
+/// Default `adopt_dir`.
+pub const DEFAULT_ADOPT_DIR: &str = "/run/sandcell/adopt";
 
 /// Shortest `metrics_interval_seconds`: the daemon's main loop ticks once a second.
 pub const METRICS_INTERVAL_MIN: u64 = 1;
@@ -319,6 +329,8 @@ impl Default for Daemon {
             interrupt_on_hangup: false,
             node_id: None,
             metrics_file: PathBuf::from(DEFAULT_METRICS_FILE),
+            adopt_timeout_seconds: 60,
+            adopt_dir: PathBuf::from(DEFAULT_ADOPT_DIR),
             metrics_interval_seconds: 5,
             memory_max_bytes: 0,
         }
@@ -644,6 +656,8 @@ impl Config {
                 "pool_idle_seconds" => d.pool_idle_seconds = u64v()?,
                 "node_id" => d.node_id = Some(value.clone()),
                 "metrics_file" => d.metrics_file = PathBuf::from(&value),
+                "adopt_timeout_seconds" => d.adopt_timeout_seconds = u64v()?,
+                "adopt_dir" => d.adopt_dir = PathBuf::from(&value),
                 "metrics_interval_seconds" => d.metrics_interval_seconds = u64v()?,
                 "memory_max_bytes" => d.memory_max_bytes = u64v()?,
                 _ => {}

@@ -65,6 +65,8 @@ pub struct Core {
     environments: crate::environments::Reports,
     /// This core, weakly, so work that must finish can run on its own task.
     me: std::sync::Weak<Core>,
+    /// How sessions are kept for a successor daemon (`None`: they end with this one).
+    keep: std::sync::OnceLock<crate::session::Keep>,
 }
 
 impl std::fmt::Debug for Core {
@@ -174,7 +176,112 @@ impl Core {
             refusal_log: crate::loglimit::LogLimit::default(),
             pool: crate::pool::Pool::default(),
             environments: crate::environments::Reports::default(),
+            keep: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Keeps every client session opened from now on for adoption by a successor daemon
+    /// (a keeper and a record per session; sandcelld(8), ADOPTION).
+    pub fn enable_adoption(&self, keep: crate::session::Keep) {
+        let _ = self.keep.set(keep);
+    }
+
+    /// Adopts a previous daemon's session `a` (checked by `session::connect_keeper`): takes
+    /// its admission charge and per-uid reservation again (as it had them), its worker uid,
+    /// its cgroup, and registers it under its id with its owner. A session that was not
+    /// detached has lost its connection: it ends after `max_detached_idle_seconds` idle.
+    ///
+    /// Errors: why it could not be adopted (a budget that no longer has room, a uid or cgroup
+    /// that cannot be taken, the descriptors): the keeper is told to end, and the caller
+    /// records the session as ended with `adoption_refused`.
+    pub fn adopt(&self, a: crate::session::Adoptable) -> Result<Arc<Session>, String> {
+        let r = a.record.clone();
+        let refuse = |why: String| {
+            a.end();
+            why
+        };
+        let Some(keep) = self.keep.get().cloned() else {
+            return Err(refuse("adoption is not enabled".into()));
+        };
+        let cfg = self.config();
+        let charge = crate::admission::Charge {
+            guest_memory: r.charge_guest_memory,
+            worker_memory: r.charge_worker_memory,
+        };
+        let detached = r.detached_idle_seconds.is_some();
+        let mut permit = match self.admission.try_admit(charge) {
+            Ok(p) => p,
+            Err(e) => return Err(refuse(format!("admission: {}", KernelError::from(e)))),
+        };
+        match self.admission.reserve_uid(r.owner_uid, charge, detached) {
+            Ok(u) => permit.attach(u),
+            Err(e) => return Err(refuse(format!("admission: {}", KernelError::from(e)))),
+        }
+        let uid = match r.worker_uid {
+            Some(u) => match self.starter.uids().claim(u) {
+                Some(l) => Some(l),
+                None => return Err(refuse(format!("worker uid {u} is not free"))),
+            },
+            None => None,
+        };
+        let cpu_max = (cfg.daemon.worker_cpus > 0.0)
+            .then_some(((cfg.daemon.worker_cpus * 100_000.0) as u64, 100_000));
+        let group: Arc<dyn crate::cgroup::SessionGroup> = match self.cgroups.adopt(
+            &r.id,
+            &crate::cgroup::GroupLimits {
+                memory_bytes: cfg.limits.max_worker_memory_bytes,
+                max_pids: cfg.daemon.max_worker_pids,
+                cpu_max,
+            },
+        ) {
+            Ok(g) => Arc::from(g),
+            Err(e) => return Err(refuse(format!("cgroup: {e}"))),
+        };
+        let registry = self.sessions.clone();
+        let ended = self.ended.clone();
+        let state_dir = cfg.daemon.state_dir.clone();
+        let owner = r.owner_uid;
+        crate::ended::mark(&state_dir, &r.id, owner);
+        let caller = Caller {
+            uid: r.owner_uid,
+            gid: r.owner_gid,
+            pid: 0,
+            connection: 0,
+            subject: crate::identity::Subject::Process {
+                pid: 0,
+                start_time: 0,
+                pidfd: None,
+            },
+        };
+        let adopted_idle =
+            (!detached).then(|| Duration::from_secs(cfg.limits.max_detached_idle_seconds));
+        let session = crate::session::Session::adopt(
+            a,
+            crate::session::AdoptWith {
+                owner: caller,
+                group,
+                uid,
+                permit,
+                adopted_idle,
+                on_end: Box::new(move |id, ending: &crate::session::Ending| {
+                    ended.record(id, owner, ending.reason, SystemTime::now());
+                    registry.lock().unwrap().remove(id);
+                    if ending.reason != EndReason::DaemonStopping {
+                        crate::ended::unmark(&state_dir, id, owner);
+                    }
+                }),
+                events: self.events.clone(),
+                keep,
+            },
+        )
+        .map_err(|e| format!("taking the worker over: {e}"))?;
+        self.sessions
+            .lock()
+            .unwrap()
+            .insert(r.id.clone(), session.clone());
+        tracing::info!(session = %r.id, uid = owner, worker = r.worker.pid, keeper = r.keeper.pid, "session adopted");
+        crate::counters::counters().session_opened();
+        Ok(session)
     }
 
     /// The warm worker pools.
@@ -827,7 +934,8 @@ impl Core {
         if client {
             crate::ended::mark(&state_dir, &id, owner);
         }
-        let session = Session::start(
+        let keep = self.keep.get().filter(|_| client).cloned();
+        let session = Session::start_kept(
             p,
             caller.clone(),
             detached,
@@ -843,6 +951,7 @@ impl Core {
                 }
             }),
             self.events.clone(),
+            keep,
         );
         self.sessions
             .lock()
@@ -1254,6 +1363,27 @@ impl Core {
                 reason: InterruptReason::NotRunning.into(),
             }),
         }
+    }
+
+    /// Whether sessions are kept for adoption ([`Core::enable_adoption`]).
+    pub fn adoption_enabled(&self) -> bool {
+        self.keep.get().is_some()
+    }
+
+    /// Exits the process keeping every session for the next daemon: each session's record
+    /// is current (written on every change), so the process exits at once; the lifelines
+    /// close with it and every keeper waits for an adopter (`adopt_timeout_seconds`). Workers
+    /// are not signalled; warm pooled workers are not kept (the next daemon sweeps them). A
+    /// cell running now is not adoptable: the next daemon ends its session
+    /// (`daemon_restarted`). The call a restart that keeps sessions makes (sandcelld(8),
+    /// ADOPTION).
+    pub fn exit_keeping_sessions(&self) -> ! {
+        self.stopping.store(true, Ordering::SeqCst);
+        tracing::info!(
+            sessions = self.sessions().len(),
+            "exiting; sessions kept for the next daemon"
+        );
+        std::process::exit(0)
     }
 
     /// Stops taking work and ends every session (killed and reaped).

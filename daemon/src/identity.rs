@@ -126,6 +126,21 @@ impl UidPool {
         self.allocate_with(live_uids)
     }
 
+    /// Leases `uid` itself: the uid of a worker adopted from a previous daemon. `None` when
+    /// it is outside the range or leased already.
+    pub fn claim(&self, uid: u32) -> Option<UidLease> {
+        if uid < self.base || uid - self.base >= self.count {
+            return None;
+        }
+        if !self.used.lock().unwrap().insert(uid) {
+            return None;
+        }
+        Some(UidLease {
+            uid,
+            used: self.used.clone(),
+        })
+    }
+
     fn allocate_with(&self, live: impl FnOnce() -> BTreeSet<u32>) -> Option<UidLease> {
         let mut used = self.used.lock().unwrap();
         let range = self.base..self.base.saturating_add(self.count);

@@ -22,6 +22,7 @@
 //! rest, and no module imports one that imports it.
 
 pub mod admission;
+pub mod adopt;
 pub mod auth;
 pub mod cells;
 pub mod cgroup;
@@ -33,6 +34,7 @@ pub mod ended;
 pub mod environments;
 pub mod files;
 pub mod identity;
+pub mod keeper;
 pub mod lifecycle;
 pub mod loglimit;
 pub mod memory;
@@ -41,6 +43,7 @@ pub mod node;
 pub mod notify;
 pub mod polkit;
 pub mod pool;
+pub mod records;
 pub mod resolve;
 pub mod session;
 pub mod session_fs;

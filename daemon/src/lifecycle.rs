@@ -16,8 +16,7 @@
 //! | `systemctl stop`, package removal, shutdown         | `stop`               |
 //! | `kill -TERM <main pid>` by hand                     | no job               |
 //!
-//! Anything but `restart` (including `reload-or-restart`, which systemd collapses to `restart`
-//! too and is therefore kept) ends every worker, as does any failure to ask (no system bus,
+//! Anything but `restart` ends every worker, as does any failure to ask (no system bus,
 //! systemd not answering within [`ASK_TIMEOUT`], a daemon not run by systemd): ending sessions
 //! loses work but never leaves a confined process running that nobody will come back for.
 

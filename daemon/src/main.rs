@@ -50,6 +50,11 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    // A session keeper (sandcelld(8), ADOPTION): started by the daemon only, never by hand.
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(sandcelld::keeper::SUBCOMMAND) {
+        sandcelld::keeper::main(&argv[2..]);
+    }
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -172,7 +177,7 @@ impl SocketLike for std::fs::FileType {
     }
 }
 
-fn prepare_state_dir(config: &Config) -> anyhow::Result<()> {
+fn prepare_state_dir(config: &Config, keep: &[String]) -> anyhow::Result<()> {
     let dir = sandcelld::worker::start::sessions_dir(config);
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     // Traversable, not listable: a worker may reach its own directory only.
@@ -180,11 +185,14 @@ fn prepare_state_dir(config: &Config) -> anyhow::Result<()> {
     // Directories left by a crashed predecessor: their workers are swept with the cgroups.
     // Its session file systems first (only a predecessor run in the host's mount namespace
     // leaves any: under the unit's PrivateMounts= they went with its namespace).
-    let unmounted = sandcelld::session_fs::sweep(&dir);
+    let unmounted = sandcelld::session_fs::sweep_except(&dir, keep);
     if unmounted > 0 {
         tracing::warn!(unmounted, "unmounted stale session file systems");
     }
     for e in std::fs::read_dir(&dir)?.flatten() {
+        if keep.iter().any(|id| e.file_name() == id.as_str()) {
+            continue;
+        }
         if let Err(err) = std::fs::remove_dir_all(e.path()) {
             tracing::warn!(path = %e.path().display(), error = %err, "removing stale session directory");
         }
@@ -210,11 +218,25 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     }
     let (backend, options) = enforcement(&args, &config, root, &check)?;
     announce_confinement(&check, &backend, &options)?;
+    // Sessions a previous daemon kept for adoption: their keepers are asked for the workers
+    // before anything is swept, and the sweep spares what passes (sandcelld(8), ADOPTION).
+    let found = if root {
+        match sandcelld::adopt::collect(&config.daemon.adopt_dir) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                tracing::warn!(dir = %config.daemon.adopt_dir.display(), error = %e, "no adoption: sessions will end with this daemon");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let keep_ids = found.as_ref().map(|f| f.keep_ids()).unwrap_or_default();
     // Sessions a previous daemon left (it died or stopped with them): their owner markers are
     // read before the sweep removes what they held, so their owners learn daemon_restarted.
     let previous = sandcelld::ended::take_markers(&config.daemon.state_dir);
     let swept = backend
-        .sweep_stale()
+        .sweep_stale_except(&keep_ids)
         .context("sweeping stale session cgroups")?;
     if swept > 0 {
         tracing::warn!(
@@ -222,10 +244,25 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
             "killed and removed session groups left by a previous daemon"
         );
     }
-    prepare_state_dir(&config)?;
+    prepare_state_dir(&config, &keep_ids)?;
     let idle_exit = config.daemon.idle_exit_seconds;
-    let core = Core::new(config, options, backend, Arc::new(SocketPermissions));
-    core.restore_ended(&previous);
+    let adopt_keep = sandcelld::session::Keep {
+        dir: config.daemon.adopt_dir.clone(),
+        timeout: Duration::from_secs(config.daemon.adopt_timeout_seconds),
+    };
+    let core = Core::new(
+        config,
+        options,
+        backend.clone(),
+        Arc::new(SocketPermissions),
+    );
+    match found {
+        Some(found) => {
+            core.enable_adoption(adopt_keep);
+            sandcelld::adopt::finish(&core, &backend, found, &previous);
+        }
+        None => core.restore_ended(&previous),
+    }
     tracing::info!(cgroups = core.cgroup_mode(), activated, "starting");
     // How session files and the metrics file are opened: openat2, or the equivalent walk
     // where a seccomp filter (systemd's RestrictSUIDSGID=) or the kernel refuses openat2.
@@ -268,13 +305,22 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     // the sessions for the next daemon; every other stop ends them (sandcelld::lifecycle).
     let on_term = match stopped {
         Stopped::Term => sandcelld::lifecycle::on_term().await,
+        Stopped::KeepRequested => OnTerm::KeepSessions,
         Stopped::Interrupt => OnTerm::EndSessions("SIGINT".into()),
         Stopped::Idle => OnTerm::EndSessions("idle exit".into()),
     };
     match &on_term {
+        OnTerm::KeepSessions if core.adoption_enabled() => {
+            if stopped == Stopped::Term {
+                tracing::info!("systemd is restarting the unit: keeping every session");
+            }
+            notify::stopping();
+            metrics.finish().await;
+            core.exit_keeping_sessions();
+        }
         OnTerm::KeepSessions => tracing::warn!(
-            "systemd is restarting the unit, but this build cannot hand its sessions to the \
-             next daemon: ending every session"
+            "systemd is restarting the unit, but adoption is not enabled here: ending every \
+             session"
         ),
         OnTerm::EndSessions(why) => tracing::info!(%why, "stopping: ending every session"),
     }
@@ -427,6 +473,8 @@ fn announce_confinement(
 enum Stopped {
     /// SIGTERM: systemd stops or restarts the unit (or someone sent it by hand).
     Term,
+    /// SIGUSR2 with adoption enabled: exit keeping every session for the next daemon.
+    KeepRequested,
     /// SIGINT: an interactive stop.
     Interrupt,
     /// No session and no connection for `idle_exit` seconds.
@@ -444,6 +492,7 @@ async fn serve_until_stopped(
     idle_exit: Option<u64>,
 ) -> anyhow::Result<Stopped> {
     let mut term = signal(SignalKind::terminate())?;
+    let mut usr2 = signal(SignalKind::user_defined2())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut hup = signal(SignalKind::hangup())?;
     let watchdog = notify::watchdog_interval();
@@ -454,6 +503,13 @@ async fn serve_until_stopped(
     loop {
         tokio::select! {
             _ = term.recv() => { tracing::info!("SIGTERM: stopping"); return Ok(Stopped::Term); }
+            _ = usr2.recv() => {
+                if core.adoption_enabled() {
+                    tracing::info!("SIGUSR2: exiting, keeping sessions for the next daemon");
+                    return Ok(Stopped::KeepRequested);
+                }
+                tracing::warn!("SIGUSR2: adoption is not enabled; ignored");
+            }
             _ = int.recv() => { tracing::info!("SIGINT: stopping"); return Ok(Stopped::Interrupt); }
             _ = hup.recv() => { let _ = core.reload_from(config_path, config_required, "SIGHUP"); }
             _ = tick.tick() => {

@@ -105,6 +105,9 @@ pub struct Session {
     pub owner: Caller,
     /// Survives its connection for this long idle, if set.
     pub detached_idle: Option<Duration>,
+    /// A session that was not detached, adopted from a previous daemon (its connection went
+    /// with that daemon): it ends after this long idle (`max_detached_idle_seconds`).
+    pub adopted_idle: Option<Duration>,
     /// Opened at.
     pub started: SystemTime,
     /// Engine string from the worker's `Ready`.
@@ -256,6 +259,20 @@ impl Session {
         on_end: OnEnd,
         events: tokio::sync::broadcast::Sender<Event>,
     ) -> Arc<Session> {
+        Self::start_kept(prepared, owner, detached_idle, limits, on_end, events, None)
+    }
+
+    /// [`Session::start`], and with `keep` the session gets a keeper and a record, so that a
+    /// successor daemon can adopt it (`keep.rs`).
+    pub fn start_kept(
+        prepared: Prepared,
+        owner: Caller,
+        detached_idle: Option<Duration>,
+        limits: SessionLimits,
+        on_end: OnEnd,
+        events: tokio::sync::broadcast::Sender<Event>,
+        keep: Option<keep::Keep>,
+    ) -> Arc<Session> {
         let Prepared {
             id,
             language,
@@ -265,37 +282,23 @@ impl Session {
             session_dir,
             lease: uid,
             permit,
+            environment,
             ..
         } = prepared;
-        let (tx, rx) = mpsc::channel(16);
         let pid = spawned.pid;
-        let session = Arc::new(Session {
-            id: id.clone(),
+        let (interrupt, raw_output) = (spawned.interrupt, spawned.stdout.is_some());
+        Self::launch(Launch {
+            id,
             language,
+            engine,
+            environment,
             owner,
             detached_idle,
-            started: SystemTime::now(),
-            engine,
-            pid,
-            limits: limits.clone(),
-            info: Mutex::new(Info {
-                running_cell: None,
-                cells_run: 0,
-                state: SessionState::Idle,
-                last_activity: Instant::now(),
-            }),
-            dir: session_dir.clone(),
-            worker_ids: uid.as_ref().map(|l| (l.uid(), l.uid())),
-            files_generation: std::sync::atomic::AtomicU64::new(0),
-            cells: Default::default(),
-            cmds: tx,
-            group: group.clone(),
-        });
-        let oom_seen = group.oom_kills();
-        let (interrupt, raw_output) = (spawned.interrupt, spawned.stdout.is_some());
-        let actor = Actor {
-            session: session.clone(),
-            child: spawned.child,
+            adopted_idle: None,
+            limits,
+            on_end,
+            events,
+            child: crate::worker::process::WorkerProcess::Child(spawned.child),
             pid,
             pidfd: spawned.pidfd,
             requests: spawned.requests,
@@ -305,20 +308,75 @@ impl Session {
             group,
             session_dir,
             uid,
-            permit: Some(permit),
+            permit,
+            interrupt,
+            raw_output,
             next_cell: 1,
+            cells_run: 0,
+            host_calls_made: 0,
+            last_activity: Instant::now(),
+            started: SystemTime::now(),
+            keep,
+            lifeline: None,
+        })
+    }
+
+    /// Creates the session record and starts its actor.
+    fn launch(l: Launch) -> Arc<Session> {
+        let (tx, rx) = mpsc::channel(16);
+        let session = Arc::new(Session {
+            id: l.id.clone(),
+            language: l.language,
+            owner: l.owner,
+            detached_idle: l.detached_idle,
+            adopted_idle: l.adopted_idle,
+            started: l.started,
+            engine: l.engine,
+            pid: l.pid,
+            limits: l.limits.clone(),
+            info: Mutex::new(Info {
+                running_cell: None,
+                cells_run: l.cells_run,
+                state: SessionState::Idle,
+                last_activity: l.last_activity,
+            }),
+            dir: l.session_dir.clone(),
+            worker_ids: l.uid.as_ref().map(|u| (u.uid(), u.uid())),
+            files_generation: std::sync::atomic::AtomicU64::new(0),
+            cells: Default::default(),
+            cmds: tx,
+            group: l.group.clone(),
+        });
+        let oom_seen = l.group.oom_kills();
+        let actor = Actor {
+            session: session.clone(),
+            child: l.child,
+            pid: l.pid,
+            pidfd: l.pidfd,
+            requests: l.requests,
+            replies: l.replies,
+            stdout: l.stdout,
+            stderr: l.stderr,
+            group: l.group,
+            session_dir: l.session_dir,
+            uid: l.uid,
+            permit: Some(l.permit),
+            next_cell: l.next_cell,
             ended: false,
-            on_end: Some(on_end),
-            events,
+            on_end: Some(l.on_end),
+            events: l.events,
             known_files: None,
             oom_seen,
             deferred: None,
-            interrupt,
-            raw_output,
+            interrupt: l.interrupt,
+            raw_output: l.raw_output,
             leftovers: Vec::new(),
-            host_calls_made: 0,
+            host_calls_made: l.host_calls_made,
             disk_next: tokio::time::Instant::now() + DISK_IDLE_WATCH,
             disk_scan: None,
+            kept: l
+                .keep
+                .map(|k| keep::Kept::new(k, l.environment, l.lifeline)),
         };
         tokio::spawn(actor.run(rx));
         session
@@ -829,9 +887,44 @@ fn new_nonce() -> std::io::Result<String> {
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
+/// Everything a session's actor starts from: a spawned worker ([`Session::start_kept`]) or an
+/// adopted one (`keep.rs`).
+struct Launch {
+    id: String,
+    language: Language,
+    engine: String,
+    environment: String,
+    owner: Caller,
+    detached_idle: Option<Duration>,
+    adopted_idle: Option<Duration>,
+    limits: SessionLimits,
+    on_end: OnEnd,
+    events: tokio::sync::broadcast::Sender<Event>,
+    child: crate::worker::process::WorkerProcess,
+    pid: u32,
+    pidfd: Option<crate::worker::WorkerPidfd>,
+    requests: pipe::Sender,
+    replies: LineReader<pipe::Receiver>,
+    stdout: Option<pipe::Receiver>,
+    stderr: Option<pipe::Receiver>,
+    group: Arc<dyn SessionGroup>,
+    session_dir: PathBuf,
+    uid: Option<UidLease>,
+    permit: Permit,
+    interrupt: crate::worker::InterruptTarget,
+    raw_output: bool,
+    next_cell: u64,
+    cells_run: u64,
+    host_calls_made: u64,
+    last_activity: Instant,
+    started: SystemTime,
+    keep: Option<keep::Keep>,
+    lifeline: Option<crate::keeper::Lifeline>,
+}
+
 struct Actor {
     session: Arc<Session>,
-    child: tokio::process::Child,
+    child: crate::worker::process::WorkerProcess,
     /// The worker's pid (for `/proc` reads; never signalled once the child is reaped).
     pid: u32,
     /// The worker's pidfd, when the kernel gave one.
@@ -874,13 +967,17 @@ struct Actor {
     /// over and hands back the one it leaves, so a session never walks twice at once.
     disk_next: tokio::time::Instant,
     disk_scan: Option<(Instant, tokio::task::JoinHandle<u64>)>,
+    /// The session's keeper and record, when sessions are kept for adoption (`keep.rs`).
+    kept: Option<keep::Kept>,
 }
 
 impl Actor {
     async fn run(mut self, mut cmds: mpsc::Receiver<Command>) {
         let reason: Ending;
         let mut close_done: Option<oneshot::Sender<()>> = None;
+        self.start_keeper().await;
         loop {
+            self.persist();
             if let Some(Command::Execute {
                 code,
                 frames,
@@ -895,10 +992,14 @@ impl Actor {
                 self.disk_next = tokio::time::Instant::now() + DISK_IDLE_WATCH;
                 continue;
             }
-            let idle = self.session.detached_idle.map(|d| {
-                let last = self.session.info.lock().unwrap().last_activity;
-                tokio::time::Instant::from_std(last + d)
-            });
+            let idle = self
+                .session
+                .detached_idle
+                .or(self.session.adopted_idle)
+                .map(|d| {
+                    let last = self.session.info.lock().unwrap().last_activity;
+                    tokio::time::Instant::from_std(last + d)
+                });
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
                     None => { reason = Ending::new(EndReason::Disconnected, "abandoned"); break; }
@@ -979,7 +1080,7 @@ impl Actor {
     fn signal_interrupt(&self) {
         // R: the whole process group; native Python: its main thread (tgkill); Eryx: the
         // process. See `InterruptTarget`.
-        self.interrupt.send(&self.child, self.pidfd.as_ref());
+        self.interrupt.send(self.child.id(), self.pidfd.as_ref());
     }
 
     /// Runs one cell. Returns `Some((reason, close_waiter))` when the session ended with it.
@@ -1001,6 +1102,7 @@ impl Actor {
             info.running_cell = Some(cell);
             info.state = SessionState::Running;
         }
+        self.persist();
         let started = Frame {
             started: Some(Started {
                 session: self.session.id.clone(),
@@ -2040,8 +2142,7 @@ impl Actor {
         // A worker whose interpreter ended (R's quit()) exits after reporting it: then
         // the session ends here, and says so. (Python's sys.exit does not end Eryx.)
         if result.status == Status::Exited
-            && let Ok(Ok(_)) =
-                tokio::time::timeout(Duration::from_millis(500), self.child.wait()).await
+            && let Ok(_) = tokio::time::timeout(Duration::from_millis(500), self.child.wait()).await
         {
             self.kill_and_reap().await;
             result.state = State::Lost;
@@ -2160,7 +2261,9 @@ impl Actor {
     }
 
     async fn kill_and_reap(&mut self) {
-        crate::worker::kill_and_reap(&mut self.child, self.pidfd.as_ref(), &self.group).await;
+        self.child
+            .kill_and_reap(self.pidfd.as_ref(), &self.group)
+            .await;
     }
 
     /// Releases everything, in the order of the module documentation. Idempotent.
@@ -2170,8 +2273,11 @@ impl Actor {
         }
         self.ended = true;
         self.session.info.lock().unwrap().state = SessionState::Ended;
+        // The keeper exits without waiting for an adopter; the record goes.
+        self.end_keeper();
         // Ask politely first only when idle: there is nothing worth saving, so just kill.
         self.kill_and_reap().await;
+        self.reap_keeper().await;
         crate::worker::remove_remains(
             &self.session.id,
             self.group.clone(),
@@ -2621,6 +2727,9 @@ fn proc_cpu_seconds(pid: u32) -> Option<f64> {
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     Some(ticks as f64 / hz)
 }
+
+mod keep;
+pub use keep::{AdoptWith, Adoptable, Keep, NotAdopted, connect as connect_keeper};
 
 #[cfg(test)]
 mod actor_tests;

@@ -179,8 +179,17 @@ fn unescape(s: &str) -> std::ffi::OsString {
 /// without a private mount namespace and killed before its release), so that the stale
 /// directories can be removed. Returns how many were unmounted; failures are logged.
 pub fn sweep(sessions: &Path) -> usize {
+    sweep_except(sessions, &[])
+}
+
+/// [`sweep`], sparing the file systems of the sessions in `keep` (adopted from a previous
+/// daemon).
+pub fn sweep_except(sessions: &Path, keep: &[String]) -> usize {
     let mut n = 0;
     for p in mounted_below(sessions) {
+        if keep.iter().any(|id| p == sessions.join(id)) {
+            continue;
+        }
         match unmount(&p) {
             Ok(true) => n += 1,
             Ok(false) => {}

@@ -550,11 +550,16 @@ pub enum EndReason {
     DaemonStopping,
     /// A previous daemon held it and stopped or died; this daemon found its record.
     DaemonRestarted,
+    /// A previous daemon held it and this daemon found its keeper, but the record did not
+    /// match the live processes (a pid reused, another start time, another cgroup) or the
+    /// session could not be taken over: it was not adopted, and nothing the record named was
+    /// signalled.
+    AdoptionRefused,
 }
 
 impl EndReason {
     /// Every reason, in the IDL's order.
-    pub const ALL: [EndReason; 12] = [
+    pub const ALL: [EndReason; 13] = [
         EndReason::Closed,
         EndReason::Disconnected,
         EndReason::IdleExpired,
@@ -567,6 +572,7 @@ impl EndReason {
         EndReason::OneShot,
         EndReason::DaemonStopping,
         EndReason::DaemonRestarted,
+        EndReason::AdoptionRefused,
     ];
 
     /// The reason on the wire.
@@ -584,6 +590,7 @@ impl EndReason {
             EndReason::OneShot => "one_shot",
             EndReason::DaemonStopping => "daemon_stopping",
             EndReason::DaemonRestarted => "daemon_restarted",
+            EndReason::AdoptionRefused => "adoption_refused",
         }
     }
 

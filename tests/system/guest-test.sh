@@ -808,9 +808,11 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
         sup=$(cg)/supervisor
         lim=$(cat "$sup/memory.max")
         # Below what the daemon holds: the kernel reclaims, then OOM-kills it (no swap).
+        # The write returns after the kill; the limit goes back at once, before the next
+        # daemon (RestartSec=100ms) moves itself into the group.
         echo $((4 << 20)) >"$sup/memory.max" 2>/dev/null
-        sleep 0.2
         echo "$lim" >"$sup/memory.max" 2>/dev/null
+        echo "    [oom] supervisor memory.events: $(tr '\n' ' ' <"$sup/memory.events")"
         ;;
     esac
     for ((k = 0; k < 1200; k++)); do

@@ -372,7 +372,7 @@ pub fn kill_loop(
 }
 
 /// Whether the process behind `pidfd` has exited (its pidfd polls readable).
-fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+pub(crate) fn pidfd_exited(pidfd: &OwnedFd) -> bool {
     let mut p = libc::pollfd {
         fd: pidfd.as_raw_fd(),
         events: libc::POLLIN,
@@ -383,7 +383,31 @@ fn pidfd_exited(pidfd: &OwnedFd) -> bool {
     n > 0
 }
 
-/// Kills every process listed in `procs_files` except `keep` (the worker itself), each
+/// Session keepers (`crate::keeper`) living in session groups: pid and start time. The end
+/// of a cell stops every process of its group but the worker and these.
+static KEEPERS: std::sync::Mutex<Vec<(u32, u64)>> = std::sync::Mutex::new(Vec::new());
+
+/// Marks the keeper `pid` (started at `start_time`, `/proc/<pid>/stat` field 22) as one that
+/// [`kill_others`] spares.
+pub fn protect_keeper(pid: u32, start_time: u64) {
+    KEEPERS.lock().unwrap().push((pid, start_time));
+}
+
+/// Undoes [`protect_keeper`].
+pub fn unprotect_keeper(pid: u32) {
+    KEEPERS.lock().unwrap().retain(|k| k.0 != pid);
+}
+
+/// Whether `pid` is a protected keeper (its start time checked, so a process that reused
+/// the pid of a dead keeper is not spared).
+pub fn is_keeper(pid: u32) -> bool {
+    let Some(&(_, t)) = KEEPERS.lock().unwrap().iter().find(|k| k.0 == pid) else {
+        return false;
+    };
+    crate::keeper::start_time(pid) == Some(t)
+}
+
+/// Kills every process listed in `procs_files` except `keep` and the session's keeper (the worker itself), each
 /// through a pidfd: `pidfd_open(pid)` pins the process, `is_member` (reading
 /// `/proc/<pid>/cgroup` after the pin) confirms the pinned process is still in the group,
 /// and only then `pidfd_send_signal(SIGKILL)`. A pid is never signalled bare: between reading
@@ -407,7 +431,7 @@ pub fn kill_others(
     loop {
         let mut alive: Vec<OwnedFd> = Vec::new();
         for pid in listed_pids(procs_files) {
-            if pid == keep {
+            if pid == keep || is_keeper(pid) {
                 continue;
             }
             // SAFETY: pidfd_open takes a pid and flags; returns a new close-on-exec fd or -1.

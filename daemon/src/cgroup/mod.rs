@@ -23,7 +23,7 @@
 //! pids in `cgroup.controllers`; otherwise v1 if memory and pids v1 hierarchies are mounted;
 //! otherwise an error telling the operator what to set up.
 
-mod host;
+pub(crate) mod host;
 pub mod v1;
 pub mod v2;
 
@@ -95,7 +95,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Creates the group of session `id` with `limits`. Fails if it exists.
     fn create(&self, id: &str, limits: &GroupLimits) -> Result<Box<dyn SessionGroup>, Error>;
     /// Kills and removes every session group left by a previous daemon; returns how many.
-    fn sweep_stale(&self) -> Result<usize, Error>;
+    fn sweep_stale(&self) -> Result<usize, Error> {
+        self.sweep_stale_except(&[])
+    }
+    /// [`Backend::sweep_stale`], sparing the groups of the sessions in `keep` (adopted).
+    fn sweep_stale_except(&self, keep: &[String]) -> Result<usize, Error>;
+    /// The existing group of session `id` (a session adopted from a previous daemon), with
+    /// `limits` as they were set; nothing is created or written.
+    ///
+    /// Errors: the group does not exist, or `id` is not a session id.
+    fn adopt(&self, id: &str, limits: &GroupLimits) -> Result<Box<dyn SessionGroup>, Error>;
     /// Bounds the daemon's own memory: `max` and `high` bytes on its supervisor group (v2:
     /// `<root>/supervisor`, where [`detect`] moved it; v1: a `<parent>/<name>/supervisor`
     /// group of the memory hierarchy that the daemon moves itself into, and out of again in
@@ -150,7 +159,7 @@ pub trait SessionGroup: Send + Sync + std::fmt::Debug {
     fn holds_only(&self, keep: u32) -> bool {
         host::listed_pids(&self.procs_files())
             .iter()
-            .all(|&pid| pid == keep)
+            .all(|&pid| pid == keep || host::is_keeper(pid))
     }
     /// Removes the group; call after [`SessionGroup::kill_all`] and after reaping the worker.
     fn remove(&self) -> Result<(), Error>;
@@ -303,8 +312,11 @@ impl Backend for Unconfined {
     fn create(&self, _id: &str, _limits: &GroupLimits) -> Result<Box<dyn SessionGroup>, Error> {
         Ok(Box::new(NoGroup))
     }
-    fn sweep_stale(&self) -> Result<usize, Error> {
+    fn sweep_stale_except(&self, _keep: &[String]) -> Result<usize, Error> {
         Ok(0)
+    }
+    fn adopt(&self, _id: &str, _limits: &GroupLimits) -> Result<Box<dyn SessionGroup>, Error> {
+        Ok(Box::new(NoGroup))
     }
 }
 

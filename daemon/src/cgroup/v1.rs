@@ -304,13 +304,26 @@ impl Backend for V1 {
         Ok(())
     }
 
-    fn sweep_stale(&self) -> Result<usize, Error> {
+    fn adopt(&self, id: &str, limits: &GroupLimits) -> Result<Box<dyn SessionGroup>, Error> {
+        host::check_id(id)?;
+        let group = self.group_of(id, limits.clone());
+        if let Some(d) = group.dirs.iter().find(|d| !d.path.is_dir()) {
+            return Err(Error::Verify(format!(
+                "{} does not exist",
+                d.path.display()
+            )));
+        }
+        Ok(Box::new(group))
+    }
+
+    fn sweep_stale_except(&self, keep: &[String]) -> Result<usize, Error> {
         let mut names: Vec<String> = Vec::new();
         for h in self.hierarchies() {
             names.extend(host::subdirs(&h.base)?);
         }
         names.sort();
         names.dedup();
+        names.retain(|n| !keep.contains(n));
         // Every group is tried even if an earlier one fails; the first error is returned.
         let mut first_error = None;
         for name in &names {
@@ -339,6 +352,25 @@ impl Backend for V1 {
             }
         }
         first_error.map_or(Ok(names.len()), Err)
+    }
+}
+
+impl V1 {
+    /// The groups of session `id` in every hierarchy (nothing is made).
+    fn group_of(&self, id: &str, limits: GroupLimits) -> V1Group {
+        V1Group {
+            host: self.host.clone(),
+            dirs: self
+                .hierarchies()
+                .into_iter()
+                .map(|h| Dir {
+                    controller: h.controller,
+                    path: h.base.join(id),
+                    rel: format!("{}/{id}", h.base_rel),
+                })
+                .collect(),
+            limits,
+        }
     }
 }
 

@@ -195,12 +195,30 @@ impl Backend for V2 {
         Ok(Some(supervisor))
     }
 
-    fn sweep_stale(&self) -> Result<usize, Error> {
+    fn adopt(&self, id: &str, limits: &GroupLimits) -> Result<Box<dyn SessionGroup>, Error> {
+        host::check_id(id)?;
+        let dir = self.sessions().join(id);
+        if !dir.is_dir() {
+            return Err(Error::Verify(format!("{} does not exist", dir.display())));
+        }
+        Ok(Box::new(V2Group {
+            host: self.host.clone(),
+            rel: format!("{}/{id}", self.sessions_rel()),
+            dir,
+            limits: limits.clone(),
+            peak: Default::default(),
+        }))
+    }
+
+    fn sweep_stale_except(&self, keep: &[String]) -> Result<usize, Error> {
         // Every group gets its kill and removal even if an earlier one fails; the first error
         // is returned after all were tried.
         let mut swept = 0;
         let mut first_error = None;
         for name in host::subdirs(&self.sessions())? {
+            if keep.contains(&name) {
+                continue;
+            }
             let dir = self.sessions().join(&name);
             match kill_tree(&dir, super::KILL_TIMEOUT).and_then(|()| remove_tree(&dir)) {
                 Ok(()) => swept += 1,

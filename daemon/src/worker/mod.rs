@@ -6,6 +6,7 @@
 #[cfg(test)]
 pub mod fake;
 pub mod output;
+pub mod process;
 pub mod spawn;
 pub mod start;
 
@@ -61,6 +62,11 @@ impl<R> LineReader<R> {
             scanned: 0,
             eof: false,
         }
+    }
+
+    /// The reader.
+    pub fn get_ref(&self) -> &R {
+        &self.inner
     }
 
     /// Bytes buffered and not yet returned as lines (a partial line included).
@@ -330,18 +336,27 @@ pub enum InterruptTarget {
 }
 
 impl InterruptTarget {
-    /// Sends SIGINT to the worker `child` (its main thread's tid is its pid, and it called
-    /// setsid, so its process-group id is its pid too). Nothing is sent once `child` is
-    /// reaped: its pid, and the group id, could then name another process.
-    pub fn send(self, child: &tokio::process::Child, pidfd: Option<&WorkerPidfd>) {
-        let Some(pid) = child.id() else { return };
+    /// Sends SIGINT to the worker whose pid is `worker` (its main thread's tid is its pid,
+    /// and it called setsid, so its process-group id is its pid too). `None` (a child that is
+    /// reaped, an adopted worker whose pidfd reported its exit: see
+    /// [`process::WorkerProcess::id`]) sends nothing: its pid, and the group id, could then
+    /// name another process.
+    pub fn send(self, worker: Option<u32>, pidfd: Option<&WorkerPidfd>) {
+        let Some(pid) = worker else { return };
         let pid = pid as libc::pid_t;
         match self {
             // SAFETY: the group of our own unreaped child: its id cannot be reused meanwhile.
             InterruptTarget::ProcessGroup => unsafe {
                 libc::kill(-pid, libc::SIGINT);
             },
-            InterruptTarget::Process => signal_process(child, pidfd, libc::SIGINT),
+            InterruptTarget::Process => match pidfd {
+                Some(fd) => fd.signal(libc::SIGINT),
+                // SAFETY: `worker` is the caller's live worker (an unreaped child, or an
+                // adopted worker whose pidfd just said it lives).
+                None => unsafe {
+                    libc::kill(pid, libc::SIGINT);
+                },
+            },
             // SAFETY: tgkill of our own unreaped child's main thread.
             InterruptTarget::MainThread => unsafe {
                 libc::syscall(libc::SYS_tgkill, pid, pid, libc::SIGINT);
@@ -433,7 +448,7 @@ mod tests {
         // What every signal by pid relies on: once reaped, the child has no pid any more.
         assert_eq!(child.id(), None);
         kill_and_reap(&mut child, Some(&pidfd), &group).await;
-        InterruptTarget::ProcessGroup.send(&child, None);
+        InterruptTarget::ProcessGroup.send(child.id(), None);
 
         // A worker found dead (the pool's liveness check reaps it) is forgotten too.
         let mut child = tokio::process::Command::new("true").spawn().unwrap();

@@ -1,0 +1,146 @@
+//! Adoption at start: the sessions a previous daemon kept (sandcelld(8), ADOPTION).
+//!
+//! In two steps around the start-up sweep. [`collect`], before anything is swept: every
+//! record in `adopt_dir` is read, its keeper asked for the descriptors and what it hands over
+//! checked against the record (`session::connect_keeper`). The ids that pass are spared by the
+//! sweep of stale cgroups, session file systems and session directories. [`finish`], once the
+//! core exists: each is adopted (`Core::adopt`: admission, uid, cgroup, actor); what fails
+//! there has its group killed and removed. Every session that is not adopted is recorded as
+//! ended, `daemon_restarted` (its keeper is gone, or a cell was running) or
+//! `adoption_refused` (its record did not match the live processes, or it could not be taken
+//! over), so its owner learns what became of it.
+
+use crate::cgroup::Backend;
+use crate::core::Core;
+use crate::session::{Adoptable, NotAdopted};
+use sandcell_proto::kernel::EndReason;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+/// What [`collect`] found.
+#[derive(Debug, Default)]
+pub struct Found {
+    /// Sessions ready to adopt.
+    pub adoptable: Vec<Adoptable>,
+    /// Sessions not adopted: id, owner uid, reason, why.
+    pub not_adopted: Vec<(String, u32, EndReason, String)>,
+}
+
+impl Found {
+    /// The ids the start-up sweep must spare.
+    pub fn keep_ids(&self) -> Vec<String> {
+        self.adoptable.iter().map(|a| a.record.id.clone()).collect()
+    }
+
+    /// Whether `id` had a record (adoptable or not).
+    pub fn knows(&self, id: &str) -> bool {
+        self.adoptable.iter().any(|a| a.record.id == id)
+            || self.not_adopted.iter().any(|n| n.0 == id)
+    }
+}
+
+/// Reads the records in `dir` (made root-only if missing) and connects to their keepers.
+/// Records of sessions not adopted are removed.
+pub fn collect(dir: &Path) -> std::io::Result<Found> {
+    crate::records::prepare(dir)?;
+    let mut found = Found::default();
+    for (id, record) in crate::records::read_all(dir) {
+        let r = match record {
+            Ok(r) => r,
+            Err(why) => {
+                tracing::warn!(session = %id, why, "session record unreadable: not adopted");
+                crate::records::remove(dir, &id);
+                continue;
+            }
+        };
+        let owner = r.owner_uid;
+        match crate::session::connect_keeper(dir, r) {
+            Ok(a) => found.adoptable.push(a),
+            Err(NotAdopted::Gone(why)) => {
+                tracing::warn!(session = %id, why, "session of the previous daemon not adopted (daemon_restarted)");
+                crate::records::remove(dir, &id);
+                found
+                    .not_adopted
+                    .push((id, owner, EndReason::DaemonRestarted, why));
+            }
+            Err(NotAdopted::Refused(why)) => {
+                tracing::warn!(session = %id, why, "session record does not match the live processes: not adopted (adoption_refused)");
+                crate::records::remove(dir, &id);
+                found
+                    .not_adopted
+                    .push((id, owner, EndReason::AdoptionRefused, why));
+            }
+        }
+    }
+    // Sockets of keepers without a record (their session ended meanwhile) go too.
+    if let Ok(entries) = std::fs::read_dir(crate::records::keepers_dir(dir)) {
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let id = name.to_string_lossy();
+            let id = id.trim_end_matches(".sock");
+            if !found.adoptable.iter().any(|a| a.record.id == id) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// Adopts what [`collect`] found into `core`; records the rest as ended. `previous` are the
+/// owner markers of the previous daemon's sessions (recorded `daemon_restarted` unless
+/// adopted or refused here). Returns how many sessions were adopted.
+pub fn finish(
+    core: &Arc<Core>,
+    backend: &Arc<dyn Backend>,
+    found: Found,
+    previous: &[(String, u32)],
+) -> usize {
+    let now = SystemTime::now();
+    let mut adopted = 0;
+    let mut ended = found.not_adopted;
+    let rest: Vec<(String, u32)> = previous
+        .iter()
+        .filter(|(id, _)| {
+            !found.adoptable.iter().any(|a| a.record.id == *id) && !ended.iter().any(|n| n.0 == *id)
+        })
+        .cloned()
+        .collect();
+    for a in found.adoptable {
+        let (id, owner) = (a.record.id.clone(), a.record.owner_uid);
+        match core.adopt(a) {
+            Ok(_) => adopted += 1,
+            Err(why) => {
+                tracing::warn!(session = %id, why, "session not adopted (adoption_refused)");
+                // The worker was checked to be the session's own: its group is killed.
+                let limits = crate::cgroup::GroupLimits {
+                    memory_bytes: 0,
+                    max_pids: 0,
+                    cpu_max: None,
+                };
+                if let Ok(g) = backend.adopt(&id, &limits) {
+                    let _ = g.kill_all(crate::cgroup::KILL_TIMEOUT);
+                    let _ = g.remove();
+                }
+                let dir = crate::worker::start::sessions_dir(&core.config()).join(&id);
+                let _ = crate::session_fs::unmount(&dir);
+                let _ = std::fs::remove_dir_all(&dir);
+                crate::records::remove(&core.config().daemon.adopt_dir, &id);
+                ended.push((id, owner, EndReason::AdoptionRefused, why));
+            }
+        }
+    }
+    for (id, owner, reason, _) in &ended {
+        core.ended().record(id, *owner, *reason, now);
+        crate::ended::unmark(&core.config().daemon.state_dir, id, *owner);
+    }
+    core.restore_ended(&rest);
+    if adopted > 0 || !ended.is_empty() {
+        tracing::info!(
+            adopted,
+            not_adopted = ended.len(),
+            "sessions of the previous daemon"
+        );
+    }
+    adopted
+}

@@ -1,0 +1,732 @@
+//! The per-session keeper: a small process that holds a session's descriptors while its daemon
+//! is gone, so that the session survives the daemon's death and a successor adopts it.
+//!
+//! After a worker is Ready, the daemon starts `sandcelld keep` ([`SUBCOMMAND`]): its own
+//! executable (`/proc/self/exe`), root, in the session's cgroup (charged to the session), in
+//! a new session (`setsid`), with one end of a `SOCK_SEQPACKET` socket pair on fd 3 (the
+//! *lifeline*). Over it the daemon sends [`HOLD`] with `SCM_RIGHTS` (unix(7)): duplicates of
+//! the worker's pidfd, an `O_DIRECTORY` descriptor of the session directory (the session's
+//! tmpfs, reachable even from another mount namespace), and the daemon's ends of the worker's
+//! pipes (request write end, reply read end, then stdout and stderr read ends of a native
+//! worker). The keeper answers [`HELD`] and from then on only waits:
+//!
+//! - on [`END`] (the daemon ends the session) it exits at once;
+//! - when the worker exits (its pidfd turns readable) it exits;
+//! - when the lifeline closes without [`END`] (the daemon died, or exited keeping its
+//!   sessions) it accepts connections on its socket (bound 0600 at start, in a root-only
+//!   directory, so there is no window without it) for at most the adoption timeout
+//!   (`adopt_timeout_seconds`). A connecting peer whose `SO_PEERCRED` uid is not 0 is
+//!   dropped. To uid 0 it sends [`FDS`] with the same descriptors, and that connection is its
+//!   lifeline from then on. Nobody in time: it kills the worker (through its pidfd) and every
+//!   other process of the session's cgroup (listed in its `cgroup.procs` files, each pinned
+//!   by a pidfd before the signal), and exits: no orphan lives for ever.
+//!
+//! The keeper holds the worker's pipes open, so the worker never sees end of file on its
+//! request pipe while its daemon is away, and its writes wait in the pipe buffers (a worker
+//! that fills them blocks until a daemon reads). Everything here is synchronous (poll(2)); it
+//! allocates nothing per event, and its resident set is about 1 MiB.
+
+use nix::cmsg_space;
+use nix::sys::socket::{
+    AddressFamily, Backlog, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType,
+    UnixAddr, accept4, bind, connect, getsockopt, listen, recvmsg, sendmsg, socket, socketpair,
+    sockopt,
+};
+use std::io::IoSlice;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// `argv[1]` of a keeper: `sandcelld keep <session id> <socket> <timeout seconds>
+/// <cgroup.procs file>...` (not a documented command: only the daemon starts it).
+pub const SUBCOMMAND: &str = "keep";
+
+/// The keeper's lifeline descriptor.
+pub const LIFELINE_FD: RawFd = 3;
+
+/// Daemon to keeper, with the descriptors: hold them.
+pub const HOLD: &[u8] = b"hold";
+/// Keeper to daemon: the descriptors are held.
+pub const HELD: &[u8] = b"held";
+/// Daemon to keeper: the session ends; exit now without waiting for an adopter.
+pub const END: &[u8] = b"end";
+/// Keeper to an adopting daemon, with the descriptors.
+pub const FDS: &[u8] = b"fds";
+
+/// Most descriptors one message carries: pidfd, directory, request, reply, stdout, stderr.
+pub const MAX_FDS: usize = 6;
+
+/// How long a daemon waits for a keeper's answer (`HELD`, `FDS`).
+pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The descriptors a keeper holds, in message order.
+#[derive(Debug)]
+pub struct Held {
+    /// The worker's pidfd.
+    pub pidfd: OwnedFd,
+    /// The session directory (`O_DIRECTORY`).
+    pub dir: OwnedFd,
+    /// Write end of the worker's request pipe.
+    pub requests: OwnedFd,
+    /// Read end of the worker's reply pipe.
+    pub replies: OwnedFd,
+    /// Read ends of a native worker's stdout and stderr.
+    pub raw: Option<(OwnedFd, OwnedFd)>,
+}
+
+impl Held {
+    fn borrowed(&self) -> Vec<RawFd> {
+        let mut v = vec![
+            self.pidfd.as_raw_fd(),
+            self.dir.as_raw_fd(),
+            self.requests.as_raw_fd(),
+            self.replies.as_raw_fd(),
+        ];
+        if let Some((o, e)) = &self.raw {
+            v.push(o.as_raw_fd());
+            v.push(e.as_raw_fd());
+        }
+        v
+    }
+
+    fn from_fds(mut fds: Vec<OwnedFd>) -> std::io::Result<Held> {
+        if fds.len() != 4 && fds.len() != 6 {
+            return Err(std::io::Error::other(format!(
+                "{} descriptors instead of 4 or 6",
+                fds.len()
+            )));
+        }
+        let raw = if fds.len() == 6 {
+            let e = fds.pop().unwrap();
+            let o = fds.pop().unwrap();
+            Some((o, e))
+        } else {
+            None
+        };
+        let replies = fds.pop().unwrap();
+        let requests = fds.pop().unwrap();
+        let dir = fds.pop().unwrap();
+        let pidfd = fds.pop().unwrap();
+        Ok(Held {
+            pidfd,
+            dir,
+            requests,
+            replies,
+            raw,
+        })
+    }
+}
+
+/// Sends `msg` with `fds` on the seqpacket socket `sock`.
+///
+/// Errors: `sendmsg(2)` failed.
+pub fn send(sock: BorrowedFd<'_>, msg: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
+    let iov = [IoSlice::new(msg)];
+    let cmsgs = [ControlMessage::ScmRights(fds)];
+    let cmsgs: &[ControlMessage] = if fds.is_empty() { &[] } else { &cmsgs };
+    sendmsg::<()>(sock.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None)?;
+    Ok(())
+}
+
+/// Receives one message of at most 64 bytes and its descriptors (close-on-exec) from `sock`;
+/// an empty message is end of file.
+///
+/// Errors: `recvmsg(2)` failed, or the message or its descriptors were cut.
+pub fn recv(sock: BorrowedFd<'_>) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)> {
+    let mut buf = [0u8; 64];
+    let mut space = cmsg_space!([RawFd; MAX_FDS]);
+    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+    let msg = loop {
+        match recvmsg::<()>(
+            sock.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        ) {
+            Err(nix::errno::Errno::EINTR) => continue,
+            other => break other?,
+        }
+    };
+    let mut fds = Vec::new();
+    for c in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(v) = c {
+            // SAFETY: descriptors the kernel just installed in this process for us.
+            fds.extend(v.into_iter().map(|f| unsafe { OwnedFd::from_raw_fd(f) }));
+        }
+    }
+    if msg
+        .flags
+        .intersects(MsgFlags::MSG_TRUNC | MsgFlags::MSG_CTRUNC)
+    {
+        return Err(std::io::Error::other("message or descriptors cut"));
+    }
+    let n = msg.bytes;
+    Ok((buf[..n].to_vec(), fds))
+}
+
+/// `/proc/<pid>/stat` field 22: the process's start time in clock ticks since boot (proc(5));
+/// with the pid it names one process for good.
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold anything: split after the last.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// The pid a pidfd names (`Pid:` of its fdinfo); `None` once the process has exited and been
+/// reaped (`-1`).
+pub fn pidfd_pid(pidfd: BorrowedFd<'_>) -> Option<u32> {
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", pidfd.as_raw_fd())).ok()?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("Pid:"))
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .filter(|&p| p > 0)
+        .map(|p| p as u32)
+}
+
+fn signal_pidfd(pidfd: BorrowedFd<'_>, signal: libc::c_int) -> bool {
+    // SAFETY: a valid pidfd; no siginfo; flags 0.
+    unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            signal,
+            std::ptr::null::<libc::siginfo_t>(),
+            0u32,
+        ) == 0
+    }
+}
+
+/// poll(2) for input on `fds` for at most `timeout_ms` (-1: no bound); which are readable
+/// (or at end of file, or failed). `EINTR` is an empty answer.
+///
+/// Errors: poll failed otherwise.
+fn poll_in(fds: &[BorrowedFd<'_>], timeout_ms: i32) -> std::io::Result<Vec<bool>> {
+    let mut p: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|f| libc::pollfd {
+            fd: f.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: `p` holds `p.len()` valid pollfd structures.
+    let n = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout_ms) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.kind() == std::io::ErrorKind::Interrupted {
+            return Ok(vec![false; fds.len()]);
+        }
+        return Err(e);
+    }
+    Ok(p.iter().map(|x| x.revents != 0).collect())
+}
+
+fn readable(fd: BorrowedFd<'_>) -> bool {
+    poll_in(&[fd], 0).is_ok_and(|r| r[0])
+}
+
+/// The keeper's side: what `sandcelld keep ...` runs. Never returns.
+pub fn main(args: &[String]) -> ! {
+    let code = match run(args) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("sandcelld keeper: {e}");
+            1
+        }
+    };
+    std::process::exit(code)
+}
+
+struct Args {
+    session: String,
+    socket: PathBuf,
+    timeout: Duration,
+    procs: Vec<PathBuf>,
+}
+
+fn parse(args: &[String]) -> std::io::Result<Args> {
+    let bad = || {
+        std::io::Error::other(
+            "usage: sandcelld keep <session> <socket> <seconds> <cgroup.procs>...",
+        )
+    };
+    if args.len() < 3 {
+        return Err(bad());
+    }
+    Ok(Args {
+        session: args[0].clone(),
+        socket: PathBuf::from(&args[1]),
+        timeout: Duration::from_secs(args[2].parse().map_err(|_| bad())?),
+        procs: args[3..].iter().map(PathBuf::from).collect(),
+    })
+}
+
+/// Binds and listens on `path` (mode 0600, a stale socket file replaced).
+///
+/// Errors: the socket calls failed.
+pub fn listen_at(path: &Path) -> std::io::Result<OwnedFd> {
+    let s = socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    let _ = std::fs::remove_file(path);
+    bind(s.as_raw_fd(), &UnixAddr::new(path)?)?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    listen(&s, Backlog::new(4)?)?;
+    Ok(s)
+}
+
+fn run(args: &[String]) -> std::io::Result<i32> {
+    let a = parse(args)?;
+    // SAFETY: fd 3 was placed by the daemon for this process; nothing else owns it.
+    let lifeline = unsafe { OwnedFd::from_raw_fd(LIFELINE_FD) };
+    let listener = listen_at(&a.socket)?;
+    let r = keep(&a, lifeline, &listener);
+    let _ = std::fs::remove_file(&a.socket);
+    r
+}
+
+/// What ended the wait on a lifeline.
+#[derive(Debug, PartialEq, Eq)]
+enum Wait {
+    /// [`END`]: the session ends.
+    End,
+    /// The worker exited.
+    WorkerGone,
+    /// The lifeline closed without [`END`].
+    Orphaned,
+}
+
+fn wait_lifeline(lifeline: BorrowedFd<'_>, pidfd: BorrowedFd<'_>) -> std::io::Result<Wait> {
+    loop {
+        let p = poll_in(&[lifeline, pidfd], -1)?;
+        if p[1] {
+            return Ok(Wait::WorkerGone);
+        }
+        if p[0] {
+            return Ok(match recv(lifeline) {
+                Ok((m, _)) if m == END => Wait::End,
+                Ok((m, _)) if m.is_empty() => Wait::Orphaned,
+                Ok(_) => continue,
+                Err(_) => Wait::Orphaned,
+            });
+        }
+    }
+}
+
+fn keep(a: &Args, lifeline: OwnedFd, listener: &OwnedFd) -> std::io::Result<i32> {
+    let (m, fds) = recv(lifeline.as_fd())?;
+    if m != HOLD {
+        return Err(std::io::Error::other("the daemon did not send hold"));
+    }
+    let held = Held::from_fds(fds)?;
+    send(lifeline.as_fd(), HELD, &[])?;
+    let mut lifeline = lifeline;
+    loop {
+        match wait_lifeline(lifeline.as_fd(), held.pidfd.as_fd())? {
+            Wait::End | Wait::WorkerGone => return Ok(0),
+            Wait::Orphaned => {}
+        }
+        drop(lifeline);
+        match adoption(a, &held, listener)? {
+            Some(l) => lifeline = l,
+            None => return Ok(0),
+        }
+    }
+}
+
+/// Waits for an adopter for at most the timeout: `Some(new lifeline)`, or `None` when the
+/// worker exited or nobody came (then the session's processes are killed).
+fn adoption(a: &Args, held: &Held, listener: &OwnedFd) -> std::io::Result<Option<OwnedFd>> {
+    let deadline = Instant::now() + a.timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            eprintln!(
+                "sandcelld keeper: session {}: no daemon adopted it within {} s; ending it",
+                a.session,
+                a.timeout.as_secs()
+            );
+            kill_session(held.pidfd.as_fd(), &a.procs);
+            return Ok(None);
+        }
+        let ms = left.as_millis().clamp(1, i32::MAX as u128) as i32;
+        let p = poll_in(&[listener.as_fd(), held.pidfd.as_fd()], ms)?;
+        if p[1] {
+            return Ok(None);
+        }
+        if !p[0] {
+            continue;
+        }
+        let Ok(c) = accept4(listener.as_raw_fd(), SockFlag::SOCK_CLOEXEC) else {
+            continue;
+        };
+        // SAFETY: accept4 returned a new descriptor owned by nobody else.
+        let c = unsafe { OwnedFd::from_raw_fd(c) };
+        match getsockopt(&c, sockopt::PeerCredentials) {
+            Ok(cred) if cred.uid() == 0 => {}
+            _ => continue,
+        }
+        if send(c.as_fd(), FDS, &held.borrowed()).is_ok() {
+            return Ok(Some(c));
+        }
+    }
+}
+
+/// Kills the worker through its pidfd, then every process listed in `procs` (each pinned by
+/// a pidfd before the signal, never signalled by a bare pid) but this keeper, for at most a
+/// few seconds.
+fn kill_session(worker: BorrowedFd<'_>, procs: &[PathBuf]) {
+    signal_pidfd(worker, libc::SIGKILL);
+    let me = std::process::id();
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(5) {
+        let mut any = false;
+        for pid in crate::cgroup::host::listed_pids(procs) {
+            if pid == me {
+                continue;
+            }
+            // SAFETY: pidfd_open takes a pid and flags; returns a new fd or -1.
+            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0u32) };
+            if fd < 0 {
+                continue;
+            }
+            // SAFETY: a fresh descriptor from pidfd_open.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+            if !readable(fd.as_fd()) {
+                any = true;
+                signal_pidfd(fd.as_fd(), libc::SIGKILL);
+            }
+        }
+        if !any {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+// The daemon's side.
+
+/// A daemon's connection to a session's keeper. Dropping it without [`Lifeline::end`] leaves
+/// the keeper waiting for an adopter (what a daemon that dies does).
+#[derive(Debug)]
+pub struct Lifeline {
+    sock: OwnedFd,
+    /// The keeper's pid.
+    pub pid: u32,
+    /// Its start time ([`start_time`]).
+    pub start_time: u64,
+}
+
+impl Lifeline {
+    /// Tells the keeper the session ends, so it exits without waiting for an adopter.
+    pub fn end(&self) {
+        let _ = send(self.sock.as_fd(), END, &[]);
+    }
+
+    /// Whether the keeper closed its end (it exited).
+    pub fn closed(&self) -> bool {
+        readable(self.sock.as_fd())
+    }
+}
+
+fn set_timeout(s: &OwnedFd) -> std::io::Result<()> {
+    let tv = nix::sys::time::TimeVal::new(ANSWER_TIMEOUT.as_secs() as _, 0);
+    setsockopt_timeout(s, tv)
+}
+
+fn setsockopt_timeout(s: &OwnedFd, tv: nix::sys::time::TimeVal) -> std::io::Result<()> {
+    nix::sys::socket::setsockopt(s, sockopt::ReceiveTimeout, &tv)?;
+    Ok(())
+}
+
+/// How to start a keeper.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    /// The session id.
+    pub session: String,
+    /// Its socket (in the root-only keepers directory).
+    pub socket: PathBuf,
+    /// Adoption timeout.
+    pub timeout: Duration,
+    /// The session cgroup's `cgroup.procs` files: the keeper joins them, and kills what they
+    /// list when nobody adopts it.
+    pub procs: Vec<PathBuf>,
+}
+
+/// Starts the keeper of `spec` holding `held` (the descriptors are duplicated into it and
+/// stay the caller's). Blocks until it answered (at most [`ANSWER_TIMEOUT`]). The keeper is
+/// the caller's child: the caller reaps it (`std::process::Child` returned).
+///
+/// Errors: the socket pair, the cgroup files, the spawn, or the handshake failed.
+pub fn start(spec: &Spec, held: &Held) -> std::io::Result<(Lifeline, std::process::Child)> {
+    use std::os::unix::process::CommandExt;
+    let (mine, theirs) = socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )?;
+    let procs: Vec<OwnedFd> = spec
+        .procs
+        .iter()
+        .map(|p| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags_cloexec()
+                .open(p)
+                .map(OwnedFd::from)
+        })
+        .collect::<Result<_, _>>()?;
+    let procs_raw: Vec<RawFd> = procs.iter().map(|f| f.as_raw_fd()).collect();
+    let theirs_raw = theirs.as_raw_fd();
+    let mut cmd = std::process::Command::new("/proc/self/exe");
+    cmd.arg0("sandcelld-keeper")
+        .arg(SUBCOMMAND)
+        .arg(&spec.session)
+        .arg(&spec.socket)
+        .arg(spec.timeout.as_secs().to_string())
+        .args(&spec.procs)
+        .env_clear()
+        .current_dir("/")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null());
+    // SAFETY: only async-signal-safe calls (write, setsid, dup2, close_range) between fork and
+    // exec; nothing is allocated.
+    unsafe {
+        cmd.pre_exec(move || {
+            for &fd in &procs_raw {
+                if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::dup2(theirs_raw, LIFELINE_FD) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if libc::syscall(
+                libc::SYS_close_range,
+                (LIFELINE_FD + 1) as u32,
+                u32::MAX,
+                libc::CLOSE_RANGE_CLOEXEC,
+            ) < 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn()?;
+    drop((theirs, procs));
+    let pid = child.id();
+    let handshake = (|| {
+        send(mine.as_fd(), HOLD, &held.borrowed())?;
+        set_timeout(&mine)?;
+        let (m, _) = recv(mine.as_fd())?;
+        if m != HELD {
+            return Err(std::io::Error::other("the keeper did not answer held"));
+        }
+        Ok(())
+    })();
+    if let Err(e) = handshake {
+        // SAFETY: a signal to our own unreaped child.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        let mut child = child;
+        let _ = child.wait();
+        return Err(e);
+    }
+    let start_time = start_time(pid).unwrap_or(0);
+    Ok((
+        Lifeline {
+            sock: mine,
+            pid,
+            start_time,
+        },
+        child,
+    ))
+}
+
+/// Connects to the keeper listening on `socket` and takes its descriptors over; the
+/// connection is the keeper's new lifeline. The peer's pid comes from `SO_PEERCRED`.
+///
+/// Errors: nobody listens, the peer is not root, or it sent no [`FDS`].
+pub fn adopt(socket: &Path) -> std::io::Result<(Lifeline, Held)> {
+    let s = socket_seqpacket()?;
+    connect(s.as_raw_fd(), &UnixAddr::new(socket)?)?;
+    let cred = getsockopt(&s, sockopt::PeerCredentials)?;
+    if cred.uid() != 0 {
+        return Err(std::io::Error::other(format!(
+            "the peer on {} runs as uid {}, not root",
+            socket.display(),
+            cred.uid()
+        )));
+    }
+    set_timeout(&s)?;
+    let (m, fds) = recv(s.as_fd())?;
+    if m != FDS {
+        return Err(std::io::Error::other("the keeper sent no descriptors"));
+    }
+    let held = Held::from_fds(fds)?;
+    let pid = cred.pid() as u32;
+    // Blocking reads from here on belong to nobody: the lifeline is only polled.
+    setsockopt_timeout(&s, nix::sys::time::TimeVal::new(0, 0))?;
+    Ok((
+        Lifeline {
+            sock: s,
+            pid,
+            start_time: start_time(pid).unwrap_or(0),
+        },
+        held,
+    ))
+}
+
+fn socket_seqpacket() -> std::io::Result<OwnedFd> {
+    Ok(socket(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?)
+}
+
+trait CloexecOpen {
+    fn custom_flags_cloexec(&mut self) -> &mut Self;
+}
+
+impl CloexecOpen for std::fs::OpenOptions {
+    fn custom_flags_cloexec(&mut self) -> &mut Self {
+        use std::os::unix::fs::OpenOptionsExt;
+        self.custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pipe() -> (OwnedFd, OwnedFd) {
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap()
+    }
+
+    /// The keeper's protocol, its side run on a thread of this test: hold, orphaned by the
+    /// lifeline's close, adopted by a new connection that gets the same pipes, and `end`.
+    #[test]
+    fn hold_orphan_adopt_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("k.sock");
+        let mut sleeper = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        // SAFETY: pidfd_open of our own unreaped child.
+        let pidfd = unsafe {
+            OwnedFd::from_raw_fd(libc::syscall(
+                libc::SYS_pidfd_open,
+                sleeper.id() as libc::pid_t,
+                0u32,
+            ) as i32)
+        };
+        let (req_r, req_w) = pipe();
+        let (rep_r, rep_w) = pipe();
+        let held = Held {
+            pidfd,
+            dir: std::fs::File::open(dir.path()).unwrap().into(),
+            requests: req_w,
+            replies: rep_r,
+            raw: None,
+        };
+        let (mine, theirs) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .unwrap();
+        let a = Args {
+            session: "t".into(),
+            socket: sock.clone(),
+            timeout: Duration::from_secs(20),
+            procs: Vec::new(),
+        };
+        let listener = listen_at(&sock).unwrap();
+        let keeper = std::thread::spawn(move || keep(&a, theirs, &listener).unwrap());
+        send(mine.as_fd(), HOLD, &held.borrowed()).unwrap();
+        let (m, _) = recv(mine.as_fd()).unwrap();
+        assert_eq!(m, HELD);
+        // The daemon's own ends go; only the keeper holds the pipes now.
+        drop(held);
+        // The daemon dies: the lifeline closes without `end`.
+        drop(mine);
+        // The worker's reply written meanwhile waits in the pipe.
+        nix::unistd::write(&rep_w, b"line\n").unwrap();
+        let (life, got) = adopt(&sock).unwrap();
+        assert_eq!(life.pid, std::process::id());
+        let mut buf = [0u8; 16];
+        let n = nix::unistd::read(&got.replies, &mut buf).unwrap();
+        assert_eq!(&buf[..n], b"line\n");
+        nix::unistd::write(&got.requests, b"x").unwrap();
+        assert_eq!(nix::unistd::read(&req_r, &mut buf).unwrap(), 1);
+        assert_eq!(pidfd_pid(got.pidfd.as_fd()), Some(sleeper.id()));
+        // The request pipe never saw end of file: the keeper held its write end throughout.
+        life.end();
+        assert_eq!(keeper.join().unwrap(), 0);
+        let _ = sleeper.kill();
+        let _ = sleeper.wait();
+    }
+
+    /// Nobody adopts: after the timeout the worker is killed and the keeper ends.
+    #[test]
+    fn unadopted_worker_is_killed_after_the_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("k.sock");
+        let mut sleeper = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        // SAFETY: pidfd_open of our own unreaped child.
+        let pidfd = unsafe {
+            OwnedFd::from_raw_fd(libc::syscall(
+                libc::SYS_pidfd_open,
+                sleeper.id() as libc::pid_t,
+                0u32,
+            ) as i32)
+        };
+        let (_req_r, req_w) = pipe();
+        let (rep_r, _rep_w) = pipe();
+        let held = Held {
+            pidfd,
+            dir: std::fs::File::open(dir.path()).unwrap().into(),
+            requests: req_w,
+            replies: rep_r,
+            raw: None,
+        };
+        let (mine, theirs) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .unwrap();
+        let a = Args {
+            session: "t".into(),
+            socket: sock.clone(),
+            timeout: Duration::from_secs(1),
+            procs: Vec::new(),
+        };
+        let listener = listen_at(&sock).unwrap();
+        let keeper = std::thread::spawn(move || keep(&a, theirs, &listener).unwrap());
+        send(mine.as_fd(), HOLD, &held.borrowed()).unwrap();
+        assert_eq!(recv(mine.as_fd()).unwrap().0, HELD);
+        drop(mine);
+        let t0 = Instant::now();
+        assert_eq!(keeper.join().unwrap(), 0);
+        assert!(t0.elapsed() >= Duration::from_millis(900));
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(sleeper.wait().unwrap().signal(), Some(libc::SIGKILL));
+    }
+}

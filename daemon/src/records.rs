@@ -1,0 +1,243 @@
+//! Session records: what a successor daemon needs to adopt a live session, written by the
+//! daemon only, in a root-only directory (`adopt_dir`, default `/run/sandcell/adopt`, mode
+//! 0700, on tmpfs: a reboot, which ends every worker, also forgets every record).
+//!
+//! One JSON file per session, `<adopt_dir>/<id>.json`, mode 0600, replaced atomically (a
+//! temporary file in the same directory renamed over it; rename(2)), written when the session
+//! opens and after each cell; removed when the session ends. The keepers' sockets are in
+//! `<adopt_dir>/keepers/<id>.sock`. Nothing a tenant can write is read: the directory and the
+//! files are root's, and every field that names a process is checked against the live
+//! process before it is trusted (`crate::adopt`).
+
+use serde::{Deserialize, Serialize};
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+/// Version of the record format; a record of another version is not adopted.
+pub const VERSION: u32 = 1;
+
+/// Most bytes of one record file read.
+pub const MAX_RECORD_BYTES: u64 = 64 * 1024;
+
+/// A process named for good: its pid and its start time (`/proc/<pid>/stat` field 22).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcId {
+    /// The pid.
+    pub pid: u32,
+    /// Start time, clock ticks since boot.
+    pub start_time: u64,
+}
+
+/// A session's limits as recorded (durations in milliseconds, sizes in bytes).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Limits {
+    /// Wall time of one cell, ms.
+    pub wall_ms: u64,
+    /// Fuel of one Python cell.
+    pub fuel: u64,
+    /// Guest memory, bytes.
+    pub guest_memory: u64,
+    /// stdout bytes kept per cell.
+    pub stdout: u64,
+    /// stderr bytes kept per cell.
+    pub stderr: u64,
+    /// Kill grace, ms.
+    pub grace_ms: u64,
+    /// Disk budget, bytes.
+    pub files_bytes: u64,
+    /// Host-call opt-in: the call timeout, ms.
+    pub host_calls_ms: Option<u64>,
+    /// Whether cells show their last expression.
+    pub display: bool,
+}
+
+impl From<&crate::session::SessionLimits> for Limits {
+    fn from(l: &crate::session::SessionLimits) -> Self {
+        Limits {
+            wall_ms: l.wall.as_millis() as u64,
+            fuel: l.fuel,
+            guest_memory: l.guest_memory,
+            stdout: l.stdout,
+            stderr: l.stderr,
+            grace_ms: l.grace.as_millis() as u64,
+            files_bytes: l.files_bytes,
+            host_calls_ms: l.host_calls.map(|d| d.as_millis() as u64),
+            display: l.display,
+        }
+    }
+}
+
+impl From<&Limits> for crate::session::SessionLimits {
+    fn from(l: &Limits) -> Self {
+        use std::time::Duration;
+        crate::session::SessionLimits {
+            wall: Duration::from_millis(l.wall_ms),
+            fuel: l.fuel,
+            guest_memory: l.guest_memory,
+            stdout: l.stdout,
+            stderr: l.stderr,
+            grace: Duration::from_millis(l.grace_ms),
+            files_bytes: l.files_bytes,
+            host_calls: l.host_calls_ms.map(Duration::from_millis),
+            display: l.display,
+        }
+    }
+}
+
+/// One live session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    /// [`VERSION`].
+    pub version: u32,
+    /// Session id (32 hex digits).
+    pub id: String,
+    /// The owner's uid and gid.
+    pub owner_uid: u32,
+    /// The owner's gid.
+    pub owner_gid: u32,
+    /// `python` or `r`.
+    pub language: String,
+    /// Environment name.
+    pub environment: String,
+    /// The engine string of the worker's `Ready`.
+    pub engine: String,
+    /// How an interrupt is aimed: `process_group`, `process`, `main_thread`.
+    pub interrupt: String,
+    /// Native worker: output on raw stdout/stderr pipes.
+    pub raw_output: bool,
+    /// Limits in force.
+    pub limits: Limits,
+    /// Detached: idle seconds it survives its connection.
+    pub detached_idle_seconds: Option<u64>,
+    /// Opened at, ms since the Unix epoch.
+    pub started_unix_ms: u64,
+    /// Last activity (open or a cell's end), ms since the Unix epoch: the idle deadline is
+    /// this plus the idle time.
+    pub last_activity_unix_ms: u64,
+    /// Admission charge: guest memory, bytes.
+    pub charge_guest_memory: u64,
+    /// Admission charge: worker memory, bytes.
+    pub charge_worker_memory: u64,
+    /// The number the next cell gets.
+    pub next_cell: u64,
+    /// Cells finished.
+    pub cells_run: u64,
+    /// Host calls made so far (the next must be one more).
+    pub host_calls_made: u64,
+    /// The cell running when the record was written, if any.
+    pub running_cell: Option<u64>,
+    /// The keeper.
+    pub keeper: ProcId,
+    /// The worker.
+    pub worker: ProcId,
+    /// The worker's uid (`None`: the daemon's, development).
+    pub worker_uid: Option<u32>,
+    /// The session cgroup's `cgroup.procs` files.
+    pub cgroup_procs: Vec<PathBuf>,
+    /// The session directory.
+    pub session_dir: PathBuf,
+}
+
+/// `<dir>/keepers`, where keepers listen.
+pub fn keepers_dir(dir: &Path) -> PathBuf {
+    dir.join("keepers")
+}
+
+/// The socket of session `id`'s keeper.
+pub fn keeper_socket(dir: &Path, id: &str) -> PathBuf {
+    keepers_dir(dir).join(format!("{id}.sock"))
+}
+
+/// Creates `dir` and its `keepers` directory, root-only (0700).
+///
+/// Errors: the directories cannot be made or their mode set.
+pub fn prepare(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    for d in [dir.to_path_buf(), keepers_dir(dir)] {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&d)?;
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(())
+}
+
+fn path_of(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!("{id}.json"))
+}
+
+/// Writes `r` atomically (temporary file, mode 0600, renamed over the old record).
+///
+/// Errors: the file cannot be written or renamed.
+pub fn write(dir: &Path, r: &Record) -> std::io::Result<()> {
+    let tmp = dir.join(format!(".{}.tmp", r.id));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&tmp)?;
+    f.write_all(&serde_json::to_vec(r).map_err(std::io::Error::other)?)?;
+    drop(f);
+    std::fs::rename(&tmp, path_of(dir, &r.id))
+}
+
+/// Removes session `id`'s record and its keeper's socket (absent ones are not an error).
+pub fn remove(dir: &Path, id: &str) {
+    let _ = std::fs::remove_file(path_of(dir, id));
+    let _ = std::fs::remove_file(keeper_socket(dir, id));
+}
+
+/// Every record in `dir`: `(id, record or why it is unreadable)`. A file that is not a
+/// regular root-owned file of at most [`MAX_RECORD_BYTES`] is unreadable.
+pub fn read_all(dir: &Path) -> Vec<(String, Result<Record, String>)> {
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(id) = name.to_str().and_then(|n| n.strip_suffix(".json")) else {
+            continue;
+        };
+        if sandcell_proto::kernel::SessionId::parse(id).is_err() {
+            continue;
+        }
+        let read = (|| {
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(e.path())
+                .map_err(|e| e.to_string())?;
+            let m = f.metadata().map_err(|e| e.to_string())?;
+            if !m.is_file() || m.uid() != 0 || m.mode() & 0o077 != 0 {
+                return Err("not a root-only regular file".to_string());
+            }
+            let mut buf = Vec::new();
+            f.take(MAX_RECORD_BYTES + 1)
+                .read_to_end(&mut buf)
+                .map_err(|e| e.to_string())?;
+            if buf.len() as u64 > MAX_RECORD_BYTES {
+                return Err(format!("longer than {MAX_RECORD_BYTES} bytes"));
+            }
+            let r: Record = serde_json::from_slice(&buf).map_err(|e| e.to_string())?;
+            if r.version != VERSION || r.id != id {
+                return Err("another version, or another session's id".into());
+            }
+            Ok(r)
+        })();
+        out.push((id.to_string(), read));
+    }
+    out
+}
+
+/// Milliseconds since the Unix epoch of `t`.
+pub fn unix_ms(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}

@@ -1,0 +1,417 @@
+//! Sessions kept for adoption: the actor's side of the keeper (`crate::keeper`) and of the
+//! session record (`crate::records`), and the construction of a session around a worker
+//! adopted from a previous daemon ([`Session::adopt`]).
+//!
+//! A session started with [`Keep`] starts its keeper before its first command and writes its
+//! record then and whenever a recorded field changed (a cell's start and end, the cell
+//! counter, the idle clock). Its end sends the keeper `end` and removes the record, so a stop
+//! that ends sessions leaves nothing to adopt.
+
+use super::*;
+use crate::keeper::{self, Held, Lifeline};
+use crate::records::{self, ProcId, Record};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::Path;
+
+/// How this daemon keeps its sessions for a successor.
+#[derive(Debug, Clone)]
+pub struct Keep {
+    /// `adopt_dir`: records and keeper sockets.
+    pub dir: PathBuf,
+    /// `adopt_timeout_seconds`.
+    pub timeout: Duration,
+}
+
+/// The actor's keeper and record.
+pub(super) struct Kept {
+    keep: Keep,
+    environment: String,
+    lifeline: Option<Lifeline>,
+    /// The keeper, when this daemon started it (its parent reaps it).
+    child: Option<std::process::Child>,
+    worker: Option<ProcId>,
+    /// The last record written, and the idle clock it was written with.
+    last: Option<(Record, Instant)>,
+}
+
+impl Kept {
+    pub(super) fn new(keep: Keep, environment: String, lifeline: Option<Lifeline>) -> Kept {
+        Kept {
+            keep,
+            environment,
+            lifeline,
+            child: None,
+            worker: None,
+            last: None,
+        }
+    }
+}
+
+fn interrupt_name(t: crate::worker::InterruptTarget) -> &'static str {
+    match t {
+        crate::worker::InterruptTarget::ProcessGroup => "process_group",
+        crate::worker::InterruptTarget::Process => "process",
+        crate::worker::InterruptTarget::MainThread => "main_thread",
+    }
+}
+
+fn interrupt_of(s: &str) -> Option<crate::worker::InterruptTarget> {
+    Some(match s {
+        "process_group" => crate::worker::InterruptTarget::ProcessGroup,
+        "process" => crate::worker::InterruptTarget::Process,
+        "main_thread" => crate::worker::InterruptTarget::MainThread,
+        _ => return None,
+    })
+}
+
+fn open_dir(path: &Path) -> std::io::Result<OwnedFd> {
+    use std::os::unix::fs::OpenOptionsExt;
+    Ok(std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)?
+        .into())
+}
+
+impl Actor {
+    /// Duplicates of the descriptors a keeper holds.
+    fn held(&self) -> std::io::Result<Held> {
+        let pidfd = self
+            .pidfd
+            .as_ref()
+            .ok_or_else(|| std::io::Error::other("the kernel gave no pidfd (Linux 5.3+)"))?;
+        let raw = match (&self.stdout, &self.stderr) {
+            (Some(o), Some(e)) => Some((
+                o.as_fd().try_clone_to_owned()?,
+                e.as_fd().try_clone_to_owned()?,
+            )),
+            _ => None,
+        };
+        Ok(Held {
+            pidfd: pidfd.try_clone_fd()?,
+            dir: open_dir(&self.session_dir)?,
+            requests: self.requests.as_fd().try_clone_to_owned()?,
+            replies: self.replies.get_ref().as_fd().try_clone_to_owned()?,
+            raw,
+        })
+    }
+
+    /// Starts the session's keeper (a session adopted with its keeper's lifeline only marks
+    /// it). A keeper that cannot start leaves the session running without one: it then ends
+    /// with its daemon, as before adoption existed (logged).
+    pub(super) async fn start_keeper(&mut self) {
+        let Some(k) = self.kept.as_ref() else { return };
+        let worker = keeper::start_time(self.pid).map(|t| ProcId {
+            pid: self.pid,
+            start_time: t,
+        });
+        if let Some(l) = &k.lifeline {
+            crate::cgroup::host::protect_keeper(l.pid, l.start_time);
+            if let Some(k) = self.kept.as_mut() {
+                k.worker = worker;
+            }
+            return;
+        }
+        let spec = keeper::Spec {
+            session: self.session.id.clone(),
+            socket: records::keeper_socket(&k.keep.dir, &self.session.id),
+            timeout: k.keep.timeout,
+            procs: self.group.procs_files(),
+        };
+        let started = match self.held() {
+            Ok(held) => tokio::task::spawn_blocking(move || keeper::start(&spec, &held))
+                .await
+                .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string()))),
+            Err(e) => Err(e),
+        };
+        match started {
+            Ok((life, child)) => {
+                crate::cgroup::host::protect_keeper(life.pid, life.start_time);
+                tracing::debug!(session = %self.session.id, keeper = life.pid, "keeper started");
+                if let Some(k) = self.kept.as_mut() {
+                    k.lifeline = Some(life);
+                    k.child = Some(child);
+                    k.worker = worker;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(session = %self.session.id, error = %e, "no keeper: the session will not survive the daemon");
+                self.kept = None;
+            }
+        }
+    }
+
+    /// Writes the session's record when a recorded field changed (logged on failure: the
+    /// session then may not be adopted).
+    pub(super) fn persist(&mut self) {
+        let Some(k) = self.kept.as_ref() else { return };
+        let (Some(life), Some(worker)) = (&k.lifeline, k.worker) else {
+            return;
+        };
+        let info = self.session.info.lock().unwrap().clone();
+        let last_activity_unix_ms = match &k.last {
+            Some((r, at)) if *at == info.last_activity => r.last_activity_unix_ms,
+            _ => records::unix_ms(SystemTime::now() - info.last_activity.elapsed()),
+        };
+        let charge = self.permit.as_ref().map(|p| p.charge());
+        let s = &self.session;
+        let r = Record {
+            version: records::VERSION,
+            id: s.id.clone(),
+            owner_uid: s.owner.uid,
+            owner_gid: s.owner.gid,
+            language: s.language.as_str().into(),
+            environment: k.environment.clone(),
+            engine: s.engine.clone(),
+            interrupt: interrupt_name(self.interrupt).into(),
+            raw_output: self.raw_output,
+            limits: (&s.limits).into(),
+            detached_idle_seconds: s.detached_idle.map(|d| d.as_secs()),
+            started_unix_ms: records::unix_ms(s.started),
+            last_activity_unix_ms,
+            charge_guest_memory: charge.map_or(0, |c| c.guest_memory),
+            charge_worker_memory: charge.map_or(0, |c| c.worker_memory),
+            next_cell: self.next_cell,
+            cells_run: info.cells_run,
+            host_calls_made: self.host_calls_made,
+            running_cell: info.running_cell,
+            keeper: ProcId {
+                pid: life.pid,
+                start_time: life.start_time,
+            },
+            worker,
+            worker_uid: self.uid.as_ref().map(|u| u.uid()),
+            cgroup_procs: self.group.procs_files(),
+            session_dir: self.session_dir.clone(),
+        };
+        if k.last.as_ref().is_some_and(|(old, _)| *old == r) {
+            return;
+        }
+        if let Err(e) = records::write(&k.keep.dir, &r) {
+            tracing::warn!(session = %s.id, error = %e, "writing the session record");
+        }
+        if let Some(k) = self.kept.as_mut() {
+            k.last = Some((r, info.last_activity));
+        }
+    }
+
+    /// The session ends: the keeper is told (it exits without waiting for an adopter) and
+    /// the record removed.
+    pub(super) fn end_keeper(&mut self) {
+        let Some(k) = self.kept.as_ref() else { return };
+        if let Some(l) = &k.lifeline {
+            l.end();
+            crate::cgroup::host::unprotect_keeper(l.pid);
+        }
+        records::remove(&k.keep.dir, &self.session.id);
+    }
+
+    /// Reaps the keeper this daemon started (it exited on `end`, or the cgroup's kill took it).
+    pub(super) async fn reap_keeper(&mut self) {
+        let Some(mut child) = self.kept.as_mut().and_then(|k| k.child.take()) else {
+            return;
+        };
+        let _ = tokio::time::timeout(
+            crate::cgroup::KILL_TIMEOUT,
+            tokio::task::spawn_blocking(move || child.wait()),
+        )
+        .await;
+    }
+}
+
+/// A previous daemon's session whose keeper answered and whose record matches the live
+/// processes: ready for [`Session::adopt`].
+#[derive(Debug)]
+pub struct Adoptable {
+    /// The record.
+    pub record: Record,
+    lifeline: Lifeline,
+    held: Held,
+}
+
+/// Why a recorded session is not adopted.
+#[derive(Debug)]
+pub enum NotAdopted {
+    /// Its keeper is gone (or the session cannot be continued): `daemon_restarted`.
+    Gone(String),
+    /// The record does not match the live processes: `adoption_refused`. Nothing named by
+    /// the record was signalled.
+    Refused(String),
+}
+
+impl Adoptable {
+    /// Tells the keeper to exit (the session is not adopted after all).
+    pub fn end(&self) {
+        self.lifeline.end();
+    }
+}
+
+/// Connects to the keeper of record `r` (in `dir`) and checks what it hands over: the peer is
+/// the recorded keeper (pid and start time), the pidfd names the recorded worker (pid and
+/// start time), and the worker is in the recorded cgroup. A session whose record shows a
+/// running cell is not adopted (its keeper is told to end).
+///
+/// Errors: [`NotAdopted`].
+pub fn connect(dir: &Path, r: Record) -> Result<Adoptable, NotAdopted> {
+    let sock = records::keeper_socket(dir, &r.id);
+    let (lifeline, held) = keeper::adopt(&sock).map_err(|e| {
+        NotAdopted::Gone(format!(
+            "its keeper does not answer on {}: {e}",
+            sock.display()
+        ))
+    })?;
+    let refuse = |why: String| {
+        lifeline.end();
+        NotAdopted::Refused(why)
+    };
+    if lifeline.pid != r.keeper.pid || lifeline.start_time != r.keeper.start_time {
+        return Err(refuse(format!(
+            "the keeper is pid {} started at {}, the record names pid {} started at {}",
+            lifeline.pid, lifeline.start_time, r.keeper.pid, r.keeper.start_time
+        )));
+    }
+    let wpid = keeper::pidfd_pid(held.pidfd.as_fd());
+    if wpid != Some(r.worker.pid) {
+        return Err(refuse(format!(
+            "the keeper's worker is pid {wpid:?}, the record names pid {}",
+            r.worker.pid
+        )));
+    }
+    let started = keeper::start_time(r.worker.pid);
+    // The pidfd still names a live process after the read: the start time read was its own.
+    if crate::cgroup::host::pidfd_exited(&held.pidfd) {
+        lifeline.end();
+        return Err(NotAdopted::Gone("the worker exited".into()));
+    }
+    if started != Some(r.worker.start_time) {
+        return Err(refuse(format!(
+            "the worker started at {started:?}, the record says {}",
+            r.worker.start_time
+        )));
+    }
+    if !r.cgroup_procs.is_empty()
+        && !crate::cgroup::host::listed_pids(&r.cgroup_procs).contains(&r.worker.pid)
+    {
+        return Err(refuse("the worker is not in its recorded cgroup".into()));
+    }
+    if let Some(cell) = r.running_cell {
+        lifeline.end();
+        return Err(NotAdopted::Gone(format!(
+            "cell {cell} was running when the daemon went away"
+        )));
+    }
+    Ok(Adoptable {
+        record: r,
+        lifeline,
+        held,
+    })
+}
+
+/// Makes the session directory `path` show the session's file system `dir` (the keeper's
+/// descriptor) in this daemon's mount namespace: a daemon under its unit has a private one
+/// (`PrivateMounts=yes`), where its predecessor's tmpfs mount is not, so it is bound again.
+fn rebind(path: &Path, dir: &OwnedFd) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let there = std::fs::metadata(path)?;
+    let held = std::fs::File::from(dir.try_clone()?).metadata()?;
+    if there.dev() == held.dev() && there.ino() == held.ino() {
+        return Ok(());
+    }
+    let src = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(dir));
+    nix::mount::mount(
+        Some(src.as_str()),
+        path,
+        None::<&str>,
+        nix::mount::MsFlags::MS_BIND,
+        None::<&str>,
+    )?;
+    Ok(())
+}
+
+/// What [`Session::adopt`] needs besides the keeper's descriptors.
+pub struct AdoptWith {
+    /// The owner.
+    pub owner: Caller,
+    /// The session's group (existing).
+    pub group: Arc<dyn SessionGroup>,
+    /// The worker's uid, leased again.
+    pub uid: Option<UidLease>,
+    /// The admission charge, taken again.
+    pub permit: Permit,
+    /// Idle bound of a session that was not detached.
+    pub adopted_idle: Option<Duration>,
+    /// Runs once everything is released.
+    pub on_end: OnEnd,
+    /// Session events.
+    pub events: tokio::sync::broadcast::Sender<Event>,
+    /// How it is kept from now on.
+    pub keep: Keep,
+}
+
+impl Session {
+    /// A session around the adopted worker of `a`: its actor reads the same pipes, signals
+    /// through the same pidfd, and keeps the session's id, owner, limits, cell counter and
+    /// idle clock. The keeper's connection is the session's lifeline from now on.
+    ///
+    /// Errors: the descriptors cannot be registered, or the session directory cannot be
+    /// bound in this mount namespace.
+    pub fn adopt(a: Adoptable, w: AdoptWith) -> std::io::Result<Arc<Session>> {
+        let Adoptable {
+            record: r,
+            lifeline,
+            held,
+        } = a;
+        rebind(&r.session_dir, &held.dir)?;
+        let language = Language::parse(&r.language)
+            .ok_or_else(|| std::io::Error::other(format!("language {:?}", r.language)))?;
+        let interrupt = interrupt_of(&r.interrupt)
+            .ok_or_else(|| std::io::Error::other(format!("interrupt {:?}", r.interrupt)))?;
+        let pidfd = crate::worker::WorkerPidfd::from_owned(held.pidfd);
+        let child = crate::worker::process::WorkerProcess::adopted(r.worker.pid, &pidfd)?;
+        let (stdout, stderr) = match held.raw {
+            Some((o, e)) => (
+                Some(pipe::Receiver::from_owned_fd(o)?),
+                Some(pipe::Receiver::from_owned_fd(e)?),
+            ),
+            None => (None, None),
+        };
+        let now = SystemTime::now();
+        let last = std::time::UNIX_EPOCH + Duration::from_millis(r.last_activity_unix_ms);
+        let idle_for = now.duration_since(last).unwrap_or_default();
+        let last_activity = Instant::now()
+            .checked_sub(idle_for)
+            .unwrap_or_else(Instant::now);
+        Ok(Self::launch(Launch {
+            id: r.id.clone(),
+            language,
+            engine: r.engine.clone(),
+            environment: r.environment.clone(),
+            owner: w.owner,
+            detached_idle: r.detached_idle_seconds.map(Duration::from_secs),
+            adopted_idle: w.adopted_idle,
+            limits: (&r.limits).into(),
+            on_end: w.on_end,
+            events: w.events,
+            child,
+            pid: r.worker.pid,
+            pidfd: Some(pidfd),
+            requests: pipe::Sender::from_owned_fd(held.requests)?,
+            replies: LineReader::new(pipe::Receiver::from_owned_fd(held.replies)?),
+            stdout,
+            stderr,
+            group: w.group,
+            session_dir: r.session_dir.clone(),
+            uid: w.uid,
+            permit: w.permit,
+            interrupt,
+            raw_output: r.raw_output,
+            next_cell: r.next_cell,
+            cells_run: r.cells_run,
+            host_calls_made: r.host_calls_made,
+            last_activity,
+            started: std::time::UNIX_EPOCH + Duration::from_millis(r.started_unix_ms),
+            keep: Some(w.keep),
+            lifeline: Some(lifeline),
+        }))
+    }
+}
