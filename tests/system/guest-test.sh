@@ -773,6 +773,13 @@ newer_deb() { # a build of the same package with a higher version, as an upgrade
     dpkg-deb -Znone -b "$d" /tmp/sandcell-newer.deb >/dev/null
 }
 newer_deb || echo "    (could not build the newer package)"
+# 8 sessions of one uid: above the per-uid defaults this 2-CPU guest derives.
+cat >/etc/systemd/system/sandcelld.service.d/60-lifecycle.conf <<'CONF'
+[Service]
+Environment=SANDCELL_MAX_CONCURRENT_SESSIONS=24 SANDCELL_MAX_SESSIONS_PER_UID=16 SANDCELL_MAX_DETACHED_SESSIONS_PER_UID=16 SANDCELL_MAX_START_BURST_PER_UID=200
+CONF
+systemctl daemon-reload
+systemctl stop sandcelld.service
 lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report and check
     local ev=$1 ids=() kinds=() i k id cell before after t0 gap main0 main kept=0 out rc
     local lr=python; has_r && lr=r
