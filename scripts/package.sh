@@ -126,7 +126,7 @@ stage() {
     strip --strip-unneeded --remove-section=.comment --remove-section=.note \
         "$root/usr/libexec/sandcelld" "$root/usr/bin/sandcellctl" \
         "$root"/usr/libexec/sandcell/sandcell-{worker-python,worker-r,worker-python-native,python-runtime,bench}
-    install -m 0644 units/sandcelld.socket units/sandcelld.service "$root$unitdir/"
+    install -m 0644 units/sandcelld.socket units/sandcelld.service units/sandcell-sessions.service "$root$unitdir/"
     install -m 0644 units/sysusers.d/sandcell.conf "$root/usr/lib/sysusers.d/sandcell.conf"
     install -m 0644 units/tmpfiles.d/sandcell.conf "$root/usr/lib/tmpfiles.d/sandcell.conf"
     install -m 0644 packaging/sandcelld.toml "$root/etc/sandcell/sandcelld.toml"

@@ -36,6 +36,7 @@ pub mod environments;
 pub mod files;
 pub mod identity;
 pub mod keeper;
+pub mod lifecycle;
 pub mod loglimit;
 pub mod memory;
 pub mod metrics;

@@ -6,6 +6,7 @@ use sandcelld::auth::SocketPermissions;
 use sandcelld::cgroup::{self, Backend};
 use sandcelld::config::{Config, DEFAULT_CONFIG_PATH};
 use sandcelld::core::Core;
+use sandcelld::lifecycle::OnTerm;
 use sandcelld::worker::start::Options;
 use sandcelld::{notify, varlink};
 use std::os::unix::fs::PermissionsExt;
@@ -41,6 +42,11 @@ struct Args {
     /// production.
     #[arg(long)]
     insecure_dev: bool,
+    /// The main process of sandcell-sessions.service: hold the group where session groups
+    /// live, outside sandcelld.service's, until SIGTERM (sandcelld(8), SESSIONS ACROSS
+    /// RESTARTS).
+    #[arg(long, hide = true)]
+    hold_sessions: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -59,6 +65,13 @@ fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .init();
+    if args.hold_sessions {
+        if let Err(e) = sandcelld::lifecycle::hold_sessions(Path::new("/sys/fs/cgroup")) {
+            eprintln!("sandcelld --hold-sessions: {e}");
+            std::process::exit(EX_CONFIG);
+        }
+        return Ok(());
+    }
     let (path, required) = match &args.config {
         Some(p) => (p.clone(), true),
         None => (PathBuf::from(DEFAULT_CONFIG_PATH), false),
@@ -282,7 +295,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     tracing::info!("ready to serve");
 
     let server = tokio::spawn(varlink::serve(core.clone(), listener, stop_rx));
-    let stop = serve_until_stopped(
+    let stopped = serve_until_stopped(
         &core,
         &mut metrics,
         &config_path,
@@ -290,10 +303,28 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         (activated && idle_exit > 0).then_some(idle_exit),
     )
     .await?;
-    if stop == Stop::KeepSessions {
-        notify::stopping();
-        metrics.finish().await;
-        core.exit_keeping_sessions();
+    // SIGTERM during `systemctl restart` (or the package's restart after an upgrade) keeps
+    // the sessions for the next daemon; every other stop ends them (sandcelld::lifecycle).
+    let on_term = match stopped {
+        Stopped::Term => sandcelld::lifecycle::on_term().await,
+        Stopped::KeepRequested => OnTerm::KeepSessions,
+        Stopped::Interrupt => OnTerm::EndSessions("SIGINT".into()),
+        Stopped::Idle => OnTerm::EndSessions("idle exit".into()),
+    };
+    match &on_term {
+        OnTerm::KeepSessions if core.adoption_enabled() => {
+            if stopped == Stopped::Term {
+                tracing::info!("systemd is restarting the unit: keeping every session");
+            }
+            notify::stopping();
+            metrics.finish().await;
+            core.exit_keeping_sessions();
+        }
+        OnTerm::KeepSessions => tracing::warn!(
+            "systemd is restarting the unit, but adoption is not enabled here: ending every \
+             session"
+        ),
+        OnTerm::EndSessions(why) => tracing::info!(%why, "stopping: ending every session"),
     }
     notify::stopping();
     // No capacity is offered from here on: the file goes first.
@@ -439,8 +470,21 @@ fn announce_confinement(
     Ok(())
 }
 
+/// Why [`serve_until_stopped`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stopped {
+    /// SIGTERM: systemd stops or restarts the unit (or someone sent it by hand).
+    Term,
+    /// SIGUSR2 with adoption enabled: exit keeping every session for the next daemon.
+    KeepRequested,
+    /// SIGINT: an interactive stop.
+    Interrupt,
+    /// No session and no connection for `idle_exit` seconds.
+    Idle,
+}
+
 /// Serves until SIGTERM or SIGINT, or, with `idle_exit`, until no session or connection was
-/// left for that many seconds; SIGHUP reloads `config_path`. Every second: the sd_notify
+/// left for that many seconds, and says which; SIGHUP reloads `config_path`. Every second: the sd_notify
 /// status, the metrics file, the watchdog, and a heap trim every [`TRIM_EVERY`].
 async fn serve_until_stopped(
     core: &Arc<Core>,
@@ -448,7 +492,7 @@ async fn serve_until_stopped(
     config_path: &Path,
     config_required: bool,
     idle_exit: Option<u64>,
-) -> anyhow::Result<Stop> {
+) -> anyhow::Result<Stopped> {
     let mut term = signal(SignalKind::terminate())?;
     let mut usr2 = signal(SignalKind::user_defined2())?;
     let mut int = signal(SignalKind::interrupt())?;
@@ -460,15 +504,15 @@ async fn serve_until_stopped(
     let mut last_trim = Instant::now();
     loop {
         tokio::select! {
-            _ = term.recv() => { tracing::info!("SIGTERM: stopping"); break; }
+            _ = term.recv() => { tracing::info!("SIGTERM: stopping"); return Ok(Stopped::Term); }
             _ = usr2.recv() => {
                 if core.adoption_enabled() {
                     tracing::info!("SIGUSR2: exiting, keeping sessions for the next daemon");
-                    return Ok(Stop::KeepSessions);
+                    return Ok(Stopped::KeepRequested);
                 }
                 tracing::warn!("SIGUSR2: adoption is not enabled; ignored");
             }
-            _ = int.recv() => { tracing::info!("SIGINT: stopping"); break; }
+            _ = int.recv() => { tracing::info!("SIGINT: stopping"); return Ok(Stopped::Interrupt); }
             _ = hup.recv() => { let _ = core.reload_from(config_path, config_required, "SIGHUP"); }
             _ = tick.tick() => {
                 notify::status(&status_line(core));
@@ -484,7 +528,7 @@ async fn serve_until_stopped(
                 if core.sessions().is_empty() && core.connection_count() == 0 {
                     if let Some(idle_exit) = idle_exit && last_busy.elapsed() >= Duration::from_secs(idle_exit) {
                         tracing::info!(idle_exit, "idle: exiting; systemd starts the daemon again on the next connection");
-                        break;
+                        return Ok(Stopped::Idle);
                     }
                 } else {
                     last_busy = Instant::now();
@@ -492,16 +536,6 @@ async fn serve_until_stopped(
             }
         }
     }
-    Ok(Stop::EndSessions)
-}
-
-/// How the daemon stops.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Stop {
-    /// End every session (SIGTERM, SIGINT, idle exit).
-    EndSessions,
-    /// Exit keeping sessions for the next daemon (SIGUSR2).
-    KeepSessions,
 }
 
 /// How often the daemon hands freed heap memory back to the kernel.

@@ -44,6 +44,13 @@ worker_procs() {
     done
 }
 cg() { echo "/sys/fs/cgroup$(systemctl show -p ControlGroup --value sandcelld.service)"; }
+# Where the session groups live: sandcell-sessions.service's group when that unit runs, else
+# the daemon's own.
+sessions_home() {
+    local g
+    g=$(systemctl show -p ControlGroup --value sandcell-sessions.service)
+    if [[ -n $g && -d /sys/fs/cgroup$g/sessions ]]; then echo "/sys/fs/cgroup$g"; else cg; fi
+}
 
 # The daemon's log goes to the VM console as it happens (the host's console.log), so a stuck
 # run can be followed from the host: tail -f $SANDCELL_VM_CACHE/run.*/console.log
@@ -267,8 +274,13 @@ echo "    cgroup tree of the service ($root):"
 find "$root" -mindepth 1 -maxdepth 3 -type d | sed "s|$root|    .|"
 check cgroup-supervisor-holds-daemon grep -qx "$main" "$root/supervisor/cgroup.procs"
 check cgroup-root-has-no-processes test -z "$(cat "$root/cgroup.procs")"
-check cgroup-sessions-controllers grep -qw memory "$root/sessions/cgroup.subtree_control"
-sess_groups=$(find "$root/sessions" -mindepth 1 -maxdepth 1 -type d)
+# Session groups live in sandcell-sessions.service (Delegate=yes), outside the daemon's unit,
+# so that systemd's kill of the daemon's group does not reach the workers.
+sroot=$(sessions_home)
+echo "    session groups in $sroot: $(find "$sroot" -mindepth 1 -maxdepth 2 -type d | sed "s|$sroot/||" | tr '\n' ' ')"
+check sessions-home-outside-daemon-unit test "$sroot" != "$root" -a -d "$sroot/sessions" -a -n "$(cat "$sroot/holder/cgroup.procs" 2>/dev/null)"
+check cgroup-sessions-controllers grep -qw memory "$sroot/sessions/cgroup.subtree_control"
+sess_groups=$(find "$sroot/sessions" -mindepth 1 -maxdepth 1 -type d)
 if [[ -n $sess_groups ]]; then
     g=$(head -1 <<<"$sess_groups")
     echo "    session group $g: memory.max $(cat "$g/memory.max"), memory.swap.max $(cat "$g/memory.swap.max" 2>/dev/null), pids.max $(cat "$g/pids.max"), cpu.max $(cat "$g/cpu.max" 2>/dev/null), memory.oom.group $(cat "$g/memory.oom.group" 2>/dev/null)"
@@ -305,7 +317,7 @@ metrics_counts_session() { grep -Eq '^sandcell_sessions\{node="[^"]*"\} [1-9]' /
 check metrics-file-counts-session wait_for 10 metrics_counts_session
 check metrics-file-mode-0644 test "$(stat -c %a:%U /run/sandcell/metrics.prom 2>&1)" = 644:root
 check close-session as_gw sandcellctl close "$sid"
-no_session_groups() { [[ -z $(find "$root/sessions" -mindepth 1 -maxdepth 1 -type d) ]]; }
+no_session_groups() { [[ -z $(find "$sroot/sessions" -mindepth 1 -maxdepth 1 -type d) ]]; }
 check session-group-removed wait_for 10 no_session_groups
 
 # ---- every Kernel method on one session -----------------------------------------------------
@@ -678,7 +690,7 @@ out=$(echo 'print("still here", v0999[:3])' | as_gw sandcellctl exec "$adv_sid" 
 # 1000 (the OOM killer's first choice), and a cell cannot lower it (read-only /proc in the
 # worker's view; oom_score_adj_min raised by the daemon's write with CAP_SYS_RESOURCE).
 wp=""
-for g in "$root"/sessions/*"$adv_hex"*; do
+for g in "$(sessions_home)"/sessions/*"$adv_hex"*; do
     [[ -f $g/cgroup.procs ]] && wp+=" $(cat "$g/cgroup.procs" | tr '\n' ' ')"
 done
 wp=$(echo $wp)
@@ -741,11 +753,136 @@ fi
 check reload systemctl reload sandcelld.service
 check active-after-reload test "$(unit_state sandcelld.service)" = active
 
+# ---- sessions across the daemon's lifecycle ---------------------------------------------------
+# Four events, each with 8 sessions open (Eryx Python, pydata, R; all detached, two with a
+# file) and one detached Submit cell running: `systemctl restart`, installing a newer build of
+# the package over the running one (dpkg's upgrade path: postinst try-restart), `systemctl
+# kill -s KILL` (a crash), and the kernel's OOM killer taking the daemon in its supervisor
+# group. Per event: the sessions kept out of 8, the gap (event to the unit active again with a
+# new main pid), and the worker pids before and after. The figures are always printed; the
+# checks that sessions are kept need a daemon that hands its sessions to the next one (the
+# harness's SANDCELL_VM_SESSIONS_SURVIVE=1: the file sessions-survive in the shared folder).
+survive=$(cat "$share/sessions-survive" 2>/dev/null || echo 0)
+newer_deb() { # a build of the same package with a higher version, as an upgrade brings
+    local d=/tmp/newer v
+    rm -rf "$d"
+    dpkg-deb -R "$share/sandcell.deb" "$d" || return 1
+    v=$(sed -n 's/^Version: //p' "$d/DEBIAN/control")
+    sed -i "s/^Version: .*/Version: $v+vmtest1/" "$d/DEBIAN/control"
+    # Uncompressed: xz under TCG takes many minutes for the package's 90 MB.
+    dpkg-deb -Znone -b "$d" /tmp/sandcell-newer.deb >/dev/null
+}
+newer_deb || echo "    (could not build the newer package)"
+# 8 sessions of one uid: above the per-uid defaults this 2-CPU guest derives.
+cat >/etc/systemd/system/sandcelld.service.d/60-lifecycle.conf <<'CONF'
+[Service]
+Environment=SANDCELL_MAX_CONCURRENT_SESSIONS=24 SANDCELL_MAX_SESSIONS_PER_UID=16 SANDCELL_MAX_DETACHED_SESSIONS_PER_UID=16 SANDCELL_MAX_START_BURST_PER_UID=200
+CONF
+systemctl daemon-reload
+systemctl stop sandcelld.service
+lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report and check
+    local ev=$1 ids=() kinds=() i k id cell before after t0 gap main0 main kept=0 out rc
+    local lr=python; has_r && lr=r
+    local menv=(); /usr/bin/python3 -c 'import numpy' 2>/dev/null && menv=(-e pydata)
+    kinds=(python python python pydata pydata "$lr" "$lr" "$lr")
+    for i in "${!kinds[@]}"; do
+        k=${kinds[$i]}
+        case $k in
+        pydata) id=$(as_gw sandcellctl open -l python "${menv[@]}" --idle 900 2>/dev/null) ;;
+        *) id=$(as_gw sandcellctl open -l "$k" --idle 900 2>/dev/null) ;;
+        esac
+        ids+=("$id")
+        if [[ $k == r ]]; then
+            echo "v <- $((i * 7))" | as_gw sandcellctl exec "$id" - >/dev/null 2>&1
+        else
+            echo "v = $((i * 7))" | as_gw sandcellctl exec "$id" - >/dev/null 2>&1
+        fi
+    done
+    echo "kept-$i" >/tmp/lc-file
+    chmod 0644 /tmp/lc-file
+    for i in 0 3; do as_gw sandcellctl put "${ids[$i]}" /tmp/lc-file kept.txt >/dev/null 2>&1; done
+    cell=$(printf '%s\n' 'import time' 'for i in range(40):' '    print("tick", i, flush=True)' '    time.sleep(0.5)' 'done = 1' \
+        | as_gw sandcellctl submit "${ids[1]}" - 2>&1)
+    before=$(worker_procs | awk '{ print $2 }' | sort -n | tr '\n' ' ')
+    main0=$(systemctl show -p MainPID --value sandcelld.service)
+    echo "    [$ev] 8 sessions (${kinds[*]}), submitted cell $cell; daemon $main0; worker pids before: $before"
+    t0=$(date +%s.%N)
+    case $ev in
+    restart) systemctl restart sandcelld.service ;;
+    upgrade) DEBIAN_FRONTEND=noninteractive dpkg -i /tmp/sandcell-newer.deb >/tmp/lc-dpkg.log 2>&1 || sed 's/^/    dpkg: /' /tmp/lc-dpkg.log | tail -5 ;;
+    kill) systemctl kill -s KILL sandcelld.service ;;
+    oom)
+        local sup lim
+        sup=$(cg)/supervisor
+        lim=$(cat "$sup/memory.max")
+        # Below what the daemon holds: the kernel reclaims, then OOM-kills it (no swap).
+        # The write returns after the kill; the limit goes back at once, before the next
+        # daemon (RestartSec=100ms) moves itself into the group.
+        echo $((4 << 20)) >"$sup/memory.max" 2>/dev/null
+        echo "$lim" >"$sup/memory.max" 2>/dev/null
+        echo "    [oom] supervisor memory.events: $(tr '\n' ' ' <"$sup/memory.events")"
+        ;;
+    esac
+    for ((k = 0; k < 1200; k++)); do
+        main=$(systemctl show -p MainPID --value sandcelld.service)
+        [[ $(unit_state sandcelld.service) == active && $main != 0 && $main != "$main0" ]] && break
+        sleep 0.1
+    done
+    gap=$(echo "$(date +%s.%N) - $t0" | bc)
+    after=$(worker_procs | awk '{ print $2 }' | sort -n | tr '\n' ' ')
+    echo "    [$ev] daemon $main0 -> $main ($(unit_state sandcelld.service)) after ${gap} s; NRestarts $(systemctl show -p NRestarts --value sandcelld.service)"
+    echo "    [$ev] worker pids after: $after"
+    journalctl -b -u sandcelld.service --no-pager -o cat --since "@${t0%.*}" 2>/dev/null | grep -iE 'SIGTERM|restarting the unit|ending every session|adopt|kept|oom|killed|swept' | head -8 | cut -c1-300 | sed "s/^/    [$ev] journal: /"
+    for i in "${!ids[@]}"; do
+        if [[ ${kinds[$i]} == r ]]; then
+            out=$(echo 'cat(v, "\n", sep = "")' | as_gw sandcellctl exec "${ids[$i]}" - 2>&1)
+        else
+            out=$(echo 'print(v)' | as_gw sandcellctl exec "${ids[$i]}" - 2>&1)
+        fi
+        [[ $out == "$((i * 7))" ]] && kept=$((kept + 1))
+    done
+    out=$(as_gw sandcellctl attach "${ids[1]}" "$cell" 2>&1)
+    rc=$?
+    local ticks
+    ticks=$(grep -c '^tick ' <<<"$out")
+    echo "    [$ev] sessions kept: $kept of 8; the submitted cell: exit $rc, $ticks of 40 ticks retrievable"
+    echo "guest: lifecycle $ev: kept $kept/8, gap ${gap}s, workers before [$before] after [$after]"
+    if [[ $survive == 1 ]]; then
+        ((kept == 8)) && pass "lifecycle-$ev-keeps-8-sessions" || fail "lifecycle-$ev-keeps-8-sessions" "kept $kept of 8"
+        [[ $before == "$after" ]] && pass "lifecycle-$ev-worker-pids-unchanged" || fail "lifecycle-$ev-worker-pids-unchanged" "before [$before] after [$after]"
+        [[ $rc == 0 && $ticks == 40 ]] && pass "lifecycle-$ev-submitted-cell-output" || fail "lifecycle-$ev-submitted-cell-output" "exit $rc, $ticks ticks"
+        out=$(as_gw sandcellctl get "${ids[3]}" kept.txt - 2>/dev/null)
+        [[ $out == "kept-7" ]] && pass "lifecycle-$ev-files-kept" || fail "lifecycle-$ev-files-kept" "got: ${out:0:80}"
+    else
+        skip "lifecycle-$ev-keeps-8-sessions" "SANDCELL_VM_SESSIONS_SURVIVE is not 1: this build does not hand sessions to the next daemon (figures above)"
+    fi
+    [[ $(unit_state sandcelld.service) == active ]] && pass "lifecycle-$ev-daemon-back" || fail "lifecycle-$ev-daemon-back" "$(unit_state sandcelld.service)"
+    for id in "${ids[@]}"; do as_gw sandcellctl close "$id" >/dev/null 2>&1; done
+    wait_for 20 no_session_groups || echo "    [$ev] session groups left: $(find "$sroot/sessions" -mindepth 1 -maxdepth 1 -type d | wc -l)"
+}
+if ((daemon_works)); then
+    as_gw sandcellctl environments >/dev/null 2>&1 # the daemon is up
+    for ev in restart upgrade kill oom; do lifecycle_event "$ev"; done
+    # The SIGTERM of a restart is read as one (Unit.Job -> Job.JobType "restart"), and the
+    # package's upgrade path (try-restart) too; a stop is a stop.
+    if journalctl -b -u sandcelld.service --no-pager -o cat | grep -q 'restarting the unit'; then
+        pass sigterm-restart-recognised
+    else
+        fail sigterm-restart-recognised "no 'restarting the unit' in the journal"
+    fi
+fi
+
 # ---- stop leaves no worker ------------------------------------------------------------------
 sid=$(as_gw sandcellctl open -l "$(has_r && echo r || echo python)" --idle 300 2>/dev/null)
 [[ -n $(worker_procs) ]] && pass worker-alive-before-stop || fail worker-alive-before-stop
 check stop-service systemctl stop sandcelld.service
 check no-worker-after-stop test -z "$(worker_procs)"
+check no-session-group-after-stop test -z "$(find "$(sessions_home)/sessions" -mindepth 1 -maxdepth 1 -type d 2>/dev/null)"
+if journalctl -b -u sandcelld.service --no-pager -o cat | grep -q 'why=systemd job "stop"'; then
+    pass sigterm-stop-recognised
+else
+    fail sigterm-stop-recognised "no 'systemd job \"stop\"' in the journal"
+fi
 check metrics-file-removed-at-stop test ! -e /run/sandcell/metrics.prom
 check no-session-dir-after-stop test -z "$(ls -A /var/lib/sandcell/sessions 2>/dev/null)"
 check socket-still-listening test "$(unit_state sandcelld.socket)" = active

@@ -240,7 +240,22 @@ fn detect_layout(config: &DetectConfig) -> Result<Box<dyn Backend>, Error> {
                         .into(),
                 ));
             }
-            return Ok(Box::new(v2::V2::open(host, root, rel)?));
+            let home = sessions_home(&mount.mount_point, mount.root.as_str(), &rel);
+            match &home {
+                Some(h) => tracing::info!(
+                    sessions = %h.rel,
+                    "session groups live in {}, outside sandcelld.service: a restart or a \
+                     crash of the daemon does not end them",
+                    v2::SESSIONS_UNIT
+                ),
+                None if std::env::var_os("INVOCATION_ID").is_some() => tracing::warn!(
+                    "{} is not running beside sandcelld.service: session groups live in the \
+                     daemon's own group, and every restart of the daemon ends every session",
+                    v2::SESSIONS_UNIT
+                ),
+                None => {}
+            }
+            return Ok(Box::new(v2::V2::open_with(host, root, rel, home)?));
         }
     }
     let v1_usable =
@@ -258,6 +273,29 @@ fn detect_layout(config: &DetectConfig) -> Result<Box<dyn Backend>, Error> {
          mount the v1 memory and pids controllers)"
             .into(),
     ))
+}
+
+/// The companion unit's group beside the daemon's own unit (`rel`, the daemon's delegated
+/// root as `/proc/self/cgroup` shows it: `/system.slice/sandcelld.service` gives
+/// `/system.slice/sandcell-sessions.service`), when it exists and its main process has left
+/// it for `holder/` (what `sandcelld --hold-sessions` does before it reports ready).
+fn sessions_home(
+    mount_point: &std::path::Path,
+    mount_root: &str,
+    rel: &str,
+) -> Option<v2::SessionsHome> {
+    let parent = rel.rsplit_once('/').map(|(p, _)| p)?;
+    let home_rel = format!("{parent}/{}", v2::SESSIONS_UNIT);
+    if home_rel == rel {
+        return None;
+    }
+    let visible = home_rel
+        .strip_prefix(mount_root.trim_end_matches('/'))
+        .unwrap_or(&home_rel);
+    let dir = mount_point.join(visible.trim_start_matches('/'));
+    dir.join(v2::HOLDER)
+        .is_dir()
+        .then_some(v2::SessionsHome { dir, rel: home_rel })
 }
 
 /// The development backend: no groups, no limits. Only used with `--insecure-dev`.

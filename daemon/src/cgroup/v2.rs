@@ -8,6 +8,11 @@
 //!                                  cpu.max, memory.oom.group=1
 //! ```
 //!
+//! Under systemd the session groups live in the companion unit `sandcell-sessions.service`
+//! instead ([`SessionsHome`]: `<that unit>/sessions/<id>`, same limits), so that systemd's kill
+//! of sandcelld.service's group on a restart, `systemctl kill`, a crash or an OOM kill of the
+//! daemon does not reach the workers; `supervisor/` stays in sandcelld.service.
+//!
 //! Why `supervisor/`: the "no internal processes" rule. A group that distributes controllers
 //! to its children (`cgroup.subtree_control`) may not hold processes itself, so the daemon
 //! leaves the delegated root before enabling `+memory +pids +cpu` there.
@@ -35,9 +40,12 @@ pub struct V2 {
     host: Host,
     /// File-system path of the delegated root.
     root: PathBuf,
-    /// Path of the delegated root relative to the cgroup2 mount, as `/proc/<pid>/cgroup`
-    /// shows it (`/system.slice/sandcelld.service`).
-    root_rel: String,
+    /// File-system path of the group whose `sessions/` holds the session groups: the
+    /// delegated root itself, or the companion unit's group ([`SessionsHome`]).
+    home: PathBuf,
+    /// Path of `home` relative to the cgroup2 mount, as `/proc/<pid>/cgroup` shows it
+    /// (`/system.slice/sandcelld.service` or `/system.slice/sandcell-sessions.service`).
+    home_rel: String,
     /// Whether the cpu controller is enabled for sessions.
     cpu: bool,
 }
@@ -65,6 +73,19 @@ impl V2 {
     /// [`Error::Io`] for a file that cannot be written (`EBUSY` on `cgroup.subtree_control`
     /// means processes outside sandcelld's control sit in the root).
     pub fn open(host: Host, root: PathBuf, root_rel: String) -> Result<V2, Error> {
+        Self::open_with(host, root, root_rel, None)
+    }
+
+    /// [`V2::open`], with the session groups under `home` instead of the delegated root when
+    /// it is given: `home` must offer memory and pids too, and must hold no process itself
+    /// (its holder sits in `holder/`); the daemon enables the controllers for `home/sessions`'
+    /// children. Errors: as [`V2::open`], for either group.
+    pub fn open_with(
+        host: Host,
+        root: PathBuf,
+        root_rel: String,
+        home: Option<SessionsHome>,
+    ) -> Result<V2, Error> {
         let controllers = host::read(&root.join("cgroup.controllers"), "read controllers of")?;
         let have: Vec<&str> = controllers.split_whitespace().collect();
         if let Some(missing) = REQUIRED.iter().find(|r| !have.contains(r)) {
@@ -90,19 +111,44 @@ impl V2 {
             host::write(&procs, &pid.to_string())?;
         }
         host::write(&root.join("cgroup.subtree_control"), enable)?;
-        let sessions = root.join("sessions");
+        let (home, home_rel) = match home {
+            None => (root.clone(), root_rel),
+            Some(h) => {
+                let theirs = host::read(&h.dir.join("cgroup.controllers"), "read controllers of")?;
+                let theirs: Vec<&str> = theirs.split_whitespace().collect();
+                if let Some(missing) = REQUIRED
+                    .iter()
+                    .chain(cpu.then_some(&OPTIONAL_CPU))
+                    .find(|r| !theirs.contains(r))
+                {
+                    return Err(Error::Unsupported(format!(
+                        "controller {missing} is not available in {} (the sessions' unit needs                          Delegate=yes)",
+                        h.dir.display()
+                    )));
+                }
+                host::write(&h.dir.join("cgroup.subtree_control"), enable)?;
+                (h.dir, h.rel)
+            }
+        };
+        let sessions = home.join("sessions");
         host::mkdir(&sessions, true)?;
         host::write(&sessions.join("cgroup.subtree_control"), enable)?;
         Ok(V2 {
             host,
             root,
-            root_rel,
+            home,
+            home_rel,
             cpu,
         })
     }
 
     fn sessions(&self) -> PathBuf {
-        self.root.join("sessions")
+        self.home.join("sessions")
+    }
+
+    /// Where the session groups are: `<home>/sessions`, as `/proc/<pid>/cgroup` shows it.
+    pub fn sessions_rel(&self) -> String {
+        format!("{}/sessions", self.home_rel.trim_end_matches('/'))
     }
 }
 
@@ -128,7 +174,7 @@ impl Backend for V2 {
         host::mkdir(&dir, false)?;
         let group = V2Group {
             host: self.host.clone(),
-            rel: format!("{}/sessions/{id}", self.root_rel.trim_end_matches('/')),
+            rel: format!("{}/{id}", self.sessions_rel()),
             dir,
             limits: limits.clone(),
             peak: Default::default(),
@@ -157,7 +203,7 @@ impl Backend for V2 {
         }
         Ok(Box::new(V2Group {
             host: self.host.clone(),
-            rel: format!("{}/sessions/{id}", self.root_rel.trim_end_matches('/')),
+            rel: format!("{}/{id}", self.sessions_rel()),
             dir,
             limits: limits.clone(),
             peak: Default::default(),
@@ -184,6 +230,31 @@ impl Backend for V2 {
         first_error.map_or(Ok(swept), Err)
     }
 }
+
+/// The group of the companion unit `sandcell-sessions.service` (Delegate=yes), where
+/// session groups live so that systemd's kill of sandcelld.service's own cgroup (on
+/// `systemctl restart`, `systemctl kill`, a crash or an OOM kill of the daemon, with
+/// `KillMode=control-group`) does not reach them:
+///
+/// ```text
+/// <sessions unit>/
+/// ├── holder/        the unit's main process (sandcelld --hold-sessions), nothing else
+/// └── sessions/<id>  one session group each, as under the delegated root
+/// ```
+#[derive(Debug, Clone)]
+pub struct SessionsHome {
+    /// File-system path of the unit's group.
+    pub dir: PathBuf,
+    /// The same path relative to the cgroup2 mount (`/system.slice/sandcell-sessions.service`).
+    pub rel: String,
+}
+
+/// The companion unit whose group holds the session groups under systemd.
+pub const SESSIONS_UNIT: &str = "sandcell-sessions.service";
+
+/// Where `--hold-sessions` puts the companion unit's main process, leaving the unit's group
+/// free to distribute controllers (the "no internal processes" rule).
+pub const HOLDER: &str = "holder";
 
 /// One session's v2 group.
 #[derive(Debug)]
@@ -651,7 +722,8 @@ mod tests {
             let v2 = V2 {
                 host: Host::default(),
                 root: root.clone(),
-                root_rel: format!("/{name}/root"),
+                home: root.clone(),
+                home_rel: format!("/{name}/root"),
                 cpu: false,
             };
             assert_eq!(v2.sweep_stale().unwrap(), 2);
