@@ -36,6 +36,7 @@ SANDCELL_TEST_UNIT_SANDBOX=1 cargo test "${CARGO_FLAGS[@]}" -p sandcelld --no-fa
     --test pydata --test metrics -- --test-threads=2
 echo "== python client (clients/python) against a real sandcelld; docs/deploy manifests"
 bash scripts/test-python-client.sh
+bash scripts/test-jupyter.sh
 echo "== soak: 8 clients x 100 cells against a socket-activated sandcelld, every result checked"
 bash scripts/soak.sh --clients 8 --cells 100
 echo "== fuzz: every decoder, about a minute (the build is kept in /var/tmp/sandcell-fuzz-target)"

@@ -174,6 +174,7 @@ class SandcellKernel(Kernel):
         self.client = sandcell.Client(timeout=None)
         self.sc_session: sandcell.Session | None = None
         self.sc_history: list[tuple[int, str]] = []
+        self.sc_outputs: dict[int, str] = {}
         self.sc_ended: str | None = None
         self.sc_version = self._interpreter_version()
         self.shell_handlers["comm_open"] = self.comm_open_unsupported
@@ -253,6 +254,8 @@ class SandcellKernel(Kernel):
             if o.note:
                 self._stream("stderr", f"sandcell: {o.note}\n")
             if o.kind == "result":
+                if store_history:
+                    self.sc_outputs[count] = o.text
                 self.send_response(self.iopub_socket, "execute_result",
                                    {"execution_count": count, "data": o.data, "metadata": {}})
             else:
@@ -388,7 +391,7 @@ class SandcellKernel(Kernel):
     def do_history(self, hist_access_type: str, output: bool, raw: bool, session: Any = None,
                    start: Any = None, stop: Any = None, n: Any = None, pattern: Any = None,
                    unique: bool = False, **_: Any) -> dict[str, Any]:
-        items = [(0, line, code) for line, code in self.sc_history]
+        items: list[tuple[int, int, Any]] = [(0, line, code) for line, code in self.sc_history]
         if hist_access_type == "tail":
             items = items[-int(n):] if n else items
         elif hist_access_type == "range":
@@ -406,6 +409,8 @@ class SandcellKernel(Kernel):
                 items = items[-int(n):]
         else:
             items = []
+        if output:
+            items = [(s, line, (code, self.sc_outputs.get(line))) for s, line, code in items]
         return {"status": "ok", "history": items}
 
     async def comm_open_unsupported(self, stream: Any, ident: Any, parent: Any) -> None:
