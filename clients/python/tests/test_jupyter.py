@@ -298,3 +298,43 @@ def test_input_and_comms_are_refused():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+@pytest.mark.parametrize("kernel", ["sandcell-python", "sandcell-pydata"])
+def test_cell_cannot_reach_the_kernel_or_the_users_files(kernel):
+    """The hostile suite's promise through the kernel: a cell cannot connect to the kernel's
+    own sockets (its connection file's ports, on which a notebook server also listens) or
+    read the connection file and its key."""
+    km = KernelManager(kernel_name=kernel)
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        info = km.get_connection_info()
+        ports = [info[k] for k in ("shell_port", "iopub_port", "control_port", "hb_port")]
+        code = (
+            f"for port in {ports!r}:\n"
+            "    try:\n"
+            "        import socket\n"
+            "        with socket.socket() as s:\n"
+            "            s.settimeout(2)\n"
+            "            s.connect(('127.0.0.1', port))\n"
+            "        print('reached', port)\n"
+            "    except (OSError, ImportError) as e:\n"
+            "        print('refused', type(e).__name__)\n"
+            "try:\n"
+            f"    print(open({km.connection_file!r}).read()[:20])\n"
+            "except OSError as e:\n"
+            "    print('unreadable', type(e).__name__)\n"
+        )
+        content, msgs = execute(kc, code)
+        text = "".join(m["content"].get("text", "") for m in msgs if m["msg_type"] == "stream")
+        assert content["status"] == "ok", content
+        assert "reached" not in text and text.count("refused") == 4, text
+        assert "unreadable" in text, text
+        key = info["key"].decode() if isinstance(info["key"], bytes) else info["key"]
+        assert key not in text
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
