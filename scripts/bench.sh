@@ -71,6 +71,8 @@ bench "warm pool" r --clients 1,2,4 --sessions 0 --idle-sessions 0 --pace-ms 400
 echo "== the pydata environment beside Jupyter (ipykernel, IRkernel) and bubblewrap"
 /usr/bin/python3 scripts/bench_pydata.py --bin "$BIN" --runtime "$SANDCELL_TEST_PYTHON_RUNTIME" \
     --iterations "$n" || echo "(pydata bench failed)"
+"$(bash scripts/jupyter-venv.sh)" scripts/bench_jupyter.py --bin "$BIN" \
+    --runtime "$SANDCELL_TEST_PYTHON_RUNTIME" --iterations "$n" || echo "(jupyter bench failed)"
 
 echo
 python3 scripts/bench_summary.py "$out/log" "$out/eryx.json" || echo "(summary failed)"

@@ -2811,6 +2811,43 @@ mod tests {
     }
 
     #[test]
+    fn backlog_keeps_bundles_in_order_with_text() {
+        let mut b = Backlog::default();
+        b.push(Stream::Stdout, "a");
+        let mut data = serde_json::Map::new();
+        data.insert("text/plain".into(), "2".into());
+        b.push_bundle(
+            Display {
+                cell: 1,
+                seq: 0,
+                kind: DisplayKind::Result,
+                data,
+                note: None,
+            },
+            18,
+        );
+        b.push(Stream::Stdout, "b");
+        assert_eq!(b.bytes, 20);
+        let frames: Vec<Frame> = std::iter::from_fn(|| b.pop())
+            .enumerate()
+            .map(|(i, c)| c.into_frame(1, i as u64))
+            .collect();
+        assert_eq!(
+            frames.len(),
+            3,
+            "text after a bundle is not merged into text before it"
+        );
+        assert_eq!(frames[0].output.as_ref().unwrap().text, "a");
+        let d = frames[1].display.as_ref().unwrap();
+        assert_eq!((d.seq, d.kind), (1, DisplayKind::Result));
+        assert_eq!(frames[2].output.as_ref().unwrap().seq, 2);
+        assert_eq!(b.bytes, 0);
+        // A frame the channel refused comes back as the same chunk.
+        let back = Chunk::from_frame(frames[1].clone());
+        assert!(matches!(back, Chunk::Bundle(_, 18)), "{back:?}");
+    }
+
+    #[test]
     fn backlog_merges_splits_and_counts() {
         let mut b = Backlog::default();
         b.push(Stream::Stdout, "ab");

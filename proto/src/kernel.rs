@@ -1372,6 +1372,45 @@ impl RawError {
 mod tests {
     use super::*;
 
+    #[test]
+    fn display_bundles_are_checked_and_replaced_by_their_text() {
+        let ok: serde_json::Map<String, serde_json::Value> = serde_json::from_str(
+            r#"{"text/plain":"x","text/html":"<b>x</b>","application/json":{"a":[1]},"image/png":"iVBO"}"#,
+        )
+        .unwrap();
+        let n = check_display_data(&ok).unwrap();
+        assert_eq!(n, serde_json::to_vec(&ok).unwrap().len());
+        for bad in [
+            r#"{"text/html":"<b>x</b>"}"#,
+            r#"{"text/plain":1}"#,
+            r#"{"text/plain":"x","text/html":{"a":1}}"#,
+            r#"{"text/plain":"x","Text/HTML":"y"}"#,
+            r#"{"text/plain":"x","nonsense":"y"}"#,
+            r#"{"text/plain":"x","a/b/c":"y"}"#,
+        ] {
+            let m: serde_json::Map<String, serde_json::Value> = serde_json::from_str(bad).unwrap();
+            assert!(check_display_data(&m).is_err(), "{bad}");
+        }
+        let mut many = serde_json::Map::new();
+        many.insert("text/plain".into(), "x".into());
+        for i in 0..MAX_DISPLAY_TYPES {
+            many.insert(format!("text/x-{i}"), "y".into());
+        }
+        assert!(check_display_data(&many).is_err());
+        assert!(valid_mime_type("image/svg+xml") && valid_mime_type("application/vnd.x-y.z+json"));
+        assert!(!valid_mime_type("/") && !valid_mime_type(&format!("a/{}", "b".repeat(200))));
+        let mut big = serde_json::Map::new();
+        big.insert(
+            "text/plain".into(),
+            "é".repeat(DISPLAY_FALLBACK_BYTES).into(),
+        );
+        big.insert("image/png".into(), "A".repeat(MAX_DISPLAY_BYTES).into());
+        let f = display_fallback(&big);
+        assert_eq!(f.len(), 1);
+        let t = f["text/plain"].as_str().unwrap();
+        assert!(t.len() <= DISPLAY_FALLBACK_BYTES && t.len() >= DISPLAY_FALLBACK_BYTES - 1);
+    }
+
     use zlink::idl::{Field, Interface, Type};
 
     /// A JSON value the IDL type accepts, with every optional field present, so a field the

@@ -562,6 +562,56 @@ mod tests {
     }
 
     #[test]
+    fn display_lines_are_checked_bounded_and_dropped_when_malformed() {
+        let m = display_line(
+            3,
+            br#"{"kind":"result","data":{"text/plain":"2","text/html":"<b>2</b>"}}"#,
+        )
+        .unwrap();
+        match m {
+            WorkerMessage::Display {
+                cell,
+                kind,
+                data,
+                note,
+            } => {
+                assert_eq!((cell, kind, note), (3, DisplayKind::Result, None));
+                assert_eq!(data["text/html"], "<b>2</b>");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Malformed bundles from the guest are dropped, never a protocol violation.
+        for bad in [
+            &br#"{"kind":"result","data":{"text/html":"x"}}"#[..],
+            br#"{"kind":"other","data":{"text/plain":"x"}}"#,
+            br#"not json"#,
+            br#"{"kind":"display","data":{"text/plain":"x","BAD":"y"}}"#,
+        ] {
+            assert!(
+                display_line(1, bad).is_none(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        // Over the cap: text/plain only, with a note; the line stays under the limit.
+        let big = format!(
+            r#"{{"kind":"display","data":{{"text/plain":"fig","image/png":"{}"}}}}"#,
+            "A".repeat(MAX_DISPLAY_BYTES)
+        );
+        let m = display_line(2, big.as_bytes()).unwrap();
+        let mut lines = Lines::new();
+        lines.push(&m).unwrap();
+        match m {
+            WorkerMessage::Display { data, note, .. } => {
+                assert_eq!(data.len(), 1);
+                assert_eq!(data["text/plain"], "fig");
+                assert!(note.unwrap().contains("cap"));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
     fn coalesces_and_keeps_order_across_streams() {
         let mut o = CellOutput::new(1, 1000);
         let mut f = Lines::new();
