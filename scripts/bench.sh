@@ -95,6 +95,8 @@ bench "warm pool" r --clients 1,2,4 --sessions 0 --idle-sessions 0 --pace-ms 400
 echo "== the pydata environment beside Jupyter (ipykernel, IRkernel) and bubblewrap"
 /usr/bin/python3 scripts/bench_pydata.py --bin "$BIN" --runtime "$SANDCELL_TEST_PYTHON_RUNTIME" \
     --iterations "$n" || echo "(pydata bench failed)"
+"$(bash scripts/jupyter-venv.sh)" scripts/bench_jupyter.py --bin "$BIN" \
+    --runtime "$SANDCELL_TEST_PYTHON_RUNTIME" --iterations "$n" || echo "(jupyter bench failed)"
 
 echo "== MCP: run_code through the MCP Python SDK beside Run through the Python client (print(1))"
 PYTHONPATH=clients/python/src "$SANDCELL_CACHE/mcp-venv/bin/python" scripts/bench_mcp.py \

@@ -216,6 +216,10 @@ if ((want_deb)); then
     for f in clients/python/src/sandcell/*.py clients/python/src/sandcell/py.typed; do
         install -m 0644 "$f" "$site/sandcell/"
     done
+    install -Dm 0644 -t "$site/sandcell/jupyter" clients/python/src/sandcell/jupyter/*.py
+    # The Jupyter kernelspecs, where Jupyter looks system-wide.
+    PYTHONPATH=clients/python/src python3 -m sandcell.jupyter write-specs "$pyroot/usr/share/jupyter/kernels" /usr/bin/python3
+    chmod 0644 "$pyroot"/usr/share/jupyter/kernels/*/kernel.json
     python3 packaging/python-metadata.py clients/python/pyproject.toml "$site/sandcell-$pyver.dist-info/METADATA" "$version"
     chmod 0644 "$site/sandcell-$pyver.dist-info"/*
     install -m 0644 packaging/debian/copyright "$pyroot/usr/share/doc/python3-sandcell/copyright"
@@ -233,9 +237,14 @@ if ((want_deb)); then
     SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(date +%s)} dpkg-deb --root-owner-group -Zxz --build "$pyroot" "$pydeb" >/dev/null
     echo "package: built $pydeb ($(du -h "$pydeb" | cut -f1))"
     listing=$(dpkg-deb -c "$pydeb")
-    for f in clients/python/src/sandcell/*.py clients/python/src/sandcell/py.typed; do
-        grep -q " \./usr/lib/python3/dist-packages/sandcell/$(basename "$f")$" <<<"$listing" ||
-            { echo "package: $pydeb lacks sandcell/$(basename "$f")" >&2; exit 1; }
+    for f in clients/python/src/sandcell/*.py clients/python/src/sandcell/py.typed clients/python/src/sandcell/jupyter/*.py; do
+        g=${f#clients/python/src/}
+        grep -q " \./usr/lib/python3/dist-packages/$g$" <<<"$listing" ||
+            { echo "package: $pydeb lacks $g" >&2; exit 1; }
+    done
+    for k in sandcell-python sandcell-pydata sandcell-r; do
+        grep -q " \./usr/share/jupyter/kernels/$k/kernel.json$" <<<"$listing" ||
+            { echo "package: $pydeb lacks the $k kernelspec" >&2; exit 1; }
     done
     if ((lint)) && command -v lintian >/dev/null; then
         lintian --fail-on error --tag-display-limit 0 "$pydeb" || { echo "package: lintian found errors in $pydeb" >&2; exit 1; }
@@ -276,6 +285,14 @@ if ((want_rpm)); then
     [[ $pysite == /usr/lib/python3.*/site-packages ]] || { echo "package: $pyrpm: no sandcell/__init__.py under /usr/lib/python3.*/site-packages" >&2; exit 1; }
     want=$( (echo "$pysite/sandcell"
         for f in clients/python/src/sandcell/*.py clients/python/src/sandcell/py.typed; do echo "$pysite/sandcell/$(basename "$f")"; done
+        echo "$pysite/sandcell/jupyter"
+        for f in clients/python/src/sandcell/jupyter/*.py; do echo "$pysite/sandcell/jupyter/$(basename "$f")"; done
+        echo /usr/share/jupyter
+        echo /usr/share/jupyter/kernels
+        for k in sandcell-pydata sandcell-python sandcell-r; do
+            echo "/usr/share/jupyter/kernels/$k"
+            echo "/usr/share/jupyter/kernels/$k/kernel.json"
+        done
         echo "$pysite/sandcell-$version.dist-info"
         echo "$pysite/sandcell-$version.dist-info/METADATA"
         echo /usr/share/doc/python3-sandcell

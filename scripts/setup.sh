@@ -35,6 +35,9 @@ fi
 # plot.
 bash scripts/font-cache.sh
 
+# The Jupyter test tools (jupyter_kernel_test, nbclient, nbformat), pinned, from PyPI.
+bash scripts/jupyter-venv.sh >/dev/null
+
 echo "setup: building (release) into $CARGO_TARGET_DIR"
 cargo build "${CARGO_FLAGS[@]}" --workspace
 

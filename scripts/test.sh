@@ -65,6 +65,8 @@ SANDCELL_TEST_UNIT_SANDBOX=1 cargo test "${CARGO_FLAGS[@]}" -p sandcelld --no-fa
 echo "== python client (clients/python) against a real sandcelld; docs/deploy manifests"
 bash scripts/test-python-client.sh
 echo "== sandcellctl mcp: MCP Python SDK, raw JSON-RPC and MCP Inspector against a real sandcelld"; bash scripts/test-mcp.sh
+echo "== Jupyter kernels: jupyter_kernel_test and nbclient against a real sandcelld"
+bash scripts/test-jupyter.sh
 echo "== soak: 8 clients x 100 cells against a socket-activated sandcelld, every result checked"
 bash scripts/soak.sh --clients 8 --cells 100
 echo "== fuzz: every decoder, about a minute (the build is kept in /var/tmp/sandcell-fuzz-target)"

@@ -603,23 +603,49 @@ message_of <- function(cond) {
     error = function(e) "<conditionMessage failed>")
 }
 
+# Most bytes of printed text one R display bundle carries (escaped, it stays far under the
+# 512 KiB bundle cap and the 1 MiB reply line).
+MAX_DISPLAY_TEXT <- 128L * 1024L
+
+# Sends a printed value as a `display` line (rich output): kind "result" for the cell's last
+# expression, "display" for an earlier one; nothing when printing wrote no text (a plot).
+send_printed <- function(text, last) {
+  if (!length(text)) return(invisible(NULL))
+  s <- paste(text, collapse = "\n")
+  if (!nzchar(s)) return(invisible(NULL))
+  s <- bound_text(s, MAX_DISPLAY_TEXT)
+  flush(stdout())
+  line <- paste0("{\"t\":\"display\",\"cell\":", json_int(state$cell),
+    ",\"kind\":", json_str(if (last) "result" else "display"),
+    ",\"data\":{\"text/plain\":", json_str(s), "}}")
+  suspendInterrupts(send_line(line))
+}
+
 # Evaluates the parsed cell expression by expression in .GlobalEnv, printing visible values
 # (unless `display` is FALSE) and flushing stdout after each one (R also flushes after every
-# console write).
-run_exprs <- function(exprs, display) {
+# console write). With `rich`, a visible value's printed text goes out as a display bundle
+# (text/plain) instead of stdout.
+run_exprs <- function(exprs, display, rich = FALSE) {
   srefs <- attr(exprs, "srcref")
   for (i in seq_along(exprs)) {
     sandcell_cell_expr <- exprs[i]
     attr(sandcell_cell_expr, "srcref") <- srefs[i]
     state$expr_line <- srcref_line(srefs[[i]])
     r <- withVisible(eval(sandcell_cell_expr, .GlobalEnv))
-    if (display && r$visible) print_value(r$value)
+    if (display && r$visible) {
+      if (rich) {
+        send_printed(utils::capture.output(print_value(r$value)), i == length(exprs))
+      } else {
+        print_value(r$value)
+      }
+    }
     flush(stdout())
   }
 }
 
 # Runs one cell; returns the list send_done() expects.
 run_cell <- function(cell, payload, opts) {
+  state$cell <- cell
   state$warnings <- character(0)
   state$warnings_size <- 0L
   state$warnings_dropped <- 0L
@@ -648,7 +674,8 @@ run_cell <- function(cell, payload, opts) {
   r <- tryCatch({
     withCallingHandlers({
       if (limited) setTimeLimit(elapsed = timeout / 1000, transient = FALSE)
-      allowInterrupts(run_exprs(exprs, !identical(opts[["display"]], 0)))
+      allowInterrupts(run_exprs(exprs, !identical(opts[["display"]], 0),
+        identical(opts[["rich"]], 1)))
       list(status = "ok")
     }, warning = function(w) {
       lvl <- getOption("warn")

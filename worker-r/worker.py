@@ -103,6 +103,8 @@ MAX_REPR_FAILURE_CHARS = 200  # characters of the message in `<repr failed: Type
 MAX_INSPECT_LINE = 512 * 1024  # bytes of one `inspected` line
 MAX_HOST_CALL_NAME = 128  # bytes of [A-Za-z0-9_.-]
 MAX_HOST_CALL_ARGUMENTS = 256 * 1024  # bytes of JSON
+MAX_DISPLAY_BYTES = 512 * 1024  # bytes of a bundle's JSON; over it, text/plain only
+DISPLAY_FALLBACK_BYTES = 4096  # bytes of text/plain a replaced bundle keeps
 WORKER_GLOBALS = globals()
 
 
@@ -121,6 +123,7 @@ class _State:
         "host_calls",
         "host_seq",
         "host_busy",
+        "rich",
     )
 
 
@@ -138,6 +141,7 @@ S.nonce = None  # the running request's nonce
 S.host_calls = False  # the running cell may make host calls
 S.host_seq = 0  # id of the session's last host call
 S.host_busy = False  # a host call waits for its answer
+S.rich = False  # the running cell has rich output (`rich=1`): MIME bundles as `display` lines
 
 SESSION_DIR = os.environ.get("SANDCELL_SESSION_DIR") or os.getcwd()
 
@@ -327,6 +331,7 @@ def install_host_module():
     mod.HostCallError = HostCallError
     mod.__all__ = ["call", "HostCallError"]
     pkg.host = mod
+    pkg.display = display
     pkg.__path__ = []
     sys.modules["sandcell"] = pkg
     sys.modules["sandcell.host"] = mod
@@ -380,7 +385,12 @@ def save_figures():
     for num in nums:
         try:
             fig = plt.figure(num)
-            if getattr(fig, "_sandcell_saved", False):
+            saved = getattr(fig, "_sandcell_saved", False)
+            if S.rich:
+                b = figure_bundle(fig)
+                if b is not None:
+                    send_bundle("display", b)
+            if saved:
                 continue  # the cell saved it itself (savefig): no second copy (closed below)
             S.plot_seq += 1
             path = os.path.join(SESSION_DIR, "plot-%d-%03d.png" % (S.cell, S.plot_seq))
@@ -483,16 +493,188 @@ def repr_failed(e):
 
 def displayhook(value):
     """sys.displayhook of the worker: the default one, but a failing repr shows a
-    placeholder instead of failing the cell."""
+    placeholder instead of failing the cell. With rich output the value goes out as a MIME
+    bundle (kind `result`)."""
     if value is None:
         return
     builtins._ = None
-    try:
-        text = repr(value)
-    except Exception as e:
-        text = repr_failed(e)
-    sys.stdout.write(text + "\n")
+    if S.rich:
+        send_bundle("result", bundle(value))
+    else:
+        try:
+            text = repr(value)
+        except Exception as e:
+            text = repr_failed(e)
+        sys.stdout.write(text + "\n")
     builtins._ = value
+
+
+# ---- rich output ---------------------------------------------------------------------------
+#
+# With `rich=1`, the last expression's value, `sandcell.display(...)`, IPython's display()
+# (where IPython is installed) and figures go to the daemon as `display` lines: a MIME bundle
+# built through the display protocol of IPython/Jupyter (`_repr_mimebundle_`, then
+# `_repr_html_`, `_repr_markdown_`, `_repr_latex_`, `_repr_png_`, `_repr_jpeg_`, `_repr_svg_`,
+# `_repr_json_`; https://ipython.readthedocs.io/en/stable/config/integrating.html), text/plain
+# always. stdout and stderr are flushed first, so the bundle follows what the cell printed. A
+# bundle over MAX_DISPLAY_BYTES is replaced by its text/plain (cut) with a note: the reply line
+# must stay under MAX_WORKER_LINE, and the daemon checks and bounds it again.
+
+REPR_METHODS = (
+    ("text/html", "_repr_html_"),
+    ("text/markdown", "_repr_markdown_"),
+    ("text/latex", "_repr_latex_"),
+    ("image/png", "_repr_png_"),
+    ("image/jpeg", "_repr_jpeg_"),
+    ("image/svg+xml", "_repr_svg_"),
+    ("application/json", "_repr_json_"),
+)
+MIME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.+-/")
+
+
+def bundle(value, raw=None):
+    """The MIME bundle of `value` (JSON-ready values, text/plain always); `raw`: a bundle the
+    caller gave."""
+    import base64
+
+    data = dict(raw) if isinstance(raw, dict) else {}
+    if raw is None and not isinstance(value, type):
+        m = getattr(value, "_repr_mimebundle_", None)
+        if callable(m):
+            try:
+                r = m()
+                if isinstance(r, tuple):
+                    r = r[0] if r else None
+                if isinstance(r, dict):
+                    data.update(r)
+            except Exception:
+                pass
+        for mime, name in REPR_METHODS:
+            if mime in data:
+                continue
+            f = getattr(value, name, None)
+            if not callable(f):
+                continue
+            try:
+                r = f()
+            except Exception:
+                continue
+            if isinstance(r, tuple):
+                r = r[0] if r else None
+            if r is not None:
+                data[mime] = r
+    out = {}
+    for k, v in data.items():
+        if not isinstance(k, str) or not 0 < len(k) <= 128 or k.count("/") != 1 or not set(k) <= MIME_CHARS or len(out) >= 15:
+            continue
+        if k == "application/json" or k.endswith("+json"):
+            try:
+                json.dumps(v)
+            except Exception:
+                continue
+        elif isinstance(v, (bytes, bytearray)):
+            if k.startswith("image/") and k != "image/svg+xml":
+                v = base64.b64encode(bytes(v)).decode("ascii")
+            else:
+                v = bytes(v).decode("utf-8", "replace")
+        elif not isinstance(v, str):
+            continue
+        out[k] = clean(v) if isinstance(v, str) else v
+    text = out.get("text/plain")
+    if not isinstance(text, str):
+        if raw is not None:
+            text = ""
+        else:
+            try:
+                text = repr(value)
+            except Exception as e:
+                text = repr_failed(e)
+    out["text/plain"] = clean(text)
+    return out
+
+
+def send_bundle(kind, data):
+    """Sends one `display` line of the running cell (flushing the cell's output first)."""
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except BaseException:
+            pass
+    note = None
+    size = len(json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
+    if size > MAX_DISPLAY_BYTES:
+        text = data.get("text/plain", "").encode("utf-8")[:DISPLAY_FALLBACK_BYTES]
+        data = {"text/plain": text.decode("utf-8", "ignore")}
+        note = "bundle of %d bytes over the %d-byte cap: text/plain only" % (size, MAX_DISPLAY_BYTES)
+    msg = {"t": "display", "cell": S.cell, "kind": kind, "data": data}
+    if note:
+        msg["note"] = note
+    send(msg)
+
+
+def display(*objs, raw=False, **kwargs):
+    """Shows each object as a MIME bundle (a notebook's display_data) in a session with rich
+    output, else its repr on stdout. `raw=True`: each object is already a bundle (a dict of
+    MIME type to value). Other keywords (IPython's `metadata`, `display_id`, ...) are
+    ignored."""
+    for obj in objs:
+        if S.rich:
+            send_bundle("display", bundle(obj, obj if raw and isinstance(obj, dict) else None))
+        else:
+            try:
+                text = repr(obj)
+            except Exception as e:
+                text = repr_failed(e)
+            sys.stdout.write(text + "\n")
+
+
+def figure_bundle(fig):
+    """A PNG bundle of a matplotlib figure, or None when it cannot be drawn."""
+    import base64
+
+    try:
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        png = buf.getvalue()
+        w, h = fig.get_size_inches() * fig.dpi
+        text = "<Figure size %dx%d with %d Axes>" % (w, h, len(fig.axes))
+    except Exception:
+        return None
+    return {"text/plain": text, "image/png": base64.b64encode(png).decode("ascii")}
+
+
+def patch_ipython_display(mod):
+    """IPython's display() (what library code calls) sends bundles as `sandcell.display`."""
+    for name in ("display",):
+        if hasattr(mod, name):
+            setattr(mod, name, display)
+
+
+class IPythonHook:
+    """Patches IPython.display and IPython.core.display_functions when imported."""
+
+    NAMES = ("IPython.display", "IPython.core.display_functions")
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self.NAMES:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        real = spec.loader.exec_module
+
+        def exec_module(module):
+            real(module)
+            patch_ipython_display(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 def type_name(cls):
@@ -557,6 +739,7 @@ def run_cell(cell, payload, opts):
     S.plot_seq = 0
     S.nonce = opts.get("nonce")
     S.host_calls = bool(opts.get("host_calls"))
+    S.rich = bool(opts.get("rich"))
     fname = "<cell %d>" % cell
     main = sys.modules["__main__"] = MAIN
     ns = main.__dict__
@@ -850,6 +1033,7 @@ install_handlers()
 install_host_module()
 sys.displayhook = displayhook
 sys.meta_path.insert(0, PyplotHook())
+sys.meta_path.insert(0, IPythonHook())
 
 for p in reversed([p for p in os.environ.get("SANDCELL_PYTHON_PATH", "").split(":") if p]):
     sys.path.insert(0, p)

@@ -133,6 +133,8 @@ pub struct Collected {
     pub stdout: String,
     /// Kept stderr text.
     pub stderr: String,
+    /// The cell's display bundles in order (sessions and runs with `rich_output` only).
+    pub displays: Vec<k::Display>,
     /// The result.
     pub result: CellResult,
 }
@@ -145,6 +147,7 @@ struct Collector {
     cell: u64,
     stdout: String,
     stderr: String,
+    displays: Vec<k::Display>,
 }
 
 impl Collector {
@@ -163,12 +166,16 @@ impl Collector {
                 k::Stream::Stderr => self.stderr.push_str(&o.text),
             }
         }
+        if let Some(d) = f.display.take() {
+            self.displays.push(d);
+        }
         let result = f.result.take()?;
         Some(Collected {
             session: std::mem::take(&mut self.session),
             cell: self.cell,
             stdout: std::mem::take(&mut self.stdout),
             stderr: std::mem::take(&mut self.stderr),
+            displays: std::mem::take(&mut self.displays),
             result,
         })
     }
@@ -284,6 +291,7 @@ impl Client {
             environment: environment.map(str::to_owned),
             host_calls: None,
             display_last_expression: None,
+            rich_output: None,
         })
         .await
     }
@@ -415,6 +423,7 @@ impl Client {
             environment: environment.map(str::to_owned),
             host_calls: None,
             display_last_expression: None,
+            rich_output: None,
         })
         .await
     }

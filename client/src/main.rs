@@ -81,6 +81,11 @@ enum Cmd {
         /// Do not show the value of the cell's last expression (print()-only output).
         #[arg(long)]
         no_display: bool,
+        /// Rich output: the last expression, display() calls and figures come as MIME
+        /// bundles; the terminal shows their text/plain and names the other types they carry
+        /// (`--json` prints the whole `display` frames).
+        #[arg(long)]
+        rich: bool,
         /// Save the files the cell created or changed (plots, cleaned data) into DIR and print
         /// their paths. Runs the cell in a session closed afterwards instead of one-shot.
         #[arg(long, value_name = "DIR")]
@@ -813,6 +818,34 @@ async fn stream_result(
                 }
             }
         }
+        if let Some(d) = &f.display
+            && !json
+        {
+            let text = d
+                .data
+                .get("text/plain")
+                .and_then(|v| v.as_str())
+                .unwrap_or("");
+            let _ = writeln!(out, "{}", for_terminal(text, out_tty));
+            let _ = out.flush();
+            let others: Vec<&str> = d
+                .data
+                .keys()
+                .map(String::as_str)
+                .filter(|t| *t != "text/plain")
+                .collect();
+            if !others.is_empty() {
+                let _ = writeln!(
+                    err,
+                    "sandcellctl: {} also carries {} (see --json)",
+                    d.kind.as_str(),
+                    others.join(", ")
+                );
+            }
+            if let Some(note) = &d.note {
+                let _ = writeln!(err, "sandcellctl: {}", escape_message(note));
+            }
+        }
         if let Some(r) = f.result {
             if !json {
                 for w in &r.warnings {
@@ -984,6 +1017,7 @@ async fn main() -> ExitCode {
                 environment,
                 wall_time,
                 no_display,
+                rich,
                 artifacts,
                 host_call_handler,
                 put,
@@ -1014,6 +1048,7 @@ async fn main() -> ExitCode {
                         environment: environment.clone(),
                         host_calls,
                         display_last_expression: display,
+                        rich_output: rich.then_some(true),
                     })
                     .await?;
                     return stream(&mut c, args.json, host.as_mut(), Some(&following), false).await;
@@ -1028,6 +1063,7 @@ async fn main() -> ExitCode {
                         environment: environment.clone(),
                         host_calls,
                         display_last_expression: display,
+                        rich_output: rich.then_some(true),
                     })
                     .await?
                     .session;
@@ -1162,6 +1198,7 @@ async fn main() -> ExitCode {
                         environment: environment.clone(),
                         host_calls: host_calls.then_some(true),
                         display_last_expression: no_display.then_some(false),
+                        rich_output: None,
                     })
                     .await?;
                 if args.json {

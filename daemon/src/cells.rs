@@ -689,6 +689,7 @@ mod tests {
                     modified: 0.0,
                 })
                 .collect(),
+            displays: None,
             retained: None,
         };
         let t = trim_result(r);

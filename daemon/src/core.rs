@@ -632,6 +632,7 @@ impl Core {
             files_bytes: cfg.limits.max_session_files_bytes,
             host_calls: None,
             display: true,
+            rich: false,
         })
     }
 
@@ -736,8 +737,9 @@ impl Core {
         limits: Option<&Limits>,
         detached_idle_seconds: Option<u64>,
         host_calls: bool,
-        display: bool,
+        display: impl Into<crate::session::Shown>,
     ) -> Result<Arc<Session>, KernelError> {
+        let shown = display.into();
         // validate
         if self.stopping() {
             return Err(KernelError::ShuttingDown {});
@@ -750,7 +752,8 @@ impl Core {
                 self.config().daemon.host_call_timeout_seconds,
             ));
         }
-        limits.display = display;
+        limits.display = shown.display;
+        limits.rich = shown.rich;
         let max_idle = self.config().limits.max_detached_idle_seconds;
         let detached = match detached_idle_seconds {
             Some(0) => {
@@ -1073,7 +1076,7 @@ impl Core {
         code: String,
         limits: Option<&Limits>,
         host_calls: bool,
-        display: bool,
+        display: impl Into<crate::session::Shown>,
         frames: mpsc::Sender<Frame>,
     ) -> Result<(), KernelError> {
         // The source is checked before any worker starts.

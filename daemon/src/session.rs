@@ -13,8 +13,8 @@ use crate::worker::output::StreamCap;
 use crate::worker::start::Prepared;
 use crate::worker::{Fill, LineReader};
 use sandcell_proto::kernel::{
-    CellResult, EndReason, Frame, InspectReply, InterruptReason, InterruptReply, Language, Output,
-    Started, State, Status, Usage,
+    CellResult, Display, DisplayKind, EndReason, Frame, InspectReply, InterruptReason,
+    InterruptReply, Language, Output, Started, State, Status, StreamStats, Usage,
 };
 use sandcell_proto::worker::{
     self as wire, MAX_WORKER_LINE, RequestHeader, Stream, WorkerMessage, WorkerStatus,
@@ -50,6 +50,28 @@ pub struct SessionLimits {
     /// Not a limit but the client's choice for every cell (`display_last_expression`):
     /// whether the worker shows the last expression's value; sent as `display=0` when false.
     pub display: bool,
+    /// Not a limit either (`rich_output`): the worker sends the last expression's value,
+    /// display calls and figures as MIME bundles (`display` frames); sent as `rich=1`.
+    pub rich: bool,
+}
+
+/// What the cells of a session show (`display_last_expression`, `rich_output`); a plain
+/// `bool` converts to it as the display choice without rich output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shown {
+    /// Show the last expression's value (`display_last_expression`, default true).
+    pub display: bool,
+    /// Send MIME bundles (`rich_output`, default false).
+    pub rich: bool,
+}
+
+impl From<bool> for Shown {
+    fn from(display: bool) -> Self {
+        Shown {
+            display,
+            rich: false,
+        }
+    }
 }
 
 /// What a session is doing, as listings show it (`idle`, `running`, `ended`).
@@ -600,11 +622,56 @@ const RAW_READ_BYTES: usize = 64 * 1024;
 /// blocks on a full pipe; its deadline still runs).
 const BACKLOG_BYTES: usize = 256 * 1024;
 
-/// Output text of one cell waiting for its client: chunks of at most
-/// [`sandcell_proto::worker::MAX_OUTPUT_CHUNK`] bytes, with their total.
+/// One item waiting for the client: a chunk of output text, or a display bundle (its `seq`
+/// is set when it is sent).
+#[derive(Debug)]
+enum Chunk {
+    Text(Stream, String),
+    Bundle(Box<Display>, usize),
+}
+
+impl Chunk {
+    /// Bytes it holds (a bundle: its data's JSON text, as counted when it came).
+    fn bytes(&self) -> usize {
+        match self {
+            Chunk::Text(_, t) => t.len(),
+            Chunk::Bundle(_, n) => *n,
+        }
+    }
+
+    /// Its frame, numbered `seq`.
+    fn into_frame(self, cell: u64, seq: u64) -> Frame {
+        match self {
+            Chunk::Text(stream, text) => output_frame(cell, seq, stream, text),
+            Chunk::Bundle(mut d, _) => {
+                d.seq = seq;
+                Frame {
+                    display: Some(*d),
+                    ..Default::default()
+                }
+            }
+        }
+    }
+
+    /// The chunk a frame that could not be sent came from.
+    fn from_frame(f: Frame) -> Chunk {
+        match (f.output, f.display) {
+            (_, Some(d)) => {
+                let n = serde_json::to_vec(&d.data).map_or(0, |v| v.len());
+                Chunk::Bundle(Box::new(d), n)
+            }
+            (Some(o), None) => Chunk::Text(o.stream, o.text),
+            (None, None) => Chunk::Text(Stream::Stdout, String::new()),
+        }
+    }
+}
+
+/// Output of one cell waiting for its client: text chunks of at most
+/// [`sandcell_proto::worker::MAX_OUTPUT_CHUNK`] bytes and display bundles, in order, with
+/// their total bytes.
 #[derive(Debug, Default)]
 struct Backlog {
-    chunks: std::collections::VecDeque<(Stream, String)>,
+    chunks: std::collections::VecDeque<Chunk>,
     bytes: usize,
 }
 
@@ -624,7 +691,7 @@ impl Backlog {
         use sandcell_proto::worker::MAX_OUTPUT_CHUNK;
         while !text.is_empty() {
             let merge = match self.chunks.back() {
-                Some((s, t)) if *s == stream && t.len() < MAX_OUTPUT_CHUNK => {
+                Some(Chunk::Text(s, t)) if *s == stream && t.len() < MAX_OUTPUT_CHUNK => {
                     MAX_OUTPUT_CHUNK - t.len()
                 }
                 _ => 0,
@@ -637,28 +704,34 @@ impl Backlog {
             if end == 0 {
                 // Not even one character fits the last chunk: start a new one (a whole frame
                 // always has room for a character).
-                self.chunks.push_back((stream, String::new()));
+                self.chunks.push_back(Chunk::Text(stream, String::new()));
                 continue;
             }
             let (head, rest) = text.split_at(end);
             match self.chunks.back_mut() {
-                Some((s, t)) if merge > 0 && *s == stream => t.push_str(head),
-                _ => self.chunks.push_back((stream, head.to_owned())),
+                Some(Chunk::Text(s, t)) if merge > 0 && *s == stream => t.push_str(head),
+                _ => self.chunks.push_back(Chunk::Text(stream, head.to_owned())),
             }
             self.bytes += head.len();
             text = rest;
         }
     }
 
-    /// Puts a chunk back at the front (the channel was full).
-    fn push_front(&mut self, stream: Stream, text: String) {
-        self.bytes += text.len();
-        self.chunks.push_front((stream, text));
+    /// Appends a display bundle of `bytes` bytes.
+    fn push_bundle(&mut self, d: Display, bytes: usize) {
+        self.bytes += bytes;
+        self.chunks.push_back(Chunk::Bundle(Box::new(d), bytes));
     }
 
-    fn pop(&mut self) -> Option<(Stream, String)> {
+    /// Puts a chunk back at the front (the channel was full).
+    fn push_front(&mut self, c: Chunk) {
+        self.bytes += c.bytes();
+        self.chunks.push_front(c);
+    }
+
+    fn pop(&mut self) -> Option<Chunk> {
         let c = self.chunks.pop_front()?;
-        self.bytes -= c.1.len();
+        self.bytes -= c.bytes();
         Some(c)
     }
 
@@ -679,6 +752,8 @@ struct CellRun {
     keep_session: bool,
     grace: Duration,
     caps: [StreamCap; 2],
+    /// Display bundles: `None` without `rich_output`, else bytes seen and kept.
+    displays: Option<(u64, u64)>,
     /// Sequence number of the next output frame.
     seq: u64,
     phase: Phase,
@@ -738,6 +813,7 @@ impl CellRun {
             keep_session,
             grace: limits.grace,
             caps: [StreamCap::new(limits.stdout), StreamCap::new(limits.stderr)],
+            displays: limits.rich.then_some((0, 0)),
             seq: 0,
             phase: Phase::Running,
             deadline: tokio::time::Instant::from_std(t0 + limits.wall + WALL_SLACK),
@@ -767,6 +843,67 @@ impl CellRun {
             && !self.client_gone
     }
 
+    /// A display bundle of the cell: checked, counted against the stdout budget and queued;
+    /// one over [`sandcell_proto::kernel::MAX_DISPLAY_BYTES`] or the budget's room is
+    /// replaced by its text/plain with a note, and dropped when even that does not fit.
+    /// Errors: why the bundle breaks the protocol.
+    fn on_display(
+        &mut self,
+        kind: DisplayKind,
+        data: serde_json::Map<String, serde_json::Value>,
+        note: Option<String>,
+    ) -> Result<(), String> {
+        use sandcell_proto::kernel::{MAX_DISPLAY_BYTES, check_display_data, display_fallback};
+        let Some((seen, kept)) = self.displays.as_mut() else {
+            return Err("display in a cell without rich_output".into());
+        };
+        let size = check_display_data(&data)?;
+        if note.as_ref().is_some_and(|n| n.len() > 1024) {
+            return Err("display note over 1024 bytes".into());
+        }
+        *seen = seen.saturating_add(size as u64);
+        let (data, size, note) = if size > MAX_DISPLAY_BYTES {
+            let f = display_fallback(&data);
+            let n = serde_json::to_vec(&f).map_or(usize::MAX, |v| v.len());
+            let why = format!(
+                "bundle of {size} bytes over the {MAX_DISPLAY_BYTES}-byte cap: text/plain only"
+            );
+            (f, n, Some(why))
+        } else {
+            (data, size, note)
+        };
+        let (data, size, note) = if self.caps[0].reserve(size as u64) {
+            (data, size, note)
+        } else {
+            let f = display_fallback(&data);
+            let n = serde_json::to_vec(&f).map_or(usize::MAX, |v| v.len());
+            if n >= size || !self.caps[0].reserve(n as u64) {
+                return Ok(());
+            }
+            (
+                f,
+                n,
+                Some(format!(
+                    "bundle of {size} bytes over the cell's remaining output budget: text/plain only"
+                )),
+            )
+        };
+        *kept += size as u64;
+        if !self.abandoned {
+            self.backlog.push_bundle(
+                Display {
+                    cell: self.cell,
+                    seq: 0,
+                    kind,
+                    data,
+                    note,
+                },
+                size,
+            );
+        }
+        Ok(())
+    }
+
     /// Queues output for the client (nothing, once the cell is abandoned).
     fn queue(&mut self, stream: Stream, text: String) {
         if !self.abandoned {
@@ -776,15 +913,11 @@ impl CellRun {
 
     /// Hands over what the client's channel takes now; the rest waits for room.
     fn flush(&mut self) {
-        while let Some((stream, text)) = self.backlog.pop() {
-            match self
-                .frames
-                .try_send(output_frame(self.cell, self.seq, stream, text))
-            {
+        while let Some(c) = self.backlog.pop() {
+            match self.frames.try_send(c.into_frame(self.cell, self.seq)) {
                 Ok(()) => self.seq += 1,
                 Err(mpsc::error::TrySendError::Full(f)) => {
-                    let text = f.output.map(|o| o.text).unwrap_or_default();
-                    self.backlog.push_front(stream, text);
+                    self.backlog.push_front(Chunk::from_frame(f));
                     break;
                 }
                 Err(mpsc::error::TrySendError::Closed(_)) => {
@@ -853,8 +986,8 @@ impl CellRun {
 /// Room in the client's channel: the oldest waiting chunk goes now (the rest with the loop's
 /// flush).
 fn send_one(permit: mpsc::OwnedPermit<Frame>, run: &mut CellRun) {
-    if let Some((stream, text)) = run.backlog.pop() {
-        permit.send(output_frame(run.cell, run.seq, stream, text));
+    if let Some(c) = run.backlog.pop() {
+        permit.send(c.into_frame(run.cell, run.seq));
         run.seq += 1;
     } else if let Some(f) = run.host_frame.take() {
         permit.send(f);
@@ -1154,6 +1287,7 @@ impl Actor {
             header.fuel = Some(limits.fuel);
             header.max_output = Some(limits.stdout.max(limits.stderr));
             header.display = limits.display;
+            header.rich = limits.rich;
             header.nonce = Some(run.nonce.clone());
             header.host_calls = limits.host_calls.is_some();
             let mut request = header.to_line().into_bytes();
@@ -1663,6 +1797,7 @@ impl Actor {
             }
             WorkerMessage::Output { cell, .. }
             | WorkerMessage::Dropped { cell, .. }
+            | WorkerMessage::Display { cell, .. }
             | WorkerMessage::Done { cell, .. }
                 if cell != run.cell =>
             {
@@ -1681,6 +1816,16 @@ impl Actor {
             WorkerMessage::Dropped { stream, bytes, .. } => {
                 run.caps[idx(stream)].push_dropped(bytes);
                 None
+            }
+            WorkerMessage::Display {
+                kind, data, note, ..
+            } => {
+                if raw_output {
+                    // What a native worker printed before the bundle is in the raw pipes:
+                    // take it now, so the bundle follows it.
+                    self.take_raw(run);
+                }
+                run.on_display(kind, data, note).err().and_then(violation)
             }
             WorkerMessage::Done { ref nonce, .. } if nonce.as_deref() != Some(&run.nonce) => {
                 violation("done without the request's nonce".into())
@@ -1747,14 +1892,7 @@ impl Actor {
         }
         // Output a native worker wrote before its line may still be in the raw pipes (read
         // 1 ms late to coalesce): take it now, so the frame follows it, as a result does.
-        for (i, stream) in [(0usize, Stream::Stdout), (1, Stream::Stderr)] {
-            let rx = if i == 0 {
-                &mut self.stdout
-            } else {
-                &mut self.stderr
-            };
-            run.read_raw(rx, i, stream, RAW_READS_PER_WAKE, true);
-        }
+        self.take_raw(run);
         self.host_calls_made = call;
         run.host = Some((call, tokio::time::Instant::now() + timeout));
         if !run.abandoned {
@@ -1769,6 +1907,19 @@ impl Actor {
             });
         }
         Ok(())
+    }
+
+    /// Reads what the raw output pipes hold now (a native worker's output written before the
+    /// line being handled), so that the line's frame follows it.
+    fn take_raw(&mut self, run: &mut CellRun) {
+        for (i, stream) in [(0usize, Stream::Stdout), (1, Stream::Stderr)] {
+            let rx = if i == 0 {
+                &mut self.stdout
+            } else {
+                &mut self.stderr
+            };
+            run.read_raw(rx, i, stream, RAW_READS_PER_WAKE, true);
+        }
     }
 
     /// The client's answer to host call `call`: queued for the worker when that call waits
@@ -1964,8 +2115,8 @@ impl Actor {
         // The rest of the output, in order, right before the result, so the connection writes
         // them together (one write, one wake-up of the client for a short cell). A cell that was
         // cancelled (client gone, session closed) waits for nobody: it gets no more frames.
-        while let Some((stream, text)) = run.backlog.pop() {
-            let f = output_frame(cell, run.seq, stream, text);
+        while let Some(c) = run.backlog.pop() {
+            let f = c.into_frame(cell, run.seq);
             run.seq += 1;
             if !send_or_command(&run.frames, f, cmds, &mut close_req, &mut self.deferred).await {
                 run.backlog.clear();
@@ -2054,6 +2205,11 @@ impl Actor {
             session_ended: false,
             warnings: Vec::new(),
             files: Vec::new(),
+            displays: run.displays.map(|(seen, kept)| StreamStats {
+                seen,
+                kept,
+                truncated: seen > kept,
+            }),
             retained: None,
         };
         let ending = match end {
@@ -2677,6 +2833,7 @@ fn kind(m: &WorkerMessage) -> &'static str {
         WorkerMessage::Done { .. } => "done",
         WorkerMessage::Inspected { .. } => "inspected",
         WorkerMessage::HostCall { .. } => "host_call",
+        WorkerMessage::Display { .. } => "display",
     }
 }
 
@@ -2758,6 +2915,43 @@ mod tests {
     }
 
     #[test]
+    fn backlog_keeps_bundles_in_order_with_text() {
+        let mut b = Backlog::default();
+        b.push(Stream::Stdout, "a");
+        let mut data = serde_json::Map::new();
+        data.insert("text/plain".into(), "2".into());
+        b.push_bundle(
+            Display {
+                cell: 1,
+                seq: 0,
+                kind: DisplayKind::Result,
+                data,
+                note: None,
+            },
+            18,
+        );
+        b.push(Stream::Stdout, "b");
+        assert_eq!(b.bytes, 20);
+        let frames: Vec<Frame> = std::iter::from_fn(|| b.pop())
+            .enumerate()
+            .map(|(i, c)| c.into_frame(1, i as u64))
+            .collect();
+        assert_eq!(
+            frames.len(),
+            3,
+            "text after a bundle is not merged into text before it"
+        );
+        assert_eq!(frames[0].output.as_ref().unwrap().text, "a");
+        let d = frames[1].display.as_ref().unwrap();
+        assert_eq!((d.seq, d.kind), (1, DisplayKind::Result));
+        assert_eq!(frames[2].output.as_ref().unwrap().seq, 2);
+        assert_eq!(b.bytes, 0);
+        // A frame the channel refused comes back as the same chunk.
+        let back = Chunk::from_frame(frames[1].clone());
+        assert!(matches!(back, Chunk::Bundle(_, 18)), "{back:?}");
+    }
+
+    #[test]
     fn backlog_merges_splits_and_counts() {
         let mut b = Backlog::default();
         b.push(Stream::Stdout, "ab");
@@ -2770,7 +2964,7 @@ mod tests {
         b.push(Stream::Stderr, &big);
         assert_eq!(b.bytes, 5 + big.len());
         let mut total = 0;
-        while let Some((_, t)) = b.pop() {
+        while let Some(Chunk::Text(_, t)) = b.pop() {
             assert!(t.len() <= MAX_OUTPUT_CHUNK, "{}", t.len());
             total += t.len();
         }

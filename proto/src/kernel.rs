@@ -236,6 +236,10 @@ pub struct RunParams {
     /// IDL).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub display_last_expression: Option<bool>,
+    /// Rich output (absent: false): the cell's last expression, explicit display calls and
+    /// figures come as [`Display`] frames (MIME bundles) instead of stdout text.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rich_output: Option<bool>,
 }
 
 /// Parameters of `Open`.
@@ -260,6 +264,10 @@ pub struct OpenParams {
     /// `Run`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub display_last_expression: Option<bool>,
+    /// Rich output for every cell of the session (absent: false; see
+    /// [`RunParams::rich_output`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rich_output: Option<bool>,
 }
 
 /// Most packages `ListEnvironments` lists per environment.
@@ -733,6 +741,122 @@ pub struct Output {
     pub text: String,
 }
 
+/// Most bytes one display bundle may take, as the JSON text of its `data` object. A bundle
+/// over it is replaced by its `text/plain` (cut to [`DISPLAY_FALLBACK_BYTES`]) with a
+/// [`Display::note`]; an image is never cut.
+pub const MAX_DISPLAY_BYTES: usize = 512 * 1024;
+
+/// Most bytes of `text/plain` a replaced bundle keeps (see [`MAX_DISPLAY_BYTES`]).
+pub const DISPLAY_FALLBACK_BYTES: usize = 4096;
+
+/// Most MIME types in one bundle.
+pub const MAX_DISPLAY_TYPES: usize = 16;
+
+/// Longest MIME type name in a bundle, bytes.
+pub const MAX_MIME_TYPE: usize = 128;
+
+/// Whether a display frame is the cell's result or an explicit display.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DisplayKind {
+    /// The value of the cell's last expression (Jupyter's `execute_result`).
+    Result,
+    /// A display call, a figure, R graphics or an R printed value (Jupyter's `display_data`).
+    Display,
+}
+
+impl DisplayKind {
+    /// `"result"` or `"display"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DisplayKind::Result => "result",
+            DisplayKind::Display => "display",
+        }
+    }
+}
+
+/// A MIME bundle a cell shows (only in sessions and runs with `rich_output`), ordered with the
+/// output frames by `seq`.
+///
+/// `data` maps MIME types (`text/plain` always, a string; `text/html`, `text/markdown`,
+/// `text/latex`, `image/svg+xml` strings; `image/png` base64 text; `application/json` any
+/// JSON value) to the representation, as the Jupyter display protocol
+/// (<https://ipython.readthedocs.io/en/stable/config/integrating.html>) and nbformat's
+/// `display_data` define them. The JSON text of `data` is at most [`MAX_DISPLAY_BYTES`] and
+/// counts against the cell's stdout budget (`max_stdout_bytes`); a bundle that does not fit
+/// is replaced by its `text/plain` with a `note` saying why, and dropped (still counted in
+/// `CellResult.displays.seen`) when even that does not fit.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Display {
+    /// Cell number.
+    pub cell: u64,
+    /// Frame sequence number within the cell, shared with `output` frames.
+    pub seq: u64,
+    /// Result or display.
+    pub kind: DisplayKind,
+    /// MIME type to representation.
+    pub data: serde_json::Map<String, serde_json::Value>,
+    /// Why the bundle was replaced by its `text/plain`, when it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+/// Whether `t` may name a MIME type in a bundle: 1 to [`MAX_MIME_TYPE`] bytes of
+/// `[a-z0-9.+-]`, one `/` inside (RFC 6838 names, lower case).
+pub fn valid_mime_type(t: &str) -> bool {
+    t.len() <= MAX_MIME_TYPE
+        && t.split_once('/').is_some_and(|(a, b)| {
+            !a.is_empty()
+                && !b.is_empty()
+                && (a.bytes().chain(b.bytes()))
+                    .all(|c| matches!(c, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'+' | b'-'))
+        })
+}
+
+/// Checks a bundle's `data` as a worker sent it and returns the bytes of its JSON text.
+///
+/// Errors (the bundle is malformed, a protocol violation): no `text/plain` string, more than
+/// [`MAX_DISPLAY_TYPES`] types, a type that is not [`valid_mime_type`], or a value other than
+/// a string where one is required (every type but `application/json` and `*+json`).
+pub fn check_display_data(
+    data: &serde_json::Map<String, serde_json::Value>,
+) -> Result<usize, String> {
+    if !data.get("text/plain").is_some_and(|v| v.is_string()) {
+        return Err("display without a text/plain string".into());
+    }
+    if data.len() > MAX_DISPLAY_TYPES {
+        return Err(format!("display with {} MIME types", data.len()));
+    }
+    for (k, v) in data {
+        if !valid_mime_type(k) {
+            return Err("display with an invalid MIME type".into());
+        }
+        let json = k == "application/json" || k.ends_with("+json");
+        if !json && !v.is_string() {
+            return Err(format!("display {k} is not a string"));
+        }
+    }
+    Ok(serde_json::to_vec(data).map_or(usize::MAX, |v| v.len()))
+}
+
+/// The bundle that replaces one over its cap: its `text/plain` alone, cut to
+/// [`DISPLAY_FALLBACK_BYTES`] on a character boundary.
+pub fn display_fallback(
+    data: &serde_json::Map<String, serde_json::Value>,
+) -> serde_json::Map<String, serde_json::Value> {
+    let text = data
+        .get("text/plain")
+        .and_then(|v| v.as_str())
+        .unwrap_or("");
+    let mut end = text.len().min(DISPLAY_FALLBACK_BYTES);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut m = serde_json::Map::new();
+    m.insert("text/plain".into(), text[..end].into());
+    m
+}
+
 /// Output accounting of one stream, in bytes of the original output.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StreamStats {
@@ -864,6 +988,12 @@ pub struct CellResult {
     /// Entries of the session directory the cell created or changed (lstat, never followed).
     #[serde(default)]
     pub files: Vec<FileInfo>,
+    /// Display bundles of the cell (sessions and runs with `rich_output` only): `seen` bytes
+    /// of bundle JSON the cell produced, `kept` bytes sent in `display` frames (replaced
+    /// bundles count what was sent). Display frames are live only: `Attach` does not replay
+    /// them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub displays: Option<StreamStats>,
     /// What the daemon retained of the cell's output for `Attach` (cells started by `Submit`,
     /// or by `Execute` on a detached session); absent for other cells.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1094,6 +1224,9 @@ pub struct Frame {
     /// The cell calls a tool of the client: answer with `HostReply`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_call: Option<HostCall>,
+    /// A MIME bundle the cell shows (`rich_output` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display: Option<Display>,
     /// Last frame.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result: Option<CellResult>,
@@ -1361,6 +1494,45 @@ impl RawError {
 mod tests {
     use super::*;
 
+    #[test]
+    fn display_bundles_are_checked_and_replaced_by_their_text() {
+        let ok: serde_json::Map<String, serde_json::Value> = serde_json::from_str(
+            r#"{"text/plain":"x","text/html":"<b>x</b>","application/json":{"a":[1]},"image/png":"iVBO"}"#,
+        )
+        .unwrap();
+        let n = check_display_data(&ok).unwrap();
+        assert_eq!(n, serde_json::to_vec(&ok).unwrap().len());
+        for bad in [
+            r#"{"text/html":"<b>x</b>"}"#,
+            r#"{"text/plain":1}"#,
+            r#"{"text/plain":"x","text/html":{"a":1}}"#,
+            r#"{"text/plain":"x","Text/HTML":"y"}"#,
+            r#"{"text/plain":"x","nonsense":"y"}"#,
+            r#"{"text/plain":"x","a/b/c":"y"}"#,
+        ] {
+            let m: serde_json::Map<String, serde_json::Value> = serde_json::from_str(bad).unwrap();
+            assert!(check_display_data(&m).is_err(), "{bad}");
+        }
+        let mut many = serde_json::Map::new();
+        many.insert("text/plain".into(), "x".into());
+        for i in 0..MAX_DISPLAY_TYPES {
+            many.insert(format!("text/x-{i}"), "y".into());
+        }
+        assert!(check_display_data(&many).is_err());
+        assert!(valid_mime_type("image/svg+xml") && valid_mime_type("application/vnd.x-y.z+json"));
+        assert!(!valid_mime_type("/") && !valid_mime_type(&format!("a/{}", "b".repeat(200))));
+        let mut big = serde_json::Map::new();
+        big.insert(
+            "text/plain".into(),
+            "é".repeat(DISPLAY_FALLBACK_BYTES).into(),
+        );
+        big.insert("image/png".into(), "A".repeat(MAX_DISPLAY_BYTES).into());
+        let f = display_fallback(&big);
+        assert_eq!(f.len(), 1);
+        let t = f["text/plain"].as_str().unwrap();
+        assert!(t.len() <= DISPLAY_FALLBACK_BYTES && t.len() >= DISPLAY_FALLBACK_BYTES - 1);
+    }
+
     use zlink::idl::{Field, Interface, Type};
 
     /// A JSON value the IDL type accepts, with every optional field present, so a field the
@@ -1389,7 +1561,12 @@ mod tests {
                     .find(|c| c.name().to_string() == name)
                     .unwrap_or_else(|| panic!("type {name} is not declared"));
                 let object = custom.as_object().expect("only object types are used");
-                fields(iface, object.fields())
+                let mut v = fields(iface, object.fields());
+                if name == "Display" {
+                    // Its `kind` is not a file's.
+                    v["kind"] = Value::from("result");
+                }
+                v
             }
             Type::Object(f) => fields(iface, f.iter()),
             Type::ForeignObject => serde_json::json!({ "k": [1, "x"] }),

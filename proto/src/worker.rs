@@ -32,6 +32,7 @@
 //! | `output`, `dropped` | only for the running cell | never (R output travels on fds 1 and 2) |
 //! | `done` | once per `exec`, for the running cell, echoing the request's `nonce` | the same |
 //! | `inspected` | once per `inspect`, echoing its `nonce` | the same |
+//! | `display` | only for the running cell of a request with `rich=1` | the same |
 //! | `host_call` | only for the running cell of a request with `host_calls=1`, echoing its `nonce`, numbered from 1 per session, at most one unanswered | the same (the native Python worker likewise) |
 //!
 //! A host call (a cell's `host.call(name, arguments)`, R `host_call(...)`) is a `host_call`
@@ -111,6 +112,9 @@ pub const JSON_ESCAPE_FACTOR: usize = 6;
 const _: () = assert!(
     SOURCE_CEILING as usize * JSON_ESCAPE_FACTOR + 4096 <= crate::kernel::MAX_MESSAGE_BYTES
 );
+// A display bundle at its cap fits one reply line, and one Varlink frame, with its framing.
+const _: () = assert!(crate::kernel::MAX_DISPLAY_BYTES + 4096 <= MAX_WORKER_LINE);
+const _: () = assert!(crate::kernel::MAX_DISPLAY_BYTES + 4096 <= crate::kernel::MAX_MESSAGE_BYTES);
 // An output chunk, escaped, fits one reply line with room for its framing.
 const _: () = assert!(MAX_OUTPUT_CHUNK * JSON_ESCAPE_FACTOR + 4096 <= MAX_WORKER_LINE);
 // An error's message and traceback, escaped, fit one `done` line.
@@ -155,7 +159,7 @@ impl Op {
 /// The header line of a request.
 ///
 /// Wire form:
-/// `<op> <cell> <len>[ timeout_ms=<u64>][ fuel=<u64>][ max_output=<u64>][ max_items=<u64>][ call=<u64>][ host_calls=1][ display=0][ nonce=<hex>]\n`
+/// `<op> <cell> <len>[ timeout_ms=<u64>][ fuel=<u64>][ max_output=<u64>][ max_items=<u64>][ call=<u64>][ host_calls=1][ display=0][ rich=1][ nonce=<hex>]\n`
 /// (at most [`MAX_HEADER_LINE`] bytes: every field at its largest takes about 230).
 /// Workers ignore options they do not know, so an older worker runs a newer daemon's cells.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -185,6 +189,10 @@ pub struct RequestHeader {
     /// final expression statement not ended by `;`, through `sys.displayhook`; R: every
     /// visible top-level value, auto-printed). On the wire only when false, as `display=0`.
     pub display: bool,
+    /// `exec` only: rich output (the session or run asked for `rich_output`): the last
+    /// expression's value, display calls and figures go out as [`WorkerMessage::Display`]
+    /// lines instead of stdout text. On the wire only when true, as `rich=1`.
+    pub rich: bool,
     /// A value the worker must echo in the `done` of this request ([`NONCE_HEX_LEN`] lowercase
     /// hex digits from the kernel's random source); `None` only in tests.
     pub nonce: Option<String>,
@@ -215,6 +223,7 @@ impl RequestHeader {
             call: None,
             host_calls: false,
             display: true,
+            rich: false,
             nonce: None,
         }
     }
@@ -242,6 +251,9 @@ impl RequestHeader {
         }
         if !self.display {
             s.push_str(" display=0");
+        }
+        if self.rich {
+            s.push_str(" rich=1");
         }
         if let Some(v) = &self.nonce {
             s.push_str(&format!(" nonce={v}"));
@@ -280,6 +292,7 @@ impl RequestHeader {
             call: None,
             host_calls: false,
             display: true,
+            rich: false,
             nonce: None,
         };
         for kv in it {
@@ -293,6 +306,7 @@ impl RequestHeader {
                 "max_items" => h.max_items = Some(num(Some(v), k)?),
                 "call" => h.call = Some(num(Some(v), k)?),
                 "host_calls" => h.host_calls = num(Some(v), k)? != 0,
+                "rich" => h.rich = num(Some(v), k)? != 0,
                 "display" => {
                     h.display = match v {
                         "0" => false,
@@ -415,6 +429,23 @@ pub enum WorkerMessage {
         /// Original byte length of this chunk, before escaping. Informational only: the daemon
         /// counts and caps the bytes of `data` it received, never this figure.
         bytes: u64,
+    },
+    /// A MIME bundle of the running cell (requests with `rich=1` only), ordered with its
+    /// output: the daemon checks it ([`crate::kernel::check_display_data`]), counts it
+    /// against the cell's stdout budget and forwards it as a `display` frame. A worker
+    /// replaces a bundle over [`crate::kernel::MAX_DISPLAY_BYTES`] by its text/plain itself
+    /// (the line must stay under [`MAX_WORKER_LINE`]); the daemon does so again for a
+    /// forged one.
+    Display {
+        /// Cell the bundle belongs to.
+        cell: u64,
+        /// Result or display.
+        kind: crate::kernel::DisplayKind,
+        /// MIME type to representation.
+        data: serde_json::Map<String, serde_json::Value>,
+        /// Why the worker replaced the bundle by its text/plain, when it did.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        note: Option<String>,
     },
     /// Output the worker saw but did not send (past `max_output`), so the daemon's counts of
     /// bytes seen stay exact.
@@ -642,6 +673,8 @@ mod tests {
         h.max_output = Some(u64::MAX);
         h.max_items = Some(u64::MAX);
         h.display = false;
+        h.host_calls = true;
+        h.rich = true;
         h.nonce = Some("0123456789abcdef".into());
         let line = h.to_line();
         assert!(line.len() <= MAX_HEADER_LINE, "{} bytes", line.len());

@@ -63,6 +63,7 @@ async fn open(c: &mut Client, language: &str, env: &str, host_calls: bool) -> St
         environment: Some(env.into()),
         host_calls: host_calls.then_some(true),
         display_last_expression: None,
+        rich_output: None,
     })
     .await
     .expect("open")
@@ -197,6 +198,7 @@ async fn host_calls_round_trip_and_error_replies_raise_in_the_cell() {
             environment: Some(env.into()),
             host_calls: Some(true),
             display_last_expression: None,
+            rich_output: None,
         })
         .await
         .unwrap();
@@ -395,6 +397,7 @@ async fn an_attach_replays_the_host_call_that_waits() {
                 environment: Some(env.into()),
                 host_calls: Some(true),
                 display_last_expression: None,
+                rich_output: None,
             })
             .await
             .expect("open")

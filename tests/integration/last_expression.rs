@@ -30,6 +30,7 @@ async fn open(c: &mut Client, language: &str, env: Option<&str>, display: Option
         environment: env.map(str::to_owned),
         host_calls: None,
         display_last_expression: display,
+        rich_output: None,
     })
     .await
     .expect("open")
@@ -61,6 +62,7 @@ async fn run(
         environment: env.map(str::to_owned),
         host_calls: None,
         display_last_expression: display,
+        rich_output: None,
     })
     .await
     .expect("run");

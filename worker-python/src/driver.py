@@ -42,6 +42,7 @@ _CO_COROUTINE = 0x80
 SNAPSHOT_STREAM = 7
 OUTCOME_STREAM = 8
 INSPECT_STREAM = 9
+DISPLAY_STREAM = 11
 
 
 def _encode(s):
@@ -281,16 +282,130 @@ def _repr_failed(e):
 
 def _displayhook(value):
     """sys.displayhook of the sandbox: the default one, but a failing repr shows a
-    placeholder instead of failing the cell."""
+    placeholder instead of failing the cell. With rich output, the value goes out as a MIME
+    bundle (kind `result`) instead."""
     if value is None:
         return
     _builtins._ = None
-    try:
-        text = repr(value)
-    except Exception as e:
-        text = _repr_failed(e)
-    _sys.stdout.write(text + '\n')
+    if _rich:
+        _send_bundle('result', value)
+    else:
+        try:
+            text = repr(value)
+        except Exception as e:
+            text = _repr_failed(e)
+        _sys.stdout.write(text + '\n')
     _builtins._ = value
+
+
+# --- Rich output -------------------------------------------------------------------------
+#
+# In a cell of a session with rich output (the request's `rich=1`, the driver's mode bit 2),
+# the last expression's value and `sandcell.display(...)` go to the host as MIME bundles on
+# DISPLAY_STREAM: `{"kind": "result"|"display", "data": {mime: value}}`, built through the
+# display protocol of IPython/Jupyter (`_repr_mimebundle_`, then `_repr_html_`,
+# `_repr_markdown_`, `_repr_latex_`, `_repr_png_`, `_repr_jpeg_`, `_repr_svg_`, `_repr_json_`;
+# https://ipython.readthedocs.io/en/stable/config/integrating.html). A method that raises is
+# skipped; text/plain is always the repr. The worker bounds and checks the bundle (src/output.rs).
+
+_rich = False
+_REPR_METHODS = (('text/html', '_repr_html_'), ('text/markdown', '_repr_markdown_'),
+                 ('text/latex', '_repr_latex_'), ('image/png', '_repr_png_'),
+                 ('image/jpeg', '_repr_jpeg_'), ('image/svg+xml', '_repr_svg_'),
+                 ('application/json', '_repr_json_'))
+_MIME_CHARS = frozenset('abcdefghijklmnopqrstuvwxyz0123456789.+-/')
+
+
+def _bundle(value):
+    """The MIME bundle of `value` (a dict of JSON-ready values, text/plain always)."""
+    data = {}
+    if not isinstance(value, type):
+        m = getattr(value, '_repr_mimebundle_', None)
+        if callable(m):
+            try:
+                r = m()
+                if isinstance(r, tuple):
+                    r = r[0]
+                if isinstance(r, dict):
+                    data.update(r)
+            except Exception:
+                pass
+        for mime, name in _REPR_METHODS:
+            if mime in data:
+                continue
+            f = getattr(value, name, None)
+            if not callable(f):
+                continue
+            try:
+                r = f()
+            except Exception:
+                continue
+            if isinstance(r, tuple):
+                r = r[0] if r else None
+            if r is not None:
+                data[mime] = r
+    out = {}
+    for k, v in data.items():
+        if (not isinstance(k, str) or not 0 < len(k) <= 128 or k.count('/') != 1
+                or not set(k) <= _MIME_CHARS or len(out) >= 15):
+            continue
+        if k == 'application/json' or k.endswith('+json'):
+            try:
+                _json.dumps(v)
+            except Exception:
+                continue
+        elif isinstance(v, (bytes, bytearray)):
+            v = (_base64.b64encode(v).decode('ascii') if k.startswith('image/')
+                 and k != 'image/svg+xml' else bytes(v).decode('utf-8', 'replace'))
+        elif not isinstance(v, str):
+            continue
+        out[k] = v
+    text = out.get('text/plain')
+    if not isinstance(text, str):
+        try:
+            text = repr(value)
+        except Exception as e:
+            text = _repr_failed(e)
+    out['text/plain'] = text
+    return out
+
+
+def _send_bundle(kind, value, data=None):
+    if data is None:
+        data = _bundle(value)
+    _flush_all()
+    msg = _json.dumps({'kind': kind, 'data': data}, ensure_ascii=False)
+    _eryx._eryx_report_output(DISPLAY_STREAM, _encode(msg))
+
+
+def display(*objs, raw=False):
+    """Shows each object as a MIME bundle (a notebook's display_data) in a session with rich
+    output, else its repr on stdout. `raw=True`: each object is already a bundle (a dict of
+    MIME type to value)."""
+    for obj in objs:
+        if _rich:
+            if raw and isinstance(obj, dict):
+                data = dict(obj)
+                data.setdefault('text/plain', '')
+                _send_bundle('display', None, {k: v for k, v in _bundle_of_raw(data).items()})
+            else:
+                _send_bundle('display', obj)
+        else:
+            try:
+                text = repr(obj)
+            except Exception as e:
+                text = _repr_failed(e)
+            _sys.stdout.write(text + '\n')
+
+
+def _bundle_of_raw(data):
+    class _Raw:
+        def _repr_mimebundle_(self):
+            return data
+    return _bundle(_Raw())
+
+
+display.__module__ = 'sandcell'
 
 
 _displayhook._sandcell = True
@@ -400,13 +515,15 @@ def _report(g, res):
 
 def run(src, g, cell, display=1):
     """Runs one cell without top-level await; the outcome goes to the host (`_report`).
-    `display`: whether the last expression is shown."""
+    `display`: bit 1, the last expression is shown; bit 2, rich output."""
+    global _rich
+    _rich = bool(display & 2)
     fname = '<cell %d>' % cell
     saved = _sys.stdout, _sys.stderr
     _sys.stdout, _sys.stderr = _OUT, _ERR
     res = None
     try:
-        code, shown = _begin(src, fname, display)
+        code, shown = _begin(src, fname, display & 1)
         if (code.co_flags | (shown.co_flags if shown else 0)) & _CO_COROUTINE:
             res = {'status': 'error', 'error': {
                 'type': 'RuntimeError', 'message': 'top-level await reached the sync driver',
@@ -438,13 +555,15 @@ def _run_here(src=None, cell=None, display=1):
 
 async def run_async(src, g, cell, display=1):
     """Runs one cell that may use top-level await; the outcome goes to the host (`_report`).
-    `display`: whether the last expression is shown."""
+    `display`: bit 1, the last expression is shown; bit 2, rich output."""
+    global _rich
+    _rich = bool(display & 2)
     fname = '<cell %d>' % cell
     saved = _sys.stdout, _sys.stderr
     _sys.stdout, _sys.stderr = _OUT, _ERR
     res = None
     try:
-        code, shown = _begin(src, fname, display)
+        code, shown = _begin(src, fname, display & 1)
         if shown is not None:
             _install_displayhook()
         for c in (code, shown):
@@ -854,9 +973,9 @@ def _eryx_compile(source, filename, mode, flags=0, dont_inherit=False, optimize=
         if source.startswith(_PREFIX) and source.endswith(')\n'):
             j = source.find("',", 14)
             cell, comma, display = source[j + 2:-2].partition(',')
-            if (j > 0 and cell.isascii() and cell.isdigit() and display in ('', '0')
+            if (j > 0 and cell.isascii() and cell.isdigit() and display in ('', '0', '2', '3')
                     and (display or not comma) and "'" not in source[14:j]):
-                _pending = (source[14:j], int(cell), 0 if display else 1)
+                _pending = (source[14:j], int(cell), int(display) if display else 1)
                 return _compiled[0]
         elif source == _SNAPSHOT_LINE:
             return _compiled[1]
@@ -942,6 +1061,7 @@ def _install_host_module():
     mod.HostCallError = HostCallError
     mod.__all__ = ['call', 'HostCallError']
     pkg.host = mod
+    pkg.display = display
     pkg.__path__ = []
     _sys.modules['sandcell'] = pkg
     _sys.modules['sandcell.host'] = mod

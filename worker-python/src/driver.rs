@@ -111,9 +111,16 @@ pub fn needs_async(source: &str) -> bool {
 
 /// The one-line Python the worker executes for cell `cell` with `source`. With `display`,
 /// the driver shows the value of a final expression statement (not ended by `;`) on stdout;
-/// without, the line says so with a last argument `0`.
-pub fn cell_code(cell: u64, source: &str, display: bool) -> String {
-    let off = if display { "" } else { ",0" };
+/// with `rich`, as a MIME bundle on [`DISPLAY_STREAM`] (and `sandcell.display` sends bundles
+/// too). The mode goes as a last argument, bit 1 display, bit 2 rich, left out when it is
+/// plain display (1).
+pub fn cell_code(cell: u64, source: &str, display: bool, rich: bool) -> String {
+    let off = match (display, rich) {
+        (true, false) => "",
+        (false, false) => ",0",
+        (false, true) => ",2",
+        (true, true) => ",3",
+    };
     if needs_async(source) {
         let encoded = b64(source.as_bytes());
         return format!(
@@ -171,6 +178,11 @@ pub const SNAPSHOT_STREAM: u32 = 7;
 /// Output stream number on which the driver's `run`/`run_async` send a cell's outcome (a
 /// [`DriverResult`] as JSON), as the last message of the execution.
 pub const OUTCOME_STREAM: u32 = 8;
+
+/// Output stream number on which the driver sends a cell's MIME bundles (rich output only):
+/// `{"kind": "result"|"display", "data": {...}}` as JSON, turned into a `display` line by
+/// the output forwarder (`crate::output`), which bounds and checks it.
+pub const DISPLAY_STREAM: u32 = 11;
 
 /// Python that pickles the namespace (sent on [`SNAPSHOT_STREAM`]) and reports module
 /// bindings, names and unpicklable names in the driver result.
@@ -303,6 +315,7 @@ mod tests {
         assert!(DRIVER_SOURCE.contains(&format!("SNAPSHOT_STREAM = {SNAPSHOT_STREAM}\n")));
         assert!(DRIVER_SOURCE.contains(&format!("OUTCOME_STREAM = {OUTCOME_STREAM}\n")));
         assert!(DRIVER_SOURCE.contains(&format!("INSPECT_STREAM = {INSPECT_STREAM}\n")));
+        assert!(DRIVER_SOURCE.contains(&format!("DISPLAY_STREAM = {DISPLAY_STREAM}\n")));
         assert!(DRIVER_SOURCE.contains("_run_here.inspect = _inspect_here"));
         assert_eq!(inspect_code(5, 4000), format!("{ENTRY}.inspect(5,4000)\n"));
         assert!(DRIVER_SOURCE.contains(&format!("_builtins.{ENTRY} = _run_here")));
@@ -313,17 +326,17 @@ mod tests {
     #[test]
     fn cell_code_picks_the_async_driver_only_when_needed() {
         assert_eq!(
-            cell_code(3, "print(1)", true),
+            cell_code(3, "print(1)", true, false),
             "__sandcell__('cHJpbnQoMSk=',3)\n"
         );
         assert_eq!(
-            cell_code(3, "print(1)", false),
+            cell_code(3, "print(1)", false, false),
             "__sandcell__('cHJpbnQoMSk=',3,0)\n"
         );
-        let a = cell_code(4, "await x()", true);
+        let a = cell_code(4, "await x()", true, false);
         assert!(a.starts_with("await __import__('_sandcell').run_async("));
         assert!(a.ends_with(", globals(), 4)\n"), "{a}");
-        assert!(cell_code(4, "await x()", false).ends_with(", globals(), 4,0)\n"));
+        assert!(cell_code(4, "await x()", false, false).ends_with(", globals(), 4,0)\n"));
     }
 
     #[test]

@@ -39,11 +39,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use eryx::OutputRequest;
+use sandcell_proto::kernel::{
+    DisplayKind, MAX_DISPLAY_BYTES, check_display_data, display_fallback,
+};
 use sandcell_proto::text::split_incomplete_tail;
-use sandcell_proto::worker::{MAX_OUTPUT_CHUNK, Stream, WorkerMessage};
+use sandcell_proto::worker::{MAX_OUTPUT_CHUNK, MAX_WORKER_LINE, Stream, WorkerMessage};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
-use crate::driver::OUTCOME_STREAM;
+use crate::driver::{DISPLAY_STREAM, OUTCOME_STREAM};
 use crate::host::{HOST_CALL_STREAM, HostCalls};
 use crate::replies::{Lines, Replies};
 
@@ -247,6 +250,9 @@ struct Live {
     error: Option<io::Error>,
     /// Turns a marker on [`HOST_CALL_STREAM`] into its `host_call` line.
     host: Option<Arc<HostCalls>>,
+    /// The cell has rich output: bundles on [`DISPLAY_STREAM`] become `display` lines
+    /// (without it they are ignored).
+    rich: bool,
 }
 
 struct Shared {
@@ -282,6 +288,8 @@ pub struct Forwarder {
     last_start: u64,
     /// Host calls of the cells, whose lines travel in the output channel.
     host: Option<Arc<HostCalls>>,
+    /// Cells begun from now on have rich output.
+    rich: bool,
 }
 
 impl Forwarder {
@@ -306,6 +314,7 @@ impl Forwarder {
             thread: handle.thread().clone(),
             last_start: 0,
             host: None,
+            rich: false,
         })
     }
 
@@ -313,6 +322,11 @@ impl Forwarder {
     /// [`HOST_CALL_STREAM`]) in its place among the cell's output (see [`crate::host`]).
     pub fn set_host_calls(&mut self, host: Arc<HostCalls>) {
         self.host = Some(host);
+    }
+
+    /// Whether the cells begun from now on have rich output (the request's `rich`).
+    pub fn set_rich(&mut self, rich: bool) {
+        self.rich = rich;
     }
 
     /// The reply pipe.
@@ -333,6 +347,7 @@ impl Forwarder {
             closed: false,
             error: None,
             host: self.host.clone(),
+            rich: self.rich,
         });
         let start = self.shared.now().max(self.last_start + 1);
         self.last_start = start;
@@ -444,8 +459,50 @@ impl Live {
             }
             return Ok(());
         }
+        if req.stream == DISPLAY_STREAM {
+            if self.rich
+                && let Some(msg) = display_line(self.out.cell, &req.data)
+            {
+                self.out.flush(lines)?;
+                lines.push(&msg)?;
+            }
+            return Ok(());
+        }
         self.out.push(stream_of(req.stream), &req.data, lines)
     }
+}
+
+/// The `display` line for a bundle the driver sent on [`DISPLAY_STREAM`]
+/// (`{"kind": ..., "data": {...}}`), or `None` for one that is malformed (the guest is
+/// untrusted: a bad bundle is dropped, never a protocol violation). A bundle over
+/// [`MAX_DISPLAY_BYTES`] is replaced by its text/plain with a note.
+pub fn display_line(cell: u64, data: &[u8]) -> Option<WorkerMessage> {
+    #[derive(serde::Deserialize)]
+    struct Sent {
+        kind: DisplayKind,
+        data: serde_json::Map<String, serde_json::Value>,
+    }
+    if data.len() > MAX_WORKER_LINE {
+        return None;
+    }
+    let sent: Sent = serde_json::from_slice(data).ok()?;
+    let size = check_display_data(&sent.data).ok()?;
+    let (data, note) = if size > MAX_DISPLAY_BYTES {
+        (
+            display_fallback(&sent.data),
+            Some(format!(
+                "bundle of {size} bytes over the {MAX_DISPLAY_BYTES}-byte cap: text/plain only"
+            )),
+        )
+    } else {
+        (sent.data, None)
+    };
+    Some(WorkerMessage::Display {
+        cell,
+        kind: sent.kind,
+        data,
+        note,
+    })
 }
 
 /// The live loop: each wake-up takes whatever is queued, coalesces it, and writes it at once.
@@ -502,6 +559,56 @@ mod tests {
                 _ => 0,
             })
             .sum()
+    }
+
+    #[test]
+    fn display_lines_are_checked_bounded_and_dropped_when_malformed() {
+        let m = display_line(
+            3,
+            br#"{"kind":"result","data":{"text/plain":"2","text/html":"<b>2</b>"}}"#,
+        )
+        .unwrap();
+        match m {
+            WorkerMessage::Display {
+                cell,
+                kind,
+                data,
+                note,
+            } => {
+                assert_eq!((cell, kind, note), (3, DisplayKind::Result, None));
+                assert_eq!(data["text/html"], "<b>2</b>");
+            }
+            other => panic!("{other:?}"),
+        }
+        // Malformed bundles from the guest are dropped, never a protocol violation.
+        for bad in [
+            &br#"{"kind":"result","data":{"text/html":"x"}}"#[..],
+            br#"{"kind":"other","data":{"text/plain":"x"}}"#,
+            br#"not json"#,
+            br#"{"kind":"display","data":{"text/plain":"x","BAD":"y"}}"#,
+        ] {
+            assert!(
+                display_line(1, bad).is_none(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        // Over the cap: text/plain only, with a note; the line stays under the limit.
+        let big = format!(
+            r#"{{"kind":"display","data":{{"text/plain":"fig","image/png":"{}"}}}}"#,
+            "A".repeat(MAX_DISPLAY_BYTES)
+        );
+        let m = display_line(2, big.as_bytes()).unwrap();
+        let mut lines = Lines::new();
+        lines.push(&m).unwrap();
+        match m {
+            WorkerMessage::Display { data, note, .. } => {
+                assert_eq!(data.len(), 1);
+                assert_eq!(data["text/plain"], "fig");
+                assert!(note.unwrap().contains("cap"));
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -103,6 +103,8 @@ pub struct CellRequest<'a> {
     pub max_output: u64,
     /// Show the value of a final expression statement (the request's `display`).
     pub display: bool,
+    /// Rich output: MIME bundles instead of stdout text (the request's `rich`).
+    pub rich: bool,
     /// The request's `nonce`, echoed by the cell's `host_call` lines.
     pub nonce: Option<String>,
     /// The cell may make host calls (the request's `host_calls=1`, see [`crate::host`]).
@@ -555,7 +557,7 @@ impl PySession {
             }
         }
 
-        let code = driver::cell_code(cell, source, req.display);
+        let code = driver::cell_code(cell, source, req.display, req.rich);
         let mut retried = false;
         loop {
             let fired = Arc::new(AtomicBool::new(false));
@@ -693,6 +695,7 @@ impl PySession {
         fired: &Arc<AtomicBool>,
         lines: &mut Lines,
     ) -> std::io::Result<(RunEnd, Option<u64>)> {
+        output.set_rich(req.rich);
         let tx = output.begin(req.cell, req.max_output);
         if let Some(h) = &self.host {
             h.begin(

@@ -290,6 +290,7 @@ pub async fn serve(
                     fuel: header.fuel,
                     max_output: header.max_output.unwrap_or(u64::MAX),
                     display: header.display,
+                    rich: header.rich,
                     nonce: header.nonce.clone(),
                     host_calls: header.host_calls,
                 };

@@ -23,6 +23,7 @@ fn limits(wall_ms: u64, grace_ms: u64) -> SessionLimits {
         files_bytes: 1 << 30,
         host_calls: None,
         display: true,
+        rich: false,
     }
 }
 

@@ -384,7 +384,10 @@ async fn run(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) -> 
             p.code,
             p.limits.as_ref(),
             p.host_calls.unwrap_or(false),
-            p.display_last_expression.unwrap_or(true),
+            crate::session::Shown {
+                display: p.display_last_expression.unwrap_or(true),
+                rich: p.rich_output.unwrap_or(false),
+            },
             tx,
         )
         .await;
@@ -441,7 +444,10 @@ async fn open(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) ->
             p.limits.as_ref(),
             p.detached_idle_seconds,
             p.host_calls.unwrap_or(false),
-            p.display_last_expression.unwrap_or(true),
+            crate::session::Shown {
+                display: p.display_last_expression.unwrap_or(true),
+                rich: p.rich_output.unwrap_or(false),
+            },
         )
         .await;
     match opened {

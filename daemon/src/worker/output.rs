@@ -89,6 +89,17 @@ impl StreamCap {
         self.seen = self.seen.saturating_add(n);
     }
 
+    /// Takes `n` bytes of the budget for something kept whole (a display bundle), without
+    /// counting them as this stream's output: true when they fit the room left, else
+    /// nothing changes.
+    pub fn reserve(&mut self, n: u64) -> bool {
+        if self.cap.saturating_sub(self.kept) < n {
+            return false;
+        }
+        self.cap -= n;
+        true
+    }
+
     /// Flushes a held-back partial character (escaped), at the end of a cell.
     pub fn finish(&mut self) -> Option<String> {
         let rest = std::mem::take(&mut self.pending);
@@ -137,6 +148,16 @@ mod tests {
         c.push_text("more");
         let s = c.stats();
         assert_eq!((s.seen, s.kept, s.truncated), (u64::MAX, 4, true));
+    }
+
+    #[test]
+    fn reserved_bytes_leave_the_stream_less_room() {
+        let mut c = StreamCap::new(10);
+        assert!(c.reserve(6));
+        assert!(!c.reserve(5), "only 4 bytes left");
+        assert_eq!(c.push_text("abcdef").as_deref(), Some("abcd"));
+        assert!(!c.reserve(1));
+        assert_eq!(c.stats().kept, 4);
     }
 
     #[test]

@@ -393,6 +393,7 @@ async fn run_cell(
         fuel: None,
         max_output: 1 << 20,
         display: true,
+        rich: false,
         nonce: None,
         host_calls: false,
     };
@@ -450,7 +451,7 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
     }
     let mut via_driver = Vec::with_capacity(n);
     for i in 0..n {
-        let code = driver::cell_code(i as u64 + 1, "print(1)", true);
+        let code = driver::cell_code(i as u64 + 1, "print(1)", true, false);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let t = Instant::now();
         session
@@ -467,7 +468,7 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
     }
     // (d) Eryx's own snapshot_state (dill), for comparison with the driver's.
     session
-        .execute(driver::cell_code(10_001, SMALL_NAMESPACE, true))
+        .execute(driver::cell_code(10_001, SMALL_NAMESPACE, true, false))
         .run()
         .await?;
     let mut eryx_snap_small = Vec::with_capacity(n.min(20));
@@ -477,7 +478,7 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
         eryx_snap_small.push(t.elapsed());
     }
     session
-        .execute(driver::cell_code(10_002, ONE_MB_NAMESPACE, true))
+        .execute(driver::cell_code(10_002, ONE_MB_NAMESPACE, true, false))
         .run()
         .await?;
     let mut eryx_snap_big = Vec::with_capacity(n.min(5));
@@ -506,6 +507,7 @@ async fn bench(dir: &Path, n: usize) -> Result<serde_json::Value> {
             fuel: None,
             max_output: 1 << 20,
             display: true,
+            rich: false,
             nonce: None,
             host_calls: false,
         };

@@ -29,7 +29,16 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .errors import ProtocolError, WrongNode, error_from_reply
-from .types import CellResult, FileInfo, HostCall, InterruptResult, Output, Started, Variable
+from .types import (
+    CellResult,
+    Display,
+    FileInfo,
+    HostCall,
+    InterruptResult,
+    Output,
+    Started,
+    Variable,
+)
 
 INTERFACE = "org.sandcell.Kernel"
 #: The daemon's socket when neither an argument nor ``SANDCELL_SOCKET`` names one.
@@ -242,11 +251,13 @@ def op_cell(
     on_host_call: Callable[[HostCall], Any] | None = None,
 ) -> Operation[CellResult]:
     """``Run`` or ``Execute`` with ``more``: emits the started frame and every output frame
-    in order, as they arrive, and each ``host_call`` frame to ``on_host_call`` (which answers
-    it over another connection), and returns the :class:`CellResult`."""
+    in order, as they arrive (with ``rich_output``, each :class:`Display` frame goes to
+    ``on_output`` too, in its place), and each ``host_call`` frame to ``on_host_call``
+    (which answers it over another connection), and returns the :class:`CellResult`."""
     reply = yield Call(method, parameters, more=True)
     started: Started | None = None
     outputs: list[Output] = []
+    displays: list[Display] = []
     while True:
         frame = reply.parameters.get("frame")
         if not isinstance(frame, dict):
@@ -260,12 +271,17 @@ def op_cell(
             outputs.append(out)
             if on_output is not None:
                 yield Emit(on_output, out)
+        elif frame.get("display") is not None:
+            disp = Display.from_dict(frame["display"])
+            displays.append(disp)
+            if on_output is not None:
+                yield Emit(on_output, disp)
         elif frame.get("host_call") is not None:
             call = HostCall.from_dict(started.session if started else "", frame["host_call"])
             if on_host_call is not None:
                 yield Emit(on_host_call, call)
         elif frame.get("result") is not None:
-            return CellResult.from_frames(started, outputs, frame["result"])
+            return CellResult.from_frames(started, outputs, frame["result"], displays)
         if not reply.continues:
             raise ProtocolError("the cell's stream ended before its result")
         reply = yield NEXT
@@ -278,6 +294,7 @@ def run_params(
     limits: dict[str, Any] | None,
     host_calls: bool = False,
     display_last_expression: bool | None = None,
+    rich_output: bool = False,
 ) -> dict[str, Any]:
     """Parameters of Run: optional ones only when given (a daemon refuses unknown ones)."""
     p: dict[str, Any] = {"language": language, "code": code}
@@ -289,6 +306,8 @@ def run_params(
         p["limits"] = limits
     if display_last_expression is not None:
         p["display_last_expression"] = bool(display_last_expression)
+    if rich_output:
+        p["rich_output"] = True
     return p
 
 
@@ -299,6 +318,7 @@ def open_params(
     detached_idle_seconds: int | None,
     host_calls: bool = False,
     display_last_expression: bool | None = None,
+    rich_output: bool = False,
 ) -> dict[str, Any]:
     """Parameters of Open: optional ones only when given."""
     p: dict[str, Any] = {"language": language}
@@ -312,6 +332,8 @@ def open_params(
         p["detached_idle_seconds"] = int(detached_idle_seconds)
     if display_last_expression is not None:
         p["display_last_expression"] = bool(display_last_expression)
+    if rich_output:
+        p["rich_output"] = True
     return p
 
 

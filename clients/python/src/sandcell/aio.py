@@ -397,6 +397,7 @@ class AsyncClient:
         on_started: OnStarted | None = None,
         host_call_handler: AsyncHostCallHandler | None = None,
         display_last_expression: bool | None = None,
+        rich_output: bool = False,
         timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
         files: Mapping[str, Any] | Iterable[str | os.PathLike[str]] | None = None,
         retry: Retry | None = None,
@@ -413,7 +414,8 @@ class AsyncClient:
                     return await self.run(
                         code, language, environment, limits, on_output, on_started=on_started,
                         host_call_handler=host_call_handler,
-                        display_last_expression=display_last_expression, timeout=timeout,
+                        display_last_expression=display_last_expression,
+                        rich_output=rich_output, timeout=timeout,
                         files=files)
                 except CapacityExceeded as e:
                     if attempt >= max(1, retry.attempts):
@@ -424,14 +426,14 @@ class AsyncClient:
         if inputs:
             async with self.session(language, environment, limits=limits,
                                     host_calls=host_call_handler is not None,
-                                    display_last_expression=display_last_expression) as s:
+                                    display_last_expression=display_last_expression, rich_output=rich_output) as s:
                 for name, source in inputs:
                     await s.put_file(name, source)
                 return await s.execute(code, on_output, on_started=on_started,
                                        host_call_handler=host_call_handler, timeout=timeout)
         params = P.run_params(code, language, environment, limits_dict(limits),
                               host_calls=host_call_handler is not None,
-                              display_last_expression=display_last_expression)
+                              display_last_expression=display_last_expression, rich_output=rich_output)
         return await self._cell("Run", params, on_output, on_started, host_call_handler,
                                 timeout, language)
 
@@ -488,24 +490,26 @@ class AsyncClient:
         host_calls: bool = False,
         *,
         display_last_expression: bool | None = None,
+        rich_output: bool = False,
     ) -> _Opening:
         """Opens a persistent session: ``s = await client.session()`` or ``async with
         client.session() as s:`` (closed at the end). See :meth:`sandcell.Client.session`;
         with ``host_calls``, the ``host_call_handler`` of :meth:`AsyncSession.execute`
         answers its cells' calls."""
         return _Opening(self, language, environment, detached_idle_seconds, limits,
-                        display_last_expression, host_calls)
+                        display_last_expression, host_calls, rich_output)
 
     async def _open(self, language: str, environment: str | None,
                     detached_idle_seconds: int | None,
                     limits: Limits | dict[str, Any] | None,
                     display_last_expression: bool | None = None,
-                    host_calls: bool = False) -> AsyncSession:
+                    host_calls: bool = False, rich_output: bool = False) -> AsyncSession:
         owner = await self._connect()
         try:
             params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds,
                                    host_calls=host_calls,
-                                   display_last_expression=display_last_expression)
+                                   display_last_expression=display_last_expression,
+                                   rich_output=rich_output)
             r = await _drive(owner, P.op_simple("Open", params), self._clock())
         except BaseException:
             owner.close()

@@ -392,6 +392,7 @@ class Client:
         on_started: OnStarted | None = None,
         host_call_handler: HostCallHandler | None = None,
         display_last_expression: bool | None = None,
+        rich_output: bool = False,
         timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
         files: Mapping[str, Any] | Iterable[str | os.PathLike[str]] | None = None,
         retry: Retry | None = None,
@@ -414,6 +415,10 @@ class Client:
                 cell's last expression is not shown (by default it is, as in a REPL:
                 Python shows the repr of a final expression that is not ``None`` and not
                 followed by ``;``, R auto-prints visible values). Sent only when given.
+            rich_output: ``True``: what a notebook shows comes as :class:`sandcell.Display`
+                MIME bundles (``result.displays``, and to ``on_output`` in order): the last
+                expression's value through the display protocol (``_repr_html_``, ...),
+                ``sandcell.display(...)``, figures as ``image/png``.
             timeout: this call's deadline, seconds (default: the client's ``timeout``;
                 ``None``: none). Past it the cell is interrupted and the result has
                 ``status == "timeout"``; :class:`sandcell.Timeout` is raised when the cell
@@ -441,8 +446,8 @@ class Client:
                     return self.run(
                         code, language, environment, limits, on_output, on_started=on_started,
                         host_call_handler=host_call_handler,
-                        display_last_expression=display_last_expression, timeout=timeout,
-                        files=files)
+                        display_last_expression=display_last_expression,
+                        rich_output=rich_output, timeout=timeout, files=files)
                 except CapacityExceeded as e:
                     if attempt >= max(1, retry.attempts):
                         raise
@@ -452,14 +457,16 @@ class Client:
         if inputs:
             with self.session(language, environment, limits=limits,
                               host_calls=host_call_handler is not None,
-                              display_last_expression=display_last_expression) as s:
+                              display_last_expression=display_last_expression,
+                              rich_output=rich_output) as s:
                 for name, source in inputs:
                     s.put_file(name, source)
                 return s.execute(code, on_output, on_started=on_started,
                                  host_call_handler=host_call_handler, timeout=timeout)
         params = P.run_params(code, language, environment, limits_dict(limits),
                               host_calls=host_call_handler is not None,
-                              display_last_expression=display_last_expression)
+                              display_last_expression=display_last_expression,
+                              rich_output=rich_output)
         return self._cell("Run", params, on_output, on_started, host_call_handler, timeout,
                           language)
 
@@ -514,6 +521,7 @@ class Client:
         host_calls: bool = False,
         *,
         display_last_expression: bool | None = None,
+        rich_output: bool = False,
     ) -> Session:
         """Opens a persistent session (``Open``): one interpreter whose variables persist
         across cells. Use it as a context manager, or call :meth:`Session.close`.
@@ -525,6 +533,7 @@ class Client:
                 tied to a connection) and ends after that many seconds without a cell.
             display_last_expression: ``False``: no cell of the session shows its last
                 expression's value (see :meth:`run`). Sent only when given.
+            rich_output: ``True``: every cell's display bundles (see :meth:`run`).
 
         Raises :class:`CapacityExceeded`, :class:`UnsupportedLanguage`,
         :class:`LimitExceeded`, :class:`WorkerFailed`, ...
@@ -533,7 +542,8 @@ class Client:
         try:
             params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds,
                                    host_calls=host_calls,
-                                   display_last_expression=display_last_expression)
+                                   display_last_expression=display_last_expression,
+                                   rich_output=rich_output)
             r = _drive(owner, P.op_simple("Open", params), self._clock())
         except BaseException:
             owner.close()

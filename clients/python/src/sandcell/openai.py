@@ -207,6 +207,14 @@ def _item(item_id: str, code: str, container_id: str, result: CellResult,
           images: list[bytes], notes: list[str]) -> dict[str, Any]:
     outputs: list[dict[str, Any]] = []
     logs = _logs(result, notes)
+    # A session with rich output: its bundles carry the figures (in the order shown, also
+    # saved as files) and the other values' text.
+    shown = [d.png for d in result.displays if d.png is not None]
+    if shown:
+        images = shown[:MAX_IMAGES]
+    texts = "".join(d.text + "\n" for d in result.displays if d.png is None and d.text)
+    if texts:
+        logs += texts
     if logs:
         outputs.append({"type": "logs", "logs": logs})
     for png in images:

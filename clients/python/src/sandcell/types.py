@@ -266,6 +266,58 @@ class Output:
 
 
 @dataclass(frozen=True)
+class Display:
+    """A MIME bundle a cell showed (sessions and runs opened with ``rich_output=True``).
+
+    Attributes:
+        cell: the cell number.
+        seq: frame sequence number within the cell, shared with :class:`Output` frames.
+        kind: ``"result"`` (the value of the cell's last expression, a notebook's
+            ``execute_result``) or ``"display"`` (a display call, a figure, R graphics,
+            a notebook's ``display_data``).
+        data: MIME type to representation, as in the Jupyter display protocol:
+            ``text/plain`` always; ``text/html``, ``text/markdown``, ``text/latex``,
+            ``image/svg+xml`` text; ``image/png`` and ``image/jpeg`` base64 text;
+            ``application/json`` any JSON value. At most 512 KiB of JSON in all.
+        note: why the daemon or worker replaced the bundle by its ``text/plain`` (over the
+            512 KiB cap or the cell's output budget), else ``None``.
+    """
+
+    cell: int
+    seq: int
+    kind: str
+    data: dict[str, Any]
+    note: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The ``text/plain`` representation."""
+        t = self.data.get("text/plain", "")
+        return t if isinstance(t, str) else str(t)
+
+    @property
+    def png(self) -> bytes | None:
+        """The ``image/png`` representation, decoded, or ``None``."""
+        v = self.data.get("image/png")
+        if not isinstance(v, str):
+            return None
+        import base64
+        import binascii
+
+        try:
+            return base64.b64decode(v, validate=False)
+        except (binascii.Error, ValueError):
+            return None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Display:
+        data = d.get("data")
+        return cls(cell=int(d["cell"]), seq=int(d["seq"]), kind=str(d.get("kind", "display")),
+                   data=dict(data) if isinstance(data, dict) else {"text/plain": ""},
+                   note=d.get("note"))
+
+
+@dataclass(frozen=True)
 class StreamStats:
     """Output accounting of one stream of one cell, in bytes of the original output:
     ``seen`` produced, ``kept`` delivered, ``truncated`` when seen > kept."""
@@ -412,6 +464,8 @@ class CellResult:
         files: files created or changed by the cell in the session directory.
         stdout_stats, stderr_stats: bytes seen and kept, and whether output was dropped.
         outputs: every output frame in arrival order (stdout and stderr interleaved).
+        displays: every :class:`Display` bundle in arrival order (``rich_output`` only).
+        displays_stats: bytes of bundle JSON seen and kept (``rich_output`` only).
         session: the session id (for a one-shot run, the id of its discarded sandbox).
         cell: the cell number.
         exit_code: the exit code when the cell ended the interpreter (``exited``).
@@ -431,6 +485,8 @@ class CellResult:
     stdout_stats: StreamStats = field(default_factory=StreamStats)
     stderr_stats: StreamStats = field(default_factory=StreamStats)
     outputs: list[Output] = field(default_factory=list)
+    displays: list[Display] = field(default_factory=list)
+    displays_stats: StreamStats | None = None
     session: str = ""
     cell: int = 0
     exit_code: int | None = None
@@ -451,10 +507,11 @@ class CellResult:
 
     @classmethod
     def from_frames(
-        cls, started: Started | None, outputs: list[Output], result: dict[str, Any]
+        cls, started: Started | None, outputs: list[Output], result: dict[str, Any],
+        displays: list[Display] | None = None,
     ) -> CellResult:
-        """Builds the result from a cell's frames: ``started``, the outputs in order and the
-        final ``result`` dict."""
+        """Builds the result from a cell's frames: ``started``, the outputs in order, the
+        display bundles in order and the final ``result`` dict."""
         return cls(
             status=result.get("status", ""),  # type: ignore[arg-type]  # a newer status passes
             stdout="".join(o.text for o in outputs if o.stream == "stdout"),
@@ -465,6 +522,9 @@ class CellResult:
             stdout_stats=StreamStats.from_dict(result.get("stdout")),
             stderr_stats=StreamStats.from_dict(result.get("stderr")),
             outputs=list(outputs),
+            displays=list(displays or []),
+            displays_stats=(StreamStats.from_dict(result["displays"])
+                            if isinstance(result.get("displays"), dict) else None),
             session=started.session if started else "",
             cell=int(result.get("cell", started.cell if started else 0)),
             exit_code=result.get("exit_code"),

@@ -1,0 +1,63 @@
+"""``python3 -m sandcell.jupyter``: with ``install``, installs the kernelspecs; else runs a
+kernel (Jupyter starts it so, with ``-f CONNECTION_FILE``; the kernel is chosen by
+``SANDCELL_JUPYTER_KERNEL``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+from . import KERNELS, kernelspec
+
+
+def install(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m sandcell.jupyter install",
+                                description="Install the sandcell kernelspecs for Jupyter.")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--user", action="store_true", help="into the user's Jupyter data dir")
+    where.add_argument("--prefix", help="into PREFIX/share/jupyter/kernels (a venv, a package)")
+    p.add_argument("--python", default="python3",
+                   help="the interpreter the kernelspecs start (default: python3 on PATH)")
+    p.add_argument("--kernel", action="append", choices=sorted(KERNELS),
+                   help="only this kernel (repeatable; default: all)")
+    a = p.parse_args(argv)
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    ksm = KernelSpecManager()
+    for name in a.kernel or sorted(KERNELS):
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "kernel.json"), "w", encoding="utf-8") as f:
+                json.dump(kernelspec(name, a.python), f, indent=1)
+            dest = ksm.install_kernel_spec(d, name, user=a.user, prefix=a.prefix)
+        print(f"installed {name} in {dest}")
+    return 0
+
+
+def write_specs(dest: str, python: str = "python3") -> None:
+    """Writes every kernelspec under ``dest/<name>/kernel.json`` (for packaging)."""
+    for name in sorted(KERNELS):
+        d = os.path.join(dest, name)
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+        with open(os.path.join(d, "kernel.json"), "w", encoding="utf-8") as f:
+            json.dump(kernelspec(name, python), f, indent=1)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "install":
+        return install(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "write-specs":
+        write_specs(sys.argv[2], *(sys.argv[3:4]))
+        return 0
+    from .kernel import launch
+
+    launch()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+//! Rich output (`rich_output` on `Open` and `Run`) through a real sandcelld, for each engine:
+//! the last expression's value as a `result` bundle through the display protocol
+//! (`_repr_html_`, `_repr_mimebundle_`), `sandcell.display(...)` as `display` bundles, in
+//! order with the output frames (one `seq` for both); pydata's matplotlib figures as valid
+//! PNG bundles besides the file, IPython's `display()`; R's printed values as text/plain;
+//! the budget: a bundle over the 512 KiB cap, or over what is left of the cell's stdout
+//! budget, replaced by its text/plain with a note, and the exact seen/kept counts of
+//! `CellResult.displays`. Without `rich_output` nothing changes (no display frames at all).
+
+mod common;
+
+use common::{Daemon, pydata_available, r_available};
+use sandcell_client::{Client, Collected, Frame, OpenParams, RunParams, Status};
+use sandcell_proto::kernel::{Display, DisplayKind};
+
+/// The stdout cap of the daemon these tests start, bytes.
+const STDOUT_CAP: u64 = 64 * 1024;
+
+fn daemon() -> Daemon {
+    let cap = STDOUT_CAP.to_string();
+    let mut env = vec![("SANDCELL_MAX_STDOUT_BYTES", cap.as_str())];
+    if r_available() {
+        env.push(("SANDCELL_LANGUAGES", "python,r"));
+    }
+    Daemon::start(&env)
+}
+
+async fn open(c: &mut Client, language: &str, env: Option<&str>) -> String {
+    c.open_with(&OpenParams {
+        language: language.into(),
+        limits: None,
+        detached_idle_seconds: None,
+        environment: env.map(str::to_owned),
+        host_calls: None,
+        display_last_expression: None,
+        rich_output: Some(true),
+    })
+    .await
+    .expect("open")
+    .session
+}
+
+/// Runs `code` in session `s`, returning every frame after `started` (result last).
+async fn frames(c: &mut Client, s: &str, code: &str) -> Vec<Frame> {
+    c.execute(s, code).await.expect("execute");
+    let mut out = Vec::new();
+    loop {
+        let f = c.next_frame().await.expect("frame");
+        let last = f.result.is_some();
+        if f.started.is_none() {
+            out.push(f);
+        }
+        if last {
+            return out;
+        }
+    }
+}
+
+fn displays(fs: &[Frame]) -> Vec<&Display> {
+    fs.iter().filter_map(|f| f.display.as_ref()).collect()
+}
+
+fn text(d: &Display) -> &str {
+    d.data["text/plain"].as_str().unwrap()
+}
+
+/// Standard base64 (RFC 4648) to bytes; `None` on a character outside the alphabet.
+fn b64decode(s: &str) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(s.len() / 4 * 3);
+    let (mut acc, mut bits) = (0u32, 0u32);
+    for c in s.bytes().filter(|&c| c != b'=') {
+        let v = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        };
+        acc = (acc << 6) | u32::from(v);
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+        }
+    }
+    Some(out)
+}
+
+fn valid_png(b: &[u8]) -> bool {
+    b.starts_with(b"\x89PNG\r\n\x1a\n") && b.len() > 100 && b.ends_with(b"IEND\xaeB`\x82")
+}
+
+/// What both Python engines must do, the same way.
+async fn python_engine(d: &Daemon, env: Option<&str>) {
+    let mut c = d.client().await;
+    let s = open(&mut c, "python", env).await;
+    let fs = frames(
+        &mut c,
+        &s,
+        "class H:\n    def _repr_html_(self): return '<b>h</b>'\n    def __repr__(self): return 'H()'\n\
+         from sandcell import display\nprint('before')\ndisplay(H())\nprint('after')\nH()",
+    )
+    .await;
+    let r = fs.last().unwrap().result.as_ref().unwrap();
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    // Order: output, display, output, result; one seq for both kinds of frame.
+    let kinds: Vec<&str> = fs
+        .iter()
+        .map(|f| match (&f.output, &f.display, &f.result) {
+            (Some(_), _, _) => "output",
+            (_, Some(d), _) => d.kind.as_str(),
+            _ => "result_frame",
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        ["output", "display", "output", "result", "result_frame"],
+        "{fs:?}"
+    );
+    let seqs: Vec<u64> = fs
+        .iter()
+        .filter_map(|f| {
+            f.output
+                .as_ref()
+                .map(|o| o.seq)
+                .or(f.display.as_ref().map(|d| d.seq))
+        })
+        .collect();
+    assert_eq!(seqs, [0, 1, 2, 3]);
+    let ds = displays(&fs);
+    assert_eq!(ds[0].kind, DisplayKind::Display);
+    assert_eq!(ds[1].kind, DisplayKind::Result);
+    for d in &ds {
+        assert_eq!(d.data["text/html"], "<b>h</b>");
+        assert_eq!(text(d), "H()");
+    }
+    // stdout carries only what the cell printed; the bundles are counted apart, exactly.
+    assert_eq!(r.stdout.kept, "before\nafter\n".len() as u64);
+    let bundle_bytes: u64 = ds
+        .iter()
+        .map(|d| serde_json::to_vec(&d.data).unwrap().len() as u64)
+        .sum();
+    let st = r.displays.expect("displays counted");
+    assert_eq!(
+        (st.seen, st.kept, st.truncated),
+        (bundle_bytes, bundle_bytes, false)
+    );
+
+    // A bundle over the cap: text/plain only, with a note, never a cut image.
+    let fs = frames(
+        &mut c,
+        &s,
+        "from sandcell import display\n\
+         display({'text/plain': 'big', 'image/png': 'A' * (600 * 1024)}, raw=True)\n7",
+    )
+    .await;
+    let ds = displays(&fs);
+    assert_eq!(ds.len(), 2, "{ds:?}");
+    assert_eq!(ds[0].data.len(), 1);
+    assert_eq!(text(ds[0]), "big");
+    assert!(
+        ds[0].note.as_deref().unwrap_or("").contains("cap"),
+        "{:?}",
+        ds[0]
+    );
+    assert_eq!(text(ds[1]), "7");
+
+    // Over what is left of the stdout budget: the text/plain instead.
+    let fs = frames(
+        &mut c,
+        &s,
+        &format!(
+            "print('x' * {})\nfrom sandcell import display\n\
+             display({{'text/plain': 'small', 'text/html': 'y' * 4000}}, raw=True)",
+            STDOUT_CAP - 1000
+        ),
+    )
+    .await;
+    let ds = displays(&fs);
+    assert_eq!(ds.len(), 1);
+    assert_eq!(ds[0].data.len(), 1, "{:?}", ds[0].note);
+    assert!(ds[0].note.as_deref().unwrap().contains("budget"));
+    let r = fs.last().unwrap().result.as_ref().unwrap();
+    let st = r.displays.unwrap();
+    assert!(st.truncated && st.seen > 4000 && st.kept < 100, "{st:?}");
+    c.close(&s).await.unwrap();
+
+    // Without rich_output: no display frames, the value on stdout as before.
+    c.run_with(&RunParams {
+        language: "python".into(),
+        code: "from sandcell import display\ndisplay(1)\n2".into(),
+        limits: None,
+        environment: env.map(str::to_owned),
+        host_calls: None,
+        display_last_expression: None,
+        rich_output: None,
+    })
+    .await
+    .unwrap();
+    let out: Collected = c.finish(|_| {}).await.unwrap();
+    assert!(out.displays.is_empty());
+    assert_eq!(out.stdout, "1\n2\n");
+    assert!(out.result.displays.is_none());
+}
+
+#[tokio::test]
+async fn eryx_sends_display_bundles() {
+    let d = daemon();
+    python_engine(&d, None).await;
+}
+
+#[tokio::test]
+async fn pydata_sends_display_bundles_and_figures() {
+    if !pydata_available() {
+        sandcell_testing::skip!(
+            "pydata",
+            "/usr/bin/python3 cannot import numpy (scripts/setup.sh installs it)"
+        )
+    }
+    let d = daemon();
+    python_engine(&d, Some("pydata")).await;
+    let mut c = d.client().await;
+    let s = open(&mut c, "python", Some("pydata")).await;
+    let fs = frames(
+        &mut c,
+        &s,
+        "import matplotlib.pyplot as plt\nimport pandas as pd\n\
+         from IPython.display import display, Markdown\n\
+         plt.plot([1, 3, 2])\nplt.show()\ndisplay(Markdown('**m**'))\n\
+         pd.DataFrame({'a': [1, 2]})",
+    )
+    .await;
+    let r = fs.last().unwrap().result.as_ref().unwrap();
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let ds = displays(&fs);
+    assert_eq!(ds.len(), 3, "{ds:?}");
+    let png = b64decode(ds[0].data["image/png"].as_str().unwrap()).unwrap();
+    assert!(valid_png(&png), "{} bytes", png.len());
+    assert!(text(ds[0]).starts_with("<Figure size"));
+    assert_eq!(ds[1].data["text/markdown"], "**m**");
+    assert_eq!(ds[2].kind, DisplayKind::Result);
+    assert!(ds[2].data["text/html"].as_str().unwrap().contains("<table"));
+    // The figure is still saved as a file, as without rich output.
+    assert!(
+        r.files.iter().any(|f| f.name == "plot-1-001.png"),
+        "{:?}",
+        r.files
+    );
+    c.close(&s).await.unwrap();
+}
+
+#[tokio::test]
+async fn r_sends_printed_values_as_text_bundles() {
+    if !r_available() {
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        )
+    }
+    let d = daemon();
+    let mut c = d.client().await;
+    let s = open(&mut c, "r", None).await;
+    let fs = frames(&mut c, &s, "x <- 21\nx\ncat('hi\\n')\ninvisible(1)\nx * 2").await;
+    let r = fs.last().unwrap().result.as_ref().unwrap();
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let ds = displays(&fs);
+    assert_eq!(ds.len(), 2, "{fs:?}");
+    assert_eq!((ds[0].kind, text(ds[0])), (DisplayKind::Display, "[1] 21"));
+    assert_eq!((ds[1].kind, text(ds[1])), (DisplayKind::Result, "[1] 42"));
+    assert_eq!(r.stdout.kept, 3, "only cat() on stdout");
+    c.close(&s).await.unwrap();
+}
