@@ -38,6 +38,7 @@ mod pydata;
 mod python_cells;
 mod python_files;
 mod r_cells;
+mod rich_output;
 mod session_ended;
 mod submit_attach;
 mod unit_sandbox;

@@ -7,7 +7,7 @@
 //! budget, replaced by its text/plain with a note, and the exact seen/kept counts of
 //! `CellResult.displays`. Without `rich_output` nothing changes (no display frames at all).
 
-mod common;
+use crate::common;
 
 use common::{Daemon, pydata_available, r_available};
 use sandcell_client::{Client, Collected, Frame, OpenParams, RunParams, Status};
