@@ -42,8 +42,27 @@ impl Found {
 
 /// Reads the records in `dir` (made root-only if missing) and connects to their keepers.
 /// Records of sessions not adopted are removed.
+///
+/// Errors: the directory cannot be made, or another live daemon holds it (its lock
+/// `<dir>/lock`, held for the daemon's life: one daemon instance per `adopt_dir`).
 pub fn collect(dir: &Path) -> std::io::Result<Found> {
     crate::records::prepare(dir)?;
+    let lock = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(dir.join("lock"))?;
+    match nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        // Held until this process exits (the descriptor is close-on-exec: no worker or
+        // keeper keeps it).
+        Ok(held) => std::mem::forget(held),
+        Err((_, e)) => {
+            return Err(std::io::Error::other(format!(
+                "another daemon holds {}: {e}",
+                dir.join("lock").display()
+            )));
+        }
+    }
     let mut found = Found::default();
     for (id, record) in crate::records::read_all(dir) {
         let r = match record {
