@@ -362,6 +362,7 @@ impl Worker {
                 WorkerMessage::Ready { .. } => panic!("second Ready"),
                 WorkerMessage::Inspected { .. } => panic!("Inspected during cell {cell}"),
                 WorkerMessage::HostCall { .. } => panic!("HostCall during cell {cell}"),
+                WorkerMessage::Display { .. } => panic!("Display without rich output, cell {cell}"),
                 WorkerMessage::Fatal { stage, reason } => panic!("Fatal {stage}: {reason}"),
             }
         }
