@@ -812,15 +812,17 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     upgrade) DEBIAN_FRONTEND=noninteractive dpkg -i /tmp/sandcell-newer.deb >/tmp/lc-dpkg.log 2>&1 || sed 's/^/    dpkg: /' /tmp/lc-dpkg.log | tail -5 ;;
     kill) systemctl kill -s KILL sandcelld.service ;;
     oom)
-        local sup lim
-        sup=$(cg)/supervisor
-        lim=$(cat "$sup/memory.max")
-        # Below what the daemon holds: the kernel reclaims, then OOM-kills it (no swap).
-        # The write returns after the kill; the limit goes back at once, before the next
-        # daemon (RestartSec=100ms) moves itself into the group.
-        echo $((4 << 20)) >"$sup/memory.max" 2>/dev/null
-        echo "$lim" >"$sup/memory.max" 2>/dev/null
-        echo "    [oom] supervisor memory.events: $(tr '\n' ' ' <"$sup/memory.events")"
+        # The unit's own group, not supervisor/: cgroup v2 leaves a page charged where it was
+        # first touched, and the daemon loads itself before it moves into supervisor/, so
+        # supervisor/ alone holds too little to fail reclaim. Workers are not in this group.
+        # The write returns after the kernel's kill; the limit goes back at once, before the
+        # next daemon (RestartSec=100ms) starts.
+        local unitcg lim
+        unitcg=$(cg)
+        lim=$(cat "$unitcg/memory.max")
+        echo $((1 << 20)) >"$unitcg/memory.max" 2>/dev/null
+        echo "$lim" >"$unitcg/memory.max" 2>/dev/null
+        echo "    [oom] memory.events of the unit: $(tr '\n' ' ' <"$unitcg/memory.events")"
         ;;
     esac
     for ((k = 0; k < 1200; k++)); do
