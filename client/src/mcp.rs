@@ -688,6 +688,7 @@ impl Server {
                     environment: (!default).then_some(env),
                     host_calls: None,
                     display_last_expression: None,
+                    rich_output: None,
                 };
                 self.cell(ctx, None, async |c: &mut Client| c.run_with(&params).await)
                     .await
@@ -855,6 +856,7 @@ impl Server {
             environment: (!default).then(|| env.clone()),
             host_calls: None,
             display_last_expression: None,
+            rich_output: None,
         };
         let mut owner = self.owner.lock().await;
         if owner.is_none() {

@@ -50,6 +50,9 @@ pub struct Limits {
     pub host_calls_ms: Option<u64>,
     /// Whether cells show their last expression.
     pub display: bool,
+    /// Whether cells send rich output (display frames); absent in older records: off.
+    #[serde(default)]
+    pub rich: bool,
 }
 
 impl From<&crate::session::SessionLimits> for Limits {
@@ -64,6 +67,7 @@ impl From<&crate::session::SessionLimits> for Limits {
             files_bytes: l.files_bytes,
             host_calls_ms: l.host_calls.map(|d| d.as_millis() as u64),
             display: l.display,
+            rich: l.rich,
         }
     }
 }
@@ -81,6 +85,7 @@ impl From<&Limits> for crate::session::SessionLimits {
             files_bytes: l.files_bytes,
             host_calls: l.host_calls_ms.map(Duration::from_millis),
             display: l.display,
+            rich: l.rich,
         }
     }
 }

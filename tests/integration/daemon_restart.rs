@@ -156,6 +156,7 @@ async fn sessions_survive_a_daemon_killed_with_sigkill() {
                 environment: env.map(str::to_owned),
                 host_calls: host.then_some(true),
                 display_last_expression: None,
+                rich_output: None,
             })
             .await
             .unwrap_or_else(|e| panic!("open {lang} {env:?}: {e:?}"))
