@@ -659,7 +659,8 @@ mod tests {
             .filter(|e| matches!(e.kind, Kind::Bind { .. }))
             .map(|e| e.path.clone())
             .collect();
-        assert_eq!(binds, vec![dir.join("session")]);
+        // The session directory, and again at /mnt/data (the working directory cells see).
+        assert_eq!(binds, vec![PathBuf::from("/mnt/data"), dir.join("session")]);
         for t in TMPFS {
             assert!(
                 entries
@@ -691,10 +692,15 @@ mod tests {
                 _ => None,
             })
             .collect();
-        // usr/lib once (the symlink and the nested path collapse into it), the session rw.
+        // usr/lib once (the symlink and the nested path collapse into it), the session rw,
+        // also at /mnt/data.
         assert_eq!(
             binds,
-            vec![(dir.join("session"), true), (dir.join("usr/lib"), false)]
+            vec![
+                (PathBuf::from("/mnt/data"), true),
+                (dir.join("session"), true),
+                (dir.join("usr/lib"), false)
+            ]
         );
         assert!(entries.iter().any(|e| e.path == dir.join("lib")
             && matches!(&e.kind, Kind::Symlink(t) if t == Path::new("usr/lib"))));
