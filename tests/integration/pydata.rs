@@ -549,7 +549,7 @@ async fn importing_sklearn_prints_nothing_and_proc_stat_shows_no_host_activity()
 /// path (not the daemon's state directory) and a listing of it holds the cell's files only
 /// (no scratch entry of the worker's).
 #[tokio::test]
-async fn every_engine_works_in_mnt_data_and_lists_only_the_cells_files() {
+async fn every_engine_works_in_mnt_data() {
     let with_r = common::r_available();
     let languages = if with_r { "python,r" } else { "python" };
     let Some(d) = daemon(&[("SANDCELL_LANGUAGES", languages)]) else {
@@ -560,8 +560,14 @@ async fn every_engine_works_in_mnt_data_and_lists_only_the_cells_files() {
     }
     let mut c = d.client().await;
     let py = "import os\nopen('mine.txt', 'w').write('x')\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))";
-    let want = "/mnt/data\n['mine.txt']\n";
     for env in ["pydata", "python"] {
+        // The native engines' scratch directory (`.tmp`, TMPDIR) is in the session directory,
+        // on its file system, so a temporary file can be renamed into place.
+        let want = if env == "pydata" {
+            "/mnt/data\n['.tmp', 'mine.txt']\n"
+        } else {
+            "/mnt/data\n['mine.txt']\n"
+        };
         let s = c
             .open_in("python", Some(env), None, None)
             .await
@@ -579,12 +585,16 @@ async fn every_engine_works_in_mnt_data_and_lists_only_the_cells_files() {
             "writeLines('x', 'mine.txt'); cat(getwd(), '\\n'); cat(list.files(all.files = TRUE, no.. = TRUE), '\\n')",
         )
         .await;
-        assert_eq!(out.stdout, "/mnt/data \nmine.txt \n", "r: {:?}", out.result);
-        // R's tempdir() still works, on the private /tmp.
+        assert_eq!(
+            out.stdout, "/mnt/data \n.tmp mine.txt \n",
+            "r: {:?}",
+            out.result
+        );
+        // R's tempdir() works, and a temporary file can be renamed into place.
         let out = cell(
             &mut c,
             &s,
-            "f <- tempfile(); writeLines('t', f); cat(readLines(f))",
+            "f <- tempfile(); writeLines('t', f); stopifnot(file.rename(f, 'moved.txt')); cat(readLines('moved.txt'))",
         )
         .await;
         assert_eq!(out.stdout, "t", "r: {:?}", out.result);

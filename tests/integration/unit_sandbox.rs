@@ -159,7 +159,7 @@ fn the_sandbox_answers_as_the_unit_says() {
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args([
         "--exact",
-        "the_sandbox_answers_as_the_unit_says",
+        "unit_sandbox::the_sandbox_answers_as_the_unit_says",
         "--nocapture",
         "--test-threads=1",
     ])

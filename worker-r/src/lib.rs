@@ -12,8 +12,10 @@
 //!    prints the reason on stderr and exits with [`sandcell_confine::EXIT_CONFINE_FAILED`];
 //! 2. [`enter_session`]: changes directory to the session directory and creates the private
 //!    temporary directory (`<session>/.tmp`, or `SANDCELL_TMPDIR`); inside the mount
-//!    namespace the working directory is `/mnt/data` and the temporary directory
-//!    [`VIEW_TMPDIR`] on the private /tmp;
+//!    namespace the working directory is `/mnt/data`. The temporary directory stays in the
+//!    session directory, on the session's own file system, so a file a cell made with
+//!    `tempfile()` can be renamed into place (a rename across file systems fails `EXDEV`) and
+//!    counts against the disk budget;
 //! 3. [`reset_signals`] just before `execve` (an inherited `SIG_IGN` for SIGINT survives
 //!    `execve`, and both R and CPython honour it, which would make cells uninterruptible).
 //!
@@ -99,8 +101,7 @@ pub fn enter_session(prog: &str, plan: &sandcell_confine::Plan) -> SessionPaths 
     }
     // Inside the mount namespace the session directory is bound a second time at /mnt/data:
     // the cells work there, so getcwd(3) shows /mnt/data (as in the Eryx engine and OpenAI's
-    // code_interpreter) rather than a host path, and scratch files go to the private /tmp,
-    // so no entry of the worker's own shows in a listing of the session directory.
+    // code_interpreter) rather than a host path.
     let in_view = same_directory(Path::new(sandcell_confine::mounts::MNT_DATA), &session)
         && std::env::set_current_dir(sandcell_confine::mounts::MNT_DATA).is_ok();
     if in_view {
@@ -109,13 +110,7 @@ pub fn enter_session(prog: &str, plan: &sandcell_confine::Plan) -> SessionPaths 
     let tmp = std::env::var_os("SANDCELL_TMPDIR")
         .filter(|s| !s.is_empty())
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            if in_view {
-                PathBuf::from(VIEW_TMPDIR)
-            } else {
-                session.join(".tmp")
-            }
-        });
+        .unwrap_or_else(|| session.join(".tmp"));
     if let Err(e) = std::fs::create_dir_all(&tmp) {
         fail(
             prog,
@@ -125,10 +120,6 @@ pub fn enter_session(prog: &str, plan: &sandcell_confine::Plan) -> SessionPaths 
     }
     SessionPaths { session, tmp }
 }
-
-/// The temporary directory inside the mount namespace: on the worker's private /tmp (a
-/// tmpfs charged to the session's memory cgroup), out of the session directory.
-pub const VIEW_TMPDIR: &str = "/tmp/sandcell";
 
 /// Whether `a` is a bind mount (a directory, not a symlink) of the same directory as `b`.
 fn same_directory(a: &Path, b: &Path) -> bool {

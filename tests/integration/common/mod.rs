@@ -418,7 +418,16 @@ pub fn rss(pid: u32) -> u64 {
         * 1024
 }
 
-/// Pids of every live descendant of `root`.
+/// Whether `pid` is a session keeper (`sandcelld keep`): it lives exactly as long as its
+/// session's worker, so worker counts leave it out.
+pub fn is_keeper(pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| c.split(|&b| b == 0).nth(1) == Some(b"keep".as_slice()))
+        .unwrap_or(false)
+}
+
+/// Pids of every live descendant of `root` but session keepers (workers, their children, the
+/// daemon's other children).
 pub fn descendants(root: u32) -> Vec<u32> {
     let mut parent = std::collections::HashMap::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
@@ -438,6 +447,9 @@ pub fn descendants(root: u32) -> Vec<u32> {
     }
     let mut out = Vec::new();
     for (&pid, _) in parent.iter() {
+        if is_keeper(pid) {
+            continue;
+        }
         let mut p = pid;
         while let Some(&pp) = parent.get(&p) {
             if pp == root {
