@@ -72,7 +72,7 @@ bench() { # label, language, extra bench args..., -- env assignments...
     envs=("$@")
     local run; run=$(mktemp -d /var/tmp/sandcell-bench.XXXXXX); chmod 0711 "$run"
     env SANDCELL_WORKER_DIR="$BIN" SANDCELL_PYTHON_RUNTIME_DIR="$SANDCELL_TEST_PYTHON_RUNTIME" \
-        SANDCELL_STATE_DIR="$run/state" SANDCELL_CGROUP_NAME="sandcell-bench-$$" SANDCELL_LANGUAGES=python,r SANDCELL_METRICS_FILE="$run/metrics.prom" \
+        SANDCELL_STATE_DIR="$run/state" SANDCELL_CGROUP_NAME="sandcell-bench-$$" SANDCELL_LANGUAGES=python,r SANDCELL_METRICS_FILE="$run/metrics.prom" SANDCELL_ADOPT_DIR="$run/adopt" \
         SANDCELL_MAX_CONCURRENT_SESSIONS=128 SANDCELL_MAX_AGGREGATE_GUEST_MEMORY_BYTES=$((128 * 134217728)) \
         SANDCELL_MAX_AGGREGATE_WORKER_MEMORY_BYTES=$((128 * 1073741824)) SANDCELL_LOG=info "${envs[@]}" \
         "$BIN/sandcelld" "${mode[@]}" --listen "$run/k.sock" 2>"$run/daemon.log" &

@@ -103,6 +103,7 @@ class Daemon:
             "SANDCELL_STATE_DIR": os.path.join(self.dir, "state"),
             "SANDCELL_CGROUP_NAME": self.cgroup,
             "SANDCELL_METRICS_FILE": os.path.join(self.dir, "metrics.prom"),
+            "SANDCELL_ADOPT_DIR": os.path.join(self.dir, "adopt"),
             "SANDCELL_LOG": "info",
         }
         conf = os.path.join(self.dir, "sandcelld.toml")

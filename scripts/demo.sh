@@ -23,7 +23,7 @@ fi
 systemd-socket-activate -l "$sock" --fdname=varlink \
     -E SANDCELL_WORKER_DIR="$BIN" -E SANDCELL_PYTHON_RUNTIME_DIR="$SANDCELL_TEST_PYTHON_RUNTIME" \
     -E SANDCELL_STATE_DIR="$run/state" -E SANDCELL_CGROUP_NAME="sandcell-demo-$$" \
-    -E SANDCELL_IDLE_EXIT_SECONDS=0 -E SANDCELL_METRICS_FILE="$run/metrics.prom" \
+    -E SANDCELL_IDLE_EXIT_SECONDS=0 -E SANDCELL_METRICS_FILE="$run/metrics.prom" -E SANDCELL_ADOPT_DIR="$run/adopt" \
     "$BIN/sandcelld" "${mode[@]}" 2>"$run/daemon.log" &
 activator=$!
 trap 'kill -TERM $activator 2>/dev/null; wait $activator 2>/dev/null; echo "demo: daemon log: $run/daemon.log"' EXIT

@@ -81,6 +81,7 @@ impl Daemon {
             .env("SANDCELL_LOG", "info")
             .env("SANDCELL_NODE_ID", "")
             .env("SANDCELL_METRICS_FILE", "")
+            .env("SANDCELL_ADOPT_DIR", dir.path().join("adopt"))
             .env("SANDCELL_MAX_CONCURRENT_SESSIONS", "6")
             .env(
                 "SANDCELL_MAX_AGGREGATE_GUEST_MEMORY_BYTES",

@@ -60,6 +60,7 @@ class Daemon:
             "SANDCELL_NODE_ID": "node-a.example",
             # The capacity file in the private directory, never /run/sandcell/metrics.prom.
             "SANDCELL_METRICS_FILE": str(self.dir / "metrics.prom"),
+            "SANDCELL_ADOPT_DIR": str(self.dir / "adopt"),
             **env,
         }
         args = ["systemd-socket-activate", "-l", self.socket, "--fdname=varlink"]
