@@ -406,8 +406,18 @@ async fn session_files_are_charged_to_the_session_and_unmounted_at_its_end() {
 
     let s = c.open("python", None, None).await.unwrap().session;
     assert!(mounted(&s), "no session file system mounted");
-    let worker = *d.descendants().first().expect("the worker");
-    let session_mem = memory_usage_file(worker).expect("the worker's memory cgroup");
+    // The worker: the descendant in the session's own group (a keeper or a process still
+    // being started can be in the daemon's group for a moment).
+    let mut session_mem = None;
+    assert!(common::eventually(Duration::from_secs(5), || {
+        session_mem = d
+            .descendants()
+            .into_iter()
+            .filter_map(memory_usage_file)
+            .find(|f| f.to_string_lossy().contains(s.as_str()));
+        session_mem.is_some()
+    }));
+    let session_mem = session_mem.expect("the worker's memory cgroup");
     let daemon_mem = memory_usage_file(d.pid()).expect("the daemon's memory cgroup");
     let (s0, d0) = (usage(&session_mem), usage(&daemon_mem));
     // An upload of 16 MiB by descriptor.
