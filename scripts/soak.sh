@@ -10,7 +10,8 @@
 # memory budgets, per-uid quotas, connections: every client is this script's uid; worker
 # start-up may take 120 s, since N clients start workers at once on few cores). Prints
 # samples of the daemon's RSS and descriptors (all of them, every 5 s, in samples.csv of the run
-# directory), throughput, every problem, then one closing line `soak: C cells, L lost, W wrong,
+# directory), throughput, every problem (warm pools are off: a pool grows while it is taken
+# from and empties only after pool_empty_seconds, so its workers would count as leaks), then one closing line `soak: C cells, L lost, W wrong,
 # K leaked` (the `soak: daemon log: ...` line follows it); exits non-zero unless all are 0.
 # Needs the binaries of scripts/setup.sh; builds sandcell-soak if needed.
 set -euo pipefail
@@ -72,6 +73,7 @@ systemd-socket-activate -l "$sock" --fdname=varlink \
     -E SANDCELL_WORKER_DIR="$BIN" -E SANDCELL_PYTHON_RUNTIME_DIR="$SANDCELL_TEST_PYTHON_RUNTIME" \
     -E SANDCELL_STATE_DIR="$run/state" -E SANDCELL_CGROUP_NAME="$cgroup" \
     -E SANDCELL_IDLE_EXIT_SECONDS=0 -E SANDCELL_LANGUAGES="$languages" -E SANDCELL_METRICS_FILE="$run/metrics.prom" -E SANDCELL_ADOPT_DIR="$run/adopt" \
+    -E SANDCELL_POOLS=false \
     -E SANDCELL_WORKER_UID_BASE="$uid_base" -E SANDCELL_WORKER_UID_COUNT="$uid_count" \
     -E SANDCELL_EXECUTION_WALL_TIME_SECONDS=60 -E SANDCELL_MAX_FUEL=1000000000000000 \
     -E SANDCELL_KILL_GRACE_SECONDS="$kill_grace" \
