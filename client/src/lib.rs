@@ -35,8 +35,8 @@ pub use sandcell_proto::kernel::{
 use serde::Serialize;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use zlink::tokio::unix;
 use zlink::connection::socket::{Socket, WriteHalf as _};
+use zlink::tokio::unix;
 
 /// The socket to use: `$SANDCELL_SOCKET`, else `/run/sandcell/org.sandcell.Kernel`.
 pub fn default_socket() -> PathBuf {
