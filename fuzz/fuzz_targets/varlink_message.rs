@@ -21,6 +21,16 @@ fn params<T: DeserializeOwned>(call: &zlink::Call<RawCall>) -> Result<T, String>
     })
 }
 
+/// A call's parameters as a JSON value (the daemon keeps them as text), or `Err` when the
+/// text is JSON that a `Value` cannot hold (a number out of `f64`'s range: the daemon's typed
+/// decode refuses it per field instead).
+fn as_value(call: &RawCall) -> Result<Option<Value>, serde_json::Error> {
+    call.parameters
+        .as_deref()
+        .map(|r| serde_json::from_str(r.get()))
+        .transpose()
+}
+
 fn dispatch(call: &zlink::Call<RawCall>) {
     let method = call.method().method.clone();
     let (iface, name) = method.rsplit_once('.').unwrap_or(("", method.as_str()));
@@ -81,7 +91,10 @@ fuzz_target!(|data: &[u8]| {
         dispatch(&call);
         // Re-encode the envelope the way a client sends it and decode it again.
         let mut env = json!({ "method": call.method().method });
-        if let Some(p) = &call.method().parameters {
+        let Ok(before) = as_value(call.method()) else {
+            continue;
+        };
+        if let Some(p) = &before {
             env["parameters"] = p.clone();
         }
         if call.more() {
@@ -94,14 +107,10 @@ fuzz_target!(|data: &[u8]| {
         let again: zlink::Call<RawCall> =
             serde_json::from_slice(&bytes).expect("a re-encoded call decodes");
         assert_eq!(again.method().method, call.method().method);
+        let after = as_value(again.method()).expect("re-encoded parameters parse");
         assert!(
-            same(
-                again.method().parameters.as_ref(),
-                call.method().parameters.as_ref()
-            ),
-            "{:?} became {:?}",
-            call.method().parameters,
-            again.method().parameters
+            same(after.as_ref(), before.as_ref()),
+            "{before:?} became {after:?}"
         );
         assert_eq!((again.more(), again.oneway()), (call.more(), call.oneway()));
     }
