@@ -185,16 +185,7 @@ pub fn pidfd_pid(pidfd: BorrowedFd<'_>) -> Option<u32> {
 }
 
 fn signal_pidfd(pidfd: BorrowedFd<'_>, signal: libc::c_int) -> bool {
-    // SAFETY: a valid pidfd; no siginfo; flags 0.
-    unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            signal,
-            std::ptr::null::<libc::siginfo_t>(),
-            0u32,
-        ) == 0
-    }
+    crate::sys::pidfd_send_signal(pidfd, signal).is_ok()
 }
 
 /// poll(2) for input on `fds` for at most `timeout_ms` (-1: no bound); which are readable
@@ -393,13 +384,9 @@ fn kill_session(worker: BorrowedFd<'_>, procs: &[PathBuf]) {
             if pid == me {
                 continue;
             }
-            // SAFETY: pidfd_open takes a pid and flags; returns a new fd or -1.
-            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0u32) };
-            if fd < 0 {
+            let Ok(fd) = crate::sys::pidfd_open(pid) else {
                 continue;
-            }
-            // SAFETY: a fresh descriptor from pidfd_open.
-            let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+            };
             if !readable(fd.as_fd()) {
                 any = true;
                 signal_pidfd(fd.as_fd(), libc::SIGKILL);
@@ -627,14 +614,7 @@ mod tests {
             .arg("30")
             .spawn()
             .unwrap();
-        // SAFETY: pidfd_open of our own unreaped child.
-        let pidfd = unsafe {
-            OwnedFd::from_raw_fd(libc::syscall(
-                libc::SYS_pidfd_open,
-                sleeper.id() as libc::pid_t,
-                0u32,
-            ) as i32)
-        };
+        let pidfd = crate::sys::pidfd_open(sleeper.id()).unwrap();
         let (req_r, req_w) = pipe();
         let (rep_r, rep_w) = pipe();
         let held = Held {
@@ -692,14 +672,7 @@ mod tests {
             .arg("30")
             .spawn()
             .unwrap();
-        // SAFETY: pidfd_open of our own unreaped child.
-        let pidfd = unsafe {
-            OwnedFd::from_raw_fd(libc::syscall(
-                libc::SYS_pidfd_open,
-                sleeper.id() as libc::pid_t,
-                0u32,
-            ) as i32)
-        };
+        let pidfd = crate::sys::pidfd_open(sleeper.id()).unwrap();
         let (_req_r, req_w) = pipe();
         let (rep_r, _rep_w) = pipe();
         let held = Held {
