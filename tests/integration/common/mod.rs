@@ -426,9 +426,19 @@ pub fn is_keeper(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
+/// Whether `pid` runs the same executable as `root` (the daemon): a keeper, also in the
+/// moment between its fork and its exec, when its command line is still the daemon's.
+/// Workers run other executables (the Eryx worker, R, Python).
+fn runs_daemon_exe(pid: u32, root_exe: Option<&std::path::Path>) -> bool {
+    root_exe.is_some_and(|r| {
+        std::fs::read_link(format!("/proc/{pid}/exe")).is_ok_and(|e| e.as_path() == r)
+    })
+}
+
 /// Pids of every live descendant of `root` but session keepers (workers, their children, the
 /// daemon's other children).
 pub fn descendants(root: u32) -> Vec<u32> {
+    let root_exe = std::fs::read_link(format!("/proc/{root}/exe")).ok();
     let mut parent = std::collections::HashMap::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
@@ -447,7 +457,7 @@ pub fn descendants(root: u32) -> Vec<u32> {
     }
     let mut out = Vec::new();
     for (&pid, _) in parent.iter() {
-        if is_keeper(pid) {
+        if is_keeper(pid) || runs_daemon_exe(pid, root_exe.as_deref()) {
             continue;
         }
         let mut p = pid;
