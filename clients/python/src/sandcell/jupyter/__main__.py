@@ -25,7 +25,15 @@ def install(argv: list[str]) -> int:
     p.add_argument("--kernel", action="append", choices=sorted(KERNELS),
                    help="only this kernel (repeatable; default: all)")
     a = p.parse_args(argv)
-    from jupyter_client.kernelspec import KernelSpecManager
+    try:
+        from jupyter_client.kernelspec import KernelSpecManager
+    except ImportError:
+        # One line, no traceback: the kernelspecs are installed through Jupyter's own
+        # package, which this client does not depend on.
+        print(f"{p.prog}: Jupyter's jupyter_client package is not installed for "
+              f"{sys.executable}; install it first, e.g. `pip install jupyter_client` or "
+              "`apt install python3-jupyter-client`", file=sys.stderr)
+        return 1
 
     ksm = KernelSpecManager()
     for name in a.kernel or sorted(KERNELS):
