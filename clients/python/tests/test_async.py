@@ -262,3 +262,14 @@ def test_public_types():
     hints = typing.get_type_hints(sandcell.Client.list_environments)
     assert hints["return"] == list[sandcell.Environment]
     assert typing.get_type_hints(sandcell.Client.cell_status)["return"] is sandcell.CellStatus
+
+
+def test_async_request_over_the_message_bound_is_limit_exceeded(socket_path):
+    async def main():
+        async with sandcell.AsyncClient(socket_path) as c:
+            with pytest.raises(sandcell.LimitExceeded) as e:
+                await c.run("#" * (20 * 1024 * 1024))
+            assert e.value.limit == "max_message_bytes"
+            return (await c.run("print(2)")).stdout
+
+    assert arun(main()) == "2\n"

@@ -626,3 +626,17 @@ def test_a_start_rate_refusal_says_when_to_retry_and_retry_waits_that_long(daemo
         r = c.run("print(3)", retry=sandcell.Retry(attempts=3, initial_seconds=5, jitter=False))
         assert r.stdout == "3\n"
         assert time.monotonic() - t0 < 3
+
+
+def test_a_request_over_the_message_bound_is_limit_exceeded(client):
+    # 20 MiB of source: refused before sending with the typed limit (the daemon would close
+    # the connection on it), and the client goes on working.
+    with pytest.raises(sandcell.LimitExceeded) as e:
+        client.run("x = 1\n" + "#" * (20 * 1024 * 1024))
+    assert e.value.limit == "max_message_bytes" and e.value.max == 4 * 1024 * 1024
+    assert "max_message_bytes" in str(e.value)
+    with client.session("python") as s:
+        with pytest.raises(sandcell.LimitExceeded):
+            s.execute("#" * (20 * 1024 * 1024))
+        assert s.execute("print(6 * 7)").stdout == "42\n"
+    assert client.run("print(1)").stdout == "1\n"

@@ -465,3 +465,51 @@ def test_function_call_output_offers_images_as_input_image_parts():
     assert parts[1:] == [{"type": "input_image", "image_url": url}]
     flat = sco.function_call_output(call, item, image_parts=False)
     assert json.loads(flat["output"])["images"] == 1
+
+
+def test_a_call_over_the_message_bound_is_refused_before_sending():
+    # 4 MiB: the daemon closes a connection on a longer message (the interface's bound).
+    assert P.MAX_MESSAGE_BYTES == 4 * 1024 * 1024
+    with pytest.raises(sandcell.LimitExceeded) as e:
+        P.encode_call("Run", {"code": "x" * (P.MAX_MESSAGE_BYTES + 1)})
+    assert e.value.limit == "max_message_bytes" and e.value.max == P.MAX_MESSAGE_BYTES
+    assert e.value.value > P.MAX_MESSAGE_BYTES
+    assert "max_message_bytes" in str(e.value) and "4194304" in str(e.value)
+    # Just under the bound is sent.
+    room = P.MAX_MESSAGE_BYTES + 1 - len(P.encode_call("Run", {"code": ""}))
+    assert len(P.encode_call("Run", {"code": "x" * room})) == P.MAX_MESSAGE_BYTES + 1
+
+
+def test_a_connection_closed_on_a_large_call_names_the_message_bound(tmp_path):
+    # A daemon whose bound is lower than the client's (an older or stricter one): it reads
+    # a little, then closes the connection, as sandcelld does on an oversized message.
+    import socket
+    import threading
+
+    path = str(tmp_path / "sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(4)
+
+    def serve() -> None:
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            with c:
+                got = 0
+                while got < 256 * 1024:
+                    b = c.recv(65536)
+                    if not b:
+                        break
+                    got += len(b)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        with sandcell.Client(path) as c:
+            with pytest.raises(sandcell.ConnectionFailed) as e:
+                c.run("x = '" + "y" * (3 * 1024 * 1024) + "'")
+        assert "max_message_bytes" in str(e.value) and "4194304" in str(e.value), str(e.value)
+    finally:
+        srv.close()

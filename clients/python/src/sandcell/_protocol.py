@@ -28,7 +28,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .errors import ProtocolError, WrongNode, error_from_reply
+from .errors import LimitExceeded, ProtocolError, WrongNode, error_from_reply
 from .types import (
     CellResult,
     Display,
@@ -46,6 +46,17 @@ DEFAULT_SOCKET = "/run/sandcell/org.sandcell.Kernel"
 #: Largest reply accepted, bytes. The daemon's largest is a GetFile chunk (1 MiB of data,
 #: about 1.4 MiB as base64) or a batch of output frames (256 KiB plus one frame).
 MAX_REPLY_BYTES = 16 * 1024 * 1024
+#: Largest Varlink message the daemon reads, bytes (the terminating NUL excluded): the
+#: protocol's fixed bound (``MAX_MESSAGE_BYTES`` of the daemon's ``sandcell-proto`` crate,
+#: stated in the interface description's opening comment). The daemon closes a connection
+#: whose message is longer, so the client refuses such a call before sending it.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: The ``limit`` of the :class:`sandcell.LimitExceeded` a call over
+#: :data:`MAX_MESSAGE_BYTES` raises.
+MESSAGE_LIMIT = "max_message_bytes"
+#: Calls at least this long (bytes) are named in the error of a connection that broke while
+#: they were sent or answered: the daemon may have closed it for the message's size.
+LARGE_CALL_BYTES = 64 * 1024
 #: Largest file content sent inline (base64) with PutFile, bytes; larger content is passed
 #: as a file descriptor.
 MAX_INLINE_BYTES = 2 * 1024 * 1024
@@ -62,7 +73,9 @@ def encode_call(
     method: str, parameters: dict[str, Any] | None = None, *, more: bool = False
 ) -> bytes:
     """The bytes of one Varlink call: ``method`` is the full name (``org.sandcell.Kernel.Run``)
-    or a short name of ``org.sandcell.Kernel``."""
+    or a short name of ``org.sandcell.Kernel``. Raises :class:`sandcell.LimitExceeded`
+    (``limit == "max_message_bytes"``) for a call longer than :data:`MAX_MESSAGE_BYTES`:
+    nothing is sent."""
     if "." not in method:
         method = f"{INTERFACE}.{method}"
     msg: dict[str, Any] = {"method": method}
@@ -70,7 +83,21 @@ def encode_call(
         msg["parameters"] = parameters
     if more:
         msg["more"] = True
-    return json.dumps(msg, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\0"
+    data = json.dumps(msg, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise LimitExceeded(parameters={"limit": MESSAGE_LIMIT, "value": len(data),
+                                        "max": MAX_MESSAGE_BYTES, "method": method})
+    return data + b"\0"
+
+
+def broken_note(sent_bytes: int) -> str:
+    """What to add to the error of a connection that broke during a call of ``sent_bytes``
+    bytes: for a large call, that the daemon closes a connection whose message exceeds its
+    bound (:data:`MAX_MESSAGE_BYTES`, ``max_message_bytes``); else nothing."""
+    if sent_bytes < LARGE_CALL_BYTES:
+        return ""
+    return (f" (the call was {sent_bytes} bytes; the daemon closes a connection whose message "
+            f"exceeds its {MESSAGE_LIMIT} of {MAX_MESSAGE_BYTES} bytes)")
 
 
 class MessageReader:

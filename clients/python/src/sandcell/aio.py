@@ -93,6 +93,7 @@ class _AConn:
         self.queue: list[dict[str, Any]] = []
         self.in_call = False
         self.closed = False
+        self.sent = 0  # bytes of the last call sent (named when the connection breaks)
 
     async def connect(self, timeout: float | None = None) -> None:
         try:
@@ -147,7 +148,8 @@ class _AConn:
             raise (clock.timeout() if clock else Timeout(0.0, call.method)) from None
         except OSError as e:
             self.close()
-            raise ConnectionFailed(e.errno, f"sending to {self.path}: {e}") from e
+            raise ConnectionFailed(
+                e.errno, f"sending to {self.path}: {e}{P.broken_note(self.sent)}") from e
 
     async def reply(self, clock: _Clock | None = None) -> P.Reply:
         loop = asyncio.get_running_loop()
@@ -162,10 +164,13 @@ class _AConn:
                 raise _DeadlinePassed from None
             except OSError as e:
                 self.close()
-                raise ConnectionFailed(e.errno, f"reading from {self.path}: {e}") from e
+                raise ConnectionFailed(
+                    e.errno, f"reading from {self.path}: {e}{P.broken_note(self.sent)}"
+                ) from e
             if not data:
                 self.close()
-                raise ConnectionFailed(0, f"{self.path}: the daemon closed the connection")
+                raise ConnectionFailed(0, f"{self.path}: the daemon closed the connection"
+                                             f"{P.broken_note(self.sent)}")
             try:
                 self.queue.extend(self.reader.feed(data))
             except ProtocolError:

@@ -102,9 +102,11 @@ class _Conn:
         self.queue: list[dict[str, Any]] = []
         self.in_call = False
         self.closed = False
+        self.sent = 0  # bytes of the last call sent (named when the connection breaks)
 
     def send(self, call: P.Call, clock: _Clock | None = None) -> None:
         data = call.encode()
+        self.sent = len(data)
         self.in_call = True
         if clock is not None and not clock.method:
             clock.method = call.method
@@ -127,7 +129,8 @@ class _Conn:
             raise (clock.timeout() if clock else Timeout(0.0, call.method)) from None
         except OSError as e:
             self.close()
-            raise ConnectionFailed(e.errno, f"sending to {self.path}: {e}") from e
+            raise ConnectionFailed(
+                e.errno, f"sending to {self.path}: {e}{P.broken_note(self.sent)}") from e
         finally:
             if left is not None and not self.closed:
                 self.sock.settimeout(None)
@@ -145,13 +148,16 @@ class _Conn:
                 raise _DeadlinePassed from None
             except OSError as e:
                 self.close()
-                raise ConnectionFailed(e.errno, f"reading from {self.path}: {e}") from e
+                raise ConnectionFailed(
+                    e.errno, f"reading from {self.path}: {e}{P.broken_note(self.sent)}"
+                ) from e
             finally:
                 if left is not None and not self.closed:
                     self.sock.settimeout(None)
             if not data:
                 self.close()
-                raise ConnectionFailed(0, f"{self.path}: the daemon closed the connection")
+                raise ConnectionFailed(0, f"{self.path}: the daemon closed the connection"
+                                             f"{P.broken_note(self.sent)}")
             try:
                 self.queue.extend(self.reader.feed(data))
             except ProtocolError:

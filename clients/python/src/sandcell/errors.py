@@ -205,6 +205,10 @@ class LimitExceeded(VarlinkError):
         unit = _unit(name)
         text = f"{name} exceeded: {self.value}{unit} asked, at most {self.max}{unit}"
         key = LIMIT_KEYS.get(name)
+        if name == "max_message_bytes":
+            return (text + " in one call (a fixed bound of the protocol: the daemon closes a "
+                    "connection on a longer message; nothing was sent); send less, and pass "
+                    "large inputs as files (put_file, or files= of run)")
         if key is None:
             return text + " (a fixed bound of the protocol); send less"
         if key != name:
