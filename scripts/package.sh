@@ -207,8 +207,8 @@ if ((want_deb)); then
     # (/usr/lib/python3/dist-packages/sandcell, with its .dist-info so importlib.metadata
     # knows it), architecture-independent, byte-compiled by py3compile at installation as
     # dh_python3's maintainer scripts do. Built from the same source version as sandcell.
-    pyver=$(python3 -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' clients/python/pyproject.toml)
-    [[ $pyver == "$version" ]] || { echo "package: clients/python/pyproject.toml says $pyver, the workspace $version: keep them equal" >&2; exit 1; }
+    pyver=$(python3 packaging/python-metadata.py --version clients/python/pyproject.toml)
+    [[ $pyver == "$version" ]] || { echo "package: clients/python/src/sandcell/__init__.py says $pyver, the workspace $version: keep them equal" >&2; exit 1; }
     pyroot="$pkgdir/deb/python3-sandcell"
     rm -rf "$pyroot"
     site="$pyroot/usr/lib/python3/dist-packages"

@@ -37,6 +37,8 @@ bash scripts/font-cache.sh
 
 # The Jupyter test tools (jupyter_kernel_test, nbclient, nbformat), pinned, from PyPI.
 bash scripts/jupyter-venv.sh >/dev/null
+# mypy, pinned, from PyPI: the Python client's type check (mypy --strict).
+bash scripts/mypy-venv.sh >/dev/null
 
 echo "setup: building (release) into $CARGO_TARGET_DIR"
 cargo build "${CARGO_FLAGS[@]}" --workspace

@@ -2,7 +2,8 @@
 # The Python client (clients/python): unit tests, then pytest against a real sandcelld that
 # the tests start as scripts/demo.sh does (systemd-socket-activate, built workers, private
 # state dir and cgroup name, as root); the package installs with pip; the example deployment
-# manifests in docs/deploy/ parse (YAML parser; not applied). Needs scripts/setup.sh's build.
+# manifests in docs/deploy/ parse (YAML parser; not applied); mypy --strict passes on the
+# package (scripts/mypy-venv.sh). Needs scripts/setup.sh's build.
 # Exits non-zero on any failure, including "no tests collected".
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +59,14 @@ rm -rf "$tmp/src/build" "$tmp"/src/src/*.egg-info
 "$tmp/venv/bin/pip" install -q --no-build-isolation --no-index "$tmp/src"
 (cd "$tmp" && "$tmp/venv/bin/python" -c \
     'import sandcell, sandcell.openai; assert sandcell.__file__.startswith("'"$tmp"'/venv"); print("installed:", sandcell.__file__)')
+
+echo "== python client: the installed version is sandcell.__version__ (written once)"
+(cd "$tmp" && "$tmp/venv/bin/python" -c \
+    'import importlib.metadata as m, sandcell; v = m.version("sandcell"); assert v == sandcell.__version__, (v, sandcell.__version__); print("version:", v)')
+
+echo "== python client: mypy --strict (pinned; configuration in clients/python/pyproject.toml)"
+mypy=$(bash scripts/mypy-venv.sh)
+(cd clients/python && MYPY_CACHE_DIR="$tmp/mypy-cache" "$mypy" --strict)
 
 echo "== python client: pytest (unit, and against a real sandcelld)"
 rc=0

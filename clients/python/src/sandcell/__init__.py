@@ -56,6 +56,8 @@ from .types import (
     Variable,
 )
 
+#: The client's version, written only here: pyproject.toml reads it (setuptools' dynamic
+#: version) and the packages check that it equals the workspace's.
 __version__ = "0.1.0"
 
 globals().update(KERNEL_ERRORS)

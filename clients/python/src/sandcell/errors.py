@@ -176,6 +176,8 @@ class InvalidParameter(VarlinkError):
     own InvalidParameter has no reason)."""
 
     fields = ("parameter", "reason")
+    parameter: str
+    reason: str
 
     def describe(self) -> str | None:
         p, why = self.parameters.get("parameter"), self.parameters.get("reason")
@@ -188,6 +190,8 @@ class UnsupportedLanguage(VarlinkError):
     """The language is not served by this daemon; ``supported`` lists those that are."""
 
     fields = ("language", "supported")
+    language: str
+    supported: list[str]
 
     def describe(self) -> str | None:
         return (f"language {self.language!r} is not served by this daemon "
@@ -199,6 +203,9 @@ class LimitExceeded(VarlinkError):
     the limit's unit (bytes, seconds)."""
 
     fields = ("limit", "value", "max")
+    limit: str
+    value: int
+    max: int
 
     def describe(self) -> str | None:
         name = str(self.limit)
@@ -225,6 +232,11 @@ class CapacityExceeded(VarlinkError):
     ``connections_reserved``) refuse with this error too, then close the connection."""
 
     fields = ("budget", "in_use", "requested", "max", "retry_after_seconds")
+    budget: str
+    in_use: int
+    requested: int
+    max: int
+    retry_after_seconds: float | None
 
     def describe(self) -> str | None:
         b = str(self.budget)
@@ -240,6 +252,7 @@ class NoSuchSession(VarlinkError):
     """No such session, or not one the caller may use."""
 
     fields: tuple[str, ...] = ("session",)
+    session: str
 
     def describe(self) -> str | None:
         return (f"no session {self.session} for this user (never opened, or ended and "
@@ -256,6 +269,9 @@ class SessionEnded(NoSuchSession):
     code that catches that keeps working."""
 
     fields = ("session", "reason", "ended_at")
+    session: str
+    reason: str
+    ended_at: float
 
     def describe(self) -> str | None:
         import time
@@ -270,6 +286,8 @@ class SessionBusy(VarlinkError):
     """The session is already running cell ``cell``."""
 
     fields = ("session", "cell")
+    session: str
+    cell: int
 
     def describe(self) -> str | None:
         return (f"session {self.session} is running cell {self.cell}; wait for it or "
@@ -280,6 +298,7 @@ class PermissionDenied(VarlinkError):
     """polkit or the owner check refused the call (``action``)."""
 
     fields = ("action",)
+    action: str
 
     def describe(self) -> str | None:
         a = self.parameters.get("action")
@@ -290,6 +309,7 @@ class WorkerFailed(VarlinkError):
     """A worker could not be started or died before it was ready (``reason``)."""
 
     fields = ("reason",)
+    reason: str
 
     def describe(self) -> str | None:
         return f"the worker failed: {self.reason}"
@@ -302,6 +322,8 @@ class InternalError(VarlinkError):
     ``reason`` the OS error with the path relative to the session directory."""
 
     fields = ("operation", "reason")
+    operation: str
+    reason: str
 
     def describe(self) -> str | None:
         return (f"the daemon failed on its side ({self.operation}: {self.reason}); nothing "
@@ -313,6 +335,8 @@ class InvalidFileName(VarlinkError):
     "-", too long or too deep."""
 
     fields = ("name", "reason")
+    name: str
+    reason: str
 
     def describe(self) -> str | None:
         return f"invalid file name {self.name!r}: {self.reason}"
@@ -322,6 +346,7 @@ class NoSuchFile(VarlinkError):
     """The session directory has no entry of that name."""
 
     fields = ("name",)
+    name: str
 
     def describe(self) -> str | None:
         return f"no file {self.name!r} in the session directory"
@@ -332,6 +357,8 @@ class NotRegularFile(VarlinkError):
     read or replaced."""
 
     fields = ("name", "kind")
+    name: str
+    kind: str
 
     def describe(self) -> str | None:
         return f"{self.name!r} is not a regular file (it is a {self.kind})"
@@ -342,6 +369,8 @@ class NoSuchEnvironment(VarlinkError):
     :meth:`sandcell.Client.list_environments`)."""
 
     fields = ("environment", "known")
+    environment: str
+    known: list[str]
 
     def describe(self) -> str | None:
         return (f"no environment {self.environment!r} is served (served: "
@@ -353,6 +382,9 @@ class EnvironmentMismatch(VarlinkError):
     asked for (``language``)."""
 
     fields = ("environment", "language", "environment_language")
+    environment: str
+    language: str
+    environment_language: str
 
     def describe(self) -> str | None:
         return (f"environment {self.environment!r} serves {self.environment_language}, not "
@@ -373,6 +405,8 @@ class NoSuchCell(VarlinkError):
     cells."""
 
     fields = ("session", "cell")
+    session: str
+    cell: int
 
     def describe(self) -> str | None:
         return f"session {self.session} has no record of cell {self.cell}"
@@ -382,6 +416,8 @@ class AttachmentReplaced(VarlinkError):
     """A newer ``Attach`` to cell ``cell`` took over; this attachment ends."""
 
     fields = ("session", "cell")
+    session: str
+    cell: int
 
     def describe(self) -> str | None:
         return f"a newer attach to cell {self.cell} of session {self.session} took over"
@@ -392,6 +428,8 @@ class NoSuchHostCall(VarlinkError):
     made, already answered, timed out, its cell ended, or another session's call)."""
 
     fields = ("session", "call")
+    session: str
+    call: int
 
     def describe(self) -> str | None:
         return (f"host call {self.call} of session {self.session} does not wait for an "
@@ -405,6 +443,7 @@ class InterfaceNotFound(VarlinkError):
     """The daemon does not offer that interface."""
 
     fields = ("interface",)
+    interface: str
 
     def describe(self) -> str | None:
         return f"the daemon does not offer the interface {self.interface}"
@@ -414,6 +453,7 @@ class MethodNotFound(VarlinkError):
     """The daemon does not know the method (a daemon older than this client)."""
 
     fields = ("method",)
+    method: str
 
     def describe(self) -> str | None:
         return f"the daemon does not know {self.method} (it is older than this client)"
@@ -423,6 +463,7 @@ class MethodNotImplemented(VarlinkError):
     """The daemon declares the method but does not serve it."""
 
     fields = ("method",)
+    method: str
 
     def describe(self) -> str | None:
         return f"the daemon declares {self.method} but does not serve it"
@@ -443,6 +484,9 @@ class WrongNode(NoSuchSession):
     Route the call to that node's socket."""
 
     fields = ("session", "node", "expected")
+    session: str
+    node: str
+    expected: str | None
 
     def describe(self) -> str | None:
         return (f"session {self.session} belongs to node {self.node}, not this one "

@@ -121,7 +121,7 @@ _CACHE_ATTR = "_sandcell_openai_environment"
 
 def _default_environment(client: Client, language: str) -> str | None:
     """The environment for a fresh sandbox of ``client`` (asked once per client)."""
-    cached = getattr(client, _CACHE_ATTR, {})
+    cached: dict[str, str | None] = getattr(client, _CACHE_ATTR, {})
     if language not in cached:
         from .errors import SandcellError
 
@@ -134,7 +134,7 @@ def _default_environment(client: Client, language: str) -> str | None:
 
 
 async def _adefault_environment(client: AsyncClient, language: str) -> str | None:
-    cached = getattr(client, _CACHE_ATTR, {})
+    cached: dict[str, str | None] = getattr(client, _CACHE_ATTR, {})
     if language not in cached:
         from .errors import SandcellError
 
@@ -364,6 +364,7 @@ async def code_interpreter_events(
     item_id = item_id or _new_item_id()
     seq = sequence_start
     own: AsyncSession | None = None
+    s: AsyncSession
     if session is None:
         if environment is None:
             environment = await _adefault_environment(client, language)

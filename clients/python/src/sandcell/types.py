@@ -8,7 +8,7 @@ out when ``None``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, cast
 
 __all__ = [
     "Limits",
@@ -513,7 +513,8 @@ class CellResult:
         """Builds the result from a cell's frames: ``started``, the outputs in order, the
         display bundles in order and the final ``result`` dict."""
         return cls(
-            status=result.get("status", ""),  # type: ignore[arg-type]  # a newer status passes
+            # A status a newer daemon adds passes through as its string.
+            status=cast(Status, result.get("status", "")),
             stdout="".join(o.text for o in outputs if o.stream == "stdout"),
             stderr="".join(o.text for o in outputs if o.stream == "stderr"),
             error=CellError.from_dict(result.get("error")),
