@@ -219,7 +219,8 @@ def test_a_cancelled_execute_frees_the_session(socket_path):
             async with c.session() as s:
                 await s.execute("kept = 3")
                 task = asyncio.create_task(s.execute("import time\ntime.sleep(30)"))
-                await asyncio.wait_for(s._started.wait(), 10)
+                await s._started.wait(10)
+                assert s._started.is_set()
                 await asyncio.sleep(0.3)
                 task.cancel()
                 t0 = time.monotonic()

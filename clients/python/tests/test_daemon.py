@@ -14,6 +14,7 @@ import pytest
 
 import sandcell
 from sandcell import _protocol as P
+from sandcell._core import run_blocking
 
 
 def test_info_and_every_live_error_has_a_class(client):
@@ -286,9 +287,9 @@ def test_typed_errors(client):
             s.put_file("x.txt", b"x")
         t.join()
     with pytest.raises(sandcell.MethodNotFound):
-        client._call(P.op_simple("NoSuchMethod", {}))
+        run_blocking(client._call(P.op_simple("NoSuchMethod", {})))
     with pytest.raises(sandcell.VarlinkError):
-        client._call(P.op_simple("Run", {"language": "python", "code": "1"}))  # without more
+        run_blocking(client._call(P.op_simple("Run", {"language": "python", "code": "1"})))
 
 
 def test_capacity_exceeded(daemon_factory):
@@ -487,7 +488,7 @@ def test_interrupt_returns_when_the_cell_has_ended(client):
         t = threading.Thread(
             target=lambda: out.setdefault("r", s.execute("import time\ntime.sleep(30)")))
         t.start()
-        assert s._started.wait(10)
+        assert run_blocking(s._started.wait(10))
         time.sleep(0.3)
         assert s.interrupt().delivered
         # No SessionBusy: the interrupted cell has ended when interrupt() returns.

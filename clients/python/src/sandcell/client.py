@@ -7,6 +7,9 @@ stays idle and keeps the session alive (a session that is not detached ends when
 connection closes); its cells and files travel over the pool. So a cell abandoned half-way
 (an exception in ``on_output``, ``KeyboardInterrupt``) costs that cell only: its connection
 is closed, the daemon interrupts the cell, and the session keeps its variables.
+
+The methods are those of ``sandcell._core``, shared with :class:`sandcell.AsyncClient`, each
+run to its end at once over blocking sockets; this module holds only that I/O.
 """
 
 from __future__ import annotations
@@ -15,101 +18,43 @@ import os
 import socket as _socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar, cast
+from typing import Any
 
+from . import _core as C
 from . import _protocol as P
-from .errors import (
-    CapacityExceeded,
-    ConnectionFailed,
-    SandcellError,
-    NoSuchHostCall,
-    NoSuchSession,
-    ProtocolError,
-    Timeout,
-    VarlinkError,
-)
-from .types import (
-    CellResult,
-    Retry,
-    CellStatus,
-    Environment,
-    SessionSummary,
-    FileInfo,
-    HostCall,
-    InterruptResult,
-    Limits,
-    Output,
-    Started,
-    limits_dict,
-)
-
-#: The error a cell's host call gets when the client streaming the cell has no handler.
-NO_HANDLER = ("this client has no handler for host calls "
-              "(pass host_call_handler= to execute or run)")
+from .errors import ConnectionFailed, Timeout
 
 __all__ = ["Client", "Session"]
 
-T = TypeVar("T")
-OnOutput = Callable[[Output], Any]
-OnStarted = Callable[[Started], Any]
-HostCallHandler = Callable[[HostCall], Any]
+#: The error a cell's host call gets when the client streaming the cell has no handler.
+NO_HANDLER = C.NO_HANDLER
+OnOutput = C.OnOutput
+OnStarted = C.OnStarted
+HostCallHandler = C.HostCallHandler
 
 
-class _DeadlinePassed(Exception):
-    """Internal: a reply did not arrive before the call's deadline (nothing was consumed)."""
+class _Conn(C.ConnBase):
+    """One blocking connection. Its coroutines never suspend: each returns when done."""
 
+    def __init__(self, path: str):
+        super().__init__(
+            path, _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC))
 
-class _Clock:
-    """The deadline of one call (``time.monotonic()`` seconds, or ``None``) and what to do
-    when it passes: ``expire()`` returns a later deadline to keep reading until (the cell
-    was interrupted) or raises."""
-
-    def __init__(self, seconds: float | None, method: str,
-                 expire: Callable[[], float] | None = None):
-        self.seconds = seconds
-        self.method = method
-        self.deadline = None if seconds is None else time.monotonic() + seconds
-        self.expire = expire
-
-    def remaining(self) -> float | None:
-        if self.deadline is None:
-            return None
-        return self.deadline - time.monotonic()
-
-    def timeout(self) -> Timeout:
-        return Timeout(self.seconds or 0.0, self.method)
-
-
-class _Conn:
-    """One blocking connection: sends calls, reads replies, knows whether a call is open."""
-
-    def __init__(self, path: str, timeout: float | None):
-        self.path = path
-        self.sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+    async def connect(self, timeout: float | None) -> None:
         self.sock.settimeout(timeout)
         try:
-            self.sock.connect(path)
+            self.sock.connect(self.path)
         except TimeoutError as e:
-            self.sock.close()
-            raise Timeout(timeout or 0.0, f"connecting to {path}") from e
+            self.close()
+            raise Timeout(timeout or 0.0, f"connecting to {self.path}") from e
         except OSError as e:
-            self.sock.close()
-            raise ConnectionFailed(e.errno, f"connecting to {path}: {e.strerror or e}") from e
-        # Calls wait by their own deadlines (see _Clock), never by a socket timeout.
+            self.close()
+            raise ConnectionFailed(e.errno, f"connecting to {self.path}: {e.strerror or e}") from e
+        # Calls wait by their own deadlines (see Clock), never by a socket timeout.
         self.sock.settimeout(None)
-        self.reader = P.MessageReader()
-        self.queue: list[dict[str, Any]] = []
-        self.in_call = False
-        self.closed = False
-        self.sent = 0  # bytes of the last call sent (named when the connection breaks)
 
-    def send(self, call: P.Call, clock: _Clock | None = None) -> None:
-        data = call.encode()
-        self.sent = len(data)
-        self.in_call = True
-        if clock is not None and not clock.method:
-            clock.method = call.method
+    async def send(self, call: P.Call, clock: C.Clock | None = None) -> None:
+        data = self.begin(call, clock)
         left = clock.remaining() if clock else None
         try:
             if left is not None:
@@ -128,101 +73,59 @@ class _Conn:
             self.close()
             raise (clock.timeout() if clock else Timeout(0.0, call.method)) from None
         except OSError as e:
-            self.close()
-            raise ConnectionFailed(
-                e.errno, f"sending to {self.path}: {e}{P.broken_note(self.sent)}") from e
+            raise self.send_failed(e) from e
         finally:
             if left is not None and not self.closed:
                 self.sock.settimeout(None)
 
-    def reply(self, clock: _Clock | None = None) -> P.Reply:
-        while not self.queue:
-            left = clock.remaining() if clock else None
-            try:
-                if left is not None:
-                    if left <= 0:
-                        raise _DeadlinePassed
-                    self.sock.settimeout(left)
-                data = self.sock.recv(256 * 1024)
-            except TimeoutError:
-                raise _DeadlinePassed from None
-            except OSError as e:
-                self.close()
-                raise ConnectionFailed(
-                    e.errno, f"reading from {self.path}: {e}{P.broken_note(self.sent)}"
-                ) from e
-            finally:
-                if left is not None and not self.closed:
-                    self.sock.settimeout(None)
-            if not data:
-                self.close()
-                raise ConnectionFailed(0, f"{self.path}: the daemon closed the connection"
-                                             f"{P.broken_note(self.sent)}")
-            try:
-                self.queue.extend(self.reader.feed(data))
-            except ProtocolError:
-                self.close()
-                raise
-        msg = self.queue.pop(0)
+    async def _recv(self, left: float | None) -> bytes:
+        if left is not None:
+            self.sock.settimeout(left)
         try:
-            r = P.parse_reply(msg)
-        except VarlinkError:
-            self.in_call = False
-            raise
-        if not r.continues:
-            self.in_call = False
-        return r
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.sock.close()
+            data: bytes = self.sock.recv(256 * 1024)
+            return data
+        finally:
+            if left is not None and not self.closed:
+                self.sock.settimeout(None)
 
 
-def _reply(conn: _Conn, clock: _Clock | None) -> P.Reply:
-    """The next reply, by the call's deadline: when it passes, ``clock.expire()`` may extend
-    it (a cell being interrupted); otherwise the connection is closed and
-    :class:`sandcell.Timeout` raised."""
-    while True:
-        try:
-            return conn.reply(clock)
-        except _DeadlinePassed:
-            assert clock is not None
-            try:
-                if clock.expire is None:
-                    raise clock.timeout() from None
-                clock.deadline = clock.expire()
-            except BaseException:
-                conn.close()
-                raise
+class _Event(C.Event):
+    async def wait(self, seconds: float) -> bool:
+        return bool(self._e.wait(seconds))
 
 
-def _drive(conn: _Conn, op: P.Operation[T], clock: _Clock | None = None) -> T:
-    """Runs an operation on a connection, by ``clock``'s deadline when given."""
-    value: Any = None
-    try:
-        step = next(op)
-        while True:
-            if isinstance(step, P.Call):
-                conn.send(step, clock)
-                value = _reply(conn, clock)
-            elif step is P.NEXT:
-                value = _reply(conn, clock)
-            elif isinstance(step, P.Emit):
-                try:
-                    step.callback(step.value)
-                except BaseException as e:  # thrown into the operation, which re-raises it
-                    step = op.throw(e)
-                    continue
-                value = None
-            step = op.send(value)
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
-    finally:
-        op.close()
+class _Blocking(C.Backend):
+    conn = _Conn
+
+    async def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def event(self) -> C.Event:
+        return _Event(threading.Event())
 
 
-class Client:
+class Session(C.SessionCore):
+    __doc__ = C.SessionCore.__doc__
+
+    client: Client
+
+    execute = C.blocking(C.SessionCore._execute)
+    interrupt = C.blocking(C.SessionCore._interrupt)
+    put_file = C.blocking(C.SessionCore._put_file)
+    get_file = C.blocking(C.SessionCore._get_file)
+    list_files = C.blocking(C.SessionCore._list_files)
+    inspect = C.blocking(C.SessionCore._inspect)
+    delete_file = C.blocking(C.SessionCore._delete_file)
+    close = C.blocking(C.SessionCore._close)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Client(C.ClientCore[Session]):
     """A blocking client of sandcelld's Varlink interface (``org.sandcell.Kernel``).
 
     Args:
@@ -244,140 +147,20 @@ class Client:
     end with them). Safe to share between threads.
     """
 
+    backend = _Blocking()
+    session_type = Session
+
     def __init__(
         self, socket: str | os.PathLike[str] | None = None, *, timeout: float | None = None,
         node: str | None = None,
     ):
-        self.socket = os.fspath(socket) if socket is not None else P.default_socket()
-        self.timeout = timeout
-        self.node = node
-        self._idle: list[_Conn] = []
-        self._lock = threading.Lock()
-        self._closed = False
-        self._release(self._connect())  # fail early when the socket is unreachable
-
-    # -- connections ------------------------------------------------------------------------
-
-    def _connect(self) -> _Conn:
-        return _Conn(self.socket, self.timeout)
-
-    def _acquire(self) -> _Conn:
-        with self._lock:
-            if self._closed:
-                raise ConnectionFailed(0, "the client is closed")
-            while self._idle:
-                c = self._idle.pop()
-                if not c.closed and P.idle_connection_alive(c.sock):
-                    return c
-                c.close()
-        return self._connect()
-
-    def _release(self, conn: _Conn) -> None:
-        # A connection left in the middle of a call (a cell abandoned half-way) is closed:
-        # the daemon then interrupts that cell.
-        if conn.closed or conn.in_call or conn.queue or conn.reader.pending:
-            conn.close()
-            return
-        with self._lock:
-            if self._closed or len(self._idle) >= 8:
-                conn.close()
-            else:
-                self._idle.append(conn)
-
-    def _call(self, op: P.Operation[T], timeout: Any = P.CLIENT_DEFAULT) -> T:
-        seconds = P.call_timeout(timeout, self.timeout)
-        clock = None if seconds is None else _Clock(seconds, "")
-        conn = self._acquire()
-        try:
-            return _drive(conn, op, clock)
-        finally:
-            self._release(conn)
-
-    def _clock(self) -> _Clock | None:
-        """A deadline of the client's ``timeout`` for one call on a connection of its own."""
-        return None if self.timeout is None else _Clock(self.timeout, "")
-
-    def _cell(self, method: str, params: dict[str, Any], on_output: OnOutput | None,
-              on_started: OnStarted | None, host_call_handler: HostCallHandler | None,
-              timeout: Any, language: str = "python") -> CellResult:
-        """Runs a cell (``Run`` or ``Execute``) by its deadline: past it, the cell is
-        interrupted (over another connection) and given :data:`P.INTERRUPT_GRACE_SECONDS` to
-        end; its result then says ``timeout``."""
-        seconds = P.call_timeout(timeout, self.timeout)
-        started: list[Started] = []
-        interrupted = False
-
-        def on_start(s: Started) -> None:
-            started.append(s)
-            if on_started is not None:
-                on_started(s)
-
-        def expire() -> float:
-            nonlocal interrupted
-            if interrupted or not started:
-                raise clock.timeout()
-            interrupted = True
-            s = started[0]
-            try:
-                self._call(P.op_interrupt(P.local_session_id(s.session, self.node), s.cell),
-                           timeout=P.INTERRUPT_GRACE_SECONDS)
-            except SandcellError:
-                pass  # it ended meanwhile, or the daemon is slow: the grace period decides
-            return time.monotonic() + P.INTERRUPT_GRACE_SECONDS
-
-        clock = _Clock(seconds, method, expire)
-        op = P.op_cell(method, params, on_output, on_start, self._host_answerer(host_call_handler))
-        conn = self._acquire()
-        try:
-            r = _drive(conn, op, clock if seconds is not None else None)
-        except BaseException:
-            # KeyboardInterrupt, or an exception of a callback: the cell is interrupted and
-            # its end awaited, so its session is free when the exception propagates.
-            self._settle(conn, started[0] if started else None)
-            raise
-        finally:
-            self._release(conn)
-        if interrupted:
-            r = P.timed_out_result(r, seconds or 0.0)
-        module = P.missing_module(r)
-        if module is not None:
-            hint = self._module_hint(module, language)
-            if hint:
-                r.warnings.append(hint)
-        return r
-
-    def _module_hint(self, module: str, language: str) -> str | None:
-        """Which served environment has ``module`` (a cell failed to import it), from
-        ``ListEnvironments``; None when none has it or the daemon cannot say."""
-        try:
-            envs = self.list_environments()
-        except SandcellError:
-            return None
-        return P.module_hint(module, envs, language)
-
-    def _settle(self, conn: _Conn, started: Started | None) -> None:
-        """Ends a cell abandoned while ``conn`` still streams it: interrupts it over another
-        connection and reads ``conn`` up to its result, for at most
-        :data:`P.INTERRUPT_GRACE_SECONDS` (past that, the connection is closed and the daemon
-        interrupts the cell itself)."""
-        if conn.closed or not conn.in_call or started is None:
-            return
-        try:
-            self._call(P.op_interrupt(P.local_session_id(started.session, self.node),
-                                      started.cell), timeout=P.INTERRUPT_GRACE_SECONDS)
-            clock = _Clock(P.INTERRUPT_GRACE_SECONDS, "Interrupt")
-            while conn.in_call and not conn.closed:
-                _reply(conn, clock)
-        except SandcellError:
-            conn.close()
+        super().__init__(socket, timeout=timeout, node=node, max_idle=8)
+        # Fails early when the socket is unreachable.
+        self._release(C.run_blocking(self._connect()))
 
     def close(self) -> None:
         """Closes every idle connection; later calls raise :class:`ConnectionFailed`."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for c in idle:
-            c.close()
+        self._close_idle()
 
     def __enter__(self) -> Client:
         return self
@@ -385,417 +168,16 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- methods ----------------------------------------------------------------------------
-
-    def run(
-        self,
-        code: str,
-        language: str = "python",
-        environment: str | None = None,
-        limits: Limits | dict[str, Any] | None = None,
-        on_output: OnOutput | None = None,
-        *,
-        on_started: OnStarted | None = None,
-        host_call_handler: HostCallHandler | None = None,
-        display_last_expression: bool | None = None,
-        rich_output: bool = False,
-        timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
-        files: Mapping[str, Any] | Iterable[str | os.PathLike[str]] | None = None,
-        retry: Retry | None = None,
-    ) -> CellResult:
-        """Runs ``code`` in a fresh sandbox that is discarded afterwards (one-shot ``Run``).
-
-        Args:
-            code: the cell's source (UTF-8; at most the daemon's ``max_source_bytes``).
-            language: ``"python"`` or ``"r"`` (those the daemon serves).
-            environment: a named environment of the daemon (sent only when given).
-            limits: lowerings of the operator's limits (:class:`sandcell.Limits`).
-            on_output: called with each :class:`sandcell.Output` frame, live and in order.
-                An exception it raises abandons the cell and propagates.
-            on_started: called with the :class:`sandcell.Started` frame (session, cell).
-            host_call_handler: lets the cell call tools (``host_calls``): called with each
-                :class:`sandcell.HostCall`; what it returns (a dict) is the call's result in
-                the cell, an exception it raises is raised there (as ``HostCallError`` with
-                ``str(exception)``). Without it a host call raises in the cell at once.
-            display_last_expression: ``False`` for print()-only output: the value of the
-                cell's last expression is not shown (by default it is, as in a REPL:
-                Python shows the repr of a final expression that is not ``None`` and not
-                followed by ``;``, R auto-prints visible values). Sent only when given.
-            rich_output: ``True``: what a notebook shows comes as :class:`sandcell.Display`
-                MIME bundles (``result.displays``, and to ``on_output`` in order): the last
-                expression's value through the display protocol (``_repr_html_``, ...),
-                ``sandcell.display(...)``, figures as ``image/png``.
-            timeout: this call's deadline, seconds (default: the client's ``timeout``;
-                ``None``: none). Past it the cell is interrupted and the result has
-                ``status == "timeout"``; :class:`sandcell.Timeout` is raised when the cell
-                had not started yet or did not end within 10 s of the interrupt.
-            files: input files the cell reads from its working directory: a mapping of
-                name to content (bytes, a path or a binary file, as
-                :meth:`Session.put_file`), or a list of local paths stored under their file
-                names. The cell then runs in a session opened for it and closed afterwards
-                (``Open``, ``PutFile``..., ``Execute``, ``Close``); its result's ``state``
-                is the session's. A missing local file raises ``FileNotFoundError`` before
-                anything is sent.
-            retry: an opt-in :class:`sandcell.Retry`: a run refused with
-                :class:`CapacityExceeded` (nothing ran) is tried again after a backoff, at
-                most ``retry.attempts`` calls in all; the last refusal is raised.
-
-        Returns the :class:`sandcell.CellResult`; a cell that raised is a result with
-        ``status == "error"``, not an exception. Raises the daemon's refusals as typed
-        exceptions: :class:`CapacityExceeded`, :class:`LimitExceeded`,
-        :class:`UnsupportedLanguage`, :class:`InvalidParameter`, :class:`WorkerFailed`, ...
-        """
-        if retry is not None:
-            attempt = 1
-            while True:
-                try:
-                    return self.run(
-                        code, language, environment, limits, on_output, on_started=on_started,
-                        host_call_handler=host_call_handler,
-                        display_last_expression=display_last_expression,
-                        rich_output=rich_output, timeout=timeout, files=files)
-                except CapacityExceeded as e:
-                    if attempt >= max(1, retry.attempts):
-                        raise
-                    time.sleep(retry.delay(attempt, e))
-                    attempt += 1
-        inputs = P.input_files(files)
-        if inputs:
-            with self.session(language, environment, limits=limits,
-                              host_calls=host_call_handler is not None,
-                              display_last_expression=display_last_expression,
-                              rich_output=rich_output) as s:
-                for name, source in inputs:
-                    s.put_file(name, source)
-                return s.execute(code, on_output, on_started=on_started,
-                                 host_call_handler=host_call_handler, timeout=timeout)
-        params = P.run_params(code, language, environment, limits_dict(limits),
-                              host_calls=host_call_handler is not None,
-                              display_last_expression=display_last_expression,
-                              rich_output=rich_output)
-        return self._cell("Run", params, on_output, on_started, host_call_handler, timeout,
-                          language)
-
-    def host_reply(self, session: str, call: int, result: dict[str, Any] | None = None,
-                   error: str | None = None) -> None:
-        """Answers host call ``call`` of ``session`` (``HostReply``): exactly one of
-        ``result`` (a dict of at most 256 KiB of JSON, returned to the cell) and ``error``
-        (at most 16 KiB, raised in it). Raises :class:`NoSuchHostCall` when the call does not
-        wait (answered, timed out, its cell ended), :class:`LimitExceeded`,
-        :class:`InvalidParameter`."""
-        params: dict[str, Any] = {"session": P.local_session_id(session, self.node), "call": call}
-        if error is not None:
-            params["error"] = error
-        if result is not None:
-            params["result"] = result
-        self._call(P.op_simple("HostReply", params))
-
-    def _host_answerer(self, handler: HostCallHandler | None) -> Callable[[HostCall], None] | None:
-        """The ``host_call`` frame callback for ``handler``: runs it and answers over another
-        connection (the cell's own one streams its frames until the result)."""
-        if handler is None:
-            # A session opened with host_calls whose execute has no handler: the cell's call
-            # fails at once instead of waiting for the daemon's host-call timeout.
-            def refuse(h: HostCall) -> None:
-                try:
-                    self.host_reply(h.session, h.call, None, NO_HANDLER)
-                except NoSuchHostCall:
-                    pass
-
-            return refuse
-
-        def answer(h: HostCall) -> None:
-            try:
-                result, error = handler(h), None
-                if not isinstance(result, dict):
-                    result, error = None, "the host's tool returned %s, not a dict" % type(result).__name__
-            except Exception as e:  # the tool's failure is the cell's error, not ours
-                result, error = None, (str(e) or type(e).__name__)[: 16 * 1024 - 64]
-            try:
-                self.host_reply(h.session, h.call, result, error)
-            except NoSuchHostCall:
-                pass  # timed out or interrupted meanwhile: the cell's result says so
-
-        return answer
-
-    def session(
-        self,
-        language: str = "python",
-        environment: str | None = None,
-        detached_idle_seconds: int | None = None,
-        limits: Limits | dict[str, Any] | None = None,
-        host_calls: bool = False,
-        *,
-        display_last_expression: bool | None = None,
-        rich_output: bool = False,
-    ) -> Session:
-        """Opens a persistent session (``Open``): one interpreter whose variables persist
-        across cells. Use it as a context manager, or call :meth:`Session.close`.
-        With ``host_calls``, its cells may call tools (answered by the ``host_call_handler``
-        of :meth:`Session.execute`).
-
-        Args:
-            detached_idle_seconds: when set, the session survives this client (it is not
-                tied to a connection) and ends after that many seconds without a cell.
-            display_last_expression: ``False``: no cell of the session shows its last
-                expression's value (see :meth:`run`). Sent only when given.
-            rich_output: ``True``: every cell's display bundles (see :meth:`run`).
-
-        Raises :class:`CapacityExceeded`, :class:`UnsupportedLanguage`,
-        :class:`LimitExceeded`, :class:`WorkerFailed`, ...
-        """
-        owner = self._connect()
-        try:
-            params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds,
-                                   host_calls=host_calls,
-                                   display_last_expression=display_last_expression,
-                                   rich_output=rich_output)
-            r = _drive(owner, P.op_simple("Open", params), self._clock())
-        except BaseException:
-            owner.close()
-            raise
-        return Session(self, r["session"], r.get("engine", ""), language, owner,
-                       detached=detached_idle_seconds is not None)
-
-    def session_by_id(self, session: str, language: str = "") -> Session:
-        """A :class:`Session` for an existing session of the same user, by id (for example a
-        detached one opened by another process). The id may be node-qualified
-        (``<node>.<id>``). Nothing is checked until the first call
-        (:class:`NoSuchSession` then); :meth:`Session.close` ends the session.
-        """
-        P.local_session_id(session, self.node)
-        return Session(self, session, "", language, None, detached=True)
-
-    def interrupt(self, session: str, cell: int) -> InterruptResult:
-        """Interrupts cell ``cell`` of ``session`` (any session of the same user). The
-        session keeps its variables. ``delivered`` is False, with a reason, when that cell is
-        not running."""
-        return self._call(P.op_interrupt(P.local_session_id(session, self.node), cell))
-
-    def interrupt_session(self, session: str) -> InterruptResult:
-        """Interrupts whatever cell ``session`` runs now, without knowing its number
-        (``InterruptSession``; any session of the same user). ``cell`` in the answer is the
-        cell that was running; ``delivered`` is False with reason ``not_running`` when none
-        was. Raises :class:`NoSuchSession`."""
-        return self._call(P.op_interrupt_session(P.local_session_id(session, self.node)))
-
-    def list_sessions(self) -> list[SessionSummary]:
-        """The caller's own sessions (its uid's, opened from any connection), oldest first
-        (``ListSessions``; at most 1000)."""
-        r = self._call(P.op_simple("ListSessions", {}))
-        return list(r.get("sessions") or [])
-
-    def submit(self, session: str, code: str) -> int:
-        """Starts ``code`` as the next cell of ``session`` and returns its number at once
-        (``Submit``). The cell runs on without this client; its output is retained (the first
-        and last 64 KiB of each stream) for :meth:`attach`. Raises :class:`SessionBusy`,
-        :class:`NoSuchSession`, :class:`CapacityExceeded` (``retained_output_bytes``), ..."""
-        params = {"session": P.local_session_id(session, self.node), "code": code}
-        return int(self._call(P.op_simple("Submit", params))["cell"])
-
-    def attach(
-        self,
-        session: str,
-        cell: int,
-        on_output: OnOutput | None = None,
-        *,
-        on_started: OnStarted | None = None,
-    ) -> CellResult:
-        """Follows cell ``cell`` of ``session`` (``Attach``): the retained output, then live
-        output, until its :class:`sandcell.CellResult` (``raw["retained"]`` has the bytes
-        seen, kept and dropped per stream). Raises :class:`NoSuchCell`,
-        :class:`AttachmentReplaced` (a newer attach took over)."""
-        params = {"session": P.local_session_id(session, self.node), "cell": cell}
-        return self._call(P.op_cell("Attach", params, on_output, on_started))
-
-    def cell_status(self, session: str, cell: int) -> CellStatus:
-        """The cell's state without waiting (``CellStatus``): ``{"state": "running"}``, or
-        its status (``"ok"``, ``"error"``, ...) with ``"result"`` (the daemon's result dict,
-        with ``retained`` counts). Raises :class:`NoSuchCell`."""
-        params = {"session": P.local_session_id(session, self.node), "cell": cell}
-        return cast(CellStatus, self._call(P.op_simple("CellStatus", params)))
-
-    def close_session(self, session: str) -> None:
-        """Ends a session by id: its worker and everything it started are killed."""
-        self._call(P.op_simple("Close", {"session": P.local_session_id(session, self.node)}))
-
-    def info(self) -> dict[str, Any]:
-        """The daemon's ``org.varlink.service.GetInfo``: vendor, product, version,
-        interfaces."""
-        return self._call(P.op_simple("org.varlink.service.GetInfo", {}))
-
-    def interface_description(self, interface: str = P.INTERFACE) -> str:
-        """The running daemon's IDL of ``interface`` (``GetInterfaceDescription``)."""
-        r = self._call(
-            P.op_simple("org.varlink.service.GetInterfaceDescription", {"interface": interface})
-        )
-        return str(r.get("description", ""))
-
-    def list_environments(self) -> list[Environment]:
-        """The daemon's named environments (``ListEnvironments``), as the daemon reports
-        them. Raises :class:`MethodNotFound` on a daemon without environments."""
-        r = self._call(P.op_simple("ListEnvironments", {}))
-        return list(r.get("environments") or [])
-
-
-class Session:
-    """A persistent session: cells share one interpreter and one directory.
-
-    Attributes:
-        id: the session id as the daemon gave it (may be node-qualified).
-        engine: the interpreter's description, e.g. ``"eryx 0.10.1"``.
-        language: the language it was opened with.
-        detached: True when it does not end with this client.
-        last_cell: the number of the last cell started, or ``None``.
-    """
-
-    def __init__(self, client: Client, session_id: str, engine: str, language: str,
-                 owner: _Conn | None, *, detached: bool):
-        self.client = client
-        self.id = session_id
-        self.engine = engine
-        self.language = language
-        self.detached = detached
-        self.last_cell: int | None = None
-        self._owner = owner
-        self._local = P.local_session_id(session_id, client.node)
-        self._running = threading.Event()
-        self._started = threading.Event()
-        self._cell_done = threading.Event()
-        self._cell_done.set()
-        self._closed = False
-
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"<sandcell.Session {self.id} {self.language} {self.engine!r}>"
-
-    def execute(
-        self,
-        code: str,
-        on_output: OnOutput | None = None,
-        *,
-        on_started: OnStarted | None = None,
-        host_call_handler: HostCallHandler | None = None,
-        timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
-    ) -> CellResult:
-        """Runs a cell in this session; its variables persist for the next cell.
-
-        ``on_output`` is called with each :class:`sandcell.Output` frame, live and in order.
-        ``timeout`` is this cell's deadline, seconds (default: the client's; ``None``: none):
-        past it the cell is interrupted, the session keeps its variables and the result has
-        ``status == "timeout"`` (see :meth:`Client.run`).
-        Returns the :class:`sandcell.CellResult` (a cell that raised has ``status ==
-        "error"``). Raises :class:`NoSuchSession` (closed or expired), :class:`SessionBusy`
-        (a cell of another caller is running), :class:`LimitExceeded`, ...
-        """
-
-        def started(s: Started) -> None:
-            self.last_cell = s.cell
-            self._started.set()
-            if on_started is not None:
-                on_started(s)
-
-        self._started.clear()
-        self._cell_done.clear()
-        self._running.set()
-        try:
-            return self.client._cell("Execute", {"session": self._local, "code": code},
-                                     on_output, started, host_call_handler, timeout,
-                                     self.language or "python")
-        finally:
-            self._running.clear()
-            self._cell_done.set()
-
-    def interrupt(self, cell: int | None = None, wait_seconds: float = 5.0) -> InterruptResult:
-        """Interrupts the running cell (or cell ``cell``); for use from another thread while
-        :meth:`execute` runs. Without ``cell``, waits up to ``wait_seconds`` for the running
-        cell's number. The session keeps its variables.
-
-        When the interrupted cell is this object's running :meth:`execute`, returns only
-        once that cell has ended (at most ``wait_seconds`` more), so the session takes the
-        next cell at once (no :class:`SessionBusy`)."""
-        if cell is None:
-            if self._running.is_set():
-                self._started.wait(wait_seconds)
-            if self.last_cell is None:
-                return InterruptResult(False, "no cell has run in this session")
-            cell = self.last_cell
-        own = self._running.is_set() and cell == self.last_cell
-        r = self.client._call(P.op_interrupt(self._local, cell))
-        if r.delivered and own:
-            self._cell_done.wait(wait_seconds)
-        return r
-
-    def put_file(self, name: str, data_or_path: Any) -> FileInfo:
-        """Stores a file in the session directory (mode 0600), replacing a regular file of
-        that name atomically.
-
-        ``data_or_path`` is the content (bytes; up to 2 MiB sent inline, larger through a
-        staged unnamed file's descriptor), a path (str or ``os.PathLike``: the file is opened here and its
-        descriptor passed to the daemon, so it is never read into memory), or an open binary
-        file (its descriptor is passed). Returns the stored file's :class:`FileInfo`.
-
-        Raises :class:`LimitExceeded` (``max_file_bytes``, ``max_session_files_bytes``),
-        :class:`InvalidFileName`, :class:`NotRegularFile`, :class:`SessionBusy`,
-        :class:`NoSuchSession`; ``OSError`` when the local file cannot be opened.
-        """
-        kind, value = P.file_source(data_or_path)
-        fd, inline, size, close = P.content_fd(kind, value)
-        try:
-            if fd is None:
-                return self.client._call(P.op_put_inline(self._local, name, inline or b""))
-            return self.client._call(P.op_put_fd(self._local, name, fd, size))
-        finally:
-            if close and fd is not None:
-                os.close(fd)
-
-    def get_file(self, name: str) -> bytes:
-        """The content of a regular file of the session directory (read in 1 MiB chunks).
-
-        Raises :class:`NoSuchFile`, :class:`NotRegularFile` (a directory, symlink or special
-        file), :class:`InvalidFileName`, :class:`NoSuchSession`."""
-        return self.client._call(P.op_get_file(self._local, name))
-
-    def list_files(self) -> P.FileList:
-        """The session directory's entries (lstat, never followed; at most 1000 entries,
-        4 levels deep; ``.truncated`` when some were left out)."""
-        return self.client._call(P.op_list_files(self._local))
-
-    def inspect(self, max_items: int | None = None) -> P.VariableList:
-        """The session's variables between cells, in name order: :class:`Variable` (name,
-        type, approximate size, shape, short repr), at most ``max_items`` (1 to 1000; the
-        daemon's default is 100; ``.truncated`` when more exist). Not a cell: cell numbers and
-        history (``_``, R's ``.Last.value``) stay as they were.
-
-        Raises :class:`SessionBusy` while a cell runs, :class:`LimitExceeded` for
-        ``max_items`` over 1000, :class:`WorkerFailed` when the worker did not answer in time
-        (the session ended)."""
-        return self.client._call(P.op_inspect(self._local, max_items))
-
-    def delete_file(self, name: str) -> None:
-        """Removes a file, symlink (the link itself) or empty directory."""
-        self.client._call(P.op_simple("DeleteFile", {"session": self._local, "name": name}))
-
-    def close(self) -> None:
-        """Ends the session: its worker and everything it started are killed and reaped.
-        Idempotent; a session that is already gone is not an error."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self._owner is not None and not self._owner.closed:
-                _drive(self._owner, P.op_simple("Close", {"session": self._local}),
-                       self.client._clock())
-            else:
-                self.client._call(P.op_simple("Close", {"session": self._local}))
-        except (NoSuchSession, ConnectionFailed, Timeout):
-            # NoSuchSession: it already ended (expired, crashed, closed elsewhere).
-            pass
-        finally:
-            if self._owner is not None:
-                self._owner.close()
+    run = C.blocking(C.ClientCore[Session]._run)
+    host_reply = C.blocking(C.ClientCore[Session]._host_reply)
+    session = C.blocking(C.ClientCore[Session]._session)
+    interrupt = C.blocking(C.ClientCore[Session]._interrupt)
+    interrupt_session = C.blocking(C.ClientCore[Session]._interrupt_session)
+    list_sessions = C.blocking(C.ClientCore[Session]._list_sessions)
+    submit = C.blocking(C.ClientCore[Session]._submit)
+    attach = C.blocking(C.ClientCore[Session]._attach)
+    cell_status = C.blocking(C.ClientCore[Session]._cell_status)
+    close_session = C.blocking(C.ClientCore[Session]._close_session)
+    info = C.blocking(C.ClientCore[Session]._info)
+    interface_description = C.blocking(C.ClientCore[Session]._interface_description)
+    list_environments = C.blocking(C.ClientCore[Session]._list_environments)
