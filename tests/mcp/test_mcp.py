@@ -618,3 +618,10 @@ def test_inspector_cli_lists_and_calls_tools(sandcellctl, socket_path):
     assert called.returncode == 0, called.stderr
     out = json.loads(called.stdout)
     assert out["structuredContent"]["stdout"] == "42\n", out
+    # An unknown tool is a JSON-RPC error to the Inspector too (it exits non-zero).
+    unknown = subprocess.run(
+        base + ["--method", "tools/call", "--tool-name", "no_such_tool"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert unknown.returncode != 0, unknown.stdout
+    assert "-32602" in unknown.stdout + unknown.stderr, unknown.stderr[-2000:]
