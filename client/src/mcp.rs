@@ -62,7 +62,8 @@ pub const MAX_IN_FLIGHT: usize = 16;
 /// Idle daemon connections kept for reuse.
 pub const POOL_IDLE: usize = 4;
 /// Longest JSON-RPC line read from stdin, bytes (newline included): room for a 1 MiB upload
-/// in base64 or JSON-escaped text. A longer line is answered `-32600` naming this cap.
+/// in base64 (1.4 MiB), or as text unless most of it needs JSON escapes (`\u0000` is six
+/// bytes for one). A longer line is answered `-32600` naming this cap.
 pub const MAX_LINE_BYTES: usize = 4 * 1024 * 1024;
 /// Largest upload, bytes after decoding (half the daemon's inline limit: the Varlink message
 /// carrying it in base64 stays under 1.5 MiB).
