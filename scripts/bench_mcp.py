@@ -1,7 +1,9 @@
 """The run_code tool of `sandcellctl mcp` through the official MCP Python SDK (one stdio
 connection) beside the same `print(1)` through the Python client (one connection), calls
 interleaved, against one sandcelld started as the tests start it (tests/mcp/conftest.py).
-Prints p50 and p99 of each, in ms, and what MCP adds at p50 (goal: under 2 ms).
+Prints p50 and p99 of each, in ms, and what MCP adds at p50 (goal: under 2 ms), also as
+paired differences (each MCP call minus the Python client's call beside it); then the same
+with JSON-RPC lines written by hand, which leaves out the MCP SDK client's own cost.
 Run by scripts/bench.sh with the venv of scripts/mcp-venv.sh and PYTHONPATH=clients/python/src.
 """
 
@@ -90,6 +92,10 @@ async def main(n: int, socket: str) -> None:
     print("MCP adds at p50: %.2f ms for run_code (goal: under 2 ms)" % added)
     added = statistics.median(ex_mcp) - statistics.median(ex_py)
     print("MCP adds at p50: %.2f ms for execute in an open session" % added)
+    for label, a, b in (("run_code", mcp_ms, py_ms), ("execute", ex_mcp, ex_py)):
+        diffs = sorted(x - y for x, y in zip(a, b))
+        print("MCP adds to %s (paired, SDK): p50 %.2f ms, p99 %.2f ms"
+              % (label, pct(diffs, 0.5), pct(diffs, 0.99)))
 
 
 def raw(n: int, socket: str) -> None:
@@ -110,10 +116,32 @@ def raw(n: int, socket: str) -> None:
         if i >= 5:
             run_ms.append(m)
             bare_ms.append(b)
+    # execute print(1) in an open session, interleaved with the Python client's: the server's
+    # own share of a cell call, without the MCP SDK client's.
+    r.call(-1, "open_session", {})
+    sid = r.reply(-1)["result"]["structuredContent"]["session"]
+    ex_raw, ex_py = [], []
+    with sandcell.Client(socket) as c, c.session() as sess:
+        for i in range(n + 5):
+            t = time.perf_counter()
+            r.call(200000 + i, "execute", {"session": sid, "code": "print(1)"})
+            assert r.reply(200000 + i)["result"]["structuredContent"]["stdout"] == "1\n"
+            m = (time.perf_counter() - t) * 1000
+            t = time.perf_counter()
+            assert sess.execute("print(1)").stdout == "1\n"
+            p = (time.perf_counter() - t) * 1000
+            if i >= 5:
+                ex_raw.append(m)
+                ex_py.append(p)
     r.close()
     for label, xs in (("MCP run_code (raw JSON-RPC lines)", run_ms),
-                      ("MCP list_sessions (raw JSON-RPC lines)", bare_ms)):
+                      ("MCP list_sessions (raw JSON-RPC lines)", bare_ms),
+                      ("python client session execute", ex_py),
+                      ("MCP execute (raw JSON-RPC lines)", ex_raw)):
         print("%-40s p50 %.2f ms, p99 %.2f ms (%d calls)" % (label, pct(xs, 0.5), pct(xs, 0.99), len(xs)))
+    diffs = sorted(a - b for a, b in zip(ex_raw, ex_py))
+    print("the server adds to execute (paired, raw lines): p50 %.2f ms, p99 %.2f ms"
+          % (pct(diffs, 0.5), pct(diffs, 0.99)))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,12 @@
 # The peers' MCP tools the MCP server's tests use as clients, pinned, in $SANDCELL_CACHE:
 #   mcp-venv/  the official MCP Python SDK (PyPI `mcp`) in a venv of Debian's Python 3.11;
 #   mcp-npm/   the MCP Inspector (npm @modelcontextprotocol/inspector, its --cli mode).
-# The conformance suite (npm @modelcontextprotocol/conformance 0.1.16) is not installed: its
-# server scenarios need `--url` (Streamable HTTP only, none over stdio) and Node 22.
-# Inspector 1.0.3 declares Node >= 22.7.5 but its --cli mode runs on Debian's Node 20.
+# The conformance suite (npm @modelcontextprotocol/conformance 0.1.16, still the latest) is not
+# installed: `conformance server` requires `--url <url>` (its client is Streamable HTTP only,
+# no stdio), and on Debian's Node 20 it does not load ("SyntaxError: The requested module 'fs'
+# does not provide an export named 'globSync'": Node 22 API).
+# Inspector 1.0.3 declares Node >= 22.7.5 but its --cli mode runs on Debian's Node 20 (the
+# latest, 2.12.0, declares Node >= 22.19.0).
 # Idempotent: a tree holding the pinned versions is kept. Called by scripts/setup.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -12,8 +12,18 @@
 //! - every other call, cells included, takes a connection from a small pool ([`POOL_IDLE`]
 //!   kept idle) or opens one, and gives it back once answered (a cell: after its result);
 //! - at most [`MAX_IN_FLIGHT`] tool calls run at once; more are refused at once with the tool
-//!   error `sandcell.mcp.Busy`; a JSON-RPC line longer than [`MAX_LINE_BYTES`] is dropped by
-//!   the transport (answered with a JSON-RPC error);
+//!   error `sandcell.mcp.Busy`;
+//! - every input line is answered or passed on ([`transport`]): a line that is not JSON gets
+//!   `-32700` (Parse error, `"id": null`), a line longer than [`MAX_LINE_BYTES`] gets
+//!   `-32600` naming the cap (and is never held whole), a call of a tool this server does not
+//!   have gets `-32602` (Invalid params), as the MCP specification's "Server: Tools, Error
+//!   Handling" lists unknown tools among protocol errors (revisions 2025-06-18 and
+//!   2025-11-25);
+//! - code longer than the daemon's `max_source_bytes` (which `ListEnvironments` reports in
+//!   each environment's `limits.source_bytes`; a daemon that does not report it is held to
+//!   the protocol ceiling, [`sandcell_proto::worker::SOURCE_CEILING`]) is refused before
+//!   sending with the daemon's own error, `org.sandcell.Kernel.LimitExceeded` naming
+//!   `max_source_bytes`;
 //! - a cell that fails is a tool result with `isError` and the traceback; a refused call is a
 //!   tool result with `isError` whose structured content is the daemon's typed error
 //!   (`{"error": "org.sandcell.Kernel.<Name>", "parameters": {...}, "message": ...}`);
@@ -41,22 +51,28 @@ use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{Semaphore, watch};
+
+pub mod transport;
 
 /// Tool calls running at once; more are refused with `sandcell.mcp.Busy`.
 pub const MAX_IN_FLIGHT: usize = 16;
 /// Idle daemon connections kept for reuse.
 pub const POOL_IDLE: usize = 4;
-/// Longest JSON-RPC line read from stdin, bytes: room for a 2 MiB upload in base64.
+/// Longest JSON-RPC line read from stdin, bytes (newline included): room for a 1 MiB upload
+/// in base64 (1.4 MiB), or as text unless most of it needs JSON escapes (`\u0000` is six
+/// bytes for one). A longer line is answered `-32600` naming this cap.
 pub const MAX_LINE_BYTES: usize = 4 * 1024 * 1024;
 /// Largest upload, bytes after decoding (half the daemon's inline limit: the Varlink message
 /// carrying it in base64 stays under 1.5 MiB).
 pub const MAX_UPLOAD_BYTES: u64 = k::MAX_INLINE_BYTES / 2;
-/// Longest code of one cell this server sends, bytes (the daemon's own `max_source_bytes`,
-/// 64 KiB by default, refuses less); longer code is refused here with
-/// `sandcell.mcp.LimitExceeded`.
-pub const MAX_CODE_BYTES: usize = 1024 * 1024;
+/// Longest code of one cell this server sends to a daemon that does not report its
+/// `max_source_bytes` (in `ListEnvironments`' `limits.source_bytes`), bytes: the protocol
+/// ceiling no configuration may exceed. A daemon that reports it is held to its own figure
+/// (64 KiB as shipped, sandcelld.toml(5)).
+pub const MAX_CODE_BYTES: u64 = sandcell_proto::worker::SOURCE_CEILING;
 /// Largest image returned as image content, bytes (before base64).
 pub const MAX_IMAGE_BYTES: u64 = 1024 * 1024;
 /// Images returned per result; further ones are named in `images_omitted`.
@@ -572,6 +588,8 @@ struct Server {
     in_flight: Arc<Semaphore>,
     sessions: Mutex<BTreeMap<String, Tracked>>,
     environments: tokio::sync::OnceCell<Vec<k::Environment>>,
+    /// The daemon's `max_source_bytes` as last listed ([`source_cap`]); 0 before any listing.
+    source_cap: AtomicU64,
     tools: Vec<Tool>,
 }
 
@@ -587,18 +605,15 @@ fn args<T: DeserializeOwned>(a: Option<serde_json::Map<String, Value>>) -> Resul
     })
 }
 
-fn check_code(code: &str) -> Result<(), Refusal> {
-    if code.len() <= MAX_CODE_BYTES {
-        return Ok(());
-    }
-    Err(Refusal::local(
-        "LimitExceeded",
-        format!(
-            "the code is {} bytes; this server sends at most {MAX_CODE_BYTES}",
-            code.len()
-        ),
-        json!({"limit": "code_bytes", "value": code.len(), "max": MAX_CODE_BYTES}),
-    ))
+/// The daemon's `max_source_bytes` as `ListEnvironments` reports it (the smallest of its
+/// environments' `limits.source_bytes`), at most [`MAX_CODE_BYTES`]; that ceiling when no
+/// environment reports it.
+fn source_cap(envs: &[k::Environment]) -> u64 {
+    envs.iter()
+        .filter_map(|e| e.limits.as_ref()?.source_bytes)
+        .min()
+        .unwrap_or(MAX_CODE_BYTES)
+        .min(MAX_CODE_BYTES)
 }
 
 fn structured<T: Serialize>(content: Vec<ContentBlock>, v: &T) -> CallToolResult {
@@ -652,8 +667,48 @@ impl Server {
 
     async fn environments(&self) -> Result<&Vec<k::Environment>, Refusal> {
         self.environments
-            .get_or_try_init(|| self.with_conn(async |c| c.list_environments().await))
+            .get_or_try_init(|| self.list_environments())
             .await
+    }
+
+    /// `ListEnvironments`, noting the daemon's `max_source_bytes` on the way.
+    async fn list_environments(&self) -> Result<Vec<k::Environment>, Refusal> {
+        let envs = self
+            .with_conn(async |c| c.list_environments().await)
+            .await?;
+        self.source_cap.store(source_cap(&envs), Ordering::Relaxed);
+        Ok(envs)
+    }
+
+    /// Refuses code longer than the daemon's `max_source_bytes` before it is sent, with the
+    /// error the daemon would give (`LimitExceeded`, limit `max_source_bytes`). The figure is
+    /// listed again before a refusal, in case an operator raised it since.
+    async fn check_code(&self, code: &str) -> Result<(), Refusal> {
+        let len = code.len() as u64;
+        if self.source_cap.load(Ordering::Relaxed) == 0 {
+            self.environments().await?;
+        }
+        if len <= self.source_cap.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let max = if len <= MAX_CODE_BYTES {
+            source_cap(&self.list_environments().await?)
+        } else {
+            self.source_cap.load(Ordering::Relaxed)
+        };
+        if len <= max {
+            return Ok(());
+        }
+        let mut e = Error::Kernel(KernelError::LimitExceeded {
+            limit: "max_source_bytes".into(),
+            value: len,
+            max,
+        })
+        .to_json();
+        if let Some(Value::String(m)) = e.get_mut("message") {
+            m.push_str(" (refused by sandcellctl mcp before sending)");
+        }
+        Err(Refusal(e))
     }
 
     /// The name and language of `environment` (default `python`), from `ListEnvironments`,
@@ -679,7 +734,7 @@ impl Server {
         match p.name.as_ref() {
             "run_code" => {
                 let i: RunCodeIn = args(a)?;
-                check_code(&i.code)?;
+                self.check_code(&i.code).await?;
                 let (env, lang, default) = self.language(i.environment.as_deref()).await?;
                 let params = k::RunParams {
                     language: lang,
@@ -695,7 +750,7 @@ impl Server {
             }
             "execute" => {
                 let i: ExecuteIn = args(a)?;
-                check_code(&i.code)?;
+                self.check_code(&i.code).await?;
                 let s = i.session.clone();
                 self.cell(ctx, Some(&s), async |c: &mut Client| {
                     c.execute(&i.session, &i.code).await
@@ -803,9 +858,7 @@ impl Server {
             }
             "list_environments" => {
                 let i: EnvironmentsIn = args(a)?;
-                let envs = self
-                    .with_conn(async |c| c.list_environments().await)
-                    .await?;
+                let envs = self.list_environments().await?;
                 let with_packages = i.packages.unwrap_or(false);
                 let environments = envs
                     .into_iter()
@@ -1203,6 +1256,18 @@ impl ServerHandler for Server {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, ErrorData> {
+        if !self.tools.iter().any(|t| t.name == request.name) {
+            // MCP "Server: Tools", "Error Handling": an unknown tool is a protocol error,
+            // JSON-RPC -32602 (Invalid params), not a tool result.
+            let name = transport::truncate(&request.name, 200);
+            return Err(ErrorData::invalid_params(
+                format!("Unknown tool: {name:?}"),
+                Some(json!({
+                    "tool": name,
+                    "known": self.tools.iter().map(|t| t.name.as_ref()).collect::<Vec<_>>(),
+                })),
+            ));
+        }
         let Ok(_permit) = self.in_flight.clone().try_acquire_owned() else {
             return Ok(Refusal::local(
                 "Busy",
@@ -1231,11 +1296,11 @@ pub async fn serve(socket: PathBuf) -> anyhow::Result<()> {
         in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
         sessions: Mutex::new(BTreeMap::new()),
         environments: tokio::sync::OnceCell::new(),
+        source_cap: AtomicU64::new(0),
         tools: tools(),
     };
     let (r, w) = rmcp::transport::io::stdio_pipes();
-    let transport = rmcp::transport::async_rw::AsyncRwTransport::new_server(r, w)
-        .with_max_line_length(MAX_LINE_BYTES);
+    let transport = transport::LineTransport::new(r, w, MAX_LINE_BYTES);
     let running = server.serve(transport).await?;
     running.waiting().await?;
     Ok(())

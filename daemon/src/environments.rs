@@ -233,6 +233,7 @@ pub fn default_limits(cfg: &crate::config::Config, env: &Environment) -> k::Envi
         stderr_bytes: l.max_stderr_bytes,
         cpus: cfg.daemon.worker_cpus,
         detached_idle_seconds: l.max_detached_idle_seconds,
+        source_bytes: Some(l.max_source_bytes),
     }
 }
 

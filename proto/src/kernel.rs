@@ -342,6 +342,10 @@ pub struct EnvironmentLimits {
     pub cpus: f64,
     /// Longest idle lifetime of a detached session, seconds (`max_detached_idle_seconds`).
     pub detached_idle_seconds: u64,
+    /// UTF-8 source bytes of one cell's code (`max_source_bytes`; longer code is
+    /// `LimitExceeded`); absent from a daemon before this field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_bytes: Option<u64>,
 }
 
 /// Parameters of `ListEnvironments` (none).

@@ -393,6 +393,19 @@ class Raw:
             if m.get("id") == id_ and "method" not in m:
                 return m
 
+    def unanswered_error(self, timeout=30.0) -> dict:
+        """The next error response with `"id": null` (the member present, its value null)."""
+        while True:
+            m = self.read(timeout)
+            if "error" in m and "id" in m and m["id"] is None:
+                return m
+
+    def rss_kib(self) -> tuple[int, int]:
+        """The server's resident set and its high-water mark, KiB (/proc/PID/status)."""
+        status = Path(f"/proc/{self.p.pid}/status").read_text()
+        field = lambda name: int(next(l for l in status.splitlines() if l.startswith(name)).split()[1])
+        return field("VmRSS:"), field("VmHWM:")
+
     def call(self, id_, tool, args, meta=None) -> None:
         params = {"name": tool, "arguments": args}
         if meta:
@@ -432,24 +445,39 @@ def test_cancel_notification_interrupts_and_says_interrupted(sandcellctl, socket
 
 def test_hostile_input_gets_errors_and_the_server_stays_up(sandcellctl, socket_path):
     r = Raw(sandcellctl, socket_path)
-    # Malformed JSON-RPC: not JSON, JSON that is no message, an unknown method, a bad tool.
+    # Malformed JSON-RPC: not JSON (JSON-RPC 2.0 §5.1: -32700 Parse error, id null), JSON
+    # that is no message, an unknown method, bad parameters, an unknown tool.
     r.send(b"{this is not json")
+    e = r.unanswered_error()
+    assert e["error"]["code"] == -32700, e
+    r.send(b"\xff\xfe\x00 binary")
+    assert r.unanswered_error()["error"]["code"] == -32700
+    r.send(b"[1, 2, 3]")
+    assert r.unanswered_error()["error"]["code"] == -32600
     r.send({"jsonrpc": "2.0", "id": 2, "method": "no/such/method"})
     assert "error" in r.reply(2)
     r.send({"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {"name": 5}})
     assert "error" in r.reply(3)
+    # An unknown tool is a protocol error (MCP "Server: Tools", "Error Handling"): -32602.
     r.call(4, "no_such_tool", {})
     res = r.reply(4)
-    assert ("error" in res) or res["result"]["isError"]
-    # Huge arguments: a 6 MiB line is dropped by the transport (the call gets no answer); a
-    # 3 MiB code is refused by the server, a 200 KiB one by the daemon's source limit.
+    assert res["error"]["code"] == -32602, res
+    assert "no_such_tool" in res["error"]["message"]
+    # Huge arguments: a 6 MiB line is over the 4 MiB line cap (answered -32600 naming the
+    # cap, with the request's id read from the line's start); 3 MiB and 200 KiB of code are
+    # over the daemon's max_source_bytes and refused before sending with its own error.
     r.call(5, "run_code", {"code": "#" + "x" * (6 * 1024 * 1024)})
-    r.call(6, "run_code", {"code": "#" + "x" * (3 * 1024 * 1024)})
-    res = r.reply(6, timeout=60)
-    assert res["result"]["structuredContent"]["error"] == "sandcell.mcp.LimitExceeded", str(res)[:500]
-    r.call(8, "run_code", {"code": "#" + "x" * (200 * 1024)})
-    res = r.reply(8, timeout=60)
-    assert res["result"]["structuredContent"]["error"] == "org.sandcell.Kernel.LimitExceeded"
+    res = r.reply(5, timeout=60)
+    assert res["error"]["code"] == -32600, str(res)[:500]
+    assert "4194304" in res["error"]["message"], res
+    assert res["error"]["data"] == {"max_line_bytes": 4194304}, res
+    for id_, n in ((6, 3 * 1024 * 1024), (8, 200 * 1024)):
+        r.call(id_, "run_code", {"code": "#" + "x" * n})
+        res = r.reply(id_, timeout=60)
+        sc_ = res["result"]["structuredContent"]
+        assert res["result"]["isError"] and sc_["error"] == "org.sandcell.Kernel.LimitExceeded", str(res)[:500]
+        assert sc_["parameters"] == {"limit": "max_source_bytes", "value": n + 1, "max": 65536}, sc_
+        assert "before sending" in sc_["message"]
     # A flood: 300 calls at once; each is answered (done or refused as Busy).
     for i in range(300):
         r.call(1000 + i, "list_environments", {})
@@ -473,6 +501,90 @@ def test_hostile_input_gets_errors_and_the_server_stays_up(sandcellctl, socket_p
 
     with sandcell.Client(socket_path) as c:
         assert c.run("print(3)").stdout == "3\n"
+
+
+def test_code_cap_is_the_daemons_max_source_bytes(sandcellctl, socket_path):
+    """The daemon reports max_source_bytes in ListEnvironments (limits.source_bytes); code of
+    exactly that many bytes runs, one byte more is refused before it is sent."""
+    import sandcell
+
+    with sandcell.Client(socket_path) as c:
+        caps = {e["name"]: e["limits"].get("source_bytes") for e in c.list_environments()}
+    assert set(caps.values()) == {65536}, caps
+    cap = caps["python"]
+    fits = "print('fits')\n#" + "x" * (cap - len("print('fits')\n#"))
+    assert len(fits.encode()) == cap
+
+    async def body(s):
+        ok = await s.call_tool("run_code", {"code": fits})
+        over = await s.call_tool("run_code", {"code": fits + "x"})
+        sid = sc(await s.call_tool("open_session", {}))["session"]
+        over_exec = await s.call_tool("execute", {"session": sid, "code": fits + "é"})
+        await s.call_tool("close_session", {"session": sid})
+        return ok, over, over_exec
+
+    ok, over, over_exec = run(sandcellctl, socket_path, body)
+    assert not ok.is_error and sc(ok)["stdout"] == "fits\n", texts(ok)
+    assert over.is_error and sc(over)["error"] == "org.sandcell.Kernel.LimitExceeded"
+    assert sc(over)["parameters"] == {"limit": "max_source_bytes", "value": cap + 1, "max": cap}
+    assert "max_source_bytes" in texts(over)
+    assert sc(over_exec)["parameters"] == {"limit": "max_source_bytes", "value": cap + 2, "max": cap}
+
+
+def test_protocol_errors_through_the_sdk(sandcellctl, socket_path):
+    """Through the official SDK: an unknown tool and an oversized request each end in a
+    JSON-RPC error for that request (MCPError), not a hang or a tool result."""
+    from mcp.shared.exceptions import MCPError
+
+    async def body(s):
+        errors = {}
+        with anyio.fail_after(60):
+            for name, tool, args in (
+                ("unknown", "no_such_tool", {}),
+                ("oversized", "upload_file", {"session": "x", "name": "a", "text": "y" * (5 << 20)}),
+            ):
+                try:
+                    await s.call_tool(tool, args)
+                except MCPError as e:
+                    errors[name] = e.error
+            after = await s.call_tool("run_code", {"code": "print(5)"})
+        return errors, after
+
+    errors, after = run(sandcellctl, socket_path, body)
+    assert errors["unknown"].code == -32602, errors
+    assert errors["oversized"].code == -32600 and "4194304" in errors["oversized"].message, errors
+    assert sc(after)["stdout"] == "5\n"
+
+
+def test_a_line_without_end_is_not_held(sandcellctl, socket_path):
+    """1 GiB without a newline: answered as soon as it passes the 4 MiB cap, discarded as it
+    arrives (the server's memory high-water mark stays far below it), and the server goes on
+    with the next line."""
+    r = Raw(sandcellctl, socket_path)
+    rss0, _ = r.rss_kib()
+    prefix = b'{"jsonrpc":"2.0","id":77,"method":"tools/call","params":{"name":"run_code","arguments":{"code":"'
+    os.write(r.p.stdin.fileno(), prefix)
+    chunk = b"x" * (1 << 20)
+    answered_after = None
+    for i in range(1024):
+        r.p.stdin.write(chunk)
+        if answered_after is None and i % 8 == 7:
+            r.p.stdin.flush()
+            ready, _, _ = select.select([r.p.stdout], [], [], 0)
+            if ready:
+                answered_after = i + 1
+    r.p.stdin.flush()
+    res = r.reply(77, timeout=60)
+    assert res["error"]["code"] == -32600 and res["error"]["data"]["max_line_bytes"] == 4194304, res
+    rss1, hwm = r.rss_kib()
+    print(f"1 GiB line: answered after {answered_after} MiB; RSS {rss0} -> {rss1} KiB, "
+          f"high-water mark {hwm} KiB", file=sys.stderr)
+    assert answered_after is not None and answered_after <= 16, answered_after
+    assert hwm < rss0 + 32 * 1024, (rss0, hwm)
+    r.send(b'"}}}')  # the line's end; the next line is a call again
+    r.call(78, "run_code", {"code": "print(8)"})
+    assert r.reply(78, timeout=60)["result"]["structuredContent"]["stdout"] == "8\n"
+    assert r.close() == 0
 
 
 # ---------------------------------------------------------------- the MCP Inspector
@@ -506,3 +618,10 @@ def test_inspector_cli_lists_and_calls_tools(sandcellctl, socket_path):
     assert called.returncode == 0, called.stderr
     out = json.loads(called.stdout)
     assert out["structuredContent"]["stdout"] == "42\n", out
+    # An unknown tool is a JSON-RPC error to the Inspector too (it exits non-zero).
+    unknown = subprocess.run(
+        base + ["--method", "tools/call", "--tool-name", "no_such_tool"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert unknown.returncode != 0, unknown.stdout
+    assert "-32602" in unknown.stdout + unknown.stderr, unknown.stderr[-2000:]

@@ -83,7 +83,8 @@ class EnvironmentLimits(TypedDict, total=False):
     WebAssembly instruction); ``disk_bytes`` of the session directory
     (``max_session_files_bytes``) and ``file_bytes`` of one file (``max_file_bytes``);
     ``stdout_bytes``, ``stderr_bytes`` kept per cell; ``cpus`` (``worker_cpus``, 0: no cap);
-    ``detached_idle_seconds`` (``max_detached_idle_seconds``)."""
+    ``detached_idle_seconds`` (``max_detached_idle_seconds``); ``source_bytes`` of one cell's
+    code (``max_source_bytes``; absent from older daemons)."""
 
     wall_time_seconds: float
     memory_bytes: int
@@ -95,6 +96,7 @@ class EnvironmentLimits(TypedDict, total=False):
     stderr_bytes: int
     cpus: float
     detached_idle_seconds: int
+    source_bytes: int
 
 
 class SessionSummary(TypedDict, total=False):
