@@ -991,3 +991,59 @@ fn a_second_ctrl_c_says_what_becomes_of_the_cell() {
     );
     let _ = run(d.ctl().args(["close", &session]), None);
 }
+
+#[test]
+fn without_a_system_bus_the_message_says_what_is_wrong() {
+    let no_bus = "unix:path=/nonexistent/system_bus_socket";
+    // A D-Bus command: one sentence, no Rust error decoration.
+    let out = run(
+        Command::new(ctl())
+            .env("DBUS_SYSTEM_BUS_ADDRESS", no_bus)
+            .arg("status"),
+        None,
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.starts_with("sandcellctl: cannot reach the system bus: ")
+            && err.contains("No such file or directory")
+            && !err.contains("os error")
+            && !err.contains('`'),
+        "{err}"
+    );
+    let Some(d) = Daemon::start(&[]) else { return };
+    // interrupt SESSION: the socket knows no such session and the bus cannot be asked; the
+    // socket's answer is the one that helps.
+    let out = run(
+        d.ctl()
+            .env("DBUS_SYSTEM_BUS_ADDRESS", no_bus)
+            .args(["interrupt", "no-such-session"]),
+        None,
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.starts_with("sandcellctl: NoSuchSession: "), "{err}");
+    let out = run(
+        d.ctl().env("DBUS_SYSTEM_BUS_ADDRESS", no_bus).args([
+            "--json",
+            "interrupt",
+            "no-such-session",
+        ]),
+        None,
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stderr).expect("a JSON error");
+    assert_eq!(v["error"], "org.sandcell.Kernel.NoSuchSession", "{v}");
+    // Neither the socket nor the bus: the socket is named.
+    let out = run(
+        Command::new(ctl())
+            .env("DBUS_SYSTEM_BUS_ADDRESS", no_bus)
+            .args(["--socket", "/nonexistent/kernel.sock", "interrupt", "s1"]),
+        None,
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.starts_with("sandcellctl: cannot reach sandcelld at /nonexistent/kernel.sock"),
+        "{err}"
+    );
+}

@@ -34,7 +34,7 @@ impl List {
             Err(dbus::Error::Bus(b)) => {
                 errln!(
                     "sandcellctl: the system bus is unreachable ({}); listing your own sessions over the Varlink socket",
-                    escape_message(&b.to_string())
+                    escape_message(&dbus::bus_cause(&b))
                 );
                 return session::list_own(ctx).await;
             }

@@ -5,6 +5,7 @@
 
 use super::{Ctx, Outcome, admin, environments};
 use crate::out::{self, escape_name};
+use crate::report::Failure;
 use sandcell_client::{Error, KernelError};
 
 /// `open [-l LANGUAGE] [-e NAME] [--idle SECONDS] [--host-calls] [--no-display]`.
@@ -160,27 +161,37 @@ impl Interrupt {
         Ok(if r.delivered { 0 } else { 1 })
     }
 
+    /// `interrupt SESSION`: over the socket; a socket that cannot be reached, or a session
+    /// it does not show as the caller's, over D-Bus. When the bus cannot be reached either,
+    /// the socket's answer is the one reported (`NoSuchSession`, or the socket's own
+    /// connection error): it says what is wrong, the bus's absence does not.
     async fn running_cell(self, ctx: &Ctx) -> Outcome {
-        let Ok(mut c) = ctx.connect().await else {
-            return admin::interrupt(ctx, &self.session).await;
-        };
-        match c.interrupt_session(&self.session).await {
-            Ok(r) => {
-                if ctx.json {
-                    out::json(&r);
-                } else {
-                    match r.cell {
-                        Some(n) => outln!("{} (cell {n})", r.reason),
-                        None => outln!("{}", r.reason),
+        let over_socket: Failure = match ctx.connect().await {
+            Err(e) => e.into(),
+            Ok(mut c) => match c.interrupt_session(&self.session).await {
+                Ok(r) => {
+                    if ctx.json {
+                        out::json(&r);
+                    } else {
+                        match r.cell {
+                            Some(n) => outln!("{} (cell {n})", r.reason),
+                            None => outln!("{}", r.reason),
+                        }
                     }
+                    return Ok(if r.delivered { 0 } else { 1 });
                 }
-                Ok(if r.delivered { 0 } else { 1 })
-            }
-            // Not one of the caller's sessions: an administrator's, over D-Bus.
-            Err(Error::Kernel(
-                KernelError::NoSuchSession { .. } | KernelError::PermissionDenied { .. },
-            )) => admin::interrupt(ctx, &self.session).await,
-            Err(e) => Err(e.into()),
+                // Not one of the caller's sessions: perhaps an administrator's, over D-Bus.
+                Err(
+                    e @ Error::Kernel(
+                        KernelError::NoSuchSession { .. } | KernelError::PermissionDenied { .. },
+                    ),
+                ) => e.into(),
+                Err(e) => return Err(e.into()),
+            },
+        };
+        match admin::interrupt(ctx, &self.session).await {
+            Err(Failure::Bus(crate::dbus::Error::Bus(_))) => Err(over_socket),
+            other => other,
         }
     }
 }
