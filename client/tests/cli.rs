@@ -1047,3 +1047,69 @@ fn without_a_system_bus_the_message_says_what_is_wrong() {
         "{err}"
     );
 }
+
+#[test]
+fn get_saves_into_a_directory_and_never_shares_its_partial_file() {
+    let Some(d) = Daemon::start(&[]) else { return };
+    let session = open_session(&d);
+    let dir = tempfile::tempdir().unwrap();
+    let data = script(dir.path(), "a.csv", "x,y\n1,2\n");
+    let out = run(d.ctl().args(["put", &session]).arg(&data), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = run(
+        d.ctl().args(["put", &session]).arg(&data).arg("a.json"),
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // Into an existing directory, as cp does: NAME's last component there.
+    let into = dir.path().join("into");
+    std::fs::create_dir(&into).unwrap();
+    let out = run(d.ctl().args(["get", &session, "a.csv"]).arg(&into), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        std::fs::read_to_string(into.join("a.csv")).unwrap(),
+        "x,y\n1,2\n"
+    );
+    // a.csv and a.json fetched at once into one directory: each whole, no partial left.
+    std::fs::create_dir(dir.path().join("both")).unwrap();
+    let children: Vec<Child> = ["a.csv", "a.json"]
+        .iter()
+        .map(|name| {
+            d.ctl()
+                .args(["get", &session, name])
+                .arg(dir.path().join("both").join(name))
+                .stdin(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for c in children {
+        let o = c.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}", text(&o.stderr));
+    }
+    let mut names: Vec<String> = std::fs::read_dir(dir.path().join("both"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["a.csv", "a.json"]);
+    for n in &names {
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("both").join(n)).unwrap(),
+            "x,y\n1,2\n"
+        );
+    }
+    // A name with no last component needs OUT, and says so before connecting.
+    let out = run(
+        Command::new(ctl()).args(["--socket", "/nonexistent/kernel.sock", "get", "s1", ".."]),
+        None,
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(
+        err,
+        "sandcellctl: cannot download ..: it has no file name to save it as; give OUT\n"
+    );
+    let _ = run(d.ctl().args(["close", &session]), None);
+}

@@ -51,21 +51,24 @@ pub struct Get {
 }
 
 impl Get {
-    /// Downloads NAME into OUT (default: NAME's last component; `-`: standard output). A
-    /// file is written next to OUT as `OUT.sandcellctl-part` and renamed into place only
-    /// when complete (removed on failure).
+    /// Downloads NAME into OUT (default: NAME's last component; `-`: standard output; an
+    /// existing directory: NAME's last component in it). A file is written next to OUT as
+    /// `.OUT.PID.sandcellctl-part`, created new (two downloads never share it), and renamed
+    /// into place only when complete (removed on failure).
+    ///
+    /// Errors: [`Error::File`] when NAME has no last component to name OUT by (`.`, `..`)
+    /// and no OUT is given, or the local file cannot be written; the daemon's errors.
     pub async fn run(self, ctx: &Ctx) -> Outcome {
-        let out = self.out.unwrap_or_else(|| {
-            PathBuf::from(Path::new(&self.name).file_name().unwrap_or_default())
-        });
+        let out = self.target()?;
         let mut c = ctx.connect().await?;
         if out.as_os_str() == "-" {
             c.get_file(&self.session, &self.name, std::io::stdout().lock())
                 .await?;
             return Ok(0);
         }
-        let tmp = out.with_extension("sandcellctl-part");
-        let f = std::fs::File::create(&tmp).map_err(|source| Error::File {
+        let leaf = out.file_name().unwrap_or_default().to_string_lossy();
+        let tmp = out.with_file_name(format!(".{leaf}.{}.sandcellctl-part", std::process::id()));
+        let f = std::fs::File::create_new(&tmp).map_err(|source| Error::File {
             what: format!("create {}", tmp.display()),
             source,
         })?;
@@ -76,11 +79,35 @@ impl Get {
             let _ = std::fs::remove_file(&tmp);
             return Err(e.into());
         }
-        std::fs::rename(&tmp, &out).map_err(|source| Error::File {
-            what: format!("rename to {}", out.display()),
-            source,
+        std::fs::rename(&tmp, &out).map_err(|source| {
+            let _ = std::fs::remove_file(&tmp);
+            Error::File {
+                what: format!("rename to {}", out.display()),
+                source,
+            }
         })?;
         Ok(0)
+    }
+
+    /// Where the download goes: OUT, NAME's last component inside OUT when OUT is a
+    /// directory, or NAME's last component here.
+    fn target(&self) -> Result<PathBuf, Error> {
+        let leaf = Path::new(&self.name).file_name();
+        let named = |dir: &Path| match leaf {
+            Some(l) => Ok(dir.join(l)),
+            None => Err(Error::File {
+                what: format!("cannot download {}", escape_name(&self.name)),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "it has no file name to save it as; give OUT",
+                ),
+            }),
+        };
+        match &self.out {
+            Some(out) if out.as_os_str() != "-" && out.is_dir() => named(out),
+            Some(out) => Ok(out.clone()),
+            None => named(Path::new("")),
+        }
     }
 }
 
