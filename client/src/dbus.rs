@@ -44,8 +44,9 @@ trait Manager1 {
 /// Errors of the control-plane commands.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The bus or sandcelld's name could not be reached.
-    #[error("system bus: {0}")]
+    /// The bus or sandcelld's name could not be reached. Displayed as one sentence, `cannot
+    /// reach the system bus: CAUSE` ([`bus_cause`]).
+    #[error("cannot reach the system bus: {}", bus_cause(.0))]
     Bus(zbus::Error),
     /// sandcelld refused the call.
     #[error("{name}: {message}")]
@@ -66,6 +67,18 @@ impl From<zbus::Error> for Error {
             },
             other => Error::Bus(other),
         }
+    }
+}
+
+/// Why the bus could not be reached, for a person: zbus's text without Rust's ` (os error
+/// N)` suffix and without the backquotes around the address
+/// (`Failed to connect to address unix:path=/run/dbus/system_bus_socket: No such file or
+/// directory`).
+pub fn bus_cause(e: &zbus::Error) -> String {
+    let text = e.to_string().replace('`', "");
+    match text.find(" (os error ") {
+        Some(i) if text.ends_with(')') => text[..i].to_owned(),
+        _ => text,
     }
 }
 
@@ -269,6 +282,15 @@ pub fn human_bytes(b: Option<u64>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unreachable_bus_reads_as_a_sentence() {
+        let io = std::io::Error::from_raw_os_error(libc::ENOENT);
+        let e = Error::Bus(zbus::Error::InputOutput(std::sync::Arc::new(io)));
+        let text = e.to_string();
+        assert!(text.starts_with("cannot reach the system bus: "), "{text}");
+        assert!(text.ends_with("No such file or directory"), "{text}");
+    }
 
     #[test]
     fn utc_formats_known_instants() {

@@ -488,9 +488,8 @@ fn closing_an_ended_session_is_not_an_error() {
     );
 }
 
-/// Runs `cmd` with standard error on a new pseudo-terminal (standard output a pipe);
-/// returns what the terminal received.
-fn stderr_on_pty(cmd: &mut Command) -> String {
+/// A new pseudo-terminal: its master and slave ends.
+fn openpty() -> (std::fs::File, std::fs::File) {
     use std::os::fd::FromRawFd;
     let (mut master, mut slave) = (0, 0);
     // SAFETY: openpty fills the two descriptors; the name, termios and winsize are unused.
@@ -505,12 +504,18 @@ fn stderr_on_pty(cmd: &mut Command) -> String {
     };
     assert_eq!(rc, 0, "openpty");
     // SAFETY: fresh descriptors, owned from here on.
-    let (mut master, slave) = unsafe {
+    unsafe {
         (
             std::fs::File::from_raw_fd(master),
             std::fs::File::from_raw_fd(slave),
         )
-    };
+    }
+}
+
+/// Runs `cmd` with standard error on a new pseudo-terminal (standard output a pipe);
+/// returns what the terminal received.
+fn stderr_on_pty(cmd: &mut Command) -> String {
+    let (mut master, slave) = openpty();
     let mut child = cmd
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -775,4 +780,336 @@ fn environments_state_the_default_limits_with_their_keys() {
         .expect("python listed");
     assert_eq!(py["limits"]["wall_time_seconds"], 10.0, "{py}");
     assert_eq!(py["limits"]["fuel"], 10_000_000_000u64, "{py}");
+}
+
+/// Whether Debian's R is installed (the R worker's interpreter); says why not on stderr.
+fn has_r(test: &str) -> bool {
+    let ok = Path::new("/usr/lib/R/bin/exec/R").exists();
+    if !ok {
+        sandcell_testing::skipped("r", test, "R is not installed (/usr/lib/R)");
+    }
+    ok
+}
+
+#[test]
+fn an_environment_implies_its_language() {
+    if !has_r("an_environment_implies_its_language") {
+        return;
+    }
+    let Some(d) = Daemon::start(&[("SANDCELL_LANGUAGES", "python,r")]) else {
+        return;
+    };
+    let r_code = "cat(sprintf('%d from %s\\n', 6L * 7L, R.version$language))\n";
+    // From standard input, no extension to go by: the environment's language.
+    let out = run(d.ctl().args(["run", "-e", "r", "-"]), Some(r_code));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "42 from R\n");
+    // The environment wins over a file name's extension, too.
+    let dir = tempfile::tempdir().unwrap();
+    let named_py = script(dir.path(), "analysis.py", r_code);
+    let out = run(d.ctl().args(["run", "-e", "r"]).arg(&named_py), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "42 from R\n");
+    // A session opened with an environment only.
+    let out = run(d.ctl().args(["open", "--idle", "60", "-e", "r"]), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let session = text(&out.stdout).trim().to_owned();
+    let out = run(d.ctl().args(["exec", &session, "-"]), Some(r_code));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "42 from R\n");
+    let _ = run(d.ctl().args(["close", &session]), None);
+    // An explicit language still wins, and a contradiction is the daemon's to refuse.
+    let out = run(
+        d.ctl().args(["run", "-l", "python", "-e", "r", "-"]),
+        Some(r_code),
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(
+        err.starts_with("sandcellctl: EnvironmentMismatch: "),
+        "{err}"
+    );
+    // An unknown environment is named by the daemon, with the ones it serves.
+    let out = run(d.ctl().args(["run", "-e", "no-such-env", "-"]), Some("1\n"));
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(
+        err.starts_with("sandcellctl: NoSuchEnvironment: ") && err.contains("no-such-env"),
+        "{err}"
+    );
+}
+
+/// Starts `cmd` in a new session whose controlling terminal is a new pseudo-terminal (its
+/// standard input; standard output and error are pipes); returns the child and the
+/// terminal's master end, where writing `\x03` is the user's Ctrl-C: the terminal sends
+/// SIGINT to its foreground process group, sandcellctl's.
+fn spawn_on_pty(cmd: &mut Command) -> (Child, std::fs::File) {
+    use std::os::unix::process::CommandExt;
+    let (master, slave) = openpty();
+    // SAFETY: setsid and ioctl are async-signal-safe; the child makes standard input (the
+    // terminal) its controlling terminal, with its own process group in the foreground.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd
+        .stdin(Stdio::from(slave))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    cmd.stdin(Stdio::null());
+    (child, master)
+}
+
+/// Reads `child`'s standard output up to its first newline.
+fn first_line(child: &mut Child) -> String {
+    let out = child.stdout.as_mut().unwrap();
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while !line.ends_with(b"\n") {
+        assert_eq!(out.read(&mut b).unwrap(), 1, "sandcellctl printed nothing");
+        line.push(b[0]);
+    }
+    text(&line)
+}
+
+/// The caller's sessions over the socket (`list --own --json`): `(id, state)` pairs.
+fn own_sessions(d: &Daemon) -> Vec<(String, String)> {
+    let out = run(d.ctl().args(["--json", "list", "--own"]), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["session"].as_str().unwrap().to_owned(),
+                s["state"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// Whether the daemon lists environment `name` as ready (`environments --json`).
+fn environment_ready(d: &Daemon, name: &str) -> bool {
+    let out = run(d.ctl().args(["--json", "environments"]), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v.as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e["name"] == name && e["ready"] == true)
+}
+
+/// A Python cell that prints `started` and then catches every KeyboardInterrupt (native
+/// CPython raises one for each of the daemon's SIGINTs): only ending its session stops it.
+const STUBBORN: &str = "import time\nprint('started', flush=True)\nwhile True:\n    try:\n        \
+                        time.sleep(50)\n    except KeyboardInterrupt:\n        pass\n";
+
+/// Ctrl-C on `tty` once, checks that sandcellctl (`child`) follows on, Ctrl-C again; returns
+/// the exit status and standard error.
+fn ctrl_c_twice(child: &mut Child, tty: &mut std::fs::File) -> (Option<i32>, String) {
+    tty.write_all(b"\x03").unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the first Ctrl-C ended sandcellctl"
+    );
+    tty.write_all(b"\x03").unwrap();
+    wait_for(child, Duration::from_secs(5))
+}
+
+#[test]
+fn a_second_ctrl_c_says_what_becomes_of_the_cell() {
+    let Some(d) = Daemon::start(&[("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "60")]) else {
+        return;
+    };
+    if !environment_ready(&d, "pydata") {
+        sandcell_testing::skip!(
+            "pydata",
+            "a cell that catches KeyboardInterrupt needs the pydata environment"
+        );
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let stubborn = script(dir.path(), "stubborn.py", STUBBORN);
+
+    // A one-shot run: its session is the connection's, so the second Ctrl-C ends it.
+    let (mut child, mut tty) = spawn_on_pty(d.ctl().args(["run", "-e", "pydata"]).arg(&stubborn));
+    assert_eq!(first_line(&mut child), "started\n");
+    let sessions = own_sessions(&d);
+    assert!(
+        sessions.iter().any(|(_, state)| state == "running"),
+        "{sessions:?}"
+    );
+    let (code, err) = ctrl_c_twice(&mut child, &mut tty);
+    assert_eq!(code, Some(130), "{err}");
+    assert!(err.contains("(Ctrl-C again to stop it at once)"), "{err}");
+    assert!(
+        err.contains("sandcellctl: stopped; session ")
+            && err.contains(" ends with sandcellctl's connection, and cell 1 with it"),
+        "{err}"
+    );
+    assert!(!err.contains("detached"), "{err}");
+    // ... and so it does: the session is gone (soon; the daemon reaps the worker first).
+    let t0 = Instant::now();
+    while !own_sessions(&d).is_empty() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the run's session outlived sandcellctl: {:?}",
+            own_sessions(&d)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // exec in a detached session: the second Ctrl-C detaches and the cell runs on.
+    let opened = run(d.ctl().args(["open", "-e", "pydata"]), None);
+    assert!(opened.status.success(), "{}", text(&opened.stderr));
+    let session = text(&opened.stdout).trim().to_owned();
+    let (mut child, mut tty) = spawn_on_pty(d.ctl().args(["exec", &session]).arg(&stubborn));
+    assert_eq!(first_line(&mut child), "started\n");
+    let (code, err) = ctrl_c_twice(&mut child, &mut tty);
+    assert_eq!(code, Some(130), "{err}");
+    let detached =
+        format!("sandcellctl: detached; cell 1 of session {session} runs on without sandcellctl");
+    assert!(err.contains(&detached), "{err}");
+    assert!(
+        err.contains(&format!("sandcellctl attach {session} 1")),
+        "{err}"
+    );
+    let status = run(d.ctl().args(["cell-status", &session, "1"]), None);
+    assert_eq!(
+        text(&status.stdout),
+        "running\n",
+        "{}",
+        text(&status.stderr)
+    );
+    let _ = run(d.ctl().args(["close", &session]), None);
+}
+
+#[test]
+fn without_a_system_bus_the_message_says_what_is_wrong() {
+    let no_bus = "unix:path=/nonexistent/system_bus_socket";
+    // A D-Bus command: one sentence, no Rust error decoration.
+    let out = run(
+        Command::new(ctl())
+            .env("DBUS_SYSTEM_BUS_ADDRESS", no_bus)
+            .arg("status"),
+        None,
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.starts_with("sandcellctl: cannot reach the system bus: ")
+            && err.contains("No such file or directory")
+            && !err.contains("os error")
+            && !err.contains('`'),
+        "{err}"
+    );
+    let Some(d) = Daemon::start(&[]) else { return };
+    // interrupt SESSION: the socket knows no such session and the bus cannot be asked; the
+    // socket's answer is the one that helps.
+    let out = run(
+        d.ctl()
+            .env("DBUS_SYSTEM_BUS_ADDRESS", no_bus)
+            .args(["interrupt", "no-such-session"]),
+        None,
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.starts_with("sandcellctl: NoSuchSession: "), "{err}");
+    let out = run(
+        d.ctl().env("DBUS_SYSTEM_BUS_ADDRESS", no_bus).args([
+            "--json",
+            "interrupt",
+            "no-such-session",
+        ]),
+        None,
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stderr).expect("a JSON error");
+    assert_eq!(v["error"], "org.sandcell.Kernel.NoSuchSession", "{v}");
+    // Neither the socket nor the bus: the socket is named.
+    let out = run(
+        Command::new(ctl())
+            .env("DBUS_SYSTEM_BUS_ADDRESS", no_bus)
+            .args(["--socket", "/nonexistent/kernel.sock", "interrupt", "s1"]),
+        None,
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.starts_with("sandcellctl: cannot reach sandcelld at /nonexistent/kernel.sock"),
+        "{err}"
+    );
+}
+
+#[test]
+fn get_saves_into_a_directory_and_never_shares_its_partial_file() {
+    let Some(d) = Daemon::start(&[]) else { return };
+    let session = open_session(&d);
+    let dir = tempfile::tempdir().unwrap();
+    let data = script(dir.path(), "a.csv", "x,y\n1,2\n");
+    let out = run(d.ctl().args(["put", &session]).arg(&data), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = run(
+        d.ctl().args(["put", &session]).arg(&data).arg("a.json"),
+        None,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // Into an existing directory, as cp does: NAME's last component there.
+    let into = dir.path().join("into");
+    std::fs::create_dir(&into).unwrap();
+    let out = run(d.ctl().args(["get", &session, "a.csv"]).arg(&into), None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        std::fs::read_to_string(into.join("a.csv")).unwrap(),
+        "x,y\n1,2\n"
+    );
+    // a.csv and a.json fetched at once into one directory: each whole, no partial left.
+    std::fs::create_dir(dir.path().join("both")).unwrap();
+    let children: Vec<Child> = ["a.csv", "a.json"]
+        .iter()
+        .map(|name| {
+            d.ctl()
+                .args(["get", &session, name])
+                .arg(dir.path().join("both").join(name))
+                .stdin(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for c in children {
+        let o = c.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}", text(&o.stderr));
+    }
+    let mut names: Vec<String> = std::fs::read_dir(dir.path().join("both"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["a.csv", "a.json"]);
+    for n in &names {
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("both").join(n)).unwrap(),
+            "x,y\n1,2\n"
+        );
+    }
+    // A name with no last component needs OUT, and says so before connecting.
+    let out = run(
+        Command::new(ctl()).args(["--socket", "/nonexistent/kernel.sock", "get", "s1", ".."]),
+        None,
+    );
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(
+        err,
+        "sandcellctl: cannot download ..: it has no file name to save it as; give OUT\n"
+    );
+    let _ = run(d.ctl().args(["close", &session]), None);
 }
