@@ -1114,14 +1114,7 @@ impl Actor {
                 self.disk_next = tokio::time::Instant::now() + DISK_IDLE_WATCH;
                 continue;
             }
-            let idle = self
-                .session
-                .detached_idle
-                .or(self.session.adopted_idle)
-                .map(|d| {
-                    let last = self.session.info.lock().unwrap().last_activity;
-                    tokio::time::Instant::from_std(last + d)
-                });
+            let idle = self.idle_deadline();
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
                     None => { reason = Ending::new(EndReason::Disconnected, "abandoned"); break; }
@@ -1160,8 +1153,7 @@ impl Actor {
                     break;
                 }
                 _ = tokio::time::sleep_until(self.disk_next), if self.disk_scan.is_none() => {
-                    let dir = self.session_dir.clone();
-                    self.disk_scan = Some((Instant::now(), tokio::task::spawn_blocking(move || disk_usage(&dir))));
+                    self.start_idle_disk_scan();
                 }
                 walked = disk_scan_done(&mut self.disk_scan), if self.disk_scan.is_some() => {
                     if let Some(end) = self.on_idle_disk_usage(walked) {
@@ -1661,24 +1653,6 @@ impl Actor {
         None
     }
 
-    /// A total of the session directory taken between cells finished: over the budget (bytes
-    /// or entries), the session ends as an over-budget cell ends it (`disk_quota`; the
-    /// shutdown kills and reaps the worker, with any thread of it still writing, and removes
-    /// the directory); otherwise the next walk is due [`DISK_IDLE_WATCH`] later, or
-    /// [`DISK_WATCH_FACTOR`] times this walk's duration when that is longer.
-    fn on_idle_disk_usage(&mut self, (bytes, took): (u64, Duration)) -> Option<Ending> {
-        if let Some(why) = over_disk_budget(bytes, self.session.limits.files_bytes) {
-            tracing::warn!(session = %self.session.id, reason = %why, "disk budget exceeded between cells");
-            return Some(Ending::new(
-                EndReason::DiskQuota,
-                format!("{why} (between cells)"),
-            ));
-        }
-        self.disk_next =
-            tokio::time::Instant::now() + (took * DISK_WATCH_FACTOR).max(DISK_IDLE_WATCH);
-        None
-    }
-
     /// The client went away mid-cell: a one-shot Run ends; a session's cell is interrupted and
     /// its output dropped from now on, and the session stays.
     fn on_client_gone(&mut self, run: &mut CellRun) -> Option<CellEnd> {
@@ -2053,13 +2027,6 @@ impl Actor {
     }
 }
 
-/// The disk watch between cells: a cell's Python threads (native worker) run on after it,
-/// and can write, so an idle session's directory is totalled too, this long after the
-/// previous walk ended (or [`DISK_WATCH_FACTOR`] times that walk's duration, when longer:
-/// the same cost bound as during a cell). One walk per interval per idle session, never two
-/// at once; what a writer adds within one interval is the overshoot before the session ends.
-const DISK_IDLE_WATCH: Duration = Duration::from_secs(1);
-
 /// How a worker ended, for a crash report: "was killed by signal 9 (SIGKILL)" or "exited with
 /// status 2".
 fn describe_exit(st: std::process::ExitStatus) -> String {
@@ -2286,6 +2253,9 @@ use cell_end::{
     DISK_WATCH_FACTOR, DISK_WATCH_MAX, DISK_WATCH_MIN, disk_scan_done, disk_usage, list_files,
     over_disk_budget,
 };
+
+mod idle;
+use idle::DISK_IDLE_WATCH;
 
 mod keep;
 pub use keep::{AdoptWith, Adoptable, Keep, NotAdopted, connect as connect_keeper};
