@@ -122,7 +122,7 @@ impl CellRun {
     }
 
     /// Whether the loop should wait for room in the client's channel.
-    pub(super) fn wants_room(&self) -> bool {
+    fn wants_room(&self) -> bool {
         (!self.backlog.is_empty() || self.host_frame.is_some())
             && !self.abandoned
             && !self.client_gone
@@ -132,7 +132,7 @@ impl CellRun {
     /// one over [`sandcell_proto::kernel::MAX_DISPLAY_BYTES`] or the budget's room is
     /// replaced by its text/plain with a note, and dropped when even that does not fit.
     /// Errors: why the bundle breaks the protocol.
-    pub(super) fn on_display(
+    fn on_display(
         &mut self,
         kind: DisplayKind,
         data: serde_json::Map<String, serde_json::Value>,
@@ -190,14 +190,14 @@ impl CellRun {
     }
 
     /// Queues output for the client (nothing, once the cell is abandoned).
-    pub(super) fn queue(&mut self, stream: Stream, text: String) {
+    fn queue(&mut self, stream: Stream, text: String) {
         if !self.abandoned {
             self.backlog.push(stream, &text);
         }
     }
 
     /// Hands over what the client's channel takes now; the rest waits for room.
-    pub(super) fn flush(&mut self) {
+    fn flush(&mut self) {
         while let Some(c) = self.backlog.pop() {
             match self.frames.try_send(c.into_frame(self.cell, self.seq)) {
                 Ok(()) => self.seq += 1,
@@ -227,7 +227,7 @@ impl CellRun {
     /// kernel whatever readiness the runtime has cached (for the last read after `done`,
     /// which must see every byte written before it); the loop's reads go through the runtime,
     /// which clears the pipe's readiness when it is empty.
-    pub(super) fn read_raw(
+    fn read_raw(
         &mut self,
         rx: &mut Option<pipe::Receiver>,
         i: usize,
@@ -353,11 +353,7 @@ impl Actor {
     }
 
     /// A command while the cell runs.
-    pub(super) fn on_command(
-        &mut self,
-        run: &mut CellRun,
-        cmd: Option<Command>,
-    ) -> Option<CellEnd> {
+    fn on_command(&mut self, run: &mut CellRun, cmd: Option<Command>) -> Option<CellEnd> {
         match cmd {
             Some(Command::Interrupt { cell, reply }) => {
                 let r = if cell != run.cell {
@@ -410,7 +406,7 @@ impl Actor {
     /// The worker's own limit (R's `setTimeLimit`, Eryx's epoch deadline) is not relied on
     /// alone: R checks its limit only between R-level operations, so a cell in `Sys.sleep`,
     /// `system()` or native code ran on until the daemon's SIGINT.
-    pub(super) fn on_deadline(&mut self, run: &mut CellRun) -> Option<CellEnd> {
+    fn on_deadline(&mut self, run: &mut CellRun) -> Option<CellEnd> {
         if run.phase == Phase::Running {
             self.signal_interrupt();
             run.phase = Phase::TimedOut;
@@ -427,7 +423,7 @@ impl Actor {
     /// the budget ends the cell (and its session); otherwise the next walk is due after
     /// [`DISK_WATCH_FACTOR`] times this one's duration, within [`DISK_WATCH_MIN`] and
     /// [`DISK_WATCH_MAX`].
-    pub(super) fn on_disk_usage(
+    fn on_disk_usage(
         &mut self,
         run: &mut CellRun,
         (bytes, took): (u64, Duration),
@@ -442,7 +438,7 @@ impl Actor {
 
     /// The client went away mid-cell: a one-shot Run ends; a session's cell is interrupted and
     /// its output dropped from now on, and the session stays.
-    pub(super) fn on_client_gone(&mut self, run: &mut CellRun) -> Option<CellEnd> {
+    fn on_client_gone(&mut self, run: &mut CellRun) -> Option<CellEnd> {
         if !run.keep_session {
             return Some(CellEnd::Cancelled(None));
         }
@@ -461,7 +457,7 @@ impl Actor {
     /// The reply pipe is readable: handles at most [`LINES_PER_WAKE`] lines and reads at most
     /// [`REPLY_BYTES_PER_WAKE`] bytes, stopping early when the backlog fills; what is left
     /// waits for the next turn of the loop, after the control events.
-    pub(super) fn on_replies(&mut self, run: &mut CellRun) -> Option<CellEnd> {
+    fn on_replies(&mut self, run: &mut CellRun) -> Option<CellEnd> {
         let (mut lines, mut bytes) = (0usize, 0usize);
         while lines < LINES_PER_WAKE && run.backlog.has_room() {
             match self.replies.take_line() {
@@ -489,7 +485,7 @@ impl Actor {
     /// The worker exited during the cell: a `done` it wrote first still counts (R's quit()
     /// reports `exited`, then exits); whatever else is buffered is read, bounded, and the cell
     /// ends with the worker gone.
-    pub(super) fn on_worker_exit(
+    fn on_worker_exit(
         &mut self,
         run: &mut CellRun,
         status: std::io::Result<std::process::ExitStatus>,
@@ -516,7 +512,7 @@ impl Actor {
 
     /// One reply line of the running cell. What a worker may send is in
     /// `sandcell_proto::worker`; anything else ends it as a protocol violation.
-    pub(super) fn on_line(&mut self, run: &mut CellRun, line: &[u8]) -> Option<CellEnd> {
+    fn on_line(&mut self, run: &mut CellRun, line: &[u8]) -> Option<CellEnd> {
         let violation =
             |why: String| Some(CellEnd::WorkerGone(format!("protocol violation: {why}")));
         let msg = match WorkerMessage::parse(line) {
@@ -582,7 +578,7 @@ impl Actor {
     /// time, name and arguments' bounds), then the call waits for the client's `HostReply`
     /// (its frame goes to the client after the output before it) until the session's
     /// `host_call_timeout_seconds`. Errors: why the line breaks the protocol.
-    pub(super) fn on_host_call(
+    fn on_host_call(
         &mut self,
         run: &mut CellRun,
         cell: u64,
@@ -644,7 +640,7 @@ impl Actor {
 
     /// Reads what the raw output pipes hold now (a native worker's output written before the
     /// line being handled), so that the line's frame follows it.
-    pub(super) fn take_raw(&mut self, run: &mut CellRun) {
+    fn take_raw(&mut self, run: &mut CellRun) {
         for (i, stream) in [(0usize, Stream::Stdout), (1, Stream::Stderr)] {
             let rx = if i == 0 {
                 &mut self.stdout
@@ -657,7 +653,7 @@ impl Actor {
 
     /// The client's answer to host call `call`: queued for the worker when that call waits
     /// (returns true), else refused (`NoSuchHostCall`).
-    pub(super) fn on_host_reply(&mut self, run: &mut CellRun, call: u64, payload: Vec<u8>) -> bool {
+    fn on_host_reply(&mut self, run: &mut CellRun, call: u64, payload: Vec<u8>) -> bool {
         if run.host.is_none_or(|(waiting, _)| waiting != call) {
             return false;
         }
@@ -668,7 +664,7 @@ impl Actor {
 
     /// The waiting host call timed out: it raises in the cell; a later `HostReply` for it is
     /// `NoSuchHostCall`.
-    pub(super) fn on_host_timeout(&mut self, run: &mut CellRun) {
+    fn on_host_timeout(&mut self, run: &mut CellRun) {
         let Some((call, _)) = run.host.take() else {
             return;
         };
@@ -687,7 +683,7 @@ impl Actor {
     }
 
     /// Queues a `host_reply` request for the worker (written as the pipe takes it).
-    pub(super) fn answer_host_call(&mut self, run: &mut CellRun, call: u64, payload: &[u8]) {
+    fn answer_host_call(&mut self, run: &mut CellRun, call: u64, payload: &[u8]) {
         let mut header = RequestHeader::exec(run.cell, payload.len() as u64);
         header.op = wire::Op::HostReply;
         header.call = Some(call);
@@ -697,7 +693,7 @@ impl Actor {
 
     /// The request pipe takes bytes: writes what waits for the worker (a worker that does not
     /// read is stopped by its deadline like any other).
-    pub(super) fn on_request_writable(
+    fn on_request_writable(
         &mut self,
         run: &mut CellRun,
         ready: std::io::Result<()>,
@@ -721,7 +717,7 @@ impl Actor {
     /// A raw output pipe became readable (or failed): the first bytes after a quiet spell are
     /// read [`OUTPUT_COALESCE`] later, together with what follows them (R writes each piece
     /// of a `cat` separately); a busy stream is read at once.
-    pub(super) fn on_raw_ready(&mut self, run: &mut CellRun, i: usize, ready: bool) {
+    fn on_raw_ready(&mut self, run: &mut CellRun, i: usize, ready: bool) {
         if ready {
             run.hold[i] = Some(next_read(run.busy[i]));
         } else if i == 0 {
@@ -732,7 +728,7 @@ impl Actor {
     }
 
     /// A held raw stream is due: reads it, at most [`RAW_READS_PER_WAKE`] reads.
-    pub(super) fn on_raw_due(&mut self, run: &mut CellRun) {
+    fn on_raw_due(&mut self, run: &mut CellRun) {
         let now = tokio::time::Instant::now();
         for (i, stream) in [(0usize, Stream::Stdout), (1, Stream::Stderr)] {
             if run.hold[i].is_some_and(|t| t <= now) {
@@ -784,33 +780,33 @@ pub(super) const WALL_SLACK: Duration = Duration::from_millis(100);
 
 /// Reply lines handled per wake-up of a cell's loop at most; then the loop serves its control
 /// events (deadline, Interrupt, Close, a client gone, daemon stop) before reading on.
-pub(super) const LINES_PER_WAKE: usize = 64;
+const LINES_PER_WAKE: usize = 64;
 
 /// Bytes read from the reply pipe per wake-up at most (a complete line of up to
 /// [`MAX_WORKER_LINE`] bytes is still assembled over several wake-ups).
 pub(super) const REPLY_BYTES_PER_WAKE: usize = 256 * 1024;
 
 /// Reply lines read after the worker exited, looking for its `done`, at most.
-pub(super) const EXIT_LINES: usize = 1024;
+const EXIT_LINES: usize = 1024;
 
 /// Reads of a raw output pipe per wake-up at most (of [`RAW_READ_BYTES`] each).
 pub(super) const RAW_READS_PER_WAKE: usize = 16;
 
 /// Bytes asked for by one read of a raw output pipe.
-pub(super) const RAW_READ_BYTES: usize = 64 * 1024;
+const RAW_READ_BYTES: usize = 64 * 1024;
 
 /// How long the first bytes on a quiet raw output pipe wait before they are read, so that a
 /// burst of small writes becomes one read and one frame (R's console writes each piece of a
 /// `cat(1, "\n")` separately; a short cell's output then leaves with its result). Streaming
 /// output is at most this much later.
-pub(super) const OUTPUT_COALESCE: Duration = Duration::from_millis(1);
+const OUTPUT_COALESCE: Duration = Duration::from_millis(1);
 
 /// A read of at least this many bytes marks a raw stream busy: it is read again at once.
-pub(super) const BUSY_STREAM_BYTES: usize = 16 * 1024;
+const BUSY_STREAM_BYTES: usize = 16 * 1024;
 
 /// When to read a raw stream that just became readable: at once when it is busy, else after
 /// [`OUTPUT_COALESCE`].
-pub(super) fn next_read(busy: bool) -> tokio::time::Instant {
+fn next_read(busy: bool) -> tokio::time::Instant {
     tokio::time::Instant::now()
         + if busy {
             Duration::ZERO
@@ -820,7 +816,7 @@ pub(super) fn next_read(busy: bool) -> tokio::time::Instant {
 }
 
 /// Waits until `rx` is readable (true) or failed (false); never returns without a pipe.
-pub(super) async fn ready_opt(rx: &Option<pipe::Receiver>) -> bool {
+async fn ready_opt(rx: &Option<pipe::Receiver>) -> bool {
     match rx {
         Some(r) => r.readable().await.is_ok(),
         None => std::future::pending().await,
@@ -864,7 +860,7 @@ impl Chunk {
     }
 
     /// The chunk a frame that could not be sent came from.
-    pub(super) fn from_frame(f: Frame) -> Chunk {
+    fn from_frame(f: Frame) -> Chunk {
         match (f.output, f.display) {
             (_, Some(d)) => {
                 let n = serde_json::to_vec(&d.data).map_or(0, |v| v.len());
@@ -887,7 +883,7 @@ pub(super) struct Backlog {
 
 impl Backlog {
     /// Whether more output may be read for it.
-    pub(super) fn has_room(&self) -> bool {
+    fn has_room(&self) -> bool {
         self.bytes < BACKLOG_BYTES
     }
 
@@ -928,13 +924,13 @@ impl Backlog {
     }
 
     /// Appends a display bundle of `bytes` bytes.
-    pub(super) fn push_bundle(&mut self, d: Display, bytes: usize) {
+    fn push_bundle(&mut self, d: Display, bytes: usize) {
         self.bytes += bytes;
         self.chunks.push_back(Chunk::Bundle(Box::new(d), bytes));
     }
 
     /// Puts a chunk back at the front (the channel was full).
-    pub(super) fn push_front(&mut self, c: Chunk) {
+    fn push_front(&mut self, c: Chunk) {
         self.bytes += c.bytes();
         self.chunks.push_front(c);
     }
@@ -953,7 +949,7 @@ impl Backlog {
 
 /// Room in the client's channel: the oldest waiting chunk goes now (the rest with the loop's
 /// flush).
-pub(super) fn send_one(permit: mpsc::OwnedPermit<Frame>, run: &mut CellRun) {
+fn send_one(permit: mpsc::OwnedPermit<Frame>, run: &mut CellRun) {
     if let Some(c) = run.backlog.pop() {
         permit.send(c.into_frame(run.cell, run.seq));
         run.seq += 1;
@@ -964,14 +960,14 @@ pub(super) fn send_one(permit: mpsc::OwnedPermit<Frame>, run: &mut CellRun) {
 
 /// Waits for room in the client's channel; the permit borrows nothing (the cell's state stays
 /// free for the handler).
-pub(super) async fn reserve_owned(
+async fn reserve_owned(
     frames: &mpsc::Sender<Frame>,
 ) -> Result<mpsc::OwnedPermit<Frame>, mpsc::error::SendError<()>> {
     frames.clone().reserve_owned().await
 }
 
 /// The `output` frame carrying `text` of `stream`, number `seq` of `cell`.
-pub(super) fn output_frame(cell: u64, seq: u64, stream: Stream, text: String) -> Frame {
+fn output_frame(cell: u64, seq: u64, stream: Stream, text: String) -> Frame {
     Frame {
         output: Some(Output {
             cell,
@@ -983,7 +979,7 @@ pub(super) fn output_frame(cell: u64, seq: u64, stream: Stream, text: String) ->
     }
 }
 
-pub(super) fn idx(s: Stream) -> usize {
+fn idx(s: Stream) -> usize {
     match s {
         Stream::Stdout => 0,
         Stream::Stderr => 1,
