@@ -27,6 +27,42 @@ mod own;
 pub use connections::{ConnectionRefused, Shares};
 pub use files::{PUT_FILE_SECONDS, Upload};
 
+/// What `Open` asks for: a session of `language` (`python` or `r`) in `environment` (unset:
+/// the language's default), with the client's lowering of the per-cell `limits`.
+#[derive(Debug, Clone, Copy)]
+pub struct OpenRequest<'a> {
+    /// `python` or `r`.
+    pub language: &'a str,
+    /// A named environment of that language (unset: the language's default).
+    pub environment: Option<&'a str>,
+    /// Per-cell limits the client lowers (never raises) for this session.
+    pub limits: Option<&'a Limits>,
+    /// Detached: the session survives its connection this many seconds idle (1 to
+    /// `max_detached_idle_seconds`); unset: it ends with its connection.
+    pub detached_idle_seconds: Option<u64>,
+    /// The session's cells may call the client's tools (each call waits at most
+    /// `host_call_timeout_seconds` for `HostReply`).
+    pub host_calls: bool,
+    /// What its cells show: the last expression's value (`display_last_expression`) and
+    /// MIME bundles (`rich_output`).
+    pub shown: crate::session::Shown,
+}
+
+/// What `Run` asks for its one-shot session: as [`OpenRequest`], never detached.
+#[derive(Debug, Clone, Copy)]
+pub struct RunRequest<'a> {
+    /// `python` or `r`.
+    pub language: &'a str,
+    /// A named environment of that language (unset: the language's default).
+    pub environment: Option<&'a str>,
+    /// Per-cell limits the client lowers (never raises) for this cell.
+    pub limits: Option<&'a Limits>,
+    /// The cell may call the client's tools (as [`OpenRequest::host_calls`]).
+    pub host_calls: bool,
+    /// What the cell shows (as [`OpenRequest::shown`]).
+    pub shown: crate::session::Shown,
+}
+
 /// Frames a cell's channel holds (the actor waits when it is full).
 const FRAME_QUEUE: usize = 64;
 
@@ -320,12 +356,14 @@ impl Core {
         if let Err(e) = self
             .run(
                 &caller,
-                env.language.as_str(),
-                Some(&env.name),
+                RunRequest {
+                    language: env.language.as_str(),
+                    environment: Some(&env.name),
+                    limits: None,
+                    host_calls: false,
+                    shown: true.into(),
+                },
                 crate::environments::probe_code(env).into(),
-                None,
-                false,
-                true,
                 tx,
             )
             .await
@@ -703,31 +741,33 @@ impl Core {
     ) -> Result<Arc<Session>, KernelError> {
         self.open_with(
             caller,
-            language,
-            environment,
-            limits,
-            detached_idle_seconds,
-            false,
-            true,
+            OpenRequest {
+                language,
+                environment,
+                limits,
+                detached_idle_seconds,
+                host_calls: false,
+                shown: true.into(),
+            },
         )
         .await
     }
 
-    /// [`Core::open`], with `host_calls`: the session's cells may call the client's tools
-    /// (each call waits at most `host_call_timeout_seconds` for `HostReply`); `display`: its
-    /// cells show their last expression's value (`display_last_expression`).
-    #[allow(clippy::too_many_arguments)]
+    /// [`Core::open`] with every choice of `Open` ([`OpenRequest`]: also host calls and what
+    /// the cells show).
     pub async fn open_with(
         &self,
         caller: &Caller,
-        language: &str,
-        environment: Option<&str>,
-        limits: Option<&Limits>,
-        detached_idle_seconds: Option<u64>,
-        host_calls: bool,
-        display: impl Into<crate::session::Shown>,
+        request: OpenRequest<'_>,
     ) -> Result<Arc<Session>, KernelError> {
-        let shown = display.into();
+        let OpenRequest {
+            language,
+            environment,
+            limits,
+            detached_idle_seconds,
+            host_calls,
+            shown,
+        } = request;
         // validate
         if self.stopping() {
             return Err(KernelError::ShuttingDown {});
@@ -1054,32 +1094,33 @@ impl Core {
         }
     }
 
-    /// One-shot run: a fresh session for one cell, ended after it.
-    #[allow(clippy::too_many_arguments)]
+    /// One-shot run: a fresh session (`session`, never detached) for one cell, `code`, whose
+    /// frames go to `frames`; the session ends after it.
     pub async fn run(
         &self,
         caller: &Caller,
-        language: &str,
-        environment: Option<&str>,
+        session: RunRequest<'_>,
         code: String,
-        limits: Option<&Limits>,
-        host_calls: bool,
-        display: impl Into<crate::session::Shown>,
         frames: mpsc::Sender<Frame>,
     ) -> Result<(), KernelError> {
         // The source is checked before any worker starts.
         self.check_source(&code)?;
-        let s = self
-            .open_with(
-                caller,
-                language,
-                environment,
-                limits,
-                None,
-                host_calls,
-                display,
-            )
-            .await?;
+        let RunRequest {
+            language,
+            environment,
+            limits,
+            host_calls,
+            shown,
+        } = session;
+        let request = OpenRequest {
+            language,
+            environment,
+            limits,
+            detached_idle_seconds: None,
+            host_calls,
+            shown,
+        };
+        let s = self.open_with(caller, request).await?;
         if let Err(e) = s.execute(code, frames, true).await {
             s.close(EndReason::WorkerCrashed, "one-shot run could not start")
                 .await;
