@@ -4,6 +4,7 @@
 //! needed, and limits are tens or hundreds of milliseconds; nothing here asserts how long
 //! anything took.
 
+use super::cell::BACKLOG_BYTES;
 use super::*;
 use crate::admission::Admission;
 use crate::identity::Subject;

@@ -379,15 +379,17 @@ async fn run(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) -> 
     let started = core
         .run(
             caller,
-            &p.language,
-            p.environment.as_deref(),
-            p.code,
-            p.limits.as_ref(),
-            p.host_calls.unwrap_or(false),
-            crate::session::Shown {
-                display: p.display_last_expression.unwrap_or(true),
-                rich: p.rich_output.unwrap_or(false),
+            crate::core::RunRequest {
+                language: &p.language,
+                environment: p.environment.as_deref(),
+                limits: p.limits.as_ref(),
+                host_calls: p.host_calls.unwrap_or(false),
+                shown: crate::session::Shown {
+                    display: p.display_last_expression.unwrap_or(true),
+                    rich: p.rich_output.unwrap_or(false),
+                },
             },
+            p.code,
             tx,
         )
         .await;
@@ -439,14 +441,16 @@ async fn open(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) ->
     let opened = core
         .open_with(
             caller,
-            &p.language,
-            p.environment.as_deref(),
-            p.limits.as_ref(),
-            p.detached_idle_seconds,
-            p.host_calls.unwrap_or(false),
-            crate::session::Shown {
-                display: p.display_last_expression.unwrap_or(true),
-                rich: p.rich_output.unwrap_or(false),
+            crate::core::OpenRequest {
+                language: &p.language,
+                environment: p.environment.as_deref(),
+                limits: p.limits.as_ref(),
+                detached_idle_seconds: p.detached_idle_seconds,
+                host_calls: p.host_calls.unwrap_or(false),
+                shown: crate::session::Shown {
+                    display: p.display_last_expression.unwrap_or(true),
+                    rich: p.rich_output.unwrap_or(false),
+                },
             },
         )
         .await;

@@ -1,0 +1,650 @@
+//! One session: a worker process, its cgroup, its directory, its admission charge, and the
+//! task ("actor") that owns them all and runs cells one at a time.
+//!
+//! Every path out of a session — `Close`, client disconnect, worker crash, OOM, timeout kill,
+//! daemon stop — goes through [`Actor::shutdown`], which kills the cgroup, reaps the worker,
+//! removes the cgroup and the directory, and only then releases the uid and the admission
+//! permit (DESIGN invariant: release after the worker is dead and reaped).
+//!
+//! The module's files, in the order a cell meets them:
+//! - `mod.rs`: the public handle, [`Session`] (start, execute, inspect, interrupt, close), its
+//!   limits, state, commands and events, and what its actor is launched from.
+//! - `actor.rs`: the actor and its state machine: idle, one cell, an `Inspect`, the shutdown.
+//! - `cell.rs`: the running cell: `CellRun` and the handlers of the cell's event loop.
+//! - `cell_end.rs`: the end of a cell: its result, the processes it left running, the files
+//!   it changed, and the session directory's disk budget.
+//! - `idle.rs`: the idle watch: the idle timeout and the disk walks between cells.
+//! - `keep.rs`: sessions kept for a successor daemon to adopt (keeper, record, adoption).
+//! - `actor_tests.rs`: the actor driven by scripted fake workers.
+
+use crate::admission::Permit;
+use crate::cgroup::SessionGroup;
+use crate::identity::{Caller, UidLease};
+use crate::worker::output::StreamCap;
+use crate::worker::start::Prepared;
+use crate::worker::{Fill, LineReader};
+use sandcell_proto::kernel::{
+    CellResult, Display, DisplayKind, EndReason, Frame, InspectReply, InterruptReason,
+    InterruptReply, Language, Output, Started, State, Status, StreamStats, Usage,
+};
+use sandcell_proto::worker::{
+    self as wire, MAX_WORKER_LINE, RequestHeader, Stream, WorkerMessage, WorkerStatus,
+};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+use tokio::io::AsyncWriteExt;
+use tokio::net::unix::pipe;
+use tokio::sync::{mpsc, oneshot};
+
+/// Limits in force for one session, after the client's lowering.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionLimits {
+    /// Wall time of one cell.
+    pub wall: Duration,
+    /// Fuel of one Python cell.
+    pub fuel: u64,
+    /// Guest memory, bytes.
+    pub guest_memory: u64,
+    /// stdout bytes kept per cell.
+    pub stdout: u64,
+    /// stderr bytes kept per cell.
+    pub stderr: u64,
+    /// Grace after the wall time before SIGINT, and after SIGINT before SIGKILL.
+    pub grace: Duration,
+    /// Bytes of regular files the session directory may hold (`max_session_files_bytes`).
+    pub files_bytes: u64,
+    /// The session's cells may call the client's tools (`Open`/`Run` with `host_calls`): how
+    /// long a call waits for `HostReply` (`host_call_timeout_seconds`). `None`: a cell's host
+    /// call raises at once, and a `host_call` line from its worker is a protocol violation.
+    pub host_calls: Option<Duration>,
+    /// Not a limit but the client's choice for every cell (`display_last_expression`):
+    /// whether the worker shows the last expression's value; sent as `display=0` when false.
+    pub display: bool,
+    /// Not a limit either (`rich_output`): the worker sends the last expression's value,
+    /// display calls and figures as MIME bundles (`display` frames); sent as `rich=1`.
+    pub rich: bool,
+}
+
+/// What the cells of a session show (`display_last_expression`, `rich_output`); a plain
+/// `bool` converts to it as the display choice without rich output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shown {
+    /// Show the last expression's value (`display_last_expression`, default true).
+    pub display: bool,
+    /// Send MIME bundles (`rich_output`, default false).
+    pub rich: bool,
+}
+
+impl From<bool> for Shown {
+    fn from(display: bool) -> Self {
+        Shown {
+            display,
+            rich: false,
+        }
+    }
+}
+
+/// What a session is doing, as listings show it (`idle`, `running`, `ended`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionState {
+    /// No cell runs; the next `Execute` may start.
+    Idle,
+    /// A cell runs (or was admitted and is about to).
+    Running,
+    /// The session ended or is ending; it takes no more cells.
+    Ended,
+}
+
+impl SessionState {
+    /// The listed name: `idle`, `running`, `ended`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SessionState::Idle => "idle",
+            SessionState::Running => "running",
+            SessionState::Ended => "ended",
+        }
+    }
+}
+
+impl std::fmt::Display for SessionState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Public, cheap-to-read state of a session (for listing and routing).
+#[derive(Debug, Clone)]
+pub struct Info {
+    /// Cell running now.
+    pub running_cell: Option<u64>,
+    /// Cells finished.
+    pub cells_run: u64,
+    /// The number of the newest cell started (0: none yet); cells are numbered from 1.
+    pub cells_started: u64,
+    /// What it is doing (a worker still starting is not a session yet: listings show it as
+    /// `starting` from `Core::starting_sessions`).
+    pub state: SessionState,
+    /// Last time a cell ended or the session opened.
+    pub last_activity: Instant,
+}
+
+/// What the daemon's core sees of a session.
+#[derive(Debug)]
+pub struct Session {
+    /// Session id.
+    pub id: String,
+    /// Interpreter.
+    pub language: Language,
+    /// Who opened it.
+    pub owner: Caller,
+    /// Survives its connection for this long idle, if set.
+    pub detached_idle: Option<Duration>,
+    /// A session that was not detached, adopted from a previous daemon (its connection went
+    /// with that daemon): it ends after this long idle (`max_detached_idle_seconds`).
+    pub adopted_idle: Option<Duration>,
+    /// Opened at.
+    pub started: SystemTime,
+    /// Engine string from the worker's `Ready`.
+    pub engine: String,
+    /// Worker pid.
+    pub pid: u32,
+    /// Limits in force.
+    pub limits: SessionLimits,
+    /// Mutable state.
+    pub info: Mutex<Info>,
+    /// The session directory (files in and out: `files.rs`).
+    pub dir: PathBuf,
+    /// The worker's uid and gid (files the daemon stores there are theirs); `None` when the
+    /// worker keeps the daemon's identity (development).
+    pub worker_ids: Option<(u32, u32)>,
+    /// Bumped after every change the daemon makes to the session directory (`PutFile`,
+    /// `DeleteFile`), so the actor knows when its last listing is out of date.
+    files_generation: std::sync::atomic::AtomicU64,
+    /// Records of the cells started by `Submit` (or by `Execute` on a detached session):
+    /// retained output and results for `Attach` and `CellStatus` (`cells.rs`).
+    pub cells: crate::cells::CellLog,
+    cmds: mpsc::Sender<Command>,
+    group: Arc<dyn SessionGroup>,
+}
+
+/// Called once when a session has released everything: (session id, why it ended).
+pub type OnEnd = Box<dyn FnOnce(&str, &Ending) + Send>;
+
+/// Why a session ended: the code its owner is told (`SessionEnded`) and the text that is
+/// logged and sent with the D-Bus `SessionClosed` signal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ending {
+    /// The code.
+    pub reason: EndReason,
+    /// For the log and the D-Bus signal, e.g. "the worker was killed by signal 9 while idle".
+    pub detail: String,
+}
+
+impl Ending {
+    /// `reason` with the text `detail`.
+    pub fn new(reason: EndReason, detail: impl Into<String>) -> Ending {
+        Ending {
+            reason,
+            detail: detail.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Ending {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.detail)
+    }
+}
+
+/// Requests to a session's actor.
+#[derive(Debug)]
+pub enum Command {
+    /// Run a cell; frames go to `frames` (`started`, outputs, `result`).
+    Execute {
+        /// Source.
+        code: String,
+        /// Where frames go; dropping the receiver cancels the cell.
+        frames: mpsc::Sender<Frame>,
+        /// One-shot Run: report `state: none` and end the session after the cell.
+        one_shot: bool,
+    },
+    /// Interrupt `cell` if it is running.
+    Interrupt {
+        /// Cell number.
+        cell: u64,
+        /// Answer.
+        reply: oneshot::Sender<InterruptReply>,
+    },
+    /// Answer host call `call` of the running cell with `payload` (`{"result": {...}}` or
+    /// `{"error": "..."}`, bounded by the caller); `reply` says whether that call was waiting.
+    HostReply {
+        /// Call id.
+        call: u64,
+        /// The JSON payload for the worker.
+        payload: Vec<u8>,
+        /// Answer: false when no such call waits (`NoSuchHostCall`).
+        reply: oneshot::Sender<bool>,
+    },
+    /// List the user's variables (the session is idle); see [`Actor::inspect`].
+    Inspect {
+        /// At most this many (already validated: 1 to `INSPECT_MAX_ITEMS`).
+        max_items: u64,
+        /// Answer.
+        reply: oneshot::Sender<Result<InspectReply, InspectRefused>>,
+    },
+    /// End the session; `done` fires after everything is released.
+    Close {
+        /// Why.
+        reason: Ending,
+        /// Fires when released.
+        done: oneshot::Sender<()>,
+    },
+}
+
+/// Something worth telling the control plane about.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// A session is ready.
+    Opened {
+        /// Session id.
+        id: String,
+        /// Owner uid.
+        uid: u32,
+        /// Language.
+        language: Language,
+    },
+    /// A cell finished.
+    CellFinished {
+        /// Session id.
+        id: String,
+        /// Cell number.
+        cell: u64,
+        /// Status on the wire.
+        status: Status,
+    },
+    /// The kernel OOM-killed a worker.
+    OomKilled {
+        /// Session id.
+        id: String,
+    },
+    /// The configuration was reloaded (SIGHUP or D-Bus `Reload`): budgets and pool sizes may
+    /// have changed.
+    Reloaded,
+    /// A session ended and everything it held is released.
+    Closed {
+        /// Session id.
+        id: String,
+        /// Why, as text.
+        reason: String,
+        /// Why, as the code its owner is told.
+        code: EndReason,
+    },
+}
+
+impl Session {
+    /// Creates the session record of the Ready worker `prepared`, owned by `owner`, and starts
+    /// its actor. `detached_idle`: the session survives its connection for this long idle;
+    /// `on_end` runs once everything is released; `events` gets the session's events.
+    pub fn start(
+        prepared: Prepared,
+        owner: Caller,
+        detached_idle: Option<Duration>,
+        limits: SessionLimits,
+        on_end: OnEnd,
+        events: tokio::sync::broadcast::Sender<Event>,
+    ) -> Arc<Session> {
+        Self::start_kept(prepared, owner, detached_idle, limits, on_end, events, None)
+    }
+
+    /// [`Session::start`], and with `keep` the session gets a keeper and a record, so that a
+    /// successor daemon can adopt it (`keep.rs`).
+    pub fn start_kept(
+        prepared: Prepared,
+        owner: Caller,
+        detached_idle: Option<Duration>,
+        limits: SessionLimits,
+        on_end: OnEnd,
+        events: tokio::sync::broadcast::Sender<Event>,
+        keep: Option<keep::Keep>,
+    ) -> Arc<Session> {
+        let Prepared {
+            id,
+            language,
+            engine,
+            spawned,
+            group,
+            session_dir,
+            lease: uid,
+            permit,
+            environment,
+            ..
+        } = prepared;
+        let pid = spawned.pid;
+        let (interrupt, raw_output) = (spawned.interrupt, spawned.stdout.is_some());
+        Self::launch(Launch {
+            id,
+            language,
+            engine,
+            environment,
+            owner,
+            detached_idle,
+            adopted_idle: None,
+            limits,
+            on_end,
+            events,
+            child: crate::worker::process::WorkerProcess::Child(spawned.child),
+            pid,
+            pidfd: spawned.pidfd,
+            requests: spawned.requests,
+            replies: spawned.replies,
+            stdout: spawned.stdout,
+            stderr: spawned.stderr,
+            group,
+            session_dir,
+            uid,
+            permit,
+            interrupt,
+            raw_output,
+            next_cell: 1,
+            cells_run: 0,
+            host_calls_made: 0,
+            last_activity: Instant::now(),
+            started: SystemTime::now(),
+            keep,
+            lifeline: None,
+        })
+    }
+
+    /// Creates the session record and starts its actor.
+    fn launch(l: Launch) -> Arc<Session> {
+        let (tx, rx) = mpsc::channel(16);
+        let session = Arc::new(Session {
+            id: l.id.clone(),
+            language: l.language,
+            owner: l.owner,
+            detached_idle: l.detached_idle,
+            adopted_idle: l.adopted_idle,
+            started: l.started,
+            engine: l.engine,
+            pid: l.pid,
+            limits: l.limits.clone(),
+            info: Mutex::new(Info {
+                running_cell: None,
+                cells_run: l.cells_run,
+                cells_started: l.next_cell.saturating_sub(1),
+                state: SessionState::Idle,
+                last_activity: l.last_activity,
+            }),
+            dir: l.session_dir.clone(),
+            worker_ids: l.uid.as_ref().map(|u| (u.uid(), u.uid())),
+            files_generation: std::sync::atomic::AtomicU64::new(0),
+            cells: Default::default(),
+            cmds: tx,
+            group: l.group.clone(),
+        });
+        let oom_seen = l.group.oom_kills();
+        let actor = Actor {
+            session: session.clone(),
+            child: l.child,
+            pid: l.pid,
+            pidfd: l.pidfd,
+            requests: l.requests,
+            replies: l.replies,
+            stdout: l.stdout,
+            stderr: l.stderr,
+            group: l.group,
+            session_dir: l.session_dir,
+            uid: l.uid,
+            permit: Some(l.permit),
+            next_cell: l.next_cell,
+            ended: false,
+            on_end: Some(l.on_end),
+            events: l.events,
+            known_files: None,
+            oom_seen,
+            deferred: None,
+            interrupt: l.interrupt,
+            raw_output: l.raw_output,
+            leftovers: Vec::new(),
+            host_calls_made: l.host_calls_made,
+            disk_next: tokio::time::Instant::now() + DISK_IDLE_WATCH,
+            disk_scan: None,
+            kept: l
+                .keep
+                .map(|k| keep::Kept::new(k, l.environment, l.lifeline)),
+        };
+        tokio::spawn(actor.run(rx));
+        session
+    }
+
+    /// Queues a cell. Fails with the running cell's number when one is running.
+    pub async fn execute(
+        &self,
+        code: String,
+        frames: mpsc::Sender<Frame>,
+        one_shot: bool,
+    ) -> Result<(), ExecuteRefused> {
+        {
+            let mut info = self.info.lock().unwrap();
+            match info.state {
+                SessionState::Running => {
+                    return Err(ExecuteRefused::Busy(info.running_cell.unwrap_or(0)));
+                }
+                SessionState::Ended => return Err(ExecuteRefused::Ended),
+                SessionState::Idle => info.state = SessionState::Running,
+            }
+        }
+        self.cmds
+            .send(Command::Execute {
+                code,
+                frames,
+                one_shot,
+            })
+            .await
+            .map_err(|_| ExecuteRefused::Ended)
+    }
+
+    /// Lists the user's variables: at most `max_items` (validated by the caller). Refused while
+    /// a cell runs ([`InspectRefused::Busy`]); a worker that breaks the protocol or does not
+    /// answer in time ends the session ([`InspectRefused::Failed`]).
+    pub async fn inspect(&self, max_items: u64) -> Result<InspectReply, InspectRefused> {
+        {
+            let info = self.info.lock().unwrap();
+            match info.state {
+                SessionState::Running => {
+                    return Err(InspectRefused::Busy(info.running_cell.unwrap_or(0)));
+                }
+                SessionState::Ended => return Err(InspectRefused::Ended),
+                SessionState::Idle => {}
+            }
+        }
+        let (tx, rx) = oneshot::channel();
+        self.cmds
+            .send(Command::Inspect {
+                max_items,
+                reply: tx,
+            })
+            .await
+            .map_err(|_| InspectRefused::Ended)?;
+        rx.await.unwrap_or(Err(InspectRefused::Ended))
+    }
+
+    /// Asks the actor to interrupt `cell`.
+    pub async fn interrupt(&self, cell: u64) -> InterruptReply {
+        let (tx, rx) = oneshot::channel();
+        let gone = || InterruptReply {
+            delivered: false,
+            reason: InterruptReason::SessionEnding.into(),
+        };
+        if self
+            .cmds
+            .send(Command::Interrupt { cell, reply: tx })
+            .await
+            .is_err()
+        {
+            return gone();
+        }
+        rx.await.unwrap_or_else(|_| gone())
+    }
+
+    /// Hands the answer to host call `call` to the running cell; false when no such call waits
+    /// (never made, answered, timed out, its cell ended, or the session ended).
+    pub async fn host_reply(&self, call: u64, payload: Vec<u8>) -> bool {
+        let (tx, rx) = oneshot::channel();
+        if self
+            .cmds
+            .send(Command::HostReply {
+                call,
+                payload,
+                reply: tx,
+            })
+            .await
+            .is_err()
+        {
+            return false;
+        }
+        rx.await.unwrap_or(false)
+    }
+
+    /// Waits until the session's actor has released everything (returns at once for a
+    /// session that ended; never for one that lives on).
+    pub async fn released(&self) {
+        self.cmds.closed().await;
+    }
+
+    /// Ends the session and waits until everything is released.
+    pub async fn close(&self, reason: EndReason, detail: &str) {
+        let (tx, rx) = oneshot::channel();
+        if self
+            .cmds
+            .send(Command::Close {
+                reason: Ending::new(reason, detail),
+                done: tx,
+            })
+            .await
+            .is_ok()
+        {
+            let _ = rx.await;
+        } else {
+            // The actor is already ending; wait for it to finish releasing.
+            self.cmds.closed().await;
+        }
+    }
+
+    /// Records that the daemon changed the session directory (after `PutFile` or
+    /// `DeleteFile`): the next cell lists it afresh before it starts.
+    pub fn files_changed(&self) {
+        self.files_generation
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The `cgroup.procs` files of the session's group: what an upload's copier joins, so
+    /// that the session file system's pages are charged to the session
+    /// ([`crate::files::put_charged`]).
+    pub fn group_procs(&self) -> Vec<PathBuf> {
+        self.group.procs_files()
+    }
+
+    fn files_generation(&self) -> u64 {
+        self.files_generation
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Memory charged to the session's cgroup now, bytes.
+    pub fn memory_current(&self) -> Option<u64> {
+        self.group.memory_current()
+    }
+}
+
+impl crate::cells::Host for Session {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn log(&self) -> &crate::cells::CellLog {
+        &self.cells
+    }
+
+    async fn interrupt_cell(&self, cell: u64) {
+        self.interrupt(cell).await;
+    }
+}
+
+/// Why `Execute` was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecuteRefused {
+    /// A cell is running.
+    Busy(u64),
+    /// The session has ended.
+    Ended,
+}
+
+/// Why `Inspect` was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InspectRefused {
+    /// A cell is running (its number; 0 for another `Inspect`).
+    Busy(u64),
+    /// The session has ended.
+    Ended,
+    /// The worker broke the protocol or did not answer in time; the session ended (why).
+    Failed(String),
+}
+
+/// Everything a session's actor starts from: a spawned worker ([`Session::start_kept`]) or an
+/// adopted one (`keep.rs`).
+struct Launch {
+    id: String,
+    language: Language,
+    engine: String,
+    environment: String,
+    owner: Caller,
+    detached_idle: Option<Duration>,
+    adopted_idle: Option<Duration>,
+    limits: SessionLimits,
+    on_end: OnEnd,
+    events: tokio::sync::broadcast::Sender<Event>,
+    child: crate::worker::process::WorkerProcess,
+    pid: u32,
+    pidfd: Option<crate::worker::WorkerPidfd>,
+    requests: pipe::Sender,
+    replies: LineReader<pipe::Receiver>,
+    stdout: Option<pipe::Receiver>,
+    stderr: Option<pipe::Receiver>,
+    group: Arc<dyn SessionGroup>,
+    session_dir: PathBuf,
+    uid: Option<UidLease>,
+    permit: Permit,
+    interrupt: crate::worker::InterruptTarget,
+    raw_output: bool,
+    next_cell: u64,
+    cells_run: u64,
+    host_calls_made: u64,
+    last_activity: Instant,
+    started: SystemTime,
+    keep: Option<keep::Keep>,
+    lifeline: Option<crate::keeper::Lifeline>,
+}
+
+mod actor;
+use actor::{Actor, CloseRequest, KILL_AFTER_SIGINT_MIN, describe_exit, send_or_command};
+
+mod cell;
+use cell::{
+    CellEnd, CellRun, Phase, RAW_READS_PER_WAKE, REPLY_BYTES_PER_WAKE, kind, proc_cpu_seconds,
+};
+
+mod cell_end;
+use cell_end::{
+    DISK_WATCH_FACTOR, DISK_WATCH_MAX, DISK_WATCH_MIN, disk_scan_done, disk_usage, list_files,
+    over_disk_budget,
+};
+
+mod idle;
+use idle::DISK_IDLE_WATCH;
+
+mod keep;
+pub use keep::{AdoptWith, Adoptable, Keep, NotAdopted, connect as connect_keeper};
+
+#[cfg(test)]
+mod actor_tests;
