@@ -3,7 +3,10 @@
 //! directory with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)` or
 //! its equivalent walk ([`crate::resolve`]); no symlink is followed, `..` never leaves it.
 
-use super::{Error, MAX_COMPONENT_BYTES, MAX_DEPTH, MAX_NAME_BYTES, TEMP_PREFIX, io, kind_of};
+use super::{
+    Error, FILES_DIR, MAX_COMPONENT_BYTES, MAX_DEPTH, MAX_NAME_BYTES, SCRATCH_DIR, TEMP_PREFIX, io,
+    kind_of,
+};
 use nix::errno::Errno;
 use nix::fcntl::AtFlags;
 use nix::sys::stat::Mode;
@@ -129,6 +132,62 @@ pub(super) fn open_root(dir: &Path) -> Result<OwnedFd, Error> {
 }
 
 use std::os::unix::fs::OpenOptionsExt;
+
+/// Opens the directory client-given names are resolved beneath: the session directory's
+/// [`FILES_DIR`] (no symlink) when it has one, else the session directory itself (laid out
+/// flat).
+///
+/// Errors: [`Error::Io`] when either cannot be opened (a symlink at [`FILES_DIR`] included).
+pub(super) fn open_files(dir: &Path) -> Result<OwnedFd, Error> {
+    let root = open_root(dir)?;
+    match openat2(
+        root.as_fd(),
+        FILES_DIR,
+        libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
+        0,
+    ) {
+        Ok(fd) => Ok(fd),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(root),
+        Err(e) => Err(io("open the files directory")(e).at(".")),
+    }
+}
+
+/// The directory of the session directory `dir` that holds the user's files: `dir/`
+/// [`FILES_DIR`] when that is a directory (not a symlink), else `dir` (laid out flat).
+pub fn files_dir(dir: &Path) -> std::path::PathBuf {
+    let files = dir.join(FILES_DIR);
+    match std::fs::symlink_metadata(&files) {
+        Ok(m) if m.is_dir() => files,
+        _ => dir.to_path_buf(),
+    }
+}
+
+/// Lays out the new session directory `dir` (the module's "layout of a session directory"):
+/// creates [`FILES_DIR`] and [`SCRATCH_DIR`] (mode 0700, owned by `uid`:`gid` where given),
+/// and, when the worker has an identity of its own (`uid`), gives `dir` itself to the
+/// daemon's identity with mode 0711, so the worker can reach both but neither rename nor
+/// replace them.
+///
+/// Errors: the failed `mkdir(2)`, `lchown(2)` or `chmod(2)`.
+pub fn lay_out(dir: &Path, uid: Option<u32>, gid: Option<u32>) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    for d in [FILES_DIR, SCRATCH_DIR] {
+        let p = dir.join(d);
+        std::fs::DirBuilder::new().mode(0o700).create(&p)?;
+        if uid.is_some() || gid.is_some() {
+            std::os::unix::fs::lchown(&p, uid, gid)?;
+        }
+    }
+    if uid.is_some() {
+        std::os::unix::fs::lchown(
+            dir,
+            Some(nix::unistd::geteuid().as_raw()),
+            Some(nix::unistd::getegid().as_raw()),
+        )?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))?;
+    }
+    Ok(())
+}
 
 /// Classifies what is at `name` without following anything, for an error message: a symlink
 /// on the way (or at the end) is `symlink`.

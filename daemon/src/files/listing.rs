@@ -4,13 +4,13 @@
 
 use super::beneath::{lstat_at, open_root, openat2};
 use super::{
-    Error, MAX_DEPTH, MAX_ENTRIES, MAX_SESSION_ENTRIES, MAX_WALK_DEPTH, SCRATCH_DIR, TEMP_PREFIX,
-    info, io, kind_of,
+    Error, FILES_DIR, FLAT_SCRATCH_DIR, MAX_DEPTH, MAX_ENTRIES, MAX_SESSION_ENTRIES,
+    MAX_WALK_DEPTH, TEMP_PREFIX, info, io, kind_of,
 };
 use sandcell_proto::kernel::{FileInfo, FileKind};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
-use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
 /// Per-entry fingerprint used to tell which entries a cell changed.
@@ -154,11 +154,13 @@ impl Drop for DirStream {
     }
 }
 
-/// Lists `dir` without following anything: at most [`MAX_ENTRIES`] entries, [`MAX_DEPTH`]
-/// levels; [`SCRATCH_DIR`] (top level) and upload temporaries are left out of `files` but
-/// counted in `usage`, as is everything else down to [`MAX_WALK_DEPTH`] levels and up to
+/// Lists the session directory `dir` without following anything: the entries of its
+/// [`FILES_DIR`] (named relative to it; of `dir` itself when laid out flat), at most
+/// [`MAX_ENTRIES`] entries, [`MAX_DEPTH`] levels; everything beside [`FILES_DIR`] (the
+/// scratch [`SCRATCH_DIR`]; [`FLAT_SCRATCH_DIR`] when flat) and upload temporaries are left
+/// out of `files` but counted in `usage`, as is everything else down to [`MAX_WALK_DEPTH`] levels and up to
 /// [`MAX_SESSION_ENTRIES`] entries. Names that are not UTF-8 are counted, not listed: every
-/// listed name can be fetched. At most [`MAX_WALK_DEPTH`] + 1 descriptors are open at once.
+/// listed name can be fetched. At most [`MAX_WALK_DEPTH`] + 2 descriptors are open at once.
 ///
 /// Errors: the directory itself cannot be opened.
 pub fn list(dir: &Path) -> Result<Listing, Error> {
@@ -174,9 +176,15 @@ pub fn list_within(dir: &Path, max_entries: u64) -> Result<Option<Listing>, Erro
     let mut out = Listing::default();
     // Inodes with several links, charged once.
     let mut linked: std::collections::HashSet<(u64, u64)> = std::collections::HashSet::new();
-    // Depth-first: one open directory per level. (stream, name prefix, depth from 1, hidden)
+    // Laid out with a files directory, the walk starts one level above the names it reports:
+    // at depth 0, where only the files directory is walked as depth 1 (listed), and
+    // everything else is hidden.
+    let files = CString::new(FILES_DIR).expect("no NUL");
+    let split = lstat_at(root.as_fd(), &files).is_ok_and(|st| kind_of(st.st_mode) == FileKind::Dir);
+    let top = if split { 0 } else { 1 };
+    // Depth-first: one open directory per level. (stream, name prefix, depth, hidden)
     let mut stack: Vec<(DirStream, String, usize, bool)> = match DirStream::open(root) {
-        Ok(ds) => vec![(ds, String::new(), 1, false)],
+        Ok(ds) => vec![(ds, String::new(), top, split)],
         Err(e) => return Err(io("read session directory")(e).at(".")),
     };
     while let Some((ds, prefix, depth, hidden)) = stack.last_mut() {
@@ -209,7 +217,7 @@ pub fn list_within(dir: &Path, max_entries: u64) -> Result<Option<Listing>, Erro
         };
         let hide = parent_hidden
             || unnamed
-            || (depth == 1 && leaf == SCRATCH_DIR)
+            || (!split && depth == 1 && leaf == FLAT_SCRATCH_DIR)
             || leaf.starts_with(TEMP_PREFIX)
             || depth > MAX_DEPTH;
         let name = format!("{prefix}{leaf}");
@@ -245,6 +253,10 @@ pub fn list_within(dir: &Path, max_entries: u64) -> Result<Option<Listing>, Erro
             }
         }
         if let Some(sub) = sub {
+            if depth == 0 && leaf == FILES_DIR {
+                stack.push((sub, String::new(), 1, false));
+                continue;
+            }
             stack.push((sub, format!("{name}/"), depth + 1, hide));
         }
     }

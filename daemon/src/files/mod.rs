@@ -25,6 +25,19 @@
 //!   [`MAX_DEPTH`] levels; the worker's scratch directory [`SCRATCH_DIR`] and in-flight
 //!   uploads are left out of what is reported, never out of what is counted.
 //!
+//! # The layout of a session directory
+//!
+//! A session directory (the session's own tmpfs, owned by the daemon, mode 0711) holds two
+//! directories of the worker's ([`lay_out`]): [`FILES_DIR`], the user's files, and
+//! [`SCRATCH_DIR`], the worker's `TMPDIR`. Every name a client gives or is shown is relative
+//! to [`FILES_DIR`], so no listing (`ListFiles`, a cell's `files`, the worker's own listing of
+//! its working directory) shows the scratch; both are on the one file system, so a cell's
+//! `rename(2)` from its temporary directory into its files works (across file systems, or
+//! across two mounts of one, it fails `EXDEV`). The disk budget counts the whole session
+//! directory, scratch included. A directory without [`FILES_DIR`] (the fake worker of the
+//! library tests) is laid out flat: it is its own files directory, its scratch
+//! [`FLAT_SCRATCH_DIR`].
+//!
 //! # The disk budget
 //!
 //! What a session directory costs is its [`Usage`]: every entry at any depth (hidden names,
@@ -58,12 +71,12 @@ mod put;
 mod tests;
 mod upload_fd;
 
-pub use beneath::{validate_name, validate_new_name};
+pub use beneath::{files_dir, lay_out, validate_name, validate_new_name};
 pub use listing::{Listing, Usage, list, list_within};
 pub use put::{check_upload, put, put_charged, put_until};
 pub use upload_fd::{UPLOAD_FILE_SYSTEMS, UploadFd, UploadRefused, inspect_upload};
 
-use beneath::{classify, cstr, fstat, lstat_at, open_parent, open_root, openat2};
+use beneath::{classify, cstr, fstat, lstat_at, open_files, open_parent, openat2};
 
 /// Entries a listing or a cell's change list reports at most.
 pub const MAX_ENTRIES: usize = 1000;
@@ -81,8 +94,15 @@ pub const MAX_SESSION_ENTRIES: u64 = 4096;
 /// of more components are refused); deeper is over budget. Also bounds the descriptors a
 /// walk holds open (one per level).
 pub const MAX_WALK_DEPTH: usize = 16;
-/// The worker's scratch directory (R's `TMPDIR`), left out of listings (but counted).
-pub const SCRATCH_DIR: &str = ".tmp";
+/// The directory of a session directory holding the user's files: what `/mnt/data` shows a
+/// worker, and what every client-given name is relative to.
+pub const FILES_DIR: &str = "data";
+/// The directory of a session directory holding the worker's scratch (`TMPDIR`, R's
+/// `tempdir()`, Python's `tempfile`), beside [`FILES_DIR`]: never listed, always counted.
+pub const SCRATCH_DIR: &str = "tmp";
+/// The scratch directory of a session directory laid out flat (without [`FILES_DIR`]), left
+/// out of listings (but counted).
+pub const FLAT_SCRATCH_DIR: &str = ".tmp";
 /// Prefix of the daemon's in-flight upload temporaries, left out of listings.
 const TEMP_PREFIX: &str = ".sandcell-put-";
 /// Copy buffer for descriptor uploads, bytes.
@@ -316,7 +336,7 @@ fn read_inner(
     owner: Option<u32>,
 ) -> Result<(FileInfo, Vec<u8>, bool), Error> {
     validate_name(name)?;
-    let root = open_root(dir)?;
+    let root = open_files(dir)?;
     // O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW and RESOLVE_* refuse
     // every symlink.
     let fd = match openat2(
@@ -367,7 +387,7 @@ pub fn delete(dir: &Path, name: &str) -> Result<(), Error> {
 
 fn delete_inner(dir: &Path, name: &str) -> Result<(), Error> {
     let parts = validate_name(name)?;
-    let root = open_root(dir)?;
+    let root = open_files(dir)?;
     let parent = open_parent(&root, name, &parts, false, None, &mut Vec::new())?;
     let leaf = cstr(parts[parts.len() - 1])?;
     let st = match lstat_at(parent.as_fd(), &leaf) {

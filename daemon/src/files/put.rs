@@ -3,7 +3,7 @@
 //! thread or by a child in the session's group) and its rename over the name.
 
 use super::beneath::{
-    Created, cstr, fstat, open_parent, open_root, remove_created, validate_new_name,
+    Created, cstr, fstat, open_files, open_parent, remove_created, validate_new_name,
 };
 use super::listing::list;
 use super::{
@@ -267,7 +267,7 @@ fn put_inner(
             max: limits.max_session_files_bytes,
         });
     }
-    let root = open_root(dir)?;
+    let root = open_files(dir)?;
     let parent = open_parent(&root, name, &parts, true, owner, created)?;
     let leaf = cstr(parts[parts.len() - 1])?;
     let tmp_name = format!("{TEMP_PREFIX}{}", random_hex()?);

@@ -410,8 +410,8 @@ fn hidden_entries_blocks_and_inodes_are_charged() {
     assert_eq!(base.entries, 0);
     // Hidden names, the scratch directory and a name like an upload temporary count.
     std::fs::write(d.path().join(".hidden"), vec![1u8; 10_000]).unwrap();
-    std::fs::create_dir(d.path().join(SCRATCH_DIR)).unwrap();
-    std::fs::write(d.path().join(SCRATCH_DIR).join("x"), vec![1u8; 20_000]).unwrap();
+    std::fs::create_dir(d.path().join(FLAT_SCRATCH_DIR)).unwrap();
+    std::fs::write(d.path().join(FLAT_SCRATCH_DIR).join("x"), vec![1u8; 20_000]).unwrap();
     std::fs::write(d.path().join(format!("{TEMP_PREFIX}zz")), vec![1u8; 30_000]).unwrap();
     let l = list(d.path()).unwrap();
     let names: Vec<_> = l.files.iter().map(|f| f.name.as_str()).collect();
@@ -457,7 +457,7 @@ fn hidden_entries_blocks_and_inodes_are_charged() {
 #[test]
 fn the_entry_budget_counts_hidden_and_deep_entries() {
     let d = tmp();
-    let deep = d.path().join(SCRATCH_DIR).join("a/b/c/d/e/f");
+    let deep = d.path().join(FLAT_SCRATCH_DIR).join("a/b/c/d/e/f");
     std::fs::create_dir_all(&deep).unwrap();
     let l = list(d.path()).unwrap();
     assert!(l.files.is_empty());
@@ -490,7 +490,7 @@ fn the_entry_budget_counts_hidden_and_deep_entries() {
     );
     // Too deep to count is over budget too.
     let d = tmp();
-    let mut p = d.path().join(SCRATCH_DIR);
+    let mut p = d.path().join(FLAT_SCRATCH_DIR);
     for _ in 0..MAX_WALK_DEPTH {
         p = p.join("d");
     }
@@ -524,11 +524,11 @@ fn change_list_reports_new_and_modified_entries() {
     let d = tmp();
     std::fs::write(d.path().join("same"), "1").unwrap();
     std::fs::write(d.path().join("edit"), "1").unwrap();
-    std::fs::create_dir(d.path().join(SCRATCH_DIR)).unwrap();
+    std::fs::create_dir(d.path().join(FLAT_SCRATCH_DIR)).unwrap();
     let before = list(d.path()).unwrap();
     std::fs::write(d.path().join("edit"), "22").unwrap();
     std::fs::write(d.path().join("new.png"), "x").unwrap();
-    std::fs::write(d.path().join(SCRATCH_DIR).join("junk"), "x").unwrap();
+    std::fs::write(d.path().join(FLAT_SCRATCH_DIR).join("junk"), "x").unwrap();
     std::os::unix::fs::symlink("/etc/shadow", d.path().join("leak")).unwrap();
     let after = list(d.path()).unwrap();
     let changed: Vec<_> = after
@@ -543,8 +543,8 @@ fn change_list_reports_new_and_modified_entries() {
 fn a_bounded_walk_gives_up_past_its_budget_and_hidden_entries_count() {
     let d = tmp();
     std::fs::write(d.path().join("a"), "1").unwrap();
-    std::fs::create_dir(d.path().join(SCRATCH_DIR)).unwrap();
-    std::fs::write(d.path().join(SCRATCH_DIR).join("x"), "1").unwrap();
+    std::fs::create_dir(d.path().join(FLAT_SCRATCH_DIR)).unwrap();
+    std::fs::write(d.path().join(FLAT_SCRATCH_DIR).join("x"), "1").unwrap();
     // Three entries, one listed: the budget counts what the walk visits.
     let full = list_within(d.path(), 3)
         .unwrap()
@@ -569,4 +569,72 @@ fn uploads_from_sockets_are_refused() {
         // /var/tmp on an unusual file system says which.
         assert!(matches!(e, UploadRefused::FileSystem(_)), "{e}");
     }
+}
+
+/// A session directory laid out with `data/` and `tmp/`: names are relative to `data/`,
+/// the scratch is never listed but always counted, and nothing outside `data/` is reached.
+#[test]
+fn the_split_layout_lists_the_files_directory_and_counts_the_scratch() {
+    let d = tmp();
+    lay_out(d.path(), None, None).unwrap();
+    assert_eq!(files_dir(d.path()), d.path().join(FILES_DIR));
+    std::fs::write(d.path().join(SCRATCH_DIR).join("t"), vec![1u8; 20_000]).unwrap();
+    std::fs::create_dir(d.path().join(SCRATCH_DIR).join("sub")).unwrap();
+    std::fs::write(d.path().join("stray"), "s").unwrap();
+    std::fs::write(d.path().join(FILES_DIR).join("user.txt"), "u").unwrap();
+    put(
+        d.path(),
+        "up/loaded.csv",
+        2,
+        Source::Inline(b"a\n".to_vec()),
+        None,
+        &LIMITS,
+    )
+    .unwrap();
+    let l = list(d.path()).unwrap();
+    let names: Vec<&str> = l.files.iter().map(|f| f.name.as_str()).collect();
+    assert_eq!(names, ["up", "up/loaded.csv", "user.txt"]);
+    // data, tmp, stray, tmp/t, tmp/sub, data/user.txt, data/up, data/up/loaded.csv.
+    assert_eq!(l.usage.entries, 8);
+    assert!(l.usage.bytes >= 20_000, "{:?}", l.usage);
+    assert!(!l.truncated);
+    let (_, bytes, eof) = read(d.path(), "user.txt", 0, 10, None).unwrap();
+    assert_eq!((bytes.as_slice(), eof), (&b"u"[..], true));
+    assert!(matches!(
+        read(d.path(), "stray", 0, 10, None),
+        Err(Error::NoSuchFile(_))
+    ));
+    assert!(matches!(
+        read(d.path(), "../tmp/t", 0, 10, None),
+        Err(Error::InvalidName { .. })
+    ));
+    delete(d.path(), "user.txt").unwrap();
+    assert!(d.path().join(SCRATCH_DIR).join("t").exists());
+    // A cell's new scratch files are no change of its files.
+    let before = list(d.path()).unwrap();
+    std::fs::write(d.path().join(SCRATCH_DIR).join("new"), "n").unwrap();
+    std::fs::write(d.path().join(FILES_DIR).join("new"), "n").unwrap();
+    let changed: Vec<String> = list(d.path())
+        .unwrap()
+        .changed_since(&before)
+        .into_iter()
+        .map(|f| f.name)
+        .collect();
+    assert_eq!(changed, ["new"]);
+}
+
+/// A symlink planted as the files directory is never followed.
+#[test]
+fn a_symlink_for_the_files_directory_is_refused() {
+    let d = tmp();
+    let outside = tmp();
+    std::fs::write(outside.path().join("secret"), "s").unwrap();
+    std::os::unix::fs::symlink(outside.path(), d.path().join(FILES_DIR)).unwrap();
+    assert!(matches!(
+        read(d.path(), "secret", 0, 10, None),
+        Err(Error::Io { .. })
+    ));
+    assert_eq!(files_dir(d.path()), d.path());
+    let l = list(d.path()).unwrap();
+    assert!(l.files.iter().all(|f| f.name != "secret"), "{:?}", l.files);
 }
