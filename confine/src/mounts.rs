@@ -16,7 +16,9 @@
 //!      charged to the session's memory cgroup); no `/dev/mqueue`;
 //!    - a minimal `/dev`: `null`, `zero`, `full`, `random`, `urandom` bound from the host, and
 //!      the `fd`, `stdin`, `stdout`, `stderr` symlinks;
-//!    - `/mnt/data`, a second bind of the session directory (same flags);
+//!    - `/mnt/data`, a second bind of the session directory (same flags); a session directory
+//!      holding `data/` (the files) and `tmp/` (the scratch) is bound at `/mnt` instead, so
+//!      `/mnt/data` shows the files only and `/mnt/tmp` is on the same mount;
 //!    - a new procfs, read-only, with `hidepid=invisible` (Linux 5.8 or newer: per-mount
 //!      procfs options): the worker sees only its own uid's processes and writes nothing
 //!      there (not its own `oom_score_adj`); its host-wide `/proc/stat` is covered by a
@@ -42,6 +44,12 @@ pub const TMPFS: [&str; 3] = ["/tmp", "/var/tmp", "/dev/shm"];
 /// Where the view binds the session directory a second time (OpenAI code_interpreter's path);
 /// a native worker makes it its working directory when it is there.
 pub const MNT_DATA: &str = "/mnt/data";
+/// The directory of a session directory holding the user's files, when it has one: the
+/// session directory is then bound at `/mnt`, so this is `/mnt/data`, and its sibling
+/// [`MNT_SCRATCH`] is `/mnt/tmp`.
+pub const MNT_FILES: &str = "data";
+/// The scratch directory beside [`MNT_FILES`] in a session directory (`/mnt/tmp` in the view).
+pub const MNT_SCRATCH: &str = "tmp";
 /// Device nodes bound into the view's `/dev`.
 const DEVICES: [&str; 5] = ["null", "zero", "full", "random", "urandom"];
 
@@ -224,9 +232,19 @@ fn collect(plan: &Plan) -> Result<Vec<Entry>, Error> {
     // writable (Landlock's rules are on the directory's inode, which both paths reach). A
     // bind, not a symlink: a native worker working in /mnt/data sees that path in getcwd(3)
     // (a symlink would resolve to the host path).
+    //
+    // A session directory laid out with its files in `data/` and its worker's scratch in
+    // `tmp/` beside it is bound at /mnt instead: /mnt/data shows the files only, and /mnt/tmp
+    // (TMPDIR) is on the same mount, so a rename(2) between the two works (across two mounts,
+    // even of one file system, it fails EXDEV).
+    let mnt = if plan.session_dir.join(MNT_FILES).is_dir() {
+        Path::new(MNT_DATA).parent().unwrap_or(Path::new("/"))
+    } else {
+        Path::new(MNT_DATA)
+    };
     if !entries.iter().any(|e| e.path.starts_with("/mnt")) && plan.session_dir.is_dir() {
         entries.push(Entry {
-            path: MNT_DATA.into(),
+            path: mnt.into(),
             kind: Kind::Bind {
                 fd: open_path(&plan.session_dir)?,
                 dir: true,
@@ -715,5 +733,24 @@ mod tests {
             .unwrap();
         assert!(dev < null);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_session_directory_with_a_files_directory_is_bound_at_mnt() {
+        let dir =
+            std::env::temp_dir().join(format!("sandcell-mounts-split-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("session").join(MNT_FILES)).unwrap();
+        std::fs::create_dir_all(dir.join("session").join(MNT_SCRATCH)).unwrap();
+        let plan = plan(dir.join("session"), vec![], vec![], &["/dev/null"]);
+        let entries = collect(&plan).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let binds: Vec<_> = entries
+            .iter()
+            .filter(|e| matches!(e.kind, Kind::Bind { .. }))
+            .map(|e| e.path.clone())
+            .collect();
+        // /mnt/data is the files, /mnt/tmp the scratch beside them, on one mount.
+        assert_eq!(binds, vec![PathBuf::from("/mnt"), dir.join("session")]);
     }
 }

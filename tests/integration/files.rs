@@ -19,8 +19,13 @@ fn daemon(extra: &[(&str, &str)]) -> Daemon {
     Daemon::start(&env)
 }
 
+/// The session's files directory on the host (`data/` of the session directory).
 fn session_dir(d: &Daemon, session: &str) -> PathBuf {
-    d.dir.path().join("state/sessions").join(session)
+    d.dir
+        .path()
+        .join("state/sessions")
+        .join(session)
+        .join("data")
 }
 
 fn kernel_error(r: Result<impl std::fmt::Debug, Error>) -> KernelError {

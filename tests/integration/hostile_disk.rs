@@ -310,7 +310,7 @@ async fn a_deep_or_crowded_directory_within_the_budgets_keeps_its_session() {
         "{:?}",
         out.result.warnings
     );
-    assert!(session_dir(&d, &s).join("a/b/c/d/deep").exists());
+    assert!(session_dir(&d, &s).join("data/a/b/c/d/deep").exists());
     let out = c.execute_collect(&s, "print(kept)").await.unwrap();
     assert_eq!(out.stdout, "7\n");
     // The entry past the budget is refused by the kernel; the session lives on.

@@ -133,7 +133,7 @@ async fn r_cells_cannot_take_host_resources_or_reserve_blocks() {
         "{blocks} blocks allocated: the 1 GiB reservation went through"
     );
     // The file as the daemon sees it, and the host's AIO counter.
-    let st = std::fs::metadata(session_dir(&d, &s).join("reserved")).unwrap();
+    let st = std::fs::metadata(session_dir(&d, &s).join("data/reserved")).unwrap();
     assert!(std::os::unix::fs::MetadataExt::blocks(&st) * 512 < 1 << 20);
     let aio_after = std::fs::read_to_string("/proc/sys/fs/aio-nr").unwrap_or_default();
     eprintln!("fs.aio-nr before {aio_before:?} after {aio_after:?}");

@@ -561,13 +561,8 @@ async fn every_engine_works_in_mnt_data() {
     let mut c = d.client().await;
     let py = "import os\nopen('mine.txt', 'w').write('x')\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))";
     for env in ["pydata", "python"] {
-        // The native engines' scratch directory (`.tmp`, TMPDIR) is in the session directory,
-        // on its file system, so a temporary file can be renamed into place.
-        let want = if env == "pydata" {
-            "/mnt/data\n['.tmp', 'mine.txt']\n"
-        } else {
-            "/mnt/data\n['mine.txt']\n"
-        };
+        // The native engines' scratch directory (TMPDIR) is beside /mnt/data, not in it.
+        let want = "/mnt/data\n['mine.txt']\n";
         let s = c
             .open_in("python", Some(env), None, None)
             .await
@@ -585,11 +580,7 @@ async fn every_engine_works_in_mnt_data() {
             "writeLines('x', 'mine.txt'); cat(getwd(), '\\n'); cat(list.files(all.files = TRUE, no.. = TRUE), '\\n')",
         )
         .await;
-        assert_eq!(
-            out.stdout, "/mnt/data \n.tmp mine.txt \n",
-            "r: {:?}",
-            out.result
-        );
+        assert_eq!(out.stdout, "/mnt/data \nmine.txt \n", "r: {:?}", out.result);
         // R's tempdir() works, and a temporary file can be renamed into place.
         let out = cell(
             &mut c,
@@ -605,4 +596,87 @@ async fn every_engine_works_in_mnt_data() {
             "R is not installed: its working directory is not checked"
         );
     }
+}
+
+/// Names in a cell's report of changed files, sorted.
+fn reported(out: &Collected) -> Vec<String> {
+    let mut names: Vec<String> = out.result.files.iter().map(|f| f.name.clone()).collect();
+    names.sort();
+    names
+}
+
+/// Names `ListFiles` gives, sorted.
+async fn listed(c: &mut Client, s: &str) -> Vec<String> {
+    let (files, truncated) = c.list_files(s).await.unwrap();
+    assert!(!truncated);
+    let mut names: Vec<String> = files.into_iter().map(|f| f.name).collect();
+    names.sort();
+    names
+}
+
+/// The native engines' scratch (TMPDIR: Python's tempfile, R's tempdir()) is beside the
+/// user's files, on the same mount: a temporary file is renamed into /mnt/data, and neither
+/// the cell's own listing, the cell's report of new files, `ListFiles` nor `GetFile` sees the
+/// scratch. Nothing in the cell's environment or working directory names the daemon's state
+/// directory.
+#[tokio::test]
+async fn the_scratch_is_beside_the_files_not_among_them() {
+    let with_r = common::r_available();
+    let languages = if with_r { "python,r" } else { "python" };
+    let Some(d) = daemon(&[("SANDCELL_LANGUAGES", languages)]) else {
+        return;
+    };
+    if common::insecure() {
+        eprintln!("skipped: no mount namespace without confinement, so no /mnt/data view");
+        return;
+    }
+    let mut c = d.client().await;
+    let s = open(&mut c).await;
+    let py = "import os, tempfile\n\
+              fd, p = tempfile.mkstemp(); os.write(fd, b'moved'); os.close(fd)\n\
+              keep = tempfile.NamedTemporaryFile(delete=False); keep.write(b'x'); keep.close()\n\
+              d = tempfile.mkdtemp(); open(os.path.join(d, 'inner'), 'w').write('i')\n\
+              open('/mnt/data/user.txt', 'w').write('u')\n\
+              os.rename(p, '/mnt/data/moved.txt')\n\
+              print(tempfile.gettempdir())\n\
+              print(sorted(os.listdir('/mnt/data')), sorted(os.listdir('.')))\n\
+              print([k for k, v in os.environ.items() if '/sessions/' in v] + \
+                    [os.getcwd()] * ('/sessions/' in os.getcwd()))";
+    let out = cell(&mut c, &s, py).await;
+    assert_eq!(
+        out.stdout, "/mnt/tmp\n['moved.txt', 'user.txt'] ['moved.txt', 'user.txt']\n[]\n",
+        "{:?}",
+        out.result
+    );
+    assert_eq!(reported(&out), ["moved.txt", "user.txt"]);
+    assert_eq!(listed(&mut c, &s).await, ["moved.txt", "user.txt"]);
+    let mut back = Vec::new();
+    c.get_file(&s, "moved.txt", &mut back).await.unwrap();
+    assert_eq!(back, b"moved");
+    // The scratch is not reachable by name through the files API either.
+    assert!(c.get_file(&s, "../tmp", &mut Vec::new()).await.is_err());
+    c.close(&s).await.unwrap();
+    if !with_r {
+        sandcell_testing::skip_part!("r", "R is not installed: its scratch is not checked");
+        return;
+    }
+    let s = c.open_in("r", None, None, None).await.unwrap().session;
+    let out = cell(
+        &mut c,
+        &s,
+        "f <- tempfile(); writeLines('moved', f); dir.create(file.path(tempdir(), 'sub')); \
+         writeLines('u', '/mnt/data/user.txt'); stopifnot(file.rename(f, '/mnt/data/moved.txt')); \
+         cat(dirname(tempdir()), '\\n'); cat(list.files('/mnt/data', all.files = TRUE, no.. = TRUE), '\\n'); \
+         cat(list.files(all.files = TRUE, no.. = TRUE), '\\n'); \
+         e <- Sys.getenv(); cat(sum(grepl('/sessions/', e)) + grepl('/sessions/', getwd()), '\\n')",
+    )
+    .await;
+    assert_eq!(
+        out.stdout, "/mnt/tmp \nmoved.txt user.txt \nmoved.txt user.txt \n0 \n",
+        "r: {:?}",
+        out.result
+    );
+    assert_eq!(reported(&out), ["moved.txt", "user.txt"]);
+    assert_eq!(listed(&mut c, &s).await, ["moved.txt", "user.txt"]);
+    c.close(&s).await.unwrap();
 }

@@ -10,12 +10,14 @@
 //!    gives the protocol pipes to the worker identity (R reopens them by path, see
 //!    [`hand_pipes_to`]), and enters the plan ([`sandcell_confine::enter`]); on failure it
 //!    prints the reason on stderr and exits with [`sandcell_confine::EXIT_CONFINE_FAILED`];
-//! 2. [`enter_session`]: changes directory to the session directory and creates the private
-//!    temporary directory (`<session>/.tmp`, or `SANDCELL_TMPDIR`); inside the mount
-//!    namespace the working directory is `/mnt/data`. The temporary directory stays in the
-//!    session directory, on the session's own file system, so a file a cell made with
-//!    `tempfile()` can be renamed into place (a rename across file systems fails `EXDEV`) and
-//!    counts against the disk budget;
+//! 2. [`enter_session`]: changes directory to the session's files directory
+//!    (`SANDCELL_SESSION_DIR`) and creates the private temporary directory (`SANDCELL_TMPDIR`,
+//!    which the daemon puts beside the files directory, else `<session>/.tmp`); inside the
+//!    mount namespace the working directory is `/mnt/data` and the temporary directory
+//!    `/mnt/tmp`. The temporary directory is on the session's own file system and mount, so a
+//!    file a cell made with `tempfile()` can be renamed into place (a rename across file
+//!    systems or mounts fails `EXDEV`) and counts against the disk budget, and it is not in
+//!    the listing of the files directory;
 //! 3. [`reset_signals`] just before `execve` (an inherited `SIG_IGN` for SIGINT survives
 //!    `execve`, and both R and CPython honour it, which would make cells uninterruptible).
 //!
@@ -80,8 +82,9 @@ pub fn confine(prog: &str, hand_pipes: bool) -> sandcell_confine::Plan {
 pub struct SessionPaths {
     /// Working directory of the cells (`SANDCELL_SESSION_DIR`, else the plan's).
     pub session: PathBuf,
-    /// The interpreter's `TMPDIR` (`SANDCELL_TMPDIR`, else `<session>/.tmp`, which the daemon
-    /// leaves out of a cell's `files`).
+    /// The interpreter's `TMPDIR` (`SANDCELL_TMPDIR`, which the daemon puts beside the files
+    /// directory, `/mnt/tmp` in the view; else `<session>/.tmp`, which the daemon leaves out
+    /// of a cell's `files`).
     pub tmp: PathBuf,
 }
 
@@ -102,15 +105,24 @@ pub fn enter_session(prog: &str, plan: &sandcell_confine::Plan) -> SessionPaths 
     // Inside the mount namespace the session directory is bound a second time at /mnt/data:
     // the cells work there, so getcwd(3) shows /mnt/data (as in the Eryx engine and OpenAI's
     // code_interpreter) rather than a host path.
-    let in_view = same_directory(Path::new(sandcell_confine::mounts::MNT_DATA), &session)
-        && std::env::set_current_dir(sandcell_confine::mounts::MNT_DATA).is_ok();
-    if in_view {
-        session = PathBuf::from(sandcell_confine::mounts::MNT_DATA);
-    }
-    let tmp = std::env::var_os("SANDCELL_TMPDIR")
+    let mnt_data = Path::new(sandcell_confine::mounts::MNT_DATA);
+    let in_view = same_directory(mnt_data, &session) && std::env::set_current_dir(mnt_data).is_ok();
+    let mut tmp = std::env::var_os("SANDCELL_TMPDIR")
         .filter(|s| !s.is_empty())
         .map(PathBuf::from)
         .unwrap_or_else(|| session.join(".tmp"));
+    if in_view {
+        session = mnt_data.to_path_buf();
+        // The daemon's scratch directory beside the files is /mnt/tmp in the view, on the
+        // same mount as /mnt/data (a rename between two mounts fails EXDEV).
+        let mnt_tmp = mnt_data
+            .parent()
+            .unwrap_or(Path::new("/"))
+            .join(sandcell_confine::mounts::MNT_SCRATCH);
+        if same_directory(&mnt_tmp, &tmp) {
+            tmp = mnt_tmp;
+        }
+    }
     if let Err(e) = std::fs::create_dir_all(&tmp) {
         fail(
             prog,

@@ -344,12 +344,22 @@ pub fn plan(spec: &WorkerSpec) -> Plan {
 
 /// The worker's environment: built from nothing, never copied from the daemon.
 fn environment(spec: &WorkerSpec, plan: &Plan) -> Vec<(String, String)> {
-    let dir = spec.session_dir.display().to_string();
+    // The worker works in the files directory and keeps its scratch beside it, on the same
+    // file system (crate::files: the layout of a session directory).
+    let dir = crate::files::files_dir(&spec.session_dir);
+    let scratch = if dir == spec.session_dir {
+        dir.join(crate::files::FLAT_SCRATCH_DIR)
+    } else {
+        spec.session_dir.join(crate::files::SCRATCH_DIR)
+    };
+    let dir = dir.display().to_string();
+    let scratch = scratch.display().to_string();
     let mut env = vec![
         ("PATH".into(), "/usr/bin:/bin".into()),
         ("LANG".into(), "C.UTF-8".into()),
         ("HOME".into(), dir.clone()),
-        ("TMPDIR".into(), dir.clone()),
+        ("TMPDIR".into(), scratch.clone()),
+        ("SANDCELL_TMPDIR".into(), scratch),
         ("SANDCELL_SESSION_DIR".into(), dir),
         (
             sandcell_confine::PLAN_ENV.into(),
@@ -447,6 +457,9 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
             tracing::warn!(error = %e, "no session file system (best effort): the disk budget is held by the walks only");
         });
     }
+    // The user's files and the worker's scratch side by side on that file system.
+    crate::files::lay_out(&spec.session_dir, spec.uid, spec.gid)
+        .map_err(io(format!("lay out {}", spec.session_dir.display())))?;
     let plan = plan(spec);
 
     // Opened before the fork, close-on-exec, so the child only has to write(2).
