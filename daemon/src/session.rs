@@ -142,8 +142,12 @@ pub struct Session {
     pub limits: SessionLimits,
     /// Mutable state.
     pub info: Mutex<Info>,
-    /// The session directory (files in and out: `files.rs`).
+    /// The session directory (files in and out: `files.rs`). For a session adopted from a
+    /// daemon in another mount namespace, a path through the descriptor `dir_view` (`keep.rs`).
     pub dir: PathBuf,
+    /// The descriptor `dir` names, held (never read) as long as the session object lives, so
+    /// its number is not reused while `dir` names it (`keep.rs`).
+    _dir_view: Option<std::os::fd::OwnedFd>,
     /// The worker's uid and gid (files the daemon stores there are theirs); `None` when the
     /// worker keeps the daemon's identity (development).
     pub worker_ids: Option<(u32, u32)>,
@@ -342,6 +346,7 @@ impl Session {
             started: SystemTime::now(),
             keep,
             lifeline: None,
+            dir_view: None,
         })
     }
 
@@ -365,7 +370,11 @@ impl Session {
                 state: SessionState::Idle,
                 last_activity: l.last_activity,
             }),
-            dir: l.session_dir.clone(),
+            dir: l
+                .dir_view
+                .as_ref()
+                .map_or_else(|| l.session_dir.clone(), keep::view_path),
+            _dir_view: l.dir_view,
             worker_ids: l.uid.as_ref().map(|u| (u.uid(), u.uid())),
             files_generation: std::sync::atomic::AtomicU64::new(0),
             cells: Default::default(),
@@ -1042,6 +1051,8 @@ struct Launch {
     started: SystemTime,
     keep: Option<keep::Keep>,
     lifeline: Option<crate::keeper::Lifeline>,
+    /// The session directory's descriptor, when its mount is not in this daemon's namespace.
+    dir_view: Option<std::os::fd::OwnedFd>,
 }
 
 struct Actor {
@@ -1160,7 +1171,7 @@ impl Actor {
                     break;
                 }
                 _ = tokio::time::sleep_until(self.disk_next), if self.disk_scan.is_none() => {
-                    let dir = self.session_dir.clone();
+                    let dir = self.session.dir.clone();
                     self.disk_scan = Some((Instant::now(), tokio::task::spawn_blocking(move || disk_usage(&dir))));
                 }
                 walked = disk_scan_done(&mut self.disk_scan), if self.disk_scan.is_some() => {
@@ -1255,7 +1266,7 @@ impl Actor {
         let generation = self.session.files_generation();
         let files_before = match self.known_files.take() {
             Some((g, listing)) if g == generation => Some(listing),
-            _ => list_files(self.session_dir.clone()).await,
+            _ => list_files(self.session.dir.clone()).await,
         };
         let limits = self.session.limits.clone();
         self.wait_leftovers_reaped().await;
@@ -1574,7 +1585,7 @@ impl Actor {
                     self.on_request_writable(run, ready)
                 }
                 _ = tokio::time::sleep_until(run.disk_next), if run.disk_scan.is_none() => {
-                    let dir = self.session_dir.clone();
+                    let dir = self.session.dir.clone();
                     run.disk_scan = Some((
                         Instant::now(),
                         tokio::task::spawn_blocking(move || disk_usage(&dir)),
@@ -2076,7 +2087,7 @@ impl Actor {
         // the entries of the session directory the cell created or changed are listed.
         let generation = self.session.files_generation();
         let sweep = ending.is_none().then(|| (self.group.clone(), self.pid));
-        let after = cell_files(self.session_dir.clone(), files_before, sweep).await;
+        let after = cell_files(self.session.dir.clone(), files_before, sweep).await;
         let over = after.ends_session(limits.files_bytes);
         if after.partial && over.is_none() {
             result.warnings.push(format!(
