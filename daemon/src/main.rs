@@ -695,8 +695,8 @@ fn status_line(core: &Core) -> String {
 /// before it.
 /// The readiness probe of a daemon that adopted sessions, after it serves: every environment's
 /// report is made (and cached) and logged; a failed default environment is an error in the
-/// log, not an exit (the adopted sessions keep being served; opening one of that
-/// environment fails as it would with the report).
+/// log, not an exit (the adopted sessions keep being served; its report, cached, says why,
+/// and opening a session of it fails as its worker fails to start).
 async fn probe_in_background(core: Arc<Core>) {
     for env in core.config().environments() {
         let r = core.environment_report(&env).await;
