@@ -264,7 +264,21 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         "path resolution"
     );
 
-    probe_environments(&core).await?;
+    // With sessions to adopt, their owners wait for this daemon's readiness: the probe (one
+    // worker start per environment, tens of seconds under emulation) would dominate the gap
+    // from the event to the first adopted call answered. It runs after serving instead, in
+    // the background (its reports are the same cached ones `ListEnvironments` gives). The
+    // adopted workers are the evidence that the environments start.
+    let adopting = found.as_ref().map_or(0, |f| f.adoptable.len());
+    if adopting == 0 {
+        probe_environments(&core).await?;
+    } else {
+        tracing::info!(
+            sessions = adopting,
+            "adopting sessions of the previous daemon: the readiness probe runs after the first \
+             client is served, in the background"
+        );
+    }
     // The kept sessions are adopted after the probes (which need an idle daemon and room in
     // the budgets) and before the first client is served; their keepers hold them meanwhile.
     match found {
@@ -295,6 +309,9 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     tracing::info!("ready to serve");
 
     let server = tokio::spawn(varlink::serve(core.clone(), listener, stop_rx));
+    if adopting > 0 {
+        tokio::spawn(probe_in_background(core.clone()));
+    }
     let stopped = serve_until_stopped(
         &core,
         &mut metrics,
@@ -676,6 +693,21 @@ fn status_line(core: &Core) -> String {
 /// waits (at most 10 s) for the sessions budget to be back to zero. Otherwise with
 /// `max_concurrent_sessions = 1` a probe would be refused `CapacityExceeded` by the one
 /// before it.
+/// The readiness probe of a daemon that adopted sessions, after it serves: every environment's
+/// report is made (and cached) and logged; a failed default environment is an error in the
+/// log, not an exit (the adopted sessions keep being served; its report, cached, says why,
+/// and opening a session of it fails as its worker fails to start).
+async fn probe_in_background(core: Arc<Core>) {
+    for env in core.config().environments() {
+        let r = core.environment_report(&env).await;
+        if r.ready {
+            tracing::info!(environment = %env.name, version = %r.version, packages = r.packages.len(), "environment ready");
+        } else {
+            tracing::error!(environment = %env.name, default = env.default, reason = r.reason.as_deref().unwrap_or(""), "environment not ready after adoption; sessions of it will fail to start");
+        }
+    }
+}
+
 async fn probe_environments(core: &Arc<Core>) -> anyhow::Result<()> {
     for env in core.config().environments() {
         let t0 = std::time::Instant::now();

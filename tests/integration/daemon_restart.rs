@@ -71,13 +71,23 @@ struct Setup {
 /// The first daemon, and the settings its successors start with (same cgroup name, state
 /// directory and adoption directory).
 fn first_daemon(extra: &[(&str, &str)]) -> (Daemon, Setup) {
+    first_daemon_in(extra, false)
+}
+
+/// [`first_daemon`], in a private mount namespace with `private_mounts` (as the unit starts
+/// it: `PrivateMounts=yes`).
+fn first_daemon_in(extra: &[(&str, &str)], private_mounts: bool) -> (Daemon, Setup) {
     let cgroup = format!("sandcell-adopt-{}", rand_hex(5));
     let mut env: Vec<(String, String)> = vec![("SANDCELL_CGROUP_NAME".into(), cgroup)];
     for (k, v) in extra {
         env.push((k.to_string(), v.to_string()));
     }
     let borrowed: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let d = Daemon::start(&borrowed);
+    let d = if private_mounts {
+        Daemon::start_private_mounts(&borrowed, None)
+    } else {
+        Daemon::start(&borrowed)
+    };
     let state = d.dir.path().join("state");
     let adopt = d.dir.path().join("adopt");
     env.push(("SANDCELL_STATE_DIR".into(), state.display().to_string()));
@@ -92,6 +102,17 @@ fn successor(first: &Daemon, s: &Setup) -> Daemon {
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
     Daemon::start_on(&first.socket, &borrowed)
+}
+
+/// [`successor`] in a mount namespace of its own, as every start of the unit gets one: the
+/// session file systems its predecessor mounted are not in it.
+fn successor_private(first: &Daemon, s: &Setup) -> Daemon {
+    let borrowed: Vec<(&str, &str)> = s
+        .env
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    Daemon::start_private_mounts(&borrowed, Some(&first.socket))
 }
 
 async fn stdout_of(c: &mut Client, id: &str, code: &str) -> String {
@@ -126,14 +147,19 @@ async fn sessions_survive_a_daemon_killed_with_sigkill() {
     if !pydata {
         eprintln!("note: the pydata stack is not installed: its session is an Eryx one");
     }
-    let (mut first, setup) = first_daemon(&[
-        ("SANDCELL_LANGUAGES", if r { "python,r" } else { "python" }),
-        ("SANDCELL_MAX_SESSIONS_PER_UID", "8"),
-        ("SANDCELL_MAX_DETACHED_SESSIONS_PER_UID", "8"),
-        ("SANDCELL_MAX_WORKER_MEMORY_BYTES_PER_UID", "8589934592"),
-        ("SANDCELL_MAX_GUEST_MEMORY_BYTES_PER_UID", "1073741824"),
-        ("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "60"),
-    ]);
+    // Each daemon in its own mount namespace, as under the unit (PrivateMounts=yes): the
+    // session file systems the first one mounted are not in its successors' namespaces.
+    let (mut first, setup) = first_daemon_in(
+        &[
+            ("SANDCELL_LANGUAGES", if r { "python,r" } else { "python" }),
+            ("SANDCELL_MAX_SESSIONS_PER_UID", "8"),
+            ("SANDCELL_MAX_DETACHED_SESSIONS_PER_UID", "8"),
+            ("SANDCELL_MAX_WORKER_MEMORY_BYTES_PER_UID", "8589934592"),
+            ("SANDCELL_MAX_GUEST_MEMORY_BYTES_PER_UID", "1073741824"),
+            ("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "60"),
+        ],
+        true,
+    );
     let mut c = first.client().await;
     let mut sessions: Vec<Opened> = Vec::new();
     // (language, environment, detached idle, host calls)
@@ -210,7 +236,7 @@ async fn sessions_survive_a_daemon_killed_with_sigkill() {
             first.log_text()
         );
     }
-    let second = successor(&first, &setup);
+    let mut second = successor_private(&first, &setup);
     let mut c = second.client().await;
     let out = stdout_of(&mut c, &sessions[0].id, sessions[0].print).await;
     let gap = t_kill.elapsed();
@@ -227,6 +253,23 @@ async fn sessions_survive_a_daemon_killed_with_sigkill() {
     eprintln!("worker pids before and after: {pids:?}");
     let (files, _) = c.list_files(&sessions[0].id).await.unwrap();
     assert!(files.iter().any(|f| f.name == "kept.txt"), "{files:?}");
+    // The daemon and the worker see one directory: a file put now is read by the cell, and
+    // a file the cell writes is listed and read back.
+    c.put_bytes(&sessions[0].id, "put-after.txt", b"put after adoption")
+        .await
+        .unwrap();
+    let read = stdout_of(
+        &mut c,
+        &sessions[0].id,
+        "print(open('/mnt/data/put-after.txt').read()); n = open('/mnt/data/cell.txt', 'w').write('from the cell')",
+    )
+    .await;
+    assert_eq!(read.trim(), "put after adoption");
+    let (_, got, _) = c
+        .get_file_chunk(&sessions[0].id, "cell.txt", 0, None)
+        .await
+        .unwrap();
+    assert_eq!(got, b"from the cell");
     // Owners are enforced: another uid does not see the sessions.
     let reply = call_as(
         65534,
@@ -271,9 +314,29 @@ async fn sessions_survive_a_daemon_killed_with_sigkill() {
     assert!(t_last.elapsed() < Duration::from_secs(45));
     // A slot is free again: one open succeeds, and then the cap holds once more.
     let extra = c.open("python", None, Some(60)).await.unwrap().session;
-    stdout_of(&mut c, &extra, "print(1)").await;
+    stdout_of(&mut c, &extra, "x = 7").await;
+    c.put_bytes(&extra, "second.txt", b"opened by the second daemon")
+        .await
+        .unwrap();
+    // A third daemon, in a third namespace, adopts sessions whose file systems were mounted
+    // in two others: the first daemon's and the second's.
+    kill_daemon(&mut second, libc::SIGKILL);
     drop(c);
-    drop(second);
+    let third = successor_private(&first, &setup);
+    let mut c = third.client().await;
+    assert_eq!(
+        stdout_of(&mut c, &sessions[0].id, sessions[0].print)
+            .await
+            .trim(),
+        "100"
+    );
+    assert_eq!(stdout_of(&mut c, &extra, "print(x)").await.trim(), "7");
+    for (id, name) in [(&sessions[0].id, "cell.txt"), (&extra, "second.txt")] {
+        let (files, _) = c.list_files(id).await.unwrap();
+        assert!(files.iter().any(|f| f.name == name), "{id}: {files:?}");
+    }
+    drop(c);
+    drop(third);
     // The successor's SIGTERM (its Drop) ended every worker and keeper.
     for (w, k) in &before {
         assert!(

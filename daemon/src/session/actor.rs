@@ -210,7 +210,7 @@ impl Actor {
         let generation = self.session.files_generation();
         let files_before = match self.known_files.take() {
             Some((g, listing)) if g == generation => Some(listing),
-            _ => list_files(self.session_dir.clone()).await,
+            _ => list_files(self.session.dir.clone()).await,
         };
         let limits = self.session.limits.clone();
         self.wait_leftovers_reaped().await;

@@ -321,7 +321,7 @@ impl Actor {
                     self.on_request_writable(run, ready)
                 }
                 _ = tokio::time::sleep_until(run.disk_next), if run.disk_scan.is_none() => {
-                    let dir = self.session_dir.clone();
+                    let dir = self.session.dir.clone();
                     run.disk_scan = Some((
                         Instant::now(),
                         tokio::task::spawn_blocking(move || disk_usage(&dir)),

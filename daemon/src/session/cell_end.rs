@@ -69,7 +69,7 @@ impl Actor {
         // the entries of the session directory the cell created or changed are listed.
         let generation = self.session.files_generation();
         let sweep = ending.is_none().then(|| (self.group.clone(), self.pid));
-        let after = cell_files(self.session_dir.clone(), files_before, sweep).await;
+        let after = cell_files(self.session.dir.clone(), files_before, sweep).await;
         let over = after.ends_session(limits.files_bytes);
         if after.partial && over.is_none() {
             result.warnings.push(format!(

@@ -29,7 +29,7 @@ impl Actor {
     /// Starts a total of the idle session's directory on the blocking pool (its result comes
     /// to [`Actor::on_idle_disk_usage`]).
     pub(super) fn start_idle_disk_scan(&mut self) {
-        let dir = self.session_dir.clone();
+        let dir = self.session.dir.clone();
         self.disk_scan = Some((
             Instant::now(),
             tokio::task::spawn_blocking(move || disk_usage(&dir)),

@@ -307,25 +307,49 @@ pub fn connect(dir: &Path, r: Record) -> Result<Adoptable, NotAdopted> {
     })
 }
 
-/// Makes the session directory `path` show the session's file system `dir` (the keeper's
-/// descriptor) in this daemon's mount namespace: a daemon under its unit has a private one
-/// (`PrivateMounts=yes`), where its predecessor's tmpfs mount is not, so it is bound again.
-fn rebind(path: &Path, dir: &OwnedFd) -> std::io::Result<()> {
+/// How this daemon reaches an adopted session's directory `path`, whose file system the
+/// keeper's descriptor `dir` holds: `None` when `path` shows that very directory here (the
+/// predecessor ran in this mount namespace), else `Some(dir)`, to be reached through
+/// [`view_path`].
+///
+/// Under its unit a daemon has a private mount namespace (`PrivateMounts=yes`, systemd.exec(5))
+/// and each start gets a new one: the session's tmpfs was mounted in the predecessor's, where
+/// only its keepers (and the worker's own namespace) keep it, and `path` here is the empty
+/// directory beneath. It cannot be bound here either: `mount(MS_BIND)` and
+/// `open_tree(OPEN_TREE_CLONE)` of a mount outside the caller's namespace answer `EINVAL`
+/// (fs/namespace.c, `check_mnt`), and joining the predecessor's namespace with setns(2)
+/// needs `CAP_SYS_CHROOT` and a single-threaded caller. A path through the descriptor needs
+/// neither: the kernel follows `/proc/self/fd/N` to the directory itself, in whatever mount
+/// it is (proc(5)).
+///
+/// Errors: `path` or `dir` cannot be read, or `dir` is not a directory.
+pub(crate) fn view(path: &Path, dir: OwnedFd) -> std::io::Result<Option<OwnedFd>> {
     use std::os::unix::fs::MetadataExt;
-    let there = std::fs::metadata(path)?;
     let held = std::fs::File::from(dir.try_clone()?).metadata()?;
-    if there.dev() == held.dev() && there.ino() == held.ino() {
-        return Ok(());
+    if !held.is_dir() {
+        return Err(std::io::Error::other(
+            "the keeper's session directory descriptor is not a directory",
+        ));
     }
-    let src = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(dir));
-    nix::mount::mount(
-        Some(src.as_str()),
-        path,
-        None::<&str>,
-        nix::mount::MsFlags::MS_BIND,
-        None::<&str>,
-    )?;
-    Ok(())
+    match std::fs::symlink_metadata(path) {
+        Ok(there) if there.dev() == held.dev() && there.ino() == held.ino() => Ok(None),
+        Ok(_) => Ok(Some(dir)),
+        Err(e) => Err(std::io::Error::new(
+            e.kind(),
+            format!("{}: {e}", path.display()),
+        )),
+    }
+}
+
+/// The path through which this process reaches the directory `dir` is open on, in any mount
+/// namespace: `/proc/self/fd/<dir>/.` (the trailing `.` makes `dir` an inner component, so
+/// `O_NOFOLLOW` and `RESOLVE_BENEATH` opens of the path itself work). Valid while `dir` is
+/// open: the session holds it for its whole life.
+pub(crate) fn view_path(dir: &OwnedFd) -> PathBuf {
+    PathBuf::from(format!(
+        "/proc/self/fd/{}/.",
+        std::os::fd::AsRawFd::as_raw_fd(dir)
+    ))
 }
 
 /// What [`Session::adopt`] needs besides the keeper's descriptors.
@@ -354,14 +378,14 @@ impl Session {
     /// idle clock. The keeper's connection is the session's lifeline from now on.
     ///
     /// Errors: the descriptors cannot be registered, or the session directory cannot be
-    /// bound in this mount namespace.
+    /// reached ([`view`]).
     pub fn adopt(a: Adoptable, w: AdoptWith) -> std::io::Result<Arc<Session>> {
         let Adoptable {
             record: r,
             lifeline,
             held,
         } = a;
-        rebind(&r.session_dir, &held.dir)?;
+        let dir_view = view(&r.session_dir, held.dir)?;
         let language = Language::parse(&r.language)
             .ok_or_else(|| std::io::Error::other(format!("language {:?}", r.language)))?;
         let interrupt = interrupt_of(&r.interrupt)
@@ -412,6 +436,7 @@ impl Session {
             started: std::time::UNIX_EPOCH + Duration::from_millis(r.started_unix_ms),
             keep: Some(w.keep),
             lifeline: Some(lifeline),
+            dir_view,
         }))
     }
 }

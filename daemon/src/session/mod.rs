@@ -153,8 +153,12 @@ pub struct Session {
     pub limits: SessionLimits,
     /// Mutable state.
     pub info: Mutex<Info>,
-    /// The session directory (files in and out: `files.rs`).
+    /// The session directory (files in and out: `files/`). For a session adopted from a
+    /// daemon in another mount namespace, a path through the descriptor `dir_view` (`keep.rs`).
     pub dir: PathBuf,
+    /// The descriptor `dir` names, held (never read) as long as the session object lives, so
+    /// its number is not reused while `dir` names it (`keep.rs`).
+    _dir_view: Option<std::os::fd::OwnedFd>,
     /// The worker's uid and gid (files the daemon stores there are theirs); `None` when the
     /// worker keeps the daemon's identity (development).
     pub worker_ids: Option<(u32, u32)>,
@@ -353,6 +357,7 @@ impl Session {
             started: SystemTime::now(),
             keep,
             lifeline: None,
+            dir_view: None,
         })
     }
 
@@ -376,7 +381,11 @@ impl Session {
                 state: SessionState::Idle,
                 last_activity: l.last_activity,
             }),
-            dir: l.session_dir.clone(),
+            dir: l
+                .dir_view
+                .as_ref()
+                .map_or_else(|| l.session_dir.clone(), keep::view_path),
+            _dir_view: l.dir_view,
             worker_ids: l.uid.as_ref().map(|u| (u.uid(), u.uid())),
             files_generation: std::sync::atomic::AtomicU64::new(0),
             cells: Default::default(),
@@ -624,6 +633,8 @@ struct Launch {
     started: SystemTime,
     keep: Option<keep::Keep>,
     lifeline: Option<crate::keeper::Lifeline>,
+    /// The session directory's descriptor, when its mount is not in this daemon's namespace.
+    dir_view: Option<std::os::fd::OwnedFd>,
 }
 
 mod actor;

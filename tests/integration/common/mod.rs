@@ -123,7 +123,15 @@ impl Daemon {
     /// As [`Daemon::start`], but listening on `socket` (e.g. the socket of a daemon that was
     /// killed, to start its successor where its clients connect).
     pub fn start_on(socket: &Path, env: &[(&str, &str)]) -> Daemon {
-        Self::start_at(env, None, None, Some(socket))
+        Self::start_at(env, None, None, Some(socket), false)
+    }
+
+    /// As [`Daemon::start`] (or [`Daemon::start_on`] with `socket`), in a mount namespace of
+    /// its own whose mounts do not propagate back (`unshare(CLONE_NEWNS)`, then `/` made a
+    /// recursive slave), as systemd starts the unit (`PrivateMounts=yes`, systemd.exec(5)):
+    /// what the daemon mounts (session file systems) only it and its children see.
+    pub fn start_private_mounts(env: &[(&str, &str)], socket: Option<&Path>) -> Daemon {
+        Self::start_at(env, None, None, socket, true)
     }
 
     fn start_cmd(env: &[(&str, &str)], activated: Option<()>) -> Daemon {
@@ -131,7 +139,7 @@ impl Daemon {
     }
 
     fn start_full(env: &[(&str, &str)], activated: Option<()>, config: Option<&Path>) -> Daemon {
-        Self::start_at(env, activated, config, None)
+        Self::start_at(env, activated, config, None, false)
     }
 
     fn start_at(
@@ -139,6 +147,7 @@ impl Daemon {
         activated: Option<()>,
         config: Option<&Path>,
         socket: Option<&Path>,
+        private_mounts: bool,
     ) -> Daemon {
         let runtime = python_runtime();
         let dir = tempfile::Builder::new()
@@ -233,6 +242,28 @@ impl Daemon {
                 c
             }
         };
+        if private_mounts {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: unshare(2) and mount(2) only, between fork and exec; nothing allocated.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::unshare(libc::CLONE_NEWNS) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    if libc::mount(
+                        c"none".as_ptr(),
+                        c"/".as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_REC | libc::MS_SLAVE,
+                        std::ptr::null(),
+                    ) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         if unit_sandbox::enabled() {
             unit_sandbox_of_unit().apply(&mut cmd);
         }
