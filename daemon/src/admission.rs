@@ -368,6 +368,15 @@ impl Permit {
     pub fn attach(&mut self, owner: UidCharge) {
         self.owner = Some(owner);
     }
+
+    /// Gives the owner's per-uid reservation back now, keeping the daemon-wide charge until
+    /// the permit drops (after the worker is reaped). Called when a session's end is decided,
+    /// before its client sees the last result: a client that opens its next session at once
+    /// must not be refused for the one that is ending, while the machine-wide budgets still
+    /// count the worker until it is gone.
+    pub fn release_owner(&mut self) {
+        drop(self.owner.take());
+    }
 }
 
 impl Drop for Permit {
@@ -429,6 +438,46 @@ mod tests {
             1
         );
         assert!(a.reserve_uid(1000, c, true).is_ok());
+    }
+
+    #[test]
+    fn an_ending_session_gives_back_its_uid_quota_before_its_daemon_wide_charge() {
+        let a = Admission::new(
+            Budgets {
+                sessions: 3,
+                guest_memory: 3000,
+                worker_memory: 3000,
+            },
+            per_uid(),
+        );
+        let c = Charge {
+            guest_memory: 10,
+            worker_memory: 10,
+        };
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            let mut p = a.try_admit(c).unwrap();
+            p.attach(a.reserve_uid(1000, c, false).unwrap());
+            held.push(p);
+        }
+        assert!(
+            a.reserve_uid(1000, c, false).is_err(),
+            "the uid is at its cap"
+        );
+        // The first session's end is decided: the uid may open again at once, but the
+        // daemon-wide count keeps the ending worker until its permit drops.
+        held[0].release_owner();
+        let r = a.reserve_uid(1000, c, false).unwrap();
+        assert_eq!(a.snapshot().1.sessions, 2);
+        let mut p = a.try_admit(c).unwrap();
+        p.attach(r);
+        assert_eq!(
+            a.try_admit(c).unwrap_err().budget,
+            "max_concurrent_sessions"
+        );
+        drop(held);
+        assert_eq!(a.snapshot().1.sessions, 1);
+        assert_eq!(a.uid_use()[0].1.sessions, 1);
     }
 
     #[test]

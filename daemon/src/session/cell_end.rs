@@ -134,6 +134,13 @@ impl Actor {
                 SessionState::Idle
             };
         }
+        // Likewise the owner's per-uid quota: the next Run sent the moment this result arrives
+        // must not count this session. The daemon-wide charge stays until the worker is reaped.
+        if ending.is_some()
+            && let Some(p) = self.permit.as_mut()
+        {
+            p.release_owner();
+        }
         if cancelled {
             let _ = run.frames.try_send(result_frame);
             close_req = None;
