@@ -777,6 +777,8 @@ newer_deb || echo "    (could not build the newer package)"
 cat >/etc/systemd/system/sandcelld.service.d/60-lifecycle.conf <<'CONF'
 [Service]
 Environment=SANDCELL_MAX_CONCURRENT_SESSIONS=24 SANDCELL_MAX_SESSIONS_PER_UID=16 SANDCELL_MAX_DETACHED_SESSIONS_PER_UID=16 SANDCELL_MAX_START_BURST_PER_UID=200
+# 8 workers of 1 GiB each do not fit the 4 GiB guest's aggregate worker budget (3 GiB).
+Environment=SANDCELL_MAX_WORKER_MEMORY_BYTES=268435456 SANDCELL_MAX_SESSION_FILES_BYTES=67108864
 CONF
 systemctl daemon-reload
 systemctl stop sandcelld.service
@@ -829,9 +831,9 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     # activation socket, so this is the gap a client sees (event to its answer).
     local first first_gap
     if [[ ${kinds[0]} == r ]]; then
-        first=$(echo 'cat(v, "\n", sep = "")' | as_gw timeout 300 sandcellctl exec "${ids[0]}" - 2>&1)
+        first=$(echo 'cat(v, "\n", sep = "")' | as_gw timeout 300 sandcellctl exec "${ids[0]}" - 2>/dev/null)
     else
-        first=$(echo 'print(v)' | as_gw timeout 300 sandcellctl exec "${ids[0]}" - 2>&1)
+        first=$(echo 'print(v)' | as_gw timeout 300 sandcellctl exec "${ids[0]}" - 2>/dev/null)
     fi
     first_gap=$(echo "$(date +%s.%N) - $t0" | bc)
     echo "    [$ev] first Execute on an adopted session answered after ${first_gap} s: ${first:0:80}"
@@ -847,9 +849,9 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     journalctl -b -u sandcelld.service --no-pager -o cat --since "@${t0%.*}" 2>/dev/null | grep -iE 'SIGTERM|restarting the unit|ending every session|adopt|kept|oom|killed|swept' | head -14 | cut -c1-300 | sed "s/^/    [$ev] journal: /"
     for i in "${!ids[@]}"; do
         if [[ ${kinds[$i]} == r ]]; then
-            out=$(echo 'cat(v, "\n", sep = "")' | as_gw sandcellctl exec "${ids[$i]}" - 2>&1)
+            out=$(echo 'cat(v, "\n", sep = "")' | as_gw sandcellctl exec "${ids[$i]}" - 2>/dev/null)
         else
-            out=$(echo 'print(v)' | as_gw sandcellctl exec "${ids[$i]}" - 2>&1)
+            out=$(echo 'print(v)' | as_gw sandcellctl exec "${ids[$i]}" - 2>/dev/null)
         fi
         [[ $out == "$((i * 7))" ]] && kept=$((kept + 1))
     done
