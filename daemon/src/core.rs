@@ -23,6 +23,7 @@ use tokio::sync::{broadcast, mpsc, watch};
 
 mod connections;
 mod own;
+mod query;
 pub use connections::{ConnectionRefused, Shares};
 
 /// Frames a cell's channel holds (the actor waits when it is full).

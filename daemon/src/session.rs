@@ -222,6 +222,13 @@ pub enum Command {
         /// Answer.
         reply: oneshot::Sender<Result<InspectReply, InspectRefused>>,
     },
+    /// A completion or help of the idle session; see [`query`].
+    Query {
+        /// What is asked (already validated).
+        query: query::Query,
+        /// Answer.
+        reply: query::QueryReply,
+    },
     /// End the session; `done` fires after everything is released.
     Close {
         /// Why.
@@ -1146,6 +1153,13 @@ impl Actor {
                             break;
                         }
                     }
+                    Some(Command::Query { query, reply }) => {
+                        if let Some(end) = self.query(query, reply, &mut cmds).await {
+                            reason = end.0;
+                            close_done = end.1;
+                            break;
+                        }
+                    }
                     Some(Command::Close { reason: r, done }) => { reason = r; close_done = Some(done); break; }
                 },
                 status = self.child.wait() => {
@@ -1189,6 +1203,9 @@ impl Actor {
                     let _ = done.send(());
                 }
                 Command::Inspect { reply, .. } => {
+                    let _ = reply.send(Err(InspectRefused::Ended));
+                }
+                Command::Query { reply, .. } => {
                     let _ = reply.send(Err(InspectRefused::Ended));
                 }
                 Command::HostReply { reply, .. } => {
@@ -1372,6 +1389,10 @@ impl Actor {
                         None
                     }
                     Some(Command::Inspect { reply, .. }) => {
+                        let _ = reply.send(Err(InspectRefused::Busy(0)));
+                        None
+                    }
+                    Some(Command::Query { reply, .. }) => {
                         let _ = reply.send(Err(InspectRefused::Busy(0)));
                         None
                     }
@@ -1636,6 +1657,10 @@ impl Actor {
                 None
             }
             Some(Command::Inspect { reply, .. }) => {
+                let _ = reply.send(Err(InspectRefused::Busy(run.cell)));
+                None
+            }
+            Some(Command::Query { reply, .. }) => {
                 let _ = reply.send(Err(InspectRefused::Busy(run.cell)));
                 None
             }
@@ -2782,6 +2807,9 @@ async fn send_or_command(
                 Some(Command::Inspect { reply, .. }) => {
                     let _ = reply.send(Err(InspectRefused::Busy(0)));
                 }
+                Some(Command::Query { reply, .. }) => {
+                    let _ = reply.send(Err(InspectRefused::Busy(0)));
+                }
                 // The cell is over (or not started): no call of it waits.
                 Some(Command::HostReply { reply, .. }) => {
                     let _ = reply.send(false);
@@ -2832,6 +2860,8 @@ fn kind(m: &WorkerMessage) -> &'static str {
         WorkerMessage::Dropped { .. } => "dropped",
         WorkerMessage::Done { .. } => "done",
         WorkerMessage::Inspected { .. } => "inspected",
+        WorkerMessage::Completions { .. } => "completions",
+        WorkerMessage::Help { .. } => "help",
         WorkerMessage::HostCall { .. } => "host_call",
         WorkerMessage::Display { .. } => "display",
     }
@@ -2881,6 +2911,8 @@ fn proc_cpu_seconds(pid: u32) -> Option<f64> {
 }
 
 mod keep;
+
+pub mod query;
 pub use keep::{AdoptWith, Adoptable, Keep, NotAdopted, connect as connect_keeper};
 
 #[cfg(test)]
