@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any, TypeVar, cast
 
 from . import _protocol as P
+from ._query import Completions, Help, op_complete, op_help
 from .errors import (
     CapacityExceeded,
     ConnectionFailed,
@@ -762,6 +763,14 @@ class AsyncSession:
     async def inspect(self, max_items: int | None = None) -> P.VariableList:
         """The session's variables between cells (see :meth:`sandcell.Session.inspect`)."""
         return await self.client._call(P.op_inspect(self._local, max_items))
+
+    async def complete(self, code: str, cursor: int | None = None) -> Completions:
+        """Completion at a cursor between cells (see :meth:`sandcell.Session.complete`)."""
+        return await self.client._call(op_complete(self._local, code, cursor))
+
+    async def help(self, code: str, cursor: int | None = None, detail: int | None = None) -> Help:
+        """Help for the name at a cursor (see :meth:`sandcell.Session.help`)."""
+        return await self.client._call(op_help(self._local, code, cursor, detail))
 
     async def delete_file(self, name: str) -> None:
         """Removes a file, symlink or empty directory."""
