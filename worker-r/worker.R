@@ -872,6 +872,192 @@ inspect_reply <- function(opts) {
   ))
 }
 
+## ---- complete and help ------------------------------------------------------------
+#
+# `complete` and `help` requests (Varlink Complete and Help) are not cells: the code is the
+# payload, the cursor a character position in it. Completion is R's own (the console's TAB
+# completion in utils: .assignLinebuffer, .guessTokenFromLine, .completeToken,
+# .retrieveCompletions) on the cursor's line; help is args() of the name at the cursor (or of
+# the call the cursor is in) and its help page as text (tools::Rd2txt). The user's code they
+# may reach (a `$` completion evaluates the object, .DollarNames methods) runs through
+# inspect_call with the request's `timeout_ms`; one that fails or runs out answers empty.
+
+MAX_MATCHES <- 500L
+MAX_MATCH_BYTES <- 256L
+HELP_TEXT_BYTES <- 64L * 1024L
+
+# The payload as UTF-8 text ("" when it is not valid UTF-8 or holds a NUL).
+query_code <- function(payload) {
+  if (any(payload == as.raw(0L))) return("")
+  code <- rawToChar(payload)
+  Encoding(code) <- "UTF-8"
+  if (!validUTF8(code)) return("")
+  code
+}
+
+# The cursor of a request: opts$cursor clamped to the code's characters.
+query_cursor <- function(code, opts) {
+  n <- nchar(code, type = "chars")
+  c <- opts[["cursor"]]
+  if (!is.numeric(c)) return(n)
+  max(0, min(c, n))
+}
+
+# The line holding character `cursor` of `code`: list(line, pos (characters into the line),
+# before (characters of the code before the line)).
+query_position <- function(code, cursor) {
+  lines <- strsplit(code, "\n", fixed = TRUE)[[1L]]
+  before <- 0
+  pos <- cursor
+  for (l in lines) {
+    n <- nchar(l, type = "chars")
+    if (pos <= n) return(list(line = l, pos = pos, before = before))
+    pos <- pos - n - 1
+    before <- before + n + 1
+  }
+  list(line = "", pos = 0, before = before)
+}
+
+query_budget <- function(opts) {
+  budget <- opts[["timeout_ms"]]
+  if (!is.numeric(budget)) budget <- 2000
+  st <- new.env(parent = emptyenv())
+  st$deadline <- proc.time()[["elapsed"]] + min(budget, 2000) / 1000
+  st
+}
+
+# The `completions` reply line of a complete request.
+complete_reply <- function(payload, opts) {
+  code <- query_code(payload)
+  cursor <- query_cursor(code, opts)
+  p <- query_position(code, cursor)
+  st <- query_budget(opts)
+  r <- inspect_call(st, function() {
+    utils:::.assignLinebuffer(p$line)
+    utils:::.assignEnd(p$pos)
+    utils:::.guessTokenFromLine()
+    utils:::.completeToken()
+    list(comps = utils:::.retrieveCompletions(), token = utils:::.CompletionEnv[["token"]])
+  })
+  comps <- character(0)
+  token <- ""
+  if (identical(r$status, "ok") && is.character(r$value$comps) &&
+    is.character(r$value$token) && length(r$value$token) == 1L) {
+    comps <- unique(r$value$comps[!is.na(r$value$comps)])
+    token <- r$value$token
+  }
+  tlen <- nchar(token, type = "chars")
+  if (is.na(tlen) || tlen > p$pos) tlen <- 0
+  truncated <- FALSE
+  ok <- validUTF8(comps) & nchar(comps, type = "bytes") <= MAX_MATCH_BYTES & nzchar(comps)
+  if (!all(ok)) truncated <- TRUE
+  comps <- comps[ok]
+  if (length(comps) > MAX_MATCHES) {
+    comps <- comps[seq_len(MAX_MATCHES)]
+    truncated <- TRUE
+  }
+  json_obj(list(
+    t = json_str("completions"),
+    nonce = if (!is.null(state$nonce)) json_str(state$nonce),
+    matches = paste0("[", paste(vapply(comps, json_str, ""), collapse = ","), "]"),
+    cursor_start = json_int(cursor - tlen),
+    cursor_end = json_int(cursor),
+    truncated = if (truncated) "true" else "false"
+  ))
+}
+
+# The name at the cursor (letters, digits, "." and "_", with a `pkg::` prefix), else the
+# function of the call the cursor is in, else "".
+help_name <- function(p) {
+  chars <- strsplit(p$line, "", fixed = TRUE)[[1L]]
+  word <- "[A-Za-z0-9._:]"
+  i <- p$pos
+  while (i >= 1L && grepl(word, chars[[i]])) i <- i - 1L
+  j <- p$pos + 1L
+  while (j <= length(chars) && grepl(word, chars[[j]])) j <- j + 1L
+  name <- if (j - 1L > i) paste(chars[(i + 1L):(j - 1L)], collapse = "") else ""
+  ok <- function(n) grepl("^([A-Za-z.][A-Za-z0-9._]*:::?)?[A-Za-z.][A-Za-z0-9._]*$", n)
+  if (ok(name)) return(name)
+  depth <- 0L
+  k <- p$pos
+  while (k >= 1L) {
+    ch <- chars[[k]]
+    if (ch == ")") depth <- depth + 1L
+    if (ch == "(") {
+      if (depth == 0L) {
+        m <- regmatches(substr(p$line, 1L, k - 1L),
+          regexpr("([A-Za-z.][A-Za-z0-9._]*:::?)?[A-Za-z.][A-Za-z0-9._]*\\s*$",
+            substr(p$line, 1L, k - 1L)))
+        return(if (length(m)) sub("\\s+$", "", m) else "")
+      }
+      depth <- depth - 1L
+    }
+    k <- k - 1L
+  }
+  ""
+}
+
+# The `help` reply line of a help request.
+help_reply <- function(payload, opts) {
+  code <- query_code(payload)
+  p <- query_position(code, query_cursor(code, opts))
+  detail <- opts[["detail"]]
+  detail <- is.numeric(detail) && detail >= 1
+  st <- query_budget(opts)
+  name <- help_name(p)
+  parts <- character(0)
+  found <- FALSE
+  if (nzchar(name)) {
+    topic <- sub("^.*:::?", "", name)
+    pkg <- if (grepl("::", name, fixed = TRUE)) sub(":::?.*$", "", name)
+    obj <- inspect_call(st, function() {
+      if (is.null(pkg)) get(topic, envir = .GlobalEnv) else getExportedValue(pkg, topic)
+    })
+    if (identical(obj$status, "ok")) {
+      found <- TRUE
+      x <- obj$value
+      if (is.function(x)) {
+        a <- inspect_call(st, function() deparse(args(x)))
+        if (identical(a$status, "ok") && is.character(a$value)) {
+          sig <- a$value[a$value != "NULL"]
+          parts <- c(parts, paste0(name, sub("^function ", "", paste(sub("\\s+$", "", sig),
+            collapse = " "))))
+        }
+      } else {
+        cls <- tryCatch(class(x)[[1L]], error = function(e) "?")
+        parts <- c(parts, paste0(name, ": ", cls))
+      }
+      if (detail && is.function(x)) {
+        src <- inspect_call(st, function() deparse(x))
+        if (identical(src$status, "ok") && is.character(src$value)) {
+          parts <- c(parts, "", "Source:", bound_text(paste(src$value, collapse = "\n"),
+            HELP_TEXT_BYTES %/% 2L))
+        }
+      }
+    }
+    h <- inspect_call(st, function() {
+      files <- as.character(do.call(utils::help,
+        if (is.null(pkg)) list(topic = topic) else list(topic = topic, package = pkg)))
+      if (!length(files)) return(character(0))
+      rd <- utils:::.getHelpFile(files[[1L]])
+      utils::capture.output(tools::Rd2txt(rd, out = "",
+        options = list(underline_titles = FALSE)))
+    })
+    if (identical(h$status, "ok") && is.character(h$value) && length(h$value)) {
+      found <- TRUE
+      parts <- c(parts, "", h$value)
+    }
+  }
+  text <- if (found) paste(parts, collapse = "\n") else ""
+  text <- bound_text(text, HELP_TEXT_BYTES)
+  json_obj(list(
+    t = json_str("help"),
+    nonce = if (!is.null(state$nonce)) json_str(state$nonce),
+    found = if (found) "true" else "false",
+    data = json_obj(list(`text/plain` = json_str(text)))
+  ))
+}
+
 ## ---- quit() ------------------------------------------------------------------------
 
 # Ends the session from a cell: reports `exited`, then exits R.
@@ -906,6 +1092,28 @@ serve <- function(ready = TRUE) {
       drain_interrupt()
       state$nonce <- req$opts$nonce
       send_line(inspect_reply(req$opts))
+      state$nonce <- NULL
+      next
+    }
+    if (identical(req$op, "complete") || identical(req$op, "help")) {
+      drain_interrupt()
+      state$nonce <- req$opts$nonce
+      line <- tryCatch(
+        if (identical(req$op, "complete")) complete_reply(req$payload, req$opts) else
+          help_reply(req$payload, req$opts),
+        error = function(e) NULL)
+      if (is.null(line)) {
+        line <- if (identical(req$op, "complete")) {
+          c0 <- json_int(query_cursor(query_code(req$payload), req$opts))
+          paste0("{\"t\":\"completions\",\"matches\":[],\"cursor_start\":", c0,
+            ",\"cursor_end\":", c0, ",\"truncated\":false",
+            if (!is.null(state$nonce)) paste0(",\"nonce\":", json_str(state$nonce)), "}")
+        } else {
+          paste0("{\"t\":\"help\",\"found\":false,\"data\":{\"text/plain\":\"\"}",
+            if (!is.null(state$nonce)) paste0(",\"nonce\":", json_str(state$nonce)), "}")
+        }
+      }
+      send_line(line)
       state$nonce <- NULL
       next
     }

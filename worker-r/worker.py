@@ -53,6 +53,11 @@
 #   in all, through the same SIGALRM and SIGINT handlers as a cell: a call that raises shows
 #   `<repr failed: Type>`, the call the budget ends `<repr timed out>`, and the values after it
 #   `<repr skipped: time budget used up>` (their size and shape left out).
+# - `complete` and `help` requests (Varlink Complete and Help) are not cells either: the code
+#   is the payload, the cursor a character position; rlcompleter over `__main__` (module names
+#   after import/from, from the finders, without importing), and for help the signature, type,
+#   docstring (and with detail=1 the source) of the name at the cursor. Same sink, same budget
+#   through SIGALRM and SIGINT as an inspect; an answer that fails or times out is empty.
 #
 # - Host calls (`from sandcell import host; host.call("name", {...})`): only in a cell whose
 #   request says `host_calls=1` (the session or run opted in), else HostCallError at once,
@@ -954,6 +959,208 @@ def serve_inspect(opts):
     send(msg)
 
 
+# ---- complete and help (Varlink Complete and Help) -----------------------------------------
+#
+# Neither is a cell: nothing is bound (no `_`), nothing is printed (sys.stdout and sys.stderr
+# are a sink meanwhile) and no module is imported for it that the session had not imported
+# (module names come from the import system's finders, pkgutil.iter_modules, which lists
+# directories without importing). Positions are characters of the code (Jupyter's
+# cursor_pos). The user's code a query may call (rlcompleter's attribute lookups: __dir__,
+# __getattr__, descriptors other than properties; docstrings and signatures of user objects)
+# runs through `call`, which bounds it by the request's `timeout_ms`; past it the answer is
+# empty (no matches, not found).
+
+COMPLETE_MAX_MATCHES = 500
+MAX_MATCH_BYTES = 256
+HELP_TEXT_BYTES = 64 * 1024
+HELP_SOURCE_CHARS = 32 * 1024
+_IMPORT_LINE = r"\s*(?:from\s+([\w.]*)|import\s+(?:[\w.]+\s*,\s*)*([\w.]*)|from\s+([\w.]+)\s+import\s+(?:\(?\s*)?(?:\w+\s*,\s*)*(\w*))$"
+
+
+def _query_module_names(prefix):
+    """Importable module names starting with `prefix` (dotted: submodules of an imported
+    package only)."""
+    import pkgutil
+    head, dot, tail = prefix.rpartition(".")
+    if dot:
+        pkg = sys.modules.get(head)
+        path = getattr(pkg, "__path__", None)
+        if path is None:
+            return []
+        names = [m.name for m in pkgutil.iter_modules(list(path))]
+        return [head + "." + n for n in names if n.startswith(tail)]
+    names = set(sys.builtin_module_names)
+    names.update(m.name for m in pkgutil.iter_modules())
+    names.update(k for k in list(sys.modules) if "." not in k)
+    return [n for n in names
+            if n.startswith(prefix) and (prefix.startswith("_") or not n.startswith("_"))]
+
+
+def query_complete(ns, code, cursor, max_items, call):
+    """(matches, cursor_start, cursor_end, truncated) at character `cursor` of `code` in the
+    namespace `ns`; `call(fn, *args)` runs code that may reach the user's."""
+    import re
+    import rlcompleter
+    cursor = max(0, min(cursor, len(code)))
+    line = code[:cursor].rsplit("\n", 1)[-1]
+    m = re.match(_IMPORT_LINE, line)
+    if m is not None and m.group(3) is not None:
+        token = m.group(4)
+        mod = sys.modules.get(m.group(3))
+        names = list(call(dir, mod)) if mod is not None else []
+        names += [n.rpartition(".")[2] for n in _query_module_names(m.group(3) + "." + token)]
+        found = [n for n in names if isinstance(n, str) and n.startswith(token)]
+    elif m is not None:
+        token = m.group(1) if m.group(1) is not None else m.group(2)
+        found = _query_module_names(token)
+    else:
+        token = re.search(r"[\w.]*$", line).group()
+        if not token or token[0].isdigit() or token[0] == ".":
+            return [], cursor, cursor, False
+        completer = rlcompleter.Completer(ns)
+        if "." in token:
+            found = call(completer.attr_matches, token)
+        else:
+            found = call(completer.global_matches, token)
+    seen = set()
+    out = []
+    truncated = False
+    for f in found:
+        if not isinstance(f, str):
+            continue
+        f = f.rstrip("( :")
+        if not f or f in seen:
+            continue
+        seen.add(f)
+        if len(clean(f).encode("utf-8")) > MAX_MATCH_BYTES:
+            truncated = True
+            continue
+        out.append(clean(f))
+    # Private names (a leading "_" after the last dot) after public ones, each in name order.
+    out.sort(key=lambda s: (s.rpartition(".")[2].startswith("_"), s))
+    if len(out) > max_items:
+        out, truncated = out[:max_items], True
+    return out, cursor - len(token), cursor, truncated
+
+
+def _query_name_at(code, cursor):
+    """The dotted name at `cursor`, else the callee of the call the cursor is in, else None."""
+    import re
+    before, after = code[:cursor], code[cursor:]
+    name = re.search(r"[\w.]*$", before).group() + re.match(r"\w*", after).group()
+    name = name.strip(".")
+    ident = r"[^\W\d]\w*(?:\.[^\W\d]\w*)*"
+    if re.fullmatch(ident, name):
+        return name
+    depth = 0
+    for i in range(len(before) - 1, max(-1, len(before) - 4096), -1):
+        c = before[i]
+        if c == ")":
+            depth += 1
+        elif c == "(":
+            if depth == 0:
+                m = re.search("(" + ident + r")\s*$", before[:i])
+                return m.group(1) if m else None
+            depth -= 1
+    return None
+
+
+def query_help(ns, code, cursor, detail, call):
+    """(found, text) for the name at character `cursor` of `code` in `ns`: signature, type,
+    docstring, with `detail` >= 1 also the source; `call` as for query_complete."""
+    import inspect as pyinspect
+    import keyword
+    cursor = max(0, min(cursor, len(code)))
+    name = _query_name_at(code, cursor)
+    if name is None or keyword.iskeyword(name.split(".")[0]):
+        return False, ""
+    parts = name.split(".")
+    missing = object()
+    obj = ns.get(parts[0], missing)
+    if obj is missing:
+        obj = getattr(builtins, parts[0], missing)
+    if obj is missing:
+        obj = sys.modules.get(parts[0], missing)
+    for p in parts[1:]:
+        if obj is missing:
+            break
+        obj = call(getattr, obj, p, missing)
+    if obj is missing:
+        return False, ""
+    lines = []
+    try:
+        sig = call(pyinspect.signature, obj)
+        lines.append("Signature: %s%s" % (name, sig))
+    except (TypeError, ValueError):
+        pass
+    lines.append("Type:      %s" % type_name(type(obj)))
+    if not (callable(obj) or isinstance(obj, types.ModuleType)):
+        text = call(reprlib.repr, obj)
+        lines.append("Value:     %s" % text)
+    try:
+        where = call(pyinspect.getfile, obj)
+        lines.append("File:      %s" % where)
+    except (TypeError, OSError):
+        pass
+    doc = call(pyinspect.getdoc, obj)
+    lines.append("Docstring:\n%s" % (doc if isinstance(doc, str) and doc else "<no docstring>"))
+    if detail >= 1:
+        try:
+            src = call(pyinspect.getsource, obj)
+            if len(src) > HELP_SOURCE_CHARS:
+                src = src[:HELP_SOURCE_CHARS] + "\n... [cut]"
+            lines.append("Source:\n%s" % src)
+        except (TypeError, OSError):
+            pass
+    text = clean("\n".join(str(x) for x in lines))
+    b = text.encode("utf-8")
+    if len(b) > HELP_TEXT_BYTES:
+        text = b[: HELP_TEXT_BYTES - 16].decode("utf-8", "ignore") + "\n... [cut]"
+    return True, text
+
+
+def serve_query(op, payload, opts):
+    """Answers a `complete` or `help` request with one `completions` or `help` line; a query
+    that fails or runs out of its budget answers empty."""
+    budget = min(opts.get("timeout_ms", 2000), 2000) / 1000.0
+    deadline = time.monotonic() + budget
+
+    def call(fn, *args):
+        return user_call(deadline, fn, *args)
+
+    try:
+        code = payload.decode("utf-8")
+    except UnicodeDecodeError:
+        code = ""
+    cursor = opts.get("cursor", len(code))
+    saved = sys.stdout, sys.stderr
+    sys.stdout = sys.stderr = NullWriter()
+    try:
+        if op == "complete":
+            max_items = max(1, min(opts.get("max_items", COMPLETE_MAX_MATCHES), COMPLETE_MAX_MATCHES))
+            try:
+                matches, start, end, truncated = query_complete(MAIN.__dict__, code, cursor, max_items, call)
+            except BaseException:
+                c = max(0, min(cursor, len(code)))
+                matches, start, end, truncated = [], c, c, False
+            msg = {"t": "completions", "matches": matches, "cursor_start": start,
+                   "cursor_end": end, "truncated": truncated}
+        else:
+            try:
+                found, text = query_help(MAIN.__dict__, code, cursor, opts.get("detail", 0), call)
+            except BaseException:
+                found, text = False, ""
+            msg = {"t": "help", "found": found, "data": {"text/plain": text}}
+    finally:
+        sys.stdout, sys.stderr = saved
+    if os.getpid() != S.pid:
+        os._exit(0)  # a child forked by the user's code
+    install_handlers()
+    if "nonce" in opts:
+        msg["nonce"] = opts["nonce"]
+    send(msg)
+
+
 def finish_cell():
     """After every cell: back in the worker's own process, timers off, output flushed,
     streams and handlers restored, figures saved."""
@@ -994,6 +1201,9 @@ def serve():
             break
         if op == "inspect":
             serve_inspect(opts)
+            continue
+        if op in ("complete", "help"):
+            serve_query(op, payload, opts)
             continue
         if op == "host_reply":
             continue  # the answer to a host call the last cell gave up on

@@ -552,6 +552,46 @@ impl Client {
         Ok((r.variables, r.truncated))
     }
 
+    /// Completion at `cursor` (characters; `None`: the end) of `code` in `session`: the
+    /// matches, each replacing `code[cursor_start..cursor_end]` (characters), at most
+    /// [`sandcell_proto::query::COMPLETE_MAX_MATCHES`] (`truncated` says more exist). Not a
+    /// cell. Errors: `SessionBusy` (a cell runs), `LimitExceeded` (`max_source_bytes`),
+    /// `InvalidParameter` (`cursor` past the end), `NoSuchSession`, `WorkerFailed` (the
+    /// worker did not answer in time or broke the protocol; the session ended).
+    pub async fn complete(
+        &mut self,
+        session: &str,
+        code: &str,
+        cursor: Option<u64>,
+    ) -> Result<sandcell_proto::query::CompleteReply, Error> {
+        let p = sandcell_proto::query::CompleteParams {
+            session: session.into(),
+            code: code.into(),
+            cursor,
+        };
+        self.call("Complete", params(&p)).await
+    }
+
+    /// Help for the name at `cursor` (characters; `None`: the end) of `code` in `session`, or
+    /// for the call the cursor is in: whether one was found and a MIME bundle (`text/plain`),
+    /// with `detail` 1 also the source. Not a cell. Errors: as [`Client::complete`], and
+    /// `InvalidParameter` (`detail` above 1).
+    pub async fn help(
+        &mut self,
+        session: &str,
+        code: &str,
+        cursor: Option<u64>,
+        detail: Option<u64>,
+    ) -> Result<sandcell_proto::query::HelpReply, Error> {
+        let p = sandcell_proto::query::HelpParams {
+            session: session.into(),
+            code: code.into(),
+            cursor,
+            detail,
+        };
+        self.call("Help", params(&p)).await
+    }
+
     /// Ends `session`; returns after its worker is gone.
     pub async fn close(&mut self, session: &str) -> Result<(), Error> {
         let p = k::CloseParams {

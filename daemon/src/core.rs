@@ -24,6 +24,7 @@ use tokio::sync::{broadcast, mpsc, watch};
 mod connections;
 mod files;
 mod own;
+mod query;
 pub use connections::{ConnectionRefused, Shares};
 pub use files::{PUT_FILE_SECONDS, Upload};
 

@@ -1638,6 +1638,16 @@ mod tests {
                 round_trip::<InspectParams>,
                 round_trip::<InspectReply>,
             ),
+            (
+                "Complete",
+                round_trip::<crate::query::CompleteParams>,
+                round_trip::<crate::query::CompleteReply>,
+            ),
+            (
+                "Help",
+                round_trip::<crate::query::HelpParams>,
+                round_trip::<crate::query::HelpReply>,
+            ),
             ("Close", round_trip::<CloseParams>, empty),
             (
                 "PutFile",

@@ -32,6 +32,7 @@
 //! | `output`, `dropped` | only for the running cell | never (R output travels on fds 1 and 2) |
 //! | `done` | once per `exec`, for the running cell, echoing the request's `nonce` | the same |
 //! | `inspected` | once per `inspect`, echoing its `nonce` | the same |
+//! | `completions`, `help` | once per `complete`, `help`, echoing its `nonce` (see [`crate::query`]) | the same |
 //! | `display` | only for the running cell of a request with `rich=1` | the same |
 //! | `host_call` | only for the running cell of a request with `host_calls=1`, echoing its `nonce`, numbered from 1 per session, at most one unanswered | the same (the native Python worker likewise) |
 //!
@@ -142,6 +143,12 @@ pub enum Op {
     /// The answer to host call `call` of the running cell (payload: one JSON object, see the
     /// module documentation). Not a request to answer: the worker writes nothing for it.
     HostReply,
+    /// Completion at `cursor` of the payload's code (answered by
+    /// [`WorkerMessage::Completions`]; see [`crate::query`]).
+    Complete,
+    /// Help for the name at `cursor` of the payload's code (answered by
+    /// [`WorkerMessage::Help`]; see [`crate::query`]).
+    Help,
 }
 
 impl Op {
@@ -152,6 +159,8 @@ impl Op {
             Op::Exit => "exit",
             Op::Inspect => "inspect",
             Op::HostReply => "host_reply",
+            Op::Complete => "complete",
+            Op::Help => "help",
         }
     }
 }
@@ -159,7 +168,7 @@ impl Op {
 /// The header line of a request.
 ///
 /// Wire form:
-/// `<op> <cell> <len>[ timeout_ms=<u64>][ fuel=<u64>][ max_output=<u64>][ max_items=<u64>][ call=<u64>][ host_calls=1][ display=0][ rich=1][ nonce=<hex>]\n`
+/// `<op> <cell> <len>[ timeout_ms=<u64>][ fuel=<u64>][ max_output=<u64>][ max_items=<u64>][ call=<u64>][ cursor=<u64>][ detail=<u64>][ host_calls=1][ display=0][ rich=1][ nonce=<hex>]\n`
 /// (at most [`MAX_HEADER_LINE`] bytes: every field at its largest takes about 230).
 /// Workers ignore options they do not know, so an older worker runs a newer daemon's cells.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -182,6 +191,10 @@ pub struct RequestHeader {
     pub max_items: Option<u64>,
     /// `host_reply` only: the host call this answers.
     pub call: Option<u64>,
+    /// `complete` and `help` only: the cursor's position in the code, characters.
+    pub cursor: Option<u64>,
+    /// `help` only: the detail level (0 or 1).
+    pub detail: Option<u64>,
     /// `exec` only: the cell may make host calls (the session or run opted in); without it a
     /// cell's host call raises at once.
     pub host_calls: bool,
@@ -221,6 +234,8 @@ impl RequestHeader {
             max_output: None,
             max_items: None,
             call: None,
+            cursor: None,
+            detail: None,
             host_calls: false,
             display: true,
             rich: false,
@@ -245,6 +260,12 @@ impl RequestHeader {
         }
         if let Some(v) = self.call {
             s.push_str(&format!(" call={v}"));
+        }
+        if let Some(v) = self.cursor {
+            s.push_str(&format!(" cursor={v}"));
+        }
+        if let Some(v) = self.detail {
+            s.push_str(&format!(" detail={v}"));
         }
         if self.host_calls {
             s.push_str(" host_calls=1");
@@ -272,6 +293,8 @@ impl RequestHeader {
             Some("exit") => Op::Exit,
             Some("inspect") => Op::Inspect,
             Some("host_reply") => Op::HostReply,
+            Some("complete") => Op::Complete,
+            Some("help") => Op::Help,
             other => return Err(format!("unknown op {other:?}")),
         };
         let num = |v: Option<&str>, what: &str| -> Result<u64, String> {
@@ -290,6 +313,8 @@ impl RequestHeader {
             max_output: None,
             max_items: None,
             call: None,
+            cursor: None,
+            detail: None,
             host_calls: false,
             display: true,
             rich: false,
@@ -305,6 +330,8 @@ impl RequestHeader {
                 "max_output" => h.max_output = Some(num(Some(v), k)?),
                 "max_items" => h.max_items = Some(num(Some(v), k)?),
                 "call" => h.call = Some(num(Some(v), k)?),
+                "cursor" => h.cursor = Some(num(Some(v), k)?),
+                "detail" => h.detail = Some(num(Some(v), k)?),
                 "host_calls" => h.host_calls = num(Some(v), k)? != 0,
                 "rich" => h.rich = num(Some(v), k)? != 0,
                 "display" => {
@@ -492,6 +519,24 @@ pub enum WorkerMessage {
         /// More variables exist than are listed (over `max_items`, or over
         /// [`MAX_INSPECT_LINE`] bytes of reply).
         truncated: bool,
+    },
+    /// The answer to a `complete` request. Exactly one per `complete`.
+    Completions {
+        /// The request's `nonce`, echoed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nonce: Option<String>,
+        /// The matches and the replaced range ([`crate::query::check_completions`]).
+        #[serde(flatten)]
+        reply: crate::query::CompleteReply,
+    },
+    /// The answer to a `help` request. Exactly one per `help`.
+    Help {
+        /// The request's `nonce`, echoed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nonce: Option<String>,
+        /// Whether a name was found and its bundle ([`crate::query::check_help`]).
+        #[serde(flatten)]
+        reply: crate::query::HelpReply,
     },
     /// The running cell calls a tool of the client (see the module documentation); the
     /// worker then waits for the `host_reply` request naming `call`.

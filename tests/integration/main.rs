@@ -15,6 +15,7 @@ mod common;
 
 mod admission_dbus;
 mod cell_reports;
+mod completion;
 mod confinement_levels;
 mod daemon_restart;
 mod dbus_polkit;

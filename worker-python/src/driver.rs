@@ -148,6 +148,19 @@ pub fn inspect_code(max_items: u64, budget_ms: u64) -> String {
     format!("{ENTRY}.inspect({max_items},{budget_ms})\n")
 }
 
+/// Output stream number on which the driver's `query` sends its answer to a `complete` or
+/// `help` (one JSON object: a `sandcell_proto::query::CompleteReply` or `HelpReply`).
+pub const QUERY_STREAM: u32 = 12;
+
+/// Python that runs the driver's `query` on `code` (`op` `complete` or `help`; `arg` the match
+/// cap or the detail level; `cursor` in characters; the user's code gets `budget_ms`).
+pub fn query_code(op: &str, code: &[u8], cursor: u64, arg: u64, budget_ms: u64) -> String {
+    format!(
+        "{ENTRY}.query('{op}','{}',{cursor},{arg},{budget_ms})\n",
+        b64(code)
+    )
+}
+
 /// The first message of an `inspect` listing.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 pub struct InspectNames {

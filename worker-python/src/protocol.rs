@@ -25,6 +25,13 @@ pub enum Request {
         /// The parsed header.
         header: RequestHeader,
     },
+    /// A `complete` or `help` (`header.op`) of `code` (see `sandcell_proto::query`).
+    Query {
+        /// The parsed header.
+        header: RequestHeader,
+        /// Exactly `header.len` payload bytes.
+        code: Vec<u8>,
+    },
 }
 
 /// Why no request could be read.
@@ -108,6 +115,10 @@ pub fn read_request<R: BufRead>(r: &mut R) -> Result<Request, ReadError> {
             }),
             Op::Exit => Ok(Request::Exit),
             Op::Inspect => Ok(Request::Inspect { header }),
+            Op::Complete | Op::Help => Ok(Request::Query {
+                header,
+                code: payload,
+            }),
             Op::HostReply => continue,
         };
     }

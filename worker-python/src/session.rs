@@ -947,6 +947,8 @@ fn map_driver(r: &DriverResult) -> (WorkerStatus, Option<CellError>, Option<i64>
     }
 }
 
+mod query;
+
 #[cfg(test)]
 mod tests {
     use super::*;

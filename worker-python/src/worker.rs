@@ -278,6 +278,13 @@ pub async fn serve(
                     return exit::IO;
                 }
             }
+            Ok(Request::Query { header, code }) => {
+                let msg = session.query(&header, &code).await;
+                interrupter.end_cell();
+                if replies.send(&msg).is_err() {
+                    return exit::IO;
+                }
+            }
             Ok(Request::Exec { header, source }) => {
                 let req = CellRequest {
                     cell: header.cell,

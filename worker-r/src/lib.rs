@@ -520,6 +520,26 @@ mod tests {
             assert_eq!(script_int(script, "MAX_SHAPE_DIMS"), w::MAX_SHAPE_DIMS);
         }
         assert_eq!(script_int(r, "MAX_HEADER_LINE"), w::MAX_HEADER_LINE);
+        // The bounds of `completions` and `help` answers (the Eryx worker checks the driver's
+        // answer again in Rust).
+        for script in [r, py, driver] {
+            assert_eq!(
+                script_int(script, "MAX_MATCH_BYTES"),
+                sandcell_proto::query::MAX_MATCH_BYTES
+            );
+            assert_eq!(
+                script_int(script, "HELP_TEXT_BYTES"),
+                sandcell_proto::query::HELP_TEXT_BYTES
+            );
+        }
+        assert_eq!(
+            script_int(r, "MAX_MATCHES"),
+            sandcell_proto::query::COMPLETE_MAX_MATCHES
+        );
+        assert_eq!(
+            script_int(py, "COMPLETE_MAX_MATCHES"),
+            sandcell_proto::query::COMPLETE_MAX_MATCHES
+        );
         for script in [r, py] {
             // The bounds a host call checks before it sends anything.
             use sandcell_proto::kernel as k;

@@ -126,6 +126,32 @@ def test_inspect_lists_variables_without_a_cell(client):
         assert s.execute("print(x)").cell == 2
 
 
+def test_complete_and_help_between_cells(client):
+    with client.session("python") as s:
+        s.execute("import os\nvalue_one = 1\nvalue_two = 2\n")
+        c = s.complete("import o")
+        assert isinstance(c, sandcell.Completions)
+        assert "os" in c.matches and (c.cursor_start, c.cursor_end) == (7, 8)
+        c = s.complete("x = value_", cursor=10)
+        assert c.matches == ["value_one", "value_two"] and not c.truncated
+        h = s.help("os.path.join(", detail=0)
+        assert isinstance(h, sandcell.Help) and h.found
+        assert "Signature: os.path.join(a, *p)" in h.text
+        assert not s.help("no_such_name").found
+        with pytest.raises(sandcell.InvalidParameter):
+            s.complete("abc", cursor=4)
+        with pytest.raises(sandcell.InvalidParameter):
+            s.help("abc", detail=2)
+        with pytest.raises(sandcell.LimitExceeded):
+            s.complete("x" * (64 * 1024 + 1))
+        # Not a cell: the next cell is number 2.
+        assert s.execute("print(value_one)").cell == 2
+    with client.session("r") as s:
+        c = s.complete("pri")
+        assert "print" in c.matches and (c.cursor_start, c.cursor_end) == (0, 3)
+        assert "print(x, ...)" in s.help("print(").text
+
+
 def test_r_session_persists(client):
     with client.session("r") as s:
         s.execute("m <- lm(mpg ~ wt, data = mtcars)")

@@ -102,7 +102,8 @@ class TestPythonKernel(Common, jkt.KernelTests):
     code_hello_world = "print('hello, world')"
     code_stderr = "import sys; print('test', file=sys.stderr)"
     completion_samples = [{"text": "pri", "matches": {"print"}},
-                          {"text": "isinst", "matches": {"isinstance"}}]
+                          {"text": "isinst", "matches": {"isinstance"}},
+                          {"text": "import keywo", "matches": {"keyword"}}]
     complete_code_samples = ["1", "print('hello, world')", "def f(x):\n  return x*2\n\n\n"]
     incomplete_code_samples = ["print('''hello", "def f(x):\n  x*2", "for i in range(3):"]
     invalid_code_samples = ["import = 7q", "1 +* 2"]
@@ -132,7 +133,7 @@ class TestRKernel(Common, jkt.KernelTests):
     file_extension = ".r"
     code_hello_world = 'cat("hello, world\\n")'
     code_stderr = 'message("test")'
-    completion_samples = [{"text": "prin", "matches": {"print"}},
+    completion_samples = [{"text": "printCoef", "matches": {"printCoefmat"}},
                           {"text": "my_variable <- 1\nmy_var", "matches": {"my_variable"}}]
     complete_code_samples = ["1", "x <- 2", "f <- function(x) {\n  x\n}"]
     incomplete_code_samples = ["f <- function(x) {", "1 +", "'abc"]
@@ -146,8 +147,60 @@ class TestRKernel(Common, jkt.KernelTests):
         self.execute_helper("my_variable <- 1")
         super().test_completion()
 
-    def test_inspect(self) -> None:
-        skip("inspect (help for a name) is answered only for Python builtins")
+    code_inspect_sample = "print"
+
+
+# -- completion and help from the session, through jupyter_client ---------------------------
+
+
+def ask(kc, kind: str, code: str, **kw) -> dict:
+    """The content of the reply to one complete_request or inspect_request."""
+    msg_id = getattr(kc, kind)(code, **kw)
+    while True:
+        reply = kc.get_shell_msg(timeout=60)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            assert reply["content"]["status"] == "ok", reply["content"]
+            return reply["content"]
+
+
+@pytest.mark.parametrize("kernel", ["sandcell-python", "sandcell-pydata"])
+def test_python_completion_and_help_come_from_the_session(kernel):
+    km = KernelManager(kernel_name=kernel)
+    km.start_kernel()
+    kc = km.client()
+    try:
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        r = ask(kc, "complete", "import o")
+        assert "os" in r["matches"] and (r["cursor_start"], r["cursor_end"]) == (7, 8), r
+        # A name only the session has: the kernel's own history never saw it bound.
+        kc.execute_interactive("globals()['hidden_' + 'name'] = 1", timeout=60)
+        r = ask(kc, "complete", "hidden_n")
+        assert r["matches"] == ["hidden_name"], r
+        r = ask(kc, "inspect", "len(", detail_level=0)
+        assert r["found"] and "Signature: len(" in r["data"]["text/plain"], r
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_r_completion_and_help_come_from_the_session():
+    km = KernelManager(kernel_name="sandcell-r")
+    km.start_kernel()
+    kc = km.client()
+    try:
+        kc.start_channels()
+        kc.wait_for_ready(timeout=60)
+        r = ask(kc, "complete", "pri")
+        assert "print" in r["matches"] and (r["cursor_start"], r["cursor_end"]) == (0, 3), r
+        kc.execute_interactive("df <- data.frame(alpha = 1)", timeout=60)
+        r = ask(kc, "complete", "df$al")
+        assert r["matches"] == ["df$alpha"], r
+        r = ask(kc, "inspect", "print")
+        assert r["found"] and "print(x, ...)" in r["data"]["text/plain"], r
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
 
 
 # -- notebooks through nbclient --------------------------------------------------------------

@@ -102,6 +102,13 @@ impl Actor {
                             break;
                         }
                     }
+                    Some(Command::Query { query, reply }) => {
+                        if let Some(end) = self.query(query, reply, &mut cmds).await {
+                            reason = end.0;
+                            close_done = end.1;
+                            break;
+                        }
+                    }
                     Some(Command::Close { reason: r, done }) => { reason = r; close_done = Some(done); break; }
                 },
                 status = self.child.wait() => {
@@ -144,6 +151,9 @@ impl Actor {
                     let _ = done.send(());
                 }
                 Command::Inspect { reply, .. } => {
+                    let _ = reply.send(Err(InspectRefused::Ended));
+                }
+                Command::Query { reply, .. } => {
                     let _ = reply.send(Err(InspectRefused::Ended));
                 }
                 Command::HostReply { reply, .. } => {
@@ -327,6 +337,10 @@ impl Actor {
                         None
                     }
                     Some(Command::Inspect { reply, .. }) => {
+                        let _ = reply.send(Err(InspectRefused::Busy(0)));
+                        None
+                    }
+                    Some(Command::Query { reply, .. }) => {
                         let _ = reply.send(Err(InspectRefused::Busy(0)));
                         None
                     }
@@ -610,6 +624,9 @@ pub(super) async fn send_or_command(
                 }
                 // The cell's result still waits for its reader.
                 Some(Command::Inspect { reply, .. }) => {
+                    let _ = reply.send(Err(InspectRefused::Busy(0)));
+                }
+                Some(Command::Query { reply, .. }) => {
                     let _ = reply.send(Err(InspectRefused::Busy(0)));
                 }
                 // The cell is over (or not started): no call of it waits.

@@ -386,6 +386,10 @@ impl Actor {
                 let _ = reply.send(Err(InspectRefused::Busy(run.cell)));
                 None
             }
+            Some(Command::Query { reply, .. }) => {
+                let _ = reply.send(Err(InspectRefused::Busy(run.cell)));
+                None
+            }
             Some(Command::HostReply {
                 call,
                 payload,
@@ -994,6 +998,8 @@ pub(super) fn kind(m: &WorkerMessage) -> &'static str {
         WorkerMessage::Dropped { .. } => "dropped",
         WorkerMessage::Done { .. } => "done",
         WorkerMessage::Inspected { .. } => "inspected",
+        WorkerMessage::Completions { .. } => "completions",
+        WorkerMessage::Help { .. } => "help",
         WorkerMessage::HostCall { .. } => "host_call",
         WorkerMessage::Display { .. } => "display",
     }

@@ -237,6 +237,13 @@ pub enum Command {
         /// Answer.
         reply: oneshot::Sender<Result<InspectReply, InspectRefused>>,
     },
+    /// A completion or help of the idle session; see [`query`].
+    Query {
+        /// What is asked (already validated).
+        query: query::Query,
+        /// Answer.
+        reply: query::QueryReply,
+    },
     /// End the session; `done` fires after everything is released.
     Close {
         /// Why.
@@ -655,6 +662,8 @@ mod idle;
 use idle::DISK_IDLE_WATCH;
 
 mod keep;
+
+pub mod query;
 pub use keep::{AdoptWith, Adoptable, Keep, NotAdopted, connect as connect_keeper};
 
 #[cfg(test)]

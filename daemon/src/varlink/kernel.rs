@@ -300,6 +300,14 @@ async fn kernel(
             let p = parse!(w, call, k::InspectParams);
             answer(w, call, core.inspect(caller, &p.session, p.max_items).await).await
         }
+        "Complete" => {
+            let p = parse!(w, call, sandcell_proto::query::CompleteParams);
+            answer(w, call, core.complete(caller, p).await).await
+        }
+        "Help" => {
+            let p = parse!(w, call, sandcell_proto::query::HelpParams);
+            answer(w, call, core.help(caller, p).await).await
+        }
         "Interrupt" => {
             let p = parse!(w, call, InterruptParams);
             answer(w, call, core.interrupt(caller, &p.session, p.cell).await).await

@@ -362,6 +362,36 @@ fn fake_worker_main() {
                 out.flush().unwrap();
                 continue;
             }
+            Op::Complete => {
+                let cursor = header.cursor.unwrap_or(0);
+                reply(
+                    &mut out,
+                    &WorkerMessage::Completions {
+                        nonce: header.nonce.clone(),
+                        reply: sandcell_proto::query::CompleteReply {
+                            matches: Vec::new(),
+                            cursor_start: cursor,
+                            cursor_end: cursor,
+                            truncated: false,
+                        },
+                    },
+                );
+                out.flush().unwrap();
+                continue;
+            }
+            Op::Help => {
+                let mut data = serde_json::Map::new();
+                data.insert("text/plain".into(), "".into());
+                reply(
+                    &mut out,
+                    &WorkerMessage::Help {
+                        nonce: header.nonce.clone(),
+                        reply: sandcell_proto::query::HelpReply { found: false, data },
+                    },
+                );
+                out.flush().unwrap();
+                continue;
+            }
             Op::Exec => {}
         }
         let steps = cells

@@ -361,6 +361,9 @@ impl Worker {
                 }
                 WorkerMessage::Ready { .. } => panic!("second Ready"),
                 WorkerMessage::Inspected { .. } => panic!("Inspected during cell {cell}"),
+                WorkerMessage::Completions { .. } | WorkerMessage::Help { .. } => {
+                    panic!("a completion or help answer during cell {cell}")
+                }
                 WorkerMessage::HostCall { .. } => panic!("HostCall during cell {cell}"),
                 WorkerMessage::Display { .. } => panic!("Display without rich output, cell {cell}"),
                 WorkerMessage::Fatal { stage, reason } => panic!("Fatal {stage}: {reason}"),

@@ -28,6 +28,7 @@ from ._protocol import (
     qualify_session_id,
     split_session_id,
 )
+from ._query import Completions, Help
 from .aio import AsyncClient, AsyncSession
 from .client import Client, Session
 from .errors import *  # noqa: F403  (every error class, named after the Varlink error)
@@ -80,6 +81,8 @@ __all__ = [
     "FileInfo",
     "HostCall",
     "Variable",
+    "Completions",
+    "Help",
     "FileList",
     "VariableList",
     "InterruptResult",

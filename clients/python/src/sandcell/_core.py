@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any, Generic, ParamSpec, TypeVar, cast
 
 from . import _protocol as P
+from ._query import Completions, Help, op_complete, op_help
 from .errors import (
     CapacityExceeded,
     ConnectionFailed,
@@ -843,6 +844,25 @@ class SessionCore:
         ``max_items`` over 1000, :class:`WorkerFailed` when the worker did not answer in time
         (the session ended)."""
         return await self.client._call(P.op_inspect(self._local, max_items))
+
+    async def _complete(self, code: str, cursor: int | None = None) -> Completions:
+        """Completion at ``cursor`` (characters; None: the end) of ``code``, between cells:
+        :class:`Completions` (``matches`` replacing ``code[cursor_start:cursor_end]``). Python
+        completes through rlcompleter and module names, R through its own completion. Not a
+        cell.
+
+        Raises :class:`SessionBusy` while a cell runs, :class:`LimitExceeded` for code over
+        ``max_source_bytes``, :class:`InvalidParameter` for a cursor past the end,
+        :class:`WorkerFailed` when the worker did not answer in time (the session ended)."""
+        return await self.client._call(op_complete(self._local, code, cursor))
+
+    async def _help(
+        self, code: str, cursor: int | None = None, detail: int | None = None
+    ) -> Help:
+        """Help for the name at ``cursor`` of ``code`` (or the call it is in): :class:`Help`
+        (``found``, a MIME bundle: signature and docstring, R's help page; ``detail=1`` adds
+        the source). Not a cell; raises as :meth:`complete`."""
+        return await self.client._call(op_help(self._local, code, cursor, detail))
 
     async def _delete_file(self, name: str) -> None:
         """Removes a file, symlink (the link itself) or empty directory."""

@@ -134,6 +134,8 @@ class AsyncSession(C.SessionCore):
     get_file = C.coroutine(C.SessionCore._get_file)
     list_files = C.coroutine(C.SessionCore._list_files)
     inspect = C.coroutine(C.SessionCore._inspect)
+    complete = C.coroutine(C.SessionCore._complete)
+    help = C.coroutine(C.SessionCore._help)
     delete_file = C.coroutine(C.SessionCore._delete_file)
     close = C.coroutine(C.SessionCore._close)
 

@@ -115,6 +115,8 @@ class Session(C.SessionCore):
     get_file = C.blocking(C.SessionCore._get_file)
     list_files = C.blocking(C.SessionCore._list_files)
     inspect = C.blocking(C.SessionCore._inspect)
+    complete = C.blocking(C.SessionCore._complete)
+    help = C.blocking(C.SessionCore._help)
     delete_file = C.blocking(C.SessionCore._delete_file)
     close = C.blocking(C.SessionCore._close)
 

@@ -20,10 +20,13 @@ kernels that delegate execution elsewhere. What this module adds is only the map
   ``restart_kernel``), so a new session. A session that ended under a cell (worker crashed,
   out of memory, ``exit()``) is reported in that cell, and the next cell opens a new session
   and says so first.
-- ``complete_request``, ``inspect_request``: answered locally, without the session (never a
-  cell, never in the history): names of the language's keywords and builtins and the names
-  the kernel's own history assigns; for Python, help for builtins from the kernel's
-  interpreter (``pydoc``). The session's live variables are not consulted.
+- ``complete_request``, ``inspect_request``: the session's ``Complete`` and ``Help`` (never a
+  cell, never in the history; bounded in time by the daemon): Python completes through
+  rlcompleter over the session's namespace and module names, R through its own completion;
+  help is the signature and docstring, or R's help page. When the session cannot answer
+  (it ended, or a cell runs: the daemon refuses queries beside a cell), the kernel answers
+  locally: the language's keywords and builtins and the names its own history assigns, and
+  for Python help for builtins from the kernel's interpreter (``pydoc``).
 - ``is_complete_request``: decided locally from the language's parser: Python's ``codeop``
   (plus IPython's rule that an indented last line needs a blank line); for R a small
   heuristic (open brackets or strings, a trailing operator: incomplete; a closing bracket
@@ -352,7 +355,31 @@ class SandcellKernel(Kernel):
         m = re.search(r"[A-Za-z_.][A-Za-z0-9_.]*$", code[:cursor_pos])
         return m.group(0) if m else ""
 
+    def _ask(self, what: str, *args: Any) -> Any:
+        """The session's answer to ``complete`` or ``help``, or None when it cannot answer
+        (no session, a cell runs, the session ended: then the next cell opens a new one)."""
+        s = self.sc_session
+        if s is None:
+            return None
+        try:
+            return s.complete(*args) if what == "complete" else s.help(*args)
+        except sandcell.SessionBusy:
+            return None
+        except (sandcell.WorkerFailed, sandcell.NoSuchSession, sandcell.SessionEnded) as e:
+            self._drop_session(f"the session ended during a {what} ({e})")
+            return None
+        except sandcell.SandcellError as e:
+            self.log.info("%s: %s", what, e)
+            return None
+
     def do_complete(self, code: str, cursor_pos: int) -> dict[str, Any]:
+        r = self._ask("complete", code, cursor_pos)
+        if r is not None:
+            return {"status": "ok", "matches": r.matches, "cursor_start": r.cursor_start,
+                    "cursor_end": r.cursor_end, "metadata": {}}
+        return self._local_complete(code, cursor_pos)
+
+    def _local_complete(self, code: str, cursor_pos: int) -> dict[str, Any]:
         token = self._token(code, cursor_pos)
         if self.sc_language == "r":
             pool = set(R_WORDS)
@@ -367,6 +394,13 @@ class SandcellKernel(Kernel):
 
     def do_inspect(self, code: str, cursor_pos: int, detail_level: int = 0,
                    omit_sections: Any = ()) -> dict[str, Any]:
+        h = self._ask("help", code, cursor_pos, 1 if detail_level else 0)
+        if h is not None:
+            return {"status": "ok", "found": h.found, "data": h.data if h.found else {},
+                    "metadata": {}}
+        return self._local_inspect(code, cursor_pos)
+
+    def _local_inspect(self, code: str, cursor_pos: int) -> dict[str, Any]:
         found: dict[str, Any] = {"status": "ok", "found": False, "data": {}, "metadata": {}}
         if self.sc_language != "python":
             return found
