@@ -427,7 +427,7 @@ impl Actor {
     /// sweep stopped it, or a thread of a native Python worker) and logged.
     ///
     /// Errors: the violation, or the pipe's end, as the reason the worker ends.
-    fn drain_stale(&mut self) -> Result<(), String> {
+    pub(super) fn drain_stale(&mut self) -> Result<(), String> {
         match self.replies.drain_stale(MAX_WORKER_LINE) {
             Ok((0, false)) => {}
             Ok((0, true)) => return Err("worker closed its reply pipe".into()),
@@ -505,7 +505,7 @@ impl Actor {
 /// A fresh request nonce: 64 bits from `getrandom(2)` as 16 lowercase hex digits.
 ///
 /// Errors: the kernel's random source failed.
-fn new_nonce() -> std::io::Result<String> {
+pub(super) fn new_nonce() -> std::io::Result<String> {
     crate::sys::random_hex(wire::NONCE_HEX_LEN / 2)
 }
 
@@ -553,7 +553,7 @@ pub(super) fn describe_exit(st: std::process::ExitStatus) -> String {
 pub(super) const KILL_AFTER_SIGINT_MIN: Duration = Duration::from_millis(100);
 
 /// How often an unanswered `Inspect` repeats its SIGINT (as a cell's interrupt does).
-const INTERRUPT_REPEAT: Duration = Duration::from_millis(250);
+pub(super) const INTERRUPT_REPEAT: Duration = Duration::from_millis(250);
 
 /// The `Inspect` answer in a worker's reply `line`, or why the line breaks the protocol: it
 /// must be an `inspected` frame with the request's `nonce`, at most `max_items` variables,

@@ -645,7 +645,10 @@ struct Launch {
 }
 
 mod actor;
-use actor::{Actor, CloseRequest, KILL_AFTER_SIGINT_MIN, describe_exit, send_or_command};
+use actor::{
+    Actor, CloseRequest, INTERRUPT_REPEAT, KILL_AFTER_SIGINT_MIN, describe_exit, new_nonce,
+    send_or_command,
+};
 
 mod cell;
 use cell::{
