@@ -486,6 +486,14 @@ fn closing_an_ended_session_is_not_an_error() {
         err,
         format!("sandcellctl: session {session} had already ended (closed); nothing to close\n")
     );
+    // With --json the note is an object on standard output, and standard error stays empty.
+    let out = run(d.ctl().args(["--json", "close", &session]), None);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stderr), "");
+    let v: serde_json::Value = serde_json::from_str(&text(&out.stdout)).unwrap();
+    assert_eq!(v["session"], session.as_str());
+    assert_eq!(v["already_ended"], true);
+    assert_eq!(v["reason"], "closed");
 }
 
 /// A new pseudo-terminal: its master and slave ends.

@@ -84,7 +84,7 @@ fn print_sessions(rows: &[SessionInfo]) {
             dbus::human_bytes(s.memory_bytes)
         );
     }
-    outln!("\n{} sessions listed.", rows.len());
+    outln!("\n{} listed.", super::session::sessions_counted(rows.len()));
 }
 
 /// `status`: daemon-wide figures.

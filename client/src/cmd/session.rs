@@ -66,13 +66,22 @@ pub struct Close {
 }
 
 impl Close {
-    /// Closes the session; one already ended is a note on standard error and status 0 (the
+    /// Closes the session; one already ended is a note on standard error (`--json`: the object
+    /// `{"session", "already_ended": true, "reason"}` on standard output) and status 0 (the
     /// wish is fulfilled).
     pub async fn run(self, ctx: &Ctx) -> Outcome {
         let mut c = ctx.connect().await?;
         match c.close(&self.session).await {
             Ok(()) => Ok(0),
             Err(Error::Kernel(KernelError::SessionEnded { reason, .. })) => {
+                if ctx.json {
+                    out::json(&serde_json::json!({
+                        "session": self.session,
+                        "already_ended": true,
+                        "reason": reason,
+                    }));
+                    return Ok(0);
+                }
                 errln!(
                     "sandcellctl: session {} had already ended ({}); nothing to close",
                     escape_name(&self.session),
@@ -233,9 +242,18 @@ pub async fn list_own(ctx: &Ctx) -> Outcome {
         );
     }
     outln!(
-        "\n{} sessions listed{}.",
-        rows.len(),
+        "\n{} listed{}.",
+        sessions_counted(rows.len()),
         if truncated { " (more exist)" } else { "" }
     );
     Ok(0)
+}
+
+/// "1 session", "2 sessions": the count line under a listing.
+pub(super) fn sessions_counted(n: usize) -> String {
+    if n == 1 {
+        "1 session".to_owned()
+    } else {
+        format!("{n} sessions")
+    }
 }

@@ -198,7 +198,7 @@ class SandcellKernel(Kernel):
                 continue
             if (self.sc_environment is None and get("default")) or get("name") == self.sc_environment:
                 # "CPython 3.11.2", "CPython 3.14.0 (Eryx)", "R 4.2.2".
-                m = re.search(r"\d+\.\d+(\.\d+)?", get("interpreter_version") or "")
+                m = re.search(r"\d+\.\d+(\.\d+)?", str(get("interpreter_version") or ""))
                 return m.group(0) if m else ""
         return ""
 
@@ -207,7 +207,7 @@ class SandcellKernel(Kernel):
                                               rich_output=True)
 
     @property
-    def language_info(self) -> dict[str, Any]:  # type: ignore[override]
+    def language_info(self) -> dict[str, Any]:
         if self.sc_language == "r":
             return {"name": "R", "version": self.sc_version, "mimetype": "text/x-r-source",
                     "file_extension": ".r", "pygments_lexer": "r", "codemirror_mode": "r"}
@@ -279,14 +279,14 @@ class SandcellKernel(Kernel):
         if r.status == "ok":
             return ok
         if r.status == "error" and r.error is not None:
-            e = r.error
-            evalue = e.message
-            if e.type == "EOFError" and self.sc_language == "python":
+            err = r.error
+            evalue = err.message
+            if err.type == "EOFError" and self.sc_language == "python":
                 evalue += " (input() is refused: a sandcell cell has no stdin)"
-            tb = (e.traceback or "").rstrip("\n").split("\n") if e.traceback else []
-            if not tb or not tb[-1].startswith(e.type):
-                tb.append(f"{e.type}: {evalue}")
-            return self._error(e.type, evalue, tb)
+            tb = (err.traceback or "").rstrip("\n").split("\n") if err.traceback else []
+            if not tb or not tb[-1].startswith(err.type):
+                tb.append(f"{err.type}: {evalue}")
+            return self._error(err.type, evalue, tb)
         names = {"interrupted": "KeyboardInterrupt", "timeout": "TimeoutError",
                  "memory_exhausted": "MemoryError", "exited": "SystemExit"}
         ename = names.get(r.status, "SandcellError")
