@@ -43,8 +43,12 @@ pub async fn serve(core: Arc<Core>, listener: UnixListener, mut stop: watch::Rec
             _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
-                    let core = core.clone();
-                    tokio::spawn(serve_connection(core, stream));
+                    // Counted under the connection caps here, in accept order, before its
+                    // task runs: tasks run in any order, and a connection accepted later must
+                    // never take the place of one accepted before it.
+                    if let Some(admitted) = admit_connection(&core, stream) {
+                        tokio::spawn(serve_connection(core.clone(), admitted));
+                    }
                 }
                 Err(e) => {
                     let out_of_fds =
@@ -171,23 +175,54 @@ fn raise_nofile(core: &Core) {
     }
 }
 
-async fn serve_connection(core: Arc<Core>, stream: tokio::net::UnixStream) {
+/// An accepted connection, counted under the connection caps.
+struct Admitted {
+    stream: tokio::net::UnixStream,
+    uid: u32,
+    gid: u32,
+    pid: u32,
+    pidfd: Option<std::os::fd::OwnedFd>,
+    guard: crate::core::ConnectionGuard,
+}
+
+/// Reads the peer's credentials and counts the connection under the caps; a refused one is
+/// answered on its own task (the client is told why on its first call), one without
+/// credentials is dropped. Synchronous, so connections are counted in accept order.
+fn admit_connection(core: &Arc<Core>, stream: tokio::net::UnixStream) -> Option<Admitted> {
     let (uid, gid, pid, pidfd) = match socket::peer_credentials(&stream) {
         Ok(c) => c,
         Err(e) => {
             tracing::warn!(error = %e, "no peer credentials; dropping connection");
-            return;
+            return None;
         }
     };
-    let guard = match core.connection_opened(uid, pid) {
-        Ok(g) => g,
+    match core.connection_opened(uid, pid) {
+        Ok(guard) => Some(Admitted {
+            stream,
+            uid,
+            gid,
+            pid,
+            pidfd,
+            guard,
+        }),
         Err(r) => {
-            // Refused and logged by the core: the client is told why on its first call.
+            // Refused and logged by the core.
             drop(pidfd);
-            refuse_connection(stream, &r).await;
-            return;
+            tokio::spawn(async move { refuse_connection(stream, &r).await });
+            None
         }
-    };
+    }
+}
+
+async fn serve_connection(core: Arc<Core>, admitted: Admitted) {
+    let Admitted {
+        stream,
+        uid,
+        gid,
+        pid,
+        pidfd,
+        guard,
+    } = admitted;
     let id = guard.id();
     let caller = Caller {
         uid,
