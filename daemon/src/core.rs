@@ -509,6 +509,20 @@ impl Core {
             .map(|_| self.gone(caller, id))
     }
 
+    /// The error for a cell of session `id` whose frames stopped before its result: the
+    /// session's own end (`NoSuchSession` or `SessionEnded` with its reason) when it ended
+    /// meanwhile (a cell queued just as its owner's connection closed is dropped with the
+    /// session), else `WorkerFailed`.
+    pub async fn cell_cut(&self, caller: &Caller, id: &str) -> KernelError {
+        let cut = KernelError::WorkerFailed {
+            reason: "the session ended without a result".into(),
+        };
+        match self.lookup(caller, id) {
+            Err(gone) => gone,
+            Ok(s) => self.ended_while(caller, &s, id).await.unwrap_or(cut),
+        }
+    }
+
     async fn gone_after(&self, caller: &Caller, s: &Session, id: &str) -> KernelError {
         let _ = tokio::time::timeout(Duration::from_secs(10), s.released()).await;
         self.gone(caller, id)

@@ -265,3 +265,34 @@ async fn the_store_of_ended_sessions_is_bounded() {
     assert_eq!(unknown, 200, "ids past the bound answer NoSuchSession");
     assert_eq!(std::fs::read_dir(&owners).unwrap().count(), 0);
 }
+
+/// An `Execute` that races its session's end (the owner's connection closing while another
+/// connection of the same uid sends the cell) is answered with the session's end, never with
+/// a worker failure: a cell queued behind the end is dropped with the session.
+#[tokio::test]
+async fn an_execute_racing_the_owners_disconnect_answers_the_sessions_end() {
+    let d = Daemon::start(&[]);
+    let mut other = d.client().await;
+    for round in 0..12 {
+        let mut owner = d.client().await;
+        let s = owner.open("python", None, None).await.unwrap().session;
+        owner.execute_collect(&s, "a = 1").await.unwrap();
+        drop(owner);
+        let t0 = Instant::now();
+        let e = loop {
+            match other.execute_collect(&s, "print(a)").await {
+                Ok(_) => {}
+                Err(Error::Kernel(e)) => break e,
+                Err(e) => panic!("round {round}: Execute on {s}: {e:?}"),
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "round {round}: {s} outlived its owner's connection"
+            );
+        };
+        assert!(
+            e.is_no_such_session(),
+            "round {round}: an Execute racing the owner's disconnect: {e:?}"
+        );
+    }
+}

@@ -401,7 +401,7 @@ async fn run(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) -> 
             tx,
         )
         .await;
-    stream_cell(core, w, call, rx, started).await
+    stream_cell(core, caller, w, call, rx, started).await
 }
 
 /// `Execute` (the caller checked `more`): the cell's frames, streamed.
@@ -409,13 +409,14 @@ async fn execute(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>)
     let (tx, rx) = mpsc::channel::<Frame>(64);
     let p = parse!(w, call, ExecuteParams);
     let started = core.execute(caller, &p.session, p.code, tx).await;
-    stream_cell(core, w, call, rx, started).await
+    stream_cell(core, caller, w, call, rx, started).await
 }
 
 /// Answers a `Run` or `Execute` whose cell `started` (or was refused): its frames from `rx`
 /// until the result, or the error that ends the stream.
 async fn stream_cell(
     core: &Core,
+    caller: &Caller,
     w: &Writer,
     call: &Call<RawCall>,
     rx: mpsc::Receiver<Frame>,
@@ -433,10 +434,17 @@ async fn stream_cell(
             send_kernel_error(w, call, KernelError::AttachmentReplaced { session, cell }).await
         }
         Streamed::Stopped => {
-            // The session ended without a result (it cannot normally happen: every path
-            // sends one).
-            let e = KernelError::WorkerFailed {
-                reason: "the session ended without a result".into(),
+            // The frames stopped before a result: an `Execute` queued just as its session
+            // ended (its owner's connection closed, an admin's Close) is dropped with the
+            // session, and is answered with the session's end. Anything else is a worker
+            // failure.
+            let e = match params::<ExecuteParams>(call) {
+                Ok(p) if call.method().method.ends_with(".Execute") => {
+                    core.cell_cut(caller, &p.session).await
+                }
+                _ => KernelError::WorkerFailed {
+                    reason: "the session ended without a result".into(),
+                },
             };
             send_kernel_error(w, call, e).await
         }
