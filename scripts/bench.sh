@@ -51,7 +51,7 @@ done
 echo
 
 echo "== bare R worker (sandcell-worker-r driven directly over its pipes, no daemon)"
-cargo test "${CARGO_FLAGS[@]}" -p sandcell-worker-r --test worker -- --nocapture --exact figures 2>&1 \
+cargo test "${CARGO_FLAGS[@]}" -p sandcell-worker-native --test worker -- --nocapture --exact figures 2>&1 \
     | grep -iE "ready|round trip|rss|rscript|p50|p99" || echo "(figures test not found)"
 
 echo "== confinement cost (median of 50 starts: process wall time, enter() and each layer)"

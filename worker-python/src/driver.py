@@ -6,7 +6,7 @@
 # Each cell is run by one call of `run` (or `run_async` for sources that contain top-level
 # `await`/`async`), compiled under the file name "<cell N>" so that tracebacks carry the
 # cell's own line numbers. Unless the call says `display=0`, a final expression statement not
-# followed by `;` is shown as in Jupyter and in the pydata engine (worker-r/worker.py): it is
+# followed by `;` is shown as in Jupyter and in the pydata engine (worker-native/python/worker.py): it is
 # compiled apart in 'single' mode, so its value goes through sys.displayhook, which the driver
 # sets to `_displayhook` (see there). The outcome, a JSON object, is the last thing the call sends to
 # the host, on OUTCOME_STREAM (Eryx's result variable would cost a json.dumps with a fresh
@@ -260,7 +260,7 @@ def _begin(src, fname, display):
 
 # --- The last expression ------------------------------------------------------------------
 #
-# The same rules as the pydata engine (worker-r/worker.py): a value that is not None shows
+# The same rules as the pydata engine (worker-native/python/worker.py): a value that is not None shows
 # its repr on stdout, as the cell's output (bounded like any other); `_` is bound to it; a
 # repr that raises an Exception shows `<repr failed: Type: message>` (message cut at
 # MAX_REPR_FAILURE_CHARS) and the cell goes on (an interrupt or a timeout during the repr

@@ -73,7 +73,7 @@ warning message tryCatch invisible return Sys.time set.seed rnorm runif sample g
 geom_point geom_line geom_histogram geom_bar geom_boxplot facet_wrap labs theme_minimal
 """.split()))
 
-#: The file names of R's plots in the session directory (worker-r/worker.R's png device).
+#: The file names of R's plots in the session directory (worker-native/r/worker.R's png device).
 R_PLOT = re.compile(r"^plot-\d+-\d+\.png$")
 
 #: Bytes of one R plot read back at most.

@@ -1,5 +1,5 @@
 //! End-to-end tests of the R worker: the built launcher, really confined (best-effort
-//! enforcement, so they also run unprivileged), running `worker-r/worker.R`, driven over the
+//! enforcement, so they also run unprivileged), running `worker-native/r/worker.R`, driven over the
 //! descriptor layout of `sandcell_proto::worker` exactly as the daemon drives it (fd 0
 //! `/dev/null`, fds 1 and 2 pipes, fd 3 requests, fd 4 JSON-lines replies).
 //!
@@ -7,7 +7,7 @@
 //! also pin the worker's hand-written JSON to the Rust types.
 //!
 //! Skipped, with a printed reason, when R is not installed. Figures (start-up, round trip, RSS)
-//! are printed by `figures`: `cargo test -p sandcell-worker-r --release -- --nocapture figures`.
+//! are printed by `figures`: `cargo test -p sandcell-worker-native --release -- --nocapture figures`.
 
 mod common;
 
@@ -44,7 +44,7 @@ fn manifest_dir() -> PathBuf {
 
 /// The worker script in the source tree.
 fn script() -> PathBuf {
-    manifest_dir().join("worker.R")
+    manifest_dir().join("r/worker.R")
 }
 
 /// A pipe whose two ends are close-on-exec and numbered 10 or above, so that `dup2` onto 3

@@ -6,13 +6,13 @@
 //!
 //! 1. reads the confinement plan ([`sandcell_confine::Plan::from_env`]); when the plan switches
 //!    identity, gives the request and reply pipes (fds 3 and 4) to that uid/gid so that R can
-//!    reopen them by path after the switch (see [`sandcell_worker_r::hand_pipes_to`]); then
+//!    reopen them by path after the switch (see [`sandcell_worker_native::hand_pipes_to`]); then
 //!    enters the plan ([`sandcell_confine::enter`]); on failure it prints the reason on stderr
 //!    and exits with [`sandcell_confine::EXIT_CONFINE_FAILED`] before anything else happens;
 //! 2. changes directory to the session directory (`SANDCELL_SESSION_DIR`, else the plan's
 //!    `session_dir`) and makes sure the private temporary directory exists
 //!    (`<session>/.tmp`, or `SANDCELL_TMPDIR`);
-//! 3. finds the worker script (see [`sandcell_worker_r::resolve_script`]);
+//! 3. finds the worker script (see [`sandcell_worker_native::resolve_script`]);
 //! 4. resets every signal disposition to its default and unblocks all signals (an inherited
 //!    `SIG_IGN` for SIGINT survives `execve` and R honours it, which would make cells
 //!    uninterruptible);
@@ -37,7 +37,7 @@
 //! | `SANDCELL_R_HOME` | R installation | `/usr/lib/R` |
 //! | `SANDCELL_R_WORKER_SCRIPT` | worker script path (development) | `sandcell-worker.R` next to the launcher, else embedded |
 
-use sandcell_worker_r::{
+use sandcell_worker_native::{
     EXIT_LAUNCH_FAILED, Script, SessionPaths, common_environment, confine, embedded_script_pipe,
     enter_session, fail, reset_signals, resolve_script,
 };
@@ -51,7 +51,7 @@ use std::process::Command;
 const PROG: &str = "sandcell-worker-r";
 
 /// The worker script compiled into the launcher, used when no script file is found.
-const EMBEDDED_SCRIPT: &str = include_str!("../worker.R");
+const EMBEDDED_SCRIPT: &str = include_str!("../r/worker.R");
 
 /// Name of the script file looked for next to the launcher executable.
 const SCRIPT_NEXT_TO_EXE: &str = "sandcell-worker.R";

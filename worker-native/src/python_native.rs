@@ -35,7 +35,7 @@
 //! Exit statuses: [`sandcell_confine::EXIT_CONFINE_FAILED`] before confinement,
 //! [`EXIT_LAUNCH_FAILED`] after it, else the worker's own (see `worker.py`).
 
-use sandcell_worker_r::{
+use sandcell_worker_native::{
     DEFAULT_MPL_CACHE, EXIT_LAUNCH_FAILED, Script, SessionPaths, common_environment, confine,
     cpu_threads, enter_session, fail, prepare_mpl_config, reset_signals, resolve_script,
 };
@@ -48,7 +48,7 @@ use std::process::Command;
 const PROG: &str = "sandcell-worker-python-native";
 
 /// The worker script compiled into the launcher, used when no script file is found.
-const EMBEDDED_SCRIPT: &str = include_str!("../worker.py");
+const EMBEDDED_SCRIPT: &str = include_str!("../python/worker.py");
 
 /// Name of the script file looked for next to the launcher executable.
 const SCRIPT_NEXT_TO_EXE: &str = "sandcell-worker.py";

@@ -1,6 +1,6 @@
 # sandcell native Python worker: the persistent CPython side of the daemon <-> worker protocol.
 #
-# Started by the `sandcell-worker-python-native` launcher (worker-r/src/python_native.rs)
+# Started by the `sandcell-worker-python-native` launcher (worker-native/src/python_native.rs)
 # after confinement, as `/usr/bin/python3 -I -B <this file>` (or `-c <this source>`), with the
 # descriptor layout of proto/src/worker.rs, the same as the R worker's:
 #   fd 0  /dev/null
@@ -10,7 +10,7 @@
 #   fd 4  replies: one JSON object per line (ready, then one done per exec, echoing the
 #         request's nonce); this worker never sends output or dropped frames
 #
-# Invariants (each has a test in worker-r/tests/python_native.rs):
+# Invariants (each has a test in worker-native/tests/python_native.rs):
 # - The protocol descriptors are not stdout or stderr: nothing a cell prints, and nothing a C
 #   extension writes to fds 1 and 2, can corrupt a reply. Both are close-on-exec, so programs a
 #   cell starts do not inherit them, and a forked child closes them.

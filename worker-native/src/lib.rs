@@ -490,14 +490,14 @@ mod tests {
     #[test]
     fn script_constants_match_the_protocol() {
         use sandcell_proto::worker as w;
-        let r = include_str!("../worker.R");
+        let r = include_str!("../r/worker.R");
         assert_eq!(script_int(r, "MAX_WORKER_LINE"), w::MAX_WORKER_LINE);
         assert_eq!(script_int(r, "MAX_ERROR_MESSAGE"), w::MAX_ERROR_MESSAGE);
         assert_eq!(script_int(r, "MAX_TRACEBACK"), w::MAX_TRACEBACK);
         assert!(r.contains(&format!("IN_PATH <- \"/proc/self/fd/{}\"", w::REQUEST_FD)));
         assert!(r.contains(&format!("OUT_PATH <- \"/proc/self/fd/{}\"", w::REPLY_FD)));
         assert!(r.contains(&format!("[0-9a-f]{{{}}}", w::NONCE_HEX_LEN)));
-        let py = include_str!("../worker.py");
+        let py = include_str!("../python/worker.py");
         assert_eq!(script_int(py, "MAX_WORKER_LINE"), w::MAX_WORKER_LINE);
         assert_eq!(script_int(py, "MAX_HEADER_LINE"), w::MAX_HEADER_LINE);
         assert_eq!(script_int(py, "MAX_ERROR_MESSAGE"), w::MAX_ERROR_MESSAGE);

@@ -1,13 +1,13 @@
 //! End-to-end tests of the native Python worker: the built `sandcell-worker-python-native`
 //! launcher, really confined (best-effort enforcement as the caller; strict as uid 65534 where
-//! the test runs as root), running `worker-r/worker.py` on Debian's /usr/bin/python3 with its
+//! the test runs as root), running `worker-native/python/worker.py` on Debian's /usr/bin/python3 with its
 //! scientific stack, driven over the descriptor layout of `sandcell_proto::worker` exactly as
 //! the daemon drives it (fd 0 `/dev/null`, fds 1 and 2 pipes, fd 3 requests, fd 4 JSON-lines
 //! replies). Every reply line is parsed with `sandcell_proto::worker::WorkerMessage::parse`.
 //!
 //! The analyses are the files of `examples/pydata/` with their exact expected output.
 //! Skipped, with a printed reason, when /usr/bin/python3 or a package is missing. Figures:
-//! `cargo test -p sandcell-worker-r --release --test python_native -- --nocapture figures`.
+//! `cargo test -p sandcell-worker-native --release --test python_native -- --nocapture figures`.
 
 mod common;
 
@@ -306,11 +306,14 @@ impl Worker {
             .process_group(0);
         if opts.script {
             if opts.r {
-                cmd.env("SANDCELL_R_WORKER_SCRIPT", manifest_dir().join("worker.R"));
+                cmd.env(
+                    "SANDCELL_R_WORKER_SCRIPT",
+                    manifest_dir().join("r/worker.R"),
+                );
             } else {
                 cmd.env(
                     "SANDCELL_PYTHON_WORKER_SCRIPT",
-                    manifest_dir().join("worker.py"),
+                    manifest_dir().join("python/worker.py"),
                 );
             }
         }

@@ -1,6 +1,6 @@
 # sandcell R worker: the persistent R side of the daemon <-> worker protocol.
 #
-# Started by the `sandcell-worker-r` launcher (worker-r/src/main.rs) after confinement, as
+# Started by the `sandcell-worker-r` launcher (worker-native/src/r.rs) after confinement, as
 #   R --vanilla --no-echo --no-restore --file=<this file>
 # with this descriptor layout (proto/src/worker.rs):
 #   fd 0  /dev/null
@@ -17,7 +17,7 @@
 # Landlock does not govern pipes reached this way, but /proc must be mounted in the worker's
 # view.
 #
-# Invariants kept here (each has a test in worker-r/tests/worker.rs):
+# Invariants kept here (each has a test in worker-native/tests/worker.rs):
 # - Nothing of the worker lives in .GlobalEnv: the worker is evaluated (by the bootstrap line
 #   below) in a private environment whose parent is baseenv(). Lookups from worker code therefore find base
 #   functions before anything a cell defines. Generics the worker calls on the user's objects
