@@ -1194,8 +1194,8 @@ impl Server {
             .await?;
         let image = info.media_type.starts_with("image/") && info.media_type != "image/svg+xml";
         let (encoding, data, content) = match String::from_utf8(bytes) {
-            Ok(t) if !image => ("utf-8", t.clone(), vec![ContentBlock::text(t)]),
-            Ok(t) => {
+            Ok(t) if !image && is_text(&t) => ("utf-8", t.clone(), vec![ContentBlock::text(t)]),
+            Ok(t) if image => {
                 let b = k::encode_base64(t.as_bytes());
                 (
                     "base64",
@@ -1203,8 +1203,9 @@ impl Server {
                     vec![ContentBlock::image(b, info.media_type.clone())],
                 )
             }
-            Err(e) => {
-                let b = k::encode_base64(e.as_bytes());
+            r => {
+                let bytes = r.map_or_else(|e| e.into_bytes(), String::into_bytes);
+                let b = k::encode_base64(&bytes);
                 let c = if image && offset == 0 && eof {
                     ContentBlock::image(b.clone(), info.media_type.clone())
                 } else {
@@ -1282,6 +1283,40 @@ impl ServerHandler for Server {
             Err(e) => e.into_result(),
         };
         Ok(r.into())
+    }
+}
+
+/// Whether `t` reads as text: no control characters but tab, line feed, form feed and
+/// carriage return (valid UTF-8 alone would pass NUL bytes and escapes as "text").
+fn is_text(t: &str) -> bool {
+    !t.chars()
+        .any(|c| c.is_control() && !matches!(c, '\t' | '\n' | '\r' | '\u{c}'))
+}
+
+/// One sentence for a failure of [`serve`]: a failed read or write of standard input or
+/// output is named as such (`rmcp` words it with the transport's Rust type name).
+pub fn describe_failure(e: &anyhow::Error) -> String {
+    let io = e.chain().find_map(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .or_else(|| {
+                c.downcast_ref::<rmcp::transport::DynamicTransportError>()
+                    .and_then(|t| t.error.downcast_ref::<std::io::Error>())
+            })
+            .or_else(
+                || match c.downcast_ref::<rmcp::service::ServerInitializeError>() {
+                    Some(rmcp::service::ServerInitializeError::TransportError {
+                        error, ..
+                    }) => error.error.downcast_ref::<std::io::Error>(),
+                    _ => None,
+                },
+            )
+    });
+    match io {
+        Some(io) if io.kind() == std::io::ErrorKind::BrokenPipe => {
+            "standard output was closed (the MCP client stopped reading)".into()
+        }
+        Some(io) => format!("reading standard input or writing standard output failed: {io}"),
+        None => format!("{e:#}"),
     }
 }
 

@@ -12,6 +12,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from contextlib import asynccontextmanager
@@ -175,6 +176,12 @@ def test_session_tools_files_and_variables(sandcellctl, socket_path):
             "upload_file",
             {"session": sid, "name": "b.bin", "base64": base64.b64encode(b"\x00\xff\x01").decode()},
         )
+        # Valid UTF-8 that is no text (control bytes) comes back in base64 too.
+        await s.call_tool(
+            "upload_file",
+            {"session": sid, "name": "c.bin", "base64": base64.b64encode(b"\x00\x01\x02\x03").decode()},
+        )
+        out["down_ctl"] = await s.call_tool("download_file", {"session": sid, "name": "c.bin"})
         out["read"] = await s.call_tool(
             "execute", {"session": sid, "code": "print(open('a.txt').read().strip())"}
         )
@@ -207,6 +214,8 @@ def test_session_tools_files_and_variables(sandcellctl, socket_path):
     assert sc(o["down_text"])["encoding"] == "utf-8" and sc(o["down_text"])["data"] == "héllo\n"
     d = sc(o["down_bin"])
     assert d["encoding"] == "base64" and base64.b64decode(d["data"]) == b"\x00\xff\x01" and d["eof"]
+    d = sc(o["down_ctl"])
+    assert d["encoding"] == "base64" and base64.b64decode(d["data"]) == b"\x00\x01\x02\x03", d
     assert not o["delete"].is_error
     assert "a.txt" not in {f["name"] for f in o["files2"]["files"]}
     assert o["too_big"].is_error and sc(o["too_big"])["error"] == "sandcell.mcp.LimitExceeded"
@@ -458,6 +467,11 @@ def test_hostile_input_gets_errors_and_the_server_stays_up(sandcellctl, socket_p
     assert "error" in r.reply(2)
     r.send({"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {"name": 5}})
     assert "error" in r.reply(3)
+    # Parameters that do not fit a method the specification defines: -32602, not "not found".
+    r.send({"jsonrpc": "2.0", "id": 31, "method": "tools/call",
+            "params": {"name": "run_code", "arguments": "print(1)"}})
+    res = r.reply(31)
+    assert res["error"]["code"] == -32602, res
     # An unknown tool is a protocol error (MCP "Server: Tools", "Error Handling"): -32602.
     r.call(4, "no_such_tool", {})
     res = r.reply(4)
@@ -501,6 +515,37 @@ def test_hostile_input_gets_errors_and_the_server_stays_up(sandcellctl, socket_p
 
     with sandcell.Client(socket_path) as c:
         assert c.run("print(3)").stdout == "3\n"
+
+
+def test_a_client_that_does_not_read_cannot_grow_the_server(sandcellctl, socket_path):
+    """Requests written while the answers are not read: the server stops reading (at most 32
+    requests unanswered, then the pipes fill) instead of queueing answers; read, all come."""
+    r = Raw(sandcellctl, socket_path)
+    total = 50_000
+    sent = [0]
+
+    def writer():
+        for i in range(total):
+            r.send({"jsonrpc": "2.0", "id": 10 + i, "method": "ping"})
+            sent[0] += 1
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    time.sleep(3)
+    rss, hwm = r.rss_kib()
+    print(f"not reading: {sent[0]} of {total} lines written, server RSS {rss} KiB, "
+          f"high-water {hwm} KiB", file=sys.stderr)
+    assert sent[0] < total, "the server read every line while nothing read its answers"
+    assert hwm < 64 * 1024, f"the server grew to {hwm} KiB while its answers were not read"
+    ids = set()
+    while len(ids) < total:
+        m = r.read(timeout=60)
+        if "method" not in m:
+            assert "result" in m, m
+            ids.add(m["id"])
+    assert ids == set(range(10, 10 + total))
+    t.join(10)
+    assert r.close() == 0
 
 
 def test_code_cap_is_the_daemons_max_source_bytes(sandcellctl, socket_path):

@@ -8,7 +8,7 @@ pub async fn run(ctx: &Ctx) -> Outcome {
     match crate::mcp::serve(ctx.socket.clone()).await {
         Ok(()) => Ok(0),
         Err(e) => {
-            errln!("sandcellctl mcp: {e:#}");
+            errln!("sandcellctl mcp: {}", crate::mcp::describe_failure(&e));
             Ok(2)
         }
     }

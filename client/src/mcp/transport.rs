@@ -13,24 +13,36 @@
 //!   method and an id (a request whose parameters do not fit the method), else `-32600`, with
 //!   its id when it has a valid one; a notification (a method, no id) that does not parse is
 //!   dropped, since JSON-RPC never answers a notification;
+//! - a request naming a method of the MCP specification whose parameters do not fit it
+//!   (`"arguments": "print(1)"` for `tools/call`) is answered `-32602`, not "method not found";
+//! - a request whose `id` is the id of a request still unanswered is answered `-32600` (MCP
+//!   specification, "Requests": an id must not be reused within a session), since both
+//!   answers would carry the same id;
 //! - every other line is handed to `rmcp` as the message it parsed to.
+//!
+//! Back-pressure: at most [`MAX_UNANSWERED`] requests are read and not yet answered; the
+//! transport reads no further line until an answer has been written (or the client cancelled
+//! a request). `rmcp` writes each answer from a task of its own, so without this a client that
+//! sends requests and never reads standard output would make the server queue answers without
+//! bound.
 //!
 //! `rmcp`'s own `AsyncRwTransport` drops unparsable and oversized lines without an answer
 //! and writes error responses without an `id` member; this one writes `"id": null` instead,
 //! which JSON-RPC 2.0 requires and the MCP Python SDK's `JSONRPCError` expects.
 
-use rmcp::model::{ErrorData, JsonRpcMessage, RequestId};
+use rmcp::model::{ClientNotification, ClientRequest, ErrorData, JsonRpcMessage, RequestId};
 use rmcp::service::RoleServer;
 use rmcp::service::{RxJsonRpcMessage, TxJsonRpcMessage};
 use rmcp::transport::Transport;
 use serde::de::{Deserializer as _, IgnoredAny, MapAccess, Visitor};
 use serde_json::{Value, json};
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex as StdMutex};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
-use tokio::sync::Mutex;
+use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
 
 /// Bytes at the start of an oversized line searched for its request `id`.
 pub const ID_SCAN_BYTES: usize = 64 * 1024;
@@ -38,6 +50,30 @@ pub const ID_SCAN_BYTES: usize = 64 * 1024;
 const READ_BUFFER_BYTES: usize = 64 * 1024;
 /// Longest tool or method name echoed back in an error message, bytes.
 const ECHO_BYTES: usize = 200;
+/// Requests read and not yet answered; no line is read beyond them until an answer is
+/// written. Above the server's 16 tool calls in flight, so a call refused as busy is answered.
+pub const MAX_UNANSWERED: usize = 32;
+/// The request methods of the MCP specification (2025-06-18 and later): a request naming one
+/// of these whose parameters do not parse is answered `-32602` (Invalid params).
+const MCP_METHODS: &[&str] = &[
+    "initialize",
+    "ping",
+    "tools/list",
+    "tools/call",
+    "prompts/list",
+    "prompts/get",
+    "resources/list",
+    "resources/read",
+    "resources/templates/list",
+    "resources/subscribe",
+    "resources/unsubscribe",
+    "completion/complete",
+    "logging/setLevel",
+    "tasks/get",
+    "tasks/list",
+    "tasks/cancel",
+    "tasks/result",
+];
 
 type Pending = Pin<Box<dyn Future<Output = io::Result<()>> + Send>>;
 
@@ -53,6 +89,13 @@ pub struct LineTransport<R, W> {
     /// An error answer being written; `receive` finishes it before reading on (so a flood of
     /// bad lines waits on a reader that does not read, instead of queueing answers).
     pending: Option<Pending>,
+    /// Permits for requests read and not yet answered ([`MAX_UNANSWERED`]).
+    unanswered: Arc<Semaphore>,
+    /// The permit taken for the next line (released if it is no request).
+    permit: Option<OwnedSemaphorePermit>,
+    /// The requests read and not yet answered, each holding its permit until its answer is
+    /// written or the client cancels it.
+    open: Arc<StdMutex<HashMap<RequestId, OwnedSemaphorePermit>>>,
 }
 
 /// What one line turned out to be.
@@ -83,6 +126,9 @@ where
             discarding: false,
             write: Arc::new(Mutex::new(Some(write))),
             pending: None,
+            unanswered: Arc::new(Semaphore::new(MAX_UNANSWERED)),
+            permit: None,
+            open: Arc::new(StdMutex::new(HashMap::new())),
         }
     }
 
@@ -125,6 +171,43 @@ where
         }
     }
 
+    /// Lets message `m` through to `rmcp`: a request takes the permit held for it (refused
+    /// with an error line when its id is the id of a request still unanswered); a client's
+    /// cancellation of a request gives that request's permit back.
+    fn admit(
+        &mut self,
+        m: RxJsonRpcMessage<RoleServer>,
+    ) -> Result<RxJsonRpcMessage<RoleServer>, Vec<u8>> {
+        let mut open = self.open.lock().unwrap();
+        match &m {
+            JsonRpcMessage::Request(r) => {
+                if open.contains_key(&r.id) {
+                    let e = ErrorData::invalid_request(
+                        format!(
+                            "Invalid Request: id {} is the id of a request not yet answered; \
+                             a request id must not be reused",
+                            truncate(&r.id.to_string(), ECHO_BYTES)
+                        ),
+                        None,
+                    );
+                    return Err(error_line(None, e));
+                }
+                if let Some(p) = self.permit.take() {
+                    open.insert(r.id.clone(), p);
+                }
+            }
+            JsonRpcMessage::Notification(n) => {
+                if let ClientNotification::CancelledNotification(c) = &n.notification
+                    && let Some(id) = &c.params.request_id
+                {
+                    open.remove(id);
+                }
+            }
+            _ => {}
+        }
+        Ok(m)
+    }
+
     /// Writes `bytes` (one line, newline included) under the writer's lock.
     fn write_line(&self, bytes: Vec<u8>) -> Pending {
         let write = self.write.clone();
@@ -150,8 +233,25 @@ where
         &mut self,
         item: TxJsonRpcMessage<RoleServer>,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'static {
+        let answered = match &item {
+            JsonRpcMessage::Response(r) => Some(r.id.clone()),
+            JsonRpcMessage::Error(e) => e.id.clone(),
+            _ => None,
+        };
+        let open = self.open.clone();
         let write = encode(&item).map(|bytes| self.write_line(bytes));
-        async move { write?.await }
+        async move {
+            let r = match write {
+                Ok(w) => w.await,
+                Err(e) => Err(e),
+            };
+            // The answer is written (or cannot be): the request's permit goes back, and the
+            // reader may read on.
+            if let Some(id) = answered {
+                open.lock().unwrap().remove(&id);
+            }
+            r
+        }
     }
 
     async fn receive(&mut self) -> Option<RxJsonRpcMessage<RoleServer>> {
@@ -162,6 +262,9 @@ where
                 if r.is_err() {
                     return None;
                 }
+            }
+            if self.permit.is_none() {
+                self.permit = Some(self.unanswered.clone().acquire_owned().await.ok()?);
             }
             match self.read_line().await {
                 Ok(LineRead::Line) => {}
@@ -182,7 +285,10 @@ where
             let parsed = parse(&self.line);
             self.line.clear();
             match parsed {
-                Parsed::Message(m) => return Some(*m),
+                Parsed::Message(m) => match self.admit(*m) {
+                    Ok(m) => return Some(m),
+                    Err(bytes) => self.pending = Some(self.write_line(bytes)),
+                },
                 Parsed::Answer(bytes) => self.pending = Some(self.write_line(bytes)),
                 Parsed::Skip => {}
             }
@@ -236,6 +342,30 @@ fn parse(line: &[u8]) -> Parsed {
         return Parsed::Skip;
     }
     let e = match serde_json::from_slice::<RxJsonRpcMessage<RoleServer>>(line) {
+        Ok(JsonRpcMessage::Request(r))
+            if matches!(&r.request, ClientRequest::CustomRequest(c)
+                if MCP_METHODS.contains(&c.method.as_str())) =>
+        {
+            // A method of the specification whose parameters did not parse as its own falls
+            // through to the custom request; its own parser's error is the one to name.
+            let method = r.request.method().to_owned();
+            let detail = match method.as_str() {
+                "tools/call" => "params must be an object with a string `name` and, optionally, \
+                                 an object `arguments`"
+                    .to_owned(),
+                _ => "params must be an object of the shape the MCP specification gives".into(),
+            };
+            return Parsed::Answer(error_line(
+                Some(r.id),
+                ErrorData::invalid_params(
+                    format!(
+                        "Invalid params: the parameters do not fit method {:?}: {detail}",
+                        truncate(&method, ECHO_BYTES)
+                    ),
+                    None,
+                ),
+            ));
+        }
         Ok(m) => return Parsed::Message(Box::new(m)),
         Err(e) => e,
     };
@@ -435,6 +565,110 @@ mod tests {
         assert!(answers[1]["id"].is_null());
         assert_eq!(answers[2]["error"]["code"], -32600);
         assert!(answers[2]["id"].is_null());
+    }
+
+    #[test]
+    fn a_specified_method_with_parameters_that_do_not_fit_is_invalid_params() {
+        let a = answer(parse(
+            br#"{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"run_code","arguments":"print(1)"}}"#,
+        ));
+        assert_eq!(
+            (a["error"]["code"].clone(), a["id"].clone()),
+            (json!(-32602), json!(5))
+        );
+        assert!(
+            a["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("tools/call")
+        );
+        // A method no specification names is passed on (rmcp answers it "method not found").
+        assert!(matches!(
+            parse(br#"{"jsonrpc":"2.0","id":6,"method":"x/y","params":{}}"#),
+            Parsed::Message(_)
+        ));
+    }
+
+    fn request(id: u64) -> Vec<u8> {
+        format!("{{\"jsonrpc\":\"2.0\",\"id\":{id},\"method\":\"ping\"}}\n").into_bytes()
+    }
+
+    /// A client that sends requests and does not read the answers: the transport hands on
+    /// [`MAX_UNANSWERED`] of them and reads no further line until one is answered.
+    #[tokio::test]
+    async fn no_line_is_read_beyond_the_unanswered_requests() {
+        let (mut client_w, server_r) = duplex(1 << 20);
+        let (server_w, mut client_r) = duplex(1 << 20);
+        let mut t = LineTransport::new(server_r, server_w, 4096);
+        for id in 0..(MAX_UNANSWERED as u64 + 10) {
+            client_w.write_all(&request(id)).await.unwrap();
+        }
+        for _ in 0..MAX_UNANSWERED {
+            t.receive().await.unwrap();
+        }
+        let wait = std::time::Duration::from_millis(300);
+        assert!(
+            tokio::time::timeout(wait, t.receive()).await.is_err(),
+            "a request beyond the unanswered ones was read"
+        );
+        // One answer written: one more request is read, and no second.
+        let answer: TxJsonRpcMessage<RoleServer> =
+            JsonRpcMessage::response(rmcp::model::ServerResult::empty(()), RequestId::Number(3));
+        t.send(answer).await.unwrap();
+        let m = tokio::time::timeout(wait, t.receive())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            serde_json::to_value(&m).unwrap()["id"],
+            json!(MAX_UNANSWERED)
+        );
+        assert!(tokio::time::timeout(wait, t.receive()).await.is_err());
+        let mut out = vec![0u8; 4096];
+        let n = client_r.read(&mut out).await.unwrap();
+        assert!(String::from_utf8_lossy(&out[..n]).contains("\"id\":3"));
+    }
+
+    /// A request the client cancels gives its place back.
+    #[tokio::test]
+    async fn a_cancelled_request_gives_its_place_back() {
+        let (mut client_w, server_r) = duplex(1 << 20);
+        let (server_w, _client_r) = duplex(1 << 20);
+        let mut t = LineTransport::new(server_r, server_w, 4096);
+        for id in 0..(MAX_UNANSWERED as u64 - 1) {
+            client_w.write_all(&request(id)).await.unwrap();
+        }
+        client_w
+            .write_all(b"{\"jsonrpc\":\"2.0\",\"method\":\"notifications/cancelled\",\"params\":{\"requestId\":4}}\n")
+            .await
+            .unwrap();
+        for id in 100..103 {
+            client_w.write_all(&request(id)).await.unwrap();
+        }
+        let wait = std::time::Duration::from_millis(300);
+        let mut requests = 0;
+        while let Ok(Some(m)) = tokio::time::timeout(wait, t.receive()).await {
+            requests += usize::from(matches!(m, JsonRpcMessage::Request(_)));
+        }
+        // 31 before the cancellation, then two more: one in the place request 4 gave back.
+        assert_eq!(requests, MAX_UNANSWERED + 1);
+    }
+
+    #[tokio::test]
+    async fn a_reused_id_of_an_unanswered_request_is_refused() {
+        let mut input = request(7);
+        input.extend(request(7));
+        input.extend(request(8));
+        let (answers, methods) = roundtrip(input, 4096).await;
+        assert_eq!(methods, ["ping", "ping"]);
+        assert_eq!(answers.len(), 1, "{answers:?}");
+        assert_eq!(answers[0]["error"]["code"], -32600);
+        assert!(
+            answers[0]["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("not yet answered")
+        );
     }
 
     #[test]
