@@ -61,7 +61,7 @@ def test_every_core_coroutine_is_published() -> None:
                     assert getattr(aio, name).__wrapped__ is f
                 else:
                     # Internal steps (connecting, a cell's machinery), not methods.
-                    assert name in {"connect", "acquire", "call", "cell", "module_hint",
+                    assert name in {"connect", "acquire", "call", "cell", "module_hint", "language_of",
                                     "settle"}, f"{core.__name__}.{n} is published by neither"
 
 

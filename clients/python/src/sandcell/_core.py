@@ -477,7 +477,7 @@ class ClientCore(Generic[S]):
     async def _run(
         self,
         code: str,
-        language: str = "python",
+        language: str | None = None,
         environment: str | None = None,
         limits: Limits | dict[str, Any] | None = None,
         on_output: OnOutput | None = None,
@@ -494,7 +494,9 @@ class ClientCore(Generic[S]):
 
         Args:
             code: the cell's source (UTF-8; at most the daemon's ``max_source_bytes``).
-            language: ``"python"`` or ``"r"`` (those the daemon serves).
+            language: ``"python"`` or ``"r"`` (those the daemon serves). Default: the
+                language of ``environment`` when one is given (from ``ListEnvironments``),
+                else ``"python"``.
             environment: a named environment of the daemon (sent only when given).
             limits: lowerings of the operator's limits (:class:`sandcell.Limits`).
             on_output: called with each :class:`sandcell.Output` frame, live and in order
@@ -551,6 +553,7 @@ class ClientCore(Generic[S]):
                         raise
                     await self.backend.sleep(retry.delay(attempt, e))
                     attempt += 1
+        language = await self._language_of(language, environment)
         inputs = P.input_files(files)
         if inputs:
             s = await self._session(language, environment, limits=limits,
@@ -587,7 +590,7 @@ class ClientCore(Generic[S]):
 
     async def _session(
         self,
-        language: str = "python",
+        language: str | None = None,
         environment: str | None = None,
         detached_idle_seconds: int | None = None,
         limits: Limits | dict[str, Any] | None = None,
@@ -603,6 +606,8 @@ class ClientCore(Generic[S]):
         its ``execute``).
 
         Args:
+            language: ``"python"`` or ``"r"``. Default: the language of ``environment``
+                when one is given (from ``ListEnvironments``), else ``"python"``.
             detached_idle_seconds: when set, the session survives this client (it is not
                 tied to a connection) and ends after that many seconds without a cell.
             display_last_expression: ``False``: no cell of the session shows its last
@@ -612,6 +617,7 @@ class ClientCore(Generic[S]):
         Raises :class:`CapacityExceeded`, :class:`UnsupportedLanguage`,
         :class:`LimitExceeded`, :class:`WorkerFailed`, ...
         """
+        language = await self._language_of(language, environment)
         owner = await self._connect()
         try:
             params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds,
@@ -700,6 +706,24 @@ class ClientCore(Generic[S]):
             P.op_simple("org.varlink.service.GetInterfaceDescription", {"interface": interface})
         )
         return str(r.get("description", ""))
+
+    async def _language_of(self, language: str | None, environment: str | None) -> str:
+        """``language`` when given; else the language of the named ``environment`` as the
+        daemon reports it (one ``ListEnvironments``); else ``"python"``. An environment the
+        daemon does not list (or a daemon without ``ListEnvironments``) gives ``"python"``:
+        the daemon then answers the call with its own error."""
+        if language is not None:
+            return language
+        if environment is None:
+            return "python"
+        try:
+            envs = await self._list_environments()
+        except SandcellError:
+            return "python"
+        for e in envs:
+            if e.get("name") == environment:
+                return str(e.get("language") or "python")
+        return "python"
 
     async def _list_environments(self) -> list[Environment]:
         """The daemon's named environments (``ListEnvironments``), as the daemon reports
