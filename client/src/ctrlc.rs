@@ -126,8 +126,10 @@ fn giving_up(leaving: Leaving, session: &str, cell: u64, waited: Option<Duration
         ),
         Leaving::CellRunsOn => format!(
             "{lead}detached; cell {cell} of session {session} runs on without sandcellctl \
-             (interrupted instead where sandcelld.toml sets interrupt_on_hangup); follow it \
-             again with: sandcellctl attach {session} {cell}"
+             (interrupted instead where sandcelld.toml sets interrupt_on_hangup); the \
+             interrupt is sent, and a cell that ignores it has its worker killed after the \
+             grace, which ends the session; follow it again with: sandcellctl attach \
+             {session} {cell}"
         ),
     }
 }
@@ -153,5 +155,10 @@ mod tests {
             "{exec}"
         );
         assert!(exec.ends_with("sandcellctl attach s1 2"), "{exec}");
+        // The user learns a cell that ignores the interrupt costs the session.
+        assert!(
+            exec.contains("worker killed") && exec.contains("ends the session"),
+            "{exec}"
+        );
     }
 }

@@ -69,7 +69,8 @@ impl Get {
         let leaf = out.file_name().unwrap_or_default().to_string_lossy();
         let tmp = out.with_file_name(format!(".{leaf}.{}.sandcellctl-part", std::process::id()));
         let f = std::fs::File::create_new(&tmp).map_err(|source| Error::File {
-            what: format!("create {}", tmp.display()),
+            // The temporary file is this command's own: the user named `out`.
+            what: format!("create {}", out.display()),
             source,
         })?;
         let got = c
