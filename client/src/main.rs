@@ -27,5 +27,32 @@ mod report;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> std::process::ExitCode {
-    cmd::dispatch(clap::Parser::parse()).await
+    match <cmd::Args as clap::Parser>::try_parse() {
+        Ok(args) => cmd::dispatch(args).await,
+        Err(e) => usage_error(e),
+    }
+}
+
+/// A command line clap refused: `--help` and `--version` as clap prints them; with `--json`
+/// anywhere on the line, one JSON object on standard error,
+/// `{"error": "sandcell.client.Usage", "message": SENTENCE}` and status 2, as every other
+/// failure under `--json`; else clap's own message (status 2).
+fn usage_error(e: clap::Error) -> std::process::ExitCode {
+    use clap::error::ErrorKind;
+    let json = std::env::args_os().any(|a| a == "--json");
+    if !json || matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+        e.exit();
+    }
+    let text = e.render().to_string();
+    let message = text
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim_start_matches("error: ")
+        .to_owned();
+    errln!(
+        "{}",
+        serde_json::json!({"error": "sandcell.client.Usage", "message": message})
+    );
+    std::process::ExitCode::from(2)
 }

@@ -246,6 +246,32 @@ fn an_unreachable_socket_is_one_sentence() {
 }
 
 #[test]
+fn a_usage_error_under_json_is_one_json_object() {
+    let out = run(
+        Command::new(ctl()).args(["--json", "run", "--bogus", "f.py"]),
+        None,
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let err = text(&out.stderr);
+    let v: serde_json::Value = serde_json::from_str(err.trim())
+        .unwrap_or_else(|e| panic!("not one JSON object ({e}): {err}"));
+    assert_eq!(v["error"], "sandcell.client.Usage", "{v}");
+    assert!(v["message"].as_str().unwrap().contains("--bogus"), "{v}");
+    // Without --json: clap's own message, same status.
+    let out = run(Command::new(ctl()).args(["run", "--bogus", "f.py"]), None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).starts_with("error: "),
+        "{}",
+        text(&out.stderr)
+    );
+    // --help is help, with or without --json.
+    let out = run(Command::new(ctl()).args(["--json", "--help"]), None);
+    assert_eq!(out.status.code(), Some(0));
+    assert!(text(&out.stdout).contains("Usage"));
+}
+
+#[test]
 fn refusals_read_as_sentences_and_as_json_with_json() {
     let Some(d) = Daemon::start(&[]) else { return };
     let dir = tempfile::tempdir().unwrap();
