@@ -212,6 +212,9 @@ pub enum Command {
         frames: mpsc::Sender<Frame>,
         /// One-shot Run: report `state: none` and end the session after the cell.
         one_shot: bool,
+        /// `frames` go to a relay that retains them (`cells.rs`): a successor daemon
+        /// continues the cell if this one goes away (`keep.rs`).
+        retained: bool,
     },
     /// Interrupt `cell` if it is running.
     Interrupt {
@@ -365,6 +368,7 @@ impl Session {
             keep,
             lifeline: None,
             dir_view: None,
+            resume: None,
         })
     }
 
@@ -382,10 +386,14 @@ impl Session {
             pid: l.pid,
             limits: l.limits.clone(),
             info: Mutex::new(Info {
-                running_cell: None,
+                running_cell: l.resume.as_ref().map(|r| r.running.cell),
                 cells_run: l.cells_run,
                 cells_started: l.next_cell.saturating_sub(1),
-                state: SessionState::Idle,
+                state: if l.resume.is_some() {
+                    SessionState::Running
+                } else {
+                    SessionState::Idle
+                },
                 last_activity: l.last_activity,
             }),
             dir: l
@@ -429,6 +437,8 @@ impl Session {
             kept: l
                 .keep
                 .map(|k| keep::Kept::new(k, l.environment, l.lifeline)),
+            running: None,
+            resume: l.resume,
         };
         tokio::spawn(actor.run(rx));
         session
@@ -440,6 +450,26 @@ impl Session {
         code: String,
         frames: mpsc::Sender<Frame>,
         one_shot: bool,
+    ) -> Result<(), ExecuteRefused> {
+        self.queue_cell(code, frames, one_shot, false).await
+    }
+
+    /// [`Session::execute`] of a cell whose `frames` go to a relay that retains them
+    /// (`cells.rs`): a successor daemon continues it when this one goes away (`keep.rs`).
+    pub async fn execute_retained(
+        &self,
+        code: String,
+        frames: mpsc::Sender<Frame>,
+    ) -> Result<(), ExecuteRefused> {
+        self.queue_cell(code, frames, false, true).await
+    }
+
+    async fn queue_cell(
+        &self,
+        code: String,
+        frames: mpsc::Sender<Frame>,
+        one_shot: bool,
+        retained: bool,
     ) -> Result<(), ExecuteRefused> {
         {
             let mut info = self.info.lock().unwrap();
@@ -456,6 +486,7 @@ impl Session {
                 code,
                 frames,
                 one_shot,
+                retained,
             })
             .await
             .map_err(|_| ExecuteRefused::Ended)
@@ -642,6 +673,8 @@ struct Launch {
     lifeline: Option<crate::keeper::Lifeline>,
     /// The session directory's descriptor, when its mount is not in this daemon's namespace.
     dir_view: Option<std::os::fd::OwnedFd>,
+    /// The cell a predecessor daemon was running, continued first (`keep.rs`).
+    resume: Option<keep::Resume>,
 }
 
 mod actor;
@@ -664,6 +697,7 @@ use cell_end::{
 mod idle;
 use idle::DISK_IDLE_WATCH;
 
+mod journal;
 mod keep;
 
 pub mod query;
