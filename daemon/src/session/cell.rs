@@ -452,14 +452,16 @@ impl Actor {
                         reason: InterruptReason::AlreadyInterrupted.into(),
                     }
                 } else {
-                    self.signal_interrupt();
                     run.phase = Phase::Interrupted;
                     // A host call the cell waits for raises the interrupt: it is finished.
                     run.host = None;
                     // Documented escalation: a cell that ignores SIGINT (native code, BLAS) is
                     // killed after the grace, and the session ends.
                     run.deadline = tokio::time::Instant::now() + run.grace;
+                    // The record first, then the signal: the repeats follow the signal as
+                    // closely as they always did.
                     self.cell_changed(run);
+                    self.signal_interrupt();
                     InterruptReply {
                         delivered: true,
                         reason: InterruptReason::Delivered.into(),
@@ -498,10 +500,10 @@ impl Actor {
     /// `system()` or native code ran on until the daemon's SIGINT.
     fn on_deadline(&mut self, run: &mut CellRun) -> Option<CellEnd> {
         if run.phase == Phase::Running {
-            self.signal_interrupt();
             run.phase = Phase::TimedOut;
             run.host = None;
             self.cell_changed(run);
+            self.signal_interrupt();
             let kill_at = tokio::time::Instant::from_std(run.t0 + run.wall + run.grace);
             run.deadline = kill_at.max(tokio::time::Instant::now() + KILL_AFTER_SIGINT_MIN);
             None
@@ -685,11 +687,11 @@ impl Actor {
             "the daemon restarted in the middle of a frame from the worker; the {bytes} bytes of its tail were discarded and the cell was interrupted"
         ));
         if run.phase == Phase::Running {
-            self.signal_interrupt();
             run.phase = Phase::Interrupted;
             run.host = None;
             run.deadline = tokio::time::Instant::now() + run.grace;
             self.cell_changed(run);
+            self.signal_interrupt();
         }
     }
 
