@@ -183,6 +183,13 @@ pub fn journal_path(dir: &Path, id: &str) -> PathBuf {
     dir.join(format!("{id}.cell"))
 }
 
+/// The reply bytes a daemon that exited keeping its sessions had read from session `id`'s
+/// worker and not yet handled (a frame's head, or whole frames), which its successor reads
+/// first.
+pub fn rest_path(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!("{id}.rest"))
+}
+
 /// Most bytes of a running cell's journal: the per-session retention bound
 /// (`sandcell_proto::kernel::SESSION_RETAINED_BYTES`, 1 MiB).
 pub const JOURNAL_MAX_BYTES: u64 = sandcell_proto::kernel::SESSION_RETAINED_BYTES;
@@ -238,6 +245,7 @@ pub fn write(dir: &Path, r: &Record) -> std::io::Result<()> {
 pub fn remove(dir: &Path, id: &str) {
     let _ = std::fs::remove_file(path_of(dir, id));
     let _ = std::fs::remove_file(journal_path(dir, id));
+    let _ = std::fs::remove_file(rest_path(dir, id));
     let _ = std::fs::remove_file(keeper_socket(dir, id));
 }
 

@@ -618,3 +618,82 @@ async fn an_execute_cut_by_the_restart_is_interrupted_and_its_session_kept() {
     assert_eq!(record_pids(&setup.adopt, &s).0, worker);
     drop(c);
 }
+
+/// The same half frame across a planned exit (SIGUSR2): the daemon hands the cell over
+/// exactly (the head it had read is written beside the record), so the successor reads the
+/// whole frame and the cell goes on untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planned_exit_hands_a_half_read_frame_over_exactly() {
+    skip_unless_root!();
+    if !common::pydata_available() {
+        sandcell_testing::skip!(
+            "pydata",
+            "a cell writes to its worker's reply pipe (fd 4) only in the native Python worker"
+        );
+    }
+    let (mut first, setup) = first_daemon(&[]);
+    let mut c = first.client().await;
+    let s = c
+        .open_with(&sandcell_client::OpenParams {
+            language: "python".into(),
+            limits: None,
+            detached_idle_seconds: Some(600),
+            environment: Some("pydata".into()),
+            host_calls: None,
+            display_last_expression: None,
+            rich_output: Some(true),
+        })
+        .await
+        .unwrap()
+        .session;
+    stdout_of(&mut c, &s, "w = 5").await;
+    let (worker, _) = record_pids(&setup.adopt, &s);
+    let cell = c
+        .submit(
+            &s,
+            "import os, time\nos.write(4, b'{\"t\":\"display\",\"cell\":2,\"kind\":\"display\",')\ntime.sleep(3)\nos.write(4, b'\"data\":{\"text/plain\":\"handed over\"}}\\n')\nprint('done')\nv = 'reached'",
+        )
+        .await
+        .unwrap();
+    assert_eq!(cell, 2);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    kill_daemon(&mut first, libc::SIGUSR2);
+    drop(c);
+    let rest = setup.adopt.join(format!("{s}.rest"));
+    let held = std::fs::read(&rest).unwrap_or_default();
+    assert!(
+        held.starts_with(b"{\"t\":\"display\""),
+        "the head was not handed over: {:?}\n{}",
+        String::from_utf8_lossy(&held),
+        first.log_text()
+    );
+    let second = successor(&first, &setup);
+    let mut c = second.client().await;
+    c.attach(&s, cell).await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(30), c.finish(|_| {}))
+        .await
+        .expect("the continued cell ended")
+        .unwrap();
+    let r = &got.result;
+    assert_eq!(
+        r.status,
+        sandcell_client::Status::Ok,
+        "{r:?}\n{}",
+        second.log_text()
+    );
+    assert!(r.error.is_none(), "{r:?}");
+    assert!(
+        r.displays.as_ref().is_some_and(|d| d.seen > 0),
+        "the reassembled display frame was not counted: {r:?}"
+    );
+    assert_eq!(got.stdout, "done\n");
+    assert_eq!(
+        stdout_of(&mut c, &s, "print(v, w)").await.trim(),
+        "reached 5"
+    );
+    assert_eq!(record_pids(&setup.adopt, &s).0, worker);
+    assert!(
+        !rest.exists(),
+        "the handed-over bytes outlived their reading"
+    );
+}

@@ -128,6 +128,7 @@ impl Actor {
                         }
                     }
                     Some(Command::Close { reason: r, done }) => { reason = r; close_done = Some(done); break; }
+                    Some(Command::HandOver { done }) => { let _ = done.send(()); }
                 },
                 status = self.child.wait() => {
                     reason = Ending::new(EndReason::WorkerCrashed, match status {
@@ -176,6 +177,9 @@ impl Actor {
                 }
                 Command::HostReply { reply, .. } => {
                     let _ = reply.send(false);
+                }
+                Command::HandOver { done } => {
+                    let _ = done.send(());
                 }
                 Command::Execute { .. } => {}
             }
@@ -371,6 +375,10 @@ impl Actor {
                     }
                     Some(cmd @ Command::Execute { .. }) => {
                         self.deferred = Some(cmd);
+                        None
+                    }
+                    Some(Command::HandOver { done }) => {
+                        let _ = done.send(());
                         None
                     }
                     Some(Command::Close { reason, done }) => {
@@ -660,6 +668,10 @@ pub(super) async fn send_or_command(
                 }
                 // Admitted only once the session is idle, i.e. while the result waits.
                 Some(cmd @ Command::Execute { .. }) => *deferred = Some(cmd),
+                // The cell is over: nothing to hand over.
+                Some(Command::HandOver { done }) => {
+                    let _ = done.send(());
+                }
                 None => {
                     *close = Some((
                         Ending::new(EndReason::Disconnected, "abandoned"),

@@ -94,6 +94,8 @@ pub(super) struct CellRun {
     pub(super) stream_cut: Option<usize>,
     /// Warnings the result carries (a daemon restart during the cell).
     pub(super) notes: Vec<String>,
+    /// The daemon exits keeping its sessions: hand the cell over, then stop.
+    pub(super) hand_over: Option<oneshot::Sender<()>>,
 }
 
 impl CellRun {
@@ -143,6 +145,7 @@ impl CellRun {
             resync: false,
             stream_cut: None,
             notes: Vec::new(),
+            hand_over: None,
         }
     }
 
@@ -159,7 +162,7 @@ impl CellRun {
 
     /// Ends the journal's batch when frames went into it, or when output was counted since
     /// the last commit and that was at least [`JOURNAL_COUNTS_EVERY`] ago.
-    fn commit_journal(&mut self, frames: bool) {
+    pub(super) fn commit_journal(&mut self, frames: bool) {
         if self.journal.is_none() {
             return;
         }
@@ -181,7 +184,7 @@ impl CellRun {
 
     /// What the counts and the journal need of a chunk about to leave as a frame: its
     /// stream and length, and a copy of its text when there is a journal.
-    fn chunk_text(&self, c: &Chunk) -> Option<(Stream, usize, Option<String>)> {
+    pub(super) fn chunk_text(&self, c: &Chunk) -> Option<(Stream, usize, Option<String>)> {
         match c {
             Chunk::Text(st, t) => Some((*st, t.len(), self.journal.is_some().then(|| t.clone()))),
             Chunk::Bundle(..) => None,
@@ -189,7 +192,11 @@ impl CellRun {
     }
 
     /// A chunk left as frame `seq` ([`CellRun::chunk_text`]): counted, and journaled.
-    fn sent_chunk(&mut self, seq: u64, text: Option<(Stream, usize, Option<String>)>) -> bool {
+    pub(super) fn sent_chunk(
+        &mut self,
+        seq: u64,
+        text: Option<(Stream, usize, Option<String>)>,
+    ) -> bool {
         let Some((st, n, copy)) = text else {
             return false;
         };
@@ -423,6 +430,12 @@ impl Actor {
             if let Some(end) = step {
                 return end;
             }
+            if let Some(done) = run.hand_over.take() {
+                self.hand_over_cell(run);
+                let _ = done.send(());
+                // The daemon exits now; this actor reads nothing more.
+                return std::future::pending().await;
+            }
             // While the worker's next message may already be buffered, read it first: output
             // chunks merge, and a cell's last output leaves together with its result.
             if !run.client_gone && !self.replies.may_have_line() {
@@ -487,6 +500,10 @@ impl Actor {
                 None
             }
             Some(Command::Close { reason, done }) => Some(CellEnd::Cancelled(Some((reason, done)))),
+            Some(Command::HandOver { done }) => {
+                run.hand_over = Some(done);
+                None
+            }
             Some(Command::Execute { .. }) => None, // refused by Session::execute
             None => Some(CellEnd::Cancelled(None)),
         }

@@ -219,6 +219,60 @@ pub(crate) fn read(path: &Path) -> std::io::Result<Restored> {
     Ok(parse(&buf))
 }
 
+/// Reads a root-only regular file of at most `max` bytes (longer: an error).
+///
+/// Errors: it cannot be opened or read, is not root's, or is longer.
+fn read_root_only(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    use std::os::unix::fs::MetadataExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)?;
+    let m = f.metadata()?;
+    if !m.is_file() || m.uid() != 0 || m.mode() & 0o077 != 0 {
+        return Err(std::io::Error::other("not a root-only regular file"));
+    }
+    let mut buf = Vec::new();
+    f.take(max + 1).read_to_end(&mut buf)?;
+    if buf.len() as u64 > max {
+        return Err(std::io::Error::other(format!("longer than {max} bytes")));
+    }
+    Ok(buf)
+}
+
+/// Most reply bytes handed over: a reader holds at most one line of
+/// [`sandcell_proto::worker::MAX_WORKER_LINE`] and the rest of one read.
+pub(crate) const MAX_REST_BYTES: u64 = sandcell_proto::worker::MAX_WORKER_LINE as u64 + 256 * 1024;
+
+/// Writes the reply bytes handed over (`records::rest_path`): a temporary file, mode 0600,
+/// renamed into place, so a successor finds all of them or none.
+///
+/// Errors: the file cannot be written or renamed.
+pub(crate) fn write_rest(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("rest.tmp");
+    let mut f = create(&tmp)?;
+    f.write_all(bytes)?;
+    drop(f);
+    std::fs::rename(&tmp, path)
+}
+
+/// Takes the reply bytes handed over at `path` (the file is removed): `None` when there are
+/// none (the predecessor did not exit keeping its sessions, or had no cell running).
+///
+/// Errors: the file is there but cannot be trusted or read.
+pub(crate) fn take_rest(path: &Path) -> std::io::Result<Option<Vec<u8>>> {
+    let got = match read_root_only(path, MAX_REST_BYTES) {
+        Ok(b) => Some(b),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => {
+            let _ = std::fs::remove_file(path);
+            return Err(e);
+        }
+    };
+    let _ = std::fs::remove_file(path);
+    Ok(got)
+}
+
 fn create(path: &Path) -> std::io::Result<std::fs::File> {
     std::fs::OpenOptions::new()
         .write(true)

@@ -403,13 +403,25 @@ impl Session {
             ),
             None => (None, None),
         };
-        let (resume, relay) = match r.running.clone().filter(|_| r.running_cell.is_some()) {
+        let (mut resume, relay) = match r.running.clone().filter(|_| r.running_cell.is_some()) {
             Some(running) => {
                 let (resume, relay) = Resume::new(&w.keep.dir, &r.id, running);
                 (Some(resume), relay)
             }
             None => (None, None),
         };
+        // The reply bytes a predecessor that exited keeping its sessions had read and not
+        // handled: read first, so the stream goes on exactly where it was.
+        let rest = match super::journal::take_rest(&records::rest_path(&w.keep.dir, &r.id)) {
+            Ok(rest) => rest.filter(|_| resume.is_some()),
+            Err(e) => {
+                tracing::warn!(session = %r.id, error = %e, "the reply bytes handed over cannot be read: the stream is resynchronised");
+                None
+            }
+        };
+        if let (Some(res), Some(_)) = (resume.as_mut(), rest.as_ref()) {
+            res.exact = true;
+        }
         let now = SystemTime::now();
         let last = std::time::UNIX_EPOCH + Duration::from_millis(r.last_activity_unix_ms);
         let idle_for = now.duration_since(last).unwrap_or_default();
@@ -431,7 +443,10 @@ impl Session {
             pid: r.worker.pid,
             pidfd: Some(pidfd),
             requests: pipe::Sender::from_owned_fd(held.requests)?,
-            replies: LineReader::new(pipe::Receiver::from_owned_fd(held.replies)?),
+            replies: LineReader::with_buffered(
+                pipe::Receiver::from_owned_fd(held.replies)?,
+                rest.unwrap_or_default(),
+            ),
             stdout,
             stderr,
             group: w.group,
@@ -478,6 +493,9 @@ pub(super) struct Resume {
     restored: Option<super::journal::Restored>,
     /// Warnings for its result.
     notes: Vec<String>,
+    /// The predecessor handed the reply stream over (it exited keeping its sessions): the
+    /// reader starts exactly where its reader was, and needs no resynchronisation.
+    exact: bool,
 }
 
 /// What the relay of a continued cell starts from: (cell, the actor's frames, the retained
@@ -504,6 +522,7 @@ impl Resume {
                     frames: tx,
                     restored: None,
                     notes,
+                    exact: false,
                 },
                 None,
             );
@@ -532,6 +551,7 @@ impl Resume {
                 frames: tx,
                 restored: Some(restored),
                 notes,
+                exact: false,
             },
             Some((cell, rx, streams)),
         )
@@ -567,6 +587,37 @@ impl Actor {
             host_waiting: None,
         });
         self.persist();
+    }
+
+    /// The daemon exits keeping its sessions ([`Command::HandOver`]): the output the cell's
+    /// backlog holds goes into its journal as the frames it would have become, the reply
+    /// bytes read and not yet handled (a frame's head, or whole frames) into
+    /// `records::rest_path`, and the record is current. The successor then continues the
+    /// stream exactly: nothing is lost and nothing needs resynchronising. The caller stops
+    /// reading the worker's pipes.
+    pub(super) fn hand_over_cell(&mut self, run: &mut CellRun) {
+        let Some(k) = self.kept.as_ref() else { return };
+        if self.running.is_none() {
+            return;
+        }
+        let rest = records::rest_path(&k.keep.dir, &self.session.id);
+        if run.journal.is_some() {
+            while let Some(c) = run.backlog.pop() {
+                let text = run.chunk_text(&c);
+                run.sent_chunk(run.seq, text);
+                run.seq += 1;
+            }
+            run.commit_journal(true);
+        }
+        let bytes = self.replies.unconsumed();
+        let n = bytes.len();
+        if n > 0
+            && let Err(e) = super::journal::write_rest(&rest, bytes)
+        {
+            tracing::warn!(session = %self.session.id, error = %e, "handing the reply bytes over: the successor resynchronises the stream");
+        }
+        self.cell_changed(run);
+        tracing::info!(session = %self.session.id, cell = run.cell, reply_bytes = n, "running cell handed over");
     }
 
     /// The cell's escalation or its waiting host call changed: the record follows.
@@ -610,6 +661,7 @@ impl Actor {
             frames,
             restored,
             mut notes,
+            exact,
         } = r;
         let limits = self.session.limits.clone();
         let mut run = CellRun::new(
@@ -665,7 +717,7 @@ impl Actor {
                 )
             });
         }
-        run.resync = true;
+        run.resync = !exact;
         if let Some(call) = running.host_waiting {
             let payload = serde_json::to_vec(&serde_json::json!({
                 "error": format!("host call {call} was not answered: the daemon restarted while it waited")

@@ -254,6 +254,13 @@ pub enum Command {
         /// Fires when released.
         done: oneshot::Sender<()>,
     },
+    /// The daemon exits keeping its sessions: a running cell's state is handed over to the
+    /// successor exactly (its unsent output into its journal, the reply bytes read and not
+    /// yet handled beside its record) and the actor stops reading; `done` fires then.
+    HandOver {
+        /// Fires when handed over.
+        done: oneshot::Sender<()>,
+    },
 }
 
 /// Something worth telling the control plane about.
@@ -576,6 +583,19 @@ impl Session {
         } else {
             // The actor is already ending; wait for it to finish releasing.
             self.cmds.closed().await;
+        }
+    }
+
+    /// Hands a running cell over for a successor daemon ([`Command::HandOver`]); returns once
+    /// it is (or at once when the session runs no cell or is ending). After it the session
+    /// serves nothing more: the daemon exits.
+    pub async fn hand_over(&self) {
+        if self.info.lock().unwrap().state != SessionState::Running {
+            return;
+        }
+        let (tx, rx) = oneshot::channel();
+        if self.cmds.send(Command::HandOver { done: tx }).await.is_ok() {
+            let _ = rx.await;
         }
     }
 
