@@ -175,6 +175,10 @@ pub struct RunningCell {
     /// error (the client that was to answer it is gone).
     #[serde(default)]
     pub host_waiting: Option<u64>,
+    /// The cell of a one-shot `Run`: nothing is left to keep once its caller is gone, so a
+    /// successor ends the session (`daemon_restarted`) instead of continuing it.
+    #[serde(default)]
+    pub one_shot: bool,
 }
 
 /// The journal of session `id`'s running cell: its retained output and counts, appended as

@@ -697,3 +697,37 @@ async fn a_planned_exit_hands_a_half_read_frame_over_exactly() {
         "the handed-over bytes outlived their reading"
     );
 }
+
+/// A one-shot `Run` running at a restart: nothing is left to keep once its caller is gone, so
+/// the successor ends its session (`daemon_restarted`) and its worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_shot_run_cut_by_the_restart_ends_its_session() {
+    skip_unless_root!();
+    let (mut first, setup) = first_daemon(&[]);
+    let mut c = first.client().await;
+    c.run("python", "import time\ntime.sleep(30)", None)
+        .await
+        .unwrap();
+    let started = c.next_frame().await.unwrap().started.expect("started");
+    let s = started.session;
+    assert!(
+        common::eventually(Duration::from_secs(20), || {
+            std::fs::read_to_string(setup.adopt.join(format!("{s}.json")))
+                .is_ok_and(|t| t.contains("\"one_shot\":true"))
+        }),
+        "the record never showed the one-shot cell"
+    );
+    let (worker, _) = record_pids(&setup.adopt, &s);
+    kill_daemon(&mut first, libc::SIGUSR2);
+    drop(c);
+    let second = successor(&first, &setup);
+    let mut c = second.client().await;
+    match execute_error(&mut c, &s).await {
+        KernelError::SessionEnded { reason, .. } => assert_eq!(reason, "daemon_restarted"),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        common::eventually(Duration::from_secs(20), || !alive(worker)),
+        "the one-shot worker lives on"
+    );
+}

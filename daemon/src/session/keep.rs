@@ -296,6 +296,15 @@ pub fn connect(dir: &Path, r: Record) -> Result<Adoptable, NotAdopted> {
         return Err(refuse("the worker is not in its recorded cgroup".into()));
     }
     if let Some(cell) = r.running_cell
+        && r.running.as_ref().is_some_and(|c| c.one_shot)
+    {
+        lifeline.end();
+        return Err(NotAdopted::Gone(format!(
+            "cell {cell} of a one-shot Run was running when the daemon went away; its caller's \
+             connection went with it"
+        )));
+    }
+    if let Some(cell) = r.running_cell
         && r.running.as_ref().is_none_or(|c| c.cell != cell)
     {
         lifeline.end();
@@ -585,6 +594,7 @@ impl Actor {
             phase: phase_name(run.phase).into(),
             cpu0: run.cpu0,
             host_waiting: None,
+            one_shot: !run.keep_session,
         });
         self.persist();
     }
