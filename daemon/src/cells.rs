@@ -592,43 +592,41 @@ async fn relay_loop<S: Host>(
     wake: Arc<Notify>,
     mut rx: mpsc::Receiver<Frame>,
 ) {
-    {
-        loop {
-            let target = rec.lock().unwrap().attach.clone();
-            tokio::select! {
-                frame = rx.recv() => {
-                    let Some(mut frame) = frame else {
-                        let mut r = rec.lock().unwrap();
-                        if !r.done() {
-                            r.lost = true;
-                            r.attach = None;
-                            let to = r.streams[0].kept() + r.streams[1].kept();
-                            r.charge.shrink(to);
-                        }
-                        break;
-                    };
-                    let last = frame.result.is_some();
-                    let target = {
-                        let mut r = rec.lock().unwrap();
-                        r.absorb(&mut frame);
-                        r.attach.clone()
-                    };
-                    if let Some(tx) = target {
-                        deliver(&session, &rec, &wake, tx, frame).await;
+    loop {
+        let target = rec.lock().unwrap().attach.clone();
+        tokio::select! {
+            frame = rx.recv() => {
+                let Some(mut frame) = frame else {
+                    let mut r = rec.lock().unwrap();
+                    if !r.done() {
+                        r.lost = true;
+                        r.attach = None;
+                        let to = r.streams[0].kept() + r.streams[1].kept();
+                        r.charge.shrink(to);
                     }
-                    if last {
-                        rec.lock().unwrap().attach = None;
-                        session.log().make_room(0, false);
-                        break;
-                    }
+                    break;
+                };
+                let last = frame.result.is_some();
+                let target = {
+                    let mut r = rec.lock().unwrap();
+                    r.absorb(&mut frame);
+                    r.attach.clone()
+                };
+                if let Some(tx) = target {
+                    deliver(&session, &rec, &wake, tx, frame).await;
                 }
-                () = attachment_closed(&target) => {
-                    if let Some(tx) = &target {
-                        hung_up(&session, &rec, tx);
-                    }
+                if last {
+                    rec.lock().unwrap().attach = None;
+                    session.log().make_room(0, false);
+                    break;
                 }
-                () = wake.notified() => {}
             }
+            () = attachment_closed(&target) => {
+                if let Some(tx) = &target {
+                    hung_up(&session, &rec, tx);
+                }
+            }
+            () = wake.notified() => {}
         }
     }
 }

@@ -199,24 +199,12 @@ pub(crate) fn parse(bytes: &[u8]) -> Restored {
     out
 }
 
-/// Reads the journal at `path`: at most [`records::JOURNAL_MAX_BYTES`] plus a batch; a file
-/// that is not a root-only regular file is not read.
+/// Reads the journal at `path` (at most [`records::JOURNAL_MAX_BYTES`] plus 1 MiB; it never
+/// holds more than the former).
 ///
-/// Errors: the file cannot be opened or read, or is not root's.
+/// Errors: the file cannot be opened or read, is not a root-only regular file, or is longer.
 pub(crate) fn read(path: &Path) -> std::io::Result<Restored> {
-    use std::os::unix::fs::MetadataExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)?;
-    let m = f.metadata()?;
-    if !m.is_file() || m.uid() != 0 || m.mode() & 0o077 != 0 {
-        return Err(std::io::Error::other("not a root-only regular file"));
-    }
-    let mut buf = Vec::new();
-    f.take(records::JOURNAL_MAX_BYTES + 1024 * 1024)
-        .read_to_end(&mut buf)?;
-    Ok(parse(&buf))
+    read_root_only(path, records::JOURNAL_MAX_BYTES + 1024 * 1024).map(|b| parse(&b))
 }
 
 /// Reads a root-only regular file of at most `max` bytes (longer: an error).
