@@ -93,7 +93,7 @@ impl Drop for Charge {
 /// last [`k::RETAIN_TAIL_BYTES`] of its text, in chunks (consecutive pieces merged up to a
 /// frame's [`MAX_OUTPUT_CHUNK`], keeping the first piece's `seq`), cut on characters.
 #[derive(Debug, Default)]
-struct Kept {
+pub(crate) struct Kept {
     seen: u64,
     head: Vec<(u64, String)>,
     head_bytes: u64,
@@ -116,7 +116,8 @@ fn push_merged(last: Option<&mut (u64, String)>, seq: u64, text: &str) -> Option
 }
 
 impl Kept {
-    fn push(&mut self, seq: u64, mut text: &str) {
+    /// Takes in the text of output frame `seq`.
+    pub(crate) fn push(&mut self, seq: u64, mut text: &str) {
         self.seen += text.len() as u64;
         if self.evicted {
             return;
@@ -165,7 +166,22 @@ impl Kept {
         self.head_bytes + self.tail_bytes
     }
 
-    fn stats(&self) -> RetainedStats {
+    /// The retained chunks, head then tail: (`seq` of the chunk's first frame, text).
+    pub(crate) fn chunks(&self) -> impl Iterator<Item = (u64, &str)> {
+        self.head
+            .iter()
+            .chain(self.tail.iter())
+            .map(|(q, t)| (*q, t.as_str()))
+    }
+
+    /// Sets the bytes seen (a record rebuilt from a journal whose older output was already
+    /// cut to its head and tail); never below what is kept.
+    pub(crate) fn set_seen(&mut self, seen: u64) {
+        self.seen = seen.max(self.kept());
+    }
+
+    /// Seen, kept and dropped bytes.
+    pub(crate) fn stats(&self) -> RetainedStats {
         RetainedStats {
             seen: self.seen,
             kept: self.kept(),
@@ -536,45 +552,83 @@ pub fn relay<S: Host>(
         if let Some(tx) = attach {
             deliver(&session, &rec, &wake, tx, first).await;
         }
-        loop {
-            let target = rec.lock().unwrap().attach.clone();
-            tokio::select! {
-                frame = rx.recv() => {
-                    let Some(mut frame) = frame else {
-                        let mut r = rec.lock().unwrap();
-                        if !r.done() {
-                            r.lost = true;
-                            r.attach = None;
-                            let to = r.streams[0].kept() + r.streams[1].kept();
-                            r.charge.shrink(to);
-                        }
-                        break;
-                    };
-                    let last = frame.result.is_some();
-                    let target = {
-                        let mut r = rec.lock().unwrap();
-                        r.absorb(&mut frame);
-                        r.attach.clone()
-                    };
-                    if let Some(tx) = target {
-                        deliver(&session, &rec, &wake, tx, frame).await;
-                    }
-                    if last {
-                        rec.lock().unwrap().attach = None;
-                        session.log().make_room(0, false);
-                        break;
-                    }
-                }
-                () = attachment_closed(&target) => {
-                    if let Some(tx) = &target {
-                        hung_up(&session, &rec, tx);
-                    }
-                }
-                () = wake.notified() => {}
-            }
-        }
+        relay_loop(session, rec, wake, rx).await;
     });
     started_rx
+}
+
+/// The relay of cell `cell` of `session` continued by a successor daemon: its record holds
+/// `streams` (rebuilt from the cell's journal) and joins the session's log now, charged
+/// `charge`; the actor's frames come on `rx` (no `started` frame: an `Attach` replays it).
+pub(crate) fn resume<S: Host>(
+    session: Arc<S>,
+    rx: mpsc::Receiver<Frame>,
+    cell: u64,
+    streams: [Kept; 2],
+    charge: Charge,
+) {
+    let wake = Arc::new(Notify::new());
+    let rec = Arc::new(Mutex::new(Record {
+        cell,
+        streams,
+        result: None,
+        result_bytes: 0,
+        lost: false,
+        host_call: None,
+        attach: None,
+        hangup_interrupts: false,
+        charge,
+        wake: wake.clone(),
+    }));
+    session.log().records.lock().unwrap().push_back(rec.clone());
+    tokio::spawn(relay_loop(session, rec, wake, rx));
+}
+
+/// The relay's loop (module documentation): takes in each frame, hands it to the
+/// attachment, until the result or the end of the frames.
+async fn relay_loop<S: Host>(
+    session: Arc<S>,
+    rec: Arc<Mutex<Record>>,
+    wake: Arc<Notify>,
+    mut rx: mpsc::Receiver<Frame>,
+) {
+    loop {
+        let target = rec.lock().unwrap().attach.clone();
+        tokio::select! {
+            frame = rx.recv() => {
+                let Some(mut frame) = frame else {
+                    let mut r = rec.lock().unwrap();
+                    if !r.done() {
+                        r.lost = true;
+                        r.attach = None;
+                        let to = r.streams[0].kept() + r.streams[1].kept();
+                        r.charge.shrink(to);
+                    }
+                    break;
+                };
+                let last = frame.result.is_some();
+                let target = {
+                    let mut r = rec.lock().unwrap();
+                    r.absorb(&mut frame);
+                    r.attach.clone()
+                };
+                if let Some(tx) = target {
+                    deliver(&session, &rec, &wake, tx, frame).await;
+                }
+                if last {
+                    rec.lock().unwrap().attach = None;
+                    session.log().make_room(0, false);
+                    break;
+                }
+            }
+            () = attachment_closed(&target) => {
+                if let Some(tx) = &target {
+                    hung_up(&session, &rec, tx);
+                }
+            }
+            () = wake.notified() => {}
+        }
+    }
 }
 
 async fn attachment_closed(target: &Option<mpsc::Sender<Frame>>) {

@@ -65,7 +65,7 @@ pub struct RunRequest<'a> {
 }
 
 /// Frames a cell's channel holds (the actor waits when it is full).
-const FRAME_QUEUE: usize = 64;
+pub(crate) const FRAME_QUEUE: usize = 64;
 
 /// Reserves retention for a new cell record of `s`.
 ///
@@ -997,17 +997,20 @@ impl Core {
         let s = self.lookup(caller, session)?;
         self.authorize(caller, Action::Execute).await?;
         if s.detached_idle.is_none() {
-            return self.start_cell(caller, &s, session, code, frames).await;
+            return self
+                .start_cell(caller, &s, session, code, frames, false)
+                .await;
         }
         let charge = retention_charge(&s)?;
         let (tx, rx) = mpsc::channel(FRAME_QUEUE);
-        self.start_cell(caller, &s, session, code, tx).await?;
+        self.start_cell(caller, &s, session, code, tx, true).await?;
         let hangup = self.config().daemon.interrupt_on_hangup;
         drop(crate::cells::relay(s, rx, Some(frames), hangup, charge));
         Ok(())
     }
 
-    /// Hands `code` to the session's actor; frames go to `frames`.
+    /// Hands `code` to the session's actor; frames go to `frames`, a relay that retains
+    /// them when `retained` (a successor daemon then continues the cell).
     async fn start_cell(
         &self,
         caller: &Caller,
@@ -1015,8 +1018,14 @@ impl Core {
         session: &str,
         code: String,
         frames: mpsc::Sender<Frame>,
+        retained: bool,
     ) -> Result<(), KernelError> {
-        match s.execute(code, frames, false).await {
+        let queued = if retained {
+            s.execute_retained(code, frames).await
+        } else {
+            s.execute(code, frames, false).await
+        };
+        match queued {
             Ok(()) => Ok(()),
             Err(ExecuteRefused::Busy(cell)) => Err(KernelError::SessionBusy {
                 session: session.into(),
@@ -1045,7 +1054,7 @@ impl Core {
         self.authorize(caller, Action::Execute).await?;
         let charge = retention_charge(&s)?;
         let (tx, rx) = mpsc::channel(FRAME_QUEUE);
-        self.start_cell(caller, &s, session, code, tx).await?;
+        self.start_cell(caller, &s, session, code, tx, true).await?;
         match crate::cells::relay(s.clone(), rx, None, false, charge).await {
             Ok(cell) => Ok(cell),
             // The actor dropped the cell: the session ended before it started.
@@ -1389,9 +1398,10 @@ impl Core {
     /// is current (written on every change), so the process exits at once; the lifelines
     /// close with it and every keeper waits for an adopter (`adopt_timeout_seconds`). Workers
     /// are not signalled; warm pooled workers are not kept (the next daemon sweeps them). A
-    /// cell running now is not adoptable: the next daemon ends its session
-    /// (`daemon_restarted`). The call a restart that keeps sessions makes (sandcelld(8),
-    /// ADOPTION).
+    /// cell running now goes on in its worker: the next daemon continues it (a retained
+    /// cell's output so far is in its journal; an `Execute` whose connection this exit cuts
+    /// is interrupted there, its session kept). The call a restart that keeps sessions makes
+    /// (sandcelld(8), ADOPTION).
     pub fn exit_keeping_sessions(&self) -> ! {
         self.stopping.store(true, Ordering::SeqCst);
         tracing::info!(
@@ -1399,6 +1409,25 @@ impl Core {
             "exiting; sessions kept for the next daemon"
         );
         std::process::exit(0)
+    }
+
+    /// Before [`Core::exit_keeping_sessions`]: stops taking work and hands every running cell
+    /// over to the successor exactly (`Session::hand_over`: unsent output journaled, reply
+    /// bytes read and not handled written beside the record), at most 2 s in all; a cell not
+    /// handed over by then is continued as after a crash.
+    pub async fn hand_over_sessions(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+        let mut set = tokio::task::JoinSet::new();
+        for s in self.sessions() {
+            set.spawn(async move { s.hand_over().await });
+        }
+        let all = async { while set.join_next().await.is_some() {} };
+        if tokio::time::timeout(Duration::from_secs(2), all)
+            .await
+            .is_err()
+        {
+            tracing::warn!("not every running cell was handed over within 2 s");
+        }
     }
 
     /// Stops taking work and ends every session (killed and reaped).

@@ -335,6 +335,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
             }
             notify::stopping();
             metrics.finish().await;
+            core.hand_over_sessions().await;
             core.exit_keeping_sessions();
         }
         OnTerm::KeepSessions => tracing::warn!(

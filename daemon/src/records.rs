@@ -132,6 +132,11 @@ pub struct Record {
     pub host_calls_made: u64,
     /// The cell running when the record was written, if any.
     pub running_cell: Option<u64>,
+    /// What a successor needs to continue that cell, once its request reached the worker
+    /// (absent while the request is being written, and in records of older daemons: such a
+    /// cell is not continued, its session ends `daemon_restarted`).
+    #[serde(default)]
+    pub running: Option<RunningCell>,
     /// The keeper.
     pub keeper: ProcId,
     /// The worker.
@@ -143,6 +148,55 @@ pub struct Record {
     /// The session directory.
     pub session_dir: PathBuf,
 }
+
+/// The cell a session was running when its record was written, as a successor continues it
+/// (`session::keep`). Its retained output so far is in the session's journal
+/// ([`journal_path`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunningCell {
+    /// The cell's number.
+    pub cell: u64,
+    /// The request's nonce, which the worker's `done` echoes (16 hex digits).
+    pub nonce: String,
+    /// When the cell started, ms since the Unix epoch: its wall time counts from here, so
+    /// the time the daemon was away counts too.
+    pub started_unix_ms: u64,
+    /// Its frames go through a relay that retains them (`Submit`, or `Execute` on a detached
+    /// session): the successor continues it and keeps retaining. Otherwise the `Execute`
+    /// that started it went with the daemon's connection: the successor interrupts it, as
+    /// for a client that goes away during a cell, and the session stays.
+    pub retained: bool,
+    /// `running`, `interrupted` (an `Interrupt` was delivered) or `timed_out` (past its wall
+    /// time): the escalation the successor resumes.
+    pub phase: String,
+    /// CPU seconds of the worker when the cell started (for `usage.cpu_seconds`).
+    pub cpu0: Option<f64>,
+    /// A host call of the cell waiting for its answer: the successor answers it with an
+    /// error (the client that was to answer it is gone).
+    #[serde(default)]
+    pub host_waiting: Option<u64>,
+    /// The cell of a one-shot `Run`: nothing is left to keep once its caller is gone, so a
+    /// successor ends the session (`daemon_restarted`) instead of continuing it.
+    #[serde(default)]
+    pub one_shot: bool,
+}
+
+/// The journal of session `id`'s running cell: its retained output and counts, appended as
+/// frames leave the actor (`session::journal`), at most [`JOURNAL_MAX_BYTES`].
+pub fn journal_path(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!("{id}.cell"))
+}
+
+/// The reply bytes a daemon that exited keeping its sessions had read from session `id`'s
+/// worker and not yet handled (a frame's head, or whole frames), which its successor reads
+/// first.
+pub fn rest_path(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!("{id}.rest"))
+}
+
+/// Most bytes of a running cell's journal: the per-session retention bound
+/// (`sandcell_proto::kernel::SESSION_RETAINED_BYTES`, 1 MiB).
+pub const JOURNAL_MAX_BYTES: u64 = sandcell_proto::kernel::SESSION_RETAINED_BYTES;
 
 /// `<dir>/keepers`, where keepers listen.
 pub fn keepers_dir(dir: &Path) -> PathBuf {
@@ -190,9 +244,12 @@ pub fn write(dir: &Path, r: &Record) -> std::io::Result<()> {
     std::fs::rename(&tmp, path_of(dir, &r.id))
 }
 
-/// Removes session `id`'s record and its keeper's socket (absent ones are not an error).
+/// Removes session `id`'s record, its cell journal and its keeper's socket (absent ones are
+/// not an error).
 pub fn remove(dir: &Path, id: &str) {
     let _ = std::fs::remove_file(path_of(dir, id));
+    let _ = std::fs::remove_file(journal_path(dir, id));
+    let _ = std::fs::remove_file(rest_path(dir, id));
     let _ = std::fs::remove_file(keeper_socket(dir, id));
 }
 

@@ -428,3 +428,306 @@ async fn keepers_nobody_adopts_end_their_sessions_after_the_timeout() {
     assert!(took >= Duration::from_millis(1500), "ended after {took:?}");
     eprintln!("an unadopted session ended {took:?} after its daemon");
 }
+
+/// The cell of the running-cell tests: prints, sleeps across the restart, prints again and
+/// sets a variable.
+const ACROSS: &str = "import sys, time\nprint('before the restart')\nsys.stdout.flush()\ntime.sleep(3)\nprint('after the restart')\nv = 42";
+
+/// A detached session's `Submit` cell runs while its daemon goes (`signal`) and a successor
+/// adopts it: the cell finishes in the same worker, never signalled, and Attach/CellStatus on
+/// the successor give its whole output and result; the next Execute sees its variable.
+async fn a_submitted_cell_continues_across(signal: i32) {
+    // With SIGKILL each daemon in its own mount namespace, as under the unit.
+    let private = signal == libc::SIGKILL;
+    let (mut first, setup) = first_daemon_in(&[], private);
+    let mut c = first.client().await;
+    let s = c.open("python", None, Some(600)).await.unwrap().session;
+    stdout_of(&mut c, &s, "w = 'set before'").await;
+    let (worker, keeper) = record_pids(&setup.adopt, &s);
+    let cell = c.submit(&s, ACROSS).await.unwrap();
+    // The first print is retained in the cell's journal before the daemon goes: a SIGKILL
+    // gives it no chance to write anything at its end.
+    let journal = setup.adopt.join(format!("{s}.cell"));
+    assert!(
+        common::eventually(Duration::from_secs(20), || std::fs::read(&journal)
+            .is_ok_and(|b| b
+                .windows(18)
+                .any(|w| w == b"before the restart".as_slice()))),
+        "the journal never held the first print:\n{}",
+        first.log_text()
+    );
+    assert_eq!(c.cell_status(&s, cell).await.unwrap().state, "running");
+    let t_event = Instant::now();
+    kill_daemon(&mut first, signal);
+    drop(c);
+    assert!(alive(worker) && alive(keeper), "the worker or keeper died");
+    let second = if private {
+        successor_private(&first, &setup)
+    } else {
+        successor(&first, &setup)
+    };
+    let mut c = second.client().await;
+    let st = c.cell_status(&s, cell).await.unwrap();
+    eprintln!(
+        "signal {signal}: CellStatus {:?} {:?} after the event",
+        st.state,
+        t_event.elapsed()
+    );
+    assert!(
+        st.state == "running" || st.state == "ok",
+        "{st:?}\n{}",
+        second.log_text()
+    );
+    c.attach(&s, cell).await.unwrap();
+    let got = c.finish(|_| {}).await.unwrap();
+    assert_eq!(
+        got.stdout,
+        "before the restart\nafter the restart\n",
+        "{}",
+        second.log_text()
+    );
+    let r = &got.result;
+    assert_eq!(r.status, sandcell_client::Status::Ok, "{r:?}");
+    assert_eq!(r.stdout.seen, 37, "{r:?}");
+    let retained = r.retained.as_ref().expect("retention counts");
+    assert_eq!((retained.stdout.seen, retained.stdout.dropped), (37, 0));
+    assert!(
+        r.warnings.iter().any(|w| w.contains("daemon restarted")),
+        "{:?}",
+        r.warnings
+    );
+    // CellStatus agrees, on a fresh connection.
+    let mut d = second.client().await;
+    let st = d.cell_status(&s, cell).await.unwrap();
+    assert_eq!(st.state, "ok");
+    assert_eq!(st.result.unwrap().status, sandcell_client::Status::Ok);
+    // The variables: the cell's and the ones before it.
+    assert_eq!(
+        stdout_of(&mut d, &s, "print(v, w)").await.trim(),
+        "42 set before"
+    );
+    let (w2, _) = record_pids(&setup.adopt, &s);
+    assert_eq!(w2, worker, "the worker changed");
+    assert!(!journal.exists(), "the journal outlived its cell");
+    eprintln!("signal {signal}: worker pid {worker} before and after");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_submitted_cell_is_continued_after_sigusr2() {
+    skip_unless_root!();
+    a_submitted_cell_continues_across(libc::SIGUSR2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_submitted_cell_is_continued_after_sigkill() {
+    skip_unless_root!();
+    a_submitted_cell_continues_across(libc::SIGKILL).await;
+}
+
+/// A hostile worker writes half a reply frame and blocks across the restart: the successor
+/// never parses the tail it reads first as a frame; the cell is interrupted with a typed,
+/// truthful error (`DaemonRestarted`), and the session stays with its variables.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_cut_by_the_restart_is_discarded_and_the_cell_interrupted() {
+    skip_unless_root!();
+    if !common::pydata_available() {
+        sandcell_testing::skip!(
+            "pydata",
+            "a cell writes to its worker's reply pipe (fd 4) only in the native Python worker"
+        );
+    }
+    let (mut first, setup) = first_daemon(&[]);
+    let mut c = first.client().await;
+    let s = c
+        .open_in("python", Some("pydata"), None, Some(600))
+        .await
+        .unwrap()
+        .session;
+    stdout_of(&mut c, &s, "w = 5").await;
+    let (worker, _) = record_pids(&setup.adopt, &s);
+    let cell = c
+        .submit(
+            &s,
+            "import os, time\nos.write(4, b'{\"t\":\"output\",\"cell\":')\ntime.sleep(3)\nos.write(4, b'2,\"stream\":\"stdout\",\"data\":\"forged\"}\\n')\ntime.sleep(20)\nv = 'not reached'",
+        )
+        .await
+        .unwrap();
+    // The daemon has read the head (no newline yet) when it dies.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    kill_daemon(&mut first, libc::SIGKILL);
+    drop(c);
+    let second = successor(&first, &setup);
+    let mut c = second.client().await;
+    c.attach(&s, cell).await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(30), c.finish(|_| {}))
+        .await
+        .expect("the continued cell ended")
+        .unwrap();
+    let r = &got.result;
+    assert_eq!(
+        r.status,
+        sandcell_client::Status::Interrupted,
+        "{r:?}\n{}",
+        second.log_text()
+    );
+    let e = r.error.as_ref().expect("an error");
+    assert_eq!(e.kind, "DaemonRestarted", "{e:?}");
+    assert!(!got.stdout.contains("forged"), "{:?}", got.stdout);
+    assert!(!r.session_ended);
+    assert_eq!(stdout_of(&mut c, &s, "print(w)").await.trim(), "5");
+    assert_eq!(record_pids(&setup.adopt, &s).0, worker);
+}
+
+/// A cell started by `Execute` on a session that is not detached: the restart cuts the call
+/// that started it, so the successor interrupts it (as for a client that goes away during a
+/// cell) and keeps the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_execute_cut_by_the_restart_is_interrupted_and_its_session_kept() {
+    skip_unless_root!();
+    let (mut first, setup) = first_daemon(&[]);
+    let mut c = first.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    stdout_of(&mut c, &s, "w = 9").await;
+    let (worker, _) = record_pids(&setup.adopt, &s);
+    c.execute(&s, "import time\ntime.sleep(30)\nw = 10")
+        .await
+        .unwrap();
+    assert!(
+        common::eventually(Duration::from_secs(20), || {
+            std::fs::read_to_string(setup.adopt.join(format!("{s}.json")))
+                .is_ok_and(|t| t.contains("\"running\":{"))
+        }),
+        "the record never showed the running cell"
+    );
+    kill_daemon(&mut first, libc::SIGUSR2);
+    let t0 = Instant::now();
+    let second = successor(&first, &setup);
+    let mut c2 = second.client().await;
+    // The interrupted cell ends within moments; then the session takes cells again.
+    let out = loop {
+        match c2.execute_collect(&s, "print(w)").await {
+            Ok(got) => break got.stdout,
+            Err(Error::Kernel(KernelError::SessionBusy { .. })) => {
+                assert!(t0.elapsed() < Duration::from_secs(20), "still busy");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("{e:?}\n{}", second.log_text()),
+        }
+    };
+    assert_eq!(out.trim(), "9");
+    assert_eq!(record_pids(&setup.adopt, &s).0, worker);
+    drop(c);
+}
+
+/// The same half frame across a planned exit (SIGUSR2): the daemon hands the cell over
+/// exactly (the head it had read is written beside the record), so the successor reads the
+/// whole frame and the cell goes on untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planned_exit_hands_a_half_read_frame_over_exactly() {
+    skip_unless_root!();
+    if !common::pydata_available() {
+        sandcell_testing::skip!(
+            "pydata",
+            "a cell writes to its worker's reply pipe (fd 4) only in the native Python worker"
+        );
+    }
+    let (mut first, setup) = first_daemon(&[]);
+    let mut c = first.client().await;
+    let s = c
+        .open_with(&sandcell_client::OpenParams {
+            language: "python".into(),
+            limits: None,
+            detached_idle_seconds: Some(600),
+            environment: Some("pydata".into()),
+            host_calls: None,
+            display_last_expression: None,
+            rich_output: Some(true),
+        })
+        .await
+        .unwrap()
+        .session;
+    stdout_of(&mut c, &s, "w = 5").await;
+    let (worker, _) = record_pids(&setup.adopt, &s);
+    let cell = c
+        .submit(
+            &s,
+            "import os, time\nos.write(4, b'{\"t\":\"display\",\"cell\":2,\"kind\":\"display\",')\ntime.sleep(3)\nos.write(4, b'\"data\":{\"text/plain\":\"handed over\"}}\\n')\nprint('done')\nv = 'reached'",
+        )
+        .await
+        .unwrap();
+    assert_eq!(cell, 2);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    kill_daemon(&mut first, libc::SIGUSR2);
+    drop(c);
+    let rest = setup.adopt.join(format!("{s}.rest"));
+    let held = std::fs::read(&rest).unwrap_or_default();
+    assert!(
+        held.starts_with(b"{\"t\":\"display\""),
+        "the head was not handed over: {:?}\n{}",
+        String::from_utf8_lossy(&held),
+        first.log_text()
+    );
+    let second = successor(&first, &setup);
+    let mut c = second.client().await;
+    c.attach(&s, cell).await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(30), c.finish(|_| {}))
+        .await
+        .expect("the continued cell ended")
+        .unwrap();
+    let r = &got.result;
+    assert_eq!(
+        r.status,
+        sandcell_client::Status::Ok,
+        "{r:?}\n{}",
+        second.log_text()
+    );
+    assert!(r.error.is_none(), "{r:?}");
+    assert!(
+        r.displays.as_ref().is_some_and(|d| d.seen > 0),
+        "the reassembled display frame was not counted: {r:?}"
+    );
+    assert_eq!(got.stdout, "done\n");
+    assert_eq!(
+        stdout_of(&mut c, &s, "print(v, w)").await.trim(),
+        "reached 5"
+    );
+    assert_eq!(record_pids(&setup.adopt, &s).0, worker);
+    assert!(
+        !rest.exists(),
+        "the handed-over bytes outlived their reading"
+    );
+}
+
+/// A one-shot `Run` running at a restart: nothing is left to keep once its caller is gone, so
+/// the successor ends its session (`daemon_restarted`) and its worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_shot_run_cut_by_the_restart_ends_its_session() {
+    skip_unless_root!();
+    let (mut first, setup) = first_daemon(&[]);
+    let mut c = first.client().await;
+    c.run("python", "import time\ntime.sleep(30)", None)
+        .await
+        .unwrap();
+    let started = c.next_frame().await.unwrap().started.expect("started");
+    let s = started.session;
+    assert!(
+        common::eventually(Duration::from_secs(20), || {
+            std::fs::read_to_string(setup.adopt.join(format!("{s}.json")))
+                .is_ok_and(|t| t.contains("\"one_shot\":true"))
+        }),
+        "the record never showed the one-shot cell"
+    );
+    let (worker, _) = record_pids(&setup.adopt, &s);
+    kill_daemon(&mut first, libc::SIGUSR2);
+    drop(c);
+    let second = successor(&first, &setup);
+    let mut c = second.client().await;
+    match execute_error(&mut c, &s).await {
+        KernelError::SessionEnded { reason, .. } => assert_eq!(reason, "daemon_restarted"),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        common::eventually(Duration::from_secs(20), || !alive(worker)),
+        "the one-shot worker lives on"
+    );
+}

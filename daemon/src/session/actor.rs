@@ -54,6 +54,12 @@ pub(super) struct Actor {
     pub(super) disk_scan: Option<(Instant, tokio::task::JoinHandle<u64>)>,
     /// The session's keeper and record, when sessions are kept for adoption (`keep.rs`).
     pub(super) kept: Option<keep::Kept>,
+    /// The running cell as its record tells a successor (`keep.rs`): set once its request
+    /// reached the worker, updated when its escalation or host call changes, cleared at its
+    /// end.
+    pub(super) running: Option<crate::records::RunningCell>,
+    /// The cell a predecessor daemon was running: continued before anything else.
+    pub(super) resume: Option<keep::Resume>,
 }
 
 impl Actor {
@@ -62,14 +68,26 @@ impl Actor {
         let mut close_done: Option<oneshot::Sender<()>> = None;
         self.start_keeper().await;
         loop {
+            if let Some(r) = self.resume.take() {
+                if let Some(end) = self.resume_cell(r, &mut cmds).await {
+                    reason = end.0;
+                    close_done = end.1;
+                    break;
+                }
+                self.disk_next = tokio::time::Instant::now() + DISK_IDLE_WATCH;
+            }
             self.persist();
             if let Some(Command::Execute {
                 code,
                 frames,
                 one_shot,
+                retained,
             }) = self.deferred.take()
             {
-                if let Some(end) = self.execute_cell(code, frames, one_shot, &mut cmds).await {
+                if let Some(end) = self
+                    .execute_cell(code, frames, one_shot, retained, &mut cmds)
+                    .await
+                {
                     reason = end.0;
                     close_done = end.1;
                     break;
@@ -81,8 +99,8 @@ impl Actor {
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
                     None => { reason = Ending::new(EndReason::Disconnected, "abandoned"); break; }
-                    Some(Command::Execute { code, frames, one_shot }) => {
-                        if let Some(end) = self.execute_cell(code, frames, one_shot, &mut cmds).await {
+                    Some(Command::Execute { code, frames, one_shot, retained }) => {
+                        if let Some(end) = self.execute_cell(code, frames, one_shot, retained, &mut cmds).await {
                             reason = end.0;
                             close_done = end.1;
                             break;
@@ -110,6 +128,7 @@ impl Actor {
                         }
                     }
                     Some(Command::Close { reason: r, done }) => { reason = r; close_done = Some(done); break; }
+                    Some(Command::HandOver { done }) => { let _ = done.send(()); }
                 },
                 status = self.child.wait() => {
                     reason = Ending::new(EndReason::WorkerCrashed, match status {
@@ -159,6 +178,9 @@ impl Actor {
                 Command::HostReply { reply, .. } => {
                     let _ = reply.send(false);
                 }
+                Command::HandOver { done } => {
+                    let _ = done.send(());
+                }
                 Command::Execute { .. } => {}
             }
         }
@@ -180,6 +202,7 @@ impl Actor {
         code: String,
         frames: mpsc::Sender<Frame>,
         one_shot: bool,
+        retained: bool,
         cmds: &mut mpsc::Receiver<Command>,
     ) -> Option<(Ending, Option<oneshot::Sender<()>>)> {
         let cell = self.next_cell;
@@ -268,10 +291,12 @@ impl Actor {
                 Err(e) => CellEnd::WorkerGone(format!("writing the request: {e}")),
                 Ok(()) => {
                     drop(request);
+                    self.keep_running_cell(&mut run, retained);
                     self.cell_loop(&mut run, cmds).await
                 }
             }
         };
+        self.end_running_cell(&mut run);
         self.disk_scan = run.disk_scan.take();
         self.finish_cell(run, end, one_shot, close_req, files_before, cmds)
             .await
@@ -350,6 +375,10 @@ impl Actor {
                     }
                     Some(cmd @ Command::Execute { .. }) => {
                         self.deferred = Some(cmd);
+                        None
+                    }
+                    Some(Command::HandOver { done }) => {
+                        let _ = done.send(());
                         None
                     }
                     Some(Command::Close { reason, done }) => {
@@ -639,6 +668,10 @@ pub(super) async fn send_or_command(
                 }
                 // Admitted only once the session is idle, i.e. while the result waits.
                 Some(cmd @ Command::Execute { .. }) => *deferred = Some(cmd),
+                // The cell is over: nothing to hand over.
+                Some(Command::HandOver { done }) => {
+                    let _ = done.send(());
+                }
                 None => {
                     *close = Some((
                         Ending::new(EndReason::Disconnected, "abandoned"),

@@ -76,6 +76,26 @@ pub(super) struct CellRun {
     pub(super) host_frame: Option<Frame>,
     /// Bytes for the request pipe (answers to host calls), written as the pipe takes them.
     pub(super) to_worker: Vec<u8>,
+    /// When the cell started, ms since the Unix epoch (its wall time counts from here across
+    /// a daemon restart).
+    pub(super) started_unix_ms: u64,
+    /// The journal of a retained cell whose session is kept for a successor (`journal.rs`).
+    pub(super) journal: Option<journal::Journal>,
+    /// Bytes of output frames sent per stream (what the relay's retention has seen).
+    pub(super) sent: [u64; 2],
+    /// The caps' bytes seen at the last journal commit, and when it was.
+    pub(super) committed: (u64, Instant),
+    /// A cell continued after a daemon restart whose first reply line is not read yet: the
+    /// predecessor may have died in the middle of a frame, so that line may be a frame's
+    /// tail (`keep.rs`, `Actor::resume_cell`).
+    pub(super) resync: bool,
+    /// The first reply line after the restart was not a whole frame (its bytes): the cell's
+    /// stream could not be resumed exactly, and the cell was interrupted.
+    pub(super) stream_cut: Option<usize>,
+    /// Warnings the result carries (a daemon restart during the cell).
+    pub(super) notes: Vec<String>,
+    /// The daemon exits keeping its sessions: hand the cell over, then stop.
+    pub(super) hand_over: Option<oneshot::Sender<()>>,
 }
 
 impl CellRun {
@@ -118,7 +138,73 @@ impl CellRun {
             host: None,
             host_frame: None,
             to_worker: Vec::new(),
+            started_unix_ms: crate::records::unix_ms(SystemTime::now()),
+            journal: None,
+            sent: [0; 2],
+            committed: (0, t0),
+            resync: false,
+            stream_cut: None,
+            notes: Vec::new(),
+            hand_over: None,
         }
+    }
+
+    /// The journal's counts now.
+    pub(super) fn counts(&self) -> journal::Counts {
+        journal::Counts {
+            next_seq: self.seq,
+            unsent: self.backlog.bytes as u64,
+            caps: [self.caps[0].snapshot(), self.caps[1].snapshot()],
+            displays: self.displays,
+            sent: self.sent,
+        }
+    }
+
+    /// Ends the journal's batch when frames went into it, or when output was counted since
+    /// the last commit and that was at least [`JOURNAL_COUNTS_EVERY`] ago.
+    pub(super) fn commit_journal(&mut self, frames: bool) {
+        if self.journal.is_none() {
+            return;
+        }
+        let seen = self.caps[0]
+            .stats()
+            .seen
+            .saturating_add(self.caps[1].stats().seen);
+        if !frames
+            && (seen == self.committed.0 || self.committed.1.elapsed() < JOURNAL_COUNTS_EVERY)
+        {
+            return;
+        }
+        let counts = self.counts();
+        if let Some(j) = self.journal.as_mut() {
+            j.commit(&counts);
+        }
+        self.committed = (seen, Instant::now());
+    }
+
+    /// What the counts and the journal need of a chunk about to leave as a frame: its
+    /// stream and length, and a copy of its text when there is a journal.
+    pub(super) fn chunk_text(&self, c: &Chunk) -> Option<(Stream, usize, Option<String>)> {
+        match c {
+            Chunk::Text(st, t) => Some((*st, t.len(), self.journal.is_some().then(|| t.clone()))),
+            Chunk::Bundle(..) => None,
+        }
+    }
+
+    /// A chunk left as frame `seq` ([`CellRun::chunk_text`]): counted, and journaled.
+    pub(super) fn sent_chunk(
+        &mut self,
+        seq: u64,
+        text: Option<(Stream, usize, Option<String>)>,
+    ) -> bool {
+        let Some((st, n, copy)) = text else {
+            return false;
+        };
+        self.sent[idx(st)] = self.sent[idx(st)].saturating_add(n as u64);
+        if let (Some(j), Some(t)) = (self.journal.as_mut(), copy) {
+            j.output(seq, st, &t);
+        }
+        true
     }
 
     /// Whether the loop should wait for room in the client's channel.
@@ -198,9 +284,14 @@ impl CellRun {
 
     /// Hands over what the client's channel takes now; the rest waits for room.
     fn flush(&mut self) {
+        let mut journaled = false;
         while let Some(c) = self.backlog.pop() {
+            let text = self.chunk_text(&c);
             match self.frames.try_send(c.into_frame(self.cell, self.seq)) {
-                Ok(()) => self.seq += 1,
+                Ok(()) => {
+                    journaled |= self.sent_chunk(self.seq, text);
+                    self.seq += 1;
+                }
                 Err(mpsc::error::TrySendError::Full(f)) => {
                     self.backlog.push_front(Chunk::from_frame(f));
                     break;
@@ -211,6 +302,7 @@ impl CellRun {
                 }
             }
         }
+        self.commit_journal(journaled);
         if self.backlog.is_empty()
             && let Some(f) = self.host_frame.take()
         {
@@ -338,6 +430,12 @@ impl Actor {
             if let Some(end) = step {
                 return end;
             }
+            if let Some(done) = run.hand_over.take() {
+                self.hand_over_cell(run);
+                let _ = done.send(());
+                // The daemon exits now; this actor reads nothing more.
+                return std::future::pending().await;
+            }
             // While the worker's next message may already be buffered, read it first: output
             // chunks merge, and a cell's last output leaves together with its result.
             if !run.client_gone && !self.replies.may_have_line() {
@@ -367,13 +465,16 @@ impl Actor {
                         reason: InterruptReason::AlreadyInterrupted.into(),
                     }
                 } else {
-                    self.signal_interrupt();
                     run.phase = Phase::Interrupted;
                     // A host call the cell waits for raises the interrupt: it is finished.
                     run.host = None;
                     // Documented escalation: a cell that ignores SIGINT (native code, BLAS) is
                     // killed after the grace, and the session ends.
                     run.deadline = tokio::time::Instant::now() + run.grace;
+                    // The record first, then the signal: the repeats follow the signal as
+                    // closely as they always did.
+                    self.cell_changed(run);
+                    self.signal_interrupt();
                     InterruptReply {
                         delivered: true,
                         reason: InterruptReason::Delivered.into(),
@@ -399,6 +500,10 @@ impl Actor {
                 None
             }
             Some(Command::Close { reason, done }) => Some(CellEnd::Cancelled(Some((reason, done)))),
+            Some(Command::HandOver { done }) => {
+                run.hand_over = Some(done);
+                None
+            }
             Some(Command::Execute { .. }) => None, // refused by Session::execute
             None => Some(CellEnd::Cancelled(None)),
         }
@@ -412,9 +517,10 @@ impl Actor {
     /// `system()` or native code ran on until the daemon's SIGINT.
     fn on_deadline(&mut self, run: &mut CellRun) -> Option<CellEnd> {
         if run.phase == Phase::Running {
-            self.signal_interrupt();
             run.phase = Phase::TimedOut;
             run.host = None;
+            self.cell_changed(run);
+            self.signal_interrupt();
             let kill_at = tokio::time::Instant::from_std(run.t0 + run.wall + run.grace);
             run.deadline = kill_at.max(tokio::time::Instant::now() + KILL_AFTER_SIGINT_MIN);
             None
@@ -520,7 +626,14 @@ impl Actor {
         let violation =
             |why: String| Some(CellEnd::WorkerGone(format!("protocol violation: {why}")));
         let msg = match WorkerMessage::parse(line) {
-            Ok(m) => m,
+            Ok(m) => {
+                run.resync = false;
+                m
+            }
+            Err(_) if std::mem::take(&mut run.resync) => {
+                self.on_cut_frame(run, line.len());
+                return None;
+            }
             Err(e) => return violation(e),
         };
         let raw_output = self.raw_output;
@@ -578,6 +691,27 @@ impl Actor {
         }
     }
 
+    /// The first reply line read after a daemon restart is not a whole frame: the tail of a
+    /// frame whose head the predecessor read and lost with its death. It is never parsed as
+    /// a frame. The cell's stream cannot be resumed exactly (that frame may have been output,
+    /// a host call or the cell's `done`), so the cell is interrupted (SIGINT, repeated, then
+    /// killed after the grace, as for `Interrupt`) and its result says why; the session
+    /// stays when the worker answers the interrupt.
+    fn on_cut_frame(&mut self, run: &mut CellRun, bytes: usize) {
+        tracing::warn!(session = %self.session.id, cell = run.cell, bytes, "the first reply line after the daemon restart is the tail of a frame the previous daemon cut: discarded, the cell is interrupted");
+        run.stream_cut = Some(bytes);
+        run.notes.push(format!(
+            "the daemon restarted in the middle of a frame from the worker; the {bytes} bytes of its tail were discarded and the cell was interrupted"
+        ));
+        if run.phase == Phase::Running {
+            run.phase = Phase::Interrupted;
+            run.host = None;
+            run.deadline = tokio::time::Instant::now() + run.grace;
+            self.cell_changed(run);
+            self.signal_interrupt();
+        }
+    }
+
     /// A `host_call` line of the running cell: checked (opt-in, nonce, sequence, one at a
     /// time, name and arguments' bounds), then the call waits for the client's `HostReply`
     /// (its frame goes to the client after the output before it) until the session's
@@ -628,6 +762,7 @@ impl Actor {
         self.take_raw(run);
         self.host_calls_made = call;
         run.host = Some((call, tokio::time::Instant::now() + timeout));
+        self.cell_changed(run);
         if !run.abandoned {
             run.host_frame = Some(Frame {
                 host_call: Some(HostCall {
@@ -662,6 +797,7 @@ impl Actor {
             return false;
         }
         run.host = None;
+        self.cell_changed(run);
         self.answer_host_call(run, call, &payload);
         true
     }
@@ -672,6 +808,7 @@ impl Actor {
         let Some((call, _)) = run.host.take() else {
             return;
         };
+        self.cell_changed(run);
         let secs = self
             .session
             .limits
@@ -687,7 +824,7 @@ impl Actor {
     }
 
     /// Queues a `host_reply` request for the worker (written as the pipe takes it).
-    fn answer_host_call(&mut self, run: &mut CellRun, call: u64, payload: &[u8]) {
+    pub(super) fn answer_host_call(&mut self, run: &mut CellRun, call: u64, payload: &[u8]) {
         let mut header = RequestHeader::exec(run.cell, payload.len() as u64);
         header.op = wire::Op::HostReply;
         header.call = Some(call);
@@ -781,6 +918,10 @@ impl Actor {
 /// report arrive first. A cell still running then is interrupted (SIGINT every 250 ms) and
 /// killed at the wall time plus the grace (`kill_grace_seconds`), which ends its session.
 pub(super) const WALL_SLACK: Duration = Duration::from_millis(100);
+
+/// How often the journal of a cell takes new counts when no frame left (output past the
+/// cap is counted, not sent).
+const JOURNAL_COUNTS_EVERY: Duration = Duration::from_millis(250);
 
 /// Reply lines handled per wake-up of a cell's loop at most; then the loop serves its control
 /// events (deadline, Interrupt, Close, a client gone, daemon stop) before reading on.
@@ -955,8 +1096,11 @@ impl Backlog {
 /// flush).
 fn send_one(permit: mpsc::OwnedPermit<Frame>, run: &mut CellRun) {
     if let Some(c) = run.backlog.pop() {
+        let text = run.chunk_text(&c);
         permit.send(c.into_frame(run.cell, run.seq));
+        let journaled = run.sent_chunk(run.seq, text);
         run.seq += 1;
+        run.commit_journal(journaled);
     } else if let Some(f) = run.host_frame.take() {
         permit.send(f);
     }

@@ -57,6 +57,7 @@ impl Actor {
             ));
         }
         let (mut result, mut ending) = self.result_of(&run, end).await;
+        result.warnings.append(&mut run.notes);
         if one_shot {
             result.state = State::None;
             result.session_ended = true;
@@ -290,6 +291,17 @@ impl Actor {
             wire::SessionState::Lost => State::Lost,
         };
         result.warnings = warnings;
+        if let Some(bytes) = run.stream_cut
+            && result.status == Status::Interrupted
+        {
+            result.error = Some(wire::CellError {
+                kind: "DaemonRestarted".into(),
+                message: format!(
+                    "the daemon restarted in the middle of a frame from the worker ({bytes} bytes of its tail discarded): the cell's output could not be continued exactly, so it was interrupted"
+                ),
+                ..Default::default()
+            });
+        }
         // A worker whose interpreter ended (R's quit()) exits after reporting it: then
         // the session ends here, and says so. (Python's sys.exit does not end Eryx.)
         if result.status == Status::Exited
@@ -400,6 +412,7 @@ impl Actor {
         }
         let code = match (status, &end) {
             (Status::Oom, _) => EndReason::Oom,
+            (_, CellEnd::Killed) if run.stream_cut.is_some() => EndReason::DaemonRestarted,
             (Status::Timeout | Status::Interrupted, _) => EndReason::Killed,
             (_, CellEnd::Cancelled(_)) => EndReason::Disconnected,
             _ => EndReason::WorkerCrashed,

@@ -175,6 +175,7 @@ impl Actor {
             cells_run: info.cells_run,
             host_calls_made: self.host_calls_made,
             running_cell: info.running_cell,
+            running: self.running.clone(),
             keeper: ProcId {
                 pid: life.pid,
                 start_time: life.start_time,
@@ -294,10 +295,22 @@ pub fn connect(dir: &Path, r: Record) -> Result<Adoptable, NotAdopted> {
     {
         return Err(refuse("the worker is not in its recorded cgroup".into()));
     }
-    if let Some(cell) = r.running_cell {
+    if let Some(cell) = r.running_cell
+        && r.running.as_ref().is_some_and(|c| c.one_shot)
+    {
         lifeline.end();
         return Err(NotAdopted::Gone(format!(
-            "cell {cell} was running when the daemon went away"
+            "cell {cell} of a one-shot Run was running when the daemon went away; its caller's \
+             connection went with it"
+        )));
+    }
+    if let Some(cell) = r.running_cell
+        && r.running.as_ref().is_none_or(|c| c.cell != cell)
+    {
+        lifeline.end();
+        return Err(NotAdopted::Gone(format!(
+            "cell {cell} was starting or ending when the daemon went away (its request not yet \
+             with the worker, or its result not yet delivered)"
         )));
     }
     Ok(Adoptable {
@@ -399,13 +412,32 @@ impl Session {
             ),
             None => (None, None),
         };
+        let (mut resume, relay) = match r.running.clone().filter(|_| r.running_cell.is_some()) {
+            Some(running) => {
+                let (resume, relay) = Resume::new(&w.keep.dir, &r.id, running);
+                (Some(resume), relay)
+            }
+            None => (None, None),
+        };
+        // The reply bytes a predecessor that exited keeping its sessions had read and not
+        // handled: read first, so the stream goes on exactly where it was.
+        let rest = match super::journal::take_rest(&records::rest_path(&w.keep.dir, &r.id)) {
+            Ok(rest) => rest.filter(|_| resume.is_some()),
+            Err(e) => {
+                tracing::warn!(session = %r.id, error = %e, "the reply bytes handed over cannot be read: the stream is resynchronised");
+                None
+            }
+        };
+        if let (Some(res), Some(_)) = (resume.as_mut(), rest.as_ref()) {
+            res.exact = true;
+        }
         let now = SystemTime::now();
         let last = std::time::UNIX_EPOCH + Duration::from_millis(r.last_activity_unix_ms);
         let idle_for = now.duration_since(last).unwrap_or_default();
         let last_activity = Instant::now()
             .checked_sub(idle_for)
             .unwrap_or_else(Instant::now);
-        Ok(Self::launch(Launch {
+        let session = Self::launch(Launch {
             id: r.id.clone(),
             language,
             engine: r.engine.clone(),
@@ -420,7 +452,10 @@ impl Session {
             pid: r.worker.pid,
             pidfd: Some(pidfd),
             requests: pipe::Sender::from_owned_fd(held.requests)?,
-            replies: LineReader::new(pipe::Receiver::from_owned_fd(held.replies)?),
+            replies: LineReader::with_buffered(
+                pipe::Receiver::from_owned_fd(held.replies)?,
+                rest.unwrap_or_default(),
+            ),
             stdout,
             stderr,
             group: w.group,
@@ -437,6 +472,280 @@ impl Session {
             keep: Some(w.keep),
             lifeline: Some(lifeline),
             dir_view,
-        }))
+            resume,
+        });
+        if let Some((cell, rx, streams)) = relay {
+            // Joins the session's log before the session is listed, so an `Attach` or
+            // `CellStatus` finds it. No room in the daemon-wide retention budget (a fresh
+            // daemon has it all): the frames' channel closes, and the cell is continued as
+            // one whose client went away (interrupted, the session kept).
+            match session.cells.reserve() {
+                Ok(charge) => crate::cells::resume(session.clone(), rx, cell, streams, charge),
+                Err(e) => {
+                    tracing::warn!(session = %session.id, cell, in_use = e.in_use, "no room to retain the continued cell's output: it is interrupted");
+                }
+            }
+        }
+        Ok(session)
+    }
+}
+
+/// A cell a predecessor daemon was running, as its successor continues it
+/// ([`Actor::resume_cell`]).
+pub(super) struct Resume {
+    /// What the record says of it.
+    pub(super) running: records::RunningCell,
+    /// Where its frames go: the relay (`cells::resume`) of a retained cell; a closed channel
+    /// otherwise (its `Execute` went with the predecessor's connection).
+    frames: mpsc::Sender<Frame>,
+    /// Its journal, read (a retained cell).
+    restored: Option<super::journal::Restored>,
+    /// Warnings for its result.
+    notes: Vec<String>,
+    /// The predecessor handed the reply stream over (it exited keeping its sessions): the
+    /// reader starts exactly where its reader was, and needs no resynchronisation.
+    exact: bool,
+}
+
+/// What the relay of a continued cell starts from: (cell, the actor's frames, the retained
+/// output).
+type RelayStart = (u64, mpsc::Receiver<Frame>, [crate::cells::Kept; 2]);
+
+impl Resume {
+    /// The continuation of `running` of session `id`, reading its journal in `dir`.
+    fn new(dir: &Path, id: &str, running: records::RunningCell) -> (Resume, Option<RelayStart>) {
+        let mut notes = vec![format!(
+            "the daemon restarted while this cell ran; the cell went on in the same worker{}",
+            if running.retained {
+                " and its output was retained across the restart"
+            } else {
+                ", but the call that started it was cut: it was interrupted"
+            }
+        )];
+        let (tx, rx) = mpsc::channel(crate::core::FRAME_QUEUE);
+        if !running.retained {
+            drop(rx);
+            return (
+                Resume {
+                    running,
+                    frames: tx,
+                    restored: None,
+                    notes,
+                    exact: false,
+                },
+                None,
+            );
+        }
+        let restored = match super::journal::read(&records::journal_path(dir, id)) {
+            Ok(j) => j,
+            Err(e) => {
+                tracing::warn!(session = %id, cell = running.cell, error = %e, "the running cell's journal cannot be read: its output before the restart is not retained");
+                notes.push(format!(
+                    "the output retained before the daemon restarted could not be read ({e}); only what followed is retained"
+                ));
+                Default::default()
+            }
+        };
+        if let Some(c) = restored.counts.as_ref().filter(|c| c.unsent > 0) {
+            notes.push(format!(
+                "{} bytes of output the previous daemon had read but not yet retained were lost with it",
+                c.unsent
+            ));
+        }
+        let streams = restored.retention();
+        let cell = running.cell;
+        (
+            Resume {
+                running,
+                frames: tx,
+                restored: Some(restored),
+                notes,
+                exact: false,
+            },
+            Some((cell, rx, streams)),
+        )
+    }
+}
+
+fn phase_name(p: super::Phase) -> &'static str {
+    match p {
+        super::Phase::Running => "running",
+        super::Phase::Interrupted => "interrupted",
+        super::Phase::TimedOut => "timed_out",
+    }
+}
+
+impl Actor {
+    /// The cell's request reached the worker: from now on its record says how a successor
+    /// continues it, and a retained cell's output is journaled (`journal.rs`).
+    pub(super) fn keep_running_cell(&mut self, run: &mut CellRun, retained: bool) {
+        let Some(k) = self.kept.as_ref() else { return };
+        if retained {
+            run.journal = Some(super::journal::Journal::create(
+                records::journal_path(&k.keep.dir, &self.session.id),
+                &self.session.id,
+            ));
+        }
+        self.running = Some(records::RunningCell {
+            cell: run.cell,
+            nonce: run.nonce.clone(),
+            started_unix_ms: run.started_unix_ms,
+            retained,
+            phase: phase_name(run.phase).into(),
+            cpu0: run.cpu0,
+            host_waiting: None,
+            one_shot: !run.keep_session,
+        });
+        self.persist();
+    }
+
+    /// The daemon exits keeping its sessions ([`Command::HandOver`]): the output the cell's
+    /// backlog holds goes into its journal as the frames it would have become, the reply
+    /// bytes read and not yet handled (a frame's head, or whole frames) into
+    /// `records::rest_path`, and the record is current. The successor then continues the
+    /// stream exactly: nothing is lost and nothing needs resynchronising. The caller stops
+    /// reading the worker's pipes.
+    pub(super) fn hand_over_cell(&mut self, run: &mut CellRun) {
+        let Some(k) = self.kept.as_ref() else { return };
+        if self.running.is_none() {
+            return;
+        }
+        let rest = records::rest_path(&k.keep.dir, &self.session.id);
+        if run.journal.is_some() {
+            while let Some(c) = run.backlog.pop() {
+                let text = run.chunk_text(&c);
+                run.sent_chunk(run.seq, text);
+                run.seq += 1;
+            }
+            run.commit_journal(true);
+        }
+        let bytes = self.replies.unconsumed();
+        let n = bytes.len();
+        if n > 0
+            && let Err(e) = super::journal::write_rest(&rest, bytes)
+        {
+            tracing::warn!(session = %self.session.id, error = %e, "handing the reply bytes over: the successor resynchronises the stream");
+        }
+        self.cell_changed(run);
+        tracing::info!(session = %self.session.id, cell = run.cell, reply_bytes = n, "running cell handed over");
+    }
+
+    /// The cell's escalation or its waiting host call changed: the record follows.
+    pub(super) fn cell_changed(&mut self, run: &CellRun) {
+        let Some(r) = self.running.as_mut() else {
+            return;
+        };
+        r.phase = phase_name(run.phase).into();
+        r.host_waiting = run.host.map(|h| h.0);
+        self.persist();
+    }
+
+    /// The cell's loop ended: its record no longer offers it to a successor (one that comes
+    /// before the result is delivered ends the session, `daemon_restarted`), and its journal
+    /// goes.
+    pub(super) fn end_running_cell(&mut self, run: &mut CellRun) {
+        if self.running.take().is_none() {
+            return;
+        }
+        run.journal = None;
+        self.persist();
+        if let Some(k) = self.kept.as_ref() {
+            let _ = std::fs::remove_file(records::journal_path(&k.keep.dir, &self.session.id));
+        }
+    }
+
+    /// Continues the cell a predecessor daemon was running: the same nonce, the wall time
+    /// counted from the cell's start (the restart's time counts), the escalation where it
+    /// was, the caps, frame numbers and retained output from the journal. Its first reply
+    /// line may be the tail of a frame the predecessor cut (`CellRun::resync`). A host call
+    /// that waited is answered with an error: the client that was to answer it is gone. The
+    /// files the cell changed are not listed (the listing before it went with the
+    /// predecessor). Returns as [`Actor::execute_cell`].
+    pub(super) async fn resume_cell(
+        &mut self,
+        r: Resume,
+        cmds: &mut mpsc::Receiver<Command>,
+    ) -> Option<(Ending, Option<oneshot::Sender<()>>)> {
+        let Resume {
+            running,
+            frames,
+            restored,
+            mut notes,
+            exact,
+        } = r;
+        let limits = self.session.limits.clone();
+        let mut run = CellRun::new(
+            running.cell,
+            running.nonce.clone(),
+            frames,
+            true,
+            &limits,
+            self.pid,
+            self.oom_seen,
+        );
+        let started = std::time::UNIX_EPOCH + Duration::from_millis(running.started_unix_ms);
+        let elapsed = SystemTime::now()
+            .duration_since(started)
+            .unwrap_or_default();
+        let now = tokio::time::Instant::now();
+        run.t0 = Instant::now()
+            .checked_sub(elapsed)
+            .unwrap_or_else(Instant::now);
+        run.started_unix_ms = running.started_unix_ms;
+        run.cpu0 = running.cpu0;
+        let t0 = tokio::time::Instant::from_std(run.t0);
+        run.deadline = t0 + limits.wall + super::cell::WALL_SLACK;
+        match running.phase.as_str() {
+            "interrupted" => {
+                run.phase = Phase::Interrupted;
+                run.deadline = now + limits.grace;
+            }
+            "timed_out" => {
+                run.phase = Phase::TimedOut;
+                run.deadline = (t0 + limits.wall + limits.grace).max(now + KILL_AFTER_SIGINT_MIN);
+            }
+            _ => {}
+        }
+        if let Some(c) = restored.as_ref().and_then(|j| j.counts.clone()) {
+            for (i, (cap, seen, kept, pending)) in c.caps.into_iter().enumerate() {
+                if let Some(restored) = StreamCap::restore(cap, seen, kept, pending) {
+                    run.caps[i] = restored;
+                }
+            }
+            run.seq = c.next_seq;
+            if run.displays.is_some() {
+                run.displays = c.displays.or(run.displays);
+            }
+            run.sent = c.sent;
+        }
+        if let Some(j) = restored.as_ref() {
+            run.journal = self.kept.as_ref().map(|k| {
+                super::journal::Journal::resume(
+                    records::journal_path(&k.keep.dir, &self.session.id),
+                    &self.session.id,
+                    j,
+                )
+            });
+        }
+        run.resync = !exact;
+        if let Some(call) = running.host_waiting {
+            let payload = serde_json::to_vec(&serde_json::json!({
+                "error": format!("host call {call} was not answered: the daemon restarted while it waited")
+            }))
+            .unwrap_or_default();
+            self.answer_host_call(&mut run, call, &payload);
+        }
+        notes.push(
+            "the files this cell changed are not listed: the daemon restarted during the cell"
+                .into(),
+        );
+        run.notes = notes;
+        self.running = Some(running);
+        tracing::info!(session = %self.session.id, cell = run.cell, elapsed_ms = elapsed.as_millis() as u64, retained = run.journal.is_some(), "continuing the cell the previous daemon was running");
+        run.disk_scan = self.disk_scan.take();
+        let end = self.cell_loop(&mut run, cmds).await;
+        self.end_running_cell(&mut run);
+        self.disk_scan = run.disk_scan.take();
+        self.finish_cell(run, end, false, None, None, cmds).await
     }
 }

@@ -212,6 +212,9 @@ pub enum Command {
         frames: mpsc::Sender<Frame>,
         /// One-shot Run: report `state: none` and end the session after the cell.
         one_shot: bool,
+        /// `frames` go to a relay that retains them (`cells.rs`): a successor daemon
+        /// continues the cell if this one goes away (`keep.rs`).
+        retained: bool,
     },
     /// Interrupt `cell` if it is running.
     Interrupt {
@@ -249,6 +252,13 @@ pub enum Command {
         /// Why.
         reason: Ending,
         /// Fires when released.
+        done: oneshot::Sender<()>,
+    },
+    /// The daemon exits keeping its sessions: a running cell's state is handed over to the
+    /// successor exactly (its unsent output into its journal, the reply bytes read and not
+    /// yet handled beside its record) and the actor stops reading; `done` fires then.
+    HandOver {
+        /// Fires when handed over.
         done: oneshot::Sender<()>,
     },
 }
@@ -365,6 +375,7 @@ impl Session {
             keep,
             lifeline: None,
             dir_view: None,
+            resume: None,
         })
     }
 
@@ -382,10 +393,14 @@ impl Session {
             pid: l.pid,
             limits: l.limits.clone(),
             info: Mutex::new(Info {
-                running_cell: None,
+                running_cell: l.resume.as_ref().map(|r| r.running.cell),
                 cells_run: l.cells_run,
                 cells_started: l.next_cell.saturating_sub(1),
-                state: SessionState::Idle,
+                state: if l.resume.is_some() {
+                    SessionState::Running
+                } else {
+                    SessionState::Idle
+                },
                 last_activity: l.last_activity,
             }),
             dir: l
@@ -429,6 +444,8 @@ impl Session {
             kept: l
                 .keep
                 .map(|k| keep::Kept::new(k, l.environment, l.lifeline)),
+            running: None,
+            resume: l.resume,
         };
         tokio::spawn(actor.run(rx));
         session
@@ -440,6 +457,26 @@ impl Session {
         code: String,
         frames: mpsc::Sender<Frame>,
         one_shot: bool,
+    ) -> Result<(), ExecuteRefused> {
+        self.queue_cell(code, frames, one_shot, false).await
+    }
+
+    /// [`Session::execute`] of a cell whose `frames` go to a relay that retains them
+    /// (`cells.rs`): a successor daemon continues it when this one goes away (`keep.rs`).
+    pub async fn execute_retained(
+        &self,
+        code: String,
+        frames: mpsc::Sender<Frame>,
+    ) -> Result<(), ExecuteRefused> {
+        self.queue_cell(code, frames, false, true).await
+    }
+
+    async fn queue_cell(
+        &self,
+        code: String,
+        frames: mpsc::Sender<Frame>,
+        one_shot: bool,
+        retained: bool,
     ) -> Result<(), ExecuteRefused> {
         {
             let mut info = self.info.lock().unwrap();
@@ -456,6 +493,7 @@ impl Session {
                 code,
                 frames,
                 one_shot,
+                retained,
             })
             .await
             .map_err(|_| ExecuteRefused::Ended)
@@ -545,6 +583,19 @@ impl Session {
         } else {
             // The actor is already ending; wait for it to finish releasing.
             self.cmds.closed().await;
+        }
+    }
+
+    /// Hands a running cell over for a successor daemon ([`Command::HandOver`]); returns once
+    /// it is (or at once when the session runs no cell or is ending). After it the session
+    /// serves nothing more: the daemon exits.
+    pub async fn hand_over(&self) {
+        if self.info.lock().unwrap().state != SessionState::Running {
+            return;
+        }
+        let (tx, rx) = oneshot::channel();
+        if self.cmds.send(Command::HandOver { done: tx }).await.is_ok() {
+            let _ = rx.await;
         }
     }
 
@@ -642,6 +693,8 @@ struct Launch {
     lifeline: Option<crate::keeper::Lifeline>,
     /// The session directory's descriptor, when its mount is not in this daemon's namespace.
     dir_view: Option<std::os::fd::OwnedFd>,
+    /// The cell a predecessor daemon was running, continued first (`keep.rs`).
+    resume: Option<keep::Resume>,
 }
 
 mod actor;
@@ -664,6 +717,7 @@ use cell_end::{
 mod idle;
 use idle::DISK_IDLE_WATCH;
 
+mod journal;
 mod keep;
 
 pub mod query;

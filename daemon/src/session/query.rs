@@ -172,6 +172,10 @@ impl Actor {
                         self.deferred = Some(cmd);
                         None
                     }
+                    Some(Command::HandOver { done }) => {
+                        let _ = done.send(());
+                        None
+                    }
                     Some(Command::Close { reason, done }) => {
                         let _ = reply.send(Err(InspectRefused::Ended));
                         return Some((reason, Some(done)));

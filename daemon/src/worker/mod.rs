@@ -64,6 +64,23 @@ impl<R> LineReader<R> {
         }
     }
 
+    /// Wraps `inner`, with `bytes` already read from it and not yet consumed (what a
+    /// predecessor daemon's reader held when it handed the stream over).
+    pub fn with_buffered(inner: R, bytes: Vec<u8>) -> Self {
+        Self {
+            inner,
+            buf: bytes,
+            start: 0,
+            scanned: 0,
+            eof: false,
+        }
+    }
+
+    /// The bytes read and not yet returned as lines (a partial line included).
+    pub fn unconsumed(&self) -> &[u8] {
+        &self.buf[self.start..]
+    }
+
     /// The reader.
     pub fn get_ref(&self) -> &R {
         &self.inner

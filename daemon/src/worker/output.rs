@@ -106,6 +106,23 @@ impl StreamCap {
         (!rest.is_empty()).then(|| escape_lossy(&rest))
     }
 
+    /// The cap's whole state: (cap, seen, kept, the incomplete UTF-8 tail held back, at most
+    /// 3 bytes), for a successor daemon to continue the stream ([`StreamCap::restore`]).
+    pub fn snapshot(&self) -> (u64, u64, u64, Vec<u8>) {
+        (self.cap, self.seen, self.kept, self.pending.clone())
+    }
+
+    /// A cap continuing from a [`StreamCap::snapshot`]; `None` when the state is not one a
+    /// cap can be in (kept over the cap or over seen, a held-back tail of more than 3 bytes).
+    pub fn restore(cap: u64, seen: u64, kept: u64, pending: Vec<u8>) -> Option<Self> {
+        (kept <= cap && kept <= seen && pending.len() <= 3).then_some(Self {
+            cap,
+            seen,
+            kept,
+            pending,
+        })
+    }
+
     /// Seen/kept/truncated so far.
     pub fn stats(&self) -> StreamStats {
         StreamStats {
