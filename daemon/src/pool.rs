@@ -218,15 +218,17 @@ impl<W: Warm> Pool<W> {
         }
     }
 
-    /// Discards every idle worker (daemon stop).
-    pub async fn drain(&self) {
+    /// Discards every idle worker (daemon stop); returns how many.
+    pub async fn drain(&self) -> usize {
         let all: Vec<W> = {
             let mut lanes = self.lanes.lock().unwrap();
             lanes.values_mut().flat_map(|l| l.idle.drain(..)).collect()
         };
+        let n = all.len();
         for p in all {
             p.discard().await;
         }
+        n
     }
 
     fn push(&self, environment: &str, language: Language, p: W) {
