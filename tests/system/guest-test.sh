@@ -883,6 +883,21 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     before=$(session_workers "${ids[@]}")
     local lim0 lim1
     lim0=$(session_limits "${ids[@]}")
+    if [[ $ev == restart ]]; then
+        # Each session's keeper (root, in the session's group) at -1000, its worker at 1000.
+        local id2 p2 kadj="" wadj=""
+        for id2 in "${ids[@]}"; do
+            for p2 in $(cat "$sroot/sessions/${id2##*.}/cgroup.procs" 2>/dev/null); do
+                if [[ $(awk '/^Uid:/ { print $2; exit }' "/proc/$p2/status" 2>/dev/null) == 0 ]]; then
+                    kadj+="$(cat "/proc/$p2/oom_score_adj" 2>/dev/null) "
+                else
+                    wadj+="$(cat "/proc/$p2/oom_score_adj" 2>/dev/null) "
+                fi
+            done
+        done
+        echo "    [$ev] oom_score_adj of the keepers: $kadj; of the workers: $wadj"
+        [[ -n $kadj && -z $(tr ' ' '\n' <<<"$kadj" | grep . | grep -vx -- -1000) ]] && pass lifecycle-keepers-oom-score-adj-min || fail lifecycle-keepers-oom-score-adj-min "keepers: $kadj"
+    fi
     main0=$(systemctl show -p MainPID --value sandcelld.service)
     echo "    [$ev] $opened of 8 sessions opened (${kinds[*]}), cell $cell submitted in $csid; daemon $main0"
     echo "    [$ev] workers of the 8 sessions before: $before; every worker-uid process: $(worker_procs | awk '{ print $2 }' | tr '\n' ' ')"
