@@ -57,6 +57,7 @@ sessions_home() {
 journalctl -f -n 0 -o short-monotonic -u sandcelld.service -u sandcelld.socket >/dev/console 2>&1 &
 # "guest: KEY: VALUE" lines are read back by vm-test.sh for its per-kernel summary.
 echo "guest: kernel: $(uname -r)"
+echo "guest: systemd: $(systemctl --version | head -1)"
 echo "guest: machine: $(nproc) cpus, $(awk '/MemTotal/ { print int($2 / 1024) " MiB" }' /proc/meminfo)"
 echo "guest: lsm: $(cat /sys/kernel/security/lsm 2>/dev/null || echo "(no securityfs)")"
 echo "guest: cgroup2 controllers: $(cat /sys/fs/cgroup/cgroup.controllers)"
