@@ -23,8 +23,11 @@
 # (2), SANDCELL_VM_TIMEOUT (seconds per boot, 2700), SANDCELL_VM_LANGUAGES (python,r: what the
 # daemon serves and the test runs), SANDCELL_VM_FRESH_RUNTIME=1 (do not seed the guest with the
 # Python runtime a previous run prepared; the package's postinst then prepares it, about 6
-# minutes under TCG), SANDCELL_VM_SESSIONS_SURVIVE=1 (check that sessions outlive a restart,
-# an upgrade, a kill and an OOM kill of the daemon; otherwise only their figures are printed).
+# minutes under TCG), SANDCELL_VM_SESSIONS_SURVIVE (default 1: check that 8 sessions outlive
+# a restart, an upgrade, a kill and an OOM kill of the daemon; 0: only print their figures),
+# SANDCELL_VM_CELLS_SURVIVE=1 (also check that a cell running across them is continued),
+# SANDCELL_VM_ONLY=lifecycle (run only the install, the first cell, those four events and the
+# stop: about a third of the guest run).
 # Needs root; installs what it needs (scripts/setup.sh, then mmdebstrap, qemu-system-x86, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +45,7 @@ while (($#)); do
         case $r in bookworm) which=both ;; trixie) which=trixie ;;
         *) echo "vm-test: --release must be bookworm or trixie" >&2; exit 2 ;; esac ;;
     --keep) keep=1; shift ;;
-    -h | --help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,34p' "$0"; exit 0 ;;
     *) echo "vm-test: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -133,8 +136,13 @@ boot() {
     cp -r examples "$run/pyclient/examples" 2>/dev/null || true
     echo "${SANDCELL_VM_LANGUAGES:-python,r}" >"$run/languages"
     # Whether the guest checks that sessions outlive the daemon (restart, upgrade, kill, OOM
-    # kill) or only prints the figures: 1 once the daemon hands its sessions to the next one.
-    echo "${SANDCELL_VM_SESSIONS_SURVIVE:-0}" >"$run/sessions-survive"
+    # kill) or only prints the figures (0).
+    echo "${SANDCELL_VM_SESSIONS_SURVIVE:-1}" >"$run/sessions-survive"
+    # Whether a cell running across those events must be continued (its output and result).
+    echo "${SANDCELL_VM_CELLS_SURVIVE:-0}" >"$run/cells-survive"
+    # A subset of the guest's checks (lifecycle: install, the first cell, the four daemon
+    # events and the stop), for a quicker run.
+    echo "${SANDCELL_VM_ONLY:-}" >"$run/only"
     if [[ -f $cache/python-runtime.tar && ${SANDCELL_VM_FRESH_RUNTIME:-0} != 1 ]]; then
         cp "$cache/python-runtime.tar" "$run/"
     fi

@@ -327,6 +327,18 @@ impl Core {
             .await
     }
 
+    /// [`Core::environment_report`], telling a check that could not run (`Err`: admission
+    /// refused the probe's one-shot session, e.g. `CapacityExceeded`, or the daemon is
+    /// stopping; nothing is cached) from a report (`Ok`, cached, ready or not).
+    pub async fn environment_check(
+        &self,
+        env: &Environment,
+    ) -> Result<crate::environments::Report, KernelError> {
+        self.environments
+            .try_get(env, || self.probe_environment(env))
+            .await
+    }
+
     /// Every environment served, in name order, with its report (checks run as needed, one
     /// at a time): `ListEnvironments` and the D-Bus `Environments` property.
     pub async fn list_environments(&self) -> Vec<sandcell_proto::kernel::Environment> {
@@ -1394,10 +1406,30 @@ impl Core {
         self.keep.get().is_some()
     }
 
+    /// Discards the warm pools' idle workers (each killed, reaped and its group removed) and
+    /// stops refilling them, for at most `bound`: before [`Core::exit_keeping_sessions`]. A
+    /// pooled worker belongs to no session and has no keeper, so no successor adopts it; left
+    /// behind it would be swept (killed) by the next daemon's start, a worker signalled on
+    /// every restart. Returns how many were discarded (0 when `bound` ran out first: the
+    /// successor's sweep then ends them).
+    pub async fn discard_pool(&self, bound: Duration) -> usize {
+        self.stopping.store(true, Ordering::SeqCst);
+        match tokio::time::timeout(bound, self.pool.drain()).await {
+            Ok(n) => n,
+            Err(_) => {
+                tracing::warn!(
+                    bound_seconds = bound.as_secs_f64(),
+                    "warm workers not discarded in time: the next daemon sweeps them"
+                );
+                0
+            }
+        }
+    }
+
     /// Exits the process keeping every session for the next daemon: each session's record
     /// is current (written on every change), so the process exits at once; the lifelines
     /// close with it and every keeper waits for an adopter (`adopt_timeout_seconds`). Workers
-    /// are not signalled; warm pooled workers are not kept (the next daemon sweeps them). A
+    /// are not signalled; warm pooled workers are not kept ([`Core::discard_pool`] first). A
     /// cell running now goes on in its worker: the next daemon continues it (a retained
     /// cell's output so far is in its journal; an `Execute` whose connection this exit cuts
     /// is interrupted there, its session kept). The call a restart that keeps sessions makes

@@ -60,11 +60,21 @@ impl Reports {
         P: FnOnce() -> F,
         F: Future<Output = Result<Report, KernelError>>,
     {
-        let cell = self.cell(env);
-        match cell.get_or_try_init(probe).await {
-            Ok(r) => r.clone(),
+        match self.try_get(env, probe).await {
+            Ok(r) => r,
             Err(e) => not_ready(format!("not checked yet: {e}")),
         }
+    }
+
+    /// [`Reports::get`], with the probe's `Err` (the check did not run; nothing kept) given
+    /// back instead of a report that says so.
+    pub async fn try_get<F, P>(&self, env: &Environment, probe: P) -> Result<Report, KernelError>
+    where
+        P: FnOnce() -> F,
+        F: Future<Output = Result<Report, KernelError>>,
+    {
+        let cell = self.cell(env);
+        cell.get_or_try_init(probe).await.cloned()
     }
 
     fn cell(&self, env: &Environment) -> Arc<OnceCell<Report>> {

@@ -53,6 +53,10 @@ pub const END: &[u8] = b"end";
 /// Keeper to an adopting daemon, with the descriptors.
 pub const FDS: &[u8] = b"fds";
 
+/// The keeper's `oom_score_adj` (`/proc/<pid>/oom_score_adj`, proc(5)): -1000, never chosen
+/// by the kernel's OOM killer, and spared by the OOM kill of its session's group.
+pub const KEEPER_OOM_SCORE_ADJ: &[u8] = b"-1000";
+
 /// Most descriptors one message carries: pidfd, directory, request, reply, stdout, stderr.
 pub const MAX_FDS: usize = 6;
 
@@ -485,14 +489,33 @@ pub fn start(spec: &Spec, held: &Held) -> std::io::Result<(Lifeline, std::proces
         .current_dir("/")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null());
-    // SAFETY: only async-signal-safe calls (write, setsid, dup2, close_range) between fork and
-    // exec; nothing is allocated.
+    // SAFETY: only async-signal-safe calls (open, write, close, setsid, dup2, close_range)
+    // between fork and exec; nothing is allocated.
     unsafe {
         cmd.pre_exec(move || {
             for &fd in &procs_raw {
                 if libc::write(fd, b"0".as_ptr().cast(), 1) != 1 {
                     return Err(std::io::Error::last_os_error());
                 }
+            }
+            // OOM_SCORE_ADJ_MIN, as the companion unit's holder (OOMScoreAdjust=-1000): the
+            // session's group has memory.oom.group=1, and the kernel's OOM kill of a group
+            // spares only its members at -1000 (mm/oom_kill.c, oom_kill_memcg_member). The
+            // worker (1000) is the one to go; the keeper's memory is fixed (a handful of
+            // descriptors, nothing a cell controls), and it sees the worker's end on its pidfd
+            // and exits by itself. Needs CAP_SYS_RESOURCE (proc(5)); without it the keeper
+            // keeps the daemon's value.
+            let adj = libc::open(
+                c"/proc/self/oom_score_adj".as_ptr(),
+                libc::O_WRONLY | libc::O_CLOEXEC,
+            );
+            if adj >= 0 {
+                let _ = libc::write(
+                    adj,
+                    KEEPER_OOM_SCORE_ADJ.as_ptr().cast(),
+                    KEEPER_OOM_SCORE_ADJ.len(),
+                );
+                libc::close(adj);
             }
             if libc::setsid() < 0 {
                 return Err(std::io::Error::last_os_error());

@@ -335,6 +335,11 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
             }
             notify::stopping();
             metrics.finish().await;
+            // Warm workers belong to no session: ended here, not swept by the successor.
+            let discarded = core.discard_pool(Duration::from_secs(2)).await;
+            if discarded > 0 {
+                tracing::info!(discarded, "warm pooled workers ended (no session to keep)");
+            }
             core.hand_over_sessions().await;
             core.exit_keeping_sessions();
         }
@@ -697,14 +702,22 @@ fn status_line(core: &Core) -> String {
 /// The readiness probe of a daemon that adopted sessions, after it serves: every environment's
 /// report is made (and cached) and logged; a failed default environment is an error in the
 /// log, not an exit (the adopted sessions keep being served; its report, cached, says why,
-/// and opening a session of it fails as its worker fails to start).
+/// and opening a session of it fails as its worker fails to start). A probe that could not
+/// run (admission refused it `CapacityExceeded`: the adopted sessions hold the budget it
+/// needs; or the daemon is stopping) says nothing about the environment: it is logged at
+/// info with the reason, nothing is cached, and the next `ListEnvironments` checks again.
 async fn probe_in_background(core: Arc<Core>) {
     for env in core.config().environments() {
-        let r = core.environment_report(&env).await;
-        if r.ready {
-            tracing::info!(environment = %env.name, version = %r.version, packages = r.packages.len(), "environment ready");
-        } else {
-            tracing::error!(environment = %env.name, default = env.default, reason = r.reason.as_deref().unwrap_or(""), "environment not ready after adoption; sessions of it will fail to start");
+        match core.environment_check(&env).await {
+            Ok(r) if r.ready => {
+                tracing::info!(environment = %env.name, version = %r.version, packages = r.packages.len(), "environment ready");
+            }
+            Ok(r) => {
+                tracing::error!(environment = %env.name, default = env.default, reason = r.reason.as_deref().unwrap_or(""), "environment not ready after adoption; sessions of it will fail to start");
+            }
+            Err(e) => {
+                tracing::info!(environment = %env.name, reason = %e, "readiness probe not run after adoption (no room beside the adopted sessions, or stopping): not a failure; the next listing of environments checks it");
+            }
         }
     }
 }

@@ -218,15 +218,26 @@ impl<W: Warm> Pool<W> {
         }
     }
 
-    /// Discards every idle worker (daemon stop).
-    pub async fn drain(&self) {
-        let all: Vec<W> = {
+    /// Discards every idle worker (daemon stop); returns how many. A start under way when
+    /// the daemon stops ends in a discard, not in the pool (`run`'s round sees the stop):
+    /// this waits for it, at most [`DRAIN_START_WAIT`], so that nothing it started outlives
+    /// the stop (its group and session directory were left behind otherwise).
+    pub async fn drain(&self) -> usize {
+        let take = || -> Vec<W> {
             let mut lanes = self.lanes.lock().unwrap();
             lanes.values_mut().flat_map(|l| l.idle.drain(..)).collect()
         };
+        let mut all = take();
+        if *self.filling.borrow() > 0 {
+            let mut rx = self.filling.subscribe();
+            let _ = tokio::time::timeout(DRAIN_START_WAIT, rx.wait_for(|n| *n == 0)).await;
+            all.extend(take());
+        }
+        let n = all.len();
         for p in all {
             p.discard().await;
         }
+        n
     }
 
     fn push(&self, environment: &str, language: Language, p: W) {
@@ -404,7 +415,12 @@ impl Refill {
                     self.refused.insert(name.clone(), false);
                 }
                 // Pushed before the count drops, so a client waiting in `evict_one` finds it.
+                // The daemon stopped meanwhile: discarded instead (`drain` waits for it).
                 let r = match r {
+                    Ok(p) if source.config().is_none() => {
+                        p.discard().await;
+                        Ok(())
+                    }
                     Ok(p) => {
                         pool.push(&name, lang, p);
                         Ok(())
@@ -441,6 +457,9 @@ const FAILED_BACKOFF: Duration = Duration::from_secs(5);
 /// How long the refill task sleeps after a round that started nothing, unless a take wakes
 /// it.
 const IDLE_ROUND: Duration = Duration::from_millis(500);
+
+/// How long [`Pool::drain`] waits for a worker start under way (seconds: 10).
+pub const DRAIN_START_WAIT: Duration = Duration::from_secs(10);
 
 /// The refill task: keeps each pool at its target, at most `pool_refill_per_second` starts a
 /// second, until the daemon stops. Holds the source weakly between rounds; during a round and
@@ -505,18 +524,24 @@ mod tests {
         fail: AtomicBool,
         discarded: Arc<AtomicUsize>,
         alive: Arc<AtomicBool>,
+        /// The daemon stops while a start is under way (`config` answers `None` after it).
+        stop_during_start: AtomicBool,
+        stopped: AtomicBool,
     }
 
     impl Source for FakeSource {
         type Worker = Fake;
         fn config(&self) -> Option<Arc<Config>> {
-            Some(self.config.lock().unwrap().clone())
+            (!self.stopped.load(Ordering::SeqCst)).then(|| self.config.lock().unwrap().clone())
         }
         fn start(
             &self,
             env: &Environment,
             guest_memory: u64,
         ) -> impl Future<Output = Result<Fake, StartError>> + Send {
+            if self.stop_during_start.load(Ordering::SeqCst) {
+                self.stopped.store(true, Ordering::SeqCst);
+            }
             let r = if self.refuse.load(Ordering::SeqCst) {
                 Err(StartError::Uids { count: 1 })
             } else if self.fail.load(Ordering::SeqCst) {
@@ -564,7 +589,24 @@ mod tests {
             fail: AtomicBool::new(false),
             discarded: Arc::default(),
             alive: Arc::new(AtomicBool::new(true)),
+            stop_during_start: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
         }
+    }
+
+    /// A worker whose start ends after the daemon began to stop is discarded, not pooled:
+    /// nothing started by the pool outlives the stop.
+    #[tokio::test]
+    async fn a_start_that_ends_after_the_stop_is_discarded() {
+        let s = source(config((1, 1), (0, 0), 60));
+        s.stop_during_start.store(true, Ordering::SeqCst);
+        let mut refill = Refill::new();
+        let cfg = s.config().unwrap();
+        assert!(refill.round(&s, &cfg, Instant::now()).await);
+        assert_eq!(*s.started.lock().unwrap(), ["python"]);
+        assert_eq!(idle(&s, "python"), 0);
+        assert_eq!(s.discarded.load(Ordering::SeqCst), 1);
+        assert_eq!(s.pool.drain().await, 0);
     }
 
     /// Runs `n` rounds at once (no back-off can pass meanwhile); returns the rounds that
