@@ -67,6 +67,8 @@ bash scripts/test-python-client.sh
 echo "== sandcellctl mcp: MCP Python SDK, raw JSON-RPC and MCP Inspector against a real sandcelld"; bash scripts/test-mcp.sh
 echo "== Jupyter kernels: jupyter_kernel_test and nbclient against a real sandcelld"
 bash scripts/test-jupyter.sh
+echo "== JupyterLab in headless Chromium: a plot and a DataFrame from sandcell-pydata (about 35 s warm)"
+bash scripts/test-jupyterlab.sh
 echo "== soak: 8 clients x 100 cells against a socket-activated sandcelld, every result checked"
 bash scripts/soak.sh --clients 8 --cells 100
 echo "== fuzz: every decoder, about a minute (the build is kept in /var/tmp/sandcell-fuzz-target)"

@@ -16,7 +16,8 @@
 //! ([`RESERVE`]) and refused (`CapacityExceeded`) when it does not fit.
 
 use sandcell_proto::kernel::{
-    self as k, CellResult, Frame, HostCall, Output, Retained, RetainedStats, Started, Stream,
+    self as k, CellResult, Display, Frame, HostCall, Output, Retained, RetainedStats, Started,
+    Stream,
 };
 use sandcell_proto::worker::MAX_OUTPUT_CHUNK;
 use std::collections::VecDeque;
@@ -91,27 +92,43 @@ impl Drop for Charge {
 
 /// What is retained of one stream of one cell: the first [`k::RETAIN_HEAD_BYTES`] and the
 /// last [`k::RETAIN_TAIL_BYTES`] of its text, in chunks (consecutive pieces merged up to a
-/// frame's [`MAX_OUTPUT_CHUNK`], keeping the first piece's `seq`), cut on characters.
+/// frame's [`MAX_OUTPUT_CHUNK`], keeping the first piece's `seq`), cut on characters; for
+/// stdout also its cell's display bundles, whole, within the same bytes
+/// ([`Kept::push_bundle`]).
 #[derive(Debug, Default)]
 pub(crate) struct Kept {
     seen: u64,
-    head: Vec<(u64, String)>,
+    head: Vec<(u64, Piece)>,
     head_bytes: u64,
-    tail: VecDeque<(u64, String)>,
+    tail: VecDeque<(u64, Piece)>,
     tail_bytes: u64,
+    /// Bytes of display bundles seen, and of those held now (in `head_bytes + tail_bytes`).
+    bundles_seen: u64,
+    bundles_kept: u64,
+    /// A bundle did not fit the head: what follows goes to the tail (the head stays a prefix
+    /// of the stream, so a replay in `seq` order keeps every piece's place).
+    head_closed: bool,
     /// The session's budget took this stream's output (counted as dropped).
     evicted: bool,
 }
 
+/// One retained piece of a stream: text, or a display bundle with the bytes of its `data`
+/// JSON (never cut).
+#[derive(Debug)]
+enum Piece {
+    Text(String),
+    Bundle(Box<Display>, u64),
+}
+
 /// Appends `text` (frame `seq`) to the `last` chunk when the result still fits a frame; else
 /// returns the new chunk to push.
-fn push_merged(last: Option<&mut (u64, String)>, seq: u64, text: &str) -> Option<(u64, String)> {
+fn push_merged(last: Option<&mut (u64, Piece)>, seq: u64, text: &str) -> Option<(u64, Piece)> {
     match last {
-        Some((_, t)) if t.len() + text.len() <= MAX_OUTPUT_CHUNK => {
+        Some((_, Piece::Text(t))) if t.len() + text.len() <= MAX_OUTPUT_CHUNK => {
             t.push_str(text);
             None
         }
-        _ => Some((seq, text.to_owned())),
+        _ => Some((seq, Piece::Text(text.to_owned()))),
     }
 }
 
@@ -122,7 +139,7 @@ impl Kept {
         if self.evicted {
             return;
         }
-        if self.head_bytes < k::RETAIN_HEAD_BYTES {
+        if !self.head_closed && self.head_bytes < k::RETAIN_HEAD_BYTES {
             let mut end = ((k::RETAIN_HEAD_BYTES - self.head_bytes) as usize).min(text.len());
             while !text.is_char_boundary(end) {
                 end -= 1;
@@ -143,35 +160,89 @@ impl Kept {
             self.tail.push_back(c);
         }
         self.tail_bytes += text.len() as u64;
+        self.trim_tail();
+    }
+
+    /// Drops the oldest of the tail until it holds at most [`k::RETAIN_TAIL_BYTES`]: text is
+    /// cut on a character boundary, a bundle goes whole.
+    fn trim_tail(&mut self) {
         while self.tail_bytes > k::RETAIN_TAIL_BYTES {
             let excess = (self.tail_bytes - k::RETAIN_TAIL_BYTES) as usize;
             let Some(front) = self.tail.front_mut() else {
                 break;
             };
-            if front.1.len() <= excess {
-                self.tail_bytes -= front.1.len() as u64;
-                self.tail.pop_front();
-            } else {
-                let mut cut = excess;
-                while !front.1.is_char_boundary(cut) {
-                    cut += 1;
+            match &mut front.1 {
+                Piece::Bundle(_, n) => {
+                    let n = *n;
+                    self.tail_bytes -= n;
+                    self.bundles_kept -= n;
+                    self.tail.pop_front();
                 }
-                front.1.drain(..cut);
-                self.tail_bytes -= cut as u64;
+                Piece::Text(t) if t.len() <= excess => {
+                    self.tail_bytes -= t.len() as u64;
+                    self.tail.pop_front();
+                }
+                Piece::Text(t) => {
+                    let mut cut = excess;
+                    while !t.is_char_boundary(cut) {
+                        cut += 1;
+                    }
+                    t.drain(..cut);
+                    self.tail_bytes -= cut as u64;
+                }
             }
         }
     }
 
+    /// Retains display bundle `d` of `bytes` bytes (frame `d.seq`): whole in the head when it
+    /// fits there, else at the end of the tail (older pieces leave it; the head takes nothing
+    /// more); one bigger than the tail is retained as its text/plain with a note instead.
+    fn push_bundle(&mut self, mut d: Display, mut bytes: u64) {
+        self.bundles_seen += bytes;
+        if self.evicted {
+            return;
+        }
+        let seq = d.seq;
+        if !self.head_closed && self.head_bytes + bytes <= k::RETAIN_HEAD_BYTES {
+            self.head.push((seq, Piece::Bundle(Box::new(d), bytes)));
+            self.head_bytes += bytes;
+            self.bundles_kept += bytes;
+            return;
+        }
+        self.head_closed = true;
+        if bytes > k::RETAIN_TAIL_BYTES {
+            d.data = k::display_fallback(&d.data);
+            d.note = Some(format!(
+                "bundle of {bytes} bytes over the {}-byte retention: text/plain only",
+                k::RETAIN_TAIL_BYTES
+            ));
+            bytes = serde_json::to_vec(&d.data).map_or(u64::MAX, |v| v.len() as u64);
+            if bytes > k::RETAIN_TAIL_BYTES {
+                return;
+            }
+        }
+        self.tail
+            .push_back((seq, Piece::Bundle(Box::new(d), bytes)));
+        self.tail_bytes += bytes;
+        self.bundles_kept += bytes;
+        self.trim_tail();
+    }
+
+    /// Bytes held (text and bundles).
     fn kept(&self) -> u64 {
         self.head_bytes + self.tail_bytes
     }
 
-    /// The retained chunks, head then tail: (`seq` of the chunk's first frame, text).
+    /// The retained text chunks, head then tail: (`seq` of the chunk's first frame, text).
+    /// Display bundles are left out (the journal of a running cell carries text only).
     pub(crate) fn chunks(&self) -> impl Iterator<Item = (u64, &str)> {
         self.head
             .iter()
             .chain(self.tail.iter())
-            .map(|(q, t)| (*q, t.as_str()))
+            .filter_map(|(q, p)| match p {
+                Piece::Text(t) => Some((*q, t.as_str())),
+                Piece::Bundle(..) => None,
+            })
     }
 
     /// Sets the bytes seen (a record rebuilt from a journal whose older output was already
@@ -180,13 +251,23 @@ impl Kept {
         self.seen = seen.max(self.kept());
     }
 
-    /// Seen, kept and dropped bytes.
+    /// The text's retention: seen, kept and dropped bytes.
     pub(crate) fn stats(&self) -> RetainedStats {
+        let kept = self.kept() - self.bundles_kept;
         RetainedStats {
             seen: self.seen,
-            kept: self.kept(),
-            dropped: self.seen - self.kept(),
+            kept,
+            dropped: self.seen - kept,
         }
+    }
+
+    /// The bundles' retention, when the stream had any.
+    fn bundle_stats(&self) -> Option<RetainedStats> {
+        (self.bundles_seen > 0).then(|| RetainedStats {
+            seen: self.bundles_seen,
+            kept: self.bundles_kept,
+            dropped: self.bundles_seen - self.bundles_kept,
+        })
     }
 
     fn evict(&mut self) {
@@ -194,6 +275,7 @@ impl Kept {
         self.tail = VecDeque::new();
         self.head_bytes = 0;
         self.tail_bytes = 0;
+        self.bundles_kept = 0;
         self.evicted = true;
     }
 }
@@ -232,6 +314,7 @@ impl Record {
         Retained {
             stdout: self.streams[0].stats(),
             stderr: self.streams[1].stats(),
+            displays: self.streams[0].bundle_stats(),
         }
     }
 
@@ -251,14 +334,15 @@ impl Record {
         Some(r)
     }
 
-    /// The frames an `Attach` replays: `started`, the retained output in `seq` order, then
-    /// the result if the cell ended, else its unanswered host call if one waits.
+    /// The frames an `Attach` replays: `started`, the retained output and display bundles in
+    /// `seq` order, then the result if the cell ended, else its unanswered host call if one
+    /// waits.
     fn replay(&self, session: &str) -> Vec<Frame> {
-        let mut out: Vec<(u64, Stream, &str)> = Vec::new();
+        let mut out: Vec<(u64, Stream, &Piece)> = Vec::new();
         for (i, stream) in [(0usize, Stream::Stdout), (1, Stream::Stderr)] {
             let s = &self.streams[i];
-            out.extend(s.head.iter().map(|(q, t)| (*q, stream, t.as_str())));
-            out.extend(s.tail.iter().map(|(q, t)| (*q, stream, t.as_str())));
+            out.extend(s.head.iter().map(|(q, p)| (*q, stream, p)));
+            out.extend(s.tail.iter().map(|(q, p)| (*q, stream, p)));
         }
         out.sort_by_key(|(q, ..)| *q);
         let mut frames = vec![Frame {
@@ -268,14 +352,20 @@ impl Record {
             }),
             ..Default::default()
         }];
-        frames.extend(out.into_iter().map(|(seq, stream, text)| Frame {
-            output: Some(Output {
-                cell: self.cell,
-                seq,
-                stream,
-                text: text.to_owned(),
-            }),
-            ..Default::default()
+        frames.extend(out.into_iter().map(|(seq, stream, piece)| match piece {
+            Piece::Text(text) => Frame {
+                output: Some(Output {
+                    cell: self.cell,
+                    seq,
+                    stream,
+                    text: text.clone(),
+                }),
+                ..Default::default()
+            },
+            Piece::Bundle(d, _) => Frame {
+                display: Some((**d).clone()),
+                ..Default::default()
+            },
         }));
         if let Some(result) = self.result() {
             frames.push(Frame {
@@ -313,6 +403,11 @@ impl Record {
         if let Some(o) = &frame.output {
             let i = usize::from(o.stream == Stream::Stderr);
             self.streams[i].push(o.seq, &o.text);
+        }
+        if let Some(d) = &frame.display {
+            // Counted as the cell counts it (`CellResult.displays`): its data's JSON text.
+            let bytes = serde_json::to_vec(&d.data).map_or(0, |v| v.len() as u64);
+            self.streams[0].push_bundle(d.clone(), bytes);
         }
         if let Some(r) = frame.result.as_mut() {
             self.host_call = None;
@@ -693,7 +788,14 @@ mod tests {
         assert_eq!(st.seen, st.kept + st.dropped);
         assert_eq!(s.head[0].0, 0, "the head starts with the first frame");
         assert!(s.tail.len() <= 2, "{} tail chunks", s.tail.len());
-        let tail: String = s.tail.iter().map(|(_, t)| t.as_str()).collect();
+        let tail: String = s
+            .tail
+            .iter()
+            .map(|(_, p)| match p {
+                Piece::Text(t) => t.as_str(),
+                Piece::Bundle(..) => "",
+            })
+            .collect();
         assert!(tail.ends_with(&line));
         // Characters are never cut.
         let mut u = Kept::default();
@@ -704,6 +806,79 @@ mod tests {
         assert_eq!(u.stats().seen, 300_000);
         u.evict();
         assert_eq!(u.stats().dropped, 300_000);
+    }
+
+    fn bundle(seq: u64, png_bytes: usize) -> (Display, u64) {
+        let mut data = serde_json::Map::new();
+        data.insert("text/plain".into(), format!("<plot {seq}>").into());
+        data.insert("image/png".into(), "A".repeat(png_bytes).into());
+        let n = serde_json::to_vec(&data).unwrap().len() as u64;
+        let d = Display {
+            cell: 1,
+            seq,
+            kind: k::DisplayKind::Display,
+            data,
+            note: None,
+        };
+        (d, n)
+    }
+
+    #[test]
+    fn bundles_share_stdouts_retention_whole_with_exact_counts() {
+        let mut s = Kept::default();
+        let mut seen = 0;
+        // A small bundle in the head, one over the tail as its text/plain with a note, then
+        // text and bundles enough to push the early tail out whole.
+        let (d, n) = bundle(0, 1000);
+        seen += n;
+        s.push_bundle(d, n);
+        s.push(1, &"x".repeat(60 * 1024));
+        let (d, n) = bundle(2, 100 * 1024);
+        seen += n;
+        s.push_bundle(d, n);
+        let fallback = s.tail.back().map(|(_, p)| match p {
+            Piece::Bundle(d, n) => (d.data.len(), d.note.clone(), *n),
+            Piece::Text(_) => panic!("a bundle"),
+        });
+        let (types, note, fb) = fallback.unwrap();
+        assert_eq!(types, 1);
+        assert!(note.unwrap().contains("retention: text/plain only"));
+        for seq in 3..20 {
+            let (d, n) = bundle(seq, 10 * 1024);
+            seen += n;
+            s.push_bundle(d, n);
+        }
+        let st = s.bundle_stats().unwrap();
+        assert_eq!(st.seen, seen);
+        assert_eq!(st.seen, st.kept + st.dropped);
+        assert!(s.kept() <= k::RETAIN_HEAD_BYTES + k::RETAIN_TAIL_BYTES);
+        // Only whole bundles: the head's first, the newest in the tail; the fallback is gone.
+        let held: Vec<u64> = s
+            .head
+            .iter()
+            .chain(s.tail.iter())
+            .filter_map(|(q, p)| matches!(p, Piece::Bundle(..)).then_some(*q))
+            .collect();
+        assert_eq!(held[0], 0);
+        assert_eq!(*held.last().unwrap(), 19);
+        assert!(!held.contains(&2), "{held:?}");
+        let kept_bundles: u64 = s
+            .head
+            .iter()
+            .chain(s.tail.iter())
+            .filter_map(|(_, p)| match p {
+                Piece::Bundle(_, n) => Some(*n),
+                Piece::Text(_) => None,
+            })
+            .sum();
+        assert_eq!(kept_bundles, st.kept);
+        assert!(fb < 100);
+        // Text counts stay apart and exact.
+        let t = s.stats();
+        assert_eq!(t.seen, 60 * 1024);
+        assert_eq!(t.seen, t.kept + t.dropped);
+        s.evict();
+        assert_eq!(s.bundle_stats().unwrap().dropped, seen);
     }
 
     #[test]

@@ -994,8 +994,9 @@ pub struct CellResult {
     pub files: Vec<FileInfo>,
     /// Display bundles of the cell (sessions and runs with `rich_output` only): `seen` bytes
     /// of bundle JSON the cell produced, `kept` bytes sent in `display` frames (replaced
-    /// bundles count what was sent). Display frames are live only: `Attach` does not replay
-    /// them.
+    /// bundles count what was sent). A cell with a record (`Submit`, or `Execute` on a
+    /// detached session) retains its display frames with its stdout for `Attach` (see
+    /// [`Retained::displays`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub displays: Option<StreamStats>,
     /// What the daemon retained of the cell's output for `Attach` (cells started by `Submit`,
@@ -1011,6 +1012,15 @@ pub struct Retained {
     pub stdout: RetainedStats,
     /// stderr.
     pub stderr: RetainedStats,
+    /// Display bundles (cells with `rich_output` that showed any), in bytes of their `data`
+    /// JSON as counted in `CellResult.displays`. They share stdout's retention: its first
+    /// [`RETAIN_HEAD_BYTES`] and last [`RETAIN_TAIL_BYTES`] hold text and whole bundles
+    /// together. A bundle is never cut: one that fits neither is retained as its text/plain
+    /// with a note (counted as kept at that size), and one evicted from the tail is dropped
+    /// whole. `Attach` replays the retained bundles as `display` frames, in `seq` order with
+    /// the output frames.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub displays: Option<RetainedStats>,
 }
 
 /// Retention of one stream of one cell, in bytes of output text (as in `output` frames: the

@@ -292,5 +292,105 @@ async fn r_sends_printed_values_as_text_bundles() {
     assert_eq!((ds[0].kind, text(ds[0])), (DisplayKind::Display, "[1] 21"));
     assert_eq!((ds[1].kind, text(ds[1])), (DisplayKind::Result, "[1] 42"));
     assert_eq!(r.stdout.kept, 3, "only cat() on stdout");
+
+    // Plots: each page of the default device as an image/png bundle after the cell's output
+    // (a valid PNG, byte for byte the file, which is still saved and listed), counted in
+    // `displays` exactly.
+    let fs = frames(
+        &mut c,
+        &s,
+        "plot(1:10)\ncat('drawn\\n')\nbarplot(c(3, 1, 2))\ninvisible(NULL)",
+    )
+    .await;
+    let r = fs.last().unwrap().result.as_ref().unwrap();
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let ds = displays(&fs);
+    assert_eq!(ds.len(), 2, "{fs:?}");
+    let first_display = fs.iter().position(|f| f.display.is_some()).unwrap();
+    assert!(
+        fs[..first_display]
+            .iter()
+            .any(|f| f.output.as_ref().is_some_and(|o| o.text == "drawn\n")),
+        "the pages follow the cell's output: {fs:?}"
+    );
+    for (i, d) in ds.iter().enumerate() {
+        let name = format!("plot-2-{:03}.png", i + 1);
+        assert_eq!(d.kind, DisplayKind::Display);
+        assert_eq!(text(d), format!("<R plot 480x480: {name}>"));
+        let png = b64decode(d.data["image/png"].as_str().unwrap()).unwrap();
+        assert!(valid_png(&png), "{} bytes", png.len());
+        let f = r
+            .files
+            .iter()
+            .find(|f| f.name == name)
+            .expect("the file too");
+        assert_eq!(f.size, png.len() as u64);
+        let mut got = Vec::new();
+        c.get_file(&s, &name, &mut got).await.unwrap();
+        assert_eq!(got, png);
+    }
+    let bundle_bytes: u64 = ds
+        .iter()
+        .map(|d| serde_json::to_vec(&d.data).unwrap().len() as u64)
+        .sum();
+    let st = r.displays.expect("displays counted");
+    assert_eq!((st.seen, st.kept), (bundle_bytes, bundle_bytes));
     c.close(&s).await.unwrap();
+}
+
+/// sandcellctl run --rich on an R file: the plot's text/plain on standard output and, on
+/// standard error, that it carries an image/png; --json gives the whole display frame.
+#[tokio::test]
+async fn sandcellctl_shows_r_plots_and_values() {
+    if !r_available() {
+        sandcell_testing::skip!(
+            "r",
+            "R is not installed (scripts/setup.sh installs r-base-core)"
+        )
+    }
+    let ctl = common::bin_dir().join("sandcellctl");
+    if !ctl.exists() {
+        sandcell_testing::skip!(
+            "built",
+            "{} not built (cargo build -p sandcell-client)",
+            ctl.display()
+        );
+    }
+    let d = daemon();
+    let work = tempfile::tempdir().unwrap();
+    let code = work.path().join("cell.R");
+    std::fs::write(&code, "plot(1:3)\n6 * 7\n").unwrap();
+    let run = |json: bool| {
+        let mut cmd = std::process::Command::new(&ctl);
+        cmd.arg("--socket").arg(&d.socket);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.arg("run").arg("--rich").arg(&code).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (
+            String::from_utf8(out.stdout).unwrap(),
+            String::from_utf8(out.stderr).unwrap(),
+        )
+    };
+    let (out, err) = run(false);
+    assert_eq!(out, "[1] 42\n<R plot 480x480: plot-1-001.png>\n", "{err}");
+    assert!(
+        err.contains("display also carries image/png (see --json)"),
+        "{err}"
+    );
+    let (out, _) = run(true);
+    let frames: Vec<Frame> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a frame per line"))
+        .collect();
+    let ds = displays(&frames);
+    assert_eq!(ds.len(), 2, "{out}");
+    assert_eq!(ds[0].kind, DisplayKind::Result);
+    let png = b64decode(ds[1].data["image/png"].as_str().unwrap()).unwrap();
+    assert!(valid_png(&png));
 }

@@ -416,3 +416,91 @@ async fn sandcellctl_submits_attaches_and_asks() {
     assert_ne!(code_, Some(0));
     assert!(err.contains("NoSuchCell"), "{err}");
 }
+
+/// A detached rich session's cell: its display frames are retained with its output (in
+/// stdout's retention, bytes exact) and `Attach` replays them in `seq` order with the output
+/// frames; a bundle bigger than the retention's tail comes back as its text/plain with a note.
+#[tokio::test]
+async fn attach_replays_display_frames_in_order() {
+    // Room in the cell's stdout budget for the big bundle: only the retention replaces it.
+    let d = Daemon::start(&[("SANDCELL_MAX_STDOUT_BYTES", "1048576")]);
+    let mut a = d.client().await;
+    let s = a
+        .open_with(&sandcell_client::OpenParams {
+            language: "python".into(),
+            limits: None,
+            detached_idle_seconds: Some(60),
+            environment: None,
+            host_calls: None,
+            display_last_expression: None,
+            rich_output: Some(true),
+        })
+        .await
+        .unwrap()
+        .session;
+    let cell = a
+        .submit(
+            &s,
+            "from sandcell import display\nprint('one')\n\
+             display({'text/plain': 'small', 'text/html': '<b>s</b>'}, raw=True)\n\
+             print('two')\n\
+             display({'text/plain': 'big', 'image/png': 'A' * (100 * 1024)}, raw=True)\n\
+             print('three')\n6 * 7",
+        )
+        .await
+        .unwrap();
+    let r = wait_ended(&mut a, &s, cell).await;
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let live = r.displays.expect("displays counted");
+    let kept = r.retained.expect("retained");
+    let shown = kept.displays.expect("displays retained");
+    assert_eq!(shown.seen, live.kept, "every bundle sent is counted");
+    assert_eq!(shown.seen, shown.kept + shown.dropped);
+    assert_eq!(kept.stdout.seen, "one\ntwo\nthree\n".len() as u64);
+
+    let mut b = d.client().await;
+    b.attach(&s, cell).await.unwrap();
+    let mut order = Vec::new();
+    let mut bytes = 0u64;
+    let mut seqs = Vec::new();
+    loop {
+        let f = b.next_frame().await.unwrap();
+        if let Some(o) = &f.output {
+            order.push(o.text.clone());
+            seqs.push(o.seq);
+        }
+        if let Some(dsp) = &f.display {
+            bytes += serde_json::to_vec(&dsp.data).unwrap().len() as u64;
+            let text = dsp.data["text/plain"].as_str().unwrap().to_owned();
+            match text.as_str() {
+                "small" => assert_eq!(dsp.data["text/html"], "<b>s</b>"),
+                "big" => {
+                    assert_eq!(dsp.data.len(), 1, "text/plain only");
+                    assert!(
+                        dsp.note.as_deref().unwrap_or("").contains("retention"),
+                        "{dsp:?}"
+                    );
+                }
+                "42" => assert_eq!(dsp.kind, k::DisplayKind::Result),
+                other => panic!("unexpected bundle {other:?}"),
+            }
+            order.push(format!("[{text}]"));
+            seqs.push(dsp.seq);
+        }
+        if let Some(r) = f.result {
+            assert_eq!(r.retained.unwrap().displays.unwrap(), shown);
+            break;
+        }
+    }
+    assert_eq!(
+        order.concat(),
+        "one\n[small]two\n[big]three\n[42]",
+        "{order:?}"
+    );
+    assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{seqs:?}");
+    assert_eq!(
+        bytes, shown.kept,
+        "the replay carries exactly the kept bytes"
+    );
+    assert!(shown.dropped > 100 * 1024, "{shown:?}");
+}

@@ -736,6 +736,82 @@ plot_device_end <- function(before) {
   invisible(NULL)
 }
 
+# With rich output (`rich=1`), each page the default device wrote for the cell also goes out
+# as an image/png display bundle, in page order, after everything the cell printed (as
+# matplotlib figures left open do in the Python engines); the files stay as without it. A
+# bundle whose JSON would pass MAX_DISPLAY_BYTES is sent as its text/plain with a note (an
+# image is never cut), and past MAX_PLOTS pages one text bundle says how many more there are.
+# Figures drawn on a device the cell opened itself (png("x.png")) are the cell's own files.
+
+MAX_DISPLAY_BYTES <- 512L * 1024L # keep in step with sandcell_proto::kernel::MAX_DISPLAY_BYTES
+MAX_PLOTS <- 100L # pages of one cell sent as bundles
+PNG_SIGNATURE <- as.raw(c(0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a))
+B64 <- charToRaw("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")
+
+# Standard base64 (RFC 4648, padded) of raw `r`, vectorised: whole 3-byte groups become
+# 4 alphabet indices at once.
+base64_raw <- function(r) {
+  n <- length(r)
+  if (n == 0L) return("")
+  pad <- (3L - n %% 3L) %% 3L
+  m <- matrix(c(as.integer(r), integer(pad)), nrow = 3L)
+  x <- m[1L, ] * 65536L + m[2L, ] * 256L + m[3L, ]
+  idx <- rbind(x %/% 262144L, (x %/% 4096L) %% 64L, (x %/% 64L) %% 64L, x %% 64L) + 1L
+  out <- B64[idx]
+  if (pad > 0L) out[(length(out) - pad + 1L):length(out)] <- charToRaw("=")
+  rawToChar(out)
+}
+
+# Sends the `display` line of one bundle (`fields`: named list of encoded JSON values).
+send_bundle_line <- function(fields, note = NULL) {
+  flush(stdout())
+  line <- paste0("{\"t\":\"display\",\"cell\":", json_int(state$cell),
+    ",\"kind\":\"display\",\"data\":", json_obj(fields),
+    if (!is.null(note)) paste0(",\"note\":", json_str(note)), "}")
+  suspendInterrupts(send_line(line))
+}
+
+# The bundle of one page `name` (a regular file in the session directory): text/plain names
+# it with its size in pixels (from the PNG header), image/png is the file in base64.
+send_plot <- function(name) {
+  path <- file.path(SESSION_DIR, name)
+  if (!isTRUE(utils::file_test("-f", path))) return(invisible(NULL)) # never a FIFO or a directory
+  size <- file.size(path)
+  if (is.na(size) || size < 24) return(invisible(NULL))
+  con <- file(path, open = "rb")
+  on.exit(close(con))
+  head <- readBin(con, "raw", n = 24L)
+  if (!identical(head[1:8], PNG_SIGNATURE)) return(invisible(NULL))
+  be32 <- function(b) sum(as.numeric(as.integer(b)) * 256^(3:0))
+  text <- sprintf("<R plot %.0fx%.0f: %s>", be32(head[17:20]), be32(head[21:24]), name)
+  fields <- list(`text/plain` = json_str(text))
+  # Exact bytes of the bundle's JSON: the text part, `,"image/png":""`, the base64 digits.
+  total <- nchar(json_obj(fields), type = "bytes") + 15 + 4 * ceiling(size / 3)
+  if (total > MAX_DISPLAY_BYTES) {
+    return(send_bundle_line(fields, sprintf(
+      "bundle of %.0f bytes over the %d-byte cap: text/plain only", total, MAX_DISPLAY_BYTES)))
+  }
+  png <- c(head, readBin(con, "raw", n = as.integer(size)))
+  fields$`image/png` <- paste0("\"", base64_raw(png), "\"")
+  send_bundle_line(fields)
+}
+
+# Sends the pages the default device wrote for `cell` (digits, as text), in page order.
+send_plots <- function(cell) {
+  names <- list.files(SESSION_DIR, pattern = sprintf("^plot-%s-[0-9]+[.]png$", cell))
+  if (!length(names)) return(invisible(NULL))
+  page <- as.numeric(sub("^plot-[0-9]+-([0-9]+)[.]png$", "\\1", names))
+  names <- names[order(page)]
+  for (name in utils::head(names, MAX_PLOTS)) {
+    tryCatch(send_plot(name), error = function(e) NULL)
+  }
+  if (length(names) > MAX_PLOTS) {
+    send_bundle_line(list(`text/plain` = json_str(sprintf(
+      "[%d more plots saved as files, not shown]", length(names) - MAX_PLOTS))))
+  }
+  invisible(NULL)
+}
+
 ## ---- inspect ----------------------------------------------------------------------
 
 # Calls fun() (the user's code) with the inspect's time left before st$deadline (elapsed
@@ -1127,6 +1203,7 @@ serve <- function(ready = TRUE) {
     devices <- plot_device_begin(req$cell)
     r <- run_cell(req$cell, req$payload, req$opts)
     plot_device_end(devices)
+    if (identical(req$opts$rich, 1)) tryCatch(send_plots(req$cell), error = function(e) NULL)
     reset_io()
     send_done(req$cell, r)
     state$cell <- NULL

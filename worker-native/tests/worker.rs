@@ -12,6 +12,7 @@
 mod common;
 
 use sandcell_confine::{Enforcement, Plan, SyscallProfile};
+use sandcell_proto::kernel::{DisplayKind, MAX_DISPLAY_BYTES};
 use sandcell_proto::worker::{
     CellError, MAX_ERROR_MESSAGE, MAX_WORKER_LINE, REPLY_FD, REQUEST_FD, RequestHeader,
     WorkerMessage, WorkerStatus,
@@ -165,6 +166,43 @@ fn plan(session: &Path, max_address_space: Option<u64>) -> Plan {
     }
 }
 
+/// One `display` line: kind, MIME bundle, note.
+#[derive(Debug)]
+struct Shown {
+    kind: DisplayKind,
+    data: serde_json::Map<String, serde_json::Value>,
+    note: Option<String>,
+}
+
+impl Shown {
+    fn text(&self) -> &str {
+        self.data["text/plain"].as_str().unwrap()
+    }
+}
+
+/// Standard base64 (RFC 4648) to bytes; `None` on a character outside the alphabet.
+fn b64decode(s: &str) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(s.len() / 4 * 3);
+    let (mut acc, mut bits) = (0u32, 0u32);
+    for c in s.bytes().filter(|&c| c != b'=') {
+        let v = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        };
+        acc = (acc << 6) | u32::from(v);
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+        }
+    }
+    Some(out)
+}
+
 /// What one `exec` produced.
 #[derive(Debug)]
 struct Cell {
@@ -174,6 +212,9 @@ struct Cell {
     warnings: Vec<String>,
     stdout: Vec<u8>,
     stderr: Vec<u8>,
+    /// The `display` lines before `done` (cells sent with rich output only), with the stdout
+    /// bytes read when each arrived.
+    displays: Vec<(Shown, usize)>,
     /// Length of the `done` line in bytes.
     line_len: usize,
     /// When the first stdout byte arrived, relative to the request.
@@ -364,10 +405,16 @@ impl Worker {
 
     /// Sends one request without waiting.
     fn send(&mut self, code: &[u8], timeout_ms: Option<u64>) -> u64 {
+        self.send_with(code, timeout_ms, false)
+    }
+
+    /// Sends one request without waiting; `rich`: with rich output (`rich=1`).
+    fn send_with(&mut self, code: &[u8], timeout_ms: Option<u64>, rich: bool) -> u64 {
         let cell = self.next_cell;
         self.next_cell += 1;
         let mut h = RequestHeader::exec(cell, code.len() as u64);
         h.timeout_ms = timeout_ms;
+        h.rich = rich;
         let req = self.req.as_mut().expect("request pipe open");
         req.write_all(h.to_line().as_bytes()).unwrap();
         req.write_all(code).unwrap();
@@ -378,15 +425,31 @@ impl Worker {
     fn wait_done(&mut self, cell: u64, t0: Instant, timeout: Duration) -> Cell {
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let mut first = None;
-        let Some((msg, line_len)) =
-            self.next_message(&mut out, &mut err, Some(&mut first), timeout)
-        else {
-            panic!(
-                "worker ended before done of cell {cell}; stderr {}",
-                String::from_utf8_lossy(&err)
-            );
+        let mut displays = Vec::new();
+        let (msg, line_len) = loop {
+            let Some((msg, line_len)) =
+                self.next_message(&mut out, &mut err, Some(&mut first), timeout)
+            else {
+                panic!(
+                    "worker ended before done of cell {cell}; stderr {}",
+                    String::from_utf8_lossy(&err)
+                );
+            };
+            match msg {
+                WorkerMessage::Display {
+                    cell: c,
+                    kind,
+                    data,
+                    note,
+                } => {
+                    assert_eq!(c, cell);
+                    read_available(&self.out, &mut out);
+                    displays.push((Shown { kind, data, note }, out.len()));
+                }
+                msg => break (msg, line_len),
+            }
         };
-        // The R worker sends nothing but `done` after `ready`.
+        // The R worker sends nothing but `display` lines (rich output) and `done` after `ready`.
         let WorkerMessage::Done {
             cell: c,
             status,
@@ -409,6 +472,7 @@ impl Worker {
             warnings,
             stdout: out,
             stderr: err,
+            displays,
             line_len,
             first_stdout: first.map(|f: Instant| f - t0),
             elapsed: t0.elapsed(),
@@ -423,6 +487,13 @@ impl Worker {
 
     fn exec(&mut self, code: &str) -> Cell {
         self.exec_opts(code, None)
+    }
+
+    /// Runs `code` as a cell with rich output.
+    fn exec_rich(&mut self, code: &str) -> Cell {
+        let t0 = Instant::now();
+        let cell = self.send_with(code.as_bytes(), None, true);
+        self.wait_done(cell, t0, Duration::from_secs(120))
     }
 
     fn sigint(&self) {
@@ -995,6 +1066,80 @@ fn plots_produce_a_png() {
             "reference plot not drawn ({other:?}); comparison skipped"
         ),
     }
+}
+
+#[test]
+fn rich_output_sends_plots_and_printed_values_as_bundles() {
+    need_r!("rich_output_sends_plots_and_printed_values_as_bundles");
+    let mut w = Worker::start();
+    // Two pages of the default device, a printed value before them and the last value: the
+    // values as text/plain bundles where they are printed, the pages as image/png bundles
+    // after the cell's output, in page order, besides the files.
+    let c = w.exec_rich(
+        "x <- 21\nx\nplot(1:10)\ncat('between\\n')\nhist(c(1, 2, 2, 3))\ncat('end\\n')\nx * 2",
+    );
+    c.assert_ok();
+    assert_eq!(c.out(), "between\nend\n", "values are bundles, not stdout");
+    let kinds: Vec<(DisplayKind, String)> = c
+        .displays
+        .iter()
+        .map(|(d, _)| (d.kind, d.text().to_owned()))
+        .collect();
+    assert_eq!(kinds.len(), 4, "{kinds:?}");
+    assert_eq!(kinds[0], (DisplayKind::Display, "[1] 21".into()));
+    assert_eq!(kinds[1], (DisplayKind::Result, "[1] 42".into()));
+    for (i, (kind, text)) in kinds[2..].iter().enumerate() {
+        let name = format!("plot-1-{:03}.png", i + 1);
+        assert_eq!(*kind, DisplayKind::Display);
+        assert_eq!(*text, format!("<R plot 480x480: {name}>"));
+        let (d, stdout_before) = &c.displays[i + 2];
+        assert_eq!(
+            *stdout_before,
+            c.stdout.len(),
+            "a page follows all the output"
+        );
+        assert_eq!(d.data.len(), 2, "{:?}", d.data.keys());
+        assert!(d.note.is_none());
+        let png = b64decode(d.data["image/png"].as_str().unwrap()).expect("base64");
+        assert_eq!(png, std::fs::read(w.session.join(&name)).unwrap(), "{name}");
+        assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"));
+    }
+
+    // Without rich output: values on stdout, the files only.
+    let c = w.exec("plot(1:3)\n5");
+    c.assert_ok();
+    assert!(c.displays.is_empty());
+    assert_eq!(c.out(), "[1] 5\n");
+    assert!(w.session.join("plot-2-001.png").exists());
+
+    // A page whose bundle would pass the cap: its text/plain with a note, never a cut image;
+    // a file that merely carries the name of a page is not a PNG and is not sent.
+    let c = w.exec_rich(
+        "png(file.path(Sys.getenv('SANDCELL_SESSION_DIR'), 'plot-3-001.png'), 2000, 2000)\n\
+         image(matrix(runif(250000), 500), col = rainbow(256))\ninvisible(dev.off())\n\
+         writeLines('not a png', file.path(Sys.getenv('SANDCELL_SESSION_DIR'), 'plot-3-002.png'))",
+    );
+    c.assert_ok();
+    let size = std::fs::metadata(w.session.join("plot-3-001.png"))
+        .unwrap()
+        .len();
+    assert!(size as usize > MAX_DISPLAY_BYTES, "{size} bytes");
+    assert_eq!(c.displays.len(), 1, "{:?}", c.displays);
+    let (d, _) = &c.displays[0];
+    assert_eq!(d.data.len(), 1);
+    assert_eq!(d.text(), "<R plot 2000x2000: plot-3-001.png>");
+    let note = d.note.as_deref().unwrap();
+    assert!(
+        note.contains("over the 524288-byte cap: text/plain only"),
+        "{note}"
+    );
+    let claimed: u64 = note.split(' ').nth(2).unwrap().parse().unwrap();
+    let text_part = serde_json::to_vec(&d.data).unwrap().len() as u64;
+    assert_eq!(
+        claimed,
+        text_part + 15 + size.div_ceil(3) * 4,
+        "exact bundle bytes"
+    );
 }
 
 #[test]

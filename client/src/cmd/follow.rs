@@ -187,7 +187,11 @@ async fn summary(err: &mut impl Write, c: &mut Client, r: &CellResult) {
     }
     list_files(err, &r.files);
     if let Some(kept) = &r.retained {
-        for (name, s) in [("stdout", kept.stdout), ("stderr", kept.stderr)] {
+        let displays = kept.displays.map(|s| ("displays", s));
+        for (name, s) in [("stdout", kept.stdout), ("stderr", kept.stderr)]
+            .into_iter()
+            .chain(displays)
+        {
             if s.dropped > 0 {
                 let _ = writeln!(
                     err,

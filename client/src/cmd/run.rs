@@ -274,7 +274,11 @@ impl CellStatus {
             );
         }
         if let Some(kept) = &res.retained {
-            for (name, s) in [("stdout", kept.stdout), ("stderr", kept.stderr)] {
+            let displays = kept.displays.map(|s| ("displays", s));
+            for (name, s) in [("stdout", kept.stdout), ("stderr", kept.stderr)]
+                .into_iter()
+                .chain(displays)
+            {
                 outln!(
                     "{name}: {} bytes seen, {} retained, {} dropped",
                     s.seen,

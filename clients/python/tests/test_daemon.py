@@ -159,6 +159,26 @@ def test_r_session_persists(client):
         assert r.stdout == "-5.34", r
 
 
+def test_r_plots_and_values_arrive_as_displays(client):
+    from sandcell import openai as sco
+
+    with client.session("r", rich_output=True) as s:
+        seen = []
+        r = s.execute("plot(1:5)\ncat('drawn\\n')\n6 * 7", seen.append)
+        assert r.status == "ok" and r.stdout == "drawn\n", r
+        kinds = [(d.kind, d.text) for d in r.displays]
+        assert kinds == [("result", "[1] 42"), ("display", f"<R plot 480x480: plot-{r.cell}-001.png>")]
+        png = r.displays[1].png
+        assert png is not None and png.startswith(b"\x89PNG\r\n\x1a\n")
+        assert png == s.get_file(f"plot-{r.cell}-001.png")
+        # Live, in order: the output, then the value, then the page.
+        assert [type(o).__name__ for o in seen] == ["Output", "Display", "Display"], seen
+        # The OpenAI adapter on a rich R session: the page from its bundle, one image.
+        item = sco.code_interpreter_call(client, "barplot(c(2, 1))", session=s)
+        images = [o for o in item["outputs"] if o["type"] == "image"]
+        assert item["status"] == "completed" and len(images) == 1, item["outputs"]
+
+
 def test_interrupt_keeps_the_session(client):
     with client.session("python") as s:
         s.execute("kept = 'yes'")

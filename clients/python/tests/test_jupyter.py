@@ -256,6 +256,9 @@ def test_r_notebook():
     _, _, displays = outputs(code[2])
     pngs = [base64.b64decode(d.data["image/png"]) for d in displays if "image/png" in d.data]
     assert len(pngs) == 1 and valid_png(pngs[0]), [d.data.keys() for d in displays]
+    # From the cell's display frames (the worker's bundle), not a file fetched afterwards.
+    plot = [d for d in displays if "image/png" in d.data][0]
+    assert plot.data["text/plain"].startswith("<R plot "), plot.data["text/plain"]
 
 
 # -- interrupt and restart through KernelManager ---------------------------------------------

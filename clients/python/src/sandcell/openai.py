@@ -199,6 +199,12 @@ def _pngs(result: CellResult) -> list[FileInfo]:
     return [f for f in result.files if f.kind == "file" and f.media_type == "image/png"]
 
 
+def _shown(result: CellResult) -> bool:
+    """Whether the cell's display bundles carry its figures (a session with rich output, in
+    any engine: matplotlib's figures, R's plots): then the files are not read back."""
+    return any(d.png is not None for d in result.displays)
+
+
 def _new_item_id() -> str:
     return "ci_" + secrets.token_hex(24)
 
@@ -287,7 +293,7 @@ def code_interpreter_call(
         result = s.execute(code, on_output)
         chosen, notes = _select_images(result)
         images = []
-        if not result.session_ended:
+        if not result.session_ended and not _shown(result):
             images = [s.get_file(f.name) for f in chosen]
         return _item(item_id, code, CONTAINER_PREFIX + s.id, result, images, notes)
     finally:
@@ -405,7 +411,7 @@ async def code_interpreter_events(
         result = await s.execute(code, on_output)
         chosen, notes = _select_images(result)
         images = []
-        if not result.session_ended:
+        if not result.session_ended and not _shown(result):
             images = [await s.get_file(f.name) for f in chosen]
         item = _item(item_id, code, container_id, result, images, notes)
         yield ev("response.code_interpreter_call.completed")

@@ -12,8 +12,8 @@ kernels that delegate execution elsewhere. What this module adds is only the map
 - ``execute_request``: one ``Execute`` of the session with rich output; output frames become
   ``stream`` messages, display frames ``display_data`` or (the last expression's value)
   ``execute_result`` with the kernel's ``execution_count``; an error becomes an ``error``
-  message and reply with the traceback's lines. R's plots (``plot-<cell>-NNN.png`` in the
-  session directory) are read back and shown as ``image/png`` ``display_data``.
+  message and reply with the traceback's lines. R's plots come as ``image/png`` display
+  frames like matplotlib's figures (the worker sends each page its default device wrote).
 - ``interrupt_request`` (``interrupt_mode: message`` in the kernelspec): sandcell's
   ``Interrupt`` of the running cell; the session keeps its variables.
 - ``shutdown_request``: ``Close``. A restart is a new kernel process (jupyter_client's
@@ -72,12 +72,6 @@ as.character as.factor as.data.frame merge aggregate with within subset transfor
 warning message tryCatch invisible return Sys.time set.seed rnorm runif sample ggplot aes
 geom_point geom_line geom_histogram geom_bar geom_boxplot facet_wrap labs theme_minimal
 """.split()))
-
-#: The file names of R's plots in the session directory (worker-native/r/worker.R's png device).
-R_PLOT = re.compile(r"^plot-\d+-\d+\.png$")
-
-#: Bytes of one R plot read back at most.
-MAX_PLOT_BYTES = 8 * 1024 * 1024
 
 
 def python_is_complete(code: str) -> dict[str, Any]:
@@ -270,8 +264,6 @@ class SandcellKernel(Kernel):
         except sandcell.VarlinkError as e:
             self._drop_session(f"the session is gone ({e})")
             return self._error(type(e).__name__, str(e), [])
-        if self.sc_language == "r" and not silent:
-            self._show_plots(session, r)
         if r.session_ended:
             why = f"the session ended with cell {count} ({r.status}" + (
                 f": {'; '.join(r.warnings)}" if r.warnings else "") + ")"
@@ -305,24 +297,6 @@ class SandcellKernel(Kernel):
                 s.close()
             except Exception:
                 pass
-
-    def _show_plots(self, session: sandcell.Session, r: sandcell.CellResult) -> None:
-        import base64
-
-        for f in r.files:
-            if f.kind != "file" or not R_PLOT.match(f.name):
-                continue
-            if f.size > MAX_PLOT_BYTES:
-                self._stream("stderr", f"sandcell: plot {f.name} ({f.size} bytes) not shown\n")
-                continue
-            try:
-                png = session.get_file(f.name)
-            except sandcell.VarlinkError:
-                continue
-            self.send_response(self.iopub_socket, "display_data", {
-                "data": {"image/png": base64.b64encode(png).decode("ascii"),
-                         "text/plain": f"<R plot {f.name}>"},
-                "metadata": {}, "transient": {}})
 
     # -- interrupt, shutdown ----------------------------------------------------------------
 
