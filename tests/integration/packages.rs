@@ -148,7 +148,7 @@ def used():
 before = used()
 print(sandcell.install("tinypkg==1.2"))
 import tinypkg
-print(tinypkg.VALUE, tinypkg.X, tinypkg.__file__.startswith(os.environ["TMPDIR"]))
+print(tinypkg.VALUE, tinypkg.X, tinypkg.__file__.startswith(os.environ["SANDCELL_PACKAGES_DIR"]))
 print("grew", used() - before >= 1 << 20)
 def refused(*a):
     try:
@@ -169,7 +169,8 @@ except OSError as e:
     let out = c.execute_collect(&s, &cell).await.unwrap();
     let text = &out.stdout;
     assert!(
-        text.contains("['tinypkg 1.2', 'tinydep 1.0']\n42 7 True\ngrew True\n"),
+        text.contains("['tinypkg 1.2', 'tinydep 1.0']\n42 7 True\n")
+            && text.contains("grew True\n"),
         "{text}\n{:?}\n{}",
         out.result,
         out.stderr
@@ -326,7 +327,7 @@ async fn r_installs_binary_packages_from_a_local_repository() {
         .execute_collect(
             &o.session,
             "print(install.packages(\"tinyr\"))\nlibrary(tinyr)\ncat(tiny_hello(), \"\\n\")\n\
-             cat(startsWith(find.package(\"tinyr\"), Sys.getenv(\"TMPDIR\")), \"\\n\")\n\
+             cat(startsWith(find.package(\"tinyr\"), Sys.getenv(\"SANDCELL_PACKAGES_DIR\")), \"\\n\")\n\
              msg <- tryCatch({ install.packages(\"srcr\"); \"installed\" }, error = function(e) conditionMessage(e))\n\
              cat(\"srcr ->\", msg, \"\\n\")\n\
              msg <- tryCatch({ install.packages(\"nothere\"); \"installed\" }, error = function(e) conditionMessage(e))\n\
