@@ -276,6 +276,7 @@ mod tests {
                 })
                 .collect(),
             packages_truncated: false,
+            package_sources: Vec::new(),
             limits: None,
         };
         let envs = [

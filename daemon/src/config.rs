@@ -295,6 +295,20 @@ pub enum Error {
         /// What is wrong.
         reason: String,
     },
+    /// An environment's package source (`wheelhouse`, `cran_repository`) cannot be used: it
+    /// does not exist, is not a directory, cannot be read, or (a CRAN repository) has no
+    /// `src/contrib/PACKAGES` index.
+    #[error("environment {environment}: {key} {}: {reason}", path.display())]
+    PackageSource {
+        /// The environment.
+        environment: String,
+        /// `wheelhouse` or `cran_repository`.
+        key: &'static str,
+        /// The configured path.
+        path: PathBuf,
+        /// What is wrong, with the fix where one is known.
+        reason: String,
+    },
 }
 
 impl Config {
@@ -367,6 +381,16 @@ impl Config {
                     preload: e.preload,
                     pool_min: Some(e.pool_min),
                     pool_max: Some(e.pool_max),
+                    wheelhouse: e
+                        .package_source
+                        .as_ref()
+                        .filter(|s| s.kind == crate::packages::Kind::Wheelhouse)
+                        .map(|s| s.path.clone()),
+                    cran_repository: e
+                        .package_source
+                        .as_ref()
+                        .filter(|s| s.kind == crate::packages::Kind::CranRepository)
+                        .map(|s| s.path.clone()),
                     enabled: true,
                 };
                 (e.name, table)
@@ -509,7 +533,25 @@ impl Config {
         Self::validate_session_limits(l)?;
         self.validate_workers()?;
         self.validate_pools_and_languages()?;
+        self.validate_package_sources()?;
         self.validate_memory()
+    }
+
+    /// Every environment's package source exists, is a readable directory and (a CRAN
+    /// repository) has its index. Checked here, at start and reload, and not in
+    /// [`Config::environments`], which must not change with the file system.
+    fn validate_package_sources(&self) -> Result<(), Error> {
+        for env in self.try_environments()? {
+            if let Some(src) = &env.package_source {
+                src.check().map_err(|reason| Error::PackageSource {
+                    environment: env.name.clone(),
+                    key: src.kind.key(),
+                    path: src.path.clone(),
+                    reason,
+                })?;
+            }
+        }
+        Ok(())
     }
 
     /// The caps the daemon's own memory bound follows from.
@@ -1263,5 +1305,67 @@ mod tests {
         .unwrap();
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("max_stdout_bytes"), "{e}");
+    }
+
+    #[test]
+    fn package_sources_are_checked() {
+        let dir = std::env::temp_dir().join(format!("sc-config-src-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let conf = |table: &str| {
+            let mut c = Config::parse(Path::new("t"), table).unwrap();
+            c.daemon.languages = vec!["python".into(), "r".into()];
+            c
+        };
+        let wh = |engine: &str, p: &Path| {
+            format!(
+                "[environments.x]\nlanguage = \"python\"\nengine = \"{engine}\"\nwheelhouse = \"{}\"\n",
+                p.display()
+            )
+        };
+        // A wheelhouse that exists: served, and named in the effective configuration.
+        let c = conf(&wh("native", &dir));
+        c.validate().unwrap();
+        let x = c.environment("x").unwrap();
+        let src = x.package_source.unwrap();
+        assert_eq!(
+            (src.kind, src.path),
+            (crate::packages::Kind::Wheelhouse, dir.clone())
+        );
+        assert!(c.to_effective_toml("n").contains("wheelhouse = "));
+        // Missing: a typed error naming the environment, the key and the path.
+        let missing = dir.join("missing");
+        let e = conf(&wh("native", &missing)).validate().unwrap_err();
+        assert!(
+            matches!(&e, Error::PackageSource { environment, key: "wheelhouse", path, .. }
+                if environment == "x" && path == &missing),
+            "{e:?}"
+        );
+        // Not for Eryx, not across languages, never relative.
+        let e = conf(&wh("eryx", &dir)).validate().unwrap_err().to_string();
+        assert!(e.contains("eryx engine cannot install packages"), "{e}");
+        let e = conf(&format!(
+            "[environments.x]\nlanguage = \"python\"\nengine = \"native\"\ncran_repository = \"{}\"\n",
+            dir.display()
+        ))
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("cran_repository is for R"), "{e}");
+        let e = conf(&wh("native", Path::new("rel/dir")))
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("absolute path"), "{e}");
+        // A CRAN repository needs its index.
+        let r = format!(
+            "[environments.rr]\nlanguage = \"r\"\nengine = \"native\"\ncran_repository = \"{}\"\n",
+            dir.display()
+        );
+        let e = conf(&r).validate().unwrap_err().to_string();
+        assert!(e.contains("src/contrib/PACKAGES"), "{e}");
+        std::fs::create_dir_all(dir.join("src/contrib")).unwrap();
+        std::fs::write(dir.join("src/contrib/PACKAGES"), "Package: a\n").unwrap();
+        conf(&r).validate().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

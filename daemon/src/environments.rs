@@ -213,6 +213,11 @@ pub fn listing(env: &Environment, r: Report) -> k::Environment {
         reason: r.reason,
         packages: r.packages,
         packages_truncated: r.truncated,
+        package_sources: env
+            .package_source
+            .iter()
+            .map(crate::packages::Source::inventory)
+            .collect(),
         limits: None,
     }
 }

@@ -42,6 +42,7 @@ pub mod memory;
 pub mod metrics;
 pub mod node;
 pub mod notify;
+pub mod packages;
 pub mod polkit;
 pub mod pool;
 pub mod records;

@@ -282,6 +282,31 @@ pub struct Package {
     pub version: String,
 }
 
+/// A package source an operator named for an environment (sandcelld.toml `wheelhouse` or
+/// `cran_repository`), as `ListEnvironments` reports it: what it offers, never where it is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PackageSource {
+    /// `wheelhouse` (Python wheels, `sandcell.install(...)`) or `cran_repository` (R binary
+    /// packages, `install.packages(...)`).
+    pub kind: String,
+    /// Number of distinct packages offered.
+    pub packages: u64,
+    /// Their names in name order (Python: normalized as PEP 503 says), at most
+    /// [`MAX_LISTED_PACKAGES`].
+    #[serde(default)]
+    pub names: Vec<String>,
+    /// More packages are offered than named.
+    #[serde(default)]
+    pub names_truncated: bool,
+    /// Installs are checked against a hash manifest (a wheelhouse's `SHA256SUMS`, a CRAN
+    /// index's `MD5sum` fields).
+    #[serde(default)]
+    pub hash_manifest: bool,
+    /// Why nothing is listed (the source cannot be read now).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
 /// A named environment, as `ListEnvironments` reports it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Environment {
@@ -306,6 +331,10 @@ pub struct Environment {
     /// More packages are installed than listed.
     #[serde(default)]
     pub packages_truncated: bool,
+    /// Package sources a session of this environment can install from into the session
+    /// (absent: none, the packages above are all there is).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub package_sources: Vec<PackageSource>,
     /// The operator's limits a session of this environment gets when the client asks for
     /// none (a daemon before this field: absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]

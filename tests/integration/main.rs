@@ -34,6 +34,7 @@ mod inspect;
 mod last_expression;
 mod metrics;
 mod node_ids;
+mod packages;
 mod pool;
 mod pydata;
 mod python_cells;

@@ -337,6 +337,8 @@ def install_host_module():
     mod.__all__ = ["call", "HostCallError"]
     pkg.host = mod
     pkg.display = display
+    pkg.install = install_packages  # per-session packages (see "packages" below)
+    pkg.InstallError = InstallError
     pkg.__path__ = []
     sys.modules["sandcell"] = pkg
     sys.modules["sandcell.host"] = mod
@@ -1225,6 +1227,295 @@ def serve():
         if status == "exited":
             os._exit(code & 0xFF)
     os._exit(0)
+
+
+# ---- packages: per-session installs from the operator's wheelhouse --------------------------
+#
+# `sandcell.install("pkg==1.2", ...)` installs wheels (PEP 427) from the environment's
+# wheelhouse (SANDCELL_WHEELHOUSE, a read-only directory of the worker's view) into
+# SANDCELL_PACKAGES_DIR/python, a directory of the session's own file system (its bytes count
+# against the session's disk budget and vanish with the session), put first on sys.path, so
+# the package imports in the same session right away. Everything runs in this process (the
+# worker starts no program): the requirement syntax and the wheel file names, tags and
+# versions are read with `packaging` (PEP 440, PEP 508, the platform compatibility tags), a
+# wheel is unpacked with zipfile as the binary distribution format specification says
+# (`<name>.data/purelib` and `platlib` into the site directory; `scripts`, `headers` and
+# `data` are not installed; every file checked against RECORD's sha256). Rules:
+# - wheels only: a project the wheelhouse has only as a source distribution is refused (a
+#   build runs the project's code and needs compilers);
+# - where the wheelhouse has SHA256SUMS (sha256sum(1) format), a wheel must be listed there
+#   with its digest, checked before the wheel is opened;
+# - dependencies (Requires-Dist whose marker holds) come from the wheelhouse too, unless the
+#   environment already has a matching version;
+# - a wheel is unpacked into a staging directory and moved in whole, so a refused or failed
+#   install (RECORD mismatch, unsafe member path, disk budget used up, interrupt) leaves
+#   nothing behind; a project already installed in this session is not replaced.
+
+WHEELHOUSE = os.environ.get("SANDCELL_WHEELHOUSE") or None
+PACKAGES_DIR = os.environ.get("SANDCELL_PACKAGES_DIR") or None
+MAX_INSTALLS = 256  # wheels one sandcell.install call installs at most, dependencies included
+MAX_WHEEL_MEMBERS = 100000
+MAX_METADATA_BYTES = 4 * 1024 * 1024
+
+
+class InstallError(Exception):
+    """sandcell.install refused a package or could not install it."""
+
+
+def _packaging():
+    try:
+        from packaging.requirements import Requirement
+        from packaging.tags import sys_tags
+        from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
+        from packaging.version import Version
+    except ImportError as e:
+        raise InstallError("sandcell.install needs the 'packaging' module (%s)" % e) from None
+    return Requirement, sys_tags, canonicalize_name, parse_sdist_filename, parse_wheel_filename, Version
+
+
+def _wheelhouse_catalog():
+    """{name: [(version, file, tags)]}, {name: [sdist file]} of the wheelhouse."""
+    _, _, canon, parse_sdist, parse_wheel, _ = _packaging()
+    wheels, sdists = {}, {}
+    for f in sorted(os.listdir(WHEELHOUSE)):
+        if f.endswith(".whl"):
+            try:
+                name, version, _build, tags = parse_wheel(f)
+            except Exception:
+                continue
+            wheels.setdefault(name, []).append((version, f, tags))
+        elif f.endswith((".tar.gz", ".zip", ".tar.bz2", ".tgz")):
+            try:
+                name, _version = parse_sdist(f)
+            except Exception:
+                continue
+            sdists.setdefault(name, []).append(f)
+    return wheels, sdists
+
+
+def _hash_manifest():
+    """{file: sha256 hex} from the wheelhouse's SHA256SUMS, or None without one."""
+    path = os.path.join(WHEELHOUSE, "SHA256SUMS")
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            text = f.read(MAX_METADATA_BYTES)
+    except FileNotFoundError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        parts = line.strip().split(None, 1)
+        if len(parts) == 2:
+            out[parts[1].lstrip("*")] = parts[0].lower()
+    return out
+
+
+def _choose_wheel(req, wheels, sdists, catalog_names):
+    """The wheel file that satisfies `req` best (highest version, compatible tags)."""
+    _, sys_tags, canon, _, _, _ = _packaging()
+    name = canon(req.name)
+    have = wheels.get(name, [])
+    if not have:
+        if name in sdists:
+            raise InstallError(
+                "%s: the wheelhouse has only a source distribution (%s); sandcell installs "
+                "wheels only, because building a source distribution runs the project's code "
+                "and needs compilers: ask the operator for a wheel of it (pip wheel)"
+                % (req.name, ", ".join(sdists[name][:3])))
+        offered = sorted(catalog_names)
+        listing = ", ".join(offered[:20]) + (" ..." if len(offered) > 20 else "")
+        raise InstallError("%s is not in the wheelhouse (it offers: %s)" % (req.name, listing or "nothing"))
+    supported = set(sys_tags())
+    fits = [(v, f) for (v, f, tags) in have if tags & supported]
+    if not fits:
+        raise InstallError("%s: no wheel in the wheelhouse fits this interpreter (%s)"
+                           % (req.name, ", ".join(f for (_, f, _) in have[:3])))
+    ok = [(v, f) for (v, f) in fits if req.specifier.contains(v, prereleases=True)]
+    if not ok:
+        raise InstallError("%s: no wheel matches %s (the wheelhouse has %s)"
+                           % (req.name, req.specifier,
+                              ", ".join(sorted({str(v) for (v, _) in fits}))))
+    return max(ok)
+
+
+def _installed_version(name, site):
+    """The version of distribution `name` this session can import: (version, in_session)."""
+    import importlib.metadata as md
+    _, _, canon, _, _, _ = _packaging()
+    for d in md.distributions(path=[site]):
+        if canon(d.metadata["Name"] or "") == name:
+            return d.version, True
+    try:
+        return md.version(name), False
+    except Exception:
+        return None, False
+
+
+def _safe_member(path):
+    """A wheel member's path, relative and without '..', or InstallError."""
+    if (not path or path.startswith("/") or "\\" in path or "\0" in path
+            or any(p in ("..", "") for p in path.rstrip("/").split("/"))):
+        raise InstallError("unsafe path in the wheel: %r" % path[:200])
+    return path
+
+
+def _unpack_wheel(wheel_path, file_name, site):
+    """Unpacks one wheel into `site` through a staging directory; returns its dist-info
+    METADATA text."""
+    import base64
+    import csv
+    import hashlib
+    import shutil
+    import zipfile
+    stage = os.path.join(site, ".staging-%d" % os.getpid())
+    shutil.rmtree(stage, ignore_errors=True)
+    os.makedirs(stage)
+    try:
+        with zipfile.ZipFile(wheel_path) as z:
+            infos = z.infolist()
+            if len(infos) > MAX_WHEEL_MEMBERS:
+                raise InstallError("%s has more than %d files" % (file_name, MAX_WHEEL_MEMBERS))
+            dist_info = sorted({i.filename.split("/")[0] for i in infos
+                                if i.filename.split("/")[0].endswith(".dist-info")})
+            if len(dist_info) != 1:
+                raise InstallError("%s: not a wheel (no single .dist-info directory)" % file_name)
+            dist_info = dist_info[0]
+            data_dir = dist_info[:-len(".dist-info")] + ".data"
+            wheel_meta = z.read(dist_info + "/WHEEL")[:MAX_METADATA_BYTES].decode("utf-8", "replace")
+            version = [l.split(":", 1)[1].strip() for l in wheel_meta.splitlines()
+                       if l.startswith("Wheel-Version:")]
+            if not version or version[0].split(".")[0] != "1":
+                raise InstallError("%s: unsupported Wheel-Version %s" % (file_name, version))
+            record = {}
+            rec_text = z.read(dist_info + "/RECORD")[:MAX_METADATA_BYTES].decode("utf-8", "replace")
+            for row in csv.reader(rec_text.splitlines()):
+                if len(row) >= 2 and row[1]:
+                    record[row[0]] = row[1]
+            for info in infos:
+                name = _safe_member(info.filename)
+                if name.endswith("/"):
+                    continue
+                if name.startswith(data_dir + "/"):
+                    parts = name.split("/", 2)
+                    if len(parts) < 3 or parts[1] not in ("purelib", "platlib"):
+                        continue  # scripts, headers, data: not installed in a session
+                    dest = _safe_member(parts[2])
+                elif name.split("/")[0] == data_dir:
+                    continue
+                else:
+                    dest = name
+                expected = record.get(info.filename)
+                if expected is None and not name.startswith(dist_info + "/RECORD"):
+                    raise InstallError("%s: %s is not in RECORD" % (file_name, name[:200]))
+                target = os.path.join(stage, dest)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                digest = hashlib.sha256()
+                with z.open(info) as src, open(target, "wb") as out:
+                    while True:
+                        chunk = src.read(1 << 16)
+                        if not chunk:
+                            break
+                        digest.update(chunk)
+                        out.write(chunk)
+                if expected is not None:
+                    algo, _, value = expected.partition("=")
+                    got = base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
+                    if algo != "sha256" or got != value.rstrip("="):
+                        raise InstallError("%s: %s does not match its RECORD hash" % (file_name, name[:200]))
+            with open(os.path.join(stage, dist_info, "INSTALLER"), "w") as f:
+                f.write("sandcell\n")
+            metadata = z.read(dist_info + "/METADATA")[:MAX_METADATA_BYTES].decode("utf-8", "replace")
+        for entry in os.listdir(stage):
+            if os.path.lexists(os.path.join(site, entry)):
+                raise InstallError("%s: %s is already installed in this session" % (file_name, entry))
+        for entry in os.listdir(stage):
+            os.rename(os.path.join(stage, entry), os.path.join(site, entry))
+        return metadata
+    except OSError as e:
+        import errno
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise InstallError("%s: the session's disk budget is used up (%s); free space in the "
+                               "session or ask for a larger max_session_files_bytes" % (file_name, e.strerror)) from None
+        raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def install_packages(*requirements, deps=True):
+    """Installs packages from the environment's wheelhouse into this session.
+
+    `requirements` are PEP 508 strings (`"pkg"`, `"pkg==1.2"`, `"pkg>=1,<2"`). Wheels only;
+    dependencies too unless `deps=False`. Returns the installed `"name version"` strings.
+    Raises InstallError (the reason: no wheelhouse, not offered, source distribution only,
+    hash mismatch, disk budget used up)."""
+    Requirement, _, canon, _, _, _ = _packaging()
+    if WHEELHOUSE is None or PACKAGES_DIR is None:
+        raise InstallError("this environment has no wheelhouse: the operator can name one in "
+                           "sandcelld.toml (wheelhouse = \"/path\" in its [environments.<name>] table)")
+    reqs = []
+    for r in requirements:
+        if not isinstance(r, str):
+            raise TypeError("sandcell.install takes requirement strings, e.g. 'pkg==1.2'")
+        try:
+            reqs.append(Requirement(r))
+        except Exception as e:
+            raise InstallError("%r is not a requirement: %s" % (r[:200], e)) from None
+    if not reqs:
+        raise InstallError("name at least one package, e.g. sandcell.install('pkg==1.2')")
+    site = os.path.join(PACKAGES_DIR, "python")
+    os.makedirs(site, mode=0o700, exist_ok=True)
+    if site not in sys.path:
+        sys.path.insert(0, site)
+        sys.path_importer_cache.pop(site, None)
+    wheels, sdists = _wheelhouse_catalog()
+    manifest = _hash_manifest()
+    names = set(wheels) | set(sdists)
+    queue = [(r, True) for r in reqs]
+    seen = set()
+    done = []
+    while queue:
+        req, top = queue.pop(0)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        name = canon(req.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        have, in_session = _installed_version(name, site)
+        if have is not None and req.specifier.contains(have, prereleases=True):
+            continue
+        if have is not None and in_session:
+            raise InstallError("%s %s is already installed in this session; a session keeps "
+                               "the first version it installs (open a new session for %s)"
+                               % (req.name, have, req))
+        if len(done) >= MAX_INSTALLS:
+            raise InstallError("more than %d wheels in one install" % MAX_INSTALLS)
+        _, file_name = _choose_wheel(req, wheels, sdists, names)
+        path = os.path.join(WHEELHOUSE, file_name)
+        if manifest is not None:
+            import hashlib
+            want = manifest.get(file_name)
+            if want is None:
+                raise InstallError("%s is not listed in the wheelhouse's SHA256SUMS: refused"
+                                   % file_name)
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+            if digest.hexdigest() != want:
+                raise InstallError("%s does not match its SHA256SUMS digest: refused" % file_name)
+        metadata = _unpack_wheel(path, file_name, site)
+        version = file_name.split("-")[1]
+        done.append("%s %s" % (req.name, version))
+        if deps:
+            for line in metadata.splitlines():
+                if line.startswith("Requires-Dist:"):
+                    try:
+                        queue.append((Requirement(line.split(":", 1)[1].strip()), False))
+                    except Exception:
+                        pass
+    import importlib
+    importlib.invalidate_caches()
+    return done
 
 
 # ---- start ---------------------------------------------------------------------------------

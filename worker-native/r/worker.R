@@ -1134,6 +1134,112 @@ help_reply <- function(payload, opts) {
   ))
 }
 
+## ---- packages: per-session installs from the operator's CRAN repository ---------------
+#
+# install.packages("pkg") in a cell (this function, attached in sandcell:guards ahead of
+# utils) installs from the environment's local CRAN-style repository
+# (SANDCELL_CRAN_REPOSITORY: src/contrib/PACKAGES and the tarballs it lists, a read-only path
+# of the worker's view) into SANDCELL_PACKAGES_DIR/R, a directory of the session's own file
+# system (counted against its disk budget, gone with the session), put first on .libPaths(),
+# so library(pkg) works in the same session right away. R's own install.packages() runs
+# `R CMD INSTALL` in a child process, which builds from source (running the package's code,
+# often a compiler); here nothing is built and no program is started: only binary packages
+# are accepted (tarballs of installed package directories, as `R CMD INSTALL --build` makes
+# them: they carry <pkg>/Meta/package.rds and a `Built:` field), unpacked in-process with
+# untar(tar = "internal") into a staging directory and moved in whole. A source package is
+# refused; so is a binary built for another R major.minor, a tarball whose MD5 differs from
+# the index's MD5sum field (where the index has one), and a member path that leaves the
+# package's directory. Dependencies (Depends, Imports) missing from the library paths come
+# from the repository too.
+
+install_error <- function(msg) {
+  stop(structure(class = c("packageInstallError", "error", "condition"),
+    list(message = msg, call = NULL)))
+}
+
+install_packages_session <- function(pkgs, lib, repos, dependencies = NA, ...) {
+  repo <- Sys.getenv("SANDCELL_CRAN_REPOSITORY")
+  pdir <- Sys.getenv("SANDCELL_PACKAGES_DIR")
+  if (!nzchar(repo) || !nzchar(pdir)) {
+    install_error(paste("this environment has no package repository: the operator can name",
+      "one in sandcelld.toml (cran_repository = \"/path\" in its [environments.<name>] table)"))
+  }
+  if (!is.character(pkgs) || length(pkgs) == 0L || anyNA(pkgs)) {
+    install_error("install.packages() takes package names, e.g. install.packages(\"pkg\")")
+  }
+  target <- file.path(pdir, "R")
+  dir.create(target, recursive = TRUE, showWarnings = FALSE, mode = "0700")
+  if (!(normalizePath(target) %in% normalizePath(.libPaths()))) .libPaths(c(target, .libPaths()))
+  contrib <- file.path(repo, "src", "contrib")
+  index <- read.dcf(file.path(contrib, "PACKAGES"))
+  field <- function(row, name) if (name %in% colnames(index)) row[[name]] else NA_character_
+  have <- rownames(utils::installed.packages(lib.loc = .libPaths(), fields = character(0)))
+  queue <- pkgs
+  done <- character(0)
+  while (length(queue) > 0L) {
+    p <- queue[[1L]]
+    queue <- queue[-1L]
+    if (p %in% done || p %in% have) next
+    rows <- which(index[, "Package"] == p)
+    if (length(rows) == 0L) {
+      offered <- sort(unique(index[, "Package"]))
+      install_error(sprintf("package %s is not in the repository (it offers: %s)", p,
+        paste(utils::head(offered, 20L), collapse = ", ")))
+    }
+    row <- index[rows[length(rows)], ]
+    version <- field(row, "Version")
+    file <- field(row, "File")
+    if (is.na(file)) {
+      cands <- list.files(contrib, pattern = paste0("^", gsub(".", "\\.", p, fixed = TRUE), "_",
+        gsub(".", "\\.", version, fixed = TRUE), "(_R_[^/]*)?\\.tar\\.gz$"))
+      if (length(cands) == 0L) install_error(sprintf("package %s %s: no tarball in the repository", p, version))
+      file <- cands[[1L]]
+    }
+    if (basename(file) != file) install_error(sprintf("package %s: bad File field", p))
+    path <- file.path(contrib, file)
+    md5 <- field(row, "MD5sum")
+    if (!is.na(md5) && !identical(unname(tools::md5sum(path)), md5)) {
+      install_error(sprintf("package %s: %s does not match the index's MD5sum: refused", p, file))
+    }
+    members <- utils::untar(path, list = TRUE, tar = "internal")
+    if (!(paste0(p, "/Meta/package.rds") %in% members)) {
+      install_error(sprintf(paste("package %s: %s is a source package; sandcell installs binary",
+        "packages only, because installing from source runs R CMD INSTALL (the package's code,",
+        "often a compiler) in a child process, which a session may not start: ask the operator",
+        "for a binary package (R CMD INSTALL --build)"), p, file))
+    }
+    if (any(!startsWith(members, paste0(p, "/")) | grepl("(^|/)\\.\\.(/|$)", members))) {
+      install_error(sprintf("package %s: %s has a member outside %s/", p, file, p))
+    }
+    stage <- file.path(target, paste0(".staging-", Sys.getpid()))
+    unlink(stage, recursive = TRUE)
+    dir.create(stage, mode = "0700")
+    tryCatch({
+      if (utils::untar(path, exdir = stage, tar = "internal") != 0L) {
+        install_error(sprintf("package %s: %s could not be unpacked", p, file))
+      }
+      desc <- read.dcf(file.path(stage, p, "DESCRIPTION"))
+      built <- if ("Built" %in% colnames(desc)) desc[1L, "Built"] else ""
+      want <- paste0("R ", R.version$major, ".", strsplit(R.version$minor, ".", fixed = TRUE)[[1L]][1L], ".")
+      if (!startsWith(built, want)) {
+        install_error(sprintf("package %s: built for %s, not for this %s", p,
+          sub(";.*", "", built), sub("\\.$", "", want)))
+      }
+      deps <- c(if ("Depends" %in% colnames(desc)) desc[1L, "Depends"],
+        if ("Imports" %in% colnames(desc)) desc[1L, "Imports"])
+      deps <- trimws(sub("\\(.*", "", unlist(strsplit(as.character(deps), ","))))
+      deps <- setdiff(deps[nzchar(deps) & deps != "R"], c(have, done))
+      if (!file.rename(file.path(stage, p), file.path(target, p))) {
+        install_error(sprintf("package %s: could not be moved into the session library", p))
+      }
+    }, finally = unlink(stage, recursive = TRUE))
+    done <- c(done, p)
+    have <- c(have, p)
+    queue <- c(deps, queue)
+  }
+  invisible(done)
+}
+
 ## ---- quit() ------------------------------------------------------------------------
 
 # Ends the session from a cell: reports `exited`, then exits R.
@@ -1246,6 +1352,7 @@ guards <- attach(NULL, name = "sandcell:guards")
 assign("quit", quit_from_cell, envir = guards)
 assign("q", quit_from_cell, envir = guards)
 assign("host_call", host_call, envir = guards)
+assign("install.packages", install_packages_session, envir = guards) # see "packages" above
 assign(".sandcell_resume", resume, envir = guards)
 assign(".sandcell_give_up", give_up, envir = guards)
 lockEnvironment(guards, bindings = TRUE)

@@ -182,7 +182,24 @@ pub fn common_environment(paths: &SessionPaths, threads: u32) -> Vec<(OsString, 
         env.push((k.into(), n.clone()));
     }
     env.extend(font_environment(&paths.tmp));
+    env.extend(package_environment());
     env
+}
+
+/// The variables of per-session packages, passed on from the launcher's environment when the
+/// daemon set them (the environment has a package source): `SANDCELL_WHEELHOUSE` or
+/// `SANDCELL_CRAN_REPOSITORY` (the read-only source) and `SANDCELL_PACKAGES_DIR` (where the
+/// session's installs go, on its own file system). `worker.py` (`sandcell.install`) and
+/// `worker.R` (`install.packages`) read them.
+pub fn package_environment() -> Vec<(OsString, OsString)> {
+    [
+        "SANDCELL_WHEELHOUSE",
+        "SANDCELL_CRAN_REPOSITORY",
+        "SANDCELL_PACKAGES_DIR",
+    ]
+    .into_iter()
+    .filter_map(|k| std::env::var_os(k).map(|v| (k.into(), v)))
+    .collect()
 }
 
 /// Where font caches come from and go to.

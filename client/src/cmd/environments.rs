@@ -62,6 +62,9 @@ impl Environments {
                     outln!("  {line}");
                 }
             }
+            for line in source_lines(&e.package_sources, self.packages) {
+                outln!("  {line}");
+            }
             if self.packages {
                 for p in &e.packages {
                     outln!("  {} {}", escape_name(&p.name), escape_name(&p.version));
@@ -70,6 +73,52 @@ impl Environments {
         }
         Ok(0)
     }
+}
+
+/// Most package names shown per source without `--packages`.
+const SOURCE_NAMES_SHOWN: usize = 10;
+
+/// The package sources of an environment, one line each under its row: kind, package count,
+/// hash manifest, and the names (the first [`SOURCE_NAMES_SHOWN`] unless `all`).
+fn source_lines(sources: &[sandcell_proto::kernel::PackageSource], all: bool) -> Vec<String> {
+    sources
+        .iter()
+        .map(|s| {
+            let how = match s.kind.as_str() {
+                "wheelhouse" => "sandcell.install(...)",
+                "cran_repository" => "install.packages(...)",
+                _ => "",
+            };
+            let mut line = format!(
+                "installable ({}, {how}): {} package{}{}",
+                escape_name(&s.kind),
+                s.packages,
+                if s.packages == 1 { "" } else { "s" },
+                if s.hash_manifest {
+                    ", hash-checked"
+                } else {
+                    ""
+                }
+            );
+            if let Some(r) = &s.reason {
+                line.push_str(&format!(": {}", escape_name(r)));
+            } else if !s.names.is_empty() {
+                let shown = if all {
+                    s.names.len()
+                } else {
+                    s.names.len().min(SOURCE_NAMES_SHOWN)
+                };
+                let names: Vec<String> = s.names[..shown].iter().map(|n| escape_name(n)).collect();
+                let more = s.names_truncated || shown < s.names.len();
+                line.push_str(&format!(
+                    ": {}{}",
+                    names.join(" "),
+                    if more { " ..." } else { "" }
+                ));
+            }
+            line
+        })
+        .collect()
 }
 
 /// The default limits of an environment, as `environments` prints them under its row: one

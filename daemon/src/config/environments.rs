@@ -59,6 +59,16 @@ pub struct EnvironmentConfig {
     /// Warm workers kept idle at most while sessions are being opened (unset: as `pool_min`).
     #[serde(default)]
     pub pool_max: Option<usize>,
+    /// Python engines: a directory of wheels (`*.whl`, with an optional `SHA256SUMS`
+    /// manifest) that cells install from with `sandcell.install("pkg==1.2")` into the
+    /// session (see `crate::packages`). Absolute path; unset: no installs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wheelhouse: Option<PathBuf>,
+    /// R: a local CRAN-style repository (`src/contrib/PACKAGES` and the tarballs it lists) of
+    /// binary packages that cells install from with `install.packages("pkg")` into the
+    /// session. Absolute path; unset: no installs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cran_repository: Option<PathBuf>,
     /// `false` removes a shipped environment of this name.
     #[serde(default = "yes")]
     pub enabled: bool,
@@ -90,6 +100,9 @@ pub struct Environment {
     pub pool_min: usize,
     /// Warm pool maximum.
     pub pool_max: usize,
+    /// The operator's package source, if any: a wheelhouse (Python) or a CRAN-style
+    /// repository (R), read-only in the worker.
+    pub package_source: Option<crate::packages::Source>,
 }
 
 /// The environments shipped: `python` (Eryx, Python's default), `pydata` (native CPython with
@@ -104,6 +117,8 @@ pub fn shipped_environments() -> Vec<(String, EnvironmentConfig)> {
         preload: Vec::new(),
         pool_min: None,
         pool_max: None,
+        wheelhouse: None,
+        cran_repository: None,
         enabled: true,
     };
     vec![
@@ -204,7 +219,38 @@ impl Config {
             if language == Language::R && !e.preload.is_empty() {
                 return Err(invalid(format!("{name}: preload is for Python only")));
             }
-            for p in e.interpreter.iter().chain(&e.library_paths) {
+            let package_source = match (language, &e.wheelhouse, &e.cran_repository) {
+                (_, None, None) => None,
+                (Language::Python, Some(p), None) if e.engine == Engine::Native => {
+                    Some(crate::packages::Source::wheelhouse(p.clone()))
+                }
+                (Language::Python, Some(_), None) => {
+                    return Err(invalid(format!(
+                        "{name}: the eryx engine cannot install packages (no wheelhouse): \
+                         its interpreter sees only its own file system"
+                    )));
+                }
+                (Language::R, None, Some(p)) => {
+                    Some(crate::packages::Source::cran_repository(p.clone()))
+                }
+                (Language::Python, _, Some(_)) => {
+                    return Err(invalid(format!(
+                        "{name}: cran_repository is for R; Python environments name a wheelhouse"
+                    )));
+                }
+                (Language::R, Some(_), _) => {
+                    return Err(invalid(format!(
+                        "{name}: wheelhouse is for Python; R environments name a cran_repository"
+                    )));
+                }
+            };
+            for p in e
+                .interpreter
+                .iter()
+                .chain(&e.library_paths)
+                .chain(&e.wheelhouse)
+                .chain(&e.cran_repository)
+            {
                 let ok = p.is_absolute()
                     && p.to_str()
                         .is_some_and(|s| !s.contains(':') && !s.contains(','))
@@ -277,6 +323,7 @@ impl Config {
                 preload: e.preload.clone(),
                 pool_min,
                 pool_max,
+                package_source,
             });
         }
         // Language defaults first (Python before R), then the shipped pydata.

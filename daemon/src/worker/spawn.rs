@@ -117,6 +117,10 @@ pub struct WorkerSpec {
     pub interpreter: Option<PathBuf>,
     /// Native engines: extra read-only library directories.
     pub library_paths: Vec<PathBuf>,
+    /// Native engines: the environment's package source (a wheelhouse or a CRAN-style
+    /// repository), read-only in the worker's view and named by its variable
+    /// (`crate::packages::Source::env_var`); installs go to the session's scratch directory.
+    pub package_source: Option<crate::packages::Source>,
     /// Native Python: modules imported before Ready.
     pub preload: Vec<String>,
     /// BLAS/OpenMP threads of a native Python worker: the session's CPU quota, rounded up
@@ -258,6 +262,8 @@ pub fn plan(spec: &WorkerSpec) -> Plan {
     let native = |read_paths: &mut Vec<PathBuf>, exec_paths: &mut Vec<PathBuf>| {
         read_paths.extend(NATIVE_READ.iter().map(PathBuf::from));
         read_paths.extend(spec.library_paths.iter().cloned());
+        // Read-only, never writable: installs copy out of it into the session.
+        read_paths.extend(spec.package_source.iter().map(|s| s.path.clone()));
         // /bin/sh plus coreutils for system()/subprocess, and the dynamic loader: execve
         // checks the execute right on the ELF interpreter too (measured).
         for p in ["/usr/bin", "/bin"] {
@@ -354,6 +360,7 @@ fn environment(spec: &WorkerSpec, plan: &Plan) -> Vec<(String, String)> {
     };
     let dir = dir.display().to_string();
     let scratch = scratch.display().to_string();
+    let scratch_dir = scratch.clone();
     let mut env = vec![
         ("PATH".into(), "/usr/bin:/bin".into()),
         ("LANG".into(), "C.UTF-8".into()),
@@ -393,6 +400,18 @@ fn environment(spec: &WorkerSpec, plan: &Plan) -> Vec<(String, String)> {
             }
         }
         _ => {}
+    }
+    if let Some(src) = &spec.package_source {
+        // The source, and the per-session directory installs go to (on the session's own
+        // file system, so installed bytes count against its disk budget and end with it).
+        env.push((src.env_var().into(), src.path.display().to_string()));
+        env.push((
+            "SANDCELL_PACKAGES_DIR".into(),
+            Path::new(&scratch_dir)
+                .join(crate::packages::SESSION_PACKAGES_DIR)
+                .display()
+                .to_string(),
+        ));
     }
     if spec.engine == Engine::Eryx {
         env.push((

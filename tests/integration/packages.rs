@@ -1,0 +1,359 @@
+//! Per-session packages through a real sandcelld: an environment's wheelhouse (pydata,
+//! `sandcell.install`) and local CRAN-style repository (R, `install.packages`), built by the
+//! test itself (nothing from the network): ListEnvironments shows what they offer and never
+//! where they are; installs land in the session's own file system (counted against its disk
+//! budget, over it refused, gone after Close) and import or load in the same session; a
+//! source distribution, a hash mismatch, a name the source does not offer are refused with a
+//! reason; the source is read-only to the cell.
+
+use crate::common;
+
+use common::Daemon;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A wheelhouse built with the standard library's zipfile (the binary distribution format:
+/// `.dist-info` with METADATA, WHEEL, RECORD of sha256 digests):
+/// - `tinypkg 1.2` (a package with 1 MiB of data) requiring `tinydep>=1`, `tinydep 1.0`;
+/// - `bigpkg 1.0` holding a 12 MiB file (over the test's disk budget);
+/// - `badhash 1.0`, listed in SHA256SUMS with a wrong digest; `unlisted 1.0`, not listed;
+/// - `srconly`, only a source distribution.
+fn build_wheelhouse(dir: &Path) {
+    let script = r#"
+import base64, hashlib, os, sys, zipfile
+out = sys.argv[1]
+def whl(name, version, files, deps=()):
+    dist = "%s-%s.dist-info" % (name, version)
+    entries = dict(files)
+    entries[dist + "/METADATA"] = ("Metadata-Version: 2.1\nName: %s\nVersion: %s\n" % (name, version)
+        + "".join("Requires-Dist: %s\n" % d for d in deps)).encode()
+    entries[dist + "/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    rec = []
+    for k, v in entries.items():
+        d = base64.urlsafe_b64encode(hashlib.sha256(v).digest()).rstrip(b"=").decode()
+        rec.append("%s,sha256=%s,%d" % (k, d, len(v)))
+    rec.append(dist + "/RECORD,,")
+    entries[dist + "/RECORD"] = ("\n".join(rec) + "\n").encode()
+    path = os.path.join(out, "%s-%s-py3-none-any.whl" % (name, version))
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for k, v in entries.items():
+            z.writestr(k, v)
+    return path
+sums = []
+def listed(path, digest=None):
+    d = digest or hashlib.sha256(open(path, "rb").read()).hexdigest()
+    sums.append("%s  %s" % (d, os.path.basename(path)))
+listed(whl("tinypkg", "1.2", {"tinypkg/__init__.py": b"VALUE = 42\nfrom tinydep import X\n",
+                              "tinypkg/blob.bin": os.urandom(1 << 20)}, deps=["tinydep>=1"]))
+listed(whl("tinydep", "1.0", {"tinydep.py": b"X = 7\n"}))
+listed(whl("bigpkg", "1.0", {"bigpkg/__init__.py": b"", "bigpkg/big.bin": os.urandom(12 << 20)}))
+listed(whl("badhash", "1.0", {"badhash.py": b""}), "0" * 64)
+whl("unlisted", "1.0", {"unlisted.py": b""})
+open(os.path.join(out, "srconly-1.0.tar.gz"), "wb").write(b"not built")
+open(os.path.join(out, "SHA256SUMS"), "w").write("\n".join(sums) + "\n")
+"#;
+    let st = Command::new("/usr/bin/python3")
+        .args(["-I", "-c", script])
+        .arg(dir)
+        .status()
+        .unwrap();
+    assert!(st.success(), "building the wheelhouse");
+}
+
+fn world_readable(dir: &Path) {
+    let st = Command::new("chmod")
+        .args(["-R", "a+rX"])
+        .arg(dir)
+        .status()
+        .unwrap();
+    assert!(st.success());
+}
+
+fn temp_dir(prefix: &str) -> tempfile::TempDir {
+    let d = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    world_readable(d.path());
+    d
+}
+
+fn session_dir(d: &Daemon, id: &str) -> PathBuf {
+    d.dir.path().join("state/sessions").join(id)
+}
+
+#[tokio::test]
+async fn pydata_installs_wheels_from_the_wheelhouse_into_the_session() {
+    if !common::pydata_available() {
+        eprintln!("skipped: /usr/bin/python3 cannot import numpy and pandas (the pydata tier)");
+        return;
+    }
+    let wh = temp_dir("sandcell-wheelhouse-");
+    build_wheelhouse(wh.path());
+    world_readable(wh.path());
+    let conf_dir = temp_dir("sandcell-pkgconf-");
+    let conf = conf_dir.path().join("sandcelld.toml");
+    std::fs::write(
+        &conf,
+        format!(
+            "[environments.pydata]\nlanguage = \"python\"\nengine = \"native\"\n\
+             interpreter = \"/usr/bin/python3\"\nwheelhouse = \"{}\"\n",
+            wh.path().display()
+        ),
+    )
+    .unwrap();
+    // A disk budget of 8 MiB: tinypkg (1 MiB) fits, bigpkg (12 MiB) does not.
+    let budget = (8u64 << 20).to_string();
+    let d = Daemon::start_with_config(
+        &conf,
+        &[
+            ("SANDCELL_MAX_SESSION_FILES_BYTES", &budget),
+            ("SANDCELL_MAX_FILE_BYTES", &budget),
+        ],
+    );
+    let mut c = d.client().await;
+
+    // ListEnvironments: kind, count, names, the manifest; never the host path.
+    let envs = c.list_environments().await.unwrap();
+    let pd = envs.iter().find(|e| e.name == "pydata").expect("pydata");
+    assert_eq!(pd.package_sources.len(), 1, "{pd:?}");
+    let src = &pd.package_sources[0];
+    assert_eq!(src.kind, "wheelhouse");
+    assert_eq!(
+        src.names,
+        ["badhash", "bigpkg", "tinydep", "tinypkg", "unlisted"],
+        "{src:?}"
+    );
+    assert_eq!(src.packages, 5);
+    assert!(src.hash_manifest);
+    let listed = serde_json::to_string(&envs).unwrap();
+    assert!(
+        !listed.contains(&*wh.path().to_string_lossy()),
+        "the host path leaked: {listed}"
+    );
+    let py = envs.iter().find(|e| e.name == "python").unwrap();
+    assert!(py.package_sources.is_empty());
+
+    let o = c
+        .open_in("python", Some("pydata"), None, None)
+        .await
+        .expect("open pydata");
+    let s = o.session.clone();
+    let wh_path = wh.path().display().to_string();
+    let cell = format!(
+        r#"import os, sandcell
+def used():
+    st = os.statvfs(os.environ["TMPDIR"])
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+before = used()
+print(sandcell.install("tinypkg==1.2"))
+import tinypkg
+print(tinypkg.VALUE, tinypkg.X, tinypkg.__file__.startswith(os.environ["SANDCELL_PACKAGES_DIR"]))
+print("grew", used() - before >= 1 << 20)
+def refused(*a):
+    try:
+        sandcell.install(*a)
+    except sandcell.InstallError as e:
+        return str(e)
+    return "installed"
+for name in ["srconly", "nothere", "badhash", "unlisted", "bigpkg"]:
+    print(name, "->", refused(name))
+print("after bigpkg", used() - before < 4 << 20, os.path.exists(os.path.join(os.environ["TMPDIR"], "packages/python/bigpkg")))
+try:
+    open("{wh_path}/planted.py", "w")
+    print("wheelhouse writable")
+except OSError as e:
+    print("wheelhouse read-only", type(e).__name__)
+"#
+    );
+    let out = c.execute_collect(&s, &cell).await.unwrap();
+    let text = &out.stdout;
+    assert!(
+        text.contains("['tinypkg 1.2', 'tinydep 1.0']\n42 7 True\n")
+            && text.contains("grew True\n"),
+        "{text}\n{:?}\n{}",
+        out.result,
+        out.stderr
+    );
+    let line = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name} -> ")))
+            .unwrap_or_else(|| panic!("no line for {name}: {text}"))
+            .to_owned()
+    };
+    assert!(
+        line("srconly").contains("only a source distribution"),
+        "{text}"
+    );
+    assert!(line("nothere").contains("not in the wheelhouse"), "{text}");
+    assert!(
+        line("badhash").contains("does not match its SHA256SUMS digest"),
+        "{text}"
+    );
+    assert!(
+        line("unlisted").contains("not listed in the wheelhouse's SHA256SUMS"),
+        "{text}"
+    );
+    assert!(line("bigpkg").contains("disk budget"), "{text}");
+    assert!(text.contains("after bigpkg True False\n"), "{text}");
+    assert!(
+        text.contains("wheelhouse read-only"),
+        "a cell could write the wheelhouse: {text}"
+    );
+    assert!(!wh.path().join("planted.py").exists());
+
+    // Installed in this session only: another session does not see it.
+    let o2 = c
+        .open_in("python", Some("pydata"), None, None)
+        .await
+        .unwrap();
+    let other = c
+        .execute_collect(
+            &o2.session,
+            "try:\n    import tinypkg\n    print('visible')\nexcept ImportError:\n    print('absent')\n",
+        )
+        .await
+        .unwrap();
+    assert_eq!(other.stdout, "absent\n", "{:?}", other.result);
+    c.close(&o2.session).await.unwrap();
+
+    // Gone with the session.
+    let dir = session_dir(&d, &s);
+    assert!(dir.exists(), "{}", dir.display());
+    c.close(&s).await.unwrap();
+    assert!(
+        common::eventually(std::time::Duration::from_secs(10), || !dir.exists()),
+        "the session directory outlived Close: {}",
+        dir.display()
+    );
+}
+
+/// A binary package `tinyr` (as `R CMD INSTALL --build` makes it) and a source package
+/// `srcr`, indexed by `tools::write_PACKAGES`.
+fn build_cran_repository(root: &Path) {
+    let work = temp_dir("sandcell-rbuild-");
+    let contrib = root.join("src/contrib");
+    std::fs::create_dir_all(&contrib).unwrap();
+    for (name, fun) in [("tinyr", "tiny_hello"), ("srcr", "src_hello")] {
+        let p = work.path().join(name);
+        std::fs::create_dir_all(p.join("R")).unwrap();
+        std::fs::write(
+            p.join("DESCRIPTION"),
+            format!(
+                "Package: {name}\nVersion: 0.1.0\nTitle: Test\nDescription: A test package.\n\
+                 License: MIT\nAuthor: t\nMaintainer: t <t@example.org>\n"
+            ),
+        )
+        .unwrap();
+        std::fs::write(p.join("NAMESPACE"), format!("export({fun})\n")).unwrap();
+        std::fs::write(
+            p.join("R/hello.R"),
+            format!("{fun} <- function() \"hello from {name}\"\n"),
+        )
+        .unwrap();
+    }
+    let lib = work.path().join("lib");
+    std::fs::create_dir_all(&lib).unwrap();
+    let st = Command::new("R")
+        .args(["CMD", "INSTALL", "--build", "-l"])
+        .arg(&lib)
+        .arg(work.path().join("tinyr"))
+        .current_dir(&contrib)
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "R CMD INSTALL --build: {}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let st = Command::new("tar")
+        .args(["czf"])
+        .arg(contrib.join("srcr_0.1.0.tar.gz"))
+        .arg("-C")
+        .arg(work.path())
+        .arg("srcr")
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let st = Command::new("Rscript")
+        .args([
+            "-e",
+            "tools::write_PACKAGES(commandArgs(TRUE)[1], type = 'source')",
+        ])
+        .arg(&contrib)
+        .status()
+        .unwrap();
+    assert!(st.success(), "write_PACKAGES");
+    world_readable(root);
+}
+
+#[tokio::test]
+async fn r_installs_binary_packages_from_a_local_repository() {
+    if !common::r_available() {
+        eprintln!("skipped: R is not installed (scripts/setup.sh installs r-base-core)");
+        return;
+    }
+    let repo = temp_dir("sandcell-cran-");
+    build_cran_repository(repo.path());
+    let conf_dir = temp_dir("sandcell-pkgconf-");
+    let conf = conf_dir.path().join("sandcelld.toml");
+    std::fs::write(
+        &conf,
+        format!(
+            "[environments.r]\nlanguage = \"r\"\nengine = \"native\"\ndefault = true\n\
+             cran_repository = \"{}\"\n",
+            repo.path().display()
+        ),
+    )
+    .unwrap();
+    let d = Daemon::start_with_config(&conf, &[("SANDCELL_LANGUAGES", "python,r")]);
+    let mut c = d.client().await;
+    let envs = c.list_environments().await.unwrap();
+    let r = envs.iter().find(|e| e.name == "r").expect("r");
+    assert_eq!(r.package_sources.len(), 1, "{r:?}");
+    let src = &r.package_sources[0];
+    assert_eq!(
+        (src.kind.as_str(), src.packages, src.names.clone()),
+        (
+            "cran_repository",
+            2,
+            vec!["srcr".to_string(), "tinyr".into()]
+        )
+    );
+    assert!(src.hash_manifest, "write_PACKAGES writes MD5sum fields");
+
+    let o = c.open_in("r", Some("r"), None, None).await.expect("open r");
+    let out = c
+        .execute_collect(
+            &o.session,
+            "print(install.packages(\"tinyr\"))\nlibrary(tinyr)\ncat(tiny_hello(), \"\\n\")\n\
+             cat(startsWith(find.package(\"tinyr\"), Sys.getenv(\"SANDCELL_PACKAGES_DIR\")), \"\\n\")\n\
+             msg <- tryCatch({ install.packages(\"srcr\"); \"installed\" }, error = function(e) conditionMessage(e))\n\
+             cat(\"srcr ->\", msg, \"\\n\")\n\
+             msg <- tryCatch({ install.packages(\"nothere\"); \"installed\" }, error = function(e) conditionMessage(e))\n\
+             cat(\"nothere ->\", msg, \"\\n\")\n",
+        )
+        .await
+        .unwrap();
+    let text = &out.stdout;
+    assert!(
+        text.contains("\"tinyr\"") && text.contains("hello from tinyr \nTRUE \n"),
+        "{text}\n{:?}\n{}",
+        out.result,
+        out.stderr
+    );
+    assert!(
+        text.contains("srcr -> package srcr: srcr_0.1.0.tar.gz is a source package"),
+        "{text}"
+    );
+    assert!(
+        text.contains("nothere -> package nothere is not in the repository"),
+        "{text}"
+    );
+    let dir = session_dir(&d, &o.session);
+    c.close(&o.session).await.unwrap();
+    assert!(
+        common::eventually(std::time::Duration::from_secs(10), || !dir.exists()),
+        "the session directory outlived Close"
+    );
+}
