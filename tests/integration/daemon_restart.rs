@@ -554,122 +554,6 @@ async fn a_frame_cut_by_the_restart_is_discarded_and_the_cell_interrupted() {
         .unwrap();
     // The daemon has read the head (no newline yet) when it dies.
     tokio::time::sleep(Duration::from_millis(1000)).await;
-fn oom_score_adj(pid: u32) -> String {
-    std::fs::read_to_string(format!("/proc/{pid}/oom_score_adj"))
-        .unwrap_or_default()
-        .trim()
-        .to_owned()
-}
-
-/// A restart that keeps sessions ends the warm pool's idle worker itself: it belongs to no
-/// session (no keeper, no record), so nothing adopts it, and left behind the successor's
-/// start-up sweep would kill it (on the VM, one "worker" of two was signalled on every
-/// upgrade and crash). The keeper runs at oom_score_adj -1000 (spared by its group's
-/// memory.oom.group kill), the worker at 1000.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_kept_restart_ends_the_pooled_workers_and_the_successor_sweeps_nothing() {
-    skip_unless_root!();
-    let (mut first, setup) = first_daemon(&[
-        ("SANDCELL_POOLS", "true"),
-        ("SANDCELL_POOL_PYTHON_MIN", "1"),
-        ("SANDCELL_POOL_PYTHON_MAX", "1"),
-    ]);
-    let mut c = first.client().await;
-    let a = c.open("python", None, Some(600)).await.unwrap().session;
-    stdout_of(&mut c, &a, "x = 'kept'").await;
-    let (w, k) = record_pids(&setup.adopt, &a);
-    assert_eq!(oom_score_adj(w), "1000", "the worker's oom_score_adj");
-    if has_sys_resource() {
-        assert_eq!(
-            oom_score_adj(k),
-            "-1000",
-            "the keeper's oom_score_adj (OOM_SCORE_ADJ_MIN)"
-        );
-    } else {
-        eprintln!(
-            "note: this machine's root has no CAP_SYS_RESOURCE: the keeper keeps the daemon's \
-             oom_score_adj ({}), -1000 is not checked here",
-            oom_score_adj(k)
-        );
-    }
-    // An idle pooled worker beside the session's.
-    let pooled = || -> Vec<u32> {
-        first
-            .descendants()
-            .into_iter()
-            .filter(|p| *p != w && *p != k && is_worker(*p))
-            .collect()
-    };
-    assert!(
-        common::eventually(Duration::from_secs(20), || first
-            .log_text()
-            .contains("warm worker ready")
-            && !pooled().is_empty()),
-        "the pool did not fill:\n{}",
-        first.log_text()
-    );
-    let pooled = pooled();
-    kill_daemon(&mut first, libc::SIGUSR2);
-    drop(c);
-    let log = first.log_text();
-    assert!(
-        log.contains("warm pooled workers ended"),
-        "the exiting daemon left its pooled worker:\n{log}"
-    );
-    assert!(alive(w) && alive(k));
-    for p in &pooled {
-        assert!(
-            !alive(*p) || !is_worker(*p),
-            "pooled worker {p} outlived its daemon"
-        );
-    }
-    let second = successor(&first, &setup);
-    let mut c = second.client().await;
-    assert_eq!(stdout_of(&mut c, &a, "print(x)").await.trim(), "kept");
-    let log = second.log_text();
-    assert!(
-        !log.contains("killed and removed session groups left by a previous daemon"),
-        "the successor swept a group:\n{log}"
-    );
-    assert_eq!(record_pids(&setup.adopt, &a).0, w);
-}
-
-/// Whether this process holds CAP_SYS_RESOURCE (needed to lower an oom_score_adj, proc(5)).
-fn has_sys_resource() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("CapEff:"))
-                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
-        })
-        // CAP_SYS_RESOURCE is capability 24 (linux/capability.h).
-        .is_some_and(|caps| caps & (1 << 24) != 0)
-}
-
-/// Whether `pid` runs under a per-session worker uid (not root, not this test's uid).
-fn is_worker(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .and_then(|v| v.split_whitespace().next()?.parse::<u32>().ok())
-        })
-        .is_some_and(|uid| uid != 0)
-}
-
-/// The successor of a daemon that kept sessions probes its environments in the background;
-/// when the adopted sessions hold the capacity the probe needs (here the only slot), the
-/// refusal (`CapacityExceeded`) says nothing about the environment: it is not logged as an
-/// environment that is not ready, nothing is cached, and a later listing checks it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_probe_after_adoption_is_no_failure_when_the_adopted_sessions_hold_the_capacity() {
-    skip_unless_root!();
-    let (mut first, setup) = first_daemon(&[("SANDCELL_MAX_CONCURRENT_SESSIONS", "1")]);
-    let mut c = first.client().await;
-    let a = c.open("python", None, Some(600)).await.unwrap().session;
-    stdout_of(&mut c, &a, "x = 3").await;
     kill_daemon(&mut first, libc::SIGKILL);
     drop(c);
     let second = successor(&first, &setup);
@@ -846,6 +730,128 @@ async fn a_one_shot_run_cut_by_the_restart_ends_its_session() {
         common::eventually(Duration::from_secs(20), || !alive(worker)),
         "the one-shot worker lives on"
     );
+}
+
+fn oom_score_adj(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/oom_score_adj"))
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
+}
+
+/// A restart that keeps sessions ends the warm pool's idle worker itself: it belongs to no
+/// session (no keeper, no record), so nothing adopts it, and left behind the successor's
+/// start-up sweep would kill it (on the VM, one "worker" of two was signalled on every
+/// upgrade and crash). The keeper runs at oom_score_adj -1000 (spared by its group's
+/// memory.oom.group kill), the worker at 1000.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_restart_ends_the_pooled_workers_and_the_successor_sweeps_nothing() {
+    skip_unless_root!();
+    let (mut first, setup) = first_daemon(&[
+        ("SANDCELL_POOLS", "true"),
+        ("SANDCELL_POOL_PYTHON_MIN", "1"),
+        ("SANDCELL_POOL_PYTHON_MAX", "1"),
+    ]);
+    let mut c = first.client().await;
+    let a = c.open("python", None, Some(600)).await.unwrap().session;
+    stdout_of(&mut c, &a, "x = 'kept'").await;
+    let (w, k) = record_pids(&setup.adopt, &a);
+    assert_eq!(oom_score_adj(w), "1000", "the worker's oom_score_adj");
+    if has_sys_resource() {
+        assert_eq!(
+            oom_score_adj(k),
+            "-1000",
+            "the keeper's oom_score_adj (OOM_SCORE_ADJ_MIN)"
+        );
+    } else {
+        eprintln!(
+            "note: this machine's root has no CAP_SYS_RESOURCE: the keeper keeps the daemon's \
+             oom_score_adj ({}), -1000 is not checked here",
+            oom_score_adj(k)
+        );
+    }
+    // An idle pooled worker beside the session's.
+    let pooled = || -> Vec<u32> {
+        first
+            .descendants()
+            .into_iter()
+            .filter(|p| *p != w && *p != k && is_worker(*p))
+            .collect()
+    };
+    assert!(
+        common::eventually(Duration::from_secs(20), || first
+            .log_text()
+            .contains("warm worker ready")
+            && !pooled().is_empty()),
+        "the pool did not fill:\n{}",
+        first.log_text()
+    );
+    let pooled = pooled();
+    kill_daemon(&mut first, libc::SIGUSR2);
+    drop(c);
+    let log = first.log_text();
+    assert!(
+        log.contains("warm pooled workers ended"),
+        "the exiting daemon left its pooled worker:\n{log}"
+    );
+    assert!(alive(w) && alive(k));
+    for p in &pooled {
+        assert!(
+            !alive(*p) || !is_worker(*p),
+            "pooled worker {p} outlived its daemon"
+        );
+    }
+    let second = successor(&first, &setup);
+    let mut c = second.client().await;
+    assert_eq!(stdout_of(&mut c, &a, "print(x)").await.trim(), "kept");
+    let log = second.log_text();
+    assert!(
+        !log.contains("killed and removed session groups left by a previous daemon"),
+        "the successor swept a group:\n{log}"
+    );
+    assert_eq!(record_pids(&setup.adopt, &a).0, w);
+}
+
+/// Whether this process holds CAP_SYS_RESOURCE (needed to lower an oom_score_adj, proc(5)).
+fn has_sys_resource() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        })
+        // CAP_SYS_RESOURCE is capability 24 (linux/capability.h).
+        .is_some_and(|caps| caps & (1 << 24) != 0)
+}
+
+/// Whether `pid` runs under a per-session worker uid (not root, not this test's uid).
+fn is_worker(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u32>().ok())
+        })
+        .is_some_and(|uid| uid != 0)
+}
+
+/// The successor of a daemon that kept sessions probes its environments in the background;
+/// when the adopted sessions hold the capacity the probe needs (here the only slot), the
+/// refusal (`CapacityExceeded`) says nothing about the environment: it is not logged as an
+/// environment that is not ready, nothing is cached, and a later listing checks it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_probe_after_adoption_is_no_failure_when_the_adopted_sessions_hold_the_capacity() {
+    skip_unless_root!();
+    let (mut first, setup) = first_daemon(&[("SANDCELL_MAX_CONCURRENT_SESSIONS", "1")]);
+    let mut c = first.client().await;
+    let a = c.open("python", None, Some(600)).await.unwrap().session;
+    stdout_of(&mut c, &a, "x = 3").await;
+    kill_daemon(&mut first, libc::SIGKILL);
+    drop(c);
+    let second = successor(&first, &setup);
+    let mut c = second.client().await;
     assert_eq!(stdout_of(&mut c, &a, "print(x)").await.trim(), "3");
     assert!(
         common::eventually(Duration::from_secs(30), || second
