@@ -478,11 +478,11 @@ async fn a_granted_user_opens_a_detached_session(f: &mut Polkitted) -> String {
 
 /// Another user (even of the granted group) may not manage the session `sid`, over D-Bus or
 /// Varlink; reload is for administrators.
-async fn others_may_not_manage_the_session(f: &mut Polkitted, sid: &String) {
+async fn others_may_not_manage_the_session(f: &mut Polkitted, sid: &str) {
     // Another user (even of the granted group) may not manage alice's session, over D-Bus
     // (PermissionDenied: manage-sessions) or Varlink (the session is not revealed).
     for who in [&f.bob, &f.carol] {
-        let o = ctl(&f.d, &f.bus, Some(who), &["terminate", &sid], None);
+        let o = ctl(&f.d, &f.bus, Some(who), &["terminate", sid], None);
         assert_eq!(
             o.code, 3,
             "{} terminating alice's session: {}",
@@ -493,14 +493,14 @@ async fn others_may_not_manage_the_session(f: &mut Polkitted, sid: &String) {
             "stderr: {}",
             o.stderr
         );
-        let o = ctl(&f.d, &f.bus, Some(who), &["interrupt", &sid], None);
+        let o = ctl(&f.d, &f.bus, Some(who), &["interrupt", sid], None);
         assert_eq!(
             o.code, 3,
             "{} interrupting alice's session: {}",
             who.name, o.stderr
         );
     }
-    let o = ctl(&f.d, &f.bus, Some(&f.bob), &["close", &sid], None);
+    let o = ctl(&f.d, &f.bus, Some(&f.bob), &["close", sid], None);
     assert_eq!(
         o.code, 3,
         "bob closing alice's session over Varlink: {}",
@@ -526,7 +526,7 @@ async fn the_owner_interrupts_and_terminates_her_session(f: &mut Polkitted, sid:
         &f.d,
         &f.bus,
         Some(&f.alice),
-        &["--json", "interrupt", &sid],
+        &["--json", "interrupt", sid],
         None,
     );
     assert_eq!(o.code, 1, "interrupt with no cell running: {}", o.stderr);
@@ -538,7 +538,7 @@ async fn the_owner_interrupts_and_terminates_her_session(f: &mut Polkitted, sid:
         &f.d,
         &f.bus,
         Some(&f.alice),
-        &["exec", &sid, "-"],
+        &["exec", sid, "-"],
         Some("x = 7\n"),
     );
     assert_eq!(o.code, 0, "{}", o.stderr);
@@ -546,7 +546,7 @@ async fn the_owner_interrupts_and_terminates_her_session(f: &mut Polkitted, sid:
         &f.d,
         &f.bus,
         &f.alice,
-        &["exec", &sid, "-"],
+        &["exec", sid, "-"],
         "while True:\n    pass\n",
     );
     assert!(
@@ -560,7 +560,7 @@ async fn the_owner_interrupts_and_terminates_her_session(f: &mut Polkitted, sid:
         &f.d,
         &f.bus,
         Some(&f.alice),
-        &["--json", "interrupt", &sid],
+        &["--json", "interrupt", sid],
         None,
     );
     assert_eq!(
@@ -579,7 +579,7 @@ async fn the_owner_interrupts_and_terminates_her_session(f: &mut Polkitted, sid:
     assert!(
         saw(&f.seen, Duration::from_secs(5), |s| s.member
             == "CellFinished"
-            && s.args.first() == Some(&sid)
+            && s.args.first() == Some(sid)
             && s.args.get(2).map(String::as_str) == Some("interrupted"))
         .await,
         "no CellFinished(interrupted)"
@@ -588,18 +588,18 @@ async fn the_owner_interrupts_and_terminates_her_session(f: &mut Polkitted, sid:
         &f.d,
         &f.bus,
         Some(&f.alice),
-        &["exec", &sid, "-"],
+        &["exec", sid, "-"],
         Some("print(x)\n"),
     );
     assert_eq!(o.code, 0, "{}", o.stderr);
     assert_eq!(o.stdout, "7\n", "the session kept its variables");
-    let o = ctl(&f.d, &f.bus, Some(&f.alice), &["terminate", &sid], None);
+    let o = ctl(&f.d, &f.bus, Some(&f.alice), &["terminate", sid], None);
     assert_eq!(o.code, 0, "alice terminating her session: {}", o.stderr);
     let reason = format!("terminated by uid {}", f.alice.uid);
     assert!(
         saw(&f.seen, Duration::from_secs(5), |s| s.member
             == "SessionClosed"
-            && s.args.first() == Some(&sid)
+            && s.args.first() == Some(sid)
             && s.args.get(1) == Some(&reason))
         .await,
         "no SessionClosed({sid}, {reason:?})"
