@@ -9,7 +9,7 @@ use crate::auth::{Action, Authority};
 use crate::cgroup::Backend;
 use crate::config::{self, Config, Environment};
 use crate::identity::{Caller, UidPool};
-use crate::session::{Event, ExecuteRefused, InspectRefused, Session, SessionLimits};
+use crate::session::{Event, ExecuteRefused, Session, SessionLimits};
 use crate::worker::start::{Options, Prepared, StartError, StartFor, Starter, StartingInfo};
 use sandcell_proto::kernel::{
     EndReason, Frame, InterruptReason, InterruptReply, KernelError, Language, Limits,
@@ -1205,18 +1205,9 @@ impl Core {
         };
         let s = self.lookup(caller, session)?;
         self.authorize(caller, Action::Execute).await?;
-        s.inspect(max_items).await.map_err(|e| match e {
-            InspectRefused::Busy(cell) => KernelError::SessionBusy {
-                session: session.into(),
-                cell,
-            },
-            InspectRefused::Ended => KernelError::NoSuchSession {
-                session: session.into(),
-            },
-            InspectRefused::Failed(reason) => KernelError::WorkerFailed {
-                reason: format!("Inspect: {reason}; the session ended"),
-            },
-        })
+        s.inspect(max_items)
+            .await
+            .map_err(|e| query::refused("Inspect", session, e))
     }
 
     /// Interrupts `cell` of `session`. Errors: `NoSuchSession`, `PermissionDenied`,

@@ -7,7 +7,10 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-pub use crate::worker::{CellError, INSPECT_DEFAULT_ITEMS, INSPECT_MAX_ITEMS, Stream, Variable};
+pub use crate::cell::{
+    CellError, DisplayKind, INSPECT_DEFAULT_ITEMS, INSPECT_MAX_ITEMS, MAX_ERROR_MESSAGE, Stream,
+    Variable,
+};
 
 /// The interface name.
 pub const INTERFACE: &str = "org.sandcell.Kernel";
@@ -561,13 +564,12 @@ pub const MAX_HOST_CALL_RESULT: usize = 256 * 1024;
 
 /// Longest `error` of a `HostReply`, bytes (above: `LimitExceeded`, limit
 /// `host_call_error_bytes`).
-pub const MAX_HOST_CALL_ERROR: usize = crate::worker::MAX_ERROR_MESSAGE;
+pub const MAX_HOST_CALL_ERROR: usize = MAX_ERROR_MESSAGE;
 
 // A host call's frame (arguments re-serialised, at most 6x when every byte is escaped) and a
-// HostReply's result fit one Varlink message; the host_call line fits one worker line.
+// HostReply's result fit one Varlink message.
 const _: () = assert!(MAX_HOST_CALL_ARGUMENTS * 6 + 4096 <= MAX_MESSAGE_BYTES);
 const _: () = assert!(MAX_HOST_CALL_RESULT * 6 + 4096 <= MAX_MESSAGE_BYTES);
-const _: () = assert!(MAX_HOST_CALL_ARGUMENTS * 2 + 4096 <= crate::worker::MAX_WORKER_LINE);
 
 /// Whether `name` is a valid tool name for a host call: 1 to [`MAX_HOST_CALL_NAME`] bytes of
 /// `[A-Za-z0-9_.-]`.
@@ -787,26 +789,6 @@ pub const MAX_DISPLAY_TYPES: usize = 16;
 
 /// Longest MIME type name in a bundle, bytes.
 pub const MAX_MIME_TYPE: usize = 128;
-
-/// Whether a display frame is the cell's result or an explicit display.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DisplayKind {
-    /// The value of the cell's last expression (Jupyter's `execute_result`).
-    Result,
-    /// A display call, a figure, R graphics or an R printed value (Jupyter's `display_data`).
-    Display,
-}
-
-impl DisplayKind {
-    /// `"result"` or `"display"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            DisplayKind::Result => "result",
-            DisplayKind::Display => "display",
-        }
-    }
-}
 
 /// A MIME bundle a cell shows (only in sessions and runs with `rich_output`), ordered with the
 /// output frames by `seq`.

@@ -69,6 +69,12 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::cell::{
+    CellError, DisplayKind, INSPECT_DEFAULT_ITEMS, INSPECT_MAX_ITEMS, MAX_ERROR_MESSAGE,
+    MAX_REPR_CHARS, MAX_SHAPE_DIMS, MAX_TRACEBACK, MAX_VARIABLE_NAME, MAX_VARIABLE_TYPE, Stream,
+    Variable,
+};
+
 /// Longest reply line the daemon accepts from a worker, in bytes (newline excluded).
 ///
 /// Large enough for a 64 KiB output chunk escaped as `\xNN` (4x) plus framing; a longer line
@@ -77,13 +83,6 @@ pub const MAX_WORKER_LINE: usize = 1024 * 1024;
 
 /// Largest output chunk a worker puts in one [`WorkerMessage::Output`], in bytes of text.
 pub const MAX_OUTPUT_CHUNK: usize = 64 * 1024;
-
-/// Longest error message a worker reports, in bytes; longer ones are cut with a marker
-/// (`stop(strrep("x", 2e8))` must not build a 200 MB frame).
-pub const MAX_ERROR_MESSAGE: usize = 16 * 1024;
-
-/// Longest traceback a worker reports, in bytes.
-pub const MAX_TRACEBACK: usize = 32 * 1024;
 
 /// Request descriptor of a worker: the daemon writes requests to it, the worker reads them.
 /// Every worker (`sandcell-worker-python`, `worker.R`, `worker.py`) finds it at this number.
@@ -108,29 +107,13 @@ pub const OUTPUT_CEILING: u64 = 2 * 1024 * 1024;
 /// Most bytes one input byte takes in a JSON string (`\u00XX`).
 pub const JSON_ESCAPE_FACTOR: usize = 6;
 
-// Compile-time checks of the ceilings against the bounds of the messages that carry them.
-// A cell's source travels in one Varlink call (`Run`/`Execute`), JSON-escaped.
-const _: () = assert!(
-    SOURCE_CEILING as usize * JSON_ESCAPE_FACTOR + 4096 <= crate::kernel::MAX_MESSAGE_BYTES
-);
-// A display bundle at its cap fits one reply line, and one Varlink frame, with its framing.
-const _: () = assert!(crate::kernel::MAX_DISPLAY_BYTES + 4096 <= MAX_WORKER_LINE);
-const _: () = assert!(crate::kernel::MAX_DISPLAY_BYTES + 4096 <= crate::kernel::MAX_MESSAGE_BYTES);
+// Compile-time checks of the worker ceilings against the bounds of the lines that carry them
+// (those against a Varlink message are in the crate root).
 // An output chunk, escaped, fits one reply line with room for its framing.
 const _: () = assert!(MAX_OUTPUT_CHUNK * JSON_ESCAPE_FACTOR + 4096 <= MAX_WORKER_LINE);
 // An error's message and traceback, escaped, fit one `done` line.
 const _: () =
     assert!((MAX_ERROR_MESSAGE + MAX_TRACEBACK) * JSON_ESCAPE_FACTOR + 4096 <= MAX_WORKER_LINE);
-// Inline uploads and download chunks, base64 (4/3) inside one message.
-const _: () = assert!(
-    (crate::kernel::MAX_INLINE_BYTES as usize).div_ceil(3) * 4 + 4096
-        <= crate::kernel::MAX_MESSAGE_BYTES
-);
-const _: () = assert!(
-    (crate::kernel::MAX_CHUNK_BYTES as usize).div_ceil(3) * 4 + 4096
-        <= crate::kernel::MAX_MESSAGE_BYTES
-);
-
 /// Operations the daemon sends to a worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
@@ -350,26 +333,6 @@ impl RequestHeader {
     }
 }
 
-/// Output stream of a cell.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Stream {
-    /// Standard output.
-    Stdout,
-    /// Standard error.
-    Stderr,
-}
-
-impl Stream {
-    /// `"stdout"` or `"stderr"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Stream::Stdout => "stdout",
-            Stream::Stderr => "stderr",
-        }
-    }
-}
-
 /// How a cell ended, as a worker sees it.
 ///
 /// The daemon adds outcomes only it can see (OOM kill, crash, cancellation, its own deadline):
@@ -404,25 +367,6 @@ pub enum SessionState {
     Restored,
     /// The interpreter was rebuilt and the variables could not be restored (see the error).
     Lost,
-}
-
-/// An error raised by a cell.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
-pub struct CellError {
-    /// Exception class or R condition class, e.g. `ZeroDivisionError`, `simpleError`.
-    #[serde(rename = "type")]
-    pub kind: String,
-    /// The message, at most [`MAX_ERROR_MESSAGE`] bytes.
-    pub message: String,
-    /// Formatted traceback, at most [`MAX_TRACEBACK`] bytes, with the user's line numbers.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub traceback: Option<String>,
-    /// Line in the user's cell (1-based) where the error was raised, when known.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub line: Option<u64>,
-    /// The failing call (R's `conditionCall`), when known.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub call: Option<String>,
 }
 
 /// One JSON line from a worker.
@@ -467,7 +411,7 @@ pub enum WorkerMessage {
         /// Cell the bundle belongs to.
         cell: u64,
         /// Result or display.
-        kind: crate::kernel::DisplayKind,
+        kind: DisplayKind,
         /// MIME type to representation.
         data: serde_json::Map<String, serde_json::Value>,
         /// Why the worker replaced the bundle by its text/plain, when it did.
@@ -557,12 +501,6 @@ pub enum WorkerMessage {
     },
 }
 
-/// Default number of variables an `inspect` lists.
-pub const INSPECT_DEFAULT_ITEMS: u64 = 100;
-
-/// Most variables one `inspect` lists (the Varlink `max_items` ceiling).
-pub const INSPECT_MAX_ITEMS: u64 = 1000;
-
 /// Time a worker gives the user's code (`repr`, `__sizeof__`, R `str`/`dim` methods) during
 /// one `inspect`, in milliseconds (`timeout_ms` of the request); past it the remaining values
 /// get placeholders. The daemon's own deadline is [`INSPECT_DEADLINE_MS`].
@@ -573,80 +511,12 @@ pub const INSPECT_BUDGET_MS: u64 = 4000;
 /// the session's kill grace after that.
 pub const INSPECT_DEADLINE_MS: u64 = 5000;
 
-/// Longest a variable's name may be in an `inspected` frame, bytes; a worker leaves longer
-/// names out (and says `truncated`).
-pub const MAX_VARIABLE_NAME: usize = 256;
-
-/// Longest a variable's type (Python type name, R class) may be, bytes; workers cut longer
-/// ones.
-pub const MAX_VARIABLE_TYPE: usize = 256;
-
-/// Longest a variable's `repr` may be, in characters (a cut one ends with `...`).
-pub const MAX_REPR_CHARS: usize = 200;
-
-/// Most dimensions a variable's `shape` may have (numpy allows 64).
-pub const MAX_SHAPE_DIMS: usize = 64;
-
 /// Longest `inspected` line a worker writes, bytes: it stops listing before its line would
 /// exceed this and says `truncated`. Half of [`MAX_WORKER_LINE`], so a worker's estimate may
 /// be off without breaking the protocol.
 pub const MAX_INSPECT_LINE: usize = 512 * 1024;
 
-// The daemon re-encodes an `inspected` line (at most a worker line) in one Varlink reply: JSON
-// text decoded and encoded again never grows (an escape stays an escape or gets shorter).
-const _: () = assert!(MAX_WORKER_LINE + 4096 <= crate::kernel::MAX_MESSAGE_BYTES);
 const _: () = assert!(MAX_INSPECT_LINE <= MAX_WORKER_LINE);
-
-/// One variable of a session, as `Inspect` lists it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Variable {
-    /// The name it is bound to (never one starting with `_`), at most [`MAX_VARIABLE_NAME`]
-    /// bytes.
-    pub name: String,
-    /// Python: the value's type, module-qualified unless builtin (`int`,
-    /// `pandas.core.frame.DataFrame`); R: its first class (`data.frame`, `matrix`,
-    /// `numeric`). At most [`MAX_VARIABLE_TYPE`] bytes.
-    #[serde(rename = "type")]
-    pub kind: String,
-    /// Approximate size in bytes: numpy `nbytes`, pandas `memory_usage(deep=False)` summed,
-    /// else `sys.getsizeof` (Python); `object.size` (R). Absent when it could not be had.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub size_bytes: Option<u64>,
-    /// Dimensions of arrays, data frames and matrices (numpy/pandas `shape`, R `dim()`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub shape: Option<Vec<u64>>,
-    /// A short representation, at most [`MAX_REPR_CHARS`] characters: Python a bounded
-    /// `reprlib` repr, R the first lines of `str()`. A placeholder in angle brackets when it
-    /// failed or ran out of time (`<repr failed: ValueError>`, `<repr timed out>`,
-    /// `<repr skipped: time budget used up>`).
-    pub repr: String,
-}
-
-impl Variable {
-    /// Checks a worker's variable against the bounds above. Errors: what is out of bounds.
-    pub fn check(&self) -> Result<(), String> {
-        if self.name.is_empty() || self.name.len() > MAX_VARIABLE_NAME {
-            return Err(format!("variable name of {} bytes", self.name.len()));
-        }
-        if self.name.starts_with('_') {
-            return Err("variable name starting with _".into());
-        }
-        if self.kind.len() > MAX_VARIABLE_TYPE {
-            return Err(format!("variable type of {} bytes", self.kind.len()));
-        }
-        if self.repr.chars().count() > MAX_REPR_CHARS {
-            return Err("repr longer than its bound".into());
-        }
-        if self
-            .shape
-            .as_ref()
-            .is_some_and(|s| s.len() > MAX_SHAPE_DIMS)
-        {
-            return Err("shape with too many dimensions".into());
-        }
-        Ok(())
-    }
-}
 
 impl WorkerMessage {
     /// Parses one reply line; errors describe why the line is not a valid message.

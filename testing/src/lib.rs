@@ -16,6 +16,11 @@
 //! is listed in [`REQUIRE_ENV`] (`SANDCELL_REQUIRE_TIERS=root,r,...`, or `all`), the skip is a
 //! failure instead: the test panics with the same message. `scripts/test.sh` sets the list for
 //! the machine it runs on, so a CI machine that lost R or root fails instead of passing.
+//!
+//! [`worker`] is the one harness the worker tests of the three engines drive their workers
+//! with.
+
+pub mod worker;
 
 /// The environment variable listing the tiers this machine must run (comma-separated names
 /// from [`TIERS`], or `all`). Unset or empty: every tier may skip.

@@ -276,12 +276,40 @@ fn start_daemon(bus: &Bus) -> Daemon {
     d
 }
 
+/// The polkit test's world: a private system bus, polkit with a granted group, three users
+/// (alice and bob in the group, carol not), a daemon that asks polkit, the bus signals seen,
+/// and a Varlink client of root.
+struct Polkitted {
+    bus: Bus,
+    pk: Polkit,
+    alice: User,
+    bob: User,
+    carol: User,
+    d: Daemon,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    root: sandcell_client::Client,
+}
+
+/// Names the case that was running when a panic unwinds through it.
+struct Case(&'static str);
+
+impl Drop for Case {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "polkit_decides_for_varlink_and_dbus: case `{}` failed",
+                self.0
+            );
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn polkit_decides_for_varlink_and_dbus() {
     if let Some((tier, why)) = skip_reason(true) {
         sandcell_testing::skip!(tier, "{why}");
     }
-    let mut bus = Bus::start();
+    let bus = Bus::start();
     let group = format!("sctg{}", rand_hex(3));
     let mut pk = Polkit::start(&bus, &group);
     let alice = pk.add_user("a", true); // in the granted group
@@ -295,37 +323,83 @@ async fn polkit_decides_for_varlink_and_dbus() {
     );
     let seen = watch_signals(&bus.address).await;
 
+    let root = d.client().await;
+    let mut f = Polkitted {
+        bus,
+        pk,
+        alice,
+        bob,
+        carol,
+        d,
+        seen,
+        root,
+    };
+    // Each case leaves the daemon with no session (the detached one is terminated by its
+    // owner); the cases run in this order, and a failure names its case.
+    macro_rules! case {
+        ($name:ident $(, $arg:expr)*) => {{
+            let _case = Case(stringify!($name));
+            $name(&mut f $(, $arg)*).await
+        }};
+    }
+    case!(root_runs_code_and_the_bus_announces_it);
+    case!(a_plain_user_is_refused_and_no_worker_starts);
+    let sid = case!(a_granted_user_opens_a_detached_session);
+    case!(others_may_not_manage_the_session, &sid);
+    case!(the_owner_interrupts_and_terminates_her_session, &sid);
+    case!(root_terminates_anyones_session);
+    case!(reload_and_sighup_apply_a_valid_file_and_refuse_an_invalid_one);
+    case!(the_bus_policy_keeps_the_name_and_properties_to_root);
+    let Polkitted { mut bus, pk, d, .. } = f;
+    drop(d);
+    bus.stop();
+    drop(pk);
+}
+
+/// Root runs code (Varlink, polkit subject unix-process) and the bus announces the cell and the
+/// one-shot session's end; the live interface is the checked-in one.
+async fn root_runs_code_and_the_bus_announces_it(f: &mut Polkitted) {
     // The live interface is the checked-in one.
     check_interface(
-        &introspect(&bus, "/org/sandcell/Sandcell1"),
+        &introspect(&f.bus, "/org/sandcell/Sandcell1"),
         "org.sandcell.Manager1",
     );
 
     // Root: allowed (Varlink, polkit subject unix-process).
-    let mut root = d.client().await;
-    let out = root
+    let out = f
+        .root
         .run_collect("python", "print(6 * 7)", None)
         .await
         .expect("root may run code");
     assert_eq!(out.stdout, "42\n");
     assert!(
-        saw(&seen, Duration::from_secs(5), |s| s.member
+        saw(&f.seen, Duration::from_secs(5), |s| s.member
             == "CellFinished"
             && s.args.get(2).map(String::as_str) == Some("ok"))
         .await,
         "no CellFinished(ok) signal: {:?}",
-        seen.lock().unwrap()
+        f.seen.lock().unwrap()
     );
     assert!(
-        saw(&seen, Duration::from_secs(5), |s| s.member
+        saw(&f.seen, Duration::from_secs(5), |s| s.member
             == "SessionClosed")
         .await,
         "no SessionClosed signal for the one-shot run"
     );
+}
 
+/// A plain user is refused (PermissionDenied naming the action) and no worker or session
+/// starts.
+async fn a_plain_user_is_refused_and_no_worker_starts(f: &mut Polkitted) {
     // A plain user: PermissionDenied, and no worker starts.
-    let before = seen.lock().unwrap().len();
-    let o = ctl(&d, &bus, Some(&carol), &["run", "-"], Some("print(1)\n"));
+    let before = f.seen.lock().unwrap().len();
+    let o = ctl(
+        &f.d,
+        &f.bus,
+        Some(&f.carol),
+        &["run", "-"],
+        Some("print(1)\n"),
+    );
     assert_eq!(o.code, 3, "plain user's run: {} {}", o.stdout, o.stderr);
     assert!(
         o.stderr.contains("PermissionDenied") && o.stderr.contains("org.sandcell.execute"),
@@ -333,45 +407,56 @@ async fn polkit_decides_for_varlink_and_dbus() {
         o.stderr
     );
     assert!(
-        d.descendants().is_empty(),
+        f.d.descendants().is_empty(),
         "a worker started for a refused user"
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
-        !seen.lock().unwrap()[before..]
+        !f.seen.lock().unwrap()[before..]
             .iter()
             .any(|s| s.member == "SessionOpened"),
         "a session opened for a refused user"
     );
-    let st = status_json(&d, &bus);
+    let st = status_json(&f.d, &f.bus);
     assert_eq!(st["active_sessions"], 0);
+}
 
+/// A user of the granted group opens a detached session that outlives the command; listing
+/// shows others' sessions only with manage-sessions; the session object's interface is the
+/// checked-in one. Returns the session id.
+async fn a_granted_user_opens_a_detached_session(f: &mut Polkitted) -> String {
     // A user of the granted group: allowed; a detached session survives the command.
-    let o = ctl(&d, &bus, Some(&alice), &["open", "--idle", "600"], None);
+    let o = ctl(
+        &f.d,
+        &f.bus,
+        Some(&f.alice),
+        &["open", "--idle", "600"],
+        None,
+    );
     assert_eq!(o.code, 0, "granted user's open: {}", o.stderr);
     let sid = o.stdout.trim().to_string();
     assert_eq!(sid.len(), 32, "session id: {sid:?}");
     assert!(
-        saw(&seen, Duration::from_secs(5), |s| s.member
+        saw(&f.seen, Duration::from_secs(5), |s| s.member
             == "SessionOpened"
             && s.args.first() == Some(&sid)
-            && s.args.get(1) == Some(&alice.uid.to_string()))
+            && s.args.get(1) == Some(&f.alice.uid.to_string()))
         .await,
         "no SessionOpened({sid}, {}) signal",
-        alice.uid
+        f.alice.uid
     );
     // Listing: others' sessions only with manage-sessions (root here).
-    let o = ctl(&d, &bus, Some(&carol), &["--json", "list"], None);
+    let o = ctl(&f.d, &f.bus, Some(&f.carol), &["--json", "list"], None);
     assert_eq!(o.code, 0, "carol's list: {}", o.stderr);
     assert_eq!(o.stdout.trim(), "[]", "carol sees alice's session");
-    let o = ctl(&d, &bus, Some(&alice), &["--json", "list"], None);
+    let o = ctl(&f.d, &f.bus, Some(&f.alice), &["--json", "list"], None);
     assert_eq!(o.code, 0, "alice's list: {}", o.stderr);
     assert!(
         o.stdout.contains(&sid),
         "alice does not see her session: {}",
         o.stdout
     );
-    let o = ctl(&d, &bus, None, &["--json", "list"], None);
+    let o = ctl(&f.d, &f.bus, None, &["--json", "list"], None);
     assert_eq!(o.code, 0, "list: {}", o.stderr);
     let rows: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
     let row = rows
@@ -380,19 +465,24 @@ async fn polkit_decides_for_varlink_and_dbus() {
         .iter()
         .find(|r| r["id"] == sid.as_str())
         .expect("session listed");
-    assert_eq!(row["uid"], alice.uid);
+    assert_eq!(row["uid"], f.alice.uid);
     assert_eq!(row["language"], "python");
     assert_eq!(row["state"], "idle");
     let path = format!("/org/sandcell/Sandcell1/session/{sid}");
     assert_eq!(row["path"], path.as_str());
 
     // The session object's interface is the checked-in one.
-    check_interface(&introspect(&bus, &path), "org.sandcell.Session1");
+    check_interface(&introspect(&f.bus, &path), "org.sandcell.Session1");
+    sid
+}
 
+/// Another user (even of the granted group) may not manage the session `sid`, over D-Bus or
+/// Varlink; reload is for administrators.
+async fn others_may_not_manage_the_session(f: &mut Polkitted, sid: &str) {
     // Another user (even of the granted group) may not manage alice's session, over D-Bus
     // (PermissionDenied: manage-sessions) or Varlink (the session is not revealed).
-    for who in [&bob, &carol] {
-        let o = ctl(&d, &bus, Some(who), &["terminate", &sid], None);
+    for who in [&f.bob, &f.carol] {
+        let o = ctl(&f.d, &f.bus, Some(who), &["terminate", sid], None);
         assert_eq!(
             o.code, 3,
             "{} terminating alice's session: {}",
@@ -403,60 +493,76 @@ async fn polkit_decides_for_varlink_and_dbus() {
             "stderr: {}",
             o.stderr
         );
-        let o = ctl(&d, &bus, Some(who), &["interrupt", &sid], None);
+        let o = ctl(&f.d, &f.bus, Some(who), &["interrupt", sid], None);
         assert_eq!(
             o.code, 3,
             "{} interrupting alice's session: {}",
             who.name, o.stderr
         );
     }
-    let o = ctl(&d, &bus, Some(&bob), &["close", &sid], None);
+    let o = ctl(&f.d, &f.bus, Some(&f.bob), &["close", sid], None);
     assert_eq!(
         o.code, 3,
         "bob closing alice's session over Varlink: {}",
         o.stderr
     );
     assert!(o.stderr.contains("NoSuchSession"), "stderr: {}", o.stderr);
-    assert_eq!(status_json(&d, &bus)["active_sessions"], 1);
+    assert_eq!(status_json(&f.d, &f.bus)["active_sessions"], 1);
     // Reload is for administrators.
-    let o = ctl(&d, &bus, Some(&alice), &["reload"], None);
+    let o = ctl(&f.d, &f.bus, Some(&f.alice), &["reload"], None);
     assert_eq!(o.code, 3, "alice's reload: {}", o.stderr);
     assert!(
         o.stderr.contains("PermissionDenied"),
         "stderr: {}",
         o.stderr
     );
+}
 
+/// The owner interrupts (nothing running, then a running cell: the session keeps its variables)
+/// and terminates her session `sid` over D-Bus.
+async fn the_owner_interrupts_and_terminates_her_session(f: &mut Polkitted, sid: &String) {
     // The owner manages her own session over D-Bus.
-    let o = ctl(&d, &bus, Some(&alice), &["--json", "interrupt", &sid], None);
+    let o = ctl(
+        &f.d,
+        &f.bus,
+        Some(&f.alice),
+        &["--json", "interrupt", sid],
+        None,
+    );
     assert_eq!(o.code, 1, "interrupt with no cell running: {}", o.stderr);
     let r: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
     assert_eq!(r["delivered"], false);
     assert_eq!(r["reason"], "not_running");
     // A running cell is interrupted over D-Bus; the session keeps its state.
     let o = ctl(
-        &d,
-        &bus,
-        Some(&alice),
-        &["exec", &sid, "-"],
+        &f.d,
+        &f.bus,
+        Some(&f.alice),
+        &["exec", sid, "-"],
         Some("x = 7\n"),
     );
     assert_eq!(o.code, 0, "{}", o.stderr);
     let mut busy = ctl_spawn(
-        &d,
-        &bus,
-        &alice,
-        &["exec", &sid, "-"],
+        &f.d,
+        &f.bus,
+        &f.alice,
+        &["exec", sid, "-"],
         "while True:\n    pass\n",
     );
     assert!(
         eventually(Duration::from_secs(10), || {
-            let o = ctl(&d, &bus, None, &["--json", "list"], None);
+            let o = ctl(&f.d, &f.bus, None, &["--json", "list"], None);
             o.stdout.contains("\"running\"")
         }),
         "the cell did not start running"
     );
-    let o = ctl(&d, &bus, Some(&alice), &["--json", "interrupt", &sid], None);
+    let o = ctl(
+        &f.d,
+        &f.bus,
+        Some(&f.alice),
+        &["--json", "interrupt", sid],
+        None,
+    );
     assert_eq!(
         o.code, 0,
         "interrupting a running cell: {} {}",
@@ -471,52 +577,61 @@ async fn polkit_decides_for_varlink_and_dbus() {
         "the interrupted exec exits 5 (interrupted)"
     );
     assert!(
-        saw(&seen, Duration::from_secs(5), |s| s.member
+        saw(&f.seen, Duration::from_secs(5), |s| s.member
             == "CellFinished"
-            && s.args.first() == Some(&sid)
+            && s.args.first() == Some(sid)
             && s.args.get(2).map(String::as_str) == Some("interrupted"))
         .await,
         "no CellFinished(interrupted)"
     );
     let o = ctl(
-        &d,
-        &bus,
-        Some(&alice),
-        &["exec", &sid, "-"],
+        &f.d,
+        &f.bus,
+        Some(&f.alice),
+        &["exec", sid, "-"],
         Some("print(x)\n"),
     );
     assert_eq!(o.code, 0, "{}", o.stderr);
     assert_eq!(o.stdout, "7\n", "the session kept its variables");
-    let o = ctl(&d, &bus, Some(&alice), &["terminate", &sid], None);
+    let o = ctl(&f.d, &f.bus, Some(&f.alice), &["terminate", sid], None);
     assert_eq!(o.code, 0, "alice terminating her session: {}", o.stderr);
-    let reason = format!("terminated by uid {}", alice.uid);
+    let reason = format!("terminated by uid {}", f.alice.uid);
     assert!(
-        saw(&seen, Duration::from_secs(5), |s| s.member
+        saw(&f.seen, Duration::from_secs(5), |s| s.member
             == "SessionClosed"
-            && s.args.first() == Some(&sid)
+            && s.args.first() == Some(sid)
             && s.args.get(1) == Some(&reason))
         .await,
         "no SessionClosed({sid}, {reason:?})"
     );
     assert!(
-        eventually(Duration::from_secs(5), || d.descendants().is_empty()),
+        eventually(Duration::from_secs(5), || f.d.descendants().is_empty()),
         "worker left after terminate"
     );
-    assert_eq!(status_json(&d, &bus)["active_sessions"], 0);
+    assert_eq!(status_json(&f.d, &f.bus)["active_sessions"], 0);
     assert!(
-        saw(&seen, Duration::from_secs(5), |s| s.member
+        saw(&f.seen, Duration::from_secs(5), |s| s.member
             == "PropertiesChanged"
             && s.args.iter().any(|a| a == "ActiveSessions"))
         .await,
         "no PropertiesChanged(ActiveSessions)"
     );
+}
 
+/// Root terminates anyone's session, through the session object.
+async fn root_terminates_anyones_session(f: &mut Polkitted) {
     // Root manages anyone's session.
-    let o = ctl(&d, &bus, Some(&alice), &["open", "--idle", "600"], None);
+    let o = ctl(
+        &f.d,
+        &f.bus,
+        Some(&f.alice),
+        &["open", "--idle", "600"],
+        None,
+    );
     assert_eq!(o.code, 0, "{}", o.stderr);
     let sid2 = o.stdout.trim().to_string();
     // Through the session object this time.
-    let o = run(bus.busctl().args([
+    let o = run(f.bus.busctl().args([
         "call",
         "org.sandcell.Sandcell1",
         &format!("/org/sandcell/Sandcell1/session/{sid2}"),
@@ -526,8 +641,8 @@ async fn polkit_decides_for_varlink_and_dbus() {
     assert_eq!(o.code, 0, "root terminating alice's session: {}", o.stderr);
     assert!(
         eventually(Duration::from_secs(5), || !ctl(
-            &d,
-            &bus,
+            &f.d,
+            &f.bus,
             None,
             &["list"],
             None
@@ -536,20 +651,27 @@ async fn polkit_decides_for_varlink_and_dbus() {
         .contains(&sid2)),
         "terminated session still listed"
     );
+}
 
+/// Reload, by the D-Bus call and by SIGHUP: a valid file applies, an invalid one is refused
+/// and the old limits stay, and the figures are announced again. (The harness sets the
+/// admission budgets through SANDCELL_* variables, which override the file, so the limit
+/// observed here is max_source_bytes, through Varlink.)
+async fn reload_and_sighup_apply_a_valid_file_and_refuse_an_invalid_one(f: &mut Polkitted) {
     // Reload: a valid file applies; an invalid one is refused and the old limits stay.
     // (The harness sets the admission budgets through SANDCELL_* variables, which override
     // the file, so the limit observed here is max_source_bytes, through Varlink.)
-    let config = d.dir.path().join("none.toml");
-    let sessions_budget = max_sessions(&status_json(&d, &bus));
+    let config = f.d.dir.path().join("none.toml");
+    let sessions_budget = max_sessions(&status_json(&f.d, &f.bus));
     let source = format!("x = 1{}\n", " ".repeat(3000));
-    let out = root
+    let out = f
+        .root
         .run_collect("python", &source, None)
         .await
         .expect("3 kB of source is within the default limit");
     assert_eq!(out.result.status, sandcell_client::Status::Ok);
     std::fs::write(&config, "[limits]\nmax_source_bytes = 2000\n").unwrap();
-    let o = ctl(&d, &bus, None, &["reload"], None);
+    let o = ctl(&f.d, &f.bus, None, &["reload"], None);
     assert_eq!(o.code, 0, "reload: {}", o.stderr);
     let source_limit =
         |e: Result<(), sandcell_client::Error>| match e {
@@ -559,11 +681,16 @@ async fn polkit_decides_for_varlink_and_dbus() {
             other => panic!("expected LimitExceeded(max_source_bytes), got {other:?}"),
         };
     assert_eq!(
-        source_limit(root.run_collect("python", &source, None).await.map(|_| ())),
+        source_limit(
+            f.root
+                .run_collect("python", &source, None)
+                .await
+                .map(|_| ())
+        ),
         2000
     );
     std::fs::write(&config, "[limits]\nmax_source_bytes = 0\n").unwrap();
-    let o = ctl(&d, &bus, None, &["reload"], None);
+    let o = ctl(&f.d, &f.bus, None, &["reload"], None);
     assert_eq!(o.code, 3, "invalid reload: {}", o.stderr);
     assert!(
         o.stderr.contains("InvalidConfig") && o.stderr.contains("max_source_bytes"),
@@ -571,13 +698,18 @@ async fn polkit_decides_for_varlink_and_dbus() {
         o.stderr
     );
     assert_eq!(
-        source_limit(root.run_collect("python", &source, None).await.map(|_| ())),
+        source_limit(
+            f.root
+                .run_collect("python", &source, None)
+                .await
+                .map(|_| ())
+        ),
         2000,
         "an invalid reload changed the limits"
     );
-    assert_eq!(max_sessions(&status_json(&d, &bus)), sessions_budget);
+    assert_eq!(max_sessions(&status_json(&f.d, &f.bus)), sessions_budget);
     assert!(
-        saw(&seen, Duration::from_secs(5), |s| s.member
+        saw(&f.seen, Duration::from_secs(5), |s| s.member
             == "PropertiesChanged"
             && s.args.iter().any(|a| a == "Admission"))
         .await,
@@ -586,7 +718,8 @@ async fn polkit_decides_for_varlink_and_dbus() {
 
     // SIGHUP takes the same reload path: the file applies and the figures are announced again.
     let admission_changes = || {
-        seen.lock()
+        f.seen
+            .lock()
             .unwrap()
             .iter()
             .filter(|s| s.member == "PropertiesChanged" && s.args.iter().any(|a| a == "Admission"))
@@ -595,13 +728,18 @@ async fn polkit_decides_for_varlink_and_dbus() {
     let before = admission_changes();
     std::fs::write(&config, "[limits]\nmax_source_bytes = 2500\n").unwrap();
     let hup = std::process::Command::new("kill")
-        .args(["-HUP", &d.pid().to_string()])
+        .args(["-HUP", &f.d.pid().to_string()])
         .status()
         .unwrap();
     assert!(hup.success());
     let t0 = Instant::now();
     loop {
-        let max = source_limit(root.run_collect("python", &source, None).await.map(|_| ()));
+        let max = source_limit(
+            f.root
+                .run_collect("python", &source, None)
+                .await
+                .map(|_| ()),
+        );
         if max == 2500 {
             break;
         }
@@ -619,9 +757,12 @@ async fn polkit_decides_for_varlink_and_dbus() {
         admission_changes() > before,
         "no PropertiesChanged(Admission) after SIGHUP"
     );
+}
 
+/// Bus policy: only root owns the name; properties are read-only.
+async fn the_bus_policy_keeps_the_name_and_properties_to_root(f: &mut Polkitted) {
     // Bus policy: only root owns the name; properties are read-only.
-    let o = run(bus.busctl().args([
+    let o = run(f.bus.busctl().args([
         "call",
         "org.sandcell.Sandcell1",
         "/org/sandcell/Sandcell1",
@@ -635,11 +776,11 @@ async fn polkit_decides_for_varlink_and_dbus() {
     ]));
     assert_ne!(o.code, 0, "Set must fail");
     let o = run(Command::new("setpriv")
-        .arg(format!("--reuid={}", carol.uid))
-        .arg(format!("--regid={}", carol.gid))
+        .arg(format!("--reuid={}", f.carol.uid))
+        .arg(format!("--regid={}", f.carol.gid))
         .arg("--clear-groups")
         .arg("busctl")
-        .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)
+        .env("DBUS_SYSTEM_BUS_ADDRESS", &f.bus.address)
         .args([
             "--system",
             "call",
@@ -657,9 +798,6 @@ async fn polkit_decides_for_varlink_and_dbus() {
         "{}",
         o.stderr
     );
-    drop(d);
-    bus.stop();
-    drop(pk);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,36 +6,11 @@
 
 use crate::common;
 
+use common::cells::{daemon, ok, open};
 use common::{Daemon, pydata_available, r_available};
-use sandcell_client::{Client, Error, KernelError, Status};
+use sandcell_client::{Error, KernelError, Status};
 use sandcell_proto::kernel::Variable;
 use std::time::{Duration, Instant};
-
-fn daemon() -> Daemon {
-    let mut env = vec![("SANDCELL_EXECUTION_WALL_TIME_SECONDS", "60")];
-    if r_available() {
-        env.push(("SANDCELL_LANGUAGES", "python,r"));
-    }
-    Daemon::start(&env)
-}
-
-async fn open(c: &mut Client, language: &str, environment: Option<&str>) -> String {
-    c.open_in(language, environment, None, None)
-        .await
-        .expect("open")
-        .session
-}
-
-async fn ok(c: &mut Client, s: &str, code: &str) -> sandcell_client::Collected {
-    let out = c.execute_collect(s, code).await.expect("execute");
-    assert_eq!(
-        out.result.status,
-        Status::Ok,
-        "{code}: {:.400}",
-        format!("{:?} {}", out.result, out.stderr)
-    );
-    out
-}
 
 fn find<'a>(vars: &'a [Variable], name: &str) -> &'a Variable {
     vars.iter().find(|v| v.name == name).unwrap_or_else(|| {

@@ -3,7 +3,8 @@
 //! the test runs as root), running `worker-native/python/worker.py` on Debian's /usr/bin/python3 with its
 //! scientific stack, driven over the descriptor layout of `sandcell_proto::worker` exactly as
 //! the daemon drives it (fd 0 `/dev/null`, fds 1 and 2 pipes, fd 3 requests, fd 4 JSON-lines
-//! replies). Every reply line is parsed with `sandcell_proto::worker::WorkerMessage::parse`.
+//! replies), with sandcell-testing's one worker harness (`sandcell_testing::worker`), which
+//! parses every reply line with `sandcell_proto::worker::WorkerMessage::parse`.
 //!
 //! The analyses are the files of `examples/pydata/` with their exact expected output.
 //! Skipped, with a printed reason, when /usr/bin/python3 or a package is missing. Figures:
@@ -11,24 +12,15 @@
 
 mod common;
 
-use sandcell_confine::{Enforcement, Plan, SyscallProfile};
-use sandcell_proto::worker::{
-    CellError, MAX_ERROR_MESSAGE, MAX_TRACEBACK, MAX_WORKER_LINE, REPLY_FD, REQUEST_FD,
-    RequestHeader, WorkerMessage, WorkerStatus,
-};
-use std::fs::File;
-use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use common::{Engine, Start, Worker, examples};
+use sandcell_proto::worker::{MAX_ERROR_MESSAGE, MAX_TRACEBACK, WorkerStatus};
+use std::os::unix::process::ExitStatusExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 const PYTHON: &str = "/usr/bin/python3";
-const LAUNCHER: &str = env!("CARGO_BIN_EXE_sandcell-worker-python-native");
-const R_LAUNCHER: &str = env!("CARGO_BIN_EXE_sandcell-worker-r");
-const NONCE: &str = "0123456789abcdef";
 
 /// Why /usr/bin/python3 cannot import `modules`, or `None` when it can.
 fn python_lacks(modules: &[&str]) -> Option<String> {
@@ -69,496 +61,32 @@ macro_rules! need {
     };
 }
 
-fn manifest_dir() -> PathBuf {
-    std::env::var_os("CARGO_MANIFEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
-}
-
-fn examples() -> PathBuf {
-    manifest_dir().join("../examples/pydata")
-}
-
 fn example(name: &str) -> (String, String) {
     let code = std::fs::read_to_string(examples().join(format!("{name}.py"))).unwrap();
     let out = std::fs::read_to_string(examples().join(format!("{name}.out"))).unwrap();
     (code, out)
 }
 
-/// A pipe whose two ends are close-on-exec and numbered 10 or above.
-fn pipe() -> (OwnedFd, OwnedFd) {
-    let mut fds = [0 as RawFd; 2];
-    // SAFETY: `fds` is a valid array of two ints for pipe2 to fill.
-    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
-    let high = |fd: RawFd| {
-        // SAFETY: duplicating a descriptor we own; the original is closed right after.
-        let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10) };
-        assert!(new >= 10);
-        // SAFETY: `fd` came from pipe2 above and is not used again.
-        unsafe { libc::close(fd) };
-        // SAFETY: `new` is a fresh descriptor owned by nobody else.
-        unsafe { OwnedFd::from_raw_fd(new) }
-    };
-    (high(fds[0]), high(fds[1]))
-}
-
-fn set_nonblocking(fd: &OwnedFd) {
-    // SAFETY: F_GETFL/F_SETFL on a descriptor we own.
-    unsafe {
-        let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
-        libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
-    }
-}
-
-/// Reads what is available from a non-blocking `fd` into `buf`; returns false at end of file.
-fn read_available(fd: &OwnedFd, buf: &mut Vec<u8>) -> bool {
-    let mut chunk = [0u8; 65536];
-    loop {
-        // SAFETY: reading into a local buffer of the stated length.
-        let n = unsafe { libc::read(fd.as_raw_fd(), chunk.as_mut_ptr().cast(), chunk.len()) };
-        if n <= 0 {
-            // 0: end of file; -1: EAGAIN (or EINTR), nothing more for now.
-            return n != 0;
-        }
-        buf.extend_from_slice(&chunk[..n as usize]);
-    }
-}
-
-static SESSION_SEQ: AtomicUsize = AtomicUsize::new(0);
-
-#[derive(Clone)]
-struct Start {
-    /// Pass SANDCELL_PYTHON_WORKER_SCRIPT (else the launcher looks next to itself / embedded).
-    script: bool,
-    launcher: PathBuf,
-    /// Run as this uid/gid under strict enforcement (root only).
-    strict_as: Option<u32>,
-    /// SANDCELL_CPU_THREADS.
-    threads: u32,
-    /// SANDCELL_PYTHON_PRELOAD.
-    preload: Option<String>,
-    /// RLIMIT_AS.
-    max_address_space: Option<u64>,
-    /// Start the R launcher instead (shares the plan and the font environment).
-    r: bool,
-}
-
 impl Default for Start {
+    /// The pydata tests' start: the built CPython launcher, `python/worker.py` named by path,
+    /// two CPU threads.
     fn default() -> Self {
         Start {
+            engine: Engine::Python,
             script: true,
-            launcher: PathBuf::from(LAUNCHER),
+            launcher: None,
             strict_as: None,
-            threads: 2,
+            threads: Some(2),
             preload: None,
             max_address_space: None,
-            r: false,
+            pydata: true,
         }
     }
-}
-
-fn loader() -> PathBuf {
-    std::fs::canonicalize("/lib64/ld-linux-x86-64.so.2")
-        .or_else(|_| std::fs::canonicalize("/lib/ld-linux-aarch64.so.1"))
-        .unwrap_or_else(|_| PathBuf::from("/lib64/ld-linux-x86-64.so.2"))
-}
-
-/// The plan of a native Python worker: the R worker's paths, Python's configuration
-/// (`/etc/python3.*`, `/etc/matplotlibrc`), the prebuilt font caches, and the CPU topology
-/// OpenBLAS reads.
-fn plan(session: &Path, max_address_space: Option<u64>) -> Plan {
-    let p = |s: &str| PathBuf::from(s);
-    let mut read_paths = vec![
-        p("/usr"),
-        p("/etc/R"),
-        p("/etc/fonts"),
-        p("/etc/matplotlibrc"),
-        p("/etc/ld.so.cache"),
-        p("/etc/nsswitch.conf"),
-        p("/etc/passwd"),
-        p("/etc/group"),
-        p("/var/cache/fontconfig"),
-        p("/var/cache/sandcell"),
-        p("/dev/urandom"),
-        p("/sys/devices/system/cpu"),
-        p("/proc/self"),
-        manifest_dir(),
-    ];
-    if let Ok(rd) = std::fs::read_dir("/etc") {
-        for e in rd.flatten() {
-            if e.file_name().to_string_lossy().starts_with("python3") {
-                read_paths.push(e.path());
-            }
-        }
-    }
-    read_paths.retain(|p| p.exists());
-    // Built through serde so that plan fields added later take their defaults.
-    serde_json::from_value(serde_json::json!({
-        "uid": null,
-        "gid": null,
-        "session_dir": session,
-        "read_paths": read_paths,
-        "exec_paths": [p("/usr/lib/R"), p("/usr/bin"), loader()],
-        "write_paths": [p("/dev/null")],
-        "keep_fds": [0, 1, 2, 3, 4],
-        "max_open_files": 256,
-        "max_file_bytes": 1u64 << 30,
-        "max_processes": 4096,
-        "max_address_space": max_address_space,
-        "new_net_namespace": true,
-        "new_ipc_namespace": true,
-        "syscalls": SyscallProfile::Native,
-        "enforcement": Enforcement::BestEffort,
-    }))
-    .expect("plan")
-}
-
-#[derive(Debug)]
-struct Cell {
-    status: WorkerStatus,
-    error: Option<CellError>,
-    exit_code: Option<i64>,
-    stdout: Vec<u8>,
-    stderr: Vec<u8>,
-    line_len: usize,
-    first_stdout: Option<Duration>,
-    elapsed: Duration,
-}
-
-impl Cell {
-    fn out(&self) -> String {
-        String::from_utf8_lossy(&self.stdout).into_owned()
-    }
-    fn err(&self) -> &CellError {
-        self.error
-            .as_ref()
-            .unwrap_or_else(|| panic!("cell has no error: {self:?}"))
-    }
-    #[track_caller]
-    fn assert_ok(&self) -> &Self {
-        assert_eq!(
-            self.status,
-            WorkerStatus::Ok,
-            "{self:?} stdout={} stderr={}",
-            self.out(),
-            String::from_utf8_lossy(&self.stderr)
-        );
-        self
-    }
-}
-
-struct Worker {
-    child: Child,
-    req: Option<File>,
-    rep: OwnedFd,
-    out: OwnedFd,
-    err: OwnedFd,
-    rep_buf: Vec<u8>,
-    session: PathBuf,
-    next_cell: u64,
-    startup: Duration,
-    boot_stderr: Vec<u8>,
-    engine: String,
 }
 
 impl Worker {
     fn start() -> Worker {
         Self::start_with(Start::default())
-    }
-
-    fn start_with(opts: Start) -> Worker {
-        let n = SESSION_SEQ.fetch_add(1, Ordering::SeqCst);
-        let session = std::env::temp_dir().join(format!("sandcell-wpn-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&session);
-        std::fs::create_dir_all(&session).unwrap();
-        for csv in ["mtcars.csv", "sleep.csv"] {
-            std::fs::copy(examples().join(csv), session.join(csv)).unwrap();
-        }
-        let (req_r, req_w) = pipe();
-        let (rep_r, rep_w) = pipe();
-        let (out_r, out_w) = pipe();
-        let (err_r, err_w) = pipe();
-        let mut plan = plan(&session, opts.max_address_space);
-        if let Some(id) = opts.strict_as {
-            for e in std::fs::read_dir(&session).unwrap().flatten() {
-                std::os::unix::fs::chown(e.path(), Some(id), Some(id)).unwrap();
-            }
-            std::os::unix::fs::chown(&session, Some(id), Some(id)).unwrap();
-            plan.uid = Some(id);
-            plan.gid = Some(id);
-            plan.enforcement = Enforcement::Strict;
-        }
-        let plan = serde_json::to_string(&plan).unwrap();
-        let launcher = if opts.r {
-            PathBuf::from(R_LAUNCHER)
-        } else {
-            opts.launcher.clone()
-        };
-        let mut cmd = Command::new(&launcher);
-        cmd.env_clear()
-            .env("SANDCELL_CONFINE", plan)
-            .env("SANDCELL_SESSION_DIR", &session)
-            .env("SANDCELL_CPU_THREADS", opts.threads.to_string())
-            .env("SANDCELL_TEST_CANARY", "must-not-reach-python")
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(out_w))
-            .stderr(Stdio::from(err_w))
-            .process_group(0);
-        if opts.script {
-            if opts.r {
-                cmd.env(
-                    "SANDCELL_R_WORKER_SCRIPT",
-                    manifest_dir().join("r/worker.R"),
-                );
-            } else {
-                cmd.env(
-                    "SANDCELL_PYTHON_WORKER_SCRIPT",
-                    manifest_dir().join("python/worker.py"),
-                );
-            }
-        }
-        if let Some(p) = &opts.preload {
-            cmd.env("SANDCELL_PYTHON_PRELOAD", p);
-        }
-        let (a, b) = (req_r.as_raw_fd(), rep_w.as_raw_fd());
-        // SAFETY: only async-signal-safe dup2 calls between fork and exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::dup2(a, REQUEST_FD) < 0 || libc::dup2(b, REPLY_FD) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let t0 = Instant::now();
-        let child = common::spawn_retrying(&mut cmd);
-        drop((req_r, rep_w));
-        for fd in [&rep_r, &out_r, &err_r] {
-            set_nonblocking(fd);
-        }
-        let mut w = Worker {
-            child,
-            req: Some(File::from(req_w)),
-            rep: rep_r,
-            out: out_r,
-            err: err_r,
-            rep_buf: Vec::new(),
-            session,
-            next_cell: 1,
-            startup: Duration::ZERO,
-            boot_stderr: Vec::new(),
-            engine: String::new(),
-        };
-        let (mut o, mut e) = (Vec::new(), Vec::new());
-        let msg = w.next_message(&mut o, &mut e, None, Duration::from_secs(60));
-        w.startup = t0.elapsed();
-        w.boot_stderr = e;
-        match msg {
-            Some((WorkerMessage::Ready { language, engine }, _)) => {
-                assert_eq!(language, if opts.r { "r" } else { "python" });
-                w.engine = engine;
-            }
-            other => panic!(
-                "expected ready, got {other:?}; stderr: {}",
-                String::from_utf8_lossy(&w.boot_stderr)
-            ),
-        }
-        w
-    }
-
-    fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-
-    fn next_message(
-        &mut self,
-        out: &mut Vec<u8>,
-        err: &mut Vec<u8>,
-        mut first_out: Option<&mut Option<Instant>>,
-        timeout: Duration,
-    ) -> Option<(WorkerMessage, usize)> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(i) = self.rep_buf.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = self.rep_buf.drain(..=i).collect();
-                let line = &line[..line.len() - 1];
-                assert!(line.len() <= MAX_WORKER_LINE);
-                let msg = WorkerMessage::parse(line).unwrap_or_else(|e| {
-                    panic!("bad reply line {:?}: {e}", String::from_utf8_lossy(line))
-                });
-                return Some((msg, line.len()));
-            }
-            let now = Instant::now();
-            assert!(
-                now < deadline,
-                "no reply within {timeout:?}; stdout {:?} stderr {:?}",
-                String::from_utf8_lossy(out),
-                String::from_utf8_lossy(err)
-            );
-            let mut fds = [
-                self.rep.as_raw_fd(),
-                self.out.as_raw_fd(),
-                self.err.as_raw_fd(),
-            ]
-            .map(|fd| libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            });
-            let ms = (deadline - now).as_millis().min(1000) as i32;
-            // SAFETY: polling three valid pollfd structs owned by this frame.
-            unsafe { libc::poll(fds.as_mut_ptr(), 3, ms) };
-            let before = out.len();
-            read_available(&self.out, out);
-            if out.len() > before
-                && let Some(slot) = first_out.as_deref_mut()
-            {
-                slot.get_or_insert_with(Instant::now);
-            }
-            read_available(&self.err, err);
-            let mut buf = Vec::new();
-            let open = read_available(&self.rep, &mut buf);
-            self.rep_buf.extend_from_slice(&buf);
-            if !open && buf.is_empty() && !self.rep_buf.contains(&b'\n') {
-                return None;
-            }
-        }
-    }
-
-    fn send(&mut self, code: &[u8], timeout_ms: Option<u64>) -> u64 {
-        let cell = self.next_cell;
-        self.next_cell += 1;
-        let mut h = RequestHeader::exec(cell, code.len() as u64);
-        h.timeout_ms = timeout_ms;
-        h.nonce = Some(NONCE.into());
-        let req = self.req.as_mut().expect("request pipe open");
-        req.write_all(h.to_line().as_bytes()).unwrap();
-        req.write_all(code).unwrap();
-        cell
-    }
-
-    fn wait_done(&mut self, cell: u64, t0: Instant, timeout: Duration) -> Cell {
-        let (mut out, mut err) = (Vec::new(), Vec::new());
-        let mut first = None;
-        let Some((msg, line_len)) =
-            self.next_message(&mut out, &mut err, Some(&mut first), timeout)
-        else {
-            panic!(
-                "worker ended before done of cell {cell}; stderr {}",
-                String::from_utf8_lossy(&err)
-            );
-        };
-        let WorkerMessage::Done {
-            cell: c,
-            nonce,
-            status,
-            error,
-            exit_code,
-            ..
-        } = msg
-        else {
-            panic!("unexpected message {msg:?}");
-        };
-        assert_eq!(c, cell);
-        assert_eq!(nonce.as_deref(), Some(NONCE), "done must echo the nonce");
-        read_available(&self.out, &mut out);
-        read_available(&self.err, &mut err);
-        Cell {
-            status,
-            error,
-            exit_code,
-            stdout: out,
-            stderr: err,
-            line_len,
-            first_stdout: first.map(|f: Instant| f - t0),
-            elapsed: t0.elapsed(),
-        }
-    }
-
-    fn exec_opts(&mut self, code: &str, timeout_ms: Option<u64>) -> Cell {
-        let t0 = Instant::now();
-        let cell = self.send(code.as_bytes(), timeout_ms);
-        self.wait_done(cell, t0, Duration::from_secs(120))
-    }
-
-    fn exec(&mut self, code: &str) -> Cell {
-        self.exec_opts(code, None)
-    }
-
-    /// SIGINT aimed at the worker's main thread (tgkill), as the daemon sends it: a
-    /// process-directed signal could be taken by an OpenBLAS thread.
-    fn sigint(&self) {
-        // SAFETY: signalling the main thread (tid == pid) of our own child.
-        let r = unsafe { libc::syscall(libc::SYS_tgkill, self.pid(), self.pid(), libc::SIGINT) };
-        assert_eq!(r, 0);
-    }
-
-    /// Interrupts `code` after `after`; returns the cell and how long the interrupt took.
-    fn interrupt(&mut self, code: &str, after: Duration) -> (Cell, Duration) {
-        let t0 = Instant::now();
-        let cell = self.send(code.as_bytes(), None);
-        std::thread::sleep(after);
-        let sent = Instant::now();
-        self.sigint();
-        let c = self.wait_done(cell, t0, Duration::from_secs(30));
-        (c, sent.elapsed())
-    }
-
-    fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st;
-            }
-            assert!(Instant::now() < deadline, "worker did not exit");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// Threads of the worker process.
-    fn threads(&self) -> usize {
-        std::fs::read_dir(format!("/proc/{}/task", self.pid()))
-            .map(|d| d.count())
-            .unwrap_or(0)
-    }
-
-    fn rss_kib(&self) -> u64 {
-        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
-        s.lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap()
-    }
-
-    /// Names in the session directory, recursively, leaving out `.tmp` (as the daemon does).
-    fn session_files(&self) -> Vec<String> {
-        fn walk(base: &Path, dir: &Path, out: &mut Vec<String>) {
-            for e in std::fs::read_dir(dir).unwrap().flatten() {
-                let rel = e.path().strip_prefix(base).unwrap().display().to_string();
-                if rel == ".tmp" {
-                    continue;
-                }
-                if e.file_type().unwrap().is_dir() {
-                    walk(base, &e.path(), out);
-                }
-                out.push(rel);
-            }
-        }
-        let mut v = Vec::new();
-        walk(&self.session, &self.session, &mut v);
-        v.sort();
-        v
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        // SAFETY: killing our own child's process group.
-        unsafe { libc::kill(-self.pid(), libc::SIGKILL) };
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.session);
     }
 }
 
@@ -570,7 +98,7 @@ fn is_png(path: &Path) -> bool {
 fn variables_persist_output_goes_to_fds_and_last_value_is_shown() {
     need!("variables_persist_output_goes_to_fds_and_last_value_is_shown");
     let mut w = Worker::start();
-    assert!(w.engine.starts_with("CPython 3."), "{}", w.engine);
+    assert!(w.engine_name.starts_with("CPython 3."), "{}", w.engine_name);
     assert_eq!(w.exec("x = 41").assert_ok().out(), "");
     assert_eq!(w.exec("x + 1").assert_ok().out(), "42\n");
     // `;` after the last expression hides it, as in Jupyter; None is never shown.
@@ -717,7 +245,7 @@ fn r_plots_leave_no_font_cache_in_the_session() {
         sandcell_testing::skip!("r", "R is not installed");
     }
     let mut w = Worker::start_with(Start {
-        r: true,
+        engine: Engine::R,
         ..Start::default()
     });
     let before = w.session_files();
@@ -925,13 +453,13 @@ fn exit_quit_and_sys_exit_report_exited() {
 fn exit_request_and_eof_end_the_worker() {
     need!("exit_request_and_eof_end_the_worker");
     let mut w = Worker::start();
-    w.req.as_mut().unwrap().write_all(b"exit 0 0\n").unwrap();
+    w.write_raw(b"exit 0 0\n");
     assert_eq!(w.wait_exit(Duration::from_secs(10)).code(), Some(0));
     let mut w = Worker::start();
-    w.req = None;
+    w.close_requests();
     assert_eq!(w.wait_exit(Duration::from_secs(10)).code(), Some(0));
     let mut w = Worker::start();
-    w.req.as_mut().unwrap().write_all(b"exec x 1\n").unwrap();
+    w.write_raw(b"exec x 1\n");
     assert_eq!(w.wait_exit(Duration::from_secs(10)).code(), Some(2));
 }
 
@@ -992,7 +520,7 @@ fn memory_errors_are_memory_exhausted() {
 fn environment_is_clean_threads_follow_the_cpu_limit_and_cwd_is_the_session() {
     need!("environment_is_clean_threads_follow_the_cpu_limit_and_cwd_is_the_session");
     let mut w = Worker::start_with(Start {
-        threads: 3,
+        threads: Some(3),
         ..Start::default()
     });
     let c = w.exec("import os; print(sorted(os.environ)); print(os.getcwd())");
@@ -1046,10 +574,10 @@ fn embedded_script_is_used_without_a_file() {
     let dir = std::env::temp_dir().join(format!("sandcell-wpn-exe-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let exe = dir.join("sandcell-worker-python-native");
-    std::fs::copy(LAUNCHER, &exe).unwrap();
+    std::fs::copy(common::PYTHON_LAUNCHER, &exe).unwrap();
     let mut w = Worker::start_with(Start {
         script: false,
-        launcher: exe,
+        launcher: Some(exe),
         ..Start::default()
     });
     assert_eq!(w.exec("1 + 1").assert_ok().out(), "2\n");
@@ -1181,7 +709,10 @@ fn hostile_cells_are_contained() {
 
 #[test]
 fn missing_plan_exits_before_python_starts() {
-    let out = Command::new(LAUNCHER).env_clear().output().unwrap();
+    let out = Command::new(common::PYTHON_LAUNCHER)
+        .env_clear()
+        .output()
+        .unwrap();
     assert_eq!(
         out.status.code(),
         Some(sandcell_confine::EXIT_CONFINE_FAILED)
@@ -1200,7 +731,7 @@ fn figures() {
     times.sort();
     let (p50, p99) = (times[100], times[197]);
     let import = w.exec("import pandas as pd").assert_ok().elapsed;
-    let rss = w.rss_kib();
+    let rss = w.rss_bytes() / 1024;
     let plot = w
         .exec("import matplotlib.pyplot as plt; plt.plot([1, 2]); plt.show()")
         .assert_ok()

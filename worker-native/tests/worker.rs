@@ -3,533 +3,48 @@
 //! descriptor layout of `sandcell_proto::worker` exactly as the daemon drives it (fd 0
 //! `/dev/null`, fds 1 and 2 pipes, fd 3 requests, fd 4 JSON-lines replies).
 //!
-//! Every reply line is parsed with `sandcell_proto::worker::WorkerMessage::parse`, so the tests
-//! also pin the worker's hand-written JSON to the Rust types.
+//! The worker is driven by sandcell-testing's one worker harness (`sandcell_testing::worker`),
+//! which parses every reply line with `sandcell_proto::worker::WorkerMessage::parse`, so the
+//! tests also pin the worker's hand-written JSON to the Rust types.
 //!
 //! Skipped, with a printed reason, when R is not installed. Figures (start-up, round trip, RSS)
 //! are printed by `figures`: `cargo test -p sandcell-worker-native --release -- --nocapture figures`.
 
 mod common;
 
-use sandcell_confine::{Enforcement, Plan, SyscallProfile};
+use common::{Engine, Start, Worker};
 use sandcell_proto::kernel::{DisplayKind, MAX_DISPLAY_BYTES};
-use sandcell_proto::worker::{
-    CellError, MAX_ERROR_MESSAGE, MAX_WORKER_LINE, REPLY_FD, REQUEST_FD, RequestHeader,
-    WorkerMessage, WorkerStatus,
-};
-use std::fs::File;
-use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use sandcell_proto::worker::{MAX_ERROR_MESSAGE, WorkerStatus};
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const R_EXE: &str = "/usr/lib/R/bin/exec/R";
-const LAUNCHER: &str = env!("CARGO_BIN_EXE_sandcell-worker-r");
 
 /// `true` when R is installed.
 fn r_available() -> bool {
     Path::new(R_EXE).exists()
 }
 
-/// The package directory: the one cargo names at run time, the compile-time one only as a
-/// fallback (a shared target directory can hold a test binary that another checkout built,
-/// and cargo keeps it fresh across checkouts).
-fn manifest_dir() -> PathBuf {
-    std::env::var_os("CARGO_MANIFEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
-}
-
-/// The worker script in the source tree.
-fn script() -> PathBuf {
-    manifest_dir().join("r/worker.R")
-}
-
-/// A pipe whose two ends are close-on-exec and numbered 10 or above, so that `dup2` onto 3
-/// and 4 in the child can never overwrite one end with the other.
-fn pipe() -> (OwnedFd, OwnedFd) {
-    let mut fds = [0 as RawFd; 2];
-    // SAFETY: `fds` is a valid array of two ints for pipe2 to fill.
-    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
-    let high = |fd: RawFd| {
-        // SAFETY: duplicating a descriptor we own; the original is closed right after.
-        let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 10) };
-        assert!(new >= 10);
-        // SAFETY: `fd` came from pipe2 above and is not used again.
-        unsafe { libc::close(fd) };
-        // SAFETY: `new` is a fresh descriptor owned by nobody else.
-        unsafe { OwnedFd::from_raw_fd(new) }
-    };
-    (high(fds[0]), high(fds[1]))
-}
-
-fn set_nonblocking(fd: &OwnedFd) {
-    // SAFETY: F_GETFL/F_SETFL on a descriptor we own.
-    unsafe {
-        let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
-        libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
-    }
-}
-
-/// Reads what is available from a non-blocking `fd` into `buf`; returns false at end of file.
-fn read_available(fd: &OwnedFd, buf: &mut Vec<u8>) -> bool {
-    let mut chunk = [0u8; 65536];
-    loop {
-        // SAFETY: reading into a local buffer of the stated length.
-        let n = unsafe { libc::read(fd.as_raw_fd(), chunk.as_mut_ptr().cast(), chunk.len()) };
-        if n > 0 {
-            buf.extend_from_slice(&chunk[..n as usize]);
-        } else if n == 0 {
-            return false;
-        } else {
-            return true; // EAGAIN (or EINTR): nothing more for now
-        }
-    }
-}
-
-static SESSION_SEQ: AtomicUsize = AtomicUsize::new(0);
-
-/// Options of one worker start.
-#[derive(Clone)]
-struct Start {
-    /// Pass SANDCELL_R_WORKER_SCRIPT (else the launcher looks next to itself / embedded copy).
-    script: bool,
-    /// Launcher executable to run.
-    launcher: PathBuf,
-    /// RLIMIT_AS for the plan.
-    max_address_space: Option<u64>,
-    /// Run as this uid/gid under strict enforcement (root only).
-    strict_as: Option<u32>,
-}
-
 impl Default for Start {
+    /// The R tests' start: the built launcher, `r/worker.R` named by path.
     fn default() -> Self {
         Start {
+            engine: Engine::R,
             script: true,
-            launcher: PathBuf::from(LAUNCHER),
-            max_address_space: None,
+            launcher: None,
             strict_as: None,
+            threads: None,
+            preload: None,
+            max_address_space: None,
+            pydata: false,
         }
     }
-}
-
-/// The dynamic loader R's executable names as its ELF interpreter, resolved (Landlock rules
-/// are bound to the file, so the symlink in /lib64 would do as well once resolved).
-fn loader() -> PathBuf {
-    std::fs::canonicalize("/lib64/ld-linux-x86-64.so.2")
-        .or_else(|_| std::fs::canonicalize("/lib/ld-linux-aarch64.so.1"))
-        .unwrap_or_else(|_| PathBuf::from("/lib64/ld-linux-x86-64.so.2"))
-}
-
-/// The confinement plan used by the tests: the paths R reads at start, the worker's own
-/// `/proc/<pid>`, no `/tmp`.
-fn plan(session: &Path, max_address_space: Option<u64>) -> Plan {
-    let p = |s: &str| PathBuf::from(s);
-    Plan {
-        uid: None,
-        gid: None,
-        session_dir: session.to_path_buf(),
-        read_paths: vec![
-            p("/usr"),
-            p("/etc/R"),
-            p("/etc/fonts"),
-            p("/etc/ld.so.cache"),
-            p("/etc/nsswitch.conf"),
-            p("/etc/passwd"),
-            p("/etc/group"),
-            p("/var/cache/fontconfig"),
-            p("/dev/urandom"),
-            // sandcell-confine's final fd sweep lists /proc/self/fd after Landlock is on.
-            // Landlock resolves the link when the rule is made: this grants the worker's own
-            // /proc/<pid> only. R itself needs none of /proc for fds 3 and 4 (pipes).
-            p("/proc/self"),
-            manifest_dir(),
-        ],
-        // R, /bin/sh and coreutils for system(), and the dynamic loader: execve checks the
-        // execute right on the ELF interpreter too, so read access to /usr is not enough.
-        exec_paths: vec![p("/usr/lib/R"), p("/usr/bin"), loader()],
-        write_paths: vec![p("/dev/null")],
-        keep_fds: vec![0, 1, 2, 3, 4],
-        max_open_files: 256,
-        max_file_bytes: 1 << 30,
-        max_processes: 4096,
-        max_address_space,
-        new_net_namespace: true,
-        new_ipc_namespace: true,
-        syscalls: SyscallProfile::Native,
-        enforcement: Enforcement::BestEffort,
-        landlock_abi_cap: None,
-        mount_namespace: false,
-    }
-}
-
-/// One `display` line: kind, MIME bundle, note.
-#[derive(Debug)]
-struct Shown {
-    kind: DisplayKind,
-    data: serde_json::Map<String, serde_json::Value>,
-    note: Option<String>,
-}
-
-impl Shown {
-    fn text(&self) -> &str {
-        self.data["text/plain"].as_str().unwrap()
-    }
-}
-
-/// Standard base64 (RFC 4648) to bytes; `None` on a character outside the alphabet.
-fn b64decode(s: &str) -> Option<Vec<u8>> {
-    let mut out = Vec::with_capacity(s.len() / 4 * 3);
-    let (mut acc, mut bits) = (0u32, 0u32);
-    for c in s.bytes().filter(|&c| c != b'=') {
-        let v = match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => return None,
-        };
-        acc = (acc << 6) | u32::from(v);
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            out.push((acc >> bits) as u8);
-        }
-    }
-    Some(out)
-}
-
-/// What one `exec` produced.
-#[derive(Debug)]
-struct Cell {
-    status: WorkerStatus,
-    error: Option<CellError>,
-    exit_code: Option<i64>,
-    warnings: Vec<String>,
-    stdout: Vec<u8>,
-    stderr: Vec<u8>,
-    /// The `display` lines before `done` (cells sent with rich output only), with the stdout
-    /// bytes read when each arrived.
-    displays: Vec<(Shown, usize)>,
-    /// Length of the `done` line in bytes.
-    line_len: usize,
-    /// When the first stdout byte arrived, relative to the request.
-    first_stdout: Option<Duration>,
-    /// When `done` arrived, relative to the request.
-    elapsed: Duration,
-}
-
-impl Cell {
-    fn out(&self) -> String {
-        String::from_utf8_lossy(&self.stdout).into_owned()
-    }
-    fn err(&self) -> &CellError {
-        self.error
-            .as_ref()
-            .unwrap_or_else(|| panic!("cell has no error: {self:?}"))
-    }
-    #[track_caller]
-    fn assert_ok(&self) -> &Self {
-        assert_eq!(
-            self.status,
-            WorkerStatus::Ok,
-            "{self:?} stderr={}",
-            String::from_utf8_lossy(&self.stderr)
-        );
-        self
-    }
-}
-
-struct Worker {
-    child: Child,
-    req: Option<File>,
-    rep: OwnedFd,
-    out: OwnedFd,
-    err: OwnedFd,
-    rep_buf: Vec<u8>,
-    session: PathBuf,
-    next_cell: u64,
-    /// Time from spawn to `ready`.
-    startup: Duration,
-    /// stderr written before `ready` (launcher diagnostics).
-    boot_stderr: Vec<u8>,
 }
 
 impl Worker {
     fn start() -> Worker {
         Self::start_with(Start::default())
-    }
-
-    fn start_with(opts: Start) -> Worker {
-        let n = SESSION_SEQ.fetch_add(1, Ordering::SeqCst);
-        let session = std::env::temp_dir().join(format!("sandcell-wr-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&session);
-        std::fs::create_dir_all(&session).unwrap();
-        let (req_r, req_w) = pipe();
-        let (rep_r, rep_w) = pipe();
-        let (out_r, out_w) = pipe();
-        let (err_r, err_w) = pipe();
-        let mut plan = plan(&session, opts.max_address_space);
-        if let Some(id) = opts.strict_as {
-            std::os::unix::fs::chown(&session, Some(id), Some(id)).unwrap();
-            plan.uid = Some(id);
-            plan.gid = Some(id);
-            plan.enforcement = Enforcement::Strict;
-        }
-        let plan = serde_json::to_string(&plan).unwrap();
-        let mut cmd = Command::new(&opts.launcher);
-        cmd.env_clear()
-            .env("SANDCELL_CONFINE", plan)
-            .env("SANDCELL_SESSION_DIR", &session)
-            .env("SANDCELL_TEST_CANARY", "must-not-reach-r")
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(out_w))
-            .stderr(Stdio::from(err_w))
-            .process_group(0);
-        if opts.script {
-            cmd.env("SANDCELL_R_WORKER_SCRIPT", script());
-        }
-        let (a, b) = (req_r.as_raw_fd(), rep_w.as_raw_fd());
-        // SAFETY: only async-signal-safe dup2 calls between fork and exec; `a` and `b` stay
-        // open in the parent until spawn returns.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::dup2(a, REQUEST_FD) < 0 || libc::dup2(b, REPLY_FD) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let t0 = Instant::now();
-        let child = common::spawn_retrying(&mut cmd);
-        drop((req_r, rep_w));
-        for fd in [&rep_r, &out_r, &err_r] {
-            set_nonblocking(fd);
-        }
-        let mut w = Worker {
-            child,
-            req: Some(File::from(req_w)),
-            rep: rep_r,
-            out: out_r,
-            err: err_r,
-            rep_buf: Vec::new(),
-            session,
-            next_cell: 1,
-            startup: Duration::ZERO,
-            boot_stderr: Vec::new(),
-        };
-        let (mut o, mut e) = (Vec::new(), Vec::new());
-        let msg = w.next_message(&mut o, &mut e, None, Duration::from_secs(60));
-        w.startup = t0.elapsed();
-        w.boot_stderr = e;
-        match msg {
-            Some((WorkerMessage::Ready { language, engine }, _)) => {
-                assert_eq!(language, "r");
-                assert!(engine.starts_with("R "), "{engine}");
-            }
-            other => panic!(
-                "expected ready, got {other:?}; stderr: {}",
-                String::from_utf8_lossy(&w.boot_stderr)
-            ),
-        }
-        w
-    }
-
-    fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-
-    /// Waits for the next reply line, collecting stdout/stderr meanwhile. `None` at EOF.
-    fn next_message(
-        &mut self,
-        out: &mut Vec<u8>,
-        err: &mut Vec<u8>,
-        mut first_out: Option<&mut Option<Instant>>,
-        timeout: Duration,
-    ) -> Option<(WorkerMessage, usize)> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(i) = self.rep_buf.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = self.rep_buf.drain(..=i).collect();
-                let line = &line[..line.len() - 1];
-                assert!(
-                    line.len() <= MAX_WORKER_LINE,
-                    "reply line of {} bytes",
-                    line.len()
-                );
-                let msg = WorkerMessage::parse(line).unwrap_or_else(|e| {
-                    panic!("bad reply line {:?}: {e}", String::from_utf8_lossy(line))
-                });
-                return Some((msg, line.len()));
-            }
-            let now = Instant::now();
-            assert!(
-                now < deadline,
-                "no reply within {timeout:?}; stdout {:?} stderr {:?}",
-                String::from_utf8_lossy(out),
-                String::from_utf8_lossy(err)
-            );
-            let mut fds = [
-                self.rep.as_raw_fd(),
-                self.out.as_raw_fd(),
-                self.err.as_raw_fd(),
-            ]
-            .map(|fd| libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            });
-            let ms = (deadline - now).as_millis().min(1000) as i32;
-            // SAFETY: polling three valid pollfd structs owned by this frame.
-            unsafe { libc::poll(fds.as_mut_ptr(), 3, ms) };
-            let before = out.len();
-            read_available(&self.out, out);
-            if out.len() > before
-                && let Some(slot) = first_out.as_deref_mut()
-            {
-                slot.get_or_insert_with(Instant::now);
-            }
-            read_available(&self.err, err);
-            let mut buf = Vec::new();
-            let open = read_available(&self.rep, &mut buf);
-            self.rep_buf.extend_from_slice(&buf);
-            if !open && buf.is_empty() && !self.rep_buf.contains(&b'\n') {
-                return None;
-            }
-        }
-    }
-
-    /// Sends one request without waiting.
-    fn send(&mut self, code: &[u8], timeout_ms: Option<u64>) -> u64 {
-        self.send_with(code, timeout_ms, false)
-    }
-
-    /// Sends one request without waiting; `rich`: with rich output (`rich=1`).
-    fn send_with(&mut self, code: &[u8], timeout_ms: Option<u64>, rich: bool) -> u64 {
-        let cell = self.next_cell;
-        self.next_cell += 1;
-        let mut h = RequestHeader::exec(cell, code.len() as u64);
-        h.timeout_ms = timeout_ms;
-        h.rich = rich;
-        let req = self.req.as_mut().expect("request pipe open");
-        req.write_all(h.to_line().as_bytes()).unwrap();
-        req.write_all(code).unwrap();
-        cell
-    }
-
-    /// Waits for the `done` of `cell`.
-    fn wait_done(&mut self, cell: u64, t0: Instant, timeout: Duration) -> Cell {
-        let (mut out, mut err) = (Vec::new(), Vec::new());
-        let mut first = None;
-        let mut displays = Vec::new();
-        let (msg, line_len) = loop {
-            let Some((msg, line_len)) =
-                self.next_message(&mut out, &mut err, Some(&mut first), timeout)
-            else {
-                panic!(
-                    "worker ended before done of cell {cell}; stderr {}",
-                    String::from_utf8_lossy(&err)
-                );
-            };
-            match msg {
-                WorkerMessage::Display {
-                    cell: c,
-                    kind,
-                    data,
-                    note,
-                } => {
-                    assert_eq!(c, cell);
-                    read_available(&self.out, &mut out);
-                    displays.push((Shown { kind, data, note }, out.len()));
-                }
-                msg => break (msg, line_len),
-            }
-        };
-        // The R worker sends nothing but `display` lines (rich output) and `done` after `ready`.
-        let WorkerMessage::Done {
-            cell: c,
-            status,
-            error,
-            exit_code,
-            warnings,
-            ..
-        } = msg
-        else {
-            panic!("unexpected message {msg:?}");
-        };
-        assert_eq!(c, cell);
-        // Everything the cell wrote is in the pipes before `done` is written.
-        read_available(&self.out, &mut out);
-        read_available(&self.err, &mut err);
-        Cell {
-            status,
-            error,
-            exit_code,
-            warnings,
-            stdout: out,
-            stderr: err,
-            displays,
-            line_len,
-            first_stdout: first.map(|f: Instant| f - t0),
-            elapsed: t0.elapsed(),
-        }
-    }
-
-    fn exec_opts(&mut self, code: &str, timeout_ms: Option<u64>) -> Cell {
-        let t0 = Instant::now();
-        let cell = self.send(code.as_bytes(), timeout_ms);
-        self.wait_done(cell, t0, Duration::from_secs(120))
-    }
-
-    fn exec(&mut self, code: &str) -> Cell {
-        self.exec_opts(code, None)
-    }
-
-    /// Runs `code` as a cell with rich output.
-    fn exec_rich(&mut self, code: &str) -> Cell {
-        let t0 = Instant::now();
-        let cell = self.send_with(code.as_bytes(), None, true);
-        self.wait_done(cell, t0, Duration::from_secs(120))
-    }
-
-    fn sigint(&self) {
-        // SAFETY: signalling our own child.
-        assert_eq!(unsafe { libc::kill(self.pid(), libc::SIGINT) }, 0);
-    }
-
-    /// Waits for the process to end; its exit code.
-    fn wait_exit(&mut self, timeout: Duration) -> Option<i32> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st.code();
-            }
-            assert!(Instant::now() < deadline, "worker did not exit");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    fn rss_kib(&self) -> u64 {
-        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
-        s.lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .unwrap()
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        // SAFETY: killing our own child's process group (R and anything its cells started).
-        unsafe { libc::kill(-self.pid(), libc::SIGKILL) };
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.session);
     }
 }
 
@@ -711,7 +226,7 @@ fn jumps_to_top_level_are_survived_then_bounded() {
     }
     let c = w.exec("invokeRestart('abort')");
     assert!(c.err().message.contains("too many times"), "{c:?}");
-    assert_eq!(w.wait_exit(Duration::from_secs(10)), Some(1));
+    assert_eq!(w.wait_exit(Duration::from_secs(10)).code(), Some(1));
 }
 
 #[test]
@@ -889,24 +404,24 @@ fn quit_ends_the_session_with_exited() {
     let c = w.exec("cat('bye\\n'); q(status = 3)");
     assert_eq!((c.status, c.exit_code), (WorkerStatus::Exited, Some(3)));
     assert_eq!(c.out(), "bye\n");
-    assert_eq!(w.wait_exit(Duration::from_secs(10)), Some(3));
+    assert_eq!(w.wait_exit(Duration::from_secs(10)).code(), Some(3));
 
     // base::quit() bypasses the guard; the exit finalizer still reports the cell.
     let mut w = Worker::start();
     let c = w.exec("base::quit(status = 5)");
     assert_eq!((c.status, c.exit_code), (WorkerStatus::Exited, None));
-    assert_eq!(w.wait_exit(Duration::from_secs(10)), Some(5));
+    assert_eq!(w.wait_exit(Duration::from_secs(10)).code(), Some(5));
 }
 
 #[test]
 fn exit_request_and_eof_end_the_worker() {
     need_r!("exit_request_and_eof_end_the_worker");
     let mut w = Worker::start();
-    w.req.as_mut().unwrap().write_all(b"exit 0 0\n").unwrap();
-    assert_eq!(w.wait_exit(Duration::from_secs(10)), Some(0));
+    w.write_raw(b"exit 0 0\n");
+    assert_eq!(w.wait_exit(Duration::from_secs(10)).code(), Some(0));
     let mut w = Worker::start();
-    w.req = None; // the daemon went away
-    assert_eq!(w.wait_exit(Duration::from_secs(10)), Some(0));
+    w.close_requests(); // the daemon went away
+    assert_eq!(w.wait_exit(Duration::from_secs(10)).code(), Some(0));
 }
 
 #[test]
@@ -1068,6 +583,29 @@ fn plots_produce_a_png() {
     }
 }
 
+/// Standard base64 (RFC 4648) to bytes; `None` on a character outside the alphabet.
+fn b64decode(s: &str) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(s.len() / 4 * 3);
+    let (mut acc, mut bits) = (0u32, 0u32);
+    for c in s.bytes().filter(|&c| c != b'=') {
+        let v = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        };
+        acc = (acc << 6) | u32::from(v);
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+        }
+    }
+    Some(out)
+}
+
 #[test]
 fn rich_output_sends_plots_and_printed_values_as_bundles() {
     need_r!("rich_output_sends_plots_and_printed_values_as_bundles");
@@ -1190,10 +728,10 @@ fn embedded_script_is_used_without_a_file() {
     let dir = std::env::temp_dir().join(format!("sandcell-wr-exe-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let exe = dir.join("sandcell-worker-r");
-    std::fs::copy(LAUNCHER, &exe).unwrap();
+    std::fs::copy(common::R_LAUNCHER, &exe).unwrap();
     let mut w = Worker::start_with(Start {
         script: false,
-        launcher: exe,
+        launcher: Some(exe),
         ..Start::default()
     });
     assert_eq!(w.exec("1 + 1").assert_ok().out(), "[1] 2\n");
@@ -1241,7 +779,10 @@ fn runs_fully_confined_as_an_unprivileged_uid() {
 
 #[test]
 fn missing_plan_exits_before_r_starts() {
-    let out = Command::new(LAUNCHER).env_clear().output().unwrap();
+    let out = Command::new(common::R_LAUNCHER)
+        .env_clear()
+        .output()
+        .unwrap();
     assert_eq!(
         out.status.code(),
         Some(sandcell_confine::EXIT_CONFINE_FAILED)
@@ -1266,7 +807,7 @@ fn figures() {
     assign.sort();
     let assign_p50 = assign[100];
     std::thread::sleep(Duration::from_millis(200));
-    let rss = w.rss_kib();
+    let rss = w.rss_bytes() / 1024;
     let t0 = Instant::now();
     let st = Command::new("/usr/bin/Rscript")
         .args(["-e", "cat(1)"])

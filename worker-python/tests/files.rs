@@ -29,7 +29,7 @@ fn an_uploaded_file_is_readable_at_mnt_data_and_the_cwd_is_mnt_data() {
          print(open('input.txt').read(), end='')\n\
          print(sorted(os.listdir('.')))",
     );
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     assert_eq!(
         r.stdout,
         "hello from the host\n/mnt/data\nhello from the host\n['input.txt']\n"
@@ -58,7 +58,7 @@ fn a_file_the_cell_writes_appears_in_the_session_directory_with_its_bytes() {
          os.remove('gone.txt')\n\
          print(os.path.getsize('out.bin'))",
     );
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     assert_eq!(r.stdout, "1048576\n");
     let dir = w.session_dir();
     let expected: Vec<u8> = (0..4096).flat_map(|_| 0..=255u8).collect();
@@ -108,7 +108,7 @@ fn csv_round_trip() {
          \x20       out.writerow([city, len(acc[city]), sum(acc[city]) / len(acc[city])])\n\
          print('rows', sum(map(len, acc.values())))",
     );
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     assert_eq!(r.stdout, "rows 4\n");
     assert_eq!(
         std::fs::read_to_string(w.session_dir().join("summary.csv")).unwrap(),
@@ -146,7 +146,7 @@ fn a_symlink_in_the_session_directory_does_not_lead_to_host_files() {
          \x20   except OSError as e:\n\
          \x20       print('refused', name, type(e).__name__)\n",
     );
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     assert!(!r.stdout.contains("LEAK"), "{}", r.stdout);
     assert_eq!(r.stdout.matches("refused").count(), 14, "{}", r.stdout);
     assert!(!r.stdout.contains("eryx_version"));
@@ -179,7 +179,7 @@ fn a_symlink_in_the_session_directory_does_not_lead_to_host_files() {
          \x20   os.remove(name)\n\
          print(sorted(os.listdir('/mnt/data')))\n",
     );
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     assert_eq!(
         r.stdout,
         "EIO ['alias', 'target.txt']\n\
@@ -219,7 +219,7 @@ fn a_symlink_the_guest_makes_stays_inside_the_session_directory() {
          \x20       pass\n"
     );
     let r = w.cell(1, &code);
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     // Absolute targets are refused when the link is made; a relative one that climbs out can
     // be made but leads nowhere.
     assert_eq!(
@@ -257,7 +257,7 @@ fn dot_dot_never_leaves_the_session_directory() {
         rt = readable.trim_start_matches('/')
     );
     let r = w.cell(1, &code);
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     assert!(!r.stdout.contains("LEAK"), "{}", r.stdout);
     assert_eq!(r.stdout.matches("refused open").count(), 7, "{}", r.stdout);
     for host_only in ["'etc'", "'root'", "'var'", "'usr'", "sandcell-pytest"] {
@@ -279,7 +279,7 @@ fn the_guest_sees_no_other_host_path() {
          \x20       print('refused', type(e).__name__)\n"
     );
     let r = w.cell(1, &code);
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     assert!(!r.stdout.contains("LEAK"), "{}", r.stdout);
     let root = r.stdout.lines().next().unwrap();
     for host_only in ["'etc'", "'root'", "'var'", "'usr'", "'proc'", "'home'"] {
@@ -288,7 +288,7 @@ fn the_guest_sees_no_other_host_path() {
     // The session directory's host path and its siblings are not reachable by name either.
     let host_path = w.session_dir().display().to_string();
     let r = w.cell(2, &format!("open('{host_path}/x', 'w')"));
-    assert_eq!(r.status(), WorkerStatus::Error, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Error, "{r:?}");
     assert!(!w.session_dir().join("x").exists());
 }
 
@@ -311,7 +311,7 @@ fn tmp_is_an_in_memory_scratch_bounded_and_not_in_the_session_directory() {
          \x20   print('limit', __import__('errno').errorcode[e.errno], i)\n\
          os.remove('/tmp/big')",
     );
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     // eryx-vfs 0.10.1 turns ENOSPC from a stream write into EIO.
     let mib: u64 = r
         .stdout
@@ -344,7 +344,7 @@ fn a_file_over_the_size_limit_is_an_error_and_the_session_survives() {
          except OSError as e:\n\
          \x20   print('limit', __import__('errno').errorcode[e.errno])\n",
     );
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     // EFBIG from the host; eryx-vfs 0.10.1 reports a failed stream write as EIO.
     assert_eq!(r.stdout, "limit EIO\n");
     assert_eq!(
@@ -363,7 +363,7 @@ fn files_and_the_working_directory_survive_a_rebuild() {
         1,
         "n = 7\nopen('kept.txt', 'w').write('kept')\nimport os\nos.makedirs('d')",
     );
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     let r = w.run(
         2,
         "while True: pass",
@@ -372,8 +372,8 @@ fn files_and_the_working_directory_survive_a_rebuild() {
             ..Opts::default()
         },
     );
-    assert_eq!(r.status(), WorkerStatus::Timeout);
-    assert_eq!(r.state(), SessionState::Restored, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Timeout);
+    assert_eq!(r.state, SessionState::Restored, "{r:?}");
     let r = w.cell(
         3,
         "import os\nprint(n, os.getcwd(), open('kept.txt').read(), os.path.isdir('d'))",
@@ -381,7 +381,7 @@ fn files_and_the_working_directory_survive_a_rebuild() {
     assert_eq!(r.stdout, "7 /mnt/data kept True\n", "{r:?}");
     // A cell that changes directory affects later cells of the session, as in CPython.
     let r = w.cell(4, "os.chdir('d')\nopen('inner.txt', 'w').write('i')");
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     assert!(w.session_dir().join("d/inner.txt").is_file());
 }
 
@@ -414,7 +414,7 @@ fn files_work_fully_confined_as_an_unprivileged_user() {
          open('/mnt/data/out.txt', 'w').write(str(rows))\n\
          try:\n    print('LEAK', open('shadow').read()[:30])\nexcept OSError as e:\n    print('refused')\n",
     );
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     assert_eq!(r.stdout, "refused\n");
     let out = w.session_dir().join("out.txt");
     assert_eq!(
@@ -466,7 +466,7 @@ fn figures_cold_stdlib_import() {
     eprintln!(
         "FIGURES files cold_import_cell_ms={:.1} status={:?}",
         r.elapsed.as_secs_f64() * 1e3,
-        r.status()
+        r.status
     );
     assert!(r.elapsed < Duration::from_secs(10));
 }

@@ -14,11 +14,11 @@ fn print_output_is_exact_on_both_streams() {
         1,
         "import sys\nprint('hello')\nprint('wörld ✓', file=sys.stderr)\nprint(1, 2, sep='-')\n",
     );
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     assert_eq!(r.stdout, "hello\n1-2\n");
     assert_eq!(r.stderr, "wörld ✓\n");
-    assert_eq!(r.state(), SessionState::Kept, "{r:?}");
-    assert!(r.fuel().unwrap() > 0, "fuel is reported");
+    assert_eq!(r.state, SessionState::Kept, "{r:?}");
+    assert!(r.fuel.unwrap() > 0, "fuel is reported");
 }
 
 #[test]
@@ -26,7 +26,7 @@ fn the_last_expression_is_shown_unless_the_request_says_display_0() {
     let mut w = Worker::start();
     let r = w.cell(1, "x = 21\nx * 2");
     assert_eq!(
-        (r.status(), r.stdout.as_str()),
+        (r.status, r.stdout.as_str()),
         (WorkerStatus::Ok, "42\n"),
         "{r:?}"
     );
@@ -36,7 +36,7 @@ fn the_last_expression_is_shown_unless_the_request_says_display_0() {
         4,
         "class B:\n    def __repr__(self):\n        raise ValueError('nope')\nB()",
     );
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     assert_eq!(r.stdout, "<repr failed: ValueError: nope>\n");
     // The same source again (its code is reused from the compile cache), and without display.
     assert_eq!(w.cell(5, "x * 2").stdout, "42\n");
@@ -49,7 +49,7 @@ fn the_last_expression_is_shown_unless_the_request_says_display_0() {
     for cell in 7..10 {
         let r = w.run(cell, "x * 2", &off);
         assert_eq!(
-            (r.status(), r.stdout.as_str()),
+            (r.status, r.stdout.as_str()),
             (WorkerStatus::Ok, ""),
             "{r:?}"
         );
@@ -85,7 +85,7 @@ fn variables_persist_across_cells_including_result() {
             1,
             "x = 41\nresult = 'mine'\ndef inc(v):\n    return v + 1\n"
         )
-        .status(),
+        .status,
         WorkerStatus::Ok
     );
     let r = w.cell(2, "print(inc(x), result)");
@@ -96,8 +96,8 @@ fn variables_persist_across_cells_including_result() {
 fn exception_reports_the_users_line_and_traceback() {
     let mut w = Worker::start();
     let r = w.cell(1, "a = 1\nb = 0\nc = a / b\n");
-    assert_eq!(r.status(), WorkerStatus::Error);
-    let e = r.error();
+    assert_eq!(r.status, WorkerStatus::Error);
+    let e = r.err().clone();
     assert_eq!(e.kind, "ZeroDivisionError");
     assert_eq!(e.message, "division by zero");
     assert_eq!(e.line, Some(3));
@@ -113,7 +113,7 @@ fn exception_reports_the_users_line_and_traceback() {
     // A function from an earlier cell raising in a later one.
     w.cell(2, "def f():\n    raise ValueError('boom')\n");
     let r = w.cell(3, "\n\nf()\n");
-    let e = r.error();
+    let e = r.err().clone();
     assert_eq!(
         (e.kind.as_str(), e.message.as_str(), e.line),
         ("ValueError", "boom", Some(3))
@@ -124,20 +124,20 @@ fn exception_reports_the_users_line_and_traceback() {
         "{tb}"
     );
     // Errors keep the session.
-    assert_eq!(r.state(), SessionState::Kept, "{r:?}");
+    assert_eq!(r.state, SessionState::Kept, "{r:?}");
     assert_eq!(w.cell(4, "print(a)").stdout, "1\n");
 
     // A syntax error names its line too.
     let r = w.cell(5, "x = 1\ny = (\n");
-    assert_eq!(r.error().kind, "SyntaxError");
-    assert_eq!(r.error().line, Some(2));
+    assert_eq!(r.err().kind, "SyntaxError");
+    assert_eq!(r.err().line, Some(2));
 }
 
 #[test]
 fn huge_error_message_is_bounded() {
     let mut w = Worker::start();
     let r = w.cell(1, "raise ValueError('x' * 10**7)");
-    let e = r.error();
+    let e = r.err().clone();
     assert_eq!(e.kind, "ValueError");
     assert!(
         e.message.len() <= sandcell_proto::worker::MAX_ERROR_MESSAGE + 100,
@@ -155,10 +155,10 @@ fn sys_exit_is_exited_not_a_crash() {
         2,
         "import sys\nprint('bye')\nsys.exit(3)\nprint('not reached')\n",
     );
-    assert_eq!(r.status(), WorkerStatus::Exited);
-    assert_eq!(r.exit_code(), Some(3));
+    assert_eq!(r.status, WorkerStatus::Exited);
+    assert_eq!(r.exit_code, Some(3));
     assert_eq!(r.stdout, "bye\n");
-    assert_eq!(w.cell(3, "raise SystemExit").exit_code(), Some(0));
+    assert_eq!(w.cell(3, "raise SystemExit").exit_code, Some(0));
     assert_eq!(w.cell(4, "print(keep)").stdout, "7\n");
 }
 
@@ -177,12 +177,12 @@ fn timeout_stops_a_busy_loop_and_restores_variables() {
             ..Opts::default()
         },
     );
-    assert_eq!(r.status(), WorkerStatus::Timeout, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Timeout, "{r:?}");
     eprintln!(
         "FIGURES timeout_1000ms_busy_loop_done_after_ms={}",
         r.elapsed.as_millis()
     );
-    assert_eq!(r.state(), SessionState::Restored, "{r:?}");
+    assert_eq!(r.state, SessionState::Restored, "{r:?}");
     assert!(
         r.elapsed < Duration::from_millis(2500),
         "took {:?}",
@@ -208,7 +208,7 @@ fn timeout_stops_a_sleep() {
         "FIGURES timeout_500ms_sleep_done_after_ms={}",
         r.elapsed.as_millis()
     );
-    assert_eq!(r.status(), WorkerStatus::Timeout);
+    assert_eq!(r.status, WorkerStatus::Timeout);
     assert!(r.elapsed < Duration::from_secs(2), "took {:?}", r.elapsed);
     assert_eq!(w.cell(3, "print(v)").stdout, "kept\n");
 }
@@ -226,9 +226,9 @@ fn fuel_exhaustion_is_reported_and_state_restored() {
             ..Opts::default()
         },
     );
-    assert_eq!(r.status(), WorkerStatus::FuelExhausted, "{r:?}");
-    assert!(r.fuel().unwrap() >= 50_000_000, "consumed {:?}", r.fuel());
-    assert_eq!(r.state(), SessionState::Restored, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::FuelExhausted, "{r:?}");
+    assert!(r.fuel.unwrap() >= 50_000_000, "consumed {:?}", r.fuel);
+    assert_eq!(r.state, SessionState::Restored, "{r:?}");
     assert_eq!(w.cell(3, "print(keep['a'])").stdout, "1\n");
     // A cell within its budget reports what it used.
     let r = w.run(
@@ -240,8 +240,8 @@ fn fuel_exhaustion_is_reported_and_state_restored() {
             ..Opts::default()
         },
     );
-    assert_eq!(r.status(), WorkerStatus::Ok);
-    assert!(r.fuel().unwrap() > 0 && r.fuel().unwrap() < 50_000_000);
+    assert_eq!(r.status, WorkerStatus::Ok);
+    assert!(r.fuel.unwrap() > 0 && r.fuel.unwrap() < 50_000_000);
 }
 
 fn interrupt_after(w: &mut Worker, cell: u64, code: &str) -> (common::CellRun, Duration) {
@@ -265,7 +265,7 @@ fn sigint_ends_a_sleep_quickly_and_the_session_survives() {
     let mut w = Worker::start();
     w.cell(1, "y = 'still here'");
     let (r, after) = interrupt_after(&mut w, 2, "import time\nprint('before')\ntime.sleep(60)\n");
-    assert_eq!(r.status(), WorkerStatus::Interrupted, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Interrupted, "{r:?}");
     eprintln!(
         "FIGURES sigint_sleep_done_after_ms={:.1}",
         after.as_secs_f64() * 1e3
@@ -275,7 +275,7 @@ fn sigint_ends_a_sleep_quickly_and_the_session_survives() {
         "Done {after:?} after SIGINT"
     );
     assert_eq!(r.stdout, "before\n");
-    assert_eq!(r.state(), SessionState::Restored, "{r:?}");
+    assert_eq!(r.state, SessionState::Restored, "{r:?}");
     assert_eq!(w.cell(3, "print(y)").stdout, "still here\n");
 }
 
@@ -284,7 +284,7 @@ fn sigint_ends_a_busy_loop_quickly() {
     let mut w = Worker::start();
     w.cell(1, "z = 5");
     let (r, after) = interrupt_after(&mut w, 2, "while True: pass");
-    assert_eq!(r.status(), WorkerStatus::Interrupted, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Interrupted, "{r:?}");
     eprintln!(
         "FIGURES sigint_busy_loop_done_after_ms={:.1}",
         after.as_secs_f64() * 1e3
@@ -315,7 +315,7 @@ fn sigint_with_the_longest_timeout_is_still_quick() {
         "FIGURES sigint_busy_loop_24h_timeout_done_after_ms={:.1}",
         t.elapsed().as_secs_f64() * 1e3
     );
-    assert_eq!(r.status(), WorkerStatus::Interrupted);
+    assert_eq!(r.status, WorkerStatus::Interrupted);
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
 }
 
@@ -348,7 +348,7 @@ fn sigint_right_after_the_request_still_reaches_that_cell() {
         let r = w.collect(cell, Duration::from_secs(10));
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         repeat.join().unwrap();
-        assert_eq!(r.status(), WorkerStatus::Interrupted, "{r:?}");
+        assert_eq!(r.status, WorkerStatus::Interrupted, "{r:?}");
         assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
     }
     assert_eq!(w.cell(6, "print(a)").stdout, "1\n");
@@ -363,7 +363,7 @@ fn sigint_between_cells_is_ignored() {
     w.sigint();
     std::thread::sleep(Duration::from_millis(100));
     let r = w.cell(2, "n += 1\nprint(n)");
-    assert_eq!(r.status(), WorkerStatus::Ok);
+    assert_eq!(r.status, WorkerStatus::Ok);
     assert_eq!(r.stdout, "2\n");
     assert!(w.child.try_wait().unwrap().is_none());
 }
@@ -380,7 +380,7 @@ fn output_flood_is_bounded_with_exact_drop_counts() {
             ..Opts::default()
         },
     );
-    assert_eq!(r.status(), WorkerStatus::Ok);
+    assert_eq!(r.status, WorkerStatus::Ok);
     assert_eq!(r.kept(Stream::Stdout), 1000);
     assert_eq!(r.stdout, "x".repeat(1000));
     assert_eq!(r.dropped_stdout, 1_000_001 - 1000);
@@ -392,7 +392,7 @@ fn output_flood_is_bounded_with_exact_drop_counts() {
 fn large_output_is_chunked_without_splitting_characters() {
     let mut w = Worker::start();
     let r = w.cell(1, "print('✓' * 100000)");
-    assert_eq!(r.status(), WorkerStatus::Ok);
+    assert_eq!(r.status, WorkerStatus::Ok);
     assert_eq!(r.kept(Stream::Stdout), 300_001);
     assert!(r.frames.len() >= 5);
     for (_, data, bytes) in &r.frames {
@@ -416,7 +416,7 @@ fn raw_fd_writes_never_reach_the_protocol() {
         1,
         "import os\nos.write(1, b'rawmarker1')\nos.write(2, b'rawmarker2')\nprint('ok')\n",
     );
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     assert_eq!(r.stdout, "ok\n");
     assert!(!format!("{r:?}").contains("rawmarker"));
     assert_eq!(w.cell(2, "print(2)").stdout, "2\n");
@@ -427,9 +427,9 @@ fn memory_error_is_reported_and_the_worker_survives() {
     let mut w = Worker::start_with_memory(Some(128 * 1024 * 1024));
     w.cell(1, "small = list(range(10))");
     let r = w.cell(2, "big = bytearray(1024**3)");
-    assert_eq!(r.status(), WorkerStatus::MemoryExhausted, "{r:?}");
-    assert_eq!(r.error().kind, "MemoryError");
-    assert_eq!(r.error().line, Some(1));
+    assert_eq!(r.status, WorkerStatus::MemoryExhausted, "{r:?}");
+    assert_eq!(r.err().kind, "MemoryError");
+    assert_eq!(r.err().line, Some(1));
     let r = w.cell(3, "print(sum(small))");
     assert_eq!(r.stdout, "45\n");
 }
@@ -438,7 +438,7 @@ fn memory_error_is_reported_and_the_worker_survives() {
 fn top_level_await_works() {
     let mut w = Worker::start();
     let r = w.cell(1, "import asyncio\nawait asyncio.sleep(0)\nasync def f():\n    return 3\nv = await f()\nprint('async', v)\n");
-    assert_eq!(r.status(), WorkerStatus::Ok, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Ok, "{r:?}");
     assert_eq!(r.stdout, "async 3\n");
     assert_eq!(w.cell(2, "print(v)").stdout, "3\n");
 }
@@ -455,12 +455,12 @@ fn unpicklable_variables_are_named_after_a_restore() {
             ..Opts::default()
         },
     );
-    assert_eq!(r.status(), WorkerStatus::Timeout);
-    assert_eq!(r.state(), SessionState::Restored, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Timeout);
+    assert_eq!(r.state, SessionState::Restored, "{r:?}");
     assert!(
-        r.warnings().iter().any(|w| w.contains("gen")),
+        r.warnings.iter().any(|w| w.contains("gen")),
         "{:?}",
-        r.warnings()
+        r.warnings
     );
     let r = w.cell(3, "print(p.get(), isinstance(p, P), 'gen' in globals())");
     assert_eq!(r.stdout, "42 True False\n", "{r:?}");
@@ -470,7 +470,7 @@ fn unpicklable_variables_are_named_after_a_restore() {
 fn deeply_nested_values_do_not_crash_the_snapshot() {
     let mut w = Worker::start();
     let r = w.cell(1, "class N:\n    def __init__(self, nxt):\n        self.nxt = nxt\nhead = None\nfor i in range(3000):\n    head = N(head)\nnested = []\nfor i in range(5000):\n    nested = [nested]\nflat = list(range(100000))\n");
-    assert_eq!(r.status(), WorkerStatus::Ok);
+    assert_eq!(r.status, WorkerStatus::Ok);
     let r = w.run(
         2,
         "while True: pass",
@@ -479,9 +479,9 @@ fn deeply_nested_values_do_not_crash_the_snapshot() {
             ..Opts::default()
         },
     );
-    assert_eq!(r.status(), WorkerStatus::Timeout);
-    assert_eq!(r.state(), SessionState::Restored, "{r:?}");
-    let warn = r.warnings().join("; ");
+    assert_eq!(r.status, WorkerStatus::Timeout);
+    assert_eq!(r.state, SessionState::Restored, "{r:?}");
+    let warn = r.warnings.join("; ");
     assert!(
         warn.contains("head (nested too deeply)") && warn.contains("nested (nested too deeply)"),
         "{warn}"
@@ -506,7 +506,7 @@ fn removing_the_driver_does_not_break_the_session() {
     w.cell(5, "import __main__\ndel __main__.compile\nq = 11\n");
     let r = w.cell(6, "print(q)");
     assert_eq!(
-        (r.status(), r.stdout.as_str()),
+        (r.status, r.stdout.as_str()),
         (WorkerStatus::Ok, "11\n"),
         "{r:?}"
     );
@@ -518,7 +518,7 @@ fn removing_the_driver_does_not_break_the_session() {
             ..Opts::default()
         },
     );
-    assert_eq!(r.state(), SessionState::Restored, "{r:?}");
+    assert_eq!(r.state, SessionState::Restored, "{r:?}");
     assert_eq!(w.cell(8, "print(q)").stdout, "11\n");
 }
 
@@ -548,7 +548,7 @@ fn a_repeated_cell_behaves_as_if_compiled_afresh() {
         let r = w.cell(cell, fail);
         let name = format!("<cell {cell}>");
         assert_eq!(r.stdout, format!("{name} {name}\n"), "{r:?}");
-        let e = r.error();
+        let e = r.err().clone();
         assert_eq!((e.kind.as_str(), e.line), ("ZeroDivisionError", Some(2)));
         let tb = e.traceback.unwrap();
         assert!(
@@ -566,7 +566,7 @@ fn a_repeated_cell_behaves_as_if_compiled_afresh() {
     }
     // A syntax error is reported every time, with the cell's own file name.
     for cell in 9..=11 {
-        let e = w.cell(cell, "x = (1,\n").error();
+        let e = w.cell(cell, "x = (1,\n").err().clone();
         assert_eq!(e.kind, "SyntaxError");
         assert!(e.traceback.unwrap().contains(&format!("<cell {cell}>")));
     }
@@ -586,8 +586,8 @@ fn skipped_snapshots_of_an_unchanged_namespace_restore_exactly() {
                 ..Opts::default()
             },
         );
-        assert_eq!(r.status(), WorkerStatus::Timeout, "{r:?}");
-        assert_eq!(r.state(), SessionState::Restored, "{r:?}");
+        assert_eq!(r.status, WorkerStatus::Timeout, "{r:?}");
+        assert_eq!(r.state, SessionState::Restored, "{r:?}");
     };
     let mut w = Worker::start();
     w.cell(
@@ -651,8 +651,8 @@ fn protocol_ends_cleanly() {
     let mut w = Worker::start();
     w.write_raw(b"exec 1 3\na\xffb");
     let r = w.collect(1, Duration::from_secs(10));
-    assert_eq!(r.status(), WorkerStatus::Error);
-    assert_eq!(r.error().kind, "SyntaxError");
+    assert_eq!(r.status, WorkerStatus::Error);
+    assert_eq!(r.err().kind, "SyntaxError");
 }
 
 #[test]
@@ -694,11 +694,11 @@ fn figures() {
 fn guest_has_no_host_files_or_network() {
     let mut w = Worker::start();
     let r = w.cell(1, "open('/etc/passwd').read()");
-    assert_eq!(r.status(), WorkerStatus::Error);
+    assert_eq!(r.status, WorkerStatus::Error);
     assert!(
-        ["FileNotFoundError", "PermissionError", "OSError"].contains(&r.error().kind.as_str()),
+        ["FileNotFoundError", "PermissionError", "OSError"].contains(&r.err().kind.as_str()),
         "{:?}",
-        r.error()
+        r.err()
     );
     let r = w.cell(2, "import os\nprint(sorted(os.listdir('/')))");
     assert!(!r.stdout.contains("etc"), "host root visible: {r:?}");
@@ -706,7 +706,7 @@ fn guest_has_no_host_files_or_network() {
         3,
         "import socket\ns = socket.create_connection(('127.0.0.1', 22), timeout=2)\n",
     );
-    assert_eq!(r.status(), WorkerStatus::Error, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Error, "{r:?}");
     let r = w.cell(
         4,
         "import os\nprint(sorted(k for k in os.environ if not k.startswith('PYTHON')))",
@@ -745,7 +745,7 @@ fn output_is_streamed_while_the_cell_runs() {
         assert!(t.elapsed() < Duration::from_secs(1));
         let rest = w.collect(cell, Duration::from_secs(10));
         assert_eq!(rest.stdout, "second\n");
-        assert_eq!(rest.status(), WorkerStatus::Ok);
+        assert_eq!(rest.status, WorkerStatus::Ok);
     }
 }
 
@@ -754,11 +754,11 @@ fn deep_recursion_is_an_error_not_a_crash() {
     let mut w = Worker::start();
     w.cell(1, "kept = 'yes'");
     let r = w.cell(2, "def f(n):\n    return f(n + 1)\nf(0)\n");
-    assert_eq!(r.status(), WorkerStatus::Error, "{r:?}");
+    assert_eq!(r.status, WorkerStatus::Error, "{r:?}");
     eprintln!(
         "FIGURES recursion_error_kind={} state={:?}",
-        r.error().kind,
-        r.state()
+        r.err().kind,
+        r.state
     );
     assert_eq!(w.cell(3, "print(kept)").stdout, "yes\n");
     // Generated code often raises the limit; the sandbox caps it so deep pure-Python
@@ -767,8 +767,8 @@ fn deep_recursion_is_an_error_not_a_crash() {
         4,
         "import sys\nsys.setrecursionlimit(10**6)\ndef g(n):\n    return g(n + 1)\ng(0)\n",
     );
-    assert_eq!(r.status(), WorkerStatus::Error, "{r:?}");
-    assert_eq!(r.error().kind, "RecursionError");
+    assert_eq!(r.status, WorkerStatus::Error, "{r:?}");
+    assert_eq!(r.err().kind, "RecursionError");
     assert_eq!(
         w.cell(5, "import sys\nprint(kept, sys.getrecursionlimit())")
             .stdout,
@@ -831,7 +831,7 @@ fn runs_fully_confined_as_an_unprivileged_user() {
     let r = w.cell(1, "x = 6 * 7\nprint(x)");
     assert_eq!(r.stdout, "42\n", "{r:?}");
     let (r, after) = interrupt_after(&mut w, 2, "while True: pass");
-    assert_eq!(r.status(), WorkerStatus::Interrupted);
+    assert_eq!(r.status, WorkerStatus::Interrupted);
     assert!(after < Duration::from_secs(1));
     let r = w.run(
         3,
@@ -841,7 +841,7 @@ fn runs_fully_confined_as_an_unprivileged_user() {
             ..Opts::default()
         },
     );
-    assert_eq!(r.status(), WorkerStatus::Timeout);
+    assert_eq!(r.status, WorkerStatus::Timeout);
     assert_eq!(w.cell(4, "print(x)").stdout, "42\n");
     let mut samples = Vec::new();
     for i in 0..100 {

@@ -82,17 +82,24 @@ impl Core {
         };
         let s = self.lookup(caller, session)?;
         self.authorize(caller, Action::Execute).await?;
-        s.query(q).await.map_err(|e| match e {
-            InspectRefused::Busy(cell) => KernelError::SessionBusy {
-                session: session.into(),
-                cell,
-            },
-            InspectRefused::Ended => KernelError::NoSuchSession {
-                session: session.into(),
-            },
-            InspectRefused::Failed(reason) => KernelError::WorkerFailed {
-                reason: format!("{what}: {reason}; the session ended"),
-            },
-        })
+        s.query(q).await.map_err(|e| refused(what, session, e))
+    }
+}
+
+/// The Varlink error of a refused `what` (`Inspect`, `Complete`, `Help`) of `session`: a
+/// running cell is `SessionBusy`, an ended session `NoSuchSession`, a worker that failed to
+/// answer `WorkerFailed` (the session ended with it).
+pub(super) fn refused(what: &str, session: &str, e: InspectRefused) -> KernelError {
+    match e {
+        InspectRefused::Busy(cell) => KernelError::SessionBusy {
+            session: session.into(),
+            cell,
+        },
+        InspectRefused::Ended => KernelError::NoSuchSession {
+            session: session.into(),
+        },
+        InspectRefused::Failed(reason) => KernelError::WorkerFailed {
+            reason: format!("{what}: {reason}; the session ended"),
+        },
     }
 }

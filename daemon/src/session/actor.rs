@@ -315,19 +315,15 @@ impl Actor {
         reply: oneshot::Sender<Result<InspectReply, InspectRefused>>,
         cmds: &mut mpsc::Receiver<Command>,
     ) -> Option<(Ending, Option<oneshot::Sender<()>>)> {
-        let fail = |reply: oneshot::Sender<Result<InspectReply, InspectRefused>>, why: String| {
-            let _ = reply.send(Err(InspectRefused::Failed(why.clone())));
-            Some((
-                Ending::new(EndReason::WorkerCrashed, format!("Inspect: {why}")),
-                None,
-            ))
-        };
         if let Err(why) = self.drain_stale() {
-            return fail(reply, why);
+            return query::refuse("Inspect", reply, why);
         }
         let nonce = match new_nonce() {
             Ok(n) => n,
-            Err(e) => return fail(reply, format!("no random nonce for the request: {e}")),
+            Err(e) => {
+                let why = format!("no random nonce for the request: {e}");
+                return query::refuse("Inspect", reply, why);
+            }
         };
         let mut header = RequestHeader::exec(0, 0);
         header.op = wire::Op::Inspect;
@@ -335,118 +331,11 @@ impl Actor {
         header.max_items = Some(max_items);
         header.nonce = Some(nonce.clone());
         let deadline = Duration::from_millis(wire::INSPECT_DEADLINE_MS);
-        let grace = self.session.limits.grace.max(KILL_AFTER_SIGINT_MIN);
-        let t0 = tokio::time::Instant::now();
-        match tokio::time::timeout(
-            deadline + grace,
-            self.requests.write_all(header.to_line().as_bytes()),
-        )
+        let request = header.to_line().into_bytes();
+        self.ask_worker("Inspect", request, deadline, reply, cmds, |line| {
+            check_inspected(line, &nonce, max_items)
+        })
         .await
-        {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return fail(reply, format!("writing the request: {e}")),
-            Err(_) => return fail(reply, "writing the request timed out".into()),
-        }
-        let mut interrupted = false;
-        let mut next_signal = t0 + deadline;
-        let kill_at = t0 + deadline + grace;
-        loop {
-            let step: Option<Result<InspectReply, String>> = tokio::select! {
-                biased;
-                cmd = cmds.recv() => match cmd {
-                    Some(Command::Interrupt { reply, .. }) => {
-                        let _ = reply.send(InterruptReply {
-                            delivered: false,
-                            reason: InterruptReason::NotRunning.into(),
-                        });
-                        None
-                    }
-                    Some(Command::Inspect { reply, .. }) => {
-                        let _ = reply.send(Err(InspectRefused::Busy(0)));
-                        None
-                    }
-                    Some(Command::Query { reply, .. }) => {
-                        let _ = reply.send(Err(InspectRefused::Busy(0)));
-                        None
-                    }
-                    Some(Command::HostReply { reply, .. }) => {
-                        let _ = reply.send(false);
-                        None
-                    }
-                    Some(cmd @ Command::Execute { .. }) => {
-                        self.deferred = Some(cmd);
-                        None
-                    }
-                    Some(Command::HandOver { done }) => {
-                        let _ = done.send(());
-                        None
-                    }
-                    Some(Command::Close { reason, done }) => {
-                        let _ = reply.send(Err(InspectRefused::Ended));
-                        return Some((reason, Some(done)));
-                    }
-                    None => {
-                        let _ = reply.send(Err(InspectRefused::Ended));
-                        return Some((Ending::new(EndReason::Disconnected, "abandoned"), None));
-                    }
-                },
-                _ = tokio::time::sleep_until(kill_at) => {
-                    Some(Err(format!("the worker did not answer within {} ms", (deadline + grace).as_millis())))
-                }
-                _ = tokio::time::sleep_until(next_signal) => {
-                    // R and native Python turn it into placeholders and answer; Eryx ends the
-                    // guest call (the instance is rebuilt from its snapshot before the next cell).
-                    self.signal_interrupt();
-                    if !interrupted {
-                        tracing::info!(session = %self.session.id, "Inspect: no answer in time, interrupting the worker");
-                    }
-                    interrupted = true;
-                    next_signal = tokio::time::Instant::now() + INTERRUPT_REPEAT;
-                    None
-                }
-                () = self.replies.readable() => self.inspect_replies(&nonce, max_items),
-                status = self.child.wait() => Some(Err(match status {
-                    Ok(st) => format!("the worker {} during Inspect", describe_exit(st)),
-                    Err(e) => format!("the worker exited during Inspect ({e})"),
-                })),
-            };
-            match step {
-                None => {}
-                Some(Ok(r)) => {
-                    let _ = reply.send(Ok(r));
-                    return None;
-                }
-                Some(Err(why)) => {
-                    tracing::warn!(session = %self.session.id, why, "Inspect failed: the session ends");
-                    return fail(reply, why);
-                }
-            }
-        }
-    }
-
-    /// Reads the reply pipe during an `Inspect` (at most [`REPLY_BYTES_PER_WAKE`] bytes per
-    /// call; the first complete line decides): the answer, validated, or why the worker
-    /// broke the protocol; `None` while no complete line is there.
-    fn inspect_replies(
-        &mut self,
-        nonce: &str,
-        max_items: u64,
-    ) -> Option<Result<InspectReply, String>> {
-        let mut bytes = 0usize;
-        loop {
-            match self.replies.take_line() {
-                Ok(Some(line)) => return Some(check_inspected(&line, nonce, max_items)),
-                Ok(None) if bytes >= REPLY_BYTES_PER_WAKE => break,
-                Ok(None) => match self.replies.try_fill() {
-                    Ok(Fill::Read(n)) => bytes += n,
-                    Ok(Fill::Empty) => break,
-                    Ok(Fill::Eof) => return Some(Err("worker closed its reply pipe".into())),
-                    Err(e) => return Some(Err(format!("protocol violation: {e}"))),
-                },
-                Err(e) => return Some(Err(format!("protocol violation: {e}"))),
-            }
-        }
-        None
     }
 
     /// Empties the worker's pipes before a request is written, without blocking. Bytes on the

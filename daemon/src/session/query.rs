@@ -97,19 +97,12 @@ impl Actor {
             Query::Complete { .. } => "Complete",
             Query::Help { .. } => "Help",
         };
-        let fail = |reply: QueryReply, why: String| {
-            let _ = reply.send(Err(InspectRefused::Failed(why.clone())));
-            Some((
-                Ending::new(EndReason::WorkerCrashed, format!("{what}: {why}")),
-                None,
-            ))
-        };
         if let Err(why) = self.drain_stale() {
-            return fail(reply, why);
+            return refuse(what, reply, why);
         }
         let nonce = match new_nonce() {
             Ok(n) => n,
-            Err(e) => return fail(reply, format!("no random nonce for the request: {e}")),
+            Err(e) => return refuse(what, reply, format!("no random nonce for the request: {e}")),
         };
         let (code, cursor) = match &q {
             Query::Complete { code, cursor } | Query::Help { code, cursor, .. } => {
@@ -134,19 +127,42 @@ impl Actor {
         let mut request = header.to_line().into_bytes();
         request.extend_from_slice(code);
         let deadline = Duration::from_millis(query::QUERY_DEADLINE_MS);
+        self.ask_worker(what, request, deadline, reply, cmds, |line| {
+            check_answer(line, &nonce, &q, code_chars)
+        })
+        .await
+    }
+
+    /// Asks the idle worker one question (`what`: `Inspect`, `Complete`, `Help`): writes
+    /// `request`, then serves commands while it waits for the worker's one answer line, which
+    /// `check` turns into the answer sent on `reply` (or into why the line breaks the
+    /// protocol). Close ends the wait; an Execute is deferred; Interrupt finds no cell;
+    /// another question is refused as busy. No answer after `deadline`: SIGINT, repeated
+    /// every [`INTERRUPT_REPEAT`]; none after the kill grace too, a line `check` refuses, or
+    /// the worker's exit: the session ends (returns `Some((reason, close waiter))`, as
+    /// [`Actor::execute_cell`] does).
+    pub(super) async fn ask_worker<T>(
+        &mut self,
+        what: &'static str,
+        request: Vec<u8>,
+        deadline: Duration,
+        reply: oneshot::Sender<Result<T, InspectRefused>>,
+        cmds: &mut mpsc::Receiver<Command>,
+        mut check: impl FnMut(&[u8]) -> Result<T, String>,
+    ) -> Option<(Ending, Option<oneshot::Sender<()>>)> {
         let grace = self.session.limits.grace.max(KILL_AFTER_SIGINT_MIN);
         let t0 = tokio::time::Instant::now();
         match tokio::time::timeout(deadline + grace, self.requests.write_all(&request)).await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return fail(reply, format!("writing the request: {e}")),
-            Err(_) => return fail(reply, "writing the request timed out".into()),
+            Ok(Err(e)) => return refuse(what, reply, format!("writing the request: {e}")),
+            Err(_) => return refuse(what, reply, "writing the request timed out".into()),
         }
         drop(request);
         let mut interrupted = false;
         let mut next_signal = t0 + deadline;
         let kill_at = t0 + deadline + grace;
         loop {
-            let step: Option<Result<Answer, String>> = tokio::select! {
+            let step: Option<Result<T, String>> = tokio::select! {
                 biased;
                 cmd = cmds.recv() => match cmd {
                     Some(Command::Interrupt { reply, .. }) => {
@@ -189,6 +205,8 @@ impl Actor {
                     Some(Err(format!("the worker did not answer within {} ms", (deadline + grace).as_millis())))
                 }
                 _ = tokio::time::sleep_until(next_signal) => {
+                    // R and native Python turn it into placeholders and answer; Eryx ends the
+                    // guest call (the instance is rebuilt from its snapshot before the next cell).
                     self.signal_interrupt();
                     if !interrupted {
                         tracing::info!(session = %self.session.id, what, "no answer in time, interrupting the worker");
@@ -197,7 +215,7 @@ impl Actor {
                     next_signal = tokio::time::Instant::now() + INTERRUPT_REPEAT;
                     None
                 }
-                () = self.replies.readable() => self.query_replies(&nonce, &q, code_chars),
+                () = self.replies.readable() => self.answer_line(&mut check),
                 status = self.child.wait() => Some(Err(match status {
                     Ok(st) => format!("the worker {} during {what}", describe_exit(st)),
                     Err(e) => format!("the worker exited during {what} ({e})"),
@@ -211,24 +229,23 @@ impl Actor {
                 }
                 Some(Err(why)) => {
                     tracing::warn!(session = %self.session.id, what, why, "the session ends");
-                    return fail(reply, why);
+                    return refuse(what, reply, why);
                 }
             }
         }
     }
 
-    /// Reads the reply pipe during a query (at most [`REPLY_BYTES_PER_WAKE`] bytes per call;
-    /// the first complete line decides).
-    fn query_replies(
+    /// Reads the reply pipe while a question waits (at most [`REPLY_BYTES_PER_WAKE`] bytes per
+    /// call; the first complete line decides, through `check`): the answer, or why the worker
+    /// broke the protocol; `None` while no complete line is there.
+    fn answer_line<T>(
         &mut self,
-        nonce: &str,
-        q: &Query,
-        code_chars: u64,
-    ) -> Option<Result<Answer, String>> {
+        check: &mut impl FnMut(&[u8]) -> Result<T, String>,
+    ) -> Option<Result<T, String>> {
         let mut bytes = 0usize;
         loop {
             match self.replies.take_line() {
-                Ok(Some(line)) => return Some(check_answer(&line, nonce, q, code_chars)),
+                Ok(Some(line)) => return Some(check(&line)),
                 Ok(None) if bytes >= REPLY_BYTES_PER_WAKE => break,
                 Ok(None) => match self.replies.try_fill() {
                     Ok(Fill::Read(n)) => bytes += n,
@@ -241,6 +258,20 @@ impl Actor {
         }
         None
     }
+}
+
+/// Refuses a question (`what`) the worker failed: `reply` gets [`InspectRefused::Failed`]
+/// with `why`, and the session ends as a crashed worker (`Some((reason, no close waiter))`).
+pub(super) fn refuse<T>(
+    what: &str,
+    reply: oneshot::Sender<Result<T, InspectRefused>>,
+    why: String,
+) -> Option<(Ending, Option<oneshot::Sender<()>>)> {
+    let _ = reply.send(Err(InspectRefused::Failed(why.clone())));
+    Some((
+        Ending::new(EndReason::WorkerCrashed, format!("{what}: {why}")),
+        None,
+    ))
 }
 
 /// The answer to `q` in a worker's reply `line`, or why the line breaks the protocol: the

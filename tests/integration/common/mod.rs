@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod bus;
+pub mod cells;
 pub mod polkit;
 pub mod unit_sandbox;
 

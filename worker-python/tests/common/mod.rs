@@ -1,21 +1,19 @@
-//! Test harness: prepares the runtime once and drives the real `sandcell-worker-python`
-//! binary over pipes on fds 3 and 4, as the daemon does.
+//! What the Eryx worker's test binaries share: the runtime, prepared once, and the real
+//! `sandcell-worker-python` binary started as the daemon starts it, driven over pipes on fds
+//! 3 and 4 by sandcell-testing's one worker harness.
 
 #![allow(dead_code)]
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::process::CommandExt;
+use std::ops::{Deref, DerefMut};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::time::{Duration, Instant};
 
-use sandcell_proto::worker::{
-    REPLY_FD, REQUEST_FD, RequestHeader, SessionState, Stream, WorkerMessage, WorkerStatus,
-};
+use sandcell_proto::worker::{RequestHeader, Stream};
+use sandcell_testing::worker::{Cell, Output, WorkerProcess};
 
 /// Where the test runtime is cached (prepare is a no-op when its manifest is current).
 pub const RUNTIME_DIR: &str = "/var/tmp/sandcell-python-runtime-test";
@@ -44,24 +42,6 @@ pub fn runtime_dir() -> &'static Path {
     })
 }
 
-/// Creates a pipe and returns (read, write), both close-on-exec, moved above fd 100 so they
-/// never collide with 3 and 4 in the child.
-fn pipe() -> (OwnedFd, OwnedFd) {
-    let mut fds = [0; 2];
-    // SAFETY: fds is a two-int array for pipe2 to fill.
-    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
-    let high = |fd: RawFd| {
-        // SAFETY: F_DUPFD_CLOEXEC duplicates a descriptor we own; we then close the original.
-        let n = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 100) };
-        assert!(n >= 100);
-        // SAFETY: closing the original we own.
-        unsafe { libc::close(fd) };
-        // SAFETY: n is a fresh descriptor owned by nobody else.
-        unsafe { OwnedFd::from_raw_fd(n) }
-    };
-    (high(fds[0]), high(fds[1]))
-}
-
 /// The confinement plan of the tests: best effort, so it works without privileges.
 pub fn plan_json(session_dir: &Path) -> String {
     serde_json::json!({
@@ -84,75 +64,51 @@ pub fn plan_json(session_dir: &Path) -> String {
     .to_string()
 }
 
-/// What one cell produced.
-#[derive(Debug, Default)]
+/// What one cell produced: the harness's [`Cell`] with the text of its `output` frames.
+#[derive(Debug)]
 pub struct CellRun {
+    /// The text of its stdout frames.
     pub stdout: String,
+    /// The text of its stderr frames.
     pub stderr: String,
-    /// (stream, data, bytes) of every Output frame.
-    pub frames: Vec<(Stream, String, u64)>,
-    pub dropped_stdout: u64,
-    pub dropped_stderr: u64,
-    pub done: Option<WorkerMessage>,
-    /// From sending the request to receiving Done.
-    pub elapsed: Duration,
+    cell: Cell,
 }
 
-impl CellRun {
-    pub fn status(&self) -> WorkerStatus {
-        match &self.done {
-            Some(WorkerMessage::Done { status, .. }) => *status,
-            other => panic!("no Done: {other:?}"),
+impl From<Cell> for CellRun {
+    fn from(cell: Cell) -> CellRun {
+        CellRun {
+            stdout: cell.frame_text(Stream::Stdout),
+            stderr: cell.frame_text(Stream::Stderr),
+            cell,
         }
-    }
-
-    pub fn state(&self) -> SessionState {
-        match &self.done {
-            Some(WorkerMessage::Done { state, .. }) => *state,
-            other => panic!("no Done: {other:?}"),
-        }
-    }
-
-    pub fn error(&self) -> sandcell_proto::worker::CellError {
-        match &self.done {
-            Some(WorkerMessage::Done { error: Some(e), .. }) => e.clone(),
-            other => panic!("no error in {other:?}"),
-        }
-    }
-
-    pub fn exit_code(&self) -> Option<i64> {
-        match &self.done {
-            Some(WorkerMessage::Done { exit_code, .. }) => *exit_code,
-            _ => None,
-        }
-    }
-
-    pub fn fuel(&self) -> Option<u64> {
-        match &self.done {
-            Some(WorkerMessage::Done { fuel, .. }) => *fuel,
-            _ => None,
-        }
-    }
-
-    pub fn warnings(&self) -> Vec<String> {
-        match &self.done {
-            Some(WorkerMessage::Done { warnings, .. }) => warnings.clone(),
-            _ => vec![],
-        }
-    }
-
-    pub fn kept(&self, s: Stream) -> u64 {
-        self.frames.iter().filter(|f| f.0 == s).map(|f| f.2).sum()
     }
 }
 
-/// A running worker.
+impl Deref for CellRun {
+    type Target = Cell;
+    fn deref(&self) -> &Cell {
+        &self.cell
+    }
+}
+
+/// A running worker: the harness's process, started as the daemon starts the Eryx worker.
 pub struct Worker {
-    pub child: Child,
-    requests: Option<File>,
-    lines: Receiver<Vec<u8>>,
+    process: WorkerProcess,
+    /// From the spawn to `ready`.
     pub ready_after: Duration,
-    session_dir: PathBuf,
+}
+
+impl Deref for Worker {
+    type Target = WorkerProcess;
+    fn deref(&self) -> &WorkerProcess {
+        &self.process
+    }
+}
+
+impl DerefMut for Worker {
+    fn deref_mut(&mut self) -> &mut WorkerProcess {
+        &mut self.process
+    }
 }
 
 /// Options of one exec request.
@@ -176,10 +132,8 @@ impl Worker {
     pub fn start_with(guest_memory: Option<u64>, plan: Option<&dyn Fn(&Path) -> String>) -> Worker {
         let mut w = Self::spawn(guest_memory, plan, &[]);
         let start = Instant::now();
-        match w.next(Duration::from_secs(30)) {
-            Some(WorkerMessage::Ready { language, .. }) => assert_eq!(language, "python"),
-            other => panic!("expected Ready, got {other:?}"),
-        }
+        let (language, _, _) = w.await_ready(Duration::from_secs(30));
+        assert_eq!(language, "python");
         w.ready_after += start.elapsed();
         w
     }
@@ -192,17 +146,7 @@ impl Worker {
         env: &[(&str, &str)],
     ) -> Worker {
         let runtime = runtime_dir();
-        let (req_r, req_w) = pipe();
-        let (rep_r, rep_w) = pipe();
-        let session_dir = std::env::temp_dir().join(format!(
-            "sandcell-pytest-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos()
-        ));
-        std::fs::create_dir_all(&session_dir).unwrap();
+        let session_dir = sandcell_testing::worker::session_dir("sandcell-pytest");
         // SANDCELL_TEST_WORKER_BIN runs another build of the worker (figures before/after).
         let bin = std::env::var_os("SANDCELL_TEST_WORKER_BIN")
             .unwrap_or_else(|| env!("CARGO_BIN_EXE_sandcell-worker-python").into());
@@ -214,97 +158,28 @@ impl Worker {
                     .unwrap_or_else(|| plan_json(&session_dir)),
             )
             .env("SANDCELL_PYTHON_RUNTIME", runtime)
-            .env("SANDCELL_SESSION_DIR", &session_dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
+            .env("SANDCELL_SESSION_DIR", &session_dir);
         if let Some(m) = guest_memory {
             cmd.env("SANDCELL_GUEST_MEMORY_BYTES", m.to_string());
         }
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let (a, b) = (req_r.as_raw_fd(), rep_w.as_raw_fd());
-        // SAFETY: only async-signal-safe dup2 calls between fork and exec; the sources are
-        // above 100, so they never alias 3 or 4, and dup2 clears close-on-exec on the copies.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::dup2(a, REQUEST_FD) != REQUEST_FD || libc::dup2(b, REPLY_FD) != REPLY_FD {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let start = Instant::now();
-        let child = cmd.spawn().expect("spawn worker");
-        drop(req_r);
-        drop(rep_w);
-        let (tx, rx) = channel();
-        let rep = File::from(rep_r);
-        std::thread::spawn(move || {
-            let mut r = BufReader::new(rep);
-            loop {
-                let mut line = Vec::new();
-                match r.read_until(b'\n', &mut line) {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) => {
-                        if tx.send(line).is_err() {
-                            return;
-                        }
-                    }
-                }
-            }
-        });
+        let process = WorkerProcess::spawn(cmd, session_dir, Output::Discard);
         Worker {
-            child,
-            requests: Some(File::from(req_w)),
-            lines: rx,
-            ready_after: start.elapsed(),
-            session_dir,
+            ready_after: process.spawned_in,
+            process,
         }
     }
 
     /// The host session directory given to the worker (`SANDCELL_SESSION_DIR`).
     pub fn session_dir(&self) -> &Path {
-        &self.session_dir
+        self.process.session()
     }
 
     /// Starts a worker with the default guest memory.
     pub fn start() -> Worker {
         Self::start_with_memory(None)
-    }
-
-    /// The next reply message, or None on timeout or EOF.
-    pub fn next(&mut self, timeout: Duration) -> Option<WorkerMessage> {
-        match self.lines.recv_timeout(timeout) {
-            Ok(line) => {
-                assert!(line.ends_with(b"\n"), "unterminated line");
-                Some(WorkerMessage::parse(&line[..line.len() - 1]).expect("valid reply line"))
-            }
-            Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => None,
-        }
-    }
-
-    /// Whether the reply pipe has reached EOF within `timeout` with no further message.
-    pub fn reply_eof(&mut self, timeout: Duration) -> bool {
-        matches!(
-            self.lines.recv_timeout(timeout),
-            Err(RecvTimeoutError::Disconnected)
-        )
-    }
-
-    /// Writes raw bytes to the request pipe.
-    pub fn write_raw(&mut self, bytes: &[u8]) {
-        self.requests
-            .as_mut()
-            .expect("request pipe open")
-            .write_all(bytes)
-            .unwrap();
-    }
-
-    /// Closes the request pipe (EOF for the worker).
-    pub fn close_requests(&mut self) {
-        self.requests = None;
     }
 
     /// Sends an exec request.
@@ -314,70 +189,21 @@ impl Worker {
         h.fuel = opts.fuel;
         h.max_output = opts.max_output;
         h.display = opts.display.unwrap_or(true);
-        let mut bytes = h.to_line().into_bytes();
-        bytes.extend_from_slice(code.as_bytes());
-        self.write_raw(&bytes);
+        self.process.send(&h, code.as_bytes());
     }
 
     /// Reads messages of `cell` until its Done (panics after `limit`).
     pub fn collect(&mut self, cell: u64, limit: Duration) -> CellRun {
-        let start = Instant::now();
-        let mut run = CellRun::default();
-        loop {
-            let left = limit.saturating_sub(start.elapsed());
-            let msg = self
-                .next(left)
-                .unwrap_or_else(|| panic!("no Done for cell {cell} within {limit:?}: {run:?}"));
-            match &msg {
-                WorkerMessage::Output {
-                    cell: c,
-                    stream,
-                    data,
-                    bytes,
-                } => {
-                    assert_eq!(*c, cell);
-                    match stream {
-                        Stream::Stdout => run.stdout.push_str(data),
-                        Stream::Stderr => run.stderr.push_str(data),
-                    }
-                    run.frames.push((*stream, data.clone(), *bytes));
-                }
-                WorkerMessage::Dropped {
-                    cell: c,
-                    stream,
-                    bytes,
-                } => {
-                    assert_eq!(*c, cell);
-                    match stream {
-                        Stream::Stdout => run.dropped_stdout += bytes,
-                        Stream::Stderr => run.dropped_stderr += bytes,
-                    }
-                }
-                WorkerMessage::Done { cell: c, .. } => {
-                    assert_eq!(*c, cell);
-                    run.done = Some(msg);
-                    run.elapsed = start.elapsed();
-                    return run;
-                }
-                WorkerMessage::Ready { .. } => panic!("second Ready"),
-                WorkerMessage::Inspected { .. } => panic!("Inspected during cell {cell}"),
-                WorkerMessage::Completions { .. } | WorkerMessage::Help { .. } => {
-                    panic!("a completion or help answer during cell {cell}")
-                }
-                WorkerMessage::HostCall { .. } => panic!("HostCall during cell {cell}"),
-                WorkerMessage::Display { .. } => panic!("Display without rich output, cell {cell}"),
-                WorkerMessage::Fatal { stage, reason } => panic!("Fatal {stage}: {reason}"),
-            }
-        }
+        self.process.collect(cell, Instant::now(), limit).into()
     }
 
     /// Sends a cell and waits for its Done.
     pub fn run(&mut self, cell: u64, code: &str, opts: &Opts) -> CellRun {
         let start = Instant::now();
         self.send(cell, code, opts);
-        let mut r = self.collect(cell, Duration::from_secs(60));
-        r.elapsed = start.elapsed();
-        r
+        self.process
+            .collect(cell, start, Duration::from_secs(60))
+            .into()
     }
 
     /// Sends a cell with default options and waits for its Done.
@@ -390,57 +216,5 @@ impl Worker {
                 ..Opts::default()
             },
         )
-    }
-
-    /// Sends SIGINT to the worker.
-    pub fn sigint(&self) {
-        // SAFETY: kill with the pid of our own child, which is not reaped before Drop.
-        let rc = unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
-        assert_eq!(rc, 0);
-    }
-
-    /// Waits for the worker to exit (panics after `limit`).
-    pub fn wait_exit(&mut self, limit: Duration) -> ExitStatus {
-        let start = Instant::now();
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return s;
-            }
-            assert!(
-                start.elapsed() < limit,
-                "worker did not exit within {limit:?}"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// A field of /proc/<pid>/status, e.g. `Seccomp`.
-    pub fn proc_status(&self, field: &str) -> String {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        let line = status
-            .lines()
-            .find(|l| l.starts_with(&format!("{field}:")))
-            .unwrap();
-        line.split_once(':').unwrap().1.trim().to_string()
-    }
-
-    /// Resident set size of the worker in bytes (from /proc).
-    pub fn rss_bytes(&self) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
-        let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-        line.split_whitespace()
-            .nth(1)
-            .unwrap()
-            .parse::<u64>()
-            .unwrap()
-            * 1024
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.session_dir);
     }
 }
