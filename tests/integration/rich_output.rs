@@ -12,6 +12,7 @@ use crate::common;
 use common::{Daemon, pydata_available, r_available};
 use sandcell_client::{Client, Collected, Frame, OpenParams, RunParams, Status};
 use sandcell_proto::kernel::{Display, DisplayKind};
+use sandcell_testing::b64decode;
 
 /// The stdout cap of the daemon these tests start, bytes.
 const STDOUT_CAP: u64 = 64 * 1024;
@@ -62,29 +63,6 @@ fn displays(fs: &[Frame]) -> Vec<&Display> {
 
 fn text(d: &Display) -> &str {
     d.data["text/plain"].as_str().unwrap()
-}
-
-/// Standard base64 (RFC 4648) to bytes; `None` on a character outside the alphabet.
-fn b64decode(s: &str) -> Option<Vec<u8>> {
-    let mut out = Vec::with_capacity(s.len() / 4 * 3);
-    let (mut acc, mut bits) = (0u32, 0u32);
-    for c in s.bytes().filter(|&c| c != b'=') {
-        let v = match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => return None,
-        };
-        acc = (acc << 6) | u32::from(v);
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            out.push((acc >> bits) as u8);
-        }
-    }
-    Some(out)
 }
 
 fn valid_png(b: &[u8]) -> bool {

@@ -440,11 +440,16 @@ def patch_pyplot(plt):
         pass
 
 
-class PyplotHook:
-    """Patches matplotlib.pyplot the moment anything imports it."""
+class PatchOnImport:
+    """A meta path finder that runs ``patch(module)`` right after any module named in
+    ``names`` is executed, wherever it is imported from (the real finder still finds it)."""
+
+    def __init__(self, names, patch):
+        self.names = names
+        self.patch = patch
 
     def find_spec(self, name, path=None, target=None):
-        if name != "matplotlib.pyplot":
+        if name not in self.names:
             return None
         spec = None
         for finder in sys.meta_path:
@@ -456,10 +461,11 @@ class PyplotHook:
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         real = spec.loader.exec_module
+        patch = self.patch
 
         def exec_module(module):
             real(module)
-            patch_pyplot(module)
+            patch(module)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -655,33 +661,6 @@ def patch_ipython_display(mod):
     for name in ("display",):
         if hasattr(mod, name):
             setattr(mod, name, display)
-
-
-class IPythonHook:
-    """Patches IPython.display and IPython.core.display_functions when imported."""
-
-    NAMES = ("IPython.display", "IPython.core.display_functions")
-
-    def find_spec(self, name, path=None, target=None):
-        if name not in self.NAMES:
-            return None
-        spec = None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        real = spec.loader.exec_module
-
-        def exec_module(module):
-            real(module)
-            patch_ipython_display(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
 
 
 def type_name(cls):
@@ -1533,8 +1512,10 @@ os.register_at_fork(after_in_child=after_fork_in_child)
 install_handlers()
 install_host_module()
 sys.displayhook = displayhook
-sys.meta_path.insert(0, PyplotHook())
-sys.meta_path.insert(0, IPythonHook())
+# matplotlib.pyplot: figures left open become PNG bundles; IPython's display() feeds ours.
+sys.meta_path.insert(0, PatchOnImport(("matplotlib.pyplot",), patch_pyplot))
+sys.meta_path.insert(0, PatchOnImport(("IPython.display", "IPython.core.display_functions"),
+                                      patch_ipython_display))
 
 for p in reversed([p for p in os.environ.get("SANDCELL_PYTHON_PATH", "").split(":") if p]):
     sys.path.insert(0, p)
