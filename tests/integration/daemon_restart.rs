@@ -429,6 +429,20 @@ async fn keepers_nobody_adopts_end_their_sessions_after_the_timeout() {
     eprintln!("an unadopted session ended {took:?} after its daemon");
 }
 
+/// Attaches to `cell` of session `s` through `c` (a successor's client) and waits, at most
+/// 30 s, for the continued cell's end.
+async fn attach_until_end(
+    c: &mut sandcell_client::Client,
+    s: &str,
+    cell: u64,
+) -> sandcell_client::Collected {
+    c.attach(s, cell).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), c.finish(|_| {}))
+        .await
+        .expect("the continued cell ended")
+        .unwrap()
+}
+
 /// The cell of the running-cell tests: prints, sleeps across the restart, prints again and
 /// sets a variable.
 const ACROSS: &str = "import sys, time\nprint('before the restart')\nsys.stdout.flush()\ntime.sleep(3)\nprint('after the restart')\nv = 42";
@@ -558,11 +572,7 @@ async fn a_frame_cut_by_the_restart_is_discarded_and_the_cell_interrupted() {
     drop(c);
     let second = successor(&first, &setup);
     let mut c = second.client().await;
-    c.attach(&s, cell).await.unwrap();
-    let got = tokio::time::timeout(Duration::from_secs(30), c.finish(|_| {}))
-        .await
-        .expect("the continued cell ended")
-        .unwrap();
+    let got = attach_until_end(&mut c, &s, cell).await;
     let r = &got.result;
     assert_eq!(
         r.status,
@@ -669,11 +679,7 @@ async fn a_planned_exit_hands_a_half_read_frame_over_exactly() {
     );
     let second = successor(&first, &setup);
     let mut c = second.client().await;
-    c.attach(&s, cell).await.unwrap();
-    let got = tokio::time::timeout(Duration::from_secs(30), c.finish(|_| {}))
-        .await
-        .expect("the continued cell ended")
-        .unwrap();
+    let got = attach_until_end(&mut c, &s, cell).await;
     let r = &got.result;
     assert_eq!(
         r.status,
