@@ -64,10 +64,9 @@ impl Daemon {
         let socket = dir.path().join("kernel.sock");
         let log = dir.path().join("daemon.log");
         std::fs::write(dir.path().join("none.toml"), "").unwrap();
-        let mut rnd = [0u8; 6];
-        // SAFETY: getrandom writes at most rnd.len() bytes into rnd.
-        unsafe { libc::getrandom(rnd.as_mut_ptr().cast(), rnd.len(), 0) };
-        let tag: String = rnd.iter().map(|b| format!("{b:02x}")).collect();
+        // The temporary directory's random suffix also names this daemon's cgroup.
+        let tag = dir.path().file_name().unwrap().to_string_lossy()["sandcell-cli-test-".len()..]
+            .to_string();
         let mut cmd = Command::new(&daemon);
         cmd.arg("--listen")
             .arg(&socket)

@@ -523,15 +523,7 @@ pub fn start(spec: &Spec, held: &Held) -> std::io::Result<(Lifeline, std::proces
             if libc::dup2(theirs_raw, LIFELINE_FD) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            if libc::syscall(
-                libc::SYS_close_range,
-                (LIFELINE_FD + 1) as u32,
-                u32::MAX,
-                libc::CLOSE_RANGE_CLOEXEC,
-            ) < 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
+            crate::sys::close_range_cloexec((LIFELINE_FD + 1) as u32)?;
             Ok(())
         });
     }

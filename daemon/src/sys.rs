@@ -1,6 +1,7 @@
 //! Safe wrappers for the system calls the daemon would otherwise make by hand: pidfds
 //! (pidfd_open(2), pidfd_send_signal(2), poll(2) on a pidfd; Linux 5.3 on), signals by pid
-//! (kill(2), tgkill(2)) and random bytes (getrandom(2)). Every wrapper reports a failure as a [`std::io::Error`]; none panics, so a
+//! (kill(2), tgkill(2)), descriptors marked close-on-exec before an exec (close_range(2)) and
+//! random bytes (getrandom(2)). Every wrapper reports a failure as a [`std::io::Error`]; none panics, so a
 //! failed system call never takes the root daemon down. The rest of the daemon calls these
 //! instead of `libc::syscall` or `libc::getrandom`.
 
@@ -105,6 +106,27 @@ pub fn tgkill(tgid: u32, tid: u32, signal: libc::c_int) -> io::Result<()> {
     let (tgid, tid) = (pid_t(tgid)?, pid_t(tid)?);
     // SAFETY: tgkill takes three integers and touches no memory of ours.
     let rc = unsafe { libc::syscall(libc::SYS_tgkill, tgid, tid, signal) };
+    cvt(if rc == 0 { 0 } else { -1 })
+}
+
+/// `close_range(first, ~0U, CLOSE_RANGE_CLOEXEC)`: marks every descriptor from `first` up
+/// close-on-exec, so the next execve(2) closes them (descriptors below `first` are kept).
+/// Async-signal-safe (one system call, no allocation): meant for a `pre_exec` hook between
+/// fork and exec, where std's own exec-error pipe must stay open until the exec.
+///
+/// Errors: the thread's `errno` (`ENOSYS` before Linux 5.11, which added
+/// `CLOSE_RANGE_CLOEXEC`; `EINVAL`). See close_range(2).
+pub fn close_range_cloexec(first: u32) -> io::Result<()> {
+    // SAFETY: close_range takes three integers and touches no memory of ours; marking
+    // descriptors close-on-exec closes none of them now.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            first,
+            u32::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        )
+    };
     cvt(if rc == 0 { 0 } else { -1 })
 }
 

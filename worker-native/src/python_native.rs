@@ -47,8 +47,13 @@ use std::process::Command;
 /// Name used in diagnostics.
 const PROG: &str = "sandcell-worker-python-native";
 
-/// The worker script compiled into the launcher, used when no script file is found.
-const EMBEDDED_SCRIPT: &str = include_str!("../python/worker.py");
+/// The worker script compiled into the launcher, used when no script file is found: the
+/// shared Complete/Help module `query.py` followed by `worker.py` (the packages install the
+/// same concatenation as `sandcell-worker.py`).
+const EMBEDDED_SCRIPT: &str = concat!(
+    include_str!("../python/query.py"),
+    include_str!("../python/worker.py")
+);
 
 /// Name of the script file looked for next to the launcher executable.
 const SCRIPT_NEXT_TO_EXE: &str = "sandcell-worker.py";
@@ -144,6 +149,14 @@ fn main() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_embedded_script_is_the_shared_query_module_then_the_worker() {
+        let shared = include_str!("../python/query.py");
+        let worker = include_str!("../python/worker.py");
+        assert_eq!(EMBEDDED_SCRIPT, format!("{shared}{worker}"));
+        assert!(worker.contains("query_complete(") && !worker.contains("\ndef query_complete("));
+    }
 
     #[test]
     fn embedded_script_fits_one_argument() {

@@ -49,8 +49,12 @@
 use base64_engine::encode as b64;
 use serde::Deserialize;
 
-/// Python source of the driver module.
-pub const DRIVER_SOURCE: &str = include_str!("driver.py");
+/// Python source of the driver module: the Complete/Help module the native worker shares
+/// (`worker-native/python/query.py`) followed by `driver.py`.
+pub const DRIVER_SOURCE: &str = concat!(
+    include_str!("../../worker-native/python/query.py"),
+    include_str!("driver.py")
+);
 
 /// Identity of [`DRIVER_SOURCE`]: 64-bit FNV-1a of its bytes. The installer skips a driver
 /// whose recorded hash matches (the one baked into the snapshot) and replaces any other.
@@ -311,6 +315,17 @@ mod base64_engine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_driver_carries_the_complete_and_help_module_the_native_worker_shares() {
+        let shared = include_str!("../../worker-native/python/query.py");
+        assert!(DRIVER_SOURCE.starts_with(shared));
+        assert!(shared.contains("\ndef query_complete(") && shared.contains("\ndef query_help("));
+        // Defined once, in the shared part: the driver's own source does not redefine them.
+        let own = &DRIVER_SOURCE[shared.len()..];
+        assert!(!own.contains("\ndef query_complete(") && !own.contains("\ndef query_help("));
+        assert!(own.contains("query_complete(") && own.contains("query_help("));
+    }
 
     #[test]
     fn base64_matches_rfc4648_vectors() {

@@ -570,15 +570,7 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
             libc::signal(libc::SIGQUIT, libc::SIG_DFL);
             // Every descriptor above 4 is closed by the exec (CLOSE_RANGE_CLOEXEC keeps std's
             // own exec-error pipe working until then).
-            if libc::syscall(
-                libc::SYS_close_range,
-                5u32,
-                u32::MAX,
-                libc::CLOSE_RANGE_CLOEXEC,
-            ) < 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
+            crate::sys::close_range_cloexec(5)?;
             Ok(())
         });
     }
