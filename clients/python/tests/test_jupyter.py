@@ -36,6 +36,10 @@ except ImportError as e:  # pragma: no cover - depends on the machine
 
 from sandcell.jupyter.__main__ import write_specs
 
+#: Where the built binaries are (as conftest.py finds sandcelld).
+BIN = Path(os.environ.get("SANDCELL_BIN", Path(os.environ.get("CARGO_TARGET_DIR",
+                                                              "/var/tmp/sandcell-target")) / "release"))
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 NOTEBOOKS = Path(__file__).resolve().parents[3] / "examples" / "notebooks"
 
@@ -44,7 +48,10 @@ NOTEBOOKS = Path(__file__).resolve().parents[3] / "examples" / "notebooks"
 def kernelspecs(socket_path):
     """The three kernelspecs in a private Jupyter data directory, pointing at this daemon."""
     d = tempfile.mkdtemp(prefix="sandcell-jupyter.", dir="/var/tmp")
-    write_specs(os.path.join(d, "kernels"), sys.executable)
+    # The Rust kernel of the sandcellctl built beside the daemon under test;
+    # SANDCELL_JUPYTER_PYTHON_KERNEL=1 tests the ipykernel-based fallback instead.
+    ctl = None if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1" else str(BIN / "sandcellctl")
+    write_specs(os.path.join(d, "kernels"), sys.executable, ctl)
     saved = {k: os.environ.get(k) for k in ("JUPYTER_PATH", "SANDCELL_SOCKET", "PYTHONPATH")}
     os.environ["JUPYTER_PATH"] = d
     os.environ["SANDCELL_SOCKET"] = socket_path
