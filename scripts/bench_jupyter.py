@@ -51,7 +51,9 @@ def main():
     d = Daemon(a.bin, a.runtime, conf, {"SANDCELL_POOL_REFILL_PER_SECOND": "200"})
     d.wait_log("warm worker ready", 4)
     specs = tempfile.mkdtemp(prefix="sandcell-bench-jupyter.", dir="/var/tmp")
-    write_specs(os.path.join(specs, "kernels"), sys.executable)
+    # sandcellctl's Rust kernel, built beside the daemon.
+    write_specs(os.path.join(specs, "kernels"), sys.executable,
+                os.path.join(os.path.abspath(a.bin), "sandcellctl"))
     os.environ["JUPYTER_PATH"] = specs
     os.environ["SANDCELL_SOCKET"] = d.sock
     os.environ["PYTHONPATH"] = os.path.abspath(SRC)
