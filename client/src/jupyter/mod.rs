@@ -99,6 +99,9 @@ macro_rules! log {
     ($($t:tt)*) => { eprintln!("sandcell kernel: {}", format!($($t)*)) };
 }
 
+/// How long iopub messages are held for the first subscriber (see `serve`).
+const IOPUB_HOLD: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// What the request handlers share: signing, the iopub queue, the language and the id of
 /// the current sandcell session (for interrupts from the control channel).
 #[derive(Clone)]
@@ -222,7 +225,7 @@ pub async fn serve(
     let mut shell = zeromq::RouterSocket::new();
     let mut control = zeromq::RouterSocket::new();
     let mut stdin = zeromq::RouterSocket::new();
-    let mut iopub = zeromq::PubSocket::new();
+    let mut iopub = zeromq::XPubSocket::new();
     let mut hb = zeromq::RepSocket::new();
     bind(&mut shell, info.endpoint(info.shell_port)).await?;
     bind(&mut control, info.endpoint(info.control_port)).await?;
@@ -245,20 +248,52 @@ pub async fn serve(
     };
     let topic_session = shared.session.clone();
     let iopub_task = tokio::spawn(async move {
-        while let Some((msg_type, content, parent)) = iopub_rx.recv().await {
-            let topic = Bytes::from(format!("kernel.{topic_session}.{msg_type}"));
-            let frames = wire::frames(
-                &signer,
-                &[topic],
-                &wire::header(&msg_type, &topic_session),
-                &parent,
-                &content,
-            );
-            if let Err(e) = iopub
-                .send(ZmqMessage::try_from(frames).expect("frames"))
-                .await
-            {
-                log!("iopub: {e}");
+        // Messages published before the first subscription would be lost (a PUB socket
+        // drops what no subscriber wants), and jupyter_client's wait_for_ready waits 0.2 s
+        // for a status on iopub after each kernel_info_reply: the first messages are held
+        // until a client subscribes (XPUB shows subscriptions), at most IOPUB_HOLD.
+        let mut held: std::collections::VecDeque<ZmqMessage> = Default::default();
+        let mut subscribed = false;
+        let deadline = tokio::time::sleep(IOPUB_HOLD);
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                m = iopub_rx.recv() => {
+                    let Some((msg_type, content, parent)) = m else { break };
+                    let topic = Bytes::from(format!("kernel.{topic_session}.{msg_type}"));
+                    let frames = wire::frames(
+                        &signer,
+                        &[topic],
+                        &wire::header(&msg_type, &topic_session),
+                        &parent,
+                        &content,
+                    );
+                    let m = ZmqMessage::try_from(frames).expect("frames");
+                    if subscribed {
+                        if let Err(e) = iopub.send(m).await {
+                            log!("iopub: {e}");
+                        }
+                    } else if held.len() < 1024 {
+                        held.push_back(m);
+                    }
+                }
+                r = iopub.recv() => {
+                    // A subscription (first byte 1) or unsubscription (0): XPUB's own
+                    // bookkeeping is done in recv.
+                    if let Ok(m) = r
+                        && m.get(0).is_some_and(|f| f.first() == Some(&1))
+                        && !subscribed
+                    {
+                        subscribed = true;
+                        for m in held.drain(..) {
+                            let _ = iopub.send(m).await;
+                        }
+                    }
+                }
+                () = &mut deadline, if !subscribed => {
+                    subscribed = true;
+                    held.clear();
+                }
             }
         }
     });
