@@ -401,3 +401,32 @@ def test_cell_cannot_reach_the_kernel_or_the_users_files(kernel):
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_forged_messages_are_dropped():
+    """A message signed with another key (or unsigned) gets no reply and no output, and the
+    kernel still answers the next signed one."""
+    from jupyter_client.session import Session
+
+    km = KernelManager(kernel_name="sandcell-python")
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        for key in (b"not-the-key", b""):
+            forger = Session(key=key, signature_scheme="hmac-sha256")
+            msg = forger.msg("execute_request", {"code": "print('forged')", "silent": False,
+                                                 "store_history": True, "user_expressions": {},
+                                                 "allow_stdin": False, "stop_on_error": True})
+            forger.send(kc.shell_channel.socket, msg)
+            with pytest.raises(Exception):  # queue.Empty: no reply to a forged request
+                kc.get_shell_msg(timeout=2)
+        content, msgs = execute(kc, "print('signed')")
+        assert content["status"] == "ok"
+        text = "".join(m["content"].get("text", "") for m in msgs if m["msg_type"] == "stream")
+        assert text == "signed\n", text
+        assert content["execution_count"] == 1, content
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
