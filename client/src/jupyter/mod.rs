@@ -31,7 +31,8 @@
 //!   assigns (no help).
 //! - `is_complete_request`: decided locally ([`complete`]).
 //! - `history_request`: the kernel's own history (`tail`, `range`, `search` with a glob
-//!   pattern and `unique`).
+//!   pattern and `unique`) of the last 10 000 cells, each result's text cut at
+//!   64 KiB.
 //! - `comm_info_request`: no comms; `comm_open`: answered with `comm_close` (comms and
 //!   widgets are not supported); `comm_msg`, `comm_close`: ignored.
 //! - `input()`: a cell's stdin is `/dev/null`, so Python's `input()` raises `EOFError`;
@@ -101,6 +102,11 @@ macro_rules! log {
 
 /// How long iopub messages are held for the first subscriber (see `serve`).
 const IOPUB_HOLD: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Cells the kernel's history keeps (the oldest go first), for `history_request`.
+const MAX_HISTORY: usize = 10_000;
+/// Bytes of a result's `text/plain` the history keeps.
+const MAX_HISTORY_OUTPUT: usize = 64 << 10;
 
 /// What the request handlers share: signing, the iopub queue, the language and the id of
 /// the current sandcell session (for interrupts from the control channel).
@@ -612,6 +618,10 @@ impl Shell {
         }
         let count = self.count;
         if store && !silent {
+            if self.history.len() >= MAX_HISTORY {
+                let (old, _) = self.history.remove(0);
+                self.outputs.remove(&old);
+            }
             self.history.push((count, code.clone()));
         }
         let ok = json!({"status": "ok", "execution_count": count, "payload": [],
@@ -706,7 +716,14 @@ impl Shell {
                     .await;
             }
         };
-        if let (Some(t), true) = (result_text, store) {
+        if let (Some(mut t), true) = (result_text, store && !silent) {
+            if t.len() > MAX_HISTORY_OUTPUT {
+                let mut end = MAX_HISTORY_OUTPUT;
+                while !t.is_char_boundary(end) {
+                    end -= 1;
+                }
+                t.truncate(end);
+            }
             self.outputs.insert(count, t);
         }
         let status = r.status.as_str();
