@@ -438,3 +438,40 @@ def test_forged_messages_are_dropped():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_kernel_answers_before_its_session_and_reports_an_open_failure(kernelspecs):
+    """kernel_info is answered without waiting for the session; a session that cannot be
+    opened (here: no daemon at the socket) is the first cell's error, not a dead kernel."""
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel opens its session before it answers")
+    import json
+
+    d = os.path.join(kernelspecs, "kernels", "sandcell-nodaemon")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "kernel.json"), "w", encoding="utf-8") as f:
+        json.dump({"argv": [str(BIN / "sandcellctl"), "kernel", "-f", "{connection_file}",
+                            "--kernel", "sandcell-python"],
+                   "display_name": "no daemon", "language": "python",
+                   "interrupt_mode": "message",
+                   "env": {"SANDCELL_SOCKET": "/nonexistent/sandcell.sock"}}, f)
+    km = KernelManager(kernel_name="sandcell-nodaemon")
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=30)
+        msg_id = kc.kernel_info()
+        info = kc.get_shell_msg(timeout=10)
+        assert info["parent_header"]["msg_id"] == msg_id
+        assert info["content"]["implementation"] == "sandcell"
+        assert info["content"]["language_info"]["name"] == "python"
+        for _ in range(2):  # the next cell tries again, and fails the same way
+            content, _ = execute(kc, "print(1)")
+            assert content["status"] == "error", content
+            assert "could not open a sandcell session" in content["evalue"], content
+            assert "cannot reach sandcelld" in content["evalue"], content
+        assert km.is_alive()
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
