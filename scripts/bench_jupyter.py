@@ -24,6 +24,43 @@ from bench_pydata import Daemon, bench_jupyter  # noqa: E402
 from sandcell.jupyter.__main__ import write_specs  # noqa: E402
 
 
+def start_to_kernel_info(kernel, n=5):
+    """Kernel start as start_new_kernel times it, less wait_for_ready's closing wait: from
+    KernelManager.start_kernel until a kernel_info_reply and a status on iopub (what
+    wait_for_ready waits for before it drains iopub until 0.2 s pass without a message, a
+    fixed 0.2 s in jupyter_client 7 and 8 whatever the kernel)."""
+    import queue
+
+    import jupyter_client
+
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        km = jupyter_client.KernelManager(kernel_name=kernel)
+        km.start_kernel()
+        kc = km.client()
+        kc.start_channels()
+        try:
+            while True:
+                kc.kernel_info()
+                try:
+                    if kc.get_shell_msg(timeout=1)["msg_type"] != "kernel_info_reply":
+                        continue
+                    kc.get_iopub_msg(timeout=0.2)
+                    break
+                except queue.Empty:
+                    continue
+            samples.append(time.perf_counter() - t0)
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+    samples.sort()
+    p50 = samples[len(samples) // 2]
+    print("%-52s p50 %9.2f ms  (n=%d)" % ("%s start until kernel_info_reply" % kernel,
+                                            p50 * 1e3, n))
+    return p50
+
+
 def notebook_seconds(kernel):
     try:
         import nbclient
@@ -51,7 +88,9 @@ def main():
     d = Daemon(a.bin, a.runtime, conf, {"SANDCELL_POOL_REFILL_PER_SECOND": "200"})
     d.wait_log("warm worker ready", 4)
     specs = tempfile.mkdtemp(prefix="sandcell-bench-jupyter.", dir="/var/tmp")
-    write_specs(os.path.join(specs, "kernels"), sys.executable)
+    # sandcellctl's Rust kernel, built beside the daemon.
+    write_specs(os.path.join(specs, "kernels"), sys.executable,
+                os.path.join(os.path.abspath(a.bin), "sandcellctl"))
     os.environ["JUPYTER_PATH"] = specs
     os.environ["SANDCELL_SOCKET"] = d.sock
     os.environ["PYTHONPATH"] = os.path.abspath(SRC)
@@ -59,6 +98,8 @@ def main():
         print("== Jupyter kernels through jupyter_client: sandcell-pydata beside ipykernel")
         mine = bench_jupyter("sandcell-pydata", "print(1)", a.iterations)
         theirs = bench_jupyter("python3", "print(1)", a.iterations)
+        ki_mine = start_to_kernel_info("sandcell-pydata")
+        ki_theirs = start_to_kernel_info("python3")
         nb_mine = notebook_seconds("sandcell-pydata")
         nb_theirs = notebook_seconds("python3")
     finally:
@@ -67,6 +108,7 @@ def main():
     if mine and theirs:
         print("%-60s %8.3f" % ("kernel start", mine[0] / theirs[0]))
         print("%-60s %8.3f" % ("cell round trip", mine[1] / theirs[1]))
+    print("%-60s %8.3f" % ("kernel start until kernel_info_reply", ki_mine / ki_theirs))
     if nb_mine and nb_theirs:
         print("%-60s %8.3f" % ("nbclient pydata notebook", nb_mine / nb_theirs))
 

@@ -222,7 +222,7 @@ if ((want_deb)); then
     done
     install -Dm 0644 -t "$site/sandcell/jupyter" clients/python/src/sandcell/jupyter/*.py
     # The Jupyter kernelspecs, where Jupyter looks system-wide.
-    PYTHONPATH=clients/python/src python3 -m sandcell.jupyter write-specs "$pyroot/usr/share/jupyter/kernels" /usr/bin/python3
+    PYTHONPATH=clients/python/src python3 -m sandcell.jupyter write-specs "$pyroot/usr/share/jupyter/kernels" /usr/bin/python3 /usr/bin/sandcellctl
     chmod 0644 "$pyroot"/usr/share/jupyter/kernels/*/kernel.json
     python3 packaging/python-metadata.py clients/python/pyproject.toml "$site/sandcell-$pyver.dist-info/METADATA" "$version"
     chmod 0644 "$site/sandcell-$pyver.dist-info"/*

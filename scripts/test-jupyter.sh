@@ -4,7 +4,9 @@
 # for sandcell-python, sandcell-pydata and sandcell-r; nbclient executing examples/notebooks;
 # interrupt, restart and a crashed worker through jupyter_client's KernelManager. Uses the
 # pinned venv of scripts/jupyter-venv.sh (over Debian's ipykernel and jupyter_client). Needs
-# scripts/setup.sh's build. Exits non-zero on any failure, including "no tests collected".
+# scripts/setup.sh's build. The kernelspecs start the built sandcellctl's kernel;
+# SANDCELL_JUPYTER_PYTHON_KERNEL=1 tests the ipykernel-based fallback instead. Exits non-zero
+# on any failure, including "no tests collected".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/env.sh

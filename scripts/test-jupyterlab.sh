@@ -76,7 +76,7 @@ for _ in $(seq 100); do [[ -S $sock ]] && break; sleep 0.1; done
 export JUPYTER_PATH="$run/jupyter" JUPYTER_CONFIG_DIR="$run/jupyter-config"
 export JUPYTER_RUNTIME_DIR="$run/jupyter-runtime" SANDCELL_SOCKET="$sock"
 export PYTHONPATH="$PWD/clients/python/src"
-"$py" -m sandcell.jupyter write-specs "$JUPYTER_PATH/kernels" "$py"
+"$py" -m sandcell.jupyter write-specs "$JUPYTER_PATH/kernels" "$py" "$BIN/sandcellctl"
 mkdir -p "$run/notebooks"
 "$py" - "$run/notebooks/lab.ipynb" <<'EOF'
 import sys

@@ -21,6 +21,7 @@ mod cmd;
 mod ctrlc;
 mod dbus;
 mod hostcmd;
+mod jupyter;
 mod mcp;
 mod progress;
 mod report;

@@ -10,6 +10,7 @@
 //! - [`admin`]: the D-Bus commands `list`, `status`, `terminate`, `reload`, and `interrupt`
 //!   of another user's session
 //! - [`mcp`]: `mcp`, the MCP server ([`crate::mcp`])
+//! - [`kernel`]: `kernel`, a Jupyter kernel ([`crate::jupyter`])
 //! - [`completions`]: `completions SHELL`
 //!
 //! A command returns its exit status or a [`Failure`], which [`crate::report`] renders.
@@ -19,6 +20,7 @@ pub mod completions;
 pub mod environments;
 pub mod files;
 pub mod follow;
+pub mod kernel;
 pub mod mcp;
 pub mod run;
 pub mod session;
@@ -101,6 +103,9 @@ enum Cmd {
     /// agents that launch tools as a subprocess: run code, sessions, files, plots; see
     /// docs/mcp.md. Sessions opened through it end when it ends unless opened detached.
     Mcp,
+    /// Serve as a Jupyter kernel on the sockets of a connection file (as Jupyter starts it
+    /// from a kernelspec): cells run in one sandcell session of the kernel's environment.
+    Kernel(kernel::Kernel),
     /// Print the completion script for SHELL (bash, zsh, fish, elvish or powershell) on
     /// standard output; the packages install those for bash, zsh and fish.
     Completions(completions::Completions),
@@ -151,6 +156,7 @@ pub async fn dispatch(args: Args) -> ExitCode {
         Cmd::Terminate(a) => a.run(&ctx).await,
         Cmd::Reload => admin::reload(&ctx).await,
         Cmd::Mcp => mcp::run(&ctx).await,
+        Cmd::Kernel(a) => a.run(&ctx).await,
         Cmd::Completions(a) => a.run(),
     };
     match outcome {

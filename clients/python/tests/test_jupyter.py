@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 import zlib
+from queue import Empty
 from pathlib import Path
 from unittest import SkipTest
 
@@ -36,6 +37,10 @@ except ImportError as e:  # pragma: no cover - depends on the machine
 
 from sandcell.jupyter.__main__ import write_specs
 
+#: Where the built binaries are (as conftest.py finds sandcelld).
+BIN = Path(os.environ.get("SANDCELL_BIN", Path(os.environ.get("CARGO_TARGET_DIR",
+                                                              "/var/tmp/sandcell-target")) / "release"))
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 NOTEBOOKS = Path(__file__).resolve().parents[3] / "examples" / "notebooks"
 
@@ -44,7 +49,10 @@ NOTEBOOKS = Path(__file__).resolve().parents[3] / "examples" / "notebooks"
 def kernelspecs(socket_path):
     """The three kernelspecs in a private Jupyter data directory, pointing at this daemon."""
     d = tempfile.mkdtemp(prefix="sandcell-jupyter.", dir="/var/tmp")
-    write_specs(os.path.join(d, "kernels"), sys.executable)
+    # The Rust kernel of the sandcellctl built beside the daemon under test;
+    # SANDCELL_JUPYTER_PYTHON_KERNEL=1 tests the ipykernel-based fallback instead.
+    ctl = None if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1" else str(BIN / "sandcellctl")
+    write_specs(os.path.join(d, "kernels"), sys.executable, ctl)
     saved = {k: os.environ.get(k) for k in ("JUPYTER_PATH", "SANDCELL_SOCKET", "PYTHONPATH")}
     os.environ["JUPYTER_PATH"] = d
     os.environ["SANDCELL_SOCKET"] = socket_path
@@ -391,6 +399,79 @@ def test_cell_cannot_reach_the_kernel_or_the_users_files(kernel):
         assert "unreadable" in text, text
         key = info["key"].decode() if isinstance(info["key"], bytes) else info["key"]
         assert key not in text
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_forged_messages_are_dropped():
+    """A message signed with another key (or unsigned) gets no reply and no output, and the
+    kernel still answers the next signed one."""
+    from jupyter_client.session import Session
+
+    km = KernelManager(kernel_name="sandcell-python")
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        for key in (b"not-the-key", b""):
+            forger = Session(key=key, signature_scheme="hmac-sha256")
+            msg = forger.msg("execute_request", {"code": "print('forged')", "silent": False,
+                                                 "store_history": True, "user_expressions": {},
+                                                 "allow_stdin": False, "stop_on_error": True})
+            forger.send(kc.shell_channel.socket, msg)
+            # Replies to other requests (wait_for_ready may send kernel_info more than once)
+            # may come; none to the forged one.
+            deadline = time.monotonic() + 2
+            while time.monotonic() < deadline:
+                try:
+                    reply = kc.get_shell_msg(timeout=max(0.01, deadline - time.monotonic()))
+                except Empty:
+                    break
+                assert reply["parent_header"].get("msg_id") != msg["header"]["msg_id"], reply
+        content, msgs = execute(kc, "print('signed')")
+        assert content["status"] == "ok"
+        text = "".join(m["content"].get("text", "") for m in msgs if m["msg_type"] == "stream")
+        assert text == "signed\n", text
+        assert content["execution_count"] == 1, content
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_kernel_answers_before_its_session_and_reports_an_open_failure(kernelspecs):
+    """kernel_info is answered without waiting for the session; a session that cannot be
+    opened (here: no daemon at the socket) is the first cell's error, not a dead kernel."""
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel opens its session before it answers")
+    import json
+
+    d = os.path.join(kernelspecs, "kernels", "sandcell-nodaemon")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "kernel.json"), "w", encoding="utf-8") as f:
+        json.dump({"argv": [str(BIN / "sandcellctl"), "kernel", "-f", "{connection_file}",
+                            "--kernel", "sandcell-python"],
+                   "display_name": "no daemon", "language": "python",
+                   "interrupt_mode": "message",
+                   "env": {"SANDCELL_SOCKET": "/nonexistent/sandcell.sock"}}, f)
+    km = KernelManager(kernel_name="sandcell-nodaemon")
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=30)
+        msg_id = kc.kernel_info()
+        info = kc.get_shell_msg(timeout=10)
+        assert info["parent_header"]["msg_id"] == msg_id
+        assert info["content"]["implementation"] == "sandcell"
+        assert info["content"]["language_info"]["name"] == "python"
+        for _ in range(2):  # the next cell tries again, and fails the same way
+            content, _ = execute(kc, "print(1)")
+            assert content["status"] == "error", content
+            assert "could not open a sandcell session" in content["evalue"], content
+            assert "cannot reach sandcelld" in content["evalue"], content
+        assert km.is_alive()
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

@@ -27,3 +27,17 @@ def test_install_without_jupyter_client_says_what_to_install() -> None:
     assert len(lines) == 1, p.stderr
     assert "jupyter_client" in lines[0] and "install" in lines[0], lines[0]
     assert p.stdout == ""
+
+
+def test_kernelspecs_start_sandcellctl_unless_the_python_kernel_is_asked_for() -> None:
+    sys.path.insert(0, str(SRC))
+    from sandcell.jupyter import KERNEL_ENV, kernelspec
+
+    spec = kernelspec("sandcell-pydata")
+    assert spec["argv"] == ["sandcellctl", "kernel", "-f", "{connection_file}",
+                            "--kernel", "sandcell-pydata"]
+    assert spec["interrupt_mode"] == "message"
+    spec = kernelspec("sandcell-r", "/usr/bin/python3", None)
+    assert spec["argv"] == ["/usr/bin/python3", "-m", "sandcell.jupyter", "-f",
+                            "{connection_file}"]
+    assert spec["env"][KERNEL_ENV] == "sandcell-r"

@@ -1,4 +1,5 @@
-"""``python3 -m sandcell.jupyter``: with ``install``, installs the kernelspecs; else runs a
+"""``python3 -m sandcell.jupyter``: with ``install``, installs the kernelspecs (sandcellctl's
+Rust kernel; ``--python-kernel``: the ipykernel-based one); else runs the ipykernel-based
 kernel (Jupyter starts it so, with ``-f CONNECTION_FILE``; the kernel is chosen by
 ``SANDCELL_JUPYTER_KERNEL``)."""
 
@@ -20,8 +21,13 @@ def install(argv: list[str]) -> int:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--user", action="store_true", help="into the user's Jupyter data dir")
     where.add_argument("--prefix", help="into PREFIX/share/jupyter/kernels (a venv, a package)")
+    p.add_argument("--sandcellctl", default="sandcellctl",
+                   help="the sandcellctl the kernelspecs start (default: sandcellctl on PATH)")
+    p.add_argument("--python-kernel", action="store_true",
+                   help="install the ipykernel-based kernel instead of sandcellctl's")
     p.add_argument("--python", default="python3",
-                   help="the interpreter the kernelspecs start (default: python3 on PATH)")
+                   help="with --python-kernel, the interpreter the kernelspecs start "
+                        "(default: python3 on PATH)")
     p.add_argument("--kernel", action="append", choices=sorted(KERNELS),
                    help="only this kernel (repeatable; default: all)")
     a = p.parse_args(argv)
@@ -39,27 +45,35 @@ def install(argv: list[str]) -> int:
     for name in a.kernel or sorted(KERNELS):
         with tempfile.TemporaryDirectory() as d:
             with open(os.path.join(d, "kernel.json"), "w", encoding="utf-8") as f:
-                json.dump(kernelspec(name, a.python), f, indent=1)
+                json.dump(kernelspec(name, a.python,
+                                     None if a.python_kernel else a.sandcellctl), f, indent=1)
             dest = ksm.install_kernel_spec(d, name, user=a.user, prefix=a.prefix)
         print(f"installed {name} in {dest}")
     return 0
 
 
-def write_specs(dest: str, python: str = "python3") -> None:
-    """Writes every kernelspec under ``dest/<name>/kernel.json`` (for packaging)."""
+def write_specs(dest: str, python: str = "python3",
+                sandcellctl: str | None = "sandcellctl") -> None:
+    """Writes every kernelspec under ``dest/<name>/kernel.json`` (for packaging): the
+    Rust kernel of ``sandcellctl``, or with ``sandcellctl=None`` the ipykernel-based one
+    started by ``python`` (see :func:`kernelspec`)."""
     for name in sorted(KERNELS):
         d = os.path.join(dest, name)
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
         with open(os.path.join(d, "kernel.json"), "w", encoding="utf-8") as f:
-            json.dump(kernelspec(name, python), f, indent=1)
+            json.dump(kernelspec(name, python, sandcellctl), f, indent=1)
 
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "install":
         return install(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "write-specs":
-        write_specs(sys.argv[2], *(sys.argv[3:4]))
+        # write-specs DIR [PYTHON] [SANDCELLCTL]; SANDCELLCTL "-": the ipykernel kernel.
+        args = sys.argv[2:5]
+        ctl = args[2] if len(args) > 2 else "sandcellctl"
+        write_specs(args[0], args[1] if len(args) > 1 else "python3",
+                    None if ctl == "-" else ctl)
         return 0
     from .kernel import launch
 

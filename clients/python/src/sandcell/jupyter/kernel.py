@@ -1,4 +1,10 @@
-"""The sandcell Jupyter kernel: the Jupyter messaging protocol mapped onto one sandcell session.
+"""The ipykernel-based sandcell Jupyter kernel: the Jupyter messaging protocol mapped onto one
+sandcell session.
+
+The kernelspecs start ``sandcellctl kernel`` (a kernel in Rust with the same behaviour, which
+starts and answers without ipykernel's import and message machinery); this module is the
+fallback, installed with ``python3 -m sandcell.jupyter install --python-kernel`` and tested
+by the same suite (``SANDCELL_JUPYTER_PYTHON_KERNEL=1``).
 
 Built on ipykernel's wrapper-kernel base, :class:`ipykernel.kernelbase.Kernel`, launched by
 :class:`ipykernel.kernelapp.IPKernelApp` (https://jupyter-client.readthedocs.io/en/stable/

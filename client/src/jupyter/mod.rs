@@ -1,0 +1,1010 @@
+//! `sandcellctl kernel`: a Jupyter kernel (messaging protocol 5.3,
+//! <https://jupyter-client.readthedocs.io/en/stable/messaging.html>) mapped onto one sandcell
+//! session, started by Jupyter from a kernelspec as
+//! `sandcellctl kernel -f {connection_file} --kernel sandcell-pydata`.
+//!
+//! Sockets (bound on the connection file's ports; `tcp` only): shell and control ROUTER,
+//! iopub PUB, stdin ROUTER (bound, never asked: cells have no stdin), heartbeat REP (echo).
+//! Every message is HMAC-SHA256 signed with the file's key; one with a bad signature, too
+//! many frames or too many bytes ([`wire`]'s bounds) is dropped and logged on standard
+//! error, never answered. Every request is framed by `status` `busy` and `idle` on iopub.
+//!
+//! Start: the sockets are bound and `kernel_info_request` answered at once; the session is
+//! opened concurrently (`Open` with rich output) and awaited by the first request that
+//! needs it. An `Open` refusal is logged and reported as the first `execute_request`'s
+//! error; the next cell tries again.
+//!
+//! Requests:
+//! - `execute_request`: one `Execute`; `output` frames become `stream`, display frames
+//!   `display_data` or (the last expression's value) `execute_result`; an error becomes an
+//!   `error` message and reply with the traceback's lines; `execute_input` and the
+//!   `execution_count` (counted for cells that are not `silent`) as ipykernel does. A cell
+//!   that ended the session (worker crashed, `oom`, `exited`) says so in its error; the next
+//!   cell opens a new session and says why on stderr first.
+//! - `interrupt_request` (control; `interrupt_mode: message`): `InterruptSession` from a
+//!   second connection; the variables stay.
+//! - `shutdown_request`: replied on its channel and iopub, then the kernel exits; its
+//!   connection closes, which ends the session. jupyter_client restarts a kernel by starting
+//!   a new process, so a restart is a new session.
+//! - `complete_request`, `inspect_request`: the session's `Complete` and `Help`; without a
+//!   session, the language's keywords and common names and the names the kernel's history
+//!   assigns (no help).
+//! - `is_complete_request`: decided locally ([`complete`]).
+//! - `history_request`: the kernel's own history (`tail`, `range`, `search` with a glob
+//!   pattern and `unique`) of the last 10 000 cells, each result's text cut at
+//!   64 KiB.
+//! - `comm_info_request`: no comms; `comm_open`: answered with `comm_close` (comms and
+//!   widgets are not supported); `comm_msg`, `comm_close`: ignored.
+//! - `input()`: a cell's stdin is `/dev/null`, so Python's `input()` raises `EOFError`;
+//!   the error's value says why.
+
+pub mod complete;
+pub mod wire;
+
+use bytes::Bytes;
+use sandcell_client::{Client, Error as ClientError, KernelError, Status};
+use sandcell_proto::kernel::{DisplayKind, Stream};
+use serde_json::{Map, Value, json};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+use wire::{ConnectionInfo, Message, Signer};
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+/// The kernels: Jupyter kernel name -> (sandcell language, environment or `None` for the
+/// language's default, display name, Jupyter language).
+pub const KERNELS: [(&str, &str, Option<&str>, &str, &str); 3] = [
+    (
+        "sandcell-python",
+        "python",
+        None,
+        "Python (sandcell)",
+        "python",
+    ),
+    (
+        "sandcell-pydata",
+        "python",
+        Some("pydata"),
+        "Python (sandcell pydata)",
+        "python",
+    ),
+    ("sandcell-r", "r", None, "R (sandcell)", "R"),
+];
+
+/// Why the kernel could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelFailure {
+    /// The connection file could not be read or parsed.
+    #[error("connection file {path}: {why}")]
+    ConnectionFile {
+        /// Its path.
+        path: PathBuf,
+        /// What was wrong.
+        why: String,
+    },
+    /// `--kernel` names no kernel of [`KERNELS`].
+    #[error("unknown kernel {0:?} (sandcell-python, sandcell-pydata or sandcell-r)")]
+    UnknownKernel(String),
+    /// A socket could not be bound.
+    #[error("cannot bind {endpoint}: {why}")]
+    Bind {
+        /// The endpoint.
+        endpoint: String,
+        /// The cause.
+        why: String,
+    },
+}
+
+macro_rules! log {
+    ($($t:tt)*) => { eprintln!("sandcell kernel: {}", format!($($t)*)) };
+}
+
+/// How long iopub messages are held for the first subscriber (see `serve`).
+const IOPUB_HOLD: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Cells the kernel's history keeps (the oldest go first), for `history_request`.
+const MAX_HISTORY: usize = 10_000;
+/// Bytes of a result's `text/plain` the history keeps.
+const MAX_HISTORY_OUTPUT: usize = 64 << 10;
+
+/// What the request handlers share: signing, the iopub queue, the language and the id of
+/// the current sandcell session (for interrupts from the control channel).
+#[derive(Clone)]
+struct Shared {
+    signer: Signer,
+    /// This kernel's Jupyter session id (headers' `session`).
+    session: String,
+    iopub: mpsc::Sender<(String, Value, Value)>,
+    language: &'static str,
+    environment: Option<&'static str>,
+    /// The sandcell session id once open.
+    sandcell: Arc<Mutex<Option<String>>>,
+    /// The interpreter version from `ListEnvironments` (`Some("")` when unknown).
+    version: watch::Receiver<Option<String>>,
+    socket: PathBuf,
+    shutdown: mpsc::Sender<()>,
+}
+
+impl Shared {
+    async fn publish(&self, msg_type: &str, content: Value, parent: &Value) {
+        let _ = self
+            .iopub
+            .send((msg_type.to_owned(), content, parent.clone()))
+            .await;
+    }
+
+    fn frames(&self, req: &Message, msg_type: &str, content: &Value) -> ZmqMessage {
+        let frames = wire::frames(
+            &self.signer,
+            &req.identities,
+            &wire::header(msg_type, &self.session),
+            &Value::Object(req.header.clone()),
+            content,
+        );
+        ZmqMessage::try_from(frames).expect("a message has frames")
+    }
+
+    async fn kernel_info(&self) -> Value {
+        let mut rx = self.version.clone();
+        let version = tokio::time::timeout(std::time::Duration::from_millis(500), async {
+            rx.wait_for(Option::is_some)
+                .await
+                .ok()
+                .and_then(|v| v.clone())
+        })
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+        let language_info = if self.language == "r" {
+            json!({"name": "R", "version": version, "mimetype": "text/x-r-source",
+                   "file_extension": ".r", "pygments_lexer": "r", "codemirror_mode": "r"})
+        } else {
+            json!({"name": "python", "version": version, "mimetype": "text/x-python",
+                   "file_extension": ".py", "pygments_lexer": "ipython3",
+                   "codemirror_mode": {"name": "ipython", "version": 3},
+                   "nbconvert_exporter": "python"})
+        };
+        json!({
+            "status": "ok",
+            "protocol_version": wire::PROTOCOL_VERSION,
+            "implementation": "sandcell",
+            "implementation_version": env!("CARGO_PKG_VERSION"),
+            "language_info": language_info,
+            "banner": "sandcell: cells run confined (Landlock, seccomp, cgroups) by sandcelld",
+            "help_links": [{"text": "sandcell", "url": "https://github.com/sandcell/sandcell"}],
+            "debugger": false,
+        })
+    }
+}
+
+/// Binds `endpoint` on `s`.
+async fn bind<S: Socket>(s: &mut S, endpoint: String) -> Result<(), KernelFailure> {
+    s.bind(&endpoint)
+        .await
+        .map(|_| ())
+        .map_err(|e| KernelFailure::Bind {
+            endpoint,
+            why: e.to_string(),
+        })
+}
+
+/// Runs kernel `kernel` (a name of [`KERNELS`]) on the sockets of `connection_file`, with
+/// sandcelld at `socket`, until a `shutdown_request`. Errors: [`KernelFailure`] before the
+/// sockets are bound; afterwards failures are logged and answered, never fatal.
+pub async fn serve(
+    socket: PathBuf,
+    connection_file: &Path,
+    kernel: &str,
+) -> Result<(), KernelFailure> {
+    let (_, language, environment, _, _) = KERNELS
+        .iter()
+        .find(|k| k.0 == kernel)
+        .copied()
+        .ok_or_else(|| KernelFailure::UnknownKernel(kernel.to_owned()))?;
+    let cf = |why: String| KernelFailure::ConnectionFile {
+        path: connection_file.to_owned(),
+        why,
+    };
+    let text = std::fs::read(connection_file).map_err(|e| cf(e.to_string()))?;
+    let info: ConnectionInfo = serde_json::from_slice(&text).map_err(|e| cf(e.to_string()))?;
+    if info.transport != "tcp" {
+        return Err(cf(format!(
+            "transport {:?} is not supported (only tcp)",
+            info.transport
+        )));
+    }
+    let signer = Signer::new(&info.key, &info.signature_scheme).map_err(cf)?;
+
+    // The session and the language version, concurrently with binding.
+    let (version_tx, version_rx) = watch::channel(None);
+    {
+        let socket = socket.clone();
+        tokio::spawn(async move {
+            let v = interpreter_version(&socket, language, environment).await;
+            let _ = version_tx.send(Some(v));
+        });
+    }
+    let opening = open(socket.clone(), language, environment);
+
+    let mut shell = zeromq::RouterSocket::new();
+    let mut control = zeromq::RouterSocket::new();
+    let mut stdin = zeromq::RouterSocket::new();
+    let mut iopub = zeromq::XPubSocket::new();
+    let mut hb = zeromq::RepSocket::new();
+    bind(&mut shell, info.endpoint(info.shell_port)).await?;
+    bind(&mut control, info.endpoint(info.control_port)).await?;
+    bind(&mut stdin, info.endpoint(info.stdin_port)).await?;
+    bind(&mut iopub, info.endpoint(info.iopub_port)).await?;
+    bind(&mut hb, info.endpoint(info.hb_port)).await?;
+
+    let (iopub_tx, mut iopub_rx) = mpsc::channel::<(String, Value, Value)>(256);
+    let (shutdown_tx, mut shutdown_rx) = mpsc::channel(1);
+    let shared = Shared {
+        signer: signer.clone(),
+        session: uuid::Uuid::new_v4().to_string(),
+        iopub: iopub_tx,
+        language,
+        environment,
+        sandcell: Arc::new(Mutex::new(None)),
+        version: version_rx,
+        socket,
+        shutdown: shutdown_tx,
+    };
+    let topic_session = shared.session.clone();
+    let iopub_task = tokio::spawn(async move {
+        // Messages published before the first subscription would be lost (a PUB socket
+        // drops what no subscriber wants), and jupyter_client's wait_for_ready waits 0.2 s
+        // for a status on iopub after each kernel_info_reply: the first messages are held
+        // until a client subscribes (XPUB shows subscriptions), at most IOPUB_HOLD.
+        let mut held: std::collections::VecDeque<ZmqMessage> = Default::default();
+        let mut subscribed = false;
+        let deadline = tokio::time::sleep(IOPUB_HOLD);
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                m = iopub_rx.recv() => {
+                    let Some((msg_type, content, parent)) = m else { break };
+                    let topic = Bytes::from(format!("kernel.{topic_session}.{msg_type}"));
+                    let frames = wire::frames(
+                        &signer,
+                        &[topic],
+                        &wire::header(&msg_type, &topic_session),
+                        &parent,
+                        &content,
+                    );
+                    let m = ZmqMessage::try_from(frames).expect("frames");
+                    if subscribed {
+                        if let Err(e) = iopub.send(m).await {
+                            log!("iopub: {e}");
+                        }
+                    } else if held.len() < 1024 {
+                        held.push_back(m);
+                    }
+                }
+                r = iopub.recv() => {
+                    // A subscription (first byte 1) or unsubscription (0): XPUB's own
+                    // bookkeeping is done in recv.
+                    if let Ok(m) = r
+                        && m.get(0).is_some_and(|f| f.first() == Some(&1))
+                        && !subscribed
+                    {
+                        subscribed = true;
+                        for m in held.drain(..) {
+                            let _ = iopub.send(m).await;
+                        }
+                    }
+                }
+                () = &mut deadline, if !subscribed => {
+                    subscribed = true;
+                    held.clear();
+                }
+            }
+        }
+    });
+    tokio::spawn(async move {
+        while let Ok(m) = hb.recv().await {
+            if hb.send(m).await.is_err() {
+                break;
+            }
+        }
+    });
+    tokio::spawn(async move {
+        // Cells never ask for input; what arrives here is read and dropped.
+        while stdin.recv().await.is_ok() {}
+    });
+    let control_task = tokio::spawn(serve_control(control, shared.clone()));
+    let shell_task = tokio::spawn(serve_shell(shell, shared.clone(), opening));
+    drop(shared);
+    shutdown_rx.recv().await;
+    // Let the replies and iopub messages already queued go out.
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    shell_task.abort();
+    control_task.abort();
+    iopub_task.abort();
+    Ok(())
+}
+
+/// The interpreter version of the environment (`3.11.2`, `4.2.2`), or `""`.
+async fn interpreter_version(socket: &Path, language: &str, environment: Option<&str>) -> String {
+    let Ok(mut c) = Client::connect(socket).await else {
+        return String::new();
+    };
+    let Ok(envs) = c.list_environments().await else {
+        return String::new();
+    };
+    envs.iter()
+        .find(|e| {
+            e.language == language
+                && match environment {
+                    None => e.default,
+                    Some(n) => e.name == n,
+                }
+        })
+        .and_then(|e| {
+            // "CPython 3.11.2", "CPython 3.14.0 (Eryx)", "R 4.2.2".
+            e.interpreter_version
+                .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+                .find(|w| w.contains('.') && w.starts_with(|c: char| c.is_ascii_digit()))
+                .map(|w| w.trim_end_matches('.').to_owned())
+        })
+        .unwrap_or_default()
+}
+
+type Opening = JoinHandle<Result<(Client, String), ClientError>>;
+
+/// Opens a session (rich output) on a new connection, in the background.
+fn open(socket: PathBuf, language: &'static str, environment: Option<&'static str>) -> Opening {
+    tokio::spawn(async move {
+        let mut c = Client::connect(&socket).await?;
+        let r = c
+            .open_with(&sandcell_client::OpenParams {
+                language: language.into(),
+                limits: None,
+                detached_idle_seconds: None,
+                environment: environment.map(str::to_owned),
+                host_calls: None,
+                display_last_expression: None,
+                rich_output: Some(true),
+            })
+            .await?;
+        Ok((c, r.session))
+    })
+}
+
+/// The session a request uses.
+enum Slot {
+    /// Being opened.
+    Opening(Opening),
+    /// Open: its connection and id.
+    Ready(Client, String),
+    /// None: the last one ended (why) or could not be opened; the next cell opens one.
+    Gone(Option<String>),
+}
+
+/// Receives one message from a ROUTER, verified; `None` when the socket failed.
+async fn receive(s: &mut zeromq::RouterSocket, shared: &Shared, channel: &str) -> Option<Message> {
+    loop {
+        let m = match s.recv().await {
+            Ok(m) => m,
+            Err(e) => {
+                log!("{channel}: {e}");
+                return None;
+            }
+        };
+        match wire::parse(&m.into_vec(), &shared.signer) {
+            Ok(msg) => return Some(msg),
+            Err(e) => log!("{channel}: dropped a message: {e}"),
+        }
+    }
+}
+
+async fn serve_control(mut control: zeromq::RouterSocket, shared: Shared) {
+    let mut interrupter: Option<Client> = None;
+    while let Some(req) = receive(&mut control, &shared, "control").await {
+        let parent = Value::Object(req.header.clone());
+        shared
+            .publish("status", json!({"execution_state": "busy"}), &parent)
+            .await;
+        let reply = match req.msg_type() {
+            "kernel_info_request" => Some(("kernel_info_reply", shared.kernel_info().await)),
+            "interrupt_request" => {
+                let id = shared.sandcell.lock().expect("lock").clone();
+                if let Some(id) = id {
+                    if interrupter.is_none() {
+                        interrupter = Client::connect(&shared.socket).await.ok();
+                    }
+                    if let Some(c) = interrupter.as_mut()
+                        && let Err(e) = c.interrupt_session(&id).await
+                    {
+                        log!("interrupt: {e}");
+                        if matches!(e, ClientError::Protocol(_)) {
+                            interrupter = None;
+                        }
+                    }
+                }
+                Some(("interrupt_reply", json!({"status": "ok"})))
+            }
+            "shutdown_request" => {
+                let restart = req.content.get("restart").cloned().unwrap_or(json!(false));
+                Some((
+                    "shutdown_reply",
+                    json!({"status": "ok", "restart": restart}),
+                ))
+            }
+            other => {
+                log!("control: unsupported message type {other:?}");
+                None
+            }
+        };
+        if let Some((t, content)) = reply {
+            let _ = control.send(shared.frames(&req, t, &content)).await;
+            if t == "shutdown_reply" {
+                shared.publish(t, content, &parent).await;
+            }
+        }
+        shared
+            .publish("status", json!({"execution_state": "idle"}), &parent)
+            .await;
+        if req.msg_type() == "shutdown_request" {
+            let _ = shared.shutdown.send(()).await;
+        }
+    }
+}
+
+/// The shell channel's state: the session, the execution count and the history.
+struct Shell {
+    shared: Shared,
+    slot: Slot,
+    count: u64,
+    history: Vec<(u64, String)>,
+    outputs: std::collections::HashMap<u64, String>,
+}
+
+async fn serve_shell(mut shell: zeromq::RouterSocket, shared: Shared, opening: Opening) {
+    let mut k = Shell {
+        shared: shared.clone(),
+        slot: Slot::Opening(opening),
+        count: 0,
+        history: Vec::new(),
+        outputs: Default::default(),
+    };
+    while let Some(req) = receive(&mut shell, &shared, "shell").await {
+        let parent = Value::Object(req.header.clone());
+        shared
+            .publish("status", json!({"execution_state": "busy"}), &parent)
+            .await;
+        let reply = k.handle(&req, &parent).await;
+        if let Some((t, content)) = reply {
+            let _ = shell.send(shared.frames(&req, t, &content)).await;
+            if t == "shutdown_reply" {
+                shared.publish(t, content, &parent).await;
+            }
+        }
+        shared
+            .publish("status", json!({"execution_state": "idle"}), &parent)
+            .await;
+        if req.msg_type() == "shutdown_request" {
+            let _ = shared.shutdown.send(()).await;
+        }
+    }
+}
+
+fn text(content: &Map<String, Value>, key: &str) -> String {
+    content
+        .get(key)
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_owned()
+}
+
+fn flag(content: &Map<String, Value>, key: &str, default: bool) -> bool {
+    content.get(key).and_then(Value::as_bool).unwrap_or(default)
+}
+
+/// The short name of a client error (`SessionEnded`, `ConnectionFailed`, ...).
+fn error_name(e: &ClientError) -> String {
+    e.to_json()["error"]
+        .as_str()
+        .and_then(|s| s.rsplit('.').next())
+        .unwrap_or("SandcellError")
+        .to_owned()
+}
+
+impl Shell {
+    async fn handle(&mut self, req: &Message, parent: &Value) -> Option<(&'static str, Value)> {
+        let c = &req.content;
+        Some(match req.msg_type() {
+            "kernel_info_request" => ("kernel_info_reply", self.shared.kernel_info().await),
+            "execute_request" => ("execute_reply", self.execute(c, parent).await),
+            "is_complete_request" => (
+                "is_complete_reply",
+                complete::is_complete(self.shared.language, &text(c, "code")),
+            ),
+            "complete_request" => ("complete_reply", self.complete(c).await),
+            "inspect_request" => ("inspect_reply", self.inspect(c).await),
+            "history_request" => ("history_reply", self.history(c)),
+            "comm_info_request" => ("comm_info_reply", json!({"status": "ok", "comms": {}})),
+            "comm_open" => {
+                let content = json!({
+                    "comm_id": text(c, "comm_id"),
+                    "data": {"error": "comms (widgets) are not supported by sandcell kernels"},
+                });
+                self.shared.publish("comm_close", content, parent).await;
+                return None;
+            }
+            "comm_msg" | "comm_close" => return None,
+            "shutdown_request" => (
+                "shutdown_reply",
+                json!({"status": "ok", "restart": c.get("restart").cloned().unwrap_or(json!(false))}),
+            ),
+            other => {
+                log!("shell: unsupported message type {other:?}");
+                return None;
+            }
+        })
+    }
+
+    /// The open session, opening one if needed: `Ok((client, id, why the last one ended))`,
+    /// or the error text of a failed `Open`.
+    async fn session(&mut self) -> Result<(&mut Client, String, Option<String>), String> {
+        let mut ended = None;
+        loop {
+            match std::mem::replace(&mut self.slot, Slot::Gone(None)) {
+                Slot::Ready(c, id) => {
+                    self.slot = Slot::Ready(c, id);
+                    break;
+                }
+                Slot::Opening(h) => match h.await {
+                    Ok(Ok((c, id))) => {
+                        *self.shared.sandcell.lock().expect("lock") = Some(id.clone());
+                        self.slot = Slot::Ready(c, id);
+                    }
+                    Ok(Err(e)) => {
+                        log!("could not open a sandcell session: {e}");
+                        return Err(format!("could not open a sandcell session: {e}"));
+                    }
+                    Err(e) => return Err(format!("could not open a sandcell session: {e}")),
+                },
+                Slot::Gone(why) => {
+                    ended = why;
+                    self.slot = Slot::Opening(open(
+                        self.shared.socket.clone(),
+                        self.shared.language,
+                        self.shared.environment,
+                    ));
+                }
+            }
+        }
+        let Slot::Ready(c, id) = &mut self.slot else {
+            unreachable!()
+        };
+        Ok((c, id.clone(), ended))
+    }
+
+    fn drop_session(&mut self, why: String) {
+        self.slot = Slot::Gone(Some(why));
+        *self.shared.sandcell.lock().expect("lock") = None;
+    }
+
+    async fn error(
+        &self,
+        count: u64,
+        ename: &str,
+        evalue: &str,
+        tb: Vec<String>,
+        parent: &Value,
+    ) -> Value {
+        let content = json!({"ename": ename, "evalue": evalue, "traceback": tb});
+        self.shared.publish("error", content, parent).await;
+        json!({"status": "error", "execution_count": count, "ename": ename, "evalue": evalue,
+               "traceback": tb})
+    }
+
+    async fn execute(&mut self, c: &Map<String, Value>, parent: &Value) -> Value {
+        let code = text(c, "code");
+        let silent = flag(c, "silent", false);
+        let store = flag(c, "store_history", true);
+        if !silent {
+            self.count += 1;
+            self.shared
+                .publish(
+                    "execute_input",
+                    json!({"code": code, "execution_count": self.count}),
+                    parent,
+                )
+                .await;
+        }
+        let count = self.count;
+        if store && !silent {
+            if self.history.len() >= MAX_HISTORY {
+                let (old, _) = self.history.remove(0);
+                self.outputs.remove(&old);
+            }
+            self.history.push((count, code.clone()));
+        }
+        let ok = json!({"status": "ok", "execution_count": count, "payload": [],
+                        "user_expressions": {}});
+        if code.trim().is_empty() {
+            return ok;
+        }
+        let shared = self.shared.clone();
+        let (client, id, ended) = match self.session().await {
+            Ok(s) => s,
+            Err(e) => {
+                self.slot = Slot::Gone(None);
+                return self
+                    .error(count, "SessionError", &e, vec![e.clone()], parent)
+                    .await;
+            }
+        };
+        if let Some(why) = ended
+            && !silent
+        {
+            let t = format!(
+                "sandcell: {why}; a new session was started (the variables of the old one are lost)\n"
+            );
+            shared
+                .publish("stream", json!({"name": "stderr", "text": t}), parent)
+                .await;
+        }
+        let mut result_text = None;
+        let outcome = async {
+            client.execute(&id, &code).await?;
+            loop {
+                let f = client.next_frame().await?;
+                if silent {
+                    if let Some(r) = f.result {
+                        return Ok(r);
+                    }
+                    continue;
+                }
+                if let Some(o) = f.output {
+                    let name = if o.stream == Stream::Stderr {
+                        "stderr"
+                    } else {
+                        "stdout"
+                    };
+                    shared
+                        .publish("stream", json!({"name": name, "text": o.text}), parent)
+                        .await;
+                }
+                if let Some(d) = f.display {
+                    if let Some(note) = &d.note {
+                        let t = format!("sandcell: {note}\n");
+                        shared
+                            .publish("stream", json!({"name": "stderr", "text": t}), parent)
+                            .await;
+                    }
+                    if d.kind == DisplayKind::Result {
+                        result_text = d
+                            .data
+                            .get("text/plain")
+                            .and_then(Value::as_str)
+                            .map(str::to_owned);
+                        shared
+                            .publish(
+                                "execute_result",
+                                json!({"execution_count": count, "data": d.data, "metadata": {}}),
+                                parent,
+                            )
+                            .await;
+                    } else {
+                        shared
+                            .publish(
+                                "display_data",
+                                json!({"data": d.data, "metadata": {}, "transient": {}}),
+                                parent,
+                            )
+                            .await;
+                    }
+                }
+                if let Some(r) = f.result {
+                    return Ok::<_, ClientError>(r);
+                }
+            }
+        }
+        .await;
+        let r = match outcome {
+            Ok(r) => r,
+            Err(e) => {
+                self.drop_session(format!("the session is gone ({e})"));
+                let name = error_name(&e);
+                return self
+                    .error(count, &name, &e.to_string(), vec![], parent)
+                    .await;
+            }
+        };
+        if let (Some(mut t), true) = (result_text, store && !silent) {
+            if t.len() > MAX_HISTORY_OUTPUT {
+                let mut end = MAX_HISTORY_OUTPUT;
+                while !t.is_char_boundary(end) {
+                    end -= 1;
+                }
+                t.truncate(end);
+            }
+            self.outputs.insert(count, t);
+        }
+        let status = r.status.as_str();
+        if r.session_ended {
+            let mut why = format!("the session ended with cell {count} ({status}");
+            if !r.warnings.is_empty() {
+                why += &format!(": {}", r.warnings.join("; "));
+            }
+            why.push(')');
+            self.drop_session(why);
+        }
+        match (r.status, &r.error) {
+            (Status::Ok, _) => ok,
+            (Status::Error, Some(err)) => {
+                let mut evalue = err.message.clone();
+                if err.kind == "EOFError" && self.shared.language == "python" {
+                    evalue += " (input() is refused: a sandcell cell has no stdin)";
+                }
+                let mut tb: Vec<String> = err
+                    .traceback
+                    .as_deref()
+                    .map(|t| {
+                        t.trim_end_matches('\n')
+                            .split('\n')
+                            .map(str::to_owned)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                if tb.last().is_none_or(|l| !l.starts_with(&err.kind)) {
+                    tb.push(format!("{}: {evalue}", err.kind));
+                }
+                self.error(count, &err.kind, &evalue, tb, parent).await
+            }
+            (s, err) => {
+                let ename = match s {
+                    Status::Interrupted => "KeyboardInterrupt",
+                    Status::Timeout => "TimeoutError",
+                    Status::MemoryExhausted => "MemoryError",
+                    Status::Exited => "SystemExit",
+                    _ => "SandcellError",
+                };
+                let mut evalue = match err {
+                    Some(e) => e.message.clone(),
+                    None => format!("the cell ended: {status}"),
+                };
+                if s == Status::Exited {
+                    evalue = format!(
+                        "the cell ended the interpreter (exit code {})",
+                        r.exit_code.map_or("?".into(), |c| c.to_string())
+                    );
+                }
+                if r.session_ended {
+                    evalue += "; the session ended, the next cell starts a new one";
+                }
+                let mut tb = vec![format!("{ename}: {evalue}")];
+                tb.extend(r.warnings.iter().cloned());
+                self.error(count, ename, &evalue, tb, parent).await
+            }
+        }
+    }
+
+    /// Handles a session query's error: a session that ended is dropped (the next cell
+    /// opens a new one).
+    fn query_failed(&mut self, what: &str, e: &ClientError) {
+        match e {
+            ClientError::Kernel(KernelError::SessionBusy { .. }) => {}
+            ClientError::Kernel(k) if k.is_no_such_session() => {
+                self.drop_session(format!("the session ended during a {what} ({e})"));
+            }
+            ClientError::Kernel(KernelError::WorkerFailed { .. }) | ClientError::Protocol(_) => {
+                self.drop_session(format!("the session ended during a {what} ({e})"));
+            }
+            _ => log!("{what}: {e}"),
+        }
+    }
+
+    async fn complete(&mut self, c: &Map<String, Value>) -> Value {
+        let code = text(c, "code");
+        let cursor = c
+            .get("cursor_pos")
+            .and_then(Value::as_u64)
+            .unwrap_or_else(|| code.chars().count() as u64);
+        if let Ok((client, id, _)) = self.session().await {
+            match client.complete(&id, &code, Some(cursor)).await {
+                Ok(r) => {
+                    return json!({"status": "ok", "matches": r.matches,
+                                  "cursor_start": r.cursor_start, "cursor_end": r.cursor_end,
+                                  "metadata": {}});
+                }
+                Err(e) => self.query_failed("complete", &e),
+            }
+        } else {
+            self.slot = Slot::Gone(None);
+        }
+        self.local_complete(&code, cursor)
+    }
+
+    /// Completion without a session: keywords and common names of the language and the
+    /// names the history assigns.
+    fn local_complete(&self, code: &str, cursor: u64) -> Value {
+        let before: String = code.chars().take(cursor as usize).collect();
+        let token: String = before
+            .chars()
+            .rev()
+            .take_while(|c| {
+                c.is_alphanumeric() || *c == '_' || (*c == '.' && self.shared.language == "r")
+            })
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
+        let mut pool: std::collections::BTreeSet<String> = if self.shared.language == "r" {
+            R_WORDS.split_whitespace().map(str::to_owned).collect()
+        } else {
+            PYTHON_WORDS.split_whitespace().map(str::to_owned).collect()
+        };
+        let assign = if self.shared.language == "r" {
+            "<-"
+        } else {
+            "="
+        };
+        for (_, c) in &self.history {
+            for line in c.lines() {
+                if let Some((lhs, rest)) = line.split_once(assign)
+                    && !rest.starts_with('=')
+                {
+                    let name = lhs.trim();
+                    if !name.is_empty()
+                        && name
+                            .chars()
+                            .all(|c| c.is_alphanumeric() || c == '_' || c == '.')
+                    {
+                        pool.insert(name.to_owned());
+                    }
+                }
+            }
+        }
+        let matches: Vec<&String> = pool
+            .iter()
+            .filter(|n| !token.is_empty() && n.starts_with(&token))
+            .collect();
+        let start = cursor - token.chars().count() as u64;
+        json!({"status": "ok", "matches": matches, "cursor_start": start, "cursor_end": cursor,
+               "metadata": {}})
+    }
+
+    async fn inspect(&mut self, c: &Map<String, Value>) -> Value {
+        let code = text(c, "code");
+        let cursor = c.get("cursor_pos").and_then(Value::as_u64);
+        let detail = c
+            .get("detail_level")
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+            .min(1);
+        if let Ok((client, id, _)) = self.session().await {
+            match client.help(&id, &code, cursor, Some(detail)).await {
+                Ok(h) => {
+                    let data = if h.found {
+                        Value::Object(h.data)
+                    } else {
+                        json!({})
+                    };
+                    return json!({"status": "ok", "found": h.found, "data": data,
+                                  "metadata": {}});
+                }
+                Err(e) => self.query_failed("help", &e),
+            }
+        } else {
+            self.slot = Slot::Gone(None);
+        }
+        json!({"status": "ok", "found": false, "data": {}, "metadata": {}})
+    }
+
+    fn history(&self, c: &Map<String, Value>) -> Value {
+        let output = flag(c, "output", false);
+        let n = c.get("n").and_then(Value::as_u64);
+        let mut items: Vec<&(u64, String)> = self.history.iter().collect();
+        match c.get("hist_access_type").and_then(Value::as_str) {
+            Some("tail") => {
+                if let Some(n) = n {
+                    items = items.split_off(items.len().saturating_sub(n as usize));
+                }
+            }
+            Some("range") => {
+                let lo = c.get("start").and_then(Value::as_u64).unwrap_or(0);
+                let hi = c.get("stop").and_then(Value::as_u64).filter(|h| *h > 0);
+                items.retain(|(l, _)| *l >= lo && hi.is_none_or(|h| *l < h));
+            }
+            Some("search") => {
+                let pattern = c.get("pattern").and_then(Value::as_str).unwrap_or("*");
+                items.retain(|(_, code)| glob(pattern.as_bytes(), code.as_bytes()));
+                if flag(c, "unique", false) {
+                    let mut seen = std::collections::HashSet::new();
+                    let mut kept: Vec<_> = items
+                        .into_iter()
+                        .rev()
+                        .filter(|(_, code)| seen.insert(code.clone()))
+                        .collect();
+                    kept.reverse();
+                    items = kept;
+                }
+                if let Some(n) = n {
+                    items = items.split_off(items.len().saturating_sub(n as usize));
+                }
+            }
+            _ => items.clear(),
+        }
+        let history: Vec<Value> = items
+            .into_iter()
+            .map(|(line, code)| {
+                if output {
+                    json!([0, line, [code, self.outputs.get(line)]])
+                } else {
+                    json!([0, line, code])
+                }
+            })
+            .collect();
+        json!({"status": "ok", "history": history})
+    }
+}
+
+/// Whether `text` matches the shell glob `pattern` (`*`, `?`; as Python's `fnmatch` for
+/// these two).
+fn glob(pattern: &[u8], text: &[u8]) -> bool {
+    let (mut p, mut t) = (0, 0);
+    let (mut star, mut mark) = (None, 0);
+    while t < text.len() {
+        if p < pattern.len() && (pattern[p] == b'?' || pattern[p] == text[t]) {
+            p += 1;
+            t += 1;
+        } else if p < pattern.len() && pattern[p] == b'*' {
+            star = Some(p);
+            mark = t;
+            p += 1;
+        } else if let Some(s) = star {
+            p = s + 1;
+            mark += 1;
+            t = mark;
+        } else {
+            return false;
+        }
+    }
+    while p < pattern.len() && pattern[p] == b'*' {
+        p += 1;
+    }
+    p == pattern.len()
+}
+
+/// Names a Python completion offers without a session (keywords and builtins).
+const PYTHON_WORDS: &str = "False None True and as assert async await break class continue def \
+del elif else except finally for from global if import in is lambda nonlocal not or pass raise \
+return try while with yield abs all any ascii bin bool breakpoint bytearray bytes callable chr \
+classmethod compile complex delattr dict dir divmod enumerate eval exec filter float format \
+frozenset getattr globals hasattr hash help hex id input int isinstance issubclass iter len \
+list locals map max memoryview min next object oct open ord pow print property range repr \
+reversed round set setattr slice sorted staticmethod str sum super tuple type vars zip \
+ArithmeticError AssertionError AttributeError Exception KeyError IndexError ValueError \
+TypeError RuntimeError StopIteration ZeroDivisionError NotImplementedError";
+
+/// Names an R completion offers without a session.
+const R_WORDS: &str = "if else repeat while function for in next break TRUE FALSE NULL Inf NaN \
+NA library require print cat paste paste0 sprintf format summary str head tail nrow ncol length \
+names colnames rownames data.frame matrix list vector c seq seq_len seq_along rep sum mean \
+median sd var min max range quantile table unique sort order rev apply sapply lapply vapply \
+mapply Map Reduce Filter do.call lm glm predict anova t.test plot hist barplot boxplot lines \
+points abline legend par png dev.off read.csv write.csv readRDS saveRDS is.na ifelse which any \
+all round signif abs sqrt exp log log10 nchar substr strsplit gsub sub grepl toupper tolower \
+factor levels as.numeric as.integer as.character as.factor as.data.frame merge aggregate with \
+subset transform stop warning message tryCatch invisible return set.seed rnorm runif sample";
+
+#[cfg(test)]
+mod tests {
+    use super::glob;
+
+    #[test]
+    fn glob_matches_as_fnmatch() {
+        assert!(glob(b"6*7", b"6*7"));
+        assert!(glob(b"*", b""));
+        assert!(glob(b"a*c", b"abbbc"));
+        assert!(glob(b"a?c", b"abc"));
+        assert!(!glob(b"a?c", b"abbc"));
+        assert!(!glob(b"6*7", b"6*8"));
+    }
+}

@@ -1,0 +1,377 @@
+//! The Jupyter wire format (messaging protocol 5.3,
+//! <https://jupyter-client.readthedocs.io/en/stable/messaging.html#the-wire-protocol>): a
+//! ZeroMQ multipart message of routing identities, the delimiter `<IDS|MSG>`, the HMAC
+//! signature (lower-case hex), the header, parent header, metadata and content (JSON), then
+//! binary buffers.
+//!
+//! Bounds: at most [`MAX_FRAMES`] frames, each at most [`MAX_FRAME_BYTES`], in all at most
+//! [`MAX_MESSAGE_BYTES`]; a message outside them, without its delimiter or parts, with a bad
+//! signature or with parts that are not JSON objects is refused with a [`WireError`] (the
+//! kernel logs it and never answers it).
+
+use bytes::Bytes;
+use hmac::{Hmac, KeyInit, Mac};
+use serde::Deserialize;
+use serde_json::{Map, Value};
+use sha2::Sha256;
+
+/// Most frames one message may have (identities, delimiter, five parts and buffers).
+pub const MAX_FRAMES: usize = 64;
+/// Largest frame, bytes.
+pub const MAX_FRAME_BYTES: usize = 32 << 20;
+/// Largest message (all frames together), bytes.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// The delimiter frame between routing identities and the signature.
+pub const DELIMITER: &[u8] = b"<IDS|MSG>";
+/// Protocol version this kernel speaks.
+pub const PROTOCOL_VERSION: &str = "5.3";
+
+/// Why a received message was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum WireError {
+    /// More than [`MAX_FRAMES`] frames.
+    #[error("{count} frames (at most {max})")]
+    TooManyFrames {
+        /// Frames received.
+        count: usize,
+        /// The bound.
+        max: usize,
+    },
+    /// A frame over [`MAX_FRAME_BYTES`] or a message over [`MAX_MESSAGE_BYTES`].
+    #[error("{bytes} bytes in a frame or message (at most {max})")]
+    TooLarge {
+        /// Bytes received.
+        bytes: usize,
+        /// The bound.
+        max: usize,
+    },
+    /// No `<IDS|MSG>` delimiter, or fewer than five frames after it.
+    #[error("not a Jupyter message: {0}")]
+    Malformed(&'static str),
+    /// The signature does not match the connection file's key.
+    #[error("bad signature")]
+    BadSignature,
+    /// The header, parent header, metadata or content is not a JSON object.
+    #[error("the {part} is not a JSON object")]
+    NotJson {
+        /// Which part.
+        part: &'static str,
+    },
+}
+
+/// HMAC-SHA256 signing with the connection file's key; an empty key signs nothing (the
+/// signature frame is empty and not checked), as the protocol allows.
+#[derive(Clone)]
+pub struct Signer {
+    mac: Option<Hmac<Sha256>>,
+}
+
+impl Signer {
+    /// A signer for `key` (the connection file's `key`, used as bytes). `scheme` must be
+    /// `hmac-sha256` (the only scheme Jupyter uses); other schemes are an error.
+    pub fn new(key: &str, scheme: &str) -> Result<Signer, String> {
+        if key.is_empty() {
+            return Ok(Signer { mac: None });
+        }
+        if scheme != "hmac-sha256" {
+            return Err(format!(
+                "signature scheme {scheme:?} is not supported (only hmac-sha256)"
+            ));
+        }
+        let mac = Hmac::<Sha256>::new_from_slice(key.as_bytes()).map_err(|e| e.to_string())?;
+        Ok(Signer { mac: Some(mac) })
+    }
+
+    /// The lower-case hex signature of the four JSON parts, or `""` without a key.
+    pub fn sign(&self, parts: &[&[u8]; 4]) -> String {
+        let Some(mac) = &self.mac else {
+            return String::new();
+        };
+        let mut m = mac.clone();
+        for p in parts {
+            m.update(p);
+        }
+        hex::encode(m.finalize().into_bytes())
+    }
+
+    /// Whether `signature` (hex) is right for `parts` (compared in constant time).
+    pub fn verify(&self, signature: &[u8], parts: &[&[u8]; 4]) -> bool {
+        let Some(mac) = &self.mac else {
+            return true;
+        };
+        let Ok(sig) = hex::decode(signature) else {
+            return false;
+        };
+        let mut m = mac.clone();
+        for p in parts {
+            m.update(p);
+        }
+        m.verify_slice(&sig).is_ok()
+    }
+}
+
+/// One received message.
+#[derive(Debug, Clone)]
+pub struct Message {
+    /// Routing identities (ROUTER sockets), echoed on the reply.
+    pub identities: Vec<Bytes>,
+    /// Header: `msg_id`, `session`, `username`, `date`, `msg_type`, `version`.
+    pub header: Map<String, Value>,
+    /// Content.
+    pub content: Map<String, Value>,
+}
+
+impl Message {
+    /// The header's `msg_type` (`""` when absent).
+    pub fn msg_type(&self) -> &str {
+        self.header
+            .get("msg_type")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+    }
+}
+
+fn object(part: &'static str, b: &[u8]) -> Result<Map<String, Value>, WireError> {
+    match serde_json::from_slice::<Value>(b) {
+        Ok(Value::Object(m)) => Ok(m),
+        _ => Err(WireError::NotJson { part }),
+    }
+}
+
+/// Parses and verifies one multipart message (see the module's bounds).
+pub fn parse(frames: &[Bytes], signer: &Signer) -> Result<Message, WireError> {
+    if frames.len() > MAX_FRAMES {
+        return Err(WireError::TooManyFrames {
+            count: frames.len(),
+            max: MAX_FRAMES,
+        });
+    }
+    let mut total = 0usize;
+    for f in frames {
+        if f.len() > MAX_FRAME_BYTES {
+            return Err(WireError::TooLarge {
+                bytes: f.len(),
+                max: MAX_FRAME_BYTES,
+            });
+        }
+        total += f.len();
+    }
+    if total > MAX_MESSAGE_BYTES {
+        return Err(WireError::TooLarge {
+            bytes: total,
+            max: MAX_MESSAGE_BYTES,
+        });
+    }
+    let d = frames
+        .iter()
+        .position(|f| f.as_ref() == DELIMITER)
+        .ok_or(WireError::Malformed("no <IDS|MSG> delimiter"))?;
+    let rest = &frames[d + 1..];
+    if rest.len() < 5 {
+        return Err(WireError::Malformed(
+            "fewer than five frames after <IDS|MSG>",
+        ));
+    }
+    let parts = [&rest[1][..], &rest[2][..], &rest[3][..], &rest[4][..]];
+    if !signer.verify(&rest[0], &parts) {
+        return Err(WireError::BadSignature);
+    }
+    let header = object("header", parts[0])?;
+    object("parent header", parts[1])?;
+    object("metadata", parts[2])?;
+    let content = object("content", parts[3])?;
+    Ok(Message {
+        identities: frames[..d].to_vec(),
+        header,
+        content,
+    })
+}
+
+/// A new header for a message of `msg_type` in kernel session `session`.
+pub fn header(msg_type: &str, session: &str) -> Value {
+    serde_json::json!({
+        "msg_id": uuid::Uuid::new_v4().to_string(),
+        "session": session,
+        "username": "sandcell",
+        "date": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+        "msg_type": msg_type,
+        "version": PROTOCOL_VERSION,
+    })
+}
+
+/// The frames of a message: `identities`, the delimiter, the signature and the four parts.
+pub fn frames(
+    signer: &Signer,
+    identities: &[Bytes],
+    header: &Value,
+    parent: &Value,
+    content: &Value,
+) -> Vec<Bytes> {
+    let h = serde_json::to_vec(header).expect("JSON serialises");
+    let p = serde_json::to_vec(parent).expect("JSON serialises");
+    let m = b"{}".to_vec();
+    let c = serde_json::to_vec(content).expect("JSON serialises");
+    let sig = signer.sign(&[&h, &p, &m, &c]);
+    let mut out = identities.to_vec();
+    out.push(Bytes::from_static(DELIMITER));
+    out.push(Bytes::from(sig));
+    out.extend([h, p, m, c].map(Bytes::from));
+    out
+}
+
+/// The connection file Jupyter writes for a kernel
+/// (<https://jupyter-client.readthedocs.io/en/stable/kernels.html#connection-files>).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ConnectionInfo {
+    /// `tcp` (the only transport this kernel serves).
+    #[serde(default = "tcp")]
+    pub transport: String,
+    /// Address to bind, e.g. `127.0.0.1`.
+    pub ip: String,
+    /// Shell ROUTER port.
+    pub shell_port: u16,
+    /// IOPub PUB port.
+    pub iopub_port: u16,
+    /// Stdin ROUTER port.
+    pub stdin_port: u16,
+    /// Control ROUTER port.
+    pub control_port: u16,
+    /// Heartbeat REP port.
+    pub hb_port: u16,
+    /// HMAC key (empty: unsigned).
+    #[serde(default)]
+    pub key: String,
+    /// `hmac-sha256`.
+    #[serde(default = "sha256")]
+    pub signature_scheme: String,
+}
+
+fn tcp() -> String {
+    "tcp".into()
+}
+
+fn sha256() -> String {
+    "hmac-sha256".into()
+}
+
+impl ConnectionInfo {
+    /// The endpoint of `port`, e.g. `tcp://127.0.0.1:5555`.
+    pub fn endpoint(&self, port: u16) -> String {
+        if self.ip.contains(':') {
+            format!("{}://[{}]:{port}", self.transport, self.ip)
+        } else {
+            format!("{}://{}:{port}", self.transport, self.ip)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(signer: &Signer, msg_type: &str) -> Vec<Bytes> {
+        frames(
+            signer,
+            &[Bytes::from_static(b"peer")],
+            &header(msg_type, "s"),
+            &serde_json::json!({}),
+            &serde_json::json!({"code": "1"}),
+        )
+    }
+
+    #[test]
+    fn a_signed_message_round_trips() {
+        let s = Signer::new("secret", "hmac-sha256").unwrap();
+        let m = parse(&msg(&s, "execute_request"), &s).unwrap();
+        assert_eq!(m.msg_type(), "execute_request");
+        assert_eq!(m.identities, vec![Bytes::from_static(b"peer")]);
+        assert_eq!(m.content["code"], "1");
+    }
+
+    #[test]
+    fn a_forged_signature_is_refused() {
+        let s = Signer::new("secret", "hmac-sha256").unwrap();
+        let forger = Signer::new("guess", "hmac-sha256").unwrap();
+        assert_eq!(
+            parse(&msg(&forger, "execute_request"), &s).unwrap_err(),
+            WireError::BadSignature
+        );
+        // A right signature over other content: the content was changed in transit.
+        let mut f = msg(&s, "execute_request");
+        let n = f.len();
+        f[n - 1] = Bytes::from_static(b"{\"code\": \"import os\"}");
+        assert_eq!(parse(&f, &s).unwrap_err(), WireError::BadSignature);
+        // No signature at all, and one that is not hex.
+        let mut f = msg(&s, "execute_request");
+        f[2] = Bytes::new();
+        assert_eq!(parse(&f, &s).unwrap_err(), WireError::BadSignature);
+        f[2] = Bytes::from_static(b"zz");
+        assert_eq!(parse(&f, &s).unwrap_err(), WireError::BadSignature);
+    }
+
+    #[test]
+    fn hostile_framing_is_bounded() {
+        let s = Signer::new("k", "hmac-sha256").unwrap();
+        let mut f = msg(&s, "kernel_info_request");
+        let ids: Vec<Bytes> = (0..MAX_FRAMES).map(|_| Bytes::from_static(b"x")).collect();
+        f.splice(0..0, ids);
+        assert_eq!(
+            parse(&f, &s).unwrap_err(),
+            WireError::TooManyFrames {
+                count: MAX_FRAMES + 7,
+                max: MAX_FRAMES
+            }
+        );
+        let mut f = msg(&s, "kernel_info_request");
+        f.push(Bytes::from(vec![0u8; MAX_FRAME_BYTES + 1]));
+        assert!(matches!(
+            parse(&f, &s).unwrap_err(),
+            WireError::TooLarge { .. }
+        ));
+        let mut f = msg(&s, "kernel_info_request");
+        for _ in 0..3 {
+            f.push(Bytes::from(vec![0u8; MAX_FRAME_BYTES]));
+        }
+        assert!(matches!(
+            parse(&f, &s).unwrap_err(),
+            WireError::TooLarge {
+                max: MAX_MESSAGE_BYTES,
+                ..
+            }
+        ));
+        assert!(matches!(
+            parse(&[Bytes::from_static(b"a")], &s).unwrap_err(),
+            WireError::Malformed(_)
+        ));
+        let f = msg(&s, "x");
+        assert!(matches!(
+            parse(&f[..5], &s).unwrap_err(),
+            WireError::Malformed(_)
+        ));
+    }
+
+    #[test]
+    fn parts_must_be_objects() {
+        let s = Signer::new("k", "hmac-sha256").unwrap();
+        let h = b"[]".to_vec();
+        let sig = s.sign(&[&h, b"{}", b"{}", b"{}"]);
+        let f: Vec<Bytes> = vec![
+            Bytes::from_static(DELIMITER),
+            Bytes::from(sig),
+            Bytes::from(h),
+            Bytes::from_static(b"{}"),
+            Bytes::from_static(b"{}"),
+            Bytes::from_static(b"{}"),
+        ];
+        assert_eq!(
+            parse(&f, &s).unwrap_err(),
+            WireError::NotJson { part: "header" }
+        );
+    }
+
+    #[test]
+    fn other_schemes_are_refused() {
+        assert!(Signer::new("k", "hmac-md5").is_err());
+        assert!(Signer::new("", "hmac-md5").is_ok());
+    }
+}
