@@ -59,7 +59,9 @@ class Environment(TypedDict, total=False):
 
     Keys: ``name``; ``language`` (``python`` or ``r``); ``engine`` (``eryx``, ``native``,
     ``r``); ``default`` (the language's default); ``interpreter_version``; ``ready`` and,
-    when not, ``reason``; ``packages`` (:class:`Package` dicts) and ``packages_truncated``.
+    when not, ``reason``; ``packages`` (:class:`Package` dicts) and ``packages_truncated``;
+    ``package_sources`` (:class:`PackageSource` dicts: what a session can install, absent
+    when nothing); ``limits`` (:class:`EnvironmentLimits`).
     """
 
     name: str
@@ -71,7 +73,26 @@ class Environment(TypedDict, total=False):
     reason: str | None
     packages: list[Package]
     packages_truncated: bool
+    package_sources: list[PackageSource]
     limits: EnvironmentLimits
+
+
+class PackageSource(TypedDict, total=False):
+    """A package source the operator named for an environment, as
+    :meth:`sandcell.Client.list_environments` reports it (what it offers, never its host
+    path): ``kind`` (``wheelhouse``: Python wheels, ``sandcell.install(...)``;
+    ``cran_repository``: R binary packages, ``install.packages(...)``); ``packages`` (the
+    number of distinct packages); ``names`` (their names in name order, Python names
+    normalized as PEP 503 says, at most 500) and ``names_truncated``; ``hash_manifest``
+    (installs are checked against a ``SHA256SUMS`` file or the CRAN index's ``MD5sum``
+    fields); ``reason`` (why nothing is listed: the source cannot be read now)."""
+
+    kind: str
+    packages: int
+    names: list[str]
+    names_truncated: bool
+    hash_manifest: bool
+    reason: str
 
 
 class EnvironmentLimits(TypedDict, total=False):
