@@ -680,7 +680,8 @@ fn check(config: &Config) -> i32 {
 }
 
 /// `sandcelld --check`'s lines on what a session of each environment may reach beyond its
-/// image: its package sources (kind, package count, hash-checked; never a host path).
+/// image: its package sources (kind, package count, hash-checked; never a host path) and its
+/// egress policy (hosts, ports, caps; `none` by default).
 fn print_environment_policy(config: &Config) {
     println!("environments:");
     for env in config.environments() {
@@ -710,6 +711,13 @@ fn print_environment_policy(config: &Config) {
             } else {
                 sources.join(", ")
             }
+        );
+        println!(
+            "  {:20} egress: {}",
+            "",
+            env.egress
+                .as_ref()
+                .map_or("none".to_string(), |e| e.summary())
         );
     }
 }

@@ -28,6 +28,7 @@ def idl_fields(name: str) -> set[str]:
     ("Environment", sandcell.Environment),
     ("PackageSource", sandcell.PackageSource),
     ("Package", sandcell.Package),
+    ("EgressPolicy", sandcell.EgressPolicy),
 ])
 def test_typed_dicts_cover_the_interface(name: str, typed: type) -> None:
     if not IDL.is_file():

@@ -61,7 +61,8 @@ class Environment(TypedDict, total=False):
     ``r``); ``default`` (the language's default); ``interpreter_version``; ``ready`` and,
     when not, ``reason``; ``packages`` (:class:`Package` dicts) and ``packages_truncated``;
     ``package_sources`` (:class:`PackageSource` dicts: what a session can install, absent
-    when nothing); ``limits`` (:class:`EnvironmentLimits`).
+    when nothing); ``egress`` (:class:`EgressPolicy`, absent: no network); ``limits``
+    (:class:`EnvironmentLimits`).
     """
 
     name: str
@@ -74,7 +75,24 @@ class Environment(TypedDict, total=False):
     packages: list[Package]
     packages_truncated: bool
     package_sources: list[PackageSource]
+    egress: EgressPolicy
     limits: EnvironmentLimits
+
+
+class EgressPolicy(TypedDict):
+    """An environment's egress policy, as :meth:`sandcell.Client.list_environments` reports it
+    (absent: no network at all): ``hosts`` (lowercase DNS names and leading ``*.`` wildcards,
+    which match names strictly below) a session may reach through sandcell's proxy
+    (``HTTP_PROXY``/``HTTPS_PROXY`` in the worker), on ``ports``, with caps per session:
+    ``max_bytes`` relayed (both directions), ``max_connections`` open at once,
+    ``max_total_connections`` over its life, ``max_seconds`` per connection."""
+
+    hosts: list[str]
+    ports: list[int]
+    max_bytes: int
+    max_connections: int
+    max_total_connections: int
+    max_seconds: int
 
 
 class PackageSource(TypedDict, total=False):
