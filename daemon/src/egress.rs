@@ -129,14 +129,15 @@ mod tests {
     fn a_listener_in_a_workers_namespace_is_served_by_the_proxy() {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
-            eprintln!("skipped: not root (setns and CAP_NET_ADMIN over the namespace)");
-            return;
+            sandcell_testing::skip!(
+                "root",
+                "not root (setns and CAP_NET_ADMIN over the namespace)"
+            );
         }
         if Command::new("unshare").arg("--version").output().is_err()
             || Command::new("nsenter").arg("--version").output().is_err()
         {
-            eprintln!("skipped: util-linux's unshare or nsenter is missing");
-            return;
+            sandcell_testing::skip!("root", "util-linux's unshare or nsenter is missing");
         }
         let mut worker = Command::new("unshare")
             .args(["-n", "sleep", "60"])

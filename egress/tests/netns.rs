@@ -44,16 +44,23 @@ fn ip(args: &[&str]) {
     );
 }
 
-fn skip_reason() -> Option<String> {
+/// The test tier that is missing (`root`) and why.
+fn skip_reason() -> Option<(&'static str, String)> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        return Some("not root (network namespaces need CAP_SYS_ADMIN)".into());
+        return Some((
+            "root",
+            "not root (network namespaces need CAP_SYS_ADMIN)".into(),
+        ));
     }
     if Command::new("ip").arg("-V").output().is_err() {
-        return Some("iproute2's ip is missing".into());
+        return Some(("root", "iproute2's ip is missing".into()));
     }
     if Command::new("/usr/bin/python3").arg("-V").output().is_err() {
-        return Some("/usr/bin/python3 (the web server) is missing".into());
+        return Some((
+            "root",
+            "/usr/bin/python3 (the web server) is missing".into(),
+        ));
     }
     None
 }
@@ -206,9 +213,8 @@ fn wait_for_web(port: u16) {
 
 #[test]
 fn the_proxy_reaches_allowed_hosts_only_within_its_caps() {
-    if let Some(why) = skip_reason() {
-        eprintln!("skipped: {why}");
-        return;
+    if let Some((tier, why)) = skip_reason() {
+        sandcell_testing::skip!(tier, "{why}");
     }
     let w = world();
     let hosts = [
