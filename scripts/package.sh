@@ -39,7 +39,7 @@ mkdir -p "$out"
 if ((build)); then
     cargo build "${CARGO_FLAGS[@]}" --workspace
 fi
-bins=(sandcelld sandcellctl sandcell-worker-python sandcell-worker-r sandcell-worker-python-native sandcell-python-runtime sandcell-bench)
+bins=(sandcelld sandcellctl sandcell-worker-python sandcell-worker-r sandcell-worker-python-native sandcell-python-runtime sandcell-bench sandcell-egress)
 for b in "${bins[@]}"; do
     [[ -x $BIN/$b ]] || { echo "package: $BIN/$b is missing: run scripts/setup.sh or pass --build" >&2; exit 2; }
 done
@@ -107,7 +107,7 @@ stage() {
         "$root/usr/lib/sysusers.d" "$root/usr/lib/tmpfiles.d" "$root/etc/sandcell" \
         "$root/usr/share/sandcell" "$root/usr/share/doc/sandcell"
     install -m 0755 "$BIN/sandcelld" "$root/usr/libexec/sandcelld"
-    for b in sandcell-worker-python sandcell-worker-r sandcell-worker-python-native sandcell-python-runtime sandcell-bench; do
+    for b in sandcell-worker-python sandcell-worker-r sandcell-worker-python-native sandcell-python-runtime sandcell-bench sandcell-egress; do
         install -m 0755 "$BIN/$b" "$root/usr/libexec/sandcell/$b"
     done
     install -m 0644 worker-native/r/worker.R "$root/usr/libexec/sandcell/sandcell-worker.R"
@@ -129,8 +129,9 @@ stage() {
     # Debug information and symbol tables stay out of the package.
     strip --strip-unneeded --remove-section=.comment --remove-section=.note \
         "$root/usr/libexec/sandcelld" "$root/usr/bin/sandcellctl" \
-        "$root"/usr/libexec/sandcell/sandcell-{worker-python,worker-r,worker-python-native,python-runtime,bench}
-    install -m 0644 units/sandcelld.socket units/sandcelld.service units/sandcell-sessions.service "$root$unitdir/"
+        "$root"/usr/libexec/sandcell/sandcell-{worker-python,worker-r,worker-python-native,python-runtime,bench,egress}
+    install -m 0644 units/sandcelld.socket units/sandcelld.service units/sandcell-sessions.service \
+        units/sandcell-egress.socket units/sandcell-egress.service "$root$unitdir/"
     install -m 0644 units/sysusers.d/sandcell.conf "$root/usr/lib/sysusers.d/sandcell.conf"
     install -m 0644 units/tmpfiles.d/sandcell.conf "$root/usr/lib/tmpfiles.d/sandcell.conf"
     install -m 0644 packaging/sandcelld.toml "$root/etc/sandcell/sandcelld.toml"
@@ -184,7 +185,7 @@ if ((want_deb)); then
     mkdir -p "$shl/debian"
     printf 'Source: sandcell\n\nPackage: sandcell\nArchitecture: amd64\n' >"$shl/debian/control"
     shlibs=$(cd "$shl" && dpkg-shlibdeps -O -e"$root/usr/libexec/sandcelld" -e"$root/usr/bin/sandcellctl" \
-        "$root"/usr/libexec/sandcell/sandcell-{worker-python,worker-r,worker-python-native,python-runtime,bench} 2>/dev/null |
+        "$root"/usr/libexec/sandcell/sandcell-{worker-python,worker-r,worker-python-native,python-runtime,bench,egress} 2>/dev/null |
         sed -n 's/^shlibs:Depends=//p')
     rm -rf "$shl"
     [[ -n $shlibs ]] || shlibs="libc6 (>= 2.34)"

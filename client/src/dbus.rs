@@ -15,7 +15,7 @@ use zbus::zvariant::OwnedObjectPath;
 
 /// One row of `ListSessions` ([`sandcell_proto::dbus::SessionRow`]).
 pub type Row = sandcell_proto::dbus::SessionRow<OwnedObjectPath>;
-use sandcell_proto::dbus::{AdmissionRow, PoolRow};
+use sandcell_proto::dbus::{AdmissionRow, PackageSourceRow, PoolRow};
 
 #[zbus::proxy(
     interface = "org.sandcell.Manager1",
@@ -39,6 +39,8 @@ trait Manager1 {
     fn confinement(&self) -> zbus::Result<std::collections::HashMap<String, String>>;
     #[zbus(property)]
     fn pools(&self) -> zbus::Result<Vec<PoolRow>>;
+    #[zbus(property)]
+    fn package_sources(&self) -> zbus::Result<Vec<PackageSourceRow>>;
 }
 
 /// Errors of the control-plane commands.
@@ -122,6 +124,24 @@ pub struct Status {
     pub admission: Vec<AdmissionRow>,
     /// Warm worker pools, one per environment.
     pub pools: Vec<PoolInfo>,
+    /// Package sources, one per source of each environment (empty from a daemon without the
+    /// `PackageSources` property).
+    pub package_sources: Vec<SourceInfo>,
+}
+
+/// A package source of an environment (a row of the `PackageSources` property).
+#[derive(Debug, Clone, Serialize)]
+pub struct SourceInfo {
+    /// The environment's name.
+    pub environment: String,
+    /// `wheelhouse` or `cran_repository`.
+    pub kind: String,
+    /// Packages offered.
+    pub packages: u64,
+    /// Installs are checked against a hash manifest.
+    pub hash_manifest: bool,
+    /// Package names in name order (at most 500).
+    pub names: Vec<String>,
 }
 
 /// One environment's warm worker pool (a row of the `Pools` property).
@@ -219,6 +239,21 @@ impl Admin {
                     max: r.4,
                     taken: r.5,
                     missed: r.6,
+                })
+                .collect(),
+            // A daemon from before the property: no sources shown, not an error.
+            package_sources: self
+                .proxy
+                .package_sources()
+                .await
+                .unwrap_or_default()
+                .into_iter()
+                .map(|r| SourceInfo {
+                    environment: r.0,
+                    kind: r.1,
+                    packages: r.2,
+                    hash_manifest: r.3,
+                    names: r.4,
                 })
                 .collect(),
         })

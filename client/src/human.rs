@@ -277,6 +277,7 @@ mod tests {
                 .collect(),
             packages_truncated: false,
             package_sources: Vec::new(),
+            egress: None,
             limits: None,
         };
         let envs = [

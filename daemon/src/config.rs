@@ -50,7 +50,9 @@ pub use sandcell_proto::worker::{OUTPUT_CEILING, SOURCE_CEILING};
 
 mod environments;
 mod machine;
-pub use environments::{Engine, Environment, EnvironmentConfig, shipped_environments};
+pub use environments::{
+    EgressConfig, EgressSetting, Engine, Environment, EnvironmentConfig, shipped_environments,
+};
 pub use machine::{Machine, online_cpus, pool_sizes};
 
 /// The operator's limits. All sizes in bytes, times in seconds.
@@ -391,6 +393,7 @@ impl Config {
                         .as_ref()
                         .filter(|s| s.kind == crate::packages::Kind::CranRepository)
                         .map(|s| s.path.clone()),
+                    egress: e.egress.map(EgressSetting::Table),
                     enabled: true,
                 };
                 (e.name, table)
@@ -1305,6 +1308,56 @@ mod tests {
         .unwrap();
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("max_stdout_bytes"), "{e}");
+    }
+
+    #[test]
+    fn egress_is_none_by_default_and_checked() {
+        let conf = |table: &str| {
+            let mut c = Config::parse(Path::new("t"), table)?;
+            c.daemon.languages = vec!["python".into(), "r".into()];
+            c.validate()?;
+            Ok::<_, Error>(c)
+        };
+        let c = conf("").unwrap();
+        assert!(c.environments().iter().all(|e| e.egress.is_none()));
+        let c = conf("[environments.pydata]\nlanguage = \"python\"\nengine = \"native\"\negress = \"none\"\n").unwrap();
+        assert_eq!(c.environment("pydata").unwrap().egress, None);
+        let t = "[environments.net]\nlanguage = \"python\"\nengine = \"native\"\n\
+                 egress = { hosts = [\"PyPI.org\", \"*.pythonhosted.org\"], ports = [443] }\n";
+        let c = conf(t).unwrap();
+        let g = c.environment("net").unwrap().egress.unwrap();
+        assert_eq!(g.hosts, ["pypi.org", "*.pythonhosted.org"]);
+        assert_eq!(
+            (g.ports.as_slice(), g.max_bytes, g.max_connections),
+            (&[443u16][..], 256 << 20, 16)
+        );
+        assert!(
+            c.to_effective_toml("n").contains("pythonhosted"),
+            "kept in the effective file"
+        );
+        for (bad, why) in [
+            ("egress = \"all\"", "\"none\" or a table"),
+            ("egress = { hosts = [] }", "egress.hosts"),
+            ("egress = { hosts = [\"*.org\"] }", "wildcard"),
+            ("egress = { hosts = [\"10.0.0.1\"] }", "not a DNS host name"),
+            (
+                "egress = { hosts = [\"a.org\"], ports = [0] }",
+                "egress.ports",
+            ),
+            (
+                "egress = { hosts = [\"a.org\"], max_connections = 0 }",
+                "positive",
+            ),
+        ] {
+            let t =
+                format!("[environments.net]\nlanguage = \"python\"\nengine = \"native\"\n{bad}\n");
+            let e = conf(&t).unwrap_err().to_string();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+        let e = conf("[environments.net]\nlanguage = \"python\"\nengine = \"eryx\"\negress = { hosts = [\"a.org\"] }\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("eryx engine has no egress"), "{e}");
     }
 
     #[test]

@@ -218,6 +218,14 @@ pub fn listing(env: &Environment, r: Report) -> k::Environment {
             .iter()
             .map(crate::packages::Source::inventory)
             .collect(),
+        egress: env.egress.as_ref().map(|e| k::EgressPolicy {
+            hosts: e.hosts.clone(),
+            ports: e.ports.clone(),
+            max_bytes: e.max_bytes,
+            max_connections: e.max_connections,
+            max_total_connections: e.max_total_connections,
+            max_seconds: e.max_seconds,
+        }),
         limits: None,
     }
 }

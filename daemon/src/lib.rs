@@ -31,6 +31,7 @@ pub mod config;
 pub mod core;
 pub mod counters;
 pub mod dbus;
+pub mod egress;
 pub mod ended;
 pub mod environments;
 pub mod files;

@@ -617,7 +617,7 @@ fn cgroup_mode_readonly() -> &'static str {
 /// `sandcelld --check`: prints what strict mode would enforce on this host; returns the exit
 /// status (0: strict mode would start).
 fn check(config: &Config) -> i32 {
-    let _ = config;
+    print_environment_policy(config);
     let check = match sandcell_confine::self_check() {
         Ok(c) => c,
         Err(e) => {
@@ -676,6 +676,49 @@ fn check(config: &Config) -> i32 {
         }
         println!("strict mode: REFUSED");
         1
+    }
+}
+
+/// `sandcelld --check`'s lines on what a session of each environment may reach beyond its
+/// image: its package sources (kind, package count, hash-checked; never a host path) and its
+/// egress policy (hosts, ports, caps; `none` by default).
+fn print_environment_policy(config: &Config) {
+    println!("environments:");
+    for env in config.environments() {
+        let mut sources: Vec<String> = Vec::new();
+        for src in env.package_source.iter() {
+            let inv = src.inventory();
+            sources.push(match &inv.reason {
+                Some(r) => format!("{} (unreadable: {r})", inv.kind),
+                None => format!(
+                    "{} ({} package{}{})",
+                    inv.kind,
+                    inv.packages,
+                    if inv.packages == 1 { "" } else { "s" },
+                    if inv.hash_manifest {
+                        ", hash-checked"
+                    } else {
+                        ""
+                    }
+                ),
+            });
+        }
+        println!(
+            "  {:20} packages: {}",
+            env.name,
+            if sources.is_empty() {
+                "none".to_string()
+            } else {
+                sources.join(", ")
+            }
+        );
+        println!(
+            "  {:20} egress: {}",
+            "",
+            env.egress
+                .as_ref()
+                .map_or("none".to_string(), |e| e.summary())
+        );
     }
 }
 

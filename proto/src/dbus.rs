@@ -15,5 +15,11 @@ pub type SessionRow<Path> = (String, String, u32, u32, String, u64, u64, u64, Pa
 /// pool since the daemon started, opens that found no idle worker since the daemon started.
 pub type PoolRow = (String, u32, u32, u32, u32, u64, u64);
 
+/// One row of the `PackageSources` property (`(sstbas)`): environment name, kind
+/// (`wheelhouse` or `cran_repository`), number of packages offered, installs checked against
+/// a hash manifest, the package names in name order (at most 500; empty when the source
+/// cannot be read now).
+pub type PackageSourceRow = (String, String, u64, bool, Vec<String>);
+
 /// One row of the `Admission` property (`(stt)`): budget name, amount in use, the budget.
 pub type AdmissionRow = (String, u64, u64);

@@ -310,6 +310,25 @@ pub struct PackageSource {
     pub reason: Option<String>,
 }
 
+/// An environment's egress policy (sandcelld.toml `egress`), as `ListEnvironments` reports it:
+/// the hosts a session may reach through sandcell's proxy (`HTTP_PROXY`/`HTTPS_PROXY` in the
+/// worker), on which ports, with which caps per session.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EgressPolicy {
+    /// Lowercase DNS names and leading-`*.` wildcards (names strictly below).
+    pub hosts: Vec<String>,
+    /// Destination ports.
+    pub ports: Vec<u16>,
+    /// Bytes relayed per session, both directions.
+    pub max_bytes: u64,
+    /// Connections of one session open at once.
+    pub max_connections: u32,
+    /// Connections over a session's life.
+    pub max_total_connections: u64,
+    /// Life of one connection, seconds.
+    pub max_seconds: u64,
+}
+
 /// A named environment, as `ListEnvironments` reports it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Environment {
@@ -338,6 +357,9 @@ pub struct Environment {
     /// (absent: none, the packages above are all there is).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub package_sources: Vec<PackageSource>,
+    /// The egress policy (absent: no network at all, the default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<EgressPolicy>,
     /// The operator's limits a session of this environment gets when the client asks for
     /// none (a daemon before this field: absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]

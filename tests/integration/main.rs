@@ -19,6 +19,7 @@ mod completion;
 mod confinement_levels;
 mod daemon_restart;
 mod dbus_polkit;
+mod egress;
 mod environments;
 mod faults;
 mod faults_daemon;

@@ -357,3 +357,113 @@ async fn r_installs_binary_packages_from_a_local_repository() {
         "the session directory outlived Close"
     );
 }
+
+/// What the operator configured is visible to the operator without opening a session:
+/// `sandcelld --check` names each environment's package sources (kind, count, hash-checked),
+/// the manager's `PackageSources` D-Bus property lists them with their names, and
+/// `sandcellctl status` prints them (as a table and in `--json`); never the host path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn package_sources_show_in_check_dbus_and_status() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: not root (the daemon and the bus need root)");
+        return;
+    }
+    for tool in ["dbus-daemon", "busctl"] {
+        if Command::new(tool).arg("--version").output().is_err() {
+            eprintln!("skipped: {tool} missing");
+            return;
+        }
+    }
+    let wh = temp_dir("sandcell-wheelhouse-");
+    build_wheelhouse(wh.path());
+    world_readable(wh.path());
+    let wh_path = wh.path().display().to_string();
+    let conf_dir = temp_dir("sandcell-pkgconf-");
+    let conf = conf_dir.path().join("sandcelld.toml");
+    std::fs::write(
+        &conf,
+        format!(
+            "[environments.pydata]\nlanguage = \"python\"\nengine = \"native\"\n\
+             interpreter = \"/usr/bin/python3\"\nwheelhouse = \"{wh_path}\"\n"
+        ),
+    )
+    .unwrap();
+
+    let out = Command::new(env!("CARGO_BIN_EXE_sandcelld"))
+        .arg("--config")
+        .arg(&conf)
+        .arg("--check")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("pydata "))
+        .unwrap_or_else(|| panic!("no pydata line in --check:\n{text}"));
+    assert!(
+        line.contains("packages: wheelhouse (5 packages, hash-checked)"),
+        "{line}"
+    );
+    let python = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("python "))
+        .unwrap_or_else(|| panic!("no python line in --check:\n{text}"));
+    assert!(python.ends_with("packages: none"), "{python}");
+    assert!(!text.contains(&wh_path), "the host path leaked: {text}");
+
+    let bus = common::bus::Bus::start();
+    let d = Daemon::start_with_config(&conf, &[("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)]);
+    let property = || {
+        common::bus::run(bus.busctl().args([
+            "--json=short",
+            "get-property",
+            "org.sandcell.Sandcell1",
+            "/org/sandcell/Sandcell1",
+            "org.sandcell.Manager1",
+            "PackageSources",
+        ]))
+    };
+    assert!(
+        common::eventually(std::time::Duration::from_secs(20), || property().code == 0),
+        "the manager object did not appear on the bus: {}",
+        property().stderr
+    );
+    let o = property();
+    let v: serde_json::Value = serde_json::from_str(&o.stdout).expect(&o.stdout);
+    assert_eq!(v["type"], "a(sstbas)", "{v}");
+    assert_eq!(
+        v["data"],
+        serde_json::json!([[
+            "pydata",
+            "wheelhouse",
+            5,
+            true,
+            ["badhash", "bigpkg", "tinydep", "tinypkg", "unlisted"]
+        ]]),
+        "{v}"
+    );
+
+    let ctl = |args: &[&str]| {
+        common::bus::run(
+            Command::new(common::bin_dir().join("sandcellctl"))
+                .args(args)
+                .env("SANDCELL_SOCKET", &d.socket)
+                .env("DBUS_SYSTEM_BUS_ADDRESS", &bus.address),
+        )
+    };
+    let o = ctl(&["status"]);
+    assert_eq!(o.code, 0, "sandcellctl status: {}", o.stderr);
+    assert!(
+        o.stdout.lines().any(|l| l.trim()
+            == "pydata wheelhouse: 5 packages, hash-checked: badhash bigpkg tinydep tinypkg unlisted"),
+        "sandcellctl status:\n{}",
+        o.stdout
+    );
+    let o = ctl(&["--json", "status"]);
+    assert_eq!(o.code, 0, "sandcellctl status --json: {}", o.stderr);
+    let st: serde_json::Value = serde_json::from_str(&o.stdout).expect(&o.stdout);
+    assert_eq!(st["package_sources"][0]["environment"], "pydata", "{st}");
+    assert_eq!(st["package_sources"][0]["packages"], 5, "{st}");
+    assert!(!o.stdout.contains(&wh_path), "the host path leaked");
+}

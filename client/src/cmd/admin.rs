@@ -129,7 +129,40 @@ pub async fn status(ctx: &Ctx) -> Outcome {
             p.missed
         );
     }
+    if !st.package_sources.is_empty() {
+        outln!("\npackage sources:");
+        for s in &st.package_sources {
+            outln!("  {}", source_line(s));
+        }
+    }
     Ok(0)
+}
+
+/// One package source as `status` prints it: environment, kind, package count, whether
+/// hash-checked, and the first few names.
+fn source_line(s: &dbus::SourceInfo) -> String {
+    const SHOWN: usize = 10;
+    let mut line = format!(
+        "{} {}: {} package{}{}",
+        escape_name(&s.environment),
+        escape_name(&s.kind),
+        s.packages,
+        if s.packages == 1 { "" } else { "s" },
+        if s.hash_manifest {
+            ", hash-checked"
+        } else {
+            ""
+        },
+    );
+    if !s.names.is_empty() {
+        let names: Vec<String> = s.names.iter().take(SHOWN).map(|n| escape_name(n)).collect();
+        line.push_str(": ");
+        line.push_str(&names.join(" "));
+        if s.packages as usize > names.len() {
+            line.push_str(" ...");
+        }
+    }
+    line
 }
 
 /// `terminate SESSION`.

@@ -65,6 +65,9 @@ impl Environments {
             for line in source_lines(&e.package_sources, self.packages) {
                 outln!("  {line}");
             }
+            if let Some(g) = &e.egress {
+                outln!("  {}", egress_line(g));
+            }
             if self.packages {
                 for p in &e.packages {
                     outln!("  {} {}", escape_name(&p.name), escape_name(&p.version));
@@ -73,6 +76,22 @@ impl Environments {
         }
         Ok(0)
     }
+}
+
+/// An environment's egress policy on one line: hosts, ports, caps per session.
+fn egress_line(g: &sandcell_proto::kernel::EgressPolicy) -> String {
+    let hosts: Vec<String> = g.hosts.iter().map(|h| escape_name(h)).collect();
+    let ports: Vec<String> = g.ports.iter().map(u16::to_string).collect();
+    format!(
+        "egress (HTTP_PROXY): {}; ports {}; per session {} bytes, {} connections at once, \
+         {} in all, {} s each",
+        hosts.join(" "),
+        ports.join(","),
+        g.max_bytes,
+        g.max_connections,
+        g.max_total_connections,
+        g.max_seconds
+    )
 }
 
 /// Most package names shown per source without `--packages`.

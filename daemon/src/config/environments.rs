@@ -69,9 +69,115 @@ pub struct EnvironmentConfig {
     /// session. Absolute path; unset: no installs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cran_repository: Option<PathBuf>,
+    /// Native engines: network access through sandcell's egress proxy, `"none"` (the
+    /// default) or a table ([`EgressConfig`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<EgressSetting>,
     /// `false` removes a shipped environment of this name.
     #[serde(default = "yes")]
     pub enabled: bool,
+}
+
+/// An environment's `egress` key as written: `"none"` or a table.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum EgressSetting {
+    /// `"none"`: no network (the default).
+    Word(String),
+    /// An allowlist with its caps.
+    Table(EgressConfig),
+}
+
+/// An environment's egress policy: the hosts a session may reach through the proxy, on
+/// which ports, with which caps per session.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct EgressConfig {
+    /// Lowercase DNS names and leading-`*.` wildcards (one or more labels below the name,
+    /// never the name itself), 1-256 entries.
+    pub hosts: Vec<String>,
+    /// Destination ports (default 80 and 443), 1-64 entries.
+    #[serde(default = "egress_ports")]
+    pub ports: Vec<u16>,
+    /// Bytes relayed per session, both directions (default 256 MiB).
+    #[serde(default = "egress_bytes")]
+    pub max_bytes: u64,
+    /// Connections of one session open at once (default 16, at most 4096).
+    #[serde(default = "egress_connections")]
+    pub max_connections: u32,
+    /// Connections over a session's life (default 1024).
+    #[serde(default = "egress_total_connections")]
+    pub max_total_connections: u64,
+    /// Life of one connection, seconds (default 300).
+    #[serde(default = "egress_seconds")]
+    pub max_seconds: u64,
+}
+
+fn egress_ports() -> Vec<u16> {
+    vec![80, 443]
+}
+fn egress_bytes() -> u64 {
+    256 << 20
+}
+fn egress_connections() -> u32 {
+    16
+}
+fn egress_total_connections() -> u64 {
+    1024
+}
+fn egress_seconds() -> u64 {
+    300
+}
+
+impl EgressConfig {
+    /// Checks the table. Errors: what is wrong, as a sentence.
+    pub fn check(&self) -> Result<(), String> {
+        if self.hosts.is_empty() || self.hosts.len() > sandcell_egress::control::MAX_HOSTS {
+            return Err(format!(
+                "egress.hosts: 1-{} names expected (egress = \"none\" for none)",
+                sandcell_egress::control::MAX_HOSTS
+            ));
+        }
+        sandcell_egress::allow::Allowlist::parse(&self.hosts)
+            .map_err(|e| format!("egress.hosts: {e}"))?;
+        if self.ports.is_empty()
+            || self.ports.len() > sandcell_egress::control::MAX_PORTS
+            || self.ports.contains(&0)
+        {
+            return Err(format!(
+                "egress.ports: 1-{} ports of 1-65535 expected",
+                sandcell_egress::control::MAX_PORTS
+            ));
+        }
+        if self.max_bytes == 0
+            || self.max_connections == 0
+            || self.max_connections > 4096
+            || self.max_total_connections == 0
+            || self.max_seconds == 0
+        {
+            return Err("egress: max_bytes, max_connections (at most 4096), \
+                        max_total_connections and max_seconds must be positive"
+                .into());
+        }
+        Ok(())
+    }
+
+    /// One line for operators: hosts, ports and caps.
+    pub fn summary(&self) -> String {
+        format!(
+            "{}; ports {}; {} bytes, {} connections at once, {} in all, {} s each",
+            self.hosts.join(" "),
+            self.ports
+                .iter()
+                .map(u16::to_string)
+                .collect::<Vec<_>>()
+                .join(","),
+            self.max_bytes,
+            self.max_connections,
+            self.max_total_connections,
+            self.max_seconds
+        )
+    }
 }
 
 fn yes() -> bool {
@@ -103,6 +209,8 @@ pub struct Environment {
     /// The operator's package source, if any: a wheelhouse (Python) or a CRAN-style
     /// repository (R), read-only in the worker.
     pub package_source: Option<crate::packages::Source>,
+    /// The egress policy, if any (native engines only; checked).
+    pub egress: Option<EgressConfig>,
 }
 
 /// The environments shipped: `python` (Eryx, Python's default), `pydata` (native CPython with
@@ -119,6 +227,7 @@ pub fn shipped_environments() -> Vec<(String, EnvironmentConfig)> {
         pool_max: None,
         wheelhouse: None,
         cran_repository: None,
+        egress: None,
         enabled: true,
     };
     vec![
@@ -274,6 +383,27 @@ impl Config {
                     )));
                 }
             }
+            let egress = match &e.egress {
+                None => None,
+                Some(EgressSetting::Word(w)) if w == "none" => None,
+                Some(EgressSetting::Word(w)) => {
+                    return Err(invalid(format!(
+                        "{name}: egress = {w:?}: \"none\" or a table with hosts expected"
+                    )));
+                }
+                Some(EgressSetting::Table(t)) => {
+                    if e.engine == Engine::Eryx {
+                        return Err(invalid(format!(
+                            "{name}: the eryx engine has no egress: its WebAssembly guest is \
+                             given no sockets (use engine = \"native\")"
+                        )));
+                    }
+                    t.check().map_err(|r| invalid(format!("{name}: {r}")))?;
+                    let mut t = t.clone();
+                    t.hosts = t.hosts.iter().map(|h| h.to_ascii_lowercase()).collect();
+                    Some(t)
+                }
+            };
             let default = if *shipped && file_default(language) {
                 false
             } else {
@@ -324,6 +454,7 @@ impl Config {
                 pool_min,
                 pool_max,
                 package_source,
+                egress,
             });
         }
         // Language defaults first (Python before R), then the shipped pydata.

@@ -18,7 +18,7 @@ use zbus::zvariant::OwnedObjectPath;
 /// One row of `ListSessions` ([`sandcell_proto::dbus::SessionRow`]).
 pub type SessionRow = sandcell_proto::dbus::SessionRow<OwnedObjectPath>;
 
-pub use sandcell_proto::dbus::{AdmissionRow, PoolRow};
+pub use sandcell_proto::dbus::{AdmissionRow, PackageSourceRow, PoolRow};
 
 /// One row of the `Environments` property: name, language, engine, default, interpreter
 /// version, ready, reason (empty when ready), packages as (name, version) pairs.
@@ -308,6 +308,32 @@ impl Manager {
     #[zbus(property)]
     async fn pools(&self) -> Vec<PoolRow> {
         self.core.pool().rows(&self.core.config())
+    }
+
+    /// The package sources sessions install from, one row per source of each environment
+    /// served, from the configuration (no probe runs): (environment, kind (`wheelhouse` or
+    /// `cran_repository`), packages offered, installs checked against a hash manifest, package
+    /// names in name order, at most 500; empty when the source cannot be read now). Never a
+    /// host path.
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn package_sources(&self) -> Vec<PackageSourceRow> {
+        let config = self.core.config();
+        config
+            .environments()
+            .iter()
+            .flat_map(|e| {
+                e.package_source.iter().map(|src| {
+                    let inv = src.inventory();
+                    (
+                        e.name.clone(),
+                        inv.kind,
+                        inv.packages,
+                        inv.hash_manifest,
+                        inv.names,
+                    )
+                })
+            })
+            .collect()
     }
 
     /// The environments served, as Varlink `ListEnvironments` reports them: (name, language,

@@ -59,7 +59,10 @@ class Environment(TypedDict, total=False):
 
     Keys: ``name``; ``language`` (``python`` or ``r``); ``engine`` (``eryx``, ``native``,
     ``r``); ``default`` (the language's default); ``interpreter_version``; ``ready`` and,
-    when not, ``reason``; ``packages`` (:class:`Package` dicts) and ``packages_truncated``.
+    when not, ``reason``; ``packages`` (:class:`Package` dicts) and ``packages_truncated``;
+    ``package_sources`` (:class:`PackageSource` dicts: what a session can install, absent
+    when nothing); ``egress`` (:class:`EgressPolicy`, absent: no network); ``limits``
+    (:class:`EnvironmentLimits`).
     """
 
     name: str
@@ -71,7 +74,43 @@ class Environment(TypedDict, total=False):
     reason: str | None
     packages: list[Package]
     packages_truncated: bool
+    package_sources: list[PackageSource]
+    egress: EgressPolicy
     limits: EnvironmentLimits
+
+
+class EgressPolicy(TypedDict):
+    """An environment's egress policy, as :meth:`sandcell.Client.list_environments` reports it
+    (absent: no network at all): ``hosts`` (lowercase DNS names and leading ``*.`` wildcards,
+    which match names strictly below) a session may reach through sandcell's proxy
+    (``HTTP_PROXY``/``HTTPS_PROXY`` in the worker), on ``ports``, with caps per session:
+    ``max_bytes`` relayed (both directions), ``max_connections`` open at once,
+    ``max_total_connections`` over its life, ``max_seconds`` per connection."""
+
+    hosts: list[str]
+    ports: list[int]
+    max_bytes: int
+    max_connections: int
+    max_total_connections: int
+    max_seconds: int
+
+
+class PackageSource(TypedDict, total=False):
+    """A package source the operator named for an environment, as
+    :meth:`sandcell.Client.list_environments` reports it (what it offers, never its host
+    path): ``kind`` (``wheelhouse``: Python wheels, ``sandcell.install(...)``;
+    ``cran_repository``: R binary packages, ``install.packages(...)``); ``packages`` (the
+    number of distinct packages); ``names`` (their names in name order, Python names
+    normalized as PEP 503 says, at most 500) and ``names_truncated``; ``hash_manifest``
+    (installs are checked against a ``SHA256SUMS`` file or the CRAN index's ``MD5sum``
+    fields); ``reason`` (why nothing is listed: the source cannot be read now)."""
+
+    kind: str
+    packages: int
+    names: list[str]
+    names_truncated: bool
+    hash_manifest: bool
+    reason: str
 
 
 class EnvironmentLimits(TypedDict, total=False):

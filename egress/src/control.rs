@@ -1,0 +1,300 @@
+//! The control socket: how sandcelld grants and revokes a session's egress.
+//!
+//! One Unix stream connection per session. sandcelld (peer credentials checked: the uid
+//! given, root in production, see unix(7) `SO_PEERCRED`) sends one JSON line, the [`Grant`],
+//! at most [`MAX_LINE`] bytes, with exactly one descriptor attached to its first byte
+//! (`SCM_RIGHTS`, unix(7)): a listening TCP socket bound on `127.0.0.1` inside the session
+//! worker's network namespace. The proxy answers one line, `{"ok":true}` or
+//! `{"error":"REASON"}`, then serves the listener. The session is revoked by any further line
+//! (`revoke`) or by the connection's end: the proxy closes the listener and every
+//! connection of the session, and (when asked with a line) answers the session's counters
+//! as one JSON line (`{"allowed":N,"refused":N,"bytes":N,"connections":N}`).
+
+use crate::allow::Allowlist;
+use crate::proxy::{self, Policy, Resolver, Session};
+use nix::sys::socket::{ControlMessageOwned, MsgFlags, SockType, getsockopt, recvmsg, sockopt};
+use serde::{Deserialize, Serialize};
+use std::io::{self, IoSliceMut};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Interest};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{Semaphore, watch};
+
+/// Most bytes of a grant line, newline included.
+pub const MAX_LINE: usize = 64 * 1024;
+/// Most host patterns in a grant.
+pub const MAX_HOSTS: usize = 256;
+/// Most ports in a grant.
+pub const MAX_PORTS: usize = 64;
+
+/// A session's egress, as sandcelld grants it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Grant {
+    /// Session id.
+    pub session: String,
+    /// Host names and `*.` wildcards allowed.
+    pub hosts: Vec<String>,
+    /// Destination ports allowed.
+    pub ports: Vec<u16>,
+    /// Bytes relayed over the session's life, both directions.
+    pub max_bytes: u64,
+    /// Connections open at once.
+    pub max_connections: u32,
+    /// Connections over the session's life.
+    pub max_total_connections: u64,
+    /// Life of one connection, seconds.
+    pub max_seconds: u64,
+}
+
+impl Grant {
+    /// The policy it grants.
+    ///
+    /// Errors: a reason, as a sentence.
+    pub fn policy(&self) -> Result<Policy, String> {
+        if self.session.is_empty() || self.session.len() > 128 {
+            return Err("session id of 1-128 bytes expected".into());
+        }
+        if self.hosts.len() > MAX_HOSTS || self.ports.len() > MAX_PORTS {
+            return Err(format!("at most {MAX_HOSTS} hosts and {MAX_PORTS} ports"));
+        }
+        if self.max_connections == 0 || self.max_connections > 4096 {
+            return Err("max_connections of 1-4096 expected".into());
+        }
+        Ok(Policy {
+            session: self.session.clone(),
+            hosts: Allowlist::parse(&self.hosts).map_err(|e| e.to_string())?,
+            ports: self.ports.clone(),
+            max_bytes: self.max_bytes,
+            max_connections: self.max_connections,
+            max_total_connections: self.max_total_connections,
+            max_seconds: self.max_seconds.max(1),
+        })
+    }
+}
+
+/// The control server's settings.
+#[derive(Debug)]
+pub struct Server {
+    /// Name resolution of every session.
+    pub resolver: Arc<Resolver>,
+    /// The only peer uid accepted.
+    pub allowed_uid: u32,
+    /// Sessions served at once.
+    pub sessions: Arc<Semaphore>,
+}
+
+/// Accepts control connections until the listener fails.
+pub async fn run(listener: UnixListener, server: Arc<Server>) -> io::Result<()> {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "control accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let server = server.clone();
+        tokio::spawn(async move {
+            if let Err(e) = session(stream, &server).await {
+                tracing::warn!(error = %e, "control connection");
+            }
+        });
+    }
+}
+
+async fn answer(stream: &mut UnixStream, line: &serde_json::Value) -> io::Result<()> {
+    let mut s = line.to_string();
+    s.push('\n');
+    stream.write_all(s.as_bytes()).await
+}
+
+/// One session's control connection: grant, serve, revoke.
+async fn session(mut stream: UnixStream, server: &Server) -> io::Result<()> {
+    let cred = stream.peer_cred()?;
+    if cred.uid() != server.allowed_uid {
+        answer(
+            &mut stream,
+            &serde_json::json!({"error": "peer not allowed"}),
+        )
+        .await?;
+        return Ok(());
+    }
+    let (line, fd) = match receive_grant(&stream).await {
+        Ok(got) => got,
+        Err(e) => {
+            answer(&mut stream, &serde_json::json!({"error": e.to_string()})).await?;
+            return Ok(());
+        }
+    };
+    let started = (|| {
+        let grant: Grant = serde_json::from_slice(&line).map_err(|e| format!("grant: {e}"))?;
+        let policy = grant.policy()?;
+        let fd = fd.ok_or("no listener descriptor attached")?;
+        let listener = listener_from(fd)?;
+        Ok::<_, String>((policy, listener))
+    })();
+    let (policy, listener) = match started {
+        Ok(s) => s,
+        Err(e) => {
+            answer(&mut stream, &serde_json::json!({"error": e})).await?;
+            return Ok(());
+        }
+    };
+    let Ok(_slot) = server.sessions.clone().try_acquire_owned() else {
+        answer(
+            &mut stream,
+            &serde_json::json!({"error": "too many sessions"}),
+        )
+        .await?;
+        return Ok(());
+    };
+    let id = policy.session.clone();
+    let s = Arc::new(Session::new(policy));
+    let (tx, rx) = watch::channel(false);
+    let served = tokio::spawn(proxy::serve(
+        listener,
+        s.clone(),
+        server.resolver.clone(),
+        rx,
+    ));
+    answer(&mut stream, &serde_json::json!({"ok": true})).await?;
+    tracing::info!(session = %id, "egress granted");
+    // Any line, or the end: revoke.
+    let mut reader = BufReader::new(&mut stream);
+    let mut buf = Vec::new();
+    let asked = {
+        let mut limited = tokio::io::AsyncReadExt::take(&mut reader, 64);
+        matches!(limited.read_until(b'\n', &mut buf).await, Ok(n) if n > 0)
+    };
+    let _ = tx.send(true);
+    let _ = served.await;
+    let c = &s.counters;
+    let counters = serde_json::json!({
+        "allowed": c.allowed.load(Ordering::Relaxed),
+        "refused": c.refused.load(Ordering::Relaxed),
+        "bytes": c.bytes.load(Ordering::Relaxed),
+        "connections": c.connections.load(Ordering::Relaxed),
+    });
+    tracing::info!(session = %id, %counters, "egress revoked");
+    if asked {
+        answer(&mut stream, &counters).await?;
+    }
+    Ok(())
+}
+
+/// Reads the grant line (through its newline, at most [`MAX_LINE`] bytes) and the descriptor
+/// sent with it. More than one descriptor is refused (all are closed).
+async fn receive_grant(stream: &UnixStream) -> io::Result<(Vec<u8>, Option<OwnedFd>)> {
+    let mut line = Vec::new();
+    let mut fd: Option<OwnedFd> = None;
+    loop {
+        let mut buf = [0u8; 4096];
+        let (n, fds) = stream
+            .async_io(Interest::READABLE, || {
+                recv_once(stream.as_raw_fd(), &mut buf)
+            })
+            .await?;
+        let extra = fds.len() > 1 || (fd.is_some() && !fds.is_empty());
+        let mut fds = fds.into_iter();
+        if fd.is_none() {
+            fd = fds.next();
+        }
+        if extra {
+            return Err(io::Error::other("one listener descriptor expected"));
+        }
+        if n == 0 {
+            return Err(io::Error::other("connection closed before the grant line"));
+        }
+        if let Some(i) = buf[..n].iter().position(|b| *b == b'\n') {
+            if i + 1 != n {
+                return Err(io::Error::other("nothing may follow the grant line"));
+            }
+            line.extend_from_slice(&buf[..i]);
+            return Ok((line, fd));
+        }
+        line.extend_from_slice(&buf[..n]);
+        if line.len() >= MAX_LINE {
+            return Err(io::Error::other(format!(
+                "grant line longer than {MAX_LINE} bytes"
+            )));
+        }
+    }
+}
+
+/// One `recvmsg`: bytes read and the descriptors received (owned, close-on-exec).
+fn recv_once(raw: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
+    let mut iov = [IoSliceMut::new(buf)];
+    let mut space = nix::cmsg_space!([RawFd; 4]);
+    let msg = recvmsg::<()>(raw, &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
+        .map_err(io::Error::from)?;
+    let mut fds = Vec::new();
+    let truncated = msg.cmsgs().is_err();
+    if let Ok(cmsgs) = msg.cmsgs() {
+        for c in cmsgs {
+            if let ControlMessageOwned::ScmRights(v) = c {
+                // SAFETY: SCM_RIGHTS gave this process these new descriptors; nothing else
+                // owns them.
+                fds.extend(v.into_iter().map(|f| unsafe { OwnedFd::from_raw_fd(f) }));
+            }
+        }
+    }
+    if truncated {
+        return Err(io::Error::other("too many descriptors attached"));
+    }
+    Ok((msg.bytes, fds))
+}
+
+/// The received descriptor as a listener, if it is a listening TCP socket.
+fn listener_from(fd: OwnedFd) -> Result<tokio::net::TcpListener, String> {
+    let listening = getsockopt(&fd, sockopt::AcceptConn).map_err(|e| format!("descriptor: {e}"))?;
+    let ty = getsockopt(&fd, sockopt::SockType).map_err(|e| format!("descriptor: {e}"))?;
+    if !listening || ty != SockType::Stream {
+        return Err("the descriptor is not a listening stream socket".into());
+    }
+    let std = std::net::TcpListener::from(fd);
+    let local = std.local_addr().map_err(|e| format!("descriptor: {e}"))?;
+    if !local.ip().is_loopback() {
+        return Err(format!("the listener is bound on {local}, not loopback"));
+    }
+    std.set_nonblocking(true).map_err(|e| e.to_string())?;
+    tokio::net::TcpListener::from_std(std).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grants_are_bounded() {
+        let g = Grant {
+            session: "s1".into(),
+            hosts: vec!["pypi.org".into()],
+            ports: vec![443],
+            max_bytes: 1,
+            max_connections: 1,
+            max_total_connections: 1,
+            max_seconds: 1,
+        };
+        assert!(g.policy().is_ok());
+        let many = Grant {
+            hosts: vec!["a.org".into(); MAX_HOSTS + 1],
+            ..g.clone()
+        };
+        assert!(many.policy().is_err());
+        let bad = Grant {
+            hosts: vec!["*.org".into()],
+            ..g.clone()
+        };
+        assert!(bad.policy().unwrap_err().contains("wildcard"));
+        let none = Grant {
+            max_connections: 0,
+            ..g.clone()
+        };
+        assert!(none.policy().is_err());
+        assert!(serde_json::from_str::<Grant>(r#"{"session":"s","hosts":[],"ports":[],"max_bytes":1,"max_connections":1,"max_total_connections":1,"max_seconds":1,"x":1}"#).is_err());
+    }
+}

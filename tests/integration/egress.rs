@@ -1,0 +1,102 @@
+//! Egress policy through a real sandcelld: an environment's `egress` table is what
+//! `ListEnvironments` and `sandcelld --check` report (hosts, ports, caps), absent everywhere
+//! else (no network by default), and an Eryx environment with egress is refused at start.
+//!
+//! The proxy itself (allowlist, address classes, caps, revocation, a real "internet" in a
+//! network namespace) is tested by the sandcell-egress crate (`egress/tests/`).
+
+use crate::common;
+
+use common::Daemon;
+use std::process::Command;
+
+const EGRESS_ENV: &str = "[environments.net]\nlanguage = \"python\"\nengine = \"native\"\n\
+    interpreter = \"/usr/bin/python3\"\n\
+    egress = { hosts = [\"Data.Example.org\", \"*.pythonhosted.org\"], ports = [443], \
+    max_bytes = 1048576, max_connections = 4 }\n";
+
+fn write_conf(text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::Builder::new()
+        .prefix("sandcell-egressconf-")
+        .tempdir()
+        .unwrap();
+    let conf = dir.path().join("sandcelld.toml");
+    std::fs::write(&conf, text).unwrap();
+    (dir, conf)
+}
+
+#[test]
+fn check_names_each_environments_egress_policy() {
+    let (_dir, conf) = write_conf(EGRESS_ENV);
+    let out = Command::new(env!("CARGO_BIN_EXE_sandcelld"))
+        .arg("--config")
+        .arg(&conf)
+        .arg("--check")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let egress: Vec<&str> = text
+        .lines()
+        .map(str::trim_start)
+        .filter(|l| l.starts_with("egress:"))
+        .collect();
+    assert!(
+        egress.contains(
+            &"egress: data.example.org *.pythonhosted.org; ports 443; \
+              1048576 bytes, 4 connections at once, 1024 in all, 300 s each"
+        ),
+        "{text}"
+    );
+    assert_eq!(
+        egress
+            .iter()
+            .filter(|l| l.ends_with("egress: none"))
+            .count(),
+        egress.len() - 1,
+        "every other environment has none: {text}"
+    );
+
+    // The Eryx engine has no sockets to give: refused with the reason.
+    let (_dir, conf) = write_conf(
+        "[environments.wasm]\nlanguage = \"python\"\nengine = \"eryx\"\n\
+         egress = { hosts = [\"a.org\"] }\n",
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_sandcelld"))
+        .arg("--config")
+        .arg(&conf)
+        .arg("--check-config")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("the eryx engine has no egress"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_environments_reports_the_policy() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: not root (the daemon needs root)");
+        return;
+    }
+    let (_dir, conf) = write_conf(EGRESS_ENV);
+    let d = Daemon::start_with_config(&conf, &[]);
+    let mut c = d.client().await;
+    let envs = c.list_environments().await.unwrap();
+    let net = envs.iter().find(|e| e.name == "net").expect("net");
+    let g = net.egress.as_ref().expect("the policy is listed");
+    assert_eq!(g.hosts, ["data.example.org", "*.pythonhosted.org"]);
+    assert_eq!(g.ports, [443]);
+    assert_eq!(
+        (
+            g.max_bytes,
+            g.max_connections,
+            g.max_total_connections,
+            g.max_seconds
+        ),
+        (1 << 20, 4, 1024, 300)
+    );
+    for e in envs.iter().filter(|e| e.name != "net") {
+        assert!(e.egress.is_none(), "{} has no network: {e:?}", e.name);
+    }
+}
