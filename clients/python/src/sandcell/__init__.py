@@ -32,7 +32,7 @@ from ._query import Completions, Help
 from .aio import AsyncClient, AsyncSession
 from .client import Client, Session
 from .errors import *  # noqa: F403  (every error class, named after the Varlink error)
-from .errors import KERNEL_ERRORS, ConnectionFailed, ProtocolError, SandcellError, VarlinkError
+from .errors import KERNEL_ERRORS, CallCut, ConnectionFailed, ProtocolError, SandcellError, VarlinkError
 from .errors import Timeout, WrongNode, error_class
 from .types import (
     STATUSES,
@@ -110,6 +110,7 @@ __all__ = [
     "qualify_session_id",
     "SandcellError",
     "ConnectionFailed",
+    "CallCut",
     "ProtocolError",
     "VarlinkError",
     "Timeout",

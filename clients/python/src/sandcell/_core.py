@@ -12,6 +12,8 @@ core in ``sandcell._protocol``; what stays in the two modules is only their I/O.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import functools
 import inspect
 import os
@@ -23,12 +25,14 @@ from typing import Any, Generic, ParamSpec, TypeVar, cast
 from . import _protocol as P
 from ._query import Completions, Help, op_complete, op_help
 from .errors import (
+    CallCut,
     CapacityExceeded,
     ConnectionFailed,
     NoSuchHostCall,
     NoSuchSession,
     ProtocolError,
     SandcellError,
+    ShuttingDown,
     Timeout,
     VarlinkError,
 )
@@ -147,13 +151,14 @@ class ConnBase:
                 raise DeadlinePassed from None
             except OSError as e:
                 self.close()
-                raise ConnectionFailed(
+                kind = CallCut if e.errno == errno.ECONNRESET else ConnectionFailed
+                raise kind(
                     e.errno, f"reading from {self.path}: {e}{P.broken_note(self.sent)}"
                 ) from e
             if not data:
                 self.close()
-                raise ConnectionFailed(0, f"{self.path}: the daemon closed the connection"
-                                          f"{P.broken_note(self.sent)}")
+                raise CallCut(0, f"{self.path}: the daemon closed the connection"
+                                 f"{P.broken_note(self.sent)}")
             try:
                 self.queue.extend(self.reader.feed(data))
             except ProtocolError:
@@ -790,16 +795,72 @@ class SessionCore:
             if on_started is not None:
                 await backend.result(on_started(s))
 
+        # What was delivered, so that the replay of a re-attach repeats nothing: characters
+        # per stream (the replay may chunk them differently) and display frames by number.
+        chars: dict[str, int] = {}
+        displays: set[int] = set()
+
+        async def output(o: Any) -> None:
+            if isinstance(o, Output):
+                chars[o.stream] = chars.get(o.stream, 0) + len(o.text)
+            else:
+                displays.add(o.seq)
+            if on_output is not None:
+                await backend.result(on_output(o))
+
         self._started.clear()
         self._cell_done.clear()
         self._running.set()
         try:
-            return await self.client._cell("Execute", {"session": self._local, "code": code},
-                                           on_output, started, host_call_handler, timeout,
-                                           self.language or "python")
+            try:
+                return await self.client._cell(
+                    "Execute", {"session": self._local, "code": code}, output, started,
+                    host_call_handler, timeout, self.language or "python")
+            except CallCut:
+                if not self.detached or not self._started.is_set() or self.last_cell is None:
+                    raise
+                cell = self.last_cell
+
+            skip = dict(chars)
+
+            async def fresh(o: Any) -> None:
+                if isinstance(o, Output):
+                    n = min(skip.get(o.stream, 0), len(o.text))
+                    skip[o.stream] = skip.get(o.stream, 0) - n
+                    if n == len(o.text):
+                        return
+                    if n:
+                        o = dataclasses.replace(o, text=o.text[n:])
+                elif o.seq in displays:
+                    return
+                await output(o)
+
+            return await self._reattach(cell, fresh)
         finally:
             self._running.clear()
             self._cell_done.set()
+
+    async def _reattach(self, cell: int, on_output: Callable[[Any], Any]) -> CellResult:
+        """Follows cell ``cell`` (``Attach``) after a restart cut the call that ran it, on a
+        new connection to the same socket: up to :data:`P.REATTACH_ATTEMPTS` attempts, waiting
+        :data:`P.REATTACH_FIRST_DELAY_SECONDS` doubled after each failure (at most
+        :data:`P.REATTACH_MAX_DELAY_SECONDS`) while the daemon is not back
+        (:class:`ConnectionFailed`, :class:`ShuttingDown`). Frames already delivered are not
+        repeated. Raises the last :class:`CallCut` once the attempts are spent, and a typed
+        error of a cell or session that really ended (:class:`NoSuchCell`,
+        :class:`SessionEnded`) at once."""
+        backend = self.client.backend
+        delay = P.REATTACH_FIRST_DELAY_SECONDS
+        last: SandcellError | None = None
+        for _ in range(P.REATTACH_ATTEMPTS):
+            await backend.sleep(delay)
+            delay = min(delay * 2, P.REATTACH_MAX_DELAY_SECONDS)
+            try:
+                return await self.client._attach(self._local, cell, on_output)
+            except (ConnectionFailed, ShuttingDown) as e:
+                last = e
+        assert last is not None
+        raise last
 
     async def _interrupt(self, cell: int | None = None,
                          wait_seconds: float = 5.0) -> InterruptResult:

@@ -90,6 +90,15 @@ def encode_call(
     return data + b"\0"
 
 
+REATTACH_ATTEMPTS = 10
+"""How many times a detached session's ``execute`` cut by a daemon restart tries ``Attach``
+to its running cell before raising :class:`sandcell.CallCut` (about 20 s in all)."""
+REATTACH_FIRST_DELAY_SECONDS = 0.1
+"""Seconds before the first re-attach attempt; doubled after each failure."""
+REATTACH_MAX_DELAY_SECONDS = 4.0
+"""The longest wait between two re-attach attempts, seconds."""
+
+
 def broken_note(sent_bytes: int) -> str:
     """What to add to the error of a connection that broke during a call of ``sent_bytes``
     bytes: for a large call, that the daemon closes a connection whose message exceeds its

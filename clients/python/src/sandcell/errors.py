@@ -57,6 +57,20 @@ class ConnectionFailed(SandcellError, OSError):
         return text
 
 
+class CallCut(ConnectionFailed):
+    """The daemon closed the connection in the middle of a call (end of stream or
+    ``ECONNRESET`` after the call was sent): sandcelld restarted (``systemctl restart``, a
+    package upgrade, ``SIGUSR2``), crashed, or closed a connection whose message exceeded its
+    bound. Reconnect at once: during a restart new connections wait on the activation socket.
+    A cell of a detached session or a ``Submit`` cell goes on in the successor (follow it with
+    ``Attach``); an ``Execute`` cell of a session that is not detached is interrupted and its
+    session kept. A subclass of :class:`ConnectionFailed`."""
+
+    def __str__(self) -> str:
+        return (f"{super().__str__()}: the call was cut (sandcelld restarted or crashed); "
+                "reconnect, and follow a running cell with Attach")
+
+
 class Timeout(SandcellError, TimeoutError):
     """A call did not finish within its deadline (the ``timeout=`` of the client or of the
     call, seconds). Raised for calls other than cells, and for a cell that did not even

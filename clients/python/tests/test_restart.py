@@ -1,0 +1,94 @@
+"""A detached session's ``execute`` cut by a daemon restart (a planned exit, SIGUSR2, or a
+crash, SIGKILL) follows its running cell in the successor by itself: no retry code in the
+caller, every output line once, the cell's result, the same session afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+import sandcell
+from conftest import ROOMY, Daemon
+
+
+def _restart(d: Daemon, sig: int) -> None:
+    """Ends ``d``'s sandcelld with ``sig`` and starts its successor on the same socket,
+    state and adoption directories (as a restart of the unit does)."""
+    os.kill(d.proc.pid, sig)
+    d.proc.wait(30)
+    d.log.close()
+    try:
+        os.unlink(d.socket)
+    except FileNotFoundError:
+        pass
+    args = list(d.proc.args)
+    d.log = open(d.log_path, "ab")
+    d.proc = subprocess.Popen(args, stdout=d.log, stderr=subprocess.STDOUT)
+    for _ in range(200):
+        if os.path.exists(d.socket):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the successor's socket did not appear; log: {d.log_path}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGKILL], ids=["usr2", "kill"])
+def test_execute_cut_by_a_restart_reattaches(daemon_factory, sig):
+    d = daemon_factory(f"restart-{sig.name.lower()}", ROOMY)
+    got: list[str] = []
+    with sandcell.Client(d.socket, timeout=120) as c:
+        s = c.session("python", detached_idle_seconds=600)
+        assert s.execute("w = 7").status == "ok"
+        code = ("import time\nfor i in range(6):\n    print(i, flush=True)\n"
+                "    time.sleep(0.5)\nw = 8")
+        done: list[object] = []
+
+        def run() -> None:
+            try:
+                done.append(s.execute(code, lambda o: got.append(o.text)))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                done.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert got, f"the cell never printed; log: {d.tail()}"
+        _restart(d, sig)
+        t.join(60)
+        assert not t.is_alive(), "execute never returned after the restart"
+        r = done[0]
+        assert isinstance(r, sandcell.CellResult), f"{r!r}\n{d.tail()}"
+        assert r.status == "ok", f"{r}\n{d.tail()}"
+        assert "".join(got) == "".join(f"{i}\n" for i in range(6)), got
+        assert s.execute("print(w)").stdout.strip() == "8"
+        s.close()
+
+
+def test_a_cut_call_is_typed(daemon_factory):
+    """A session that is not detached: the cut ``execute`` raises :class:`CallCut` (a
+    :class:`ConnectionFailed`) saying the daemon restarted, and the session is kept."""
+    d = daemon_factory("restart-cut", ROOMY)
+    with sandcell.Client(d.socket, timeout=120) as c:
+        s = c.session("python")
+        assert s.execute("w = 3").status == "ok"
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                s.execute("import time\ntime.sleep(30)")
+            except BaseException as e:  # noqa: BLE001 - asserted below
+                errors.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(1.5)
+        _restart(d, signal.SIGUSR2)
+        t.join(30)
+        assert errors and isinstance(errors[0], sandcell.CallCut), errors
+        assert "restarted" in str(errors[0])
