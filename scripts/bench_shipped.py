@@ -225,6 +225,8 @@ def bench_jupyter(kernel, code, n):
     except ImportError:
         print("(skipped: python3-jupyter-client is not installed)")
         return None
+    # ipykernel's debugger warns about frozen modules on every start; the warning is noise here.
+    os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
     try:
         km, kc = jupyter_client.manager.start_new_kernel(kernel_name=kernel, startup_timeout=60)
     except Exception as e:  # noqa: BLE001
