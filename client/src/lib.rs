@@ -62,11 +62,13 @@ pub enum Error {
     /// value.
     #[error("{}", human::describe(.0))]
     Kernel(KernelError),
-    /// Transport or protocol failure (including `org.varlink.service` errors).
-    #[error("the connection to sandcelld failed: {0}")]
+    /// Transport or protocol failure (including `org.varlink.service` errors). A connection
+    /// the daemon closed mid-call ([`Error::is_call_cut`]) says that sandcelld restarted or
+    /// crashed.
+    #[error("the connection to sandcelld failed: {0}{note}", note = cut_note(.0))]
     Protocol(#[from] zlink::Error),
-    /// The stream ended before a result.
-    #[error("the daemon closed the cell's stream before its result")]
+    /// The stream ended before a result ([`Error::is_call_cut`]).
+    #[error("the daemon closed the cell's stream before its result{CUT_NOTE}")]
     Incomplete,
     /// A local file could not be read or written, or the daemon's data was not base64.
     #[error("{what}: {}", io_text(source))]
@@ -76,6 +78,38 @@ pub enum Error {
         /// The cause.
         source: std::io::Error,
     },
+}
+
+impl Error {
+    /// True when the daemon closed the connection in the middle of the call (end of stream,
+    /// `ECONNRESET` or `EPIPE`): sandcelld restarted (`systemctl restart`, a package upgrade,
+    /// `SIGUSR2`) or crashed. Reconnect at once (new connections wait on the activation
+    /// socket during a restart); a `Submit` cell or a detached session's cell goes on in the
+    /// successor (follow it with `Attach`), an `Execute` cell of a session that is not
+    /// detached is interrupted and its session kept.
+    pub fn is_call_cut(&self) -> bool {
+        match self {
+            Error::Incomplete => true,
+            Error::Protocol(e) => zlink_cut(e),
+            _ => false,
+        }
+    }
+}
+
+/// What [`Error`]'s text adds for a call the daemon cut by closing the connection.
+const CUT_NOTE: &str = " (the call was cut: sandcelld restarted or crashed; reconnect, and follow a running cell with Attach)";
+
+fn zlink_cut(e: &zlink::Error) -> bool {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionReset, UnexpectedEof};
+    match e {
+        zlink::Error::UnexpectedEof => true,
+        zlink::Error::Io(io) => matches!(io.kind(), UnexpectedEof | ConnectionReset | BrokenPipe),
+        _ => false,
+    }
+}
+
+fn cut_note(e: &zlink::Error) -> &'static str {
+    if zlink_cut(e) { CUT_NOTE } else { "" }
 }
 
 /// An I/O error's text without Rust's ` (os error N)` suffix.
@@ -183,10 +217,12 @@ impl Collector {
 impl Error {
     /// The error as one JSON object (what `sandcellctl --json` prints): a daemon's refusal as
     /// the daemon sent it, `{"error": "org.sandcell.Kernel.<Name>", "parameters": {...}}`,
-    /// other errors as `{"error": "sandcell.client.<Kind>"}`; both with `"message"`, the
+    /// other errors as `{"error": "sandcell.client.<Kind>"}` (`CallCut` for a call the daemon
+    /// cut by closing the connection, [`Error::is_call_cut`]); both with `"message"`, the
     /// human sentence of [`Error`]'s `Display`.
     pub fn to_json(&self) -> Value {
         let mut v = match self {
+            _ if self.is_call_cut() => serde_json::json!({"error": "sandcell.client.CallCut"}),
             Error::Kernel(k) => serde_json::to_value(k).unwrap_or(Value::Null),
             Error::Connect { path, .. } => serde_json::json!({
                 "error": "sandcell.client.ConnectionFailed",

@@ -891,3 +891,36 @@ async fn the_probe_after_adoption_is_no_failure_when_the_adopted_sessions_hold_t
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// The client's view of a call the restart cut: the cell's stream ends with an error that
+/// [`Error::is_call_cut`] recognises and whose text says that sandcelld restarted or crashed.
+async fn a_cut_call_is_recognised(signal: i32) {
+    skip_unless_root!();
+    let (mut first, setup) = first_daemon(&[]);
+    let mut c = first.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    c.execute(&s, "import time\ntime.sleep(30)").await.unwrap();
+    assert!(
+        common::eventually(Duration::from_secs(20), || {
+            std::fs::read_to_string(setup.adopt.join(format!("{s}.json")))
+                .is_ok_and(|t| t.contains("\"running\":{"))
+        }),
+        "the record never showed the running cell"
+    );
+    kill_daemon(&mut first, signal);
+    let e = c.finish(|_| {}).await.expect_err("the cut call must fail");
+    assert!(e.is_call_cut(), "{e:?}");
+    assert!(e.to_string().contains("restarted or crashed"), "{e}");
+    let second = successor(&first, &setup);
+    drop(second);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cut_by_a_planned_exit_is_recognised() {
+    a_cut_call_is_recognised(libc::SIGUSR2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cut_by_a_crash_is_recognised() {
+    a_cut_call_is_recognised(libc::SIGKILL).await;
+}
