@@ -100,3 +100,72 @@ async fn list_environments_reports_the_policy() {
         assert!(e.egress.is_none(), "{} has no network: {e:?}", e.name);
     }
 }
+
+/// The worker side: a session of an egress environment has the proxy variables and may make
+/// TCP sockets (connecting only to the proxy port: Landlock where the ABI has network rules,
+/// and in any case nothing but loopback exists in its namespace), never UDP or raw ones; a
+/// session of an environment without egress may make no socket at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_workers_get_tcp_sockets_and_the_proxy_variables_only() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: not root (the daemon needs root)");
+        return;
+    }
+    if !common::pydata_available() {
+        eprintln!("skipped: /usr/bin/python3 cannot import numpy and pandas (the pydata tier)");
+        return;
+    }
+    let (_dir, conf) = write_conf(EGRESS_ENV);
+    let d = Daemon::start_with_config(&conf, &[]);
+    let mut c = d.client().await;
+    let cell = r#"import os, socket
+print("proxy", os.environ.get("HTTP_PROXY"), os.environ.get("https_proxy"))
+def attempt(f):
+    try:
+        f()
+        return "ok"
+    except OSError as e:
+        return "errno %d" % e.errno
+print("tcp", attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()))
+print("tcp6", attempt(lambda: socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()))
+print("udp", attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM)))
+print("unix", attempt(lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)))
+def outside():
+    s = socket.socket()
+    s.settimeout(3)
+    s.connect(("11.0.0.2", 80))
+print("outside", attempt(outside))
+"#;
+    let o = c
+        .open_in("python", Some("net"), None, None)
+        .await
+        .expect("open net");
+    let out = c.execute_collect(&o.session, cell).await.unwrap();
+    let t = &out.stdout;
+    assert!(
+        t.contains("proxy http://127.0.0.1:3128 http://127.0.0.1:3128\n"),
+        "{t}\n{}",
+        out.stderr
+    );
+    assert!(t.contains("tcp ok\ntcp6 ok\n"), "{t}\n{}", out.stderr);
+    assert!(t.contains("udp errno 1\nunix errno 1\n"), "{t}");
+    // Landlock (EACCES) or no route (ENETUNREACH): never connected.
+    assert!(
+        t.contains("outside errno 13\n") || t.contains("outside errno 101\n"),
+        "{t}"
+    );
+    c.close(&o.session).await.unwrap();
+
+    let o = c
+        .open_in("python", Some("pydata"), None, None)
+        .await
+        .expect("open pydata");
+    let out = c.execute_collect(&o.session, cell).await.unwrap();
+    let t = &out.stdout;
+    assert!(t.contains("proxy None None\n"), "{t}");
+    assert!(
+        t.contains("tcp errno 1\ntcp6 errno 1\nudp errno 1\n"),
+        "{t}"
+    );
+}

@@ -385,6 +385,7 @@ impl Starter {
             interpreter: env.interpreter.clone(),
             library_paths: env.library_paths.clone(),
             package_source: env.package_source.clone(),
+            egress: env.egress.is_some(),
             // Only a warm worker imports the preloads ahead of its session; a client waiting
             // for its own worker does not wait for modules its cells may never import.
             preload: if pooled {
