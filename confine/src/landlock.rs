@@ -184,6 +184,13 @@ pub fn apply(plan: &Plan, version: i32) -> Result<Applied, Error> {
             &format!("{} is not a directory", plan.session_dir.display()),
         ));
     }
+    if let Some(port) = plan.tcp_connect_port
+        && AccessNet::from_all(abi).contains(AccessNet::ConnectTcp)
+    {
+        created = created
+            .add_rule(landlock::NetPort::new(port, AccessNet::ConnectTcp))
+            .map_err(|e| failed(&format!("rule for TCP port {port}"), &e))?;
+    }
     let session = [plan.session_dir.clone()];
     for (paths, rights) in groups
         .into_iter()

@@ -135,6 +135,12 @@ pub struct Plan {
     /// Build a mount namespace holding only the allowlisted paths (see [`mounts`]).
     #[serde(default)]
     pub mount_namespace: bool,
+    /// Egress: the one TCP port the worker may connect to (its proxy listener on
+    /// `127.0.0.1` in its own network namespace). With a port, the native seccomp profile
+    /// allows `socket(AF_INET or AF_INET6, SOCK_STREAM, 0 or IPPROTO_TCP)` and Landlock (ABI
+    /// 4 and later) allows TCP connect to this port only; `None`: no socket of any family.
+    #[serde(default)]
+    pub tcp_connect_port: Option<u16>,
 }
 
 /// Why confinement failed. The worker prints it and exits with [`EXIT_CONFINE_FAILED`].
@@ -372,7 +378,8 @@ pub fn enter(plan: &Plan) -> Result<Report, Error> {
     clock.lap(&mut report, "fds-final");
 
     // 10. seccomp, last: it also denies calls the earlier steps needed (unshare, socket).
-    match seccomp::install(plan.syscalls) {
+    let inet = plan.tcp_connect_port.is_some() && plan.syscalls == SyscallProfile::Native;
+    match seccomp::install_with(plan.syscalls, inet) {
         Ok(()) => report.seccomp = true,
         Err(e) => layer(&mut report, strict, "seccomp", Err(e))?,
     }

@@ -654,6 +654,7 @@ mod tests {
             enforcement: crate::Enforcement::BestEffort,
             landlock_abi_cap: None,
             mount_namespace: true,
+            tcp_connect_port: None,
         }
     }
 

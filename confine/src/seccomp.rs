@@ -100,6 +100,9 @@ pub enum When {
     CloneNamespace,
     /// `socketpair` other than `AF_UNIX` + `SOCK_STREAM`.
     SocketpairNotUnixStream,
+    /// `socket` other than `AF_INET`/`AF_INET6` + `SOCK_STREAM` with protocol 0 or
+    /// `IPPROTO_TCP` (egress workers, in place of [`When::Always`]).
+    SocketNotInetStream,
     /// `ioctl` with one of these commands (arg 1, 32-bit).
     IoctlCommands(&'static [u32]),
     /// `personality` with a persona other than these (arg 0, 32-bit).
@@ -374,6 +377,23 @@ impl When {
                 }
                 rules
             }
+            When::SocketNotInetStream => {
+                let mut rules = vec![
+                    one(vec![
+                        cond(0, Dword, Ne, libc::AF_INET as u64)?,
+                        cond(0, Dword, Ne, libc::AF_INET6 as u64)?,
+                    ])?,
+                    one(vec![
+                        cond(2, Dword, Ne, 0)?,
+                        cond(2, Dword, Ne, libc::IPPROTO_TCP as u64)?,
+                    ])?,
+                ];
+                // The kernel masks the type with SOCK_TYPE_MASK (0xf); flags sit above it.
+                for ty in (0..16u64).filter(|t| *t != libc::SOCK_STREAM as u64) {
+                    rules.push(one(vec![cond(1, Dword, MaskedEq(0xf), ty)?])?);
+                }
+                rules
+            }
             When::IoctlCommands(cmds) => cmds
                 .iter()
                 .map(|&c| one(vec![cond(1, Dword, Eq, u64::from(c))?]))
@@ -405,11 +425,25 @@ fn applies(row: &Deny, profile: SyscallProfile) -> bool {
 /// Errors: [`Error::Unavailable`] on an architecture without a policy; [`Error::Step`] if
 /// seccompiler rejects the table (a bug caught by the unit tests).
 pub fn deny_filter(profile: SyscallProfile) -> Result<BpfProgram, Error> {
+    deny_filter_with(profile, false)
+}
+
+/// [`deny_filter`], with `inet_stream`: the native profile's `socket` row denies only what
+/// is not a TCP socket ([`When::SocketNotInetStream`]), for workers with egress.
+///
+/// Errors: as [`deny_filter`].
+pub fn deny_filter_with(profile: SyscallProfile, inet_stream: bool) -> Result<BpfProgram, Error> {
     let arch = target()?;
     // None = denied unconditionally; Some(rules) = denied when any rule matches.
     let mut map: BTreeMap<i64, Option<Vec<SeccompRule>>> = BTreeMap::new();
     for row in DENY.iter().filter(|r| applies(r, profile)) {
-        let new = row.when.rules()?;
+        let when = if inet_stream && profile == SyscallProfile::Native && row.nr == libc::SYS_socket
+        {
+            When::SocketNotInetStream
+        } else {
+            row.when
+        };
+        let new = when.rules()?;
         let entry = map.entry(row.nr).or_insert_with(|| Some(Vec::new()));
         match (entry.as_mut(), new) {
             (_, None) => *entry = None,
@@ -487,7 +521,18 @@ fn target() -> Result<TargetArch, Error> {
 /// Errors: [`Error::Unavailable`] when the kernel refuses filters (`EINVAL`: no
 /// CONFIG_SECCOMP_FILTER; `EACCES`: no_new_privs missing) or the architecture has no policy.
 pub fn install(profile: SyscallProfile) -> Result<(), Error> {
-    let filters = [arch_filter(), deny_filter(profile)?, enosys_filter()?];
+    install_with(profile, false)
+}
+
+/// [`install`] with the `socket` row of [`deny_filter_with`].
+///
+/// Errors: as [`install`].
+pub fn install_with(profile: SyscallProfile, inet_stream: bool) -> Result<(), Error> {
+    let filters = [
+        arch_filter(),
+        deny_filter_with(profile, inet_stream)?,
+        enosys_filter()?,
+    ];
     for prog in &filters {
         seccompiler::apply_filter(prog).map_err(|e| Error::Unavailable {
             layer: "seccomp",

@@ -100,6 +100,7 @@ impl Fixture {
             enforcement: Enforcement::Strict,
             landlock_abi_cap: None,
             mount_namespace: false,
+            tcp_connect_port: None,
         }
     }
 

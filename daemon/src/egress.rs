@@ -1,6 +1,7 @@
-//! The daemon's side of a session's egress, as building blocks (not yet called when a
-//! session opens): the proxy listener inside a worker's network namespace
-//! ([`listener_in`]) and its grant to `sandcell-egress` over the control socket ([`grant`]).
+//! The daemon's side of a worker's egress: once a worker of an environment with egress is
+//! ready, [`open`] makes the proxy listener inside its network namespace ([`listener_in`])
+//! and grants it to `sandcell-egress` over the control socket ([`grant`]); the worker holds
+//! the grant for its life.
 //!
 //! The daemon never connects anywhere itself: it only creates a listening socket in the
 //! worker's namespace and hands it over with `SCM_RIGHTS` (unix(7)). The grant lasts while the
@@ -115,6 +116,75 @@ pub fn grant(
         "the egress proxy refused the grant: {}",
         v["error"].as_str().unwrap_or("no reason")
     )))
+}
+
+/// The proxy's control socket: `SANDCELL_EGRESS_CONTROL` when set (tests), else
+/// [`CONTROL_SOCKET`].
+pub fn control_socket() -> std::path::PathBuf {
+    std::env::var_os("SANDCELL_EGRESS_CONTROL")
+        .map(Into::into)
+        .unwrap_or_else(|| CONTROL_SOCKET.into())
+}
+
+/// Gives the worker `pid` (confined and ready, in its own network namespace) its egress under
+/// `policy`: the listener in its namespace, granted to the proxy, the grant held by a task
+/// until the process exits (its pidfd turns readable, pidfd_open(2)), which revokes it. A
+/// failure (the proxy is not running, the daemon lacks `CAP_NET_ADMIN`) is logged as a
+/// warning with the reason, and the worker then reaches nothing (its connects fail with
+/// `ENETUNREACH`).
+pub async fn open(id: &str, pid: u32, policy: &crate::config::EgressConfig) {
+    // Opened first, while the worker is certainly alive: the pidfd names this process even
+    // if its pid is reused later.
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if raw < 0 {
+        let reason = io::Error::last_os_error();
+        tracing::warn!(session = %id, %reason, "egress not granted (pidfd_open): the session has no network");
+        return;
+    }
+    // SAFETY: the descriptor was just returned to this process and is owned here only.
+    let pidfd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
+    let Some(ctl) = granted(id, pid, policy).await else {
+        return;
+    };
+    // SAFETY: `pidfd` is an open descriptor owned by the AsyncFd from here on: it stays open,
+    // naming the worker's pidfd, until the AsyncFd is dropped.
+    let registered = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
+    };
+    let Ok(exit) = registered else {
+        return;
+    };
+    tokio::spawn(async move {
+        let _ = exit.readable().await;
+        drop(ctl);
+    });
+}
+
+async fn granted(id: &str, pid: u32, policy: &crate::config::EgressConfig) -> Option<UnixStream> {
+    let g = sandcell_egress::control::Grant {
+        session: id.to_string(),
+        hosts: policy.hosts.clone(),
+        ports: policy.ports.clone(),
+        max_bytes: policy.max_bytes,
+        max_connections: policy.max_connections,
+        max_total_connections: policy.max_total_connections,
+        max_seconds: policy.max_seconds,
+    };
+    let control = control_socket();
+    let done = tokio::task::spawn_blocking(move || -> io::Result<UnixStream> {
+        let fd = listener_in(pid as i32)?;
+        grant(&control, &fd, &g)
+    })
+    .await
+    .unwrap_or_else(|e| Err(io::Error::other(e.to_string())));
+    match done {
+        Ok(ctl) => Some(ctl),
+        Err(e) => {
+            tracing::warn!(session = %id, reason = %e, "egress not granted: the session has no network");
+            None
+        }
+    }
 }
 
 #[cfg(test)]

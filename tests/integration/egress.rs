@@ -100,3 +100,223 @@ async fn list_environments_reports_the_policy() {
         assert!(e.egress.is_none(), "{} has no network: {e:?}", e.name);
     }
 }
+
+/// The worker side: a session of an egress environment has the proxy variables and may make
+/// TCP sockets (connecting only to the proxy port: Landlock where the ABI has network rules,
+/// and in any case nothing but loopback exists in its namespace), never UDP or raw ones; a
+/// session of an environment without egress may make no socket at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_workers_get_tcp_sockets_and_the_proxy_variables_only() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: not root (the daemon needs root)");
+        return;
+    }
+    if !common::pydata_available() {
+        eprintln!("skipped: /usr/bin/python3 cannot import numpy and pandas (the pydata tier)");
+        return;
+    }
+    let (_dir, conf) = write_conf(EGRESS_ENV);
+    let d = Daemon::start_with_config(&conf, &[]);
+    let mut c = d.client().await;
+    let cell = r#"import os, socket
+print("proxy", os.environ.get("HTTP_PROXY"), os.environ.get("https_proxy"))
+def attempt(f):
+    try:
+        f()
+        return "ok"
+    except OSError as e:
+        return "errno %d" % e.errno
+print("tcp", attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()))
+print("tcp6", attempt(lambda: socket.socket(socket.AF_INET6, socket.SOCK_STREAM).close()))
+print("udp", attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM)))
+print("unix", attempt(lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)))
+def outside():
+    s = socket.socket()
+    s.settimeout(3)
+    s.connect(("11.0.0.2", 80))
+print("outside", attempt(outside))
+"#;
+    let o = c
+        .open_in("python", Some("net"), None, None)
+        .await
+        .expect("open net");
+    let out = c.execute_collect(&o.session, cell).await.unwrap();
+    let t = &out.stdout;
+    assert!(
+        t.contains("proxy http://127.0.0.1:3128 http://127.0.0.1:3128\n"),
+        "{t}\n{}",
+        out.stderr
+    );
+    assert!(t.contains("tcp ok\ntcp6 ok\n"), "{t}\n{}", out.stderr);
+    assert!(t.contains("udp errno 1\nunix errno 1\n"), "{t}");
+    // Landlock (EACCES) or no route (ENETUNREACH): never connected.
+    assert!(
+        t.contains("outside errno 13\n") || t.contains("outside errno 101\n"),
+        "{t}"
+    );
+    c.close(&o.session).await.unwrap();
+
+    let o = c
+        .open_in("python", Some("pydata"), None, None)
+        .await
+        .expect("open pydata");
+    let out = c.execute_collect(&o.session, cell).await.unwrap();
+    let t = &out.stdout;
+    assert!(t.contains("proxy None None\n"), "{t}");
+    assert!(
+        t.contains("tcp errno 1\ntcp6 errno 1\nudp errno 1\n"),
+        "{t}"
+    );
+}
+
+/// The whole path: a pydata-like session of an egress environment fetches an allowed host
+/// with urllib through the proxy (the daemon made the listener in the worker's namespace and
+/// granted it); another host is a 403 with the reason. The "internet" is a web server in a
+/// network namespace the test creates, reached from the proxy's own namespace over a veth
+/// pair; names come from the proxy's hosts file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cell_fetches_an_allowed_host_through_the_proxy() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: not root (the daemon and network namespaces need root)");
+        return;
+    }
+    if !common::pydata_available() || Command::new("ip").arg("-V").output().is_err() {
+        eprintln!("skipped: the pydata tier or iproute2's ip is missing");
+        return;
+    }
+    let proxy_bin = common::bin_dir().join("sandcell-egress");
+    if !proxy_bin.exists() {
+        eprintln!(
+            "skipped: {} not built (cargo build --workspace)",
+            proxy_bin.display()
+        );
+        return;
+    }
+    let pid = std::process::id();
+    let dir = tempfile::Builder::new()
+        .prefix("sandcell-egress-e2e-")
+        .tempdir()
+        .unwrap();
+    let www = dir.path().join("www");
+    std::fs::create_dir_all(&www).unwrap();
+    std::fs::write(www.join("hello.txt"), "hello through the proxy\n").unwrap();
+    let hosts = dir.path().join("hosts");
+    std::fs::write(&hosts, "11.0.0.2 data.test other.test\n").unwrap();
+    struct Guard(Vec<std::process::Child>, [String; 2]);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            for c in &mut self.0 {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            for ns in &self.1 {
+                let _ = Command::new("ip").args(["netns", "del", ns]).status();
+            }
+        }
+    }
+    let ns = [format!("sceip{pid}"), format!("sceiw{pid}")];
+    let mut g = Guard(Vec::new(), ns.clone());
+    let ip = |args: &[&str]| {
+        let o = Command::new("ip").args(args).output().unwrap();
+        assert!(
+            o.status.success(),
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    let (vp, vw) = (format!("ep{pid}"), format!("ew{pid}"));
+    ip(&["netns", "add", &ns[0]]);
+    ip(&["netns", "add", &ns[1]]);
+    ip(&[
+        "link", "add", &vp, "netns", &ns[0], "type", "veth", "peer", "name", &vw, "netns", &ns[1],
+    ]);
+    ip(&["-n", &ns[0], "addr", "add", "11.0.0.1/24", "dev", &vp]);
+    ip(&["-n", &ns[1], "addr", "add", "11.0.0.2/24", "dev", &vw]);
+    for (n, dev) in [(&ns[0], &vp), (&ns[1], &vw)] {
+        ip(&["-n", n, "link", "set", dev, "up"]);
+        ip(&["-n", n, "link", "set", "lo", "up"]);
+    }
+    g.0.push(
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &ns[1],
+                "/usr/bin/python3",
+                "-m",
+                "http.server",
+                "80",
+            ])
+            .args(["--bind", "11.0.0.2", "--directory"])
+            .arg(&www)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let control = dir.path().join("control");
+    g.0.push(
+        Command::new("ip")
+            .args(["netns", "exec", &ns[0]])
+            .arg(&proxy_bin)
+            .arg("--control")
+            .arg(&control)
+            .arg("--hosts-file")
+            .arg(&hosts)
+            .arg("--hosts-only")
+            .spawn()
+            .unwrap(),
+    );
+    assert!(
+        common::eventually(std::time::Duration::from_secs(10), || control.exists()),
+        "the proxy did not bind its control socket"
+    );
+    let (_cdir, conf) = write_conf(
+        "[environments.net]\nlanguage = \"python\"\nengine = \"native\"\n\
+         interpreter = \"/usr/bin/python3\"\n\
+         egress = { hosts = [\"data.test\"], ports = [80] }\n",
+    );
+    let d = Daemon::start_with_config(
+        &conf,
+        &[("SANDCELL_EGRESS_CONTROL", control.to_str().unwrap())],
+    );
+    let mut c = d.client().await;
+    let o = c
+        .open_in("python", Some("net"), None, None)
+        .await
+        .expect("open net");
+    let cell = r#"import time, urllib.request, urllib.error
+body = None
+for _ in range(50):
+    try:
+        body = urllib.request.urlopen("http://data.test/hello.txt", timeout=10).read().decode()
+        break
+    except urllib.error.HTTPError as e:
+        body = "http %d %s" % (e.code, e.read().decode().strip())
+        if e.code != 502:
+            break
+    time.sleep(0.2)
+print("allowed:", body.strip())
+try:
+    urllib.request.urlopen("http://other.test/hello.txt", timeout=10)
+    print("other: fetched")
+except urllib.error.HTTPError as e:
+    print("other:", e.code, e.read().decode().strip())
+"#;
+    let out = c.execute_collect(&o.session, cell).await.unwrap();
+    let t = &out.stdout;
+    assert!(
+        t.contains("allowed: hello through the proxy\n"),
+        "{t}\n{}\n{}",
+        out.stderr,
+        d.log_text()
+    );
+    assert!(
+        t.contains("other: 403 sandcell egress: host not allowed: other.test\n"),
+        "{t}\n{}",
+        out.stderr
+    );
+    c.close(&o.session).await.unwrap();
+}

@@ -190,12 +190,20 @@ pub fn common_environment(paths: &SessionPaths, threads: u32) -> Vec<(OsString, 
 /// daemon set them (the environment has a package source): `SANDCELL_WHEELHOUSE` or
 /// `SANDCELL_CRAN_REPOSITORY` (the read-only source) and `SANDCELL_PACKAGES_DIR` (where the
 /// session's installs go, on its own file system). `worker.py` (`sandcell.install`) and
-/// `worker.R` (`install.packages`) read them.
+/// `worker.R` (`install.packages`) read them. With egress, also the proxy variables
+/// (`HTTP_PROXY`, `HTTPS_PROXY`, `NO_PROXY` and their lowercase forms) that pip, urllib,
+/// requests, curl and R's `download.file` read.
 pub fn package_environment() -> Vec<(OsString, OsString)> {
     [
         "SANDCELL_WHEELHOUSE",
         "SANDCELL_CRAN_REPOSITORY",
         "SANDCELL_PACKAGES_DIR",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "NO_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "no_proxy",
     ]
     .into_iter()
     .filter_map(|k| std::env::var_os(k).map(|v| (k.into(), v)))

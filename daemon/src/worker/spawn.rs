@@ -121,6 +121,9 @@ pub struct WorkerSpec {
     /// repository), read-only in the worker's view and named by its variable
     /// (`crate::packages::Source::env_var`); installs go to the session's scratch directory.
     pub package_source: Option<crate::packages::Source>,
+    /// The environment has egress (native engines): TCP sockets to the proxy port allowed
+    /// and `HTTP_PROXY`/`HTTPS_PROXY` set (see `crate::egress`).
+    pub egress: bool,
     /// Native Python: modules imported before Ready.
     pub preload: Vec<String>,
     /// BLAS/OpenMP threads of a native Python worker: the session's CPU quota, rounded up
@@ -345,6 +348,8 @@ pub fn plan(spec: &WorkerSpec) -> Plan {
         enforcement: spec.enforcement,
         landlock_abi_cap,
         mount_namespace,
+        tcp_connect_port: (spec.egress && syscalls == SyscallProfile::Native)
+            .then_some(crate::egress::PROXY_PORT),
     }
 }
 
@@ -412,6 +417,15 @@ fn environment(spec: &WorkerSpec, plan: &Plan) -> Vec<(String, String)> {
                 .display()
                 .to_string(),
         ));
+    }
+    if spec.egress && spec.engine == Engine::Native {
+        // pip, requests, urllib, curl and R's download.file read these.
+        let proxy = format!("http://127.0.0.1:{}", crate::egress::PROXY_PORT);
+        for k in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
+            env.push((k.into(), proxy.clone()));
+        }
+        env.push(("NO_PROXY".into(), String::new()));
+        env.push(("no_proxy".into(), String::new()));
     }
     if spec.engine == Engine::Eryx {
         env.push((

@@ -385,6 +385,7 @@ impl Starter {
             interpreter: env.interpreter.clone(),
             library_paths: env.library_paths.clone(),
             package_source: env.package_source.clone(),
+            egress: env.egress.is_some(),
             // Only a warm worker imports the preloads ahead of its session; a client waiting
             // for its own worker does not wait for modules its cells may never import.
             preload: if pooled {
@@ -425,7 +426,13 @@ impl Starter {
         // The worker confines itself, loads its interpreter and says Ready; nothing is sent to
         // it before that.
         let timeout = Duration::from_secs_f64(cfg.daemon.worker_start_timeout_seconds);
-        match wait_ready(&mut spawned, timeout, cancel.as_mut()).await {
+        let ready = wait_ready(&mut spawned, timeout, cancel.as_mut()).await;
+        if ready.is_ok()
+            && let Some(policy) = &env.egress
+        {
+            crate::egress::open(&id, spawned.pid, policy).await;
+        }
+        match ready {
             Ok(engine) => Ok(Prepared {
                 id,
                 language,
