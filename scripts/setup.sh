@@ -13,12 +13,12 @@ cd "$(dirname "$0")/.."
 # scientific stack, and R cells get the most used CRAN packages Debian ships; fontconfig builds
 # the font cache plots read. scripts/bench.sh puts the tools users would otherwise pick
 # beside sandcell: a Jupyter ipykernel and IRkernel driven by jupyter_client, and a
-# bubblewrap one-shot.
+# bubblewrap one-shot. iproute2 (ip) builds the private network the egress tests use.
 packages=(r-base-core r-cran-jsonlite fonts-dejavu-core systemd dbus polkitd util-linux passwd
     lintian groff-base rpm rpmlint procps linux-libc-dev
     python3 python3-numpy python3-pandas python3-scipy python3-matplotlib python3-statsmodels
     python3-sklearn r-cran-ggplot2 r-cran-data.table fontconfig
-    python3-ipykernel python3-jupyter-client r-cran-irkernel bubblewrap)
+    python3-ipykernel python3-jupyter-client r-cran-irkernel bubblewrap iproute2)
 # The system-test tier (scripts/vm-test.sh) needs more; it installs them itself when run.
 missing=()
 for p in "${packages[@]}"; do
