@@ -546,8 +546,9 @@ mod tests {
         }
         assert_eq!(script_int(r, "MAX_HEADER_LINE"), w::MAX_HEADER_LINE);
         // The bounds of `completions` and `help` answers (the Eryx worker checks the driver's
-        // answer again in Rust).
-        for script in [r, py, driver] {
+        // answer again in Rust); both Python engines take them from the shared query.py.
+        let query = include_str!("../python/query.py");
+        for script in [r, query] {
             assert_eq!(
                 script_int(script, "MAX_MATCH_BYTES"),
                 sandcell_proto::query::MAX_MATCH_BYTES
@@ -562,7 +563,7 @@ mod tests {
             sandcell_proto::query::COMPLETE_MAX_MATCHES
         );
         assert_eq!(
-            script_int(py, "COMPLETE_MAX_MATCHES"),
+            script_int(query, "COMPLETE_MAX_MATCHES"),
             sandcell_proto::query::COMPLETE_MAX_MATCHES
         );
         for script in [r, py] {
