@@ -134,6 +134,29 @@ impl Shared {
             .await;
     }
 
+    /// Ends the handling of `req` on a ROUTER channel (shell or control): sends `reply` (a
+    /// message type and its content; a `shutdown_reply` is also published on iopub), then the
+    /// `idle` status, and after a `shutdown_request` tells the kernel to stop.
+    async fn answer(
+        &self,
+        socket: &mut zeromq::RouterSocket,
+        req: &Message,
+        reply: Option<(&str, Value)>,
+        parent: &Value,
+    ) {
+        if let Some((t, content)) = reply {
+            let _ = socket.send(self.frames(req, t, &content)).await;
+            if t == "shutdown_reply" {
+                self.publish(t, content, parent).await;
+            }
+        }
+        self.publish("status", json!({"execution_state": "idle"}), parent)
+            .await;
+        if req.msg_type() == "shutdown_request" {
+            let _ = self.shutdown.send(()).await;
+        }
+    }
+
     fn frames(&self, req: &Message, msg_type: &str, content: &Value) -> ZmqMessage {
         let frames = wire::frames(
             &self.signer,
@@ -438,18 +461,7 @@ async fn serve_control(mut control: zeromq::RouterSocket, shared: Shared) {
                 None
             }
         };
-        if let Some((t, content)) = reply {
-            let _ = control.send(shared.frames(&req, t, &content)).await;
-            if t == "shutdown_reply" {
-                shared.publish(t, content, &parent).await;
-            }
-        }
-        shared
-            .publish("status", json!({"execution_state": "idle"}), &parent)
-            .await;
-        if req.msg_type() == "shutdown_request" {
-            let _ = shared.shutdown.send(()).await;
-        }
+        shared.answer(&mut control, &req, reply, &parent).await;
     }
 }
 
@@ -476,18 +488,7 @@ async fn serve_shell(mut shell: zeromq::RouterSocket, shared: Shared, opening: O
             .publish("status", json!({"execution_state": "busy"}), &parent)
             .await;
         let reply = k.handle(&req, &parent).await;
-        if let Some((t, content)) = reply {
-            let _ = shell.send(shared.frames(&req, t, &content)).await;
-            if t == "shutdown_reply" {
-                shared.publish(t, content, &parent).await;
-            }
-        }
-        shared
-            .publish("status", json!({"execution_state": "idle"}), &parent)
-            .await;
-        if req.msg_type() == "shutdown_request" {
-            let _ = shared.shutdown.send(()).await;
-        }
+        shared.answer(&mut shell, &req, reply, &parent).await;
     }
 }
 
