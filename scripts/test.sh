@@ -30,7 +30,7 @@ esac
 # that would skip one of them for lack of what it needs fails instead, so a machine that lost R,
 # root or polkit cannot pass. A machine without some tier sets its own list, e.g.
 # SANDCELL_REQUIRE_TIERS=root,cgroups,landlock; an empty list lets every tier skip.
-export SANDCELL_REQUIRE_TIERS="${SANDCELL_REQUIRE_TIERS-root,cgroups,landlock,r,pydata,dbus,polkit,socket-activation,built,fonts}"
+export SANDCELL_REQUIRE_TIERS="${SANDCELL_REQUIRE_TIERS-root,cgroups,landlock,r,pydata,dbus,polkit,socket-activation,netns,built,fonts}"
 echo "== required test tiers: ${SANDCELL_REQUIRE_TIERS:-none}"
 echo "== cargo fmt --check"
 cargo fmt --all -- --check

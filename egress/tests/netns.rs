@@ -54,7 +54,7 @@ fn skip_reason() -> Option<(&'static str, String)> {
         ));
     }
     if Command::new("ip").arg("-V").output().is_err() {
-        return Some(("root", "iproute2's ip is missing".into()));
+        return Some(("netns", "iproute2's ip is missing".into()));
     }
     if Command::new("/usr/bin/python3").arg("-V").output().is_err() {
         return Some((

@@ -49,6 +49,10 @@ pub const TIERS: &[(&str, &str)] = &[
     ("polkit", "polkitd (or sandcell's action file) installed"),
     ("socket-activation", "systemd-socket-activate"),
     (
+        "netns",
+        "iproute2's ip, to build a private network in network namespaces",
+    ),
+    (
         "built",
         "the workspace's binaries are built (cargo build --workspace --bins)",
     ),

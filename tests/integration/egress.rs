@@ -76,8 +76,7 @@ fn check_names_each_environments_egress_policy() {
 async fn list_environments_reports_the_policy() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: not root (the daemon needs root)");
-        return;
+        sandcell_testing::skip!("root", "the daemon needs root");
     }
     let (_dir, conf) = write_conf(EGRESS_ENV);
     let d = Daemon::start_with_config(&conf, &[]);
@@ -109,12 +108,10 @@ async fn list_environments_reports_the_policy() {
 async fn egress_workers_get_tcp_sockets_and_the_proxy_variables_only() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: not root (the daemon needs root)");
-        return;
+        sandcell_testing::skip!("root", "the daemon needs root");
     }
     if !common::pydata_available() {
-        eprintln!("skipped: /usr/bin/python3 cannot import numpy and pandas (the pydata tier)");
-        return;
+        sandcell_testing::skip!("pydata", "/usr/bin/python3 cannot import numpy and pandas");
     }
     let (_dir, conf) = write_conf(EGRESS_ENV);
     let d = Daemon::start_with_config(&conf, &[]);
@@ -179,20 +176,21 @@ print("outside", attempt(outside))
 async fn a_cell_fetches_an_allowed_host_through_the_proxy() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: not root (the daemon and network namespaces need root)");
-        return;
+        sandcell_testing::skip!("root", "the daemon and network namespaces need root");
     }
-    if !common::pydata_available() || Command::new("ip").arg("-V").output().is_err() {
-        eprintln!("skipped: the pydata tier or iproute2's ip is missing");
-        return;
+    if !common::pydata_available() {
+        sandcell_testing::skip!("pydata", "/usr/bin/python3 cannot import numpy and pandas");
+    }
+    if Command::new("ip").arg("-V").output().is_err() {
+        sandcell_testing::skip!("netns", "iproute2's ip is missing");
     }
     let proxy_bin = common::bin_dir().join("sandcell-egress");
     if !proxy_bin.exists() {
-        eprintln!(
-            "skipped: {} not built (cargo build --workspace)",
+        sandcell_testing::skip!(
+            "built",
+            "{} not built (cargo build --workspace)",
             proxy_bin.display()
         );
-        return;
     }
     let pid = std::process::id();
     let dir = tempfile::Builder::new()
