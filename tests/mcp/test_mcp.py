@@ -446,7 +446,8 @@ def test_cancel_notification_interrupts_and_says_interrupted(sandcellctl, socket
             break
     took = time.monotonic() - t0
     assert m["params"]["message"] == "[status: interrupted]", m
-    assert took < 1.0, f"the cell ended {took:.2f}s after the cancellation"
+    # Not interrupted, the cell would sleep 60 s; the bound leaves room for a loaded machine.
+    assert took < 15.0, f"the cell ended {took:.2f}s after the cancellation"
     r.call(2, "list_sessions", {})
     assert r.reply(2)["result"]["structuredContent"] == {"sessions": []}
     assert r.close() == 0

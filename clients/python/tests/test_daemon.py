@@ -508,7 +508,7 @@ def test_client_timeout_is_a_deadline_not_a_delay(socket_path):
         for _ in range(5):
             c.info()
         per_call = (time.monotonic() - t0) / 5
-        assert per_call < 0.5, f"{per_call:.3f} s per call with timeout=5"
+        assert per_call < 2, f"{per_call:.3f} s per call with timeout=5"
         t0 = time.monotonic()
         assert c.run("print(1)").stdout == "1\n"
         assert time.monotonic() - t0 < 4.5

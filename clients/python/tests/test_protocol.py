@@ -365,7 +365,7 @@ def test_idle_connection_check_never_waits_for_the_socket_timeout():
         a.settimeout(5)
         t0 = time.monotonic()
         assert P.idle_connection_alive(a) is True
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 3  # never the socket's 5 s timeout
         b.sendall(b"stray")
         assert P.idle_connection_alive(a) is False  # out of step
         b.close()
@@ -374,7 +374,7 @@ def test_idle_connection_check_never_waits_for_the_socket_timeout():
         d.close()
         t0 = time.monotonic()
         assert P.idle_connection_alive(c) is False  # the peer closed it
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 3  # never the socket's 5 s timeout
         c.close()
     finally:
         a.close()
