@@ -19,7 +19,10 @@
 //!   dropped. To uid 0 it sends [`FDS`] with the same descriptors, and that connection is its
 //!   lifeline from then on. Nobody in time: it kills the worker (through its pidfd) and every
 //!   other process of the session's cgroup (listed in its `cgroup.procs` files, each pinned
-//!   by a pidfd before the signal), and exits: no orphan lives for ever.
+//!   by a pidfd before the signal), releases what only a daemon would otherwise release
+//!   ([`release`]: the session's file system, directory, cgroups and record) and exits: no
+//!   orphan lives for ever, and nothing of it stays behind when no daemon comes back. A
+//!   worker that exits while the keeper waits for an adopter is released the same way.
 //!
 //! The keeper holds the worker's pipes open, so the worker never sees end of file on its
 //! request pipe while its daemon is away, and its writes wait in the pipe buffers (a worker
@@ -38,7 +41,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// `argv[1]` of a keeper: `sandcelld keep <session id> <socket> <timeout seconds>
-/// <cgroup.procs file>...` (not a documented command: only the daemon starts it).
+/// <session directory> <cgroup.procs file>...` (not a documented command: only the daemon
+/// starts it).
 pub const SUBCOMMAND: &str = "keep";
 
 /// The keeper's lifeline descriptor.
@@ -237,23 +241,26 @@ struct Args {
     session: String,
     socket: PathBuf,
     timeout: Duration,
+    /// `<state_dir>/sessions/<id>`, where the daemon mounted the session's tmpfs.
+    session_dir: PathBuf,
     procs: Vec<PathBuf>,
 }
 
 fn parse(args: &[String]) -> std::io::Result<Args> {
     let bad = || {
         std::io::Error::other(
-            "usage: sandcelld keep <session> <socket> <seconds> <cgroup.procs>...",
+            "usage: sandcelld keep <session> <socket> <seconds> <session dir> <cgroup.procs>...",
         )
     };
-    if args.len() < 3 {
+    if args.len() < 4 {
         return Err(bad());
     }
     Ok(Args {
         session: args[0].clone(),
         socket: PathBuf::from(&args[1]),
         timeout: Duration::from_secs(args[2].parse().map_err(|_| bad())?),
-        procs: args[3..].iter().map(PathBuf::from).collect(),
+        session_dir: PathBuf::from(&args[3]),
+        procs: args[4..].iter().map(PathBuf::from).collect(),
     })
 }
 
@@ -332,7 +339,101 @@ fn keep(a: &Args, lifeline: OwnedFd, listener: &OwnedFd) -> std::io::Result<i32>
         drop(lifeline);
         match adoption(a, &held, listener)? {
             Some(l) => lifeline = l,
-            None => return Ok(0),
+            None => {
+                // Orphaned, and the worker is gone (ended here or by itself): no daemon will
+                // release the session, so the keeper does.
+                kill_session(held.pidfd.as_fd(), &a.procs);
+                release(a, held);
+                return Ok(0);
+            }
+        }
+    }
+}
+
+/// Releases what an orphaned session holds once its processes are dead, as a daemon's end of
+/// a session would, for a session no daemon came back for:
+///
+/// 1. its tmpfs on `session_dir` is unmounted (`umount2(2)`, `MNT_DETACH | UMOUNT_NOFOLLOW`),
+///    only when the file system mounted there is the one whose directory the daemon handed
+///    over (same device and inode as the held descriptor: `fstat(2)` against `lstat(2)`);
+/// 2. the descriptors are closed (the last reference to the tmpfs, whose pages are then
+///    freed) and the empty mount point removed;
+/// 3. the keeper leaves its session's cgroups (writing its pid to the `cgroup.procs` of the
+///    first group beside `sessions/` that takes it: the companion unit's `holder/`, the
+///    daemon's `supervisor/`, else, on cgroup v1 where any group may hold processes, the
+///    parent of `sessions/`) and removes them (`rmdir(2)`, which the kernel refuses while a
+///    process is left: a group that is not empty stays);
+/// 4. the session's record, cell journal, handed-over reply bytes and keeper socket go from
+///    the adoption directory (the socket's grandparent).
+///
+/// What it trusts: only its own arguments and descriptors, both from the root daemon that
+/// started it (the paths are root's: `<state_dir>/sessions`, the session's cgroups, the
+/// root-only adoption directory), never a file a tenant can write; every step is
+/// best-effort and logged on failure. Privileges: the daemon's (root, `CAP_SYS_ADMIN` for
+/// the unmount in its mount namespace, the unit's system-call filter, which allows
+/// `@mount`). Under the unit the mount namespace is the daemon's private one
+/// (`PrivateMounts=yes`), which ends with its last process anyway; run outside it (tests,
+/// development), the tmpfs would otherwise stay mounted in the host's namespace for good.
+fn release(a: &Args, held: Held) {
+    if same_file(held.dir.as_fd(), &a.session_dir) {
+        if let Err(e) = crate::session_fs::unmount(&a.session_dir) {
+            eprintln!(
+                "sandcelld keeper: session {}: unmounting {}: {e}",
+                a.session,
+                a.session_dir.display()
+            );
+        }
+    }
+    drop(held);
+    if let Err(e) = std::fs::remove_dir(&a.session_dir)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        eprintln!(
+            "sandcelld keeper: session {}: removing {}: {e}",
+            a.session,
+            a.session_dir.display()
+        );
+    }
+    leave_and_remove_groups(&a.session, &a.procs);
+    if let Some(dir) = a.socket.parent().and_then(Path::parent) {
+        crate::records::remove(dir, &a.session);
+    }
+}
+
+/// Whether `path` (not followed when a symlink) names the file `fd` is open on.
+fn same_file(fd: BorrowedFd<'_>, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(held), Ok(there)) = (nix::sys::stat::fstat(fd), std::fs::symlink_metadata(path)) else {
+        return false;
+    };
+    held.st_dev as u64 == there.dev() && held.st_ino as u64 == there.ino()
+}
+
+/// The keeper leaves the session groups named by `procs` (see [`release`]) and removes them.
+fn leave_and_remove_groups(session: &str, procs: &[PathBuf]) {
+    let me = std::process::id().to_string();
+    for p in procs {
+        let Some(group) = p.parent() else { continue };
+        let Some(home) = group.parent().and_then(Path::parent) else {
+            continue;
+        };
+        let left = [
+            home.join(crate::cgroup::v2::HOLDER),
+            home.join("supervisor"),
+            home.to_path_buf(),
+        ]
+        .iter()
+        .any(|g| crate::cgroup::host::write(&g.join("cgroup.procs"), &me).is_ok());
+        if !left {
+            eprintln!(
+                "sandcelld keeper: session {session}: no group beside {} takes the keeper; {} stays",
+                group.display(),
+                group.display()
+            );
+            continue;
+        }
+        if let Err(e) = crate::cgroup::host::rmdir(group, Duration::from_secs(2)) {
+            eprintln!("sandcelld keeper: session {session}: {e}");
         }
     }
 }
@@ -447,6 +548,9 @@ pub struct Spec {
     pub socket: PathBuf,
     /// Adoption timeout.
     pub timeout: Duration,
+    /// The session directory (`<state_dir>/sessions/<id>`, the session's tmpfs mount point),
+    /// which an orphaned keeper unmounts and removes ([`release`]).
+    pub session_dir: PathBuf,
     /// The session cgroup's `cgroup.procs` files: the keeper joins them, and kills what they
     /// list when nobody adopts it.
     pub procs: Vec<PathBuf>,
@@ -484,6 +588,7 @@ pub fn start(spec: &Spec, held: &Held) -> std::io::Result<(Lifeline, std::proces
         .arg(&spec.session)
         .arg(&spec.socket)
         .arg(spec.timeout.as_secs().to_string())
+        .arg(&spec.session_dir)
         .args(&spec.procs)
         .env_clear()
         .current_dir("/")
@@ -650,6 +755,7 @@ mod tests {
             session: "t".into(),
             socket: sock.clone(),
             timeout: Duration::from_secs(20),
+            session_dir: dir.path().join("no-such-session"),
             procs: Vec::new(),
         };
         let listener = listen_at(&sock).unwrap();
@@ -678,11 +784,19 @@ mod tests {
         let _ = sleeper.wait();
     }
 
-    /// Nobody adopts: after the timeout the worker is killed and the keeper ends.
+    /// Nobody adopts: after the timeout the worker is killed, the keeper releases the
+    /// session's directory and record (no mount and no cgroup here: the integration tests
+    /// cover those) and ends.
     #[test]
     fn unadopted_worker_is_killed_after_the_timeout() {
         let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("k.sock");
+        std::fs::create_dir(dir.path().join("keepers")).unwrap();
+        let sock = dir.path().join("keepers").join("t.sock");
+        let session_dir = dir.path().join("session");
+        std::fs::create_dir(&session_dir).unwrap();
+        for f in ["t.json", "t.cell", "t.rest", "u.json"] {
+            std::fs::write(dir.path().join(f), b"{}").unwrap();
+        }
         let mut sleeper = std::process::Command::new("sleep")
             .arg("30")
             .spawn()
@@ -692,7 +806,7 @@ mod tests {
         let (rep_r, _rep_w) = pipe();
         let held = Held {
             pidfd,
-            dir: std::fs::File::open(dir.path()).unwrap().into(),
+            dir: std::fs::File::open(&session_dir).unwrap().into(),
             requests: req_w,
             replies: rep_r,
             raw: None,
@@ -708,6 +822,7 @@ mod tests {
             session: "t".into(),
             socket: sock.clone(),
             timeout: Duration::from_secs(1),
+            session_dir: session_dir.clone(),
             procs: Vec::new(),
         };
         let listener = listen_at(&sock).unwrap();
@@ -720,5 +835,13 @@ mod tests {
         assert!(t0.elapsed() >= Duration::from_millis(900));
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(sleeper.wait().unwrap().signal(), Some(libc::SIGKILL));
+        assert!(!session_dir.exists(), "the session directory stayed");
+        for f in ["t.json", "t.cell", "t.rest"] {
+            assert!(!dir.path().join(f).exists(), "{f} stayed");
+        }
+        assert!(
+            dir.path().join("u.json").exists(),
+            "another session's record went"
+        );
     }
 }

@@ -408,6 +408,37 @@ async fn sigusr2_keeps_sessions_sigterm_ends_them_and_forged_records_are_refused
     assert!(!setup.adopt.join(format!("{a}.json")).exists());
 }
 
+/// The session's recorded cgroup directories (the parents of its `cgroup.procs` files) and
+/// its session directory.
+fn record_paths(adopt: &Path, id: &str) -> (Vec<PathBuf>, PathBuf) {
+    let text = std::fs::read_to_string(adopt.join(format!("{id}.json")))
+        .unwrap_or_else(|e| panic!("record of {id}: {e}"));
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let groups = v["cgroup_procs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            Path::new(p.as_str().unwrap())
+                .parent()
+                .unwrap()
+                .to_path_buf()
+        })
+        .collect();
+    (groups, PathBuf::from(v["session_dir"].as_str().unwrap()))
+}
+
+/// Whether a file system is mounted on `dir` in this mount namespace.
+fn mounted(dir: &Path) -> bool {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let want = dir.display().to_string();
+    info.lines()
+        .any(|l| l.split(' ').nth(4) == Some(want.as_str()))
+}
+
+/// A daemon killed for good (no successor on its state): after `adopt_timeout_seconds` each
+/// keeper ends its worker and releases what only a daemon released before: the session's
+/// tmpfs is unmounted, its directory, cgroups, record and journal are gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keepers_nobody_adopts_end_their_sessions_after_the_timeout() {
     skip_unless_root!();
@@ -415,18 +446,75 @@ async fn keepers_nobody_adopts_end_their_sessions_after_the_timeout() {
     let mut c = first.client().await;
     let a = c.open("python", None, Some(600)).await.unwrap().session;
     stdout_of(&mut c, &a, "x = 1").await;
-    let (w, k) = record_pids(&setup.adopt, &a);
+    c.put_bytes(&a, "kept.txt", b"in the session's tmpfs")
+        .await
+        .unwrap();
+    // A second session with a cell running when the daemon dies (it has a journal too).
+    let b = c.open("python", None, Some(600)).await.unwrap().session;
+    stdout_of(&mut c, &b, "y = 1").await;
+    let cell = c
+        .submit(
+            &b,
+            "import time\nprint('running', flush=True)\ntime.sleep(60)",
+        )
+        .await
+        .unwrap();
+    assert!(
+        common::eventually(Duration::from_secs(20), || setup
+            .adopt
+            .join(format!("{b}.cell"))
+            .exists()),
+        "no journal for cell {cell}"
+    );
+    let mut kept = Vec::new();
+    for s in [&a, &b] {
+        let (w, k) = record_pids(&setup.adopt, s);
+        let (groups, dir) = record_paths(&setup.adopt, s);
+        assert!(mounted(&dir), "{} is not a mount point", dir.display());
+        assert!(!groups.is_empty() && groups.iter().all(|g| g.is_dir()));
+        kept.push((s.clone(), w, k, groups, dir));
+    }
     drop(c);
     kill_daemon(&mut first, libc::SIGKILL);
     let t0 = Instant::now();
-    assert!(alive(w) && alive(k));
-    assert!(
-        common::eventually(Duration::from_secs(20), || !alive(w) && !alive(k)),
-        "worker {w} or keeper {k} outlived the adoption timeout"
-    );
+    for (_, w, k, _, _) in &kept {
+        assert!(alive(*w) && alive(*k));
+    }
+    for (_, w, k, _, _) in &kept {
+        assert!(
+            common::eventually(Duration::from_secs(20), || !alive(*w) && !alive(*k)),
+            "worker {w} or keeper {k} outlived the adoption timeout"
+        );
+    }
     let took = t0.elapsed();
     assert!(took >= Duration::from_millis(1500), "ended after {took:?}");
     eprintln!("an unadopted session ended {took:?} after its daemon");
+    // No daemon comes back on this state: the keepers released everything themselves.
+    for (id, _, _, groups, dir) in &kept {
+        assert!(!mounted(dir), "{} is still mounted", dir.display());
+        assert!(!dir.exists(), "{} stayed", dir.display());
+        for g in groups {
+            assert!(!g.exists(), "session cgroup {} stayed", g.display());
+        }
+        for ext in ["json", "cell", "rest", "before"] {
+            let f = setup.adopt.join(format!("{id}.{ext}"));
+            assert!(!f.exists(), "{} stayed", f.display());
+        }
+        assert!(
+            !setup
+                .adopt
+                .join("keepers")
+                .join(format!("{id}.sock"))
+                .exists(),
+            "the keeper's socket stayed"
+        );
+    }
+    // The keeper's end is in the log it inherited (the daemon's standard error).
+    assert!(
+        first.log_text().contains("no daemon adopted it"),
+        "{}",
+        first.log_text()
+    );
 }
 
 /// Attaches to `cell` of session `s` through `c` (a successor's client) and waits, at most

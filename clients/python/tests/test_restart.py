@@ -92,3 +92,18 @@ def test_a_cut_call_is_typed(daemon_factory):
         t.join(30)
         assert errors and isinstance(errors[0], sandcell.CallCut), errors
         assert "restarted" in str(errors[0])
+    # The successor kept the session (its cell was interrupted): the variable is there. The
+    # test ends it itself: the socket-activated successor starts only on a connection, and
+    # one nobody connects to never ends the session it would adopt, so its file system and
+    # worker would outlive the test until the keeper's adoption timeout.
+    with sandcell.Client(d.socket, timeout=120) as c:
+        kept = c.session_by_id(s.id, "python")
+        for _ in range(100):
+            try:
+                assert kept.execute("print(w)").stdout.strip() == "3"
+                break
+            except sandcell.SessionBusy:
+                time.sleep(0.2)
+        else:
+            pytest.fail(f"the interrupted cell never ended; log: {d.tail()}")
+        kept.close()

@@ -116,6 +116,7 @@ impl Actor {
             session: self.session.id.clone(),
             socket: records::keeper_socket(&k.keep.dir, &self.session.id),
             timeout: k.keep.timeout,
+            session_dir: self.session_dir.clone(),
             procs: self.group.procs_files(),
         };
         let started = match self.held() {
