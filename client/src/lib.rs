@@ -25,6 +25,9 @@
 //! socket could not be used.
 
 pub mod human;
+mod reattach;
+
+pub use reattach::{CellTrack, Reattach};
 
 use sandcell_proto::kernel::{self as k, FrameReply};
 pub use sandcell_proto::kernel::{
@@ -153,6 +156,9 @@ pub struct Client {
     /// buffer 256 bytes at a time and encodes the message again at each step, so a 1 MiB
     /// call cost seconds of CPU and a 3 MiB one 22 s.
     write: <unix::Stream as Socket>::WriteHalf,
+    /// The socket it was connected to: a re-attach ([`Client::next_frame_following`])
+    /// connects to it again.
+    socket: PathBuf,
 }
 
 /// Everything a finished cell produced, collected.
@@ -251,6 +257,7 @@ impl Client {
         Ok(Client {
             read,
             write: write.into_write_half(),
+            socket: path.to_owned(),
         })
     }
 

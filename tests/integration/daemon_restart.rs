@@ -1012,3 +1012,117 @@ async fn a_call_cut_by_a_planned_exit_is_recognised() {
 async fn a_call_cut_by_a_crash_is_recognised() {
     a_cut_call_is_recognised(libc::SIGKILL).await;
 }
+
+/// The cell `sandcellctl` follows across a restart: prints a line every 0.4 s, then sets `w`.
+const COUNTING: &str =
+    "import time\nfor i in range(8):\n    print(i, flush=True)\n    time.sleep(0.4)\nw = 8";
+
+/// `sandcellctl exec` and `sandcellctl attach` cut by a restart (`signal`) follow their cells
+/// in the successor by themselves: every line once, the cell's result and exit status, a note
+/// on standard error; a session that really ended gives its typed error.
+async fn sandcellctl_follows_across(signal: i32) {
+    skip_unless_root!();
+    let ctl = common::bin_dir().join("sandcellctl");
+    if !ctl.exists() {
+        sandcell_testing::skip!("built", "{} not built", ctl.display());
+    }
+    let private = signal == libc::SIGKILL;
+    let (mut first, setup) = first_daemon_in(&[], private);
+    let mut c = first.client().await;
+    let a = c.open("python", None, Some(600)).await.unwrap().session;
+    let b = c.open("python", None, Some(600)).await.unwrap().session;
+    let gone = c.open("python", None, Some(600)).await.unwrap().session;
+    stdout_of(&mut c, &a, "w = 7").await;
+    let work = tempfile::tempdir().unwrap();
+    let code = work.path().join("cell.py");
+    std::fs::write(&code, COUNTING).unwrap();
+    let cell_b = c.submit(&b, COUNTING).await.unwrap();
+    let cell_gone = c
+        .submit(&gone, "import time\ntime.sleep(60)")
+        .await
+        .unwrap();
+    let spawn = |name: &str, args: &[&str]| {
+        let out = work.path().join(format!("{name}.out"));
+        let err = work.path().join(format!("{name}.err"));
+        let child = std::process::Command::new(&ctl)
+            .arg("--socket")
+            .arg(&first.socket)
+            .args(args)
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .unwrap();
+        (child, out, err)
+    };
+    let cell_b_s = cell_b.to_string();
+    let cell_gone_s = cell_gone.to_string();
+    let mut exec = spawn("exec", &["exec", &a, code.to_str().unwrap()]);
+    let mut attach = spawn("attach", &["attach", &b, &cell_b_s]);
+    let mut ended = spawn("ended", &["--json", "attach", &gone, &cell_gone_s]);
+    // Both have printed their first lines when the daemon goes.
+    for (_, out, _) in [&exec, &attach] {
+        assert!(
+            common::eventually(Duration::from_secs(30), || std::fs::read_to_string(out)
+                .is_ok_and(|t| t.starts_with("0\n1\n"))),
+            "{} never showed the first lines:\n{}",
+            out.display(),
+            first.log_text()
+        );
+    }
+    kill_daemon(&mut first, signal);
+    drop(c);
+    // The session of `ended` is not adopted: its record is removed before the successor
+    // starts, as for a session whose keeper is gone.
+    std::fs::remove_file(setup.adopt.join(format!("{gone}.json"))).unwrap();
+    let second = if private {
+        successor_private(&first, &setup)
+    } else {
+        successor(&first, &setup)
+    };
+    let wait = |child: &mut std::process::Child| {
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                return st.code();
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "sandcellctl never ended after the restart"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let want: String = (0..8).map(|i| format!("{i}\n")).collect();
+    for (name, (child, out, err)) in [("exec", &mut exec), ("attach", &mut attach)] {
+        let code_ = wait(child);
+        let out = std::fs::read_to_string(out).unwrap();
+        let err = std::fs::read_to_string(err).unwrap();
+        assert_eq!(code_, Some(0), "{name}: {err}\n{}", second.log_text());
+        assert_eq!(out, want, "{name}: the output was repeated or lost\n{err}");
+        assert!(
+            err.contains("sandcelld restarted; following the cell again"),
+            "{name}: {err}"
+        );
+    }
+    // The session that really ended: its typed error, status 3.
+    let code_ = wait(&mut ended.0);
+    let err = std::fs::read_to_string(&ended.2).unwrap();
+    assert_eq!(code_, Some(3), "{err}");
+    assert!(
+        err.contains("org.sandcell.Kernel.SessionEnded")
+            || err.contains("org.sandcell.Kernel.NoSuchSession"),
+        "{err}"
+    );
+    let mut c = second.client().await;
+    assert_eq!(stdout_of(&mut c, &a, "print(w)").await.trim(), "8");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandcellctl_follows_its_cell_across_a_planned_exit() {
+    sandcellctl_follows_across(libc::SIGUSR2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandcellctl_follows_its_cell_across_a_crash() {
+    sandcellctl_follows_across(libc::SIGKILL).await;
+}

@@ -6,7 +6,7 @@
 
 use crate::out::{escape_message, escape_name, for_terminal};
 use crate::{ctrlc, hostcmd, progress};
-use sandcell_client::{CellResult, Client, Error, FileInfo, Status};
+use sandcell_client::{CellResult, CellTrack, Client, Error, FileInfo, Status};
 use std::io::Write;
 
 /// How to follow a cell: the printing mode and who else wants to know about it.
@@ -19,6 +19,9 @@ pub struct Follow<'a> {
     pub following: Option<&'a ctrlc::Following>,
     /// `exec`: print the cell's number on standard error when it starts.
     pub announce: bool,
+    /// `exec`, `attach`: follow the cell again when a daemon restart cuts the call
+    /// ([`Client::next_frame_following`]); `None`: a cut is reported.
+    pub track: Option<CellTrack>,
 }
 
 /// The exit status for a cell's result status: 0 ok; 1 error; 4 timeout; 5 interrupted or
@@ -76,8 +79,24 @@ impl Follow<'_> {
         let mut err = std::io::stderr();
         let mut session = String::new();
         let progress = progress::Progress::start(err_tty && !self.json);
+        let mut reattached = 0;
         loop {
-            let f = c.next_frame().await?;
+            let f = match &mut self.track {
+                Some(t) => {
+                    let f = c.next_frame_following(t).await?;
+                    if t.reattached() > reattached {
+                        reattached = t.reattached();
+                        if !self.json {
+                            let _ = writeln!(
+                                err,
+                                "sandcellctl: sandcelld restarted; following the cell again"
+                            );
+                        }
+                    }
+                    f
+                }
+                None => c.next_frame().await?,
+            };
             progress.output();
             if let Some(s) = &f.started {
                 session = s.session.clone();

@@ -13,7 +13,7 @@ use super::{Ctx, Outcome, environments, files};
 use crate::ctrlc::{self, Leaving};
 use crate::hostcmd::HostHandler;
 use crate::out::{self, escape_name};
-use sandcell_client::{Client, Error, Limits, OpenParams, RunParams};
+use sandcell_client::{CellTrack, Client, Error, Limits, OpenParams, Reattach, RunParams};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -88,6 +88,7 @@ impl Run {
             host: host.as_mut(),
             following: Some(&following),
             announce: false,
+            track: None,
         };
         if self.artifacts.is_none() && puts.is_empty() {
             c.run_with(&RunParams {
@@ -189,6 +190,7 @@ impl Exec {
             host: Some(&mut host),
             following: Some(&following),
             announce: true,
+            track: Some(CellTrack::new(Reattach::default())),
         };
         Ok(follow.status(&mut c).await?)
     }
@@ -237,6 +239,11 @@ impl Attach {
             host: None,
             following: None,
             announce: false,
+            track: Some(CellTrack::attached(
+                Reattach::default(),
+                &self.session,
+                self.cell,
+            )),
         };
         Ok(follow.status(&mut c).await?)
     }
