@@ -197,7 +197,7 @@ impl Kept {
     /// Retains display bundle `d` of `bytes` bytes (frame `d.seq`): whole in the head when it
     /// fits there, else at the end of the tail (older pieces leave it; the head takes nothing
     /// more); one bigger than the tail is retained as its text/plain with a note instead.
-    fn push_bundle(&mut self, mut d: Display, mut bytes: u64) {
+    pub(crate) fn push_bundle(&mut self, mut d: Display, mut bytes: u64) {
         self.bundles_seen += bytes;
         if self.evicted {
             return;
@@ -234,7 +234,7 @@ impl Kept {
     }
 
     /// The retained text chunks, head then tail: (`seq` of the chunk's first frame, text).
-    /// Display bundles are left out (the journal of a running cell carries text only).
+    /// Display bundles are left out ([`Kept::bundles`]).
     pub(crate) fn chunks(&self) -> impl Iterator<Item = (u64, &str)> {
         self.head
             .iter()
@@ -242,6 +242,17 @@ impl Kept {
             .filter_map(|(q, p)| match p {
                 Piece::Text(t) => Some((*q, t.as_str())),
                 Piece::Bundle(..) => None,
+            })
+    }
+
+    /// The retained display bundles, head then tail: (bundle, the bytes it counts).
+    pub(crate) fn bundles(&self) -> impl Iterator<Item = (&Display, u64)> {
+        self.head
+            .iter()
+            .chain(self.tail.iter())
+            .filter_map(|(_, p)| match p {
+                Piece::Bundle(d, n) => Some((&**d, *n)),
+                Piece::Text(_) => None,
             })
     }
 

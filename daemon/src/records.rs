@@ -187,6 +187,13 @@ pub fn journal_path(dir: &Path, id: &str) -> PathBuf {
     dir.join(format!("{id}.cell"))
 }
 
+/// The listing of session `id`'s directory before its running cell
+/// (`crate::files::Listing::encode_stamps`), from which a successor that continues the cell
+/// lists the files it changed.
+pub fn before_path(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!("{id}.before"))
+}
+
 /// The reply bytes a daemon that exited keeping its sessions had read from session `id`'s
 /// worker and not yet handled (a frame's head, or whole frames), which its successor reads
 /// first.
@@ -244,12 +251,14 @@ pub fn write(dir: &Path, r: &Record) -> std::io::Result<()> {
     std::fs::rename(&tmp, path_of(dir, &r.id))
 }
 
-/// Removes session `id`'s record, its cell journal and its keeper's socket (absent ones are
+/// Removes session `id`'s record, its cell journal, its listing before the cell and its
+/// keeper's socket (absent ones are
 /// not an error).
 pub fn remove(dir: &Path, id: &str) {
     let _ = std::fs::remove_file(path_of(dir, id));
     let _ = std::fs::remove_file(journal_path(dir, id));
     let _ = std::fs::remove_file(rest_path(dir, id));
+    let _ = std::fs::remove_file(before_path(dir, id));
     let _ = std::fs::remove_file(keeper_socket(dir, id));
 }
 

@@ -1126,3 +1126,110 @@ async fn sandcellctl_follows_its_cell_across_a_planned_exit() {
 async fn sandcellctl_follows_its_cell_across_a_crash() {
     sandcellctl_follows_across(libc::SIGKILL).await;
 }
+
+/// A rich session's running cell shows a display bundle (image/png) before the daemon goes
+/// (`signal`): an `Attach` on the successor replays the bundle whole, in its place between
+/// the output lines, with the retention counts of a cell that never crossed a restart.
+async fn display_bundles_survive(signal: i32) {
+    skip_unless_root!();
+    let private = signal == libc::SIGKILL;
+    let (mut first, setup) = first_daemon_in(&[], private);
+    let mut c = first.client().await;
+    let s = c
+        .open_with(&sandcell_client::OpenParams {
+            language: "python".into(),
+            limits: None,
+            detached_idle_seconds: Some(600),
+            environment: None,
+            host_calls: None,
+            display_last_expression: None,
+            rich_output: Some(true),
+        })
+        .await
+        .unwrap()
+        .session;
+    stdout_of(&mut c, &s, "w = 1").await;
+    c.put_bytes(&s, "put.txt", b"before the cell")
+        .await
+        .unwrap();
+    let cell = c
+        .submit(
+            &s,
+            "import sys, time\nfrom sandcell import display\nprint('before')\n\
+             display({'text/plain': 'a plot', 'image/png': 'iVBORw0KGgoAAAANSUhEUg=='}, raw=True)\n\
+             n = open('/mnt/data/early.txt', 'w').write('before the restart')\n\
+             sys.stdout.flush()\ntime.sleep(3)\nprint('after')\n\
+             n = open('/mnt/data/late.txt', 'w').write('after the restart')",
+        )
+        .await
+        .unwrap();
+    let journal = setup.adopt.join(format!("{s}.cell"));
+    assert!(
+        common::eventually(Duration::from_secs(30), || std::fs::read(&journal)
+            .is_ok_and(|b| b.windows(6).any(|w| w == b"a plot".as_slice()))),
+        "the journal never held the bundle:\n{}",
+        first.log_text()
+    );
+    kill_daemon(&mut first, signal);
+    drop(c);
+    let second = if private {
+        successor_private(&first, &setup)
+    } else {
+        successor(&first, &setup)
+    };
+    let mut c = second.client().await;
+    c.attach(&s, cell).await.unwrap();
+    let mut frames = Vec::new();
+    let r = loop {
+        let f = tokio::time::timeout(Duration::from_secs(30), c.next_frame())
+            .await
+            .expect("the continued cell ended")
+            .unwrap();
+        if let Some(r) = f.result.clone() {
+            break r;
+        }
+        frames.push(f);
+    };
+    assert_eq!(r.status, sandcell_client::Status::Ok, "{r:?}");
+    let order: Vec<String> = frames
+        .iter()
+        .filter_map(|f| {
+            f.output.as_ref().map(|o| o.text.clone()).or_else(|| {
+                f.display
+                    .as_ref()
+                    .map(|d| format!("<{}>", d.data["text/plain"]))
+            })
+        })
+        .collect();
+    assert_eq!(
+        order.concat(),
+        "before\n<\"a plot\">after\n",
+        "{frames:?}\n{}",
+        second.log_text()
+    );
+    let d = frames.iter().find_map(|f| f.display.as_ref()).unwrap();
+    assert_eq!(d.data["image/png"], "iVBORw0KGgoAAAANSUhEUg==");
+    let kept = r.retained.as_ref().expect("retention counts");
+    let bundles = kept.displays.expect("the bundle is counted");
+    assert!(bundles.kept > 0 && bundles.dropped == 0, "{kept:?}");
+    // The files it changed are listed, as for a cell that never crossed a restart; the one
+    // put before it is not.
+    let mut names: Vec<&str> = r.files.iter().map(|f| f.name.as_str()).collect();
+    names.sort();
+    assert_eq!(names, ["early.txt", "late.txt"], "{:?}", r.warnings);
+    assert!(
+        !r.warnings.iter().any(|w| w.contains("not listed")),
+        "{:?}",
+        r.warnings
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn display_bundles_are_replayed_after_a_planned_exit() {
+    display_bundles_survive(libc::SIGUSR2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn display_bundles_are_replayed_after_a_crash() {
+    display_bundles_survive(libc::SIGKILL).await;
+}

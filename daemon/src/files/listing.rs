@@ -13,6 +13,9 @@ use std::ffi::{CStr, CString};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
+/// Most bytes of [`Listing::encode_stamps`]: 4 MiB.
+pub const MAX_STAMPS_BYTES: usize = 4 * 1024 * 1024;
+
 /// Per-entry fingerprint used to tell which entries a cell changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Stamp {
@@ -86,6 +89,66 @@ impl Listing {
         } else {
             self.usage.bytes
         }
+    }
+
+    /// The fingerprints [`Listing::changed_since`] compares, as bytes (little-endian): per
+    /// entry its name's length (u32) and the name, then mode (u32), size (i64), inode (u64),
+    /// mtime and ctime (seconds and nanoseconds, i64 each). `None` when they would take more
+    /// than [`MAX_STAMPS_BYTES`].
+    pub fn encode_stamps(&self) -> Option<Vec<u8>> {
+        let mut out = Vec::new();
+        for (name, s) in &self.stamps {
+            out.extend_from_slice(&(name.len() as u32).to_le_bytes());
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(&s.mode.to_le_bytes());
+            out.extend_from_slice(&s.size.to_le_bytes());
+            out.extend_from_slice(&s.ino.to_le_bytes());
+            for v in [s.mtime.0, s.mtime.1, s.ctime.0, s.ctime.1] {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            if out.len() > MAX_STAMPS_BYTES {
+                return None;
+            }
+        }
+        Some(out)
+    }
+
+    /// A listing holding only the fingerprints of [`Listing::encode_stamps`]'s `bytes`: the
+    /// `before` of [`Listing::changed_since`] for a cell a successor daemon continues. `None`
+    /// when the bytes are cut or malformed.
+    pub fn decode_stamps(mut bytes: &[u8]) -> Option<Listing> {
+        fn take<'a>(b: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+            if b.len() < n {
+                return None;
+            }
+            let (a, rest) = b.split_at(n);
+            *b = rest;
+            Some(a)
+        }
+        fn i64_(b: &mut &[u8]) -> Option<i64> {
+            Some(i64::from_le_bytes(take(b, 8)?.try_into().ok()?))
+        }
+        let mut l = Listing::default();
+        while !bytes.is_empty() {
+            let n = u32::from_le_bytes(take(&mut bytes, 4)?.try_into().ok()?) as usize;
+            let name = std::str::from_utf8(take(&mut bytes, n)?).ok()?.to_owned();
+            let mode = u32::from_le_bytes(take(&mut bytes, 4)?.try_into().ok()?);
+            let size = i64_(&mut bytes)?;
+            let ino = u64::from_le_bytes(take(&mut bytes, 8)?.try_into().ok()?);
+            let mtime = (i64_(&mut bytes)?, i64_(&mut bytes)?);
+            let ctime = (i64_(&mut bytes)?, i64_(&mut bytes)?);
+            l.stamps.insert(
+                name,
+                Stamp {
+                    mode,
+                    size,
+                    ino,
+                    mtime,
+                    ctime,
+                },
+            );
+        }
+        Some(l)
     }
 
     /// Entries of `self` that are new or changed since `before`: files, symlinks and special

@@ -72,7 +72,7 @@ mod tests;
 mod upload_fd;
 
 pub use beneath::{files_dir, lay_out, validate_name, validate_new_name};
-pub use listing::{Listing, Usage, list, list_within};
+pub use listing::{Listing, MAX_STAMPS_BYTES, Usage, list, list_within};
 pub use put::{check_upload, put, put_charged, put_until};
 pub use upload_fd::{UPLOAD_FILE_SYSTEMS, UploadFd, UploadRefused, inspect_upload};
 

@@ -291,7 +291,7 @@ impl Actor {
                 Err(e) => CellEnd::WorkerGone(format!("writing the request: {e}")),
                 Ok(()) => {
                     drop(request);
-                    self.keep_running_cell(&mut run, retained);
+                    self.keep_running_cell(&mut run, retained, files_before.as_ref());
                     self.cell_loop(&mut run, cmds).await
                 }
             }

@@ -182,29 +182,37 @@ impl CellRun {
         self.committed = (seen, Instant::now());
     }
 
-    /// What the counts and the journal need of a chunk about to leave as a frame: its
-    /// stream and length, and a copy of its text when there is a journal.
-    pub(super) fn chunk_text(&self, c: &Chunk) -> Option<(Stream, usize, Option<String>)> {
-        match c {
-            Chunk::Text(st, t) => Some((*st, t.len(), self.journal.is_some().then(|| t.clone()))),
-            Chunk::Bundle(..) => None,
-        }
+    /// What the counts and the journal need of a chunk about to leave as a frame: a text's
+    /// stream and length, and, when there is a journal, a copy of its text or bundle.
+    pub(super) fn chunk_text(&self, c: &Chunk) -> Option<SentChunk> {
+        let journal = self.journal.is_some();
+        Some(match c {
+            Chunk::Text(st, t) => SentChunk::Text(*st, t.len(), journal.then(|| t.clone())),
+            Chunk::Bundle(d, n) => SentChunk::Bundle(journal.then(|| (d.clone(), *n))),
+        })
     }
 
-    /// A chunk left as frame `seq` ([`CellRun::chunk_text`]): counted, and journaled.
-    pub(super) fn sent_chunk(
-        &mut self,
-        seq: u64,
-        text: Option<(Stream, usize, Option<String>)>,
-    ) -> bool {
-        let Some((st, n, copy)) = text else {
-            return false;
-        };
-        self.sent[idx(st)] = self.sent[idx(st)].saturating_add(n as u64);
-        if let (Some(j), Some(t)) = (self.journal.as_mut(), copy) {
-            j.output(seq, st, &t);
+    /// A chunk left as frame `seq` ([`CellRun::chunk_text`]): counted, and journaled (a
+    /// bundle with `seq` as its frame's). Returns whether it went into the journal's batch.
+    pub(super) fn sent_chunk(&mut self, seq: u64, sent: Option<SentChunk>) -> bool {
+        match sent {
+            None => false,
+            Some(SentChunk::Text(st, n, copy)) => {
+                self.sent[idx(st)] = self.sent[idx(st)].saturating_add(n as u64);
+                if let (Some(j), Some(t)) = (self.journal.as_mut(), copy) {
+                    j.output(seq, st, &t);
+                }
+                true
+            }
+            Some(SentChunk::Bundle(copy)) => {
+                let (Some(j), Some((mut d, n))) = (self.journal.as_mut(), copy) else {
+                    return false;
+                };
+                d.seq = seq;
+                j.display(&d, n as u64);
+                true
+            }
         }
-        true
     }
 
     /// Whether the loop should wait for room in the client's channel.
@@ -979,6 +987,14 @@ pub(super) const BACKLOG_BYTES: usize = 256 * 1024;
 pub(super) enum Chunk {
     Text(Stream, String),
     Bundle(Box<Display>, usize),
+}
+
+/// What a chunk that left as a frame leaves for the counts and the journal
+/// ([`CellRun::chunk_text`]): a text's stream, its length and (with a journal) a copy; a
+/// bundle's copy and counted bytes (with a journal).
+pub(super) enum SentChunk {
+    Text(Stream, usize, Option<String>),
+    Bundle(Option<(Box<Display>, usize)>),
 }
 
 impl Chunk {

@@ -10,6 +10,9 @@
 //!
 //! - output: tag `1`, stream (`0` stdout, `1` stderr), the frame's `seq` (u64), the text's
 //!   length (u32), the text (UTF-8);
+//! - display bundle (`rich_output`): tag `3`, the frame's `seq` (u64), the bytes the bundle
+//!   counts (its data's JSON text, u64), the length of the `Display` as JSON (u32), that JSON
+//!   (the display frame as a client gets it, so an `Attach` after a restart replays it);
 //! - counts: tag `2`, the next frame's `seq` (u64), bytes the actor held but had not yet sent
 //!   (u64), per stream the cap's state (cap, seen, kept as u64, then the held-back incomplete
 //!   UTF-8 tail: its length (u8, at most 3) and bytes), display bundles (u8 flag, seen and
@@ -27,6 +30,7 @@
 
 use crate::cells::Kept;
 use crate::records;
+use sandcell_proto::kernel::Display;
 use sandcell_proto::worker::Stream;
 use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
@@ -34,6 +38,7 @@ use std::path::{Path, PathBuf};
 
 const TAG_OUTPUT: u8 = 1;
 const TAG_COUNTS: u8 = 2;
+const TAG_DISPLAY: u8 = 3;
 
 /// A stream cap's state ([`crate::worker::output::StreamCap::snapshot`]).
 pub(crate) type CapState = (u64, u64, u64, Vec<u8>);
@@ -54,19 +59,38 @@ pub(crate) struct Counts {
     pub(crate) sent: [u64; 2],
 }
 
-/// What a journal holds: the output frames (seq, stream, text) in order, and the last counts.
+/// What a journal holds: the output frames (seq, stream, text) in order, the display
+/// bundles (with the bytes each counts) in order, and the last counts.
 #[derive(Debug, Default)]
 pub(crate) struct Restored {
     pub(crate) outputs: Vec<(u64, Stream, String)>,
+    pub(crate) displays: Vec<(Display, u64)>,
     pub(crate) counts: Option<Counts>,
 }
 
 impl Restored {
-    /// The relay's retention of each stream rebuilt from the journal.
+    /// The relay's retention of each stream rebuilt from the journal: output and bundles
+    /// taken in `seq` order, as the relay took them.
     pub(crate) fn retention(&self) -> [Kept; 2] {
         let mut kept: [Kept; 2] = Default::default();
-        for (seq, stream, text) in &self.outputs {
-            kept[idx(*stream)].push(*seq, text);
+        let (mut o, mut d) = (
+            self.outputs.iter().peekable(),
+            self.displays.iter().peekable(),
+        );
+        loop {
+            let bundle_first = match (o.peek(), d.peek()) {
+                (Some(a), Some(b)) => b.0.seq < a.0,
+                (None, Some(_)) => true,
+                (Some(_), None) => false,
+                (None, None) => break,
+            };
+            if bundle_first {
+                let (b, bytes) = d.next().unwrap();
+                kept[0].push_bundle(b.clone(), *bytes);
+            } else {
+                let (seq, stream, text) = o.next().unwrap();
+                kept[idx(*stream)].push(*seq, text);
+            }
         }
         if let Some(c) = &self.counts {
             for (i, k) in kept.iter_mut().enumerate() {
@@ -87,6 +111,17 @@ fn put_output(buf: &mut Vec<u8>, seq: u64, stream: Stream, text: &str) {
     buf.extend_from_slice(&seq.to_le_bytes());
     buf.extend_from_slice(&(text.len() as u32).to_le_bytes());
     buf.extend_from_slice(text.as_bytes());
+}
+
+fn put_display(buf: &mut Vec<u8>, d: &Display, bytes: u64) {
+    let Ok(json) = serde_json::to_vec(d) else {
+        return;
+    };
+    buf.push(TAG_DISPLAY);
+    buf.extend_from_slice(&d.seq.to_le_bytes());
+    buf.extend_from_slice(&bytes.to_le_bytes());
+    buf.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    buf.extend_from_slice(&json);
 }
 
 fn put_counts(buf: &mut Vec<u8>, c: &Counts) {
@@ -168,6 +203,7 @@ pub(crate) fn parse(bytes: &[u8]) -> Restored {
     let mut c = Cur(bytes);
     let mut out = Restored::default();
     let mut pending: Vec<(u64, Stream, String)> = Vec::new();
+    let mut bundles: Vec<(Display, u64)> = Vec::new();
     loop {
         let step = (|| -> Option<bool> {
             match c.u8()? {
@@ -183,9 +219,21 @@ pub(crate) fn parse(bytes: &[u8]) -> Restored {
                     pending.push((seq, stream, text));
                     Some(true)
                 }
+                TAG_DISPLAY => {
+                    let seq = c.u64()?;
+                    let bytes = c.u64()?;
+                    let n = c.u32()? as usize;
+                    let d: Display = serde_json::from_slice(c.bytes(n)?).ok()?;
+                    if d.seq != seq {
+                        return None;
+                    }
+                    bundles.push((d, bytes));
+                    Some(true)
+                }
                 TAG_COUNTS => {
                     let counts = counts_of(&mut c)?;
                     out.outputs.append(&mut pending);
+                    out.displays.append(&mut bundles);
                     out.counts = Some(counts);
                     Some(true)
                 }
@@ -226,6 +274,28 @@ fn read_root_only(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
         return Err(std::io::Error::other(format!("longer than {max} bytes")));
     }
     Ok(buf)
+}
+
+/// Writes the listing before a running cell (`records::before_path`): a temporary file, mode
+/// 0600, renamed into place.
+///
+/// Errors: the file cannot be written or renamed.
+pub(crate) fn write_before(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("before.tmp");
+    let mut f = create(&tmp)?;
+    f.write_all(bytes)?;
+    drop(f);
+    std::fs::rename(&tmp, path)
+}
+
+/// Reads the listing before the running cell at `path` (root-only, at most
+/// [`crate::files::MAX_STAMPS_BYTES`]).
+///
+/// Errors: it cannot be read or trusted, or does not parse.
+pub(crate) fn read_before(path: &Path) -> std::io::Result<crate::files::Listing> {
+    let b = read_root_only(path, crate::files::MAX_STAMPS_BYTES as u64)?;
+    crate::files::Listing::decode_stamps(&b)
+        .ok_or_else(|| std::io::Error::other("a malformed listing"))
 }
 
 /// Most reply bytes handed over: a reader holds at most one line of
@@ -308,6 +378,9 @@ impl Journal {
             for (seq, stream, text) in &r.outputs {
                 put_output(&mut buf, *seq, *stream, text);
             }
+            for (d, bytes) in &r.displays {
+                put_display(&mut buf, d, *bytes);
+            }
             put_counts(&mut buf, c);
             j.write(&buf);
         }
@@ -318,6 +391,13 @@ impl Journal {
     pub(crate) fn output(&mut self, seq: u64, stream: Stream, text: &str) {
         if self.file.is_some() {
             put_output(&mut self.batch, seq, stream, text);
+        }
+    }
+
+    /// Adds a display frame (`d.seq` set) counting `bytes` to the batch.
+    pub(crate) fn display(&mut self, d: &Display, bytes: u64) {
+        if self.file.is_some() {
+            put_display(&mut self.batch, d, bytes);
         }
     }
 
@@ -368,6 +448,9 @@ impl Journal {
         let mut buf = Vec::new();
         for (seq, stream, text) in chunks {
             put_output(&mut buf, seq, stream, text);
+        }
+        for (d, bytes) in kept[0].bundles() {
+            put_display(&mut buf, d, bytes);
         }
         put_counts(&mut buf, &counts);
         let tmp = self.path.with_extension("cell.tmp");
@@ -432,6 +515,26 @@ mod tests {
         }
         let kept = r.retention();
         assert_eq!(kept[0].chunks().count(), 1, "merged");
+        // Display bundles come back whole, in their place.
+        let d = |seq: u64| Display {
+            cell: 1,
+            seq,
+            kind: sandcell_proto::kernel::DisplayKind::Display,
+            data: serde_json::from_str(r#"{"text/plain": "p", "image/png": "iVBORw0KGgo="}"#)
+                .unwrap(),
+            note: None,
+        };
+        j.display(&d(3), 40);
+        j.output(4, Stream::Stdout, "five\n");
+        j.commit(&counts(5, [15, 8]));
+        let r = read(&path).unwrap();
+        assert_eq!(r.displays, vec![(d(3), 40)]);
+        let kept = r.retention();
+        assert_eq!(
+            kept[0].bundles().map(|b| b.0.seq).collect::<Vec<_>>(),
+            vec![3]
+        );
+        assert_eq!(kept[0].chunks().count(), 2, "the bundle splits the text");
         // Garbage is not trusted beyond its first bad byte.
         assert!(parse(b"\x07\x01\x02").counts.is_none());
     }

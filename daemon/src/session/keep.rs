@@ -506,6 +506,8 @@ pub(super) struct Resume {
     /// The predecessor handed the reply stream over (it exited keeping its sessions): the
     /// reader starts exactly where its reader was, and needs no resynchronisation.
     exact: bool,
+    /// The listing of the session directory before the cell, when the predecessor kept it.
+    before: Option<crate::files::Listing>,
 }
 
 /// What the relay of a continued cell starts from: (cell, the actor's frames, the retained
@@ -524,6 +526,19 @@ impl Resume {
             }
         )];
         let (tx, rx) = mpsc::channel(crate::core::FRAME_QUEUE);
+        let before = match super::journal::read_before(&records::before_path(dir, id)) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(session = %id, cell = running.cell, error = %e, "the listing before the running cell cannot be read");
+                }
+                notes.push(
+                    "the files this cell changed are not listed: the listing before it did not survive the restart"
+                        .into(),
+                );
+                None
+            }
+        };
         if !running.retained {
             drop(rx);
             return (
@@ -533,6 +548,7 @@ impl Resume {
                     restored: None,
                     notes,
                     exact: false,
+                    before,
                 },
                 None,
             );
@@ -562,6 +578,7 @@ impl Resume {
                 restored: Some(restored),
                 notes,
                 exact: false,
+                before,
             },
             Some((cell, rx, streams)),
         )
@@ -578,9 +595,27 @@ fn phase_name(p: super::Phase) -> &'static str {
 
 impl Actor {
     /// The cell's request reached the worker: from now on its record says how a successor
-    /// continues it, and a retained cell's output is journaled (`journal.rs`).
-    pub(super) fn keep_running_cell(&mut self, run: &mut CellRun, retained: bool) {
+    /// continues it, a retained cell's output is journaled (`journal.rs`), and the listing
+    /// of the session directory before the cell (`before`) is kept beside the record
+    /// (`records::before_path`), so a successor lists the files the cell changed.
+    pub(super) fn keep_running_cell(
+        &mut self,
+        run: &mut CellRun,
+        retained: bool,
+        before: Option<&crate::files::Listing>,
+    ) {
         let Some(k) = self.kept.as_ref() else { return };
+        let path = records::before_path(&k.keep.dir, &self.session.id);
+        match before.and_then(crate::files::Listing::encode_stamps) {
+            Some(bytes) => {
+                if let Err(e) = super::journal::write_before(&path, &bytes) {
+                    tracing::warn!(session = %self.session.id, error = %e, "writing the listing before the cell: a successor would not list the files it changed");
+                }
+            }
+            None => {
+                let _ = std::fs::remove_file(&path);
+            }
+        }
         if retained {
             run.journal = Some(super::journal::Journal::create(
                 records::journal_path(&k.keep.dir, &self.session.id),
@@ -652,6 +687,7 @@ impl Actor {
         self.persist();
         if let Some(k) = self.kept.as_ref() {
             let _ = std::fs::remove_file(records::journal_path(&k.keep.dir, &self.session.id));
+            let _ = std::fs::remove_file(records::before_path(&k.keep.dir, &self.session.id));
         }
     }
 
@@ -660,8 +696,8 @@ impl Actor {
     /// was, the caps, frame numbers and retained output from the journal. Its first reply
     /// line may be the tail of a frame the predecessor cut (`CellRun::resync`). A host call
     /// that waited is answered with an error: the client that was to answer it is gone. The
-    /// files the cell changed are not listed (the listing before it went with the
-    /// predecessor). Returns as [`Actor::execute_cell`].
+    /// files the cell changed are listed against the listing before it that the predecessor
+    /// kept (`records::before_path`). Returns as [`Actor::execute_cell`].
     pub(super) async fn resume_cell(
         &mut self,
         r: Resume,
@@ -671,8 +707,9 @@ impl Actor {
             running,
             frames,
             restored,
-            mut notes,
+            notes,
             exact,
+            before,
         } = r;
         let limits = self.session.limits.clone();
         let mut run = CellRun::new(
@@ -736,10 +773,6 @@ impl Actor {
             .unwrap_or_default();
             self.answer_host_call(&mut run, call, &payload);
         }
-        notes.push(
-            "the files this cell changed are not listed: the daemon restarted during the cell"
-                .into(),
-        );
         run.notes = notes;
         self.running = Some(running);
         tracing::info!(session = %self.session.id, cell = run.cell, elapsed_ms = elapsed.as_millis() as u64, retained = run.journal.is_some(), "continuing the cell the previous daemon was running");
@@ -747,6 +780,6 @@ impl Actor {
         let end = self.cell_loop(&mut run, cmds).await;
         self.end_running_cell(&mut run);
         self.disk_scan = run.disk_scan.take();
-        self.finish_cell(run, end, false, None, None, cmds).await
+        self.finish_cell(run, end, false, None, before, cmds).await
     }
 }
