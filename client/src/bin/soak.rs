@@ -15,6 +15,13 @@
 //! problem found, and last exactly one line `soak: C cells, L lost, W wrong, K leaked` (lost:
 //! a call without a result; wrong: a result that differs from the expected one; leaked: the
 //! sum of what is left over). Exits 1 unless all three are 0.
+//!
+//! With `--restart-every S` the daemon is restarted every S seconds while the clients run
+//! (`restarts`: SIGUSR2 and SIGKILL alternately, the successor started by `--daemon-start` on
+//! the same socket and state); leaks then also count keepers and session file systems.
+
+#[path = "soak/restarts.rs"]
+mod restarts;
 
 use clap::Parser;
 use sandcell_client::{Client, Collected, Error, Limits, State, Status};
@@ -76,6 +83,18 @@ struct Args {
     /// Write every sample as CSV (seconds, rss_bytes, fds, workers, cells, cgroups, dirs).
     #[arg(long)]
     samples_out: Option<PathBuf>,
+    /// Restart the daemon every this many seconds while the clients run (SIGUSR2 and SIGKILL
+    /// alternately; needs `--daemon-pid` and `--daemon-start`). Clients then run cells in
+    /// detached Python sessions, followed across restarts.
+    #[arg(long, requires_all = ["daemon_pid", "daemon_start"])]
+    restart_every: Option<f64>,
+    /// A shell command that starts a successor daemon on the same socket and state and prints
+    /// its pid.
+    #[arg(long)]
+    daemon_start: Option<String>,
+    /// adopt_dir of the daemon (its keepers are counted as leaks once every session ended).
+    #[arg(long)]
+    adopt_dir: Option<PathBuf>,
 }
 
 /// Bytes of stdout kept per cell: every session and one-shot run asks for this cap, so floods
@@ -892,16 +911,38 @@ struct Snapshot {
     fds: u64,
     sessions: u64,
     connections: u64,
+    /// Session file systems mounted below `<state_dir>/sessions`.
+    mounts: u64,
+    /// Keepers listening in `adopt_dir`.
+    keepers: u64,
 }
+
+/// The daemon's pid now: `--daemon-pid`, or with restarts the one running now.
+fn daemon_pid(a: &Args) -> Option<u32> {
+    match RESTARTED.get() {
+        Some(d) => Some(d.pid.load(Ordering::SeqCst)).filter(|p| *p != 0),
+        None => a.daemon_pid,
+    }
+}
+
+/// The daemon being restarted (`--restart-every`).
+static RESTARTED: std::sync::OnceLock<Arc<restarts::Daemon>> = std::sync::OnceLock::new();
 
 impl Snapshot {
     fn take(a: &Args, status: &Status2) -> Snapshot {
         let procs = processes();
         let end = a.uid_base as u64 + a.uid_count as u64;
         let (sessions, connections) = status.lock().unwrap().map(|s| (s.0, s.1)).unwrap_or((0, 0));
+        // Across restarts the workers are no daemon's children and each daemon has its own
+        // descriptors: workers count by uid (`uids`), descriptors are not compared.
+        let restarting = a.restart_every.is_some();
+        let pid = daemon_pid(a);
         Snapshot {
-            workers: a.daemon_pid.map(|p| descendants(p, &procs)).unwrap_or(0),
-            cgroups: cgroups(a.cgroup_name.as_deref(), a.daemon_pid),
+            workers: pid
+                .filter(|_| !restarting)
+                .map(|p| descendants(p, &procs))
+                .unwrap_or(0),
+            cgroups: cgroups(a.cgroup_name.as_deref(), pid),
             dirs: a
                 .state_dir
                 .as_ref()
@@ -915,9 +956,11 @@ impl Snapshot {
                 .iter()
                 .filter(|&&(_, _, uid)| (a.uid_base as u64..end).contains(&(uid as u64)))
                 .count() as u64,
-            fds: a.daemon_pid.and_then(fds).unwrap_or(0),
+            fds: pid.filter(|_| !restarting).and_then(fds).unwrap_or(0),
             sessions,
             connections,
+            mounts: a.state_dir.as_deref().map(restarts::mounts).unwrap_or(0),
+            keepers: a.adopt_dir.as_deref().map(restarts::keepers).unwrap_or(0),
         }
     }
 
@@ -943,6 +986,11 @@ impl Snapshot {
                 "connections",
                 self.connections.saturating_sub(before.connections),
             ),
+            (
+                "session file systems",
+                self.mounts.saturating_sub(before.mounts),
+            ),
+            ("keepers", self.keepers.saturating_sub(before.keepers)),
         ]
     }
 }
@@ -1042,14 +1090,37 @@ async fn main() -> anyhow::Result<()> {
         ..ctx
     };
     let mut tasks = Vec::new();
-    for id in 0..a.clients {
-        tasks.push(tokio::spawn(client_task(
-            ctx.clone(),
-            id,
-            a.cells,
-            a.languages.clone(),
-            a.seed,
-        )));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut restarter = None;
+    if let (Some(every), Some(start), Some(pid)) =
+        (a.restart_every, a.daemon_start.clone(), a.daemon_pid)
+    {
+        let d = Arc::new(restarts::Daemon::default());
+        d.pid.store(pid, Ordering::SeqCst);
+        let _ = RESTARTED.set(d.clone());
+        let (socket, stop) = (a.socket.clone(), stop.clone());
+        let every = Duration::from_secs_f64(every.max(1.0));
+        restarter = Some(std::thread::spawn(move || {
+            restarts::restarter(d, every, start, socket, stop)
+        }));
+        for id in 0..a.clients {
+            tasks.push(tokio::spawn(restarts::client_task(
+                ctx.clone(),
+                id,
+                a.cells,
+                a.seed,
+            )));
+        }
+    } else {
+        for id in 0..a.clients {
+            tasks.push(tokio::spawn(client_task(
+                ctx.clone(),
+                id,
+                a.cells,
+                a.languages.clone(),
+                a.seed,
+            )));
+        }
     }
     // Samples while the clients run.
     // (seconds, daemon RSS, daemon fds, worker processes, cells, session cgroups, session
@@ -1063,7 +1134,7 @@ async fn main() -> anyhow::Result<()> {
         tokio::select! {
             r = &mut all => { r?; break; }
             _ = tick.tick() => {
-                if let Some(pid) = a.daemon_pid {
+                if let Some(pid) = daemon_pid(&a) {
                     let procs = processes();
                     let live = Snapshot::take(&a, &status);
                     let s = (
@@ -1082,7 +1153,26 @@ async fn main() -> anyhow::Result<()> {
     }
     let secs = t0.elapsed().as_secs_f64();
     let cells = stats.cells.load(Ordering::SeqCst);
-    if let Some(pid) = a.daemon_pid {
+    if let Some(r) = restarter {
+        stop.store(true, Ordering::SeqCst);
+        let gaps = r
+            .join()
+            .map_err(|_| anyhow::anyhow!("the restarter panicked"))??;
+        let max = gaps.iter().cloned().fold(0.0, f64::max);
+        let mean = gaps.iter().sum::<f64>() / gaps.len().max(1) as f64;
+        println!(
+            "soak: {} restarts (SIGUSR2 and SIGKILL alternately); socket back after {mean:.2} s on average, {max:.2} s at most",
+            gaps.len()
+        );
+        println!(
+            "soak: {} cells followed into a successor after their call was cut, {} Executes sent again while the daemon was away",
+            restarts::FOLLOWED.load(Ordering::SeqCst),
+            restarts::RESENT.load(Ordering::SeqCst)
+        );
+        let closed = restarts::close_all(&ctx).await;
+        println!("soak: {closed} sessions closed");
+    }
+    if let Some(pid) = daemon_pid(&a) {
         let live = Snapshot::take(&a, &status);
         samples.push((
             secs,
@@ -1164,14 +1254,16 @@ async fn main() -> anyhow::Result<()> {
     let leaks = after.leaked(&before);
     let leaked: u64 = leaks.iter().map(|l| l.1).sum();
     println!(
-        "soak: after: {} workers, {} session cgroups, {} session dirs, {} worker uids, {} daemon fds, {} sessions admitted, {} connections",
+        "soak: after: {} workers, {} session cgroups, {} session dirs, {} worker uids, {} daemon fds, {} sessions admitted, {} connections, {} session file systems, {} keepers",
         after.workers,
         after.cgroups,
         after.dirs,
         after.uids,
         after.fds,
         after.sessions,
-        after.connections
+        after.connections,
+        after.mounts,
+        after.keepers
     );
     for (what, n) in &leaks {
         if *n > 0 {
