@@ -375,14 +375,14 @@ fn keep(a: &Args, lifeline: OwnedFd, listener: &OwnedFd) -> std::io::Result<i32>
 /// (`PrivateMounts=yes`), which ends with its last process anyway; run outside it (tests,
 /// development), the tmpfs would otherwise stay mounted in the host's namespace for good.
 fn release(a: &Args, held: Held) {
-    if same_file(held.dir.as_fd(), &a.session_dir) {
-        if let Err(e) = crate::session_fs::unmount(&a.session_dir) {
-            eprintln!(
-                "sandcelld keeper: session {}: unmounting {}: {e}",
-                a.session,
-                a.session_dir.display()
-            );
-        }
+    if same_file(held.dir.as_fd(), &a.session_dir)
+        && let Err(e) = crate::session_fs::unmount(&a.session_dir)
+    {
+        eprintln!(
+            "sandcelld keeper: session {}: unmounting {}: {e}",
+            a.session,
+            a.session_dir.display()
+        );
     }
     drop(held);
     if let Err(e) = std::fs::remove_dir(&a.session_dir)
@@ -406,7 +406,7 @@ fn same_file(fd: BorrowedFd<'_>, path: &Path) -> bool {
     let (Ok(held), Ok(there)) = (nix::sys::stat::fstat(fd), std::fs::symlink_metadata(path)) else {
         return false;
     };
-    held.st_dev as u64 == there.dev() && held.st_ino as u64 == there.ino()
+    held.st_dev == there.dev() && held.st_ino == there.ino()
 }
 
 /// The keeper leaves the session groups named by `procs` (see [`release`]) and removes them.
