@@ -1062,3 +1062,33 @@ async fn the_gap_of_a_kept_restart_by_sigusr2() {
     skip_unless_root!();
     gap_across(libc::SIGUSR2).await;
 }
+
+/// SIGTERM while systemd runs a stop job on the unit (`systemctl stop`, package removal):
+/// every worker ends and no record is left, whatever a prepared connection holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_systemd_stop_job_ends_every_session() {
+    skip_unless_root!();
+    let bus = common::bus::Bus::start();
+    let _systemd = fake_systemd::serve(&bus.address, "stop").await;
+    let (mut first, setup) = first_daemon(&[
+        ("DBUS_SYSTEM_BUS_ADDRESS", bus.address.as_str()),
+        ("INVOCATION_ID", "0123456789abcdef0123456789abcdef"),
+    ]);
+    let mut c = first.client().await;
+    let a = c.open("python", None, Some(600)).await.unwrap().session;
+    stdout_of(&mut c, &a, "v = 1").await;
+    let (worker, keeper) = record_pids(&setup.adopt, &a);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(c);
+    kill_daemon(&mut first, libc::SIGTERM);
+    let log = first.log_text();
+    assert!(
+        log.contains("systemd job \\\"stop\\\"") || log.contains("systemd job \"stop\""),
+        "the stop job was not read:\n{log}"
+    );
+    assert!(
+        common::eventually(Duration::from_secs(20), || !alive(worker) && !alive(keeper)),
+        "a stop left the worker or its keeper"
+    );
+    assert!(!setup.adopt.join(format!("{a}.json")).exists());
+}
