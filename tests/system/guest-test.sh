@@ -899,11 +899,13 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
         [[ -n $kadj && -z $(tr ' ' '\n' <<<"$kadj" | grep . | grep -vx -- -1000) ]] && pass lifecycle-keepers-oom-score-adj-min || fail lifecycle-keepers-oom-score-adj-min "keepers: $kadj"
     fi
     main0=$(systemctl show -p MainPID --value sandcelld.service)
-    # The cell must still run when the daemon goes: 40 ticks spread over about 40 s (under
-    # TCG the event's command takes seconds), over 200 s for the upgrade (dpkg unpacks the
-    # package for one to two minutes before its postinst restarts the daemon).
-    local tick=1 cstate
-    [[ $ev == upgrade ]] && tick=5
+    # The cell must still run when the daemon goes: 40 ticks spread over about 80 s (under
+    # TCG on a loaded host the status call and the event's command take tens of seconds:
+    # 42 s from the submit to the successor's continuation was measured), over 240 s for the
+    # upgrade (dpkg unpacks the package for one to two minutes before its postinst restarts
+    # the daemon).
+    local tick=2 cstate
+    [[ $ev == upgrade ]] && tick=6
     cell=$(printf '%s\n' 'import time' 'for i in range(40):' '    print("tick", i, flush=True)' "    time.sleep($tick)" 'done = 1' \
         | as_gw sandcellctl submit "$csid" - 2>/dev/null)
     cstate=$(as_gw timeout 60 sandcellctl cell-status "$csid" "$cell" 2>&1 | head -1)
