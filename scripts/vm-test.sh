@@ -25,7 +25,8 @@
 # Python runtime a previous run prepared; the package's postinst then prepares it, about 6
 # minutes under TCG), SANDCELL_VM_SESSIONS_SURVIVE (default 1: check that 8 sessions outlive
 # a restart, an upgrade, a kill and an OOM kill of the daemon; 0: only print their figures),
-# SANDCELL_VM_CELLS_SURVIVE=1 (also check that a cell running across them is continued),
+# SANDCELL_VM_CELLS_SURVIVE (default 1: also check that a cell running across them is
+# continued, its whole output and result retrievable; 0: only print its figures),
 # SANDCELL_VM_ONLY=lifecycle (run only the install, the first cell, those four events and the
 # stop: about a third of the guest run).
 # Needs root; installs what it needs (scripts/setup.sh, then mmdebstrap, qemu-system-x86, ...).
@@ -139,7 +140,7 @@ boot() {
     # kill) or only prints the figures (0).
     echo "${SANDCELL_VM_SESSIONS_SURVIVE:-1}" >"$run/sessions-survive"
     # Whether a cell running across those events must be continued (its output and result).
-    echo "${SANDCELL_VM_CELLS_SURVIVE:-0}" >"$run/cells-survive"
+    echo "${SANDCELL_VM_CELLS_SURVIVE:-1}" >"$run/cells-survive"
     # A subset of the guest's checks (lifecycle: install, the first cell, the four daemon
     # events and the stop), for a quicker run.
     echo "${SANDCELL_VM_ONLY:-}" >"$run/only"

@@ -48,11 +48,55 @@ pub fn decide(job_type: Option<&str>) -> OnTerm {
     }
 }
 
+/// The system bus connection and the unit's object path [`prepare`] made ready for
+/// [`on_term`].
+static PREPARED: std::sync::OnceLock<(zbus::Connection, OwnedObjectPath)> =
+    std::sync::OnceLock::new();
+
+/// How long [`prepare`] tries: 10 seconds (it runs in the background, once).
+pub const PREPARE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connects to the system bus and resolves the object path of the daemon's own unit
+/// (`Manager.GetUnitByPID`) once, ahead of any SIGTERM, so that [`on_term`] costs two
+/// property reads on an open connection instead of a connection (authentication, `Hello`)
+/// and three calls: under a slow machine's load that was most of a second of the restart's
+/// gap. Does nothing outside systemd (no `INVOCATION_ID`); a failure is logged and leaves
+/// [`on_term`] to do it all itself, as before. At most [`PREPARE_TIMEOUT`].
+pub async fn prepare() {
+    if std::env::var_os("INVOCATION_ID").is_none() || PREPARED.get().is_some() {
+        return;
+    }
+    match tokio::time::timeout(PREPARE_TIMEOUT, own_unit()).await {
+        Ok(Ok(p)) => {
+            let _ = PREPARED.set(p);
+        }
+        Ok(Err(e)) => {
+            tracing::info!(error = %e, "cannot ask systemd ahead of a SIGTERM; asking then")
+        }
+        Err(_) => tracing::info!(
+            "systemd did not answer within {} s; asking at SIGTERM instead",
+            PREPARE_TIMEOUT.as_secs()
+        ),
+    }
+}
+
 /// Asks systemd over the system bus what the job on the daemon's own unit is, within
-/// [`ASK_TIMEOUT`], and [`decide`]s. Never fails: an error answers
-/// [`OnTerm::EndSessions`] with the error as its reason.
+/// [`ASK_TIMEOUT`], and [`decide`]s: on the connection [`prepare`] opened when there is one
+/// (two property reads), else (or when that connection fails) on a new one. Never fails: an
+/// error answers [`OnTerm::EndSessions`] with the error as its reason.
 pub async fn on_term() -> OnTerm {
-    match tokio::time::timeout(ASK_TIMEOUT, own_job_type()).await {
+    let ask = async {
+        if let Some((conn, unit)) = PREPARED.get() {
+            match job_type_of(conn, unit).await {
+                Ok(j) => return Ok(j),
+                Err(e) => {
+                    tracing::info!(error = %e, "the prepared system bus connection failed: asking on a new one")
+                }
+            }
+        }
+        own_job_type().await
+    };
+    match tokio::time::timeout(ASK_TIMEOUT, ask).await {
         Ok(Ok(job_type)) => decide(job_type.as_deref()),
         Ok(Err(e)) => OnTerm::EndSessions(format!("cannot ask systemd: {e}")),
         Err(_) => OnTerm::EndSessions(format!(
@@ -68,6 +112,12 @@ const MANAGER_PATH: &str = "/org/freedesktop/systemd1";
 /// The `JobType` of the job installed on the unit this process belongs to, `None` when no
 /// job is installed.
 async fn own_job_type() -> Result<Option<String>, String> {
+    let (conn, unit) = own_unit().await?;
+    job_type_of(&conn, &unit).await
+}
+
+/// A new system bus connection and the object path of the unit this process belongs to.
+async fn own_unit() -> Result<(zbus::Connection, OwnedObjectPath), String> {
     if std::env::var_os("INVOCATION_ID").is_none() {
         return Err("not started by systemd (no INVOCATION_ID)".into());
     }
@@ -90,13 +140,21 @@ async fn own_job_type() -> Result<Option<String>, String> {
         .body()
         .deserialize()
         .map_err(|e| format!("GetUnitByPID: {e}"))?;
-    let job = property(&conn, &unit, "org.freedesktop.systemd1.Unit", "Job").await?;
+    Ok((conn, unit))
+}
+
+/// The `JobType` of the job installed on `unit`, `None` when no job is installed.
+async fn job_type_of(
+    conn: &zbus::Connection,
+    unit: &OwnedObjectPath,
+) -> Result<Option<String>, String> {
+    let job = property(conn, unit, "org.freedesktop.systemd1.Unit", "Job").await?;
     let (_id, job): (u32, OwnedObjectPath) =
         job.try_into().map_err(|e| format!("Job property: {e}"))?;
     if job.as_str() == "/" {
         return Ok(None);
     }
-    let job_type = property(&conn, &job, "org.freedesktop.systemd1.Job", "JobType").await?;
+    let job_type = property(conn, &job, "org.freedesktop.systemd1.Job", "JobType").await?;
     let job_type: String = job_type
         .try_into()
         .map_err(|e| format!("JobType property: {e}"))?;

@@ -294,21 +294,25 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     // system bus the socket's permissions stay the only gate. `stop_tx` is created here so
     // the D-Bus supervisor stops with the rest.
     let (stop_tx, stop_rx) = watch::channel(false);
-    let dbus = sandcelld::dbus::start(
-        core.clone(),
-        sandcelld::dbus::Settings {
-            config_path: config_path.clone(),
-            config_required: args.config.is_some(),
-        },
-        stop_rx.clone(),
-    )
-    .await;
+    // With adopted sessions the first connection is made in the background: their owners'
+    // first calls wait for polkit's first answer, not for the whole bus start-up as well.
+    let settings = sandcelld::dbus::Settings {
+        config_path: config_path.clone(),
+        config_required: args.config.is_some(),
+    };
+    let dbus = if adopting > 0 {
+        sandcelld::dbus::start_in_background(core.clone(), settings, stop_rx.clone()).await
+    } else {
+        sandcelld::dbus::start(core.clone(), settings, stop_rx.clone()).await
+    };
 
     core.start_pool();
     notify::ready(&status_line(&core));
     tracing::info!("ready to serve");
 
     let server = tokio::spawn(varlink::serve(core.clone(), listener, stop_rx));
+    // What a SIGTERM asks systemd is made ready now, off the stop's critical path.
+    tokio::spawn(sandcelld::lifecycle::prepare());
     if adopting > 0 {
         tokio::spawn(probe_in_background(core.clone()));
     }
@@ -335,12 +339,17 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
             }
             notify::stopping();
             metrics.finish().await;
-            // Warm workers belong to no session: ended here, not swept by the successor.
-            let discarded = core.discard_pool(Duration::from_secs(2)).await;
+            // Warm workers belong to no session: ended here, not swept by the successor. Ended
+            // while the running cells are handed over, not before: the successor (and every
+            // client waiting on the socket) waits for this process's exit, and a warm start
+            // under way can hold the discard for its whole bound.
+            let (discarded, ()) = tokio::join!(
+                core.discard_pool(Duration::from_secs(2)),
+                core.hand_over_sessions()
+            );
             if discarded > 0 {
                 tracing::info!(discarded, "warm pooled workers ended (no session to keep)");
             }
-            core.hand_over_sessions().await;
             core.exit_keeping_sessions();
         }
         OnTerm::KeepSessions => tracing::warn!(

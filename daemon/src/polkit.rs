@@ -68,6 +68,10 @@ pub const PIDFD_MIN_VERSION: u32 = 124;
 
 /// polkit's `CheckAuthorizationFlags.AllowUserInteraction`.
 const ALLOW_USER_INTERACTION: u32 = 1;
+/// How long a check waits for the daemon's first system bus connection while it is being
+/// made ([`Polkit::connecting`]): 6 seconds, the first connection's own bound
+/// (`dbus::FIRST_CONNECT_TIMEOUT`, 5 s) and slack. Checks fail closed after it, as without a bus.
+pub const FIRST_ATTACH_WAIT: Duration = Duration::from_secs(6);
 
 /// Where polkitd lives on the distributions sandcell supports (Debian/Ubuntu, Fedora/RHEL,
 /// openSUSE, Arch).
@@ -185,6 +189,9 @@ pub struct Polkit {
     /// Places for calls in flight per caller uid ([`IN_FLIGHT_PER_UID`]); an entry lives
     /// while some check of that uid holds or waits for one.
     per_uid: Mutex<HashMap<u32, Arc<Semaphore>>>,
+    /// `false` while the first bus connection is being made in the background
+    /// ([`Polkit::connecting`]): checks wait for it instead of failing closed at once.
+    settled: tokio::sync::watch::Sender<bool>,
 }
 
 impl Default for Polkit {
@@ -195,6 +202,7 @@ impl Default for Polkit {
             cache: Mutex::new(HashMap::new()),
             in_flight: Arc::new(Semaphore::new(IN_FLIGHT_MAX)),
             per_uid: Mutex::new(HashMap::new()),
+            settled: tokio::sync::watch::Sender::new(true),
         }
     }
 }
@@ -236,6 +244,21 @@ impl Polkit {
         Ok(version)
     }
 
+    /// The first bus connection is being made in the background (the daemon serves clients
+    /// meanwhile): until [`Polkit::settle`], a check waits for it (and for polkit's version), at most
+    /// [`FIRST_ATTACH_WAIT`], and then decides as it would have with the connection made
+    /// first. Never lets anyone in that polkit would refuse: without a bus after the wait the
+    /// check fails closed.
+    pub fn connecting(&self) {
+        self.settled.send_replace(false);
+    }
+
+    /// The first connection attempt ended ([`Polkit::attach`] done, or no connection):
+    /// waiting checks go on.
+    pub fn settle(&self) {
+        self.settled.send_replace(true);
+    }
+
     /// Forgets the bus connection (it closed); checks fail closed until the next attach.
     pub fn detach(&self) {
         *self.bus.write().unwrap() = None;
@@ -252,6 +275,10 @@ impl Polkit {
     /// Errors: [`Error::NoBus`], [`Error::Call`], [`Error::Timeout`].
     pub async fn ask(&self, caller: &Caller, action: Action) -> Result<Decision, Error> {
         let (subject, interactive) = self.subject(caller)?;
+        if !*self.settled.borrow() {
+            let mut rx = self.settled.subscribe();
+            let _ = tokio::time::timeout(FIRST_ATTACH_WAIT, rx.wait_for(|s| *s)).await;
+        }
         let conn = self.bus.read().unwrap().clone().ok_or(Error::NoBus)?;
         let id = action.id();
         let call = |source| Error::Call { action: id, source };
@@ -591,6 +618,50 @@ mod tests {
                 "uid {uid2} start {start2}"
             );
         }
+    }
+
+    /// While the first bus connection is being made, a check waits for it instead of
+    /// failing closed at once; once that attempt ends without a bus it fails closed (and a
+    /// check after it does not wait).
+    #[tokio::test]
+    async fn a_check_waits_for_the_first_connection_then_fails_closed_without_one() {
+        let p = Polkit::new();
+        let me = std::process::id();
+        let mut c = caller(
+            nix::unistd::getuid().as_raw(),
+            9,
+            Subject::Process {
+                pid: me,
+                start_time: start_time(me).unwrap(),
+                pidfd: None,
+            },
+        );
+        c.gid = nix::unistd::getgid().as_raw();
+        p.connecting();
+        let waiting = {
+            let (p, c) = (p.clone(), c.clone());
+            tokio::spawn(async move { p.ask(&c, Action::Execute).await })
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !waiting.is_finished(),
+            "the check did not wait for the connection"
+        );
+        let t = std::time::Instant::now();
+        p.settle();
+        let got = waiting.await.unwrap();
+        assert!(matches!(got, Err(Error::NoBus)), "{got:?}");
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        let t = std::time::Instant::now();
+        assert!(matches!(
+            p.ask(&c, Action::Execute).await,
+            Err(Error::NoBus)
+        ));
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            t.elapsed()
+        );
     }
 
     #[tokio::test]

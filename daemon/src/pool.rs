@@ -221,22 +221,29 @@ impl<W: Warm> Pool<W> {
     /// Discards every idle worker (daemon stop); returns how many. A start under way when
     /// the daemon stops ends in a discard, not in the pool (`run`'s round sees the stop):
     /// this waits for it, at most [`DRAIN_START_WAIT`], so that nothing it started outlives
-    /// the stop (its group and session directory were left behind otherwise).
+    /// the stop (its group and session directory were left behind otherwise). The idle
+    /// workers are discarded all at once (their kills and teardowns overlap) and before that
+    /// wait, not after it.
     pub async fn drain(&self) -> usize {
         let take = || -> Vec<W> {
             let mut lanes = self.lanes.lock().unwrap();
             lanes.values_mut().flat_map(|l| l.idle.drain(..)).collect()
         };
-        let mut all = take();
+        let mut set = tokio::task::JoinSet::new();
+        let mut n = 0;
+        for p in take() {
+            set.spawn(p.discard());
+            n += 1;
+        }
         if *self.filling.borrow() > 0 {
             let mut rx = self.filling.subscribe();
             let _ = tokio::time::timeout(DRAIN_START_WAIT, rx.wait_for(|n| *n == 0)).await;
-            all.extend(take());
+            for p in take() {
+                set.spawn(p.discard());
+                n += 1;
+            }
         }
-        let n = all.len();
-        for p in all {
-            p.discard().await;
-        }
+        while set.join_next().await.is_some() {}
         n
     }
 

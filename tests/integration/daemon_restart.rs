@@ -1232,4 +1232,170 @@ async fn display_bundles_are_replayed_after_a_planned_exit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn display_bundles_are_replayed_after_a_crash() {
     display_bundles_survive(libc::SIGKILL).await;
+/// systemd's side of a SIGTERM, on a private bus: `Manager.GetUnitByPID` names a unit whose
+/// `Job` property is a job of type `job_type` (org.freedesktop.systemd1(5)), as systemd 252
+/// answers during `systemctl restart` ("restart") or `systemctl stop` ("stop").
+mod fake_systemd {
+    use zbus::zvariant::OwnedObjectPath;
+
+    pub const UNIT: &str = "/org/freedesktop/systemd1/unit/sandcelld_2eservice";
+    pub const JOB: &str = "/org/freedesktop/systemd1/job/7";
+
+    pub struct Manager;
+    #[zbus::interface(name = "org.freedesktop.systemd1.Manager")]
+    impl Manager {
+        #[zbus(name = "GetUnitByPID")]
+        fn get_unit_by_pid(&self, _pid: u32) -> OwnedObjectPath {
+            OwnedObjectPath::try_from(UNIT).unwrap()
+        }
+    }
+
+    pub struct Unit;
+    #[zbus::interface(name = "org.freedesktop.systemd1.Unit")]
+    impl Unit {
+        #[zbus(property)]
+        fn job(&self) -> (u32, OwnedObjectPath) {
+            (7, OwnedObjectPath::try_from(JOB).unwrap())
+        }
+    }
+
+    pub struct Job(pub String);
+    #[zbus::interface(name = "org.freedesktop.systemd1.Job")]
+    impl Job {
+        #[zbus(property)]
+        fn job_type(&self) -> String {
+            self.0.clone()
+        }
+    }
+
+    /// Claims org.freedesktop.systemd1 on `address` (the bus policy lets root own it).
+    pub async fn serve(address: &str, job_type: &str) -> zbus::Connection {
+        zbus::connection::Builder::address(address)
+            .unwrap()
+            .name("org.freedesktop.systemd1")
+            .unwrap()
+            .serve_at("/org/freedesktop/systemd1", Manager)
+            .unwrap()
+            .serve_at(UNIT, Unit)
+            .unwrap()
+            .serve_at(JOB, Job(job_type.to_owned()))
+            .unwrap()
+            .build()
+            .await
+            .expect("claiming org.freedesktop.systemd1 on the private bus")
+    }
+}
+
+/// The gap a client sees across a restart that keeps sessions: from the signal (`signal`:
+/// SIGUSR2, or SIGTERM during a systemd restart job) to the first `Execute` on an adopted
+/// session answered, with a successor started as soon as the old daemon is gone (as systemd
+/// does after the stop). With a Submit cell running across the event: it is continued and its
+/// whole output retrievable. Prints the figures (old daemon's exit, successor ready, first
+/// answer).
+async fn gap_across(signal: i32) {
+    let bus = common::bus::Bus::start();
+    let _systemd = fake_systemd::serve(&bus.address, "restart").await;
+    let (mut first, setup) = first_daemon(&[
+        ("DBUS_SYSTEM_BUS_ADDRESS", bus.address.as_str()),
+        ("INVOCATION_ID", "0123456789abcdef0123456789abcdef"),
+    ]);
+    let mut c = first.client().await;
+    let a = c.open("python", None, Some(600)).await.unwrap().session;
+    let s = c.open("python", None, Some(600)).await.unwrap().session;
+    stdout_of(&mut c, &a, "v = 'kept'").await;
+    let (worker, _) = record_pids(&setup.adopt, &a);
+    let cell = c.submit(&s, ACROSS).await.unwrap();
+    let journal = setup.adopt.join(format!("{s}.cell"));
+    assert!(
+        common::eventually(Duration::from_secs(20), || std::fs::read(&journal)
+            .is_ok_and(|b| b
+                .windows(18)
+                .any(|w| w == b"before the restart".as_slice()))),
+        "the journal never held the first print:\n{}",
+        first.log_text()
+    );
+    // The prepared systemd connection is made in the background after "ready".
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = Instant::now();
+    kill_daemon(&mut first, signal);
+    let t_exit = t0.elapsed();
+    drop(c);
+    let log = first.log_text();
+    if signal == libc::SIGTERM {
+        assert!(
+            log.contains("systemd is restarting the unit: keeping every session"),
+            "SIGTERM during a restart job was not read as one:\n{log}"
+        );
+    }
+    let second = successor(&first, &setup);
+    let t_ready = t0.elapsed();
+    let mut c = second.client().await;
+    let got = stdout_of(&mut c, &a, "print(v)").await;
+    let t_first = t0.elapsed();
+    assert_eq!(got.trim(), "kept");
+    assert_eq!(
+        record_pids(&setup.adopt, &a).0,
+        worker,
+        "the worker changed"
+    );
+    eprintln!(
+        "gap across signal {signal}: old daemon gone after {:.3} s, successor ready after {:.3} s, \
+         first adopted Execute answered {:.3} s after the signal",
+        t_exit.as_secs_f64(),
+        t_ready.as_secs_f64(),
+        t_first.as_secs_f64()
+    );
+    let got = attach_until_end(&mut c, &s, cell).await;
+    assert_eq!(
+        got.stdout,
+        "before the restart\nafter the restart\n",
+        "{}",
+        second.log_text()
+    );
+    assert_eq!(got.result.status, sandcell_client::Status::Ok);
+}
+
+/// SIGTERM while systemd runs a restart job on the unit (read over the system bus, as
+/// systemd 252 answers it): every session and the running cell are kept, as with SIGUSR2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_systemd_restart_job_keeps_sessions_and_the_running_cell() {
+    skip_unless_root!();
+    gap_across(libc::SIGTERM).await;
+}
+
+/// The gap of a restart by SIGUSR2 (no bus question at all).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gap_of_a_kept_restart_by_sigusr2() {
+    skip_unless_root!();
+    gap_across(libc::SIGUSR2).await;
+}
+
+/// SIGTERM while systemd runs a stop job on the unit (`systemctl stop`, package removal):
+/// every worker ends and no record is left, whatever a prepared connection holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_systemd_stop_job_ends_every_session() {
+    skip_unless_root!();
+    let bus = common::bus::Bus::start();
+    let _systemd = fake_systemd::serve(&bus.address, "stop").await;
+    let (mut first, setup) = first_daemon(&[
+        ("DBUS_SYSTEM_BUS_ADDRESS", bus.address.as_str()),
+        ("INVOCATION_ID", "0123456789abcdef0123456789abcdef"),
+    ]);
+    let mut c = first.client().await;
+    let a = c.open("python", None, Some(600)).await.unwrap().session;
+    stdout_of(&mut c, &a, "v = 1").await;
+    let (worker, keeper) = record_pids(&setup.adopt, &a);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(c);
+    kill_daemon(&mut first, libc::SIGTERM);
+    let log = first.log_text();
+    assert!(
+        log.contains("systemd job \\\"stop\\\"") || log.contains("systemd job \"stop\""),
+        "the stop job was not read:\n{log}"
+    );
+    assert!(
+        common::eventually(Duration::from_secs(20), || !alive(worker) && !alive(keeper)),
+        "a stop left the worker or its keeper"
+    );
+    assert!(!setup.adopt.join(format!("{a}.json")).exists());
 }

@@ -204,6 +204,31 @@ pub async fn start(
     settings: Settings,
     stop: watch::Receiver<bool>,
 ) -> Option<tokio::task::JoinHandle<()>> {
+    start_with(core, settings, stop, false).await
+}
+
+/// As [`start`], but when polkit is installed the first connection is made in the
+/// background too, and returns at once: polkit is the authority from the first client on
+/// all the same, and each check waits for that first connection (`Polkit::connecting`, at
+/// most `polkit::FIRST_ATTACH_WAIT`) and then decides as it would have with the connection
+/// made first. A daemon that adopted its predecessor's sessions starts this way, so that
+/// their owners' first calls are not held behind the bus handshake and polkit's first
+/// answer (most of a second on a loaded machine). Without polkit installed, as [`start`]
+/// (the socket's permissions must not decide while polkit's presence is unknown).
+pub async fn start_in_background(
+    core: Arc<Core>,
+    settings: Settings,
+    stop: watch::Receiver<bool>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    start_with(core, settings, stop, true).await
+}
+
+async fn start_with(
+    core: Arc<Core>,
+    settings: Settings,
+    stop: watch::Receiver<bool>,
+    background: bool,
+) -> Option<tokio::task::JoinHandle<()>> {
     let Some(address) = system_bus_address() else {
         match crate::polkit::action_file_installed() {
             Some(evidence) => {
@@ -231,7 +256,8 @@ pub async fn start(
         polkit: Polkit::new(),
         polkit_selected: AtomicBool::new(false),
     };
-    if let Some(evidence) = crate::polkit::installed() {
+    let installed = crate::polkit::installed();
+    if let Some(evidence) = installed {
         // Fail closed from the first client on; polkit decides once it answers.
         sup.core.set_authority(sup.polkit.clone());
         sup.polkit_selected.store(true, Ordering::SeqCst);
@@ -240,17 +266,15 @@ pub async fn start(
             "polkit is installed: polkit decides authorization (only root until it answers)"
         );
     }
-    let first = match tokio::time::timeout(FIRST_CONNECT_TIMEOUT, sup.connect()).await {
-        Ok(Ok(c)) => Some(c),
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, address = %sup.address, "system bus: first connection failed; retrying in the background");
-            None
-        }
-        Err(_) => {
-            tracing::warn!(address = %sup.address, "system bus: first connection timed out; retrying in the background");
-            None
-        }
-    };
+    if background && installed.is_some() {
+        sup.polkit.connecting();
+        return Some(tokio::spawn(async move {
+            let first = sup.first_connection().await;
+            sup.polkit.settle();
+            sup.run(first, stop).await
+        }));
+    }
+    let first = sup.first_connection().await;
     Some(tokio::spawn(sup.run(first, stop)))
 }
 
@@ -272,6 +296,22 @@ struct Live {
 }
 
 impl Supervisor {
+    /// The first connection, at most [`FIRST_CONNECT_TIMEOUT`]; `None` (logged) when it
+    /// failed (the supervisor retries in the background).
+    async fn first_connection(&self) -> Option<Live> {
+        match tokio::time::timeout(FIRST_CONNECT_TIMEOUT, self.connect()).await {
+            Ok(Ok(c)) => Some(c),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, address = %self.address, "system bus: first connection failed; retrying in the background");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(address = %self.address, "system bus: first connection timed out; retrying in the background");
+                None
+            }
+        }
+    }
+
     /// Connects, serves the manager, claims the name, registers live sessions, and selects
     /// polkit if it answers.
     async fn connect(&self) -> Result<Live, zbus::Error> {
