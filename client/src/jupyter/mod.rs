@@ -433,6 +433,22 @@ enum Slot {
     Gone(Option<String>),
 }
 
+/// A message of at least this many bytes returns the heap's free memory to the kernel
+/// once handled (see [`release_memory`]).
+const RELEASE_AFTER_BYTES: usize = 1 << 20;
+
+/// Returns the allocator's free memory to the operating system (glibc's `malloc_trim(3)`):
+/// after a message of many megabytes, glibc's per-thread arenas would otherwise keep the
+/// freed pages, and the kernel's resident memory would stay at its largest message's
+/// copies. Elsewhere a no-op.
+fn release_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free memory; it touches no memory in use.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Receives one message from a ROUTER, verified; `None` when the socket failed.
 async fn receive(s: &mut zeromq::RouterSocket, shared: &Shared, channel: &str) -> Option<Message> {
     loop {
@@ -443,9 +459,17 @@ async fn receive(s: &mut zeromq::RouterSocket, shared: &Shared, channel: &str) -
                 return None;
             }
         };
-        match wire::parse(&m.into_vec(), &shared.signer) {
+        let frames = m.into_vec();
+        let bytes: usize = frames.iter().map(Bytes::len).sum();
+        match wire::parse(&frames, &shared.signer) {
             Ok(msg) => return Some(msg),
-            Err(e) => log!("{channel}: dropped a message: {e}"),
+            Err(e) => {
+                log!("{channel}: dropped a message: {e}");
+                drop(frames);
+                if bytes >= RELEASE_AFTER_BYTES {
+                    release_memory();
+                }
+            }
         }
     }
 }
@@ -585,6 +609,10 @@ async fn serve_shell(mut shell: zeromq::RouterSocket, shared: Shared, opening: O
         }
         let reply = k.handle(&req, &parent).await;
         shared.answer(&mut shell, &req, reply, &parent).await;
+        if req.bytes >= RELEASE_AFTER_BYTES {
+            drop(req);
+            release_memory();
+        }
     }
 }
 
@@ -840,6 +868,11 @@ impl Shell {
         if code.trim().is_empty() {
             return ok;
         }
+        if let Some(why) = unsendable(&code) {
+            return self
+                .error(count, "LimitExceeded", &why, vec![why.clone()], parent)
+                .await;
+        }
         let shared = self.shared.clone();
         let (client, id, ended) = match self.session().await {
             Ok(s) => s,
@@ -854,7 +887,9 @@ impl Shell {
             && !silent
         {
             let t = format!(
-                "sandcell: {why}; a new session was started (the variables of the old one are lost)\n"
+                "sandcell: {why}; a new session was started (the variables of the old one are \
+                 lost; tracebacks number its cells, <cell N>, from 1 again, apart from the \
+                 execution count)\n"
             );
             shared
                 .publish("stream", json!({"name": "stderr", "text": t}), parent)
@@ -974,6 +1009,8 @@ impl Shell {
             }
             (s, err) => {
                 let ename = match s {
+                    // R's own condition class for an interrupt, as its worker catches it.
+                    Status::Interrupted if self.shared.language == "r" => "interrupt",
                     Status::Interrupted => "KeyboardInterrupt",
                     Status::Timeout => "TimeoutError",
                     Status::MemoryExhausted => "MemoryError",
@@ -1021,6 +1058,9 @@ impl Shell {
             .get("cursor_pos")
             .and_then(Value::as_u64)
             .unwrap_or_else(|| code.chars().count() as u64);
+        if unsendable(&code).is_some() {
+            return self.local_complete(&code, cursor);
+        }
         if let Ok((client, id, _)) = self.session().await {
             match client.complete(&id, &code, Some(cursor)).await {
                 Ok(r) => {
@@ -1093,6 +1133,9 @@ impl Shell {
             .and_then(Value::as_u64)
             .unwrap_or(0)
             .min(1);
+        if unsendable(&code).is_some() {
+            return json!({"status": "ok", "found": false, "data": {}, "metadata": {}});
+        }
         if let Ok((client, id, _)) = self.session().await {
             match client.help(&id, &code, cursor, Some(detail)).await {
                 Ok(h) => {
@@ -1169,6 +1212,34 @@ impl Shell {
         history.reverse();
         json!({"status": "ok", "history": history})
     }
+}
+
+/// Room in a Varlink request for what is not the code (method, session id, cursor), bytes.
+const REQUEST_OVERHEAD: usize = 64 << 10;
+
+/// Why `code` cannot be sent to sandcelld, or `None`: as a JSON string it would make a
+/// request over the daemon's message bound (`sandcell_proto::kernel::MAX_MESSAGE_BYTES`,
+/// 4 MiB), and the daemon ends a connection that sends one, which would end the session.
+/// Code under the bound but over the daemon's `max_source_bytes` is refused by the daemon
+/// itself (`LimitExceeded`, the session stays).
+fn unsendable(code: &str) -> Option<String> {
+    let max = sandcell_proto::kernel::MAX_MESSAGE_BYTES - REQUEST_OVERHEAD;
+    let json: usize = code
+        .chars()
+        .map(|c| match c {
+            '"' | '\\' | '\n' | '\r' | '\t' | '\u{8}' | '\u{c}' => 2,
+            c if (c as u32) < 0x20 => 6,
+            c => c.len_utf8(),
+        })
+        .sum();
+    (json > max).then(|| {
+        format!(
+            "max_source_bytes exceeded: the cell's code is {} bytes ({json} as JSON); sandcelld \
+             reads requests of at most {max} bytes of code and runs cells of at most its \
+             max_source_bytes; the cell was not sent (the session and its variables stay)",
+            code.len()
+        )
+    })
 }
 
 /// The `user_expressions` of an `execute_reply`: for each key of the request's, an error
@@ -1288,6 +1359,7 @@ mod tests {
             header: json!({"msg_type": msg_type}).as_object().unwrap().clone(),
             content,
             invalid: None,
+            bytes: 0,
         }
     }
 
@@ -1356,6 +1428,18 @@ mod tests {
         assert!(invalid_reply(&r, None).is_none());
         let r = request("execute_request", json!({"code": "1", "silent": false}));
         assert!(invalid_reply(&r, None).is_none());
+    }
+
+    #[test]
+    fn code_over_the_daemons_message_bound_is_not_sent() {
+        let max = sandcell_proto::kernel::MAX_MESSAGE_BYTES - REQUEST_OVERHEAD;
+        assert!(unsendable(&"a".repeat(max)).is_none());
+        assert!(unsendable(&"a".repeat(max + 1)).is_some());
+        // Escapes count as JSON writes them.
+        assert!(unsendable(&"\n".repeat(max / 2 + 1)).is_some());
+        assert!(unsendable(&"\u{1}".repeat(max / 6 + 1)).is_some());
+        let why = unsendable(&"é".repeat(10 << 20)).unwrap();
+        assert!(why.starts_with("max_source_bytes exceeded: the cell's code is 20971520 bytes"));
     }
 
     #[test]

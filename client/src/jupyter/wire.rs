@@ -196,6 +196,8 @@ pub struct Message {
     /// column 17)`; the header is valid and the signature right, so the kernel answers it
     /// with an error reply.
     pub invalid: Option<String>,
+    /// Bytes of all its frames.
+    pub bytes: usize,
 }
 
 impl Message {
@@ -281,6 +283,7 @@ pub fn parse(frames: &[Bytes], signer: &Signer) -> Result<Message, WireError> {
         header,
         content,
         invalid,
+        bytes: total,
     })
 }
 
