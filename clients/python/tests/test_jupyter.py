@@ -557,8 +557,9 @@ def test_missing_module_hint_comes_before_the_error():
         err = streams(msgs, "stderr")
         if "hint:" not in err:
             import sandcell
-            envs = [e.name for e in sandcell.Client().list_environments()
-                    if any(p.name.lower() == "pandas" for p in e.packages or [])]
+            envs = [e["name"] for e in sandcell.Client().list_environments()
+                    if any(p.get("name", "").lower() == "pandas"
+                           for p in e.get("packages") or [])]
             assert not envs, f"no hint though {envs} have pandas: {err!r}"
             skip("no environment of this daemon has pandas, so there is no hint to give")
         assert "sandcell: hint: pandas is not installed in this environment; environment" in err

@@ -170,7 +170,9 @@ def notices(r: Any) -> str:
         if st is not None and st.truncated:
             lines.append(f"sandcell: {name} truncated: kept {st.kept} of {st.seen} bytes\n")
     for w in r.warnings:
-        lines.append(f"sandcell: warning: {w}\n")
+        # The client adds which environment has a module the cell could not import.
+        label = "hint" if "is not installed in this environment" in w else "warning"
+        lines.append(f"sandcell: {label}: {w}\n")
     return "".join(lines)
 
 
