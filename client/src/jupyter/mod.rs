@@ -1443,6 +1443,35 @@ mod tests {
     }
 
     #[test]
+    fn every_truncation_and_warning_is_noticed() {
+        let stats =
+            |seen: u64, kept: u64| json!({"seen": seen, "kept": kept, "truncated": seen > kept});
+        let r: sandcell_client::CellResult = serde_json::from_value(json!({
+            "cell": 1, "status": "ok", "usage": {"wall_seconds": 0.1},
+            "stdout": stats(1_000_001, 65_536), "stderr": stats(10, 10),
+            "displays": stats(3_000_000, 1_048_576), "state": "kept", "session_ended": false,
+            "warnings": ["the cell's memory was close to its limit"],
+            "retained": {"stdout": {"seen": 200_000, "kept": 131_072, "dropped": 68_928},
+                         "stderr": {"seen": 0, "kept": 0, "dropped": 0}},
+        }))
+        .unwrap();
+        assert_eq!(
+            notices(&r),
+            "sandcell: stdout truncated: kept 65536 of 1000001 bytes\n\
+             sandcell: display bundles truncated: kept 1048576 of 3000000 bytes\n\
+             sandcell: stdout: 131072 of 200000 bytes retained while detached, 68928 dropped\n\
+             sandcell: warning: the cell's memory was close to its limit\n"
+        );
+        let quiet: sandcell_client::CellResult = serde_json::from_value(json!({
+            "cell": 2, "status": "ok", "usage": {"wall_seconds": 0.1},
+            "stdout": stats(3, 3), "stderr": stats(0, 0), "state": "kept",
+            "session_ended": false,
+        }))
+        .unwrap();
+        assert_eq!(notices(&quiet), "");
+    }
+
+    #[test]
     fn user_expressions_are_answered_with_errors() {
         let c = json!({"user_expressions": {"a": "1+1", "b": "x"}});
         let u = user_expressions(c.as_object().unwrap());
