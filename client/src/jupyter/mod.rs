@@ -32,7 +32,10 @@
 //!   in this environment; environment 'pydata' has it ...` for a missing module another
 //!   environment has), before the error. A cell that ended the session (worker crashed,
 //!   `oom`, `exited`) says so in its error; the next cell opens a new session and says why
-//!   on stderr first. `user_expressions` are not evaluated (evaluating them would run code
+//!   on stderr first. Tracebacks name the session's own cell numbers (`<cell N>`, as the
+//!   daemon numbers cells): they count every cell the session ran, silent ones included,
+//!   and start from 1 in a new session, so they can differ from `execution_count` (the
+//!   new-session note says so). `user_expressions` are not evaluated (evaluating them would run code
 //!   beside the cell, outside its accounting and the history): each key is answered with an
 //!   error entry (`ename` `NotImplementedError`). IPython magics and shell escapes (`%timeit`,
 //!   `!ls`) are not supported: the cell is plain Python and they are a `SyntaxError`.
