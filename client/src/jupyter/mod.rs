@@ -5,9 +5,15 @@
 //!
 //! Sockets (bound on the connection file's ports; `tcp` only): shell and control ROUTER,
 //! iopub PUB, stdin ROUTER (bound, never asked: cells have no stdin), heartbeat REP (echo).
-//! Every message is HMAC-SHA256 signed with the file's key; one with a bad signature, too
-//! many frames or too many bytes ([`wire`]'s bounds) is dropped and logged on standard
-//! error, never answered. Every request is framed by `status` `busy` and `idle` on iopub.
+//! Every message is HMAC-SHA256 signed with the file's key; one with a bad signature, a
+//! signature seen before (a replayed message), too many frames or too many bytes
+//! ([`wire`]'s bounds: a signed message over them is not answered either, since it is not
+//! read far enough to be verified) is dropped and logged on standard error, never answered.
+//! A signed message with a valid header whose content is unusable (not JSON, not an object,
+//! a field of the wrong type, a `cursor_pos` beyond the code) is answered with its
+//! `<type>_reply` of status `error` (`ename` `InvalidRequest`, `evalue` naming the
+//! problem), so its client does not wait forever. Every request is framed by `status`
+//! `busy` and `idle` on iopub.
 //!
 //! Start: the sockets are bound and `kernel_info_request` answered at once; the session is
 //! opened concurrently (`Open` with rich output) and awaited by the first request that
@@ -18,9 +24,21 @@
 //! - `execute_request`: one `Execute`; `output` frames become `stream`, display frames
 //!   `display_data` or (the last expression's value) `execute_result`; an error becomes an
 //!   `error` message and reply with the traceback's lines; `execute_input` and the
-//!   `execution_count` (counted for cells that are not `silent`) as ipykernel does. A cell
-//!   that ended the session (worker crashed, `oom`, `exited`) says so in its error; the next
-//!   cell opens a new session and says why on stderr first.
+//!   `execution_count` as ipykernel does: only a cell with `store_history` (and not `silent`)
+//!   advances it; the others report the last stored cell's count. After the cell's output,
+//!   a `stderr` stream says what the result reports was cut (`sandcell: stdout truncated:
+//!   kept 65536 of 1000001 bytes`, the same for stderr and display bundles) and gives its
+//!   warnings and hints (`sandcell: warning: ...`, `sandcell: hint: pandas is not installed
+//!   in this environment; environment 'pydata' has it ...` for a missing module another
+//!   environment has), before the error. A cell that ended the session (worker crashed,
+//!   `oom`, `exited`) says so in its error; the next cell opens a new session and says why
+//!   on stderr first. Tracebacks name the session's own cell numbers (`<cell N>`, as the
+//!   daemon numbers cells): they count every cell the session ran, silent ones included,
+//!   and start from 1 in a new session, so they can differ from `execution_count` (the
+//!   new-session note says so). `user_expressions` are not evaluated (evaluating them would run code
+//!   beside the cell, outside its accounting and the history): each key is answered with an
+//!   error entry (`ename` `NotImplementedError`). IPython magics and shell escapes (`%timeit`,
+//!   `!ls`) are not supported: the cell is plain Python and they are a `SyntaxError`.
 //! - `interrupt_request` (control; `interrupt_mode: message`): `InterruptSession` from a
 //!   second connection; the variables stay.
 //! - `shutdown_request`: replied on its channel and iopub, then the kernel exits; its
@@ -31,8 +49,10 @@
 //!   assigns (no help).
 //! - `is_complete_request`: decided locally ([`complete`]).
 //! - `history_request`: the kernel's own history (`tail`, `range`, `search` with a glob
-//!   pattern and `unique`) of the last 10 000 cells, each result's text cut at
-//!   64 KiB.
+//!   pattern and `unique`) of the last 10 000 cells and at most 16 MiB: each cell's code and
+//!   its result's text are cut at 64 KiB (on a character boundary), and the oldest cells go
+//!   first. A reply carries at most 4 MiB of code and output text (the newest entries that
+//!   fit).
 //! - `comm_info_request`: no comms; `comm_open`: answered with `comm_close` (comms and
 //!   widgets are not supported); `comm_msg`, `comm_close`: ignored.
 //! - `input()`: a cell's stdin is `/dev/null`, so Python's `input()` raises `EOFError`;
@@ -107,6 +127,14 @@ const IOPUB_HOLD: std::time::Duration = std::time::Duration::from_secs(2);
 const MAX_HISTORY: usize = 10_000;
 /// Bytes of a result's `text/plain` the history keeps.
 const MAX_HISTORY_OUTPUT: usize = 64 << 10;
+/// Bytes of a cell's code the history keeps.
+const MAX_HISTORY_CODE: usize = 64 << 10;
+/// Bytes of code and result text the whole history keeps (the oldest cells go first).
+const MAX_HISTORY_BYTES: usize = 16 << 20;
+/// Bytes of code and result text one `history_reply` carries (the newest entries that fit).
+const MAX_HISTORY_REPLY_BYTES: usize = 4 << 20;
+/// How long a cell's missing-module hint may wait for `ListEnvironments`.
+const HINT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// What the request handlers share: signing, the iopub queue, the language and the id of
 /// the current sandcell session (for interrupts from the control channel).
@@ -144,15 +172,17 @@ impl Shared {
         reply: Option<(&str, Value)>,
         parent: &Value,
     ) {
+        let mut stop = false;
         if let Some((t, content)) = reply {
             let _ = socket.send(self.frames(req, t, &content)).await;
-            if t == "shutdown_reply" {
+            if t == "shutdown_reply" && content["status"] == "ok" {
+                stop = true;
                 self.publish(t, content, parent).await;
             }
         }
         self.publish("status", json!({"execution_state": "idle"}), parent)
             .await;
-        if req.msg_type() == "shutdown_request" {
+        if stop {
             let _ = self.shutdown.send(()).await;
         }
     }
@@ -406,6 +436,22 @@ enum Slot {
     Gone(Option<String>),
 }
 
+/// A message of at least this many bytes returns the heap's free memory to the kernel
+/// once handled (see [`release_memory`]).
+const RELEASE_AFTER_BYTES: usize = 1 << 20;
+
+/// Returns the allocator's free memory to the operating system (glibc's `malloc_trim(3)`):
+/// after a message of many megabytes, glibc's per-thread arenas would otherwise keep the
+/// freed pages, and the kernel's resident memory would stay at its largest message's
+/// copies. Elsewhere a no-op.
+fn release_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free memory; it touches no memory in use.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Receives one message from a ROUTER, verified; `None` when the socket failed.
 async fn receive(s: &mut zeromq::RouterSocket, shared: &Shared, channel: &str) -> Option<Message> {
     loop {
@@ -416,9 +462,17 @@ async fn receive(s: &mut zeromq::RouterSocket, shared: &Shared, channel: &str) -
                 return None;
             }
         };
-        match wire::parse(&m.into_vec(), &shared.signer) {
+        let frames = m.into_vec();
+        let bytes: usize = frames.iter().map(Bytes::len).sum();
+        match wire::parse(&frames, &shared.signer) {
             Ok(msg) => return Some(msg),
-            Err(e) => log!("{channel}: dropped a message: {e}"),
+            Err(e) => {
+                log!("{channel}: dropped a message: {e}");
+                drop(frames);
+                if bytes >= RELEASE_AFTER_BYTES {
+                    release_memory();
+                }
+            }
         }
     }
 }
@@ -430,6 +484,12 @@ async fn serve_control(mut control: zeromq::RouterSocket, shared: Shared) {
         shared
             .publish("status", json!({"execution_state": "busy"}), &parent)
             .await;
+        if let Some((t, content)) = invalid_reply(&req, None) {
+            shared
+                .answer(&mut control, &req, Some((&t, content)), &parent)
+                .await;
+            continue;
+        }
         let reply = match req.msg_type() {
             "kernel_info_request" => Some(("kernel_info_reply", shared.kernel_info().await)),
             "interrupt_request" => {
@@ -470,8 +530,66 @@ struct Shell {
     shared: Shared,
     slot: Slot,
     count: u64,
-    history: Vec<(u64, String)>,
+    history: History,
+}
+
+/// The kernel's history: `(execution_count, code)` of the stored cells and their results'
+/// text, within [`MAX_HISTORY`] cells and [`MAX_HISTORY_BYTES`] (each code and text cut at
+/// [`MAX_HISTORY_CODE`] and [`MAX_HISTORY_OUTPUT`] bytes on a character boundary).
+#[derive(Default)]
+struct History {
+    cells: std::collections::VecDeque<(u64, String)>,
     outputs: std::collections::HashMap<u64, String>,
+    /// Bytes of code and output text held.
+    bytes: usize,
+}
+
+/// The first at most `max` bytes of `t`, cut on a character boundary.
+fn cut(t: &str, max: usize) -> &str {
+    if t.len() <= max {
+        return t;
+    }
+    let mut end = max;
+    while !t.is_char_boundary(end) {
+        end -= 1;
+    }
+    &t[..end]
+}
+
+impl History {
+    fn push(&mut self, count: u64, code: &str) {
+        let code = cut(code, MAX_HISTORY_CODE).to_owned();
+        self.bytes += code.len();
+        self.cells.push_back((count, code));
+        self.trim();
+    }
+
+    fn set_output(&mut self, count: u64, text: String) {
+        if !self.cells.iter().any(|(c, _)| *c == count) {
+            return;
+        }
+        let text = cut(&text, MAX_HISTORY_OUTPUT).to_owned();
+        self.bytes += text.len();
+        if let Some(old) = self.outputs.insert(count, text) {
+            self.bytes -= old.len();
+        }
+        self.trim();
+    }
+
+    /// Drops the oldest cells while over [`MAX_HISTORY`] cells or [`MAX_HISTORY_BYTES`].
+    fn trim(&mut self) {
+        while self.cells.len() > MAX_HISTORY
+            || (self.bytes > MAX_HISTORY_BYTES && self.cells.len() > 1)
+        {
+            let Some((old, code)) = self.cells.pop_front() else {
+                break;
+            };
+            self.bytes -= code.len();
+            if let Some(t) = self.outputs.remove(&old) {
+                self.bytes -= t.len();
+            }
+        }
+    }
 }
 
 async fn serve_shell(mut shell: zeromq::RouterSocket, shared: Shared, opening: Opening) {
@@ -479,16 +597,25 @@ async fn serve_shell(mut shell: zeromq::RouterSocket, shared: Shared, opening: O
         shared: shared.clone(),
         slot: Slot::Opening(opening),
         count: 0,
-        history: Vec::new(),
-        outputs: Default::default(),
+        history: History::default(),
     };
     while let Some(req) = receive(&mut shell, &shared, "shell").await {
         let parent = Value::Object(req.header.clone());
         shared
             .publish("status", json!({"execution_state": "busy"}), &parent)
             .await;
+        if let Some((t, content)) = invalid_reply(&req, Some(k.count)) {
+            shared
+                .answer(&mut shell, &req, Some((&t, content)), &parent)
+                .await;
+            continue;
+        }
         let reply = k.handle(&req, &parent).await;
         shared.answer(&mut shell, &req, reply, &parent).await;
+        if req.bytes >= RELEASE_AFTER_BYTES {
+            drop(req);
+            release_memory();
+        }
     }
 }
 
@@ -502,6 +629,90 @@ fn text(content: &Map<String, Value>, key: &str) -> String {
 
 fn flag(content: &Map<String, Value>, key: &str, default: bool) -> bool {
     content.get(key).and_then(Value::as_bool).unwrap_or(default)
+}
+
+/// Why the content of a verified request cannot be used, or `None`: it is not a JSON
+/// object (see [`wire::Message::invalid`]), or a field the request type defines has the
+/// wrong type or range (`code` not a string, `cursor_pos` not an integer within the code's
+/// length in Unicode code points, as messaging protocol 5.2+ counts it).
+fn problem(req: &Message) -> Option<String> {
+    if let Some(why) = &req.invalid {
+        return Some(why.clone());
+    }
+    let c = &req.content;
+    let want = |key: &str, ok: fn(&Value) -> bool, what: &str| -> Option<String> {
+        match c.get(key) {
+            Some(v) if !ok(v) => Some(format!("{key} is not {what}")),
+            _ => None,
+        }
+    };
+    let string = |key: &str| want(key, Value::is_string, "a string");
+    let boolean = |key: &str| want(key, Value::is_boolean, "a boolean");
+    let integer = |key: &str| want(key, Value::is_u64, "a non-negative integer");
+    let checks: Vec<Option<String>> = match req.msg_type() {
+        "execute_request" => vec![
+            string("code"),
+            boolean("silent"),
+            boolean("store_history"),
+            boolean("allow_stdin"),
+            boolean("stop_on_error"),
+            want("user_expressions", Value::is_object, "an object"),
+        ],
+        "complete_request" | "inspect_request" => {
+            let mut v = vec![
+                string("code"),
+                integer("cursor_pos"),
+                integer("detail_level"),
+            ];
+            if let (Some(code), Some(pos)) = (
+                c.get("code").and_then(Value::as_str),
+                c.get("cursor_pos").and_then(Value::as_u64),
+            ) {
+                let len = code.chars().count() as u64;
+                if pos > len {
+                    v.push(Some(format!(
+                        "cursor_pos {pos} is beyond the code ({len} characters)"
+                    )));
+                }
+            }
+            v
+        }
+        "is_complete_request" => vec![string("code")],
+        "history_request" => vec![
+            string("hist_access_type"),
+            string("pattern"),
+            boolean("output"),
+            boolean("unique"),
+            integer("n"),
+            integer("start"),
+            integer("stop"),
+        ],
+        "shutdown_request" => vec![boolean("restart")],
+        _ => vec![],
+    };
+    checks.into_iter().flatten().next()
+}
+
+/// The error reply to a request whose content cannot be used ([`problem`]): its
+/// `<type>_reply` (for a type ending in `_request`) of status `error`; `count` is the
+/// execution count an `execute_reply` carries. `None` for a usable request, or one whose
+/// type has no reply (logged).
+fn invalid_reply(req: &Message, count: Option<u64>) -> Option<(String, Value)> {
+    let why = problem(req)?;
+    let t = req.msg_type();
+    let Some(base) = t.strip_suffix("_request") else {
+        log!("dropped a {t:?} message: {why}");
+        return None;
+    };
+    log!("refused a {t}: {why}");
+    let mut content = json!({"status": "error", "ename": "InvalidRequest",
+                             "evalue": format!("invalid {t}: {why}"), "traceback": []});
+    if t == "execute_request" {
+        content["execution_count"] = json!(count.unwrap_or(0));
+        content["user_expressions"] = json!({});
+        content["payload"] = json!([]);
+    }
+    Some((format!("{base}_reply"), content))
 }
 
 /// The short name of a client error (`SessionEnded`, `ConnectionFailed`, ...).
@@ -600,35 +811,70 @@ impl Shell {
         let content = json!({"ename": ename, "evalue": evalue, "traceback": tb});
         self.shared.publish("error", content, parent).await;
         json!({"status": "error", "execution_count": count, "ename": ename, "evalue": evalue,
-               "traceback": tb})
+               "traceback": tb, "user_expressions": {}, "payload": []})
+    }
+
+    /// For a cell that failed to import a module another ready environment of the language
+    /// has, the sentence saying which (as `sandcellctl run` prints after `hint:`), naming
+    /// the kernel of that environment; `None` otherwise or when `ListEnvironments` does not
+    /// answer within [`HINT_TIMEOUT`].
+    async fn module_hint(&mut self, r: &sandcell_client::CellResult) -> Option<String> {
+        let e = r.error.as_ref()?;
+        let module = sandcell_client::human::missing_module(&e.kind, &e.message)?;
+        let language = self.shared.language;
+        let Slot::Ready(client, _) = &mut self.slot else {
+            return None;
+        };
+        let envs = tokio::time::timeout(HINT_TIMEOUT, client.list_environments())
+            .await
+            .ok()?
+            .ok()?;
+        let hint = sandcell_client::human::module_hint(&module, &envs, language)?;
+        let kernel = KERNELS.iter().find(|k| {
+            k.1 == language && k.2.is_some_and(|env| hint.ends_with(&format!("-e {env})")))
+        });
+        Some(match kernel {
+            Some((name, _, _, display, _)) => {
+                format!("{hint}; in Jupyter, change the kernel to {display:?} ({name})")
+            }
+            None => hint,
+        })
     }
 
     async fn execute(&mut self, c: &Map<String, Value>, parent: &Value) -> Value {
         let code = text(c, "code");
         let silent = flag(c, "silent", false);
-        let store = flag(c, "store_history", true);
-        if !silent {
+        // A silent cell is never stored (messaging spec: `silent` forces `store_history`
+        // off); only stored cells advance the count, as IPython's kernel counts.
+        let store = flag(c, "store_history", true) && !silent;
+        if store {
             self.count += 1;
+        }
+        let count = self.count;
+        if !silent {
+            // ipykernel announces the count the cell takes if stored (the next one).
+            let announced = if store { count } else { count + 1 };
             self.shared
                 .publish(
                     "execute_input",
-                    json!({"code": code, "execution_count": self.count}),
+                    json!({"code": code, "execution_count": announced}),
                     parent,
                 )
                 .await;
         }
-        let count = self.count;
-        if store && !silent {
-            if self.history.len() >= MAX_HISTORY {
-                let (old, _) = self.history.remove(0);
-                self.outputs.remove(&old);
-            }
-            self.history.push((count, code.clone()));
+        if store {
+            self.history.push(count, &code);
         }
+        let expressions = user_expressions(c);
         let ok = json!({"status": "ok", "execution_count": count, "payload": [],
-                        "user_expressions": {}});
+                        "user_expressions": expressions});
         if code.trim().is_empty() {
             return ok;
+        }
+        if let Some(why) = unsendable(&code) {
+            return self
+                .error(count, "LimitExceeded", &why, vec![why.clone()], parent)
+                .await;
         }
         let shared = self.shared.clone();
         let (client, id, ended) = match self.session().await {
@@ -644,7 +890,9 @@ impl Shell {
             && !silent
         {
             let t = format!(
-                "sandcell: {why}; a new session was started (the variables of the old one are lost)\n"
+                "sandcell: {why}; a new session was started (the variables of the old one are \
+                 lost; tracebacks number its cells, <cell N>, from 1 again, apart from the \
+                 execution count)\n"
             );
             shared
                 .publish("stream", json!({"name": "stderr", "text": t}), parent)
@@ -717,15 +965,19 @@ impl Shell {
                     .await;
             }
         };
-        if let (Some(mut t), true) = (result_text, store && !silent) {
-            if t.len() > MAX_HISTORY_OUTPUT {
-                let mut end = MAX_HISTORY_OUTPUT;
-                while !t.is_char_boundary(end) {
-                    end -= 1;
-                }
-                t.truncate(end);
+        if !silent {
+            let mut notes = notices(&r);
+            if let Some(hint) = self.module_hint(&r).await {
+                notes.push_str(&format!("sandcell: hint: {hint}\n"));
             }
-            self.outputs.insert(count, t);
+            if !notes.is_empty() {
+                shared
+                    .publish("stream", json!({"name": "stderr", "text": notes}), parent)
+                    .await;
+            }
+        }
+        if let (Some(t), true) = (result_text, store) {
+            self.history.set_output(count, t);
         }
         let status = r.status.as_str();
         if r.session_ended {
@@ -760,6 +1012,8 @@ impl Shell {
             }
             (s, err) => {
                 let ename = match s {
+                    // R's own condition class for an interrupt, as its worker catches it.
+                    Status::Interrupted if self.shared.language == "r" => "interrupt",
                     Status::Interrupted => "KeyboardInterrupt",
                     Status::Timeout => "TimeoutError",
                     Status::MemoryExhausted => "MemoryError",
@@ -779,8 +1033,8 @@ impl Shell {
                 if r.session_ended {
                     evalue += "; the session ended, the next cell starts a new one";
                 }
-                let mut tb = vec![format!("{ename}: {evalue}")];
-                tb.extend(r.warnings.iter().cloned());
+                // The warnings went out on stderr just before.
+                let tb = vec![format!("{ename}: {evalue}")];
                 self.error(count, ename, &evalue, tb, parent).await
             }
         }
@@ -807,6 +1061,9 @@ impl Shell {
             .get("cursor_pos")
             .and_then(Value::as_u64)
             .unwrap_or_else(|| code.chars().count() as u64);
+        if unsendable(&code).is_some() {
+            return self.local_complete(&code, cursor);
+        }
         if let Ok((client, id, _)) = self.session().await {
             match client.complete(&id, &code, Some(cursor)).await {
                 Ok(r) => {
@@ -846,7 +1103,7 @@ impl Shell {
         } else {
             "="
         };
-        for (_, c) in &self.history {
+        for (_, c) in &self.history.cells {
             for line in c.lines() {
                 if let Some((lhs, rest)) = line.split_once(assign)
                     && !rest.starts_with('=')
@@ -879,6 +1136,9 @@ impl Shell {
             .and_then(Value::as_u64)
             .unwrap_or(0)
             .min(1);
+        if unsendable(&code).is_some() {
+            return json!({"status": "ok", "found": false, "data": {}, "metadata": {}});
+        }
         if let Ok((client, id, _)) = self.session().await {
             match client.help(&id, &code, cursor, Some(detail)).await {
                 Ok(h) => {
@@ -901,7 +1161,7 @@ impl Shell {
     fn history(&self, c: &Map<String, Value>) -> Value {
         let output = flag(c, "output", false);
         let n = c.get("n").and_then(Value::as_u64);
-        let mut items: Vec<&(u64, String)> = self.history.iter().collect();
+        let mut items: Vec<&(u64, String)> = self.history.cells.iter().collect();
         match c.get("hist_access_type").and_then(Value::as_str) {
             Some("tail") => {
                 if let Some(n) = n {
@@ -932,18 +1192,112 @@ impl Shell {
             }
             _ => items.clear(),
         }
-        let history: Vec<Value> = items
-            .into_iter()
-            .map(|(line, code)| {
-                if output {
-                    json!([0, line, [code, self.outputs.get(line)]])
-                } else {
-                    json!([0, line, code])
-                }
-            })
-            .collect();
+        // The newest entries that fit the reply's budget.
+        let mut budget = MAX_HISTORY_REPLY_BYTES;
+        let mut history: Vec<Value> = Vec::new();
+        for (line, code) in items.into_iter().rev() {
+            let out = if output {
+                self.history.outputs.get(line)
+            } else {
+                None
+            };
+            let size = code.len() + out.map_or(0, String::len);
+            if size > budget {
+                break;
+            }
+            budget -= size;
+            history.push(if output {
+                json!([0, line, [code, out]])
+            } else {
+                json!([0, line, code])
+            });
+        }
+        history.reverse();
         json!({"status": "ok", "history": history})
     }
+}
+
+/// Room in a Varlink request for what is not the code (method, session id, cursor), bytes.
+const REQUEST_OVERHEAD: usize = 64 << 10;
+
+/// Why `code` cannot be sent to sandcelld, or `None`: as a JSON string it would make a
+/// request over the daemon's message bound (`sandcell_proto::kernel::MAX_MESSAGE_BYTES`,
+/// 4 MiB), and the daemon ends a connection that sends one, which would end the session.
+/// Code under the bound but over the daemon's `max_source_bytes` is refused by the daemon
+/// itself (`LimitExceeded`, the session stays).
+fn unsendable(code: &str) -> Option<String> {
+    let max = sandcell_proto::kernel::MAX_MESSAGE_BYTES - REQUEST_OVERHEAD;
+    let json: usize = code
+        .chars()
+        .map(|c| match c {
+            '"' | '\\' | '\n' | '\r' | '\t' | '\u{8}' | '\u{c}' => 2,
+            c if (c as u32) < 0x20 => 6,
+            c => c.len_utf8(),
+        })
+        .sum();
+    (json > max).then(|| {
+        format!(
+            "max_source_bytes exceeded: the cell's code is {} bytes ({json} as JSON); sandcelld \
+             reads requests of at most {max} bytes of code and runs cells of at most its \
+             max_source_bytes; the cell was not sent (the session and its variables stay)",
+            code.len()
+        )
+    })
+}
+
+/// The `user_expressions` of an `execute_reply`: for each key of the request's, an error
+/// entry (the sandcell kernel does not evaluate them: that would run code outside a cell).
+fn user_expressions(c: &Map<String, Value>) -> Value {
+    let mut out = Map::new();
+    if let Some(Value::Object(asked)) = c.get("user_expressions") {
+        for k in asked.keys() {
+            out.insert(
+                k.clone(),
+                json!({"status": "error", "ename": "NotImplementedError",
+                       "evalue": "the sandcell kernel does not evaluate user_expressions \
+                                  (they would run code outside a cell)",
+                       "traceback": []}),
+            );
+        }
+    }
+    Value::Object(out)
+}
+
+/// The `stderr` lines saying what a result reports was cut or dropped (stdout, stderr,
+/// display bundles; what a detached cell's record did not retain) and its warnings, as
+/// `sandcellctl run` says them; `""` when there is nothing to say.
+fn notices(r: &sandcell_client::CellResult) -> String {
+    let mut t = String::new();
+    let displays = r.displays.map(|s| ("display bundles", s));
+    for (name, s) in [("stdout", r.stdout), ("stderr", r.stderr)]
+        .into_iter()
+        .chain(displays)
+    {
+        if s.truncated {
+            t += &format!(
+                "sandcell: {name} truncated: kept {} of {} bytes\n",
+                s.kept, s.seen
+            );
+        }
+    }
+    if let Some(kept) = &r.retained {
+        let displays = kept.displays.map(|s| ("display bundles", s));
+        for (name, s) in [("stdout", kept.stdout), ("stderr", kept.stderr)]
+            .into_iter()
+            .chain(displays)
+        {
+            if s.dropped > 0 {
+                t += &format!(
+                    "sandcell: {name}: {} of {} bytes retained while detached, {} dropped\n",
+                    s.kept, s.seen, s.dropped
+                );
+            }
+        }
+    }
+    for w in &r.warnings {
+        t += &format!("sandcell: warning: {w}\n");
+    }
+    t
 }
 
 /// Whether `text` matches the shell glob `pattern` (`*`, `?`; as Python's `fnmatch` for
@@ -997,7 +1351,144 @@ subset transform stop warning message tryCatch invisible return set.seed rnorm r
 
 #[cfg(test)]
 mod tests {
-    use super::glob;
+    use super::*;
+
+    fn request(msg_type: &str, content: Value) -> Message {
+        let Value::Object(content) = content else {
+            panic!()
+        };
+        Message {
+            identities: vec![],
+            header: json!({"msg_type": msg_type}).as_object().unwrap().clone(),
+            content,
+            invalid: None,
+            bytes: 0,
+        }
+    }
+
+    #[test]
+    fn history_is_bounded_in_bytes_and_cut_on_characters() {
+        let mut h = History::default();
+        // 'é' is two bytes: a cut at 64 KiB falls inside one.
+        let code = format!("x{}", "é".repeat(MAX_HISTORY_CODE));
+        h.push(1, &code);
+        let kept = &h.cells[0].1;
+        assert_eq!(kept.len(), MAX_HISTORY_CODE - 1);
+        assert!(kept.starts_with("xé"));
+        h.set_output(1, "ü".repeat(MAX_HISTORY_OUTPUT));
+        assert_eq!(h.outputs[&1].len(), MAX_HISTORY_OUTPUT);
+        assert_eq!(h.bytes, MAX_HISTORY_CODE - 1 + MAX_HISTORY_OUTPUT);
+        // 20 MiB cells, again and again: the history stays within its budget, newest kept.
+        let big = "y".repeat(20 << 20);
+        for n in 2..=400 {
+            h.push(n, &big);
+            assert!(h.bytes <= MAX_HISTORY_BYTES, "{}", h.bytes);
+        }
+        assert_eq!(h.cells.len(), MAX_HISTORY_BYTES / MAX_HISTORY_CODE);
+        assert_eq!(h.cells.back().unwrap().0, 400);
+        assert!(h.outputs.is_empty());
+        let total: usize = h.cells.iter().map(|(_, c)| c.len()).sum();
+        assert_eq!(total, h.bytes);
+        // An output for a cell the history dropped is not kept.
+        h.set_output(1, "late".into());
+        assert!(!h.outputs.contains_key(&1));
+    }
+
+    #[test]
+    fn unusable_requests_get_error_replies() {
+        let r = request(
+            "complete_request",
+            json!({"code": "abc", "cursor_pos": 1_000_000_000u64}),
+        );
+        let (t, c) = invalid_reply(&r, Some(3)).unwrap();
+        assert_eq!(t, "complete_reply");
+        assert_eq!(c["status"], "error");
+        assert_eq!(c["ename"], "InvalidRequest");
+        assert_eq!(
+            c["evalue"],
+            "invalid complete_request: cursor_pos 1000000000 is beyond the code (3 characters)"
+        );
+        // Counted in code points: "é" is one.
+        let r = request("inspect_request", json!({"code": "é", "cursor_pos": 1}));
+        assert!(invalid_reply(&r, None).is_none());
+        let r = request("execute_request", json!({"code": 7}));
+        let (t, c) = invalid_reply(&r, Some(2)).unwrap();
+        assert_eq!(t, "execute_reply");
+        assert_eq!(c["execution_count"], 2);
+        assert_eq!(c["evalue"], "invalid execute_request: code is not a string");
+        let r = request("history_request", json!({"n": -1}));
+        assert!(invalid_reply(&r, None).is_some());
+        let mut r = request("execute_request", json!({}));
+        r.invalid = Some("the content is not a JSON object (an array)".into());
+        let (_, c) = invalid_reply(&r, Some(0)).unwrap();
+        assert_eq!(
+            c["evalue"],
+            "invalid execute_request: the content is not a JSON object (an array)"
+        );
+        // A message type without a reply is not answered.
+        let mut r = request("comm_msg", json!({}));
+        r.invalid = Some("x".into());
+        assert!(invalid_reply(&r, None).is_none());
+        let r = request("execute_request", json!({"code": "1", "silent": false}));
+        assert!(invalid_reply(&r, None).is_none());
+    }
+
+    #[test]
+    fn code_over_the_daemons_message_bound_is_not_sent() {
+        let max = sandcell_proto::kernel::MAX_MESSAGE_BYTES - REQUEST_OVERHEAD;
+        assert!(unsendable(&"a".repeat(max)).is_none());
+        assert!(unsendable(&"a".repeat(max + 1)).is_some());
+        // Escapes count as JSON writes them.
+        assert!(unsendable(&"\n".repeat(max / 2 + 1)).is_some());
+        assert!(unsendable(&"\u{1}".repeat(max / 6 + 1)).is_some());
+        let why = unsendable(&"é".repeat(10 << 20)).unwrap();
+        assert!(why.starts_with("max_source_bytes exceeded: the cell's code is 20971520 bytes"));
+    }
+
+    #[test]
+    fn every_truncation_and_warning_is_noticed() {
+        let stats =
+            |seen: u64, kept: u64| json!({"seen": seen, "kept": kept, "truncated": seen > kept});
+        let r: sandcell_client::CellResult = serde_json::from_value(json!({
+            "cell": 1, "status": "ok", "usage": {"wall_seconds": 0.1},
+            "stdout": stats(1_000_001, 65_536), "stderr": stats(10, 10),
+            "displays": stats(3_000_000, 1_048_576), "state": "kept", "session_ended": false,
+            "warnings": ["the cell's memory was close to its limit"],
+            "retained": {"stdout": {"seen": 200_000, "kept": 131_072, "dropped": 68_928},
+                         "stderr": {"seen": 0, "kept": 0, "dropped": 0}},
+        }))
+        .unwrap();
+        assert_eq!(
+            notices(&r),
+            "sandcell: stdout truncated: kept 65536 of 1000001 bytes\n\
+             sandcell: display bundles truncated: kept 1048576 of 3000000 bytes\n\
+             sandcell: stdout: 131072 of 200000 bytes retained while detached, 68928 dropped\n\
+             sandcell: warning: the cell's memory was close to its limit\n"
+        );
+        let quiet: sandcell_client::CellResult = serde_json::from_value(json!({
+            "cell": 2, "status": "ok", "usage": {"wall_seconds": 0.1},
+            "stdout": stats(3, 3), "stderr": stats(0, 0), "state": "kept",
+            "session_ended": false,
+        }))
+        .unwrap();
+        assert_eq!(notices(&quiet), "");
+    }
+
+    #[test]
+    fn user_expressions_are_answered_with_errors() {
+        let c = json!({"user_expressions": {"a": "1+1", "b": "x"}});
+        let u = user_expressions(c.as_object().unwrap());
+        assert_eq!(u.as_object().unwrap().len(), 2);
+        assert_eq!(u["a"]["status"], "error");
+        assert_eq!(u["b"]["ename"], "NotImplementedError");
+        assert!(
+            u["a"]["evalue"]
+                .as_str()
+                .unwrap()
+                .contains("does not evaluate user_expressions")
+        );
+        assert_eq!(user_expressions(&Map::new()), json!({}));
+    }
 
     #[test]
     fn glob_matches_as_fnmatch() {

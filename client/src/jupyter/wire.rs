@@ -6,14 +6,27 @@
 //!
 //! Bounds: at most [`MAX_FRAMES`] frames, each at most [`MAX_FRAME_BYTES`], in all at most
 //! [`MAX_MESSAGE_BYTES`]; a message outside them, without its delimiter or parts, with a bad
-//! signature or with parts that are not JSON objects is refused with a [`WireError`] (the
-//! kernel logs it and never answers it).
+//! signature, with a signature already seen (a replay) or with a header that is not a JSON
+//! object is refused with a [`WireError`] (the kernel logs it and never answers it: it has no
+//! verified request to answer, and a message over the bounds is not even read far enough to
+//! verify its signature). A signed message with a valid header whose parent header, metadata
+//! or content is not a JSON object is accepted with [`Message::invalid`] set, so the kernel
+//! can answer it with an error reply instead of leaving its client waiting.
+//!
+//! Replays: the signatures of the last [`DIGEST_HISTORY_SIZE`] accepted messages are kept
+//! (as jupyter_client's `Session.digest_history`, `jupyter_client/session.py`, whose
+//! `deserialize` refuses a "Duplicate Signature"); when the history is over its size, the
+//! oldest tenth is dropped (jupyter_client drops a random tenth). A message signed with the
+//! key is unique by its header's `msg_id` and `date`, so a repeated signature is a captured
+//! message sent again.
 
 use bytes::Bytes;
 use hmac::{Hmac, KeyInit, Mac};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 use sha2::Sha256;
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
 
 /// Most frames one message may have (identities, delimiter, five parts and buffers).
 pub const MAX_FRAMES: usize = 64;
@@ -23,6 +36,9 @@ pub const MAX_FRAME_BYTES: usize = 32 << 20;
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 /// The delimiter frame between routing identities and the signature.
 pub const DELIMITER: &[u8] = b"<IDS|MSG>";
+/// Signatures of accepted messages kept to refuse replays (jupyter_client's default
+/// `Session.digest_history_size`, 2^16); 32 bytes each.
+pub const DIGEST_HISTORY_SIZE: usize = 1 << 16;
 /// Protocol version this kernel speaks.
 pub const PROTOCOL_VERSION: &str = "5.3";
 
@@ -51,27 +67,63 @@ pub enum WireError {
     /// The signature does not match the connection file's key.
     #[error("bad signature")]
     BadSignature,
-    /// The header, parent header, metadata or content is not a JSON object.
+    /// The header is not a JSON object.
     #[error("the {part} is not a JSON object")]
     NotJson {
         /// Which part.
         part: &'static str,
     },
+    /// The signature is one of a message accepted before: a captured message sent again.
+    #[error("duplicate signature (a replayed message)")]
+    Replayed,
+}
+
+/// The signatures (raw HMAC bytes) of the last [`DIGEST_HISTORY_SIZE`] accepted messages, in
+/// arrival order.
+#[derive(Default)]
+struct DigestHistory {
+    seen: HashSet<Vec<u8>>,
+    order: VecDeque<Vec<u8>>,
+}
+
+impl DigestHistory {
+    /// Records `digest`; `false` when it was already there.
+    fn insert(&mut self, digest: Vec<u8>, cap: usize) -> bool {
+        if !self.seen.insert(digest.clone()) {
+            return false;
+        }
+        self.order.push_back(digest);
+        if self.order.len() > cap {
+            let cull = (self.order.len() / 10).max(self.order.len() - cap);
+            for d in self.order.drain(..cull) {
+                self.seen.remove(&d);
+            }
+        }
+        true
+    }
 }
 
 /// HMAC-SHA256 signing with the connection file's key; an empty key signs nothing (the
 /// signature frame is empty and not checked), as the protocol allows.
+/// Clones share one replay history (see the module's documentation).
 #[derive(Clone)]
 pub struct Signer {
     mac: Option<Hmac<Sha256>>,
+    history: Arc<Mutex<DigestHistory>>,
+    history_size: usize,
 }
 
 impl Signer {
     /// A signer for `key` (the connection file's `key`, used as bytes). `scheme` must be
     /// `hmac-sha256` (the only scheme Jupyter uses); other schemes are an error.
     pub fn new(key: &str, scheme: &str) -> Result<Signer, String> {
+        let history = Arc::new(Mutex::new(DigestHistory::default()));
         if key.is_empty() {
-            return Ok(Signer { mac: None });
+            return Ok(Signer {
+                mac: None,
+                history,
+                history_size: DIGEST_HISTORY_SIZE,
+            });
         }
         if scheme != "hmac-sha256" {
             return Err(format!(
@@ -79,7 +131,27 @@ impl Signer {
             ));
         }
         let mac = Hmac::<Sha256>::new_from_slice(key.as_bytes()).map_err(|e| e.to_string())?;
-        Ok(Signer { mac: Some(mac) })
+        Ok(Signer {
+            mac: Some(mac),
+            history,
+            history_size: DIGEST_HISTORY_SIZE,
+        })
+    }
+
+    /// Records the signature (hex) of an accepted message; `false` when it was seen before
+    /// (a replay). Without a key nothing is signed and nothing is recorded.
+    fn remember(&self, signature: &[u8]) -> bool {
+        if self.mac.is_none() {
+            return true;
+        }
+        // Decoded, so that the same signature in upper-case hex is the same.
+        let Ok(raw) = hex::decode(signature) else {
+            return false;
+        };
+        self.history
+            .lock()
+            .expect("digest history lock")
+            .insert(raw, self.history_size)
     }
 
     /// The lower-case hex signature of the four JSON parts, or `""` without a key.
@@ -117,8 +189,15 @@ pub struct Message {
     pub identities: Vec<Bytes>,
     /// Header: `msg_id`, `session`, `username`, `date`, `msg_type`, `version`.
     pub header: Map<String, Value>,
-    /// Content.
+    /// Content (empty when [`Message::invalid`] is set).
     pub content: Map<String, Value>,
+    /// Why the parent header, metadata or content cannot be used (not JSON, not an object),
+    /// e.g. `the content is not valid JSON (lone leading surrogate in hex escape at line 1
+    /// column 17)`; the header is valid and the signature right, so the kernel answers it
+    /// with an error reply.
+    pub invalid: Option<String>,
+    /// Bytes of all its frames.
+    pub bytes: usize,
 }
 
 impl Message {
@@ -131,10 +210,22 @@ impl Message {
     }
 }
 
-fn object(part: &'static str, b: &[u8]) -> Result<Map<String, Value>, WireError> {
+/// `b` as a JSON object, or why not (`the content is not valid JSON (...)`, `the content is
+/// not a JSON object (an array)`).
+fn object(part: &str, b: &[u8]) -> Result<Map<String, Value>, String> {
     match serde_json::from_slice::<Value>(b) {
         Ok(Value::Object(m)) => Ok(m),
-        _ => Err(WireError::NotJson { part }),
+        Ok(v) => {
+            let kind = match v {
+                Value::Null => "null",
+                Value::Bool(_) => "a boolean",
+                Value::Number(_) => "a number",
+                Value::String(_) => "a string",
+                _ => "an array",
+            };
+            Err(format!("the {part} is not a JSON object ({kind})"))
+        }
+        Err(e) => Err(format!("the {part} is not valid JSON ({e})")),
     }
 }
 
@@ -176,14 +267,23 @@ pub fn parse(frames: &[Bytes], signer: &Signer) -> Result<Message, WireError> {
     if !signer.verify(&rest[0], &parts) {
         return Err(WireError::BadSignature);
     }
-    let header = object("header", parts[0])?;
-    object("parent header", parts[1])?;
-    object("metadata", parts[2])?;
-    let content = object("content", parts[3])?;
+    if !signer.remember(&rest[0]) {
+        return Err(WireError::Replayed);
+    }
+    let header = object("header", parts[0]).map_err(|_| WireError::NotJson { part: "header" })?;
+    let checked = object("parent header", parts[1])
+        .and_then(|_| object("metadata", parts[2]))
+        .and_then(|_| object("content", parts[3]));
+    let (content, invalid) = match checked {
+        Ok(c) => (c, None),
+        Err(why) => (Map::new(), Some(why)),
+    };
     Ok(Message {
         identities: frames[..d].to_vec(),
         header,
         content,
+        invalid,
+        bytes: total,
     })
 }
 
@@ -367,6 +467,88 @@ mod tests {
             parse(&f, &s).unwrap_err(),
             WireError::NotJson { part: "header" }
         );
+    }
+
+    /// A signed message whose header is valid and whose content is not a JSON object.
+    fn with_content(s: &Signer, content: &[u8]) -> Vec<Bytes> {
+        let h = serde_json::to_vec(&header("complete_request", "s")).unwrap();
+        let sig = s.sign(&[&h, b"{}", b"{}", content]);
+        vec![
+            Bytes::from_static(DELIMITER),
+            Bytes::from(sig),
+            Bytes::from(h),
+            Bytes::from_static(b"{}"),
+            Bytes::from_static(b"{}"),
+            Bytes::copy_from_slice(content),
+        ]
+    }
+
+    #[test]
+    fn signed_but_unusable_content_is_kept_to_be_answered() {
+        let s = Signer::new("k", "hmac-sha256").unwrap();
+        // A lone surrogate (Python's json accepts it; JSON text cannot carry it as UTF-8).
+        let m = parse(&with_content(&s, br#"{"code": "\ud800"}"#), &s).unwrap();
+        assert_eq!(m.msg_type(), "complete_request");
+        let why = m.invalid.unwrap();
+        assert!(why.starts_with("the content is not valid JSON ("), "{why}");
+        assert!(m.content.is_empty());
+        for (c, kind) in [
+            (&b"[1]"[..], "an array"),
+            (b"7", "a number"),
+            (b"\"x\"", "a string"),
+            (b"null", "null"),
+        ] {
+            let m = parse(&with_content(&s, c), &s).unwrap();
+            assert_eq!(
+                m.invalid.as_deref(),
+                Some(&*format!("the content is not a JSON object ({kind})"))
+            );
+        }
+        let m = parse(&with_content(&s, b"{}"), &s).unwrap();
+        assert_eq!(m.invalid, None);
+    }
+
+    #[test]
+    fn a_replayed_message_is_refused() {
+        let s = Signer::new("secret", "hmac-sha256").unwrap();
+        let f = msg(&s, "execute_request");
+        parse(&f, &s).unwrap();
+        assert_eq!(parse(&f, &s).unwrap_err(), WireError::Replayed);
+        // The same signature in upper-case hex is the same signature.
+        let mut upper = f.clone();
+        upper[2] = Bytes::from(upper[2].to_ascii_uppercase());
+        assert_eq!(parse(&upper, &s).unwrap_err(), WireError::Replayed);
+        // Clones (the shell and control channels) share the history.
+        assert_eq!(parse(&f, &s.clone()).unwrap_err(), WireError::Replayed);
+        // A new message (new msg_id and date) is accepted.
+        parse(&msg(&s, "execute_request"), &s).unwrap();
+        // A forged message is not recorded: it cannot push real signatures out.
+        let forger = Signer::new("guess", "hmac-sha256").unwrap();
+        let forged = msg(&forger, "execute_request");
+        assert_eq!(parse(&forged, &s).unwrap_err(), WireError::BadSignature);
+        assert_eq!(s.history.lock().unwrap().order.len(), 2);
+        // Without a key nothing is signed, so nothing can be told apart.
+        let none = Signer::new("", "hmac-sha256").unwrap();
+        let f = msg(&none, "execute_request");
+        parse(&f, &none).unwrap();
+        parse(&f, &none).unwrap();
+    }
+
+    #[test]
+    fn the_replay_history_is_bounded_and_drops_the_oldest() {
+        let mut s = Signer::new("secret", "hmac-sha256").unwrap();
+        s.history_size = 100;
+        let sent: Vec<Vec<Bytes>> = (0..101).map(|_| msg(&s, "execute_request")).collect();
+        for f in &sent {
+            parse(f, &s).unwrap();
+        }
+        // Over the size by one: the oldest tenth went.
+        let h = s.history.lock().unwrap();
+        assert_eq!((h.order.len(), h.seen.len()), (91, 91));
+        drop(h);
+        parse(&sent[0], &s).unwrap();
+        assert_eq!(parse(&sent[100], &s).unwrap_err(), WireError::Replayed);
+        assert_eq!(parse(&sent[10], &s).unwrap_err(), WireError::Replayed);
     }
 
     #[test]

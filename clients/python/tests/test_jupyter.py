@@ -331,6 +331,7 @@ def test_crash_restart_says_why():
         assert content["status"] == "ok"
         text = "".join(m["content"].get("text", "") for m in msgs if m["msg_type"] == "stream")
         assert "a new session was started" in text and "worker_crashed" in text, text
+        assert "<cell N>, from 1 again" in text, text
         assert "alive" in text
         content, _ = execute(kc, "y")
         assert content["ename"] == "NameError"
@@ -475,3 +476,267 @@ def test_kernel_answers_before_its_session_and_reports_an_open_failure(kernelspe
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+# -- what a fresh-clone review found -----------------------------------------------------------
+
+
+class running:
+    """A started kernel and its ready client: ``with running(name) as (km, kc): ...``."""
+
+    def __init__(self, name: str):
+        self.km = KernelManager(kernel_name=name)
+
+    def __enter__(self):
+        self.km.start_kernel()
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+        return self.km, self.kc
+
+    def __exit__(self, *exc):
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+def reply_to(kc, msg_id: str, timeout: float = 60) -> dict:
+    """The shell reply whose parent is ``msg_id``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reply = kc.get_shell_msg(timeout=max(0.01, deadline - time.monotonic()))
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply
+
+
+def iopub_until_idle(kc, msg_id: str, timeout: float = 60) -> list[dict]:
+    """The iopub messages of request ``msg_id`` up to its ``idle`` status."""
+    out = []
+    deadline = time.monotonic() + timeout
+    while True:
+        m = kc.get_iopub_msg(timeout=max(0.01, deadline - time.monotonic()))
+        if m["parent_header"].get("msg_id") != msg_id:
+            continue
+        if m["msg_type"] == "status" and m["content"]["execution_state"] == "idle":
+            return out
+        out.append(m)
+
+
+def streams(msgs: list[dict], name: str) -> str:
+    return "".join(m["content"]["text"] for m in msgs
+                   if m["msg_type"] == "stream" and m["content"]["name"] == name)
+
+
+def test_truncated_output_is_reported_after_it():
+    """A cell whose output the daemon cut says so, with the same figures as sandcellctl run,
+    on stderr after the output it kept."""
+    with running("sandcell-python") as (_, kc):
+        content, msgs = execute(kc, "print('x' * 1000000)\n"
+                                    "import sys; sys.stderr.write('y' * 1000000)")
+        assert content["status"] == "ok", content
+        out = streams(msgs, "stdout")
+        assert out == "x" * 65536, len(out)
+        err = streams(msgs, "stderr")
+        assert "sandcell: stdout truncated: kept 65536 of 1000001 bytes\n" in err, err[-300:]
+        assert "sandcell: stderr truncated: kept 65536 of 1000000 bytes\n" in err, err[-300:]
+        last_out = max(i for i, m in enumerate(msgs) if m["msg_type"] == "stream"
+                       and m["content"]["name"] == "stdout")
+        first_note = min(i for i, m in enumerate(msgs) if m["msg_type"] == "stream"
+                         and "truncated" in m["content"]["text"])
+        assert first_note > last_out
+        # Nothing cut, nothing said.
+        content, msgs = execute(kc, "print('short')")
+        assert streams(msgs, "stderr") == "" and streams(msgs, "stdout") == "short\n"
+
+
+def test_missing_module_hint_comes_before_the_error():
+    """``import pandas`` where only pydata has it: the hint sandcellctl run prints, on
+    stderr, before the error."""
+    with running("sandcell-python") as (_, kc):
+        content, msgs = execute(kc, "import pandas")
+        assert content["status"] == "error" and content["ename"] == "ModuleNotFoundError"
+        err = streams(msgs, "stderr")
+        if "hint:" not in err:
+            import sandcell
+            envs = [e["name"] for e in sandcell.Client().list_environments()
+                    if any(p.get("name", "").lower() == "pandas"
+                           for p in e.get("packages") or [])]
+            assert not envs, f"no hint though {envs} have pandas: {err!r}"
+            skip("no environment of this daemon has pandas, so there is no hint to give")
+        assert "sandcell: hint: pandas is not installed in this environment; environment" in err
+        assert "pydata' has it" in err or "pydata has it" in err, err
+        if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") != "1":
+            assert "change the kernel to" in err and "sandcell-pydata" in err, err
+        kinds = [m["msg_type"] for m in msgs]
+        hint_at = next(i for i, m in enumerate(msgs) if m["msg_type"] == "stream"
+                       and "hint:" in m["content"]["text"])
+        assert hint_at < kinds.index("error"), kinds
+
+
+def test_a_replayed_message_is_refused():
+    """A captured, validly signed execute_request sent again does not run the cell again."""
+    with running("sandcell-python") as (_, kc):
+        msg = kc.session.msg("execute_request", {
+            "code": "n = globals().get('n', 0) + 1\nprint(n)", "silent": False,
+            "store_history": True, "user_expressions": {}, "allow_stdin": False,
+            "stop_on_error": True})
+        frames = kc.session.serialize(msg)
+        sock = kc.shell_channel.socket
+        sock.send_multipart(frames)
+        reply = reply_to(kc, msg["header"]["msg_id"])
+        assert reply["content"]["status"] == "ok"
+        sock.send_multipart(frames)  # the replay
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            try:
+                r = kc.get_shell_msg(timeout=max(0.01, deadline - time.monotonic()))
+            except Empty:
+                break
+            assert r["parent_header"].get("msg_id") != msg["header"]["msg_id"], r
+        content, msgs = execute(kc, "print(n)")
+        assert streams(msgs, "stdout") == "1\n"
+        assert content["execution_count"] == 2, content
+
+
+def test_only_stored_cells_advance_the_count_and_user_expressions_say_why():
+    with running("sandcell-python") as (_, kc):
+        assert execute(kc, "a = 1")[0]["execution_count"] == 1
+        for silent, store in ((True, False), (False, False), (True, False)):
+            msg_id = kc.execute("a += 1", silent=silent, store_history=store)
+            reply = reply_to(kc, msg_id)["content"]
+            assert reply["status"] == "ok" and reply["execution_count"] == 1, reply
+        msg_id = kc.execute("a", user_expressions={"twice": "a * 2", "bad": "1/0"})
+        reply = reply_to(kc, msg_id)["content"]
+        assert reply["execution_count"] == 2, reply
+        ue = reply["user_expressions"]
+        assert set(ue) == {"twice", "bad"}, ue
+        for v in ue.values():
+            assert v["status"] == "error" and v["ename"] == "NotImplementedError", v
+            assert "does not evaluate user_expressions" in v["evalue"], v
+        msg_id = kc.history(hist_access_type="tail", n=10)
+        hist = reply_to(kc, msg_id)["content"]["history"]
+        assert [h[2] for h in hist] == ["a = 1", "a"], hist
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_history_is_bounded_in_bytes():
+    """A flood of 20 MiB cells keeps the kernel's memory bounded: they are refused without
+    ending the session (a request that large would make sandcelld end the connection), the
+    history keeps 64 KiB of each, and a history reply is bounded too. Before these bounds, 15
+    such cells took the kernel from 8 to 428 MiB, and a history request to 728 MiB."""
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel keeps every message in Python objects; "
+             "this measures the Rust kernel")
+    with running("sandcell-python") as (km, kc):
+        pid = km.provisioner.process.pid
+        assert execute(kc, "kept = 42")[0]["status"] == "ok"
+        before = rss_bytes(pid)
+        big = "#" + "é" * (10 << 20)  # 20 MiB of UTF-8
+        rss = []
+        for i in range(15):
+            msg_id = kc.execute(big)
+            reply = reply_to(kc, msg_id, timeout=120)["content"]
+            assert reply["status"] == "error" and reply["ename"] == "LimitExceeded", \
+                {k: reply.get(k) for k in ("ename", "evalue")}
+            assert "the session and its variables stay" in reply["evalue"], reply["evalue"]
+            rss.append(rss_bytes(pid))
+        msg_id = kc.history(hist_access_type="tail", n=100, output=True)
+        reply = reply_to(kc, msg_id, timeout=120)
+        hist = reply["content"]["history"]
+        assert len(hist) == 16, len(hist)
+        kept = hist[-1][2][0]
+        assert kept.startswith("#é") and len(kept.encode()) == 64 * 1024 - 1, len(kept.encode())
+        after = rss_bytes(pid)
+        sys.stderr.write(f"test_jupyter: kernel RSS {before >> 20} MiB before, "
+                         f"{[r >> 20 for r in rss]} MiB after each 20 MiB cell, "
+                         f"{after >> 20} MiB after a history request\n")
+        # What one message in flight costs (its frames, the parsed content, the echo on
+        # iopub; the allocator keeps some of it), but no growth with the number of cells.
+        assert max(rss[5:]) < max(rss[:5]) + (48 << 20), rss
+        assert after < max(rss) + (16 << 20), (rss, after)
+        assert after < 200 << 20, after
+        content, msgs = execute(kc, "print(kept)")
+        assert streams(msgs, "stdout") == "42\n", (content, msgs)
+
+
+def send_raw(kc, msg_type: str, content: bytes) -> str:
+    """Sends a validly signed message of ``msg_type`` whose content frame is ``content``
+    verbatim; its msg_id."""
+    import json
+    import uuid
+
+    s = kc.session
+    header = s.msg_header(msg_type)
+    header["msg_id"] = str(uuid.uuid4())
+    parts = [json.dumps(header, default=str).encode(), b"{}", b"{}", content]
+    kc.shell_channel.socket.send_multipart([b"<IDS|MSG>", s.sign(parts)] + parts)
+    return header["msg_id"]
+
+
+def test_signed_but_malformed_requests_get_error_replies():
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel's message handling is ipykernel's")
+    with running("sandcell-python") as (_, kc):
+        cases = [
+            ("complete_request", b'{"code": "\\ud800", "cursor_pos": 0}', "not valid JSON"),
+            ("execute_request", b'[1, 2]', "not a JSON object (an array)"),
+            ("inspect_request", b'"text"', "not a JSON object (a string)"),
+            ("execute_request", b'{"code": 7}', "code is not a string"),
+            ("complete_request", b'{"code": "pri", "cursor_pos": 1000000000}',
+             "cursor_pos 1000000000 is beyond the code (3 characters)"),
+        ]
+        for msg_type, content, why in cases:
+            msg_id = send_raw(kc, msg_type, content)
+            reply = reply_to(kc, msg_id, timeout=10)
+            assert reply["msg_type"] == msg_type.replace("_request", "_reply"), reply
+            c = reply["content"]
+            assert c["status"] == "error" and c["ename"] == "InvalidRequest", c
+            assert why in c["evalue"], c
+        # Through jupyter_client's own API too.
+        msg_id = kc.complete("pri", cursor_pos=10**9)
+        c = reply_to(kc, msg_id, timeout=10)["content"]
+        assert c["status"] == "error" and "beyond the code" in c["evalue"], c
+        content, msgs = execute(kc, "print('fine')")
+        assert content["status"] == "ok" and content["execution_count"] == 1, content
+
+
+def test_install_checks_that_sandcellctl_can_be_started(tmp_path):
+    import subprocess
+
+    def install(*args: str, path: str) -> subprocess.CompletedProcess:
+        env = dict(os.environ, PATH=path)
+        return subprocess.run([sys.executable, "-m", "sandcell.jupyter", "install",
+                               "--prefix", str(tmp_path / "prefix"), *args],
+                              env=env, capture_output=True, text=True, timeout=60)
+
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    specs = tmp_path / "prefix" / "share" / "jupyter" / "kernels"
+    r = install(path=str(empty))
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "'sandcellctl' is not on PATH" in r.stderr and "--python-kernel" in r.stderr, r.stderr
+    assert not specs.exists() or not any(specs.iterdir())
+    r = install("--sandcellctl", str(tmp_path / "nowhere" / "sandcellctl"), path=str(empty))
+    assert r.returncode == 2 and "is not an executable file" in r.stderr, r.stderr
+    r = install("--force", path=str(empty))
+    assert r.returncode == 0 and "warning:" in r.stderr, r.stderr
+    assert (specs / "sandcell-python" / "kernel.json").exists()
+    r = install("--sandcellctl", str(BIN / "sandcellctl"), path=str(empty))
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    r = install("--python-kernel", path=str(empty))
+    assert r.returncode == 0, r.stderr
+
+
+def test_an_interrupted_r_cell_says_so_in_rs_words():
+    with running("sandcell-r") as (km, kc):
+        msg_id = kc.execute("repeat {}")
+        time.sleep(1.0)
+        km.interrupt_kernel()
+        reply = reply_to(kc, msg_id, timeout=30)["content"]
+        assert reply["status"] == "error" and reply["ename"] == "interrupt", reply

@@ -30,7 +30,22 @@ def install(argv: list[str]) -> int:
                         "(default: python3 on PATH)")
     p.add_argument("--kernel", action="append", choices=sorted(KERNELS),
                    help="only this kernel (repeatable; default: all)")
+    p.add_argument("--force", action="store_true",
+                   help="install even when the sandcellctl the kernelspecs start is not found "
+                        "(it may be installed later)")
     a = p.parse_args(argv)
+    if not a.python_kernel and shutil.which(a.sandcellctl) is None:
+        # Jupyter would start the kernel and fail with FileNotFoundError on every launch.
+        what = (f"{a.sandcellctl!r} is not an executable file" if os.sep in a.sandcellctl
+                else f"{a.sandcellctl!r} is not on PATH")
+        advice = ("pass --sandcellctl /path/to/sandcellctl, or --python-kernel for the "
+                  "ipykernel-based kernel (needs only this Python package and ipykernel)")
+        if not a.force:
+            print(f"{p.prog}: {what}, so the kernels could not start; {advice}; --force "
+                  "installs anyway", file=sys.stderr)
+            return 2
+        print(f"{p.prog}: warning: {what}; the kernels will not start until it is "
+              f"({advice})", file=sys.stderr)
     try:
         from jupyter_client.kernelspec import KernelSpecManager
     except ImportError:

@@ -17,8 +17,15 @@ kernels that delegate execution elsewhere. What this module adds is only the map
 
 - ``execute_request``: one ``Execute`` of the session with rich output; output frames become
   ``stream`` messages, display frames ``display_data`` or (the last expression's value)
-  ``execute_result`` with the kernel's ``execution_count``; an error becomes an ``error``
-  message and reply with the traceback's lines. R's plots come as ``image/png`` display
+  ``execute_result`` with the kernel's ``execution_count`` (advanced only by a cell with
+  ``store_history``, as IPython's kernel counts); an error becomes an ``error``
+  message and reply with the traceback's lines. After the cell's output a ``stderr`` stream
+  says what the result reports was cut (``sandcell: stdout truncated: kept 65536 of 1000001
+  bytes``, also for stderr and display bundles) and gives its warnings and hints (e.g. which
+  environment has a module the cell could not import), before the error.
+  ``user_expressions`` are not evaluated (that would run code outside a cell): each key is
+  answered with an error entry. IPython magics and shell escapes (``%timeit``, ``!ls``) are
+  a ``SyntaxError``: cells are plain Python. R's plots come as ``image/png`` display
   frames like matplotlib's figures (the worker sends each page its default device wrote).
 - ``interrupt_request`` (``interrupt_mode: message`` in the kernelspec): sandcell's
   ``Interrupt`` of the running cell; the session keeps its variables.
@@ -38,7 +45,8 @@ kernels that delegate execution elsewhere. What this module adds is only the map
   heuristic (open brackets or strings, a trailing operator: incomplete; a closing bracket
   too many: invalid).
 - ``history_request``: the kernel's own history of this kernel's cells (``tail``, ``range``,
-  ``search`` with a glob pattern, ``unique``).
+  ``search`` with a glob pattern, ``unique``): each cell's code and result text cut at
+  64 KiB, at most 16 MiB in all (the oldest cells go first).
 - ``comm_open``: answered with ``comm_close`` (comms and widgets are not supported);
   ``comm_msg`` and ``comm_close`` are ignored.
 - ``input()``: cells have no stdin (the confined worker's is ``/dev/null``), so Python's
@@ -139,6 +147,35 @@ def r_is_complete(code: str) -> dict[str, Any]:
     return {"status": "complete"}
 
 
+#: Bytes of a cell's code (and of its result's text) the history keeps.
+MAX_HISTORY_CODE = 64 * 1024
+#: Bytes of code and result text the whole history keeps (the oldest cells go first).
+MAX_HISTORY_BYTES = 16 * 1024 * 1024
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` bytes of UTF-8, on a character boundary."""
+    b = text.encode("utf-8", "surrogatepass")
+    if len(b) <= limit:
+        return text
+    return b[:limit].decode("utf-8", "ignore")
+
+
+def notices(r: Any) -> str:
+    """The ``stderr`` lines saying what result ``r`` reports was cut and its warnings
+    (``""`` when there is nothing to say)."""
+    lines = []
+    for name, st in (("stdout", r.stdout_stats), ("stderr", r.stderr_stats),
+                     ("display bundles", r.displays_stats)):
+        if st is not None and st.truncated:
+            lines.append(f"sandcell: {name} truncated: kept {st.kept} of {st.seen} bytes\n")
+    for w in r.warnings:
+        # The client adds which environment has a module the cell could not import.
+        label = "hint" if "is not installed in this environment" in w else "warning"
+        lines.append(f"sandcell: {label}: {w}\n")
+    return "".join(lines)
+
+
 def _python_names(history: list[tuple[int, str]]) -> set[str]:
     import ast
 
@@ -178,6 +215,8 @@ class SandcellKernel(Kernel):
         self.sc_session: sandcell.Session | None = None
         self.sc_history: list[tuple[int, str]] = []
         self.sc_outputs: dict[int, str] = {}
+        #: Bytes of code and result text in the history.
+        self.sc_history_bytes = 0
         self.sc_ended: str | None = None
         self.sc_version = self._interpreter_version()
         self.shell_handlers["comm_open"] = self.comm_open_unsupported
@@ -229,10 +268,17 @@ class SandcellKernel(Kernel):
     def do_execute(self, code: str, silent: bool, store_history: bool = True,
                    user_expressions: dict[str, Any] | None = None, allow_stdin: bool = False,
                    **_: Any) -> dict[str, Any]:
+        if not silent and not store_history:
+            # The base counts every cell that is not silent; IPython's kernel only stored ones.
+            self.execution_count -= 1
         if store_history and not silent:
-            self.sc_history.append((self.execution_count, code))
+            self._remember(self.execution_count, code)
+        exprs = {k: {"status": "error", "ename": "NotImplementedError",
+                     "evalue": "the sandcell kernel does not evaluate user_expressions "
+                               "(they would run code outside a cell)", "traceback": []}
+                 for k in (user_expressions or {})}
         ok = {"status": "ok", "execution_count": self.execution_count, "payload": [],
-              "user_expressions": {}}
+              "user_expressions": exprs}
         if not code.strip():
             return ok
         if self.sc_session is None:
@@ -242,7 +288,9 @@ class SandcellKernel(Kernel):
                 return self._error(type(e).__name__, f"could not open a sandcell session: {e}", [])
             if self.sc_ended and not silent:
                 self._stream("stderr", f"sandcell: {self.sc_ended}; a new session was started "
-                                       "(the variables of the old one are lost)\n")
+                                       "(the variables of the old one are lost; tracebacks number "
+                                       "its cells, <cell N>, from 1 again, apart from the "
+                                       "execution count)\n")
             self.sc_ended = None
         session = self.sc_session
         assert session is not None
@@ -257,8 +305,12 @@ class SandcellKernel(Kernel):
             if o.note:
                 self._stream("stderr", f"sandcell: {o.note}\n")
             if o.kind == "result":
-                if store_history:
-                    self.sc_outputs[count] = o.text
+                if store_history and self.sc_history and self.sc_history[-1][0] == count:
+                    text = _cut(o.text, MAX_HISTORY_CODE)
+                    old = self.sc_outputs.get(count, "")
+                    self.sc_outputs[count] = text
+                    self.sc_history_bytes += (len(text.encode("utf-8", "surrogatepass"))
+                                              - len(old.encode("utf-8", "surrogatepass")))
                 self.send_response(self.iopub_socket, "execute_result",
                                    {"execution_count": count, "data": o.data, "metadata": {}})
             else:
@@ -270,6 +322,9 @@ class SandcellKernel(Kernel):
         except sandcell.VarlinkError as e:
             self._drop_session(f"the session is gone ({e})")
             return self._error(type(e).__name__, str(e), [])
+        note = notices(r)
+        if note and not silent:
+            self._stream("stderr", note)
         if r.session_ended:
             why = f"the session ended with cell {count} ({r.status}" + (
                 f": {'; '.join(r.warnings)}" if r.warnings else "") + ")"
@@ -287,13 +342,26 @@ class SandcellKernel(Kernel):
             return self._error(err.type, evalue, tb)
         names = {"interrupted": "KeyboardInterrupt", "timeout": "TimeoutError",
                  "memory_exhausted": "MemoryError", "exited": "SystemExit"}
+        if self.sc_language == "r":
+            names["interrupted"] = "interrupt"  # R's own condition class
         ename = names.get(r.status, "SandcellError")
         evalue = r.error.message if r.error is not None else f"the cell ended: {r.status}"
         if r.status == "exited":
             evalue = f"the cell ended the interpreter (exit code {r.exit_code})"
         if r.session_ended:
             evalue += "; the session ended, the next cell starts a new one"
-        return self._error(ename, evalue, [f"{ename}: {evalue}"] + list(r.warnings))
+        return self._error(ename, evalue, [f"{ename}: {evalue}"])
+
+    def _remember(self, count: int, code: str) -> None:
+        """Adds a cell to the history, within its bounds."""
+        code = _cut(code, MAX_HISTORY_CODE)
+        self.sc_history.append((count, code))
+        self.sc_history_bytes += len(code.encode("utf-8", "surrogatepass"))
+        while len(self.sc_history) > 1 and (len(self.sc_history) > 10_000
+                                            or self.sc_history_bytes > MAX_HISTORY_BYTES):
+            n, c = self.sc_history.pop(0)
+            out = self.sc_outputs.pop(n, "")
+            self.sc_history_bytes -= len((c + out).encode("utf-8", "surrogatepass"))
 
     def _drop_session(self, why: str) -> None:
         s, self.sc_session = self.sc_session, None
