@@ -132,6 +132,11 @@ stage() {
         "$root"/usr/libexec/sandcell/sandcell-{worker-python,worker-r,worker-python-native,python-runtime,bench,egress}
     install -m 0644 units/sandcelld.socket units/sandcelld.service units/sandcell-sessions.service \
         units/sandcell-egress.socket units/sandcell-egress.service "$root$unitdir/"
+    # The egress drop-ins: data, inactive until the operator links them into
+    # /etc/systemd/system/<unit>.d/ (sandcelld(8), EGRESS).
+    install -d "$root/usr/share/sandcell/egress"
+    install -m 0644 units/egress/sandcelld.service.conf units/egress/sandcell-sessions.service.conf \
+        "$root/usr/share/sandcell/egress/"
     install -m 0644 units/sysusers.d/sandcell.conf "$root/usr/lib/sysusers.d/sandcell.conf"
     install -m 0644 units/tmpfiles.d/sandcell.conf "$root/usr/lib/tmpfiles.d/sandcell.conf"
     install -m 0644 packaging/sandcelld.toml "$root/etc/sandcell/sandcelld.toml"

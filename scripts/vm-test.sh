@@ -28,7 +28,8 @@
 # SANDCELL_VM_CELLS_SURVIVE (default 1: also check that a cell running across them is
 # continued, its whole output and result retrievable; 0: only print its figures),
 # SANDCELL_VM_ONLY=lifecycle (run only the install, the first cell, those four events and the
-# stop: about a third of the guest run).
+# stop: about a third of the guest run), SANDCELL_VM_ONLY=egress (the install, the first cell
+# and the egress checks: the packages' drop-ins under the real units).
 # Needs root; installs what it needs (scripts/setup.sh, then mmdebstrap, qemu-system-x86, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -127,6 +128,7 @@ boot() {
     cp "$deb" "$run/sandcell.deb"
     cp "$pydeb" "$run/python3-sandcell.deb"
     cp tests/system/guest-test.sh "$run/guest-test.sh"
+    cp tests/system/guest-egress.sh "$run/guest-egress.sh"
     cp -r examples "$run/examples" 2>/dev/null || true
     # The Python client's tests (not shipped by python3-sandcell), laid out as in the tree so
     # they find the interface definition and the gateway example; they import the installed
@@ -142,7 +144,8 @@ boot() {
     # Whether a cell running across those events must be continued (its output and result).
     echo "${SANDCELL_VM_CELLS_SURVIVE:-1}" >"$run/cells-survive"
     # A subset of the guest's checks (lifecycle: install, the first cell, the four daemon
-    # events and the stop), for a quicker run.
+    # events and the stop; egress: install, the first cell, the egress checks), for a
+    # quicker run.
     echo "${SANDCELL_VM_ONLY:-}" >"$run/only"
     if [[ -f $cache/python-runtime.tar && ${SANDCELL_VM_FRESH_RUNTIME:-0} != 1 ]]; then
         cp "$cache/python-runtime.tar" "$run/"

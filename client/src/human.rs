@@ -162,6 +162,10 @@ pub fn describe(e: &KernelError) -> String {
             "host call {call} of session {session} does not wait for an answer (answered, \
              timed out, or its cell ended)"
         ),
+        K::EgressUnavailable {
+            environment,
+            reason,
+        } => format!("environment {environment:?} has egress, but {reason}"),
     }
 }
 

@@ -141,6 +141,13 @@ pub struct Plan {
     /// 4 and later) allows TCP connect to this port only; `None`: no socket of any family.
     #[serde(default)]
     pub tcp_connect_port: Option<u16>,
+    /// The launcher already moved the worker (between fork and exec, setns(2)) into a fresh
+    /// network namespace of its own that the daemon prepared (egress: its loopback up and the
+    /// proxy listener bound there, so the daemon never has to enter a worker's namespace,
+    /// which needs ptrace access to it). Step 3 then unshares no other; with
+    /// `new_net_namespace` it still counts as the worker's own namespace.
+    #[serde(default)]
+    pub net_namespace_entered: bool,
 }
 
 /// Why confinement failed. The worker prints it and exits with [`EXIT_CONFINE_FAILED`].
@@ -295,7 +302,10 @@ pub fn enter(plan: &Plan) -> Result<Report, Error> {
     // 3. Namespaces (needs CAP_SYS_ADMIN, so before the identity switch): an empty network
     //    namespace means no route anywhere even if a socket were obtained; a private IPC
     //    namespace hides the host's System V shared memory and message queues.
-    let ns = namespaces::unshare(plan.new_net_namespace, plan.new_ipc_namespace);
+    let ns = namespaces::unshare(
+        plan.new_net_namespace && !plan.net_namespace_entered,
+        plan.new_ipc_namespace,
+    );
     layer(&mut report, strict, "namespaces", ns)?;
     clock.lap(&mut report, "namespaces");
 

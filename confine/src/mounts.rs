@@ -655,6 +655,7 @@ mod tests {
             landlock_abi_cap: None,
             mount_namespace: true,
             tcp_connect_port: None,
+            net_namespace_entered: false,
         }
     }
 

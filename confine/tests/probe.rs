@@ -101,6 +101,7 @@ impl Fixture {
             landlock_abi_cap: None,
             mount_namespace: false,
             tcp_connect_port: None,
+            net_namespace_entered: false,
         }
     }
 

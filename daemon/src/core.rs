@@ -757,7 +757,9 @@ impl Core {
     /// Opens a session: admission, identity, cgroup, confined worker, `Ready`.
     ///
     /// Errors: `ShuttingDown`, `UnsupportedLanguage`, `LimitExceeded`, `InvalidParameter`,
-    /// `PermissionDenied`, `CapacityExceeded` (at once, never queued), `WorkerFailed`.
+    /// `PermissionDenied`, `CapacityExceeded` (at once, never queued), `WorkerFailed`,
+    /// `EgressUnavailable` (an environment with egress the service's sandbox cannot give,
+    /// [`crate::egress::availability`]).
     pub async fn open(
         &self,
         caller: &Caller,
@@ -800,6 +802,17 @@ impl Core {
             return Err(KernelError::ShuttingDown {});
         }
         let env = self.resolve_environment(language, environment)?;
+        // Egress the service's sandbox cannot give is refused here, not at the first cell
+        // that fetches something. The daemon's own readiness probe runs no network cell.
+        if env.egress.is_some()
+            && !matches!(caller.subject, crate::identity::Subject::Daemon)
+            && let Err(u) = crate::egress::availability()
+        {
+            return Err(KernelError::EgressUnavailable {
+                environment: env.name.clone(),
+                reason: u.reason.clone(),
+            });
+        }
         let language = env.language;
         let mut limits = self.session_limits(language, limits)?;
         if host_calls {

@@ -1,7 +1,9 @@
-//! The daemon's side of a worker's egress: once a worker of an environment with egress is
-//! ready, [`open`] makes the proxy listener inside its network namespace ([`listener_in`])
-//! and grants it to `sandcell-egress` over the control socket ([`grant`]); the worker holds
-//! the grant for its life.
+//! The daemon's side of a worker's egress: before a worker of an environment with egress is
+//! forked, [`prepare_namespace`] makes its network namespace (loopback up, the proxy listener
+//! bound in it), which the child joins before exec; once the worker is ready, [`open`] grants
+//! the listener to `sandcell-egress` over the control socket ([`grant`]); the worker holds
+//! the grant for its life. Whether the service's sandbox allows any of it is probed once
+//! ([`availability`]).
 //!
 //! The daemon never connects anywhere itself: it only creates a listening socket in the
 //! worker's namespace and hands it over with `SCM_RIGHTS` (unix(7)). The grant lasts while the
@@ -25,26 +27,252 @@ pub const CONTROL_SOCKET: &str = "/run/sandcell-egress/control";
 /// Longest the proxy may take to answer a grant.
 pub const GRANT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// A listening TCP socket on `127.0.0.1:`[`PROXY_PORT`] inside the network namespace of
-/// process `pid`, with that namespace's loopback brought up (a new namespace's `lo` is down,
-/// and connecting to 127.0.0.1 then fails with `ENETUNREACH`).
+/// Where the packages install the drop-ins that give the shipped units what egress needs
+/// (`units/egress/` in the source tree): `sandcelld.service.conf` (`RestrictAddressFamilies=`
+/// `AF_INET AF_INET6`, `CAP_NET_ADMIN` in the bounding set, `IPAddressAllow=localhost`) and
+/// `sandcell-sessions.service.conf` (`IPAddressAllow=localhost`). Inactive until the operator
+/// links them into `/etc/systemd/system/<unit>.d/` (sandcelld(8), EGRESS).
+pub const DROP_IN_DIR: &str = "/usr/share/sandcell/egress";
+
+/// How the operator turns egress on under the shipped units, as the refusal and `--check`
+/// say it.
+pub fn enable_hint() -> String {
+    format!(
+        "link the drop-ins {DROP_IN_DIR}/sandcelld.service.conf and \
+         {DROP_IN_DIR}/sandcell-sessions.service.conf into \
+         /etc/systemd/system/sandcelld.service.d/ and \
+         /etc/systemd/system/sandcell-sessions.service.d/, then systemctl daemon-reload and \
+         systemctl restart sandcelld.service (sandcelld(8), EGRESS)"
+    )
+}
+
+/// Why egress cannot be given here ([`availability`]).
+#[derive(Debug, Clone)]
+pub struct Unavailable {
+    /// What is missing and the drop-in that adds it, at most 128 bytes (an error reply's
+    /// strings are cut there), e.g. `the service lacks CAP_NET_ADMIN AF_INET: link
+    /// /usr/share/sandcell/egress/sandcelld.service.conf`. `EgressUnavailable`'s reason.
+    pub reason: String,
+    /// Each failed step with its OS error, and how to link the drop-ins (the log,
+    /// `sandcelld --check`, the `Confinement` property).
+    pub detail: String,
+}
+
+/// Whether this process can give workers egress, probed once (the first call) and kept.
 ///
-/// The work happens on a short-lived thread that enters the namespace (setns(2) moves only
-/// the calling thread) and ends there. `SIOCSIFFLAGS` goes through an `AF_UNIX` socket
-/// (netdevice(7): any socket serves), so only the listener itself is an `AF_INET` socket.
-/// Needs `CAP_SYS_ADMIN` (setns) and `CAP_NET_ADMIN` over the namespace.
-///
-/// Errors: the namespace cannot be opened or entered, `lo` cannot be brought up, the port
-/// cannot be bound.
-pub fn listener_in(pid: i32) -> io::Result<OwnedFd> {
-    let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))?;
+/// The probe does in a throw-away network namespace (a short-lived thread unshares one:
+/// unshare(2) with `CLONE_NEWNET` moves only the calling thread) what [`prepare_namespace`] and an
+/// egress worker do: brings `lo` up (`CAP_NET_ADMIN`), binds an `AF_INET` listener on
+/// 127.0.0.1 (`RestrictAddressFamilies=`) and connects to it (a cgroup's `IPAddressDeny=`
+/// drops loopback packets; systemd.resource-control(5)). Under systemd (sd_booted(3), with the
+/// session groups in `sandcell-sessions.service`) it also asks systemd for that unit's
+/// `IPAddressAllow=` (`systemctl show`), since the workers' traffic passes that unit's filter,
+/// which this process cannot try from its own cgroup.
+pub fn availability() -> &'static Result<(), Unavailable> {
+    static PROBED: std::sync::OnceLock<Result<(), Unavailable>> = std::sync::OnceLock::new();
+    PROBED.get_or_init(|| {
+        let (lacks, detail) = match probe_here() {
+            Ok(()) => match sessions_unit_allows_loopback() {
+                Ok(()) => return Ok(()),
+                Err(d) => {
+                    let unit = crate::cgroup::v2::SESSIONS_UNIT;
+                    return Err(Unavailable {
+                        reason: format!("{unit} drops loopback: link {DROP_IN_DIR}/{unit}.conf"),
+                        detail: format!("egress is unavailable: {d}; {}", enable_hint()),
+                    });
+                }
+            },
+            Err(e) => e,
+        };
+        Err(Unavailable {
+            reason: format!(
+                "the service lacks {}: link {DROP_IN_DIR}/sandcelld.service.conf",
+                lacks.join(" ")
+            ),
+            detail: format!(
+                "egress is unavailable under this service's sandbox: {detail}; {}",
+                enable_hint()
+            ),
+        })
+    })
+}
+
+/// How long the probe's loopback connection may take before it counts as dropped.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The probe of [`availability`] in this process: `Err((what is lacking, in short; each
+/// failed step with its OS error))`.
+fn probe_here() -> Result<(), (Vec<&'static str>, String)> {
     std::thread::scope(|s| {
-        s.spawn(|| -> io::Result<OwnedFd> {
-            nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET)
-                .map_err(io::Error::from)?;
+        s.spawn(|| -> Result<(), (Vec<&'static str>, String)> {
+            if let Err(e) = nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET) {
+                return Err((
+                    vec!["CLONE_NEWNET"],
+                    format!("no network namespace for the probe ({e})"),
+                ));
+            }
+            let mut lacks = Vec::new();
+            let mut detail = Vec::new();
+            let up = loopback_up().map_err(|e| {
+                lacks.push("CAP_NET_ADMIN");
+                detail.push(format!(
+                    "cannot bring a worker namespace's loopback up ({e}; needs CAP_NET_ADMIN \
+                     in CapabilityBoundingSet=)"
+                ));
+            });
+            let bound = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|e| {
+                lacks.push("AF_INET");
+                detail.push(format!(
+                    "no AF_INET socket ({e}; needs AF_INET AF_INET6 in RestrictAddressFamilies=)"
+                ));
+            });
+            if let (Ok(()), Ok(l)) = (up, bound) {
+                let connected = l.local_addr().and_then(|to| {
+                    std::net::TcpStream::connect_timeout(&to, PROBE_TIMEOUT).map(drop)
+                });
+                if let Err(e) = connected {
+                    lacks.push("IPAddressAllow=localhost");
+                    detail.push(format!(
+                        "loopback traffic is dropped ({e}; needs IPAddressAllow=localhost \
+                         beside IPAddressDeny=)"
+                    ));
+                }
+            }
+            if !lacks.is_empty() {
+                return Err((lacks, detail.join("; ")));
+            }
+            Ok(())
+        })
+        .join()
+        .unwrap_or_else(|_| Err((vec!["a probe"], "the probe thread panicked".into())))
+    })
+}
+
+/// `systemctl show --property <prop> --value <unit>`: `None` where systemd does not run
+/// (sd_booted(3): no /run/systemd/system), `systemctl` is missing or fails.
+fn systemctl_show(unit: &str, prop: &str) -> Option<String> {
+    if !Path::new("/run/systemd/system").exists() {
+        return None;
+    }
+    let o = std::process::Command::new("systemctl")
+        .args(["show", "--property", prop, "--value", unit])
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    o.status
+        .success()
+        .then(|| String::from_utf8_lossy(&o.stdout).trim().to_string())
+}
+
+/// Whether `unit`, loaded in systemd, drops loopback traffic: `IPAddressDeny=` set and
+/// `IPAddressAllow=` without a loopback address. `Ok` where systemd or the unit is absent.
+fn unit_allows_loopback(unit: &str) -> Result<(), String> {
+    if systemctl_show(unit, "LoadState").as_deref() != Some("loaded") {
+        return Ok(());
+    }
+    let deny = systemctl_show(unit, "IPAddressDeny").unwrap_or_default();
+    let allow = systemctl_show(unit, "IPAddressAllow").unwrap_or_default();
+    if deny.is_empty()
+        || allow
+            .split_whitespace()
+            .any(|a| a.starts_with("127.") || a == "::1/128")
+    {
+        return Ok(());
+    }
+    Err(format!(
+        "{unit} drops the workers' loopback traffic (IPAddressDeny={deny}, \
+         IPAddressAllow={allow}; needs IPAddressAllow=localhost)"
+    ))
+}
+
+/// Under systemd with the session groups' unit loaded: whether its `IPAddressAllow=` admits
+/// loopback (the workers' traffic passes that unit's filter, which the daemon cannot try from
+/// its own cgroup).
+fn sessions_unit_allows_loopback() -> Result<(), String> {
+    unit_allows_loopback(crate::cgroup::v2::SESSIONS_UNIT)
+}
+
+/// What systemd says of the shipped units, for `sandcelld --check` run outside them:
+/// `sandcelld.service` has `AF_INET` in `RestrictAddressFamilies=`, `CAP_NET_ADMIN` in its
+/// bounding set and loopback allowed, and `sandcell-sessions.service` loopback allowed. `Ok`
+/// where systemd does not run or the units are not loaded; `Err(reason)` naming what is
+/// missing and the drop-ins ([`enable_hint`]).
+pub fn units_allow() -> Result<(), String> {
+    let unit = "sandcelld.service";
+    let mut missing = Vec::new();
+    if systemctl_show(unit, "LoadState").as_deref() == Some("loaded") {
+        let families = systemctl_show(unit, "RestrictAddressFamilies").unwrap_or_default();
+        if !families.is_empty()
+            && !families.starts_with('~')
+            && !families.split_whitespace().any(|f| f == "AF_INET")
+        {
+            missing.push(format!(
+                "{unit} has RestrictAddressFamilies={families} (needs AF_INET AF_INET6)"
+            ));
+        }
+        let caps = systemctl_show(unit, "CapabilityBoundingSet").unwrap_or_default();
+        if !caps
+            .split_whitespace()
+            .any(|c| c.eq_ignore_ascii_case("cap_net_admin"))
+        {
+            missing.push(format!(
+                "{unit} has no CAP_NET_ADMIN in CapabilityBoundingSet="
+            ));
+        }
+        if let Err(e) = unit_allows_loopback(unit) {
+            missing.push(e);
+        }
+    }
+    if let Err(e) = sessions_unit_allows_loopback() {
+        missing.push(e);
+    }
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "egress is unavailable under the installed units: {}; {}",
+            missing.join("; "),
+            enable_hint()
+        ))
+    }
+}
+
+/// An egress worker's network namespace, made before the worker exists.
+pub struct PreparedNamespace {
+    /// The namespace (`/proc/thread-self/ns/net` of the thread that made it): the worker
+    /// joins it with setns(2) between fork and exec; dropped once it has.
+    pub namespace: OwnedFd,
+    /// A listening TCP socket on `127.0.0.1:`[`PROXY_PORT`] inside it, granted to the proxy
+    /// once the worker is ready ([`open`]).
+    pub listener: OwnedFd,
+}
+
+/// A fresh network namespace with its loopback up (a new namespace's `lo` is down, and
+/// connecting to 127.0.0.1 then fails with `ENETUNREACH`) and the proxy listener bound in it.
+///
+/// The work happens on a short-lived thread that unshares a network namespace (unshare(2)
+/// with `CLONE_NEWNET` moves only the calling thread) and ends there; the namespace lives on
+/// through the returned descriptors. Made by the daemon rather than entered later: entering
+/// a worker's namespace through `/proc/<pid>/ns/net` or its pidfd needs ptrace access to the
+/// worker (`CAP_SYS_PTRACE` once it runs as its session uid, ptrace(2) "Ptrace access mode
+/// checking"), which the daemon's unit does not have. `SIOCSIFFLAGS` goes through an
+/// `AF_UNIX` socket (netdevice(7): any socket serves), so only the listener itself is an
+/// `AF_INET` socket. Needs `CAP_SYS_ADMIN` (unshare) and `CAP_NET_ADMIN` over the namespace.
+///
+/// Errors: the namespace cannot be made, `lo` cannot be brought up, the port cannot be
+/// bound.
+pub fn prepare_namespace() -> io::Result<PreparedNamespace> {
+    std::thread::scope(|s| {
+        s.spawn(|| -> io::Result<PreparedNamespace> {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).map_err(io::Error::from)?;
             loopback_up()?;
             let l = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, PROXY_PORT))?;
-            Ok(OwnedFd::from(l))
+            let ns = std::fs::File::open("/proc/thread-self/ns/net")?;
+            Ok(PreparedNamespace {
+                namespace: OwnedFd::from(ns),
+                listener: OwnedFd::from(l),
+            })
         })
         .join()
         .unwrap_or_else(|_| Err(io::Error::other("the namespace thread panicked")))
@@ -126,13 +354,17 @@ pub fn control_socket() -> std::path::PathBuf {
         .unwrap_or_else(|| CONTROL_SOCKET.into())
 }
 
-/// Gives the worker `pid` (confined and ready, in its own network namespace) its egress under
-/// `policy`: the listener in its namespace, granted to the proxy, the grant held by a task
-/// until the process exits (its pidfd turns readable, pidfd_open(2)), which revokes it. A
-/// failure (the proxy is not running, the daemon lacks `CAP_NET_ADMIN`) is logged as a
-/// warning with the reason, and the worker then reaches nothing (its connects fail with
-/// `ENETUNREACH`).
-pub async fn open(id: &str, pid: u32, policy: &crate::config::EgressConfig) {
+/// Gives the worker `pid` (confined and ready, in the namespace [`prepare_namespace`] made)
+/// its egress under `policy`: `listener` (bound in its namespace) granted to the proxy, the
+/// grant held by a task until the process exits (its pidfd turns readable, pidfd_open(2)),
+/// which revokes it. A failure (the proxy is not running) is logged as a warning with the
+/// reason, and the worker then reaches nothing (its connects are refused).
+pub async fn open(id: &str, pid: u32, listener: OwnedFd, policy: &crate::config::EgressConfig) {
+    // Refused at Open with the reason (EgressUnavailable); a warm worker started meanwhile
+    // gets nothing, and the log says why once, at start.
+    if availability().is_err() {
+        return;
+    }
     // Opened first, while the worker is certainly alive: the pidfd names this process even
     // if its pid is reused later.
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
@@ -144,7 +376,7 @@ pub async fn open(id: &str, pid: u32, policy: &crate::config::EgressConfig) {
     }
     // SAFETY: the descriptor was just returned to this process and is owned here only.
     let pidfd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
-    let Some(ctl) = granted(id, pid, policy).await else {
+    let Some(ctl) = granted(id, listener, policy).await else {
         return;
     };
     // SAFETY: `pidfd` is an open descriptor owned by the AsyncFd from here on: it stays open,
@@ -161,7 +393,11 @@ pub async fn open(id: &str, pid: u32, policy: &crate::config::EgressConfig) {
     });
 }
 
-async fn granted(id: &str, pid: u32, policy: &crate::config::EgressConfig) -> Option<UnixStream> {
+async fn granted(
+    id: &str,
+    listener: OwnedFd,
+    policy: &crate::config::EgressConfig,
+) -> Option<UnixStream> {
     let g = sandcell_egress::control::Grant {
         session: id.to_string(),
         hosts: policy.hosts.clone(),
@@ -173,8 +409,7 @@ async fn granted(id: &str, pid: u32, policy: &crate::config::EgressConfig) -> Op
     };
     let control = control_socket();
     let done = tokio::task::spawn_blocking(move || -> io::Result<UnixStream> {
-        let fd = listener_in(pid as i32)?;
-        grant(&control, &fd, &g)
+        grant(&control, &listener, &g)
     })
     .await
     .unwrap_or_else(|e| Err(io::Error::other(e.to_string())));
@@ -192,39 +427,27 @@ mod tests {
     use super::*;
     use std::process::{Command, Stdio};
 
-    /// A worker stand-in in its own network namespace; the daemon's two steps give it a
-    /// listener served by a real proxy (in process, over a real control socket), and a
-    /// request made from inside that namespace gets the proxy's answer.
+    /// A namespace made by [`prepare_namespace`], its listener granted to a real proxy (in
+    /// process, over a real control socket): a request made from inside that namespace (a
+    /// process that joined it as a worker does, setns(2) between fork and exec) gets the
+    /// proxy's answer.
     #[test]
-    fn a_listener_in_a_workers_namespace_is_served_by_the_proxy() {
+    fn a_prepared_namespace_is_served_by_the_proxy() {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
             sandcell_testing::skip!(
                 "root",
-                "not root (setns and CAP_NET_ADMIN over the namespace)"
+                "not root (unshare and CAP_NET_ADMIN over the namespace)"
             );
         }
-        if Command::new("unshare").arg("--version").output().is_err()
-            || Command::new("nsenter").arg("--version").output().is_err()
-        {
-            sandcell_testing::skip!("root", "util-linux's unshare or nsenter is missing");
-        }
-        let mut worker = Command::new("unshare")
-            .args(["-n", "sleep", "60"])
-            .spawn()
-            .unwrap();
-        let pid = worker.id() as i32;
-        // unshare execs sleep once the namespace exists.
+        let prepared = prepare_namespace().expect("a namespace with its listener");
+        let ns_raw = prepared.namespace.as_raw_fd();
         let own = std::fs::read_link("/proc/self/ns/net").unwrap();
-        let t0 = std::time::Instant::now();
-        while std::fs::read_link(format!("/proc/{pid}/ns/net"))
-            .ok()
-            .as_ref()
-            == Some(&own)
-        {
-            assert!(t0.elapsed() < Duration::from_secs(5), "no new namespace");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        assert_ne!(
+            std::fs::read_link(format!("/proc/self/fd/{ns_raw}")).unwrap(),
+            own,
+            "a namespace of its own"
+        );
 
         let dir = std::env::temp_dir().join(format!("sc-egress-unit-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
@@ -246,7 +469,7 @@ mod tests {
             let _ = sandcell_egress::control::run(l, server).await;
         });
 
-        let fd = listener_in(pid).expect("listener in the worker's namespace");
+        let fd = prepared.listener;
         let g = sandcell_egress::control::Grant {
             session: "unit".into(),
             hosts: vec!["inward.test".into()],
@@ -259,8 +482,18 @@ mod tests {
         let ctl = grant(&control, &fd, &g).expect("granted");
         drop(fd);
         let ask = |req: &str| {
-            let o = Command::new("nsenter")
-                .args(["-t", &pid.to_string(), "-n", "/usr/bin/python3", "-c"])
+            let mut cmd = Command::new("/usr/bin/python3");
+            // SAFETY: setns(2) only, between fork and exec.
+            unsafe {
+                std::os::unix::process::CommandExt::pre_exec(&mut cmd, move || {
+                    if libc::setns(ns_raw, libc::CLONE_NEWNET) != 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+            let o = cmd
+                .arg("-c")
                 .arg(
                     "import socket,sys\n\
                      c=socket.create_connection(('127.0.0.1',3128),timeout=10)\n\
@@ -299,8 +532,6 @@ mod tests {
             out.is_empty() && err.contains("ConnectionRefused"),
             "{out}{err}"
         );
-        let _ = worker.kill();
-        let _ = worker.wait();
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -264,6 +264,24 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         "path resolution"
     );
 
+    // Egress under this service's sandbox: probed once, before any session, so that a unit
+    // without the egress drop-ins refuses those environments' Opens with the reason.
+    let with_egress: Vec<String> = core
+        .config()
+        .environments()
+        .iter()
+        .filter(|e| e.egress.is_some())
+        .map(|e| e.name.clone())
+        .collect();
+    if !with_egress.is_empty() {
+        match sandcelld::egress::availability() {
+            Ok(()) => tracing::info!(environments = %with_egress.join(" "), "egress available"),
+            Err(u) => {
+                tracing::error!(environments = %with_egress.join(" "), reason = %u.detail, "egress unavailable: Open and Run of these environments are refused (EgressUnavailable)")
+            }
+        }
+    }
+
     // With sessions to adopt, their owners wait for this daemon's readiness: the probe (one
     // worker start per environment, tens of seconds under emulation) would dominate the gap
     // from the event to the first adopted call answered. It runs after serving instead, in
@@ -728,6 +746,18 @@ fn print_environment_policy(config: &Config) {
                 .as_ref()
                 .map_or("none".to_string(), |e| e.summary())
         );
+    }
+    // Whether the service's sandbox gives egress (this process's, and systemd's units where
+    // systemd runs): never a surprise at the first cell that fetches something.
+    if config.environments().iter().any(|e| e.egress.is_some()) {
+        let state = match sandcelld::egress::availability() {
+            Ok(()) => sandcelld::egress::units_allow(),
+            Err(u) => Err(u.detail.clone()),
+        };
+        match state {
+            Ok(()) => println!("egress sandbox:       available"),
+            Err(reason) => println!("egress sandbox:       UNAVAILABLE: {reason}"),
+        }
     }
 }
 

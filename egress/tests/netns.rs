@@ -7,41 +7,25 @@
 //! Needs root and iproute2's `ip`; skips with the reason otherwise.
 
 use nix::sys::socket::{ControlMessage, MsgFlags, sendmsg};
+use sandcell_testing::netns::{PROXY_NS, PrivateNet};
 use std::io::{IoSlice, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 struct World {
-    ns: [String; 2],
-    children: Vec<Child>,
+    net: PrivateNet,
     control: PathBuf,
     _dir: PathBuf,
 }
 
 impl Drop for World {
     fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        for ns in &self.ns {
-            let _ = Command::new("ip").args(["netns", "del", ns]).status();
-        }
         let _ = std::fs::remove_dir_all(&self._dir);
     }
-}
-
-fn ip(args: &[&str]) {
-    let o = Command::new("ip").args(args).output().unwrap();
-    assert!(
-        o.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
 }
 
 /// The test tier that is missing (`root`) and why.
@@ -53,7 +37,7 @@ fn skip_reason() -> Option<(&'static str, String)> {
             "not root (network namespaces need CAP_SYS_ADMIN)".into(),
         ));
     }
-    if Command::new("ip").arg("-V").output().is_err() {
+    if !sandcell_testing::netns::ip_available() {
         return Some(("netns", "iproute2's ip is missing".into()));
     }
     if Command::new("/usr/bin/python3").arg("-V").output().is_err() {
@@ -81,60 +65,24 @@ fn world() -> World {
          10.1.2.3 ten.test\n169.254.169.254 meta.test\n::ffff:127.0.0.1 mapped.test\n",
     )
     .unwrap();
-    let ns = [format!("scegp{pid}"), format!("scegw{pid}")];
     let mut w = World {
-        ns: ns.clone(),
-        children: Vec::new(),
+        net: PrivateNet::new("sce"),
         control: dir.join("control"),
         _dir: dir.clone(),
     };
-    let (vp, vw) = (format!("vp{pid}"), format!("vw{pid}"));
-    ip(&["netns", "add", &ns[0]]);
-    ip(&["netns", "add", &ns[1]]);
-    ip(&[
-        "link", "add", &vp, "netns", &ns[0], "type", "veth", "peer", "name", &vw, "netns", &ns[1],
-    ]);
-    ip(&["-n", &ns[0], "addr", "add", "11.0.0.1/24", "dev", &vp]);
-    ip(&["-n", &ns[1], "addr", "add", "11.0.0.2/24", "dev", &vw]);
-    for (n, dev) in [(&ns[0], &vp), (&ns[1], &vw)] {
-        ip(&["-n", n, "link", "set", dev, "up"]);
-        ip(&["-n", n, "link", "set", "lo", "up"]);
-    }
-    w.children.push(
-        Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &ns[1],
-                "/usr/bin/python3",
-                "-m",
-                "http.server",
-                "80",
-            ])
-            .args(["--bind", "11.0.0.2", "--directory"])
-            .arg(dir.join("www"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
+    w.net.serve_http(&dir.join("www"));
+    let mut proxy = w.net.command_in(
+        PROXY_NS,
+        std::path::Path::new(env!("CARGO_BIN_EXE_sandcell-egress")),
     );
-    w.children.push(
-        Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &ns[0],
-                env!("CARGO_BIN_EXE_sandcell-egress"),
-            ])
-            .arg("--control")
-            .arg(&w.control)
-            .arg("--hosts-file")
-            .arg(dir.join("hosts"))
-            .arg("--hosts-only")
-            .env("RUST_LOG", "warn")
-            .spawn()
-            .unwrap(),
-    );
+    proxy
+        .arg("--control")
+        .arg(&w.control)
+        .arg("--hosts-file")
+        .arg(dir.join("hosts"))
+        .arg("--hosts-only")
+        .env("RUST_LOG", "warn");
+    w.net.spawn(proxy);
     let t0 = Instant::now();
     while !w.control.exists() {
         assert!(

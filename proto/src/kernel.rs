@@ -1457,6 +1457,17 @@ pub enum KernelError {
         /// Call id as given.
         call: u64,
     },
+    /// The environment has egress (sandcelld.toml `egress`), but the daemon's service
+    /// sandbox cannot give it (probed at start: the shipped units allow no network; the
+    /// packages' egress drop-ins add what it needs, sandcelld(8) EGRESS). Refused at `Open`
+    /// and `Run` rather than at the first cell that fetches something.
+    #[serde(rename = "org.sandcell.Kernel.EgressUnavailable")]
+    EgressUnavailable {
+        /// The environment asked for.
+        environment: String,
+        /// What the sandbox lacks and the drop-in that adds it.
+        reason: String,
+    },
 }
 
 impl std::fmt::Display for KernelError {
@@ -1769,6 +1780,7 @@ mod tests {
             KernelError::NoSuchCell { .. } => "NoSuchCell",
             KernelError::AttachmentReplaced { .. } => "AttachmentReplaced",
             KernelError::NoSuchHostCall { .. } => "NoSuchHostCall",
+            KernelError::EgressUnavailable { .. } => "EgressUnavailable",
         }
     }
 
@@ -1817,6 +1829,7 @@ mod tests {
             "NoSuchCell",
             "AttachmentReplaced",
             "NoSuchHostCall",
+            "EgressUnavailable",
         ];
         for n in all {
             assert!(

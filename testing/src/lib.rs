@@ -17,9 +17,12 @@
 //! failure instead: the test panics with the same message. `scripts/test.sh` sets the list for
 //! the machine it runs on, so a CI machine that lost R or root fails instead of passing.
 //!
+//! [`netns`] is the private network the egress tests reach through the proxy.
+//!
 //! [`worker`] is the one harness the worker tests of the three engines drive their workers
 //! with.
 
+pub mod netns;
 pub mod worker;
 
 /// The environment variable listing the tiers this machine must run (comma-separated names

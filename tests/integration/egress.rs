@@ -2,12 +2,19 @@
 //! `ListEnvironments` and `sandcelld --check` report (hosts, ports, caps), absent everywhere
 //! else (no network by default), and an Eryx environment with egress is refused at start.
 //!
+//! Under the shipped unit's sandbox (tests/integration/common/unit_sandbox.rs): without the
+//! packages' egress drop-in, Open and Run of an egress environment are refused
+//! (`EgressUnavailable`, naming the drop-in); with it, a cell fetches through the proxy.
+//!
 //! The proxy itself (allowlist, address classes, caps, revocation, a real "internet" in a
 //! network namespace) is tested by the sandcell-egress crate (`egress/tests/`).
 
 use crate::common;
 
 use common::Daemon;
+use common::unit_sandbox::{self, UnitSandbox};
+use sandcell_proto::kernel::KernelError;
+use sandcell_testing::netns::{PROXY_NS, PrivateNet};
 use std::process::Command;
 
 const EGRESS_ENV: &str = "[environments.net]\nlanguage = \"python\"\nengine = \"native\"\n\
@@ -174,6 +181,107 @@ print("outside", attempt(outside))
 /// pair; names come from the proxy's hosts file.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cell_fetches_an_allowed_host_through_the_proxy() {
+    fetch_through_the_proxy("sei", None).await;
+}
+
+/// The same path under the shipped unit's sandbox (units/sandcelld.service's seccomp
+/// filters, bounding set and no_new_privs) with the packages' egress drop-in read after it
+/// (units/egress/sandcelld.service.conf: `AF_INET AF_INET6`, `CAP_NET_ADMIN`): what an
+/// operator gets after linking the drop-in in. A session of an environment without egress
+/// still cannot make a TCP socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_the_unit_with_the_egress_drop_in_a_cell_fetches_through_the_proxy() {
+    if !sandcell_testing::on_path("systemd-analyze") {
+        sandcell_testing::skip!(
+            "root",
+            "systemd-analyze (systemd) expands the unit's system-call groups"
+        );
+    }
+    let sandbox = UnitSandbox::from_unit_with(
+        &unit_sandbox::unit_path(),
+        &[unit_sandbox::egress_drop_in_path()],
+    );
+    fetch_through_the_proxy("seu", Some(&sandbox)).await;
+}
+
+/// The shipped unit without the drop-in cannot give egress: the daemon notices at start
+/// (its probe: loopback up and an `AF_INET` socket in a throw-away namespace) and refuses
+/// Open and Run of the egress environment with `EgressUnavailable`, whose reason names what
+/// is missing and the drop-in; other environments open as before, and `--check` under the
+/// same sandbox says UNAVAILABLE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_the_shipped_unit_egress_is_refused_at_open_naming_the_drop_in() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        sandcell_testing::skip!("root", "the daemon needs root");
+    }
+    if !sandcell_testing::on_path("systemd-analyze") {
+        sandcell_testing::skip!(
+            "root",
+            "systemd-analyze (systemd) expands the unit's system-call groups"
+        );
+    }
+    let sandbox = UnitSandbox::of_unit();
+    let (_dir, conf) = write_conf(EGRESS_ENV);
+    let named = |reason: &str| {
+        for part in [
+            "/usr/share/sandcell/egress/sandcelld.service.conf",
+            "CAP_NET_ADMIN",
+            "AF_INET",
+        ] {
+            assert!(reason.contains(part), "{part} not in: {reason}");
+        }
+    };
+
+    let mut check = Command::new(env!("CARGO_BIN_EXE_sandcelld"));
+    check.arg("--config").arg(&conf).arg("--check");
+    sandbox.apply(&mut check);
+    let out = check.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("egress sandbox:"))
+        .unwrap_or_else(|| panic!("no egress line: {text}"));
+    assert!(line.contains("UNAVAILABLE"), "{line}");
+    named(line);
+
+    let d = Daemon::start_in_sandbox(&conf, &[], &sandbox);
+    assert!(
+        d.log_text().contains("egress unavailable"),
+        "{}",
+        d.log_text()
+    );
+    let mut c = d.client().await;
+    let refused = |e: sandcell_client::Error| match e {
+        sandcell_client::Error::Kernel(KernelError::EgressUnavailable {
+            environment,
+            reason,
+        }) => {
+            assert_eq!(environment, "net");
+            named(&reason);
+        }
+        other => panic!("expected EgressUnavailable: {other:?}"),
+    };
+    refused(
+        c.open_in("python", Some("net"), None, None)
+            .await
+            .expect_err("an egress environment opens under the shipped unit"),
+    );
+    refused(
+        c.run_collect_in("python", Some("net"), "print(1)", None)
+            .await
+            .expect_err("an egress environment runs under the shipped unit"),
+    );
+    let o = c
+        .open_in("python", Some("python"), None, None)
+        .await
+        .expect("an environment without egress opens as before");
+    let out = c.execute_collect(&o.session, "print(6 * 7)").await.unwrap();
+    assert_eq!(out.stdout, "42\n");
+    c.close(&o.session).await.unwrap();
+}
+
+async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         sandcell_testing::skip!("root", "the daemon and network namespaces need root");
@@ -181,7 +289,7 @@ async fn a_cell_fetches_an_allowed_host_through_the_proxy() {
     if !common::pydata_available() {
         sandcell_testing::skip!("pydata", "/usr/bin/python3 cannot import numpy and pandas");
     }
-    if Command::new("ip").arg("-V").output().is_err() {
+    if !sandcell_testing::netns::ip_available() {
         sandcell_testing::skip!("netns", "iproute2's ip is missing");
     }
     let proxy_bin = common::bin_dir().join("sandcell-egress");
@@ -192,7 +300,6 @@ async fn a_cell_fetches_an_allowed_host_through_the_proxy() {
             proxy_bin.display()
         );
     }
-    let pid = std::process::id();
     let dir = tempfile::Builder::new()
         .prefix("sandcell-egress-e2e-")
         .tempdir()
@@ -202,71 +309,17 @@ async fn a_cell_fetches_an_allowed_host_through_the_proxy() {
     std::fs::write(www.join("hello.txt"), "hello through the proxy\n").unwrap();
     let hosts = dir.path().join("hosts");
     std::fs::write(&hosts, "11.0.0.2 data.test other.test\n").unwrap();
-    struct Guard(Vec<std::process::Child>, [String; 2]);
-    impl Drop for Guard {
-        fn drop(&mut self) {
-            for c in &mut self.0 {
-                let _ = c.kill();
-                let _ = c.wait();
-            }
-            for ns in &self.1 {
-                let _ = Command::new("ip").args(["netns", "del", ns]).status();
-            }
-        }
-    }
-    let ns = [format!("sceip{pid}"), format!("sceiw{pid}")];
-    let mut g = Guard(Vec::new(), ns.clone());
-    let ip = |args: &[&str]| {
-        let o = Command::new("ip").args(args).output().unwrap();
-        assert!(
-            o.status.success(),
-            "ip {args:?}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-    };
-    let (vp, vw) = (format!("ep{pid}"), format!("ew{pid}"));
-    ip(&["netns", "add", &ns[0]]);
-    ip(&["netns", "add", &ns[1]]);
-    ip(&[
-        "link", "add", &vp, "netns", &ns[0], "type", "veth", "peer", "name", &vw, "netns", &ns[1],
-    ]);
-    ip(&["-n", &ns[0], "addr", "add", "11.0.0.1/24", "dev", &vp]);
-    ip(&["-n", &ns[1], "addr", "add", "11.0.0.2/24", "dev", &vw]);
-    for (n, dev) in [(&ns[0], &vp), (&ns[1], &vw)] {
-        ip(&["-n", n, "link", "set", dev, "up"]);
-        ip(&["-n", n, "link", "set", "lo", "up"]);
-    }
-    g.0.push(
-        Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &ns[1],
-                "/usr/bin/python3",
-                "-m",
-                "http.server",
-                "80",
-            ])
-            .args(["--bind", "11.0.0.2", "--directory"])
-            .arg(&www)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut net = PrivateNet::new(tag);
+    net.serve_http(&www);
     let control = dir.path().join("control");
-    g.0.push(
-        Command::new("ip")
-            .args(["netns", "exec", &ns[0]])
-            .arg(&proxy_bin)
-            .arg("--control")
-            .arg(&control)
-            .arg("--hosts-file")
-            .arg(&hosts)
-            .arg("--hosts-only")
-            .spawn()
-            .unwrap(),
-    );
+    let mut proxy = net.command_in(PROXY_NS, &proxy_bin);
+    proxy
+        .arg("--control")
+        .arg(&control)
+        .arg("--hosts-file")
+        .arg(&hosts)
+        .arg("--hosts-only");
+    net.spawn(proxy);
     assert!(
         common::eventually(std::time::Duration::from_secs(10), || control.exists()),
         "the proxy did not bind its control socket"
@@ -276,10 +329,11 @@ async fn a_cell_fetches_an_allowed_host_through_the_proxy() {
          interpreter = \"/usr/bin/python3\"\n\
          egress = { hosts = [\"data.test\"], ports = [80] }\n",
     );
-    let d = Daemon::start_with_config(
-        &conf,
-        &[("SANDCELL_EGRESS_CONTROL", control.to_str().unwrap())],
-    );
+    let env = [("SANDCELL_EGRESS_CONTROL", control.to_str().unwrap())];
+    let d = match sandbox {
+        Some(s) => Daemon::start_in_sandbox(&conf, &env, s),
+        None => Daemon::start_with_config(&conf, &env),
+    };
     let mut c = d.client().await;
     let o = c
         .open_in("python", Some("net"), None, None)
@@ -316,5 +370,21 @@ except urllib.error.HTTPError as e:
         "{t}\n{}",
         out.stderr
     );
+    c.close(&o.session).await.unwrap();
+
+    // An environment without egress: no TCP socket at all, whatever the unit allows.
+    let o = c
+        .open_in("python", Some("pydata"), None, None)
+        .await
+        .expect("open pydata");
+    let out = c
+        .execute_collect(
+            &o.session,
+            "import socket\ntry:\n    socket.socket()\n    print('tcp ok')\n\
+             except OSError as e:\n    print('tcp errno', e.errno)\n",
+        )
+        .await
+        .unwrap();
+    assert_eq!(out.stdout, "tcp errno 1\n", "{}", out.stderr);
     c.close(&o.session).await.unwrap();
 }

@@ -186,6 +186,14 @@ only=$(cat "$share/only" 2>/dev/null || true)
 [[ -n $only ]] && echo "guest: only: $only (the other checks are not run)"
 daemon_works=1
 [[ $rc == 0 && $out == 42 ]] || daemon_works=0
+# Egress under the shipped units with the packages' drop-ins (tests/system/guest-egress.sh):
+# run here alone for SANDCELL_VM_ONLY=egress, else before the removal checks below.
+. "$share/guest-egress.sh"
+if [[ $only == egress ]]; then
+    if ((daemon_works)); then egress_checks; else skip egress "the first cell failed"; fi
+    echo "guest: $failures failed checks, $(el) s"
+    exit $((failures > 100 ? 100 : failures))
+fi
 if ((daemon_works)); then
 if [[ $only != lifecycle ]]; then
 if has_r; then
@@ -1104,6 +1112,9 @@ else
 fi
 
 if [[ $only != lifecycle ]]; then
+# ---- egress under the shipped units (tests/system/guest-egress.sh) ----------------------------
+if ((daemon_works)); then egress_checks; else skip egress "no working daemon"; fi
+
 # ---- the unit's exposure score ----------------------------------------------------------------
 sec=$(systemd-analyze security sandcelld.service --no-pager 2>&1)
 grep '✗' <<<"$sec" | sed 's/^/    /'

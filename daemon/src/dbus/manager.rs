@@ -385,12 +385,33 @@ impl Manager {
     /// The confinement decided at start: `enforcement`, `kernel`, `kernel-landlock-abi`,
     /// `landlock-abi` (applied by workers), `cgroups`, `strict`, `layer.<name>` (`active`,
     /// `substituted`, `missing`) and `threat.<name>` (the active layers that stop it, joined
-    /// by `+`). Empty before the decision is made.
+    /// by `+`). Empty before the decision is made. Also `egress`: `not configured` (no
+    /// environment has egress), `available`, or `unavailable: <reason>` (the service's
+    /// sandbox lacks what egress needs; the reason names the drop-in that adds it).
     #[zbus(property(emits_changed_signal = "const"))]
     async fn confinement(&self) -> std::collections::HashMap<String, String> {
-        crate::worker::spawn::confinement()
-            .map(|c| c.map().into_iter().collect())
-            .unwrap_or_default()
+        let mut map: std::collections::HashMap<String, String> =
+            crate::worker::spawn::confinement()
+                .map(|c| c.map().into_iter().collect())
+                .unwrap_or_default();
+        if !map.is_empty() {
+            let egress = if self
+                .core
+                .config()
+                .environments()
+                .iter()
+                .all(|e| e.egress.is_none())
+            {
+                "not configured".to_string()
+            } else {
+                match crate::egress::availability() {
+                    Ok(()) => "available".to_string(),
+                    Err(u) => format!("unavailable: {}", u.detail),
+                }
+            };
+            map.insert("egress".into(), egress);
+        }
+        map
     }
 
     /// A session is ready: id, owner uid, language, object path.

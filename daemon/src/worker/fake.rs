@@ -264,6 +264,7 @@ fn spawn(script: &Script, dir: &std::path::Path) -> Spawned {
         None => (None, None),
     };
     Spawned {
+        egress_listener: None,
         child,
         pid,
         pidfd,

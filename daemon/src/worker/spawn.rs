@@ -172,6 +172,10 @@ pub struct Spawned {
     pub stderr: Option<pipe::Receiver>,
     /// Where an interrupt is aimed.
     pub interrupt: super::InterruptTarget,
+    /// Egress workers: the proxy listener on `127.0.0.1:3128` of the worker's network
+    /// namespace, made by the daemon before the fork ([`crate::egress::prepare_namespace`]),
+    /// for [`crate::egress::open`] to grant once the worker is ready.
+    pub egress_listener: Option<OwnedFd>,
 }
 
 /// Why a worker could not be started.
@@ -350,6 +354,8 @@ pub fn plan(spec: &WorkerSpec) -> Plan {
         mount_namespace,
         tcp_connect_port: (spec.egress && syscalls == SyscallProfile::Native)
             .then_some(crate::egress::PROXY_PORT),
+        // `spawn` makes an egress worker's namespace and the child joins it before exec.
+        net_namespace_entered: spec.egress && spec.engine == Engine::Native,
     }
 }
 
@@ -493,6 +499,15 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
     // The user's files and the worker's scratch side by side on that file system.
     crate::files::lay_out(&spec.session_dir, spec.uid, spec.gid)
         .map_err(io(format!("lay out {}", spec.session_dir.display())))?;
+    // Egress (native engines): the worker's network namespace is made here, loopback up and
+    // the proxy listener bound in it; the child joins it before exec.
+    let egress = if spec.egress && spec.engine == Engine::Native {
+        Some(crate::egress::prepare_namespace().map_err(io(
+            "prepare the egress worker's network namespace (needs CAP_NET_ADMIN and AF_INET)",
+        ))?)
+    } else {
+        None
+    };
     let plan = plan(spec);
 
     // Opened before the fork, close-on-exec, so the child only has to write(2).
@@ -548,8 +563,10 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
         .kill_on_drop(true);
     let procs_raw: Vec<RawFd> = procs.iter().map(|f| f.as_raw_fd()).collect();
     let (req_raw, rep_raw) = (req_r.as_raw_fd(), rep_w.as_raw_fd());
+    let netns_raw = egress.as_ref().map_or(-1, |e| e.namespace.as_raw_fd());
     // SAFETY: the closure runs in the forked child before exec and only makes
-    // async-signal-safe system calls (write, open, close, setsid, dup2, signal, close_range);
+    // async-signal-safe system calls (write, open, close, setsid, setns, dup2, signal,
+    // close_range);
     // it allocates nothing and touches no lock.
     unsafe {
         cmd.pre_exec(move || {
@@ -577,6 +594,10 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
             if libc::setsid() < 0 {
                 return Err(std::io::Error::last_os_error());
             }
+            // An egress worker's own network namespace, made by the daemon (setns(2)).
+            if netns_raw >= 0 && libc::setns(netns_raw, libc::CLONE_NEWNET) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
             if libc::dup2(req_raw, REQUEST_FD) < 0 || libc::dup2(rep_raw, REPLY_FD) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
@@ -594,6 +615,8 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
     // The parent keeps only its own ends: the child's ends and the cgroup files close here.
     drop(cmd);
     drop((req_r, rep_w, procs));
+    // The worker holds its namespace now; the daemon keeps only the listener.
+    let egress_listener = egress.map(|e| e.listener);
     let pid = child.id().unwrap_or(0);
     group.verify_member(pid)?;
     // Nothing has waited for the child yet, so `pid` still names it.
@@ -623,5 +646,6 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
         stdout,
         stderr,
         interrupt,
+        egress_listener,
     })
 }

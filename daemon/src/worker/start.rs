@@ -429,8 +429,9 @@ impl Starter {
         let ready = wait_ready(&mut spawned, timeout, cancel.as_mut()).await;
         if ready.is_ok()
             && let Some(policy) = &env.egress
+            && let Some(listener) = spawned.egress_listener.take()
         {
-            crate::egress::open(&id, spawned.pid, policy).await;
+            crate::egress::open(&id, spawned.pid, listener, policy).await;
         }
         match ready {
             Ok(engine) => Ok(Prepared {

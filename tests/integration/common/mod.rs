@@ -124,7 +124,18 @@ impl Daemon {
     /// As [`Daemon::start`], but listening on `socket` (e.g. the socket of a daemon that was
     /// killed, to start its successor where its clients connect).
     pub fn start_on(socket: &Path, env: &[(&str, &str)]) -> Daemon {
-        Self::start_at(env, None, None, Some(socket), false)
+        Self::start_at(env, None, None, Some(socket), false, None)
+    }
+
+    /// As [`Daemon::start_with_config`], under `sandbox` (a unit file's, with or without
+    /// drop-ins: [`unit_sandbox::UnitSandbox::from_unit_with`]) whatever
+    /// `SANDCELL_TEST_UNIT_SANDBOX` says.
+    pub fn start_in_sandbox(
+        config: &Path,
+        env: &[(&str, &str)],
+        sandbox: &unit_sandbox::UnitSandbox,
+    ) -> Daemon {
+        Self::start_at(env, None, Some(config), None, false, Some(sandbox))
     }
 
     /// As [`Daemon::start`] (or [`Daemon::start_on`] with `socket`), in a mount namespace of
@@ -132,7 +143,7 @@ impl Daemon {
     /// recursive slave), as systemd starts the unit (`PrivateMounts=yes`, systemd.exec(5)):
     /// what the daemon mounts (session file systems) only it and its children see.
     pub fn start_private_mounts(env: &[(&str, &str)], socket: Option<&Path>) -> Daemon {
-        Self::start_at(env, None, None, socket, true)
+        Self::start_at(env, None, None, socket, true, None)
     }
 
     fn start_cmd(env: &[(&str, &str)], activated: Option<()>) -> Daemon {
@@ -140,7 +151,7 @@ impl Daemon {
     }
 
     fn start_full(env: &[(&str, &str)], activated: Option<()>, config: Option<&Path>) -> Daemon {
-        Self::start_at(env, activated, config, None, false)
+        Self::start_at(env, activated, config, None, false, None)
     }
 
     fn start_at(
@@ -149,6 +160,7 @@ impl Daemon {
         config: Option<&Path>,
         socket: Option<&Path>,
         private_mounts: bool,
+        sandbox: Option<&unit_sandbox::UnitSandbox>,
     ) -> Daemon {
         let runtime = python_runtime();
         let dir = tempfile::Builder::new()
@@ -265,7 +277,9 @@ impl Daemon {
                 });
             }
         }
-        if unit_sandbox::enabled() {
+        if let Some(sandbox) = sandbox {
+            sandbox.apply(&mut cmd);
+        } else if unit_sandbox::enabled() {
             unit_sandbox_of_unit().apply(&mut cmd);
         }
         // Readiness as systemd learns it (sd_notify(3)): the daemon sends READY=1 to the

@@ -55,6 +55,12 @@ pub fn unit_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../units/sandcelld.service")
 }
 
+/// The packages' egress drop-in for the daemon's unit (installed inactive in
+/// /usr/share/sandcell/egress/; linked in by the operator to turn egress on).
+pub fn egress_drop_in_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../units/egress/sandcelld.service.conf")
+}
+
 /// What a process started through [`UnitSandbox::apply`] gets.
 #[derive(Clone)]
 pub struct UnitSandbox {
@@ -228,6 +234,28 @@ fn yes(s: &HashMap<String, Vec<String>>, key: &str) -> bool {
         .is_some_and(|v| matches!(v.as_str(), "yes" | "true" | "on" | "1"))
 }
 
+/// Every assignment of an allow-list `key` merged as systemd does: the union of the lines
+/// after the last empty one (empty when that is the last). Deny-lists (`~`) are returned as their last line (the callers
+/// refuse or handle them whole).
+fn merged(s: &HashMap<String, Vec<String>>, key: &str) -> Option<String> {
+    let lines = s.get(key)?;
+    let from = lines
+        .iter()
+        .rposition(|l| l.is_empty())
+        .map_or(0, |i| i + 1);
+    let lines = &lines[from..];
+    if lines.iter().any(|l| l.starts_with('~')) {
+        return lines.last().cloned();
+    }
+    let mut out: Vec<&str> = Vec::new();
+    for w in lines.iter().flat_map(|l| l.split_whitespace()) {
+        if !out.contains(&w) {
+            out.push(w);
+        }
+    }
+    Some(out.join(" "))
+}
+
 fn cond(arg: u8, len: Len, op: Op, v: u64) -> SeccompCondition {
     SeccompCondition::new(arg, len, op, v).unwrap()
 }
@@ -263,7 +291,20 @@ impl UnitSandbox {
     /// The sandbox of the unit file at `unit`. Panics (naming the setting) on what it cannot
     /// model.
     pub fn from_unit(unit: &Path) -> UnitSandbox {
-        let text = std::fs::read_to_string(unit).unwrap();
+        Self::from_unit_with(unit, &[])
+    }
+
+    /// The sandbox of the unit file at `unit` with the drop-ins `drop_ins` read after it, in
+    /// order, as systemd reads `<unit>.d/*.conf`: every assignment of a key after the unit's
+    /// own, merged as systemd.exec(5) says (`RestrictAddressFamilies=` and
+    /// `CapabilityBoundingSet=` allow-lists given more than once are their union; an empty
+    /// assignment resets the list).
+    pub fn from_unit_with(unit: &Path, drop_ins: &[PathBuf]) -> UnitSandbox {
+        let mut text = std::fs::read_to_string(unit).unwrap();
+        for d in drop_ins {
+            text.push('\n');
+            text.push_str(&std::fs::read_to_string(d).unwrap());
+        }
         let s = service_settings(&text);
         let groups = syscall_groups();
         let nr = syscall_numbers();
@@ -457,7 +498,9 @@ impl UnitSandbox {
             }
         }
 
-        if let Some(v) = s.get("RestrictAddressFamilies").and_then(|v| v.last()) {
+        // An empty assignment lifts the restriction (systemd.exec(5)).
+        if let Some(v) = merged(&s, "RestrictAddressFamilies").filter(|v| !v.is_empty()) {
+            let v = &v;
             assert!(
                 !v.starts_with('~'),
                 "RestrictAddressFamilies=~...: a deny-list is not modelled by the unit sandbox"
@@ -542,7 +585,8 @@ impl UnitSandbox {
         }
 
         let mut drop_caps = Vec::new();
-        if let Some(v) = s.get("CapabilityBoundingSet").and_then(|v| v.last()) {
+        if let Some(v) = merged(&s, "CapabilityBoundingSet") {
+            let v = &v;
             let (neg, body) = match v.strip_prefix('~') {
                 Some(b) => (true, b),
                 None => (false, v.as_str()),

@@ -450,6 +450,19 @@ class NoSuchHostCall(VarlinkError):
                 "answer (answered, timed out, or its cell ended)")
 
 
+class EgressUnavailable(VarlinkError):
+    """The environment has egress, but the daemon's service sandbox cannot give it (the
+    shipped units allow no network until the operator links the packages' egress drop-ins);
+    ``reason`` names what is missing and the drop-in. Raised by ``open`` and ``run``."""
+
+    fields = ("environment", "reason")
+    environment: str
+    reason: str
+
+    def describe(self) -> str | None:
+        return f"environment {self.environment!r} has egress, but {self.reason}"
+
+
 # org.varlink.service errors without a kernel namesake.
 
 
@@ -544,6 +557,7 @@ _REGISTRY: dict[str, type[VarlinkError]] = {
         NoSuchCell,
         AttachmentReplaced,
         NoSuchHostCall,
+        EgressUnavailable,
         InterfaceNotFound,
         MethodNotFound,
         MethodNotImplemented,
