@@ -789,6 +789,21 @@ impl Core {
         caller: &Caller,
         request: OpenRequest<'_>,
     ) -> Result<Arc<Session>, KernelError> {
+        self.open_timed(caller, request, false, &mut crate::stages::Stages::new())
+            .await
+    }
+
+    /// [`Core::open_with`], marking its stages (authorization, admission, the worker, the
+    /// session's start) in `stages`. `one_shot`: the session of a `Run`, which ends after its
+    /// one cell and is never kept for adoption (no keeper, no record: see
+    /// [`Core::start_session`]).
+    async fn open_timed(
+        &self,
+        caller: &Caller,
+        request: OpenRequest<'_>,
+        one_shot: bool,
+        stages: &mut crate::stages::Stages,
+    ) -> Result<Arc<Session>, KernelError> {
         let OpenRequest {
             language,
             environment,
@@ -839,8 +854,10 @@ impl Core {
             }
             s => s.map(Duration::from_secs),
         };
+        stages.mark("validate");
         // authorize
         self.authorize(caller, Action::Execute).await?;
+        stages.mark("authorize");
         // per-uid rate and budgets, before any worker is touched
         let refused = |r: Refused| {
             if let Some(held_back) = self.refusal_log.admit(caller.uid) {
@@ -866,8 +883,9 @@ impl Core {
             .admission
             .reserve_uid(caller.uid, charge, detached.is_some())
             .map_err(refused)?;
+        stages.mark("admission");
         // act
-        self.spawn_session(caller, &env, limits, detached, reserved)
+        self.spawn_session(caller, &env, limits, detached, reserved, one_shot, stages)
             .await
     }
 
@@ -878,19 +896,29 @@ impl Core {
         limits: SessionLimits,
         detached: Option<Duration>,
         reserved: UidCharge,
+        one_shot: bool,
+        stages: &mut crate::stages::Stages,
     ) -> Result<Arc<Session>, KernelError> {
         // A warm worker, when one fits: already confined and Ready, never used before.
         let warm = self.pool.take(&env.name, env.language, limits.guest_memory);
         let from_pool = warm.is_some();
         let mut prepared = match warm {
-            Some(p) => p,
+            Some(p) => {
+                stages.mark("pool_take");
+                p
+            }
             None => {
-                self.prepare_detached(caller, env, limits.guest_memory)
-                    .await?
+                let p = self
+                    .prepare_detached(caller, env, limits.guest_memory)
+                    .await?;
+                stages.mark("worker_start");
+                p
             }
         };
         prepared.permit.attach(reserved);
-        Ok(self.start_session(prepared, caller, limits, detached, from_pool))
+        let s = self.start_session(prepared, caller, limits, detached, from_pool, one_shot);
+        stages.mark("session_start");
+        Ok(s)
     }
 
     /// A worker start ([`Starter::start`]) on a task of its own, so that a client that goes
@@ -951,6 +979,17 @@ impl Core {
     }
 
     /// Turns a Ready worker into a session owned by `caller`.
+    ///
+    /// A client's session is kept for adoption (a keeper process and a record, when the daemon
+    /// keeps sessions), unless it is `one_shot`: a successor never adopts a `Run`'s session
+    /// (once its cell is queued, its record names a one-shot cell and adoption ends it
+    /// `daemon_restarted`; before that its id is known to nobody), so its keeper would be a
+    /// process start (the daemon's executable, a handshake: milliseconds, on the `Run`'s
+    /// path before its cell) and two record writes per cell for nothing. Without them a
+    /// daemon that dies during the `Run` leaves the worker to the same ends as a pooled
+    /// worker's: its own end at the cell's `timeout_ms` and the end of file on its request
+    /// pipe, and the successor's start-up sweep of its cgroup; the owner marker still makes
+    /// the successor report the session `daemon_restarted`.
     fn start_session(
         &self,
         p: Prepared,
@@ -958,6 +997,7 @@ impl Core {
         limits: SessionLimits,
         detached: Option<Duration>,
         warm: bool,
+        one_shot: bool,
     ) -> Arc<Session> {
         let registry = self.sessions.clone();
         let ended = self.ended.clone();
@@ -971,7 +1011,7 @@ impl Core {
         if client {
             crate::ended::mark(&state_dir, &id, owner);
         }
-        let keep = self.keep.get().filter(|_| client).cloned();
+        let keep = self.keep.get().filter(|_| client && !one_shot).cloned();
         let session = Session::start_kept(
             p,
             caller.clone(),
@@ -1152,6 +1192,7 @@ impl Core {
         code: String,
         frames: mpsc::Sender<Frame>,
     ) -> Result<(), KernelError> {
+        let mut stages = crate::stages::Stages::new();
         // The source is checked before any worker starts.
         self.check_source(&code)?;
         let RunRequest {
@@ -1169,8 +1210,21 @@ impl Core {
             host_calls,
             shown,
         };
-        let s = self.open_with(caller, request).await?;
-        if let Err(e) = s.execute(code, frames, true).await {
+        // No warm worker starts beside this Run's cell (it would compete for the CPUs); the
+        // refill resumes when the session ends, or after `pool::MAX_HOLD`.
+        let hold = self.pool.hold();
+        let s = self.open_timed(caller, request, true, &mut stages).await?;
+        let queued = s.execute(code, frames, true).await;
+        stages.mark("queued");
+        stages.log("run", &s.id);
+        if queued.is_ok() {
+            let session = s.clone();
+            tokio::spawn(async move {
+                let _hold = hold;
+                let _ = tokio::time::timeout(crate::pool::MAX_HOLD, session.released()).await;
+            });
+        }
+        if let Err(e) = queued {
             s.close(EndReason::WorkerCrashed, "one-shot run could not start")
                 .await;
             return Err(match e {

@@ -17,6 +17,7 @@
 //! - [`notify`]: systemd readiness, status, watchdog; [`metrics`]: the capacity file
 //!   (Prometheus text format) for node exporters; [`counters`]: the counters it reports.
 //! - [`memory`]: the daemon's own memory bound, derived from its caps.
+//! - [`stages`]: per-stage timings of a request (debug lines, target `sandcelld::timing`).
 //! - [`sys`]: the safe wrappers of the system calls made by hand (pidfds, random bytes).
 //!
 //! Dependencies point down: the shims and the metrics file use the core, the core uses the
@@ -50,6 +51,7 @@ pub mod records;
 pub mod resolve;
 pub mod session;
 pub mod session_fs;
+pub mod stages;
 pub mod sys;
 pub mod varlink;
 pub mod worker;

@@ -139,6 +139,18 @@ pub struct Pool<W> {
     wake: tokio::sync::Notify,
     /// Warm workers being started now (their admission charges are held already).
     filling: tokio::sync::watch::Sender<usize>,
+    /// One-shot `Run`s whose cell has not ended yet ([`Pool::hold`]).
+    holds: Arc<tokio::sync::watch::Sender<usize>>,
+}
+
+/// Holds the refill back while it lives ([`Pool::hold`]).
+#[derive(Debug)]
+pub struct RefillHold(Arc<tokio::sync::watch::Sender<usize>>);
+
+impl Drop for RefillHold {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
 }
 
 impl<W> Default for Pool<W> {
@@ -147,7 +159,25 @@ impl<W> Default for Pool<W> {
             lanes: Mutex::default(),
             wake: tokio::sync::Notify::new(),
             filling: tokio::sync::watch::Sender::new(0),
+            holds: Arc::new(tokio::sync::watch::Sender::new(0)),
         }
+    }
+}
+
+impl<W> Pool<W> {
+    /// Holds the refill back: no warm worker starts while a hold lives, for at most
+    /// [`MAX_HOLD`] per start. A one-shot `Run` holds it until its session ends, so that the
+    /// worker it took runs its cell without a replacement's start (the interpreter loading,
+    /// R's or pandas' imports: hundreds of milliseconds of CPU) beside it on the same CPUs.
+    pub fn hold(&self) -> RefillHold {
+        self.holds.send_modify(|n| *n += 1);
+        RefillHold(self.holds.clone())
+    }
+
+    /// Waits until no [`RefillHold`] lives, at most [`MAX_HOLD`].
+    async fn held_back(&self) {
+        let mut rx = self.holds.subscribe();
+        let _ = tokio::time::timeout(MAX_HOLD, rx.wait_for(|n| *n == 0)).await;
     }
 }
 
@@ -415,6 +445,7 @@ impl Refill {
                 let Some(env) = envs.iter().find(|e| e.name == name) else {
                     continue;
                 };
+                pool.held_back().await;
                 pool.filling.send_modify(|n| *n += 1);
                 let r = source.start(env, cfg.limits.max_guest_memory_bytes).await;
                 if let Ok(p) = &r {
@@ -464,6 +495,10 @@ const FAILED_BACKOFF: Duration = Duration::from_secs(5);
 /// How long the refill task sleeps after a round that started nothing, unless a take wakes
 /// it.
 const IDLE_ROUND: Duration = Duration::from_millis(500);
+
+/// How long a warm worker's start waits at most for the [`RefillHold`]s to end (250 ms: a
+/// warm one-shot `Run` takes a few milliseconds; a stuck one does not stop the refill).
+pub const MAX_HOLD: Duration = Duration::from_millis(250);
 
 /// How long [`Pool::drain`] waits for a worker start under way (seconds: 10).
 pub const DRAIN_START_WAIT: Duration = Duration::from_secs(10);
@@ -633,6 +668,51 @@ mod tests {
             .iter()
             .find(|st| st.environment == env)
             .map_or(0, |st| st.idle)
+    }
+
+    /// A start waits while a hold lives (a one-shot Run's cell), and starts as soon as the
+    /// hold ends, or after [`MAX_HOLD`] at most.
+    #[tokio::test]
+    async fn a_start_waits_for_the_holds_at_most_max_hold() {
+        let s = source(config((1, 1), (0, 0), 60));
+        let cfg = s.config().unwrap();
+        let hold = s.pool.hold();
+        let t0 = std::time::Instant::now();
+        assert!(Refill::new().round(&s, &cfg, Instant::now()).await);
+        let waited = t0.elapsed();
+        assert!(
+            waited >= MAX_HOLD && waited < MAX_HOLD * 8,
+            "a live hold delays the start by MAX_HOLD: {waited:?}"
+        );
+        assert_eq!(*s.started.lock().unwrap(), ["python"]);
+        // Released during the wait: the start follows the release, not the bound.
+        let s = Arc::new(source(config((1, 1), (0, 0), 60)));
+        let second = s.pool.hold();
+        drop(hold);
+        let t0 = std::time::Instant::now();
+        let task = {
+            let s = s.clone();
+            let cfg = cfg.clone();
+            tokio::spawn(async move { Refill::new().round(&*s, &cfg, Instant::now()).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            s.started.lock().unwrap().is_empty(),
+            "started during a hold"
+        );
+        drop(second);
+        assert!(task.await.unwrap());
+        assert!(
+            t0.elapsed() < MAX_HOLD,
+            "waited past the release: {:?}",
+            t0.elapsed()
+        );
+        assert_eq!(*s.started.lock().unwrap(), ["python"]);
+        // Without a hold, no wait.
+        let t0 = std::time::Instant::now();
+        let s = source(config((1, 1), (0, 0), 60));
+        assert!(Refill::new().round(&s, &cfg, Instant::now()).await);
+        assert!(t0.elapsed() < MAX_HOLD, "{:?}", t0.elapsed());
     }
 
     #[tokio::test]

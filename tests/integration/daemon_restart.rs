@@ -792,27 +792,84 @@ async fn a_planned_exit_hands_a_half_read_frame_over_exactly() {
     );
 }
 
-/// A one-shot `Run` running at a restart: nothing is left to keep once its caller is gone, so
-/// the successor ends its session (`daemon_restarted`) and its worker.
+/// The session keepers the daemon `daemon` started (its children running `sandcelld keep`).
+fn keepers_of(daemon: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let ppid = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 2..].split(' ').nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(daemon) && common::is_keeper(pid) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// A one-shot `Run` is never adopted (once its cell is queued a successor could only end it),
+/// so its session gets no keeper and no record, which would cost the `Run` a process start
+/// before its cell; a session opened beside it has both. A restart during the `Run` still
+/// ends its session (`daemon_restarted`, from the owner marker) and its worker (the
+/// successor's sweep of its cgroup), and the opened session is adopted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_one_shot_run_cut_by_the_restart_ends_its_session() {
+async fn a_one_shot_run_has_no_keeper_and_a_restart_ends_its_session() {
     skip_unless_root!();
     let (mut first, setup) = first_daemon(&[]);
     let mut c = first.client().await;
-    c.run("python", "import time\ntime.sleep(30)", None)
+    let kept = c.open("python", None, None).await.unwrap().session;
+    assert_eq!(
+        stdout_of(&mut c, &kept, "v = 41\nprint(v + 1)").await,
+        "42\n"
+    );
+    assert!(
+        setup.adopt.join(format!("{kept}.json")).exists(),
+        "the opened session has no record"
+    );
+    assert_eq!(
+        keepers_of(first.pid()).len(),
+        1,
+        "the opened session's keeper"
+    );
+    let before = first.descendants();
+    let mut r = first.client().await;
+    r.run("python", "import time\ntime.sleep(30)", None)
         .await
         .unwrap();
-    let started = c.next_frame().await.unwrap().started.expect("started");
+    let started = r.next_frame().await.unwrap().started.expect("started");
     let s = started.session;
+    let mut worker = None;
     assert!(
         common::eventually(Duration::from_secs(20), || {
-            std::fs::read_to_string(setup.adopt.join(format!("{s}.json")))
-                .is_ok_and(|t| t.contains("\"one_shot\":true"))
+            worker = first
+                .descendants()
+                .into_iter()
+                .find(|p| !before.contains(p));
+            worker.is_some()
         }),
-        "the record never showed the one-shot cell"
+        "the one-shot Run's worker was not found"
     );
-    let (worker, _) = record_pids(&setup.adopt, &s);
+    let worker = worker.unwrap();
+    // A keeper and the first record come before the session's first command: had the Run's
+    // session been kept, both would be there once its cell started.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        !setup.adopt.join(format!("{s}.json")).exists(),
+        "the one-shot Run's session has a record"
+    );
+    assert_eq!(
+        keepers_of(first.pid()).len(),
+        1,
+        "the one-shot Run's session has a keeper"
+    );
     kill_daemon(&mut first, libc::SIGUSR2);
+    drop(r);
     drop(c);
     let second = successor(&first, &setup);
     let mut c = second.client().await;
@@ -824,6 +881,7 @@ async fn a_one_shot_run_cut_by_the_restart_ends_its_session() {
         common::eventually(Duration::from_secs(20), || !alive(worker)),
         "the one-shot worker lives on"
     );
+    assert_eq!(stdout_of(&mut c, &kept, "print(v)").await, "41\n");
 }
 
 fn oom_score_adj(pid: u32) -> String {

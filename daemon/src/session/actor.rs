@@ -66,7 +66,10 @@ impl Actor {
     pub(super) async fn run(mut self, mut cmds: mpsc::Receiver<Command>) {
         let reason: Ending;
         let mut close_done: Option<oneshot::Sender<()>> = None;
+        let mut stages = crate::stages::Stages::new();
         self.start_keeper().await;
+        stages.mark("keeper");
+        stages.log("actor_start", &self.session.id);
         loop {
             if let Some(r) = self.resume.take() {
                 if let Some(end) = self.resume_cell(r, &mut cmds).await {
@@ -152,7 +155,9 @@ impl Actor {
                 }
             }
         }
-        self.shutdown(&reason).await;
+        let mut stages = crate::stages::Stages::new();
+        self.shutdown(&reason, &mut stages).await;
+        stages.log("shutdown", &self.session.id);
         if let Some(done) = close_done {
             let _ = done.send(());
         }
@@ -205,6 +210,7 @@ impl Actor {
         retained: bool,
         cmds: &mut mpsc::Receiver<Command>,
     ) -> Option<(Ending, Option<oneshot::Sender<()>>)> {
+        let mut stages = crate::stages::Stages::new();
         let cell = self.next_cell;
         self.next_cell += 1;
         {
@@ -224,6 +230,7 @@ impl Actor {
         let mut close_req: CloseRequest = None;
         let client_gone =
             !send_or_command(&frames, started, cmds, &mut close_req, &mut self.deferred).await;
+        stages.mark("started");
         // A session outlives a client that goes away during its cell: the cell is interrupted
         // (killed after the grace if it ignores that) and its output dropped, and the variables
         // stay. The session itself ends only as its owner decides: a non-detached session when
@@ -245,10 +252,12 @@ impl Actor {
             Some((g, listing)) if g == generation => Some(listing),
             _ => list_files(self.session.dir.clone()).await,
         };
+        stages.mark("files_before");
         let limits = self.session.limits.clone();
         self.wait_leftovers_reaped().await;
         // `usage.peak_memory_bytes` is this cell's peak where the kernel can reset it.
         self.group.reset_memory_peak();
+        stages.mark("leftovers");
         let (nonce, nonce_error) = match new_nonce() {
             Ok(n) => (n, None),
             Err(e) => (String::new(), Some(e)),
@@ -263,6 +272,7 @@ impl Actor {
             self.oom_seen,
         );
         run.disk_scan = self.disk_scan.take();
+        run.stages = stages;
         let end = if client_gone {
             CellEnd::Cancelled(close_req.take())
         } else if let Some(e) = nonce_error {
@@ -291,12 +301,17 @@ impl Actor {
                 Err(e) => CellEnd::WorkerGone(format!("writing the request: {e}")),
                 Ok(()) => {
                     drop(request);
+                    run.stages.mark("request");
                     self.keep_running_cell(&mut run, retained, files_before.as_ref());
-                    self.cell_loop(&mut run, cmds).await
+                    run.stages.mark("record");
+                    let end = self.cell_loop(&mut run, cmds).await;
+                    run.stages.mark("cell");
+                    end
                 }
             }
         };
         self.end_running_cell(&mut run);
+        run.stages.mark("record_end");
         self.disk_scan = run.disk_scan.take();
         self.finish_cell(run, end, one_shot, close_req, files_before, cmds)
             .await
@@ -388,7 +403,7 @@ impl Actor {
     }
 
     /// Releases everything, in the order of the module documentation. Idempotent.
-    pub(super) async fn shutdown(&mut self, reason: &Ending) {
+    pub(super) async fn shutdown(&mut self, reason: &Ending, stages: &mut crate::stages::Stages) {
         if self.ended {
             return;
         }
@@ -396,17 +411,22 @@ impl Actor {
         self.session.info.lock().unwrap().state = SessionState::Ended;
         // The keeper exits without waiting for an adopter; the record goes.
         self.end_keeper();
+        stages.mark("end_keeper");
         // Ask politely first only when idle: there is nothing worth saving, so just kill.
         self.kill_and_reap().await;
+        stages.mark("kill_reap");
         self.reap_keeper().await;
+        stages.mark("reap_keeper");
         crate::worker::remove_remains(
             &self.session.id,
             self.group.clone(),
             self.session_dir.clone(),
         )
         .await;
+        stages.mark("remains");
         self.uid.take();
         self.permit.take();
+        stages.mark("release");
         tracing::info!(session = %self.session.id, uid = self.session.owner.uid, reason = %reason.detail, code = reason.reason.as_str(), "session closed");
         if let Some(f) = self.on_end.take() {
             f(&self.session.id, reason);

@@ -96,6 +96,8 @@ pub(super) struct CellRun {
     pub(super) notes: Vec<String>,
     /// The daemon exits keeping its sessions: hand the cell over, then stop.
     pub(super) hand_over: Option<oneshot::Sender<()>>,
+    /// The cell's stage timings (a debug line at its end: `crate::stages`).
+    pub(super) stages: crate::stages::Stages,
 }
 
 impl CellRun {
@@ -146,6 +148,7 @@ impl CellRun {
             stream_cut: None,
             notes: Vec::new(),
             hand_over: None,
+            stages: crate::stages::Stages::new(),
         }
     }
 

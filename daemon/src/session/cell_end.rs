@@ -57,6 +57,7 @@ impl Actor {
             ));
         }
         let (mut result, mut ending) = self.result_of(&run, end).await;
+        run.stages.mark("result_of");
         result.warnings.append(&mut run.notes);
         if one_shot {
             result.state = State::None;
@@ -71,6 +72,7 @@ impl Actor {
         let generation = self.session.files_generation();
         let sweep = ending.is_none().then(|| (self.group.clone(), self.pid));
         let after = cell_files(self.session.dir.clone(), files_before, sweep).await;
+        run.stages.mark("files_after");
         let over = after.ends_session(limits.files_bytes);
         if after.partial && over.is_none() {
             result.warnings.push(format!(
@@ -155,6 +157,7 @@ impl Actor {
             )
             .await;
         }
+        run.stages.mark("result_sent");
         // A Close that came while a slow client held the frames: honour it now.
         if let Some((reason, done)) = close_req.take() {
             if ending.is_none() {
@@ -164,6 +167,7 @@ impl Actor {
             self.session.info.lock().unwrap().state = SessionState::Ended;
         }
         // Bookkeeping after the result is on its way.
+        run.stages.log("cell", &self.session.id);
         tracing::info!(session = %self.session.id, uid = self.session.owner.uid, cell, status = status.as_str(), wall, "cell finished");
         if ending.is_none() {
             // A cell's child process (R's system()) can be OOM-killed without ending the

@@ -337,6 +337,7 @@ impl Starter {
         guest_memory: u64,
         start_for: Option<StartFor>,
     ) -> Result<Prepared, StartError> {
+        let mut stages = crate::stages::Stages::new();
         let language = env.language;
         // A pool's start (no client) never takes the last free session or memory.
         let pooled = start_for.is_none();
@@ -419,14 +420,18 @@ impl Starter {
             )
             .map(Arc::from)
             .map_err(StartError::Cgroup)?;
+        stages.mark("cgroup");
         let mut spawned = match spawn::spawn(&spec, &group) {
             Ok(s) => s,
             Err(e) => return Err(failed(&id, StartError::Spawn(e), group, spec.session_dir).await),
         };
+        stages.mark("spawn");
         // The worker confines itself, loads its interpreter and says Ready; nothing is sent to
         // it before that.
         let timeout = Duration::from_secs_f64(cfg.daemon.worker_start_timeout_seconds);
         let ready = wait_ready(&mut spawned, timeout, cancel.as_mut()).await;
+        stages.mark("ready");
+        stages.log(if pooled { "pool_start" } else { "start" }, &id);
         if ready.is_ok()
             && let Some(policy) = &env.egress
             && let Some(listener) = spawned.egress_listener.take()
