@@ -71,8 +71,11 @@ bench() { # label, language, extra bench args..., -- env assignments...
     [[ $# -gt 0 ]] && shift
     envs=("$@")
     local run; run=$(mktemp -d /var/tmp/sandcell-bench.XXXXXX); chmod 0711 "$run"
+    # Session records on tmpfs, as the shipped adopt_dir (/run) is: on ext4 each cell's record
+    # writes cost milliseconds (see bench_shipped.py).
+    local adopt; adopt=$(mktemp -d /dev/shm/sandcell-bench-adopt.XXXXXX)
     env SANDCELL_WORKER_DIR="$BIN" SANDCELL_PYTHON_RUNTIME_DIR="$SANDCELL_TEST_PYTHON_RUNTIME" \
-        SANDCELL_STATE_DIR="$run/state" SANDCELL_CGROUP_NAME="sandcell-bench-$$" SANDCELL_LANGUAGES=python,r SANDCELL_METRICS_FILE="$run/metrics.prom" SANDCELL_ADOPT_DIR="$run/adopt" \
+        SANDCELL_STATE_DIR="$run/state" SANDCELL_CGROUP_NAME="sandcell-bench-$$" SANDCELL_LANGUAGES=python,r SANDCELL_METRICS_FILE="$run/metrics.prom" SANDCELL_ADOPT_DIR="$adopt" \
         SANDCELL_MAX_CONCURRENT_SESSIONS=128 SANDCELL_MAX_AGGREGATE_GUEST_MEMORY_BYTES=$((128 * 134217728)) \
         SANDCELL_MAX_AGGREGATE_WORKER_MEMORY_BYTES=$((128 * 1073741824)) SANDCELL_LOG=info "${envs[@]}" \
         "$BIN/sandcelld" "${mode[@]}" --listen "$run/k.sock" 2>"$run/daemon.log" &
@@ -83,7 +86,7 @@ bench() { # label, language, extra bench args..., -- env assignments...
     "$BIN/sandcell-bench" --socket "$run/k.sock" --daemon-pid "$daemon" --language "$lang" --label "$label" \
         --cgroup-name "sandcell-bench-$$" --iterations "$n" "${args[@]}" || echo "bench failed; log: $run/daemon.log"
     kill -TERM "$daemon"; wait "$daemon" || true
-    rm -rf "$run"
+    rm -rf "$run" "$adopt"
 }
 bench "cold (no pool)" python --clients 1,2,4,16 --sessions 1,2,4 --idle-sessions 100
 bench "warm pool" python --clients 1,2,4,16 --sessions 0 --idle-sessions 0 --pace-ms 50 -- \

@@ -889,6 +889,8 @@ impl Core {
             .await
     }
 
+    // The request's parts, each used once; bundling them would only rename them.
+    #[allow(clippy::too_many_arguments)]
     async fn spawn_session(
         &self,
         caller: &Caller,

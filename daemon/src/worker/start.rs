@@ -408,24 +408,38 @@ impl Starter {
         };
         let cpu_max = (cfg.daemon.worker_cpus > 0.0)
             .then_some(((cfg.daemon.worker_cpus * 100_000.0) as u64, 100_000));
-        let group: Arc<dyn SessionGroup> = self
-            .cgroups
-            .create(
-                &id,
-                &GroupLimits {
-                    memory_bytes: cfg.limits.max_worker_memory_bytes,
-                    max_pids: cfg.daemon.max_worker_pids,
-                    cpu_max,
-                },
-            )
-            .map(Arc::from)
-            .map_err(StartError::Cgroup)?;
-        stages.mark("cgroup");
-        let mut spawned = match spawn::spawn(&spec, &group) {
+        let limits = GroupLimits {
+            memory_bytes: cfg.limits.max_worker_memory_bytes,
+            max_pids: cfg.daemon.max_worker_pids,
+            cpu_max,
+        };
+        // The cgroup, the session directory and its file system (a mount), and the fork and
+        // exec run on the blocking pool: milliseconds, tens under load, that would otherwise
+        // stall a runtime thread and every task queued behind it (other sessions' cells).
+        let made = {
+            let (cgroups, id, spec) = (self.cgroups.clone(), id.clone(), spec.clone());
+            tokio::task::spawn_blocking(move || {
+                let group: Arc<dyn SessionGroup> = cgroups
+                    .create(&id, &limits)
+                    .map(Arc::from)
+                    .map_err(StartError::Cgroup)?;
+                let spawned = spawn::spawn(&spec, &group);
+                Ok::<_, StartError>((group, spawned))
+            })
+            .await
+            .unwrap_or_else(|e| {
+                Err(StartError::Spawn(spawn::Error::Io {
+                    op: "start the worker".into(),
+                    source: std::io::Error::other(e.to_string()),
+                }))
+            })?
+        };
+        stages.mark("cgroup_spawn");
+        let (group, spawned) = made;
+        let mut spawned = match spawned {
             Ok(s) => s,
             Err(e) => return Err(failed(&id, StartError::Spawn(e), group, spec.session_dir).await),
         };
-        stages.mark("spawn");
         // The worker confines itself, loads its interpreter and says Ready; nothing is sent to
         // it before that.
         let timeout = Duration::from_secs_f64(cfg.daemon.worker_start_timeout_seconds);
