@@ -324,15 +324,36 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         sandcelld::dbus::start(core.clone(), settings, stop_rx.clone()).await
     };
 
-    core.start_pool();
+    // With adopted sessions, the warm pools' refill and the readiness probe (worker starts,
+    // seconds of CPU each on a slow machine) wait for the first cell to finish, at most
+    // ADOPTED_FIRST_WAIT: the adopted sessions' owners come back first.
+    let first_cell = (adopting > 0).then(|| core.events());
+    if first_cell.is_none() {
+        core.start_pool();
+    }
     notify::ready(&status_line(&core));
     tracing::info!("ready to serve");
 
     let server = tokio::spawn(varlink::serve(core.clone(), listener, stop_rx));
     // What a SIGTERM asks systemd is made ready now, off the stop's critical path.
     tokio::spawn(sandcelld::lifecycle::prepare());
-    if adopting > 0 {
-        tokio::spawn(probe_in_background(core.clone()));
+    if let Some(mut events) = first_cell {
+        let core = core.clone();
+        tokio::spawn(async move {
+            let first = async {
+                loop {
+                    match events.recv().await {
+                        Ok(sandcelld::session::Event::CellFinished { .. }) => return,
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                        _ => {}
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(ADOPTED_FIRST_WAIT, first).await;
+            drop(events);
+            core.start_pool();
+            probe_in_background(core).await;
+        });
     }
     let stopped = serve_until_stopped(
         &core,
@@ -788,6 +809,10 @@ fn status_line(core: &Core) -> String {
 /// run (admission refused it `CapacityExceeded`: the adopted sessions hold the budget it
 /// needs; or the daemon is stopping) says nothing about the environment: it is logged at
 /// info with the reason, nothing is cached, and the next `ListEnvironments` checks again.
+/// How long a daemon that adopted sessions holds back its warm pools' refill and its
+/// readiness probe for the first cell to finish: 5 seconds.
+const ADOPTED_FIRST_WAIT: Duration = Duration::from_secs(5);
+
 async fn probe_in_background(core: Arc<Core>) {
     for env in core.config().environments() {
         match core.environment_check(&env).await {
