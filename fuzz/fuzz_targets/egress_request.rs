@@ -15,7 +15,10 @@ fuzz_target!(|data: &[u8]| {
         Ok(None) => {}
         Ok(Some((target, n))) => {
             assert!(n <= data.len() && n <= MAX_HEAD, "head of {n} bytes");
-            assert!(data[..n].ends_with(b"\n"), "a head ends with its blank line");
+            assert!(
+                data[..n].ends_with(b"\n"),
+                "a head ends with its blank line"
+            );
             let host = match &target {
                 Target::Connect { host, port } => {
                     assert!(*port != 0);
@@ -26,7 +29,11 @@ fuzz_target!(|data: &[u8]| {
                     let mut words = line.split(|b| *b == b' ');
                     let _method = words.next();
                     let path = words.next().unwrap_or(&[]);
-                    assert!(path.starts_with(b"/"), "origin form: {:?}", String::from_utf8_lossy(line));
+                    assert!(
+                        path.starts_with(b"/"),
+                        "origin form: {:?}",
+                        String::from_utf8_lossy(line)
+                    );
                     assert!(head.ends_with(b"\r\n\r\n"));
                     let text = String::from_utf8_lossy(head).to_ascii_lowercase();
                     assert!(text.contains("\r\nconnection: close\r\n"));
