@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 root=$PWD
 seconds=${1:-60}
 shift || true
-all=(varlink_message varlink_transport kernel_params worker_reply file_name config text)
+all=(varlink_message varlink_transport kernel_params worker_reply file_name config text egress_request)
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=("${all[@]}")
 [[ $seconds =~ ^[0-9]+$ ]] || { echo "fuzz: SECONDS must be a whole number" >&2; exit 2; }

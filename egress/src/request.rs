@@ -130,8 +130,12 @@ pub fn parse(buf: &[u8]) -> Result<Option<(Target, usize)>, BadRequest> {
     Ok(Some((Target::Http { host, port, head }, n)))
 }
 
+/// `s` without an ASCII `prefix` matched in any case. `None` also when `s` is shorter or its
+/// first `prefix.len()` bytes end inside a multi-byte character (a target is the cell's
+/// bytes: slicing there would panic).
 fn strip_prefix_ci<'a>(s: &'a str, prefix: &str) -> Option<&'a str> {
-    (s.len() >= prefix.len() && s[..prefix.len()].eq_ignore_ascii_case(prefix))
+    let head = s.get(..prefix.len())?;
+    head.eq_ignore_ascii_case(prefix)
         .then(|| &s[prefix.len()..])
 }
 
@@ -169,6 +173,18 @@ fn host_port(s: &str, default: Option<u16>) -> Result<(String, u16), BadRequest>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by the `egress_request` fuzz target: a multi-byte character across the end of
+    /// `http://` is a refusal, never a panic.
+    #[test]
+    fn a_character_across_the_scheme_is_refused() {
+        let head = b"GET http:/\xd1\x97ast/ HTTP/1.1\r\nHost: a\r\n\r\n";
+        assert!(
+            matches!(parse(head), Err(BadRequest::Form)),
+            "{:?}",
+            parse(head)
+        );
+    }
 
     #[test]
     fn connect() {
