@@ -1290,6 +1290,8 @@ async fn display_bundles_are_replayed_after_a_planned_exit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn display_bundles_are_replayed_after_a_crash() {
     display_bundles_survive(libc::SIGKILL).await;
+}
+
 /// systemd's side of a SIGTERM, on a private bus: `Manager.GetUnitByPID` names a unit whose
 /// `Job` property is a job of type `job_type` (org.freedesktop.systemd1(5)), as systemd 252
 /// answers during `systemctl restart` ("restart") or `systemctl stop` ("stop").
