@@ -367,15 +367,13 @@ pub async fn open(id: &str, pid: u32, listener: OwnedFd, policy: &crate::config:
     }
     // Opened first, while the worker is certainly alive: the pidfd names this process even
     // if its pid is reused later.
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if raw < 0 {
-        let reason = io::Error::last_os_error();
-        tracing::warn!(session = %id, %reason, "egress not granted (pidfd_open): the session has no network");
-        return;
-    }
-    // SAFETY: the descriptor was just returned to this process and is owned here only.
-    let pidfd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
+    let pidfd = match crate::sys::pidfd_open(pid) {
+        Ok(fd) => fd,
+        Err(reason) => {
+            tracing::warn!(session = %id, %reason, "egress not granted (pidfd_open): the session has no network");
+            return;
+        }
+    };
     let Some(ctl) = granted(id, listener, policy).await else {
         return;
     };
