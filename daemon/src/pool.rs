@@ -421,12 +421,17 @@ impl Refill {
         let pool = source.pool();
         let mut started = false;
         let envs = cfg.environments();
-        // Environments no longer served (a reload dropped them) drain to nothing.
+        // Environments no longer served (a reload dropped them) drain to nothing, and so do
+        // environments with egress the service's sandbox cannot give (their Opens are refused
+        // with `EgressUnavailable`: a warm worker would never be taken).
         let mut todo: Vec<(String, Language, usize, usize)> = envs
             .iter()
-            .map(|e| match d.pools {
-                true => (e.name.clone(), e.language, e.pool_min, e.pool_max),
-                false => (e.name.clone(), e.language, 0, 0),
+            .map(|e| {
+                let usable = e.egress.is_none() || crate::egress::availability().is_ok();
+                match d.pools && usable {
+                    true => (e.name.clone(), e.language, e.pool_min, e.pool_max),
+                    false => (e.name.clone(), e.language, 0, 0),
+                }
             })
             .collect();
         for (name, language) in pool.names() {

@@ -222,7 +222,8 @@ async fn under_the_shipped_unit_egress_is_refused_at_open_naming_the_drop_in() {
         );
     }
     let sandbox = UnitSandbox::of_unit();
-    let (_dir, conf) = write_conf(EGRESS_ENV);
+    // A warm pool is asked for: an environment whose Opens are refused must not hold one.
+    let (_dir, conf) = write_conf(&format!("{EGRESS_ENV}pool_min = 1\n"));
     let named = |reason: &str| {
         for part in [
             "/usr/share/sandcell/egress/sandcelld.service.conf",
@@ -245,7 +246,7 @@ async fn under_the_shipped_unit_egress_is_refused_at_open_naming_the_drop_in() {
     assert!(line.contains("UNAVAILABLE"), "{line}");
     named(line);
 
-    let d = Daemon::start_in_sandbox(&conf, &[], &sandbox);
+    let d = Daemon::start_in_sandbox(&conf, &[("SANDCELL_POOLS", "true")], &sandbox);
     assert!(
         d.log_text().contains("egress unavailable"),
         "{}",
@@ -279,6 +280,20 @@ async fn under_the_shipped_unit_egress_is_refused_at_open_naming_the_drop_in() {
     let out = c.execute_collect(&o.session, "print(6 * 7)").await.unwrap();
     assert_eq!(out.stdout, "42\n");
     c.close(&o.session).await.unwrap();
+    // The pools filled what can be used (the shipped python environment) and left the
+    // egress environment empty.
+    assert!(
+        common::eventually(std::time::Duration::from_secs(60), || d
+            .log_text()
+            .contains("warm worker ready environment=python")),
+        "{}",
+        d.log_text()
+    );
+    assert!(
+        !d.log_text().contains("warm worker ready environment=net"),
+        "{}",
+        d.log_text()
+    );
 }
 
 async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
