@@ -308,6 +308,8 @@ pub struct Record {
     host_call: Option<HostCall>,
     /// Where live frames go.
     attach: Option<mpsc::Sender<Frame>>,
+    /// Told when a newer `Attach` takes the cell over from `attach` (see [`Attachment`]).
+    replaced: Option<oneshot::Sender<()>>,
     /// The attachment is the `Execute` that started the cell and the operator chose
     /// `interrupt_on_hangup`: its hang-up interrupts the cell.
     hangup_interrupts: bool,
@@ -588,15 +590,16 @@ impl CellLog {
     }
 
     /// `Attach`: the frames to replay (ending with the result if the cell ended), and, for a
-    /// running cell, `to` becomes its attachment; an older one is told it was replaced (an
-    /// empty frame, see [`is_replaced`]). `None` for a cell without a record.
-    pub fn attach(&self, session: &str, cell: u64, to: mpsc::Sender<Frame>) -> Option<Vec<Frame>> {
+    /// running cell, `to` becomes its attachment; an older one is told it was replaced
+    /// (its `replaced` fires). `None` for a cell without a record.
+    pub fn attach(&self, session: &str, cell: u64, to: Attachment) -> Option<Vec<Frame>> {
         let rec = self.get(cell)?;
         let mut r = rec.lock().unwrap();
         let replay = r.replay(session);
         if !r.done() {
-            if let Some(old) = r.attach.replace(to) {
-                tell_replaced(old);
+            r.attach = Some(to.frames);
+            if let Some(old) = r.replaced.replace(to.replaced) {
+                let _ = old.send(());
             }
             r.hangup_interrupts = false;
             r.wake.notify_one();
@@ -605,19 +608,15 @@ impl CellLog {
     }
 }
 
-/// The frame that tells an attachment a newer `Attach` took over (a frame with no field set,
-/// which no cell sends).
-pub fn is_replaced(frame: &Frame) -> bool {
-    *frame == Frame::default()
-}
-
-fn tell_replaced(old: mpsc::Sender<Frame>) {
-    if let Err(mpsc::error::TrySendError::Full(f)) = old.try_send(Frame::default()) {
-        // A slow reader gets it after what it has queued (or never, if it hangs up).
-        tokio::spawn(async move {
-            let _ = old.send(f).await;
-        });
-    }
+/// A client following a cell (`Execute` on a detached session, `Attach`): its frames go to
+/// `frames`; `replaced` fires when a newer `Attach` takes the cell over, after which nothing
+/// more is sent to `frames` (what is already queued there is still the client's). Dropped
+/// without firing when the cell ends or the client hangs up.
+pub struct Attachment {
+    /// Where the cell's live frames go.
+    pub frames: mpsc::Sender<Frame>,
+    /// Fires once, when a newer attachment replaces this one.
+    pub replaced: oneshot::Sender<()>,
 }
 
 /// Starts the relay of a cell whose frames the actor sends on `rx` (see the module
@@ -628,11 +627,15 @@ fn tell_replaced(old: mpsc::Sender<Frame>) {
 pub fn relay<S: Host>(
     session: Arc<S>,
     mut rx: mpsc::Receiver<Frame>,
-    attach: Option<mpsc::Sender<Frame>>,
+    attach: Option<Attachment>,
     hangup_interrupts: bool,
     charge: Charge,
 ) -> oneshot::Receiver<u64> {
     let (started_tx, started_rx) = oneshot::channel();
+    let (attach, replaced) = match attach {
+        Some(a) => (Some(a.frames), Some(a.replaced)),
+        None => (None, None),
+    };
     tokio::spawn(async move {
         let Some(first) = rx.recv().await else {
             return;
@@ -649,6 +652,7 @@ pub fn relay<S: Host>(
             lost: false,
             host_call: None,
             attach: attach.clone(),
+            replaced,
             hangup_interrupts,
             charge,
             wake: wake.clone(),
@@ -682,6 +686,7 @@ pub(crate) fn resume<S: Host>(
         lost: false,
         host_call: None,
         attach: None,
+        replaced: None,
         hangup_interrupts: false,
         charge,
         wake: wake.clone(),
@@ -707,6 +712,7 @@ async fn relay_loop<S: Host>(
                     if !r.done() {
                         r.lost = true;
                         r.attach = None;
+                        r.replaced = None;
                         let to = r.streams[0].kept() + r.streams[1].kept();
                         r.charge.shrink(to);
                     }
@@ -722,7 +728,10 @@ async fn relay_loop<S: Host>(
                     deliver(&session, &rec, &wake, tx, frame).await;
                 }
                 if last {
-                    rec.lock().unwrap().attach = None;
+                    let mut r = rec.lock().unwrap();
+                    r.attach = None;
+                    r.replaced = None;
+                    drop(r);
                     session.log().make_room(0, false);
                     break;
                 }
@@ -769,6 +778,7 @@ fn hung_up<S: Host>(session: &Arc<S>, rec: &Arc<Mutex<Record>>, tx: &mpsc::Sende
             return;
         }
         r.attach = None;
+        r.replaced = None;
         (r.cell, std::mem::take(&mut r.hangup_interrupts))
     };
     if interrupt {

@@ -1058,21 +1058,22 @@ impl Core {
         caller: &Caller,
         session: &str,
         code: String,
-        frames: mpsc::Sender<Frame>,
+        to: crate::cells::Attachment,
     ) -> Result<(), KernelError> {
         self.check_source(&code)?;
         let s = self.lookup(caller, session)?;
         self.authorize(caller, Action::Execute).await?;
         if s.detached_idle.is_none() {
+            // Not retained: nobody can attach to it, so nobody replaces `to`.
             return self
-                .start_cell(caller, &s, session, code, frames, false)
+                .start_cell(caller, &s, session, code, to.frames, false)
                 .await;
         }
         let charge = retention_charge(&s)?;
         let (tx, rx) = mpsc::channel(FRAME_QUEUE);
         self.start_cell(caller, &s, session, code, tx, true).await?;
         let hangup = self.config().daemon.interrupt_on_hangup;
-        drop(crate::cells::relay(s, rx, Some(frames), hangup, charge));
+        drop(crate::cells::relay(s, rx, Some(to), hangup, charge));
         Ok(())
     }
 
@@ -1129,7 +1130,8 @@ impl Core {
         }
     }
 
-    /// `Attach`: the frames to replay; live frames go to `frames` while the cell runs.
+    /// `Attach`: the frames to replay; live frames go to `to` while the cell runs, until a
+    /// newer `Attach` replaces it.
     ///
     /// Errors: `NoSuchSession`/`SessionEnded`, `PermissionDenied` (`org.sandcell.execute`),
     /// `NoSuchCell`.
@@ -1138,12 +1140,12 @@ impl Core {
         caller: &Caller,
         session: &str,
         cell: u64,
-        frames: mpsc::Sender<Frame>,
+        to: crate::cells::Attachment,
     ) -> Result<Vec<Frame>, KernelError> {
         let s = self.lookup(caller, session)?;
         self.authorize(caller, Action::Execute).await?;
         s.cells
-            .attach(&s.id, cell, frames)
+            .attach(&s.id, cell, to)
             .ok_or_else(|| KernelError::NoSuchCell {
                 session: echo_id(session),
                 cell,

@@ -193,6 +193,38 @@ async fn a_second_attach_replaces_the_first() {
     assert_eq!(got.result.status, Status::Ok);
 }
 
+/// The `Execute` that started a cell on a detached session is an attachment like any other:
+/// an `Attach` from another connection takes the cell over, and the `Execute` ends with
+/// `AttachmentReplaced` (never the result), having had the output sent before the take-over.
+#[tokio::test]
+async fn an_attach_replaces_the_execute_that_started_the_cell() {
+    let d = Daemon::start(&[]);
+    let mut a = d.client().await;
+    let s = a.open("python", None, Some(60)).await.unwrap().session;
+    a.execute(
+        &s,
+        "import time\nprint('x', flush=True)\ntime.sleep(2)\nprint('y')",
+    )
+    .await
+    .unwrap();
+    let cell = a.next_frame().await.unwrap().started.unwrap().cell;
+    let mut second = d.client().await;
+    second.attach(&s, cell).await.unwrap();
+    let e = loop {
+        match a.next_frame().await {
+            Ok(f) => assert!(f.result.is_none(), "the replaced Execute got the result"),
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        matches!(&e, Error::Kernel(KernelError::AttachmentReplaced { cell: c, .. }) if *c == cell),
+        "{e:?}"
+    );
+    let got = second.finish(|_| {}).await.unwrap();
+    assert_eq!(got.stdout, "x\ny\n");
+    assert_eq!(got.result.status, Status::Ok);
+}
+
 #[tokio::test]
 async fn a_flood_while_detached_keeps_head_and_tail_with_exact_counts() {
     let d = Daemon::start(&[("SANDCELL_MAX_STDOUT_BYTES", "1048576")]);

@@ -14,7 +14,7 @@ use sandcell_proto::kernel::{
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use zlink::{Call, Reply};
 
 /// A reply written, or the connection is unusable.
@@ -401,15 +401,31 @@ async fn run(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) -> 
             tx,
         )
         .await;
-    stream_cell(core, caller, w, call, rx, started).await
+    stream_cell(core, caller, w, call, rx, None, started).await
 }
 
 /// `Execute` (the caller checked `more`): the cell's frames, streamed.
 async fn execute(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) -> Sent {
-    let (tx, rx) = mpsc::channel::<Frame>(64);
+    let (to, rx, replaced) = attachment();
     let p = parse!(w, call, ExecuteParams);
-    let started = core.execute(caller, &p.session, p.code, tx).await;
-    stream_cell(core, caller, w, call, rx, started).await
+    let started = core.execute(caller, &p.session, p.code, to).await;
+    stream_cell(core, caller, w, call, rx, Some(replaced), started).await
+}
+
+/// A new attachment for a cell's live frames: the side the cell's relay holds, the frames'
+/// receiver, and the signal that a newer `Attach` took over.
+fn attachment() -> (
+    crate::cells::Attachment,
+    mpsc::Receiver<Frame>,
+    oneshot::Receiver<()>,
+) {
+    let (frames, rx) = mpsc::channel::<Frame>(64);
+    let (replaced, replaced_rx) = oneshot::channel();
+    (
+        crate::cells::Attachment { frames, replaced },
+        rx,
+        replaced_rx,
+    )
 }
 
 /// Answers a `Run` or `Execute` whose cell `started` (or was refused): its frames from `rx`
@@ -420,12 +436,13 @@ async fn stream_cell(
     w: &Writer,
     call: &Call<RawCall>,
     rx: mpsc::Receiver<Frame>,
+    replaced: Option<oneshot::Receiver<()>>,
     started: Result<(), KernelError>,
 ) -> Sent {
     if let Err(e) = started {
         return send_kernel_error(w, call, e).await;
     }
-    match stream_frames(w, call, rx, core).await? {
+    match stream_frames(w, call, rx, replaced, core).await? {
         Streamed::Result => Ok(()),
         Streamed::Replaced(cell) => {
             let session = params::<ExecuteParams>(call)
@@ -606,27 +623,65 @@ fn encode_frame(buf: &mut Vec<u8>, mut frame: Frame, core: &Core) -> std::io::Re
     Ok(last)
 }
 
-/// Writes a cell's frames as they come.
+/// Fires when `r` says a newer `Attach` took the cell over; never for `None` or an
+/// attachment dropped without being replaced (the cell ended, or it is not retained).
+async fn replaced_signal(r: &mut Option<oneshot::Receiver<()>>) {
+    if let Some(rx) = r {
+        if rx.await.is_ok() {
+            return;
+        }
+        *r = None;
+    }
+    std::future::pending().await
+}
+
+/// Writes a cell's frames as they come, until the result, the end of the frames, or (for an
+/// attachment, `replaced`) a newer `Attach` taking over once the frames already queued are
+/// written.
 async fn stream_frames(
     w: &Writer,
     call: &Call<RawCall>,
     mut rx: mpsc::Receiver<Frame>,
+    mut replaced: Option<oneshot::Receiver<()>>,
     core: &Core,
 ) -> std::io::Result<Streamed> {
     let mut buf: Vec<u8> = Vec::new();
     let mut cell = 0;
-    while let Some(first) = rx.recv().await {
+    let mut was_replaced = false;
+    loop {
+        let first = if was_replaced {
+            // Only what was queued before the new `Attach` is still this client's.
+            match rx.try_recv() {
+                Ok(f) => Some(f),
+                Err(_) => return Ok(Streamed::Replaced(cell)),
+            }
+        } else {
+            tokio::select! {
+                biased;
+                f = rx.recv() => f,
+                () = replaced_signal(&mut replaced) => {
+                    was_replaced = true;
+                    replaced = None;
+                    match rx.try_recv() {
+                        Ok(f) => Some(f),
+                        Err(_) => return Ok(Streamed::Replaced(cell)),
+                    }
+                }
+            }
+        };
+        let Some(first) = first else {
+            // The relay let go of this attachment: replaced, or the frames stopped.
+            return Ok(match replaced.as_mut().map(|r| r.try_recv()) {
+                Some(Ok(())) => Streamed::Replaced(cell),
+                _ => Streamed::Stopped,
+            });
+        };
         // Every frame already queued goes out in one write: a short cell's output and result
         // reach the client together. Bounded by FRAME_BATCH_BYTES.
         buf.clear();
         let mut next = Some(first);
         let mut last = false;
-        let mut replaced = false;
         while let Some(frame) = next.take() {
-            if crate::cells::is_replaced(&frame) {
-                replaced = true;
-                break;
-            }
             let started = frame.started.as_ref().map(|s| s.cell);
             if let Some(c) = started {
                 cell = c;
@@ -660,11 +715,7 @@ async fn stream_frames(
         if last {
             return Ok(Streamed::Result);
         }
-        if replaced {
-            return Ok(Streamed::Replaced(cell));
-        }
     }
-    Ok(Streamed::Stopped)
 }
 
 /// `Attach`: the retained frames, written at once under a reply-budget charge (socket.rs,
@@ -681,8 +732,8 @@ async fn attach(
         Ok(c) => c,
         Err(r) => return send_kernel_error(w, call, reply_refused(r)).await,
     };
-    let (tx, rx) = mpsc::channel::<Frame>(64);
-    let replay = match core.attach(caller, &p.session, p.cell, tx).await {
+    let (to, rx, replaced) = attachment();
+    let replay = match core.attach(caller, &p.session, p.cell, to).await {
         Ok(r) => r,
         Err(e) => return send_kernel_error(w, call, e).await,
     };
@@ -700,7 +751,7 @@ async fn attach(
     if last {
         return Ok(());
     }
-    let e = match stream_frames(w, call, rx, core).await? {
+    let e = match stream_frames(w, call, rx, Some(replaced), core).await? {
         Streamed::Result => return Ok(()),
         Streamed::Replaced(_) => KernelError::AttachmentReplaced {
             session: p.session,
