@@ -34,6 +34,16 @@ def install(argv: list[str]) -> int:
                    help="install even when the sandcellctl the kernelspecs start is not found "
                         "(it may be installed later)")
     a = p.parse_args(argv)
+    try:
+        from jupyter_client.kernelspec import KernelSpecManager
+    except ImportError:
+        # One line, no traceback: the kernelspecs are installed through Jupyter's own
+        # package, which this client does not depend on.
+        print(f"{p.prog}: Jupyter's jupyter_client package is not installed for "
+              f"{sys.executable}; install it first, e.g. `pip install jupyter_client` or "
+              "`apt install python3-jupyter-client`", file=sys.stderr)
+        return 1
+    # Checked after jupyter_client: without it nothing can be installed at all.
     if not a.python_kernel and shutil.which(a.sandcellctl) is None:
         # Jupyter would start the kernel and fail with FileNotFoundError on every launch.
         what = (f"{a.sandcellctl!r} is not an executable file" if os.sep in a.sandcellctl
@@ -46,15 +56,6 @@ def install(argv: list[str]) -> int:
             return 2
         print(f"{p.prog}: warning: {what}; the kernels will not start until it is "
               f"({advice})", file=sys.stderr)
-    try:
-        from jupyter_client.kernelspec import KernelSpecManager
-    except ImportError:
-        # One line, no traceback: the kernelspecs are installed through Jupyter's own
-        # package, which this client does not depend on.
-        print(f"{p.prog}: Jupyter's jupyter_client package is not installed for "
-              f"{sys.executable}; install it first, e.g. `pip install jupyter_client` or "
-              "`apt install python3-jupyter-client`", file=sys.stderr)
-        return 1
 
     ksm = KernelSpecManager()
     for name in a.kernel or sorted(KERNELS):
