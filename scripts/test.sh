@@ -71,8 +71,8 @@ echo "== JupyterLab in headless Chromium: a plot and a DataFrame from sandcell-p
 bash scripts/test-jupyterlab.sh
 echo "== soak: 8 clients x 100 cells against a socket-activated sandcelld, every result checked"
 bash scripts/soak.sh --clients 8 --cells 100
-# The soak with restarts (scripts/soak.sh --restart-every 6) is not run here yet: across a
-# SIGKILL a followed cell can lose a complete output line the killed daemon had read and not
-# yet journaled (a known window), which the soak rightly counts as wrong.
+echo "== soak with restarts: 4 clients in detached sessions while sandcelld is restarted every 6 s"
+echo "   (SIGUSR2 and SIGKILL alternately, the successor on the same state): 0 lost, 0 wrong, 0 leaked"
+bash scripts/soak.sh --clients 4 --cells 100 --seconds 45 --restart-every 6
 echo "== fuzz: every decoder, about a minute (the build is kept in /var/tmp/sandcell-fuzz-target)"
 bash scripts/fuzz.sh 60

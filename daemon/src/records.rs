@@ -194,6 +194,14 @@ pub fn before_path(dir: &Path, id: &str) -> PathBuf {
     dir.join(format!("{id}.before"))
 }
 
+/// The spool of `stream` (`stdout`, `stderr` or `replies`) of session `id`'s running
+/// retained cell: the bytes taken from that worker pipe, moved there with splice(2) before
+/// the daemon reads them, so a successor continues the stream where the journal says
+/// (`session::spool`).
+pub fn spool_path(dir: &Path, id: &str, stream: &str) -> PathBuf {
+    dir.join(format!("{id}.spool-{stream}"))
+}
+
 /// The reply bytes a daemon that exited keeping its sessions had read from session `id`'s
 /// worker and not yet handled (a frame's head, or whole frames), which its successor reads
 /// first.
@@ -251,14 +259,16 @@ pub fn write(dir: &Path, r: &Record) -> std::io::Result<()> {
     std::fs::rename(&tmp, path_of(dir, &r.id))
 }
 
-/// Removes session `id`'s record, its cell journal, its listing before the cell and its
-/// keeper's socket (absent ones are
-/// not an error).
+/// Removes session `id`'s record, its cell journal and spools, its listing before the cell
+/// and its keeper's socket (absent ones are not an error).
 pub fn remove(dir: &Path, id: &str) {
     let _ = std::fs::remove_file(path_of(dir, id));
     let _ = std::fs::remove_file(journal_path(dir, id));
     let _ = std::fs::remove_file(rest_path(dir, id));
     let _ = std::fs::remove_file(before_path(dir, id));
+    for stream in ["stdout", "stderr", "replies"] {
+        let _ = std::fs::remove_file(spool_path(dir, id, stream));
+    }
     let _ = std::fs::remove_file(keeper_socket(dir, id));
 }
 

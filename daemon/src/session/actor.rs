@@ -310,7 +310,6 @@ impl Actor {
                 }
             }
         };
-        self.end_running_cell(&mut run);
         run.stages.mark("record_end");
         self.disk_scan = run.disk_scan.take();
         self.finish_cell(run, end, one_shot, close_req, files_before, cmds)

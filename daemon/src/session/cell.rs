@@ -81,6 +81,10 @@ pub(super) struct CellRun {
     pub(super) started_unix_ms: u64,
     /// The journal of a retained cell whose session is kept for a successor (`journal.rs`).
     pub(super) journal: Option<journal::Journal>,
+    /// The spool its pipes are read through (`spool.rs`), with the journal.
+    pub(super) spool: Option<spool::Spool>,
+    /// The spool offsets the journal recorded last (all `u64::MAX` before the first batch).
+    pub(super) spooled_at: [u64; 3],
     /// Bytes of output frames sent per stream (what the relay's retention has seen).
     pub(super) sent: [u64; 2],
     /// The caps' bytes seen at the last journal commit, and when it was.
@@ -142,6 +146,8 @@ impl CellRun {
             to_worker: Vec::new(),
             started_unix_ms: crate::records::unix_ms(SystemTime::now()),
             journal: None,
+            spool: None,
+            spooled_at: [u64::MAX; 3],
             sent: [0; 2],
             committed: (0, t0),
             resync: false,
@@ -155,8 +161,8 @@ impl CellRun {
     /// The journal's counts now.
     pub(super) fn counts(&self) -> journal::Counts {
         journal::Counts {
-            next_seq: self.seq,
-            unsent: self.backlog.bytes as u64,
+            next_seq: self.seq + self.backlog.sealed as u64,
+            unsent: self.backlog.unsealed_bytes() as u64,
             caps: [self.caps[0].snapshot(), self.caps[1].snapshot()],
             displays: self.displays,
             sent: self.sent,
@@ -183,6 +189,93 @@ impl CellRun {
             j.commit(&counts);
         }
         self.committed = (seen, Instant::now());
+    }
+
+    /// A spooled cell (`spool.rs`): the output its backlog holds and has not journaled goes
+    /// into the journal as the frames it becomes (numbered now; sent as the client takes
+    /// them), in one batch with the spool offsets handled so far (`replies_held`: reply
+    /// bytes the reader holds and has not handled) and the caps' state. Called at the end of
+    /// every turn of the cell's loop, before anything is sent: a frame a client sees is
+    /// always in the journal, and what a successor reads again from the spools was never
+    /// journaled. Writes nothing when nothing changed.
+    pub(super) fn seal(&mut self, replies_held: usize) {
+        let Some(sp) = self.spool.as_ref() else {
+            return;
+        };
+        if !self.journal.as_ref().is_some_and(|j| j.is_live()) {
+            self.end_spool("the journal ended");
+            return;
+        }
+        let at = [
+            sp.read(0),
+            sp.read(1),
+            sp.read(spool::REPLIES).saturating_sub(replies_held as u64),
+        ];
+        let start = self.backlog.sealed;
+        if start == self.backlog.chunks.len() && at == self.spooled_at {
+            return;
+        }
+        let copies: Vec<Option<SentChunk>> = self
+            .backlog
+            .chunks
+            .range(start..)
+            .map(|c| self.chunk_text(c))
+            .collect();
+        let first = self.seq + start as u64;
+        for (k, copy) in copies.into_iter().enumerate() {
+            self.sent_chunk(first + k as u64, copy);
+        }
+        self.backlog.seal_all();
+        if let Some(j) = self.journal.as_mut() {
+            j.set_spool(at);
+        }
+        self.commit_journal(true);
+        self.spooled_at = at;
+        if let Some(sp) = self.spool.as_mut() {
+            sp.release(at);
+        }
+    }
+
+    /// The cell ended with `result`: the output its backlog holds goes into the journal as
+    /// the frames it becomes, then the result, in one batch, before any of them is sent (a
+    /// successor then answers for the ended cell). Nothing without a live journal.
+    pub(super) fn journal_result(&mut self, result: &CellResult) {
+        if !self.journal.as_ref().is_some_and(|j| j.is_live()) {
+            return;
+        }
+        let start = self.backlog.sealed;
+        let copies: Vec<Option<SentChunk>> = self
+            .backlog
+            .chunks
+            .range(start..)
+            .map(|c| self.chunk_text(c))
+            .collect();
+        let first = self.seq + start as u64;
+        for (k, copy) in copies.into_iter().enumerate() {
+            self.sent_chunk(first + k as u64, copy);
+        }
+        self.backlog.seal_all();
+        if let Some(j) = self.journal.as_mut() {
+            j.result(result);
+        }
+        self.commit_journal(true);
+    }
+
+    /// The spool stops (`why`: its file failed, or the journal ended): its files go, and a
+    /// successor continues the cell as it would without one (what the daemon had read and
+    /// not journaled is lost, and said so).
+    pub(super) fn end_spool(&mut self, why: &str) {
+        if let Some(sp) = self.spool.take() {
+            tracing::warn!(
+                cell = self.cell,
+                why,
+                "the running cell's spool ended: a successor daemon could lose the output read before its journal batch"
+            );
+            sp.remove();
+            if let Some(j) = self.journal.as_mut() {
+                j.clear_spool();
+            }
+        }
     }
 
     /// What the counts and the journal need of a chunk about to leave as a frame: a text's
@@ -287,7 +380,7 @@ impl CellRun {
     }
 
     /// Queues output for the client (nothing, once the cell is abandoned).
-    fn queue(&mut self, stream: Stream, text: String) {
+    pub(super) fn queue(&mut self, stream: Stream, text: String) {
         if !self.abandoned {
             self.backlog.push(stream, &text);
         }
@@ -296,15 +389,16 @@ impl CellRun {
     /// Hands over what the client's channel takes now; the rest waits for room.
     fn flush(&mut self) {
         let mut journaled = false;
-        while let Some(c) = self.backlog.pop() {
-            let text = self.chunk_text(&c);
+        while let Some((c, sealed)) = self.backlog.pop_marked() {
+            // A sealed chunk is in the journal already, counted.
+            let text = if sealed { None } else { self.chunk_text(&c) };
             match self.frames.try_send(c.into_frame(self.cell, self.seq)) {
                 Ok(()) => {
                     journaled |= self.sent_chunk(self.seq, text);
                     self.seq += 1;
                 }
                 Err(mpsc::error::TrySendError::Full(f)) => {
-                    self.backlog.push_front(Chunk::from_frame(f));
+                    self.backlog.push_front(Chunk::from_frame(f), sealed);
                     break;
                 }
                 Err(mpsc::error::TrySendError::Closed(_)) => {
@@ -344,10 +438,13 @@ impl CellRun {
         let mut total = 0;
         for _ in 0..max_reads {
             let Some(r) = rx.as_mut() else { break };
-            let got = if direct {
-                crate::worker::read_now(std::os::fd::AsRawFd::as_raw_fd(r), &mut self.buf)
-            } else {
-                r.try_read(&mut self.buf)
+            let got = match self.spool.as_mut() {
+                Some(sp) if direct => sp.fill(i, &*r, &mut self.buf),
+                Some(sp) => r.try_io(|| sp.fill(i, &*r, &mut self.buf)),
+                None if direct => {
+                    crate::worker::read_now(std::os::fd::AsRawFd::as_raw_fd(r), &mut self.buf)
+                }
+                None => r.try_read(&mut self.buf),
             };
             match got {
                 Ok(0) => {
@@ -361,6 +458,10 @@ impl CellRun {
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if self.spool.is_some() => {
+                    // The spool's file failed (the bytes stay in the pipe): read on without it.
+                    self.end_spool(&e.to_string());
+                }
                 Err(_) => {
                     *rx = None;
                     break;
@@ -441,6 +542,7 @@ impl Actor {
             if let Some(end) = step {
                 return end;
             }
+            run.seal(self.replies.buffered());
             if let Some(done) = run.hand_over.take() {
                 self.hand_over_cell(run);
                 let _ = done.send(());
@@ -564,6 +666,8 @@ impl Actor {
             return Some(CellEnd::Cancelled(None));
         }
         run.abandoned = true;
+        // Sealed chunks are in the journal under their numbers: the next frame follows them.
+        run.seq += run.backlog.sealed as u64;
         run.backlog.clear();
         run.host_frame = None;
         if run.phase == Phase::Running {
@@ -589,7 +693,7 @@ impl Actor {
                     }
                 }
                 Ok(None) if bytes >= REPLY_BYTES_PER_WAKE => break,
-                Ok(None) => match self.replies.try_fill() {
+                Ok(None) => match fill_replies(&mut self.replies, run) {
                     Ok(Fill::Read(n)) => bytes += n,
                     Ok(Fill::Empty) => break,
                     Ok(Fill::Eof) => {
@@ -618,7 +722,7 @@ impl Actor {
                     Some(_) => break,
                     None => {}
                 },
-                Ok(None) => match self.replies.try_fill() {
+                Ok(None) => match fill_replies(&mut self.replies, run) {
                     Ok(Fill::Read(_)) => {}
                     _ => break,
                 },
@@ -1043,6 +1147,9 @@ impl Chunk {
 pub(super) struct Backlog {
     pub(super) chunks: std::collections::VecDeque<Chunk>,
     pub(super) bytes: usize,
+    /// The first this many chunks are sealed: in the journal under the numbers they are
+    /// sent with ([`CellRun::seal`]); nothing merges into them.
+    pub(super) sealed: usize,
 }
 
 impl Backlog {
@@ -1061,7 +1168,11 @@ impl Backlog {
         use sandcell_proto::worker::MAX_OUTPUT_CHUNK;
         while !text.is_empty() {
             let merge = match self.chunks.back() {
-                Some(Chunk::Text(s, t)) if *s == stream && t.len() < MAX_OUTPUT_CHUNK => {
+                Some(Chunk::Text(s, t))
+                    if *s == stream
+                        && t.len() < MAX_OUTPUT_CHUNK
+                        && self.chunks.len() > self.sealed =>
+                {
                     MAX_OUTPUT_CHUNK - t.len()
                 }
                 _ => 0,
@@ -1093,29 +1204,55 @@ impl Backlog {
         self.chunks.push_back(Chunk::Bundle(Box::new(d), bytes));
     }
 
-    /// Puts a chunk back at the front (the channel was full).
-    fn push_front(&mut self, c: Chunk) {
+    /// Puts a chunk back at the front (the channel was full), sealed as it was.
+    fn push_front(&mut self, c: Chunk, sealed: bool) {
         self.bytes += c.bytes();
         self.chunks.push_front(c);
+        if sealed {
+            self.sealed += 1;
+        }
     }
 
     pub(super) fn pop(&mut self) -> Option<Chunk> {
+        self.pop_marked().map(|(c, _)| c)
+    }
+
+    /// The oldest chunk and whether it was sealed.
+    pub(super) fn pop_marked(&mut self) -> Option<(Chunk, bool)> {
         let c = self.chunks.pop_front()?;
         self.bytes -= c.bytes();
-        Some(c)
+        let sealed = self.sealed > 0;
+        if sealed {
+            self.sealed -= 1;
+        }
+        Some((c, sealed))
+    }
+
+    /// Every chunk it holds is sealed now.
+    fn seal_all(&mut self) {
+        self.sealed = self.chunks.len();
+    }
+
+    /// Bytes of the chunks not sealed.
+    fn unsealed_bytes(&self) -> usize {
+        self.chunks.range(self.sealed..).map(Chunk::bytes).sum()
     }
 
     pub(super) fn clear(&mut self) {
         self.chunks.clear();
         self.bytes = 0;
+        self.sealed = 0;
     }
 }
 
 /// Room in the client's channel: the oldest waiting chunk goes now (the rest with the loop's
 /// flush).
 fn send_one(permit: mpsc::OwnedPermit<Frame>, run: &mut CellRun) {
-    if let Some(c) = run.backlog.pop() {
-        let text = run.chunk_text(&c);
+    if let Some((c, sealed)) = run.backlog.pop_marked() {
+        // A spooled cell seals its backlog at the end of every turn of its loop, before
+        // anything is sent: a chunk that is not sealed is one without a spool.
+        debug_assert!(sealed || run.spool.is_none());
+        let text = if sealed { None } else { run.chunk_text(&c) };
         permit.send(c.into_frame(run.cell, run.seq));
         let journaled = run.sent_chunk(run.seq, text);
         run.seq += 1;
@@ -1123,6 +1260,31 @@ fn send_one(permit: mpsc::OwnedPermit<Frame>, run: &mut CellRun) {
     } else if let Some(f) = run.host_frame.take() {
         permit.send(f);
     }
+}
+
+/// One non-blocking fill of the reply reader: through the cell's spool when it has one
+/// (`spool.rs`; a spool whose file fails ends, and this read goes to the pipe directly).
+fn fill_replies(
+    replies: &mut LineReader<pipe::Receiver>,
+    run: &mut CellRun,
+) -> Result<Fill, crate::worker::LineError> {
+    let Some(sp) = run.spool.as_mut() else {
+        return replies.try_fill();
+    };
+    let mut failed = None;
+    let got = replies.try_fill_with(
+        |r, buf| match r.try_io(|| sp.fill(spool::REPLIES, r, buf)) {
+            Err(e) if e.kind() != std::io::ErrorKind::WouldBlock => {
+                failed = Some(e);
+                r.try_read(buf)
+            }
+            other => other,
+        },
+    );
+    if let Some(e) = failed {
+        run.end_spool(&e.to_string());
+    }
+    got
 }
 
 /// Waits for room in the client's channel; the permit borrows nothing (the cell's state stays

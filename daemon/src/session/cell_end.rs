@@ -108,6 +108,12 @@ impl Actor {
         }
         let status = result.status;
         let wall = result.usage.wall_seconds;
+        // A retained cell's journal takes the rest of its output and its result before either
+        // is sent, and only then does the record stop offering the cell to a successor: a
+        // daemon that dies at any point before still has the cell continued (its `done` is
+        // read again from the spool), one that dies after has it answered as ended.
+        run.journal_result(&result);
+        self.end_running_cell(&mut run);
         // The rest of the output, in order, right before the result, so the connection writes
         // them together (one write, one wake-up of the client for a short cell). A cell that was
         // cancelled (client gone, session closed) waits for nobody: it gets no more frames.

@@ -19,6 +19,16 @@
 //!   kept as u64), and per stream the bytes of output frames sent (u64, what the relay's
 //!   retention counts as seen).
 //!
+//! - spool offsets (`spool.rs`): tag `4`, then per spool (stdout, stderr, replies) the bytes
+//!   of it the batch accounts for (u64); written just before the counts entry of every batch
+//!   of a cell whose pipes are spooled, so a successor continues each stream exactly there.
+//!
+//! - the cell's result, once it ended: tag `5`, the length of the `CellResult` as JSON (u32),
+//!   that JSON; in the cell's last batch, with the frames that precede the result. The file
+//!   then stays (until the session's next retained cell starts or the session ends), so a
+//!   successor that comes before a client fetched the result still answers `CellStatus` and
+//!   `Attach` for it.
+//!
 //! Every batch ends with a counts entry, so a reader keeps what precedes the last complete
 //! counts entry and ignores the rest (a write cut by the daemon's death). The file never
 //! exceeds [`records::JOURNAL_MAX_BYTES`] (the per-session retention bound): when a batch
@@ -39,6 +49,8 @@ use std::path::{Path, PathBuf};
 const TAG_OUTPUT: u8 = 1;
 const TAG_COUNTS: u8 = 2;
 const TAG_DISPLAY: u8 = 3;
+const TAG_SPOOL: u8 = 4;
+const TAG_RESULT: u8 = 5;
 
 /// A stream cap's state ([`crate::worker::output::StreamCap::snapshot`]).
 pub(crate) type CapState = (u64, u64, u64, Vec<u8>);
@@ -66,6 +78,10 @@ pub(crate) struct Restored {
     pub(crate) outputs: Vec<(u64, Stream, String)>,
     pub(crate) displays: Vec<(Display, u64)>,
     pub(crate) counts: Option<Counts>,
+    /// The spool offsets of the last batch (`spool.rs`), when the cell's pipes were spooled.
+    pub(crate) spool: Option<[u64; 3]>,
+    /// The cell's result, when it ended.
+    pub(crate) result: Option<sandcell_proto::kernel::CellResult>,
 }
 
 impl Restored {
@@ -122,6 +138,13 @@ fn put_display(buf: &mut Vec<u8>, d: &Display, bytes: u64) {
     buf.extend_from_slice(&bytes.to_le_bytes());
     buf.extend_from_slice(&(json.len() as u32).to_le_bytes());
     buf.extend_from_slice(&json);
+}
+
+fn put_spool(buf: &mut Vec<u8>, at: &[u64; 3]) {
+    buf.push(TAG_SPOOL);
+    for v in at {
+        buf.extend_from_slice(&v.to_le_bytes());
+    }
 }
 
 fn put_counts(buf: &mut Vec<u8>, c: &Counts) {
@@ -204,6 +227,8 @@ pub(crate) fn parse(bytes: &[u8]) -> Restored {
     let mut out = Restored::default();
     let mut pending: Vec<(u64, Stream, String)> = Vec::new();
     let mut bundles: Vec<(Display, u64)> = Vec::new();
+    let mut spool: Option<[u64; 3]> = None;
+    let mut result = None;
     loop {
         let step = (|| -> Option<bool> {
             match c.u8()? {
@@ -230,11 +255,24 @@ pub(crate) fn parse(bytes: &[u8]) -> Restored {
                     bundles.push((d, bytes));
                     Some(true)
                 }
+                TAG_SPOOL => {
+                    spool = Some([c.u64()?, c.u64()?, c.u64()?]);
+                    Some(true)
+                }
+                TAG_RESULT => {
+                    let n = c.u32()? as usize;
+                    result = Some(serde_json::from_slice(c.bytes(n)?).ok()?);
+                    Some(true)
+                }
                 TAG_COUNTS => {
                     let counts = counts_of(&mut c)?;
                     out.outputs.append(&mut pending);
                     out.displays.append(&mut bundles);
                     out.counts = Some(counts);
+                    out.spool = spool.take();
+                    if let Some(r) = result.take() {
+                        out.result = Some(r);
+                    }
                     Some(true)
                 }
                 _ => None,
@@ -349,6 +387,8 @@ pub(crate) struct Journal {
     bytes: u64,
     batch: Vec<u8>,
     session: String,
+    /// The spool offsets every batch records (`spool.rs`), when the cell's pipes are spooled.
+    spool: Option<[u64; 3]>,
 }
 
 impl Journal {
@@ -361,6 +401,7 @@ impl Journal {
             bytes: 0,
             batch: Vec::new(),
             session: session.to_owned(),
+            spool: None,
         };
         match create(&j.path) {
             Ok(f) => j.file = Some(f),
@@ -370,21 +411,75 @@ impl Journal {
     }
 
     /// The journal of a cell a successor continues: rewritten from what it held (`r`, without
-    /// any entry the predecessor's death cut), and appended to from then on.
+    /// any entry the predecessor's death cut) through a temporary file renamed over it (a
+    /// successor killed meanwhile leaves the old journal whole), and appended to from then
+    /// on. Its batches record `r`'s spool offsets until [`Journal::set_spool`] moves them.
     pub(crate) fn resume(path: PathBuf, session: &str, r: &Restored) -> Journal {
-        let mut j = Journal::create(path, session);
+        let mut j = Journal {
+            file: None,
+            path,
+            bytes: 0,
+            batch: Vec::new(),
+            session: session.to_owned(),
+            spool: r.spool,
+        };
+        let mut buf = Vec::new();
         if let Some(c) = &r.counts {
-            let mut buf = Vec::new();
             for (seq, stream, text) in &r.outputs {
                 put_output(&mut buf, *seq, *stream, text);
             }
             for (d, bytes) in &r.displays {
                 put_display(&mut buf, d, *bytes);
             }
+            if let Some(at) = &r.spool {
+                put_spool(&mut buf, at);
+            }
             put_counts(&mut buf, c);
-            j.write(&buf);
+        }
+        let tmp = j.path.with_extension("cell.tmp");
+        let made = create(&tmp).and_then(|mut f| {
+            f.write_all(&buf)?;
+            std::fs::rename(&tmp, &j.path)?;
+            Ok(f)
+        });
+        match made {
+            Ok(f) => {
+                j.file = Some(f);
+                j.bytes = buf.len() as u64;
+            }
+            Err(e) => j.fail(&e),
         }
         j
+    }
+
+    /// Whether the journal is still written (it ends at its first failed write).
+    pub(crate) fn is_live(&self) -> bool {
+        self.file.is_some()
+    }
+
+    /// The spool offsets the next batches record (`spool.rs`).
+    pub(crate) fn set_spool(&mut self, at: [u64; 3]) {
+        self.spool = Some(at);
+    }
+
+    /// Adds the cell's result to the batch (its last).
+    pub(crate) fn result(&mut self, r: &sandcell_proto::kernel::CellResult) {
+        if self.file.is_none() {
+            return;
+        }
+        let Ok(json) = serde_json::to_vec(r) else {
+            return;
+        };
+        self.batch.push(TAG_RESULT);
+        self.batch
+            .extend_from_slice(&(json.len() as u32).to_le_bytes());
+        self.batch.extend_from_slice(&json);
+    }
+
+    /// The spool ended: the next batches record no offsets, and a successor continues the
+    /// cell as one without a spool.
+    pub(crate) fn clear_spool(&mut self) {
+        self.spool = None;
     }
 
     /// Adds an output frame to the batch.
@@ -409,6 +504,9 @@ impl Journal {
             return;
         }
         let mut batch = std::mem::take(&mut self.batch);
+        if let Some(at) = &self.spool {
+            put_spool(&mut batch, at);
+        }
         put_counts(&mut batch, counts);
         if self.bytes + batch.len() as u64 > records::JOURNAL_MAX_BYTES {
             if let Err(e) = self.compact(&batch) {
@@ -451,6 +549,9 @@ impl Journal {
         }
         for (d, bytes) in kept[0].bundles() {
             put_display(&mut buf, d, bytes);
+        }
+        if let Some(at) = &r.spool {
+            put_spool(&mut buf, at);
         }
         put_counts(&mut buf, &counts);
         let tmp = self.path.with_extension("cell.tmp");
@@ -537,6 +638,52 @@ mod tests {
         assert_eq!(kept[0].chunks().count(), 2, "the bundle splits the text");
         // Garbage is not trusted beyond its first bad byte.
         assert!(parse(b"\x07\x01\x02").counts.is_none());
+    }
+
+    #[test]
+    fn spool_offsets_and_the_result_belong_to_their_batch_and_survive_resumption() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.cell");
+        let mut j = Journal::create(path.clone(), "s");
+        j.set_spool([0, 0, 0]);
+        j.commit(&counts(0, [0, 0]));
+        j.output(0, Stream::Stdout, "one\n");
+        j.set_spool([4, 0, 120]);
+        j.commit(&counts(1, [4, 0]));
+        let r = read(&path).unwrap();
+        assert_eq!(r.spool, Some([4, 0, 120]));
+        assert!(r.result.is_none());
+        // A batch cut before its counts leaves the previous batch's offsets.
+        let full = std::fs::read(&path).unwrap();
+        let mut cut = full.clone();
+        put_spool(&mut cut, &[9, 9, 9]);
+        assert_eq!(parse(&cut).spool, Some([4, 0, 120]));
+        // The successor's rewrite keeps them; a cleared spool writes none.
+        let mut j = Journal::resume(path.clone(), "s", &r);
+        assert_eq!(read(&path).unwrap().spool, Some([4, 0, 120]));
+        j.clear_spool();
+        j.output(1, Stream::Stdout, "two\n");
+        let result = sandcell_proto::kernel::CellResult {
+            cell: 1,
+            status: sandcell_proto::kernel::Status::Ok,
+            error: None,
+            exit_code: None,
+            usage: Default::default(),
+            stdout: Default::default(),
+            stderr: Default::default(),
+            state: sandcell_proto::kernel::State::Kept,
+            session_ended: false,
+            warnings: Vec::new(),
+            files: Vec::new(),
+            displays: None,
+            retained: None,
+        };
+        j.result(&result);
+        j.commit(&counts(2, [8, 0]));
+        let r = read(&path).unwrap();
+        assert_eq!(r.spool, None);
+        assert_eq!(r.result.as_ref().map(|r| r.cell), Some(1));
+        assert_eq!(r.outputs.len(), 2);
     }
 
     #[test]

@@ -307,6 +307,7 @@ pub fn connect(dir: &Path, r: Record) -> Result<Adoptable, NotAdopted> {
     }
     if let Some(cell) = r.running_cell
         && r.running.as_ref().is_none_or(|c| c.cell != cell)
+        && ended_cell(dir, &r.id).is_none_or(|e| e.cell != cell)
     {
         lifeline.end();
         return Err(NotAdopted::Gone(format!(
@@ -413,7 +414,20 @@ impl Session {
             ),
             None => (None, None),
         };
-        let (mut resume, relay) = match r.running.clone().filter(|_| r.running_cell.is_some()) {
+        // A retained cell that ended before the predecessor went away (its result in the
+        // journal, perhaps not yet delivered): answered as ended, never continued.
+        let ended = ended_cell(&w.keep.dir, &r.id).filter(|e| {
+            r.running.as_ref().is_none_or(|c| c.cell == e.cell)
+                && r.running_cell.is_none_or(|c| c == e.cell)
+        });
+        let running = r
+            .running
+            .clone()
+            .filter(|_| r.running_cell.is_some() && ended.is_none());
+        if ended.is_some() {
+            super::spool::remove(&w.keep.dir, &r.id);
+        }
+        let (mut resume, relay) = match running {
             Some(running) => {
                 let (resume, relay) = Resume::new(&w.keep.dir, &r.id, running);
                 (Some(resume), relay)
@@ -422,7 +436,7 @@ impl Session {
         };
         // The reply bytes a predecessor that exited keeping its sessions had read and not
         // handled: read first, so the stream goes on exactly where it was.
-        let rest = match super::journal::take_rest(&records::rest_path(&w.keep.dir, &r.id)) {
+        let mut rest = match super::journal::take_rest(&records::rest_path(&w.keep.dir, &r.id)) {
             Ok(rest) => rest.filter(|_| resume.is_some()),
             Err(e) => {
                 tracing::warn!(session = %r.id, error = %e, "the reply bytes handed over cannot be read: the stream is resynchronised");
@@ -431,6 +445,28 @@ impl Session {
         };
         if let (Some(res), Some(_)) = (resume.as_mut(), rest.as_ref()) {
             res.exact = true;
+        }
+        // A spooled cell: every stream goes on at the offset its journal handled, whatever
+        // way the predecessor ended (the spool holds what it had read and not journaled).
+        if let Some(res) = resume.as_mut() {
+            if let Some(at) = res.restored.as_ref().and_then(|j| j.spool) {
+                match super::spool::Spool::resume(&w.keep.dir, &r.id, at) {
+                    Ok((sp, [out, err, replies])) => {
+                        rest = Some(replies);
+                        res.exact = true;
+                        res.spool = Some((sp, [out, err]));
+                    }
+                    Err(e) => {
+                        tracing::warn!(session = %r.id, error = %e, "the running cell's spool cannot be read: its stream is resynchronised");
+                        res.notes.push(format!(
+                            "the output the previous daemon had read and not yet retained could not be read back ({e})"
+                        ));
+                        super::spool::remove(&w.keep.dir, &r.id);
+                    }
+                }
+            } else {
+                super::spool::remove(&w.keep.dir, &r.id);
+            }
         }
         let now = SystemTime::now();
         let last = std::time::UNIX_EPOCH + Duration::from_millis(r.last_activity_unix_ms);
@@ -475,6 +511,25 @@ impl Session {
             dir_view,
             resume,
         });
+        if let Some(e) = ended {
+            // Its relay gets the result at once (what the journal retained of its output
+            // first, as an `Attach` replays it).
+            match session.cells.reserve() {
+                Ok(charge) => {
+                    let (tx, rx) = mpsc::channel(1);
+                    let _ = tx.try_send(Frame {
+                        result: Some(e.result),
+                        ..Default::default()
+                    });
+                    drop(tx);
+                    crate::cells::resume(session.clone(), rx, e.cell, e.streams, charge);
+                    tracing::info!(session = %session.id, cell = e.cell, "the cell that ended before the restart is answered from its journal");
+                }
+                Err(err) => {
+                    tracing::warn!(session = %session.id, cell = e.cell, in_use = err.in_use, "no room to retain the ended cell's output and result");
+                }
+            }
+        }
         if let Some((cell, rx, streams)) = relay {
             // Joins the session's log before the session is listed, so an `Attach` or
             // `CellStatus` finds it. No room in the daemon-wide retention budget (a fresh
@@ -489,6 +544,29 @@ impl Session {
         }
         Ok(session)
     }
+}
+
+/// The result a session's last retained cell left in its journal (`journal.rs`), when the
+/// cell ended before its daemon went away, with what the journal retained of its output.
+pub(super) fn ended_cell(dir: &Path, id: &str) -> Option<EndedCell> {
+    let path = records::journal_path(dir, id);
+    if !path.exists() {
+        return None;
+    }
+    let j = super::journal::read(&path).ok()?;
+    let result = j.result.clone()?;
+    Some(EndedCell {
+        cell: result.cell,
+        streams: j.retention(),
+        result,
+    })
+}
+
+/// A retained cell that had ended when its daemon went away ([`ended_cell`]).
+pub(super) struct EndedCell {
+    pub(super) cell: u64,
+    pub(super) result: sandcell_proto::kernel::CellResult,
+    pub(super) streams: [crate::cells::Kept; 2],
 }
 
 /// A cell a predecessor daemon was running, as its successor continues it
@@ -508,6 +586,9 @@ pub(super) struct Resume {
     exact: bool,
     /// The listing of the session directory before the cell, when the predecessor kept it.
     before: Option<crate::files::Listing>,
+    /// Its spool, continued (`spool.rs`), and the raw stdout and stderr bytes the
+    /// predecessor had taken and not journaled (read again first).
+    spool: Option<(super::spool::Spool, [Vec<u8>; 2])>,
 }
 
 /// What the relay of a continued cell starts from: (cell, the actor's frames, the retained
@@ -549,6 +630,7 @@ impl Resume {
                     notes,
                     exact: false,
                     before,
+                    spool: None,
                 },
                 None,
             );
@@ -579,6 +661,7 @@ impl Resume {
                 notes,
                 exact: false,
                 before,
+                spool: None,
             },
             Some((cell, rx, streams)),
         )
@@ -616,11 +699,31 @@ impl Actor {
                 let _ = std::fs::remove_file(&path);
             }
         }
+        if !retained {
+            // The result an earlier retained cell left is not the latest any more.
+            let _ = std::fs::remove_file(records::journal_path(&k.keep.dir, &self.session.id));
+        }
         if retained {
-            run.journal = Some(super::journal::Journal::create(
+            let journal = super::journal::Journal::create(
                 records::journal_path(&k.keep.dir, &self.session.id),
                 &self.session.id,
-            ));
+            );
+            if journal.is_live() {
+                match super::spool::Spool::create(
+                    &k.keep.dir,
+                    &self.session.id,
+                    self.replies.unconsumed(),
+                ) {
+                    Ok(sp) => run.spool = Some(sp),
+                    Err(e) => {
+                        tracing::warn!(session = %self.session.id, error = %e, "the running cell's spool cannot be made: a successor daemon could lose the output read before its journal batch");
+                        super::spool::remove(&k.keep.dir, &self.session.id);
+                    }
+                }
+            }
+            run.journal = Some(journal);
+            // The first batch: the spool offsets a successor starts from.
+            run.seal(self.replies.buffered());
         }
         self.running = Some(records::RunningCell {
             cell: run.cell,
@@ -647,6 +750,15 @@ impl Actor {
             return;
         }
         let rest = records::rest_path(&k.keep.dir, &self.session.id);
+        if run.spool.is_some() {
+            // Everything is in the journal and the spools: the successor continues there.
+            run.seal(self.replies.buffered());
+            if run.spool.is_some() {
+                self.cell_changed(run);
+                tracing::info!(session = %self.session.id, cell = run.cell, "running cell handed over (spooled)");
+                return;
+            }
+        }
         if run.journal.is_some() {
             while let Some(c) = run.backlog.pop() {
                 let text = run.chunk_text(&c);
@@ -676,17 +788,22 @@ impl Actor {
         self.persist();
     }
 
-    /// The cell's loop ended: its record no longer offers it to a successor (one that comes
-    /// before the result is delivered ends the session, `daemon_restarted`), and its journal
-    /// goes.
+    /// The cell's result is known (and, for a retained cell, in its journal): its record no
+    /// longer offers it to a successor, its spool goes, and its journal goes unless it holds
+    /// the result (a successor then answers `CellStatus` and `Attach` for the ended cell).
     pub(super) fn end_running_cell(&mut self, run: &mut CellRun) {
         if self.running.take().is_none() {
             return;
         }
-        run.journal = None;
+        let kept_result = run.journal.take().is_some_and(|j| j.is_live());
+        if let Some(sp) = run.spool.take() {
+            sp.remove();
+        }
         self.persist();
         if let Some(k) = self.kept.as_ref() {
-            let _ = std::fs::remove_file(records::journal_path(&k.keep.dir, &self.session.id));
+            if !kept_result {
+                let _ = std::fs::remove_file(records::journal_path(&k.keep.dir, &self.session.id));
+            }
             let _ = std::fs::remove_file(records::before_path(&k.keep.dir, &self.session.id));
         }
     }
@@ -710,6 +827,7 @@ impl Actor {
             notes,
             exact,
             before,
+            spool,
         } = r;
         let limits = self.session.limits.clone();
         let mut run = CellRun::new(
@@ -766,6 +884,25 @@ impl Actor {
             });
         }
         run.resync = !exact;
+        if let Some((sp, tails)) = spool {
+            // What the predecessor had taken from the raw pipes and not journaled: through
+            // the caps again, then sealed with the new offsets before anything is sent.
+            for (i, (tail, stream)) in tails
+                .iter()
+                .zip([Stream::Stdout, Stream::Stderr])
+                .enumerate()
+            {
+                if let Some(t) = run.caps[i].push_bytes(tail) {
+                    run.queue(stream, t);
+                }
+            }
+            if run.journal.as_ref().is_some_and(|j| j.is_live()) {
+                run.spool = Some(sp);
+                run.seal(self.replies.buffered());
+            } else {
+                sp.remove();
+            }
+        }
         if let Some(call) = running.host_waiting {
             let payload = serde_json::to_vec(&serde_json::json!({
                 "error": format!("host call {call} was not answered: the daemon restarted while it waited")
@@ -778,7 +915,6 @@ impl Actor {
         tracing::info!(session = %self.session.id, cell = run.cell, elapsed_ms = elapsed.as_millis() as u64, retained = run.journal.is_some(), "continuing the cell the previous daemon was running");
         run.disk_scan = self.disk_scan.take();
         let end = self.cell_loop(&mut run, cmds).await;
-        self.end_running_cell(&mut run);
         self.disk_scan = run.disk_scan.take();
         self.finish_cell(run, end, false, None, before, cmds).await
     }

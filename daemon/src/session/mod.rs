@@ -15,6 +15,8 @@
 //!   it changed, and the session directory's disk budget.
 //! - `idle.rs`: the idle watch: the idle timeout and the disk walks between cells.
 //! - `keep.rs`: sessions kept for a successor daemon to adopt (keeper, record, adoption).
+//! - `journal.rs`, `spool.rs`: a kept session's running retained cell as a successor
+//!   continues it: its frames and counts, and the worker's bytes not yet journaled.
 //! - `actor_tests.rs`: the actor driven by scripted fake workers.
 
 use crate::admission::Permit;
@@ -719,6 +721,7 @@ use idle::DISK_IDLE_WATCH;
 
 mod journal;
 mod keep;
+mod spool;
 
 pub mod query;
 pub use keep::{AdoptWith, Adoptable, Keep, NotAdopted, connect as connect_keeper};

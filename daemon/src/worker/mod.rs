@@ -212,11 +212,24 @@ impl LineReader<tokio::net::unix::pipe::Receiver> {
     ///
     /// Errors: reading failed.
     pub fn try_fill(&mut self) -> Result<Fill, LineError> {
+        self.try_fill_with(|r, buf| r.try_read(buf))
+    }
+
+    /// [`LineReader::try_fill`] through `read`, which is given the pipe and the free part of
+    /// the buffer and returns the bytes it put there (0 at end of file, `WouldBlock` when
+    /// there are none): a spooled cell moves them through its spool file first
+    /// (`session::spool`).
+    ///
+    /// Errors: reading failed.
+    pub fn try_fill_with(
+        &mut self,
+        read: impl FnOnce(&tokio::net::unix::pipe::Receiver, &mut [u8]) -> std::io::Result<usize>,
+    ) -> Result<Fill, LineError> {
         if self.eof {
             return Ok(Fill::Eof);
         }
         let at = self.spare();
-        match self.inner.try_read(&mut self.buf[at..]) {
+        match read(&self.inner, &mut self.buf[at..]) {
             Ok(0) => {
                 self.keep(0);
                 Ok(Fill::Eof)
