@@ -296,6 +296,31 @@ async fn under_the_shipped_unit_egress_is_refused_at_open_naming_the_drop_in() {
     );
 }
 
+/// A cell that fetches `hello.txt` from `allowed` (retrying while the proxy is not yet
+/// serving: 502) and tries `other`, printing `allowed: BODY` and `other: CODE REASON`.
+fn subset_cell(allowed: &str, other: &str) -> String {
+    format!(
+        r#"import time, urllib.request, urllib.error
+body = None
+for _ in range(50):
+    try:
+        body = urllib.request.urlopen("http://{allowed}/hello.txt", timeout=10).read().decode()
+        break
+    except urllib.error.HTTPError as e:
+        body = "http %d %s" % (e.code, e.read().decode().strip())
+        if e.code != 502:
+            break
+    time.sleep(0.2)
+print("allowed:", body.strip())
+try:
+    urllib.request.urlopen("http://{other}/hello.txt", timeout=10)
+    print("other: fetched")
+except urllib.error.HTTPError as e:
+    print("other:", e.code, e.read().decode().strip())
+"#
+    )
+}
+
 async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -323,7 +348,7 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
     std::fs::create_dir_all(&www).unwrap();
     std::fs::write(www.join("hello.txt"), "hello through the proxy\n").unwrap();
     let hosts = dir.path().join("hosts");
-    std::fs::write(&hosts, "11.0.0.2 data.test other.test\n").unwrap();
+    std::fs::write(&hosts, "11.0.0.2 data.test other.test www.sub.test\n").unwrap();
     let mut net = PrivateNet::new(tag);
     net.serve_http(&www);
     let control = dir.path().join("control");
@@ -342,7 +367,7 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
     let (_cdir, conf) = write_conf(
         "[environments.net]\nlanguage = \"python\"\nengine = \"native\"\n\
          interpreter = \"/usr/bin/python3\"\n\
-         egress = { hosts = [\"data.test\"], ports = [80] }\n",
+         egress = { hosts = [\"data.test\", \"*.sub.test\"], ports = [80] }\n",
     );
     let env = [("SANDCELL_EGRESS_CONTROL", control.to_str().unwrap())];
     let d = match sandbox {
@@ -386,6 +411,82 @@ except urllib.error.HTTPError as e:
         out.stderr
     );
     c.close(&o.session).await.unwrap();
+
+    // A session that asks for a subset reaches only that subset: the rest of the
+    // environment's list is a 403 with the reason.
+    let o = c
+        .open_with(&sandcell_proto::kernel::OpenParams {
+            language: "python".into(),
+            environment: Some("net".into()),
+            egress: Some(vec!["www.sub.test".into()]),
+            ..Default::default()
+        })
+        .await
+        .expect("open net with a subset");
+    let out = c
+        .execute_collect(&o.session, &subset_cell("www.sub.test", "data.test"))
+        .await
+        .unwrap();
+    assert!(
+        out.stdout.contains("allowed: hello through the proxy\n"),
+        "{}\n{}\n{}",
+        out.stdout,
+        out.stderr,
+        d.log_text()
+    );
+    assert!(
+        out.stdout
+            .contains("other: 403 sandcell egress: host not allowed: data.test\n"),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    c.close(&o.session).await.unwrap();
+    // A one-shot Run's subset likewise.
+    c.run_with(&sandcell_proto::kernel::RunParams {
+        language: "python".into(),
+        code: subset_cell("data.test", "www.sub.test"),
+        environment: Some("net".into()),
+        egress: Some(vec!["data.test".into()]),
+        ..Default::default()
+    })
+    .await
+    .expect("run net with a subset");
+    let out = c.finish(|_| {}).await.expect("the run's result");
+    assert!(
+        out.stdout.contains("allowed: hello through the proxy\n")
+            && out
+                .stdout
+                .contains("other: 403 sandcell egress: host not allowed: www.sub.test\n"),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    // Never more than the environment's list: a typed error naming the host, before any
+    // worker starts; and no egress at all for an environment without it.
+    for (environment, host, says) in [
+        ("net", "other.test", "other.test"),
+        ("net", "*.test", "*.test"),
+        ("net", "not a name", "not a DNS host name"),
+        ("pydata", "data.test", "has no egress"),
+    ] {
+        let p = sandcell_proto::kernel::OpenParams {
+            language: "python".into(),
+            environment: Some(environment.into()),
+            egress: Some(vec![host.into()]),
+            ..Default::default()
+        };
+        match c.open_with(&p).await {
+            Err(sandcell_client::Error::Kernel(KernelError::InvalidParameter {
+                parameter,
+                reason,
+            })) => {
+                assert_eq!(parameter, "egress");
+                assert!(reason.contains(says), "{environment} {host}: {reason}");
+            }
+            other => panic!("{environment} {host}: {other:?}"),
+        }
+    }
 
     // An environment without egress: no TCP socket at all, whatever the unit allows.
     let o = c
