@@ -364,12 +364,18 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
         common::eventually(std::time::Duration::from_secs(10), || control.exists()),
         "the proxy did not bind its control socket"
     );
-    let (_cdir, conf) = write_conf(
-        "[environments.net]\nlanguage = \"python\"\nengine = \"native\"\n\
+    let metrics = dir.path().join("metrics.prom");
+    let (_cdir, conf) = write_conf(&format!(
+        "[daemon]\nmetrics_file = \"{}\"\nmetrics_interval_seconds = 1\n\n\
+         [environments.net]\nlanguage = \"python\"\nengine = \"native\"\n\
          interpreter = \"/usr/bin/python3\"\n\
-         egress = { hosts = [\"data.test\", \"*.sub.test\"], ports = [80] }\n",
-    );
-    let env = [("SANDCELL_EGRESS_CONTROL", control.to_str().unwrap())];
+         egress = {{ hosts = [\"data.test\", \"*.sub.test\"], ports = [80] }}\n",
+        metrics.display()
+    ));
+    let env = [
+        ("SANDCELL_EGRESS_CONTROL", control.to_str().unwrap()),
+        ("SANDCELL_METRICS_FILE", metrics.to_str().unwrap()),
+    ];
     let d = match sandbox {
         Some(s) => Daemon::start_in_sandbox(&conf, &env, s),
         None => Daemon::start_with_config(&conf, &env),
@@ -487,6 +493,33 @@ except urllib.error.HTTPError as e:
             other => panic!("{environment} {host}: {other:?}"),
         }
     }
+    // The metrics file sums the sessions' egress: three sessions, each one request served
+    // and one refused, bytes relayed.
+    let sample = |text: &str, name: &str, label: &str| -> Option<u64> {
+        text.lines()
+            .find(|l| l.starts_with(name) && l.contains(label))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    };
+    let counted = || {
+        let text = std::fs::read_to_string(&metrics).unwrap_or_default();
+        sample(
+            &text,
+            "sandcell_egress_requests_total{",
+            "outcome=\"allowed\"",
+        ) == Some(3)
+            && sample(
+                &text,
+                "sandcell_egress_requests_total{",
+                "outcome=\"refused\"",
+            ) == Some(3)
+            && sample(&text, "sandcell_egress_bytes_total{", "node=").is_some_and(|b| b > 300)
+    };
+    assert!(
+        common::eventually(std::time::Duration::from_secs(15), counted),
+        "{}",
+        std::fs::read_to_string(&metrics).unwrap_or_default()
+    );
 
     // An environment without egress: no TCP socket at all, whatever the unit allows.
     let o = c
