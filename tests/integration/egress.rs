@@ -296,6 +296,54 @@ async fn under_the_shipped_unit_egress_is_refused_at_open_naming_the_drop_in() {
     );
 }
 
+/// A package index under `www/simple` (PEP 503: a page per project linking its files; the
+/// test's web server's directory listings are such pages) offering one pure-Python wheel,
+/// `sctoy` 1.0, whose module has `VALUE = 42`.
+fn write_index(www: &std::path::Path) {
+    let script = r#"import base64, hashlib, os, sys, zipfile
+d = os.path.join(sys.argv[1], "simple", "sctoy")
+os.makedirs(d, exist_ok=True)
+files = {
+    "sctoy/__init__.py": "VALUE = 42\n",
+    "sctoy-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: sctoy\nVersion: 1.0\n",
+    "sctoy-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: sandcell-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+record = ""
+for name, text in files.items():
+    h = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+    record += "%s,sha256=%s,%d\n" % (name, h, len(text.encode()))
+record += "sctoy-1.0.dist-info/RECORD,,\n"
+with zipfile.ZipFile(os.path.join(d, "sctoy-1.0-py3-none-any.whl"), "w") as z:
+    for name, text in files.items():
+        z.writestr(name, text)
+    z.writestr("sctoy-1.0.dist-info/RECORD", record)
+"#;
+    let st = Command::new("/usr/bin/python3")
+        .arg("-c")
+        .arg(script)
+        .arg(www)
+        .status()
+        .unwrap();
+    assert!(st.success(), "the test's wheel");
+}
+
+/// A cell that runs pip (in process: `pip._internal.cli.main`) against the test's index
+/// through the proxy, into `site/` of the session's directory, and imports the package.
+const PIP_CELL: &str = r#"import contextlib, io, os, sys
+from pip._internal.cli.main import main as pip
+buf = io.StringIO()
+with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+    rc = pip(["install", "--no-cache-dir", "--disable-pip-version-check", "--no-input",
+              "--index-url", "http://data.test/simple", "--trusted-host", "data.test",
+              "--target", os.path.abspath("site"), "sctoy"])
+print("pip rc", rc)
+if rc:
+    print(buf.getvalue()[-3000:])
+sys.path.insert(0, os.path.abspath("site"))
+import sctoy
+print("sctoy", sctoy.VALUE)
+"#;
+
 /// A cell that fetches `hello.txt` from `allowed` (retrying while the proxy is not yet
 /// serving: 502) and tries `other`, printing `allowed: BODY` and `other: CODE REASON`.
 fn subset_cell(allowed: &str, other: &str) -> String {
@@ -347,6 +395,7 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
     let www = dir.path().join("www");
     std::fs::create_dir_all(&www).unwrap();
     std::fs::write(www.join("hello.txt"), "hello through the proxy\n").unwrap();
+    write_index(&www);
     let hosts = dir.path().join("hosts");
     std::fs::write(&hosts, "11.0.0.2 data.test other.test www.sub.test\n").unwrap();
     let mut net = PrivateNet::new(tag);
@@ -493,8 +542,25 @@ except urllib.error.HTTPError as e:
             other => panic!("{environment} {host}: {other:?}"),
         }
     }
+    // pip through the proxy: an index the test serves, pip's own --index-url, the wheel
+    // installed into the session's directory and imported.
+    if sandbox.is_none() {
+        let o = c
+            .open_in("python", Some("net"), None, None)
+            .await
+            .expect("open net for pip");
+        let out = c.execute_collect(&o.session, PIP_CELL).await.unwrap();
+        assert!(
+            out.stdout.contains("pip rc 0\n") && out.stdout.contains("sctoy 42\n"),
+            "{}\n{}\n{}",
+            out.stdout,
+            out.stderr,
+            d.log_text()
+        );
+        c.close(&o.session).await.unwrap();
+    }
     // The metrics file sums the sessions' egress: three sessions, each one request served
-    // and one refused, bytes relayed.
+    // and one refused, bytes relayed (and pip's requests, all served, when it ran).
     let sample = |text: &str, name: &str, label: &str| -> Option<u64> {
         text.lines()
             .find(|l| l.starts_with(name) && l.contains(label))
@@ -507,7 +573,8 @@ except urllib.error.HTTPError as e:
             &text,
             "sandcell_egress_requests_total{",
             "outcome=\"allowed\"",
-        ) == Some(3)
+        )
+        .is_some_and(|n| if sandbox.is_none() { n >= 4 } else { n == 3 })
             && sample(
                 &text,
                 "sandcell_egress_requests_total{",
