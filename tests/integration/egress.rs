@@ -414,16 +414,30 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
         "the proxy did not bind its control socket"
     );
     let metrics = dir.path().join("metrics.prom");
+    // R's download.file through the proxy too, where R is installed (outside the unit
+    // sandbox: that tier checks the units, not the languages).
+    let with_r = sandbox.is_none() && common::r_available();
+    if sandbox.is_none() && !with_r {
+        eprintln!("skipping R's download.file through the proxy: R is not installed");
+    }
+    let r_env = if with_r {
+        "[environments.rnet]\nlanguage = \"r\"\nengine = \"native\"\n\
+         egress = { hosts = [\"data.test\"], ports = [80] }\n"
+    } else {
+        ""
+    };
     let (_cdir, conf) = write_conf(&format!(
         "[daemon]\nmetrics_file = \"{}\"\nmetrics_interval_seconds = 1\n\n\
          [environments.net]\nlanguage = \"python\"\nengine = \"native\"\n\
          interpreter = \"/usr/bin/python3\"\n\
-         egress = {{ hosts = [\"data.test\", \"*.sub.test\"], ports = [80] }}\n",
+         egress = {{ hosts = [\"data.test\", \"*.sub.test\"], ports = [80] }}\n{r_env}",
         metrics.display()
     ));
+    let languages = if with_r { "python,r" } else { "python" };
     let env = [
         ("SANDCELL_EGRESS_CONTROL", control.to_str().unwrap()),
         ("SANDCELL_METRICS_FILE", metrics.to_str().unwrap()),
+        ("SANDCELL_LANGUAGES", languages),
     ];
     let d = match sandbox {
         Some(s) => Daemon::start_in_sandbox(&conf, &env, s),
@@ -556,6 +570,40 @@ except urllib.error.HTTPError as e:
             out.stdout,
             out.stderr,
             d.log_text()
+        );
+        c.close(&o.session).await.unwrap();
+    }
+    if with_r {
+        let o = c
+            .open_in("r", Some("rnet"), None, None)
+            .await
+            .expect("open rnet");
+        let out = c
+            .execute_collect(
+                &o.session,
+                "r <- download.file('http://data.test/hello.txt', 'got.txt', quiet = TRUE)\n\
+                 cat('r status', r, readLines('got.txt'), '\\n')\n\
+                 said <- character()\n\
+                 e <- withCallingHandlers(tryCatch({ download.file('http://other.test/hello.txt', \
+                 'no.txt', method = 'libcurl', quiet = TRUE); 'fetched' }, \
+                 error = function(e) conditionMessage(e)), warning = function(w) { \
+                 said <<- c(said, conditionMessage(w)); invokeRestart('muffleWarning') })\n\
+                 cat('other:', e, said, '\\n')\n",
+            )
+            .await
+            .unwrap();
+        assert!(
+            out.stdout.contains("r status 0 hello through the proxy"),
+            "{}\n{}\n{}",
+            out.stdout,
+            out.stderr,
+            d.log_text()
+        );
+        assert!(
+            out.stdout.contains("other:") && out.stdout.contains("403"),
+            "{}\n{}",
+            out.stdout,
+            out.stderr
         );
         c.close(&o.session).await.unwrap();
     }
