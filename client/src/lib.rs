@@ -349,6 +349,7 @@ impl Client {
             host_calls: None,
             display_last_expression: None,
             rich_output: None,
+            egress: None,
         })
         .await
     }
@@ -481,6 +482,7 @@ impl Client {
             host_calls: None,
             display_last_expression: None,
             rich_output: None,
+            egress: None,
         })
         .await
     }

@@ -744,6 +744,7 @@ impl Server {
                     host_calls: None,
                     display_last_expression: None,
                     rich_output: None,
+                    egress: None,
                 };
                 self.cell(ctx, None, async |c: &mut Client| c.run_with(&params).await)
                     .await
@@ -910,6 +911,7 @@ impl Server {
             host_calls: None,
             display_last_expression: None,
             rich_output: None,
+            egress: None,
         };
         let mut owner = self.owner.lock().await;
         if owner.is_none() {

@@ -47,6 +47,10 @@ pub struct OpenRequest<'a> {
     /// What its cells show: the last expression's value (`display_last_expression`) and
     /// MIME bundles (`rich_output`).
     pub shown: crate::session::Shown,
+    /// The session's subset of its environment's egress allowlist (host names and `*.`
+    /// wildcards, each within the environment's list: [`session_egress`]); unset: the whole
+    /// list.
+    pub egress: Option<&'a [String]>,
 }
 
 /// What `Run` asks for its one-shot session: as [`OpenRequest`], never detached.
@@ -62,6 +66,57 @@ pub struct RunRequest<'a> {
     pub host_calls: bool,
     /// What the cell shows (as [`OpenRequest::shown`]).
     pub shown: crate::session::Shown,
+    /// The session's egress subset (as [`OpenRequest::egress`]).
+    pub egress: Option<&'a [String]>,
+}
+
+/// The hosts a session of `env` may reach through the egress proxy: `requested` (host names
+/// and leading-`*.` wildcards, at most `sandcell_egress::control::MAX_HOSTS`) when every
+/// entry lies within the environment's allowlist, else the whole list; `None` for an
+/// environment without egress.
+///
+/// Errors: `InvalidParameter` (parameter `egress`) naming the first entry that is malformed
+/// or outside the environment's list, or any entry for an environment without egress.
+pub fn session_egress(
+    env: &Environment,
+    requested: Option<&[String]>,
+) -> Result<Option<Vec<String>>, KernelError> {
+    use sandcell_egress::allow::Allowlist;
+    let bad = |reason: String| KernelError::InvalidParameter {
+        parameter: "egress".into(),
+        reason,
+    };
+    let Some(policy) = &env.egress else {
+        return match requested {
+            Some(r) if !r.is_empty() => Err(bad(format!(
+                "environment {} has no egress: {} not allowed",
+                env.name,
+                sandcell_proto::text::escape_lossy(r[0].as_bytes())
+                    .chars()
+                    .take(80)
+                    .collect::<String>()
+            ))),
+            _ => Ok(None),
+        };
+    };
+    let Some(requested) = requested else {
+        return Ok(Some(policy.hosts.clone()));
+    };
+    let max = sandcell_egress::control::MAX_HOSTS;
+    if requested.len() > max {
+        return Err(bad(format!("at most {max} hosts")));
+    }
+    let wide = Allowlist::parse(&policy.hosts).map_err(|e| bad(e.to_string()))?;
+    let narrow = Allowlist::parse(requested).map_err(|e| bad(e.to_string()))?;
+    if let Some(p) = wide.outside(&narrow).first() {
+        return Err(bad(format!(
+            "not in environment {}'s egress allowlist: {p}",
+            env.name
+        )));
+    }
+    Ok(Some(
+        narrow.patterns().iter().map(ToString::to_string).collect(),
+    ))
 }
 
 /// Frames a cell's channel holds (the actor waits when it is full).
@@ -375,6 +430,7 @@ impl Core {
                     limits: None,
                     host_calls: false,
                     shown: true.into(),
+                    egress: None,
                 },
                 crate::environments::probe_code(env).into(),
                 tx,
@@ -777,6 +833,7 @@ impl Core {
                 detached_idle_seconds,
                 host_calls: false,
                 shown: true.into(),
+                egress: None,
             },
         )
         .await
@@ -811,6 +868,7 @@ impl Core {
             detached_idle_seconds,
             host_calls,
             shown,
+            egress,
         } = request;
         // validate
         if self.stopping() {
@@ -828,6 +886,7 @@ impl Core {
                 reason: u.reason.clone(),
             });
         }
+        let egress = session_egress(&env, egress)?;
         let language = env.language;
         let mut limits = self.session_limits(language, limits)?;
         if host_calls {
@@ -885,8 +944,10 @@ impl Core {
             .map_err(refused)?;
         stages.mark("admission");
         // act
-        self.spawn_session(caller, &env, limits, detached, reserved, one_shot, stages)
-            .await
+        self.spawn_session(
+            caller, &env, limits, detached, reserved, one_shot, egress, stages,
+        )
+        .await
     }
 
     // The request's parts, each used once; bundling them would only rename them.
@@ -899,6 +960,7 @@ impl Core {
         detached: Option<Duration>,
         reserved: UidCharge,
         one_shot: bool,
+        egress: Option<Vec<String>>,
         stages: &mut crate::stages::Stages,
     ) -> Result<Arc<Session>, KernelError> {
         // A warm worker, when one fits: already confined and Ready, never used before.
@@ -918,6 +980,18 @@ impl Core {
             }
         };
         prepared.permit.attach(reserved);
+        // The session's egress is granted when it starts, with its own list: a warm worker's
+        // listener (bound in its namespace at spawn) waits unserved until then.
+        if let (Some(policy), Some(hosts)) = (&env.egress, egress)
+            && let Some(listener) = prepared.spawned.egress_listener.take()
+        {
+            let policy = crate::config::EgressConfig {
+                hosts,
+                ..policy.clone()
+            };
+            crate::egress::open(&prepared.id, prepared.spawned.pid, listener, &policy).await;
+            stages.mark("egress_grant");
+        }
         let s = self.start_session(prepared, caller, limits, detached, from_pool, one_shot);
         stages.mark("session_start");
         Ok(s)
@@ -1205,6 +1279,7 @@ impl Core {
             limits,
             host_calls,
             shown,
+            egress,
         } = session;
         let request = OpenRequest {
             language,
@@ -1213,6 +1288,7 @@ impl Core {
             detached_idle_seconds: None,
             host_calls,
             shown,
+            egress,
         };
         // No warm worker starts beside this Run's cell (it would compete for the CPUs); the
         // refill resumes when the session ends, or after `pool::MAX_HOLD`.

@@ -1,9 +1,10 @@
 //! The daemon's side of a worker's egress: before a worker of an environment with egress is
 //! forked, [`prepare_namespace`] makes its network namespace (loopback up, the proxy listener
-//! bound in it), which the child joins before exec; once the worker is ready, [`open`] grants
-//! the listener to `sandcell-egress` over the control socket ([`grant`]); the worker holds
-//! the grant for its life. Whether the service's sandbox allows any of it is probed once
-//! ([`availability`]).
+//! bound in it), which the child joins before exec; when its session starts, [`open`] grants
+//! the listener to `sandcell-egress` over the control socket ([`grant`]) with the session's
+//! list; the worker holds the grant for its life, and the daemon asks the proxy for the
+//! session's counters every [`COUNTERS_EVERY`] ([`counts`], [`totals`]: the metrics file).
+//! Whether the service's sandbox allows any of it is probed once ([`availability`]).
 //!
 //! The daemon never connects anywhere itself: it only creates a listening socket in the
 //! worker's namespace and hands it over with `SCM_RIGHTS` (unix(7)). The grant lasts while the
@@ -26,6 +27,64 @@ pub const CONTROL_SOCKET: &str = "/run/sandcell-egress/control";
 
 /// Longest the proxy may take to answer a grant.
 pub const GRANT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How often the daemon asks the proxy for a granted session's counters.
+pub const COUNTERS_EVERY: Duration = Duration::from_secs(2);
+
+/// One session's egress counters, as the proxy answers the control line `counters`
+/// (sandcell-egress's control protocol).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(default)]
+pub struct Counts {
+    /// Requests the proxy served (a CONNECT tunnel or a plain HTTP request).
+    pub allowed: u64,
+    /// Requests refused (each an HTTP 403 or 405/400 with its reason).
+    pub refused: u64,
+    /// Bytes relayed, both directions.
+    pub bytes: u64,
+    /// Connections the proxy accepted from the session.
+    pub connections: u64,
+}
+
+impl std::ops::AddAssign for Counts {
+    fn add_assign(&mut self, o: Counts) {
+        self.allowed += o.allowed;
+        self.refused += o.refused;
+        self.bytes += o.bytes;
+        self.connections += o.connections;
+    }
+}
+
+/// Granted sessions' last counters, and the sum over sessions whose grant ended.
+#[derive(Default)]
+struct Ledger {
+    live: std::collections::HashMap<String, Counts>,
+    ended: Counts,
+}
+
+fn ledger() -> std::sync::MutexGuard<'static, Ledger> {
+    static L: std::sync::OnceLock<std::sync::Mutex<Ledger>> = std::sync::OnceLock::new();
+    L.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+/// The counters of session `id` while its egress is granted, as last asked (at most
+/// [`COUNTERS_EVERY`] old); `None`: no grant (none yet, ended, or no egress).
+pub fn counts(id: &str) -> Option<Counts> {
+    ledger().live.get(id).copied()
+}
+
+/// Counters summed over every session granted since start: the ended ones' final figures
+/// and the live ones' latest. Never decreases.
+pub fn totals() -> Counts {
+    let l = ledger();
+    let mut t = l.ended;
+    for c in l.live.values() {
+        t += *c;
+    }
+    t
+}
 
 /// Where the packages install the drop-ins that give the shipped units what egress needs
 /// (`units/egress/` in the source tree): `sandcelld.service.conf` (`RestrictAddressFamilies=`
@@ -385,10 +444,68 @@ pub async fn open(id: &str, pid: u32, listener: OwnedFd, policy: &crate::config:
     let Ok(exit) = registered else {
         return;
     };
+    let ctl = match ctl
+        .set_nonblocking(true)
+        .and_then(|()| tokio::net::UnixStream::from_std(ctl))
+    {
+        Ok(c) => c,
+        Err(_) => return,
+    };
+    let id = id.to_string();
+    ledger().live.insert(id.clone(), Counts::default());
     tokio::spawn(async move {
-        let _ = exit.readable().await;
-        drop(ctl);
+        let (rd, mut wr) = ctl.into_split();
+        let mut rd = tokio::io::BufReader::new(rd);
+        let mut tick = tokio::time::interval(COUNTERS_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        let mut last = Counts::default();
+        let mut talking = true;
+        while talking {
+            tokio::select! {
+                _ = exit.readable() => break,
+                _ = tick.tick() => match ask(&mut rd, &mut wr, b"counters\n").await {
+                    Some(c) => {
+                        last = c;
+                        if let Some(l) = ledger().live.get_mut(&id) {
+                            *l = c;
+                        }
+                    }
+                    None => talking = false,
+                },
+            }
+        }
+        // The worker is gone (or the proxy stopped answering): revoke, keeping the final
+        // figures; the end of the connection revokes in any case.
+        if talking && let Some(c) = ask(&mut rd, &mut wr, b"revoke\n").await {
+            last = c;
+        }
+        let mut l = ledger();
+        l.live.remove(&id);
+        l.ended += last;
     });
+}
+
+/// Sends one control `line` and reads the proxy's JSON answer (at most 4 KiB, within
+/// [`GRANT_TIMEOUT`]); `None` when it does not come.
+async fn ask(
+    rd: &mut tokio::io::BufReader<tokio::net::unix::OwnedReadHalf>,
+    wr: &mut tokio::net::unix::OwnedWriteHalf,
+    line: &[u8],
+) -> Option<Counts> {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    let go = async {
+        wr.write_all(line).await.ok()?;
+        let mut buf = Vec::new();
+        let n = (&mut *rd)
+            .take(4096)
+            .read_until(b'\n', &mut buf)
+            .await
+            .ok()?;
+        (n > 0).then_some(())?;
+        serde_json::from_slice::<Counts>(&buf).ok()
+    };
+    tokio::time::timeout(GRANT_TIMEOUT, go).await.ok().flatten()
 }
 
 async fn granted(

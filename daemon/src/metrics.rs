@@ -5,7 +5,7 @@
 //! - **What**: the figures of the D-Bus `ActiveSessions`, `Admission` and `Pools` properties
 //!   (one source: the same core calls), worker uids, connections, retained output, the
 //!   daemon-wide per-uid maxima, and counters since start (cells by status, sessions opened
-//!   and ended, OOM kills). Every sample carries the `node` label (`node_id`, empty when ids
+//!   and ended, OOM kills, egress requests and bytes summed over sessions). Every sample carries the `node` label (`node_id`, empty when ids
 //!   are not qualified). Units are in the names (`_bytes`, `_seconds`, `_total`; counts of
 //!   sessions, workers, uids and connections have none). Per-uid *use* is not written: the
 //!   file is world-readable (0644), and which uids use the service is shown on D-Bus only to
@@ -119,6 +119,9 @@ pub struct Snapshot {
     pub sessions_ended: u64,
     /// Workers OOM-killed since start.
     pub oom_kills: u64,
+    /// Egress through the proxy since start, summed over sessions (ended sessions' final
+    /// figures, live ones' latest: [`crate::egress::totals`]).
+    pub egress: crate::egress::Counts,
 }
 
 fn epoch_seconds(t: SystemTime) -> f64 {
@@ -178,6 +181,7 @@ impl Snapshot {
             sessions_opened: c.sessions_opened(),
             sessions_ended: c.sessions_ended(),
             oom_kills: c.oom_kills(),
+            egress: crate::egress::totals(),
         }
     }
 
@@ -379,7 +383,7 @@ impl Snapshot {
         }
     }
 
-    /// Counters since start: cells by status, sessions opened and ended, OOM kills.
+    /// Counters since start: cells by status, sessions opened and ended, OOM kills, egress.
     fn render_counters(&self, out: &mut Exposition<'_>) {
         let f = out.family(
             "sandcell_cells_total",
@@ -408,6 +412,19 @@ impl Snapshot {
         ] {
             out.family(name, "counter", help).sample(&[], v);
         }
+        let f = out.family(
+            "sandcell_egress_requests_total",
+            "counter",
+            "Requests through the egress proxy since start, summed over sessions, by outcome.",
+        );
+        f.sample(&[("outcome", "allowed")], self.egress.allowed);
+        f.sample(&[("outcome", "refused")], self.egress.refused);
+        out.family(
+            "sandcell_egress_bytes_total",
+            "counter",
+            "Bytes the egress proxy relayed since start (both directions), summed over sessions.",
+        )
+        .sample(&[], self.egress.bytes);
     }
 }
 
@@ -812,6 +829,7 @@ mod tests {
             sessions_opened: 9,
             sessions_ended: 6,
             oom_kills: 0,
+            egress: Default::default(),
         }
     }
 

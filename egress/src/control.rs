@@ -5,10 +5,13 @@
 //! at most [`MAX_LINE`] bytes, with exactly one descriptor attached to its first byte
 //! (`SCM_RIGHTS`, unix(7)): a listening TCP socket bound on `127.0.0.1` inside the session
 //! worker's network namespace. The proxy answers one line, `{"ok":true}` or
-//! `{"error":"REASON"}`, then serves the listener. The session is revoked by any further line
-//! (`revoke`) or by the connection's end: the proxy closes the listener and every
-//! connection of the session, and (when asked with a line) answers the session's counters
-//! as one JSON line (`{"allowed":N,"refused":N,"bytes":N,"connections":N}`).
+//! `{"error":"REASON"}`, then serves the listener. The line `counters` is answered with the
+//! session's counters so far as one JSON line (`{"allowed":N,"refused":N,"bytes":N,
+//! "connections":N}`: requests served and refused, bytes relayed both ways, connections
+//! accepted) and the session goes on; sandcelld sends one line at a time and reads its answer
+//! before the next. The session is revoked by any other line (`revoke`) or by the
+//! connection's end: the proxy closes the listener and every connection of the session, and
+//! (when revoked with a line) answers the session's final counters likewise.
 
 use crate::allow::Allowlist;
 use crate::proxy::{self, Policy, Resolver, Session};
@@ -163,27 +166,43 @@ async fn session(mut stream: UnixStream, server: &Server) -> io::Result<()> {
     ));
     answer(&mut stream, &serde_json::json!({"ok": true})).await?;
     tracing::info!(session = %id, "egress granted");
-    // Any line, or the end: revoke.
-    let mut reader = BufReader::new(&mut stream);
-    let mut buf = Vec::new();
-    let asked = {
-        let mut limited = tokio::io::AsyncReadExt::take(&mut reader, 64);
-        matches!(limited.read_until(b'\n', &mut buf).await, Ok(n) if n > 0)
+    // `counters`: answered, the session goes on. Any other line, or the end: revoke.
+    let asked = loop {
+        let mut buf = Vec::new();
+        let read = {
+            let mut reader = BufReader::new(&mut stream);
+            let mut limited = tokio::io::AsyncReadExt::take(&mut reader, 64);
+            limited.read_until(b'\n', &mut buf).await
+        };
+        match read {
+            Ok(n) if n > 0 && buf.trim_ascii() == b"counters" => {
+                if answer(&mut stream, &counters_of(&s)).await.is_err() {
+                    break false;
+                }
+            }
+            Ok(n) => break n > 0,
+            Err(_) => break false,
+        }
     };
     let _ = tx.send(true);
     let _ = served.await;
-    let c = &s.counters;
-    let counters = serde_json::json!({
-        "allowed": c.allowed.load(Ordering::Relaxed),
-        "refused": c.refused.load(Ordering::Relaxed),
-        "bytes": c.bytes.load(Ordering::Relaxed),
-        "connections": c.connections.load(Ordering::Relaxed),
-    });
+    let counters = counters_of(&s);
     tracing::info!(session = %id, %counters, "egress revoked");
     if asked {
         answer(&mut stream, &counters).await?;
     }
     Ok(())
+}
+
+/// The session's counters as the control line answers them.
+fn counters_of(s: &Session) -> serde_json::Value {
+    let c = &s.counters;
+    serde_json::json!({
+        "allowed": c.allowed.load(Ordering::Relaxed),
+        "refused": c.refused.load(Ordering::Relaxed),
+        "bytes": c.bytes.load(Ordering::Relaxed),
+        "connections": c.connections.load(Ordering::Relaxed),
+    })
 }
 
 /// Reads the grant line (through its newline, at most [`MAX_LINE`] bytes) and the descriptor

@@ -96,10 +96,19 @@ fn a_handed_listener_is_served_and_revoked_at_close() {
         a.contains("local.test resolves to a loopback address (127.0.0.1)"),
         "{a}"
     );
+    // `counters`: the figures so far, and the session goes on serving.
+    ctl.write_all(b"counters\n").unwrap();
+    let so_far: serde_json::Value = serde_json::from_str(&read_line(&mut ctl)).unwrap();
+    assert_eq!(so_far["refused"], 2, "{so_far}");
+    let a = ask(port, "GET http://other.test/ HTTP/1.1\r\n\r\n");
+    assert!(a.starts_with("HTTP/1.1 403 Forbidden"), "still served: {a}");
+    ctl.write_all(b"counters\n").unwrap();
+    let so_far: serde_json::Value = serde_json::from_str(&read_line(&mut ctl)).unwrap();
+    assert_eq!(so_far["refused"], 3, "{so_far}");
     // Revoke with a line: the counters come back, the listener is gone.
     ctl.write_all(b"revoke\n").unwrap();
     let counters: serde_json::Value = serde_json::from_str(&read_line(&mut ctl)).unwrap();
-    assert_eq!(counters["refused"], 2, "{counters}");
+    assert_eq!(counters["refused"], 3, "{counters}");
     assert_eq!(counters["allowed"], 0, "{counters}");
     assert!(
         TcpStream::connect(("127.0.0.1", port)).is_err(),

@@ -218,7 +218,7 @@ pub struct Limits {
 }
 
 /// Parameters of `Run`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunParams {
     /// `python` or `r`.
@@ -243,10 +243,17 @@ pub struct RunParams {
     /// figures come as [`Display`] frames (MIME bundles) instead of stdout text.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rich_output: Option<bool>,
+    /// A subset of the environment's egress allowlist for this session: host names and
+    /// leading-`*.` wildcard domains (at most 256, each at most 253 characters), every one
+    /// within the environment's list (absent: the environment's whole list). An entry
+    /// outside it, or any entry for an environment without egress, is `InvalidParameter`
+    /// with parameter `egress` naming it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<Vec<String>>,
 }
 
 /// Parameters of `Open`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OpenParams {
     /// `python` or `r`.
@@ -271,6 +278,10 @@ pub struct OpenParams {
     /// [`RunParams::rich_output`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rich_output: Option<bool>,
+    /// The session's subset of its environment's egress allowlist (see
+    /// [`RunParams::egress`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<Vec<String>>,
 }
 
 /// Most packages `ListEnvironments` lists per environment.

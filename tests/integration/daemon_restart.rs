@@ -183,6 +183,7 @@ async fn sessions_survive_a_daemon_killed_with_sigkill() {
                 host_calls: host.then_some(true),
                 display_last_expression: None,
                 rich_output: None,
+                egress: None,
             })
             .await
             .unwrap_or_else(|e| panic!("open {lang} {env:?}: {e:?}"))
@@ -911,6 +912,7 @@ async fn a_planned_exit_hands_a_half_read_frame_over_exactly() {
             host_calls: None,
             display_last_expression: None,
             rich_output: Some(true),
+            egress: None,
         })
         .await
         .unwrap()
@@ -1370,6 +1372,7 @@ async fn display_bundles_survive(signal: i32) {
             host_calls: None,
             display_last_expression: None,
             rich_output: Some(true),
+            egress: None,
         })
         .await
         .unwrap()

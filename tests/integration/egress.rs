@@ -296,6 +296,176 @@ async fn under_the_shipped_unit_egress_is_refused_at_open_naming_the_drop_in() {
     );
 }
 
+/// A package index under `www/simple` (PEP 503: a page per project linking its files; the
+/// test's web server's directory listings are such pages) offering one pure-Python wheel,
+/// `sctoy` 1.0, whose module has `VALUE = 42`.
+fn write_index(www: &std::path::Path) {
+    let script = r#"import base64, hashlib, os, sys, zipfile
+d = os.path.join(sys.argv[1], "simple", "sctoy")
+os.makedirs(d, exist_ok=True)
+files = {
+    "sctoy/__init__.py": "VALUE = 42\n",
+    "sctoy-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: sctoy\nVersion: 1.0\n",
+    "sctoy-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: sandcell-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+record = ""
+for name, text in files.items():
+    h = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+    record += "%s,sha256=%s,%d\n" % (name, h, len(text.encode()))
+record += "sctoy-1.0.dist-info/RECORD,,\n"
+with zipfile.ZipFile(os.path.join(d, "sctoy-1.0-py3-none-any.whl"), "w") as z:
+    for name, text in files.items():
+        z.writestr(name, text)
+    z.writestr("sctoy-1.0.dist-info/RECORD", record)
+"#;
+    let st = Command::new("/usr/bin/python3")
+        .arg("-c")
+        .arg(script)
+        .arg(www)
+        .status()
+        .unwrap();
+    assert!(st.success(), "the test's wheel");
+}
+
+/// A cell that runs pip (in process: `pip._internal.cli.main`) against the test's index
+/// through the proxy, into `site/` of the session's directory, and imports the package.
+const PIP_CELL: &str = r#"import contextlib, io, os, sys
+from pip._internal.cli.main import main as pip
+buf = io.StringIO()
+with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+    rc = pip(["install", "--no-cache-dir", "--disable-pip-version-check", "--no-input",
+              "--index-url", "http://data.test/simple", "--trusted-host", "data.test",
+              "--target", os.path.abspath("site"), "sctoy"])
+print("pip rc", rc)
+if rc:
+    print(buf.getvalue()[-3000:])
+sys.path.insert(0, os.path.abspath("site"))
+import sctoy
+print("sctoy", sctoy.VALUE)
+"#;
+
+/// A cell that floods the proxy for about 8 s: 300 connections at once (over its
+/// connection cap: refused by the proxy with 403), each sending half a request head a byte
+/// per second (slowloris), none finished.
+const FLOOD_CELL: &str = r#"import socket, time
+held = []
+for _ in range(300):
+    try:
+        s = socket.create_connection(("127.0.0.1", 3128), timeout=2)
+        s.sendall(b"GET http://data.test/hello.txt HTTP/1.1\r\n")
+        held.append(s)
+    except OSError:
+        pass
+end = time.time() + 8
+while time.time() < end:
+    for s in held:
+        try:
+            s.sendall(b"X")
+        except OSError:
+            pass
+    time.sleep(1)
+print("flooded", len(held))
+"#;
+
+/// While one session floods the proxy ([`FLOOD_CELL`]), another session's fetches stay
+/// prompt and the daemon answers: each fetch well under the proxy's 10 s head timeout, which
+/// a stalled proxy would reach.
+async fn flood_beside_a_fetch(d: &Daemon, c: &mut sandcell_client::Client) {
+    let mut flooder = d.client().await;
+    let f = flooder
+        .open_in("python", Some("net"), None, None)
+        .await
+        .expect("open the flooding session");
+    let o = c
+        .open_in("python", Some("net"), None, None)
+        .await
+        .expect("open the fetching session");
+    // Its worker and grant are ready before the flood starts.
+    let warm = c
+        .execute_collect(&o.session, &subset_cell("data.test", "other.test"))
+        .await
+        .unwrap();
+    assert!(
+        warm.stdout.contains("allowed: hello through the proxy"),
+        "{}",
+        warm.stdout
+    );
+    let flood = async {
+        flooder
+            .execute_collect(&f.session, FLOOD_CELL)
+            .await
+            .unwrap()
+    };
+    let fetch = async {
+        // Let the flood reach the proxy first.
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        let cell = "import time, urllib.request\n\
+                    worst = 0\n\
+                    for _ in range(5):\n\
+                    \x20   t = time.time()\n\
+                    \x20   urllib.request.urlopen('http://data.test/hello.txt', timeout=30).read()\n\
+                    \x20   worst = max(worst, time.time() - t)\n\
+                    print('worst %.3f' % worst)\n";
+        let t = std::time::Instant::now();
+        let out = c.execute_collect(&o.session, cell).await.unwrap();
+        (out, t.elapsed())
+    };
+    let (flooded, (fetched, took)) = tokio::join!(flood, fetch);
+    let worst: f64 = fetched
+        .stdout
+        .trim()
+        .strip_prefix("worst ")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{}\n{}", fetched.stdout, fetched.stderr));
+    eprintln!(
+        "egress flood: the other session's slowest of 5 fetches {worst:.3} s, its cell {took:?}; {}",
+        flooded.stdout.trim()
+    );
+    assert!(
+        worst < 5.0 && took < std::time::Duration::from_secs(8),
+        "stalled by another session's flood: worst fetch {worst} s, cell {took:?}\n{}\n{}",
+        flooded.stdout,
+        d.log_text()
+    );
+    assert!(
+        flooded.stdout.starts_with("flooded "),
+        "{}\n{}",
+        flooded.stdout,
+        flooded.stderr
+    );
+    // The daemon answered throughout, and still does.
+    let t = std::time::Instant::now();
+    c.list_environments().await.expect("the daemon answers");
+    assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    flooder.close(&f.session).await.unwrap();
+    c.close(&o.session).await.unwrap();
+}
+
+/// A cell that fetches `hello.txt` from `allowed` (retrying while the proxy is not yet
+/// serving: 502) and tries `other`, printing `allowed: BODY` and `other: CODE REASON`.
+fn subset_cell(allowed: &str, other: &str) -> String {
+    format!(
+        r#"import time, urllib.request, urllib.error
+body = None
+for _ in range(50):
+    try:
+        body = urllib.request.urlopen("http://{allowed}/hello.txt", timeout=10).read().decode()
+        break
+    except urllib.error.HTTPError as e:
+        body = "http %d %s" % (e.code, e.read().decode().strip())
+        if e.code != 502:
+            break
+    time.sleep(0.2)
+print("allowed:", body.strip())
+try:
+    urllib.request.urlopen("http://{other}/hello.txt", timeout=10)
+    print("other: fetched")
+except urllib.error.HTTPError as e:
+    print("other:", e.code, e.read().decode().strip())
+"#
+    )
+}
+
 async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -322,8 +492,9 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
     let www = dir.path().join("www");
     std::fs::create_dir_all(&www).unwrap();
     std::fs::write(www.join("hello.txt"), "hello through the proxy\n").unwrap();
+    write_index(&www);
     let hosts = dir.path().join("hosts");
-    std::fs::write(&hosts, "11.0.0.2 data.test other.test\n").unwrap();
+    std::fs::write(&hosts, "11.0.0.2 data.test other.test www.sub.test\n").unwrap();
     let mut net = PrivateNet::new(tag);
     net.serve_http(&www);
     let control = dir.path().join("control");
@@ -339,12 +510,32 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
         common::eventually(std::time::Duration::from_secs(10), || control.exists()),
         "the proxy did not bind its control socket"
     );
-    let (_cdir, conf) = write_conf(
-        "[environments.net]\nlanguage = \"python\"\nengine = \"native\"\n\
+    let metrics = dir.path().join("metrics.prom");
+    // R's download.file through the proxy too, where R is installed (outside the unit
+    // sandbox: that tier checks the units, not the languages).
+    let with_r = sandbox.is_none() && common::r_available();
+    if sandbox.is_none() && !with_r {
+        eprintln!("skipping R's download.file through the proxy: R is not installed");
+    }
+    let r_env = if with_r {
+        "[environments.rnet]\nlanguage = \"r\"\nengine = \"native\"\n\
+         egress = { hosts = [\"data.test\"], ports = [80] }\n"
+    } else {
+        ""
+    };
+    let (_cdir, conf) = write_conf(&format!(
+        "[daemon]\nmetrics_file = \"{}\"\nmetrics_interval_seconds = 1\n\n\
+         [environments.net]\nlanguage = \"python\"\nengine = \"native\"\n\
          interpreter = \"/usr/bin/python3\"\n\
-         egress = { hosts = [\"data.test\"], ports = [80] }\n",
-    );
-    let env = [("SANDCELL_EGRESS_CONTROL", control.to_str().unwrap())];
+         egress = {{ hosts = [\"data.test\", \"*.sub.test\"], ports = [80] }}\n{r_env}",
+        metrics.display()
+    ));
+    let languages = if with_r { "python,r" } else { "python" };
+    let env = [
+        ("SANDCELL_EGRESS_CONTROL", control.to_str().unwrap()),
+        ("SANDCELL_METRICS_FILE", metrics.to_str().unwrap()),
+        ("SANDCELL_LANGUAGES", languages),
+    ];
     let d = match sandbox {
         Some(s) => Daemon::start_in_sandbox(&conf, &env, s),
         None => Daemon::start_with_config(&conf, &env),
@@ -386,6 +577,166 @@ except urllib.error.HTTPError as e:
         out.stderr
     );
     c.close(&o.session).await.unwrap();
+
+    // A session that asks for a subset reaches only that subset: the rest of the
+    // environment's list is a 403 with the reason.
+    let o = c
+        .open_with(&sandcell_proto::kernel::OpenParams {
+            language: "python".into(),
+            environment: Some("net".into()),
+            egress: Some(vec!["www.sub.test".into()]),
+            ..Default::default()
+        })
+        .await
+        .expect("open net with a subset");
+    let out = c
+        .execute_collect(&o.session, &subset_cell("www.sub.test", "data.test"))
+        .await
+        .unwrap();
+    assert!(
+        out.stdout.contains("allowed: hello through the proxy\n"),
+        "{}\n{}\n{}",
+        out.stdout,
+        out.stderr,
+        d.log_text()
+    );
+    assert!(
+        out.stdout
+            .contains("other: 403 sandcell egress: host not allowed: data.test\n"),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    c.close(&o.session).await.unwrap();
+    // A one-shot Run's subset likewise.
+    c.run_with(&sandcell_proto::kernel::RunParams {
+        language: "python".into(),
+        code: subset_cell("data.test", "www.sub.test"),
+        environment: Some("net".into()),
+        egress: Some(vec!["data.test".into()]),
+        ..Default::default()
+    })
+    .await
+    .expect("run net with a subset");
+    let out = c.finish(|_| {}).await.expect("the run's result");
+    assert!(
+        out.stdout.contains("allowed: hello through the proxy\n")
+            && out
+                .stdout
+                .contains("other: 403 sandcell egress: host not allowed: www.sub.test\n"),
+        "{}\n{}",
+        out.stdout,
+        out.stderr
+    );
+    // Never more than the environment's list: a typed error naming the host, before any
+    // worker starts; and no egress at all for an environment without it.
+    for (environment, host, says) in [
+        ("net", "other.test", "other.test"),
+        ("net", "*.test", "*.test"),
+        ("net", "not a name", "not a DNS host name"),
+        ("pydata", "data.test", "has no egress"),
+    ] {
+        let p = sandcell_proto::kernel::OpenParams {
+            language: "python".into(),
+            environment: Some(environment.into()),
+            egress: Some(vec![host.into()]),
+            ..Default::default()
+        };
+        match c.open_with(&p).await {
+            Err(sandcell_client::Error::Kernel(KernelError::InvalidParameter {
+                parameter,
+                reason,
+            })) => {
+                assert_eq!(parameter, "egress");
+                assert!(reason.contains(says), "{environment} {host}: {reason}");
+            }
+            other => panic!("{environment} {host}: {other:?}"),
+        }
+    }
+    // pip through the proxy: an index the test serves, pip's own --index-url, the wheel
+    // installed into the session's directory and imported.
+    if sandbox.is_none() {
+        let o = c
+            .open_in("python", Some("net"), None, None)
+            .await
+            .expect("open net for pip");
+        let out = c.execute_collect(&o.session, PIP_CELL).await.unwrap();
+        assert!(
+            out.stdout.contains("pip rc 0\n") && out.stdout.contains("sctoy 42\n"),
+            "{}\n{}\n{}",
+            out.stdout,
+            out.stderr,
+            d.log_text()
+        );
+        c.close(&o.session).await.unwrap();
+    }
+    if with_r {
+        let o = c
+            .open_in("r", Some("rnet"), None, None)
+            .await
+            .expect("open rnet");
+        let out = c
+            .execute_collect(
+                &o.session,
+                "r <- download.file('http://data.test/hello.txt', 'got.txt', quiet = TRUE)\n\
+                 cat('r status', r, readLines('got.txt'), '\\n')\n\
+                 said <- character()\n\
+                 e <- withCallingHandlers(tryCatch({ download.file('http://other.test/hello.txt', \
+                 'no.txt', method = 'libcurl', quiet = TRUE); 'fetched' }, \
+                 error = function(e) conditionMessage(e)), warning = function(w) { \
+                 said <<- c(said, conditionMessage(w)); invokeRestart('muffleWarning') })\n\
+                 cat('other:', e, said, '\\n')\n",
+            )
+            .await
+            .unwrap();
+        assert!(
+            out.stdout.contains("r status 0 hello through the proxy"),
+            "{}\n{}\n{}",
+            out.stdout,
+            out.stderr,
+            d.log_text()
+        );
+        assert!(
+            out.stdout.contains("other:") && out.stdout.contains("403"),
+            "{}\n{}",
+            out.stdout,
+            out.stderr
+        );
+        c.close(&o.session).await.unwrap();
+    }
+    // The metrics file sums the sessions' egress: three sessions, each one request served
+    // and one refused, bytes relayed (and pip's and R's requests, when they ran).
+    let sample = |text: &str, name: &str, label: &str| -> Option<u64> {
+        text.lines()
+            .find(|l| l.starts_with(name) && l.contains(label))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+    };
+    let counted = || {
+        let text = std::fs::read_to_string(&metrics).unwrap_or_default();
+        sample(
+            &text,
+            "sandcell_egress_requests_total{",
+            "outcome=\"allowed\"",
+        )
+        .is_some_and(|n| n >= 3)
+            && sample(
+                &text,
+                "sandcell_egress_requests_total{",
+                "outcome=\"refused\"",
+            )
+            .is_some_and(|n| n >= 3)
+            && sample(&text, "sandcell_egress_bytes_total{", "node=").is_some_and(|b| b > 300)
+    };
+    assert!(
+        common::eventually(std::time::Duration::from_secs(15), counted),
+        "{}",
+        std::fs::read_to_string(&metrics).unwrap_or_default()
+    );
+    // The hostile suite with egress on: a flood beside another session's fetches.
+    if sandbox.is_none() {
+        flood_beside_a_fetch(&d, &mut c).await;
+    }
 
     // An environment without egress: no TCP socket at all, whatever the unit allows.
     let o = c

@@ -64,6 +64,7 @@ async fn open(c: &mut Client, language: &str, env: &str, host_calls: bool) -> St
         host_calls: host_calls.then_some(true),
         display_last_expression: None,
         rich_output: None,
+        egress: None,
     })
     .await
     .expect("open")
@@ -199,6 +200,7 @@ async fn host_calls_round_trip_and_error_replies_raise_in_the_cell() {
             host_calls: Some(true),
             display_last_expression: None,
             rich_output: None,
+            egress: None,
         })
         .await
         .unwrap();
@@ -402,6 +404,7 @@ async fn an_attach_replays_the_host_call_that_waits() {
                 host_calls: Some(true),
                 display_last_expression: None,
                 rich_output: None,
+                egress: None,
             })
             .await
             .expect("open")

@@ -31,6 +31,7 @@ async fn open(c: &mut Client, language: &str, env: Option<&str>, display: Option
         host_calls: None,
         display_last_expression: display,
         rich_output: None,
+        egress: None,
     })
     .await
     .expect("open")
@@ -63,6 +64,7 @@ async fn run(
         host_calls: None,
         display_last_expression: display,
         rich_output: None,
+        egress: None,
     })
     .await
     .expect("run");

@@ -35,6 +35,7 @@ async fn open(c: &mut Client, language: &str, env: Option<&str>) -> String {
         host_calls: None,
         display_last_expression: None,
         rich_output: Some(true),
+        egress: None,
     })
     .await
     .expect("open")
@@ -196,6 +197,7 @@ async fn python_engine(d: &Daemon, env: Option<&str>) {
         host_calls: None,
         display_last_expression: None,
         rich_output: None,
+        egress: None,
     })
     .await
     .unwrap();

@@ -466,6 +466,7 @@ async fn attach_replays_display_frames_in_order() {
             host_calls: None,
             display_last_expression: None,
             rich_output: Some(true),
+            egress: None,
         })
         .await
         .unwrap()

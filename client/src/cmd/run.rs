@@ -18,7 +18,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// `run [-l LANGUAGE] [-e NAME] [--wall-time S] [--no-display] [--rich] [--artifacts DIR]
-/// [--host-call-handler CMD] [--put FILE[:NAME]]... FILE`.
+/// [--host-call-handler CMD] [--put FILE[:NAME]]... [--egress HOST]... FILE`.
 #[derive(Debug, clap::Args)]
 pub struct Run {
     /// python or r; default: the environment's language with --environment, else inferred
@@ -53,6 +53,10 @@ pub struct Run {
     /// repeatable. The cell then runs in a session closed afterwards.
     #[arg(long = "put", value_name = "FILE[:NAME]")]
     put: Vec<String>,
+    /// Narrow the session's network to HOST, which must be on the environment's egress
+    /// allowlist (a name or a `*.domain` wildcard); repeatable. Default: the whole list.
+    #[arg(long = "egress", value_name = "HOST")]
+    egress: Vec<String>,
     /// The code file, or - for standard input.
     file: PathBuf,
 }
@@ -90,6 +94,7 @@ impl Run {
             announce: false,
             track: None,
         };
+        let egress = (!self.egress.is_empty()).then(|| self.egress.clone());
         if self.artifacts.is_none() && puts.is_empty() {
             c.run_with(&RunParams {
                 language,
@@ -99,6 +104,7 @@ impl Run {
                 host_calls,
                 display_last_expression: display,
                 rich_output: rich,
+                egress: egress.clone(),
             })
             .await?;
             return Ok(follow.status(&mut c).await?);
@@ -114,6 +120,7 @@ impl Run {
                 host_calls,
                 display_last_expression: display,
                 rich_output: rich,
+                egress: egress.clone(),
             })
             .await?
             .session;

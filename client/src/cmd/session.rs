@@ -8,7 +8,7 @@ use crate::out::{self, escape_name};
 use crate::report::Failure;
 use sandcell_client::{Error, KernelError};
 
-/// `open [-l LANGUAGE] [-e NAME] [--idle SECONDS] [--host-calls] [--no-display]`.
+/// `open [-l LANGUAGE] [-e NAME] [--idle SECONDS] [--host-calls] [--no-display] [--egress HOST]...`.
 #[derive(Debug, clap::Args)]
 pub struct Open {
     /// python or r; default: the environment's language with --environment, else python.
@@ -27,6 +27,10 @@ pub struct Open {
     /// No cell of the session shows its last expression's value (print()-only output).
     #[arg(long)]
     no_display: bool,
+    /// Narrow the session's network to HOST, which must be on the environment's egress
+    /// allowlist (a name or a `*.domain` wildcard); repeatable. Default: the whole list.
+    #[arg(long = "egress", value_name = "HOST")]
+    egress: Vec<String>,
 }
 
 impl Open {
@@ -47,6 +51,7 @@ impl Open {
                 host_calls: self.host_calls.then_some(true),
                 display_last_expression: self.no_display.then_some(false),
                 rich_output: None,
+                egress: (!self.egress.is_empty()).then_some(self.egress),
             })
             .await?;
         if ctx.json {

@@ -420,6 +420,7 @@ fn open(socket: PathBuf, language: &'static str, environment: Option<&'static st
                 host_calls: None,
                 display_last_expression: None,
                 rich_output: Some(true),
+                egress: None,
             })
             .await?;
         Ok((c, r.session))

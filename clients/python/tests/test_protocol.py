@@ -513,3 +513,17 @@ def test_a_connection_closed_on_a_large_call_names_the_message_bound(tmp_path):
         assert "max_message_bytes" in str(e.value) and "4194304" in str(e.value), str(e.value)
     finally:
         srv.close()
+
+
+def test_egress_is_sent_only_when_given_as_a_list_of_names():
+    assert "egress" not in P.run_params("x", "python", None, None)
+    assert "egress" not in P.open_params("python", None, None, None)
+    assert P.run_params("x", "python", "net", None, egress=("a.test",))["egress"] == ["a.test"]
+    assert P.open_params("python", "net", None, None, egress=[])["egress"] == []
+    for bad in ("a.test", b"a.test", [1]):
+        try:
+            P.open_params("python", "net", None, None, egress=bad)  # type: ignore[arg-type]
+        except TypeError as e:
+            assert "egress" in str(e)
+        else:
+            raise AssertionError(f"egress={bad!r} was sent")

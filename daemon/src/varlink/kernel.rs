@@ -396,6 +396,7 @@ async fn run(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) -> 
                     display: p.display_last_expression.unwrap_or(true),
                     rich: p.rich_output.unwrap_or(false),
                 },
+                egress: p.egress.as_deref(),
             },
             p.code,
             tx,
@@ -484,6 +485,7 @@ async fn open(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) ->
                     display: p.display_last_expression.unwrap_or(true),
                     rich: p.rich_output.unwrap_or(false),
                 },
+                egress: p.egress.as_deref(),
             },
         )
         .await;

@@ -174,7 +174,7 @@ pub struct Spawned {
     pub interrupt: super::InterruptTarget,
     /// Egress workers: the proxy listener on `127.0.0.1:3128` of the worker's network
     /// namespace, made by the daemon before the fork ([`crate::egress::prepare_namespace`]),
-    /// for [`crate::egress::open`] to grant once the worker is ready.
+    /// for [`crate::egress::open`] to grant when its session starts.
     pub egress_listener: Option<OwnedFd>,
 }
 

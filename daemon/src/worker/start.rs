@@ -446,12 +446,6 @@ impl Starter {
         let ready = wait_ready(&mut spawned, timeout, cancel.as_mut()).await;
         stages.mark("ready");
         stages.log(if pooled { "pool_start" } else { "start" }, &id);
-        if ready.is_ok()
-            && let Some(policy) = &env.egress
-            && let Some(listener) = spawned.egress_listener.take()
-        {
-            crate::egress::open(&id, spawned.pid, listener, policy).await;
-        }
         match ready {
             Ok(engine) => Ok(Prepared {
                 id,

@@ -19,7 +19,7 @@ import inspect
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, cast
 
 from . import _protocol as P
@@ -494,6 +494,7 @@ class ClientCore(Generic[S]):
         timeout: float | None | P._ClientDefault = P.CLIENT_DEFAULT,
         files: Mapping[str, Any] | Iterable[str | os.PathLike[str]] | None = None,
         retry: Retry | None = None,
+        egress: Sequence[str] | None = None,
     ) -> CellResult:
         """Runs ``code`` in a fresh sandbox that is discarded afterwards (one-shot ``Run``).
 
@@ -536,6 +537,11 @@ class ClientCore(Generic[S]):
             retry: an opt-in :class:`sandcell.Retry`: a run refused with
                 :class:`CapacityExceeded` (nothing ran) is tried again after a backoff, at
                 most ``retry.attempts`` calls in all; the last refusal is raised.
+            egress: narrows the cell's network to these hosts (names or ``*.domain``
+                wildcards), each on the environment's egress allowlist; a host outside it
+                raises :class:`InvalidParameter` (parameter ``egress``) naming it, and the
+                proxy answers other hosts with HTTP 403. Default: the environment's whole
+                list. Sent only when given.
 
         Returns the :class:`sandcell.CellResult`; a cell that raised is a result with
         ``status == "error"``, not an exception. Raises the daemon's refusals as typed
@@ -552,7 +558,8 @@ class ClientCore(Generic[S]):
                         code, language, environment, limits, on_output, on_started=on_started,
                         host_call_handler=host_call_handler,
                         display_last_expression=display_last_expression,
-                        rich_output=rich_output, timeout=timeout, files=files)
+                        rich_output=rich_output, timeout=timeout, files=files,
+                        egress=egress)
                 except CapacityExceeded as e:
                     if attempt >= max(1, retry.attempts):
                         raise
@@ -564,7 +571,7 @@ class ClientCore(Generic[S]):
             s = await self._session(language, environment, limits=limits,
                                     host_calls=host_call_handler is not None,
                                     display_last_expression=display_last_expression,
-                                    rich_output=rich_output)
+                                    rich_output=rich_output, egress=egress)
             try:
                 for name, source in inputs:
                     await s._put_file(name, source)
@@ -575,7 +582,7 @@ class ClientCore(Generic[S]):
         params = P.run_params(code, language, environment, limits_dict(limits),
                               host_calls=host_call_handler is not None,
                               display_last_expression=display_last_expression,
-                              rich_output=rich_output)
+                              rich_output=rich_output, egress=egress)
         return await self._cell("Run", params, on_output, on_started, host_call_handler,
                                 timeout, language)
 
@@ -603,6 +610,7 @@ class ClientCore(Generic[S]):
         *,
         display_last_expression: bool | None = None,
         rich_output: bool = False,
+        egress: Sequence[str] | None = None,
     ) -> S:
         """Opens a persistent session (``Open``): one interpreter whose variables persist
         across cells. Use it as a context manager (``with``; ``async with`` for
@@ -618,6 +626,8 @@ class ClientCore(Generic[S]):
             display_last_expression: ``False``: no cell of the session shows its last
                 expression's value (see ``run``). Sent only when given.
             rich_output: ``True``: every cell's display bundles (see ``run``).
+            egress: the session's subset of its environment's egress allowlist (see
+                ``run``).
 
         Raises :class:`CapacityExceeded`, :class:`UnsupportedLanguage`,
         :class:`LimitExceeded`, :class:`WorkerFailed`, ...
@@ -628,7 +638,7 @@ class ClientCore(Generic[S]):
             params = P.open_params(language, environment, limits_dict(limits), detached_idle_seconds,
                                    host_calls=host_calls,
                                    display_last_expression=display_last_expression,
-                                   rich_output=rich_output)
+                                   rich_output=rich_output, egress=egress)
             r = await drive(owner, P.op_simple("Open", params), self.backend, self._clock())
         except BaseException:
             owner.close()

@@ -24,7 +24,7 @@ import base64
 import json
 import os
 import re
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -323,6 +323,17 @@ def op_cell(
         reply = yield NEXT
 
 
+def egress_hosts(egress: Sequence[str]) -> list[str]:
+    """The ``egress`` parameter: a list of host names (a lone string is refused, since
+    iterating it would send its characters)."""
+    if isinstance(egress, (str, bytes)):
+        raise TypeError("egress: a list of host names expected, not a string")
+    hosts = list(egress)
+    if not all(isinstance(h, str) for h in hosts):
+        raise TypeError("egress: every host must be a str")
+    return hosts
+
+
 def run_params(
     code: str,
     language: str,
@@ -331,6 +342,7 @@ def run_params(
     host_calls: bool = False,
     display_last_expression: bool | None = None,
     rich_output: bool = False,
+    egress: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Parameters of Run: optional ones only when given (a daemon refuses unknown ones)."""
     p: dict[str, Any] = {"language": language, "code": code}
@@ -344,6 +356,8 @@ def run_params(
         p["display_last_expression"] = bool(display_last_expression)
     if rich_output:
         p["rich_output"] = True
+    if egress is not None:
+        p["egress"] = egress_hosts(egress)
     return p
 
 
@@ -355,6 +369,7 @@ def open_params(
     host_calls: bool = False,
     display_last_expression: bool | None = None,
     rich_output: bool = False,
+    egress: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Parameters of Open: optional ones only when given."""
     p: dict[str, Any] = {"language": language}
@@ -370,6 +385,8 @@ def open_params(
         p["display_last_expression"] = bool(display_last_expression)
     if rich_output:
         p["rich_output"] = True
+    if egress is not None:
+        p["egress"] = egress_hosts(egress)
     return p
 
 
