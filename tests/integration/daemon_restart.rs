@@ -656,6 +656,7 @@ async fn a_frame_cut_by_the_restart_is_continued_exactly() {
             host_calls: None,
             display_last_expression: None,
             rich_output: Some(true),
+            egress: None,
         })
         .await
         .unwrap()
