@@ -33,8 +33,13 @@ trap 'rm -rf "$out"' EXIT
 exec > >(tee "$out/log")
 
 /usr/bin/python3 scripts/bench_shipped.py --bin "$BIN" --runtime "$SANDCELL_TEST_PYTHON_RUNTIME" \
-    --iterations "$iterations" --pace-ms "$pace" || echo "(shipped-defaults bench failed)"
-((shipped_only)) && exit 0
+    --iterations "$iterations" --pace-ms "$pace" --json-out "$out/shipped.json" \
+    || echo "(shipped-defaults bench failed)"
+if ((shipped_only)); then
+    echo
+    python3 scripts/bench_summary.py "$out/log" - "$out/shipped.json" || echo "(summary failed)"
+    exit 0
+fi
 
 echo "== Eryx in process (the floor)"
 "$BIN/sandcell-python-runtime" bench --dir "$SANDCELL_TEST_PYTHON_RUNTIME" --iterations "$n" \
@@ -106,4 +111,7 @@ PYTHONPATH=clients/python/src "$SANDCELL_CACHE/mcp-venv/bin/python" scripts/benc
     --iterations "$n" || echo "(mcp bench failed)"
 
 echo
+# The shipped-defaults table last, so that the run ends with it.
 python3 scripts/bench_summary.py "$out/log" "$out/eryx.json" || echo "(summary failed)"
+echo
+python3 scripts/bench_summary.py "$out/log" - "$out/shipped.json" || echo "(summary failed)"

@@ -17,7 +17,9 @@ jupyter_client), Rscript start; then the ratios, and the memory of each warm wor
 session cgroup's memory use and its processes' RSS) and the daemon's idle RSS.
 
 Usage: bench_shipped.py --bin DIR --runtime DIR [--iterations N] [--pace-ms MS]
-                        [--daemon-bin DIR]
+                        [--daemon-bin DIR] [--json-out FILE]
+  --json-out FILE    also write the figures as JSON (read by bench_summary.py, whose table
+                     ends scripts/bench.sh's output: see summary_table())
   --daemon-bin DIR   sandcelld and its workers from DIR instead of --bin (to compare a build
                      of another revision measured by this sandcell-bench)
 """
@@ -202,7 +204,7 @@ def bench_rscript(n):
         samples.append(time.perf_counter() - t0)
     p = stats(samples)
     line("Rscript -e 'cat(1)' start", *p, len(samples))
-    return p
+    return p + (len(samples),)
 
 
 def bench_bwrap(n):
@@ -222,7 +224,7 @@ def bench_bwrap(n):
         assert out == b"1\n", out
     p = stats(samples)
     line("bubblewrap + python3 -I -c 'print(1)'", *p, len(samples))
-    return p
+    return p + (len(samples),)
 
 
 def bench_jupyter(kernel, code, n):
@@ -252,7 +254,7 @@ def bench_jupyter(kernel, code, n):
     km.shutdown_kernel(now=True)
     p = stats(cells)
     line("%s kernel cell %r" % (kernel, code), *p, len(cells))
-    return p
+    return p + (len(cells),)
 
 
 def main():
@@ -262,11 +264,13 @@ def main():
     ap.add_argument("--iterations", type=int, default=10000)
     ap.add_argument("--pace-ms", type=int, default=300)
     ap.add_argument("--daemon-bin")
+    ap.add_argument("--json-out")
     a = ap.parse_args()
     n = a.iterations
 
+    load0 = loadavg()
     print("== sandcelld, shipped defaults (no configuration file), %d iterations, one-shot "
-          "and open paced %d ms" % (n, a.pace_ms))
+          "and open paced %d ms; load %s" % (n, a.pace_ms, load0))
     d = Daemon(a.daemon_bin or a.bin, a.runtime)
     try:
         idle_rss = rss_kib(d.proc.pid)
@@ -298,32 +302,111 @@ def main():
     ir = bench_jupyter("ir", "cat(1)", n)
     rs = bench_rscript(max(5, min(n, 20)))
 
-    print("== ratios (p50 unless said; goals: one-shot <= bubblewrap for python and pydata, "
-          "R one-shot <= 0.1 x Rscript start, cell p99 <= 3 x its p50)")
+    result = {
+        "iterations": n, "pace_ms": a.pace_ms, "loadavg": load0,
+        "envs": {env: {k: {q: f[k].get(q) for q in ("p50", "p99", "max", "samples")}
+                       for k in FIGURES if k in f} for env, f in figs.items()},
+        "peers": {k: v for k, v in [("bwrap", bw), ("ipykernel", ipy), ("irkernel", ir),
+                                     ("rscript", rs)] if v},
+    }
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(result, f)
+    print_ratios(result)
+
+
+GOALS = ("one-shot <= bubblewrap for python and pydata, R one-shot <= 0.1 x Rscript start, "
+         "cell p99 <= 3 x its p50")
+
+
+def ratio_rows(result):
+    """(label, ratio or None, goal or None) of the goals and comparisons, from `result` (the
+    JSON --json-out writes)."""
+    envs, peers = result.get("envs", {}), result.get("peers", {})
 
     def fig(env, key, q="p50"):
-        return figs.get(env, {}).get(key, {}).get(q)
+        return envs.get(env, {}).get(key, {}).get(q)
+
+    def peer(name):
+        p = peers.get(name)
+        return p[0] if p else None
 
     def ratio(label, mine, theirs, goal=None):
-        if mine is None or not theirs:
+        return (label, mine / theirs if mine is not None and theirs else None, goal)
+
+    rows = []
+    for env in ("python", "pydata"):
+        rows.append(ratio("%s one-shot / bubblewrap one-shot" % env,
+                          fig(env, "oneshot_latency"), peer("bwrap"), 1.0))
+    rows.append(ratio("r one-shot / Rscript start", fig("r", "oneshot_latency"),
+                      peer("rscript"), 0.1))
+    for env, _ in ENVS:
+        rows.append(ratio("%s session cell p99 / its p50" % env,
+                          fig(env, "session_cell_latency", "p99"),
+                          fig(env, "session_cell_latency"), 3.0))
+    for env in ("python", "pydata"):
+        rows.append(ratio("%s session cell / ipykernel cell" % env,
+                          fig(env, "session_cell_latency"), peer("ipykernel")))
+    rows.append(ratio("r session cell / IRkernel cell", fig("r", "session_cell_latency"),
+                      peer("irkernel")))
+    return rows
+
+
+def print_ratios(result):
+    print("== ratios (p50 unless said; goals: %s)" % GOALS)
+    for label, r, goal in ratio_rows(result):
+        if r is None:
             print("%-62s (figure missing)" % label)
-            return
-        r = mine / theirs
+            continue
         verdict = "" if goal is None else ("  met" if r <= goal else "  missed")
         print("%-62s %8.3f%s" % (label, r, verdict))
 
-    for env in ("python", "pydata"):
-        ratio("%s one-shot / bubblewrap one-shot" % env, fig(env, "oneshot_latency"),
-              bw and bw[0], 1.0)
-    ratio("r one-shot / Rscript start", fig("r", "oneshot_latency"), rs and rs[0], 0.1)
-    for env, _ in ENVS:
-        ratio("%s session cell p99 / its p50" % env, fig(env, "session_cell_latency", "p99"),
-              fig(env, "session_cell_latency"), 3.0)
-    for env in ("python", "pydata"):
-        ratio("%s session cell / ipykernel cell" % env, fig(env, "session_cell_latency"),
-              ipy and ipy[0])
-    ratio("r session cell / IRkernel cell", fig("r", "session_cell_latency"), ir and ir[0])
 
+def summary_table(result):
+    """The one table that ends scripts/bench.sh: p50, p99 and max (ms) of each environment's
+    one-shot Run, open + cell + close and session cell with the shipped defaults, the peers of
+    the same run, then the goals' ratios with met/missed."""
+    print("== summary: shipped defaults, %s iterations, one-shot and open paced %s ms; "
+          "load before the run %s" % (result.get("iterations"), result.get("pace_ms"),
+                                      result.get("loadavg", "?")))
+    print("%-40s %9s %9s %9s %8s" % ("figure (ms)", "p50", "p99", "max", "n"))
+    for env, _ in ENVS:
+        for key, label in FIGURES.items():
+            j = result.get("envs", {}).get(env, {}).get(key)
+            if j:
+                print("%-40s %9.2f %9.2f %9.2f %8d" % ("%s %s" % (env, label), j["p50"],
+                      j["p99"], j["max"] if j["max"] is not None else float("nan"),
+                      j["samples"]))
+            else:
+                print("%-40s (figure missing)" % ("%s %s" % (env, label)))
+    for name, label in PEERS.items():
+        p = result.get("peers", {}).get(name)
+        if p:
+            print("%-40s %9.2f %9.2f %9.2f %8d" % (label, p[0], p[1], p[2], p[3]))
+        else:
+            print("%-40s (not run)" % label)
+    print("%-62s %8s  goal" % ("ratio (p50 unless said)", ""))
+    for label, r, goal in ratio_rows(result):
+        if r is None:
+            print("%-62s (figure missing)" % label)
+        else:
+            verdict = "" if goal is None else ("  <= %-4g %s" % (goal, "met" if r <= goal
+                                                               else "missed"))
+            print("%-62s %8.3f%s" % (label, r, verdict))
+
+
+FIGURES = {"oneshot_latency": "one-shot Run", "open_cell_close_latency": "open + cell + close",
+           "session_cell_latency": "session cell"}
+PEERS = {"bwrap": "bubblewrap + python3 one-shot", "ipykernel": "ipykernel cell 'print(1)'",
+         "irkernel": "IRkernel cell 'cat(1)'", "rscript": "Rscript -e 'cat(1)' start"}
+
+
+def loadavg():
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
 
 if __name__ == "__main__":
     main()

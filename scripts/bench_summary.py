@@ -2,12 +2,15 @@
 """The latency targets from one scripts/bench.sh run: each figure beside its bare baseline, the
 ratio, and whether the target is met. Figures only; nothing here fails a build.
 
-Usage: bench_summary.py BENCH_LOG ERYX_JSON
+Usage: bench_summary.py BENCH_LOG ERYX_JSON [SHIPPED_JSON]
   BENCH_LOG  everything bench.sh printed (its "== sandcelld, <language>, <label>" headers
              followed by sandcell-bench's JSON lines, the bare R worker's figures line, the
              Rscript start times and the confinement bench)
   ERYX_JSON  the JSON object `sandcell-python-runtime bench` printed
+  SHIPPED_JSON  the figures bench_shipped.py --json-out wrote: printed first, as one table of
+             p50, p99 and max per environment beside the peers, with the goals' ratios
 """
+import os
 import json
 import re
 import statistics
@@ -15,6 +18,10 @@ import sys
 
 
 def main():
+    if len(sys.argv) > 3:
+        shipped_summary(sys.argv[3])
+    if len(sys.argv) < 3 or not os.path.exists(sys.argv[2]):
+        return
     log_path, eryx_path = sys.argv[1], sys.argv[2]
     with open(eryx_path) as f:
         eryx = json.load(f)
@@ -84,6 +91,19 @@ def main():
         worst = max(idle) / 2**20
         verdict = "met" if worst < 15 else "missed"
         print(f"{'daemon idle RSS < 15 MB':52} {worst:.1f} MiB (largest of {len(idle)} runs)  {verdict}")
+
+
+def shipped_summary(path):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_shipped
+
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except (OSError, ValueError) as e:
+        print("(no shipped-defaults figures: %s)" % e)
+        return
+    bench_shipped.summary_table(result)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,10 @@ struct Args {
     /// of a request that finds a warm worker. 0 measures back-to-back requests.
     #[arg(long, default_value_t = 0)]
     pace_ms: u64,
+    /// Cells for the session-cell latency figure (default: 4 x `--iterations`), all in one
+    /// open session, back to back. With `--iterations 0` only this figure is measured.
+    #[arg(long)]
+    cells: Option<usize>,
 }
 
 fn trivial(language: &str) -> &'static str {
@@ -119,11 +123,13 @@ async fn main() -> anyhow::Result<()> {
         );
         ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    let (p50, p99) = report("oneshot_latency", ms);
-    table.push((
-        "one-shot trivial cell (new worker each)".into(),
-        format!("p50 {p50:.2} ms, p99 {p99:.2} ms"),
-    ));
+    if !ms.is_empty() {
+        let (p50, p99) = report("oneshot_latency", ms);
+        table.push((
+            "one-shot trivial cell (new worker each)".into(),
+            format!("p50 {p50:.2} ms, p99 {p99:.2} ms"),
+        ));
+    }
 
     // open + one trivial cell + close: what a short-lived session costs a client.
     let mut ms = Vec::new();
@@ -140,11 +146,13 @@ async fn main() -> anyhow::Result<()> {
         );
         ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    let (p50, p99) = report("open_cell_close_latency", ms);
-    table.push((
-        "open + trivial cell + close".into(),
-        format!("p50 {p50:.2} ms, p99 {p99:.2} ms"),
-    ));
+    if !ms.is_empty() {
+        let (p50, p99) = report("open_cell_close_latency", ms);
+        table.push((
+            "open + trivial cell + close".into(),
+            format!("p50 {p50:.2} ms, p99 {p99:.2} ms"),
+        ));
+    }
 
     tokio::time::sleep(pace).await;
     let t = Instant::now();
@@ -156,7 +164,7 @@ async fn main() -> anyhow::Result<()> {
     );
     table.push(("session open".into(), format!("{open_ms:.2} ms")));
     let mut ms = Vec::new();
-    for _ in 0..a.iterations * 4 {
+    for _ in 0..a.cells.unwrap_or(a.iterations * 4) {
         let t = Instant::now();
         let out = c.execute_collect(&s, code).await?;
         anyhow::ensure!(
