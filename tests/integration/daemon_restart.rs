@@ -632,12 +632,13 @@ async fn a_running_submitted_cell_is_continued_after_sigkill() {
     a_submitted_cell_continues_across(libc::SIGKILL).await;
 }
 
-/// A worker writes half a reply frame and blocks across a SIGKILL of the daemon: the head
-/// the killed daemon had read is in the cell's reply spool, not in its journal, so the
-/// successor reads it again and the frame completes exactly when the worker writes its tail;
-/// nothing is parsed from the middle of a frame and nothing is lost.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_frame_cut_by_the_restart_is_continued_exactly() {
+/// A worker writes half a reply frame and blocks across the daemon's end (`signal`): the
+/// head the daemon had read is in the cell's reply spool past the offset its journal handled
+/// (a SIGKILL gives it no chance to write anything; a planned exit writes nothing more
+/// either), so the successor reads it again and the frame completes exactly when the worker
+/// writes its tail: nothing is parsed from the middle of a frame, nothing is lost, and the
+/// cell goes on untouched.
+async fn a_half_frame_is_continued_exactly(signal: i32) {
     skip_unless_root!();
     if !common::pydata_available() {
         sandcell_testing::skip!(
@@ -650,13 +651,10 @@ async fn a_frame_cut_by_the_restart_is_continued_exactly() {
     let s = c
         .open_with(&sandcell_client::OpenParams {
             language: "python".into(),
-            limits: None,
             detached_idle_seconds: Some(600),
             environment: Some("pydata".into()),
-            host_calls: None,
-            display_last_expression: None,
             rich_output: Some(true),
-            egress: None,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -671,10 +669,18 @@ async fn a_frame_cut_by_the_restart_is_continued_exactly() {
         .await
         .unwrap();
     assert_eq!(cell, 2, "the frame the cell writes names cell 2");
-    // The daemon has read the head (no newline yet) when it dies.
+    // The daemon has read the head (no newline yet) when it goes.
     tokio::time::sleep(Duration::from_millis(1000)).await;
-    kill_daemon(&mut first, libc::SIGKILL);
+    kill_daemon(&mut first, signal);
     drop(c);
+    let spool = setup.adopt.join(format!("{s}.spool-replies"));
+    let held = std::fs::read(&spool).unwrap_or_default();
+    assert!(
+        held.ends_with(b"\"kind\":\"display\","),
+        "the head is not in the spool: {:?}\n{}",
+        String::from_utf8_lossy(&held),
+        first.log_text()
+    );
     let second = successor(&first, &setup);
     let mut c = second.client().await;
     let got = attach_until_end(&mut c, &s, cell).await;
@@ -701,6 +707,17 @@ async fn a_frame_cut_by_the_restart_is_continued_exactly() {
         "5 reached"
     );
     assert_eq!(record_pids(&setup.adopt, &s).0, worker);
+    assert!(!spool.exists(), "the cell's reply spool outlived the cell");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frame_cut_by_a_crash_is_continued_exactly() {
+    a_half_frame_is_continued_exactly(libc::SIGKILL).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planned_exit_hands_a_half_read_frame_over_exactly() {
+    a_half_frame_is_continued_exactly(libc::SIGUSR2).await;
 }
 
 /// A detached session's `Submit` cell that ended before its daemon went away (`signal`): the
@@ -888,79 +905,6 @@ async fn an_execute_cut_by_the_restart_is_interrupted_and_its_session_kept() {
     assert_eq!(out.trim(), "9");
     assert_eq!(record_pids(&setup.adopt, &s).0, worker);
     drop(c);
-}
-
-/// The same half frame across a planned exit (SIGUSR2): the daemon hands the cell over
-/// exactly (the head it had read stays in the cell's reply spool, past the offset its journal
-/// handled), so the successor reads the whole frame and the cell goes on untouched.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_planned_exit_hands_a_half_read_frame_over_exactly() {
-    skip_unless_root!();
-    if !common::pydata_available() {
-        sandcell_testing::skip!(
-            "pydata",
-            "a cell writes to its worker's reply pipe (fd 4) only in the native Python worker"
-        );
-    }
-    let (mut first, setup) = first_daemon(&[]);
-    let mut c = first.client().await;
-    let s = c
-        .open_with(&sandcell_client::OpenParams {
-            language: "python".into(),
-            limits: None,
-            detached_idle_seconds: Some(600),
-            environment: Some("pydata".into()),
-            host_calls: None,
-            display_last_expression: None,
-            rich_output: Some(true),
-            egress: None,
-        })
-        .await
-        .unwrap()
-        .session;
-    stdout_of(&mut c, &s, "w = 5").await;
-    let (worker, _) = record_pids(&setup.adopt, &s);
-    let cell = c
-        .submit(
-            &s,
-            "import os, time\nos.write(4, b'{\"t\":\"display\",\"cell\":2,\"kind\":\"display\",')\ntime.sleep(3)\nos.write(4, b'\"data\":{\"text/plain\":\"handed over\"}}\\n')\nprint('done')\nv = 'reached'",
-        )
-        .await
-        .unwrap();
-    assert_eq!(cell, 2);
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    kill_daemon(&mut first, libc::SIGUSR2);
-    drop(c);
-    let spool = setup.adopt.join(format!("{s}.spool-replies"));
-    let held = std::fs::read(&spool).unwrap_or_default();
-    assert!(
-        held.ends_with(b"\"kind\":\"display\","),
-        "the head was not handed over: {:?}\n{}",
-        String::from_utf8_lossy(&held),
-        first.log_text()
-    );
-    let second = successor(&first, &setup);
-    let mut c = second.client().await;
-    let got = attach_until_end(&mut c, &s, cell).await;
-    let r = &got.result;
-    assert_eq!(
-        r.status,
-        sandcell_client::Status::Ok,
-        "{r:?}\n{}",
-        second.log_text()
-    );
-    assert!(r.error.is_none(), "{r:?}");
-    assert!(
-        r.displays.as_ref().is_some_and(|d| d.seen > 0),
-        "the reassembled display frame was not counted: {r:?}"
-    );
-    assert_eq!(got.stdout, "done\n");
-    assert_eq!(
-        stdout_of(&mut c, &s, "print(v, w)").await.trim(),
-        "reached 5"
-    );
-    assert_eq!(record_pids(&setup.adopt, &s).0, worker);
-    assert!(!spool.exists(), "the cell's reply spool outlived the cell");
 }
 
 /// The session keepers the daemon `daemon` started (its children running `sandcelld keep`).

@@ -211,21 +211,10 @@ impl CellRun {
             sp.read(1),
             sp.read(spool::REPLIES).saturating_sub(replies_held as u64),
         ];
-        let start = self.backlog.sealed;
-        if start == self.backlog.chunks.len() && at == self.spooled_at {
+        if self.backlog.sealed == self.backlog.chunks.len() && at == self.spooled_at {
             return;
         }
-        let copies: Vec<Option<SentChunk>> = self
-            .backlog
-            .chunks
-            .range(start..)
-            .map(|c| self.chunk_text(c))
-            .collect();
-        let first = self.seq + start as u64;
-        for (k, copy) in copies.into_iter().enumerate() {
-            self.sent_chunk(first + k as u64, copy);
-        }
-        self.backlog.seal_all();
+        self.seal_backlog();
         if let Some(j) = self.journal.as_mut() {
             j.set_spool(at);
         }
@@ -236,13 +225,9 @@ impl CellRun {
         }
     }
 
-    /// The cell ended with `result`: the output its backlog holds goes into the journal as
-    /// the frames it becomes, then the result, in one batch, before any of them is sent (a
-    /// successor then answers for the ended cell). Nothing without a live journal.
-    pub(super) fn journal_result(&mut self, result: &CellResult) {
-        if !self.journal.as_ref().is_some_and(|j| j.is_live()) {
-            return;
-        }
+    /// Puts the backlog's chunks that are not sealed into the journal's batch as the frames
+    /// they become (numbered from the frames before them), and seals them.
+    fn seal_backlog(&mut self) {
         let start = self.backlog.sealed;
         let copies: Vec<Option<SentChunk>> = self
             .backlog
@@ -255,6 +240,16 @@ impl CellRun {
             self.sent_chunk(first + k as u64, copy);
         }
         self.backlog.seal_all();
+    }
+
+    /// The cell ended with `result`: the output its backlog holds goes into the journal as
+    /// the frames it becomes, then the result, in one batch, before any of them is sent (a
+    /// successor then answers for the ended cell). Nothing without a live journal.
+    pub(super) fn journal_result(&mut self, result: &CellResult) {
+        if !self.journal.as_ref().is_some_and(|j| j.is_live()) {
+            return;
+        }
+        self.seal_backlog();
         if let Some(j) = self.journal.as_mut() {
             j.result(result);
         }

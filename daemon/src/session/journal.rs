@@ -392,17 +392,22 @@ pub(crate) struct Journal {
 }
 
 impl Journal {
-    /// A new, empty journal at `path` (an older one is replaced). A file that cannot be made
-    /// leaves the journal ended (logged).
-    pub(crate) fn create(path: PathBuf, session: &str) -> Journal {
-        let mut j = Journal {
+    /// A journal of session `session` at `path` with no file open yet, recording `spool`.
+    fn closed(path: PathBuf, session: &str, spool: Option<[u64; 3]>) -> Journal {
+        Journal {
             file: None,
             path,
             bytes: 0,
             batch: Vec::new(),
             session: session.to_owned(),
-            spool: None,
-        };
+            spool,
+        }
+    }
+
+    /// A new, empty journal at `path` (an older one is replaced). A file that cannot be made
+    /// leaves the journal ended (logged).
+    pub(crate) fn create(path: PathBuf, session: &str) -> Journal {
+        let mut j = Journal::closed(path, session, None);
         match create(&j.path) {
             Ok(f) => j.file = Some(f),
             Err(e) => j.fail(&e),
@@ -415,14 +420,7 @@ impl Journal {
     /// successor killed meanwhile leaves the old journal whole), and appended to from then
     /// on. Its batches record `r`'s spool offsets until [`Journal::set_spool`] moves them.
     pub(crate) fn resume(path: PathBuf, session: &str, r: &Restored) -> Journal {
-        let mut j = Journal {
-            file: None,
-            path,
-            bytes: 0,
-            batch: Vec::new(),
-            session: session.to_owned(),
-            spool: r.spool,
-        };
+        let mut j = Journal::closed(path, session, r.spool);
         let mut buf = Vec::new();
         if let Some(c) = &r.counts {
             for (seq, stream, text) in &r.outputs {
