@@ -866,6 +866,52 @@ async fn no_r_output_is_lost_by_a_crash_after_a_splice() {
     no_output_is_lost_by_a_crash_after_a_splice("r").await;
 }
 
+/// A retained R cell floods its output (40 MB, far past its cap, on its raw stdout pipe):
+/// every byte goes through its spool, and the spool's allocated size stays bounded (what the journal has
+/// accounted for is released as the cell runs), so a tenant cannot grow the adoption
+/// directory's file system with output.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_cell_keeps_its_spool_bounded() {
+    skip_unless_root!();
+    use std::os::unix::fs::MetadataExt;
+    if !common::r_available() {
+        sandcell_testing::skip!("r", "R writes its output to a raw pipe, spooled as a whole");
+    }
+    let (first, setup) = first_daemon(&[("SANDCELL_LANGUAGES", "python,r")]);
+    let mut c = first.client().await;
+    let s = c.open("r", None, Some(600)).await.unwrap().session;
+    let cell = c
+        .submit(
+            &s,
+            "line <- strrep('x', 99999); for (i in 1:400) cat(line, '\\n', sep = ''); v <- 1",
+        )
+        .await
+        .unwrap();
+    let spool = setup.adopt.join(format!("{s}.spool-stdout"));
+    let (mut most, mut seen_size) = (0u64, 0u64);
+    let t0 = Instant::now();
+    while c.cell_status(&s, cell).await.unwrap().state == "running" {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "the cell never ended"
+        );
+        if let Ok(m) = std::fs::metadata(&spool) {
+            most = most.max(m.blocks() * 512);
+            seen_size = seen_size.max(m.len());
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let got = attach_until_end(&mut c, &s, cell).await;
+    assert_eq!(got.result.stdout.seen, 40_000_000, "{:?}", got.result);
+    eprintln!("spool: at most {most} bytes allocated while its offsets reached {seen_size} bytes");
+    assert!(
+        most <= 8 * 1024 * 1024,
+        "the spool held {most} bytes at once\n{}",
+        first.log_text()
+    );
+    assert!(!spool.exists(), "the spool outlived its cell");
+}
+
 /// A cell started by `Execute` on a session that is not detached: the restart cuts the call
 /// that started it, so the successor interrupts it (as for a client that goes away during a
 /// cell) and keeps the session.
