@@ -753,7 +753,14 @@ async fn attachment_closed(target: &Option<mpsc::Sender<Frame>>) {
     }
 }
 
-/// Sends `frame` to the attachment `tx`, unless a newer attachment replaces it meanwhile.
+/// Sends `frame` to the attachment `tx`, unless a newer attachment replaces it meanwhile
+/// (the frame was taken into the retention before, so the newer one's replay has it).
+///
+/// A wake-up alone is no replacement: `Attach` wakes the relay when it sets an attachment,
+/// and a wake-up that found the relay busy is kept by the `Notify` until the next wait, here,
+/// for the very attachment it announced. Only an attachment that is no longer `tx` ends the
+/// send; otherwise dropping the frame would lose it for the client that attached last (its
+/// replay was taken before the frame arrived).
 async fn deliver<S: Host>(
     session: &Arc<S>,
     rec: &Arc<Mutex<Record>>,
@@ -761,11 +768,28 @@ async fn deliver<S: Host>(
     tx: mpsc::Sender<Frame>,
     frame: Frame,
 ) {
-    tokio::select! {
-        sent = tx.send(frame) => if sent.is_err() {
-            hung_up(session, rec, &tx);
-        },
-        () = wake.notified() => {}
+    let send = tx.send(frame);
+    tokio::pin!(send);
+    loop {
+        tokio::select! {
+            sent = &mut send => {
+                if sent.is_err() {
+                    hung_up(session, rec, &tx);
+                }
+                return;
+            }
+            () = wake.notified() => {
+                let current = rec
+                    .lock()
+                    .unwrap()
+                    .attach
+                    .as_ref()
+                    .is_some_and(|a| a.same_channel(&tx));
+                if !current {
+                    return;
+                }
+            }
+        }
     }
 }
 
@@ -795,6 +819,97 @@ fn hung_up<S: Host>(session: &Arc<S>, rec: &Arc<Mutex<Record>>, tx: &mpsc::Sende
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A session as the relay sees it: an id and a cell log.
+    #[derive(Default)]
+    struct TestHost {
+        log: CellLog,
+    }
+
+    impl Host for TestHost {
+        fn id(&self) -> &str {
+            "test"
+        }
+        fn log(&self) -> &CellLog {
+            &self.log
+        }
+        async fn interrupt_cell(&self, _cell: u64) {}
+    }
+
+    fn text(seq: u64, t: &str) -> Frame {
+        Frame {
+            output: Some(Output {
+                cell: 5,
+                seq,
+                stream: Stream::Stdout,
+                text: t.into(),
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// A client attaches to a continued cell while its relay is busy (the wake-up of the
+    /// `Attach` is kept for the relay's next wait): every frame after the replay still
+    /// reaches that client, once, in order. The wake-up used to be taken for a replacement,
+    /// and the frame being delivered was dropped: a line lost for the client that attached.
+    #[tokio::test]
+    async fn an_attach_that_finds_the_relay_busy_loses_no_frame() {
+        for _ in 0..50 {
+            let host = Arc::new(TestHost::default());
+            let (tx, rx) = mpsc::channel(16);
+            let mut kept: [Kept; 2] = Default::default();
+            kept[0].push(0, "0\n");
+            resume(host.clone(), rx, 5, kept, Charge::new(0).unwrap());
+            // Attach: the replay, then the attachment, whose wake-up nobody waits for yet
+            // when the relay is still busy with its start.
+            let (frames, mut got) = mpsc::channel(64);
+            let (replaced, _r) = oneshot::channel();
+            let replay = host
+                .log
+                .attach("test", 5, Attachment { frames, replaced })
+                .unwrap();
+            let mut out: String = replay
+                .iter()
+                .filter_map(|f| f.output.as_ref().map(|o| o.text.clone()))
+                .collect();
+            for (i, t) in ["1\n", "2\n", "3\n"].iter().enumerate() {
+                tx.send(text(i as u64 + 1, t)).await.unwrap();
+            }
+            tx.send(Frame {
+                result: Some(CellResult {
+                    cell: 5,
+                    status: k::Status::Ok,
+                    error: None,
+                    exit_code: None,
+                    usage: Default::default(),
+                    stdout: Default::default(),
+                    stderr: Default::default(),
+                    state: k::State::Kept,
+                    session_ended: false,
+                    warnings: Vec::new(),
+                    files: Vec::new(),
+                    displays: None,
+                    retained: None,
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            loop {
+                let f = tokio::time::timeout(std::time::Duration::from_secs(5), got.recv())
+                    .await
+                    .expect("the relay delivers the result")
+                    .expect("the attachment stays until the result");
+                if let Some(o) = &f.output {
+                    out.push_str(&o.text);
+                }
+                if f.result.is_some() {
+                    break;
+                }
+            }
+            assert_eq!(out, "0\n1\n2\n3\n");
+        }
+    }
 
     #[test]
     fn a_flood_keeps_head_and_tail_with_exact_counts() {
