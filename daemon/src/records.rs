@@ -137,6 +137,13 @@ pub struct Record {
     /// cell is not continued, its session ends `daemon_restarted`).
     #[serde(default)]
     pub running: Option<RunningCell>,
+    /// Where cell `running_cell` is while `running` does not describe it (the few
+    /// milliseconds before its request reaches the worker, and after its result is known):
+    /// whether a successor may adopt the session idle. Absent in records of older daemons and
+    /// while the request is being written: the session then ends `daemon_restarted`, since
+    /// the worker may hold part of a request.
+    #[serde(default)]
+    pub pending: Option<PendingCell>,
     /// The keeper.
     pub keeper: ProcId,
     /// The worker.
@@ -147,6 +154,29 @@ pub struct Record {
     pub cgroup_procs: Vec<PathBuf>,
     /// The session directory.
     pub session_dir: PathBuf,
+}
+
+/// Cell `running_cell` of a record whose `running` does not describe it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingCell {
+    /// Where the cell is.
+    pub stage: PendingStage,
+    /// The cell of a one-shot `Run`: its session is not adopted (its caller is gone).
+    pub one_shot: bool,
+}
+
+/// [`PendingCell::stage`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PendingStage {
+    /// No byte of the cell's request was written to the worker: the worker waits for a
+    /// request, and the cell never ran (its client's call was cut).
+    BeforeRequest,
+    /// The request is being written: the worker may hold part of it.
+    WritingRequest,
+    /// The worker's `done` was read and the session goes on: the worker waits for its next
+    /// request (the result went with the client's connection).
+    Ended,
 }
 
 /// The cell a session was running when its record was written, as a successor continues it

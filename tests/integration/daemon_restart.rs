@@ -866,6 +866,64 @@ async fn no_r_output_is_lost_by_a_crash_after_a_splice() {
     no_output_is_lost_by_a_crash_after_a_splice("r").await;
 }
 
+/// The daemon is killed while a cell's record says its request never reached the worker
+/// (`before_request`), or after the cell ended and before its result was sent (`cell_ended`):
+/// the worker waits for a request either way, so the successor adopts the session idle
+/// (same worker, variables kept) instead of ending it; the call in flight is cut.
+async fn a_session_between_cells_is_adopted_idle(point: &str) {
+    let seam = "SANDCELL_TEST_KILL_AT";
+    let (mut first, mut setup) = first_daemon(&[(seam, &format!("{point}:2"))]);
+    setup.env.retain(|(k, _)| k != seam);
+    let mut c = first.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    assert_eq!(stdout_of(&mut c, &s, "v = 1\nprint(v)").await, "1\n");
+    let (worker, _) = record_pids(&setup.adopt, &s);
+    // Cell 2: the daemon dies at the seam, and the call is cut.
+    let cut = c.execute_collect(&s, "v = 2").await;
+    assert!(
+        matches!(&cut, Err(e) if e.is_call_cut()),
+        "{cut:?}\n{}",
+        first.log_text()
+    );
+    let t0 = Instant::now();
+    while !matches!(first.child.try_wait(), Ok(Some(_))) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the daemon did not die"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(alive(worker), "the worker died with the daemon");
+    let second = successor(&first, &setup);
+    assert!(
+        second.log_text().contains("adopted idle"),
+        "{}",
+        second.log_text()
+    );
+    let mut c = second.client().await;
+    let want = if point == "cell_ended" { "2" } else { "1" };
+    assert_eq!(stdout_of(&mut c, &s, "print(v)").await.trim(), want);
+    assert_eq!(
+        record_pids(&setup.adopt, &s).0,
+        worker,
+        "the worker changed"
+    );
+    c.close(&s).await.unwrap();
+    eprintln!("{point}: the session was adopted idle, v = {want}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_before_a_request_reaches_the_worker_keeps_the_session() {
+    skip_unless_root!();
+    a_session_between_cells_is_adopted_idle("before_request").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_a_cell_ended_keeps_the_session() {
+    skip_unless_root!();
+    a_session_between_cells_is_adopted_idle("cell_ended").await;
+}
+
 /// A retained R cell floods its output (40 MB, far past its cap, on its raw stdout pipe):
 /// every byte goes through its spool, and the spool's allocated size stays bounded (what the journal has
 /// accounted for is released as the cell runs), so a tenant cannot grow the adoption

@@ -58,6 +58,9 @@ pub(super) struct Actor {
     /// reached the worker, updated when its escalation or host call changes, cleared at its
     /// end.
     pub(super) running: Option<crate::records::RunningCell>,
+    /// Where the cell in `info.running_cell` is while `running` does not describe it (before
+    /// its request reached the worker, after its end), as its record tells a successor.
+    pub(super) pending: Option<crate::records::PendingCell>,
     /// The cell a predecessor daemon was running: continued before anything else.
     pub(super) resume: Option<keep::Resume>,
 }
@@ -219,6 +222,10 @@ impl Actor {
             info.cells_started = cell;
             info.state = SessionState::Running;
         }
+        self.pending = Some(crate::records::PendingCell {
+            stage: crate::records::PendingStage::BeforeRequest,
+            one_shot,
+        });
         self.persist();
         let started = Frame {
             started: Some(Started {
@@ -243,6 +250,9 @@ impl Actor {
             info.running_cell = None;
             info.state = SessionState::Idle;
             info.last_activity = Instant::now();
+            drop(info);
+            self.pending = None;
+            self.persist();
             return None;
         }
         // The session directory before the cell, to report what it changed: the listing the
@@ -291,6 +301,13 @@ impl Actor {
             let mut request = header.to_line().into_bytes();
             request.extend_from_slice(code.as_bytes());
             drop(code);
+            keep::kill_seam("before_request", cell);
+            // From here a successor cannot tell how much of the request the worker holds.
+            self.pending = Some(crate::records::PendingCell {
+                stage: crate::records::PendingStage::WritingRequest,
+                one_shot,
+            });
+            self.persist();
             match tokio::time::timeout(
                 limits.wall + limits.grace,
                 self.requests.write_all(&request),

@@ -113,7 +113,14 @@ impl Actor {
         // daemon that dies at any point before still has the cell continued (its `done` is
         // read again from the spool), one that dies after has it answered as ended.
         run.journal_result(&result);
+        // Once the record stops offering the cell, a successor adopts the session idle when it
+        // goes on (the worker waits for its next request), and ends it when it ends.
+        self.pending = ending.is_none().then_some(crate::records::PendingCell {
+            stage: crate::records::PendingStage::Ended,
+            one_shot,
+        });
         self.end_running_cell(&mut run);
+        super::keep::kill_seam("cell_ended", cell);
         // The rest of the output, in order, right before the result, so the connection writes
         // them together (one write, one wake-up of the client for a short cell). A cell that was
         // cancelled (client gone, session closed) waits for nobody: it gets no more frames.
@@ -143,6 +150,7 @@ impl Actor {
                 SessionState::Idle
             };
         }
+        self.pending = None;
         // Likewise the owner's per-uid quota: the next Run sent the moment this result arrives
         // must not count this session. The daemon-wide charge stays until the worker is reaped.
         if ending.is_some()

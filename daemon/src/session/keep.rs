@@ -177,6 +177,7 @@ impl Actor {
             host_calls_made: self.host_calls_made,
             running_cell: info.running_cell,
             running: self.running.clone(),
+            pending: self.pending,
             keeper: ProcId {
                 pid: life.pid,
                 start_time: life.start_time,
@@ -297,7 +298,8 @@ pub fn connect(dir: &Path, r: Record) -> Result<Adoptable, NotAdopted> {
         return Err(refuse("the worker is not in its recorded cgroup".into()));
     }
     if let Some(cell) = r.running_cell
-        && r.running.as_ref().is_some_and(|c| c.one_shot)
+        && (r.running.as_ref().is_some_and(|c| c.one_shot)
+            || r.running.is_none() && r.pending.is_some_and(|p| p.one_shot))
     {
         lifeline.end();
         return Err(NotAdopted::Gone(format!(
@@ -305,15 +307,28 @@ pub fn connect(dir: &Path, r: Record) -> Result<Adoptable, NotAdopted> {
              connection went with it"
         )));
     }
+    // A cell whose request never reached the worker, or that ended with the session going
+    // on, leaves the worker waiting for a request: the session is adopted idle.
+    let idle = r.running.is_none()
+        && r.pending.is_some_and(|p| {
+            matches!(
+                p.stage,
+                records::PendingStage::BeforeRequest | records::PendingStage::Ended
+            )
+        });
     if let Some(cell) = r.running_cell
+        && !idle
         && r.running.as_ref().is_none_or(|c| c.cell != cell)
         && ended_cell(dir, &r.id).is_none_or(|e| e.cell != cell)
     {
         lifeline.end();
         return Err(NotAdopted::Gone(format!(
-            "cell {cell} was starting or ending when the daemon went away (its request not yet \
-             with the worker, or its result not yet delivered)"
+            "the request of cell {cell} was being written to the worker when the daemon went \
+             away: the worker may hold part of it"
         )));
+    }
+    if let (true, Some(cell), Some(p)) = (idle, r.running_cell, r.pending) {
+        tracing::info!(session = %r.id, cell, stage = ?p.stage, "the cell was not with the worker when the daemon went away: the session is adopted idle");
     }
     Ok(Adoptable {
         record: r,
@@ -725,6 +740,7 @@ impl Actor {
             // The first batch: the spool offsets a successor starts from.
             run.seal(self.replies.buffered());
         }
+        self.pending = None;
         self.running = Some(records::RunningCell {
             cell: run.cell,
             nonce: run.nonce.clone(),
@@ -755,7 +771,7 @@ impl Actor {
             run.seal(self.replies.buffered());
             if run.spool.is_some() {
                 self.cell_changed(run);
-                tracing::info!(session = %self.session.id, cell = run.cell, "running cell handed over (spooled)");
+                tracing::info!(session = %self.session.id, cell = run.cell, next_seq = run.seq + run.backlog.sealed as u64, spooled = ?run.spooled_at, "running cell handed over (spooled)");
                 return;
             }
         }
@@ -862,6 +878,15 @@ impl Actor {
             }
             _ => {}
         }
+        let restored_frames = restored.as_ref().map_or(0, |j| j.outputs.len());
+        let next_seq = restored
+            .as_ref()
+            .and_then(|j| j.counts.as_ref())
+            .map(|c| c.next_seq);
+        let spooled = restored.as_ref().and_then(|j| j.spool);
+        let tail_bytes = spool
+            .as_ref()
+            .map(|(_, t)| [t[0].len(), t[1].len(), self.replies.buffered()]);
         if let Some(c) = restored.as_ref().and_then(|j| j.counts.clone()) {
             for (i, (cap, seen, kept, pending)) in c.caps.into_iter().enumerate() {
                 if let Some(restored) = StreamCap::restore(cap, seen, kept, pending) {
@@ -912,10 +937,31 @@ impl Actor {
         }
         run.notes = notes;
         self.running = Some(running);
-        tracing::info!(session = %self.session.id, cell = run.cell, elapsed_ms = elapsed.as_millis() as u64, retained = run.journal.is_some(), "continuing the cell the previous daemon was running");
+        tracing::info!(session = %self.session.id, cell = run.cell, elapsed_ms = elapsed.as_millis() as u64, retained = run.journal.is_some(), frames = restored_frames, next_seq, spooled = ?spooled, tails = ?tail_bytes, "continuing the cell the previous daemon was running");
         run.disk_scan = self.disk_scan.take();
         let end = self.cell_loop(&mut run, cmds).await;
         self.disk_scan = run.disk_scan.take();
         self.finish_cell(run, end, false, None, before, cmds).await
+    }
+}
+
+/// A test seam: with `SANDCELL_TEST_KILL_AT=<point>:<n>` in its environment the daemon kills
+/// itself with SIGKILL when cell number `n` of a session reaches `point`: `before_request`
+/// (its record says no byte of its request was written yet) or `cell_ended` (its record no
+/// longer offers it to a successor, and its result is not sent yet). Only the integration
+/// tests set it.
+pub(super) fn kill_seam(point: &str, cell: u64) {
+    use std::sync::OnceLock;
+    static AT: OnceLock<Option<(String, u64)>> = OnceLock::new();
+    let Some((at, n)) = AT.get_or_init(|| {
+        let v = std::env::var("SANDCELL_TEST_KILL_AT").ok()?;
+        let (p, n) = v.split_once(':')?;
+        Some((p.to_owned(), n.parse().ok()?))
+    }) else {
+        return;
+    };
+    if at == point && *n == cell {
+        tracing::warn!(point, cell, "SANDCELL_TEST_KILL_AT: killing the daemon");
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
     }
 }

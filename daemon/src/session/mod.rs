@@ -447,6 +447,7 @@ impl Session {
                 .keep
                 .map(|k| keep::Kept::new(k, l.environment, l.lifeline)),
             running: None,
+            pending: None,
             resume: l.resume,
         };
         tokio::spawn(actor.run(rx));
