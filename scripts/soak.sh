@@ -7,7 +7,8 @@
 #                   [--restart-every S]
 #
 # Defaults: 8 clients x 100 cells. Environment: SANDCELL_SOAK_KILL_GRACE_SECONDS (10, see
-# below). Budgets are raised so that N clients fit (sessions,
+# below), SANDCELL_SOAK_LOG (the daemon's SANDCELL_LOG filter, default warn; info logs every
+# cell handed over and continued across a restart). Budgets are raised so that N clients fit (sessions,
 # memory budgets, per-uid quotas, connections: every client is this script's uid; worker
 # start-up may take 120 s, since N clients start workers at once on few cores). Prints
 # samples of the daemon's RSS and descriptors (all of them, every 5 s, in samples.csv of the run
@@ -68,6 +69,7 @@ uid_count=65536
 # of its SIGINT, and the soak checks results and leaks, not scheduling latency. The default
 # grace and the escalation itself are tested in tests/integration (faults.rs, cell_reports.rs).
 kill_grace=${SANDCELL_SOAK_KILL_GRACE_SECONDS:-10}
+log_level=${SANDCELL_SOAK_LOG:-warn}
 # Each client holds at most one worker at a time; releases are asynchronous, so leave slack.
 sessions=$((clients * 2 + 4))
 mode=()
@@ -97,13 +99,13 @@ start_daemon() {
         -E SANDCELL_MAX_STARTS_PER_SECOND_PER_UID=1000 -E SANDCELL_MAX_START_BURST_PER_UID=100000 \
         -E SANDCELL_MAX_CONNECTIONS=$((clients * 4 + 64)) \
         -E SANDCELL_MAX_CONNECTIONS_PER_UID=$((clients * 4 + 64)) \
-        -E NOTIFY_SOCKET="$notify" -E SANDCELL_LOG=warn \
+        -E NOTIFY_SOCKET="$notify" -E SANDCELL_LOG="$log_level" \
         "$BIN/sandcelld" "${mode[@]}"
 }
 {
     echo '#!/usr/bin/env bash'
     declare -p BIN SANDCELL_TEST_PYTHON_RUNTIME run sock notify cgroup uid_base uid_count \
-        languages kill_grace sessions clients mode
+        languages kill_grace log_level sessions clients mode
     declare -f start_daemon
     echo 'start_daemon >>"$run/daemon.log" 2>&1 </dev/null &'
     echo 'echo $! >"$run/daemon.pid"'

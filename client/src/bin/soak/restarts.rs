@@ -286,7 +286,7 @@ async fn run_cell(
             if track.reattached() > 0 {
                 FOLLOWED.fetch_add(1, Ordering::Relaxed);
             }
-            got
+            got.map(|g| (g, track.reattached()))
         })
         .await
         .unwrap_or_else(|_| {
@@ -296,7 +296,7 @@ async fn run_cell(
             })
         });
         match r {
-            Ok(got) => {
+            Ok((got, track_reattached)) => {
                 if got.result.status != Status::Ok {
                     return Err(CellFailure::Wrong(format!(
                         "status {} ({:?})",
@@ -305,10 +305,18 @@ async fn run_cell(
                     )));
                 }
                 if !want.is_empty() && got.stdout != want {
+                    // What the daemon retained of the cell tells a loss in the daemon from
+                    // one in the client's following.
+                    let retained = retained_stdout(ctx, session, got.cell).await;
                     return Err(CellFailure::Wrong(format!(
-                        "stdout {:?}, not {:?}",
+                        "stdout {:?}, not {:?} (cell {}, followed again {} times; the daemon retained {:?})",
                         super::trunc(&got.stdout),
-                        super::trunc(want)
+                        super::trunc(want),
+                        got.cell,
+                        track_reattached,
+                        retained
+                            .map(|s| super::trunc(&s))
+                            .map_err(|e| e.to_string())
                     )));
                 }
                 return Ok(());
@@ -326,6 +334,14 @@ async fn run_cell(
             Err(e) => return Err(CellFailure::Lost(e.to_string())),
         }
     }
+}
+
+/// The stdout the daemon retained of `cell` of `session`, replayed by an `Attach` on a new
+/// connection.
+async fn retained_stdout(ctx: &Ctx, session: &str, cell: u64) -> Result<String, Error> {
+    let mut c = Client::connect(&ctx.socket).await?;
+    c.attach(session, cell).await?;
+    Ok(c.finish(|_| {}).await?.stdout)
 }
 
 /// Closes every session of this uid (the clients' and any a cut `Open` made), trying again
