@@ -695,6 +695,42 @@ pub(crate) fn resume<S: Host>(
     tokio::spawn(relay_loop(session, rec, wake, rx));
 }
 
+/// The record of cell `cell` of `session` that ended before a successor daemon started: its
+/// `streams` (from the cell's journal) and `result`, charged `charge`, join the session's log
+/// whole, before any client can ask (`CellStatus` and `Attach` answer it at once; no relay).
+pub(crate) fn ended<S: Host>(
+    session: &Arc<S>,
+    cell: u64,
+    streams: [Kept; 2],
+    result: CellResult,
+    charge: Charge,
+) {
+    let mut rec = Record {
+        cell,
+        streams,
+        result: None,
+        result_bytes: 0,
+        lost: false,
+        host_call: None,
+        attach: None,
+        replaced: None,
+        hangup_interrupts: false,
+        charge,
+        wake: Arc::new(Notify::new()),
+    };
+    rec.absorb(&mut Frame {
+        result: Some(result),
+        ..Default::default()
+    });
+    session
+        .log()
+        .records
+        .lock()
+        .unwrap()
+        .push_back(Arc::new(Mutex::new(rec)));
+    session.log().make_room(0, false);
+}
+
 /// The relay's loop (module documentation): takes in each frame, hands it to the
 /// attachment, until the result or the end of the frames.
 async fn relay_loop<S: Host>(

@@ -340,6 +340,20 @@ impl Core {
         };
         let adopted_idle =
             (!detached).then(|| Duration::from_secs(cfg.limits.max_detached_idle_seconds));
+        // The session's egress, granted again with the hosts it had that the environment's
+        // allowlist still allows; none when the environment lost its egress (safer: no network).
+        let egress = r.egress_hosts.as_deref().and_then(|hosts| {
+            let env = cfg.environment(&r.environment)?;
+            let policy = env.egress.clone()?;
+            match session_egress(&env, Some(hosts)) {
+                Ok(Some(hosts)) => Some(crate::config::EgressConfig { hosts, ..policy }),
+                Ok(None) => None,
+                Err(e) => {
+                    tracing::warn!(session = %r.id, error = %e, "the adopted session's egress is not granted again");
+                    None
+                }
+            }
+        });
         let session = crate::session::Session::adopt(
             a,
             crate::session::AdoptWith {
@@ -357,6 +371,7 @@ impl Core {
                 }),
                 events: self.events.clone(),
                 keep,
+                egress,
             },
         )
         .map_err(|e| format!("taking the worker over: {e}"))?;
@@ -985,6 +1000,10 @@ impl Core {
         if let (Some(policy), Some(hosts)) = (&env.egress, egress)
             && let Some(listener) = prepared.spawned.egress_listener.take()
         {
+            // A duplicate stays with the session: its keeper holds it, and a successor daemon
+            // grants it again after a restart (`session::keep`).
+            prepared.spawned.egress_listener = listener.try_clone().ok();
+            prepared.spawned.egress_hosts = Some(hosts.clone());
             let policy = crate::config::EgressConfig {
                 hosts,
                 ..policy.clone()

@@ -61,8 +61,9 @@ pub const FDS: &[u8] = b"fds";
 /// by the kernel's OOM killer, and spared by the OOM kill of its session's group.
 pub const KEEPER_OOM_SCORE_ADJ: &[u8] = b"-1000";
 
-/// Most descriptors one message carries: pidfd, directory, request, reply, stdout, stderr.
-pub const MAX_FDS: usize = 6;
+/// Most descriptors one message carries: pidfd, directory, request, reply, stdout, stderr,
+/// egress listener.
+pub const MAX_FDS: usize = 7;
 
 /// How long a daemon waits for a keeper's answer (`HELD`, `FDS`).
 pub const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
@@ -80,6 +81,9 @@ pub struct Held {
     pub replies: OwnedFd,
     /// Read ends of a native worker's stdout and stderr.
     pub raw: Option<(OwnedFd, OwnedFd)>,
+    /// The session's egress listener (`127.0.0.1:3128` in the worker's network namespace), when
+    /// it has egress: a successor grants it to the proxy again.
+    pub egress: Option<OwnedFd>,
 }
 
 impl Held {
@@ -94,16 +98,22 @@ impl Held {
             v.push(o.as_raw_fd());
             v.push(e.as_raw_fd());
         }
+        if let Some(l) = &self.egress {
+            v.push(l.as_raw_fd());
+        }
         v
     }
 
+    /// The descriptors in the order [`Held::borrowed`] sends them: 4, then 2 raw pipes, then
+    /// the egress listener (an odd count has it).
     fn from_fds(mut fds: Vec<OwnedFd>) -> std::io::Result<Held> {
-        if fds.len() != 4 && fds.len() != 6 {
+        if !(4..=MAX_FDS).contains(&fds.len()) {
             return Err(std::io::Error::other(format!(
-                "{} descriptors instead of 4 or 6",
+                "{} descriptors instead of 4 to {MAX_FDS}",
                 fds.len()
             )));
         }
+        let egress = if fds.len() % 2 == 1 { fds.pop() } else { None };
         let raw = if fds.len() == 6 {
             let e = fds.pop().unwrap();
             let o = fds.pop().unwrap();
@@ -121,6 +131,7 @@ impl Held {
             requests,
             replies,
             raw,
+            egress,
         })
     }
 }
@@ -743,6 +754,7 @@ mod tests {
             requests: req_w,
             replies: rep_r,
             raw: None,
+            egress: None,
         };
         let (mine, theirs) = socketpair(
             AddressFamily::Unix,
@@ -810,6 +822,7 @@ mod tests {
             requests: req_w,
             replies: rep_r,
             raw: None,
+            egress: None,
         };
         let (mine, theirs) = socketpair(
             AddressFamily::Unix,

@@ -144,6 +144,11 @@ pub struct Record {
     /// the worker may hold part of a request.
     #[serde(default)]
     pub pending: Option<PendingCell>,
+    /// The hosts of the session's egress grant, when it has one; its keeper holds the
+    /// listener, which a successor grants again within the environment's allowlist then in
+    /// force.
+    #[serde(default)]
+    pub egress_hosts: Option<Vec<String>>,
     /// The keeper.
     pub keeper: ProcId,
     /// The worker.

@@ -531,12 +531,14 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
         metrics.display()
     ));
     let languages = if with_r { "python,r" } else { "python" };
+    let cgroup = format!("sandcell-egress-{}", common::rand_hex(5));
     let env = [
         ("SANDCELL_EGRESS_CONTROL", control.to_str().unwrap()),
         ("SANDCELL_METRICS_FILE", metrics.to_str().unwrap()),
         ("SANDCELL_LANGUAGES", languages),
+        ("SANDCELL_CGROUP_NAME", cgroup.as_str()),
     ];
-    let d = match sandbox {
+    let mut d = match sandbox {
         Some(s) => Daemon::start_in_sandbox(&conf, &env, s),
         None => Daemon::start_with_config(&conf, &env),
     };
@@ -590,6 +592,38 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
         out.stdout,
         out.stderr
     );
+    // The session keeps its grant, its own subset, across a daemon crash: its keeper holds a
+    // duplicate of the listener, the record names the hosts, and the successor that adopts
+    // the session grants the listener again.
+    // Kept to the end: its directory holds the state and adoption directories.
+    let mut _first: Option<Daemon> = None;
+    if sandbox.is_none() {
+        let _ = d.child.kill();
+        let _ = d.child.wait();
+        let state = d.dir.path().join("state");
+        let adopt = d.dir.path().join("adopt");
+        let mut env2: Vec<(&str, &str)> = env.to_vec();
+        env2.push(("SANDCELL_STATE_DIR", state.to_str().unwrap()));
+        env2.push(("SANDCELL_ADOPT_DIR", adopt.to_str().unwrap()));
+        let second = Daemon::start_on_with_config(&d.socket.clone(), &conf, &env2);
+        c = second.client().await;
+        let out = c
+            .execute_collect(&o.session, &subset_cell("www.sub.test", "data.test"))
+            .await
+            .unwrap_or_else(|e| panic!("{e:?}\n{}", second.log_text()));
+        assert!(
+            out.stdout.contains("allowed: hello through the proxy\n")
+                && out
+                    .stdout
+                    .contains("other: 403 sandcell egress: host not allowed: data.test\n"),
+            "after the restart: {}\n{}\n{}",
+            out.stdout,
+            out.stderr,
+            second.log_text()
+        );
+        eprintln!("egress: the adopted session fetched through its grant again");
+        _first = Some(std::mem::replace(&mut d, second));
+    }
     c.close(&o.session).await.unwrap();
     // A one-shot Run's subset likewise.
     c.run_with(&sandcell_proto::kernel::RunParams {

@@ -63,6 +63,9 @@ pub(super) struct Actor {
     pub(super) pending: Option<crate::records::PendingCell>,
     /// The cell a predecessor daemon was running: continued before anything else.
     pub(super) resume: Option<keep::Resume>,
+    /// A duplicate of the session's granted egress listener and the hosts of its grant: the
+    /// keeper holds it and the record names the hosts, so a successor grants it again.
+    pub(super) egress: Option<(std::os::fd::OwnedFd, Vec<String>)>,
 }
 
 impl Actor {

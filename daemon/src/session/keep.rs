@@ -93,6 +93,10 @@ impl Actor {
             requests: self.requests.as_fd().try_clone_to_owned()?,
             replies: self.replies.get_ref().as_fd().try_clone_to_owned()?,
             raw,
+            egress: match &self.egress {
+                Some((l, _)) => Some(l.try_clone()?),
+                None => None,
+            },
         })
     }
 
@@ -178,6 +182,7 @@ impl Actor {
             running_cell: info.running_cell,
             running: self.running.clone(),
             pending: self.pending,
+            egress_hosts: self.egress.as_ref().map(|(_, h)| h.clone()),
             keeper: ProcId {
                 pid: life.pid,
                 start_time: life.start_time,
@@ -400,6 +405,9 @@ pub struct AdoptWith {
     pub events: tokio::sync::broadcast::Sender<Event>,
     /// How it is kept from now on.
     pub keep: Keep,
+    /// The egress grant to give the adopted worker's listener again (its hosts within the
+    /// environment's allowlist in force now), when its record names one.
+    pub egress: Option<crate::config::EgressConfig>,
 }
 
 impl Session {
@@ -422,6 +430,20 @@ impl Session {
             .ok_or_else(|| std::io::Error::other(format!("interrupt {:?}", r.interrupt)))?;
         let pidfd = crate::worker::WorkerPidfd::from_owned(held.pidfd);
         let child = crate::worker::process::WorkerProcess::adopted(r.worker.pid, &pidfd)?;
+        // The egress grant ended with the predecessor's control connection: given again,
+        // and a duplicate of the listener kept for the next successor.
+        let egress = match (held.egress, &w.egress) {
+            (Some(listener), Some(policy)) => {
+                let kept = listener.try_clone().ok();
+                let (id, pid, policy) = (r.id.clone(), r.worker.pid, policy.clone());
+                let hosts = policy.hosts.clone();
+                tokio::spawn(async move {
+                    crate::egress::open(&id, pid, listener, &policy).await;
+                });
+                kept.map(|l| (l, hosts))
+            }
+            _ => None,
+        };
         let (stdout, stderr) = match held.raw {
             Some((o, e)) => (
                 Some(pipe::Receiver::from_owned_fd(o)?),
@@ -525,19 +547,14 @@ impl Session {
             lifeline: Some(lifeline),
             dir_view,
             resume,
+            egress,
         });
         if let Some(e) = ended {
-            // Its relay gets the result at once (what the journal retained of its output
-            // first, as an `Attach` replays it).
+            // Its record holds the result (and what the journal retained of its output, as an
+            // `Attach` replays it) before the first client is served.
             match session.cells.reserve() {
                 Ok(charge) => {
-                    let (tx, rx) = mpsc::channel(1);
-                    let _ = tx.try_send(Frame {
-                        result: Some(e.result),
-                        ..Default::default()
-                    });
-                    drop(tx);
-                    crate::cells::resume(session.clone(), rx, e.cell, e.streams, charge);
+                    crate::cells::ended(&session, e.cell, e.streams, e.result, charge);
                     tracing::info!(session = %session.id, cell = e.cell, "the cell that ended before the restart is answered from its journal");
                 }
                 Err(err) => {

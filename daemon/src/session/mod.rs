@@ -345,6 +345,7 @@ impl Session {
         } = prepared;
         let pid = spawned.pid;
         let (interrupt, raw_output) = (spawned.interrupt, spawned.stdout.is_some());
+        let egress = spawned.egress_listener.zip(spawned.egress_hosts);
         Self::launch(Launch {
             id,
             language,
@@ -378,6 +379,7 @@ impl Session {
             lifeline: None,
             dir_view: None,
             resume: None,
+            egress,
         })
     }
 
@@ -449,6 +451,7 @@ impl Session {
             running: None,
             pending: None,
             resume: l.resume,
+            egress: l.egress,
         };
         tokio::spawn(actor.run(rx));
         session
@@ -698,6 +701,8 @@ struct Launch {
     dir_view: Option<std::os::fd::OwnedFd>,
     /// The cell a predecessor daemon was running, continued first (`keep.rs`).
     resume: Option<keep::Resume>,
+    /// A duplicate of the session's granted egress listener and the hosts of its grant.
+    egress: Option<(std::os::fd::OwnedFd, Vec<String>)>,
 }
 
 mod actor;

@@ -265,6 +265,7 @@ fn spawn(script: &Script, dir: &std::path::Path) -> Spawned {
     };
     Spawned {
         egress_listener: None,
+        egress_hosts: None,
         child,
         pid,
         pidfd,

@@ -176,6 +176,9 @@ pub struct Spawned {
     /// namespace, made by the daemon before the fork ([`crate::egress::prepare_namespace`]),
     /// for [`crate::egress::open`] to grant when its session starts.
     pub egress_listener: Option<OwnedFd>,
+    /// The hosts the session's egress grant allows (set when it is granted), which its record
+    /// keeps for a successor's grant after a restart.
+    pub egress_hosts: Option<Vec<String>>,
 }
 
 /// Why a worker could not be started.
@@ -647,5 +650,6 @@ pub fn spawn(spec: &WorkerSpec, group: &Arc<dyn SessionGroup>) -> Result<Spawned
         stderr,
         interrupt,
         egress_listener,
+        egress_hosts: None,
     })
 }

@@ -127,6 +127,11 @@ impl Daemon {
         Self::start_at(env, None, None, Some(socket), false, None)
     }
 
+    /// As [`Daemon::start_with_config`], listening on `socket` (a successor's start).
+    pub fn start_on_with_config(socket: &Path, config: &Path, env: &[(&str, &str)]) -> Daemon {
+        Self::start_at(env, None, Some(config), Some(socket), false, None)
+    }
+
     /// As [`Daemon::start_with_config`], under `sandbox` (a unit file's, with or without
     /// drop-ins: [`unit_sandbox::UnitSandbox::from_unit_with`]) whatever
     /// `SANDCELL_TEST_UNIT_SANDBOX` says.
