@@ -319,6 +319,24 @@ pub struct Record {
 }
 
 impl Record {
+    /// The record of a running cell `cell` retaining `streams`, charged `charge`, with no
+    /// attachment.
+    fn new(cell: u64, streams: [Kept; 2], charge: Charge) -> Record {
+        Record {
+            cell,
+            streams,
+            result: None,
+            result_bytes: 0,
+            lost: false,
+            host_call: None,
+            attach: None,
+            replaced: None,
+            hangup_interrupts: false,
+            charge,
+            wake: Arc::new(Notify::new()),
+        }
+    }
+
     fn done(&self) -> bool {
         self.result.is_some() || self.lost
     }
@@ -643,20 +661,12 @@ pub fn relay<S: Host>(
         let Some(cell) = first.started.as_ref().map(|s| s.cell) else {
             return;
         };
-        let wake = Arc::new(Notify::new());
-        let rec = Arc::new(Mutex::new(Record {
-            cell,
-            streams: Default::default(),
-            result: None,
-            result_bytes: 0,
-            lost: false,
-            host_call: None,
-            attach: attach.clone(),
-            replaced,
-            hangup_interrupts,
-            charge,
-            wake: wake.clone(),
-        }));
+        let mut r = Record::new(cell, Default::default(), charge);
+        r.attach = attach.clone();
+        r.replaced = replaced;
+        r.hangup_interrupts = hangup_interrupts;
+        let wake = r.wake.clone();
+        let rec = Arc::new(Mutex::new(r));
         session.log().records.lock().unwrap().push_back(rec.clone());
         let _ = started_tx.send(cell);
         if let Some(tx) = attach {
@@ -677,20 +687,9 @@ pub(crate) fn resume<S: Host>(
     streams: [Kept; 2],
     charge: Charge,
 ) {
-    let wake = Arc::new(Notify::new());
-    let rec = Arc::new(Mutex::new(Record {
-        cell,
-        streams,
-        result: None,
-        result_bytes: 0,
-        lost: false,
-        host_call: None,
-        attach: None,
-        replaced: None,
-        hangup_interrupts: false,
-        charge,
-        wake: wake.clone(),
-    }));
+    let r = Record::new(cell, streams, charge);
+    let wake = r.wake.clone();
+    let rec = Arc::new(Mutex::new(r));
     session.log().records.lock().unwrap().push_back(rec.clone());
     tokio::spawn(relay_loop(session, rec, wake, rx));
 }
@@ -705,19 +704,7 @@ pub(crate) fn ended<S: Host>(
     result: CellResult,
     charge: Charge,
 ) {
-    let mut rec = Record {
-        cell,
-        streams,
-        result: None,
-        result_bytes: 0,
-        lost: false,
-        host_call: None,
-        attach: None,
-        replaced: None,
-        hangup_interrupts: false,
-        charge,
-        wake: Arc::new(Notify::new()),
-    };
+    let mut rec = Record::new(cell, streams, charge);
     rec.absorb(&mut Frame {
         result: Some(result),
         ..Default::default()
