@@ -15,8 +15,9 @@
 //!
 //! A guest waiting in `sandcell.host.call` is not stopped that way: the first SIGINT goes to
 //! the waiting call ([`Target::host_call`], [`crate::host`]), which returns, and the guest
-//! raises `KeyboardInterrupt` with its instance kept; a SIGINT that no call takes (the
-//! daemon repeats them every 250 ms) stops the guest as above.
+//! raises `KeyboardInterrupt` with its instance kept; the SIGINTs the daemon repeats (every
+//! 250 ms) leave it [`HOST_CALL_UNWIND`] to end its cell that way, and one after that stops
+//! the guest as above.
 //!
 //! A SIGINT that arrives while no request is served is ignored, and so is one that arrived
 //! before the current request was taken up: [`Interrupter::begin_cell`] starts a new
@@ -98,7 +99,18 @@ struct State {
     target: Option<Target>,
     /// The armed target's guest was stopped (token and epoch): later SIGINTs do nothing more.
     stopped: bool,
+    /// When a waiting host call of the armed target took a SIGINT (the guest then raises
+    /// `KeyboardInterrupt`).
+    host_call_took: Option<std::time::Instant>,
 }
+
+/// After a waiting host call took a SIGINT, how long the SIGINTs the daemon repeats (every
+/// 250 ms) leave the guest to raise `KeyboardInterrupt` and end its cell, keeping its
+/// instance, before one stops the guest (which discards the instance, and with it what the
+/// cell assigned). On a loaded machine the guest may need more than one repeat's interval to
+/// unwind; a cell that catches the interrupt and runs on is still stopped after this, well
+/// within the daemon's default kill grace of 2 s.
+const HOST_CALL_UNWIND: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Shared between the cell loop and the watcher thread.
 #[derive(Default)]
@@ -163,6 +175,7 @@ impl Interrupter {
         let pending = s.pending;
         s.target = Some(target);
         s.stopped = false;
+        s.host_call_took = None;
         if pending {
             Self::fire_locked(&mut s);
         }
@@ -214,7 +227,14 @@ impl Interrupter {
     fn fire_locked(s: &mut State) {
         let Some(t) = s.target.as_ref() else { return };
         t.fired.store(true, Ordering::SeqCst);
-        if s.stopped || t.host_call.as_ref().is_some_and(|take| take()) {
+        if s.stopped
+            || s.host_call_took
+                .is_some_and(|at| at.elapsed() < HOST_CALL_UNWIND)
+        {
+            return;
+        }
+        if t.host_call.as_ref().is_some_and(|take| take()) {
+            s.host_call_took = Some(std::time::Instant::now());
             return;
         }
         s.stopped = true;
@@ -338,6 +358,11 @@ mod tests {
         );
         assert!(!token.is_cancelled(), "the call took it");
         assert_eq!(count.load(Ordering::SeqCst), 0);
+        // The daemon's repeats while the guest raises KeyboardInterrupt leave its instance.
+        i.fire();
+        assert!(!token.is_cancelled(), "a repeat within the unwind time");
+        assert_eq!(count.load(Ordering::SeqCst), 0);
+        std::thread::sleep(HOST_CALL_UNWIND + std::time::Duration::from_millis(50));
         i.fire();
         i.fire();
         assert!(token.is_cancelled());
