@@ -250,6 +250,28 @@ async fn pydata_sends_display_bundles_and_figures() {
         "{:?}",
         r.files
     );
+    // JSON the daemon cannot read (NaN, 200 levels deep) is left out of its bundle, which
+    // keeps its text/plain; the session goes on with its variables.
+    let fs = frames(
+        &mut c,
+        &s,
+        "x = 5\nfrom sandcell import display\n\
+         display({'text/plain': 'nan', 'application/json': float('nan')}, raw=True)\n\
+         deep = d = []\nfor _ in range(200):\n    d.append([])\n    d = d[0]\n\
+         display({'text/plain': 'deep', 'application/json': {'a': deep}}, raw=True)\n\
+         display({'text/plain': 'fine', 'application/json': {'a': [1.5]}}, raw=True)\nx",
+    )
+    .await;
+    let r = fs.last().unwrap().result.as_ref().unwrap();
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let ds = displays(&fs);
+    assert_eq!(ds.len(), 4, "{ds:?}");
+    for (d, t) in ds.iter().zip(["nan", "deep"]) {
+        assert_eq!(text(d), t);
+        assert_eq!(d.data.len(), 1, "{d:?}");
+    }
+    assert_eq!(ds[2].data["application/json"]["a"][0], 1.5);
+    assert_eq!(text(ds[3]), "5");
     c.close(&s).await.unwrap();
 }
 

@@ -545,6 +545,28 @@ REPR_METHODS = (
 MIME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.+-/")
 
 
+JSON_MAX_DEPTH = 100
+
+
+def json_fits(v):
+    """Whether `v` is JSON the daemon reads: finite numbers only (JSON has no NaN or Infinity,
+    RFC 8259 section 6) and at most JSON_MAX_DEPTH levels of arrays and objects (the daemon's
+    parser stops at 128 levels for the whole reply line). A value that is not is left out of
+    its bundle, which keeps text/plain."""
+    try:
+        json.dumps(v, allow_nan=False)
+    except Exception:
+        return False
+    stack = [(v, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, (dict, list, tuple)):
+            if depth > JSON_MAX_DEPTH:
+                return False
+            stack.extend((y, depth + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return True
+
+
 def bundle(value, raw=None):
     """The MIME bundle of `value` (JSON-ready values, text/plain always); `raw`: a bundle the
     caller gave."""
@@ -581,9 +603,7 @@ def bundle(value, raw=None):
         if not isinstance(k, str) or not 0 < len(k) <= 128 or k.count("/") != 1 or not set(k) <= MIME_CHARS or len(out) >= 15:
             continue
         if k == "application/json" or k.endswith("+json"):
-            try:
-                json.dumps(v)
-            except Exception:
+            if not json_fits(v):
                 continue
         elif isinstance(v, (bytes, bytearray)):
             if k.startswith("image/") and k != "image/svg+xml":
