@@ -612,10 +612,65 @@ async fn serve_shell(mut shell: zeromq::RouterSocket, shared: Shared, opening: O
             continue;
         }
         let reply = k.handle(&req, &parent).await;
+        let abort = stops_on_error(&req, reply.as_ref());
         shared.answer(&mut shell, &req, reply, &parent).await;
         if req.bytes >= RELEASE_AFTER_BYTES {
             drop(req);
             release_memory();
+        }
+        if abort {
+            abort_queued(&mut shell, &mut k).await;
+        }
+    }
+}
+
+/// Whether `reply` ends an `execute_request` in error that asks to stop there
+/// (`stop_on_error`, true unless it says false, as the messaging protocol defines it; a
+/// silent cell never stops the queue).
+fn stops_on_error(req: &Message, reply: Option<&(&'static str, Value)>) -> bool {
+    req.msg_type() == "execute_request"
+        && flag(&req.content, "stop_on_error", true)
+        && !flag(&req.content, "silent", false)
+        && reply.is_some_and(|(_, r)| r["status"] == "error")
+}
+
+/// After a cell that stopped on its error: every `execute_request` already sent when the
+/// error was answered is answered `aborted` without running, as ipykernel aborts its queue
+/// (a notebook's "Run All" stops at the first error). What arrives later runs as usual; other
+/// requests already sent are answered as usual.
+async fn abort_queued(shell: &mut zeromq::RouterSocket, k: &mut Shell) {
+    let shared = k.shared.clone();
+    let count = k.count;
+    // A zero timeout polls the receive once: only what is already readable is taken (the
+    // socket's stream keeps a partly read message for the next receive).
+    while let Ok(Some(req)) =
+        tokio::time::timeout(std::time::Duration::ZERO, receive(shell, &shared, "shell")).await
+    {
+        let parent = Value::Object(req.header.clone());
+        shared
+            .publish("status", json!({"execution_state": "busy"}), &parent)
+            .await;
+        let reply = if req.msg_type() == "execute_request" {
+            log!("shell: an execute_request aborted after the error before it");
+            Some((
+                "execute_reply".to_owned(),
+                json!({"status": "aborted", "execution_count": count,
+                       "user_expressions": {}, "payload": []}),
+            ))
+        } else {
+            invalid_reply(&req, Some(count))
+        };
+        match reply {
+            Some((t, content)) => {
+                shared
+                    .answer(shell, &req, Some((&t, content)), &parent)
+                    .await
+            }
+            None => {
+                // Not an execute_request: answered as outside an abort.
+                let r = k.handle(&req, &parent).await;
+                shared.answer(shell, &req, r, &parent).await;
+            }
         }
     }
 }

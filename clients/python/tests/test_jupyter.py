@@ -619,6 +619,24 @@ def test_only_stored_cells_advance_the_count_and_user_expressions_say_why():
         assert [h[2] for h in hist] == ["a = 1", "a"], hist
 
 
+def test_an_error_aborts_the_cells_queued_behind_it():
+    with running("sandcell-python") as (_, kc):
+        first = kc.execute("1/0")
+        queued = kc.execute("print('queued ran')")
+        assert reply_to(kc, first)["content"]["status"] == "error"
+        reply = reply_to(kc, queued)["content"]
+        assert reply["status"] == "aborted", reply
+        # Sent after the error was answered: runs.
+        reply, out = execute(kc, "print('later ran')")
+        assert reply["status"] == "ok", reply
+        assert "later ran" in streams(out, "stdout"), out
+        # stop_on_error=False: the next cell runs after the error.
+        first = kc.execute("1/0", stop_on_error=False)
+        queued = kc.execute("print('kept going')")
+        assert reply_to(kc, first)["content"]["status"] == "error"
+        assert reply_to(kc, queued)["content"]["status"] == "ok"
+
+
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status", encoding="ascii") as f:
         for line in f:
