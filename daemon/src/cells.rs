@@ -859,6 +859,25 @@ mod tests {
         async fn interrupt_cell(&self, _cell: u64) {}
     }
 
+    /// The result of cell `cell` that ended `ok` with nothing to report.
+    fn ok_result(cell: u64) -> CellResult {
+        CellResult {
+            cell,
+            status: k::Status::Ok,
+            error: None,
+            exit_code: None,
+            usage: Default::default(),
+            stdout: Default::default(),
+            stderr: Default::default(),
+            state: k::State::Kept,
+            session_ended: false,
+            warnings: Vec::new(),
+            files: Vec::new(),
+            displays: None,
+            retained: None,
+        }
+    }
+
     fn text(seq: u64, t: &str) -> Frame {
         Frame {
             output: Some(Output {
@@ -899,21 +918,7 @@ mod tests {
                 tx.send(text(i as u64 + 1, t)).await.unwrap();
             }
             tx.send(Frame {
-                result: Some(CellResult {
-                    cell: 5,
-                    status: k::Status::Ok,
-                    error: None,
-                    exit_code: None,
-                    usage: Default::default(),
-                    stdout: Default::default(),
-                    stderr: Default::default(),
-                    state: k::State::Kept,
-                    session_ended: false,
-                    warnings: Vec::new(),
-                    files: Vec::new(),
-                    displays: None,
-                    retained: None,
-                }),
+                result: Some(ok_result(5)),
                 ..Default::default()
             })
             .await
@@ -1058,15 +1063,6 @@ mod tests {
     #[test]
     fn a_big_result_is_trimmed_for_retention() {
         let r = CellResult {
-            cell: 1,
-            status: k::Status::Ok,
-            error: None,
-            exit_code: None,
-            usage: Default::default(),
-            stdout: Default::default(),
-            stderr: Default::default(),
-            state: k::State::Kept,
-            session_ended: false,
             warnings: vec!["w".repeat(100_000)],
             files: (0..1000)
                 .map(|i| k::FileInfo {
@@ -1077,8 +1073,7 @@ mod tests {
                     modified: 0.0,
                 })
                 .collect(),
-            displays: None,
-            retained: None,
+            ..ok_result(1)
         };
         let t = trim_result(r);
         assert!(json_len(&t) <= k::RETAINED_RESULT_BYTES, "{}", json_len(&t));
