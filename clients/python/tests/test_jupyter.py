@@ -619,6 +619,28 @@ def test_only_stored_cells_advance_the_count_and_user_expressions_say_why():
         assert [h[2] for h in hist] == ["a = 1", "a"], hist
 
 
+def test_a_huge_declared_frame_from_a_stranger_is_refused():
+    """A local process without the key sends a ZMTP 3.0 greeting and one long-frame header
+    declaring 2**46 bytes to the shell port: the kernel closes that connection (a frame over
+    64 MiB is refused before any memory is reserved for it) and still answers."""
+    import socket
+
+    with running("sandcell-python") as (km, kc):
+        greeting = (b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0")
+                    + b"\0" * 32)
+        assert len(greeting) == 64
+        port = km.get_connection_info()["shell_port"]
+        for declared in (1 << 46, 1 << 33, (64 << 20) + 1):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as t:
+                t.sendall(greeting)
+                t.sendall(bytes([0x06]) + struct.pack(">Q", declared))
+                time.sleep(0.3)
+            assert km.is_alive(), f"the kernel died on a frame declaring {declared} bytes"
+        content, msgs = execute(kc, "print('still here')")
+        assert content["status"] == "ok", content
+        assert "still here" in streams(msgs, "stdout"), msgs
+
+
 def test_an_error_aborts_the_cells_queued_behind_it():
     with running("sandcell-python") as (_, kc):
         first = kc.execute("1/0")
