@@ -612,17 +612,25 @@ async fn serve_shell(mut shell: zeromq::RouterSocket, shared: Shared, opening: O
             continue;
         }
         let reply = k.handle(&req, &parent).await;
-        let abort = stops_on_error(&req, reply.as_ref());
+        // The queue to abort is taken before the error is answered: a request the client
+        // sends after it has seen the error reply is never in it, however late this task runs.
+        let queued = if stops_on_error(&req, reply.as_ref()) {
+            take_queued(&mut shell, &shared).await
+        } else {
+            Vec::new()
+        };
         shared.answer(&mut shell, &req, reply, &parent).await;
         if req.bytes >= RELEASE_AFTER_BYTES {
             drop(req);
             release_memory();
         }
-        if abort {
-            abort_queued(&mut shell, &mut k).await;
-        }
+        abort_queued(&mut shell, &mut k, queued).await;
     }
 }
+
+/// At most this many requests are taken as queued behind a cell that stopped on its error;
+/// what is still readable after them is served as usual.
+const MAX_ABORTED: usize = 4096;
 
 /// Whether `reply` ends an `execute_request` in error that asks to stop there
 /// (`stop_on_error`, true unless it says false, as the messaging protocol defines it; a
@@ -634,18 +642,30 @@ fn stops_on_error(req: &Message, reply: Option<&(&'static str, Value)>) -> bool 
         && reply.is_some_and(|(_, r)| r["status"] == "error")
 }
 
-/// After a cell that stopped on its error: every `execute_request` already sent when the
-/// error was answered is answered `aborted` without running, as ipykernel aborts its queue
-/// (a notebook's "Run All" stops at the first error). What arrives later runs as usual; other
-/// requests already sent are answered as usual.
-async fn abort_queued(shell: &mut zeromq::RouterSocket, k: &mut Shell) {
+/// The requests already readable on the shell socket, in order, up to [`MAX_ABORTED`]: a
+/// zero timeout polls each receive once, so only what has arrived is taken (the socket's
+/// stream keeps a partly read message for the next receive).
+async fn take_queued(shell: &mut zeromq::RouterSocket, shared: &Shared) -> Vec<Message> {
+    let mut queued = Vec::new();
+    while queued.len() < MAX_ABORTED {
+        match tokio::time::timeout(std::time::Duration::ZERO, receive(shell, shared, "shell"))
+            .await
+        {
+            Ok(Some(req)) => queued.push(req),
+            _ => break,
+        }
+    }
+    queued
+}
+
+/// After a cell that stopped on its error: every `execute_request` in `queued` (those
+/// already sent when the error was answered) is answered `aborted` without running, as
+/// ipykernel aborts its queue (a notebook's "Run All" stops at the first error). Other
+/// requests in it are answered as usual, and what arrives later runs as usual.
+async fn abort_queued(shell: &mut zeromq::RouterSocket, k: &mut Shell, queued: Vec<Message>) {
     let shared = k.shared.clone();
     let count = k.count;
-    // A zero timeout polls the receive once: only what is already readable is taken (the
-    // socket's stream keeps a partly read message for the next receive).
-    while let Ok(Some(req)) =
-        tokio::time::timeout(std::time::Duration::ZERO, receive(shell, &shared, "shell")).await
-    {
+    for req in queued {
         let parent = Value::Object(req.header.clone());
         shared
             .publish("status", json!({"execution_state": "busy"}), &parent)
