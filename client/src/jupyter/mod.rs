@@ -120,6 +120,9 @@ macro_rules! log {
     ($($t:tt)*) => { eprintln!("sandcell kernel: {}", format!($($t)*)) };
 }
 
+/// How long a heartbeat echo may wait for its pinger to read, seconds.
+const HB_SEND_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// How long iopub messages are held for the first subscriber (see `serve`).
 const IOPUB_HOLD: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -357,9 +360,16 @@ pub async fn serve(
         }
     });
     tokio::spawn(async move {
-        while let Ok(m) = hb.recv().await {
-            if hb.send(m).await.is_err() {
-                break;
+        // Anyone who can connect may ping (heartbeats are not signed): a malformed ping is
+        // skipped, and a pinger that does not read its echoes gets none after HB_SEND_WAIT,
+        // so neither ends or stalls the heartbeat of the others.
+        loop {
+            match hb.recv().await {
+                Ok(m) => {
+                    let _ = tokio::time::timeout(HB_SEND_WAIT, hb.send(m)).await;
+                }
+                Err(zeromq::ZmqError::NoMessage) => break,
+                Err(e) => log!("heartbeat: {e}"),
             }
         }
     });
@@ -648,8 +658,7 @@ fn stops_on_error(req: &Message, reply: Option<&(&'static str, Value)>) -> bool 
 async fn take_queued(shell: &mut zeromq::RouterSocket, shared: &Shared) -> Vec<Message> {
     let mut queued = Vec::new();
     while queued.len() < MAX_ABORTED {
-        match tokio::time::timeout(std::time::Duration::ZERO, receive(shell, shared, "shell"))
-            .await
+        match tokio::time::timeout(std::time::Duration::ZERO, receive(shell, shared, "shell")).await
         {
             Ok(Some(req)) => queued.push(req),
             _ => break,

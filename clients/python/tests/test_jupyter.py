@@ -619,6 +619,15 @@ def test_only_stored_cells_advance_the_count_and_user_expressions_say_why():
         assert [h[2] for h in hist] == ["a = 1", "a"], hist
 
 
+ZMTP_GREETING = (b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0")
+                 + b"\0" * 32)
+
+
+def zmtp_frame(data: bytes, more: bool = False) -> bytes:
+    """One ZMTP 3.0 message frame with a long (8-byte) length."""
+    return bytes([0x02 | (0x01 if more else 0)]) + struct.pack(">Q", len(data)) + data
+
+
 def test_a_huge_declared_frame_from_a_stranger_is_refused():
     """A local process without the key sends a ZMTP 3.0 greeting and one long-frame header
     declaring 2**46 bytes to the shell port: the kernel closes that connection (a frame over
@@ -626,8 +635,7 @@ def test_a_huge_declared_frame_from_a_stranger_is_refused():
     import socket
 
     with running("sandcell-python") as (km, kc):
-        greeting = (b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0")
-                    + b"\0" * 32)
+        greeting = ZMTP_GREETING
         assert len(greeting) == 64
         port = km.get_connection_info()["shell_port"]
         for declared in (1 << 46, 1 << 33, (64 << 20) + 1):
@@ -639,6 +647,102 @@ def test_a_huge_declared_frame_from_a_stranger_is_refused():
         content, msgs = execute(kc, "print('still here')")
         assert content["status"] == "ok", content
         assert "still here" in streams(msgs, "stdout"), msgs
+
+
+def test_strangers_cannot_grow_the_kernels_memory():
+    """Processes without the key connect to the shell port and send what the ZMTP decoder
+    must bound: 16 connections that each sent a whole 31 MiB message (dropped for its
+    signature) and stay open; one connection sending 8 MiB frames marked "more" past the
+    64 MiB bound of a message; 8 connections each holding an unfinished 60 MiB frame. The
+    kernel's RSS stays bounded and it answers. Before these bounds the first alone took the
+    kernel from 9 to 517 MB and the second grew it without end."""
+    import socket
+
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the bounds are those of the Rust kernel's ZMTP decoder; libzmq has its own")
+    with running("sandcell-python") as (km, kc):
+        pid = km.provisioner.process.pid
+        port = km.get_connection_info()["shell_port"]
+        assert execute(kc, "x = 1")[0]["status"] == "ok"
+        before = rss_bytes(pid)
+        body = b"\0" * (31 << 20)
+        held = []
+        try:
+            for _ in range(16):
+                t = socket.create_connection(("127.0.0.1", port), timeout=30)
+                t.sendall(ZMTP_GREETING + zmtp_frame(body))
+                held.append(t)
+            time.sleep(1.0)
+            assert km.is_alive()
+            whole = rss_bytes(pid)
+            # One connection, 8 MiB frames marked "more": closed at the message bound.
+            t = socket.create_connection(("127.0.0.1", port), timeout=30)
+            held.append(t)
+            chunk = zmtp_frame(b"\1" * (8 << 20), more=True)
+            closed = False
+            try:
+                t.sendall(ZMTP_GREETING)
+                for _ in range(40):
+                    t.sendall(chunk)
+            except OSError:
+                closed = True
+            assert closed, "a 320 MiB multipart message was taken whole"
+            # Eight unfinished 60 MiB frames: the process-wide receive budget refuses some.
+            part = b"\2" * (60 << 20)
+            for _ in range(8):
+                t = socket.create_connection(("127.0.0.1", port), timeout=30)
+                held.append(t)
+                try:
+                    t.sendall(ZMTP_GREETING + bytes([0x02]) + struct.pack(">Q", (60 << 20) + 1)
+                              + part)
+                except OSError:
+                    pass
+            time.sleep(1.0)
+            assert km.is_alive()
+            unfinished = rss_bytes(pid)
+            content, msgs = execute(kc, "print('still here')")
+            assert content["status"] == "ok", content
+            assert "still here" in streams(msgs, "stdout"), msgs
+        finally:
+            for t in held:
+                t.close()
+        sys.stderr.write(f"test_jupyter: kernel RSS {before >> 20} MiB before, "
+                         f"{whole >> 20} MiB with 16 dropped 31 MiB messages held open, "
+                         f"{unfinished >> 20} MiB with 8 unfinished 60 MiB frames\n")
+        assert whole < before + (64 << 20), (before, whole)
+        # The 256 MiB budget, 1 MiB free per connection and buffer slack.
+        assert unfinished < before + (330 << 20), (before, unfinished)
+
+
+def test_a_subscriber_that_never_reads_does_not_stall_the_kernel():
+    """A local process subscribes to iopub and never reads (its TCP window fills): the
+    kernel drops that subscriber's messages past its queue bound, as a libzmq PUB socket
+    does at its high-water mark, and goes on answering everyone else. Before, the kernel's
+    publish awaited each subscriber's write and stopped answering within 50 cells."""
+    import zmq
+
+    with running("sandcell-python") as (km, kc):
+        info = km.get_connection_info()
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, 1)
+        sub.setsockopt(zmq.RCVBUF, 4096)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{info['iopub_port']}")
+        try:
+            time.sleep(0.5)
+            code = ("from sandcell import display\n"
+                    "print('y' * 60000)\n"
+                    "for i in range(200):\n"
+                    "    display(i)\n")
+            for i in range(60):
+                reply, msgs = execute(kc, code, timeout=60)
+                assert reply["status"] == "ok", (i, reply)
+            reply, msgs = execute(kc, "print('answered')")
+            assert "answered" in streams(msgs, "stdout"), msgs
+        finally:
+            sub.close(linger=0)
+            ctx.term()
 
 
 def test_an_error_aborts_the_cells_queued_behind_it():

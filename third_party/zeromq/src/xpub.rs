@@ -5,7 +5,7 @@ use crate::fair_queue::{FairQueue, QueueInner};
 use crate::message::*;
 use crate::transport::AcceptStopHandle;
 use crate::util::PeerIdentity;
-use crate::{CaptureSocket, SocketOptions};
+use crate::{async_rt, CaptureSocket, SocketOptions};
 use crate::{
     MultiPeerBackend, Socket, SocketBackend, SocketEvent, SocketRecv, SocketSend, SocketType,
     ZmqError,
@@ -13,18 +13,50 @@ use crate::{
 
 use async_trait::async_trait;
 use futures::channel::mpsc;
-use futures::lock::Mutex as AsyncMutex;
 use futures::{SinkExt, StreamExt};
 use parking_lot::Mutex;
 
 use std::collections::HashMap;
-use std::io::ErrorKind;
-use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+
+/// sandcell: the most messages queued for one subscriber (libzmq's default ZMQ_SNDHWM).
+pub const XPUB_QUEUE_MESSAGES: usize = 1000;
+
+/// sandcell: the most bytes queued for one subscriber; past either bound a message for that
+/// subscriber is dropped, as a libzmq PUB socket drops at its high-water mark.
+pub const XPUB_QUEUE_BYTES: usize = 64 * 1024 * 1024;
 
 pub(crate) struct XPubSubscriber {
     pub(crate) subscriptions: Vec<Vec<u8>>,
-    pub(crate) send_queue: Arc<AsyncMutex<Pin<Box<ZmqFramedWrite>>>>,
+    // sandcell: messages go to a writer task per subscriber through a bounded queue. The
+    // published socket awaited each subscriber's write in `send`, so one subscriber that
+    // connected and never read (its TCP window full) stopped every later `send`.
+    pub(crate) send_queue: mpsc::Sender<ZmqMessage>,
+    pub(crate) queued_bytes: Arc<AtomicUsize>,
+}
+
+fn message_bytes(message: &ZmqMessage) -> usize {
+    message.iter().map(|f| f.len()).sum()
+}
+
+/// sandcell: queues `message` for one subscriber, or drops it when the subscriber's queue is
+/// at [`XPUB_QUEUE_MESSAGES`] or [`XPUB_QUEUE_BYTES`]; false when the subscriber's writer
+/// has ended.
+fn queue_for(subscriber: &XPubSubscriber, message: &ZmqMessage) -> bool {
+    let bytes = message_bytes(message);
+    let queued = subscriber.queued_bytes.fetch_add(bytes, Ordering::AcqRel);
+    if queued + bytes > XPUB_QUEUE_BYTES {
+        subscriber.queued_bytes.fetch_sub(bytes, Ordering::AcqRel);
+        return true;
+    }
+    match subscriber.send_queue.clone().try_send(message.clone()) {
+        Ok(()) => true,
+        Err(e) => {
+            subscriber.queued_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            !e.is_disconnected()
+        }
+    }
 }
 
 pub(crate) struct XPubSocketBackend {
@@ -92,14 +124,35 @@ impl SocketBackend for XPubSocketBackend {
 #[async_trait]
 impl MultiPeerBackend for XPubSocketBackend {
     async fn peer_connected(self: Arc<Self>, peer_id: &PeerIdentity, io: FramedIo) {
-        let (recv_queue, send_queue) = io.into_parts();
+        let (recv_queue, mut send_queue) = io.into_parts();
+        // The channel's own bound is a backstop; `queue_for` keeps it at XPUB_QUEUE_MESSAGES.
+        let (queue_sender, mut queue_receiver) = mpsc::channel::<ZmqMessage>(XPUB_QUEUE_MESSAGES);
+        let queued_bytes = Arc::new(AtomicUsize::new(0));
+        let writer_bytes = queued_bytes.clone();
+        let writer_backend = Arc::downgrade(&self);
+        let writer_peer = peer_id.clone();
+        async_rt::task::spawn(async move {
+            while let Some(message) = queue_receiver.next().await {
+                let bytes = message_bytes(&message);
+                let sent = send_queue.send(Message::Message(message)).await;
+                writer_bytes.fetch_sub(bytes, Ordering::AcqRel);
+                if let Err(e) = sent {
+                    log::debug!("Error sending message to subscriber: {:?}", e);
+                    if let Some(backend) = writer_backend.upgrade() {
+                        backend.peer_disconnected(&writer_peer);
+                    }
+                    break;
+                }
+            }
+        });
 
         self.subscribers
             .upsert_async(
                 peer_id.clone(),
                 XPubSubscriber {
                     subscriptions: vec![],
-                    send_queue: Arc::new(AsyncMutex::new(Box::pin(send_queue))),
+                    send_queue: queue_sender,
+                    queued_bytes,
                 },
             )
             .await;
@@ -135,40 +188,17 @@ impl SocketSend for XPubSocket {
             Some(frame) => frame,
             None => return Ok(()), // Empty message, nothing to publish
         };
-        let mut targets = Vec::new();
+        let mut dead_peers = Vec::new();
         let mut iter = self.backend.subscribers.begin_async().await;
         while let Some(subscriber) = iter {
             if subscriber.subscriptions.iter().any(|sub_filter| {
                 sub_filter.len() <= first_frame.len()
                     && sub_filter.as_slice() == &first_frame[0..sub_filter.len()]
-            }) {
-                targets.push((subscriber.key().clone(), subscriber.send_queue.clone()));
+            }) && !queue_for(&subscriber, &message)
+            {
+                dead_peers.push(subscriber.key().clone());
             }
             iter = subscriber.next_async().await;
-        }
-
-        let mut dead_peers = Vec::new();
-        for (peer_id, send_queue) in targets {
-            let res = send_queue
-                .lock()
-                .await
-                .as_mut()
-                .send(Message::Message(message.clone()))
-                .await;
-            match res {
-                Ok(()) => {}
-                Err(CodecError::Io(e)) => {
-                    if e.kind() == ErrorKind::BrokenPipe {
-                        dead_peers.push(peer_id);
-                    } else {
-                        log::error!("Error sending message: {:?}", e);
-                    }
-                }
-                Err(e) => {
-                    log::error!("Error sending message: {:?}", e);
-                    return Err(e.into());
-                }
-            }
         }
         for peer in dead_peers {
             self.backend.peer_disconnected(&peer);

@@ -8,10 +8,34 @@ use asynchronous_codec::{Decoder, Encoder};
 use bytes::{Buf, Bytes, BytesMut};
 
 use std::convert::TryFrom;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// sandcell: the largest frame a peer may send, bytes (64 MiB, the Jupyter kernel's bound of
 /// a whole message; its own bound of 32 MiB a frame is checked after decoding).
 pub const MAX_FRAME_BYTES: usize = 64 * 1024 * 1024;
+
+/// sandcell: the largest multipart message a peer may send, bytes, all its frames together:
+/// the published decoder gathered frames marked "more" without a bound, so one connection
+/// could make the process hold any number of 64 MiB frames.
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+
+/// sandcell: the most frames one multipart message may have (a Jupyter message has its
+/// routing identities, a delimiter, a signature, four JSON parts and its buffers).
+pub const MAX_MESSAGE_FRAMES: usize = 1024;
+
+/// sandcell: the bytes of each connection's message being received that are not charged to
+/// [`RECEIVE_BUDGET_BYTES`], so that small messages (every ordinary request) are never
+/// refused for what other connections hold.
+pub const FREE_MESSAGE_BYTES: usize = 1024 * 1024;
+
+/// sandcell: what all of the process's connections together may hold of messages still
+/// being received beyond their [`FREE_MESSAGE_BYTES`], bytes. A frame that would pass it is
+/// refused and its connection closed: without it, N connections each sending an unfinished
+/// 64 MiB message made the process hold N times 64 MiB.
+pub const RECEIVE_BUDGET_BYTES: usize = 256 * 1024 * 1024;
+
+/// sandcell: the bytes charged to [`RECEIVE_BUDGET_BYTES`] now, over every codec.
+static RECEIVING: AtomicUsize = AtomicUsize::new(0);
 
 #[derive(Debug, Clone, Copy)]
 struct Frame {
@@ -37,6 +61,17 @@ pub struct ZmqCodec {
     // internal details to higher levels
     buffered_message: Option<ZmqMessage>,
     max_read_chunk_size: usize,
+    // sandcell: the message being received: its bytes (frames done and the frame being
+    // read), its frames, and what of it is charged to RECEIVING.
+    message_bytes: usize,
+    message_frames: usize,
+    charged: usize,
+}
+
+impl Drop for ZmqCodec {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 impl ZmqCodec {
@@ -50,7 +85,50 @@ impl ZmqCodec {
             waiting_for: 64, // len of the greeting frame
             buffered_message: None,
             max_read_chunk_size: options.read_buffer_max_size,
+            message_bytes: 0,
+            message_frames: 0,
+            charged: 0,
         }
+    }
+
+    /// sandcell: takes a frame of `len` bytes into the message being received, or refuses
+    /// it when the message would pass [`MAX_MESSAGE_BYTES`] or [`MAX_MESSAGE_FRAMES`], or
+    /// the process would pass [`RECEIVE_BUDGET_BYTES`].
+    fn admit_frame(&mut self, len: usize) -> Result<(), CodecError> {
+        let total = self
+            .message_bytes
+            .checked_add(len)
+            .filter(|&t| t <= MAX_MESSAGE_BYTES)
+            .ok_or(CodecError::Decode("Message length exceeds the message limit"))?;
+        if self.message_frames >= MAX_MESSAGE_FRAMES {
+            return Err(CodecError::Decode("Message has more frames than the limit"));
+        }
+        let charge = total
+            .saturating_sub(FREE_MESSAGE_BYTES)
+            .saturating_sub(self.charged);
+        if charge > 0 {
+            let before = RECEIVING.fetch_add(charge, Ordering::AcqRel);
+            if before + charge > RECEIVE_BUDGET_BYTES {
+                RECEIVING.fetch_sub(charge, Ordering::AcqRel);
+                return Err(CodecError::Decode(
+                    "Messages being received exceed the receive budget",
+                ));
+            }
+            self.charged += charge;
+        }
+        self.message_bytes = total;
+        self.message_frames += 1;
+        Ok(())
+    }
+
+    /// sandcell: the message was handed on (or the connection ends): its charge is returned.
+    fn release(&mut self) {
+        if self.charged > 0 {
+            RECEIVING.fetch_sub(self.charged, Ordering::AcqRel);
+        }
+        self.charged = 0;
+        self.message_bytes = 0;
+        self.message_frames = 0;
     }
 
     /// Returns the minimum additional bytes needed before decode can progress.
@@ -133,6 +211,7 @@ impl Decoder for ZmqCodec {
                     } else {
                         usize::from(src.get_u8())
                     };
+                    self.admit_frame(frame_len)?;
                     self.state = DecoderState::Frame(frame);
                     self.waiting_for = frame_len;
                 }
@@ -141,6 +220,13 @@ impl Decoder for ZmqCodec {
                     self.state = DecoderState::FrameHeader;
                     self.waiting_for = 1;
                     if frame.command {
+                        // sandcell: a command between the frames of a message is refused
+                        // (ZMTP has none there); releasing its charge would forget the
+                        // frames already gathered.
+                        if self.buffered_message.is_some() {
+                            return Err(CodecError::Decode("Command frame inside a message"));
+                        }
+                        self.release();
                         return Ok(Some(Message::Command(ZmqCommand::try_from(data.freeze())?)));
                     }
 
@@ -151,6 +237,7 @@ impl Decoder for ZmqCodec {
                     }
 
                     if !frame.more {
+                        self.release();
                         // Quoth the Raven “Nevermore.”
                         return Ok(Some(Message::Message(
                             self.buffered_message
