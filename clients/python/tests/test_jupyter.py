@@ -714,6 +714,31 @@ def test_strangers_cannot_grow_the_kernels_memory():
         assert unfinished < before + (330 << 20), (before, unfinished)
 
 
+def test_a_malformed_ping_does_not_end_the_heartbeat():
+    """Heartbeats are not signed: a process sends the heartbeat port a one-frame message (a
+    REP socket expects an envelope) and the kernel still echoes the next ping."""
+    import socket
+    import zmq
+
+    with running("sandcell-python") as (km, _):
+        port = km.get_connection_info()["hb_port"]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as t:
+            t.sendall(ZMTP_GREETING)
+            t.sendall(bytes([0x04, 0x19]) + b"\x05READY\x0bSocket-Type\0\0\0\x03REQ")
+            t.sendall(bytes([0x00, 0x04]) + b"ping")
+            time.sleep(0.5)
+        ctx = zmq.Context()
+        req = ctx.socket(zmq.REQ)
+        req.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            req.send(b"ping")
+            assert req.poll(10_000), "the heartbeat no longer echoes"
+            assert req.recv() == b"ping"
+        finally:
+            req.close(linger=0)
+            ctx.term()
+
+
 def test_a_subscriber_that_never_reads_does_not_stall_the_kernel():
     """A local process subscribes to iopub and never reads (its TCP window fills): the
     kernel drops that subscriber's messages past its queue bound, as a libzmq PUB socket
