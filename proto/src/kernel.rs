@@ -861,11 +861,36 @@ pub fn valid_mime_type(t: &str) -> bool {
         })
 }
 
+/// Whether a bundle's value of MIME type `t` is binary data carried as base64 text: every
+/// `image/*` but `image/svg+xml`, and `application/pdf`, as nbformat stores them.
+pub fn is_base64_mime_type(t: &str) -> bool {
+    (t.starts_with("image/") && t != "image/svg+xml") || t == "application/pdf"
+}
+
+/// Whether `text` is base64 (RFC 4648 section 4, the standard alphabet with `=` padding):
+/// ASCII whitespace anywhere is ignored (line breaks as MIME and Python's `b2a_base64` put
+/// them), the rest is a multiple of 4 characters with at most two `=` at its end.
+pub fn valid_base64(text: &str) -> bool {
+    let mut n = 0usize;
+    let mut pad = 0usize;
+    for c in text.bytes() {
+        match c {
+            b' ' | b'\t' | b'\n' | b'\r' => continue,
+            b'=' => pad += 1,
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'+' | b'/' if pad == 0 => {}
+            _ => return false,
+        }
+        n += 1;
+    }
+    n.is_multiple_of(4) && pad <= 2
+}
+
 /// Checks a bundle's `data` as a worker sent it and returns the bytes of its JSON text.
 ///
 /// Errors (the bundle is malformed, a protocol violation): no `text/plain` string, more than
-/// [`MAX_DISPLAY_TYPES`] types, a type that is not [`valid_mime_type`], or a value other than
-/// a string where one is required (every type but `application/json` and `*+json`).
+/// [`MAX_DISPLAY_TYPES`] types, a type that is not [`valid_mime_type`], a value other than
+/// a string where one is required (every type but `application/json` and `*+json`), or a
+/// binary type's value that is not [`valid_base64`] (see [`is_base64_mime_type`]).
 pub fn check_display_data(
     data: &serde_json::Map<String, serde_json::Value>,
 ) -> Result<usize, String> {
@@ -882,6 +907,9 @@ pub fn check_display_data(
         let json = k == "application/json" || k.ends_with("+json");
         if !json && !v.is_string() {
             return Err(format!("display {k} is not a string"));
+        }
+        if is_base64_mime_type(k) && !v.as_str().is_some_and(valid_base64) {
+            return Err(format!("display {k} is not base64"));
         }
     }
     Ok(serde_json::to_vec(data).map_or(usize::MAX, |v| v.len()))
@@ -1578,6 +1606,9 @@ mod tests {
             r#"{"text/plain":"x","Text/HTML":"y"}"#,
             r#"{"text/plain":"x","nonsense":"y"}"#,
             r#"{"text/plain":"x","a/b/c":"y"}"#,
+            r#"{"text/plain":"x","image/png":"not base64!"}"#,
+            r#"{"text/plain":"x","image/jpeg":"iVB"}"#,
+            r#"{"text/plain":"x","application/pdf":"iV=B"}"#,
         ] {
             let m: serde_json::Map<String, serde_json::Value> = serde_json::from_str(bad).unwrap();
             assert!(check_display_data(&m).is_err(), "{bad}");
@@ -1588,6 +1619,13 @@ mod tests {
             many.insert(format!("text/x-{i}"), "y".into());
         }
         assert!(check_display_data(&many).is_err());
+        for good in ["", "iVBORw0KGgo=", "iVBO\nRw0K\r\nGgo=\n", "QQ==", "+/+/"] {
+            assert!(valid_base64(good), "{good:?}");
+        }
+        for bad in ["QQ=", "Q===", "QQ=A", "QQ==QQ==", "QQ-_", "é"] {
+            assert!(!valid_base64(bad), "{bad:?}");
+        }
+        assert!(is_base64_mime_type("image/gif") && !is_base64_mime_type("image/svg+xml"));
         assert!(valid_mime_type("image/svg+xml") && valid_mime_type("application/vnd.x-y.z+json"));
         assert!(!valid_mime_type("/") && !valid_mime_type(&format!("a/{}", "b".repeat(200))));
         let mut big = serde_json::Map::new();

@@ -168,6 +168,25 @@ async fn python_engine(d: &Daemon, env: Option<&str>) {
     );
     assert_eq!(text(ds[1]), "7");
 
+    // A binary type's value that is not base64 is left out of its bundle (the daemon would
+    // take the bundle for a forged frame); base64 with line breaks is kept.
+    let fs = frames(
+        &mut c,
+        &s,
+        "from sandcell import display\n\
+         display({'text/plain': 'bad', 'image/png': 'not base64!', 'application/pdf': 'QQ='}, raw=True)\n\
+         display({'text/plain': 'good', 'image/png': 'iVBO\\nRw0K\\n', 'image/gif': b'GIF89a'}, raw=True)\n8",
+    )
+    .await;
+    let r = fs.last().unwrap().result.as_ref().unwrap();
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let ds = displays(&fs);
+    assert_eq!(ds.len(), 3, "{ds:?}");
+    assert_eq!((text(ds[0]), ds[0].data.len()), ("bad", 1), "{:?}", ds[0]);
+    assert_eq!(ds[1].data["image/png"], "iVBO\nRw0K\n");
+    assert_eq!(ds[1].data["image/gif"], "R0lGODlh");
+    assert_eq!(text(ds[2]), "8");
+
     // Over what is left of the stdout budget: the text/plain instead.
     let fs = frames(
         &mut c,

@@ -567,6 +567,25 @@ def json_fits(v):
     return True
 
 
+def binary_mime(k):
+    """Whether MIME type `k` carries binary data as base64 text (every image/* but
+    image/svg+xml, and application/pdf, as nbformat stores them)."""
+    return (k.startswith("image/") and k != "image/svg+xml") or k == "application/pdf"
+
+
+BASE64_SPACE = {32: None, 9: None, 10: None, 13: None}
+BASE64_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")
+
+
+def is_base64(v):
+    """Whether `v` is base64 as the daemon checks it (RFC 4648 section 4 with `=` padding;
+    space, tab, CR and LF ignored). A binary type's value that is not is left out of its
+    bundle: the daemon takes it for a forged frame."""
+    t = v.translate(BASE64_SPACE)
+    body = t.rstrip("=")
+    return len(t) % 4 == 0 and len(t) - len(body) <= 2 and set(body) <= BASE64_CHARS
+
+
 def bundle(value, raw=None):
     """The MIME bundle of `value` (JSON-ready values, text/plain always); `raw`: a bundle the
     caller gave."""
@@ -606,11 +625,13 @@ def bundle(value, raw=None):
             if not json_fits(v):
                 continue
         elif isinstance(v, (bytes, bytearray)):
-            if k.startswith("image/") and k != "image/svg+xml":
+            if binary_mime(k):
                 v = base64.b64encode(bytes(v)).decode("ascii")
             else:
                 v = bytes(v).decode("utf-8", "replace")
         elif not isinstance(v, str):
+            continue
+        elif binary_mime(k) and not is_base64(v):
             continue
         out[k] = clean(v) if isinstance(v, str) else v
     text = out.get("text/plain")

@@ -316,6 +316,25 @@ _REPR_METHODS = (('text/html', '_repr_html_'), ('text/markdown', '_repr_markdown
 _MIME_CHARS = frozenset('abcdefghijklmnopqrstuvwxyz0123456789.+-/')
 
 
+def _binary_mime(k):
+    """Whether MIME type `k` carries binary data as base64 text (every image/* but
+    image/svg+xml, and application/pdf, as nbformat stores them)."""
+    return (k.startswith('image/') and k != 'image/svg+xml') or k == 'application/pdf'
+
+
+_BASE64_SPACE = {32: None, 9: None, 10: None, 13: None}
+_BASE64_CHARS = frozenset('ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/')
+
+
+def _is_base64(v):
+    """Whether `v` is base64 as the host checks it (RFC 4648 section 4 with `=` padding;
+    space, tab, CR and LF ignored); a binary type's value that is not is left out."""
+    t = v.translate(_BASE64_SPACE)
+    body = t.rstrip('=')
+    return (len(t) % 4 == 0 and len(t) - len(body) <= 2
+            and set(body) <= _BASE64_CHARS)
+
+
 def _bundle(value):
     """The MIME bundle of `value` (a dict of JSON-ready values, text/plain always)."""
     data = {}
@@ -355,9 +374,11 @@ def _bundle(value):
             except Exception:
                 continue
         elif isinstance(v, (bytes, bytearray)):
-            v = (_base64.b64encode(v).decode('ascii') if k.startswith('image/')
-                 and k != 'image/svg+xml' else bytes(v).decode('utf-8', 'replace'))
+            v = (_base64.b64encode(v).decode('ascii') if _binary_mime(k)
+                 else bytes(v).decode('utf-8', 'replace'))
         elif not isinstance(v, str):
+            continue
+        elif _binary_mime(k) and not _is_base64(v):
             continue
         out[k] = v
     text = out.get('text/plain')

@@ -105,6 +105,10 @@ enum Cmd {
     Mcp,
     /// Serve as a Jupyter kernel on the sockets of a connection file (as Jupyter starts it
     /// from a kernelspec): cells run in one sandcell session of the kernel's environment.
+    #[command(
+        after_help = "--json and --interactive have no effect here: a kernel speaks only the \
+                      Jupyter messaging protocol, and asks polkit nothing."
+    )]
     Kernel(kernel::Kernel),
     /// Print the completion script for SHELL (bash, zsh, fish, elvish or powershell) on
     /// standard output; the packages install those for bash, zsh and fish.

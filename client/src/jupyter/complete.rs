@@ -139,6 +139,12 @@ fn python_is_complete(code: &str) -> (&'static str, Option<String>) {
                     && n.len() <= 2
                     && n.chars().all(|c| "rRbBuUfF".contains(c))
                 {
+                    // An f-string whose replacement field is left open (`f'{x'`) cannot
+                    // be completed by more lines. A brace inside a nested string may
+                    // close more than it opens: then it is not judged.
+                    if n.contains(['f', 'F']) && fstring_left_open(&b[i + q..j - q]) {
+                        return ("invalid", None);
+                    }
                     toks.pop();
                 }
                 toks.push(Tok::Str);
@@ -263,6 +269,10 @@ fn python_is_complete(code: &str) -> (&'static str, Option<String>) {
     if last_code.ends_with(':') {
         return ("incomplete", Some(leading_indent(last) + "    "));
     }
+    // A decorator waits for the definition it decorates (`@` cannot start an expression).
+    if last_code.trim_start().starts_with('@') {
+        return ("incomplete", Some(leading_indent(last)));
+    }
     if lines.len() > 1
         && depth_at_line == 0
         && last.starts_with([' ', '\t'])
@@ -273,12 +283,36 @@ fn python_is_complete(code: &str) -> (&'static str, Option<String>) {
     ("complete", None)
 }
 
+/// Whether the text of an f-string opens a replacement field it does not close: `{{` and
+/// `}}` are literal braces; a `}` with no field open means a nested string held a brace, and
+/// the string is not judged (false).
+fn fstring_left_open(body: &[u8]) -> bool {
+    let mut open = 0usize;
+    let mut k = 0;
+    while k < body.len() {
+        match body[k] {
+            b'{' if open == 0 && body.get(k + 1) == Some(&b'{') => k += 1,
+            b'}' if open == 0 && body.get(k + 1) == Some(&b'}') => k += 1,
+            b'{' => open += 1,
+            b'}' if open == 0 => return false,
+            b'}' => open -= 1,
+            _ => {}
+        }
+        k += 1;
+    }
+    open > 0
+}
+
 /// R: `(status, indent)`: brackets and strings left open or a trailing binary operator make
 /// it incomplete, a closing bracket without its opening one invalid.
 fn r_is_complete(code: &str) -> (&'static str, Option<String>) {
     let b = code.as_bytes();
-    let mut depth: Vec<u8> = Vec::new();
+    // Open brackets, each with whether it is the head of `function`, `\`, `if`, `for` or
+    // `while`, whose body is still to come when it closes.
+    let mut depth: Vec<(u8, bool)> = Vec::new();
     let mut quote: Option<u8> = None;
+    // The last thing in the code closed such a head: `function(x)` waits for its body.
+    let mut head_closed = false;
     let mut i = 0;
     while i < b.len() {
         let c = b[i];
@@ -295,24 +329,36 @@ fn r_is_complete(code: &str) -> (&'static str, Option<String>) {
                 i += 1;
             }
             continue;
+        } else if c.is_ascii_whitespace() {
+            i += 1;
+            continue;
         } else if matches!(c, b'\'' | b'"' | b'`') {
             quote = Some(c);
         } else if matches!(c, b'(' | b'[' | b'{') {
-            depth.push(c);
+            depth.push((c, c == b'(' && r_head_before(&code[..i])));
         } else if matches!(c, b')' | b']' | b'}') {
             let want = match c {
                 b')' => b'(',
                 b']' => b'[',
                 _ => b'{',
             };
-            if depth.pop() != Some(want) {
-                return ("invalid", None);
+            match depth.pop() {
+                Some((open, head)) if open == want => {
+                    head_closed = head;
+                    i += 1;
+                    continue;
+                }
+                _ => return ("invalid", None),
             }
         }
+        head_closed = false;
         i += 1;
     }
     if quote.is_some() || !depth.is_empty() {
         return ("incomplete", Some("  ".repeat(depth.len())));
+    }
+    if head_closed {
+        return ("incomplete", Some("  ".into()));
     }
     let last = code.trim_end().rsplit('\n').next().unwrap_or("");
     let stripped = strip_r_comment(last).trim_end();
@@ -320,10 +366,30 @@ fn r_is_complete(code: &str) -> (&'static str, Option<String>) {
         "+", "-", "*", "/", "^", "|", "&", ",", "<-", "<<-", "=", "~", "|>", "!", "$", "@", ":",
         "%",
     ];
-    if TRAILING.iter().any(|t| stripped.ends_with(t)) {
+    if TRAILING.iter().any(|t| stripped.ends_with(t)) || ends_with_word(stripped, "else") {
         return ("incomplete", Some(String::new()));
     }
     ("complete", None)
+}
+
+/// Whether `s` ends with the word `w` (not the tail of a longer name).
+fn ends_with_word(s: &str, w: &str) -> bool {
+    s.strip_suffix(w).is_some_and(|rest| {
+        !rest
+            .bytes()
+            .last()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'.')
+    })
+}
+
+/// Whether the code before an R `(` ends with `function`, `\\` (R 4.1's short form of
+/// function), `if`, `for` or `while`: the bracket holds a head whose body follows it.
+fn r_head_before(before: &str) -> bool {
+    let t = before.trim_end();
+    t.ends_with('\\')
+        || ["function", "if", "for", "while"]
+            .iter()
+            .any(|w| ends_with_word(t, w))
 }
 
 /// `line` without a trailing `#` comment (a `#` inside a string is kept).
@@ -378,6 +444,9 @@ mod tests {
             "# only a comment",
             "a = b if c else d",
             "async def f():\n    await g()\n\n",
+            "f'{{x'",
+            "f'{x:{w}}' + f\"{'}'}\"",
+            "a @ b",
         ] {
             assert_eq!(status("python", c), "complete", "{c:?}");
         }
@@ -388,6 +457,9 @@ mod tests {
             "x = (1,",
             "x = 1 + \\",
             "class A:\n    def f(self):",
+            "@dec",
+            "@dec(1)\n@other",
+            "class A:\n    @property",
         ] {
             assert_eq!(status("python", c), "incomplete", "{c:?}");
         }
@@ -399,6 +471,10 @@ mod tests {
             "x = 7q",
             "1 +",
             "1 2",
+            "f'{x'",
+            "f'{x:{w}'",
+            "rf\"{a\"",
+            "f'{x",
         ] {
             assert_eq!(status("python", c), "invalid", "{c:?}");
         }
@@ -411,10 +487,34 @@ mod tests {
 
     #[test]
     fn r_samples() {
-        for c in ["1", "x <- 2", "f <- function(x) {\n  x\n}", "x <- '#'  # c"] {
+        for c in [
+            "1",
+            "x <- 2",
+            "f <- function(x) {\n  x\n}",
+            "x <- '#'  # c",
+            "f <- function(x) x + 1",
+            "sq <- \\(x) x^2",
+            "if (x) 1 else 2",
+            "print(x)",
+            "g(function(x) x)",
+            "elsewhere <- 1\nelsewhere",
+        ] {
             assert_eq!(status("r", c), "complete", "{c:?}");
         }
-        for c in ["f <- function(x) {", "1 +", "'abc", "x %in%", "df |>"] {
+        for c in [
+            "f <- function(x) {",
+            "1 +",
+            "'abc",
+            "x %in%",
+            "df |>",
+            "function(x)",
+            "f <- function(x, y = c(1, 2))  # body next",
+            "sq <- \\(x)",
+            "if (x > 1)",
+            "for (i in 1:3)",
+            "while (TRUE)",
+            "if (x) 1 else",
+        ] {
             assert_eq!(status("r", c), "incomplete", "{c:?}");
         }
         for c in ["x <- 1)", "}"] {
