@@ -982,6 +982,7 @@ mod tests {
             seq,
             kind: k::DisplayKind::Display,
             data,
+            metadata: Default::default(),
             note: None,
         };
         (d, n)

@@ -844,9 +844,33 @@ pub struct Display {
     pub kind: DisplayKind,
     /// MIME type to representation.
     pub data: serde_json::Map<String, serde_json::Value>,
+    /// The bundle's metadata as the display protocol gives it (for example
+    /// `{"image/png": {"width": 200}}` from an `IPython.display.Image(width=200)`): a JSON
+    /// object of at most [`MAX_DISPLAY_METADATA_BYTES`], counted with `data` against the
+    /// budget; empty when there is none or the bundle was replaced by its `text/plain`.
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub metadata: serde_json::Map<String, serde_json::Value>,
     /// Why the bundle was replaced by its `text/plain`, when it was.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+}
+
+/// Most bytes of a bundle's metadata (its JSON text).
+pub const MAX_DISPLAY_METADATA_BYTES: usize = 4096;
+
+/// Checks a bundle's `metadata` as a worker sent it and returns the bytes of its JSON text
+/// (0 when empty). Errors: it is over [`MAX_DISPLAY_METADATA_BYTES`].
+pub fn check_display_metadata(
+    metadata: &serde_json::Map<String, serde_json::Value>,
+) -> Result<usize, String> {
+    if metadata.is_empty() {
+        return Ok(0);
+    }
+    let n = serde_json::to_vec(metadata).map_or(usize::MAX, |v| v.len());
+    if n > MAX_DISPLAY_METADATA_BYTES {
+        return Err(format!("display metadata of {n} bytes"));
+    }
+    Ok(n)
 }
 
 /// Whether `t` may name a MIME type in a bundle: 1 to [`MAX_MIME_TYPE`] bytes of

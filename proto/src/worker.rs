@@ -414,6 +414,10 @@ pub enum WorkerMessage {
         kind: DisplayKind,
         /// MIME type to representation.
         data: serde_json::Map<String, serde_json::Value>,
+        /// The bundle's metadata (see [`crate::kernel::Display::metadata`]), checked by
+        /// [`crate::kernel::check_display_metadata`].
+        #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+        metadata: serde_json::Map<String, serde_json::Value>,
         /// Why the worker replaced the bundle by its text/plain, when it did.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         note: Option<String>,

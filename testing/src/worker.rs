@@ -474,6 +474,7 @@ impl WorkerProcess {
                     kind,
                     data,
                     note,
+                    ..
                 } => {
                     assert_eq!(c, cell);
                     self.drain_output(&mut out, &mut err);

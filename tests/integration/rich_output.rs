@@ -187,6 +187,41 @@ async fn python_engine(d: &Daemon, env: Option<&str>) {
     assert_eq!(ds[1].data["image/gif"], "R0lGODlh");
     assert_eq!(text(ds[2]), "8");
 
+    // Metadata travels with its bundle (an image's width from a `_repr_png_` tuple, a
+    // display call's `metadata`) and is counted with it; metadata that is not JSON is left
+    // out, the bundle kept.
+    let fs = frames(
+        &mut c,
+        &s,
+        "from sandcell import display\n\
+         class P:\n    def _repr_png_(self): return (b'PNG', {'width': 20})\n\
+         display(P(), metadata={'isolated': True})\n\
+         display({'text/plain': 'odd'}, raw=True, metadata={'a': float('nan')})\nP()",
+    )
+    .await;
+    let r = fs.last().unwrap().result.as_ref().unwrap();
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let ds = displays(&fs);
+    assert_eq!(ds.len(), 3, "{ds:?}");
+    assert_eq!(ds[0].data["image/png"], "UE5H");
+    assert_eq!(ds[0].metadata["image/png"]["width"], 20, "{:?}", ds[0]);
+    assert_eq!(ds[0].metadata["isolated"], true, "{:?}", ds[0]);
+    assert!(ds[1].metadata.is_empty(), "{:?}", ds[1]);
+    assert_eq!(ds[2].metadata["image/png"]["width"], 20, "{:?}", ds[2]);
+    let counted: u64 = ds
+        .iter()
+        .map(|d| {
+            let md = if d.metadata.is_empty() {
+                0
+            } else {
+                serde_json::to_vec(&d.metadata).unwrap().len()
+            };
+            (serde_json::to_vec(&d.data).unwrap().len() + md) as u64
+        })
+        .sum();
+    let st = r.displays.expect("displays counted");
+    assert_eq!((st.seen, st.kept), (counted, counted));
+
     // Over what is left of the stdout budget: the text/plain instead.
     let fs = frames(
         &mut c,

@@ -512,7 +512,9 @@ def displayhook(value):
         return
     builtins._ = None
     if S.rich:
-        send_bundle("result", bundle(value))
+        md = {}
+        data = bundle(value, None, md)
+        send_bundle("result", data, md)
     else:
         try:
             text = repr(value)
@@ -586,18 +588,23 @@ def is_base64(v):
     return len(t) % 4 == 0 and len(t) - len(body) <= 2 and set(body) <= BASE64_CHARS
 
 
-def bundle(value, raw=None):
+def bundle(value, raw=None, md=None):
     """The MIME bundle of `value` (JSON-ready values, text/plain always); `raw`: a bundle the
-    caller gave."""
+    caller gave. `md`, a dict, receives the metadata the display protocol gives beside the
+    data (the second item of a `_repr_mimebundle_` or `_repr_*_` tuple)."""
     import base64
 
     data = dict(raw) if isinstance(raw, dict) else {}
+    if md is None:
+        md = {}
     if raw is None and not isinstance(value, type):
         m = getattr(value, "_repr_mimebundle_", None)
         if callable(m):
             try:
                 r = m()
                 if isinstance(r, tuple):
+                    if len(r) > 1 and isinstance(r[1], dict):
+                        md.update(r[1])
                     r = r[0] if r else None
                 if isinstance(r, dict):
                     data.update(r)
@@ -614,6 +621,8 @@ def bundle(value, raw=None):
             except Exception:
                 continue
             if isinstance(r, tuple):
+                if len(r) > 1 and isinstance(r[1], dict):
+                    md[mime] = r[1]
                 r = r[0] if r else None
             if r is not None:
                 data[mime] = r
@@ -647,33 +656,74 @@ def bundle(value, raw=None):
     return out
 
 
-def send_bundle(kind, data):
-    """Sends one `display` line of the running cell (flushing the cell's output first)."""
+# The daemon's bound of a bundle's metadata is 4096 bytes of JSON as it writes it; measured
+# here with every non-ASCII character escaped (never shorter than the daemon's UTF-8 text),
+# below a margin for the different spelling of float exponents.
+MAX_METADATA_BYTES = 3584
+
+
+def metadata_fits(md):
+    """`md` if it is metadata the daemon takes (a JSON object with string keys, JSON it reads,
+    within MAX_METADATA_BYTES), else an empty dict: metadata is dropped, never the bundle."""
+    if not isinstance(md, dict) or not md or not json_fits(md):
+        return {}
+    try:
+        md = clean_json(md)
+        n = len(json.dumps(md, ensure_ascii=True, separators=(",", ":"), allow_nan=False))
+    except Exception:
+        return {}
+    return md if n <= MAX_METADATA_BYTES else {}
+
+
+def clean_json(v):
+    """`v` with its strings passed through clean() (as bundle values are)."""
+    if isinstance(v, str):
+        return clean(v)
+    if isinstance(v, dict):
+        return {clean(str(k)): clean_json(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [clean_json(x) for x in v]
+    return v
+
+
+def send_bundle(kind, data, metadata=None):
+    """Sends one `display` line of the running cell (flushing the cell's output first), with
+    `metadata` where metadata_fits() keeps it."""
     for f in (sys.stdout, sys.stderr):
         try:
             f.flush()
         except BaseException:
             pass
     note = None
+    metadata = metadata_fits(metadata)
     size = len(json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
+    if metadata:
+        size += len(json.dumps(metadata, ensure_ascii=False, separators=(",", ":")).encode("utf-8"))
     if size > MAX_DISPLAY_BYTES:
         text = data.get("text/plain", "").encode("utf-8")[:DISPLAY_FALLBACK_BYTES]
         data = {"text/plain": text.decode("utf-8", "ignore")}
+        metadata = {}
         note = "bundle of %d bytes over the %d-byte cap: text/plain only" % (size, MAX_DISPLAY_BYTES)
     msg = {"t": "display", "cell": S.cell, "kind": kind, "data": data}
+    if metadata:
+        msg["metadata"] = metadata
     if note:
         msg["note"] = note
     send(msg)
 
 
-def display(*objs, raw=False, **kwargs):
+def display(*objs, raw=False, metadata=None, **kwargs):
     """Shows each object as a MIME bundle (a notebook's display_data) in a session with rich
     output, else its repr on stdout. `raw=True`: each object is already a bundle (a dict of
-    MIME type to value). Other keywords (IPython's `metadata`, `display_id`, ...) are
-    ignored."""
+    MIME type to value). `metadata` (as IPython's display takes it) is added to each
+    bundle's own; other keywords (`display_id`, ...) are ignored."""
     for obj in objs:
         if S.rich:
-            send_bundle("display", bundle(obj, obj if raw and isinstance(obj, dict) else None))
+            md = {}
+            data = bundle(obj, obj if raw and isinstance(obj, dict) else None, md)
+            if isinstance(metadata, dict):
+                md.update(metadata)
+            send_bundle("display", data, md)
         else:
             try:
                 text = repr(obj)

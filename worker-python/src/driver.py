@@ -335,15 +335,21 @@ def _is_base64(v):
             and set(body) <= _BASE64_CHARS)
 
 
-def _bundle(value):
-    """The MIME bundle of `value` (a dict of JSON-ready values, text/plain always)."""
+def _bundle(value, md=None):
+    """The MIME bundle of `value` (a dict of JSON-ready values, text/plain always). `md`, a
+    dict, receives the metadata the display protocol gives beside the data (the second item
+    of a `_repr_mimebundle_` or `_repr_*_` tuple); the host checks it."""
     data = {}
+    if md is None:
+        md = {}
     if not isinstance(value, type):
         m = getattr(value, '_repr_mimebundle_', None)
         if callable(m):
             try:
                 r = m()
                 if isinstance(r, tuple):
+                    if len(r) > 1 and isinstance(r[1], dict):
+                        md.update(r[1])
                     r = r[0]
                 if isinstance(r, dict):
                     data.update(r)
@@ -360,6 +366,8 @@ def _bundle(value):
             except Exception:
                 continue
             if isinstance(r, tuple):
+                if len(r) > 1 and isinstance(r[1], dict):
+                    md[mime] = r[1]
                 r = r[0] if r else None
             if r is not None:
                 data[mime] = r
@@ -391,26 +399,37 @@ def _bundle(value):
     return out
 
 
-def _send_bundle(kind, value, data=None):
+def _send_bundle(kind, value, data=None, metadata=None):
+    md = {}
     if data is None:
-        data = _bundle(value)
+        data = _bundle(value, md)
+    if isinstance(metadata, dict):
+        md.update(metadata)
     _flush_all()
-    msg = _json.dumps({'kind': kind, 'data': data}, ensure_ascii=False)
-    _eryx._eryx_report_output(DISPLAY_STREAM, _encode(msg))
+    msg = {'kind': kind, 'data': data}
+    if md:
+        try:
+            _json.dumps(md, allow_nan=False)
+            msg['metadata'] = md
+        except Exception:
+            pass
+    _eryx._eryx_report_output(DISPLAY_STREAM, _encode(_json.dumps(msg, ensure_ascii=False)))
 
 
-def display(*objs, raw=False):
+def display(*objs, raw=False, metadata=None):
     """Shows each object as a MIME bundle (a notebook's display_data) in a session with rich
     output, else its repr on stdout. `raw=True`: each object is already a bundle (a dict of
-    MIME type to value)."""
+    MIME type to value). `metadata` (as IPython's display takes it) is added to each
+    bundle's own."""
     for obj in objs:
         if _rich:
             if raw and isinstance(obj, dict):
                 data = dict(obj)
                 data.setdefault('text/plain', '')
-                _send_bundle('display', None, {k: v for k, v in _bundle_of_raw(data).items()})
+                _send_bundle('display', None, {k: v for k, v in _bundle_of_raw(data).items()},
+                             metadata)
             else:
-                _send_bundle('display', obj)
+                _send_bundle('display', obj, None, metadata)
         else:
             try:
                 text = repr(obj)

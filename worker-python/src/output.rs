@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use eryx::OutputRequest;
 use sandcell_proto::kernel::{
-    DisplayKind, MAX_DISPLAY_BYTES, check_display_data, display_fallback,
+    DisplayKind, MAX_DISPLAY_BYTES, check_display_data, check_display_metadata, display_fallback,
 };
 use sandcell_proto::text::split_incomplete_tail;
 use sandcell_proto::worker::{MAX_OUTPUT_CHUNK, MAX_WORKER_LINE, Stream, WorkerMessage};
@@ -473,34 +473,50 @@ impl Live {
 }
 
 /// The `display` line for a bundle the driver sent on [`DISPLAY_STREAM`]
-/// (`{"kind": ..., "data": {...}}`), or `None` for one that is malformed (the guest is
-/// untrusted: a bad bundle is dropped, never a protocol violation). A bundle over
-/// [`MAX_DISPLAY_BYTES`] is replaced by its text/plain with a note.
+/// (`{"kind": ..., "data": {...}, "metadata": {...}}`, metadata optional), or `None` for one
+/// that is malformed (the guest is untrusted: a bad bundle is dropped, never a protocol
+/// violation; metadata that is not a JSON object or is over
+/// [`sandcell_proto::kernel::MAX_DISPLAY_METADATA_BYTES`] is left out). A bundle over
+/// [`MAX_DISPLAY_BYTES`], metadata included, is replaced by its text/plain with a note.
 pub fn display_line(cell: u64, data: &[u8]) -> Option<WorkerMessage> {
     #[derive(serde::Deserialize)]
     struct Sent {
         kind: DisplayKind,
         data: serde_json::Map<String, serde_json::Value>,
+        #[serde(default)]
+        metadata: serde_json::Value,
     }
     if data.len() > MAX_WORKER_LINE {
         return None;
     }
     let sent: Sent = serde_json::from_slice(data).ok()?;
-    let size = check_display_data(&sent.data).ok()?;
-    let (data, note) = if size > MAX_DISPLAY_BYTES {
+    let mut size = check_display_data(&sent.data).ok()?;
+    let metadata = match sent.metadata {
+        serde_json::Value::Object(m) => match check_display_metadata(&m) {
+            Ok(n) => {
+                size += n;
+                m
+            }
+            Err(_) => Default::default(),
+        },
+        _ => Default::default(),
+    };
+    let (data, metadata, note) = if size > MAX_DISPLAY_BYTES {
         (
             display_fallback(&sent.data),
+            Default::default(),
             Some(format!(
                 "bundle of {size} bytes over the {MAX_DISPLAY_BYTES}-byte cap: text/plain only"
             )),
         )
     } else {
-        (sent.data, None)
+        (sent.data, metadata, None)
     };
     Some(WorkerMessage::Display {
         cell,
         kind: sent.kind,
         data,
+        metadata,
         note,
     })
 }
@@ -565,7 +581,7 @@ mod tests {
     fn display_lines_are_checked_bounded_and_dropped_when_malformed() {
         let m = display_line(
             3,
-            br#"{"kind":"result","data":{"text/plain":"2","text/html":"<b>2</b>"}}"#,
+            br#"{"kind":"result","data":{"text/plain":"2","text/html":"<b>2</b>"},"metadata":{"text/html":{"isolated":true}}}"#,
         )
         .unwrap();
         match m {
@@ -573,12 +589,31 @@ mod tests {
                 cell,
                 kind,
                 data,
+                metadata,
                 note,
             } => {
                 assert_eq!((cell, kind, note), (3, DisplayKind::Result, None));
                 assert_eq!(data["text/html"], "<b>2</b>");
+                assert_eq!(metadata["text/html"]["isolated"], true);
             }
             other => panic!("{other:?}"),
+        }
+        // Metadata that is not an object, or too large, is left out; the bundle stays.
+        let large = format!(
+            r#"{{"kind":"display","data":{{"text/plain":"x"}},"metadata":{{"a":"{}"}}}}"#,
+            "m".repeat(5000)
+        );
+        for line in [
+            &br#"{"kind":"display","data":{"text/plain":"x"},"metadata":[1]}"#[..],
+            large.as_bytes(),
+        ] {
+            match display_line(1, line) {
+                Some(WorkerMessage::Display { data, metadata, .. }) => {
+                    assert_eq!(data["text/plain"], "x");
+                    assert!(metadata.is_empty());
+                }
+                other => panic!("{other:?}"),
+            }
         }
         // Malformed bundles from the guest are dropped, never a protocol violation.
         for bad in [

@@ -1020,7 +1020,8 @@ impl Shell {
                         shared
                             .publish(
                                 "execute_result",
-                                json!({"execution_count": count, "data": d.data, "metadata": {}}),
+                                json!({"execution_count": count, "data": d.data,
+                                       "metadata": d.metadata}),
                                 parent,
                             )
                             .await;
@@ -1028,7 +1029,7 @@ impl Shell {
                         shared
                             .publish(
                                 "display_data",
-                                json!({"data": d.data, "metadata": {}, "transient": {}}),
+                                json!({"data": d.data, "metadata": d.metadata, "transient": {}}),
                                 parent,
                             )
                             .await;

@@ -714,6 +714,23 @@ def test_strangers_cannot_grow_the_kernels_memory():
         assert unfinished < before + (330 << 20), (before, unfinished)
 
 
+@pytest.mark.parametrize("kernel", ["sandcell-python", "sandcell-pydata"])
+def test_display_metadata_reaches_the_notebook(kernel):
+    """A bundle's metadata (an image's width, a display call's metadata) is the metadata of
+    its display_data and execute_result, as a frontend sizes the image by it."""
+    with running(kernel) as (_, kc):
+        reply, msgs = execute(kc, "from sandcell import display\n"
+                                  "class P:\n"
+                                  "    def _repr_png_(self): return (b'PNG', {'width': 20})\n"
+                                  "display(P(), metadata={'isolated': True})\nP()")
+        assert reply["status"] == "ok", reply
+        shown = [m for m in msgs if m["msg_type"] in ("display_data", "execute_result")]
+        assert [m["msg_type"] for m in shown] == ["display_data", "execute_result"], msgs
+        assert shown[0]["content"]["metadata"] == {"image/png": {"width": 20}, "isolated": True}
+        assert shown[1]["content"]["metadata"] == {"image/png": {"width": 20}}
+        assert shown[1]["content"]["data"]["image/png"] == "UE5H"
+
+
 def test_a_malformed_ping_does_not_end_the_heartbeat():
     """Heartbeats are not signed: a process sends the heartbeat port a one-frame message (a
     REP socket expects an envelope) and the kernel still echoes the next ping."""

@@ -321,29 +321,33 @@ impl CellRun {
         &mut self,
         kind: DisplayKind,
         data: serde_json::Map<String, serde_json::Value>,
+        metadata: serde_json::Map<String, serde_json::Value>,
         note: Option<String>,
     ) -> Result<(), String> {
-        use sandcell_proto::kernel::{MAX_DISPLAY_BYTES, check_display_data, display_fallback};
+        use sandcell_proto::kernel::{
+            MAX_DISPLAY_BYTES, check_display_data, check_display_metadata, display_fallback,
+        };
         let Some((seen, kept)) = self.displays.as_mut() else {
             return Err("display in a cell without rich_output".into());
         };
-        let size = check_display_data(&data)?;
+        // The metadata is counted with the data; a replaced bundle drops it.
+        let size = check_display_data(&data)? + check_display_metadata(&metadata)?;
         if note.as_ref().is_some_and(|n| n.len() > 1024) {
             return Err("display note over 1024 bytes".into());
         }
         *seen = seen.saturating_add(size as u64);
-        let (data, size, note) = if size > MAX_DISPLAY_BYTES {
+        let (data, metadata, size, note) = if size > MAX_DISPLAY_BYTES {
             let f = display_fallback(&data);
             let n = serde_json::to_vec(&f).map_or(usize::MAX, |v| v.len());
             let why = format!(
                 "bundle of {size} bytes over the {MAX_DISPLAY_BYTES}-byte cap: text/plain only"
             );
-            (f, n, Some(why))
+            (f, Default::default(), n, Some(why))
         } else {
-            (data, size, note)
+            (data, metadata, size, note)
         };
-        let (data, size, note) = if self.caps[0].reserve(size as u64) {
-            (data, size, note)
+        let (data, metadata, size, note) = if self.caps[0].reserve(size as u64) {
+            (data, metadata, size, note)
         } else {
             let f = display_fallback(&data);
             let n = serde_json::to_vec(&f).map_or(usize::MAX, |v| v.len());
@@ -352,6 +356,7 @@ impl CellRun {
             }
             (
                 f,
+                Default::default(),
                 n,
                 Some(format!(
                     "bundle of {size} bytes over the cell's remaining output budget: text/plain only"
@@ -366,6 +371,7 @@ impl CellRun {
                     seq: 0,
                     kind,
                     data,
+                    metadata,
                     note,
                 },
                 size,
@@ -774,14 +780,20 @@ impl Actor {
                 None
             }
             WorkerMessage::Display {
-                kind, data, note, ..
+                kind,
+                data,
+                metadata,
+                note,
+                ..
             } => {
                 if raw_output {
                     // What a native worker printed before the bundle is in the raw pipes:
                     // take it now, so the bundle follows it.
                     self.take_raw(run);
                 }
-                run.on_display(kind, data, note).err().and_then(violation)
+                run.on_display(kind, data, metadata, note)
+                    .err()
+                    .and_then(violation)
             }
             WorkerMessage::Done { ref nonce, .. } if nonce.as_deref() != Some(&run.nonce) => {
                 violation("done without the request's nonce".into())
@@ -1357,6 +1369,7 @@ mod tests {
                 seq: 0,
                 kind: DisplayKind::Result,
                 data,
+                metadata: Default::default(),
                 note: None,
             },
             18,

@@ -621,6 +621,7 @@ mod tests {
             kind: sandcell_proto::kernel::DisplayKind::Display,
             data: serde_json::from_str(r#"{"text/plain": "p", "image/png": "iVBORw0KGgo="}"#)
                 .unwrap(),
+            metadata: serde_json::from_str(r#"{"image/png": {"width": 200}}"#).unwrap(),
             note: None,
         };
         j.display(&d(3), 40);

@@ -322,6 +322,8 @@ class Display:
             ``application/json`` any JSON value. At most 512 KiB of JSON in all.
         note: why the daemon or worker replaced the bundle by its ``text/plain`` (over the
             512 KiB cap or the cell's output budget), else ``None``.
+        metadata: the bundle's metadata as the display protocol gives it, for example
+            ``{"image/png": {"width": 200}}``; at most 4 KiB of JSON, empty when none.
     """
 
     cell: int
@@ -329,6 +331,7 @@ class Display:
     kind: str
     data: dict[str, Any]
     note: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
@@ -355,7 +358,8 @@ class Display:
         data = d.get("data")
         return cls(cell=int(d["cell"]), seq=int(d["seq"]), kind=str(d.get("kind", "display")),
                    data=dict(data) if isinstance(data, dict) else {"text/plain": ""},
-                   note=d.get("note"))
+                   note=d.get("note"),
+                   metadata=dict(md) if isinstance(md := d.get("metadata"), dict) else {})
 
 
 @dataclass(frozen=True)

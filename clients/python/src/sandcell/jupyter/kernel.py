@@ -312,10 +312,11 @@ class SandcellKernel(Kernel):
                     self.sc_history_bytes += (len(text.encode("utf-8", "surrogatepass"))
                                               - len(old.encode("utf-8", "surrogatepass")))
                 self.send_response(self.iopub_socket, "execute_result",
-                                   {"execution_count": count, "data": o.data, "metadata": {}})
+                                   {"execution_count": count, "data": o.data,
+                                    "metadata": o.metadata})
             else:
                 self.send_response(self.iopub_socket, "display_data",
-                                   {"data": o.data, "metadata": {}, "transient": {}})
+                                   {"data": o.data, "metadata": o.metadata, "transient": {}})
 
         try:
             r = session.execute(code, on_output)
