@@ -105,6 +105,11 @@ pub struct SessionInfo {
     pub memory_bytes: Option<u64>,
     /// D-Bus object path.
     pub path: String,
+    /// The session's egress counters (its object's `Egress` property: `allowed`, `refused`,
+    /// `bytes`, `connections`); `None` without an egress grant, or from a daemon without the
+    /// property.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub egress: Option<std::collections::BTreeMap<String, u64>>,
 }
 
 /// Daemon-wide figures.
@@ -196,9 +201,10 @@ impl Admin {
         r.ok_or_else(|| Error::Bus(zbus::Error::Failure("no reply".into())))
     }
 
-    /// Live sessions, oldest first.
+    /// Live sessions, oldest first, each with its egress counters (one property read per
+    /// session).
     pub async fn list(&self) -> Result<Vec<SessionInfo>, Error> {
-        Ok(self
+        let mut rows: Vec<SessionInfo> = self
             .proxy
             .list_sessions()
             .await?
@@ -213,8 +219,28 @@ impl Admin {
                 cells_run: r.6,
                 memory_bytes: (r.7 != u64::MAX).then_some(r.7),
                 path: r.8.to_string(),
+                egress: None,
             })
-            .collect())
+            .collect();
+        for row in &mut rows {
+            row.egress = self.egress(&row.path).await;
+        }
+        Ok(rows)
+    }
+
+    /// The `Egress` property of the session object at `path`; `None` when it is empty or
+    /// cannot be read (the session ended meanwhile, an older daemon).
+    async fn egress(&self, path: &str) -> Option<std::collections::BTreeMap<String, u64>> {
+        let proxy = zbus::Proxy::new(
+            self.proxy.inner().connection(),
+            "org.sandcell.Sandcell1",
+            path.to_owned(),
+            "org.sandcell.Session1",
+        )
+        .await
+        .ok()?;
+        let m: std::collections::HashMap<String, u64> = proxy.get_property("Egress").await.ok()?;
+        (!m.is_empty()).then(|| m.into_iter().collect())
     }
 
     /// Daemon-wide figures.

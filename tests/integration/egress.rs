@@ -532,12 +532,17 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
     ));
     let languages = if with_r { "python,r" } else { "python" };
     let cgroup = format!("sandcell-egress-{}", common::rand_hex(5));
-    let env = [
+    // A private system bus outside the unit sandbox: the session's counters on D-Bus.
+    let bus = sandbox.is_none().then(common::bus::Bus::start);
+    let mut env = vec![
         ("SANDCELL_EGRESS_CONTROL", control.to_str().unwrap()),
         ("SANDCELL_METRICS_FILE", metrics.to_str().unwrap()),
         ("SANDCELL_LANGUAGES", languages),
         ("SANDCELL_CGROUP_NAME", cgroup.as_str()),
     ];
+    if let Some(b) = &bus {
+        env.push(("DBUS_SYSTEM_BUS_ADDRESS", b.address.as_str()));
+    }
     let mut d = match sandbox {
         Some(s) => Daemon::start_in_sandbox(&conf, &env, s),
         None => Daemon::start_with_config(&conf, &env),
@@ -561,6 +566,57 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
         "{t}\n{}",
         out.stderr
     );
+    if let Some(b) = &bus {
+        // The session's object on D-Bus counts its requests (asked of the proxy every 2 s),
+        // and sandcellctl list shows them.
+        let listed = |json: bool| {
+            let mut cmd = Command::new(common::bin_dir().join("sandcellctl"));
+            cmd.arg("list")
+                .env("DBUS_SYSTEM_BUS_ADDRESS", &b.address)
+                .env("SANDCELL_SOCKET", &d.socket);
+            if json {
+                cmd.arg("--json");
+            }
+            let o = cmd.output().unwrap();
+            String::from_utf8_lossy(&o.stdout).into_owned()
+        };
+        let counted = |text: &str| {
+            serde_json::from_str::<serde_json::Value>(text)
+                .ok()
+                .and_then(|v| {
+                    v.as_array()?
+                        .iter()
+                        .find(|r| r["id"] == o.session.as_str())
+                        .map(|r| r["egress"].clone())
+                })
+                .filter(|e| e["allowed"].as_u64() >= Some(1) && e["refused"].as_u64() >= Some(1))
+        };
+        assert!(
+            common::eventually(std::time::Duration::from_secs(10), || counted(&listed(
+                true
+            ))
+            .is_some()),
+            "no egress counters in sandcellctl list --json: {}\n{}",
+            listed(true),
+            d.log_text()
+        );
+        let e = counted(&listed(true)).unwrap();
+        assert!(
+            e["bytes"].as_u64() > Some(0) && e["connections"].as_u64() >= Some(1),
+            "{e}"
+        );
+        let table = listed(false);
+        let line = table
+            .lines()
+            .find(|l| l.starts_with(o.session.as_str()))
+            .unwrap_or_else(|| panic!("{table}"));
+        assert!(table.starts_with("SESSION") && table.lines().next().unwrap().ends_with("EGRESS"));
+        assert!(
+            line.ends_with(&format!("{}/{}", e["allowed"], e["refused"])),
+            "{table}"
+        );
+        eprintln!("egress: sandcellctl list shows the session's counters: {e}");
+    }
     c.close(&o.session).await.unwrap();
 
     // A session that asks for a subset reaches only that subset: the rest of the

@@ -61,7 +61,7 @@ fn print_sessions(rows: &[SessionInfo]) {
     let lw = width(&|s| escape_name(&s.language), "LANGUAGE".len());
     let sw = width(&|s| escape_name(&s.state), "STATE".len());
     outln!(
-        "{:<idw$} {:<lw$} {:>6} {:>8} {:<sw$} {:<20} {:>6} {:>10}",
+        "{:<idw$} {:<lw$} {:>6} {:>8} {:<sw$} {:<20} {:>6} {:>10} {:>7}",
         "SESSION",
         "LANGUAGE",
         "UID",
@@ -69,11 +69,12 @@ fn print_sessions(rows: &[SessionInfo]) {
         "STATE",
         "STARTED",
         "CELLS",
-        "MEMORY"
+        "MEMORY",
+        "EGRESS"
     );
     for s in rows {
         outln!(
-            "{:<idw$} {:<lw$} {:>6} {:>8} {:<sw$} {:<20} {:>6} {:>10}",
+            "{:<idw$} {:<lw$} {:>6} {:>8} {:<sw$} {:<20} {:>6} {:>10} {:>7}",
             escape_name(&s.id),
             escape_name(&s.language),
             s.uid,
@@ -81,10 +82,23 @@ fn print_sessions(rows: &[SessionInfo]) {
             escape_name(&s.state),
             dbus::utc(s.started_usec),
             s.cells_run,
-            dbus::human_bytes(s.memory_bytes)
+            dbus::human_bytes(s.memory_bytes),
+            egress_column(s.egress.as_ref())
         );
     }
     outln!("\n{} listed.", super::session::sessions_counted(rows.len()));
+}
+
+/// The EGRESS column: requests allowed/refused, `-` without an egress grant.
+fn egress_column(e: Option<&std::collections::BTreeMap<String, u64>>) -> String {
+    match e {
+        Some(m) => format!(
+            "{}/{}",
+            m.get("allowed").copied().unwrap_or(0),
+            m.get("refused").copied().unwrap_or(0)
+        ),
+        None => "-".into(),
+    }
 }
 
 /// `status`: daemon-wide figures.

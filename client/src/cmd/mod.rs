@@ -88,7 +88,8 @@ enum Cmd {
     Inspect(session::Inspect),
     /// Close SESSION.
     Close(session::Close),
-    /// List live sessions (D-Bus): id, language, owner uid and pid, state, start, cells, memory.
+    /// List live sessions (D-Bus): id, language, owner uid and pid, state, start, cells, memory,
+    /// egress requests allowed/refused.
     /// With --own, or when the system bus is unreachable, list one's own sessions over the
     /// Varlink socket instead: id, language, state, running cell, cells, start, detached.
     List(admin::List),

@@ -211,6 +211,31 @@ impl SessionObject {
         Ok(self.session.info.lock().unwrap().running_cell.unwrap_or(0))
     }
 
+    /// The session's egress through the proxy, as last asked (every 2 seconds): `allowed` and
+    /// `refused` requests, `bytes` relayed (both directions) and `connections` accepted;
+    /// empty when the session has no egress grant.
+    #[zbus(property(emits_changed_signal = "false"))]
+    async fn egress(
+        &self,
+        #[zbus(connection)] conn: &zbus::Connection,
+        #[zbus(header)] header: Option<zbus::message::Header<'_>>,
+    ) -> zbus::fdo::Result<std::collections::HashMap<String, u64>> {
+        self.visible(conn, header.as_ref()).await?;
+        Ok(crate::egress::counts(&self.session.id)
+            .map(|c| {
+                [
+                    ("allowed", c.allowed),
+                    ("refused", c.refused),
+                    ("bytes", c.bytes),
+                    ("connections", c.connections),
+                ]
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v))
+                .collect()
+            })
+            .unwrap_or_default())
+    }
+
     /// Memory charged to the worker's cgroup now, bytes; 2^64-1 when unknown (no cgroup).
     #[zbus(property(emits_changed_signal = "false"))]
     async fn memory_current(
