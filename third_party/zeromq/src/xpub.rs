@@ -33,7 +33,10 @@ pub(crate) struct XPubSubscriber {
     // published socket awaited each subscriber's write in `send`, so one subscriber that
     // connected and never read (its TCP window full) stopped every later `send`.
     pub(crate) send_queue: mpsc::Sender<ZmqMessage>,
-    pub(crate) queued_bytes: Arc<AtomicUsize>,
+    // Messages and bytes queued and not yet written. Counted here: a cloned futures Sender
+    // has a slot of its own, so the channel's bound alone does not hold for `try_send` on a
+    // clone.
+    pub(crate) queued: Arc<(AtomicUsize, AtomicUsize)>,
 }
 
 fn message_bytes(message: &ZmqMessage) -> usize {
@@ -45,15 +48,21 @@ fn message_bytes(message: &ZmqMessage) -> usize {
 /// has ended.
 fn queue_for(subscriber: &XPubSubscriber, message: &ZmqMessage) -> bool {
     let bytes = message_bytes(message);
-    let queued = subscriber.queued_bytes.fetch_add(bytes, Ordering::AcqRel);
-    if queued + bytes > XPUB_QUEUE_BYTES {
-        subscriber.queued_bytes.fetch_sub(bytes, Ordering::AcqRel);
+    let (count, size) = &*subscriber.queued;
+    let before = count.fetch_add(1, Ordering::AcqRel);
+    let queued = size.fetch_add(bytes, Ordering::AcqRel);
+    let undo = || {
+        count.fetch_sub(1, Ordering::AcqRel);
+        size.fetch_sub(bytes, Ordering::AcqRel);
+    };
+    if before >= XPUB_QUEUE_MESSAGES || queued + bytes > XPUB_QUEUE_BYTES {
+        undo();
         return true;
     }
     match subscriber.send_queue.clone().try_send(message.clone()) {
         Ok(()) => true,
         Err(e) => {
-            subscriber.queued_bytes.fetch_sub(bytes, Ordering::AcqRel);
+            undo();
             !e.is_disconnected()
         }
     }
@@ -125,17 +134,18 @@ impl SocketBackend for XPubSocketBackend {
 impl MultiPeerBackend for XPubSocketBackend {
     async fn peer_connected(self: Arc<Self>, peer_id: &PeerIdentity, io: FramedIo) {
         let (recv_queue, mut send_queue) = io.into_parts();
-        // The channel's own bound is a backstop; `queue_for` keeps it at XPUB_QUEUE_MESSAGES.
+        // `queue_for` keeps the queue at XPUB_QUEUE_MESSAGES (see `XPubSubscriber::queued`).
         let (queue_sender, mut queue_receiver) = mpsc::channel::<ZmqMessage>(XPUB_QUEUE_MESSAGES);
-        let queued_bytes = Arc::new(AtomicUsize::new(0));
-        let writer_bytes = queued_bytes.clone();
+        let queued = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
+        let writer_queued = queued.clone();
         let writer_backend = Arc::downgrade(&self);
         let writer_peer = peer_id.clone();
         async_rt::task::spawn(async move {
             while let Some(message) = queue_receiver.next().await {
                 let bytes = message_bytes(&message);
                 let sent = send_queue.send(Message::Message(message)).await;
-                writer_bytes.fetch_sub(bytes, Ordering::AcqRel);
+                writer_queued.0.fetch_sub(1, Ordering::AcqRel);
+                writer_queued.1.fetch_sub(bytes, Ordering::AcqRel);
                 if let Err(e) = sent {
                     log::debug!("Error sending message to subscriber: {:?}", e);
                     if let Some(backend) = writer_backend.upgrade() {
@@ -152,7 +162,7 @@ impl MultiPeerBackend for XPubSocketBackend {
                 XPubSubscriber {
                     subscriptions: vec![],
                     send_queue: queue_sender,
-                    queued_bytes,
+                    queued,
                 },
             )
             .await;
