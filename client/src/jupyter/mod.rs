@@ -359,20 +359,32 @@ pub async fn serve(
             }
         }
     });
-    tokio::spawn(async move {
-        // Anyone who can connect may ping (heartbeats are not signed): a malformed ping is
-        // skipped, and a pinger that does not read its echoes gets none after HB_SEND_WAIT,
-        // so neither ends or stalls the heartbeat of the others.
-        loop {
-            match hb.recv().await {
-                Ok(m) => {
-                    let _ = tokio::time::timeout(HB_SEND_WAIT, hb.send(m)).await;
+    // Anyone who can connect may ping (heartbeats are not signed): a malformed ping is
+    // skipped, and a pinger that does not read its echoes gets none after HB_SEND_WAIT. The
+    // heartbeat runs on a thread of its own: the REP socket's disconnect handling takes a
+    // blocking lock on its peer table, which, under a flood of unread pings from several
+    // connections, blocked the kernel's one thread for good (shell, control and iopub with it).
+    let _ = std::thread::Builder::new()
+        .name("heartbeat".into())
+        .spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                loop {
+                    match hb.recv().await {
+                        Ok(m) => {
+                            let _ = tokio::time::timeout(HB_SEND_WAIT, hb.send(m)).await;
+                        }
+                        Err(zeromq::ZmqError::NoMessage) => break,
+                        Err(e) => log!("heartbeat: {e}"),
+                    }
                 }
-                Err(zeromq::ZmqError::NoMessage) => break,
-                Err(e) => log!("heartbeat: {e}"),
-            }
-        }
-    });
+            });
+        });
     tokio::spawn(async move {
         // Cells never ask for input; what arrives here is read and dropped.
         while stdin.recv().await.is_ok() {}

@@ -756,6 +756,60 @@ def test_a_malformed_ping_does_not_end_the_heartbeat():
             ctx.term()
 
 
+def test_a_heartbeat_flood_does_not_freeze_the_kernel():
+    """Two connections send 8 MB pings to the heartbeat port and never read the echoes:
+    the kernel still runs a cell and, once they close, echoes pings. (A heavier flood, 200
+    blocking 8 MB sends from each of 2 to 8 connections, froze the previous kernel's one
+    thread on the REP socket's peer table; this lighter one, sized for CI, does not reproduce
+    that freeze and checks the behaviour around it.)"""
+    import threading
+    import zmq
+
+    with running("sandcell-python") as (km, kc):
+        hb = f"tcp://127.0.0.1:{km.get_connection_info()['hb_port']}"
+        ctx = zmq.Context()
+        flooders = []
+        for _ in range(2):
+            d = ctx.socket(zmq.DEALER)
+            d.setsockopt(zmq.RCVBUF, 4096)
+            d.setsockopt(zmq.RCVHWM, 1)
+            d.setsockopt(zmq.SNDHWM, 100000)
+            d.connect(hb)
+            flooders.append(d)
+        payload = b"x" * 8_000_000
+        stop = threading.Event()
+
+        def flood(d):
+            for _ in range(60):
+                if stop.is_set():
+                    return
+                try:
+                    d.send_multipart([b"", payload], flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    time.sleep(0.05)
+
+        threads = [threading.Thread(target=flood, args=(d,), daemon=True) for d in flooders]
+        try:
+            for t in threads:
+                t.start()
+            time.sleep(4)
+            reply, msgs = execute(kc, "print('through the flood')", timeout=30)
+            assert reply["status"] == "ok", reply
+        finally:
+            stop.set()
+            for d in flooders:
+                d.close(linger=0)
+        time.sleep(2)
+        req = ctx.socket(zmq.REQ)
+        req.connect(hb)
+        try:
+            req.send(b"ping")
+            assert req.poll(10_000), "the heartbeat no longer echoes after the flood"
+        finally:
+            req.close(linger=0)
+            ctx.term()
+
+
 def test_a_subscriber_that_never_reads_does_not_stall_the_kernel():
     """A local process subscribes to iopub and never reads (its TCP window fills): the
     kernel drops that subscriber's messages past its queue bound, as a libzmq PUB socket
