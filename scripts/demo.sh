@@ -2,12 +2,29 @@
 # The main job, end to end: set up, start sandcelld under socket activation (as systemd
 # would), run the real example cells in examples/ through sandcellctl, show a persistent
 # session, and stop the daemon (every worker is reaped).
-# With --serve, the daemon keeps running after the examples until Ctrl-C, and the script prints
-# the two lines that point sandcellctl (and the Python client) at it from another shell.
+# With --jupyter, it also runs the notebooks in examples/notebooks through Jupyter's own
+# nbconvert (Debian's jupyter-nbconvert) on the sandcell kernelspecs, installed for the demo
+# under its directory. With --serve, the daemon keeps running after the examples until
+# Ctrl-C, and the script prints the lines that point sandcellctl, the Python client and
+# Jupyter at it from another shell.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-serve=false
-[[ ${1:-} == --serve ]] && serve=true
+serve=false jupyter=false
+for arg in "$@"; do
+    case $arg in
+    --serve) serve=true ;;
+    --jupyter) jupyter=true ;;
+    -h | --help)
+        sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'
+        echo "usage: bash scripts/demo.sh [--jupyter] [--serve]"
+        exit 0
+        ;;
+    *)
+        echo "demo: unknown argument $arg (usage: bash scripts/demo.sh [--jupyter] [--serve])" >&2
+        exit 2
+        ;;
+    esac
+done
 . scripts/env.sh
 bash scripts/setup.sh
 
@@ -63,10 +80,63 @@ echo
 echo "=== a cell that fails, with its traceback and exit status"
 printf 'def f(d):\n    return 1 / d\n\nf(0)\n' | "$BIN/sandcellctl" run - || echo "(exit status $?)"
 
+if $jupyter; then
+    # Jupyter's own tools from Debian: jupyter_client installs the kernelspecs, nbconvert
+    # (through nbclient) starts each kernel from its kernelspec and runs every cell, as
+    # JupyterLab would.
+    # Debian's own Python: Debian's Jupyter packages are installed for it, whatever python3
+    # comes first on PATH.
+    py=/usr/bin/python3
+    if [[ ! -x /usr/bin/jupyter-nbconvert ]] || ! $py -c 'import jupyter_client' 2>/dev/null; then
+        echo "=== installing Jupyter's nbconvert and jupyter_client (Debian packages)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            jupyter-nbconvert python3-jupyter-client >/dev/null
+    fi
+    export JUPYTER_PATH="$run/jupyter/share/jupyter"
+    PYTHONPATH="$PWD/clients/python/src" $py -m sandcell.jupyter install \
+        --prefix "$run/jupyter" --sandcellctl "$BIN/sandcellctl"
+    mkdir -p "$run/notebooks"
+    for nb in examples/notebooks/*.ipynb; do
+        echo
+        echo "=== jupyter nbconvert --execute $nb (kernel $($py -c 'import json,sys; print(json.load(open(sys.argv[1]))["metadata"]["kernelspec"]["name"])' "$nb"))"
+        out="$run/notebooks/$(basename "$nb")"
+        if /usr/bin/jupyter-nbconvert --to notebook --execute --output-dir "$run/notebooks" "$nb" 2>"$out.log"; then
+            $py - "$out" <<'PY'
+import base64, json, sys
+nb = json.load(open(sys.argv[1]))
+for i, cell in enumerate(c for c in nb["cells"] if c["cell_type"] == "code"):
+    for o in cell.get("outputs", []):
+        if o["output_type"] == "stream":
+            text = "".join(o["text"]).rstrip()
+            print(f"[{i + 1}] {o['name']}: " + text.replace("\n", "\n    "))
+        elif o["output_type"] in ("display_data", "execute_result"):
+            data = o["data"]
+            if "image/png" in data:
+                png = base64.b64decode("".join(data["image/png"]))
+                print(f"[{i + 1}] image/png, {len(png)} bytes, PNG signature "
+                      f"{'ok' if png[:8] == bytes.fromhex('89504e470d0a1a0a') else 'MISSING'}")
+            else:
+                text = "".join(data.get("text/plain", "")).rstrip()
+                print(f"[{i + 1}] {o['output_type']} ({', '.join(sorted(data))}): "
+                      + text.replace("\n", "\n    "))
+        elif o["output_type"] == "error":
+            print(f"[{i + 1}] error: {o['ename']}: {o['evalue']}")
+print(f"executed notebook: {sys.argv[1]}")
+PY
+        else
+            echo "(nbconvert failed, exit status $?; its log: $out.log)"
+            tail -5 "$out.log" || true
+        fi
+    done
+fi
+
 if $serve; then
     echo
     echo "=== sandcelld keeps running (Ctrl-C stops it). In another shell:"
     echo "export SANDCELL_SOCKET=$sock"
     echo "export PATH=$BIN:\$PATH"
+    if $jupyter; then
+        echo "export JUPYTER_PATH=$JUPYTER_PATH    # the sandcell kernelspecs, for jupyter notebook / lab"
+    fi
     wait $activator || true
 fi
