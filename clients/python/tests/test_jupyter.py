@@ -810,6 +810,108 @@ def test_a_heartbeat_flood_does_not_freeze_the_kernel():
             ctx.term()
 
 
+def test_a_pinger_that_never_reads_does_not_stop_the_heartbeat_for_others():
+    """One connection sends 8 MB pings to the heartbeat port and never reads the echoes
+    (the REP socket's write to it waits for room) while others connect, ping and leave:
+    every later ping is still echoed. The previous socket held its peer table's entry while
+    that write waited, so the removal of a peer leaving at that moment could block the
+    heartbeat's thread for good; this test checks the behaviour around that race, which it
+    does not reproduce reliably."""
+    import threading
+    import zmq
+
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel's heartbeat is libzmq's")
+    with running("sandcell-python") as (km, kc):
+        hb = f"tcp://127.0.0.1:{km.get_connection_info()['hb_port']}"
+        ctx = zmq.Context()
+        stuck = ctx.socket(zmq.DEALER)
+        stuck.setsockopt(zmq.RCVBUF, 4096)
+        stuck.setsockopt(zmq.RCVHWM, 1)
+        stuck.connect(hb)
+        payload = b"x" * 8_000_000
+        stop = threading.Event()
+
+        def flood():
+            while not stop.is_set():
+                try:
+                    stuck.send_multipart([b"", payload], flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    time.sleep(0.02)
+
+        t = threading.Thread(target=flood, daemon=True)
+        echoed = 0
+        try:
+            t.start()
+            time.sleep(1)
+            for i in range(60):
+                req = ctx.socket(zmq.REQ)
+                req.connect(hb)
+                req.send(b"ping %d" % i)
+                if req.poll(100):
+                    req.recv()
+                    echoed += 1
+                req.close(linger=0)
+            stop.set()
+            t.join(5)
+            # After the churn, with the flood still connected: a ping is echoed.
+            req = ctx.socket(zmq.REQ)
+            req.connect(hb)
+            req.send(b"after")
+            assert req.poll(10_000), (
+                f"the heartbeat stopped echoing ({echoed} of 60 pings during the churn echoed)")
+            req.close(linger=0)
+            reply, msgs = execute(kc, "print('alive')", timeout=30)
+            assert reply["status"] == "ok", reply
+        finally:
+            stop.set()
+            stuck.close(linger=0)
+            ctx.term()
+
+
+def test_a_shell_client_that_never_reads_cannot_grow_the_kernel():
+    """A client with the connection key sends 100 history requests on the shell socket and
+    never reads the replies (4 MiB each, the reply's bound): the kernel queues at most 1000
+    messages and 64 MiB for that connection and drops the rest, as libzmq's ROUTER does at
+    its high-water mark, and answers everyone else. The previous socket queued up to 100,000
+    replies of any size per connection: this test's kernel went from 16 to 411 MiB."""
+    import zmq
+
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel's sockets are libzmq's")
+    with running("sandcell-python") as (km, kc):
+        pid = km.provisioner.process.pid
+        cell = "#" + "a" * 60_000
+        for _ in range(120):
+            msg_id = kc.execute(cell, silent=False, store_history=True)
+            assert reply_to(kc, msg_id, timeout=60)["content"]["status"] == "ok"
+        before = rss_bytes(pid)
+        ctx = zmq.Context()
+        greedy = ctx.socket(zmq.DEALER)
+        greedy.setsockopt(zmq.RCVBUF, 4096)
+        greedy.setsockopt(zmq.RCVHWM, 1)
+        greedy.connect(f"tcp://127.0.0.1:{km.get_connection_info()['shell_port']}")
+        try:
+            s = kc.session
+            for _ in range(100):
+                msg = s.msg("history_request", {"output": False, "raw": True,
+                                                "hist_access_type": "tail", "n": 1000})
+                greedy.send_multipart(s.serialize(msg))
+            # The kernel answers its legitimate client while the greedy one holds its replies.
+            reply, msgs = execute(kc, "print('still here')", timeout=60)
+            assert reply["status"] == "ok", reply
+            assert streams(msgs, "stdout") == "still here\n", msgs
+            # What is left of the 100 is answered (or dropped) in well under this.
+            time.sleep(3)
+            after = rss_bytes(pid)
+            sys.stderr.write(f"test_jupyter: kernel RSS {before >> 20} MiB before 100 unread "
+                             f"4 MiB history replies, {after >> 20} MiB after\n")
+            assert after < before + (160 << 20), (before >> 20, after >> 20)
+        finally:
+            greedy.close(linger=0)
+            ctx.term()
+
+
 def test_a_subscriber_that_never_reads_does_not_stall_the_kernel():
     """A local process subscribes to iopub and never reads (its TCP window fills): the
     kernel drops that subscriber's messages past its queue bound, as a libzmq PUB socket
@@ -985,3 +1087,4 @@ def test_an_interrupted_r_cell_says_so_in_rs_words():
         km.interrupt_kernel()
         reply = reply_to(kc, msg_id, timeout=30)["content"]
         assert reply["status"] == "error" and reply["ename"] == "interrupt", reply
+

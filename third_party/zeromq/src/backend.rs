@@ -2,7 +2,7 @@ use crate::async_rt;
 use crate::codec::{FramedIo, Message, ZmqFramedRead};
 use crate::fair_queue::QueueInner;
 use crate::util::PeerIdentity;
-use crate::write_queue::write_message_queue;
+use crate::write_queue::write_counted_message_queue;
 use crate::{
     MultiPeerBackend, SocketBackend, SocketEvent, SocketOptions, SocketType, ZmqError, ZmqResult,
 };
@@ -19,10 +19,30 @@ use std::sync::Arc;
 
 /// Sender for notifying reconnection tasks when a peer disconnects.
 pub(crate) type DisconnectNotifier = mpsc::Sender<PeerIdentity>;
-const PEER_SEND_QUEUE_CAPACITY: usize = 100_000;
+/// sandcell: the most messages queued for one peer (libzmq's default ZMQ_SNDHWM; the
+/// published crate queued 100,000 messages of any size per peer).
+pub const PEER_QUEUE_MESSAGES: usize = 1000;
+
+/// sandcell: the most bytes queued for one peer. Past either bound a ROUTER socket drops the
+/// message for that peer, as libzmq's ROUTER does at its high-water mark (without
+/// ZMQ_ROUTER_MANDATORY); the sockets that send round-robin (DEALER, PUSH) wait for room.
+pub const PEER_QUEUE_BYTES: usize = 64 * 1024 * 1024;
+
+const PEER_SEND_QUEUE_CAPACITY: usize = PEER_QUEUE_MESSAGES;
 
 pub(crate) struct Peer {
     pub(crate) send_queue: mpsc::Sender<Message>,
+    // sandcell: messages and bytes queued for this peer and not yet taken by its writer.
+    // Counted here: a cloned futures Sender has a slot of its own, so the channel's bound
+    // alone does not hold for sends through clones.
+    pub(crate) queued: Arc<(AtomicUsize, AtomicUsize)>,
+}
+
+fn message_bytes(message: &Message) -> usize {
+    match message {
+        Message::Message(m) => m.iter().map(|f| f.len()).sum(),
+        _ => 0,
+    }
 }
 
 #[derive(Clone)]
@@ -132,8 +152,16 @@ impl GenericSocketBackend {
                     }
                 },
             };
-            let send_result = match self.peers.get_async(&next_peer_id).await {
-                Some(mut peer) => send_to_peer_queue(&mut peer.send_queue, message).await,
+            // sandcell: the sender is cloned out of the table before the send awaits room:
+            // the published code held the table's entry across that await, and a peer that
+            // did not read then made `peer_disconnected` (a blocking `remove_sync`) block
+            // the runtime's thread.
+            let queue = self
+                .peers
+                .read_async(&next_peer_id, |_, peer| peer.send_queue.clone())
+                .await;
+            let send_result = match queue {
+                Some(mut queue) => send_to_peer_queue(&mut queue, message).await,
                 None => continue,
             };
             return match send_result {
@@ -154,23 +182,47 @@ impl GenericSocketBackend {
         peer_id: &PeerIdentity,
         message: Message,
     ) -> ZmqResult<()> {
-        let message = match self
-            .finish_cached_send(self.try_send_cached_single_peer(message, Some(peer_id)))
-            .await?
-        {
-            SendResolution::Sent => return Ok(()),
-            SendResolution::Miss(message) => message,
+        // sandcell: a message for one peer (ROUTER) never waits: it is queued within the
+        // peer's bounds (`PEER_QUEUE_MESSAGES`, `PEER_QUEUE_BYTES`) or dropped, as libzmq's
+        // ROUTER drops at the high-water mark. The published code awaited room in a queue
+        // of 100,000 messages of any size while it held the peer table's entry, so a peer
+        // that sent requests and never read their replies grew the process without bound
+        // and, once its queue was full, stopped the socket.
+        let found = self
+            .peers
+            .read_async(peer_id, |_, peer| {
+                (peer.send_queue.clone(), peer.queued.clone())
+            })
+            .await;
+        let Some((mut queue, queued)) = found else {
+            return Err(ZmqError::Other("Destination client not found by identity"));
         };
-
-        let send_result = match self.peers.get_async(peer_id).await {
-            Some(mut peer) => send_to_peer_queue(&mut peer.send_queue, message).await,
-            None => return Err(ZmqError::Other("Destination client not found by identity")),
+        let bytes = message_bytes(&message);
+        let (count, size) = &*queued;
+        let before = count.fetch_add(1, Ordering::AcqRel);
+        let held = size.fetch_add(bytes, Ordering::AcqRel);
+        let undo = || {
+            count.fetch_sub(1, Ordering::AcqRel);
+            size.fetch_sub(bytes, Ordering::AcqRel);
         };
-        match send_result {
+        if before >= PEER_QUEUE_MESSAGES || held + bytes > PEER_QUEUE_BYTES {
+            undo();
+            log::debug!(
+                "peer {:?} is at its high-water mark: message dropped",
+                peer_id
+            );
+            return Ok(());
+        }
+        match queue.try_send(message) {
             Ok(()) => Ok(()),
+            Err(e) if e.is_full() => {
+                undo();
+                Ok(())
+            }
             Err(e) => {
+                undo();
                 self.peer_disconnected(peer_id);
-                Err(e.into())
+                Err(e.into_send_error().into())
             }
         }
     }
@@ -288,19 +340,28 @@ impl MultiPeerBackend for GenericSocketBackend {
     async fn peer_connected(self: Arc<Self>, peer_id: &PeerIdentity, io: FramedIo) {
         let (recv_queue, send_queue) = io.into_parts();
         let (queue_sender, queue_receiver) = mpsc::channel(PEER_SEND_QUEUE_CAPACITY);
+        let queued = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
         self.peers
             .upsert_async(
                 peer_id.clone(),
                 Peer {
                     send_queue: queue_sender,
+                    queued: queued.clone(),
                 },
             )
             .await;
         self.refresh_single_peer_cache();
         let writer_backend = self.clone();
         let writer_peer_id = peer_id.clone();
+        // sandcell: what the writer has flushed leaves the peer's count (see `Peer::queued`).
+        let written = move |count: usize, bytes: usize| {
+            queued.0.fetch_sub(count, Ordering::AcqRel);
+            queued.1.fetch_sub(bytes, Ordering::AcqRel);
+        };
         async_rt::task::spawn(async move {
-            if let Err(error) = write_message_queue(queue_receiver, send_queue).await {
+            if let Err(error) =
+                write_counted_message_queue(queue_receiver, send_queue, written).await
+            {
                 log::debug!(
                     "Error sending message to peer {:?}: {:?}",
                     writer_peer_id,
@@ -369,7 +430,13 @@ mod tests {
         let (send_queue, recv_queue) = mpsc::channel(8);
         backend
             .peers
-            .upsert_async(peer_id.clone(), Peer { send_queue })
+            .upsert_async(
+                peer_id.clone(),
+                Peer {
+                    send_queue,
+                    queued: Default::default(),
+                },
+            )
             .await;
         backend.refresh_single_peer_cache();
         backend.round_robin.push(peer_id.clone());
@@ -453,7 +520,13 @@ mod tests {
             .expect("prefill peer queue");
         backend
             .peers
-            .upsert_async(peer_id.clone(), Peer { send_queue })
+            .upsert_async(
+                peer_id.clone(),
+                Peer {
+                    send_queue,
+                    queued: Default::default(),
+                },
+            )
             .await;
         backend.refresh_single_peer_cache();
         backend.round_robin.push(peer_id.clone());
@@ -484,7 +557,13 @@ mod tests {
         drop(recv_queue);
         backend
             .peers
-            .upsert_async(peer_id.clone(), Peer { send_queue })
+            .upsert_async(
+                peer_id.clone(),
+                Peer {
+                    send_queue,
+                    queued: Default::default(),
+                },
+            )
             .await;
         backend.refresh_single_peer_cache();
         backend.round_robin.push(peer_id.clone());

@@ -15,7 +15,11 @@ use std::sync::Arc;
 
 struct RepPeer {
     pub(crate) _identity: PeerIdentity,
-    pub(crate) send_queue: ZmqFramedWrite,
+    // sandcell: shared, so that `send` takes it out of the peer table before it awaits the
+    // write. The published `send` held the table's entry across that await; a peer that did
+    // not read kept it held, and `peer_disconnected` (a blocking `remove_sync`, called on
+    // the runtime's thread when another peer left) then blocked that thread for good.
+    pub(crate) send_queue: Arc<futures::lock::Mutex<ZmqFramedWrite>>,
 }
 
 struct RepSocketBackend {
@@ -91,7 +95,7 @@ impl MultiPeerBackend for RepSocketBackend {
                 peer_id.clone(),
                 RepPeer {
                     _identity: peer_id.clone(),
-                    send_queue,
+                    send_queue: Arc::new(futures::lock::Mutex::new(send_queue)),
                 },
             )
             .await;
@@ -131,11 +135,17 @@ impl SocketSend for RepSocket {
     async fn send(&mut self, mut message: ZmqMessage) -> ZmqResult<()> {
         match self.current_request.take() {
             Some(peer_id) => {
-                if let Some(mut peer) = self.backend.peers.get_async(&peer_id).await {
+                // sandcell: the writer is taken out of the table first (see `RepPeer`).
+                let writer = self
+                    .backend
+                    .peers
+                    .read_async(&peer_id, |_, peer| peer.send_queue.clone())
+                    .await;
+                if let Some(writer) = writer {
                     if let Some(envelope) = self.envelope.take() {
                         message.prepend(&envelope);
                     }
-                    peer.send_queue.send(Message::Message(message)).await?;
+                    writer.lock().await.send(Message::Message(message)).await?;
                     Ok(())
                 } else {
                     Err(ZmqError::ReturnToSender {

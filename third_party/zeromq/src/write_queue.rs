@@ -8,11 +8,29 @@ const WRITE_BATCH_LIMIT: usize = 128;
 /// Writes queued socket messages into the underlying framed sink in small batches.
 #[inline]
 pub(crate) async fn write_message_queue(
+    queue_receiver: mpsc::Receiver<Message>,
+    send_queue: ZmqFramedWrite,
+) -> CodecResult<()> {
+    write_counted_message_queue(queue_receiver, send_queue, |_, _| {}).await
+}
+
+/// sandcell: [`write_message_queue`] that calls `written` with each batch's message count
+/// and bytes once they are flushed to the peer, so that a sender can count what is queued or buffered for
+/// it (a ROUTER peer's high-water mark).
+pub(crate) async fn write_counted_message_queue(
     mut queue_receiver: mpsc::Receiver<Message>,
     mut send_queue: ZmqFramedWrite,
+    written: impl Fn(usize, usize),
 ) -> CodecResult<()> {
+    fn bytes(message: &Message) -> usize {
+        match message {
+            Message::Message(m) => m.iter().map(|f| f.len()).sum(),
+            _ => 0,
+        }
+    }
     while let Some(message) = queue_receiver.next().await {
         // When backlog already exists, feed a batch before flushing once to avoid per-message flush cost during bursts.
+        let (mut count, mut size) = (1, bytes(&message));
         send_queue.feed(message).await?;
 
         for _ in 1..WRITE_BATCH_LIMIT {
@@ -20,10 +38,13 @@ pub(crate) async fn write_message_queue(
                 Ok(message) => message,
                 Err(_) => break,
             };
+            count += 1;
+            size += bytes(&message);
             send_queue.feed(message).await?;
         }
 
         send_queue.flush().await?;
+        written(count, size);
     }
 
     Ok(())

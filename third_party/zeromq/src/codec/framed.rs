@@ -114,9 +114,7 @@ impl ZmqFramedRead {
         if self.buffer.capacity() > large && self.buffer.len() <= self.options.read_buffer_max_size
         {
             let mut fresh = BytesMut::with_capacity(
-                self.buffer
-                    .len()
-                    .max(self.options.read_buffer_initial_size),
+                self.buffer.len().max(self.options.read_buffer_initial_size),
             );
             fresh.extend_from_slice(&self.buffer);
             self.buffer = fresh;

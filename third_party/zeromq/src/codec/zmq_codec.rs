@@ -99,7 +99,9 @@ impl ZmqCodec {
             .message_bytes
             .checked_add(len)
             .filter(|&t| t <= MAX_MESSAGE_BYTES)
-            .ok_or(CodecError::Decode("Message length exceeds the message limit"))?;
+            .ok_or(CodecError::Decode(
+                "Message length exceeds the message limit",
+            ))?;
         if self.message_frames >= MAX_MESSAGE_FRAMES {
             return Err(CodecError::Decode("Message has more frames than the limit"));
         }
