@@ -265,11 +265,20 @@ pub async fn serve(
     };
     let text = std::fs::read(connection_file).map_err(|e| cf(e.to_string()))?;
     let info: ConnectionInfo = serde_json::from_slice(&text).map_err(|e| cf(e.to_string()))?;
-    if info.transport != "tcp" {
-        return Err(cf(format!(
-            "transport {:?} is not supported (only tcp)",
-            info.transport
-        )));
+    match info.transport.as_str() {
+        "tcp" => {}
+        "ipc" => {
+            // The sockets are files: only the kernel's own user may connect to them
+            // (connecting to a Unix socket needs write permission on it, unix(7)), so no
+            // other local user can read iopub or send requests, whatever the directory.
+            // SAFETY: umask(2) cannot fail; the kernel creates no file another user needs.
+            unsafe { libc::umask(0o077) };
+        }
+        other => {
+            return Err(cf(format!(
+                "transport {other:?} is not supported (tcp or ipc)"
+            )));
+        }
     }
     let signer = Signer::new(&info.key, &info.signature_scheme).map_err(cf)?;
 

@@ -323,7 +323,8 @@ pub fn frames(
 /// (<https://jupyter-client.readthedocs.io/en/stable/kernels.html#connection-files>).
 #[derive(Debug, Clone, Deserialize)]
 pub struct ConnectionInfo {
-    /// `tcp` (the only transport this kernel serves).
+    /// `tcp` (addresses `ip:port`) or `ipc` (Unix sockets at the paths `ip-port`, as
+    /// jupyter_client names them for `KernelManager(transport="ipc")`).
     #[serde(default = "tcp")]
     pub transport: String,
     /// Address to bind, e.g. `127.0.0.1`.
@@ -355,9 +356,12 @@ fn sha256() -> String {
 }
 
 impl ConnectionInfo {
-    /// The endpoint of `port`, e.g. `tcp://127.0.0.1:5555`.
+    /// The endpoint of `port`, e.g. `tcp://127.0.0.1:5555`, or for `ipc`
+    /// `ipc:///run/user/1000/jupyter/kernel-1-ipc-5` (`ip` is the path's prefix).
     pub fn endpoint(&self, port: u16) -> String {
-        if self.ip.contains(':') {
+        if self.transport == "ipc" {
+            format!("ipc://{}-{port}", self.ip)
+        } else if self.ip.contains(':') {
             format!("{}://[{}]:{port}", self.transport, self.ip)
         } else {
             format!("{}://{}:{port}", self.transport, self.ip)
@@ -368,6 +372,26 @@ impl ConnectionInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn endpoints_follow_jupyter_client_for_tcp_ipv6_and_ipc() {
+        let info = |transport: &str, ip: &str| -> ConnectionInfo {
+            serde_json::from_value(serde_json::json!({
+                "transport": transport, "ip": ip, "shell_port": 1, "iopub_port": 2,
+                "stdin_port": 3, "control_port": 4, "hb_port": 5,
+            }))
+            .unwrap()
+        };
+        assert_eq!(
+            info("tcp", "127.0.0.1").endpoint(5555),
+            "tcp://127.0.0.1:5555"
+        );
+        assert_eq!(info("tcp", "::1").endpoint(5555), "tcp://[::1]:5555");
+        assert_eq!(
+            info("ipc", "/run/user/1000/kernel-ipc").endpoint(3),
+            "ipc:///run/user/1000/kernel-ipc-3"
+        );
+    }
 
     fn msg(signer: &Signer, msg_type: &str) -> Vec<Bytes> {
         frames(

@@ -810,6 +810,33 @@ def test_a_heartbeat_flood_does_not_freeze_the_kernel():
             ctx.term()
 
 
+def test_the_ipc_transport_serves_unix_sockets_only_the_user_can_open(tmp_path):
+    """``KernelManager(transport="ipc")``: the kernel binds its five sockets as Unix sockets
+    at ``ip-port``, mode 0600 (only its user can connect), and runs cells over them."""
+    import stat
+
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel's transports are ipykernel's")
+    ip = str(tmp_path / "kernel-ipc")
+    km = KernelManager(kernel_name="sandcell-python", transport="ipc", ip=ip)
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        reply, msgs = execute(kc, "print(6 * 7)")
+        assert reply["status"] == "ok" and streams(msgs, "stdout") == "42\n", (reply, msgs)
+        info = km.get_connection_info()
+        for name in ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port"):
+            path = f"{ip}-{info[name]}"
+            st = os.stat(path)
+            assert stat.S_ISSOCK(st.st_mode), path
+            assert stat.S_IMODE(st.st_mode) & 0o077 == 0, (path, oct(st.st_mode))
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+
+
 def test_a_pinger_that_never_reads_does_not_stop_the_heartbeat_for_others():
     """One connection sends 8 MB pings to the heartbeat port and never reads the echoes
     (the REP socket's write to it waits for room) while others connect, ping and leave:
