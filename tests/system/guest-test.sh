@@ -863,6 +863,34 @@ lc_print() { # lc_print KIND ID: prints v in that session (stdout only)
         echo 'print(v)' | as_gw timeout 300 sandcellctl exec "$2" - 2>/dev/null
     fi
 }
+# The gap as a client program sees it: the installed Python client running cells back to back
+# in a session of its own across the event, one process throughout (a new sandcellctl process
+# per call costs tens of milliseconds under emulation). Its calls cut by the event are
+# re-attached by the client itself, as any caller's are. Writes "ok TIME" per answered cell
+# and "err TIME NAME" per failed call, until the file STOP exists.
+cat >/tmp/lc-probe.py <<'PY'
+import os, sys, time
+import sandcell
+
+sid, stop, out = sys.argv[1:4]
+with open(out, "w", buffering=1) as f:
+    c = sandcell.Client(timeout=120)
+    s = c.session_by_id(sid, language="python")
+    while not os.path.exists(stop):
+        try:
+            s.execute("probe = 1")
+            f.write(f"ok {time.time():.6f}\n")
+        except Exception as e:  # noqa: BLE001 - every failure is reported, then retried
+            f.write(f"err {time.time():.6f} {type(e).__name__}\n")
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001
+                pass
+            time.sleep(0.005)
+            c = sandcell.Client(timeout=120)
+            s = c.session_by_id(sid, language="python")
+PY
+chmod 0644 /tmp/lc-probe.py
 lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report and check
     local ev=$1 ids=() kinds=() i k id cell before after t0 t_ev gap main0 main kept=0 out rc
     local lr=python; has_r && lr=r
@@ -920,6 +948,11 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     cstate=$(as_gw timeout 60 sandcellctl cell-status "$csid" "$cell" 2>&1 | head -1)
     echo "    [$ev] $opened of 8 sessions opened (${kinds[*]}), cell $cell submitted in $csid ($cstate before the event); daemon $main0"
     echo "    [$ev] workers of the 8 sessions before: $before; every worker-uid process: $(worker_procs | awk '{ print $2 }' | tr '\n' ' ')"
+    local psid
+    psid=$(as_gw sandcellctl open -l python --idle 900 2>/dev/null)
+    rm -f /tmp/lc-probe.stop /tmp/lc-probe.out
+    (as_gw /usr/bin/python3 /tmp/lc-probe.py "$psid" /tmp/lc-probe.stop /tmp/lc-probe.out 2>/tmp/lc-probe.err &)
+    for ((k = 0; k < 300; k++)); do [[ $(grep -c '^ok' /tmp/lc-probe.out 2>/dev/null) -ge 5 ]] && break; sleep 0.1; done
     t0=$(date +%s.%N)
     t_ev=$t0
     case $ev in
@@ -954,6 +987,28 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     [[ -n $tterm ]] && t_ev=$tterm
     first_gap=$(echo "$t1 - $t_ev" | bc)
     echo "    [$ev] first Execute on an adopted session answered $(echo "$t1 - $t0" | bc) s after the event's command, ${first_gap} s after the old daemon's end${tterm:+ (its SIGTERM)}: ${first:0:80}"
+    # The probe: its first cell answered after the event, and the longest time between two
+    # answered cells (a cell takes milliseconds, so this is the gap it saw).
+    for ((k = 0; k < 300; k++)); do
+        awk -v t="$t_ev" '$1 == "ok" && $2 > t { f = 1 } END { exit !f }' /tmp/lc-probe.out 2>/dev/null && break
+        sleep 0.1
+    done
+    touch /tmp/lc-probe.stop
+    sleep 0.5
+    local probe
+    probe=$(awk -v t="$t_ev" '
+        $1 == "ok" { if (prev && $2 - prev > worst) { worst = $2 - prev; wfrom = prev } ; prev = $2; n++
+                     if ($2 > t && !first) first = $2 - t }
+        $1 == "err" { errs[$3]++ }
+        END { e = ""; for (k in errs) e = e k "x" errs[k] " "
+              printf "%d cells; first answered %.3f s after the old daemon'"'"'s end; longest interval between two answered cells %.3f s; failed calls: %s", n, first, worst, (e == "" ? "none" : e) }' /tmp/lc-probe.out 2>/dev/null)
+    echo "    [$ev] probe (the installed Python client, one process): $probe"
+    sed "s/^/    [$ev] probe stderr: /" /tmp/lc-probe.err 2>/dev/null | tail -3
+    # Where the gap went: systemd's and the daemons' own lines, on one clock.
+    journalctl -b -u sandcelld.service --no-pager -o short-unix --since "@${t0%.*}" 2>/dev/null \
+        | grep -E 'systemd\[1\]|SIGTERM|restarting the unit|pooled workers|exiting; sessions|session groups live|^.* starting |adopting sessions|sessions of the previous daemon adopted|Stopping|Started|Starting' \
+        | head -20 | cut -c1-220 | sed "s/^/    [$ev] timeline: /"
+    as_gw sandcellctl close "$psid" >/dev/null 2>&1
     for ((k = 0; k < 1200; k++)); do
         main=$(systemctl show -p MainPID --value sandcelld.service)
         [[ $(unit_state sandcelld.service) == active && $main != 0 && $main != "$main0" ]] && break
