@@ -143,6 +143,17 @@ impl Daemon {
         Self::start_at(env, None, Some(config), None, false, Some(sandbox))
     }
 
+    /// As [`Daemon::start_in_sandbox`], listening on `socket` (a successor's start under the
+    /// same unit's sandbox).
+    pub fn start_on_in_sandbox(
+        socket: &Path,
+        config: &Path,
+        env: &[(&str, &str)],
+        sandbox: &unit_sandbox::UnitSandbox,
+    ) -> Daemon {
+        Self::start_at(env, None, Some(config), Some(socket), false, Some(sandbox))
+    }
+
     /// As [`Daemon::start`] (or [`Daemon::start_on`] with `socket`), in a mount namespace of
     /// its own whose mounts do not propagate back (`unshare(CLONE_NEWNS)`, then `/` made a
     /// recursive slave), as systemd starts the unit (`PrivateMounts=yes`, systemd.exec(5)):
