@@ -111,6 +111,26 @@ PY
 )
     [[ $out == "errno 1" ]] && pass egress-none-elsewhere || fail egress-none-elsewhere "$out"
 
+    # A detached session keeps its grant across `systemctl restart sandcelld` (its keeper holds
+    # the listener; the successor hands it to the proxy again), and its counters are on D-Bus
+    # (`sandcellctl list`, EGRESS column: allowed/refused).
+    local esid fetch='import urllib.request
+print("fetched:", urllib.request.urlopen("http://data.test/hello.txt", timeout=20).read().decode().strip())'
+    esid=$(as_gw sandcellctl open -e net --idle 600 2>/dev/null)
+    out=$(echo "$fetch" | as_gw sandcellctl exec "$esid" - 2>&1)
+    echo "    egress session before the restart: $out"
+    systemctl restart sandcelld.service
+    out=$(echo "$fetch" | as_gw sandcellctl exec "$esid" - 2>&1)
+    echo "    egress session after the restart: $out"
+    [[ $out == "fetched: hello through the proxy" ]] && pass egress-grant-kept-across-restart ||
+        { fail egress-grant-kept-across-restart "$out"; journal 20; }
+    sleep 3 # the counters are asked of the proxy every 2 s
+    out=$(sandcellctl list 2>&1)
+    echo "$out" | head -4 | sed 's/^/    sandcellctl list: /'
+    [[ $(head -1 <<<"$out") == *EGRESS* && $(grep -F "${esid##*.}" <<<"$out") =~ [[:space:]][1-9][0-9]*/[0-9]+$ ]] &&
+        pass egress-counters-on-dbus || fail egress-counters-on-dbus "$out"
+    as_gw sandcellctl close "$esid" >/dev/null 2>&1
+
     # 3. Back as shipped.
     rm -f /etc/systemd/system/sandcelld.service.d/egress.conf /etc/systemd/system/sandcell-sessions.service.d/egress.conf \
         /etc/systemd/system/sandcell-egress.service.d/50-vmtest.conf /etc/sandcell/egress-hosts
