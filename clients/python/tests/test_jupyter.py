@@ -484,10 +484,11 @@ def test_kernel_answers_before_its_session_and_reports_an_open_failure(kernelspe
 
 
 class running:
-    """A started kernel and its ready client: ``with running(name) as (km, kc): ...``."""
+    """A started kernel and its ready client: ``with running(name) as (km, kc): ...``;
+    keyword arguments go to ``KernelManager`` (``transport="ipc"``, ``ip=...``)."""
 
-    def __init__(self, name: str):
-        self.km = KernelManager(kernel_name=name)
+    def __init__(self, name: str, **manager):
+        self.km = KernelManager(kernel_name=name, **manager)
 
     def __enter__(self):
         self.km.start_kernel()
@@ -818,12 +819,7 @@ def test_the_ipc_transport_serves_unix_sockets_only_the_user_can_open(tmp_path):
     if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
         skip("the ipykernel-based kernel's transports are ipykernel's")
     ip = str(tmp_path / "kernel-ipc")
-    km = KernelManager(kernel_name="sandcell-python", transport="ipc", ip=ip)
-    km.start_kernel()
-    kc = km.client()
-    kc.start_channels()
-    try:
-        kc.wait_for_ready(timeout=60)
+    with running("sandcell-python", transport="ipc", ip=ip) as (km, kc):
         reply, msgs = execute(kc, "print(6 * 7)")
         assert reply["status"] == "ok" and streams(msgs, "stdout") == "42\n", (reply, msgs)
         info = km.get_connection_info()
@@ -832,9 +828,6 @@ def test_the_ipc_transport_serves_unix_sockets_only_the_user_can_open(tmp_path):
             st = os.stat(path)
             assert stat.S_ISSOCK(st.st_mode), path
             assert stat.S_IMODE(st.st_mode) & 0o077 == 0, (path, oct(st.st_mode))
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=False)
 
 
 def test_a_pinger_that_never_reads_does_not_stop_the_heartbeat_for_others():
