@@ -117,10 +117,10 @@ PY
     local esid fetch='import urllib.request
 print("fetched:", urllib.request.urlopen("http://data.test/hello.txt", timeout=20).read().decode().strip())'
     esid=$(as_gw sandcellctl open -e net --idle 600 2>/dev/null)
-    out=$(echo "$fetch" | as_gw sandcellctl exec "$esid" - 2>&1)
+    out=$(echo "$fetch" | as_gw sandcellctl exec "$esid" - 2>/dev/null)
     echo "    egress session before the restart: $out"
     systemctl restart sandcelld.service
-    out=$(echo "$fetch" | as_gw sandcellctl exec "$esid" - 2>&1)
+    out=$(echo "$fetch" | as_gw sandcellctl exec "$esid" - 2>/dev/null)
     echo "    egress session after the restart: $out"
     [[ $out == "fetched: hello through the proxy" ]] && pass egress-grant-kept-across-restart ||
         { fail egress-grant-kept-across-restart "$out"; journal 20; }
