@@ -123,6 +123,10 @@ macro_rules! log {
 /// How long a heartbeat echo may wait for its pinger to read, seconds.
 const HB_SEND_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// The largest heartbeat ping echoed, bytes (jupyter_client pings with 4 bytes, `ping`):
+/// a larger one is skipped, so that no pinger can park large echoes in the kernel.
+const MAX_PING_BYTES: usize = 64 << 10;
+
 /// How long iopub messages are held for the first subscriber (see `serve`).
 const IOPUB_HOLD: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -386,6 +390,17 @@ pub async fn serve(
                 loop {
                     match hb.recv().await {
                         Ok(m) => {
+                            let bytes: usize = m.iter().map(Bytes::len).sum();
+                            if bytes > MAX_PING_BYTES {
+                                // Not echoed: an echo waits in the socket's write buffer for
+                                // a pinger that need not read it.
+                                log!("heartbeat: a ping of {bytes} bytes skipped (over {MAX_PING_BYTES})");
+                                drop(m);
+                                if bytes >= RELEASE_AFTER_BYTES {
+                                    release_memory();
+                                }
+                                continue;
+                            }
                             let _ = tokio::time::timeout(HB_SEND_WAIT, hb.send(m)).await;
                         }
                         Err(zeromq::ZmqError::NoMessage) => break,
@@ -396,7 +411,13 @@ pub async fn serve(
         });
     tokio::spawn(async move {
         // Cells never ask for input; what arrives here is read and dropped.
-        while stdin.recv().await.is_ok() {}
+        while let Ok(m) = stdin.recv().await {
+            let bytes: usize = m.iter().map(Bytes::len).sum();
+            drop(m);
+            if bytes >= RELEASE_AFTER_BYTES {
+                release_memory();
+            }
+        }
     });
     let control_task = tokio::spawn(serve_control(control, shared.clone()));
     let shell_task = tokio::spawn(serve_shell(shell, shared.clone(), opening));
@@ -589,6 +610,81 @@ fn cut(t: &str, max: usize) -> &str {
 }
 
 impl History {
+    /// The `history_reply` content for request content `c` (`tail`, `range`, `search`).
+    fn reply(&self, c: &Map<String, Value>) -> Value {
+        let output = flag(c, "output", false);
+        let n = c.get("n").and_then(Value::as_u64);
+        let mut items: Vec<&(u64, String)> = self.cells.iter().collect();
+        match c.get("hist_access_type").and_then(Value::as_str) {
+            Some("tail") => {
+                if let Some(n) = n {
+                    items = items.split_off(items.len().saturating_sub(n as usize));
+                }
+            }
+            Some("range") => {
+                let lo = c.get("start").and_then(Value::as_u64).unwrap_or(0);
+                let hi = c.get("stop").and_then(Value::as_u64).filter(|h| *h > 0);
+                items.retain(|(l, _)| *l >= lo && hi.is_none_or(|h| *l < h));
+            }
+            Some("search") => {
+                let pattern: Vec<char> = c
+                    .get("pattern")
+                    .and_then(Value::as_str)
+                    .unwrap_or("*")
+                    .chars()
+                    .collect();
+                let mut budget = SEARCH_BUDGET;
+                let mut kept = Vec::new();
+                for item in items {
+                    match glob(&pattern, &item.1, &mut budget) {
+                        Some(true) => kept.push(item),
+                        Some(false) => {}
+                        None => {
+                            return json!({"status": "error", "ename": "LimitExceeded",
+                                "evalue": format!("the history search stopped after \
+                                    {SEARCH_BUDGET} steps: the pattern is too costly for \
+                                    this history"),
+                                "traceback": []});
+                        }
+                    }
+                }
+                items = kept;
+                if flag(c, "unique", false) {
+                    let mut seen = std::collections::HashSet::new();
+                    let mut kept: Vec<_> = items
+                        .into_iter()
+                        .rev()
+                        .filter(|(_, code)| seen.insert(code.clone()))
+                        .collect();
+                    kept.reverse();
+                    items = kept;
+                }
+                if let Some(n) = n {
+                    items = items.split_off(items.len().saturating_sub(n as usize));
+                }
+            }
+            _ => items.clear(),
+        }
+        // The newest entries that fit the reply's budget.
+        let mut budget = MAX_HISTORY_REPLY_BYTES;
+        let mut history: Vec<Value> = Vec::new();
+        for (line, code) in items.into_iter().rev() {
+            let out = if output { self.outputs.get(line) } else { None };
+            let size = code.len() + out.map_or(0, String::len);
+            if size > budget {
+                break;
+            }
+            budget -= size;
+            history.push(if output {
+                json!([0, line, [code, out]])
+            } else {
+                json!([0, line, code])
+            });
+        }
+        history.reverse();
+        json!({"status": "ok", "history": history})
+    }
+
     fn push(&mut self, count: u64, code: &str) {
         let code = cut(code, MAX_HISTORY_CODE).to_owned();
         self.bytes += code.len();
@@ -842,7 +938,7 @@ impl Shell {
             ),
             "complete_request" => ("complete_reply", self.complete(c).await),
             "inspect_request" => ("inspect_reply", self.inspect(c).await),
-            "history_request" => ("history_reply", self.history(c)),
+            "history_request" => ("history_reply", self.history.reply(c)),
             "comm_info_request" => ("comm_info_reply", json!({"status": "ok", "comms": {}})),
             "comm_open" => {
                 let content = json!({
@@ -1264,64 +1360,6 @@ impl Shell {
         }
         json!({"status": "ok", "found": false, "data": {}, "metadata": {}})
     }
-
-    fn history(&self, c: &Map<String, Value>) -> Value {
-        let output = flag(c, "output", false);
-        let n = c.get("n").and_then(Value::as_u64);
-        let mut items: Vec<&(u64, String)> = self.history.cells.iter().collect();
-        match c.get("hist_access_type").and_then(Value::as_str) {
-            Some("tail") => {
-                if let Some(n) = n {
-                    items = items.split_off(items.len().saturating_sub(n as usize));
-                }
-            }
-            Some("range") => {
-                let lo = c.get("start").and_then(Value::as_u64).unwrap_or(0);
-                let hi = c.get("stop").and_then(Value::as_u64).filter(|h| *h > 0);
-                items.retain(|(l, _)| *l >= lo && hi.is_none_or(|h| *l < h));
-            }
-            Some("search") => {
-                let pattern = c.get("pattern").and_then(Value::as_str).unwrap_or("*");
-                items.retain(|(_, code)| glob(pattern.as_bytes(), code.as_bytes()));
-                if flag(c, "unique", false) {
-                    let mut seen = std::collections::HashSet::new();
-                    let mut kept: Vec<_> = items
-                        .into_iter()
-                        .rev()
-                        .filter(|(_, code)| seen.insert(code.clone()))
-                        .collect();
-                    kept.reverse();
-                    items = kept;
-                }
-                if let Some(n) = n {
-                    items = items.split_off(items.len().saturating_sub(n as usize));
-                }
-            }
-            _ => items.clear(),
-        }
-        // The newest entries that fit the reply's budget.
-        let mut budget = MAX_HISTORY_REPLY_BYTES;
-        let mut history: Vec<Value> = Vec::new();
-        for (line, code) in items.into_iter().rev() {
-            let out = if output {
-                self.history.outputs.get(line)
-            } else {
-                None
-            };
-            let size = code.len() + out.map_or(0, String::len);
-            if size > budget {
-                break;
-            }
-            budget -= size;
-            history.push(if output {
-                json!([0, line, [code, out]])
-            } else {
-                json!([0, line, code])
-            });
-        }
-        history.reverse();
-        json!({"status": "ok", "history": history})
-    }
 }
 
 /// Room in a Varlink request for what is not the code (method, session id, cursor), bytes.
@@ -1407,16 +1445,21 @@ fn notices(r: &sandcell_client::CellResult) -> String {
     t
 }
 
-/// Whether `text` matches the shell glob `pattern` (`*`, `?`; as Python's `fnmatch` for
-/// these two).
-fn glob(pattern: &[u8], text: &[u8]) -> bool {
+/// Whether `text` matches the shell glob `pattern` (`*`, `?` one character; as Python's
+/// `fnmatch` for these two), in at most `budget` steps (each taken from it); `None` when the
+/// budget runs out first. The greedy match with one backtrack point is linear in the text
+/// for most patterns but takes up to text x pattern steps for some (`*aaa…b*`), hence the
+/// budget.
+fn glob(pattern: &[char], text: &str, budget: &mut u64) -> Option<bool> {
+    let text: Vec<char> = text.chars().collect();
     let (mut p, mut t) = (0, 0);
     let (mut star, mut mark) = (None, 0);
     while t < text.len() {
-        if p < pattern.len() && (pattern[p] == b'?' || pattern[p] == text[t]) {
+        *budget = budget.checked_sub(1)?;
+        if p < pattern.len() && (pattern[p] == '?' || pattern[p] == text[t]) {
             p += 1;
             t += 1;
-        } else if p < pattern.len() && pattern[p] == b'*' {
+        } else if p < pattern.len() && pattern[p] == '*' {
             star = Some(p);
             mark = t;
             p += 1;
@@ -1425,14 +1468,17 @@ fn glob(pattern: &[u8], text: &[u8]) -> bool {
             mark += 1;
             t = mark;
         } else {
-            return false;
+            return Some(false);
         }
     }
-    while p < pattern.len() && pattern[p] == b'*' {
+    while p < pattern.len() && pattern[p] == '*' {
         p += 1;
     }
-    p == pattern.len()
+    Some(p == pattern.len())
 }
+
+/// Steps one history search may take ([`glob`]): tens of milliseconds of the shell's time.
+const SEARCH_BUDGET: u64 = 20_000_000;
 
 /// Names a Python completion offers without a session (keywords and builtins).
 const PYTHON_WORDS: &str = "False None True and as assert async await break class continue def \
@@ -1599,11 +1645,42 @@ mod tests {
 
     #[test]
     fn glob_matches_as_fnmatch() {
-        assert!(glob(b"6*7", b"6*7"));
-        assert!(glob(b"*", b""));
-        assert!(glob(b"a*c", b"abbbc"));
-        assert!(glob(b"a?c", b"abc"));
-        assert!(!glob(b"a?c", b"abbc"));
-        assert!(!glob(b"6*7", b"6*8"));
+        let g = |p: &str, t: &str| {
+            let p: Vec<char> = p.chars().collect();
+            glob(&p, t, &mut SEARCH_BUDGET.clone()).unwrap()
+        };
+        assert!(g("6*7", "6*7"));
+        assert!(g("*", ""));
+        assert!(g("a*c", "abbbc"));
+        assert!(g("a?c", "abc"));
+        assert!(!g("a?c", "abbc"));
+        assert!(!g("6*7", "6*8"));
+        // `?` is one character, not one byte.
+        assert!(g("s = '?'", "s = 'é'"));
+    }
+
+    #[test]
+    fn a_costly_history_search_stops_at_its_budget() {
+        let mut h = History::default();
+        let cell = format!("a = '{}'", "a".repeat(60_000));
+        for n in 1..=30 {
+            h.push(n, &cell);
+        }
+        let pattern = format!("*{}b*", "a".repeat(60_000));
+        let started = std::time::Instant::now();
+        let r = h.reply(
+            json!({"hist_access_type": "search", "pattern": pattern})
+                .as_object()
+                .unwrap(),
+        );
+        assert_eq!(r["status"], "error", "{r}");
+        assert_eq!(r["ename"], "LimitExceeded");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        let r = h.reply(
+            json!({"hist_access_type": "search", "pattern": "a = 'a*"})
+                .as_object()
+                .unwrap(),
+        );
+        assert_eq!(r["history"].as_array().unwrap().len(), 30, "{r}");
     }
 }

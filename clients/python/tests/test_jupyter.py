@@ -813,7 +813,8 @@ def test_a_heartbeat_flood_does_not_freeze_the_kernel():
 
 def test_the_ipc_transport_serves_unix_sockets_only_the_user_can_open(tmp_path):
     """``KernelManager(transport="ipc")``: the kernel binds its five sockets as Unix sockets
-    at ``ip-port``, mode 0600 (only its user can connect), and runs cells over them."""
+    at ``ip-port`` without group or other permissions (only its user can connect), and runs
+    cells over them."""
     import stat
 
     if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
@@ -828,6 +829,55 @@ def test_the_ipc_transport_serves_unix_sockets_only_the_user_can_open(tmp_path):
             st = os.stat(path)
             assert stat.S_ISSOCK(st.st_mode), path
             assert stat.S_IMODE(st.st_mode) & 0o077 == 0, (path, oct(st.st_mode))
+
+
+def test_connections_left_open_after_large_messages_do_not_hold_them():
+    """Without the key: 16 connections to the control port each send one unsigned 40 MiB
+    message (within every bound: it is dropped, unanswered) and stay open; 16 more send
+    8 MiB heartbeat pings and never read. The kernel keeps neither: a large message's frames
+    and the rest of the read buffer shared one allocation, which the open connection kept
+    (40 such connections held 2.4 GB), and each large ping's echo waited in a write buffer
+    for a pinger that does not read (100 of 10 MiB held 1.5 GB after they closed)."""
+    import zmq
+
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel's sockets are libzmq's")
+    with running("sandcell-python") as (km, kc):
+        pid = km.provisioner.process.pid
+        info = km.get_connection_info()
+        before = rss_bytes(pid)
+        ctx = zmq.Context()
+        socks = []
+        try:
+            big = b"x" * (40 << 20)
+            for _ in range(16):
+                d = ctx.socket(zmq.DEALER)
+                d.setsockopt(zmq.LINGER, 0)
+                d.connect(f"tcp://127.0.0.1:{info['control_port']}")
+                d.send_multipart([b"<IDS|MSG>", b"0" * 64, b"{}", b"{}", b"{}", big])
+                socks.append(d)
+            ping = b"p" * (8 << 20)
+            for _ in range(16):
+                d = ctx.socket(zmq.DEALER)
+                d.setsockopt(zmq.LINGER, 0)
+                d.setsockopt(zmq.RCVBUF, 4096)
+                d.setsockopt(zmq.RCVHWM, 1)
+                d.connect(f"tcp://127.0.0.1:{info['hb_port']}")
+                d.send_multipart([b"", ping])
+                socks.append(d)
+            time.sleep(4)  # 768 MiB over loopback: about a second
+            reply, msgs = execute(kc, "print('answered')", timeout=60)
+            assert reply["status"] == "ok", reply
+            time.sleep(3)
+            held = rss_bytes(pid)
+            sys.stderr.write(f"test_jupyter: kernel RSS {before >> 20} MiB before, {held >> 20} "
+                             f"MiB with 16 connections that sent 40 MiB and 16 that sent "
+                             f"8 MiB pings, all open\n")
+            assert held < before + (160 << 20), (before >> 20, held >> 20)
+        finally:
+            for d in socks:
+                d.close(linger=0)
+            ctx.term()
 
 
 def test_a_pinger_that_never_reads_does_not_stop_the_heartbeat_for_others():
