@@ -387,6 +387,7 @@ pub async fn serve(
                 return;
             };
             rt.block_on(async move {
+                let (mut errors, mut last_logged) = (0u64, None);
                 loop {
                     match hb.recv().await {
                         Ok(m) => {
@@ -404,7 +405,19 @@ pub async fn serve(
                             let _ = tokio::time::timeout(HB_SEND_WAIT, hb.send(m)).await;
                         }
                         Err(zeromq::ZmqError::NoMessage) => break,
-                        Err(e) => log!("heartbeat: {e}"),
+                        Err(e) => {
+                            // At most one line a second, and a pause after each error: an
+                            // error repeated without end (a runtime shutting down) never
+                            // spins the thread or floods the log.
+                            errors += 1;
+                            if last_logged.is_none_or(|t: std::time::Instant| {
+                                t.elapsed() >= std::time::Duration::from_secs(1)
+                            }) {
+                                log!("heartbeat: {e} ({errors} errors so far)");
+                                last_logged = Some(std::time::Instant::now());
+                            }
+                            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                        }
                     }
                 }
             });
@@ -422,13 +435,37 @@ pub async fn serve(
     let control_task = tokio::spawn(serve_control(control, shared.clone()));
     let shell_task = tokio::spawn(serve_shell(shell, shared.clone(), opening));
     drop(shared);
-    shutdown_rx.recv().await;
+    tokio::select! {
+        _ = shutdown_rx.recv() => {}
+        () = parent_gone() => {
+            // As ipykernel's parent poller: a kernel whose launcher died (a notebook server
+            // or script killed) exits, and its session ends with its connection.
+            log!("the process that started the kernel is gone: exiting");
+        }
+    }
     // Let the replies and iopub messages already queued go out.
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     shell_task.abort();
     control_task.abort();
     iopub_task.abort();
     Ok(())
+}
+
+/// Returns once this process's parent is no longer the one it started with (it died and
+/// the process was reparented), checked every second; never when it started under PID 1.
+async fn parent_gone() {
+    // SAFETY: getppid(2) cannot fail.
+    let first = unsafe { libc::getppid() };
+    if first == 1 {
+        return std::future::pending().await;
+    }
+    loop {
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        // SAFETY: as above.
+        if unsafe { libc::getppid() } != first {
+            return;
+        }
+    }
 }
 
 /// The interpreter version of the environment (`3.11.2`, `4.2.2`), or `""`.

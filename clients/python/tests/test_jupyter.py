@@ -880,6 +880,93 @@ def test_connections_left_open_after_large_messages_do_not_hold_them():
             ctx.term()
 
 
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_half_sent_ping_does_not_spin_the_heartbeat():
+    """Without the key: a ZMTP handshake on the heartbeat port, half of one frame, then the
+    connection closes. The kernel stays idle (the REP socket kept the failed stream in its
+    queue, so every later receive returned the same error: the heartbeat thread spun at
+    most of a CPU and wrote tens of MB a second to stderr) and still echoes pings."""
+    import socket
+    import zmq
+
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel's heartbeat is libzmq's")
+    with running("sandcell-python") as (km, kc):
+        pid = km.provisioner.process.pid
+        info = km.get_connection_info()
+        so = socket.create_connection(("127.0.0.1", info["hb_port"]))
+        so.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL" + b"\x00" * 16
+                   + b"\x00" + b"\x00" * 31)
+        so.settimeout(5)
+        so.recv(4096)
+        body = b"\x05READY" + b"\x0bSocket-Type" + (3).to_bytes(4, "big") + b"REQ"
+        so.sendall(b"\x04" + bytes([len(body)]) + body)
+        so.sendall(b"\x00\x10" + b"half")  # a frame that promises 16 bytes, carries 4
+        time.sleep(0.2)
+        so.close()
+        time.sleep(0.5)
+        cpu0 = cpu_seconds(pid)
+        time.sleep(3)
+        used = cpu_seconds(pid) - cpu0
+        assert used < 0.5, f"the kernel used {used:.2f} s of CPU in 3 s while idle"
+        ctx = zmq.Context()
+        req = ctx.socket(zmq.REQ)
+        req.connect(f"tcp://127.0.0.1:{info['hb_port']}")
+        try:
+            req.send(b"ping")
+            assert req.poll(10_000), "no echo after the half-sent ping"
+        finally:
+            req.close(linger=0)
+            ctx.term()
+
+
+def test_a_kernel_whose_launcher_dies_exits(tmp_path):
+    """The process that started the kernel is SIGKILLed: the kernel exits within seconds
+    (its session ends with its connection), as ipykernel's parent poller does; before, it
+    ran on under PID 1 with its session open."""
+    import subprocess
+
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel's parent poller is ipykernel's")
+    pidfile = tmp_path / "kernel.pid"
+    launcher = subprocess.Popen([sys.executable, "-c", f"""
+import os, time
+from jupyter_client.manager import start_new_kernel
+km, kc = start_new_kernel(kernel_name="sandcell-python")
+open({str(pidfile)!r}, "w").write(str(km.provisioner.process.pid))
+time.sleep(600)
+"""], env=dict(os.environ), start_new_session=True)
+    try:
+        for _ in range(600):
+            if pidfile.exists() and pidfile.read_text():
+                break
+            time.sleep(0.1)
+        kernel = int(pidfile.read_text())
+        assert os.path.exists(f"/proc/{kernel}")
+    finally:
+        launcher.kill()
+        launcher.wait()
+    def gone() -> bool:  # exited (a zombie no one reaped yet counts)
+        try:
+            with open(f"/proc/{kernel}/stat", encoding="ascii") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    for _ in range(100):
+        if gone():
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(kernel, 9)
+        raise AssertionError("the kernel outlived its launcher by 10 s")
+
+
 def test_a_pinger_that_never_reads_does_not_stop_the_heartbeat_for_others():
     """One connection sends 8 MB pings to the heartbeat port and never reads the echoes
     (the REP socket's write to it waits for room) while others connect, ping and leave:

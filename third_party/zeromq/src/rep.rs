@@ -109,6 +109,11 @@ impl MultiPeerBackend for RepSocketBackend {
             let _ = monitor.try_send(SocketEvent::Disconnected(peer_id.clone()));
         }
         self.peers.remove_sync(peer_id);
+        // sandcell: the peer's stream leaves the fair queue too. The published socket kept a
+        // stream that had failed there, so every later `recv` returned its error again (a
+        // kernel's heartbeat loop spun on "bytes remaining in stream" after one half-sent
+        // frame from a peer that left).
+        self.fair_queue_inner.lock().remove(peer_id);
     }
 }
 
