@@ -396,10 +396,7 @@ pub async fn serve(
                                 // Not echoed: an echo waits in the socket's write buffer for
                                 // a pinger that need not read it.
                                 log!("heartbeat: a ping of {bytes} bytes skipped (over {MAX_PING_BYTES})");
-                                drop(m);
-                                if bytes >= RELEASE_AFTER_BYTES {
-                                    release_memory();
-                                }
+                                drop_message(m, bytes);
                                 continue;
                             }
                             let _ = tokio::time::timeout(HB_SEND_WAIT, hb.send(m)).await;
@@ -426,10 +423,7 @@ pub async fn serve(
         // Cells never ask for input; what arrives here is read and dropped.
         while let Ok(m) = stdin.recv().await {
             let bytes: usize = m.iter().map(Bytes::len).sum();
-            drop(m);
-            if bytes >= RELEASE_AFTER_BYTES {
-                release_memory();
-            }
+            drop_message(m, bytes);
         }
     });
     let control_task = tokio::spawn(serve_control(control, shared.clone()));
@@ -542,6 +536,14 @@ fn release_memory() {
     }
 }
 
+/// Drops a message (its frames) of `bytes` bytes, releasing memory after a large one.
+fn drop_message<T>(message: T, bytes: usize) {
+    drop(message);
+    if bytes >= RELEASE_AFTER_BYTES {
+        release_memory();
+    }
+}
+
 /// Receives one message from a ROUTER, verified; `None` when the socket failed.
 async fn receive(s: &mut zeromq::RouterSocket, shared: &Shared, channel: &str) -> Option<Message> {
     loop {
@@ -558,10 +560,7 @@ async fn receive(s: &mut zeromq::RouterSocket, shared: &Shared, channel: &str) -
             Ok(msg) => return Some(msg),
             Err(e) => {
                 log!("{channel}: dropped a message: {e}");
-                drop(frames);
-                if bytes >= RELEASE_AFTER_BYTES {
-                    release_memory();
-                }
+                drop_message(frames, bytes);
             }
         }
     }

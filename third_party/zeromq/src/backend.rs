@@ -2,7 +2,9 @@ use crate::async_rt;
 use crate::codec::{FramedIo, Message, ZmqFramedRead};
 use crate::fair_queue::QueueInner;
 use crate::util::PeerIdentity;
-use crate::write_queue::write_counted_message_queue;
+use crate::write_queue::{
+    message_bytes, write_counted_message_queue, HighWater, PEER_QUEUE_MESSAGES,
+};
 use crate::{
     MultiPeerBackend, SocketBackend, SocketEvent, SocketOptions, SocketType, ZmqError, ZmqResult,
 };
@@ -19,30 +21,15 @@ use std::sync::Arc;
 
 /// Sender for notifying reconnection tasks when a peer disconnects.
 pub(crate) type DisconnectNotifier = mpsc::Sender<PeerIdentity>;
-/// sandcell: the most messages queued for one peer (libzmq's default ZMQ_SNDHWM; the
-/// published crate queued 100,000 messages of any size per peer).
-pub const PEER_QUEUE_MESSAGES: usize = 1000;
-
-/// sandcell: the most bytes queued for one peer. Past either bound a ROUTER socket drops the
-/// message for that peer, as libzmq's ROUTER does at its high-water mark (without
-/// ZMQ_ROUTER_MANDATORY); the sockets that send round-robin (DEALER, PUSH) wait for room.
-pub const PEER_QUEUE_BYTES: usize = 64 * 1024 * 1024;
-
 const PEER_SEND_QUEUE_CAPACITY: usize = PEER_QUEUE_MESSAGES;
 
 pub(crate) struct Peer {
     pub(crate) send_queue: mpsc::Sender<Message>,
-    // sandcell: messages and bytes queued for this peer and not yet taken by its writer.
-    // Counted here: a cloned futures Sender has a slot of its own, so the channel's bound
-    // alone does not hold for sends through clones.
-    pub(crate) queued: Arc<(AtomicUsize, AtomicUsize)>,
-}
-
-fn message_bytes(message: &Message) -> usize {
-    match message {
-        Message::Message(m) => m.iter().map(|f| f.len()).sum(),
-        _ => 0,
-    }
+    // sandcell: what is queued for this peer and not yet written. Past its bounds a ROUTER
+    // socket drops the message for that peer, as libzmq's ROUTER does at its high-water
+    // mark (without ZMQ_ROUTER_MANDATORY); the sockets that send round-robin (DEALER, PUSH)
+    // wait for room.
+    pub(crate) queued: Arc<HighWater>,
 }
 
 #[derive(Clone)]
@@ -122,7 +109,7 @@ impl GenericSocketBackend {
 
     pub(crate) async fn send_round_robin(&self, message: Message) -> ZmqResult<()> {
         let message = match self
-            .finish_cached_send(self.try_send_cached_single_peer(message, None))
+            .finish_cached_send(self.try_send_cached_single_peer(message))
             .await?
         {
             SendResolution::Sent => return Ok(()),
@@ -197,16 +184,11 @@ impl GenericSocketBackend {
         let Some((mut queue, queued)) = found else {
             return Err(ZmqError::Other("Destination client not found by identity"));
         };
-        let bytes = message_bytes(&message);
-        let (count, size) = &*queued;
-        let before = count.fetch_add(1, Ordering::AcqRel);
-        let held = size.fetch_add(bytes, Ordering::AcqRel);
-        let undo = || {
-            count.fetch_sub(1, Ordering::AcqRel);
-            size.fetch_sub(bytes, Ordering::AcqRel);
+        let bytes = match &message {
+            Message::Message(m) => message_bytes(m),
+            _ => 0,
         };
-        if before >= PEER_QUEUE_MESSAGES || held + bytes > PEER_QUEUE_BYTES {
-            undo();
+        if !queued.admit(bytes) {
             log::debug!(
                 "peer {:?} is at its high-water mark: message dropped",
                 peer_id
@@ -216,22 +198,20 @@ impl GenericSocketBackend {
         match queue.try_send(message) {
             Ok(()) => Ok(()),
             Err(e) if e.is_full() => {
-                undo();
+                queued.release(1, bytes);
                 Ok(())
             }
             Err(e) => {
-                undo();
+                queued.release(1, bytes);
                 self.peer_disconnected(peer_id);
                 Err(e.into_send_error().into())
             }
         }
     }
 
-    fn try_send_cached_single_peer(
-        &self,
-        message: Message,
-        expected_peer_id: Option<&PeerIdentity>,
-    ) -> CachedSend {
+    // sandcell: for the round-robin sends only; a ROUTER's send to one peer is bounded in
+    // `send_to_peer` instead.
+    fn try_send_cached_single_peer(&self, message: Message) -> CachedSend {
         if self.peer_count.load(Ordering::Acquire) != 1 {
             return CachedSend::Miss(message);
         }
@@ -240,12 +220,6 @@ impl GenericSocketBackend {
         let Some(single_peer) = single_peer.as_mut() else {
             return CachedSend::Miss(message);
         };
-
-        if let Some(expected_peer_id) = expected_peer_id {
-            if single_peer.peer_id != *expected_peer_id {
-                return CachedSend::Miss(message);
-            }
-        }
 
         match single_peer.send_queue.try_send(message) {
             Ok(()) => CachedSend::Sent,
@@ -340,7 +314,7 @@ impl MultiPeerBackend for GenericSocketBackend {
     async fn peer_connected(self: Arc<Self>, peer_id: &PeerIdentity, io: FramedIo) {
         let (recv_queue, send_queue) = io.into_parts();
         let (queue_sender, queue_receiver) = mpsc::channel(PEER_SEND_QUEUE_CAPACITY);
-        let queued = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
+        let queued = Arc::new(HighWater::default());
         self.peers
             .upsert_async(
                 peer_id.clone(),
@@ -354,10 +328,7 @@ impl MultiPeerBackend for GenericSocketBackend {
         let writer_backend = self.clone();
         let writer_peer_id = peer_id.clone();
         // sandcell: what the writer has flushed leaves the peer's count (see `Peer::queued`).
-        let written = move |count: usize, bytes: usize| {
-            queued.0.fetch_sub(count, Ordering::AcqRel);
-            queued.1.fetch_sub(bytes, Ordering::AcqRel);
-        };
+        let written = move |count: usize, bytes: usize| queued.release(count, bytes);
         async_rt::task::spawn(async move {
             if let Err(error) =
                 write_counted_message_queue(queue_receiver, send_queue, written).await

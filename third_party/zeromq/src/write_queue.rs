@@ -3,7 +3,58 @@ use crate::codec::{CodecResult, Message, ZmqFramedWrite};
 use futures::channel::mpsc;
 use futures::{SinkExt, StreamExt};
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 const WRITE_BATCH_LIMIT: usize = 128;
+
+/// sandcell: the most messages queued for one peer of a ROUTER or XPUB socket (libzmq's
+/// default ZMQ_SNDHWM; the published crate queued 100,000 messages of any size per peer).
+pub const PEER_QUEUE_MESSAGES: usize = 1000;
+
+/// sandcell: the most bytes queued for one peer of a ROUTER or XPUB socket. Past either
+/// bound a message for that peer is dropped, as libzmq drops at its high-water mark.
+pub const PEER_QUEUE_BYTES: usize = 64 * 1024 * 1024;
+
+/// sandcell: the bytes of a message's frames.
+pub(crate) fn message_bytes(message: &crate::ZmqMessage) -> usize {
+    message.iter().map(|f| f.len()).sum()
+}
+
+fn queued_bytes(message: &Message) -> usize {
+    match message {
+        Message::Message(m) => message_bytes(m),
+        _ => 0,
+    }
+}
+
+/// sandcell: the messages and bytes queued for one peer and not yet written, within
+/// [`PEER_QUEUE_MESSAGES`] and [`PEER_QUEUE_BYTES`]. Counted here, not by the channel: a
+/// cloned futures Sender has a slot of its own, so the channel's bound alone does not hold
+/// for sends through clones.
+#[derive(Debug, Default)]
+pub(crate) struct HighWater {
+    messages: AtomicUsize,
+    bytes: AtomicUsize,
+}
+
+impl HighWater {
+    /// Counts a message of `bytes` if it fits both bounds; false (nothing counted) if not.
+    pub(crate) fn admit(&self, bytes: usize) -> bool {
+        let before = self.messages.fetch_add(1, Ordering::AcqRel);
+        let held = self.bytes.fetch_add(bytes, Ordering::AcqRel);
+        if before >= PEER_QUEUE_MESSAGES || held + bytes > PEER_QUEUE_BYTES {
+            self.release(1, bytes);
+            return false;
+        }
+        true
+    }
+
+    /// Uncounts `messages` messages of `bytes` in all (written, or not queued after all).
+    pub(crate) fn release(&self, messages: usize, bytes: usize) {
+        self.messages.fetch_sub(messages, Ordering::AcqRel);
+        self.bytes.fetch_sub(bytes, Ordering::AcqRel);
+    }
+}
 
 /// Writes queued socket messages into the underlying framed sink in small batches.
 #[inline]
@@ -22,15 +73,9 @@ pub(crate) async fn write_counted_message_queue(
     mut send_queue: ZmqFramedWrite,
     written: impl Fn(usize, usize),
 ) -> CodecResult<()> {
-    fn bytes(message: &Message) -> usize {
-        match message {
-            Message::Message(m) => m.iter().map(|f| f.len()).sum(),
-            _ => 0,
-        }
-    }
     while let Some(message) = queue_receiver.next().await {
         // When backlog already exists, feed a batch before flushing once to avoid per-message flush cost during bursts.
-        let (mut count, mut size) = (1, bytes(&message));
+        let (mut count, mut size) = (1, queued_bytes(&message));
         send_queue.feed(message).await?;
 
         for _ in 1..WRITE_BATCH_LIMIT {
@@ -39,7 +84,7 @@ pub(crate) async fn write_counted_message_queue(
                 Err(_) => break,
             };
             count += 1;
-            size += bytes(&message);
+            size += queued_bytes(&message);
             send_queue.feed(message).await?;
         }
 

@@ -5,6 +5,7 @@ use crate::fair_queue::{FairQueue, QueueInner};
 use crate::message::*;
 use crate::transport::AcceptStopHandle;
 use crate::util::PeerIdentity;
+use crate::write_queue::{message_bytes, HighWater, PEER_QUEUE_BYTES, PEER_QUEUE_MESSAGES};
 use crate::{async_rt, CaptureSocket, SocketOptions};
 use crate::{
     MultiPeerBackend, Socket, SocketBackend, SocketEvent, SocketRecv, SocketSend, SocketType,
@@ -17,15 +18,14 @@ use futures::{SinkExt, StreamExt};
 use parking_lot::Mutex;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// sandcell: the most messages queued for one subscriber (libzmq's default ZMQ_SNDHWM).
-pub const XPUB_QUEUE_MESSAGES: usize = 1000;
+pub const XPUB_QUEUE_MESSAGES: usize = PEER_QUEUE_MESSAGES;
 
 /// sandcell: the most bytes queued for one subscriber; past either bound a message for that
 /// subscriber is dropped, as a libzmq PUB socket drops at its high-water mark.
-pub const XPUB_QUEUE_BYTES: usize = 64 * 1024 * 1024;
+pub const XPUB_QUEUE_BYTES: usize = PEER_QUEUE_BYTES;
 
 pub(crate) struct XPubSubscriber {
     pub(crate) subscriptions: Vec<Vec<u8>>,
@@ -33,14 +33,8 @@ pub(crate) struct XPubSubscriber {
     // published socket awaited each subscriber's write in `send`, so one subscriber that
     // connected and never read (its TCP window full) stopped every later `send`.
     pub(crate) send_queue: mpsc::Sender<ZmqMessage>,
-    // Messages and bytes queued and not yet written. Counted here: a cloned futures Sender
-    // has a slot of its own, so the channel's bound alone does not hold for `try_send` on a
-    // clone.
-    pub(crate) queued: Arc<(AtomicUsize, AtomicUsize)>,
-}
-
-fn message_bytes(message: &ZmqMessage) -> usize {
-    message.iter().map(|f| f.len()).sum()
+    // Messages and bytes queued and not yet written.
+    pub(crate) queued: Arc<HighWater>,
 }
 
 /// sandcell: queues `message` for one subscriber, or drops it when the subscriber's queue is
@@ -48,21 +42,13 @@ fn message_bytes(message: &ZmqMessage) -> usize {
 /// has ended.
 fn queue_for(subscriber: &XPubSubscriber, message: &ZmqMessage) -> bool {
     let bytes = message_bytes(message);
-    let (count, size) = &*subscriber.queued;
-    let before = count.fetch_add(1, Ordering::AcqRel);
-    let queued = size.fetch_add(bytes, Ordering::AcqRel);
-    let undo = || {
-        count.fetch_sub(1, Ordering::AcqRel);
-        size.fetch_sub(bytes, Ordering::AcqRel);
-    };
-    if before >= XPUB_QUEUE_MESSAGES || queued + bytes > XPUB_QUEUE_BYTES {
-        undo();
+    if !subscriber.queued.admit(bytes) {
         return true;
     }
     match subscriber.send_queue.clone().try_send(message.clone()) {
         Ok(()) => true,
         Err(e) => {
-            undo();
+            subscriber.queued.release(1, bytes);
             !e.is_disconnected()
         }
     }
@@ -136,7 +122,7 @@ impl MultiPeerBackend for XPubSocketBackend {
         let (recv_queue, mut send_queue) = io.into_parts();
         // `queue_for` keeps the queue at XPUB_QUEUE_MESSAGES (see `XPubSubscriber::queued`).
         let (queue_sender, mut queue_receiver) = mpsc::channel::<ZmqMessage>(XPUB_QUEUE_MESSAGES);
-        let queued = Arc::new((AtomicUsize::new(0), AtomicUsize::new(0)));
+        let queued = Arc::new(HighWater::default());
         let writer_queued = queued.clone();
         let writer_backend = Arc::downgrade(&self);
         let writer_peer = peer_id.clone();
@@ -144,8 +130,7 @@ impl MultiPeerBackend for XPubSocketBackend {
             while let Some(message) = queue_receiver.next().await {
                 let bytes = message_bytes(&message);
                 let sent = send_queue.send(Message::Message(message)).await;
-                writer_queued.0.fetch_sub(1, Ordering::AcqRel);
-                writer_queued.1.fetch_sub(bytes, Ordering::AcqRel);
+                writer_queued.release(1, bytes);
                 if let Err(e) = sent {
                     log::debug!("Error sending message to subscriber: {:?}", e);
                     if let Some(backend) = writer_backend.upgrade() {
