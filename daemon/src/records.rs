@@ -214,7 +214,24 @@ pub struct RunningCell {
     /// successor ends the session (`daemon_restarted`) instead of continuing it.
     #[serde(default)]
     pub one_shot: bool,
+    /// The record was made just before the cell's request was written with one write(2)
+    /// into the worker's empty request pipe, which takes all of it or none: Linux's pipe
+    /// write (fs/pipe.c, `pipe_write`) copies the whole of a non-blocking write that fits
+    /// the free slots (pipe(7) promises that only up to `PIPE_BUF`; a short count makes the
+    /// writer take the record's offer back before it writes on). A successor that finds
+    /// it set asks the pipes whether it arrived ([`crate::session::keep`]): bytes still in
+    /// the request pipe, or any line on the reply pipe (the worker writes `started` first
+    /// when a request is whole), say it did; neither within [`UNCONFIRMED_WAIT`] says it
+    /// did not, and the session is adopted idle.
+    #[serde(default)]
+    pub unconfirmed: bool,
 }
+
+/// How long a successor waits for the reply pipe of a worker whose record is
+/// [`RunningCell::unconfirmed`] and whose request pipe is empty, before it concludes that
+/// the request never reached the worker: 2 s. A worker that read its request writes
+/// `started` at once; the wait covers one that was not scheduled meanwhile.
+pub const UNCONFIRMED_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The journal of session `id`'s running cell: its retained output and counts, appended as
 /// frames leave the actor (`session::journal`), at most [`JOURNAL_MAX_BYTES`].

@@ -1,7 +1,7 @@
 //! Safe wrappers for the system calls the daemon would otherwise make by hand: pidfds
 //! (pidfd_open(2), pidfd_send_signal(2), poll(2) on a pidfd; Linux 5.3 on), signals by pid
-//! (kill(2), tgkill(2)), descriptors marked close-on-exec before an exec (close_range(2)) and
-//! random bytes (getrandom(2)). Every wrapper reports a failure as a [`std::io::Error`]; none panics, so a
+//! (kill(2), tgkill(2)), descriptors marked close-on-exec before an exec (close_range(2)),
+//! what a pipe holds and can take (`FIONREAD`, `F_GETPIPE_SZ`) and random bytes (getrandom(2)). Every wrapper reports a failure as a [`std::io::Error`]; none panics, so a
 //! failed system call never takes the root daemon down. The rest of the daemon calls these
 //! instead of `libc::syscall` or `libc::getrandom`.
 
@@ -74,6 +74,35 @@ pub fn pidfd_exited(pidfd: BorrowedFd<'_>) -> bool {
     // SAFETY: one valid pollfd that outlives the call, zero timeout.
     let n = unsafe { libc::poll(&mut p, 1, 0) };
     n > 0
+}
+
+/// Whether `fd` becomes readable (or hung up) within `wait`: poll(2), again with the time
+/// left after `EINTR` or an early timeout (poll(2) may time out a little before `wait`). A
+/// failed poll counts as not readable.
+pub fn readable_within(fd: BorrowedFd<'_>, wait: std::time::Duration) -> bool {
+    let end = std::time::Instant::now() + wait;
+    loop {
+        let left = end.saturating_duration_since(std::time::Instant::now());
+        let mut p = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = libc::c_int::try_from(left.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX);
+        // SAFETY: one valid pollfd that outlives the call.
+        let n = unsafe { libc::poll(&mut p, 1, ms) };
+        if n > 0 {
+            return true;
+        }
+        let again = if n == 0 {
+            std::time::Instant::now() < end
+        } else {
+            io::Error::last_os_error().kind() == io::ErrorKind::Interrupted
+        };
+        if !again {
+            return false;
+        }
+    }
 }
 
 /// `kill(pid, signal)`: to the process `pid`. Safe only for a pid that cannot have been
@@ -160,10 +189,62 @@ pub fn random_hex(n: usize) -> io::Result<String> {
     Ok(b.iter().map(|x| format!("{x:02x}")).collect())
 }
 
+/// Bytes in the pipe of `fd` not yet read (either end): `ioctl(FIONREAD)`, pipe(7).
+///
+/// Errors: `fd` is not a pipe or socket (`EINVAL`, `ENOTTY`).
+pub fn pipe_unread(fd: BorrowedFd<'_>) -> io::Result<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int through the pointer, which points to `n`.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::FIONREAD, &mut n) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// The capacity of the pipe of `fd`, bytes: `fcntl(F_GETPIPE_SZ)`, fcntl(2) (65,536 unless
+/// changed, and less for a user past `/proc/sys/fs/pipe-user-pages-soft`, pipe(7)).
+///
+/// Errors: `fd` is not a pipe (`EBADF`, `EINVAL`).
+pub fn pipe_capacity(fd: BorrowedFd<'_>) -> io::Result<usize> {
+    // SAFETY: F_GETPIPE_SZ takes no argument and touches no memory of ours.
+    let r = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETPIPE_SZ) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(usize::try_from(r).unwrap_or(0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::fd::AsFd;
+
+    #[test]
+    fn a_pipe_tells_what_it_holds_and_takes_from_either_end() {
+        let (r, w) = nix::unistd::pipe().unwrap();
+        assert_eq!(pipe_unread(w.as_fd()).unwrap(), 0);
+        nix::unistd::write(&w, b"hello").unwrap();
+        assert_eq!(pipe_unread(w.as_fd()).unwrap(), 5);
+        assert_eq!(pipe_unread(r.as_fd()).unwrap(), 5);
+        assert!(pipe_capacity(w.as_fd()).unwrap() >= 4096);
+        let file = std::fs::File::open("/proc/self/stat").unwrap();
+        assert!(pipe_capacity(file.as_fd()).is_err());
+        assert!(readable_within(r.as_fd(), std::time::Duration::ZERO));
+        let (r2, w2) = nix::unistd::pipe().unwrap();
+        let t0 = std::time::Instant::now();
+        assert!(!readable_within(
+            r2.as_fd(),
+            std::time::Duration::from_millis(50)
+        ));
+        assert!(
+            t0.elapsed() >= std::time::Duration::from_millis(50),
+            "{:?}",
+            t0.elapsed()
+        );
+        drop(w2);
+        assert!(readable_within(r2.as_fd(), std::time::Duration::ZERO));
+    }
 
     #[test]
     fn pid_zero_and_huge_pids_are_refused_not_passed_on() {

@@ -29,6 +29,7 @@
 //! | frame | Python worker | R worker |
 //! |-------|---------------|----------|
 //! | `ready`, `fatal` | once, before the first request | once, before the first request |
+//! | `started` | once per `exec`, first, for the running cell, echoing the request's `nonce` | the same |
 //! | `output`, `dropped` | only for the running cell | never (R output travels on fds 1 and 2) |
 //! | `done` | once per `exec`, for the running cell, echoing the request's `nonce` | the same |
 //! | `inspected` | once per `inspect`, echoing its `nonce` | the same |
@@ -389,6 +390,18 @@ pub enum WorkerMessage {
         /// What failed, bounded by [`MAX_ERROR_MESSAGE`].
         reason: String,
     },
+    /// The worker read a whole `exec` request: sent once per `exec`, before anything else of
+    /// the cell. It is how a successor daemon tells whether the request written just before
+    /// its predecessor died reached the worker (a pipe keeps no count of what went through
+    /// it): a `started` line, or any other, on the reply pipe says it did. The daemon needs
+    /// nothing else from it; a forged one can only say so of its own session's cell.
+    Started {
+        /// Cell number from the request.
+        cell: u64,
+        /// The request's `nonce`, echoed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nonce: Option<String>,
+    },
     /// Output of a cell (Python worker only; R output travels on fds 1 and 2).
     Output {
         /// Cell the output belongs to.
@@ -641,6 +654,18 @@ mod tests {
         };
         let line = m.to_line();
         assert_eq!(WorkerMessage::parse(&line[..line.len() - 1]).unwrap(), m);
+    }
+
+    #[test]
+    fn started_is_the_line_the_r_and_python_workers_write() {
+        // worker.R and worker.py build this line by hand.
+        let line = br#"{"t":"started","cell":7,"nonce":"0123456789abcdef"}"#;
+        let m = WorkerMessage::Started {
+            cell: 7,
+            nonce: Some("0123456789abcdef".into()),
+        };
+        assert_eq!(WorkerMessage::parse(line).unwrap(), m);
+        assert_eq!(&m.to_line()[..line.len()], line);
     }
 
     #[test]

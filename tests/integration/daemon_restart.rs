@@ -900,6 +900,13 @@ async fn a_session_between_cells_is_adopted_idle(point: &str) {
         "{}",
         second.log_text()
     );
+    if point == "request_recorded" {
+        assert!(
+            second.log_text().contains("never reached the worker"),
+            "{}",
+            second.log_text()
+        );
+    }
     let mut c = second.client().await;
     let want = if point == "cell_ended" { "2" } else { "1" };
     assert_eq!(stdout_of(&mut c, &s, "print(v)").await.trim(), want);
@@ -916,6 +923,75 @@ async fn a_session_between_cells_is_adopted_idle(point: &str) {
 async fn a_crash_before_a_request_reaches_the_worker_keeps_the_session() {
     skip_unless_root!();
     a_session_between_cells_is_adopted_idle("before_request").await;
+}
+
+/// The daemon dies after its record offered cell 2 as running (`unconfirmed`) and before the
+/// one write(2) of its request: the successor finds both pipes empty, waits for a `started`
+/// line that never comes, and adopts the session idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_just_before_the_request_is_written_keeps_the_session() {
+    skip_unless_root!();
+    a_session_between_cells_is_adopted_idle("request_recorded").await;
+}
+
+/// The daemon dies right after the one write(2) of a submitted cell's request, while its
+/// record still says the request may not have reached the worker: the successor reads the
+/// worker's `started` line, continues the cell in the same worker, and an Attach gives its
+/// whole output and result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_just_after_the_request_is_written_continues_the_cell() {
+    skip_unless_root!();
+    let seam = "SANDCELL_TEST_KILL_AT";
+    let (mut first, mut setup) = first_daemon(&[(seam, "request_written:2")]);
+    setup.env.retain(|(k, _)| k != seam);
+    let mut c = first.client().await;
+    let s = c.open("python", None, Some(600)).await.unwrap().session;
+    assert_eq!(stdout_of(&mut c, &s, "v = 1\nprint(v)").await, "1\n");
+    let (worker, _) = record_pids(&setup.adopt, &s);
+    // Cell 2: the daemon dies once its request is in the pipe (the Submit may be answered
+    // first, or cut).
+    let code = "import time\nprint('in the cell', flush=True)\ntime.sleep(1)\nv = 2\nprint('v', v)";
+    let submitted = c.submit(&s, code).await;
+    assert!(
+        matches!(&submitted, Ok(2)) || matches!(&submitted, Err(e) if e.is_call_cut()),
+        "{submitted:?}"
+    );
+    let t0 = Instant::now();
+    while !matches!(first.child.try_wait(), Ok(Some(_))) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the daemon did not die"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        first.log_text().contains("killing the daemon"),
+        "{}",
+        first.log_text()
+    );
+    assert!(alive(worker), "the worker died with the daemon");
+    let second = successor(&first, &setup);
+    let mut c = second.client().await;
+    let got = attach_until_end(&mut c, &s, 2).await;
+    assert_eq!(got.stdout, "in the cell\nv 2\n", "{}", second.log_text());
+    assert_eq!(
+        got.result.status,
+        sandcell_client::Status::Ok,
+        "{:?}",
+        got.result
+    );
+    assert!(
+        second.log_text().contains("continuing the cell"),
+        "{}",
+        second.log_text()
+    );
+    assert_eq!(stdout_of(&mut c, &s, "print(v)").await.trim(), "2");
+    assert_eq!(
+        record_pids(&setup.adopt, &s).0,
+        worker,
+        "the worker changed"
+    );
+    c.close(&s).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1125,6 +1125,11 @@ def serve():
             continue  # the answer to a host call the last cell gave up on
         if op != "exec":
             protocol_fail("unknown request %r" % op[:32])
+        # The request is whole: a successor daemon learns from this line that it arrived.
+        started = {"t": "started", "cell": cell}
+        if "nonce" in opts:
+            started["nonce"] = opts["nonce"]
+        send(started)
         status, error, code = run_cell(cell, payload, opts)
         try:
             finish_cell()

@@ -1301,6 +1301,9 @@ serve <- function(ready = TRUE) {
     }
     if (identical(req$op, "host_reply")) next # the answer to a call the last cell gave up on
     if (!identical(req$op, "exec")) protocol_fail(paste("unknown request", req$op))
+    # The request is whole: a successor daemon learns from this line that it arrived.
+    send_line(json_obj(list(t = json_str("started"), cell = req$cell,
+      nonce = if (!is.null(req$opts$nonce)) json_str(req$opts$nonce))))
     drain_interrupt()
     state$cell <- req$cell
     state$nonce <- req$opts$nonce

@@ -286,6 +286,15 @@ pub async fn serve(
                 }
             }
             Ok(Request::Exec { header, source }) => {
+                // The request is whole here: a successor daemon learns from this line that it
+                // reached the worker.
+                let started = WorkerMessage::Started {
+                    cell: header.cell,
+                    nonce: header.nonce.clone(),
+                };
+                if replies.send(&started).is_err() {
+                    return exit::IO;
+                }
                 let req = CellRequest {
                     cell: header.cell,
                     source: &source,

@@ -305,25 +305,15 @@ impl Actor {
             request.extend_from_slice(code.as_bytes());
             drop(code);
             keep::kill_seam("before_request", cell);
-            // From here a successor cannot tell how much of the request the worker holds.
-            self.pending = Some(crate::records::PendingCell {
-                stage: crate::records::PendingStage::WritingRequest,
-                one_shot,
-            });
-            self.persist();
-            match tokio::time::timeout(
-                limits.wall + limits.grace,
-                self.requests.write_all(&request),
-            )
-            .await
-            .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
+            let wait = limits.wall + limits.grace;
+            match self
+                .write_request(&mut run, &request, retained, files_before.as_ref(), wait)
+                .await
             {
                 Err(e) => CellEnd::WorkerGone(format!("writing the request: {e}")),
                 Ok(()) => {
                     drop(request);
                     run.stages.mark("request");
-                    self.keep_running_cell(&mut run, retained, files_before.as_ref());
-                    run.stages.mark("record");
                     let end = self.cell_loop(&mut run, cmds).await;
                     run.stages.mark("cell");
                     end

@@ -761,6 +761,7 @@ impl Actor {
             | WorkerMessage::Dropped { cell, .. }
             | WorkerMessage::Display { cell, .. }
             | WorkerMessage::Done { cell, .. }
+            | WorkerMessage::Started { cell, .. }
                 if cell != run.cell =>
             {
                 violation(format!(
@@ -769,6 +770,8 @@ impl Actor {
                     run.cell
                 ))
             }
+            // Only a successor daemon needs it (`session::keep`, `RunningCell::unconfirmed`).
+            WorkerMessage::Started { .. } => None,
             WorkerMessage::Output { stream, data, .. } => {
                 if let Some(t) = run.caps[idx(stream)].push_text(&data) {
                     run.queue(stream, t);
@@ -1328,6 +1331,7 @@ pub(super) fn kind(m: &WorkerMessage) -> &'static str {
         WorkerMessage::Fatal { .. } => "fatal",
         WorkerMessage::Output { .. } => "output",
         WorkerMessage::Dropped { .. } => "dropped",
+        WorkerMessage::Started { .. } => "started",
         WorkerMessage::Done { .. } => "done",
         WorkerMessage::Inspected { .. } => "inspected",
         WorkerMessage::Completions { .. } => "completions",

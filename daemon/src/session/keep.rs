@@ -260,7 +260,7 @@ impl Adoptable {
 /// running cell is not adopted (its keeper is told to end).
 ///
 /// Errors: [`NotAdopted`].
-pub fn connect(dir: &Path, r: Record) -> Result<Adoptable, NotAdopted> {
+pub fn connect(dir: &Path, mut r: Record) -> Result<Adoptable, NotAdopted> {
     let sock = records::keeper_socket(dir, &r.id);
     let (lifeline, held) = keeper::adopt(&sock).map_err(|e| {
         NotAdopted::Gone(format!(
@@ -312,6 +312,22 @@ pub fn connect(dir: &Path, r: Record) -> Result<Adoptable, NotAdopted> {
              connection went with it"
         )));
     }
+    if let Some(c) = r.running.as_mut().filter(|c| c.unconfirmed) {
+        if request_arrived(&held, records::UNCONFIRMED_WAIT) {
+            c.unconfirmed = false;
+        } else {
+            tracing::info!(session = %r.id, cell = c.cell, "the request of the cell never reached the worker (its pipes are empty and no `started` came)");
+            r.pending = Some(records::PendingCell {
+                stage: records::PendingStage::BeforeRequest,
+                one_shot: c.one_shot,
+            });
+            r.running = None;
+            // Made for the cell just before its request: nothing of it is in them.
+            super::spool::remove(dir, &r.id);
+            let _ = std::fs::remove_file(records::journal_path(dir, &r.id));
+            let _ = std::fs::remove_file(records::before_path(dir, &r.id));
+        }
+    }
     // A cell whose request never reached the worker, or that ended with the session going
     // on, leaves the worker waiting for a request: the session is adopted idle.
     let idle = r.running.is_none()
@@ -340,6 +356,26 @@ pub fn connect(dir: &Path, r: Record) -> Result<Adoptable, NotAdopted> {
         lifeline,
         held,
     })
+}
+
+/// Whether the request written in one write(2) just before the predecessor died (a record
+/// [`records::RunningCell::unconfirmed`]) reached the worker: its bytes are still in the
+/// request pipe (`FIONREAD`, pipe(7)), or the reply pipe becomes readable within `wait` (the
+/// worker's `started` line, or its end). Neither: the write never happened, since the pipe
+/// takes a write that fits whole or not at all.
+fn request_arrived(held: &Held, wait: Duration) -> bool {
+    if crate::sys::pipe_unread(held.requests.as_fd()).is_ok_and(|n| n > 0) {
+        return true;
+    }
+    crate::sys::readable_within(held.replies.as_fd(), wait)
+}
+
+/// Whether the empty pipe of `requests` takes `len` bytes in one write(2): nothing unread in
+/// it and a capacity of at least `len` (pipe(7)).
+fn pipe_takes_whole(requests: &pipe::Sender, len: usize) -> bool {
+    let fd = requests.as_fd();
+    crate::sys::pipe_unread(fd).is_ok_and(|n| n == 0)
+        && crate::sys::pipe_capacity(fd).is_ok_and(|c| c >= len)
 }
 
 /// How this daemon reaches an adopted session's directory `path`, whose file system the
@@ -709,15 +745,69 @@ fn phase_name(p: super::Phase) -> &'static str {
 }
 
 impl Actor {
-    /// The cell's request reached the worker: from now on its record says how a successor
-    /// continues it, a retained cell's output is journaled (`journal.rs`), and the listing
-    /// of the session directory before the cell (`before`) is kept beside the record
-    /// (`records::before_path`), so a successor lists the files the cell changed.
+    /// Writes cell `run`'s `request` to the worker, keeping the record a successor reads to
+    /// tell where the request was if this daemon dies meanwhile.
+    ///
+    /// A kept session whose request fits the request pipe's free capacity (the pipe is empty
+    /// between cells; 64 KiB by default, pipe(7)) gets one non-blocking write(2), which
+    /// Linux does not split when the request fits (fs/pipe.c): the record says the cell runs,
+    /// [`records::RunningCell::unconfirmed`], before the write, and a successor asks the
+    /// pipes whether it arrived. A larger request is written in parts, under a record
+    /// that says so ([`records::PendingStage::WritingRequest`]): a successor cannot tell how
+    /// much the worker holds, and ends the session. `wait` bounds the whole write.
+    ///
+    /// Errors: the write failed or took longer than `wait` (the worker is gone or stuck).
+    pub(super) async fn write_request(
+        &mut self,
+        run: &mut CellRun,
+        request: &[u8],
+        retained: bool,
+        before: Option<&crate::files::Listing>,
+        wait: Duration,
+    ) -> std::io::Result<()> {
+        let mut from = 0;
+        if self.kept.is_some() && pipe_takes_whole(&self.requests, request.len()) {
+            self.keep_running_cell(run, retained, before, true);
+            kill_seam("request_recorded", run.cell);
+            match nix::unistd::write(&self.requests, request) {
+                Ok(n) if n == request.len() => {
+                    kill_seam("request_written", run.cell);
+                    if let Some(c) = self.running.as_mut() {
+                        c.unconfirmed = false;
+                    }
+                    self.persist();
+                    return Ok(());
+                }
+                Ok(n) => from = n,
+                Err(nix::errno::Errno::EAGAIN) => {}
+                Err(e) => return Err(e.into()),
+            }
+            // Not written whole after all: the record must not offer the cell.
+            self.running = None;
+        }
+        self.pending = Some(records::PendingCell {
+            stage: records::PendingStage::WritingRequest,
+            one_shot: !run.keep_session,
+        });
+        self.persist();
+        tokio::time::timeout(wait, self.requests.write_all(&request[from..]))
+            .await
+            .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))?;
+        self.keep_running_cell(run, retained, before, false);
+        Ok(())
+    }
+
+    /// The cell's request reaches the worker (`unconfirmed`: is about to, in one write): from
+    /// now on its record says how a successor continues it, a retained cell's output is
+    /// journaled (`journal.rs`), and the listing of the session directory before the cell
+    /// (`before`) is kept beside the record (`records::before_path`), so a successor lists
+    /// the files the cell changed.
     pub(super) fn keep_running_cell(
         &mut self,
         run: &mut CellRun,
         retained: bool,
         before: Option<&crate::files::Listing>,
+        unconfirmed: bool,
     ) {
         let Some(k) = self.kept.as_ref() else { return };
         let path = records::before_path(&k.keep.dir, &self.session.id);
@@ -767,6 +857,7 @@ impl Actor {
             cpu0: run.cpu0,
             host_waiting: None,
             one_shot: !run.keep_session,
+            unconfirmed,
         });
         self.persist();
     }
@@ -964,9 +1055,11 @@ impl Actor {
 
 /// A test seam: with `SANDCELL_TEST_KILL_AT=<point>:<n>` in its environment the daemon kills
 /// itself with SIGKILL when cell number `n` of a session reaches `point`: `before_request`
-/// (its record says no byte of its request was written yet) or `cell_ended` (its record no
-/// longer offers it to a successor, and its result is not sent yet). Only the integration
-/// tests set it.
+/// (its record says no byte of its request was written yet), `request_recorded` (its record
+/// offers the cell as running, `unconfirmed`, and its request is not written),
+/// `request_written` (the same record, the request written whole) or `cell_ended` (its
+/// record no longer offers it to a successor, and its result is not sent yet). Only the
+/// integration tests set it.
 pub(super) fn kill_seam(point: &str, cell: u64) {
     use std::sync::OnceLock;
     static AT: OnceLock<Option<(String, u64)>> = OnceLock::new();

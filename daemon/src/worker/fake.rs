@@ -399,6 +399,13 @@ fn fake_worker_main() {
         let steps = cells
             .next()
             .unwrap_or_else(|| vec![Step::Done(WorkerStatus::Ok)]);
+        reply(
+            &mut out,
+            &WorkerMessage::Started {
+                cell: header.cell,
+                nonce: header.nonce.clone(),
+            },
+        );
         for step in steps {
             match step {
                 Step::Output(stream, data) => reply(
