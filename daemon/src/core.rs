@@ -1008,7 +1008,8 @@ impl Core {
                 hosts,
                 ..policy.clone()
             };
-            crate::egress::open(&prepared.id, prepared.spawned.pid, listener, &policy).await;
+            let none = crate::egress::Counts::default();
+            crate::egress::open(&prepared.id, prepared.spawned.pid, listener, &policy, none).await;
             stages.mark("egress_grant");
         }
         let s = self.start_session(prepared, caller, limits, detached, from_pool, one_shot);

@@ -33,7 +33,7 @@ pub const COUNTERS_EVERY: Duration = Duration::from_secs(2);
 
 /// One session's egress counters, as the proxy answers the control line `counters`
 /// (sandcell-egress's control protocol).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 #[serde(default)]
 pub struct Counts {
     /// Requests the proxy served (a CONNECT tunnel or a plain HTTP request).
@@ -417,8 +417,16 @@ pub fn control_socket() -> std::path::PathBuf {
 /// its egress under `policy`: `listener` (bound in its namespace) granted to the proxy, the
 /// grant held by a task until the process exits (its pidfd turns readable, pidfd_open(2)),
 /// which revokes it. A failure (the proxy is not running) is logged as a warning with the
-/// reason, and the worker then reaches nothing (its connects are refused).
-pub async fn open(id: &str, pid: u32, listener: OwnedFd, policy: &crate::config::EgressConfig) {
+/// reason, and the worker then reaches nothing (its connects are refused). `used`: what the
+/// session used under earlier grants (an adopted session's record keeps the counters last
+/// read), from which its budgets and counters go on.
+pub async fn open(
+    id: &str,
+    pid: u32,
+    listener: OwnedFd,
+    policy: &crate::config::EgressConfig,
+    used: Counts,
+) {
     // Refused at Open with the reason (EgressUnavailable); a warm worker started meanwhile
     // gets nothing, and the log says why once, at start.
     if availability().is_err() {
@@ -433,7 +441,7 @@ pub async fn open(id: &str, pid: u32, listener: OwnedFd, policy: &crate::config:
             return;
         }
     };
-    let Some(ctl) = granted(id, listener, policy).await else {
+    let Some(ctl) = granted(id, listener, policy, used).await else {
         return;
     };
     // SAFETY: `pidfd` is an open descriptor owned by the AsyncFd from here on: it stays open,
@@ -452,14 +460,14 @@ pub async fn open(id: &str, pid: u32, listener: OwnedFd, policy: &crate::config:
         Err(_) => return,
     };
     let id = id.to_string();
-    ledger().live.insert(id.clone(), Counts::default());
+    ledger().live.insert(id.clone(), used);
     tokio::spawn(async move {
         let (rd, mut wr) = ctl.into_split();
         let mut rd = tokio::io::BufReader::new(rd);
         let mut tick = tokio::time::interval(COUNTERS_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
-        let mut last = Counts::default();
+        let mut last = used;
         let mut talking = true;
         while talking {
             tokio::select! {
@@ -512,6 +520,7 @@ async fn granted(
     id: &str,
     listener: OwnedFd,
     policy: &crate::config::EgressConfig,
+    used: Counts,
 ) -> Option<UnixStream> {
     let g = sandcell_egress::control::Grant {
         session: id.to_string(),
@@ -521,6 +530,12 @@ async fn granted(
         max_connections: policy.max_connections,
         max_total_connections: policy.max_total_connections,
         max_seconds: policy.max_seconds,
+        used: sandcell_egress::control::Used {
+            allowed: used.allowed,
+            refused: used.refused,
+            bytes: used.bytes,
+            connections: used.connections,
+        },
     };
     let control = control_socket();
     let done = tokio::task::spawn_blocking(move || -> io::Result<UnixStream> {
@@ -578,6 +593,7 @@ mod tests {
             )),
             allowed_uid: 0,
             sessions: std::sync::Arc::new(tokio::sync::Semaphore::new(4)),
+            remembered: Default::default(),
         });
         rt.spawn(async move {
             let l = tokio::net::UnixListener::from_std(std_listener).unwrap();
@@ -593,6 +609,7 @@ mod tests {
             max_connections: 4,
             max_total_connections: 100,
             max_seconds: 10,
+            used: Default::default(),
         };
         let ctl = grant(&control, &fd, &g).expect("granted");
         drop(fd);

@@ -149,6 +149,12 @@ pub struct Record {
     /// force.
     #[serde(default)]
     pub egress_hosts: Option<Vec<String>>,
+    /// The session's egress counters as last read from the proxy when the record was
+    /// written (they are read every 2 s; the record is written at each cell's start and
+    /// end): a successor grants the session again from these, unless the proxy, which keeps
+    /// a revoked session's counters for an hour, knows larger ones.
+    #[serde(default)]
+    pub egress_counts: Option<crate::egress::Counts>,
     /// The keeper.
     pub keeper: ProcId,
     /// The worker.

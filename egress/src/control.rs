@@ -50,6 +50,141 @@ pub struct Grant {
     pub max_total_connections: u64,
     /// Life of one connection, seconds.
     pub max_seconds: u64,
+    /// What the session used under earlier grants (absent: nothing): a daemon that adopts a
+    /// session grants it again with the counters it last read, so that its budgets
+    /// (`max_bytes`, `max_total_connections`) go on from there, not from zero. The proxy
+    /// takes, counter by counter, the larger of these and what it counted itself for the
+    /// same session id ([`Server::remembered`]).
+    #[serde(default, skip_serializing_if = "Used::is_zero")]
+    pub used: Used,
+}
+
+/// A session's counters: requests served and refused, bytes relayed both ways, connections
+/// accepted (the `counters` answer's fields).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Used {
+    /// Requests served.
+    #[serde(default)]
+    pub allowed: u64,
+    /// Requests refused.
+    #[serde(default)]
+    pub refused: u64,
+    /// Bytes relayed, both directions.
+    #[serde(default)]
+    pub bytes: u64,
+    /// Connections accepted.
+    #[serde(default)]
+    pub connections: u64,
+}
+
+impl Used {
+    /// Nothing counted.
+    pub fn is_zero(&self) -> bool {
+        *self == Used::default()
+    }
+
+    /// Counter by counter, the larger of the two.
+    pub fn max(self, o: Used) -> Used {
+        Used {
+            allowed: self.allowed.max(o.allowed),
+            refused: self.refused.max(o.refused),
+            bytes: self.bytes.max(o.bytes),
+            connections: self.connections.max(o.connections),
+        }
+    }
+
+    fn of(s: &Session) -> Used {
+        let c = &s.counters;
+        Used {
+            allowed: c.allowed.load(Ordering::Relaxed),
+            refused: c.refused.load(Ordering::Relaxed),
+            bytes: c.bytes.load(Ordering::Relaxed),
+            connections: c.connections.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// How long the proxy keeps a revoked session's counters for a grant of the same session
+/// that may follow (a daemon that restarted and adopted it): one hour.
+pub const REMEMBER_FOR: std::time::Duration = std::time::Duration::from_secs(3600);
+/// Most revoked sessions whose counters the proxy keeps; the oldest go first.
+pub const MAX_REMEMBERED: usize = 4096;
+
+/// The counters of sessions granted lately, by session id: live ones (their counters as
+/// they grow) and revoked ones (for [`REMEMBER_FOR`], at most [`MAX_REMEMBERED`]). A grant
+/// of an id found here goes on from its counters: a daemon's restart, which revokes every
+/// grant with its control connections, does not give a session its budgets again.
+#[derive(Debug, Default)]
+pub struct Remembered {
+    by_id: std::sync::Mutex<std::collections::HashMap<String, Kept>>,
+}
+
+#[derive(Debug)]
+struct Kept {
+    session: Arc<Session>,
+    /// When it was revoked (`None`: live).
+    revoked: Option<std::time::Instant>,
+}
+
+impl Remembered {
+    /// Registers `s` as the live session of its id; returns what the id had used before
+    /// (zero when unknown). The same id's earlier session, live or revoked, is replaced.
+    fn granted(&self, s: &Arc<Session>) -> Used {
+        let mut m = self.by_id.lock().unwrap_or_else(|e| e.into_inner());
+        let now = std::time::Instant::now();
+        m.retain(|_, k| {
+            k.revoked
+                .is_none_or(|t| now.duration_since(t) < REMEMBER_FOR)
+        });
+        let revoked = m.values().filter(|k| k.revoked.is_some()).count();
+        if revoked >= MAX_REMEMBERED {
+            let oldest: Vec<String> = {
+                let mut v: Vec<_> = m
+                    .iter()
+                    .filter_map(|(id, k)| k.revoked.map(|t| (t, id.clone())))
+                    .collect();
+                v.sort();
+                v.into_iter()
+                    .take(revoked + 1 - MAX_REMEMBERED)
+                    .map(|(_, id)| id)
+                    .collect()
+            };
+            for id in oldest {
+                m.remove(&id);
+            }
+        }
+        let before = m
+            .get(&s.policy.session)
+            .map(|k| Used::of(&k.session))
+            .unwrap_or_default();
+        m.insert(
+            s.policy.session.clone(),
+            Kept {
+                session: s.clone(),
+                revoked: None,
+            },
+        );
+        before
+    }
+
+    /// `s` was revoked: its counters are kept for [`REMEMBER_FOR`] (unless a later grant of
+    /// its id replaced it already).
+    fn revoked(&self, s: &Arc<Session>) {
+        let mut m = self.by_id.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = m.get_mut(&s.policy.session)
+            && Arc::ptr_eq(&k.session, s)
+        {
+            k.revoked = Some(std::time::Instant::now());
+        }
+    }
+
+    /// Sessions known: (live, revoked).
+    pub fn len(&self) -> (usize, usize) {
+        let m = self.by_id.lock().unwrap_or_else(|e| e.into_inner());
+        let revoked = m.values().filter(|k| k.revoked.is_some()).count();
+        (m.len() - revoked, revoked)
+    }
 }
 
 impl Grant {
@@ -87,6 +222,9 @@ pub struct Server {
     pub allowed_uid: u32,
     /// Sessions served at once.
     pub sessions: Arc<Semaphore>,
+    /// Counters of the sessions granted lately, which a new grant of the same id goes on
+    /// from.
+    pub remembered: Remembered,
 }
 
 /// Accepts control connections until the listener fails.
@@ -138,9 +276,9 @@ async fn session(mut stream: UnixStream, server: &Server) -> io::Result<()> {
         let policy = grant.policy()?;
         let fd = fd.ok_or("no listener descriptor attached")?;
         let listener = listener_from(fd)?;
-        Ok::<_, String>((policy, listener))
+        Ok::<_, String>((policy, listener, grant.used))
     })();
-    let (policy, listener) = match started {
+    let (policy, listener, used) = match started {
         Ok(s) => s,
         Err(e) => {
             answer(&mut stream, &serde_json::json!({"error": e})).await?;
@@ -157,6 +295,8 @@ async fn session(mut stream: UnixStream, server: &Server) -> io::Result<()> {
     };
     let id = policy.session.clone();
     let s = Arc::new(Session::new(policy));
+    let before = server.remembered.granted(&s).max(used);
+    s.counters.start_from(before);
     let (tx, rx) = watch::channel(false);
     let served = tokio::spawn(proxy::serve(
         listener,
@@ -165,7 +305,7 @@ async fn session(mut stream: UnixStream, server: &Server) -> io::Result<()> {
         rx,
     ));
     answer(&mut stream, &serde_json::json!({"ok": true})).await?;
-    tracing::info!(session = %id, "egress granted");
+    tracing::info!(session = %id, bytes_before = before.bytes, connections_before = before.connections, "egress granted");
     // `counters`: answered, the session goes on. Any other line, or the end: revoke.
     let asked = loop {
         let mut buf = Vec::new();
@@ -186,6 +326,7 @@ async fn session(mut stream: UnixStream, server: &Server) -> io::Result<()> {
     };
     let _ = tx.send(true);
     let _ = served.await;
+    server.remembered.revoked(&s);
     let counters = counters_of(&s);
     tracing::info!(session = %id, %counters, "egress revoked");
     if asked {
@@ -297,6 +438,7 @@ mod tests {
             max_connections: 1,
             max_total_connections: 1,
             max_seconds: 1,
+            used: Used::default(),
         };
         assert!(g.policy().is_ok());
         let many = Grant {
@@ -315,5 +457,45 @@ mod tests {
         };
         assert!(none.policy().is_err());
         assert!(serde_json::from_str::<Grant>(r#"{"session":"s","hosts":[],"ports":[],"max_bytes":1,"max_connections":1,"max_total_connections":1,"max_seconds":1,"x":1}"#).is_err());
+        // Nothing used: the field is left out, as a proxy before it expects.
+        assert!(!serde_json::to_string(&g).unwrap().contains("used"));
+    }
+
+    fn session(id: &str) -> Arc<Session> {
+        let g = Grant {
+            session: id.into(),
+            hosts: vec![],
+            ports: vec![80],
+            max_bytes: 1,
+            max_connections: 1,
+            max_total_connections: 1,
+            max_seconds: 1,
+            used: Used::default(),
+        };
+        Arc::new(Session::new(g.policy().unwrap()))
+    }
+
+    #[test]
+    fn revoked_counters_are_kept_for_the_same_id_and_bounded() {
+        let r = Remembered::default();
+        let a = session("a");
+        assert!(r.granted(&a).is_zero());
+        a.counters.bytes.store(7, Ordering::Relaxed);
+        r.revoked(&a);
+        let again = session("a");
+        assert_eq!(r.granted(&again).bytes, 7);
+        // The earlier session's late revocation does not mark the new one revoked.
+        r.revoked(&a);
+        assert_eq!(r.len(), (1, 0));
+        for i in 0..MAX_REMEMBERED + 10 {
+            let s = session(&format!("s{i}"));
+            r.granted(&s);
+            r.revoked(&s);
+        }
+        let (live, revoked) = r.len();
+        assert_eq!(live, 1);
+        assert!(revoked <= MAX_REMEMBERED, "{revoked}");
+        // The oldest went first.
+        assert!(r.granted(&session("s0")).is_zero());
     }
 }

@@ -59,6 +59,7 @@ async fn main() -> anyhow::Result<()> {
         resolver: Arc::new(resolver),
         allowed_uid: args.allowed_uid,
         sessions: Arc::new(tokio::sync::Semaphore::new(args.max_sessions)),
+        remembered: Default::default(),
     });
     control::run(tokio::net::UnixListener::from_std(listener)?, server).await?;
     Ok(())

@@ -57,6 +57,16 @@ pub struct Counters {
     pub connections: AtomicU64,
 }
 
+impl Counters {
+    /// Sets every counter to `u`'s (a session granted again goes on from what it used).
+    pub fn start_from(&self, u: crate::control::Used) {
+        self.allowed.store(u.allowed, Ordering::Relaxed);
+        self.refused.store(u.refused, Ordering::Relaxed);
+        self.bytes.store(u.bytes, Ordering::Relaxed);
+        self.connections.store(u.connections, Ordering::Relaxed);
+    }
+}
+
 /// A served session.
 #[derive(Debug)]
 pub struct Session {

@@ -23,6 +23,7 @@ fn start() -> std::path::PathBuf {
         // SAFETY: geteuid has no preconditions.
         allowed_uid: unsafe { libc::geteuid() },
         sessions: Arc::new(tokio::sync::Semaphore::new(8)),
+        remembered: Default::default(),
     });
     let rt = tokio::runtime::Runtime::new().unwrap();
     std::thread::spawn(move || {
@@ -168,4 +169,61 @@ fn bad_grants_are_refused() {
     let long = "x".repeat(control::MAX_LINE + 10);
     let _ = ctl.write_all(long.as_bytes());
     assert!(read_line(&mut ctl).contains("longer than"));
+}
+
+/// Counters of `session` through a `counters` line.
+fn counters(ctl: &mut UnixStream) -> serde_json::Value {
+    ctl.write_all(b"counters\n").unwrap();
+    serde_json::from_str(&read_line(ctl)).unwrap()
+}
+
+/// A daemon that restarts loses its control connections, which revokes every grant; its
+/// successor grants the adopted sessions again. The budgets go on from what each session used,
+/// whether the proxy remembers it (same proxy) or only the grant says it (a new proxy).
+#[test]
+fn a_session_granted_again_goes_on_from_what_it_used() {
+    let path = start();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let mut ctl = UnixStream::connect(&path).unwrap();
+    send(&ctl, &grant_line("again"), &[listener.as_raw_fd()]);
+    drop(listener);
+    assert_eq!(read_line(&mut ctl), r#"{"ok":true}"#);
+    for _ in 0..3 {
+        let a = ask(port, "GET http://other.test/ HTTP/1.1\r\n\r\n");
+        assert!(a.starts_with("HTTP/1.1 403"), "{a}");
+    }
+    assert_eq!(counters(&mut ctl)["connections"], 3);
+    drop(ctl);
+    std::thread::sleep(Duration::from_millis(200));
+    // The same session granted again (no `used` in the grant): the proxy's own counters.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let mut ctl = UnixStream::connect(&path).unwrap();
+    send(&ctl, &grant_line("again"), &[listener.as_raw_fd()]);
+    drop(listener);
+    assert_eq!(read_line(&mut ctl), r#"{"ok":true}"#);
+    let c = counters(&mut ctl);
+    assert_eq!(
+        (c["connections"].clone(), c["refused"].clone()),
+        (3.into(), 3.into()),
+        "{c}"
+    );
+    // A session this proxy never saw, granted with what it used under another proxy: 10
+    // connections of its 10 are gone.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port2 = listener.local_addr().unwrap().port();
+    let mut ctl2 = UnixStream::connect(&path).unwrap();
+    let mut g: serde_json::Value = serde_json::from_str(grant_line("elsewhere").trim()).unwrap();
+    g["used"] = serde_json::json!({"connections": 10, "bytes": 5});
+    send(&ctl2, &format!("{g}\n"), &[listener.as_raw_fd()]);
+    drop(listener);
+    assert_eq!(read_line(&mut ctl2), r#"{"ok":true}"#);
+    let a = ask(port2, "GET http://local.test/ HTTP/1.1\r\n\r\n");
+    assert!(a.contains("connection cap reached (10 in all)"), "{a}");
+    assert_eq!(counters(&mut ctl2)["bytes"], 5);
+    // The first session still serves, from 3.
+    let a = ask(port, "GET http://other.test/ HTTP/1.1\r\n\r\n");
+    assert!(a.starts_with("HTTP/1.1 403"), "{a}");
+    assert_eq!(counters(&mut ctl)["connections"], 4);
 }

@@ -682,6 +682,41 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
             out.stderr,
             second.log_text()
         );
+        if let Some(b) = &bus {
+            // Its counters, and so its budgets, go on from what it used before the crash (one
+            // request served and one refused then, the same again now): the proxy kept them
+            // when the crash revoked the grant.
+            let egress = || {
+                let o2 = Command::new(common::bin_dir().join("sandcellctl"))
+                    .args(["list", "--json"])
+                    .env("DBUS_SYSTEM_BUS_ADDRESS", &b.address)
+                    .env("SANDCELL_SOCKET", &second.socket)
+                    .output()
+                    .unwrap();
+                serde_json::from_slice::<serde_json::Value>(&o2.stdout)
+                    .ok()
+                    .and_then(|v| {
+                        v.as_array()?
+                            .iter()
+                            .find(|r| r["id"] == o.session.as_str())
+                            .map(|r| r["egress"].clone())
+                    })
+                    .unwrap_or_default()
+            };
+            assert!(
+                common::eventually(std::time::Duration::from_secs(10), || {
+                    let e = egress();
+                    e["allowed"].as_u64() >= Some(2) && e["refused"].as_u64() >= Some(2)
+                }),
+                "the adopted session's egress counters started again from zero: {}\n{}",
+                egress(),
+                second.log_text()
+            );
+            eprintln!(
+                "egress: the adopted session's counters went on across the crash: {}",
+                egress()
+            );
+        }
         eprintln!(
             "egress: the adopted session fetched through its grant again ({})",
             if sandbox.is_some() {

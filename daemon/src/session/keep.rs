@@ -183,6 +183,10 @@ impl Actor {
             running: self.running.clone(),
             pending: self.pending,
             egress_hosts: self.egress.as_ref().map(|(_, h)| h.clone()),
+            egress_counts: self
+                .egress
+                .as_ref()
+                .and_then(|_| crate::egress::counts(&s.id)),
             keeper: ProcId {
                 pid: life.pid,
                 start_time: life.start_time,
@@ -473,8 +477,9 @@ impl Session {
                 let kept = listener.try_clone().ok();
                 let (id, pid, policy) = (r.id.clone(), r.worker.pid, policy.clone());
                 let hosts = policy.hosts.clone();
+                let used = r.egress_counts.unwrap_or_default();
                 tokio::spawn(async move {
-                    crate::egress::open(&id, pid, listener, &policy).await;
+                    crate::egress::open(&id, pid, listener, &policy, used).await;
                 });
                 kept.map(|l| (l, hosts))
             }
