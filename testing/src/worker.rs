@@ -439,10 +439,12 @@ impl WorkerProcess {
 
     /// Reads the replies of `cell` until its `done` (`t0`: when its request was sent),
     /// collecting `output` and `dropped` frames and fds 1 and 2; panics on any other message,
-    /// a `done` of another cell, end of file, or no `done` within `limit`.
+    /// a `done` of another cell, a `started` line after another line of the cell, end of
+    /// file, or no `done` within `limit`.
     pub fn collect(&mut self, cell: u64, t0: Instant, limit: Duration) -> Cell {
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let mut first = None;
+        let mut started = false;
         let mut frames = Vec::new();
         let mut displays = Vec::new();
         let (mut dropped_stdout, mut dropped_stderr) = (0, 0);
@@ -459,7 +461,15 @@ impl WorkerProcess {
                         String::from_utf8_lossy(&err)
                     ),
                 };
+            // The caller may have read the `started` line itself; if not, it comes first.
+            let is_started = matches!(msg, WorkerMessage::Started { .. });
+            assert!(
+                !(is_started && started),
+                "cell {cell}: {msg:?} after another line of the cell"
+            );
+            started = true;
             match msg {
+                WorkerMessage::Started { cell: c, .. } => assert_eq!(c, cell),
                 WorkerMessage::Output {
                     cell: c,
                     stream,

@@ -13,7 +13,7 @@
 mod common;
 
 use common::{Engine, Start, Worker, examples};
-use sandcell_proto::worker::{MAX_ERROR_MESSAGE, MAX_TRACEBACK, WorkerStatus};
+use sandcell_proto::worker::{MAX_ERROR_MESSAGE, MAX_TRACEBACK, WorkerMessage, WorkerStatus};
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -428,6 +428,14 @@ fn exit_quit_and_sys_exit_report_exited() {
     let mut w = Worker::start();
     let cell = w.send(b"import os; os._exit(7)", None);
     let (mut o, mut e) = (Vec::new(), Vec::new());
+    let started =
+        |m: Option<(WorkerMessage, usize)>| matches!(m, Some((WorkerMessage::Started { .. }, _)));
+    assert!(started(w.next_message(
+        &mut o,
+        &mut e,
+        None,
+        Duration::from_secs(10)
+    )));
     assert!(
         w.next_message(&mut o, &mut e, None, Duration::from_secs(10))
             .is_none(),
@@ -439,6 +447,12 @@ fn exit_quit_and_sys_exit_report_exited() {
         b"import os, signal; os.kill(os.getpid(), signal.SIGSEGV)",
         None,
     );
+    assert!(started(w.next_message(
+        &mut o,
+        &mut e,
+        None,
+        Duration::from_secs(10)
+    )));
     assert!(
         w.next_message(&mut o, &mut e, None, Duration::from_secs(10))
             .is_none()

@@ -736,6 +736,10 @@ fn output_is_streamed_while_the_cell_runs() {
             },
         );
         let t = Instant::now();
+        assert!(matches!(
+            w.next(Duration::from_secs(1)),
+            Some(sandcell_proto::worker::WorkerMessage::Started { .. })
+        ));
         match w.next(Duration::from_secs(1)) {
             Some(sandcell_proto::worker::WorkerMessage::Output { data, .. }) => {
                 assert_eq!(data, "first\n")
@@ -793,9 +797,13 @@ fn c_level_recursion_aborts_the_worker_known_eryx_limit() {
     let status = w.wait_exit(Duration::from_secs(10));
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(status.signal(), Some(libc::SIGABRT), "{status:?}");
+    assert!(matches!(
+        w.next(Duration::from_millis(500)),
+        Some(sandcell_proto::worker::WorkerMessage::Started { .. })
+    ));
     assert!(
         w.next(Duration::from_millis(500)).is_none(),
-        "no reply after the abort"
+        "no reply after the abort but its started line"
     );
 }
 

@@ -120,7 +120,9 @@ macro_rules! log {
     ($($t:tt)*) => { eprintln!("sandcell kernel: {}", format!($($t)*)) };
 }
 
-/// How long a heartbeat echo may wait for its pinger to read, seconds.
+/// How long a heartbeat echo may take, seconds: a bound only, since the REP socket never
+/// waits for a pinger to read (an echo its socket cannot take is finished in the background,
+/// and the next echo for that pinger is dropped until it is).
 const HB_SEND_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The largest heartbeat ping echoed, bytes (jupyter_client pings with 4 bytes, `ping`):
@@ -373,7 +375,8 @@ pub async fn serve(
         }
     });
     // Anyone who can connect may ping (heartbeats are not signed): a malformed ping is
-    // skipped, and a pinger that does not read its echoes gets none after HB_SEND_WAIT. The
+    // skipped, and a pinger that does not read its echoes gets no more of them while one
+    // waits for it, without delaying the others (the REP socket's send never waits). The
     // heartbeat runs on a thread of its own: the REP socket's disconnect handling takes a
     // blocking lock on its peer table, which, under a flood of unread pings from several
     // connections, blocked the kernel's one thread for good (shell, control and iopub with it).

@@ -150,7 +150,31 @@ impl SocketSend for RepSocket {
                     if let Some(envelope) = self.envelope.take() {
                         message.prepend(&envelope);
                     }
-                    writer.lock().await.send(Message::Message(message)).await?;
+                    // sandcell: a reply never waits for its peer to read, as libzmq's REP
+                    // drops a reply at the peer's high-water mark. The published send awaited
+                    // the write: one peer that sent requests and did not read the replies
+                    // held every other peer's request until its socket buffer drained (a
+                    // heartbeat flooded by pingers that never read stopped for minutes). The
+                    // write is tried at once; what the socket cannot take yet is finished by
+                    // a task that holds the peer's writer, and a reply for a peer whose
+                    // writer is still held is dropped.
+                    let Some(mut w) = writer.try_lock_owned() else {
+                        log::debug!(
+                            "peer {:?} has not taken its last reply: reply dropped",
+                            peer_id
+                        );
+                        return Ok(());
+                    };
+                    let mut write =
+                        Box::pin(async move { w.send(Message::Message(message)).await });
+                    match futures::poll!(&mut write) {
+                        std::task::Poll::Ready(r) => r?,
+                        std::task::Poll::Pending => {
+                            crate::async_rt::task::spawn(async move {
+                                let _ = write.await;
+                            });
+                        }
+                    }
                     Ok(())
                 } else {
                     Err(ZmqError::ReturnToSender {

@@ -25,8 +25,11 @@ pub const MAX_MESSAGE_FRAMES: usize = 1024;
 
 /// sandcell: the bytes of each connection's message being received that are not charged to
 /// [`RECEIVE_BUDGET_BYTES`], so that small messages (every ordinary request) are never
-/// refused for what other connections hold.
-pub const FREE_MESSAGE_BYTES: usize = 1024 * 1024;
+/// refused for what other connections hold. 64 KiB: with a free MiB, 1000 connections each
+/// holding an unfinished message just under it made the process hold a GiB outside the
+/// budget; the descriptors a process may open (1024 by default, getrlimit(2)) now bound that
+/// share to 64 MiB.
+pub const FREE_MESSAGE_BYTES: usize = 64 * 1024;
 
 /// sandcell: what all of the process's connections together may hold of messages still
 /// being received beyond their [`FREE_MESSAGE_BYTES`], bytes. A frame that would pass it is
