@@ -313,9 +313,46 @@ fn r_is_complete(code: &str) -> (&'static str, Option<String>) {
     let mut quote: Option<u8> = None;
     // The last thing in the code closed such a head: `function(x)` waits for its body.
     let mut head_closed = false;
+    // The last token was an operator, or there was none yet: a binary operator cannot come
+    // now (`1 +* 2`, `x <- * 1`).
+    let mut after_op = true;
     let mut i = 0;
     while i < b.len() {
         let c = b[i];
+        if quote.is_none() && R_OP_CHARS.contains(&c) {
+            let op = r_operator(&b[i..]);
+            if after_op && r_binary_only(op) {
+                return ("invalid", None);
+            }
+            after_op = true;
+            head_closed = false;
+            i += op.len().max(1);
+            continue;
+        }
+        if quote.is_none() && (c.is_ascii_alphanumeric() || c == b'.' || c == b'_') {
+            // A name or a number, with a decimal exponent's sign (`1e-5`).
+            let start = i;
+            while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'.' || b[i] == b'_') {
+                i += 1;
+                let word = &b[start..i];
+                let decimal = word[0].is_ascii_digit()
+                    && !word.starts_with(b"0x")
+                    && !word.starts_with(b"0X");
+                if decimal
+                    && matches!(b[i - 1], b'e' | b'E')
+                    && i < b.len()
+                    && matches!(b[i], b'+' | b'-')
+                {
+                    i += 1;
+                }
+            }
+            after_op = false;
+            head_closed = false;
+            continue;
+        }
+        if !c.is_ascii_whitespace() && c != b'#' {
+            after_op = matches!(c, b'(' | b'[' | b'{' | b',' | b';') && quote.is_none();
+        }
         if let Some(q) = quote {
             if c == b'\\' {
                 i += 2;
@@ -370,6 +407,39 @@ fn r_is_complete(code: &str) -> (&'static str, Option<String>) {
         return ("incomplete", Some(String::new()));
     }
     ("complete", None)
+}
+
+/// The characters R operators are made of.
+const R_OP_CHARS: &[u8] = b"+-*/^|&<>=!~$@:?%";
+
+/// The R operator at the start of `b` (which starts with one of [`R_OP_CHARS`]): the longest
+/// of R's operators, or `%...%` up to its closing `%` on the line (all of the line when
+/// none: the code is then incomplete or invalid either way).
+fn r_operator(b: &[u8]) -> &str {
+    if b[0] == b'%' {
+        let end = b[1..]
+            .iter()
+            .position(|c| *c == b'%' || *c == b'\n')
+            .map_or(b.len(), |p| p + 2);
+        return std::str::from_utf8(&b[..end.min(b.len())]).unwrap_or("%");
+    }
+    const OPS: [&str; 21] = [
+        ":::", "<<-", "->>", "::", "<-", "->", "<=", ">=", "==", "!=", "&&", "||", "|>", "+", "-",
+        "*", "/", "^", "<", ">", "=",
+    ];
+    for op in OPS {
+        if b.starts_with(op.as_bytes()) {
+            return op;
+        }
+    }
+    // `!`, `~`, `?`, `|`, `&`, `$`, `@`, `:` alone.
+    std::str::from_utf8(&b[..1]).unwrap_or("?")
+}
+
+/// Whether R's operator `op` needs a left operand (`-`, `+`, `!`, `~` and `?` are also
+/// unary).
+fn r_binary_only(op: &str) -> bool {
+    !matches!(op, "-" | "+" | "!" | "~" | "?")
 }
 
 /// Whether `s` ends with the word `w` (not the tail of a longer name).
@@ -517,8 +587,42 @@ mod tests {
         ] {
             assert_eq!(status("r", c), "incomplete", "{c:?}");
         }
-        for c in ["x <- 1)", "}"] {
+        for c in [
+            "x <- 1)",
+            "}",
+            "1 +* 2",
+            "x <- * 1",
+            "* 2",
+            "a == == b",
+            "1 %in% * 2",
+            "f(, * 2)",
+            "1 +\n* 2",
+        ] {
             assert_eq!(status("r", c), "invalid", "{c:?}");
+        }
+        for c in [
+            "x <- -1",
+            "a & !b",
+            "y ~ -x",
+            "~ x",
+            "1 + + 2",
+            "x<-1",
+            "base::mean(1)",
+            "x %in% y",
+            "5 %% 2",
+            "-1",
+            "!TRUE",
+            "?mean",
+            "a |> f()",
+            "x[, -1]",
+            "f(a = -1)",
+            "x <- y <- 2",
+            "2 ^ -1",
+            "1e-5 * 2",
+            "x$y@z",
+            "'*' * 2",
+        ] {
+            assert_eq!(status("r", c), "complete", "{c:?}");
         }
     }
 }
