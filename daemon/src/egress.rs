@@ -46,6 +46,18 @@ pub struct Counts {
     pub connections: u64,
 }
 
+impl Counts {
+    /// What was counted since `earlier`, counter by counter (never below zero).
+    pub fn since(self, earlier: Counts) -> Counts {
+        Counts {
+            allowed: self.allowed.saturating_sub(earlier.allowed),
+            refused: self.refused.saturating_sub(earlier.refused),
+            bytes: self.bytes.saturating_sub(earlier.bytes),
+            connections: self.connections.saturating_sub(earlier.connections),
+        }
+    }
+}
+
 impl std::ops::AddAssign for Counts {
     fn add_assign(&mut self, o: Counts) {
         self.allowed += o.allowed;
@@ -441,9 +453,9 @@ pub async fn open(
             return;
         }
     };
-    let Some(ctl) = granted(id, listener, policy, used).await else {
-        return;
-    };
+    // A duplicate, to grant again when the proxy restarts (its grants end with it).
+    let again = listener.try_clone().ok();
+    let first = granted(id, listener, policy, used).await;
     // SAFETY: `pidfd` is an open descriptor owned by the AsyncFd from here on: it stays open,
     // naming the worker's pidfd, until the AsyncFd is dropped.
     let registered = unsafe {
@@ -452,46 +464,100 @@ pub async fn open(
     let Ok(exit) = registered else {
         return;
     };
+    let id = id.to_string();
+    let policy = policy.clone();
+    ledger().live.insert(id.clone(), used);
+    tokio::spawn(async move {
+        let mut last = used;
+        let mut ctl = first;
+        let mut wait = REGRANT_FIRST;
+        loop {
+            if let Some(c) = ctl.take() {
+                match serve_grant(&id, c, &exit, &mut last).await {
+                    Served::WorkerGone => break,
+                    Served::ProxyGone => {
+                        tracing::warn!(session = %id, "the egress proxy stopped answering: the session's grant is asked again until it does");
+                        wait = REGRANT_FIRST;
+                    }
+                }
+            }
+            // No grant: the proxy is not running (or refused). Asked again, from what the
+            // session used, until it answers or the worker exits.
+            let Some(l) = again.as_ref().and_then(|l| l.try_clone().ok()) else {
+                break;
+            };
+            tokio::select! {
+                _ = exit.readable() => break,
+                () = tokio::time::sleep(wait) => {}
+            }
+            wait = (wait * 2).min(REGRANT_MAX);
+            ctl = granted_quietly(&id, l, &policy, last).await;
+            if ctl.is_some() {
+                tracing::info!(session = %id, bytes = last.bytes, connections = last.connections, "egress granted again");
+            }
+        }
+        let mut l = ledger();
+        l.live.remove(&id);
+        // Only what this daemon saw relayed: the rest was counted by its predecessor.
+        l.ended += last.since(used);
+    });
+}
+
+/// How long a session without a grant waits before its first new request for one, then
+/// doubling up to [`REGRANT_MAX`].
+pub const REGRANT_FIRST: Duration = Duration::from_millis(500);
+/// The longest wait between two requests for a session's grant while the proxy is away.
+pub const REGRANT_MAX: Duration = Duration::from_secs(10);
+
+/// How [`serve_grant`] ended.
+enum Served {
+    /// The worker exited; the grant is revoked.
+    WorkerGone,
+    /// The proxy stopped answering (it exited or restarted); the grant is gone with it.
+    ProxyGone,
+}
+
+/// Holds the grant on `ctl` for session `id`: asks its counters every [`COUNTERS_EVERY`]
+/// into `last` and the ledger, until the worker exits (`exit` turns readable: the grant is
+/// revoked) or the proxy stops answering.
+async fn serve_grant(
+    id: &str,
+    ctl: UnixStream,
+    exit: &tokio::io::unix::AsyncFd<OwnedFd>,
+    last: &mut Counts,
+) -> Served {
     let ctl = match ctl
         .set_nonblocking(true)
         .and_then(|()| tokio::net::UnixStream::from_std(ctl))
     {
         Ok(c) => c,
-        Err(_) => return,
+        Err(_) => return Served::ProxyGone,
     };
-    let id = id.to_string();
-    ledger().live.insert(id.clone(), used);
-    tokio::spawn(async move {
-        let (rd, mut wr) = ctl.into_split();
-        let mut rd = tokio::io::BufReader::new(rd);
-        let mut tick = tokio::time::interval(COUNTERS_EVERY);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
-        let mut last = used;
-        let mut talking = true;
-        while talking {
-            tokio::select! {
-                _ = exit.readable() => break,
-                _ = tick.tick() => match ask(&mut rd, &mut wr, b"counters\n").await {
-                    Some(c) => {
-                        last = c;
-                        if let Some(l) = ledger().live.get_mut(&id) {
-                            *l = c;
-                        }
+    let (rd, mut wr) = ctl.into_split();
+    let mut rd = tokio::io::BufReader::new(rd);
+    let mut tick = tokio::time::interval(COUNTERS_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = exit.readable() => break,
+            _ = tick.tick() => match ask(&mut rd, &mut wr, b"counters\n").await {
+                Some(c) => {
+                    *last = c;
+                    if let Some(l) = ledger().live.get_mut(id) {
+                        *l = c;
                     }
-                    None => talking = false,
-                },
-            }
+                }
+                None => return Served::ProxyGone,
+            },
         }
-        // The worker is gone (or the proxy stopped answering): revoke, keeping the final
-        // figures; the end of the connection revokes in any case.
-        if talking && let Some(c) = ask(&mut rd, &mut wr, b"revoke\n").await {
-            last = c;
-        }
-        let mut l = ledger();
-        l.live.remove(&id);
-        l.ended += last;
-    });
+    }
+    // The worker is gone: revoke, keeping the final figures; the end of the connection
+    // revokes in any case.
+    if let Some(c) = ask(&mut rd, &mut wr, b"revoke\n").await {
+        *last = c;
+    }
+    Served::WorkerGone
 }
 
 /// Sends one control `line` and reads the proxy's JSON answer (at most 4 KiB, within
@@ -522,7 +588,49 @@ async fn granted(
     policy: &crate::config::EgressConfig,
     used: Counts,
 ) -> Option<UnixStream> {
-    let g = sandcell_egress::control::Grant {
+    let g = grant_line(id, policy, used);
+    let control = control_socket();
+    let done = tokio::task::spawn_blocking(move || -> io::Result<UnixStream> {
+        grant(&control, &listener, &g)
+    })
+    .await
+    .unwrap_or_else(|e| Err(io::Error::other(e.to_string())));
+    match done {
+        Ok(ctl) => Some(ctl),
+        Err(e) => {
+            tracing::warn!(session = %id, reason = %e, "egress not granted: asked again until the proxy answers; meanwhile the session's connections wait");
+            None
+        }
+    }
+}
+
+/// [`granted`], logging a failure at debug level only (a session asking again while the
+/// proxy is away).
+async fn granted_quietly(
+    id: &str,
+    listener: OwnedFd,
+    policy: &crate::config::EgressConfig,
+    used: Counts,
+) -> Option<UnixStream> {
+    let g = grant_line(id, policy, used);
+    let control = control_socket();
+    match tokio::task::spawn_blocking(move || grant(&control, &listener, &g)).await {
+        Ok(Ok(ctl)) => Some(ctl),
+        Ok(Err(e)) => {
+            tracing::debug!(session = %id, reason = %e, "egress not granted yet");
+            None
+        }
+        Err(_) => None,
+    }
+}
+
+/// The grant of session `id` under `policy`, going on from `used`.
+fn grant_line(
+    id: &str,
+    policy: &crate::config::EgressConfig,
+    used: Counts,
+) -> sandcell_egress::control::Grant {
+    sandcell_egress::control::Grant {
         session: id.to_string(),
         hosts: policy.hosts.clone(),
         ports: policy.ports.clone(),
@@ -536,19 +644,6 @@ async fn granted(
             bytes: used.bytes,
             connections: used.connections,
         },
-    };
-    let control = control_socket();
-    let done = tokio::task::spawn_blocking(move || -> io::Result<UnixStream> {
-        grant(&control, &listener, &g)
-    })
-    .await
-    .unwrap_or_else(|e| Err(io::Error::other(e.to_string())));
-    match done {
-        Ok(ctl) => Some(ctl),
-        Err(e) => {
-            tracing::warn!(session = %id, reason = %e, "egress not granted: the session has no network");
-            None
-        }
     }
 }
 

@@ -105,8 +105,13 @@ fn refused_v6(ip: Ipv6Addr) -> Option<Class> {
         x if x & 0xff00 == 0xff00 => Class::Multicast,
         0x2001 if s[1] == 0x0db8 => Class::Reserved, // documentation
         0x0100 if s[1..4] == [0, 0, 0] => Class::Reserved, // discard-only
-        0x2002 => Class::Reserved,                   // 6to4: an embedded IPv4 address of any class
-        0x2001 if s[1] == 0 => Class::Reserved,      // Teredo: likewise
+        // NAT64 local-use prefix (RFC 8215, 64:ff9b:1::/48): its IPv4 embedding is the
+        // operator's choice, so any IPv4 address may be inside.
+        0x0064 if s[1] == 0xff9b && s[2] == 1 => Class::Reserved,
+        // IPv4-translated (::ffff:0:a.b.c.d, RFC 2765): likewise an IPv4 address of any class.
+        0 if s[..5] == [0, 0, 0, 0, 0xffff] && s[5] == 0 => Class::Reserved,
+        0x2002 => Class::Reserved, // 6to4: an embedded IPv4 address of any class
+        0x2001 if s[1] == 0 => Class::Reserved, // Teredo: likewise
         _ => return None,
     };
     Some(class)
@@ -174,5 +179,9 @@ mod tests {
         assert_eq!(c("2606:4700::1111"), None);
         assert_eq!(c("::ffff:1.1.1.1"), None);
         assert_eq!(c("64:ff9b::101:101"), None);
+        assert_eq!(c("64:ff9b:1::a9fe:a9fe"), Some(Class::Reserved));
+        assert_eq!(c("64:ff9b:1:ffff::101:101"), Some(Class::Reserved));
+        assert_eq!(c("::ffff:0:a9fe:a9fe"), Some(Class::Reserved));
+        assert_eq!(c("::ffff:0:101:101"), Some(Class::Reserved));
     }
 }

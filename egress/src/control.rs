@@ -79,6 +79,18 @@ pub struct Used {
 }
 
 impl Used {
+    /// Each counter at most 2^62: counts added to it later cannot wrap around (a forged
+    /// `used` of 2^64 - 1 would make the next connection count from zero).
+    pub fn bounded(self) -> Used {
+        const MAX: u64 = 1 << 62;
+        Used {
+            allowed: self.allowed.min(MAX),
+            refused: self.refused.min(MAX),
+            bytes: self.bytes.min(MAX),
+            connections: self.connections.min(MAX),
+        }
+    }
+
     /// Nothing counted.
     pub fn is_zero(&self) -> bool {
         *self == Used::default()
@@ -129,8 +141,10 @@ struct Kept {
 
 impl Remembered {
     /// Registers `s` as the live session of its id; returns what the id had used before
-    /// (zero when unknown). The same id's earlier session, live or revoked, is replaced.
-    fn granted(&self, s: &Arc<Session>) -> Used {
+    /// (zero when unknown), or `None` (nothing registered) while another grant of the same
+    /// id is live: two grants of one session would each get its whole budget. A revoked
+    /// one is replaced.
+    fn granted(&self, s: &Arc<Session>) -> Option<Used> {
         let mut m = self.by_id.lock().unwrap_or_else(|e| e.into_inner());
         let now = std::time::Instant::now();
         m.retain(|_, k| {
@@ -154,6 +168,11 @@ impl Remembered {
                 m.remove(&id);
             }
         }
+        if m.get(&s.policy.session)
+            .is_some_and(|k| k.revoked.is_none())
+        {
+            return None;
+        }
         let before = m
             .get(&s.policy.session)
             .map(|k| Used::of(&k.session))
@@ -165,7 +184,7 @@ impl Remembered {
                 revoked: None,
             },
         );
-        before
+        Some(before)
     }
 
     /// `s` was revoked: its counters are kept for [`REMEMBER_FOR`] (unless a later grant of
@@ -295,7 +314,15 @@ async fn session(mut stream: UnixStream, server: &Server) -> io::Result<()> {
     };
     let id = policy.session.clone();
     let s = Arc::new(Session::new(policy));
-    let before = server.remembered.granted(&s).max(used);
+    let Some(known) = server.remembered.granted(&s) else {
+        answer(
+            &mut stream,
+            &serde_json::json!({"error": "the session already has a live grant"}),
+        )
+        .await?;
+        return Ok(());
+    };
+    let before = known.max(used.bounded());
     s.counters.start_from(before);
     let (tx, rx) = watch::channel(false);
     let served = tokio::spawn(proxy::serve(
@@ -305,7 +332,7 @@ async fn session(mut stream: UnixStream, server: &Server) -> io::Result<()> {
         rx,
     ));
     answer(&mut stream, &serde_json::json!({"ok": true})).await?;
-    tracing::info!(session = %id, bytes_before = before.bytes, connections_before = before.connections, "egress granted");
+    tracing::info!(session = ?id, bytes_before = before.bytes, connections_before = before.connections, "egress granted");
     // `counters`: answered, the session goes on. Any other line, or the end: revoke.
     let asked = loop {
         let mut buf = Vec::new();
@@ -328,7 +355,7 @@ async fn session(mut stream: UnixStream, server: &Server) -> io::Result<()> {
     let _ = served.await;
     server.remembered.revoked(&s);
     let counters = counters_of(&s);
-    tracing::info!(session = %id, %counters, "egress revoked");
+    tracing::info!(session = ?id, %counters, "egress revoked");
     if asked {
         answer(&mut stream, &counters).await?;
     }
@@ -388,7 +415,10 @@ async fn receive_grant(stream: &UnixStream) -> io::Result<(Vec<u8>, Option<Owned
 /// One `recvmsg`: bytes read and the descriptors received (owned, close-on-exec).
 fn recv_once(raw: RawFd, buf: &mut [u8]) -> io::Result<(usize, Vec<OwnedFd>)> {
     let mut iov = [IoSliceMut::new(buf)];
-    let mut space = nix::cmsg_space!([RawFd; 4]);
+    // Room for as many descriptors as one message can carry (SCM_MAX_FD, 253, unix(7)): a
+    // truncated control message would leave the descriptors that did arrive unowned, and
+    // so open for good; every one is owned here and closed with the refusal.
+    let mut space = nix::cmsg_space!([RawFd; 253]);
     let msg = recvmsg::<()>(raw, &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
         .map_err(io::Error::from)?;
     let mut fds = Vec::new();
@@ -479,11 +509,13 @@ mod tests {
     fn revoked_counters_are_kept_for_the_same_id_and_bounded() {
         let r = Remembered::default();
         let a = session("a");
-        assert!(r.granted(&a).is_zero());
+        assert!(r.granted(&a).unwrap().is_zero());
+        // A second grant of a live id is refused.
+        assert_eq!(r.granted(&session("a")), None);
         a.counters.bytes.store(7, Ordering::Relaxed);
         r.revoked(&a);
         let again = session("a");
-        assert_eq!(r.granted(&again).bytes, 7);
+        assert_eq!(r.granted(&again).unwrap().bytes, 7);
         // The earlier session's late revocation does not mark the new one revoked.
         r.revoked(&a);
         assert_eq!(r.len(), (1, 0));
@@ -496,6 +528,15 @@ mod tests {
         assert_eq!(live, 1);
         assert!(revoked <= MAX_REMEMBERED, "{revoked}");
         // The oldest went first.
-        assert!(r.granted(&session("s0")).is_zero());
+        assert!(r.granted(&session("s0")).unwrap().is_zero());
+        assert_eq!(
+            Used {
+                connections: u64::MAX,
+                ..Used::default()
+            }
+            .bounded()
+            .connections,
+            1 << 62
+        );
     }
 }

@@ -100,7 +100,9 @@ impl Session {
         if let Some(dest) = r.destination() {
             let mut logged = self.logged.lock().unwrap_or_else(|e| e.into_inner());
             if logged.len() < MAX_LOGGED_REFUSALS && logged.insert(dest.clone()) {
-                tracing::warn!(session = %self.policy.session, destination = %dest, reason = %r, "egress refused");
+                // Debug-formatted: the host is the cell's own text (a newline or a bidirectional
+                // control character must not forge or disguise a journal line).
+                tracing::warn!(session = ?self.policy.session, destination = ?dest, reason = ?r.to_string(), "egress refused");
             }
         }
     }

@@ -113,8 +113,16 @@ impl PrivateNet {
         c
     }
 
-    /// Spawns `cmd`, killed and reaped on drop.
-    pub fn spawn(&mut self, mut cmd: Command) {
+    /// Spawns `cmd`, killed and reaped on drop; returns its index for [`PrivateNet::stop`].
+    pub fn spawn(&mut self, mut cmd: Command) -> usize {
         self.children.push(cmd.spawn().unwrap());
+        self.children.len() - 1
+    }
+
+    /// Kills (SIGKILL) and reaps the process that [`PrivateNet::spawn`] numbered `index`.
+    pub fn stop(&mut self, index: usize) {
+        let c = &mut self.children[index];
+        let _ = c.kill();
+        let _ = c.wait();
     }
 }

@@ -498,14 +498,17 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
     let mut net = PrivateNet::new(tag);
     net.serve_http(&www);
     let control = dir.path().join("control");
-    let mut proxy = net.command_in(PROXY_NS, &proxy_bin);
-    proxy
-        .arg("--control")
-        .arg(&control)
-        .arg("--hosts-file")
-        .arg(&hosts)
-        .arg("--hosts-only");
-    net.spawn(proxy);
+    let start_proxy = |net: &mut PrivateNet| {
+        let mut proxy = net.command_in(PROXY_NS, &proxy_bin);
+        proxy
+            .arg("--control")
+            .arg(&control)
+            .arg("--hosts-file")
+            .arg(&hosts)
+            .arg("--hosts-only");
+        net.spawn(proxy)
+    };
+    let proxy = start_proxy(&mut net);
     assert!(
         common::eventually(std::time::Duration::from_secs(10), || control.exists()),
         "the proxy did not bind its control socket"
@@ -717,6 +720,35 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
                 egress()
             );
         }
+        // The proxy restarts (killed, then started again) while the session lives: its
+        // grants ended with it, and the daemon asks again until the new proxy answers, from
+        // the counters it last read. The session's next fetch goes through.
+        net.stop(proxy);
+        let t_proxy = std::time::Instant::now();
+        start_proxy(&mut net);
+        let out = c
+            .execute_collect(&o.session, &subset_cell("www.sub.test", "data.test"))
+            .await
+            .unwrap_or_else(|e| panic!("{e:?}\n{}", second.log_text()));
+        assert!(
+            out.stdout.contains("allowed: hello through the proxy\n")
+                && out
+                    .stdout
+                    .contains("other: 403 sandcell egress: host not allowed: data.test\n"),
+            "after the proxy's restart: {}\n{}\n{}",
+            out.stdout,
+            out.stderr,
+            second.log_text()
+        );
+        assert!(
+            second.log_text().contains("egress granted again"),
+            "{}",
+            second.log_text()
+        );
+        eprintln!(
+            "egress: the session fetched through a restarted proxy ({:.1} s after its kill)",
+            t_proxy.elapsed().as_secs_f64()
+        );
         eprintln!(
             "egress: the adopted session fetched through its grant again ({})",
             if sandbox.is_some() {
