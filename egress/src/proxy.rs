@@ -124,7 +124,7 @@ pub enum Refusal {
     #[error("port not allowed: {0}")]
     Port(u16),
     /// Every address the name resolved to is in a refused class.
-    #[error("{host} resolves to a {class} address ({ip})")]
+    #[error("{host} resolves to {} {class} address ({ip})", article(.class))]
     Address {
         /// Host.
         host: String,
@@ -417,6 +417,15 @@ where
             return Err(io::Error::other("byte cap reached"));
         }
         w.write_all(&buf[..n]).await?;
+    }
+}
+
+/// "a" or "an" before an address class's name.
+fn article(class: &str) -> &'static str {
+    if class.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
     }
 }
 

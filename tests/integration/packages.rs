@@ -17,7 +17,9 @@ use std::process::Command;
 /// - `tinypkg 1.2` (a package with 1 MiB of data) requiring `tinydep>=1`, `tinydep 1.0`;
 /// - `bigpkg 1.0` holding a 12 MiB file (over the test's disk budget);
 /// - `badhash 1.0`, listed in SHA256SUMS with a wrong digest; `unlisted 1.0`, not listed;
-/// - `srconly`, only a source distribution.
+/// - `srconly`, only a source distribution;
+/// - `compiled 1.0`, with an extension module (`.so`);
+/// - `metabomb 1.0`, 1.5 MB whose `WHEEL` member inflates to 1.5 GiB.
 fn build_wheelhouse(dir: &Path) {
     let script = r#"
 import base64, hashlib, os, sys, zipfile
@@ -49,6 +51,17 @@ listed(whl("tinydep", "1.0", {"tinydep.py": b"X = 7\n"}))
 listed(whl("bigpkg", "1.0", {"bigpkg/__init__.py": b"", "bigpkg/big.bin": os.urandom(12 << 20)}))
 listed(whl("badhash", "1.0", {"badhash.py": b""}), "0" * 64)
 whl("unlisted", "1.0", {"unlisted.py": b""})
+listed(whl("compiled", "1.0", {"compiled/__init__.py": b"", "compiled/_ext.cpython-311-x86_64-linux-gnu.so": b"\x7fELF"}))
+# A wheel of 1.5 MB whose WHEEL member inflates to 1.5 GiB.
+bomb = os.path.join(out, "metabomb-1.0-py3-none-any.whl")
+with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as z:
+    with z.open("metabomb-1.0.dist-info/WHEEL", "w", force_zip64=True) as f:
+        zeros = bytes(1 << 20)
+        for _ in range(1536):
+            f.write(zeros)
+    z.writestr("metabomb-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: metabomb\nVersion: 1.0\n")
+    z.writestr("metabomb-1.0.dist-info/RECORD", "")
+listed(bomb)
 open(os.path.join(out, "srconly-1.0.tar.gz"), "wb").write(b"not built")
 open(os.path.join(out, "SHA256SUMS"), "w").write("\n".join(sums) + "\n")
 "#;
@@ -121,10 +134,12 @@ async fn pydata_installs_wheels_from_the_wheelhouse_into_the_session() {
     assert_eq!(src.kind, "wheelhouse");
     assert_eq!(
         src.names,
-        ["badhash", "bigpkg", "tinydep", "tinypkg", "unlisted"],
+        [
+            "badhash", "bigpkg", "compiled", "metabomb", "tinydep", "tinypkg", "unlisted"
+        ],
         "{src:?}"
     );
-    assert_eq!(src.packages, 5);
+    assert_eq!(src.packages, 7);
     assert!(src.hash_manifest);
     let listed = serde_json::to_string(&envs).unwrap();
     assert!(
@@ -156,7 +171,7 @@ def refused(*a):
     except sandcell.InstallError as e:
         return str(e)
     return "installed"
-for name in ["srconly", "nothere", "badhash", "unlisted", "bigpkg"]:
+for name in ["srconly", "nothere", "badhash", "unlisted", "bigpkg", "compiled", "metabomb"]:
     print(name, "->", refused(name))
 print("after bigpkg", used() - before < 4 << 20, os.path.exists(os.path.join(os.environ["TMPDIR"], "packages/python/bigpkg")))
 try:
@@ -195,6 +210,14 @@ except OSError as e:
         "{text}"
     );
     assert!(line("bigpkg").contains("disk budget"), "{text}");
+    // Compiled code cannot load from the noexec session files: refused, saying why.
+    assert!(
+        line("compiled").contains("holds compiled code") && line("compiled").contains("noexec"),
+        "{text}"
+    );
+    // Metadata is inflated only as far as its bound: an InstallError, not the session's OOM.
+    assert!(line("metabomb").contains("metabomb"), "{text}");
+    assert!(!line("metabomb").ends_with("installed"), "{text}");
     assert!(text.contains("after bigpkg True False\n"), "{text}");
     assert!(
         text.contains("wheelhouse read-only"),
@@ -228,8 +251,8 @@ except OSError as e:
     );
 }
 
-/// A binary package `tinyr` (as `R CMD INSTALL --build` makes it) and a source package
-/// `srcr`, indexed by `tools::write_PACKAGES`.
+/// A binary package `tinyr` (as `R CMD INSTALL --build` makes it), a source package `srcr`
+/// and `symr` (below), indexed by `tools::write_PACKAGES`.
 fn build_cran_repository(root: &Path) {
     let work = temp_dir("sandcell-rbuild-");
     let contrib = root.join("src/contrib");
@@ -275,6 +298,30 @@ fn build_cran_repository(root: &Path) {
         .status()
         .unwrap();
     assert!(st.success());
+    // `symr`: a binary package's layout with a link member (`symr/lnk -> ../../..`) and a
+    // file beneath the link, which an extraction that follows links writes outside.
+    let script = r#"
+import io, sys, tarfile
+out = sys.argv[1]
+with tarfile.open(out, "w:gz") as t:
+    def add(name, data):
+        i = tarfile.TarInfo(name)
+        i.size = len(data)
+        t.addfile(i, io.BytesIO(data))
+    add("symr/DESCRIPTION", b"Package: symr\nVersion: 0.1.0\nTitle: T\nDescription: T.\nLicense: MIT\n")
+    add("symr/Meta/package.rds", b"x")
+    link = tarfile.TarInfo("symr/lnk")
+    link.type = tarfile.SYMTYPE
+    link.linkname = "../../.."
+    t.addfile(link)
+    add("symr/lnk/ESCAPED.txt", b"out\n")
+"#;
+    let st = Command::new("/usr/bin/python3")
+        .args(["-I", "-c", script])
+        .arg(contrib.join("symr_0.1.0.tar.gz"))
+        .status()
+        .unwrap();
+    assert!(st.success(), "building symr");
     let st = Command::new("Rscript")
         .args([
             "-e",
@@ -316,8 +363,8 @@ async fn r_installs_binary_packages_from_a_local_repository() {
         (src.kind.as_str(), src.packages, src.names.clone()),
         (
             "cran_repository",
-            2,
-            vec!["srcr".to_string(), "tinyr".into()]
+            3,
+            vec!["srcr".to_string(), "symr".into(), "tinyr".into()]
         )
     );
     assert!(src.hash_manifest, "write_PACKAGES writes MD5sum fields");
@@ -331,7 +378,10 @@ async fn r_installs_binary_packages_from_a_local_repository() {
              msg <- tryCatch({ install.packages(\"srcr\"); \"installed\" }, error = function(e) conditionMessage(e))\n\
              cat(\"srcr ->\", msg, \"\\n\")\n\
              msg <- tryCatch({ install.packages(\"nothere\"); \"installed\" }, error = function(e) conditionMessage(e))\n\
-             cat(\"nothere ->\", msg, \"\\n\")\n",
+             cat(\"nothere ->\", msg, \"\\n\")\n\
+             msg <- tryCatch({ install.packages(\"symr\"); \"installed\" }, error = function(e) conditionMessage(e))\n\
+             cat(\"symr ->\", msg, \"\\n\")\n\
+             cat(\"escaped\", length(list.files(Sys.getenv(\"TMPDIR\"), \"ESCAPED\", recursive = TRUE)), \"\\n\")\n",
         )
         .await
         .unwrap();
@@ -348,6 +398,11 @@ async fn r_installs_binary_packages_from_a_local_repository() {
     );
     assert!(
         text.contains("nothere -> package nothere is not in the repository"),
+        "{text}"
+    );
+    assert!(
+        text.contains("symr -> package symr: symr_0.1.0.tar.gz has a link member (symr/lnk)")
+            && text.contains("escaped 0 \n"),
         "{text}"
     );
     let dir = session_dir(&d, &o.session);
@@ -402,7 +457,7 @@ async fn package_sources_show_in_check_dbus_and_status() {
         .find(|l| l.trim_start().starts_with("pydata "))
         .unwrap_or_else(|| panic!("no pydata line in --check:\n{text}"));
     assert!(
-        line.contains("packages: wheelhouse (5 packages, hash-checked)"),
+        line.contains("packages: wheelhouse (7 packages, hash-checked)"),
         "{line}"
     );
     let python = text
@@ -437,9 +492,11 @@ async fn package_sources_show_in_check_dbus_and_status() {
         serde_json::json!([[
             "pydata",
             "wheelhouse",
-            5,
+            7,
             true,
-            ["badhash", "bigpkg", "tinydep", "tinypkg", "unlisted"]
+            [
+                "badhash", "bigpkg", "compiled", "metabomb", "tinydep", "tinypkg", "unlisted"
+            ]
         ]]),
         "{v}"
     );
@@ -456,7 +513,7 @@ async fn package_sources_show_in_check_dbus_and_status() {
     assert_eq!(o.code, 0, "sandcellctl status: {}", o.stderr);
     assert!(
         o.stdout.lines().any(|l| l.trim()
-            == "pydata wheelhouse: 5 packages, hash-checked: badhash bigpkg tinydep tinypkg unlisted"),
+            == "pydata wheelhouse: 7 packages, hash-checked: badhash bigpkg compiled metabomb tinydep tinypkg unlisted"),
         "sandcellctl status:\n{}",
         o.stdout
     );
@@ -464,6 +521,6 @@ async fn package_sources_show_in_check_dbus_and_status() {
     assert_eq!(o.code, 0, "sandcellctl status --json: {}", o.stderr);
     let st: serde_json::Value = serde_json::from_str(&o.stdout).expect(&o.stdout);
     assert_eq!(st["package_sources"][0]["environment"], "pydata", "{st}");
-    assert_eq!(st["package_sources"][0]["packages"], 5, "{st}");
+    assert_eq!(st["package_sources"][0]["packages"], 7, "{st}");
     assert!(!o.stdout.contains(&wh_path), "the host path leaked");
 }

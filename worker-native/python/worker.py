@@ -1174,7 +1174,15 @@ WHEELHOUSE = os.environ.get("SANDCELL_WHEELHOUSE") or None
 PACKAGES_DIR = os.environ.get("SANDCELL_PACKAGES_DIR") or None
 MAX_INSTALLS = 256  # wheels one sandcell.install call installs at most, dependencies included
 MAX_WHEEL_MEMBERS = 100000
-MAX_METADATA_BYTES = 4 * 1024 * 1024
+MAX_WHEEL_METADATA_BYTES = 4 * 1024 * 1024
+
+
+def _read_member(z, name):
+    """At most MAX_WHEEL_METADATA_BYTES of member `name` of zip `z`, decompressed only that far
+    (ZipFile.read inflates the whole member first: a small wheel whose metadata inflates to
+    gigabytes would exhaust the session's memory)."""
+    with z.open(name) as f:
+        return f.read(MAX_WHEEL_METADATA_BYTES)
 
 
 class InstallError(Exception):
@@ -1217,7 +1225,7 @@ def _hash_manifest():
     path = os.path.join(WHEELHOUSE, "SHA256SUMS")
     try:
         with open(path, "r", encoding="utf-8") as f:
-            text = f.read(MAX_METADATA_BYTES)
+            text = f.read(MAX_WHEEL_METADATA_BYTES)
     except FileNotFoundError:
         return None
     out = {}
@@ -1284,6 +1292,7 @@ def _unpack_wheel(wheel_path, file_name, site):
     import csv
     import hashlib
     import shutil
+    import re
     import zipfile
     stage = os.path.join(site, ".staging-%d" % os.getpid())
     shutil.rmtree(stage, ignore_errors=True)
@@ -1298,14 +1307,25 @@ def _unpack_wheel(wheel_path, file_name, site):
             if len(dist_info) != 1:
                 raise InstallError("%s: not a wheel (no single .dist-info directory)" % file_name)
             dist_info = dist_info[0]
+            # Compiled code would install and then fail to load: the session's file system is
+            # mounted noexec, so the loader cannot map a library from it. Refused up front,
+            # saying so (the safer choice than allowing code execution from files a cell can
+            # rewrite).
+            compiled = [i.filename for i in infos
+                        if re.search(r"\.(so|so\.[0-9.]+|dylib|pyd)$", i.filename)]
+            if compiled:
+                raise InstallError(
+                    "%s holds compiled code (%s), which cannot be loaded from a session's files "
+                    "(they are mounted noexec); only pure-Python wheels install"
+                    % (file_name, compiled[0][:200]))
             data_dir = dist_info[:-len(".dist-info")] + ".data"
-            wheel_meta = z.read(dist_info + "/WHEEL")[:MAX_METADATA_BYTES].decode("utf-8", "replace")
+            wheel_meta = _read_member(z, dist_info + "/WHEEL").decode("utf-8", "replace")
             version = [l.split(":", 1)[1].strip() for l in wheel_meta.splitlines()
                        if l.startswith("Wheel-Version:")]
             if not version or version[0].split(".")[0] != "1":
                 raise InstallError("%s: unsupported Wheel-Version %s" % (file_name, version))
             record = {}
-            rec_text = z.read(dist_info + "/RECORD")[:MAX_METADATA_BYTES].decode("utf-8", "replace")
+            rec_text = _read_member(z, dist_info + "/RECORD").decode("utf-8", "replace")
             for row in csv.reader(rec_text.splitlines()):
                 if len(row) >= 2 and row[1]:
                     record[row[0]] = row[1]
@@ -1342,7 +1362,7 @@ def _unpack_wheel(wheel_path, file_name, site):
                         raise InstallError("%s: %s does not match its RECORD hash" % (file_name, name[:200]))
             with open(os.path.join(stage, dist_info, "INSTALLER"), "w") as f:
                 f.write("sandcell\n")
-            metadata = z.read(dist_info + "/METADATA")[:MAX_METADATA_BYTES].decode("utf-8", "replace")
+            metadata = _read_member(z, dist_info + "/METADATA").decode("utf-8", "replace")
         for entry in os.listdir(stage):
             if os.path.lexists(os.path.join(site, entry)):
                 raise InstallError("%s: %s is already installed in this session" % (file_name, entry))

@@ -1211,6 +1211,20 @@ install_packages_session <- function(pkgs, lib, repos, dependencies = NA, ...) {
     if (any(!startsWith(members, paste0(p, "/")) | grepl("(^|/)\\.\\.(/|$)", members))) {
       install_error(sprintf("package %s: %s has a member outside %s/", p, file, p))
     }
+    # Compiled code would install and then fail to load: the session's files are mounted
+    # noexec, so the loader cannot map a library from them. Refused up front, saying so.
+    so <- grep("\\.(so|dylib|dll)$", members, value = TRUE)
+    if (length(so)) {
+      install_error(sprintf(paste("package %s: %s holds compiled code (%s), which cannot be",
+        "loaded from a session's files (they are mounted noexec); only packages without",
+        "compiled code install"), p, file, substr(so[[1L]], 1L, 200L)))
+    }
+    # A link member could make a later member land outside the package (untar follows it).
+    link <- tar_link_member(path)
+    if (!is.null(link)) {
+      install_error(sprintf("package %s: %s has a link member (%s): refused", p, file,
+        substr(link, 1L, 200L)))
+    }
     stage <- file.path(target, paste0(".staging-", Sys.getpid()))
     unlink(stage, recursive = TRUE)
     dir.create(stage, mode = "0700")
@@ -1238,6 +1252,30 @@ install_packages_session <- function(pkgs, lib, repos, dependencies = NA, ...) {
     queue <- c(deps, queue)
   }
   invisible(done)
+}
+
+# The name of the first symbolic or hard link member of the (possibly gzip-compressed) tar
+# archive at `path`, or NULL: reads the 512-byte headers (POSIX ustar: size in octal at
+# offset 124, type flag at 156, '1' hard link, '2' symbolic link) and skips the data.
+tar_link_member <- function(path) {
+  con <- gzfile(path, "rb")
+  on.exit(close(con))
+  repeat {
+    h <- readBin(con, "raw", n = 512L)
+    if (length(h) < 512L || all(h == as.raw(0L))) return(NULL)
+    type <- rawToChar(h[157L])
+    name <- rawToChar(h[1L:100L][h[1L:100L] != as.raw(0L)])
+    if (type %in% c("1", "2")) return(name)
+    size_text <- gsub("[^0-7]", "", rawToChar(h[125L:136L][h[125L:136L] != as.raw(0L)]))
+    size <- if (nzchar(size_text)) strtoi(size_text, 8L) else 0L
+    if (is.na(size)) return(name) # too large for a package member: refused as suspect
+    left <- ceiling(size / 512) * 512
+    while (left > 0) {
+      got <- length(readBin(con, "raw", n = min(left, 1048576)))
+      if (got == 0L) return(NULL)
+      left <- left - got
+    }
+  }
 }
 
 ## ---- quit() ------------------------------------------------------------------------
