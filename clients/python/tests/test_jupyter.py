@@ -921,6 +921,162 @@ def test_many_unfinished_messages_just_under_a_mebibyte_are_bounded():
                 so.close()
 
 
+def test_iopub_subscriptions_are_bounded():
+    """Without the key: one connection to iopub (a raw ZMTP SUB peer: libzmq's own SUB cannot
+    hold 5 MB topics) subscribes to 40 topics of 5 MB, then to 200,000 small ones, then
+    unsubscribes 3,000 topics it never had. The kernel keeps at most 64 topics of at most
+    1 KiB per subscriber, so its memory stays put and a shell request is answered at once.
+    Before, every topic was kept (about 5 MB each) and each unsubscription scanned them all on
+    the kernel's one thread (10,000 against a million topics stopped shell, control and the
+    heartbeat for 48 s)."""
+    import socket
+
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel's sockets are libzmq's")
+    with running("sandcell-python") as (km, kc):
+        pid = km.provisioner.process.pid
+        before = rss_bytes(pid)
+        so = socket.create_connection(("127.0.0.1", km.get_connection_info()["iopub_port"]))
+        try:
+            so.settimeout(10)
+            so.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL" + b"\x00" * 16
+                       + b"\x00" + b"\x00" * 31)
+            so.recv(4096)
+            body = b"\x05READY" + b"\x0bSocket-Type" + (3).to_bytes(4, "big") + b"SUB"
+            so.sendall(b"\x04" + bytes([len(body)]) + body)
+
+            def frame(data: bytes) -> bytes:
+                if len(data) < 256:
+                    return b"\x00" + bytes([len(data)]) + data
+                return b"\x02" + len(data).to_bytes(8, "big") + data
+
+            for i in range(40):
+                so.sendall(frame(b"\x01%02d" % i + b"t" * 5_000_000))
+            so.sendall(b"".join(frame(b"\x01z%08d" % i) for i in range(200_000)))
+            time.sleep(3)
+            so.sendall(b"".join(frame(b"\x00q%08d" % i) for i in range(3_000)))
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            kc.kernel_info()
+            reply = kc.get_shell_msg(timeout=60)
+            waited = time.monotonic() - t0
+            held = rss_bytes(pid)
+            sys.stderr.write(f"test_jupyter: kernel RSS {before >> 20} MiB before, {held >> 20} "
+                             f"MiB after 40 x 5 MB and 200,000 small subscriptions; kernel_info "
+                             f"answered in {waited:.2f} s after 3,000 unsubscriptions\n")
+            assert reply["msg_type"] == "kernel_info_reply"
+            assert waited < 2, waited
+            assert held < before + (64 << 20), (before >> 20, held >> 20)
+        finally:
+            so.close()
+
+
+def test_a_heartbeat_envelope_is_bounded_like_the_ping():
+    """Without the key: 10 connections to the heartbeat port each send one ping whose routing
+    envelope is 20 MB ([20 MB, "", "ping"]) and never read. The envelope goes back with an
+    echo, so it is bounded too (4 KiB): the kernel's memory stays put. Before, only the ping
+    after the envelope was checked against the 64 KiB bound, and each such echo waited in a
+    write buffer (40 connections held 2.4 GB)."""
+    import zmq
+
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel's heartbeat is libzmq's")
+    with running("sandcell-python") as (km, kc):
+        pid = km.provisioner.process.pid
+        hb = f"tcp://127.0.0.1:{km.get_connection_info()['hb_port']}"
+        before = rss_bytes(pid)
+        ctx = zmq.Context()
+        socks = []
+        try:
+            big = b"e" * 20_000_000
+            for _ in range(10):
+                d = ctx.socket(zmq.DEALER)
+                d.setsockopt(zmq.LINGER, 0)
+                d.setsockopt(zmq.RCVBUF, 4096)
+                d.setsockopt(zmq.RCVHWM, 1)
+                d.connect(hb)
+                d.send_multipart([big, b"", b"ping"])
+                socks.append(d)
+            time.sleep(4)
+            held = rss_bytes(pid)
+            sys.stderr.write(f"test_jupyter: kernel RSS {before >> 20} MiB before, {held >> 20} "
+                             f"MiB with 10 unread pings behind 20 MB envelopes\n")
+            assert held < before + (64 << 20), (before >> 20, held >> 20)
+            assert_echoes(ctx, hb, "no echo after the large envelopes")
+        finally:
+            for d in socks:
+                d.close(linger=0)
+            ctx.term()
+
+
+def test_a_flood_of_malformed_pings_does_not_hold_the_heartbeat_back():
+    """Without the key: 400 connections each send 50 one-frame messages (no envelope) to the
+    heartbeat port and stay open. A REQ client's ping is echoed within 1 s. Before, each such
+    message was an error of the REP socket, after which the heartbeat paused 10 ms; the REP
+    socket takes one message from each connection in turn, so every real ping waited about
+    4 s behind them (500 connections of 2,000 messages: 5.6 s for every ping, for hours)."""
+    import zmq
+
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel's heartbeat is libzmq's")
+    with running("sandcell-python") as (km, kc):
+        hb = f"tcp://127.0.0.1:{km.get_connection_info()['hb_port']}"
+        ctx = zmq.Context()
+        flood = []
+        try:
+            for _ in range(400):
+                d = ctx.socket(zmq.DEALER)
+                d.setsockopt(zmq.LINGER, 0)
+                d.connect(hb)
+                for _ in range(50):
+                    d.send(b"x")
+                flood.append(d)
+            time.sleep(1)
+            req = ctx.socket(zmq.REQ)
+            req.setsockopt(zmq.LINGER, 0)
+            req.connect(hb)
+            t0 = time.monotonic()
+            req.send(b"ping")
+            assert req.poll(10_000), "no echo within 10 s after the flood"
+            waited = time.monotonic() - t0
+            req.close()
+            assert waited < 1, f"the echo took {waited:.1f} s"
+        finally:
+            for d in flood:
+                d.close(linger=0)
+            ctx.term()
+
+
+def test_a_routing_id_in_use_is_not_taken_over():
+    """Without the key: a process that learned a client's routing id (jupyter_client uses its
+    session id, which every iopub message carries) connects to shell under it. The kernel
+    keeps the first peer, as libzmq's ROUTER does: the client's next execute_reply reaches the
+    client. Before, the newcomer replaced it and received the client's replies when it kept
+    reconnecting (a review's attack); this single connection does not reproduce that on the
+    previous build, so the test checks the outcome, not the race."""
+    import zmq
+
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel's sockets are libzmq's")
+    with running("sandcell-python") as (km, kc):
+        reply, _ = execute(kc, "x = 1", timeout=60)
+        assert reply["status"] == "ok", reply
+        ctx = zmq.Context()
+        thief = ctx.socket(zmq.DEALER)
+        thief.setsockopt(zmq.LINGER, 0)
+        thief.setsockopt(zmq.IDENTITY, kc.session.bsession)
+        thief.connect(f"tcp://127.0.0.1:{km.get_connection_info()['shell_port']}")
+        try:
+            time.sleep(1)
+            reply, msgs = execute(kc, "print(x + 1)", timeout=30)
+            assert reply["status"] == "ok", reply
+            assert "2" in streams(msgs, "stdout"), msgs
+            assert not thief.poll(500), "a reply went to the process that took the routing id"
+        finally:
+            thief.close(linger=0)
+            ctx.term()
+
+
 def assert_echoes(ctx, endpoint: str, why: str) -> None:
     """A new REQ connection to the heartbeat at ``endpoint`` gets its ping echoed within
     10 s."""

@@ -315,15 +315,28 @@ impl MultiPeerBackend for GenericSocketBackend {
         let (recv_queue, send_queue) = io.into_parts();
         let (queue_sender, queue_receiver) = mpsc::channel(PEER_SEND_QUEUE_CAPACITY);
         let queued = Arc::new(HighWater::default());
-        self.peers
-            .upsert_async(
-                peer_id.clone(),
-                Peer {
-                    send_queue: queue_sender,
-                    queued: queued.clone(),
-                },
-            )
-            .await;
+        let peer = Peer {
+            send_queue: queue_sender,
+            queued: queued.clone(),
+        };
+        if self.socket_type == SocketType::ROUTER {
+            // sandcell: a second connection that names a routing id already in use is not
+            // attached (its connection closes), as libzmq's ROUTER ignores a duplicate id
+            // without ZMQ_ROUTER_HANDOVER. The published socket replaced the first peer, so
+            // any local process that learned a Jupyter client's id (its session id, which
+            // every iopub message carries) took that client's shell replies.
+            if self
+                .peers
+                .insert_async(peer_id.clone(), peer)
+                .await
+                .is_err()
+            {
+                log::debug!("peer {:?}: routing id in use, connection dropped", peer_id);
+                return;
+            }
+        } else {
+            self.peers.upsert_async(peer_id.clone(), peer).await;
+        }
         self.refresh_single_peer_cache();
         let writer_backend = self.clone();
         let writer_peer_id = peer_id.clone();

@@ -13,6 +13,13 @@ use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+/// sandcell: the most bytes of a request's envelope (its routing ids and delimiter) that
+/// REP takes; a request with a larger one is dropped.
+pub const MAX_ENVELOPE_BYTES: usize = 4096;
+
+/// sandcell: the most frames of a request's envelope.
+pub const MAX_ENVELOPE_FRAMES: usize = 32;
+
 struct RepPeer {
     pub(crate) _identity: PeerIdentity,
     // sandcell: shared, so that `send` takes it out of the peer table before it awaits the
@@ -198,8 +205,12 @@ impl SocketRecv for RepSocket {
             match self.fair_queue.next().await {
                 Some((peer_id, Ok(message))) => match message {
                     Message::Message(mut m) => {
+                        // sandcell: a malformed request (no envelope) is dropped, as libzmq's
+                        // REP drops it, instead of failing this receive: the published socket
+                        // returned an error for each, and a flood of one-frame messages kept
+                        // a heartbeat loop busy with errors for minutes.
                         if m.len() < 2 {
-                            return Err(ZmqError::Other("Invalid message format"));
+                            continue;
                         }
                         let mut at = 1;
                         for (index, frame) in m.iter().enumerate() {
@@ -210,6 +221,16 @@ impl SocketRecv for RepSocket {
                             }
                         }
                         let data = m.split_off(at);
+                        // sandcell: the envelope goes back with the reply, so it is bounded
+                        // like the request: routing ids are at most 255 bytes (ZMTP 3.0), and
+                        // a request whose envelope passes `MAX_ENVELOPE_BYTES` is dropped. The
+                        // published socket echoed any envelope, so a caller's check of the
+                        // request's size (a heartbeat's) missed a 60 MB envelope, which then
+                        // waited in a write buffer for a peer that never read.
+                        let envelope: usize = m.iter().map(|f| f.len()).sum();
+                        if envelope > MAX_ENVELOPE_BYTES || m.len() > MAX_ENVELOPE_FRAMES {
+                            continue;
+                        }
                         self.envelope = Some(m);
                         self.current_request = Some(peer_id);
                         return Ok(data);
@@ -218,9 +239,12 @@ impl SocketRecv for RepSocket {
                         // Ignore non-message frames. REP sockets should only process actual messages.
                     }
                 },
-                Some((peer_id, Err(e))) => {
+                Some((peer_id, Err(_e))) => {
+                    // sandcell: one peer's broken stream ends that peer, not this receive
+                    // (libzmq's REP never reports a peer's error to its caller): the published
+                    // socket returned it, and a caller that paused after each error was held
+                    // back by a flood of reset connections.
                     self.backend.peer_disconnected(&peer_id);
-                    return Err(e.into());
                 }
                 None => {
                     return Err(ZmqError::NoMessage);

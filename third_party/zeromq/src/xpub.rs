@@ -63,6 +63,15 @@ pub(crate) struct XPubSocketBackend {
 
 impl XPubSocketBackend {
     fn message_received(&self, peer_id: &PeerIdentity, message: Message) {
+        if let Message::Message(m) = &message {
+            if m.len() == 1
+                && m.iter()
+                    .next()
+                    .is_some_and(|f| f.len() > MAX_TOPIC_BYTES + 1)
+            {
+                return;
+            }
+        }
         let data = match message {
             Message::Message(m) => {
                 if m.len() != 1 {
@@ -79,9 +88,21 @@ impl XPubSocketBackend {
 
         match data.first() {
             Some(1) => {
-                // Subscribe
-                if let Some(mut entry) = self.subscribers.get_sync(peer_id) {
-                    entry.subscriptions.push(Vec::from(&data[1..]));
+                // Subscribe. sandcell: at most `MAX_SUBSCRIPTIONS` topics of at most
+                // `MAX_TOPIC_BYTES` each per subscriber, no duplicates: the published socket
+                // kept every subscription, so one connection without the key could make a
+                // Jupyter kernel hold gigabytes of topics, and each unsubscription scanned them
+                // all on the kernel's one thread (10,000 of them against a million topics
+                // stopped it for 48 s). A topic past the bounds is ignored.
+                let topic = &data[1..];
+                if topic.len() <= MAX_TOPIC_BYTES {
+                    if let Some(mut entry) = self.subscribers.get_sync(peer_id) {
+                        if entry.subscriptions.len() < MAX_SUBSCRIPTIONS
+                            && !entry.subscriptions.iter().any(|s| s.as_slice() == topic)
+                        {
+                            entry.subscriptions.push(Vec::from(topic));
+                        }
+                    }
                 }
             }
             Some(0) => {
@@ -163,6 +184,13 @@ impl MultiPeerBackend for XPubSocketBackend {
         self.fair_queue_inner.lock().remove(peer_id);
     }
 }
+
+/// sandcell: the most topics one subscriber may hold (Jupyter's clients subscribe to one,
+/// the empty topic).
+pub const MAX_SUBSCRIPTIONS: usize = 64;
+
+/// sandcell: the longest topic kept, bytes.
+pub const MAX_TOPIC_BYTES: usize = 1024;
 
 pub struct XPubSocket {
     pub(crate) backend: Arc<XPubSocketBackend>,

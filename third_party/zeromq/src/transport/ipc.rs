@@ -156,7 +156,14 @@ where
                         };
                         (make_framed(raw_socket, Arc::clone(&options)), Endpoint::Ipc(peer_addr))
                     }).map_err(|err| err.into());
+                    let failed = maybe_accepted.is_err();
                     async_rt::task::spawn(cback(maybe_accepted));
+                    // sandcell: a failed accept (EMFILE once the process is at its descriptor
+                    // limit) is retried after a pause: the published loop retried at once and
+                    // spun a CPU for as long as the limit was reached.
+                    if failed {
+                        async_rt::task::sleep(std::time::Duration::from_millis(100)).await;
+                    }
                 },
                 _ = stop_callback => {
                     log::debug!("Accept task received stop signal. {:?}", listener_addr);
