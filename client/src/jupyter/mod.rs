@@ -562,9 +562,35 @@ async fn receive(s: &mut zeromq::RouterSocket, shared: &Shared, channel: &str) -
         match wire::parse(&frames, &shared.signer) {
             Ok(msg) => return Some(msg),
             Err(e) => {
-                log!("{channel}: dropped a message: {e}");
+                if let Some(more) = log_drop_now() {
+                    if more > 0 {
+                        log!("{channel}: dropped a message: {e} ({more} more dropped unlogged)");
+                    } else {
+                        log!("{channel}: dropped a message: {e}");
+                    }
+                }
                 drop_message(frames, bytes);
             }
+        }
+    }
+}
+
+/// Whether a dropped message may be logged now: at most one line a second over shell and
+/// control together (anyone who can connect may send unsigned messages: a million of them
+/// wrote a line each, 57 MB into the notebook server's log). `Some(n)`: log, `n` drops since
+/// the last line went unlogged; `None`: count this one and stay quiet.
+fn log_drop_now() -> Option<u64> {
+    use std::sync::Mutex;
+    static LAST: Mutex<(Option<std::time::Instant>, u64)> = Mutex::new((None, 0));
+    let mut g = LAST.lock().unwrap_or_else(|p| p.into_inner());
+    match g.0 {
+        Some(t) if t.elapsed() < std::time::Duration::from_secs(1) => {
+            g.1 += 1;
+            None
+        }
+        _ => {
+            g.0 = Some(std::time::Instant::now());
+            Some(std::mem::take(&mut g.1))
         }
     }
 }
@@ -1544,6 +1570,20 @@ subset transform stop warning message tryCatch invisible return set.seed rnorm r
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dropped_messages_are_logged_at_most_once_a_second() {
+        // The first drop of a quiet second is logged; the next ones in it are only counted,
+        // and the next line says how many.
+        while log_drop_now().is_none() {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        for _ in 0..1000 {
+            assert_eq!(log_drop_now(), None);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1100));
+        assert_eq!(log_drop_now(), Some(1000));
+    }
 
     fn request(msg_type: &str, content: Value) -> Message {
         let Value::Object(content) = content else {
