@@ -455,7 +455,7 @@ pub async fn open(
     };
     // A duplicate, to grant again when the proxy restarts (its grants end with it).
     let again = listener.try_clone().ok();
-    let first = granted(id, listener, policy, used).await;
+    let first = granted(id, listener, policy, used, false).await;
     // SAFETY: `pidfd` is an open descriptor owned by the AsyncFd from here on: it stays open,
     // naming the worker's pidfd, until the AsyncFd is dropped.
     let registered = unsafe {
@@ -491,7 +491,7 @@ pub async fn open(
                 () = tokio::time::sleep(wait) => {}
             }
             wait = (wait * 2).min(REGRANT_MAX);
-            ctl = granted_quietly(&id, l, &policy, last).await;
+            ctl = granted(&id, l, &policy, last, true).await;
             if ctl.is_some() {
                 tracing::info!(session = %id, bytes = last.bytes, connections = last.connections, "egress granted again");
             }
@@ -582,45 +582,31 @@ async fn ask(
     tokio::time::timeout(GRANT_TIMEOUT, go).await.ok().flatten()
 }
 
+/// Grants `listener` to the proxy for session `id` under `policy`, going on from `used`; the
+/// control connection, or `None` when the proxy cannot be reached or refuses. A failure is a
+/// warning, or (`quiet`: a session asking again while the proxy is away) a debug line.
 async fn granted(
     id: &str,
     listener: OwnedFd,
     policy: &crate::config::EgressConfig,
     used: Counts,
+    quiet: bool,
 ) -> Option<UnixStream> {
     let g = grant_line(id, policy, used);
     let control = control_socket();
-    let done = tokio::task::spawn_blocking(move || -> io::Result<UnixStream> {
-        grant(&control, &listener, &g)
-    })
-    .await
-    .unwrap_or_else(|e| Err(io::Error::other(e.to_string())));
+    let done = tokio::task::spawn_blocking(move || grant(&control, &listener, &g))
+        .await
+        .unwrap_or_else(|e| Err(io::Error::other(e.to_string())));
     match done {
         Ok(ctl) => Some(ctl),
+        Err(e) if quiet => {
+            tracing::debug!(session = %id, reason = %e, "egress not granted yet");
+            None
+        }
         Err(e) => {
             tracing::warn!(session = %id, reason = %e, "egress not granted: asked again until the proxy answers; meanwhile the session's connections wait");
             None
         }
-    }
-}
-
-/// [`granted`], logging a failure at debug level only (a session asking again while the
-/// proxy is away).
-async fn granted_quietly(
-    id: &str,
-    listener: OwnedFd,
-    policy: &crate::config::EgressConfig,
-    used: Counts,
-) -> Option<UnixStream> {
-    let g = grant_line(id, policy, used);
-    let control = control_socket();
-    match tokio::task::spawn_blocking(move || grant(&control, &listener, &g)).await {
-        Ok(Ok(ctl)) => Some(ctl),
-        Ok(Err(e)) => {
-            tracing::debug!(session = %id, reason = %e, "egress not granted yet");
-            None
-        }
-        Err(_) => None,
     }
 }
 

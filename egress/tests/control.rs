@@ -51,6 +51,18 @@ fn grant_line(session: &str) -> String {
     )
 }
 
+/// A listener on a free loopback port granted to the proxy at `path` with `line`: the
+/// control connection (after the proxy's `ok`) and the port.
+fn granted(path: &std::path::Path, line: &str) -> (UnixStream, u16) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let mut ctl = UnixStream::connect(path).unwrap();
+    send(&ctl, line, &[listener.as_raw_fd()]);
+    drop(listener); // the proxy holds the only copy now
+    assert_eq!(read_line(&mut ctl), r#"{"ok":true}"#);
+    (ctl, port)
+}
+
 fn send(ctl: &UnixStream, line: &str, fds: &[i32]) {
     let iov = [IoSlice::new(line.as_bytes())];
     let cmsg = [ControlMessage::ScmRights(fds)];
@@ -80,12 +92,7 @@ fn ask(port: u16, req: &str) -> String {
 #[test]
 fn a_handed_listener_is_served_and_revoked_at_close() {
     let path = start();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let mut ctl = UnixStream::connect(&path).unwrap();
-    send(&ctl, &grant_line("s1"), &[listener.as_raw_fd()]);
-    drop(listener); // the proxy holds the only copy now
-    assert_eq!(read_line(&mut ctl), r#"{"ok":true}"#);
+    let (mut ctl, port) = granted(&path, &grant_line("s1"));
     let a = ask(port, "GET http://other.test/ HTTP/1.1\r\n\r\n");
     assert!(a.starts_with("HTTP/1.1 403 Forbidden"), "{a}");
     assert!(
@@ -120,12 +127,7 @@ fn a_handed_listener_is_served_and_revoked_at_close() {
 #[test]
 fn the_end_of_the_control_connection_revokes() {
     let path = start();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let mut ctl = UnixStream::connect(&path).unwrap();
-    send(&ctl, &grant_line("s2"), &[listener.as_raw_fd()]);
-    drop(listener);
-    assert_eq!(read_line(&mut ctl), r#"{"ok":true}"#);
+    let (ctl, port) = granted(&path, &grant_line("s2"));
     // A connection held open (a slow request) ends with the session too.
     let mut held = TcpStream::connect(("127.0.0.1", port)).unwrap();
     held.set_read_timeout(Some(Duration::from_secs(10)))
@@ -183,12 +185,7 @@ fn counters(ctl: &mut UnixStream) -> serde_json::Value {
 #[test]
 fn a_session_granted_again_goes_on_from_what_it_used() {
     let path = start();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let mut ctl = UnixStream::connect(&path).unwrap();
-    send(&ctl, &grant_line("again"), &[listener.as_raw_fd()]);
-    drop(listener);
-    assert_eq!(read_line(&mut ctl), r#"{"ok":true}"#);
+    let (mut ctl, port) = granted(&path, &grant_line("again"));
     for _ in 0..3 {
         let a = ask(port, "GET http://other.test/ HTTP/1.1\r\n\r\n");
         assert!(a.starts_with("HTTP/1.1 403"), "{a}");
@@ -197,12 +194,7 @@ fn a_session_granted_again_goes_on_from_what_it_used() {
     drop(ctl);
     std::thread::sleep(Duration::from_millis(200));
     // The same session granted again (no `used` in the grant): the proxy's own counters.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let mut ctl = UnixStream::connect(&path).unwrap();
-    send(&ctl, &grant_line("again"), &[listener.as_raw_fd()]);
-    drop(listener);
-    assert_eq!(read_line(&mut ctl), r#"{"ok":true}"#);
+    let (mut ctl, port) = granted(&path, &grant_line("again"));
     let c = counters(&mut ctl);
     assert_eq!(
         (c["connections"].clone(), c["refused"].clone()),
@@ -211,14 +203,9 @@ fn a_session_granted_again_goes_on_from_what_it_used() {
     );
     // A session this proxy never saw, granted with what it used under another proxy: 10
     // connections of its 10 are gone.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port2 = listener.local_addr().unwrap().port();
-    let mut ctl2 = UnixStream::connect(&path).unwrap();
     let mut g: serde_json::Value = serde_json::from_str(grant_line("elsewhere").trim()).unwrap();
     g["used"] = serde_json::json!({"connections": 10, "bytes": 5});
-    send(&ctl2, &format!("{g}\n"), &[listener.as_raw_fd()]);
-    drop(listener);
-    assert_eq!(read_line(&mut ctl2), r#"{"ok":true}"#);
+    let (mut ctl2, port2) = granted(&path, &format!("{g}\n"));
     let a = ask(port2, "GET http://local.test/ HTTP/1.1\r\n\r\n");
     assert!(a.contains("connection cap reached (10 in all)"), "{a}");
     assert_eq!(counters(&mut ctl2)["bytes"], 5);

@@ -35,6 +35,18 @@ fn record_pids(adopt: &Path, id: &str) -> (u32, u32) {
     )
 }
 
+/// Waits (at most 30 s) until the daemon `d` killed itself at a kill seam has exited.
+fn wait_dead(d: &mut Daemon) {
+    let t0 = Instant::now();
+    while !matches!(d.child.try_wait(), Ok(Some(_))) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the daemon did not die"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
 }
@@ -885,14 +897,7 @@ async fn a_session_between_cells_is_adopted_idle(point: &str) {
         "{cut:?}\n{}",
         first.log_text()
     );
-    let t0 = Instant::now();
-    while !matches!(first.child.try_wait(), Ok(Some(_))) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "the daemon did not die"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_dead(&mut first);
     assert!(alive(worker), "the worker died with the daemon");
     let second = successor(&first, &setup);
     assert!(
@@ -956,14 +961,7 @@ async fn a_crash_just_after_the_request_is_written_continues_the_cell() {
         matches!(&submitted, Ok(2)) || matches!(&submitted, Err(e) if e.is_call_cut()),
         "{submitted:?}"
     );
-    let t0 = Instant::now();
-    while !matches!(first.child.try_wait(), Ok(Some(_))) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "the daemon did not die"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_dead(&mut first);
     assert!(
         first.log_text().contains("killing the daemon"),
         "{}",
