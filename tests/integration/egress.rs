@@ -443,6 +443,25 @@ async fn flood_beside_a_fetch(d: &Daemon, c: &mut sandcell_client::Client) {
 
 /// A cell that fetches `hello.txt` from `allowed` (retrying while the proxy is not yet
 /// serving: 502) and tries `other`, printing `allowed: BODY` and `other: CODE REASON`.
+/// Runs [`subset_cell`] for `www.sub.test` (allowed) and `data.test` (not in the session's
+/// subset) in `session` and asserts both answers; `when` and `d`'s log go into the message.
+async fn fetch_subset(c: &mut sandcell_client::Client, session: &str, d: &Daemon, when: &str) {
+    let out = c
+        .execute_collect(session, &subset_cell("www.sub.test", "data.test"))
+        .await
+        .unwrap_or_else(|e| panic!("{e:?}\n{}", d.log_text()));
+    assert!(
+        out.stdout.contains("allowed: hello through the proxy\n")
+            && out
+                .stdout
+                .contains("other: 403 sandcell egress: host not allowed: data.test\n"),
+        "{when}: {}\n{}\n{}",
+        out.stdout,
+        out.stderr,
+        d.log_text()
+    );
+}
+
 fn subset_cell(allowed: &str, other: &str) -> String {
     format!(
         r#"import time, urllib.request, urllib.error
@@ -671,20 +690,7 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
             None => Daemon::start_on_with_config(&d.socket.clone(), &conf, &env2),
         };
         c = second.client().await;
-        let out = c
-            .execute_collect(&o.session, &subset_cell("www.sub.test", "data.test"))
-            .await
-            .unwrap_or_else(|e| panic!("{e:?}\n{}", second.log_text()));
-        assert!(
-            out.stdout.contains("allowed: hello through the proxy\n")
-                && out
-                    .stdout
-                    .contains("other: 403 sandcell egress: host not allowed: data.test\n"),
-            "after the restart: {}\n{}\n{}",
-            out.stdout,
-            out.stderr,
-            second.log_text()
-        );
+        fetch_subset(&mut c, &o.session, &second, "after the restart").await;
         if let Some(b) = &bus {
             // Its counters, and so its budgets, go on from what it used before the crash (one
             // request served and one refused then, the same again now): the proxy kept them
@@ -726,20 +732,7 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
         net.stop(proxy);
         let t_proxy = std::time::Instant::now();
         start_proxy(&mut net);
-        let out = c
-            .execute_collect(&o.session, &subset_cell("www.sub.test", "data.test"))
-            .await
-            .unwrap_or_else(|e| panic!("{e:?}\n{}", second.log_text()));
-        assert!(
-            out.stdout.contains("allowed: hello through the proxy\n")
-                && out
-                    .stdout
-                    .contains("other: 403 sandcell egress: host not allowed: data.test\n"),
-            "after the proxy's restart: {}\n{}\n{}",
-            out.stdout,
-            out.stderr,
-            second.log_text()
-        );
+        fetch_subset(&mut c, &o.session, &second, "after the proxy's restart").await;
         assert!(
             second.log_text().contains("egress granted again"),
             "{}",
