@@ -789,11 +789,13 @@ async fn an_ended_cell_is_answered_after_sigkill() {
 /// instant at which, without a spool, the bytes would be gone with it. The successor reads
 /// them again from the spool: the cell's whole output arrives exactly once, and its result
 /// says nothing was lost. In the Eryx engine the output comes on the reply pipe; in R on the
-/// raw stdout pipe.
+/// raw stdout pipe. The seam counts every splice: the first carries the worker's `started`
+/// line, which comes at once and may be spliced before the Submit reply has left (a kill
+/// there cuts the Submit); the second carries `one`, half a second later.
 async fn no_output_is_lost_by_a_crash_after_a_splice(language: &str) {
     let seam = "SANDCELL_TEST_KILL_AFTER_SPLICE";
     let (mut first, mut setup) =
-        first_daemon_in(&[(seam, "1"), ("SANDCELL_LANGUAGES", "python,r")], true);
+        first_daemon_in(&[(seam, "2"), ("SANDCELL_LANGUAGES", "python,r")], true);
     setup.env.retain(|(k, _)| k != seam);
     let mut c = first.client().await;
     let s = c.open(language, None, Some(600)).await.unwrap().session;
