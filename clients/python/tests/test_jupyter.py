@@ -1335,6 +1335,51 @@ def test_a_shell_client_that_never_reads_cannot_grow_the_kernel():
             ctx.term()
 
 
+def test_many_shell_clients_that_never_read_are_bounded_together():
+    """Eight connections with the key each send 30 history requests (4 MiB replies) and never
+    read: each may hold its own 64 MiB, but all peers together hold at most 256 MiB of queued
+    replies, and the rest is dropped. Before the total, such connections held 64 MiB each (a
+    review measured 645 MB for ten)."""
+    import zmq
+
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel's sockets are libzmq's")
+    with running("sandcell-python") as (km, kc):
+        pid = km.provisioner.process.pid
+        cell = "#" + "a" * 60_000
+        for _ in range(120):
+            msg_id = kc.execute(cell, silent=False, store_history=True)
+            assert reply_to(kc, msg_id, timeout=60)["content"]["status"] == "ok"
+        before = rss_bytes(pid)
+        ctx = zmq.Context()
+        greedy = []
+        try:
+            s = kc.session
+            for _ in range(8):
+                g = ctx.socket(zmq.DEALER)
+                g.setsockopt(zmq.RCVBUF, 4096)
+                g.setsockopt(zmq.RCVHWM, 1)
+                g.connect(f"tcp://127.0.0.1:{km.get_connection_info()['shell_port']}")
+                greedy.append(g)
+            for _ in range(30):
+                for g in greedy:
+                    msg = s.msg("history_request", {"output": False, "raw": True,
+                                                    "hist_access_type": "tail", "n": 1000})
+                    g.send_multipart(s.serialize(msg))
+            reply, msgs = execute(kc, "print('still here')", timeout=120)
+            assert reply["status"] == "ok", reply
+            assert streams(msgs, "stdout") == "still here\n", msgs
+            time.sleep(3)
+            after = rss_bytes(pid)
+            sys.stderr.write(f"test_jupyter: kernel RSS {before >> 20} MiB before 8 x 30 unread "
+                             f"4 MiB history replies, {after >> 20} MiB after\n")
+            assert after < before + (360 << 20), (before >> 20, after >> 20)
+        finally:
+            for g in greedy:
+                g.close(linger=0)
+            ctx.term()
+
+
 def test_a_subscriber_that_never_reads_does_not_stall_the_kernel():
     """A local process subscribes to iopub and never reads (its TCP window fills): the
     kernel drops that subscriber's messages past its queue bound, as a libzmq PUB socket

@@ -27,22 +27,56 @@ fn queued_bytes(message: &Message) -> usize {
     }
 }
 
+/// sandcell: the most bytes queued for all peers of all sockets of the process together.
+/// A peer that never reads holds up to [`PEER_QUEUE_BYTES`]; without a total, ten such
+/// peers of one key holder held 640 MiB of replies. Past it a message is dropped as past a
+/// peer's own bound.
+pub const TOTAL_QUEUE_BYTES: usize = 256 * 1024 * 1024;
+
+/// sandcell: the bytes counted by every [`HighWater`] that uses the process-wide total.
+static TOTAL_QUEUED: AtomicUsize = AtomicUsize::new(0);
+
 /// sandcell: the messages and bytes queued for one peer and not yet written, within
-/// [`PEER_QUEUE_MESSAGES`] and [`PEER_QUEUE_BYTES`]. Counted here, not by the channel: a
-/// cloned futures Sender has a slot of its own, so the channel's bound alone does not hold
-/// for sends through clones.
-#[derive(Debug, Default)]
+/// [`PEER_QUEUE_MESSAGES`] and [`PEER_QUEUE_BYTES`], and with every other peer within
+/// [`TOTAL_QUEUE_BYTES`]. Counted here, not by the channel: a cloned futures Sender has a
+/// slot of its own, so the channel's bound alone does not hold for sends through clones.
+/// What a peer still holds when its count is dropped (the peer left with messages queued)
+/// returns to the total.
+#[derive(Debug)]
 pub(crate) struct HighWater {
     messages: AtomicUsize,
     bytes: AtomicUsize,
+    total: &'static AtomicUsize,
+    total_bound: usize,
+}
+
+impl Default for HighWater {
+    fn default() -> Self {
+        Self::within(&TOTAL_QUEUED, TOTAL_QUEUE_BYTES)
+    }
 }
 
 impl HighWater {
-    /// Counts a message of `bytes` if it fits both bounds; false (nothing counted) if not.
+    /// A count whose bytes also count against `total`, which stays within `total_bound`.
+    pub(crate) fn within(total: &'static AtomicUsize, total_bound: usize) -> Self {
+        Self {
+            messages: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(0),
+            total,
+            total_bound,
+        }
+    }
+
+    /// Counts a message of `bytes` if it fits the peer's bounds and the total; false
+    /// (nothing counted) if not.
     pub(crate) fn admit(&self, bytes: usize) -> bool {
         let before = self.messages.fetch_add(1, Ordering::AcqRel);
         let held = self.bytes.fetch_add(bytes, Ordering::AcqRel);
-        if before >= PEER_QUEUE_MESSAGES || held + bytes > PEER_QUEUE_BYTES {
+        let all = self.total.fetch_add(bytes, Ordering::AcqRel);
+        if before >= PEER_QUEUE_MESSAGES
+            || held + bytes > PEER_QUEUE_BYTES
+            || all + bytes > self.total_bound
+        {
             self.release(1, bytes);
             return false;
         }
@@ -53,6 +87,14 @@ impl HighWater {
     pub(crate) fn release(&self, messages: usize, bytes: usize) {
         self.messages.fetch_sub(messages, Ordering::AcqRel);
         self.bytes.fetch_sub(bytes, Ordering::AcqRel);
+        self.total.fetch_sub(bytes, Ordering::AcqRel);
+    }
+}
+
+impl Drop for HighWater {
+    fn drop(&mut self) {
+        self.total
+            .fetch_sub(*self.bytes.get_mut(), Ordering::AcqRel);
     }
 }
 
