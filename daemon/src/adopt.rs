@@ -40,11 +40,18 @@ impl Found {
     }
 }
 
+/// How long a starting daemon asks for `<adopt_dir>/lock` before it concludes that another
+/// live daemon holds it: 5 s. A daemon killed (SIGKILL, or a crash) while it forked a child
+/// (a worker or keeper between fork(2) and exec(2)) leaves the lock held by that child until
+/// its exec closes the close-on-exec descriptor; refusing at once would end every session.
+pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Reads the records in `dir` (made root-only if missing) and connects to their keepers.
 /// Records of sessions not adopted are removed.
 ///
 /// Errors: the directory cannot be made, or another live daemon holds it (its lock
-/// `<dir>/lock`, held for the daemon's life: one daemon instance per `adopt_dir`).
+/// `<dir>/lock`, held for the daemon's life: one daemon instance per `adopt_dir`; asked for
+/// [`LOCK_WAIT`]).
 pub fn collect(dir: &Path) -> std::io::Result<Found> {
     crate::records::prepare(dir)?;
     let lock = std::fs::OpenOptions::new()
@@ -52,15 +59,34 @@ pub fn collect(dir: &Path) -> std::io::Result<Found> {
         .create(true)
         .truncate(false)
         .open(dir.join("lock"))?;
-    match nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock) {
-        // Held until this process exits (the descriptor is close-on-exec: no worker or
-        // keeper keeps it).
-        Ok(held) => std::mem::forget(held),
-        Err((_, e)) => {
-            return Err(std::io::Error::other(format!(
-                "another daemon holds {}: {e}",
-                dir.join("lock").display()
-            )));
+    let t0 = std::time::Instant::now();
+    let mut lock = lock;
+    loop {
+        match nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+            // Held until this process exits (the descriptor is close-on-exec: no worker or
+            // keeper keeps it).
+            Ok(held) => {
+                std::mem::forget(held);
+                if t0.elapsed() >= std::time::Duration::from_millis(20) {
+                    tracing::info!(
+                        waited_ms = t0.elapsed().as_millis() as u64,
+                        "the adoption lock was still held (by a child the previous daemon forked) and is taken now"
+                    );
+                }
+                break;
+            }
+            // A predecessor killed while it forked a child still holds the lock through that
+            // child until the child's exec(2) closes it: asked again for a while.
+            Err((file, nix::errno::Errno::EAGAIN)) if t0.elapsed() < LOCK_WAIT => {
+                lock = file;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err((_, e)) => {
+                return Err(std::io::Error::other(format!(
+                    "another daemon holds {}: {e}",
+                    dir.join("lock").display()
+                )));
+            }
         }
     }
     let mut found = Found::default();
@@ -162,4 +188,36 @@ pub fn finish(
         );
     }
     adopted
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The lock held through another open file description (as a child forked by a killed
+    /// daemon holds it until its exec) and released 300 ms later: `collect` waits for it
+    /// instead of refusing adoption.
+    #[test]
+    fn a_lock_released_soon_after_is_taken() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::records::prepare(dir.path()).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(dir.path().join("lock"))
+            .unwrap();
+        let held = nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock)
+            .map_err(|(_, e)| e)
+            .unwrap();
+        let t0 = std::time::Instant::now();
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            drop(held);
+        });
+        let found = collect(dir.path()).expect("the lock is taken once released");
+        assert!(t0.elapsed() >= std::time::Duration::from_millis(250));
+        assert!(found.adoptable.is_empty());
+        release.join().unwrap();
+    }
 }

@@ -1009,7 +1009,16 @@ impl Core {
                 ..policy.clone()
             };
             let none = crate::egress::Counts::default();
-            crate::egress::open(&prepared.id, prepared.spawned.pid, listener, &policy, none).await;
+            let keep = self.keep.get().filter(|_| !one_shot).map(|k| k.dir.clone());
+            crate::egress::open(
+                &prepared.id,
+                prepared.spawned.pid,
+                listener,
+                &policy,
+                none,
+                keep,
+            )
+            .await;
             stages.mark("egress_grant");
         }
         let s = self.start_session(prepared, caller, limits, detached, from_pool, one_shot);

@@ -58,6 +58,18 @@ impl Counts {
     }
 }
 
+impl Counts {
+    /// The larger of `self` and `o`, counter by counter.
+    pub fn max(self, o: Counts) -> Counts {
+        Counts {
+            allowed: self.allowed.max(o.allowed),
+            refused: self.refused.max(o.refused),
+            bytes: self.bytes.max(o.bytes),
+            connections: self.connections.max(o.connections),
+        }
+    }
+}
+
 impl std::ops::AddAssign for Counts {
     fn add_assign(&mut self, o: Counts) {
         self.allowed += o.allowed;
@@ -431,13 +443,16 @@ pub fn control_socket() -> std::path::PathBuf {
 /// which revokes it. A failure (the proxy is not running) is logged as a warning with the
 /// reason, and the worker then reaches nothing (its connects are refused). `used`: what the
 /// session used under earlier grants (an adopted session's record keeps the counters last
-/// read), from which its budgets and counters go on.
+/// read), from which its budgets and counters go on. `keep`: the directory of session
+/// records when the session outlives the daemon, where each read that changed the counters is
+/// written ([`crate::records::write_egress`]) and removed when the worker exits.
 pub async fn open(
     id: &str,
     pid: u32,
     listener: OwnedFd,
     policy: &crate::config::EgressConfig,
     used: Counts,
+    keep: Option<std::path::PathBuf>,
 ) {
     // Refused at Open with the reason (EgressUnavailable); a warm worker started meanwhile
     // gets nothing, and the log says why once, at start.
@@ -473,7 +488,7 @@ pub async fn open(
         let mut wait = REGRANT_FIRST;
         loop {
             if let Some(c) = ctl.take() {
-                match serve_grant(&id, c, &exit, &mut last).await {
+                match serve_grant(&id, c, &exit, &mut last, keep.as_deref()).await {
                     Served::WorkerGone => break,
                     Served::ProxyGone => {
                         tracing::warn!(session = %id, "the egress proxy stopped answering: the session's grant is asked again until it does");
@@ -495,6 +510,9 @@ pub async fn open(
             if ctl.is_some() {
                 tracing::info!(session = %id, bytes = last.bytes, connections = last.connections, "egress granted again");
             }
+        }
+        if let Some(dir) = &keep {
+            let _ = std::fs::remove_file(crate::records::egress_path(dir, &id));
         }
         let mut l = ledger();
         l.live.remove(&id);
@@ -518,13 +536,15 @@ enum Served {
 }
 
 /// Holds the grant on `ctl` for session `id`: asks its counters every [`COUNTERS_EVERY`]
-/// into `last` and the ledger, until the worker exits (`exit` turns readable: the grant is
-/// revoked) or the proxy stops answering.
+/// into `last` and the ledger (and, when they changed, into `keep`'s counters file), until
+/// the worker exits (`exit` turns readable: the grant is revoked) or the proxy stops
+/// answering.
 async fn serve_grant(
     id: &str,
     ctl: UnixStream,
     exit: &tokio::io::unix::AsyncFd<OwnedFd>,
     last: &mut Counts,
+    keep: Option<&std::path::Path>,
 ) -> Served {
     let ctl = match ctl
         .set_nonblocking(true)
@@ -543,6 +563,11 @@ async fn serve_grant(
             _ = exit.readable() => break,
             _ = tick.tick() => match ask(&mut rd, &mut wr, b"counters\n").await {
                 Some(c) => {
+                    if let Some(dir) = keep.filter(|_| c != *last)
+                        && let Err(e) = crate::records::write_egress(dir, id, &c)
+                    {
+                        tracing::debug!(session = %id, error = %e, "writing the egress counters");
+                    }
                     *last = c;
                     if let Some(l) = ledger().live.get_mut(id) {
                         *l = c;

@@ -271,6 +271,57 @@ pub fn rest_path(dir: &Path, id: &str) -> PathBuf {
 /// (`sandcell_proto::kernel::SESSION_RETAINED_BYTES`, 1 MiB).
 pub const JOURNAL_MAX_BYTES: u64 = sandcell_proto::kernel::SESSION_RETAINED_BYTES;
 
+/// Session `id`'s egress counters as last read from the proxy (JSON
+/// [`crate::egress::Counts`]), rewritten at each read that changed them (every
+/// [`crate::egress::COUNTERS_EVERY`]), so that a successor whose proxy died with its
+/// predecessor goes on from at most one read interval behind, not from the record's counters
+/// of the cell's start.
+pub fn egress_path(dir: &Path, id: &str) -> PathBuf {
+    dir.join(format!("{id}.egress"))
+}
+
+/// Most bytes of an egress counters file read: four counters of at most 20 digits.
+pub const MAX_EGRESS_BYTES: u64 = 4096;
+
+/// Writes session `id`'s egress counters `c` atomically beside its record (mode 0600).
+///
+/// Errors: the file cannot be written or renamed.
+pub fn write_egress(dir: &Path, id: &str, c: &crate::egress::Counts) -> std::io::Result<()> {
+    let tmp = dir.join(format!(".{id}.egress.tmp"));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&tmp)?;
+    f.write_all(&serde_json::to_vec(c).map_err(std::io::Error::other)?)?;
+    drop(f);
+    std::fs::rename(&tmp, egress_path(dir, id))
+}
+
+/// Session `id`'s egress counters written by [`write_egress`]; `None` when there are none, or
+/// the file is not a root-only regular file of at most [`MAX_EGRESS_BYTES`] holding them.
+pub fn read_egress(dir: &Path, id: &str) -> Option<crate::egress::Counts> {
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(egress_path(dir, id))
+        .ok()?;
+    let m = f.metadata().ok()?;
+    if !m.is_file() || m.uid() != 0 || m.mode() & 0o077 != 0 {
+        return None;
+    }
+    let mut buf = Vec::new();
+    f.take(MAX_EGRESS_BYTES + 1).read_to_end(&mut buf).ok()?;
+    if buf.len() as u64 > MAX_EGRESS_BYTES {
+        return None;
+    }
+    serde_json::from_slice(&buf).ok()
+}
+
 /// `<dir>/keepers`, where keepers listen.
 pub fn keepers_dir(dir: &Path) -> PathBuf {
     dir.join("keepers")
@@ -317,13 +368,14 @@ pub fn write(dir: &Path, r: &Record) -> std::io::Result<()> {
     std::fs::rename(&tmp, path_of(dir, &r.id))
 }
 
-/// Removes session `id`'s record, its cell journal and spools, its listing before the cell
-/// and its keeper's socket (absent ones are not an error).
+/// Removes session `id`'s record, its cell journal and spools, its listing before the cell,
+/// its egress counters and its keeper's socket (absent ones are not an error).
 pub fn remove(dir: &Path, id: &str) {
     let _ = std::fs::remove_file(path_of(dir, id));
     let _ = std::fs::remove_file(journal_path(dir, id));
     let _ = std::fs::remove_file(rest_path(dir, id));
     let _ = std::fs::remove_file(before_path(dir, id));
+    let _ = std::fs::remove_file(egress_path(dir, id));
     for stream in ["stdout", "stderr", "replies"] {
         let _ = std::fs::remove_file(spool_path(dir, id, stream));
     }

@@ -527,7 +527,7 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
             .arg("--hosts-only");
         net.spawn(proxy)
     };
-    let proxy = start_proxy(&mut net);
+    let mut proxy = start_proxy(&mut net);
     assert!(
         common::eventually(std::time::Duration::from_secs(10), || control.exists()),
         "the proxy did not bind its control socket"
@@ -677,11 +677,11 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
     // proxy under the same seccomp filters).
     // Kept to the end: its directory holds the state and adoption directories.
     let mut _first: Option<Daemon> = None;
+    let state = d.dir.path().join("state");
+    let adopt = d.dir.path().join("adopt");
     {
         let _ = d.child.kill();
         let _ = d.child.wait();
-        let state = d.dir.path().join("state");
-        let adopt = d.dir.path().join("adopt");
         let mut env2: Vec<(&str, &str)> = env.to_vec();
         env2.push(("SANDCELL_STATE_DIR", state.to_str().unwrap()));
         env2.push(("SANDCELL_ADOPT_DIR", adopt.to_str().unwrap()));
@@ -731,7 +731,7 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
         // the counters it last read. The session's next fetch goes through.
         net.stop(proxy);
         let t_proxy = std::time::Instant::now();
-        start_proxy(&mut net);
+        proxy = start_proxy(&mut net);
         fetch_subset(&mut c, &o.session, &second, "after the proxy's restart").await;
         assert!(
             second.log_text().contains("egress granted again"),
@@ -900,4 +900,158 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
         .unwrap();
     assert_eq!(out.stdout, "tcp errno 1\n", "{}", out.stderr);
     c.close(&o.session).await.unwrap();
+
+    // The daemon and the proxy die together while a cell that fetched runs on: neither the
+    // proxy's memory nor the record (written at the cell's start, with the counters read
+    // before its fetches) holds what the session used; the counters file beside the record,
+    // rewritten at each read (every 2 s), does, and the successor's grant goes on from it.
+    let o = c
+        .open_with(&sandcell_proto::kernel::OpenParams {
+            language: "python".into(),
+            environment: Some("net".into()),
+            egress: Some(vec!["www.sub.test".into()]),
+            detached_idle_seconds: Some(600),
+            ..Default::default()
+        })
+        .await
+        .expect("open net with a subset");
+    let running = format!(
+        "{}print('fetched', flush=True)\nwhile True:\n    time.sleep(0.1)\n",
+        subset_cell("www.sub.test", "data.test")
+    );
+    let cell = c.submit(&o.session, &running).await.unwrap();
+    let counts_file = adopt.join(format!("{}.egress", o.session));
+    let read_counts = || -> serde_json::Value {
+        std::fs::read(&counts_file)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default()
+    };
+    assert!(
+        common::eventually(std::time::Duration::from_secs(10), || {
+            let e = read_counts();
+            e["allowed"].as_u64() >= Some(1) && e["refused"].as_u64() >= Some(1)
+        }),
+        "the counters file {}: {}",
+        counts_file.display(),
+        read_counts()
+    );
+    let _ = d.child.kill();
+    let _ = d.child.wait();
+    net.stop(proxy);
+    start_proxy(&mut net);
+    let mut env3: Vec<(&str, &str)> = env.to_vec();
+    env3.push(("SANDCELL_STATE_DIR", state.to_str().unwrap()));
+    env3.push(("SANDCELL_ADOPT_DIR", adopt.to_str().unwrap()));
+    let third = match sandbox {
+        Some(s) => Daemon::start_on_in_sandbox(&d.socket.clone(), &conf, &env3, s),
+        None => Daemon::start_on_with_config(&d.socket.clone(), &conf, &env3),
+    };
+    let mut c = third.client().await;
+    if let Some(b) = &bus {
+        let egress = || {
+            let o2 = Command::new(common::bin_dir().join("sandcellctl"))
+                .args(["list", "--json"])
+                .env("DBUS_SYSTEM_BUS_ADDRESS", &b.address)
+                .env("SANDCELL_SOCKET", &third.socket)
+                .output()
+                .unwrap();
+            serde_json::from_slice::<serde_json::Value>(&o2.stdout)
+                .ok()
+                .and_then(|v| {
+                    v.as_array()?
+                        .iter()
+                        .find(|r| r["id"] == o.session.as_str())
+                        .map(|r| r["egress"].clone())
+                })
+                .unwrap_or_default()
+        };
+        // Before any new request: what the adopted grant started from.
+        assert!(
+            common::eventually(std::time::Duration::from_secs(10), || {
+                let e = egress();
+                e["allowed"].as_u64() >= Some(1) && e["refused"].as_u64() >= Some(1)
+            }),
+            "the adopted session's counters were lost with the daemon and the proxy: {}\n{}",
+            egress(),
+            third.log_text()
+        );
+        eprintln!(
+            "egress: the counters went on across the daemon's and the proxy's death: {}",
+            egress()
+        );
+    }
+    c.interrupt(&o.session, cell).await.unwrap();
+    c.attach(&o.session, cell).await.unwrap();
+    let out = tokio::time::timeout(std::time::Duration::from_secs(60), c.finish(|_| {}))
+        .await
+        .expect("the interrupted cell ended")
+        .unwrap();
+    assert!(
+        out.stdout.contains("allowed: hello through the proxy\n")
+            && out.stdout.contains("fetched\n"),
+        "{}\n{}\n{}",
+        out.stdout,
+        out.stderr,
+        third.log_text()
+    );
+    fetch_subset(
+        &mut c,
+        &o.session,
+        &third,
+        "after the daemon and the proxy died",
+    )
+    .await;
+
+    // A session whose hosts the environment no longer allows when a successor adopts it
+    // (the operator narrowed the list, then the daemon restarted): no grant, and its
+    // listener is shut, so a connect is refused at once instead of waiting in a backlog
+    // nobody serves until the cell's timeout.
+    let mut d = third;
+    let _ = d.child.kill();
+    let _ = d.child.wait();
+    let (_ndir, narrowed) = write_conf(
+        "[environments.net]\nlanguage = \"python\"\nengine = \"native\"\n\
+         interpreter = \"/usr/bin/python3\"\n\
+         egress = { hosts = [\"data.test\"], ports = [80] }\n",
+    );
+    let fourth = match sandbox {
+        Some(s) => Daemon::start_on_in_sandbox(&d.socket.clone(), &narrowed, &env3, s),
+        None => Daemon::start_on_with_config(&d.socket.clone(), &narrowed, &env3),
+    };
+    let mut c = fourth.client().await;
+    let out = c
+        .execute_collect(
+            &o.session,
+            "import time, urllib.request\nt = time.monotonic()\ntry:\n    \
+             urllib.request.urlopen('http://www.sub.test/hello.txt', timeout=60)\n    \
+             print('fetched')\nexcept Exception as e:\n    print('error', repr(e))\n\
+             print('after %.1f s' % (time.monotonic() - t))\n",
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e:?}\n{}", fourth.log_text()));
+    assert!(
+        out.stdout.contains("Connection refused"),
+        "{}\n{}\n{}",
+        out.stdout,
+        out.stderr,
+        fourth.log_text()
+    );
+    let secs: f64 = out
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("after ")?.strip_suffix(" s")?.parse().ok())
+        .unwrap_or(f64::MAX);
+    assert!(secs < 10.0, "{}", out.stdout);
+    eprintln!(
+        "egress: a session whose hosts left the list was refused after {secs:.1} s: {}",
+        out.stdout.lines().next().unwrap_or_default()
+    );
+    c.close(&o.session).await.unwrap();
+    assert!(
+        common::eventually(std::time::Duration::from_secs(10), || !counts_file.exists()),
+        "{} outlived its session",
+        counts_file.display()
+    );
+    drop(d);
 }

@@ -477,13 +477,32 @@ impl Session {
                 let kept = listener.try_clone().ok();
                 let (id, pid, policy) = (r.id.clone(), r.worker.pid, policy.clone());
                 let hosts = policy.hosts.clone();
-                let used = r.egress_counts.unwrap_or_default();
+                // The counters file is rewritten at each read, the record at each cell's start
+                // and end: the larger of the two, counter by counter.
+                let keep_dir = w.keep.dir.clone();
+                let used = r
+                    .egress_counts
+                    .unwrap_or_default()
+                    .max(crate::records::read_egress(&keep_dir, &r.id).unwrap_or_default());
                 tokio::spawn(async move {
-                    crate::egress::open(&id, pid, listener, &policy, used).await;
+                    crate::egress::open(&id, pid, listener, &policy, used, Some(keep_dir)).await;
                 });
                 kept.map(|l| (l, hosts))
             }
-            _ => None,
+            (Some(listener), None) => {
+                // No grant any more (the environment no longer allows the session's hosts):
+                // the keeper still holds the listener, so shut it for every holder; a
+                // connect is then refused at once instead of waiting in a backlog nobody
+                // serves (shutdown(2) of a listening TCP socket stops it listening, Linux
+                // net/ipv4/af_inet.c `inet_shutdown`).
+                let shut = nix::sys::socket::shutdown(
+                    std::os::fd::AsRawFd::as_raw_fd(&listener),
+                    nix::sys::socket::Shutdown::Both,
+                );
+                tracing::info!(session = %r.id, shut = shut.is_ok(), "the adopted session's egress is not granted again: its connections are refused");
+                None
+            }
+            (None, _) => None,
         };
         let (stdout, stderr) = match held.raw {
             Some((o, e)) => (
