@@ -342,6 +342,10 @@ def install_host_module():
     pkg.__path__ = []
     sys.modules["sandcell"] = pkg
     sys.modules["sandcell.host"] = mod
+    # `display(...)` without an import, as in IPython, where library code and notebooks
+    # expect it; a cell's own `display` shadows it.
+    if not hasattr(builtins, "display"):
+        builtins.display = display
 
 
 # ---- signals -------------------------------------------------------------------------------

@@ -1147,6 +1147,9 @@ def _install_host_module():
     pkg.__path__ = []
     _sys.modules['sandcell'] = pkg
     _sys.modules['sandcell.host'] = mod
+    # `display(...)` without an import, as in IPython; a cell's own `display` shadows it.
+    if not hasattr(_builtins, 'display'):
+        _builtins.display = display
 
 
 def _bind():

@@ -732,6 +732,20 @@ def test_display_metadata_reaches_the_notebook(kernel):
         assert shown[1]["content"]["data"]["image/png"] == "UE5H"
 
 
+@pytest.mark.parametrize("kernel", ["sandcell-python", "sandcell-pydata"])
+def test_display_is_a_builtin_as_in_ipython(kernel):
+    """`display(...)` works without an import, as in IPython's kernels, and a cell's own
+    `display` shadows it."""
+    with running(kernel) as (_, kc):
+        reply, msgs = execute(kc, "display({'a': 1})")
+        assert reply["status"] == "ok", reply
+        shown = [m for m in msgs if m["msg_type"] == "display_data"]
+        assert [m["content"]["data"]["text/plain"] for m in shown] == ["{'a': 1}"], msgs
+        reply, msgs = execute(kc, "def display(x): print('mine', x)\ndisplay(2)")
+        assert reply["status"] == "ok", reply
+        assert streams(msgs, "stdout") == "mine 2\n", msgs
+
+
 def test_a_malformed_ping_does_not_end_the_heartbeat():
     """Heartbeats are not signed: a process sends the heartbeat port a one-frame message (a
     REP socket expects an envelope) and the kernel still echoes the next ping."""
