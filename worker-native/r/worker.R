@@ -607,17 +607,72 @@ message_of <- function(cond) {
 # 512 KiB bundle cap and the 1 MiB reply line).
 MAX_DISPLAY_TEXT <- 128L * 1024L
 
+# Rows and columns of a data frame or matrix shown in its text/html table (IRkernel's repr
+# shows 60 rows and 20 columns by default: repr.matrix.max.rows / max.cols); the rest is
+# counted in the caption.
+MAX_HTML_ROWS <- 60L
+MAX_HTML_COLS <- 20L
+
+html_escape <- function(x) {
+  x <- gsub("&", "&amp;", x, fixed = TRUE)
+  x <- gsub("<", "&lt;", x, fixed = TRUE)
+  x <- gsub(">", "&gt;", x, fixed = TRUE)
+  gsub("\"", "&quot;", x, fixed = TRUE)
+}
+
+# The text/html table of a data frame or matrix `v` (at most MAX_HTML_ROWS x MAX_HTML_COLS
+# cells, each formatted as print would); NULL for any other value, or when formatting fails
+# or the table would pass MAX_DISPLAY_TEXT (the bundle then has its text/plain only).
+html_table <- function(v) {
+  if (!(is.data.frame(v) || is.matrix(v))) return(NULL)
+  tryCatch({
+    nr <- NROW(v)
+    nc <- NCOL(v)
+    if (nc == 0L || nc > 100000L) return(NULL)
+    part <- v[seq_len(min(nr, MAX_HTML_ROWS)), seq_len(min(nc, MAX_HTML_COLS)), drop = FALSE]
+    # base's own formatting, as a character matrix of the shown cells (a tibble's format
+    # method returns printed lines instead).
+    cells <- if (is.data.frame(part)) {
+      as.matrix(base::format.data.frame(base::as.data.frame(part)))
+    } else {
+      base::format.default(part)
+    }
+    cn <- colnames(part)
+    if (is.null(cn)) cn <- sprintf("[,%d]", seq_len(ncol(cells)))
+    rn <- rownames(part)
+    if (is.null(rn)) rn <- sprintf("[%d,]", seq_len(nrow(cells)))
+    if (!is.matrix(cells) || length(cn) != ncol(cells) || length(rn) != nrow(cells)) {
+      return(NULL)
+    }
+    kind <- if (is.data.frame(v)) "A data.frame" else "A matrix"
+    caption <- sprintf("%s: %d &times; %d", kind, nr, nc)
+    if (nr > nrow(cells) || nc > ncol(cells)) {
+      caption <- sprintf("%s (first %d rows, %d columns shown)", caption, nrow(cells), ncol(cells))
+    }
+    head <- paste0("<tr><th></th>", paste0("<th>", html_escape(cn), "</th>", collapse = ""), "</tr>")
+    body <- vapply(seq_len(nrow(cells)), function(i) {
+      paste0("<tr><th>", html_escape(rn[[i]]), "</th>",
+        paste0("<td>", html_escape(cells[i, ]), "</td>", collapse = ""), "</tr>")
+    }, "")
+    html <- paste0("<table class=\"dataframe\">\n<caption>", caption, "</caption>\n<thead>",
+      head, "</thead>\n<tbody>\n", paste(body, collapse = "\n"), "\n</tbody>\n</table>")
+    if (nchar(html, type = "bytes") > MAX_DISPLAY_TEXT) NULL else html
+  }, error = function(e) NULL)
+}
+
 # Sends a printed value as a `display` line (rich output): kind "result" for the cell's last
 # expression, "display" for an earlier one; nothing when printing wrote no text (a plot).
-send_printed <- function(text, last) {
+# `html`: the value's text/html (a data frame's or matrix's table), or NULL.
+send_printed <- function(text, last, html = NULL) {
   if (!length(text)) return(invisible(NULL))
   s <- paste(text, collapse = "\n")
   if (!nzchar(s)) return(invisible(NULL))
   s <- bound_text(s, MAX_DISPLAY_TEXT)
   flush(stdout())
+  extra <- if (is.null(html)) "" else paste0(",\"text/html\":", json_str(html))
   line <- paste0("{\"t\":\"display\",\"cell\":", json_int(state$cell),
     ",\"kind\":", json_str(if (last) "result" else "display"),
-    ",\"data\":{\"text/plain\":", json_str(s), "}}")
+    ",\"data\":{\"text/plain\":", json_str(s), extra, "}}")
   suspendInterrupts(send_line(line))
 }
 
@@ -634,7 +689,8 @@ run_exprs <- function(exprs, display, rich = FALSE) {
     r <- withVisible(eval(sandcell_cell_expr, .GlobalEnv))
     if (display && r$visible) {
       if (rich) {
-        send_printed(utils::capture.output(print_value(r$value)), i == length(exprs))
+        send_printed(utils::capture.output(print_value(r$value)), i == length(exprs),
+          html_table(r$value))
       } else {
         print_value(r$value)
       }

@@ -1570,3 +1570,25 @@ def test_an_interrupted_r_cell_says_so_in_rs_words():
         reply = reply_to(kc, msg_id, timeout=30)["content"]
         assert reply["status"] == "error" and reply["ename"] == "interrupt", reply
 
+
+
+def test_an_r_data_frame_arrives_as_an_html_table_too():
+    """As IRkernel shows it: a data frame or matrix value carries text/html (a table of at
+    most 60 rows and 20 columns, its cells escaped) beside its printed text/plain."""
+    with running("sandcell-r") as (_, kc):
+        reply, msgs = execute(kc, "df <- data.frame(a = 1:3, b = c('x', '<y>', 'z'))\ndf",
+                              timeout=60)
+        assert reply["status"] == "ok", reply
+        result = [m for m in msgs if m["msg_type"] == "execute_result"]
+        assert len(result) == 1, msgs
+        data = result[0]["content"]["data"]
+        assert "<y>" in data["text/plain"], data
+        html = data["text/html"]
+        assert html.startswith("<table") and "&lt;y&gt;" in html and "<y>" not in html, html
+        assert "A data.frame: 3 &times; 2" in html, html
+        reply, msgs = execute(kc, "data.frame(n = seq_len(1000))", timeout=60)
+        html = [m for m in msgs if m["msg_type"] == "execute_result"][0]["content"]["data"]["text/html"]
+        assert html.count("<tr>") == 61 and "first 60 rows" in html, html[:300]
+        reply, msgs = execute(kc, "1:3", timeout=60)
+        data = [m for m in msgs if m["msg_type"] == "execute_result"][0]["content"]["data"]
+        assert set(data) == {"text/plain"}, data
