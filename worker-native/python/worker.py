@@ -856,8 +856,9 @@ def run_cell(cell, payload, opts):
                 exec(shown, ns)
         finally:
             S.armed = False  # no eval-breaker check before this store: nothing can raise here
-    except KeyboardInterrupt:
-        return "interrupted", None, None
+    except KeyboardInterrupt as e:
+        # Its traceback says where the cell was, as IPython's does.
+        return "interrupted", describe(e, fname), None
     except CellTimeout:
         return "timeout", {"type": "TimeoutError", "message": "cell exceeded its time limit of %d ms" % timeout}, None
     except SystemExit as e:

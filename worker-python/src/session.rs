@@ -579,16 +579,16 @@ impl PySession {
                     match outcome {
                         Some(Ok(r)) => {
                             self.had_cells = true;
-                            let (mut status, mut error, code) = map_driver(&r);
+                            let (mut status, error, code) = map_driver(&r);
                             if interrupted
                                 && error
                                     .as_ref()
                                     .is_some_and(|e| e.kind == "KeyboardInterrupt")
                             {
                                 // A host call took the SIGINT and the cell let the
-                                // KeyboardInterrupt through: interrupted, instance kept.
+                                // KeyboardInterrupt through: interrupted, instance kept; the
+                                // error stays, its traceback saying where the cell was.
                                 status = WorkerStatus::Interrupted;
-                                error = None;
                             }
                             self.completed(cell, r.unchanged);
                             (status, error, code, fuel, false)

@@ -1289,8 +1289,8 @@ impl Shell {
                     _ => "SandcellError",
                 };
                 let mut evalue = match err {
-                    Some(e) => e.message.clone(),
-                    None => format!("the cell ended: {status}"),
+                    Some(e) if !e.message.is_empty() => e.message.clone(),
+                    _ => format!("the cell ended: {status}"),
                 };
                 if s == Status::Exited {
                     evalue = format!(
@@ -1301,8 +1301,22 @@ impl Shell {
                 if r.session_ended {
                     evalue += "; the session ended, the next cell starts a new one";
                 }
-                // The warnings went out on stderr just before.
-                let tb = vec![format!("{ename}: {evalue}")];
+                // The warnings went out on stderr just before. Where the worker said where the
+                // cell was (an interrupt's traceback), its lines come first, as in IPython.
+                let mut tb: Vec<String> = err
+                    .as_ref()
+                    .and_then(|e| e.traceback.as_deref())
+                    .map(|t| {
+                        t.trim_end_matches('\n')
+                            .split('\n')
+                            .map(str::to_owned)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                if tb.last().is_some_and(|l| l.starts_with(ename)) {
+                    tb.pop();
+                }
+                tb.push(format!("{ename}: {evalue}"));
                 self.error(count, ename, &evalue, tb, parent).await
             }
         }

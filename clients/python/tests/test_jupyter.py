@@ -298,6 +298,14 @@ def test_interrupt_and_restart(kernel):
         assert reply["parent_header"]["msg_id"] == msg_id
         assert reply["content"]["status"] == "error"
         assert reply["content"]["ename"] == "KeyboardInterrupt", reply["content"]
+        # Where the cell was, as IPython's traceback says it: the native engine raises
+        # KeyboardInterrupt in the cell's frame. (The Eryx engine stops the WebAssembly
+        # instance between two host calls and continues from its last state: no Python frame
+        # is left to name.)
+        tb = "\n".join(reply["content"]["traceback"])
+        if kernel == "sandcell-pydata":
+            assert "<cell" in tb and "line 3" in tb, reply["content"]
+        assert tb.endswith("KeyboardInterrupt: the cell ended: interrupted"), tb
         assert time.monotonic() - t0 < 10
         # ipykernel aborts the requests queued behind a failed cell for a moment after it
         # (stop_on_error), as IPython's kernel does.
