@@ -70,6 +70,23 @@ pub struct RunRequest<'a> {
     pub egress: Option<&'a [String]>,
 }
 
+/// The entries of `hosts` (a session's egress list) that lie within `allowed` (an
+/// environment's list), each judged on its own; malformed entries are dropped.
+pub fn still_allowed(allowed: &[String], hosts: &[String]) -> Vec<String> {
+    use sandcell_egress::allow::Allowlist;
+    let Ok(wide) = Allowlist::parse(allowed) else {
+        return Vec::new();
+    };
+    hosts
+        .iter()
+        .filter(|h| {
+            Allowlist::parse(std::slice::from_ref(*h))
+                .is_ok_and(|one| wide.outside(&one).is_empty())
+        })
+        .cloned()
+        .collect()
+}
+
 /// The hosts a session of `env` may reach through the egress proxy: `requested` (host names
 /// and leading-`*.` wildcards, at most `sandcell_egress::control::MAX_HOSTS`) when every
 /// entry lies within the environment's allowlist, else the whole list; `None` for an
@@ -341,11 +358,17 @@ impl Core {
         let adopted_idle =
             (!detached).then(|| Duration::from_secs(cfg.limits.max_detached_idle_seconds));
         // The session's egress, granted again with the hosts it had that the environment's
-        // allowlist still allows; none when the environment lost its egress (safer: no network).
+        // allowlist still allows (each entry kept or dropped on its own); none when none is
+        // left or the environment lost its egress (safer: no network).
         let egress = r.egress_hosts.as_deref().and_then(|hosts| {
             let env = cfg.environment(&r.environment)?;
             let policy = env.egress.clone()?;
-            match session_egress(&env, Some(hosts)) {
+            let hosts = still_allowed(&policy.hosts, hosts);
+            if hosts.is_empty() {
+                tracing::warn!(session = %r.id, "none of the adopted session's egress hosts is allowed any more: no grant");
+                return None;
+            }
+            match session_egress(&env, Some(&hosts)) {
                 Ok(Some(hosts)) => Some(crate::config::EgressConfig { hosts, ..policy }),
                 Ok(None) => None,
                 Err(e) => {
@@ -1664,5 +1687,29 @@ impl crate::pool::Source for Core {
 
     fn pool(&self) -> &crate::pool::Pool<Prepared> {
         &self.pool
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// A narrowed environment list keeps each of an adopted session's hosts it still allows.
+    #[test]
+    fn still_allowed_keeps_each_host_on_its_own() {
+        let allowed = ["data.test".to_string(), "*.sub.test".to_string()];
+        let had: Vec<String> = [
+            "www.sub.test",
+            "other.test",
+            "data.test",
+            "*.sub.test",
+            "not a name",
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+        assert_eq!(
+            super::still_allowed(&allowed, &had),
+            ["www.sub.test", "data.test", "*.sub.test"]
+        );
+        assert!(super::still_allowed(&["data.test".into()], &["www.sub.test".into()]).is_empty());
     }
 }

@@ -30,8 +30,26 @@ struct Args {
     max_sessions: usize,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+/// Worker threads of the proxy's runtime: the CPUs, at most 4 (relaying is I/O-bound).
+const MAX_WORKER_THREADS: usize = 4;
+/// Threads for name lookups (the system resolver blocks), at most; with the workers and the
+/// main thread well within the unit's `TasksMax=64`. Lookups past it wait for a thread.
+const MAX_LOOKUP_THREADS: usize = 16;
+
+/// One runtime of a bounded number of threads: tokio's default starts one worker per CPU
+/// and panics when a thread cannot be made ("OS can't spawn worker thread"), which under
+/// `TasksMax=64` would be every start on a machine of 64 CPUs or more.
+fn main() -> anyhow::Result<()> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cpus.clamp(1, MAX_WORKER_THREADS))
+        .max_blocking_threads(MAX_LOOKUP_THREADS)
+        .enable_all()
+        .build()?
+        .block_on(run())
+}
+
+async fn run() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),

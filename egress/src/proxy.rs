@@ -20,8 +20,17 @@ use tokio::time::timeout;
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time to connect to the destination.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// A relayed connection with no bytes either way for this long is closed.
+/// A relayed connection with no bytes either way for this long is closed (one clock for both
+/// directions: a download whose client sends nothing after its request is not idle).
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Name lookups of one session running at once (each holds a thread of the proxy's
+/// blocking pool until the system resolver answers or gives up, which can take 30 s).
+pub const MAX_SESSION_LOOKUPS: usize = 4;
+/// Kernel buffer requested for each direction of each relayed socket, bytes (SO_RCVBUF and
+/// SO_SNDBUF, socket(7); Linux doubles the value for its bookkeeping). Without it TCP
+/// autotuning grows a socket whose reader stalls to `tcp_rmem`'s maximum (6 MiB by default,
+/// more where tuned), none of it counted against the session's byte cap.
+pub const SOCKET_BUFFER_BYTES: usize = 128 * 1024;
 /// Most distinct refused destinations logged per session (each once).
 pub const MAX_LOGGED_REFUSALS: usize = 64;
 
@@ -75,6 +84,7 @@ pub struct Session {
     /// Its counters.
     pub counters: Counters,
     open: Semaphore,
+    lookups: Arc<Semaphore>,
     logged: Mutex<HashSet<String>>,
 }
 
@@ -83,6 +93,7 @@ impl Session {
     pub fn new(policy: Policy) -> Session {
         Session {
             open: Semaphore::new(policy.max_connections as usize),
+            lookups: Arc::new(Semaphore::new(MAX_SESSION_LOOKUPS)),
             policy,
             counters: Counters::default(),
             logged: Mutex::new(HashSet::new()),
@@ -234,19 +245,46 @@ impl Resolver {
         Resolver::default()
     }
 
-    /// The addresses of `host` (normalized) at `port`.
-    async fn resolve(&self, host: &str, port: u16) -> Result<Vec<SocketAddr>, Refusal> {
+    /// The addresses of `host` (normalized) at `port`, looked up for session `s`: at most
+    /// [`MAX_SESSION_LOOKUPS`] of a session's lookups hold a thread at once, each until the
+    /// system resolver returns (also after this call gave up at [`CONNECT_TIMEOUT`]), so one
+    /// session's lookups of names that never answer cannot take the threads every other
+    /// session's lookups need.
+    async fn resolve(
+        &self,
+        s: &Session,
+        host: &str,
+        port: u16,
+    ) -> Result<Vec<SocketAddr>, Refusal> {
         if let Some(ips) = self.hosts.get(host) {
             return Ok(ips.iter().map(|ip| SocketAddr::new(*ip, port)).collect());
         }
         if self.hosts_only {
             return Err(Refusal::Resolve(host.into()));
         }
-        let found = timeout(CONNECT_TIMEOUT, tokio::net::lookup_host((host, port)))
+        let refused = || Refusal::Resolve(host.into());
+        let found = timeout(CONNECT_TIMEOUT, async {
+            let permit = s
+                .lookups
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|_| refused())?;
+            let name = host.to_string();
+            tokio::task::spawn_blocking(move || {
+                use std::net::ToSocketAddrs;
+                let _held = permit;
+                (name.as_str(), port)
+                    .to_socket_addrs()
+                    .map(|a| a.take(16).collect::<Vec<_>>())
+            })
             .await
-            .map_err(|_| Refusal::Resolve(host.into()))?
-            .map_err(|_| Refusal::Resolve(host.into()))?;
-        Ok(found.take(16).collect())
+            .map_err(|_| refused())?
+            .map_err(|_| refused())
+        })
+        .await
+        .map_err(|_| refused())??;
+        Ok(found)
     }
 }
 
@@ -339,7 +377,7 @@ async fn handle(client: &mut TcpStream, s: &Session, resolver: &Resolver) -> Res
     if s.counters.bytes.load(Ordering::Relaxed) >= s.policy.max_bytes {
         return Err(Refusal::Bytes(s.policy.max_bytes));
     }
-    let addrs = resolver.resolve(&name, port).await?;
+    let addrs = resolver.resolve(s, &name, port).await?;
     let mut first_refused = None;
     let good: Vec<SocketAddr> = addrs
         .into_iter()
@@ -351,6 +389,7 @@ async fn handle(client: &mut TcpStream, s: &Session, resolver: &Resolver) -> Res
             None => true,
         })
         .collect();
+    let mut first_own = None;
     if good.is_empty() {
         return Err(match first_refused {
             Some((class, ip)) => Refusal::Address {
@@ -363,14 +402,32 @@ async fn handle(client: &mut TcpStream, s: &Session, resolver: &Resolver) -> Res
     }
     let mut upstream = None;
     for a in &good {
-        if let Ok(Ok(c)) = timeout(CONNECT_TIMEOUT, TcpStream::connect(a)).await {
+        if own_address(a.ip()) {
+            first_own.get_or_insert(a.ip());
+            continue;
+        }
+        if let Ok(Ok(c)) = timeout(CONNECT_TIMEOUT, connect(*a)).await {
+            // The connection's own end has the destination's address: the destination is
+            // this host (a check that needs no list of its addresses).
+            if c.local_addr().is_ok_and(|l| l.ip() == a.ip()) {
+                first_own.get_or_insert(a.ip());
+                continue;
+            }
             upstream = Some(c);
             break;
         }
     }
     let Some(mut upstream) = upstream else {
-        return Err(Refusal::Connect(format!("{name}:{port}")));
+        return Err(match first_own {
+            Some(ip) => Refusal::Address {
+                host: name,
+                class: OWN_CLASS,
+                ip,
+            },
+            None => Refusal::Connect(format!("{name}:{port}")),
+        });
     };
+    bound_buffers(client);
     s.counters.allowed.fetch_add(1, Ordering::Relaxed);
     let rest = buf[n..].to_vec();
     match target {
@@ -389,30 +446,96 @@ async fn handle(client: &mut TcpStream, s: &Session, resolver: &Resolver) -> Res
         return Ok(());
     }
     let life = Duration::from_secs(s.policy.max_seconds);
-    let (cr, cw) = client.split();
-    let (ur, uw) = upstream.split();
-    let _ = timeout(life, async {
-        tokio::try_join!(one_way(cr, uw, s), one_way(ur, cw, s))
-    })
-    .await;
+    let _ = timeout(life, relay(client, &mut upstream, s, IDLE_TIMEOUT)).await;
     Ok(())
 }
 
-/// Copies `r` to `w` until end of file, an error, the idle timeout or the byte cap.
-async fn one_way<R, W>(mut r: R, mut w: W, s: &Session) -> io::Result<()>
+/// The class named when a host resolves to an address of the proxy's own host.
+const OWN_CLASS: &str = "local interface";
+
+/// Whether `ip` is an address of this host's interfaces: a socket binds to it (bind(2) gives
+/// `EADDRNOTAVAIL` for any other address), asked only while the kernel refuses non-local
+/// binds (`net.ipv4.ip_nonlocal_bind` and `net.ipv6.ip_nonlocal_bind` 0, their default);
+/// otherwise the check after connecting decides. Needs only the address families the proxy
+/// has (no netlink).
+fn own_address(ip: IpAddr) -> bool {
+    use std::sync::OnceLock;
+    static NONLOCAL: OnceLock<bool> = OnceLock::new();
+    let nonlocal = *NONLOCAL.get_or_init(|| {
+        [
+            "/proc/sys/net/ipv4/ip_nonlocal_bind",
+            "/proc/sys/net/ipv6/ip_nonlocal_bind",
+        ]
+        .iter()
+        .any(|p| std::fs::read_to_string(p).is_ok_and(|v| v.trim() != "0"))
+    });
+    !nonlocal && std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
+}
+
+/// Connects to `a` with [`SOCKET_BUFFER_BYTES`] buffers.
+async fn connect(a: SocketAddr) -> io::Result<TcpStream> {
+    let sock = match a {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    sock.set_recv_buffer_size(SOCKET_BUFFER_BYTES as u32)?;
+    sock.set_send_buffer_size(SOCKET_BUFFER_BYTES as u32)?;
+    sock.connect(a).await
+}
+
+/// Gives the accepted `client` socket [`SOCKET_BUFFER_BYTES`] buffers (best effort).
+fn bound_buffers(client: &TcpStream) {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let _ = setsockopt(client, sockopt::RcvBuf, &SOCKET_BUFFER_BYTES);
+    let _ = setsockopt(client, sockopt::SndBuf, &SOCKET_BUFFER_BYTES);
+}
+
+/// Relays `client` and `upstream` both ways until both ends finished, an error, the byte cap,
+/// or `idle` with no byte in either direction.
+async fn relay(client: &mut TcpStream, upstream: &mut TcpStream, s: &Session, idle: Duration) {
+    let last = AtomicU64::new(0);
+    let start = tokio::time::Instant::now();
+    let (cr, cw) = client.split();
+    let (ur, uw) = upstream.split();
+    let _ = tokio::try_join!(
+        one_way(cr, uw, s, &last, start, idle),
+        one_way(ur, cw, s, &last, start, idle)
+    );
+}
+
+/// Copies `r` to `w` until end of file, an error or the byte cap, or until `idle` passed
+/// since `last` (ms after `start`, moved by either direction) with nothing read.
+async fn one_way<R, W>(
+    mut r: R,
+    mut w: W,
+    s: &Session,
+    last: &AtomicU64,
+    start: tokio::time::Instant,
+    idle: Duration,
+) -> io::Result<()>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
-        let n = timeout(IDLE_TIMEOUT, r.read(&mut buf))
-            .await
-            .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))??;
+        let deadline = start + Duration::from_millis(last.load(Ordering::Relaxed)) + idle;
+        let n = match tokio::time::timeout_at(deadline, r.read(&mut buf)).await {
+            Ok(n) => n?,
+            // The other direction may have moved meanwhile: its time counts too.
+            Err(_)
+                if start + Duration::from_millis(last.load(Ordering::Relaxed)) + idle
+                    > tokio::time::Instant::now() =>
+            {
+                continue;
+            }
+            Err(_) => return Err(io::Error::from(io::ErrorKind::TimedOut)),
+        };
         if n == 0 {
             let _ = w.shutdown().await;
             return Ok(());
         }
+        last.fetch_max(start.elapsed().as_millis() as u64, Ordering::Relaxed);
         if !s.charge(n) {
             return Err(io::Error::other("byte cap reached"));
         }
@@ -420,9 +543,9 @@ where
     }
 }
 
-/// "a" or "an" before an address class's name.
+/// "a" or "an" before an address class's name ("a unique-local": the sound, not the letter).
 fn article(class: &str) -> &'static str {
-    if class.starts_with(['a', 'e', 'i', 'o', 'u']) {
+    if class.starts_with(['a', 'e', 'i', 'o', 'u']) && !class.starts_with("uni") {
         "an"
     } else {
         "a"
@@ -498,6 +621,63 @@ mod tests {
         assert!(a.starts_with("HTTP/1.1 405"), "{a}");
         assert_eq!(s.counters.refused.load(Ordering::Relaxed), 7);
         assert_eq!(s.counters.allowed.load(Ordering::Relaxed), 0);
+    }
+
+    /// A connected pair of TCP streams on loopback.
+    async fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (b, _) = l.accept().await.unwrap();
+        (a, b)
+    }
+
+    /// The idle clock is one for both directions: a download that trickles while its client
+    /// sends nothing after the request is relayed to its end, past the idle time; a relay
+    /// with nothing moving either way ends at it.
+    #[tokio::test]
+    async fn a_one_way_download_is_not_idle() {
+        let s = Session::new(policy(&["ok.test"]));
+        let idle = Duration::from_millis(300);
+        // cell <-> (client, upstream) <-> server
+        let (mut cell, mut client) = pair().await;
+        let (mut upstream, mut server) = pair().await;
+        let sender = tokio::spawn(async move {
+            for _ in 0..12 {
+                server.write_all(b"x").await.unwrap();
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            drop(server);
+        });
+        let relayed = tokio::spawn(async move {
+            relay(&mut client, &mut upstream, &s, idle).await;
+        });
+        let mut got = Vec::new();
+        timeout(Duration::from_secs(10), cell.read_to_end(&mut got))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(got, vec![b'x'; 12], "the trickle was cut");
+        sender.await.unwrap();
+        relayed.await.unwrap();
+
+        let s = Session::new(policy(&["ok.test"]));
+        let (_cell, mut client) = pair().await;
+        let (mut upstream, _server) = pair().await;
+        let t0 = tokio::time::Instant::now();
+        timeout(
+            Duration::from_secs(10),
+            relay(&mut client, &mut upstream, &s, idle),
+        )
+        .await
+        .expect("an idle relay ends");
+        assert!(t0.elapsed() >= idle, "{:?}", t0.elapsed());
+    }
+
+    #[test]
+    fn articles() {
+        assert_eq!(article("unique-local"), "a");
+        assert_eq!(article("unspecified"), "an");
+        assert_eq!(article("loopback"), "a");
     }
 
     #[tokio::test]

@@ -61,7 +61,7 @@ fn world() -> World {
     std::fs::write(dir.join("www/big.bin"), vec![b'x'; 2 << 20]).unwrap();
     std::fs::write(
         dir.join("hosts"),
-        "11.0.0.2 data.test other.test data.sub.test\n127.0.0.1 loop.test\n\
+        "11.0.0.2 data.test other.test data.sub.test\n11.0.0.1 self.test\n127.0.0.1 loop.test\n\
          10.1.2.3 ten.test\n169.254.169.254 meta.test\n::ffff:127.0.0.1 mapped.test\n",
     )
     .unwrap();
@@ -172,6 +172,7 @@ fn the_proxy_reaches_allowed_hosts_only_within_its_caps() {
         "ten.test",
         "meta.test",
         "mapped.test",
+        "self.test",
     ];
     let (a, _ctl_a) = grant(&w, "a", &hosts, 64 << 20, 16);
     wait_for_web(a);
@@ -214,6 +215,9 @@ fn the_proxy_reaches_allowed_hosts_only_within_its_caps() {
         ("ten.test", "private"),
         ("meta.test", "cloud metadata"),
         ("mapped.test", "loopback"),
+        // The proxy's own interface (its namespace's 11.0.0.1): a service of the proxy's
+        // host on an allowed port is not reached through a name that resolves to it.
+        ("self.test", "local interface"),
     ] {
         let r = text(&ask(a, &format!("GET http://{host}/ HTTP/1.1\r\n\r\n")));
         assert!(r.starts_with("HTTP/1.1 403"), "{host}: {r}");

@@ -1261,7 +1261,7 @@ install_packages_session <- function(pkgs, lib, repos, dependencies = NA, ...) {
     if (!(paste0(p, "/Meta/package.rds") %in% members)) {
       install_error(sprintf(paste("package %s: %s is a source package; sandcell installs binary",
         "packages only, because installing from source runs R CMD INSTALL (the package's code,",
-        "often a compiler) in a child process, which a session may not start: ask the operator",
+        "often a compiler), which sandcell's installer does not run: ask the operator",
         "for a binary package (R CMD INSTALL --build)"), p, file))
     }
     if (any(!startsWith(members, paste0(p, "/")) | grepl("(^|/)\\.\\.(/|$)", members))) {
