@@ -265,6 +265,7 @@ pub async fn serve(
         .find(|k| k.0 == kernel)
         .copied()
         .ok_or_else(|| KernelFailure::UnknownKernel(kernel.to_owned()))?;
+    raise_descriptor_limit();
     let cf = |why: String| KernelFailure::ConnectionFile {
         path: connection_file.to_owned(),
         why,
@@ -560,6 +561,26 @@ async fn receive(s: &mut zeromq::RouterSocket, shared: &Shared, channel: &str) -
         let frames = m.into_vec();
         let bytes: usize = frames.iter().map(Bytes::len).sum();
         match wire::parse(&frames, &shared.signer) {
+            Ok(msg)
+                if msg.header.get("session").and_then(Value::as_str) == Some(&shared.session) =>
+            {
+                // One of this kernel's own messages sent back (anyone may read iopub over
+                // tcp): answering it would publish a new status pair that is sent back in
+                // turn, a loop without end.
+                if let Some(more) = log_drop_now() {
+                    log!(
+                        "{channel}: dropped a message this kernel sent ({more} more dropped unlogged)"
+                    );
+                }
+            }
+            Ok(msg) if !is_request(msg.msg_type()) => {
+                if let Some(more) = log_drop_now() {
+                    log!(
+                        "{channel}: dropped a {:?} message, not a request ({more} more dropped unlogged)",
+                        msg.msg_type().chars().take(64).collect::<String>()
+                    );
+                }
+            }
             Ok(msg) => return Some(msg),
             Err(e) => {
                 if let Some(more) = log_drop_now() {
@@ -573,6 +594,30 @@ async fn receive(s: &mut zeromq::RouterSocket, shared: &Shared, channel: &str) -
             }
         }
     }
+}
+
+/// A new connection to sandcelld's socket after a restart cut the old one: attempts as
+/// [`sandcell_client::Reattach::default`] (10, 0.1 s doubling to 4 s, about 20 s in all).
+async fn reconnect(socket: &Path) -> Result<Client, ClientError> {
+    let policy = sandcell_client::Reattach::default();
+    let mut delay = policy.first_delay;
+    let mut last = None;
+    for _ in 0..policy.attempts {
+        match Client::connect(socket).await {
+            Ok(c) => return Ok(c),
+            Err(e) => last = Some(e),
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(policy.max_delay);
+    }
+    Err(last.expect("at least one attempt"))
+}
+
+/// Whether `msg_type` is one a client sends to shell or control: a `*_request`, or a comm
+/// message (answered as unsupported). Replies, status and stream messages are the kernel's own
+/// kinds: never answered (no status pair is published for them).
+fn is_request(msg_type: &str) -> bool {
+    msg_type.ends_with("_request") || matches!(msg_type, "comm_open" | "comm_msg" | "comm_close")
 }
 
 /// Whether a dropped message may be logged now: at most one line a second over shell and
@@ -595,8 +640,27 @@ fn log_drop_now() -> Option<u64> {
     }
 }
 
+/// Raises the soft limit on open descriptors to the hard one (getrlimit(2)): a login's soft
+/// limit is often 1024, which connections that never finish their handshake can fill for the
+/// 10 s each may hold one, and no client could then connect.
+fn raise_descriptor_limit() {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read and write the struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 && l.rlim_cur < l.rlim_max {
+            l.rlim_cur = l.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+        }
+    }
+}
+
 async fn serve_control(mut control: zeromq::RouterSocket, shared: Shared) {
-    let mut interrupter: Option<Client> = None;
+    // Connected at once, while descriptors are free: the connection an interrupt needs is not
+    // made while the kernel may be short of them.
+    let mut interrupter: Option<Client> = Client::connect(&shared.socket).await.ok();
     while let Some(req) = receive(&mut control, &shared, "control").await {
         let parent = Value::Object(req.header.clone());
         shared
@@ -612,20 +676,45 @@ async fn serve_control(mut control: zeromq::RouterSocket, shared: Shared) {
             "kernel_info_request" => Some(("kernel_info_reply", shared.kernel_info().await)),
             "interrupt_request" => {
                 let id = shared.sandcell.lock().expect("lock").clone();
+                let mut failed = None;
                 if let Some(id) = id {
                     if interrupter.is_none() {
-                        interrupter = Client::connect(&shared.socket).await.ok();
+                        match Client::connect(&shared.socket).await {
+                            Ok(c) => interrupter = Some(c),
+                            Err(e) => failed = Some(format!("cannot reach sandcelld: {e}")),
+                        }
                     }
-                    if let Some(c) = interrupter.as_mut()
-                        && let Err(e) = c.interrupt_session(&id).await
-                    {
-                        log!("interrupt: {e}");
-                        if matches!(e, ClientError::Protocol(_)) {
-                            interrupter = None;
+                    if let Some(c) = interrupter.as_mut() {
+                        let mut done = c.interrupt_session(&id).await.map(|_| ());
+                        // A connection cut by a restart of sandcelld: once more on a new one.
+                        if let Err(e) = &done
+                            && e.is_call_cut()
+                            && let Ok(n) = Client::connect(&shared.socket).await
+                        {
+                            *c = n;
+                            done = c.interrupt_session(&id).await.map(|_| ());
+                        }
+                        if let Err(e) = done {
+                            if matches!(e, ClientError::Protocol(_)) || e.is_call_cut() {
+                                interrupter = None;
+                            }
+                            failed = Some(e.to_string());
                         }
                     }
                 }
-                Some(("interrupt_reply", json!({"status": "ok"})))
+                match failed {
+                    // The frontend shows an error reply; an ok that did nothing looks as if the
+                    // interrupt were ignored.
+                    Some(why) => {
+                        log!("interrupt: {why}");
+                        Some((
+                            "interrupt_reply",
+                            json!({"status": "error", "ename": "InterruptFailed",
+                                   "evalue": why, "traceback": []}),
+                        ))
+                    }
+                    None => Some(("interrupt_reply", json!({"status": "ok"}))),
+                }
             }
             "shutdown_request" => {
                 let restart = req.content.get("restart").cloned().unwrap_or(json!(false));
@@ -635,7 +724,11 @@ async fn serve_control(mut control: zeromq::RouterSocket, shared: Shared) {
                 ))
             }
             other => {
-                log!("control: unsupported message type {other:?}");
+                if let Some(more) = log_drop_now() {
+                    log!(
+                        "control: unsupported message type {other:?} ({more} more dropped unlogged)"
+                    );
+                }
                 None
             }
         };
@@ -649,7 +742,13 @@ struct Shell {
     slot: Slot,
     count: u64,
     history: History,
+    /// When the last cell started: a connection quiet for longer than [`QUIET_CHECK`] is
+    /// checked before the next cell is sent on it.
+    last_cell: std::time::Instant,
 }
+
+/// How long the session's connection may be quiet before a cell checks it first.
+const QUIET_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The kernel's history: `(execution_count, code)` of the stored cells and their results'
 /// text, within [`MAX_HISTORY`] cells and [`MAX_HISTORY_BYTES`] (each code and text cut at
@@ -791,6 +890,7 @@ async fn serve_shell(mut shell: zeromq::RouterSocket, shared: Shared, opening: O
         slot: Slot::Opening(opening),
         count: 0,
         history: History::default(),
+        last_cell: std::time::Instant::now(),
     };
     while let Some(req) = receive(&mut shell, &shared, "shell").await {
         let parent = Value::Object(req.header.clone());
@@ -1019,7 +1119,11 @@ impl Shell {
                 json!({"status": "ok", "restart": c.get("restart").cloned().unwrap_or(json!(false))}),
             ),
             other => {
-                log!("shell: unsupported message type {other:?}");
+                if let Some(more) = log_drop_now() {
+                    log!(
+                        "shell: unsupported message type {other:?} ({more} more dropped unlogged)"
+                    );
+                }
                 return None;
             }
         })
@@ -1144,6 +1248,8 @@ impl Shell {
                 .await;
         }
         let shared = self.shared.clone();
+        let quiet = self.last_cell.elapsed() > QUIET_CHECK;
+        self.last_cell = std::time::Instant::now();
         let (client, id, ended) = match self.session().await {
             Ok(s) => s,
             Err(e) => {
@@ -1166,10 +1272,29 @@ impl Shell {
                 .await;
         }
         let mut result_text = None;
+        // The connection may have been cut while the kernel was idle (sandcelld restarted; the
+        // session lives on in its successor): asked first, so that a cell is never sent on a
+        // dead connection and left to guess whether it ran.
+        if quiet
+            && let Err(e) = client.list_sessions().await
+            && e.is_call_cut()
+        {
+            match reconnect(&shared.socket).await {
+                Ok(c) => *client = c,
+                Err(e) => {
+                    self.drop_session(format!("the session is gone ({e})"));
+                    let name = error_name(&e);
+                    return self
+                        .error(count, &name, &e.to_string(), vec![], parent)
+                        .await;
+                }
+            }
+        }
+        let mut track = sandcell_client::CellTrack::new(sandcell_client::Reattach::default());
         let outcome = async {
             client.execute(&id, &code).await?;
             loop {
-                let f = client.next_frame().await?;
+                let f = client.next_frame_following(&mut track).await?;
                 if silent {
                     if let Some(r) = f.result {
                         return Ok(r);
@@ -1225,6 +1350,34 @@ impl Shell {
         .await;
         let r = match outcome {
             Ok(r) => r,
+            Err(e) if e.is_call_cut() => {
+                // sandcelld restarted during the cell and its successor keeps the session:
+                // the kernel goes on with it on a new connection (its variables stay); the
+                // cell itself was interrupted by the restart, or had not started.
+                let why = match reconnect(&shared.socket).await {
+                    Ok(c) => {
+                        if let Slot::Ready(old, _) = &mut self.slot {
+                            *old = c;
+                        }
+                        "sandcelld restarted during the cell: the cell was interrupted (or did \
+                         not start); the session and its variables are kept"
+                            .to_string()
+                    }
+                    Err(e2) => {
+                        self.drop_session(format!("the session is gone ({e2})"));
+                        format!("sandcelld restarted during the cell and did not come back ({e2})")
+                    }
+                };
+                return self
+                    .error(
+                        count,
+                        "DaemonRestarted",
+                        &why,
+                        vec![format!("DaemonRestarted: {why}")],
+                        parent,
+                    )
+                    .await;
+            }
             Err(e) => {
                 self.drop_session(format!("the session is gone ({e})"));
                 let name = error_name(&e);

@@ -1600,3 +1600,122 @@ def test_an_r_data_frame_arrives_as_an_html_table_too():
         reply, msgs = execute(kc, "1:3", timeout=60)
         data = [m for m in msgs if m["msg_type"] == "execute_result"][0]["content"]["data"]
         assert set(data) == {"text/plain"}, data
+
+
+def test_a_daemon_restart_keeps_the_notebooks_session(daemon_factory):
+    """sandcelld restarts (SIGUSR2: a restart that keeps sessions; then SIGKILL: a crash)
+    while the notebook is idle: the kernel goes on with the session its successor adopted, on
+    a new connection: the variables are there, the next cell runs (no error, no new session)."""
+    import signal
+    import subprocess
+
+    from conftest import ROOMY
+
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel has its own client")
+    d = daemon_factory("jupyter-restart", ROOMY)
+
+    def restart(sig):
+        os.kill(d.proc.pid, sig)
+        d.proc.wait(30)
+        d.log.close()
+        try:
+            os.unlink(d.socket)
+        except FileNotFoundError:
+            pass
+        d.log = open(d.log_path, "ab")
+        d.proc = subprocess.Popen(list(d.proc.args), stdout=d.log, stderr=subprocess.STDOUT)
+        for _ in range(200):
+            if os.path.exists(d.socket):
+                return
+            time.sleep(0.05)
+        pytest.fail(f"the successor's socket did not appear; log: {d.log_path}")
+
+    saved = os.environ["SANDCELL_SOCKET"]
+    os.environ["SANDCELL_SOCKET"] = d.socket
+    try:
+        with running("sandcell-pydata") as (_, kc):
+            reply, _ = execute(kc, "a = 1", timeout=60)
+            assert reply["status"] == "ok", reply
+            for n, sig in enumerate([signal.SIGUSR2, signal.SIGKILL]):
+                time.sleep(1.2)  # the kernel checks a connection quiet for over a second
+                restart(sig)
+                reply, msgs = execute(kc, "a += 1\nprint(a)", timeout=60)
+                assert reply["status"] == "ok", (sig, reply, d.tail())
+                assert streams(msgs, "stdout") == f"{n + 2}\n", (sig, msgs)
+                assert "new session" not in streams(msgs, "stderr"), msgs
+    finally:
+        os.environ["SANDCELL_SOCKET"] = saved
+
+
+def test_replayed_kernel_messages_are_not_answered():
+    """Without the key: a process reads iopub (anyone may, over tcp) and sends every signed
+    message back to shell and control. The kernel answers none of them: each answer would be
+    published as a new status pair, replayed in turn, a loop that took half a core and wrote a
+    log line per message (286,000 in 15 s)."""
+    import zmq
+
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel answers them too (ipykernel 6.17 loops as well)")
+    with running("sandcell-python") as (km, kc):
+        info = km.get_connection_info()
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{info['iopub_port']}")
+        shell = ctx.socket(zmq.DEALER)
+        shell.connect(f"tcp://127.0.0.1:{info['shell_port']}")
+        control = ctx.socket(zmq.DEALER)
+        control.connect(f"tcp://127.0.0.1:{info['control_port']}")
+        try:
+            time.sleep(1.0)
+            reply, _ = execute(kc, "x = 1", timeout=60)
+            assert reply["status"] == "ok", reply
+            statuses, t0 = 0, time.monotonic()
+            while time.monotonic() - t0 < 3:
+                if not sub.poll(100):
+                    continue
+                frames = sub.recv_multipart()
+                i = frames.index(b"<IDS|MSG>")
+                shell.send_multipart(frames[i:])
+                control.send_multipart(frames[i:])
+                if b'"status"' in frames[i + 2]:
+                    statuses += 1
+            # The cell's own busy/idle (and kernel_info's at the start) at most.
+            assert statuses <= 8, f"{statuses} status messages in 3 s: the replays were answered"
+            reply, msgs = execute(kc, "print(x)", timeout=30)
+            assert streams(msgs, "stdout") == "1\n", msgs
+        finally:
+            for s in (sub, shell, control):
+                s.close(linger=0)
+            ctx.term()
+
+
+def test_a_routing_id_taken_first_does_not_lock_the_client_out():
+    """Without the key: a process that learned the client's routing id keeps reconnecting
+    under it, so after a kernel restart it connects before the client. The client is still
+    served (its connection gets a generated id), and no reply reaches the other process."""
+    import zmq
+
+    if os.environ.get("SANDCELL_JUPYTER_PYTHON_KERNEL") == "1":
+        skip("the ipykernel-based kernel's sockets are libzmq's")
+    with running("sandcell-python") as (km, kc):
+        reply, _ = execute(kc, "x = 1", timeout=60)
+        assert reply["status"] == "ok", reply
+        ctx = zmq.Context()
+        thief = ctx.socket(zmq.DEALER)
+        thief.setsockopt(zmq.LINGER, 0)
+        thief.setsockopt(zmq.RECONNECT_IVL, 1)
+        thief.setsockopt(zmq.IDENTITY, kc.session.bsession)
+        thief.connect(f"tcp://127.0.0.1:{km.get_connection_info()['shell_port']}")
+        try:
+            time.sleep(0.5)
+            km.restart_kernel()
+            kc.wait_for_ready(timeout=60)
+            reply, msgs = execute(kc, "print(3)", timeout=30)
+            assert reply["status"] == "ok", reply
+            assert streams(msgs, "stdout") == "3\n", msgs
+            assert not thief.poll(500), "a reply went to the process that took the routing id"
+        finally:
+            thief.close(linger=0)
+            ctx.term()

@@ -319,20 +319,28 @@ impl MultiPeerBackend for GenericSocketBackend {
             send_queue: queue_sender,
             queued: queued.clone(),
         };
+        let generated;
+        let mut peer_id = peer_id;
         if self.socket_type == SocketType::ROUTER {
-            // sandcell: a second connection that names a routing id already in use is not
-            // attached (its connection closes), as libzmq's ROUTER ignores a duplicate id
-            // without ZMQ_ROUTER_HANDOVER. The published socket replaced the first peer, so
-            // any local process that learned a Jupyter client's id (its session id, which
-            // every iopub message carries) took that client's shell replies.
-            if self
-                .peers
-                .insert_async(peer_id.clone(), peer)
-                .await
-                .is_err()
-            {
-                log::debug!("peer {:?}: routing id in use, connection dropped", peer_id);
-                return;
+            // sandcell: a second connection that names a routing id already in use never
+            // takes it: the published socket replaced the first peer, so any local process
+            // that learned a Jupyter client's id (its session id, which every iopub message
+            // carries) took that client's shell replies. Nor is it refused: a process that
+            // took the id first (after a kernel restart) would then lock the real client
+            // out. It gets a generated id instead; replies go back by the id a request came
+            // with, so each connection receives the answers to its own requests.
+            if let Err((_, peer)) = self.peers.insert_async(peer_id.clone(), peer).await {
+                generated = PeerIdentity::new();
+                log::debug!("routing id in use: the connection is {:?}", generated);
+                peer_id = &generated;
+                if self
+                    .peers
+                    .insert_async(peer_id.clone(), peer)
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
             }
         } else {
             self.peers.upsert_async(peer_id.clone(), peer).await;

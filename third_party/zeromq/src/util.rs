@@ -187,11 +187,21 @@ pub(crate) async fn ready_exchange(
     }
 }
 
+/// sandcell: how long an accepted connection has to finish the ZMTP greeting and READY
+/// exchange before it is closed (libzmq's ZMQ_HANDSHAKE_IVL, 30 s by default; the published
+/// crate waited forever, so connections that never spoke held descriptors until the process
+/// ran out of them and no client could connect).
+pub const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 pub(crate) async fn peer_connected(
     mut raw_socket: FramedIo,
     backend: Arc<dyn MultiPeerBackend>,
 ) -> ZmqResult<PeerIdentity> {
-    let peer_id = peer_handshake(&mut raw_socket, backend.clone()).await?;
+    let peer_id = run_with_timeout(
+        Some(HANDSHAKE_TIMEOUT),
+        peer_handshake(&mut raw_socket, backend.clone()),
+    )
+    .await?;
     backend.peer_connected(&peer_id, raw_socket).await;
     Ok(peer_id)
 }
