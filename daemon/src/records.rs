@@ -287,38 +287,58 @@ pub const MAX_EGRESS_BYTES: u64 = 4096;
 ///
 /// Errors: the file cannot be written or renamed.
 pub fn write_egress(dir: &Path, id: &str, c: &crate::egress::Counts) -> std::io::Result<()> {
-    let tmp = dir.join(format!(".{id}.egress.tmp"));
+    let bytes = serde_json::to_vec(c).map_err(std::io::Error::other)?;
+    write_atomic(
+        &dir.join(format!(".{id}.egress.tmp")),
+        &egress_path(dir, id),
+        &bytes,
+    )
+}
+
+/// Writes `bytes` to `to` through `tmp` (mode 0600, not following a link), renamed over it.
+fn write_atomic(tmp: &Path, to: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&tmp)?;
-    f.write_all(&serde_json::to_vec(c).map_err(std::io::Error::other)?)?;
+        .open(tmp)?;
+    f.write_all(bytes)?;
     drop(f);
-    std::fs::rename(&tmp, egress_path(dir, id))
+    std::fs::rename(tmp, to)
 }
 
-/// Session `id`'s egress counters written by [`write_egress`]; `None` when there are none, or
-/// the file is not a root-only regular file of at most [`MAX_EGRESS_BYTES`] holding them.
-pub fn read_egress(dir: &Path, id: &str) -> Option<crate::egress::Counts> {
+/// The bytes of `path` when it is a regular root-only file (uid 0, no group or other
+/// permission) of at most `max` bytes, not reached through a link.
+///
+/// Errors: why not, as text.
+fn read_root_only(path: &Path, max: u64) -> Result<Vec<u8>, String> {
     use std::io::Read;
     use std::os::unix::fs::MetadataExt;
     let f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(egress_path(dir, id))
-        .ok()?;
-    let m = f.metadata().ok()?;
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let m = f.metadata().map_err(|e| e.to_string())?;
     if !m.is_file() || m.uid() != 0 || m.mode() & 0o077 != 0 {
-        return None;
+        return Err("not a root-only regular file".to_string());
     }
     let mut buf = Vec::new();
-    f.take(MAX_EGRESS_BYTES + 1).read_to_end(&mut buf).ok()?;
-    if buf.len() as u64 > MAX_EGRESS_BYTES {
-        return None;
+    f.take(max + 1)
+        .read_to_end(&mut buf)
+        .map_err(|e| e.to_string())?;
+    if buf.len() as u64 > max {
+        return Err(format!("longer than {max} bytes"));
     }
+    Ok(buf)
+}
+
+/// Session `id`'s egress counters written by [`write_egress`]; `None` when there are none, or
+/// the file is not a root-only regular file of at most [`MAX_EGRESS_BYTES`] holding them.
+pub fn read_egress(dir: &Path, id: &str) -> Option<crate::egress::Counts> {
+    let buf = read_root_only(&egress_path(dir, id), MAX_EGRESS_BYTES).ok()?;
     serde_json::from_slice(&buf).ok()
 }
 
@@ -355,17 +375,12 @@ fn path_of(dir: &Path, id: &str) -> PathBuf {
 ///
 /// Errors: the file cannot be written or renamed.
 pub fn write(dir: &Path, r: &Record) -> std::io::Result<()> {
-    let tmp = dir.join(format!(".{}.tmp", r.id));
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&tmp)?;
-    f.write_all(&serde_json::to_vec(r).map_err(std::io::Error::other)?)?;
-    drop(f);
-    std::fs::rename(&tmp, path_of(dir, &r.id))
+    let bytes = serde_json::to_vec(r).map_err(std::io::Error::other)?;
+    write_atomic(
+        &dir.join(format!(".{}.tmp", r.id)),
+        &path_of(dir, &r.id),
+        &bytes,
+    )
 }
 
 /// Removes session `id`'s record, its cell journal and spools, its listing before the cell,
@@ -385,8 +400,6 @@ pub fn remove(dir: &Path, id: &str) {
 /// Every record in `dir`: `(id, record or why it is unreadable)`. A file that is not a
 /// regular root-owned file of at most [`MAX_RECORD_BYTES`] is unreadable.
 pub fn read_all(dir: &Path) -> Vec<(String, Result<Record, String>)> {
-    use std::io::Read;
-    use std::os::unix::fs::MetadataExt;
     let mut out = Vec::new();
     let Ok(entries) = std::fs::read_dir(dir) else {
         return out;
@@ -400,22 +413,7 @@ pub fn read_all(dir: &Path) -> Vec<(String, Result<Record, String>)> {
             continue;
         }
         let read = (|| {
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-                .open(e.path())
-                .map_err(|e| e.to_string())?;
-            let m = f.metadata().map_err(|e| e.to_string())?;
-            if !m.is_file() || m.uid() != 0 || m.mode() & 0o077 != 0 {
-                return Err("not a root-only regular file".to_string());
-            }
-            let mut buf = Vec::new();
-            f.take(MAX_RECORD_BYTES + 1)
-                .read_to_end(&mut buf)
-                .map_err(|e| e.to_string())?;
-            if buf.len() as u64 > MAX_RECORD_BYTES {
-                return Err(format!("longer than {MAX_RECORD_BYTES} bytes"));
-            }
+            let buf = read_root_only(&e.path(), MAX_RECORD_BYTES)?;
             let r: Record = serde_json::from_slice(&buf).map_err(|e| e.to_string())?;
             if r.version != VERSION || r.id != id {
                 return Err("another version, or another session's id".into());

@@ -441,6 +441,26 @@ async fn flood_beside_a_fetch(d: &Daemon, c: &mut sandcell_client::Client) {
     c.close(&o.session).await.unwrap();
 }
 
+/// Session `session`'s egress counters as `sandcellctl list --json` shows them over the bus
+/// at `bus` for the daemon at `socket` (null when absent).
+fn listed_egress(bus: &str, socket: &std::path::Path, session: &str) -> serde_json::Value {
+    let o = Command::new(common::bin_dir().join("sandcellctl"))
+        .args(["list", "--json"])
+        .env("DBUS_SYSTEM_BUS_ADDRESS", bus)
+        .env("SANDCELL_SOCKET", socket)
+        .output()
+        .unwrap();
+    serde_json::from_slice::<serde_json::Value>(&o.stdout)
+        .ok()
+        .and_then(|v| {
+            v.as_array()?
+                .iter()
+                .find(|r| r["id"] == session)
+                .map(|r| r["egress"].clone())
+        })
+        .unwrap_or_default()
+}
+
 /// A cell that fetches `hello.txt` from `allowed` (retrying while the proxy is not yet
 /// serving: 502) and tries `other`, printing `allowed: BODY` and `other: CODE REASON`.
 /// Runs [`subset_cell`] for `www.sub.test` (allowed) and `data.test` (not in the session's
@@ -695,23 +715,7 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
             // Its counters, and so its budgets, go on from what it used before the crash (one
             // request served and one refused then, the same again now): the proxy kept them
             // when the crash revoked the grant.
-            let egress = || {
-                let o2 = Command::new(common::bin_dir().join("sandcellctl"))
-                    .args(["list", "--json"])
-                    .env("DBUS_SYSTEM_BUS_ADDRESS", &b.address)
-                    .env("SANDCELL_SOCKET", &second.socket)
-                    .output()
-                    .unwrap();
-                serde_json::from_slice::<serde_json::Value>(&o2.stdout)
-                    .ok()
-                    .and_then(|v| {
-                        v.as_array()?
-                            .iter()
-                            .find(|r| r["id"] == o.session.as_str())
-                            .map(|r| r["egress"].clone())
-                    })
-                    .unwrap_or_default()
-            };
+            let egress = || listed_egress(&b.address, &second.socket, &o.session);
             assert!(
                 common::eventually(std::time::Duration::from_secs(10), || {
                     let e = egress();
@@ -949,23 +953,7 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
     };
     let mut c = third.client().await;
     if let Some(b) = &bus {
-        let egress = || {
-            let o2 = Command::new(common::bin_dir().join("sandcellctl"))
-                .args(["list", "--json"])
-                .env("DBUS_SYSTEM_BUS_ADDRESS", &b.address)
-                .env("SANDCELL_SOCKET", &third.socket)
-                .output()
-                .unwrap();
-            serde_json::from_slice::<serde_json::Value>(&o2.stdout)
-                .ok()
-                .and_then(|v| {
-                    v.as_array()?
-                        .iter()
-                        .find(|r| r["id"] == o.session.as_str())
-                        .map(|r| r["egress"].clone())
-                })
-                .unwrap_or_default()
-        };
+        let egress = || listed_egress(&b.address, &third.socket, &o.session);
         // Before any new request: what the adopted grant started from.
         assert!(
             common::eventually(std::time::Duration::from_secs(10), || {

@@ -596,6 +596,18 @@ async fn receive(s: &mut zeromq::RouterSocket, shared: &Shared, channel: &str) -
     }
 }
 
+/// The lines of a worker's traceback text (none without one), as an `error` message's
+/// `traceback` carries them.
+fn traceback_lines(t: Option<&str>) -> Vec<String> {
+    t.map(|t| {
+        t.trim_end_matches('\n')
+            .split('\n')
+            .map(str::to_owned)
+            .collect()
+    })
+    .unwrap_or_default()
+}
+
 /// A new connection to sandcelld's socket after a restart cut the old one: attempts as
 /// [`sandcell_client::Reattach::default`] (10, 0.1 s doubling to 4 s, about 20 s in all).
 async fn reconnect(socket: &Path) -> Result<Client, ClientError> {
@@ -1129,6 +1141,15 @@ impl Shell {
         })
     }
 
+    /// Cell `count` failed with `e`, which ends the session: dropped (the next cell opens a
+    /// new one), and the cell's error reply.
+    async fn session_gone(&mut self, count: u64, e: &ClientError, parent: &Value) -> Value {
+        self.drop_session(format!("the session is gone ({e})"));
+        let name = error_name(e);
+        self.error(count, &name, &e.to_string(), vec![], parent)
+            .await
+    }
+
     /// The open session, opening one if needed: `Ok((client, id, why the last one ended))`,
     /// or the error text of a failed `Open`.
     async fn session(&mut self) -> Result<(&mut Client, String, Option<String>), String> {
@@ -1281,13 +1302,7 @@ impl Shell {
         {
             match reconnect(&shared.socket).await {
                 Ok(c) => *client = c,
-                Err(e) => {
-                    self.drop_session(format!("the session is gone ({e})"));
-                    let name = error_name(&e);
-                    return self
-                        .error(count, &name, &e.to_string(), vec![], parent)
-                        .await;
-                }
+                Err(e) => return self.session_gone(count, &e, parent).await,
             }
         }
         let mut track = sandcell_client::CellTrack::new(sandcell_client::Reattach::default());
@@ -1378,13 +1393,7 @@ impl Shell {
                     )
                     .await;
             }
-            Err(e) => {
-                self.drop_session(format!("the session is gone ({e})"));
-                let name = error_name(&e);
-                return self
-                    .error(count, &name, &e.to_string(), vec![], parent)
-                    .await;
-            }
+            Err(e) => return self.session_gone(count, &e, parent).await,
         };
         if !silent {
             let mut notes = notices(&r);
@@ -1416,16 +1425,7 @@ impl Shell {
                 if err.kind == "EOFError" && self.shared.language == "python" {
                     evalue += " (input() is refused: a sandcell cell has no stdin)";
                 }
-                let mut tb: Vec<String> = err
-                    .traceback
-                    .as_deref()
-                    .map(|t| {
-                        t.trim_end_matches('\n')
-                            .split('\n')
-                            .map(str::to_owned)
-                            .collect()
-                    })
-                    .unwrap_or_default();
+                let mut tb = traceback_lines(err.traceback.as_deref());
                 if tb.last().is_none_or(|l| !l.starts_with(&err.kind)) {
                     tb.push(format!("{}: {evalue}", err.kind));
                 }
@@ -1437,7 +1437,9 @@ impl Shell {
                     Status::Interrupted if self.shared.language == "r" => "interrupt",
                     Status::Interrupted => "KeyboardInterrupt",
                     Status::Timeout => "TimeoutError",
-                    Status::MemoryExhausted => "MemoryError",
+                    // In the interpreter, or the worker killed at its cgroup's memory limit:
+                    // to the notebook both are the cell's memory running out.
+                    Status::MemoryExhausted | Status::Oom => "MemoryError",
                     Status::Exited => "SystemExit",
                     _ => "SandcellError",
                 };
@@ -1456,16 +1458,7 @@ impl Shell {
                 }
                 // The warnings went out on stderr just before. Where the worker said where the
                 // cell was (an interrupt's traceback), its lines come first, as in IPython.
-                let mut tb: Vec<String> = err
-                    .as_ref()
-                    .and_then(|e| e.traceback.as_deref())
-                    .map(|t| {
-                        t.trim_end_matches('\n')
-                            .split('\n')
-                            .map(str::to_owned)
-                            .collect()
-                    })
-                    .unwrap_or_default();
+                let mut tb = traceback_lines(err.as_ref().and_then(|e| e.traceback.as_deref()));
                 if tb.last().is_some_and(|l| l.starts_with(ename)) {
                     tb.pop();
                 }
