@@ -518,17 +518,12 @@ where
     W: AsyncWrite + Unpin,
 {
     let mut buf = vec![0u8; 16 * 1024];
+    let deadline = || start + Duration::from_millis(last.load(Ordering::Relaxed)) + idle;
     loop {
-        let deadline = start + Duration::from_millis(last.load(Ordering::Relaxed)) + idle;
-        let n = match tokio::time::timeout_at(deadline, r.read(&mut buf)).await {
+        let n = match tokio::time::timeout_at(deadline(), r.read(&mut buf)).await {
             Ok(n) => n?,
             // The other direction may have moved meanwhile: its time counts too.
-            Err(_)
-                if start + Duration::from_millis(last.load(Ordering::Relaxed)) + idle
-                    > tokio::time::Instant::now() =>
-            {
-                continue;
-            }
+            Err(_) if deadline() > tokio::time::Instant::now() => continue,
             Err(_) => return Err(io::Error::from(io::ErrorKind::TimedOut)),
         };
         if n == 0 {
