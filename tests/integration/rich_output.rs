@@ -11,6 +11,7 @@ use crate::common;
 
 use common::{Daemon, pydata_available, r_available};
 use sandcell_client::{Client, Collected, Frame, OpenParams, RunParams, Status};
+use sandcell_proto::cell::Stream;
 use sandcell_proto::kernel::{Display, DisplayKind};
 use sandcell_testing::b64decode;
 
@@ -60,6 +61,18 @@ async fn frames(c: &mut Client, s: &str, code: &str) -> Vec<Frame> {
 
 fn displays(fs: &[Frame]) -> Vec<&Display> {
     fs.iter().filter_map(|f| f.display.as_ref()).collect()
+}
+
+/// The cell's stdout and stderr text, each joined in frame order.
+fn stdout_stderr(fs: &[Frame]) -> (String, String) {
+    let (mut out, mut err) = (String::new(), String::new());
+    for o in fs.iter().filter_map(|f| f.output.as_ref()) {
+        match o.stream {
+            Stream::Stdout => out.push_str(&o.text),
+            Stream::Stderr => err.push_str(&o.text),
+        }
+    }
+    (out, err)
 }
 
 fn text(d: &Display) -> &str {
@@ -240,6 +253,50 @@ async fn python_engine(d: &Daemon, env: Option<&str>) {
     let r = fs.last().unwrap().result.as_ref().unwrap();
     let st = r.displays.unwrap();
     assert!(st.truncated && st.seen > 4000 && st.kept < 100, "{st:?}");
+
+    // A display method that raises is left out of the bundle and named on stderr; the other
+    // methods still count. `display_id` gives a handle whose update is a new display, as
+    // IPython's DisplayHandle (without replacing the earlier one).
+    let fs = frames(
+        &mut c,
+        &s,
+        "class B:\n    def _repr_html_(self): raise ValueError('no html')\n\
+         \x20   def _repr_markdown_(self): return '*b*'\n    def __repr__(self): return 'B()'\n\
+         from sandcell import display\nh = display(1, display_id=True)\nh.update(2)\n\
+         print(type(h).__name__, h.display_id == display('x', display_id=h.display_id).display_id)\nB()",
+    )
+    .await;
+    let r = fs.last().unwrap().result.as_ref().unwrap();
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let ds = displays(&fs);
+    let texts: Vec<&str> = ds.iter().map(|d| text(d)).collect();
+    assert_eq!(texts, ["1", "2", "'x'", "B()"], "{ds:?}");
+    let b = ds[3];
+    assert_eq!(
+        b.data.get("text/markdown").and_then(|v| v.as_str()),
+        Some("*b*")
+    );
+    assert!(!b.data.contains_key("text/html"), "{b:?}");
+    let (out, err) = stdout_stderr(&fs);
+    assert_eq!(out, "DisplayHandle True\n");
+    assert!(
+        err.contains("B._repr_html_ raised ValueError: no html"),
+        "{err:?}"
+    );
+
+    // A carriage return sends the line at once, as CPython's line buffering does (a progress
+    // line that rewrites itself), without waiting for a newline or the cell's end.
+    let fs = frames(
+        &mut c,
+        &s,
+        "import time\nprint('10%', end='\\r')\ntime.sleep(0.5)\nprint('100%')",
+    )
+    .await;
+    let outs: Vec<&str> = fs
+        .iter()
+        .filter_map(|f| f.output.as_ref().map(|o| o.text.as_str()))
+        .collect();
+    assert_eq!(outs, ["10%\r", "100%\n"], "{fs:?}");
     c.close(&s).await.unwrap();
 
     // Without rich_output: no display frames, the value on stdout as before.

@@ -129,6 +129,7 @@ class _State:
         "host_seq",
         "host_busy",
         "rich",
+        "display_ids",
     )
 
 
@@ -147,6 +148,7 @@ S.host_calls = False  # the running cell may make host calls
 S.host_seq = 0  # id of the session's last host call
 S.host_busy = False  # a host call waits for its answer
 S.rich = False  # the running cell has rich output (`rich=1`): MIME bundles as `display` lines
+S.display_ids = 0  # display ids handed out for `display(..., display_id=True)`
 
 SESSION_DIR = os.environ.get("SANDCELL_SESSION_DIR") or os.getcwd()
 
@@ -337,6 +339,7 @@ def install_host_module():
     mod.__all__ = ["call", "HostCallError"]
     pkg.host = mod
     pkg.display = display
+    pkg.DisplayHandle = DisplayHandle
     pkg.install = install_packages  # per-session packages (see "packages" below)
     pkg.InstallError = InstallError
     pkg.__path__ = []
@@ -497,15 +500,27 @@ def ends_with_semicolon(src, node):
     return rest.lstrip().startswith(";")
 
 
-def repr_failed(e):
-    """The placeholder shown for a last expression whose repr raised `e`."""
+def failure_text(e):
+    """`Type: message` of exception `e`, the message cut at MAX_REPR_FAILURE_CHARS."""
     try:
         msg = str(e)
     except BaseException:
         msg = ""
     if len(msg) > MAX_REPR_FAILURE_CHARS:
         msg = msg[: MAX_REPR_FAILURE_CHARS - 3] + "..."
-    return "<repr failed: %s%s>" % (type_name(type(e)), ": " + msg if msg else "")
+    return type_name(type(e)) + (": " + msg if msg else "")
+
+
+def repr_failed(e):
+    """The placeholder shown for a last expression whose repr raised `e`."""
+    return "<repr failed: %s>" % failure_text(e)
+
+
+def repr_method_failed(value, name, e):
+    """Says on stderr that `value`'s display method `name` raised `e` and was left out of
+    the bundle (IPython's formatters print the traceback the same way and go on)."""
+    sys.stderr.write("sandcell: %s.%s raised %s; left out of the display\n"
+                     % (type_name(type(value)), name, failure_text(e)))
 
 
 def displayhook(value):
@@ -535,7 +550,7 @@ def displayhook(value):
 # built through the display protocol of IPython/Jupyter (`_repr_mimebundle_`, then
 # `_repr_html_`, `_repr_markdown_`, `_repr_latex_`, `_repr_png_`, `_repr_jpeg_`, `_repr_svg_`,
 # `_repr_json_`; https://ipython.readthedocs.io/en/stable/config/integrating.html), text/plain
-# always. stdout and stderr are flushed first, so the bundle follows what the cell printed. A
+# always; a method that raises is left out with a line on stderr naming it. stdout and stderr are flushed first, so the bundle follows what the cell printed. A
 # bundle over MAX_DISPLAY_BYTES is replaced by its text/plain (cut) with a note: the reply line
 # must stay under MAX_WORKER_LINE, and the daemon checks and bounds it again.
 
@@ -612,8 +627,8 @@ def bundle(value, raw=None, md=None):
                     r = r[0] if r else None
                 if isinstance(r, dict):
                     data.update(r)
-            except Exception:
-                pass
+            except Exception as e:
+                repr_method_failed(value, "_repr_mimebundle_", e)
         for mime, name in REPR_METHODS:
             if mime in data:
                 continue
@@ -622,7 +637,8 @@ def bundle(value, raw=None, md=None):
                 continue
             try:
                 r = f()
-            except Exception:
+            except Exception as e:
+                repr_method_failed(value, name, e)
                 continue
             if isinstance(r, tuple):
                 if len(r) > 1 and isinstance(r[1], dict):
@@ -716,11 +732,43 @@ def send_bundle(kind, data, metadata=None):
     send(msg)
 
 
-def display(*objs, raw=False, metadata=None, **kwargs):
+def new_display_id():
+    S.display_ids += 1
+    return "sandcell-%d" % S.display_ids
+
+
+class DisplayHandle:
+    """What `display(..., display_id=...)` returns, as IPython's DisplayHandle: `display(obj)`
+    and `update(obj)` show `obj`. sandcell's bundles carry no display id, so an update
+    appears as a new display after the earlier ones instead of replacing one."""
+
+    def __init__(self, display_id):
+        self.display_id = display_id
+
+    def __repr__(self):
+        return "<DisplayHandle display_id=%r>" % (self.display_id,)
+
+    def display(self, obj, **kwargs):
+        display(obj, **kwargs)
+
+    def update(self, obj, **kwargs):
+        display(obj, **kwargs)
+
+
+def display(*objs, raw=False, metadata=None, display_id=None, **kwargs):
     """Shows each object as a MIME bundle (a notebook's display_data) in a session with rich
     output, else its repr on stdout. `raw=True`: each object is already a bundle (a dict of
     MIME type to value). `metadata` (as IPython's display takes it) is added to each
-    bundle's own; other keywords (`display_id`, ...) are ignored."""
+    bundle's own. With `display_id` (True for a new one), returns a DisplayHandle, whose
+    updates are new displays; other keywords of IPython's display (`update`, ...) are
+    ignored."""
+    show_objects(objs, raw, metadata)
+    if display_id is not None and not kwargs.get("update"):
+        return DisplayHandle(new_display_id() if display_id is True else display_id)
+    return None
+
+
+def show_objects(objs, raw, metadata):
     for obj in objs:
         if S.rich:
             md = {}

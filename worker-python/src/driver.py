@@ -86,8 +86,9 @@ class _BinaryWriter:
 
 
 class _TextWriter:
-    """`sys.stdout`/`sys.stderr`: line-buffered, sent to the host at each newline, at 8 KiB,
-    on flush() and at the end of the cell; nothing is kept after that.
+    """`sys.stdout`/`sys.stderr`: line-buffered, sent to the host at each newline or carriage
+    return (as CPython's line buffering does, so a `print(..., end='\\r')` progress line shows
+    at once), at 8 KiB, on flush() and at the end of the cell; nothing is kept after that.
 
     Eryx's own writer accumulates the whole cell's output in guest memory; this one does not,
     so a long-running printing cell does not grow the guest. Line buffering turns a `print`
@@ -110,7 +111,7 @@ class _TextWriter:
         if s:
             self._pending.append(s)
             self._size += len(s)
-            if self._size >= 8192 or '\n' in s:
+            if self._size >= 8192 or '\n' in s or '\r' in s:
                 self.flush()
         return len(s)
 
@@ -270,14 +271,19 @@ def _begin(src, fname, display):
 MAX_REPR_FAILURE_CHARS = 200
 
 
-def _repr_failed(e):
+def _failure_text(e):
+    """`Type: message` of exception `e`, the message cut at MAX_REPR_FAILURE_CHARS."""
     try:
         msg = str(e)
     except BaseException:
         msg = ''
     if len(msg) > MAX_REPR_FAILURE_CHARS:
         msg = msg[:MAX_REPR_FAILURE_CHARS - 3] + '...'
-    return '<repr failed: %s%s>' % (_type_name(e), ': ' + msg if msg else '')
+    return _type_name(e) + (': ' + msg if msg else '')
+
+
+def _repr_failed(e):
+    return '<repr failed: %s>' % _failure_text(e)
 
 
 def _displayhook(value):
@@ -306,7 +312,7 @@ def _displayhook(value):
 # display protocol of IPython/Jupyter (`_repr_mimebundle_`, then `_repr_html_`,
 # `_repr_markdown_`, `_repr_latex_`, `_repr_png_`, `_repr_jpeg_`, `_repr_svg_`, `_repr_json_`;
 # https://ipython.readthedocs.io/en/stable/config/integrating.html). A method that raises is
-# skipped; text/plain is always the repr. The worker bounds and checks the bundle (src/output.rs).
+# left out with a line on stderr naming it; text/plain is always the repr. The worker bounds and checks the bundle (src/output.rs).
 
 _rich = False
 _REPR_METHODS = (('text/html', '_repr_html_'), ('text/markdown', '_repr_markdown_'),
@@ -353,8 +359,8 @@ def _bundle(value, md=None):
                     r = r[0]
                 if isinstance(r, dict):
                     data.update(r)
-            except Exception:
-                pass
+            except Exception as e:
+                _repr_method_failed(value, '_repr_mimebundle_', e)
         for mime, name in _REPR_METHODS:
             if mime in data:
                 continue
@@ -363,7 +369,8 @@ def _bundle(value, md=None):
                 continue
             try:
                 r = f()
-            except Exception:
+            except Exception as e:
+                _repr_method_failed(value, name, e)
                 continue
             if isinstance(r, tuple):
                 if len(r) > 1 and isinstance(r[1], dict):
@@ -399,6 +406,13 @@ def _bundle(value, md=None):
     return out
 
 
+def _repr_method_failed(value, name, e):
+    """Says on stderr that `value`'s display method `name` raised `e` and was left out of
+    the bundle (IPython's formatters print the traceback the same way and go on)."""
+    _sys.stderr.write('sandcell: %s.%s raised %s; left out of the display\n'
+                      % (_type_name(value), name, _failure_text(e)))
+
+
 def _send_bundle(kind, value, data=None, metadata=None):
     md = {}
     if data is None:
@@ -416,11 +430,47 @@ def _send_bundle(kind, value, data=None, metadata=None):
     _eryx._eryx_report_output(DISPLAY_STREAM, _encode(_json.dumps(msg, ensure_ascii=False)))
 
 
-def display(*objs, raw=False, metadata=None):
+def _new_display_id():
+    global _display_ids
+    _display_ids += 1
+    return 'sandcell-%d' % _display_ids
+
+
+_display_ids = 0
+
+
+class DisplayHandle:
+    """What `display(..., display_id=...)` returns, as IPython's DisplayHandle: `display(obj)`
+    and `update(obj)` show `obj`. sandcell's bundles carry no display id, so an update
+    appears as a new display after the earlier ones instead of replacing one."""
+
+    def __init__(self, display_id):
+        self.display_id = display_id
+
+    def __repr__(self):
+        return '<DisplayHandle display_id=%r>' % (self.display_id,)
+
+    def display(self, obj, **kwargs):
+        display(obj, **kwargs)
+
+    def update(self, obj, **kwargs):
+        display(obj, **kwargs)
+
+
+def display(*objs, raw=False, metadata=None, display_id=None, **kwargs):
     """Shows each object as a MIME bundle (a notebook's display_data) in a session with rich
     output, else its repr on stdout. `raw=True`: each object is already a bundle (a dict of
     MIME type to value). `metadata` (as IPython's display takes it) is added to each
-    bundle's own."""
+    bundle's own. With `display_id` (True for a new one), returns a DisplayHandle, whose
+    updates are new displays; other keywords of IPython's display (`update`, ...) are
+    ignored."""
+    _show_objects(objs, raw, metadata)
+    if display_id is not None and not kwargs.get('update'):
+        return DisplayHandle(_new_display_id() if display_id is True else display_id)
+    return None
+
+
+def _show_objects(objs, raw, metadata):
     for obj in objs:
         if _rich:
             if raw and isinstance(obj, dict):
@@ -446,6 +496,7 @@ def _bundle_of_raw(data):
 
 
 display.__module__ = 'sandcell'
+DisplayHandle.__module__ = 'sandcell'
 
 
 _displayhook._sandcell = True
@@ -1144,6 +1195,7 @@ def _install_host_module():
     mod.__all__ = ['call', 'HostCallError']
     pkg.host = mod
     pkg.display = display
+    pkg.DisplayHandle = DisplayHandle
     pkg.__path__ = []
     _sys.modules['sandcell'] = pkg
     _sys.modules['sandcell.host'] = mod

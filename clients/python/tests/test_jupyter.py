@@ -754,6 +754,21 @@ def test_display_is_a_builtin_as_in_ipython(kernel):
         assert streams(msgs, "stdout") == "mine 2\n", msgs
 
 
+
+
+def test_ipython_display_handles_show_updates_as_new_displays():
+    """Library code that updates a display through IPython (`DisplayHandle`, `update_display`,
+    `display(..., display_id=True)`) runs; each update arrives as a new display_data, since
+    sandcell's bundles carry no display id (the notebook keeps the earlier one)."""
+    with running("sandcell-pydata") as (_, kc):
+        reply, msgs = execute(kc, "from IPython.display import display, update_display, "
+                                  "DisplayHandle\nh = DisplayHandle()\nh.display(1)\n"
+                                  "h.update(2)\nupdate_display(3, display_id='a')\n"
+                                  "display(4, display_id=True).update(5)")
+        assert reply["status"] == "ok", reply
+        shown = [m["content"]["data"]["text/plain"] for m in msgs
+                 if m["msg_type"] == "display_data"]
+        assert shown == ["1", "2", "3", "4", "5"], msgs
 def test_a_malformed_ping_does_not_end_the_heartbeat():
     """Heartbeats are not signed: a process sends the heartbeat port a one-frame message (a
     REP socket expects an envelope) and the kernel still echoes the next ping."""
