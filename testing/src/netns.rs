@@ -113,6 +113,29 @@ impl PrivateNet {
         c
     }
 
+    /// A command running `program` itself (no `ip` in between) in namespace `which`: the
+    /// child joins the namespace with setns(2) between fork and exec, so a seccomp filter
+    /// installed by a later `pre_exec` (a unit's sandbox) applies to `program` only.
+    pub fn command_setns(&self, which: usize, program: &Path) -> Command {
+        use std::os::fd::{AsRawFd, OwnedFd};
+        use std::os::unix::process::CommandExt;
+        let ns: OwnedFd = std::fs::File::open(format!("/run/netns/{}", self.ns[which]))
+            .unwrap()
+            .into();
+        let mut c = Command::new(program);
+        // SAFETY: setns(2) on a descriptor opened before the fork; the closure owns it, and
+        // it is closed at exec (O_CLOEXEC).
+        unsafe {
+            c.pre_exec(move || {
+                if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        c
+    }
+
     /// Spawns `cmd`, killed and reaped on drop; returns its index for [`PrivateNet::stop`].
     pub fn spawn(&mut self, mut cmd: Command) -> usize {
         self.children.push(cmd.spawn().unwrap());

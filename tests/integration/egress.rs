@@ -187,8 +187,9 @@ async fn a_cell_fetches_an_allowed_host_through_the_proxy() {
 /// The same path under the shipped unit's sandbox (units/sandcelld.service's seccomp
 /// filters, bounding set and no_new_privs) with the packages' egress drop-in read after it
 /// (units/egress/sandcelld.service.conf: `AF_INET AF_INET6`, `CAP_NET_ADMIN`): what an
-/// operator gets after linking the drop-in in. A session of an environment without egress
-/// still cannot make a TCP socket.
+/// operator gets after linking the drop-in in; the proxy runs under its own unit's sandbox
+/// (units/sandcell-egress.service). A session of an environment without egress still
+/// cannot make a TCP socket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_the_unit_with_the_egress_drop_in_a_cell_fetches_through_the_proxy() {
     if !sandcell_testing::on_path("systemd-analyze") {
@@ -537,8 +538,19 @@ async fn fetch_through_the_proxy(tag: &str, sandbox: Option<&UnitSandbox>) {
     let mut net = PrivateNet::new(tag);
     net.serve_http(&www);
     let control = dir.path().join("control");
+    // Under the unit tier the proxy runs under its own unit's sandbox too
+    // (units/sandcell-egress.service: its system-call filter, no capabilities,
+    // no_new_privs), so what it asks of the kernel per relayed socket is checked there.
+    let proxy_sandbox = sandbox.map(|_| UnitSandbox::from_unit(&unit_sandbox::egress_unit_path()));
     let start_proxy = |net: &mut PrivateNet| {
-        let mut proxy = net.command_in(PROXY_NS, &proxy_bin);
+        let mut proxy = match &proxy_sandbox {
+            Some(ps) => {
+                let mut c = net.command_setns(PROXY_NS, &proxy_bin);
+                ps.apply(&mut c);
+                c
+            }
+            None => net.command_in(PROXY_NS, &proxy_bin),
+        };
         proxy
             .arg("--control")
             .arg(&control)

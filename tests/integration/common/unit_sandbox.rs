@@ -55,6 +55,11 @@ pub fn unit_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../units/sandcelld.service")
 }
 
+/// The egress proxy's unit, `units/sandcell-egress.service`.
+pub fn egress_unit_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../units/sandcell-egress.service")
+}
+
 /// The packages' egress drop-in for the daemon's unit (installed inactive in
 /// /usr/share/sandcell/egress/; linked in by the operator to turn egress on).
 pub fn egress_drop_in_path() -> PathBuf {
