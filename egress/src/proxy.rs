@@ -132,8 +132,8 @@ pub enum Refusal {
     #[error("IP address literals are not allowed, name a host: {0}")]
     Literal(String),
     /// A port not on the list.
-    #[error("port not allowed: {0}")]
-    Port(u16),
+    #[error("port not allowed: {1} (for {0})")]
+    Port(String, u16),
     /// Every address the name resolved to is in a refused class.
     #[error("{host} resolves to {} {class} address ({ip})", article(.class))]
     Address {
@@ -183,7 +183,7 @@ impl Refusal {
             Refusal::Host(h) | Refusal::Literal(h) | Refusal::Address { host: h, .. } => {
                 Some(h.clone())
             }
-            Refusal::Port(p) => Some(format!("port {p}")),
+            Refusal::Port(h, p) => Some(format!("{h}:{p}")),
             _ => None,
         }
     }
@@ -333,7 +333,43 @@ async fn connection(mut client: TcpStream, s: &Session, resolver: &Resolver) {
         s.refused(&r);
         let _ = timeout(Duration::from_secs(5), client.write_all(&r.answer())).await;
         let _ = client.shutdown().await;
+        // Closing with unread input (a request body, or a request never read at the
+        // connection cap) would send a reset, which can reach the client before it read the
+        // answer: the rest of the input is read and dropped first, within bounds.
+        let _ = timeout(DRAIN_TIME, drain(&mut client, DRAIN_BYTES)).await;
     }
+}
+
+/// Most bytes read and dropped from a refused connection before it is closed.
+const DRAIN_BYTES: u64 = 4 << 20;
+/// Longest time a refused connection's input is read and dropped before it is closed.
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+
+/// Reads and drops up to `max` bytes of `r` until its end of file.
+async fn drain<R: AsyncRead + Unpin>(r: &mut R, max: u64) {
+    let mut buf = [0u8; 16 * 1024];
+    let mut seen = 0u64;
+    while seen < max {
+        match r.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => seen += n as u64,
+        }
+    }
+}
+
+/// Makes the close of `client` a reset (SO_LINGER with a zero timeout, socket(7)), so that a
+/// relay cut by a cap, the idle or life time or an error is an error for the cell's client
+/// (ECONNRESET) instead of an end of file it would take for the whole answer.
+fn reset_on_close(client: &TcpStream) {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let _ = setsockopt(
+        client,
+        sockopt::Linger,
+        &libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        },
+    );
 }
 
 /// Reads the head, decides, and relays. `Err`: refused before anything was relayed.
@@ -372,7 +408,7 @@ async fn handle(client: &mut TcpStream, s: &Session, resolver: &Resolver) -> Res
         return Err(Refusal::Host(name));
     }
     if !s.policy.ports.contains(&port) {
-        return Err(Refusal::Port(port));
+        return Err(Refusal::Port(name, port));
     }
     if s.counters.bytes.load(Ordering::Relaxed) >= s.policy.max_bytes {
         return Err(Refusal::Bytes(s.policy.max_bytes));
@@ -438,16 +474,35 @@ async fn handle(client: &mut TcpStream, s: &Session, resolver: &Resolver) -> Res
         }
         Target::Http { head, .. } => {
             if !s.charge(head.len()) || upstream.write_all(&head).await.is_err() {
+                reset_on_close(client);
                 return Ok(());
             }
         }
     }
     if !rest.is_empty() && (!s.charge(rest.len()) || upstream.write_all(&rest).await.is_err()) {
+        reset_on_close(client);
         return Ok(());
     }
     let life = Duration::from_secs(s.policy.max_seconds);
-    let _ = timeout(life, relay(client, &mut upstream, s, IDLE_TIMEOUT)).await;
+    relay_within(client, &mut upstream, s, IDLE_TIMEOUT, life).await;
     Ok(())
+}
+
+/// [`relay`] for at most `life`; a relay that did not finish (cut by the byte cap, `idle`,
+/// `life` or an error) makes the close of `client` a reset.
+async fn relay_within(
+    client: &mut TcpStream,
+    upstream: &mut TcpStream,
+    s: &Session,
+    idle: Duration,
+    life: Duration,
+) {
+    let finished = timeout(life, relay(client, upstream, s, idle))
+        .await
+        .unwrap_or(false);
+    if !finished {
+        reset_on_close(client);
+    }
 }
 
 /// The class named when a host resolves to an address of the proxy's own host.
@@ -490,17 +545,23 @@ fn bound_buffers(client: &TcpStream) {
     let _ = setsockopt(client, sockopt::SndBuf, &SOCKET_BUFFER_BYTES);
 }
 
-/// Relays `client` and `upstream` both ways until both ends finished, an error, the byte cap,
-/// or `idle` with no byte in either direction.
-async fn relay(client: &mut TcpStream, upstream: &mut TcpStream, s: &Session, idle: Duration) {
+/// Relays `client` and `upstream` both ways until both ends finished (true), an error, the
+/// byte cap, or `idle` with no byte in either direction (false).
+async fn relay(
+    client: &mut TcpStream,
+    upstream: &mut TcpStream,
+    s: &Session,
+    idle: Duration,
+) -> bool {
     let last = AtomicU64::new(0);
     let start = tokio::time::Instant::now();
     let (cr, cw) = client.split();
     let (ur, uw) = upstream.split();
-    let _ = tokio::try_join!(
+    tokio::try_join!(
         one_way(cr, uw, s, &last, start, idle),
         one_way(ur, cw, s, &last, start, idle)
-    );
+    )
+    .is_ok()
 }
 
 /// Copies `r` to `w` until end of file, an error or the byte cap, or until `idle` passed
@@ -609,7 +670,7 @@ mod tests {
         let a = ask(port, "GET http://meta.test/latest HTTP/1.1\r\n\r\n").await;
         assert!(a.contains("cloud metadata"), "{a}");
         let a = ask(port, "CONNECT ok.test:22 HTTP/1.1\r\n\r\n").await;
-        assert!(a.contains("port not allowed: 22"), "{a}");
+        assert!(a.contains("port not allowed: 22 (for ok.test)"), "{a}");
         let a = ask(port, "CONNECT 93.184.216.34:443 HTTP/1.1\r\n\r\n").await;
         assert!(a.contains("IP address literals are not allowed"), "{a}");
         let a = ask(port, "GET /x HTTP/1.1\r\n\r\n").await;
@@ -666,6 +727,76 @@ mod tests {
         .await
         .expect("an idle relay ends");
         assert!(t0.elapsed() >= idle, "{:?}", t0.elapsed());
+    }
+
+    /// A download cut by the byte cap is an error for the cell's client (a reset), not an end
+    /// of file that would pass for the whole answer; one that finishes ends normally.
+    #[tokio::test]
+    async fn a_relay_cut_by_the_byte_cap_resets_the_client() {
+        for (cap, cut) in [(1000u64, true), (1 << 20, false)] {
+            let mut p = policy(&["ok.test"]);
+            p.max_bytes = cap;
+            let s = Arc::new(Session::new(p));
+            let (mut cell, mut client) = pair().await;
+            let (mut upstream, mut server) = pair().await;
+            let sender = tokio::spawn(async move {
+                let _ = server.write_all(&[b'x'; 5000]).await;
+                drop(server);
+            });
+            let relayed = tokio::spawn(async move {
+                let idle = Duration::from_secs(5);
+                relay_within(
+                    &mut client,
+                    &mut upstream,
+                    &s,
+                    idle,
+                    Duration::from_secs(10),
+                )
+                .await;
+            });
+            let mut got = Vec::new();
+            let r = timeout(Duration::from_secs(10), cell.read_to_end(&mut got))
+                .await
+                .unwrap();
+            if cut {
+                let e = r.expect_err("a cut download must not end like a whole one");
+                assert_eq!(e.kind(), io::ErrorKind::ConnectionReset, "{e}");
+                assert!(got.len() < 5000, "{}", got.len());
+            } else {
+                assert_eq!(r.unwrap(), 5000);
+            }
+            sender.await.unwrap();
+            relayed.await.unwrap();
+        }
+    }
+
+    /// A refused request with a body still gets its 403 and reason: the proxy reads the body
+    /// before closing instead of resetting a connection with unread input.
+    #[tokio::test]
+    async fn a_refused_request_with_a_body_gets_its_answer() {
+        let (port, _s, _tx) = start(policy(&["ok.test"]), "").await;
+        let c = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        let (mut r, mut w) = c.into_split();
+        let writer = tokio::spawn(async move {
+            let body = vec![b'b'; 1 << 20];
+            let head = format!(
+                "POST http://other.test/upload HTTP/1.1\r\nHost: other.test\r\n\
+                 Content-Length: {}\r\n\r\n",
+                body.len()
+            );
+            let _ = w.write_all(head.as_bytes()).await;
+            let _ = w.write_all(&body).await;
+            w
+        });
+        let mut out = Vec::new();
+        timeout(Duration::from_secs(20), r.read_to_end(&mut out))
+            .await
+            .unwrap()
+            .expect("the answer, not a reset");
+        let out = String::from_utf8_lossy(&out);
+        assert!(out.starts_with("HTTP/1.1 403"), "{out}");
+        assert!(out.contains("host not allowed: other.test"), "{out}");
+        drop(writer.await.unwrap());
     }
 
     #[test]
