@@ -383,6 +383,34 @@ async fn pydata_sends_display_bundles_and_figures() {
     }
     assert_eq!(ds[2].data["application/json"]["a"][0], 1.5);
     assert_eq!(text(ds[3]), "5");
+
+    // Figures left open are drawn after the cell's own code, outside its wall time and
+    // interrupt: at most 20 per cell (bundle and file from one drawing), the rest closed
+    // undrawn with a note.
+    let fs = frames(
+        &mut c,
+        &s,
+        "import matplotlib.pyplot as plt
+for i in range(25):
+    plt.figure(figsize=(1, 1), dpi=20)",
+    )
+    .await;
+    let r = fs.last().unwrap().result.as_ref().unwrap();
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let ds = displays(&fs);
+    assert_eq!(ds.len(), 20, "{ds:?}");
+    assert!(ds.iter().all(|d| d.data.contains_key("image/png")));
+    let plots = r
+        .files
+        .iter()
+        .filter(|f| f.name.starts_with(&format!("plot-{}-", r.cell)))
+        .count();
+    assert_eq!(plots, 20, "{:?}", r.files);
+    let (_, err) = stdout_stderr(&fs);
+    assert!(
+        err.contains("5 more open figures closed without being drawn"),
+        "{err:?}"
+    );
     c.close(&s).await.unwrap();
 }
 

@@ -130,6 +130,7 @@ class _State:
         "host_busy",
         "rich",
         "display_ids",
+        "figures_drawn",
     )
 
 
@@ -149,6 +150,7 @@ S.host_seq = 0  # id of the session's last host call
 S.host_busy = False  # a host call waits for its answer
 S.rich = False  # the running cell has rich output (`rich=1`): MIME bundles as `display` lines
 S.display_ids = 0  # display ids handed out for `display(..., display_id=True)`
+S.figures_drawn = 0  # figures save_figures() drew in the running cell
 
 SESSION_DIR = os.environ.get("SANDCELL_SESSION_DIR") or os.getcwd()
 
@@ -387,8 +389,16 @@ def after_fork_in_child():
 # ---- plots ---------------------------------------------------------------------------------
 
 
+# Most open figures drawn per cell (as a PNG bundle and file); more are closed undrawn with a
+# note. Drawing happens after the cell's own code, outside its wall time and interrupt, so it
+# is bounded here; matplotlib itself warns from 20 open figures on (figure.max_open_warning).
+MAX_FIGURES_PER_CELL = 20
+
+
 def save_figures():
-    """Saves every open pyplot figure as plot-<cell>-NNN.png and closes it."""
+    """Saves every open pyplot figure as plot-<cell>-NNN.png (and, with rich output, sends it
+    as a PNG bundle; one drawing serves both) and closes it; at most MAX_FIGURES_PER_CELL per
+    cell are drawn."""
     plt = sys.modules.get("matplotlib.pyplot")
     if plt is None:
         return
@@ -396,19 +406,27 @@ def save_figures():
         nums = plt.get_fignums()
     except Exception:
         return
+    undrawn = 0
     for num in nums:
         try:
+            if S.figures_drawn >= MAX_FIGURES_PER_CELL:
+                undrawn += 1
+                continue
+            S.figures_drawn += 1
             fig = plt.figure(num)
             saved = getattr(fig, "_sandcell_saved", False)
-            if S.rich:
-                b = figure_bundle(fig)
-                if b is not None:
-                    send_bundle("display", b)
+            png = figure_png(fig) if S.rich or not saved else None
+            if S.rich and png is not None:
+                send_bundle("display", png_bundle(fig, png))
             if saved:
                 continue  # the cell saved it itself (savefig): no second copy (closed below)
             S.plot_seq += 1
             path = os.path.join(SESSION_DIR, "plot-%d-%03d.png" % (S.cell, S.plot_seq))
-            fig.savefig(path, format="png")
+            if png is None:
+                fig.savefig(path, format="png")  # fails again, with the reason shown below
+            else:
+                with open(path, "wb") as f:
+                    f.write(png)
         except Exception as e:
             sys.stderr.write("sandcell: could not save figure %s: %s\n" % (num, clean(str(e))))
         finally:
@@ -416,6 +434,9 @@ def save_figures():
                 plt.close(num)
             except Exception:
                 pass
+    if undrawn:
+        sys.stderr.write("sandcell: %d more open figures closed without being drawn (at most %d "
+                         "are drawn per cell)\n" % (undrawn, MAX_FIGURES_PER_CELL))
 
 
 def patch_pyplot(plt):
@@ -784,18 +805,25 @@ def show_objects(objs, raw, metadata):
             sys.stdout.write(text + "\n")
 
 
-def figure_bundle(fig):
-    """A PNG bundle of a matplotlib figure, or None when it cannot be drawn."""
-    import base64
-
+def figure_png(fig):
+    """The PNG bytes of a matplotlib figure, or None when it cannot be drawn."""
     try:
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
-        png = buf.getvalue()
+        return buf.getvalue()
+    except Exception:
+        return None
+
+
+def png_bundle(fig, png):
+    """The bundle of figure `fig` drawn as `png`: image/png and a text/plain description."""
+    import base64
+
+    try:
         w, h = fig.get_size_inches() * fig.dpi
         text = "<Figure size %dx%d with %d Axes>" % (w, h, len(fig.axes))
     except Exception:
-        return None
+        text = "<Figure>"
     return {"text/plain": text, "image/png": base64.b64encode(png).decode("ascii")}
 
 
@@ -869,6 +897,7 @@ def run_cell(cell, payload, opts):
     S.nonce = opts.get("nonce")
     S.host_calls = bool(opts.get("host_calls"))
     S.rich = bool(opts.get("rich"))
+    S.figures_drawn = 0
     fname = "<cell %d>" % cell
     main = sys.modules["__main__"] = MAIN
     ns = main.__dict__

@@ -1200,7 +1200,10 @@ def _install_host_module():
     _sys.modules['sandcell'] = pkg
     _sys.modules['sandcell.host'] = mod
     # `display(...)` without an import, as in IPython; a cell's own `display` shadows it.
-    if not hasattr(_builtins, 'display'):
+    # One an earlier instance of this driver left (its module's rich-output flag is never
+    # set again) is replaced; one the user's code put there is kept.
+    cur = getattr(_builtins, 'display', None)
+    if cur is None or getattr(cur, '__module__', None) == 'sandcell':
         _builtins.display = display
 
 

@@ -41,9 +41,10 @@
 //!   `!ls`) are not supported: the cell is plain Python and they are a `SyntaxError`.
 //! - `interrupt_request` (control; `interrupt_mode: message`): `InterruptSession` from a
 //!   second connection; the variables stay.
-//! - `shutdown_request`: replied on its channel and iopub, then the kernel exits; its
-//!   connection closes, which ends the session. jupyter_client restarts a kernel by starting
-//!   a new process, so a restart is a new session.
+//! - `shutdown_request`: the session is closed (`Close`: a session a restarted sandcelld
+//!   adopted no longer ends with the kernel's connection), the request is replied on its
+//!   channel and iopub, then the kernel exits. jupyter_client restarts a kernel by starting a
+//!   new process, so a restart is a new session.
 //! - `complete_request`, `inspect_request`: the session's `Complete` and `Help`; without a
 //!   session, the language's keywords and common names and the names the kernel's history
 //!   assigns (no help).
@@ -669,6 +670,41 @@ fn raise_descriptor_limit() {
     }
 }
 
+/// Ends the kernel's session with `Close` (at most [`CLOSE_TIMEOUT`]), on `interrupter` or a
+/// new connection. The session would also end with the kernel's connection, but not one that
+/// a successor of sandcelld adopted after a restart: its connection went with the old daemon,
+/// and it would wait out `max_detached_idle_seconds`.
+async fn close_session(shared: &Shared, interrupter: &mut Option<Client>) {
+    let Some(id) = shared.sandcell.lock().expect("lock").clone() else {
+        return;
+    };
+    let done = tokio::time::timeout(CLOSE_TIMEOUT, async {
+        if interrupter.is_none() {
+            *interrupter = Client::connect(&shared.socket).await.ok();
+        }
+        let c = interrupter.as_mut()?;
+        let mut r = c.close(&id).await;
+        if r.as_ref().is_err_and(|e| e.is_call_cut())
+            && let Ok(n) = Client::connect(&shared.socket).await
+        {
+            *c = n;
+            r = c.close(&id).await;
+        }
+        Some(r)
+    })
+    .await;
+    match done {
+        Ok(Some(Ok(_))) => {}
+        Ok(Some(Err(e))) if matches!(&e, ClientError::Kernel(k) if k.is_no_such_session()) => {}
+        Ok(Some(Err(e))) => log!("shutdown: closing session {id}: {e}"),
+        Ok(None) => log!("shutdown: cannot reach sandcelld to close session {id}"),
+        Err(_) => log!("shutdown: closing session {id} took over {CLOSE_TIMEOUT:?}"),
+    }
+}
+
+/// Longest wait for the `Close` of a shutdown.
+const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 async fn serve_control(mut control: zeromq::RouterSocket, shared: Shared) {
     // Connected at once, while descriptors are free: the connection an interrupt needs is not
     // made while the kernel may be short of them.
@@ -730,6 +766,7 @@ async fn serve_control(mut control: zeromq::RouterSocket, shared: Shared) {
             }
             "shutdown_request" => {
                 let restart = req.content.get("restart").cloned().unwrap_or(json!(false));
+                close_session(&shared, &mut interrupter).await;
                 Some((
                     "shutdown_reply",
                     json!({"status": "ok", "restart": restart}),
@@ -1095,6 +1132,19 @@ fn invalid_reply(req: &Message, count: Option<u64>) -> Option<(String, Value)> {
 }
 
 /// The short name of a client error (`SessionEnded`, `ConnectionFailed`, ...).
+/// Whether a call that failed with `e` means the kernel's session is gone (no such session, its
+/// worker failed, or the connection is in an unknown state): the next cell opens a new one.
+/// Other errors (a limit, a busy session) leave the session as it was.
+fn ends_session(e: &ClientError) -> bool {
+    match e {
+        ClientError::Kernel(k) => {
+            k.is_no_such_session() || matches!(k, KernelError::WorkerFailed { .. })
+        }
+        ClientError::Protocol(_) => true,
+        _ => false,
+    }
+}
+
 fn error_name(e: &ClientError) -> String {
     e.to_json()["error"]
         .as_str()
@@ -1126,10 +1176,23 @@ impl Shell {
                 return None;
             }
             "comm_msg" | "comm_close" => return None,
-            "shutdown_request" => (
-                "shutdown_reply",
-                json!({"status": "ok", "restart": c.get("restart").cloned().unwrap_or(json!(false))}),
-            ),
+            "shutdown_request" => {
+                // As on control (close_session): a session adopted after a restart of
+                // sandcelld does not end with this connection.
+                if let Slot::Ready(client, id) = &mut self.slot {
+                    let id = id.clone();
+                    match tokio::time::timeout(CLOSE_TIMEOUT, client.close(&id)).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => log!("shutdown: closing session {id}: {e}"),
+                        Err(_) => log!("shutdown: closing session {id} took too long"),
+                    }
+                    self.drop_session("the kernel was shut down".into());
+                }
+                (
+                    "shutdown_reply",
+                    json!({"status": "ok", "restart": c.get("restart").cloned().unwrap_or(json!(false))}),
+                )
+            }
             other => {
                 if let Some(more) = log_drop_now() {
                     log!(
@@ -1146,7 +1209,8 @@ impl Shell {
     async fn session_gone(&mut self, count: u64, e: &ClientError, parent: &Value) -> Value {
         self.drop_session(format!("the session is gone ({e})"));
         let name = error_name(e);
-        self.error(count, &name, &e.to_string(), vec![], parent)
+        let line = format!("{name}: {e}");
+        self.error(count, &name, &e.to_string(), vec![line], parent)
             .await
     }
 
@@ -1393,7 +1457,16 @@ impl Shell {
                     )
                     .await;
             }
-            Err(e) => return self.session_gone(count, &e, parent).await,
+            Err(e) if ends_session(&e) => return self.session_gone(count, &e, parent).await,
+            Err(e) => {
+                // A refusal that keeps the session (a limit such as max_source_bytes, a busy
+                // session): the cell's error, the session and its variables stay.
+                let name = error_name(&e);
+                let line = format!("{name}: {e}");
+                return self
+                    .error(count, &name, &e.to_string(), vec![line], parent)
+                    .await;
+            }
         };
         if !silent {
             let mut notes = notices(&r);
@@ -1471,15 +1544,10 @@ impl Shell {
     /// Handles a session query's error: a session that ended is dropped (the next cell
     /// opens a new one).
     fn query_failed(&mut self, what: &str, e: &ClientError) {
-        match e {
-            ClientError::Kernel(KernelError::SessionBusy { .. }) => {}
-            ClientError::Kernel(k) if k.is_no_such_session() => {
-                self.drop_session(format!("the session ended during a {what} ({e})"));
-            }
-            ClientError::Kernel(KernelError::WorkerFailed { .. }) | ClientError::Protocol(_) => {
-                self.drop_session(format!("the session ended during a {what} ({e})"));
-            }
-            _ => log!("{what}: {e}"),
+        if ends_session(e) {
+            self.drop_session(format!("the session ended during a {what} ({e})"));
+        } else if !matches!(e, ClientError::Kernel(KernelError::SessionBusy { .. })) {
+            log!("{what}: {e}");
         }
     }
 

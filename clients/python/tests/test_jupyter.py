@@ -35,6 +35,7 @@ except ImportError as e:  # pragma: no cover - depends on the machine
     sys.stderr.write(f"test_jupyter: skipped: {e} (run scripts/jupyter-venv.sh)\n")
     pytest.skip(f"Jupyter test tools missing: {e}", allow_module_level=True)
 
+import sandcell
 from sandcell.jupyter.__main__ import write_specs
 
 #: Where the built binaries are (as conftest.py finds sandcelld).
@@ -1620,7 +1621,7 @@ def test_a_daemon_restart_keeps_the_notebooks_session(daemon_factory):
     saved = os.environ["SANDCELL_SOCKET"]
     os.environ["SANDCELL_SOCKET"] = d.socket
     try:
-        with running("sandcell-pydata") as (_, kc):
+        with running("sandcell-pydata") as (km, kc):
             reply, _ = execute(kc, "a = 1", timeout=60)
             assert reply["status"] == "ok", reply
             for n, sig in enumerate([signal.SIGUSR2, signal.SIGKILL]):
@@ -1630,8 +1631,40 @@ def test_a_daemon_restart_keeps_the_notebooks_session(daemon_factory):
                 assert reply["status"] == "ok", (sig, reply, d.tail())
                 assert streams(msgs, "stdout") == f"{n + 2}\n", (sig, msgs)
                 assert "new session" not in streams(msgs, "stderr"), msgs
+            # The adopted session no longer ends with the kernel's connection: a shutdown
+            # closes it (it waited out max_detached_idle_seconds, a day by default).
+            with sandcell.Client(d.socket, timeout=60) as c:
+                def kernels_sessions():
+                    # Not the warm workers the daemon starts meanwhile (`starting`).
+                    return [x["session"] for x in c.list_sessions() if x["cells_run"] > 0]
+
+                assert len(kernels_sessions()) == 1, c.list_sessions()
+                kc.stop_channels()
+                km.shutdown_kernel(now=False)
+                deadline = time.monotonic() + 15
+                while kernels_sessions() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert kernels_sessions() == [], "the session outlived its kernel's shutdown"
     finally:
         os.environ["SANDCELL_SOCKET"] = saved
+
+
+@pytest.mark.parametrize("kernel", ["sandcell-python", "sandcell-pydata"])
+def test_code_over_the_source_limit_keeps_the_session(kernel):
+    """A cell whose code is over the environment's max_source_bytes (64 KiB by default) is
+    refused by sandcelld with the session kept: the error names the limit in its traceback,
+    and the next cell sees the variables."""
+    with running(kernel) as (_, kc):
+        reply, _ = execute(kc, "model = 'expensive state'")
+        assert reply["status"] == "ok", reply
+        reply, msgs = execute(kc, "s = '" + "x" * 70_000 + "'")
+        assert reply["status"] == "error", reply
+        assert reply["ename"] == "LimitExceeded", reply
+        assert any("max_source_bytes" in line for line in reply["traceback"]), reply
+        reply, msgs = execute(kc, "print(model)")
+        assert reply["status"] == "ok", reply
+        assert streams(msgs, "stdout") == "expensive state\n", msgs
+        assert "new session" not in streams(msgs, "stderr"), msgs
 
 
 def test_replayed_kernel_messages_are_not_answered():

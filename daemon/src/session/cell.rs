@@ -359,7 +359,8 @@ impl CellRun {
                 Default::default(),
                 n,
                 Some(format!(
-                    "bundle of {size} bytes over the cell's remaining output budget: text/plain only"
+                    "bundle of {size} bytes over the cell's remaining output budget (shared with \
+                     stdout: max_stdout_bytes): text/plain only"
                 )),
             )
         };
