@@ -12,16 +12,10 @@ use common::Daemon;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// A wheelhouse built with the standard library's zipfile (the binary distribution format:
-/// `.dist-info` with METADATA, WHEEL, RECORD of sha256 digests):
-/// - `tinypkg 1.2` (a package with 1 MiB of data) requiring `tinydep>=1`, `tinydep 1.0`;
-/// - `bigpkg 1.0` holding a 12 MiB file (over the test's disk budget);
-/// - `badhash 1.0`, listed in SHA256SUMS with a wrong digest; `unlisted 1.0`, not listed;
-/// - `srconly`, only a source distribution;
-/// - `compiled 1.0`, with an extension module (`.so`);
-/// - `metabomb 1.0`, 1.5 MB whose `WHEEL` member inflates to 1.5 GiB.
-fn build_wheelhouse(dir: &Path) {
-    let script = r#"
+/// Python defining `whl(name, version, files, deps=())`, which writes a pure-Python wheel
+/// (`.dist-info` with METADATA, WHEEL, RECORD of sha256 digests) into `out` (`sys.argv[1]`)
+/// with the standard library's zipfile and returns its path.
+const WHEEL_WRITER: &str = r#"
 import base64, hashlib, os, sys, zipfile
 out = sys.argv[1]
 def whl(name, version, files, deps=()):
@@ -41,6 +35,28 @@ def whl(name, version, files, deps=()):
         for k, v in entries.items():
             z.writestr(k, v)
     return path
+"#;
+
+/// Runs `script` after [`WHEEL_WRITER`] with `dir` as `out`.
+fn write_wheels(dir: &Path, script: &str) {
+    let st = Command::new("/usr/bin/python3")
+        .args(["-I", "-c", &format!("{WHEEL_WRITER}{script}")])
+        .arg(dir)
+        .status()
+        .unwrap();
+    assert!(st.success(), "building the wheelhouse");
+}
+
+/// A wheelhouse built with the standard library's zipfile (the binary distribution format:
+/// `.dist-info` with METADATA, WHEEL, RECORD of sha256 digests):
+/// - `tinypkg 1.2` (a package with 1 MiB of data) requiring `tinydep>=1`, `tinydep 1.0`;
+/// - `bigpkg 1.0` holding a 12 MiB file (over the test's disk budget);
+/// - `badhash 1.0`, listed in SHA256SUMS with a wrong digest; `unlisted 1.0`, not listed;
+/// - `srconly`, only a source distribution;
+/// - `compiled 1.0`, with an extension module (`.so`);
+/// - `metabomb 1.0`, 1.5 MB whose `WHEEL` member inflates to 1.5 GiB.
+fn build_wheelhouse(dir: &Path) {
+    let script = r#"
 sums = []
 def listed(path, digest=None):
     d = digest or hashlib.sha256(open(path, "rb").read()).hexdigest()
@@ -65,12 +81,7 @@ listed(bomb)
 open(os.path.join(out, "srconly-1.0.tar.gz"), "wb").write(b"not built")
 open(os.path.join(out, "SHA256SUMS"), "w").write("\n".join(sums) + "\n")
 "#;
-    let st = Command::new("/usr/bin/python3")
-        .args(["-I", "-c", script])
-        .arg(dir)
-        .status()
-        .unwrap();
-    assert!(st.success(), "building the wheelhouse");
+    write_wheels(dir, script);
 }
 
 fn world_readable(dir: &Path) {
@@ -91,6 +102,40 @@ fn temp_dir(prefix: &str) -> tempfile::TempDir {
     d
 }
 
+/// A sandcelld.toml (in its own directory) with the environment `pydata` (native
+/// `/usr/bin/python3`) installing from `wheelhouse`.
+fn pydata_config(wheelhouse: &Path) -> (tempfile::TempDir, PathBuf) {
+    let dir = temp_dir("sandcell-pkgconf-");
+    let conf = dir.path().join("sandcelld.toml");
+    std::fs::write(
+        &conf,
+        format!(
+            "[environments.pydata]\nlanguage = \"python\"\nengine = \"native\"\n\
+             interpreter = \"/usr/bin/python3\"\nwheelhouse = \"{}\"\n",
+            wheelhouse.display()
+        ),
+    )
+    .unwrap();
+    (dir, conf)
+}
+
+/// A sandcelld.toml (in its own directory) with the default environment `r` installing from
+/// the CRAN-style repository `repo`.
+fn r_config(repo: &Path) -> (tempfile::TempDir, PathBuf) {
+    let dir = temp_dir("sandcell-pkgconf-");
+    let conf = dir.path().join("sandcelld.toml");
+    std::fs::write(
+        &conf,
+        format!(
+            "[environments.r]\nlanguage = \"r\"\nengine = \"native\"\ndefault = true\n\
+             cran_repository = \"{}\"\n",
+            repo.display()
+        ),
+    )
+    .unwrap();
+    (dir, conf)
+}
+
 fn session_dir(d: &Daemon, id: &str) -> PathBuf {
     d.dir.path().join("state/sessions").join(id)
 }
@@ -104,17 +149,7 @@ async fn pydata_installs_wheels_from_the_wheelhouse_into_the_session() {
     let wh = temp_dir("sandcell-wheelhouse-");
     build_wheelhouse(wh.path());
     world_readable(wh.path());
-    let conf_dir = temp_dir("sandcell-pkgconf-");
-    let conf = conf_dir.path().join("sandcelld.toml");
-    std::fs::write(
-        &conf,
-        format!(
-            "[environments.pydata]\nlanguage = \"python\"\nengine = \"native\"\n\
-             interpreter = \"/usr/bin/python3\"\nwheelhouse = \"{}\"\n",
-            wh.path().display()
-        ),
-    )
-    .unwrap();
+    let (_conf_dir, conf) = pydata_config(wh.path());
     // A disk budget of 8 MiB: tinypkg (1 MiB) fits, bigpkg (12 MiB) does not.
     let budget = (8u64 << 20).to_string();
     let d = Daemon::start_with_config(
@@ -251,37 +286,191 @@ except OSError as e:
     );
 }
 
-/// A binary package `tinyr` (as `R CMD INSTALL --build` makes it), a source package `srcr`
-/// and `symr` (below), indexed by `tools::write_PACKAGES`.
-fn build_cran_repository(root: &Path) {
-    let work = temp_dir("sandcell-rbuild-");
-    let contrib = root.join("src/contrib");
-    std::fs::create_dir_all(&contrib).unwrap();
-    for (name, fun) in [("tinyr", "tiny_hello"), ("srcr", "src_hello")] {
-        let p = work.path().join(name);
-        std::fs::create_dir_all(p.join("R")).unwrap();
-        std::fs::write(
-            p.join("DESCRIPTION"),
-            format!(
-                "Package: {name}\nVersion: 0.1.0\nTitle: Test\nDescription: A test package.\n\
-                 License: MIT\nAuthor: t\nMaintainer: t <t@example.org>\n"
-            ),
-        )
-        .unwrap();
-        std::fs::write(p.join("NAMESPACE"), format!("export({fun})\n")).unwrap();
-        std::fs::write(
-            p.join("R/hello.R"),
-            format!("{fun} <- function() \"hello from {name}\"\n"),
-        )
-        .unwrap();
+/// One `sandcell.install` call is all or nothing, and wheels merge their directories:
+/// - `nsa` and `nsb` both ship the namespace package `nsx/` (PEP 420, no `__init__.py`):
+///   installed one after the other, both import;
+/// - `top` requires `missingdep`, which the wheelhouse lacks: the call fails and leaves no `top`
+///   (nor `fine`, named in the same failed call), and a second try fails the same way;
+/// - `clasha` and `clashb` ship the same file: together refused with neither installed; one
+///   after the other, the second is refused and the first file stays;
+/// - `linked` is a symbolic link to a wheel outside the wheelhouse, which the session cannot
+///   see: an InstallError saying so;
+/// - no staging directory is left in the session's package directory.
+///
+/// The Eryx engine (`python`) has `sandcell.install` too: it raises `sandcell.InstallError`
+/// saying native engines serve per-session packages.
+#[tokio::test]
+async fn pydata_install_is_all_or_nothing_and_merges_namespace_packages() {
+    if !common::pydata_available() {
+        eprintln!("skipped: /usr/bin/python3 cannot import numpy and pandas (the pydata tier)");
+        return;
     }
-    let lib = work.path().join("lib");
-    std::fs::create_dir_all(&lib).unwrap();
+    let wh = temp_dir("sandcell-wheelhouse-");
+    write_wheels(
+        wh.path(),
+        r#"
+whl("nsa", "1.0", {"nsx/a/__init__.py": b"A = 1\n"})
+whl("nsb", "1.0", {"nsx/b/__init__.py": b"B = 2\n"})
+whl("top", "1.0", {"top/__init__.py": b"T = 1\n"}, deps=["missingdep"])
+whl("fine", "1.0", {"fine.py": b"F = 3\n"})
+whl("clasha", "1.0", {"shared/mod.py": b"WHO = 'a'\n"})
+whl("clashb", "1.0", {"shared/mod.py": b"WHO = 'b'\n"})
+"#,
+    );
+    let store = temp_dir("sandcell-wheelstore-");
+    write_wheels(store.path(), r#"whl("linked", "1.0", {"linked.py": b""})"#);
+    std::os::unix::fs::symlink(
+        store.path().join("linked-1.0-py3-none-any.whl"),
+        wh.path().join("linked-1.0-py3-none-any.whl"),
+    )
+    .unwrap();
+    world_readable(wh.path());
+    world_readable(store.path());
+    let (_conf_dir, conf) = pydata_config(wh.path());
+    let d = Daemon::start_with_config(&conf, &[]);
+    let mut c = d.client().await;
+    let s = c
+        .open_in("python", Some("pydata"), None, None)
+        .await
+        .expect("open pydata")
+        .session;
+    let cell = r#"import os, sandcell
+pkgs = os.environ["SANDCELL_PACKAGES_DIR"]
+site = os.path.join(pkgs, "python")
+def attempt(*a):
+    try:
+        return sandcell.install(*a)
+    except sandcell.InstallError as e:
+        return "InstallError: %s" % e
+    except Exception as e:
+        return "%s: %s" % (type(e).__name__, e)
+print("nsa", attempt("nsa"))
+print("nsb", attempt("nsb"))
+from nsx import a, b
+print("ns", a.A, b.B)
+print("top", attempt("top"))
+print("top again", attempt("top"))
+print("fine+top", attempt("fine", "top"))
+print("left", os.path.exists(os.path.join(site, "top")), os.path.exists(os.path.join(site, "fine.py")))
+print("clash", attempt("clasha", "clashb"))
+print("shared", os.path.exists(os.path.join(site, "shared")))
+print("clasha", attempt("clasha"))
+print("clashb", attempt("clashb"))
+import shared.mod
+print("who", shared.mod.WHO)
+print("linked", attempt("linked"))
+print("staging", sorted(e for e in os.listdir(pkgs) if e != "python"))
+try:
+    import top
+    print("top imported")
+except ImportError:
+    print("top absent")
+"#;
+    let out = c.execute_collect(&s, cell).await.unwrap();
+    let text = &out.stdout;
+    let line = |key: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("{key} ")))
+            .unwrap_or_else(|| {
+                panic!(
+                    "no line for {key}: {text}\n{:?}\n{}",
+                    out.result, out.stderr
+                )
+            })
+            .to_owned()
+    };
+    assert_eq!(line("nsa"), "nsa ['nsa 1.0']", "{text}");
+    assert_eq!(line("nsb"), "nsb ['nsb 1.0']", "{text}");
+    assert_eq!(line("ns"), "ns 1 2", "{text}");
+    for key in ["top", "top again", "fine+top"] {
+        assert!(
+            line(key).starts_with(&format!(
+                "{key} InstallError: missingdep is not in the wheelhouse"
+            )),
+            "{text}"
+        );
+    }
+    assert_eq!(line("left"), "left False False", "{text}");
+    assert!(
+        line("clash").starts_with(
+            "clash InstallError: clashb-1.0-py3-none-any.whl: shared/mod.py would replace \
+             the one clasha-1.0-py3-none-any.whl installs"
+        ),
+        "{text}"
+    );
+    assert_eq!(line("shared"), "shared False", "{text}");
+    assert_eq!(line("clasha"), "clasha ['clasha 1.0']", "{text}");
+    assert!(
+        line("clashb").starts_with(
+            "clashb InstallError: clashb-1.0-py3-none-any.whl: shared/mod.py is already \
+             installed in this session"
+        ),
+        "{text}"
+    );
+    assert_eq!(line("who"), "who a", "{text}");
+    assert!(
+        line("linked").starts_with(
+            "linked InstallError: linked-1.0-py3-none-any.whl cannot be read: it is a \
+             symbolic link to a file outside the wheelhouse"
+        ),
+        "{text}"
+    );
+    assert_eq!(line("staging"), "staging []", "{text}");
+    assert!(text.ends_with("top absent\n"), "{text}");
+
+    // Eryx: the same names, a clear refusal.
+    let e = c
+        .open("python", None, None)
+        .await
+        .expect("open python")
+        .session;
+    let out = c
+        .execute_collect(
+            &e,
+            "import sandcell\ntry:\n    sandcell.install('fine')\nexcept sandcell.InstallError as e:\n    print('InstallError:', e)\n",
+        )
+        .await
+        .unwrap();
+    assert!(
+        out.stdout
+            .starts_with("InstallError: sandcell.install is not available in the Eryx engine")
+            && out.stdout.contains("native engines such as pydata"),
+        "{}\n{:?}\n{}",
+        out.stdout,
+        out.result,
+        out.stderr
+    );
+}
+
+/// The source of an R package `name` (`version`) in `dir/name` exporting `fun()`, which
+/// returns "hello from <name> <version>".
+fn r_package_source(dir: &Path, name: &str, version: &str, fun: &str) {
+    let p = dir.join(name);
+    std::fs::create_dir_all(p.join("R")).unwrap();
+    std::fs::write(
+        p.join("DESCRIPTION"),
+        format!(
+            "Package: {name}\nVersion: {version}\nTitle: Test\nDescription: A test package.\n\
+             License: MIT\nAuthor: t\nMaintainer: t <t@example.org>\n"
+        ),
+    )
+    .unwrap();
+    std::fs::write(p.join("NAMESPACE"), format!("export({fun})\n")).unwrap();
+    std::fs::write(
+        p.join("R/hello.R"),
+        format!("{fun} <- function() \"hello from {name} {version}\"\n"),
+    )
+    .unwrap();
+}
+
+/// `R CMD INSTALL --build` of the package source `src`: its binary tarball lands in `contrib`.
+fn r_build_binary(src: &Path, contrib: &Path) {
+    let lib = temp_dir("sandcell-rlib-");
     let st = Command::new("R")
         .args(["CMD", "INSTALL", "--build", "-l"])
-        .arg(&lib)
-        .arg(work.path().join("tinyr"))
-        .current_dir(&contrib)
+        .arg(lib.path())
+        .arg(src)
+        .current_dir(contrib)
         .output()
         .unwrap();
     assert!(
@@ -289,6 +478,17 @@ fn build_cran_repository(root: &Path) {
         "R CMD INSTALL --build: {}",
         String::from_utf8_lossy(&st.stderr)
     );
+}
+
+/// A binary package `tinyr` (as `R CMD INSTALL --build` makes it), a source package `srcr`
+/// and `symr` (below), indexed by `tools::write_PACKAGES`.
+fn build_cran_repository(root: &Path) {
+    let work = temp_dir("sandcell-rbuild-");
+    let contrib = root.join("src/contrib");
+    std::fs::create_dir_all(&contrib).unwrap();
+    r_package_source(work.path(), "tinyr", "0.1.0", "tiny_hello");
+    r_package_source(work.path(), "srcr", "0.1.0", "src_hello");
+    r_build_binary(&work.path().join("tinyr"), &contrib);
     let st = Command::new("tar")
         .args(["czf"])
         .arg(contrib.join("srcr_0.1.0.tar.gz"))
@@ -342,17 +542,7 @@ async fn r_installs_binary_packages_from_a_local_repository() {
     }
     let repo = temp_dir("sandcell-cran-");
     build_cran_repository(repo.path());
-    let conf_dir = temp_dir("sandcell-pkgconf-");
-    let conf = conf_dir.path().join("sandcelld.toml");
-    std::fs::write(
-        &conf,
-        format!(
-            "[environments.r]\nlanguage = \"r\"\nengine = \"native\"\ndefault = true\n\
-             cran_repository = \"{}\"\n",
-            repo.path().display()
-        ),
-    )
-    .unwrap();
+    let (_conf_dir, conf) = r_config(repo.path());
     let d = Daemon::start_with_config(&conf, &[("SANDCELL_LANGUAGES", "python,r")]);
     let mut c = d.client().await;
     let envs = c.list_environments().await.unwrap();
@@ -387,7 +577,7 @@ async fn r_installs_binary_packages_from_a_local_repository() {
         .unwrap();
     let text = &out.stdout;
     assert!(
-        text.contains("\"tinyr\"") && text.contains("hello from tinyr \nTRUE \n"),
+        text.contains("\"tinyr\"") && text.contains("hello from tinyr 0.1.0 \nTRUE \n"),
         "{text}\n{:?}\n{}",
         out.result,
         out.stderr
@@ -413,6 +603,47 @@ async fn r_installs_binary_packages_from_a_local_repository() {
     );
 }
 
+/// An index may list several versions of a package, in any order (`write_PACKAGES(latestOnly
+/// = FALSE)`, or written by hand): `install.packages` takes the highest, not the last row.
+#[tokio::test]
+async fn r_installs_the_highest_version_the_index_lists() {
+    if !common::r_available() {
+        eprintln!("skipped: R is not installed (scripts/setup.sh installs r-base-core)");
+        return;
+    }
+    let repo = temp_dir("sandcell-cran-");
+    let contrib = repo.path().join("src/contrib");
+    std::fs::create_dir_all(&contrib).unwrap();
+    for version in ["2.0", "1.0"] {
+        let work = temp_dir("sandcell-rbuild-");
+        r_package_source(work.path(), "verr", version, "ver_hello");
+        r_build_binary(&work.path().join("verr"), &contrib);
+    }
+    std::fs::write(
+        contrib.join("PACKAGES"),
+        "Package: verr\nVersion: 2.0\nNeedsCompilation: no\n\n\
+         Package: verr\nVersion: 1.0\nNeedsCompilation: no\n",
+    )
+    .unwrap();
+    world_readable(repo.path());
+    let (_conf_dir, conf) = r_config(repo.path());
+    let d = Daemon::start_with_config(&conf, &[("SANDCELL_LANGUAGES", "python,r")]);
+    let mut c = d.client().await;
+    let o = c.open_in("r", Some("r"), None, None).await.expect("open r");
+    let out = c
+        .execute_collect(
+            &o.session,
+            "install.packages(\"verr\")\nlibrary(verr)\ncat(ver_hello(), \"\\n\")\n",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        out.stdout, "hello from verr 2.0 \n",
+        "{:?}\n{}",
+        out.result, out.stderr
+    );
+}
+
 /// What the operator configured is visible to the operator without opening a session:
 /// `sandcelld --check` names each environment's package sources (kind, count, hash-checked),
 /// the manager's `PackageSources` D-Bus property lists them with their names, and
@@ -434,16 +665,7 @@ async fn package_sources_show_in_check_dbus_and_status() {
     build_wheelhouse(wh.path());
     world_readable(wh.path());
     let wh_path = wh.path().display().to_string();
-    let conf_dir = temp_dir("sandcell-pkgconf-");
-    let conf = conf_dir.path().join("sandcelld.toml");
-    std::fs::write(
-        &conf,
-        format!(
-            "[environments.pydata]\nlanguage = \"python\"\nengine = \"native\"\n\
-             interpreter = \"/usr/bin/python3\"\nwheelhouse = \"{wh_path}\"\n"
-        ),
-    )
-    .unwrap();
+    let (_conf_dir, conf) = pydata_config(wh.path());
 
     let out = Command::new(env!("CARGO_BIN_EXE_sandcelld"))
         .arg("--config")

@@ -1367,98 +1367,158 @@ def _safe_member(path):
     return path
 
 
-def _unpack_wheel(wheel_path, file_name, site):
-    """Unpacks one wheel into `site` through a staging directory; returns its dist-info
-    METADATA text."""
+def _budget_error(e, what):
+    """InstallError for an OSError that means the session's disk budget is used up, else None."""
+    import errno
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return InstallError("%s: the session's disk budget is used up (%s); free space in the "
+                            "session or ask for a larger max_session_files_bytes" % (what, e.strerror))
+    return None
+
+
+def _unpack_wheel(wheel_path, file_name, stage):
+    """Unpacks one wheel into the empty directory `stage`; returns its dist-info METADATA
+    text."""
     import base64
     import csv
     import hashlib
-    import shutil
     import re
     import zipfile
-    stage = os.path.join(site, ".staging-%d" % os.getpid())
-    shutil.rmtree(stage, ignore_errors=True)
-    os.makedirs(stage)
     try:
-        with zipfile.ZipFile(wheel_path) as z:
-            infos = z.infolist()
-            if len(infos) > MAX_WHEEL_MEMBERS:
-                raise InstallError("%s has more than %d files" % (file_name, MAX_WHEEL_MEMBERS))
-            dist_info = sorted({i.filename.split("/")[0] for i in infos
-                                if i.filename.split("/")[0].endswith(".dist-info")})
-            if len(dist_info) != 1:
-                raise InstallError("%s: not a wheel (no single .dist-info directory)" % file_name)
-            dist_info = dist_info[0]
-            # Compiled code would install and then fail to load: the session's file system is
-            # mounted noexec, so the loader cannot map a library from it. Refused up front,
-            # saying so (the safer choice than allowing code execution from files a cell can
-            # rewrite).
-            compiled = [i.filename for i in infos
-                        if re.search(r"\.(so|so\.[0-9.]+|dylib|pyd)$", i.filename)]
-            if compiled:
-                raise InstallError(
-                    "%s holds compiled code (%s), which cannot be loaded from a session's files "
-                    "(they are mounted noexec); only pure-Python wheels install"
-                    % (file_name, compiled[0][:200]))
-            data_dir = dist_info[:-len(".dist-info")] + ".data"
-            wheel_meta = _read_member(z, dist_info + "/WHEEL").decode("utf-8", "replace")
-            version = [l.split(":", 1)[1].strip() for l in wheel_meta.splitlines()
-                       if l.startswith("Wheel-Version:")]
-            if not version or version[0].split(".")[0] != "1":
-                raise InstallError("%s: unsupported Wheel-Version %s" % (file_name, version))
-            record = {}
-            rec_text = _read_member(z, dist_info + "/RECORD").decode("utf-8", "replace")
-            for row in csv.reader(rec_text.splitlines()):
-                if len(row) >= 2 and row[1]:
-                    record[row[0]] = row[1]
-            for info in infos:
-                name = _safe_member(info.filename)
-                if name.endswith("/"):
-                    continue
-                if name.startswith(data_dir + "/"):
-                    parts = name.split("/", 2)
-                    if len(parts) < 3 or parts[1] not in ("purelib", "platlib"):
-                        continue  # scripts, headers, data: not installed in a session
-                    dest = _safe_member(parts[2])
-                elif name.split("/")[0] == data_dir:
-                    continue
-                else:
-                    dest = name
-                expected = record.get(info.filename)
-                if expected is None and not name.startswith(dist_info + "/RECORD"):
-                    raise InstallError("%s: %s is not in RECORD" % (file_name, name[:200]))
-                target = os.path.join(stage, dest)
+        z = zipfile.ZipFile(wheel_path)
+    except zipfile.BadZipFile as e:
+        raise InstallError("%s: not a wheel (%s)" % (file_name, e)) from None
+    with z:
+        infos = z.infolist()
+        if len(infos) > MAX_WHEEL_MEMBERS:
+            raise InstallError("%s has more than %d files" % (file_name, MAX_WHEEL_MEMBERS))
+        dist_info = sorted({i.filename.split("/")[0] for i in infos
+                            if i.filename.split("/")[0].endswith(".dist-info")})
+        if len(dist_info) != 1:
+            raise InstallError("%s: not a wheel (no single .dist-info directory)" % file_name)
+        dist_info = dist_info[0]
+        # Compiled code would install and then fail to load: the session's file system is
+        # mounted noexec, so the loader cannot map a library from it. Refused up front,
+        # saying so (the safer choice than allowing code execution from files a cell can
+        # rewrite).
+        compiled = [i.filename for i in infos
+                    if re.search(r"\.(so|so\.[0-9.]+|dylib|pyd)$", i.filename)]
+        if compiled:
+            raise InstallError(
+                "%s holds compiled code (%s), which cannot be loaded from a session's files "
+                "(they are mounted noexec); only pure-Python wheels install"
+                % (file_name, compiled[0][:200]))
+        data_dir = dist_info[:-len(".dist-info")] + ".data"
+        wheel_meta = _read_member(z, dist_info + "/WHEEL").decode("utf-8", "replace")
+        version = [l.split(":", 1)[1].strip() for l in wheel_meta.splitlines()
+                   if l.startswith("Wheel-Version:")]
+        if not version or version[0].split(".")[0] != "1":
+            raise InstallError("%s: unsupported Wheel-Version %s" % (file_name, version))
+        record = {}
+        rec_text = _read_member(z, dist_info + "/RECORD").decode("utf-8", "replace")
+        for row in csv.reader(rec_text.splitlines()):
+            if len(row) >= 2 and row[1]:
+                record[row[0]] = row[1]
+        for info in infos:
+            name = _safe_member(info.filename)
+            if name.endswith("/"):
+                continue
+            if name.startswith(data_dir + "/"):
+                parts = name.split("/", 2)
+                if len(parts) < 3 or parts[1] not in ("purelib", "platlib"):
+                    continue  # scripts, headers, data: not installed in a session
+                dest = _safe_member(parts[2])
+            elif name.split("/")[0] == data_dir:
+                continue
+            else:
+                dest = name
+            expected = record.get(info.filename)
+            if expected is None and not name.startswith(dist_info + "/RECORD"):
+                raise InstallError("%s: %s is not in RECORD" % (file_name, name[:200]))
+            target = os.path.join(stage, dest)
+            try:
                 os.makedirs(os.path.dirname(target), exist_ok=True)
-                digest = hashlib.sha256()
-                with z.open(info) as src, open(target, "wb") as out:
-                    while True:
-                        chunk = src.read(1 << 16)
-                        if not chunk:
-                            break
-                        digest.update(chunk)
-                        out.write(chunk)
-                if expected is not None:
-                    algo, _, value = expected.partition("=")
-                    got = base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
-                    if algo != "sha256" or got != value.rstrip("="):
-                        raise InstallError("%s: %s does not match its RECORD hash" % (file_name, name[:200]))
-            with open(os.path.join(stage, dist_info, "INSTALLER"), "w") as f:
-                f.write("sandcell\n")
-            metadata = _read_member(z, dist_info + "/METADATA").decode("utf-8", "replace")
-        for entry in os.listdir(stage):
-            if os.path.lexists(os.path.join(site, entry)):
-                raise InstallError("%s: %s is already installed in this session" % (file_name, entry))
-        for entry in os.listdir(stage):
-            os.rename(os.path.join(stage, entry), os.path.join(site, entry))
-        return metadata
+                out = open(target, "xb")
+            except (FileExistsError, NotADirectoryError):
+                raise InstallError("%s: %s clashes with another file of the wheel"
+                                   % (file_name, dest[:200])) from None
+            digest = hashlib.sha256()
+            with z.open(info) as src, out:
+                while True:
+                    chunk = src.read(1 << 16)
+                    if not chunk:
+                        break
+                    digest.update(chunk)
+                    out.write(chunk)
+            if expected is not None:
+                algo, _, value = expected.partition("=")
+                got = base64.urlsafe_b64encode(digest.digest()).rstrip(b"=").decode()
+                if algo != "sha256" or got != value.rstrip("="):
+                    raise InstallError("%s: %s does not match its RECORD hash" % (file_name, name[:200]))
+        with open(os.path.join(stage, dist_info, "INSTALLER"), "w") as f:
+            f.write("sandcell\n")
+        return _read_member(z, dist_info + "/METADATA").decode("utf-8", "replace")
+
+
+def _plan_merge(unpacked, site):
+    """Checks that the wheels unpacked in this call (`[(file_name, directory)]`, in order) merge
+    into `site` without one file replacing another: directories merge (namespace packages,
+    PEP 420, ship the same directory from several distributions), a file may take only a free
+    path. Raises InstallError naming the first clash; changes nothing."""
+    import stat
+    claimed = {}  # relative path -> (is_dir, file_name) of the wheels before
+    for file_name, root in unpacked:
+        for dirpath, dirnames, filenames in os.walk(root):
+            rel_dir = os.path.relpath(dirpath, root)
+            for name, is_dir in [(d, True) for d in dirnames] + [(f, False) for f in filenames]:
+                rel = os.path.normpath(os.path.join(rel_dir, name))
+                if rel in claimed:
+                    was_dir, owner = claimed[rel]
+                    if is_dir and was_dir:
+                        continue
+                    raise InstallError("%s: %s would replace the one %s installs (both are in "
+                                       "this install)" % (file_name, rel[:200], owner))
+                try:
+                    st = os.lstat(os.path.join(site, rel))
+                except FileNotFoundError:
+                    claimed[rel] = (is_dir, file_name)
+                    continue
+                if is_dir and stat.S_ISDIR(st.st_mode):
+                    claimed[rel] = (True, file_name)
+                    continue
+                raise InstallError("%s: %s is already installed in this session (the wheel "
+                                   "would replace it)" % (file_name, rel[:200]))
+
+
+def _merge_into(src, dst, moved):
+    """Moves the entries of directory `src` into directory `dst`, descending into directories
+    both have; appends each rename to `moved` as (from, to)."""
+    for entry in sorted(os.listdir(src)):
+        s, d = os.path.join(src, entry), os.path.join(dst, entry)
+        if os.path.isdir(d) and not os.path.islink(d) and os.path.isdir(s):
+            _merge_into(s, d, moved)
+        else:
+            os.rename(s, d)
+            moved.append((s, d))
+
+
+def _check_readable(path, file_name):
+    """InstallError unless the wheelhouse's `file_name` opens (a symbolic link to a file outside
+    the wheelhouse does not: the session sees only the wheelhouse)."""
+    try:
+        with open(path, "rb"):
+            pass
     except OSError as e:
-        import errno
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise InstallError("%s: the session's disk budget is used up (%s); free space in the "
-                               "session or ask for a larger max_session_files_bytes" % (file_name, e.strerror)) from None
-        raise
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        why = e.strerror or type(e).__name__
+        if os.path.islink(path):
+            target = os.path.realpath(path)
+            home = os.path.realpath(WHEELHOUSE)
+            if os.path.commonpath([target, home]) != home:
+                raise InstallError(
+                    "%s cannot be read: it is a symbolic link to a file outside the wheelhouse, "
+                    "which sessions cannot see (%s); the operator can copy the file into the "
+                    "wheelhouse" % (file_name, why)) from None
+        raise InstallError("%s cannot be read in the wheelhouse (%s)" % (file_name, why)) from None
 
 
 def install_packages(*requirements, deps=True):
@@ -1466,8 +1526,13 @@ def install_packages(*requirements, deps=True):
 
     `requirements` are PEP 508 strings (`"pkg"`, `"pkg==1.2"`, `"pkg>=1,<2"`). Wheels only;
     dependencies too unless `deps=False`. Returns the installed `"name version"` strings.
-    Raises InstallError (the reason: no wheelhouse, not offered, source distribution only,
-    hash mismatch, disk budget used up)."""
+    All or nothing: every wheel of the call is unpacked into a staging directory next to the
+    session's packages first and moved into place only when all of them resolved and
+    unpacked; a call that fails leaves the session's packages as they were. Directories
+    merge (namespace packages); a file never replaces another. Raises InstallError (the
+    reason: no wheelhouse, not offered, source distribution only, hash mismatch, a file
+    already installed, disk budget used up)."""
+    import shutil
     Requirement, _, canon, _, _, _ = _packaging()
     if WHEELHOUSE is None or PACKAGES_DIR is None:
         raise InstallError("this environment has no wheelhouse: the operator can name one in "
@@ -1483,16 +1548,36 @@ def install_packages(*requirements, deps=True):
     if not reqs:
         raise InstallError("name at least one package, e.g. sandcell.install('pkg==1.2')")
     site = os.path.join(PACKAGES_DIR, "python")
-    os.makedirs(site, mode=0o700, exist_ok=True)
+    # The staging directory sits beside `site` on the session's file system (its bytes count
+    # against the disk budget; renames into `site` move no data) and is never on sys.path.
+    staging = os.path.join(PACKAGES_DIR, ".staging-python-%d" % os.getpid())
+    try:
+        os.makedirs(site, mode=0o700, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging, mode=0o700)
+    except OSError as e:
+        err = _budget_error(e, "sandcell.install")
+        if err is not None:
+            raise err from None
+        raise
     if site not in sys.path:
         sys.path.insert(0, site)
         sys.path_importer_cache.pop(site, None)
+    try:
+        return _install_staged(reqs, deps, site, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _install_staged(reqs, deps, site, staging):
+    Requirement, _, canon, _, _, _ = _packaging()
     wheels, sdists = _wheelhouse_catalog()
     manifest = _hash_manifest()
     names = set(wheels) | set(sdists)
     queue = [(r, True) for r in reqs]
     seen = set()
     done = []
+    unpacked = []  # (file name, its staging directory), in install order
     while queue:
         req, top = queue.pop(0)
         if req.marker is not None and not req.marker.evaluate({"extra": ""}):
@@ -1512,6 +1597,7 @@ def install_packages(*requirements, deps=True):
             raise InstallError("more than %d wheels in one install" % MAX_INSTALLS)
         _, file_name = _choose_wheel(req, wheels, sdists, names)
         path = os.path.join(WHEELHOUSE, file_name)
+        _check_readable(path, file_name)
         if manifest is not None:
             import hashlib
             want = manifest.get(file_name)
@@ -1524,7 +1610,16 @@ def install_packages(*requirements, deps=True):
                     digest.update(chunk)
             if digest.hexdigest() != want:
                 raise InstallError("%s does not match its SHA256SUMS digest: refused" % file_name)
-        metadata = _unpack_wheel(path, file_name, site)
+        stage = os.path.join(staging, str(len(unpacked)))
+        try:
+            os.mkdir(stage)
+            metadata = _unpack_wheel(path, file_name, stage)
+        except OSError as e:
+            err = _budget_error(e, file_name)
+            if err is not None:
+                raise err from None
+            raise
+        unpacked.append((file_name, stage))
         version = file_name.split("-")[1]
         done.append("%s %s" % (req.name, version))
         if deps:
@@ -1534,6 +1629,18 @@ def install_packages(*requirements, deps=True):
                         queue.append((Requirement(line.split(":", 1)[1].strip()), False))
                     except Exception:
                         pass
+    _plan_merge(unpacked, site)
+    moved = []
+    try:
+        for _, stage in unpacked:
+            _merge_into(stage, site, moved)
+    except BaseException:
+        for s, d in reversed(moved):
+            try:
+                os.rename(d, s)
+            except OSError:
+                pass
+        raise
     import importlib
     importlib.invalidate_caches()
     return done

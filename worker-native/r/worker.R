@@ -1206,11 +1206,24 @@ help_reply <- function(payload, opts) {
 # refused; so is a binary built for another R major.minor, a tarball whose MD5 differs from
 # the index's MD5sum field (where the index has one), and a member path that leaves the
 # package's directory. Dependencies (Depends, Imports) missing from the library paths come
-# from the repository too.
+# from the repository too. Of several index rows for one package, the highest Version is taken.
 
 install_error <- function(msg) {
   stop(structure(class = c("packageInstallError", "error", "condition"),
     list(message = msg, call = NULL)))
+}
+
+# Of the index rows `rows` (one package), the one with the highest Version (an index may list
+# several versions of a package, in any order); a row whose Version does not parse loses to
+# one that does, and among equals the later row wins.
+newest_row <- function(index, rows) {
+  if (length(rows) == 1L || !("Version" %in% colnames(index))) return(rows[length(rows)])
+  v <- package_version(index[rows, "Version"], strict = FALSE)
+  ok <- which(!is.na(v))
+  if (length(ok) == 0L) return(rows[length(rows)])
+  best <- ok[[1L]]
+  for (i in ok[-1L]) if (v[[i]] >= v[[best]]) best <- i
+  rows[best]
 }
 
 install_packages_session <- function(pkgs, lib, repos, dependencies = NA, ...) {
@@ -1242,7 +1255,7 @@ install_packages_session <- function(pkgs, lib, repos, dependencies = NA, ...) {
       install_error(sprintf("package %s is not in the repository (it offers: %s)", p,
         paste(utils::head(offered, 20L), collapse = ", ")))
     }
-    row <- index[rows[length(rows)], ]
+    row <- index[newest_row(index, rows), ]
     version <- field(row, "Version")
     file <- field(row, "File")
     if (is.na(file)) {

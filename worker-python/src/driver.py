@@ -1183,6 +1183,19 @@ host_call.__module__ = 'sandcell.host'
 host_call.__qualname__ = host_call.__name__ = 'call'
 
 
+class InstallError(Exception):
+    """sandcell.install refused a package or could not install it (the native worker's name)."""
+
+
+def install(*requirements, deps=True):
+    """Per-session packages are not served in this engine: always raises InstallError."""
+    raise InstallError(
+        'sandcell.install is not available in the Eryx engine: its interpreter sees only its '
+        'own file system and takes no package source; per-session packages are served only by '
+        'native engines such as pydata (sandcell.install) and r (install.packages), from a '
+        'wheelhouse or CRAN-style repository the operator names in sandcelld.toml')
+
+
 def _install_host_module():
     """`sandcell.host` for the cells (kept when this driver installed it already, so
     `HostCallError` stays one class for the whole instance)."""
@@ -1196,6 +1209,8 @@ def _install_host_module():
     pkg.host = mod
     pkg.display = display
     pkg.DisplayHandle = DisplayHandle
+    pkg.install = install
+    pkg.InstallError = InstallError
     pkg.__path__ = []
     _sys.modules['sandcell'] = pkg
     _sys.modules['sandcell.host'] = mod
