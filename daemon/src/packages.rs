@@ -115,7 +115,53 @@ impl Source {
     /// their names (name order, at most [`MAX_LISTED_PACKAGES`]), and whether a hash manifest
     /// is there. A source that cannot be read now (it went away after start) lists nothing and
     /// says why; the host path is never shown.
+    ///
+    /// Kept from the last call while the files it was read from are unchanged (modification
+    /// time and size of the directory and of the index or manifest: adding, removing or
+    /// renaming a wheel changes the directory's), so a client calling `ListEnvironments` in a
+    /// loop costs a few stat(2) calls per source, not a scan of up to
+    /// [`MAX_SCANNED_ENTRIES`] entries or [`MAX_INDEX_BYTES`] of index each time.
     pub fn inventory(&self) -> PackageSource {
+        use std::collections::HashMap;
+        use std::sync::{Mutex, OnceLock};
+        type Cache = Mutex<HashMap<(PathBuf, &'static str), (Fingerprint, PackageSource)>>;
+        static CACHE: OnceLock<Cache> = OnceLock::new();
+        let cache = CACHE.get_or_init(Default::default);
+        let key = (self.path.clone(), self.kind.key());
+        let now = self.fingerprint();
+        if let Some((seen, inv)) = cache.lock().unwrap().get(&key)
+            && *seen == now
+        {
+            return inv.clone();
+        }
+        let inv = self.scan();
+        let mut c = cache.lock().unwrap();
+        // Keys are configured sources; a reload that names new ones replaces the lot when
+        // there are many.
+        if c.len() >= 256 {
+            c.clear();
+        }
+        c.insert(key, (now, inv.clone()));
+        inv
+    }
+
+    /// Modification time and size of each file [`Source::scan`] reads (`None`: absent).
+    fn fingerprint(&self) -> Fingerprint {
+        let files: [PathBuf; 2] = match self.kind {
+            Kind::Wheelhouse => [self.path.clone(), self.path.join("SHA256SUMS")],
+            Kind::CranRepository => [
+                self.path.join("src/contrib"),
+                self.path.join("src/contrib/PACKAGES"),
+            ],
+        };
+        files.map(|f| {
+            std::fs::metadata(f)
+                .ok()
+                .map(|m| (m.modified().ok(), m.len()))
+        })
+    }
+
+    fn scan(&self) -> PackageSource {
         let mut out = PackageSource {
             kind: self.kind.key().into(),
             packages: 0,
@@ -152,6 +198,9 @@ impl Source {
         out
     }
 }
+
+/// What [`Source::fingerprint`] returns: per file, its modification time and size.
+type Fingerprint = [Option<(Option<std::time::SystemTime>, u64)>; 2];
 
 fn read_bounded(path: &Path) -> std::io::Result<String> {
     let mut text = String::new();
@@ -263,6 +312,17 @@ mod tests {
         let inv = cran.inventory();
         assert_eq!(inv.names, ["p"]);
         assert!(inv.hash_manifest);
+        // Kept while the directory is unchanged: a wheel added with the directory's time
+        // put back is not seen; one added normally is.
+        let mtime = std::fs::metadata(&dir).unwrap().modified().unwrap();
+        std::fs::write(dir.join("z-1.0-py3-none-any.whl"), b"").unwrap();
+        std::fs::File::open(&dir)
+            .unwrap()
+            .set_modified(mtime)
+            .unwrap();
+        assert_eq!(wh.inventory().packages, 1, "rescanned although unchanged");
+        std::fs::write(dir.join("w-1.0-py3-none-any.whl"), b"").unwrap();
+        assert_eq!(wh.inventory().names, ["w", "x", "z"]);
         assert!(
             Source::wheelhouse(dir.join("missing"))
                 .check()

@@ -134,7 +134,11 @@ pub struct Remembered {
 
 #[derive(Debug)]
 struct Kept {
-    session: Arc<Session>,
+    /// The live grant's session (`None` once revoked: only its counters are kept, not its
+    /// policy and logged refusals, so that remembered sessions stay small).
+    session: Option<Arc<Session>>,
+    /// Its counters at revocation.
+    used: Used,
     /// When it was revoked (`None`: live).
     revoked: Option<std::time::Instant>,
 }
@@ -173,14 +177,12 @@ impl Remembered {
         {
             return None;
         }
-        let before = m
-            .get(&s.policy.session)
-            .map(|k| Used::of(&k.session))
-            .unwrap_or_default();
+        let before = m.get(&s.policy.session).map(|k| k.used).unwrap_or_default();
         m.insert(
             s.policy.session.clone(),
             Kept {
-                session: s.clone(),
+                session: Some(s.clone()),
+                used: Used::default(),
                 revoked: None,
             },
         );
@@ -192,8 +194,10 @@ impl Remembered {
     fn revoked(&self, s: &Arc<Session>) {
         let mut m = self.by_id.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(k) = m.get_mut(&s.policy.session)
-            && Arc::ptr_eq(&k.session, s)
+            && k.session.as_ref().is_some_and(|live| Arc::ptr_eq(live, s))
         {
+            k.used = Used::of(s);
+            k.session = None;
             k.revoked = Some(std::time::Instant::now());
         }
     }
@@ -514,6 +518,8 @@ mod tests {
         assert_eq!(r.granted(&session("a")), None);
         a.counters.bytes.store(7, Ordering::Relaxed);
         r.revoked(&a);
+        // Only the counters are kept: the session (policy, logged refusals) is let go.
+        assert_eq!(Arc::strong_count(&a), 1);
         let again = session("a");
         assert_eq!(r.granted(&again).unwrap().bytes, 7);
         // The earlier session's late revocation does not mark the new one revoked.

@@ -273,6 +273,14 @@ except OSError as e:
         .await
         .unwrap();
     assert_eq!(other.stdout, "absent\n", "{:?}", other.result);
+    // A notebook's `%pip install` or `!pip install` is not Python: its SyntaxError names the
+    // session's own installer.
+    for escape in ["%pip install tinypkg", "!pip install tinypkg"] {
+        let r = c.execute_collect(&o2.session, escape).await.unwrap().result;
+        let e = r.error.expect("a SyntaxError");
+        assert_eq!(e.kind, "SyntaxError", "{e:?}");
+        assert!(e.message.contains("sandcell.install("), "{e:?}");
+    }
     c.close(&o2.session).await.unwrap();
 
     // Gone with the session.

@@ -82,6 +82,7 @@ import io
 import json
 import linecache
 import os
+import re
 import reprlib
 import select
 import signal
@@ -842,6 +843,13 @@ def type_name(cls):
     return "%s.%s" % (mod, name)
 
 
+# A notebook's shell escape or magic for pip (`!pip install x`, `%pip install x`): not
+# Python, so a SyntaxError, whose message then names the session's own installer.
+PIP_ESCAPE = re.compile(r"\s*[!%]\s*pip3?\s+install\b")
+PIP_HINT = (" (shell escapes and magics are not run; install from the operator's package "
+            "source with: import sandcell; sandcell.install(\"pkg==1.2\"))")
+
+
 def describe(e, fname, compiling=False):
     """The `error` object of a reply for exception `e` raised by the cell named `fname`
     (`compiling`: raised while the worker parsed the cell, so no frame is the user's)."""
@@ -916,7 +924,10 @@ def run_cell(cell, payload, opts):
         body = compile(tree, fname, "exec", dont_inherit=True)
         shown = compile(last, fname, "single", dont_inherit=True) if last is not None else None
     except (SyntaxError, ValueError, UnicodeDecodeError) as e:
-        return "error", describe(e, fname, compiling=True), None
+        err = describe(e, fname, compiling=True)
+        if isinstance(e, SyntaxError) and PIP_ESCAPE.match(e.text or ""):
+            err["message"] = bound_text(err["message"] + PIP_HINT, MAX_ERROR_MESSAGE)
+        return "error", err, None
     timeout = opts.get("timeout_ms")
     if timeout:
         signal.setitimer(signal.ITIMER_REAL, timeout / 1000.0)
