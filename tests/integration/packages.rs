@@ -697,6 +697,14 @@ async fn package_sources_show_in_check_dbus_and_status() {
     assert!(python.ends_with("packages: none"), "{python}");
     assert!(!text.contains(&wh_path), "the host path leaked: {text}");
 
+    // An environment with egress, for status's policies.
+    let mut text = std::fs::read_to_string(&conf).unwrap();
+    text.push_str(
+        "\n[environments.net]\nlanguage = \"python\"\nengine = \"native\"\n\
+         interpreter = \"/usr/bin/python3\"\n\
+         egress = { hosts = [\"data.example.org\"], ports = [443] }\n",
+    );
+    std::fs::write(&conf, text).unwrap();
     let bus = common::bus::Bus::start();
     let d = Daemon::start_with_config(&conf, &[("DBUS_SYSTEM_BUS_ADDRESS", &bus.address)]);
     let property = || {
@@ -747,9 +755,21 @@ async fn package_sources_show_in_check_dbus_and_status() {
         "sandcellctl status:\n{}",
         o.stdout
     );
+    // Each environment's egress policy.
+    let lines: Vec<&str> = o.stdout.lines().map(str::trim).collect();
+    assert!(lines.contains(&"python: none"), "{}", o.stdout);
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("net: egress (HTTP_PROXY): data.example.org; ports 443")),
+        "{}",
+        o.stdout
+    );
     let o = ctl(&["--json", "status"]);
     assert_eq!(o.code, 0, "sandcellctl status --json: {}", o.stderr);
     let st: serde_json::Value = serde_json::from_str(&o.stdout).expect(&o.stdout);
+    assert_eq!(st["egress"]["net"]["hosts"][0], "data.example.org", "{st}");
+    assert!(st["egress"]["python"].is_null(), "{st}");
     assert_eq!(st["package_sources"][0]["environment"], "pydata", "{st}");
     assert_eq!(st["package_sources"][0]["packages"], 7, "{st}");
     assert!(!o.stdout.contains(&wh_path), "the host path leaked");

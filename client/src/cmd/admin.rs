@@ -104,8 +104,28 @@ fn egress_column(e: Option<&std::collections::BTreeMap<String, u64>>) -> String 
 /// `status`: daemon-wide figures.
 pub async fn status(ctx: &Ctx) -> Outcome {
     let st = connect(ctx).await?.status().await?;
+    // Each environment's egress policy comes from ListEnvironments on the Varlink socket
+    // (the D-Bus status carries the package sources, not the policies).
+    let envs = match ctx.connect().await {
+        Ok(mut c) => c.list_environments().await.map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
     if ctx.json {
-        out::json(&st);
+        let mut v = serde_json::to_value(&st).unwrap_or_default();
+        v["egress"] = match &envs {
+            Ok(envs) => envs
+                .iter()
+                .map(|e| {
+                    (
+                        e.name.clone(),
+                        serde_json::to_value(&e.egress).unwrap_or_default(),
+                    )
+                })
+                .collect::<serde_json::Map<_, _>>()
+                .into(),
+            Err(e) => serde_json::json!({"error": e}),
+        };
+        out::json(&v);
         return Ok(0);
     }
     outln!("version:         {}", st.version);
@@ -148,6 +168,19 @@ pub async fn status(ctx: &Ctx) -> Outcome {
         for s in &st.package_sources {
             outln!("  {}", source_line(s));
         }
+    }
+    match &envs {
+        Ok(envs) => {
+            outln!("\negress per environment:");
+            for e in envs {
+                let policy = e
+                    .egress
+                    .as_ref()
+                    .map_or_else(|| "none".to_string(), crate::cmd::environments::egress_line);
+                outln!("  {}: {policy}", escape_name(&e.name));
+            }
+        }
+        Err(e) => outln!("\negress per environment: unknown ({})", escape_name(e)),
     }
     Ok(0)
 }

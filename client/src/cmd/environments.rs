@@ -79,7 +79,7 @@ impl Environments {
 }
 
 /// An environment's egress policy on one line: hosts, ports, caps per session.
-fn egress_line(g: &sandcell_proto::kernel::EgressPolicy) -> String {
+pub(crate) fn egress_line(g: &sandcell_proto::kernel::EgressPolicy) -> String {
     let hosts: Vec<String> = g.hosts.iter().map(|h| escape_name(h)).collect();
     let ports: Vec<String> = g.ports.iter().map(u16::to_string).collect();
     format!(
