@@ -95,7 +95,10 @@ pub fn parse(buf: &[u8]) -> Result<Option<(Target, usize)>, BadRequest> {
     } else {
         origin.to_string()
     };
-    let mut head = format!("{method} {origin} HTTP/1.1\r\n").into_bytes();
+    // The client's own version (httparse reads HTTP/1.0 and HTTP/1.1 only): an HTTP/1.0
+    // client must not be answered with what only HTTP/1.1 has (a chunked body).
+    let minor = req.version.unwrap_or(1);
+    let mut head = format!("{method} {origin} HTTP/1.{minor}\r\n").into_bytes();
     let mut host_sent = false;
     for h in req.headers.iter() {
         let name = h.name.to_ascii_lowercase();
@@ -237,6 +240,16 @@ mod tests {
             head,
             "GET /a/b?c=1 HTTP/1.1\r\nHost: Data.Example.org:8080\r\nAccept: */*\r\n\
              Connection: close\r\n\r\n"
+        );
+        let (t, _) = parse(b"GET http://example.org/ HTTP/1.0\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        let Target::Http { head, .. } = t else {
+            panic!()
+        };
+        assert!(
+            head.starts_with(b"GET / HTTP/1.0\r\n"),
+            "the client's version is kept"
         );
         let (t, _) = parse(b"GET http://example.org HTTP/1.1\r\n\r\n")
             .unwrap()
