@@ -854,8 +854,19 @@ def describe(e, fname, compiling=False):
     """The `error` object of a reply for exception `e` raised by the cell named `fname`
     (`compiling`: raised while the worker parsed the cell, so no frame is the user's)."""
     tb = None if compiling else e.__traceback__
-    while tb is not None and tb.tb_frame.f_globals is WORKER_GLOBALS:
+    # The worker's own frames are left out wherever they are: before the cell's (the call
+    # into it) and after (the SIGINT handler that raised KeyboardInterrupt, sandcell.install
+    # raising InstallError), so the traceback ends at the user's line.
+    user = []
+    while tb is not None:
+        if tb.tb_frame.f_globals is not WORKER_GLOBALS:
+            user.append(tb)
         tb = tb.tb_next
+    for a, b in zip(user, user[1:]):
+        a.tb_next = b
+    if user:
+        user[-1].tb_next = None
+    tb = user[0] if user else None
     line = None
     t = tb
     while t is not None:
