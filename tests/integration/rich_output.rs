@@ -476,6 +476,22 @@ async fn r_sends_printed_values_as_text_bundles() {
         .sum();
     let st = r.displays.expect("displays counted");
     assert_eq!((st.seen, st.kept), (bundle_bytes, bundle_bytes));
+
+    // IRkernel's size options, as R notebooks set them: 4 x 3 inches at 100 ppi.
+    let fs = frames(
+        &mut c,
+        &s,
+        "options(repr.plot.width = 4, repr.plot.height = 3, repr.plot.res = 100)
+plot(1:3)",
+    )
+    .await;
+    let ds = displays(&fs);
+    assert_eq!(ds.len(), 1, "{ds:?}");
+    assert!(
+        text(ds[0]).starts_with("<R plot 400x300:"),
+        "{:?}",
+        text(ds[0])
+    );
     c.close(&s).await.unwrap();
 }
 

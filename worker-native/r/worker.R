@@ -779,9 +779,25 @@ SESSION_DIR <- local({
 })
 
 # Sets the default device for `cell` (digits, as text); returns the devices open before.
+# Its size follows IRkernel's options where the cell set them: repr.plot.width and
+# repr.plot.height in inches, repr.plot.res in pixels per inch (IRkernel's defaults 7, 7 and
+# 120); without them, png()'s own 480 x 480 pixels. Numbers outside 0.5-50 inches or 36-600
+# ppi are ignored.
 plot_device_begin <- function(cell) {
   pattern <- file.path(SESSION_DIR, sprintf("plot-%s-%%03d.png", cell))
-  options(device = function(...) grDevices::png(filename = pattern, ...))
+  opt <- function(name, default, lo, hi) {
+    v <- getOption(name)
+    if (is.numeric(v) && length(v) == 1L && !is.na(v) && v >= lo && v <= hi) v else default
+  }
+  # Read when the device opens (the cell's first plot), after the cell set its options.
+  options(device = function(...) {
+    sized <- !is.null(getOption("repr.plot.width")) ||
+      !is.null(getOption("repr.plot.height")) || !is.null(getOption("repr.plot.res"))
+    if (!sized) return(grDevices::png(filename = pattern, ...))
+    grDevices::png(filename = pattern, width = opt("repr.plot.width", 7, 0.5, 50),
+      height = opt("repr.plot.height", 7, 0.5, 50), units = "in",
+      res = opt("repr.plot.res", 120, 36, 600), ...)
+  })
   grDevices::dev.list()
 }
 
