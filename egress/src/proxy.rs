@@ -335,8 +335,12 @@ async fn connection(mut client: TcpStream, s: &Session, resolver: &Resolver) {
         let _ = client.shutdown().await;
         // Closing with unread input (a request body, or a request never read at the
         // connection cap) would send a reset, which can reach the client before it read the
-        // answer: the rest of the input is read and dropped first, within bounds.
-        let _ = timeout(DRAIN_TIME, drain(&mut client, DRAIN_BYTES)).await;
+        // answer: the rest of the input is read and dropped first, within bounds, each byte
+        // charged to the session's byte cap (so refused requests cannot make the proxy read
+        // without end); none past the session's connection cap.
+        if !matches!(r, Refusal::TotalConnections(_)) {
+            let _ = timeout(DRAIN_TIME, drain(&mut client, s, DRAIN_BYTES)).await;
+        }
     }
 }
 
@@ -345,14 +349,20 @@ const DRAIN_BYTES: u64 = 4 << 20;
 /// Longest time a refused connection's input is read and dropped before it is closed.
 const DRAIN_TIME: Duration = Duration::from_secs(2);
 
-/// Reads and drops up to `max` bytes of `r` until its end of file.
-async fn drain<R: AsyncRead + Unpin>(r: &mut R, max: u64) {
+/// Reads and drops up to `max` bytes of `r` until its end of file, charging each read to
+/// session `s` and stopping when its byte cap is reached.
+async fn drain<R: AsyncRead + Unpin>(r: &mut R, s: &Session, max: u64) {
     let mut buf = [0u8; 16 * 1024];
     let mut seen = 0u64;
     while seen < max {
         match r.read(&mut buf).await {
             Ok(0) | Err(_) => return,
-            Ok(n) => seen += n as u64,
+            Ok(n) => {
+                seen += n as u64;
+                if !s.charge(n) {
+                    return;
+                }
+            }
         }
     }
 }
@@ -774,7 +784,9 @@ mod tests {
     /// before closing instead of resetting a connection with unread input.
     #[tokio::test]
     async fn a_refused_request_with_a_body_gets_its_answer() {
-        let (port, _s, _tx) = start(policy(&["ok.test"]), "").await;
+        let mut p = policy(&["ok.test"]);
+        p.max_bytes = 8 << 20;
+        let (port, s, _tx) = start(p, "").await;
         let c = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
         let (mut r, mut w) = c.into_split();
         let writer = tokio::spawn(async move {
@@ -797,6 +809,17 @@ mod tests {
         assert!(out.starts_with("HTTP/1.1 403"), "{out}");
         assert!(out.contains("host not allowed: other.test"), "{out}");
         drop(writer.await.unwrap());
+        // What was read and dropped counts against the session's byte cap (the drain goes on
+        // after the answer: waited for).
+        let t0 = tokio::time::Instant::now();
+        while s.counters.bytes.load(Ordering::Relaxed) < (1 << 20) - (16 << 10) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the drained body was not charged: {}",
+                s.counters.bytes.load(Ordering::Relaxed)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     #[test]

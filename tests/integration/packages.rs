@@ -280,6 +280,10 @@ except OSError as e:
         let e = r.error.expect("a SyntaxError");
         assert_eq!(e.kind, "SyntaxError", "{e:?}");
         assert!(e.message.contains("sandcell.install("), "{e:?}");
+        // On the traceback's last line too, which is what a notebook shows.
+        let tb = e.traceback.clone().unwrap_or_default();
+        let last = tb.trim_end().lines().last().unwrap_or_default();
+        assert!(last.contains("sandcell.install("), "{e:?}");
     }
     c.close(&o2.session).await.unwrap();
 

@@ -10,7 +10,7 @@
 use crate::common;
 
 use common::{Daemon, pydata_available, r_available};
-use sandcell_client::{Client, Collected, Frame, OpenParams, RunParams, Status};
+use sandcell_client::{Client, Collected, Frame, Limits, OpenParams, RunParams, Status};
 use sandcell_proto::cell::Stream;
 use sandcell_proto::kernel::{Display, DisplayKind};
 use sandcell_testing::b64decode;
@@ -411,6 +411,47 @@ for i in range(25):
         err.contains("5 more open figures closed without being drawn"),
         "{err:?}"
     );
+    // Figures shown with plt.show() inside the cell are not counted: 22 shown, 22 drawn.
+    let fs = frames(
+        &mut c,
+        &s,
+        "for i in range(22):\n    plt.figure(figsize=(1, 1), dpi=20)\n    plt.show()",
+    )
+    .await;
+    assert_eq!(displays(&fs).len(), 22);
+    assert!(!stdout_stderr(&fs).1.contains("closed without"), "{fs:?}");
+    c.close(&s).await.unwrap();
+
+    // Drawing a figure left open runs user code (a draw callback): it is bound by the cell's
+    // wall time and the session survives it, as the cell's own code would.
+    let s = c
+        .open_with(&OpenParams {
+            language: "python".into(),
+            limits: Some(Limits {
+                wall_time_seconds: Some(2.0),
+                ..Limits::default()
+            }),
+            detached_idle_seconds: None,
+            environment: Some("pydata".into()),
+            host_calls: None,
+            display_last_expression: None,
+            rich_output: Some(true),
+            egress: None,
+        })
+        .await
+        .expect("open")
+        .session;
+    let fs = frames(
+        &mut c,
+        &s,
+        "import time\nimport matplotlib.pyplot as plt\nkeep = 7\nf = plt.figure()\n\
+         f.canvas.mpl_connect('draw_event', lambda e: time.sleep(30))",
+    )
+    .await;
+    let r = fs.last().unwrap().result.as_ref().unwrap();
+    assert_eq!(r.status, Status::Timeout, "{r:?}");
+    let out = c.execute_collect(&s, "print(keep)").await.unwrap();
+    assert_eq!(out.stdout, "7\n", "{:?}", out.result);
     c.close(&s).await.unwrap();
 }
 

@@ -390,16 +390,16 @@ def after_fork_in_child():
 # ---- plots ---------------------------------------------------------------------------------
 
 
-# Most open figures drawn per cell (as a PNG bundle and file); more are closed undrawn with a
-# note. Drawing happens after the cell's own code, outside its wall time and interrupt, so it
-# is bounded here; matplotlib itself warns from 20 open figures on (figure.max_open_warning).
+# Most figures left open at a cell's end that are drawn (as a PNG bundle and file); more are
+# closed undrawn with a note (matplotlib itself warns from 20 open figures on,
+# figure.max_open_warning). Figures shown with plt.show() are not counted.
 MAX_FIGURES_PER_CELL = 20
 
 
-def save_figures():
+def save_figures(at_end=False):
     """Saves every open pyplot figure as plot-<cell>-NNN.png (and, with rich output, sends it
-    as a PNG bundle; one drawing serves both) and closes it; at most MAX_FIGURES_PER_CELL per
-    cell are drawn."""
+    as a PNG bundle; one drawing serves both) and closes it. `at_end`: the figures left open
+    at the cell's end, of which at most MAX_FIGURES_PER_CELL are drawn."""
     plt = sys.modules.get("matplotlib.pyplot")
     if plt is None:
         return
@@ -410,10 +410,11 @@ def save_figures():
     undrawn = 0
     for num in nums:
         try:
-            if S.figures_drawn >= MAX_FIGURES_PER_CELL:
-                undrawn += 1
-                continue
-            S.figures_drawn += 1
+            if at_end:
+                if S.figures_drawn >= MAX_FIGURES_PER_CELL:
+                    undrawn += 1
+                    continue
+                S.figures_drawn += 1
             fig = plt.figure(num)
             saved = getattr(fig, "_sandcell_saved", False)
             png = figure_png(fig) if S.rich or not saved else None
@@ -438,6 +439,22 @@ def save_figures():
     if undrawn:
         sys.stderr.write("sandcell: %d more open figures closed without being drawn (at most %d "
                          "are drawn per cell)\n" % (undrawn, MAX_FIGURES_PER_CELL))
+
+
+def close_figures():
+    """Closes, undrawn, the figures still open after the cell (its drawing of them was cut by
+    the wall time or an interrupt): drawing runs user code, which must not run unbounded."""
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return
+    try:
+        n = len(plt.get_fignums())
+        plt.close("all")
+    except Exception:
+        return
+    if n:
+        sys.stderr.write("sandcell: %d open figures closed without being drawn (the cell ended "
+                         "before they were)\n" % n)
 
 
 def patch_pyplot(plt):
@@ -850,13 +867,10 @@ PIP_HINT = (" (shell escapes and magics are not run; install from the operator's
             "source with: import sandcell; sandcell.install(\"pkg==1.2\"))")
 
 
-def describe(e, fname, compiling=False):
-    """The `error` object of a reply for exception `e` raised by the cell named `fname`
-    (`compiling`: raised while the worker parsed the cell, so no frame is the user's)."""
-    tb = None if compiling else e.__traceback__
-    # The worker's own frames are left out wherever they are: before the cell's (the call
-    # into it) and after (the SIGINT handler that raised KeyboardInterrupt, sandcell.install
-    # raising InstallError), so the traceback ends at the user's line.
+def users_frames(tb):
+    """Traceback `tb` without the worker's own frames, wherever they are: before the cell's
+    (the call into it) and after (the SIGINT handler that raised KeyboardInterrupt,
+    sandcell.install raising InstallError), so it ends at the user's line."""
     user = []
     while tb is not None:
         if tb.tb_frame.f_globals is not WORKER_GLOBALS:
@@ -866,7 +880,25 @@ def describe(e, fname, compiling=False):
         a.tb_next = b
     if user:
         user[-1].tb_next = None
-    tb = user[0] if user else None
+    return user[0] if user else None
+
+
+def describe(e, fname, compiling=False):
+    """The `error` object of a reply for exception `e` raised by the cell named `fname`
+    (`compiling`: raised while the worker parsed the cell, so no frame is the user's)."""
+    tb = None if compiling else users_frames(e.__traceback__)
+    # The same for the exceptions it was raised from or while handling (an interrupt caught
+    # and turned into another error), which the traceback shows too.
+    chained, c = set(), e
+    while len(chained) < 16:
+        c = c.__cause__ or c.__context__
+        if c is None or id(c) in chained:
+            break
+        chained.add(id(c))
+        try:
+            c.__traceback__ = users_frames(c.__traceback__)
+        except Exception:
+            break
     line = None
     t = tb
     while t is not None:
@@ -937,12 +969,16 @@ def run_cell(cell, payload, opts):
     except (SyntaxError, ValueError, UnicodeDecodeError) as e:
         err = describe(e, fname, compiling=True)
         if isinstance(e, SyntaxError) and PIP_ESCAPE.match(e.text or ""):
+            # In the message and on the traceback's last line, which is what notebooks show.
             err["message"] = bound_text(err["message"] + PIP_HINT, MAX_ERROR_MESSAGE)
+            err["traceback"] = bound_tail(err["traceback"].rstrip("\n") + PIP_HINT + "\n",
+                                          MAX_TRACEBACK)
         return "error", err, None
     timeout = opts.get("timeout_ms")
     if timeout:
         signal.setitimer(signal.ITIMER_REAL, timeout / 1000.0)
         S.timer = True
+    stopped = False  # ended by an interrupt or the wall time: nothing more is drawn
     try:
         try:
             S.armed = True
@@ -953,8 +989,17 @@ def run_cell(cell, payload, opts):
                 if sys.displayhook is sys.__displayhook__:
                     sys.displayhook = displayhook  # a cell put the default one back
                 exec(shown, ns)
+        except (KeyboardInterrupt, CellTimeout):
+            stopped = True
+            raise
         finally:
-            S.armed = False  # no eval-breaker check before this store: nothing can raise here
+            try:
+                # Figures left open are drawn while the cell's wall time and interrupts
+                # still apply: drawing runs the user's code (draw callbacks, artists).
+                if not stopped:
+                    save_figures(at_end=True)
+            finally:
+                S.armed = False  # no eval-breaker check before this store: nothing can raise here
     except KeyboardInterrupt as e:
         # Its traceback says where the cell was, as IPython's does.
         return "interrupted", describe(e, fname), None
@@ -1196,7 +1241,7 @@ def finish_cell():
         signal.setitimer(signal.ITIMER_REAL, 0)
         S.timer = False
     install_handlers()
-    save_figures()
+    close_figures()
     for name, orig in (("stdout", STDOUT), ("stderr", STDERR)):
         cur = getattr(sys, name)
         for f in (cur, orig) if cur is not orig else (orig,):

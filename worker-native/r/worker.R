@@ -778,11 +778,14 @@ SESSION_DIR <- local({
   d
 })
 
+MAX_PLOT_SIDE <- 5000
+
 # Sets the default device for `cell` (digits, as text); returns the devices open before.
 # Its size follows IRkernel's options where the cell set them: repr.plot.width and
 # repr.plot.height in inches, repr.plot.res in pixels per inch (IRkernel's defaults 7, 7 and
 # 120); without them, png()'s own 480 x 480 pixels. Numbers outside 0.5-50 inches or 36-600
-# ppi are ignored.
+# ppi are ignored, and the resolution is lowered to keep each side within MAX_PLOT_SIDE
+# pixels.
 plot_device_begin <- function(cell) {
   pattern <- file.path(SESSION_DIR, sprintf("plot-%s-%%03d.png", cell))
   opt <- function(name, default, lo, hi) {
@@ -794,9 +797,12 @@ plot_device_begin <- function(cell) {
     sized <- !is.null(getOption("repr.plot.width")) ||
       !is.null(getOption("repr.plot.height")) || !is.null(getOption("repr.plot.res"))
     if (!sized) return(grDevices::png(filename = pattern, ...))
-    grDevices::png(filename = pattern, width = opt("repr.plot.width", 7, 0.5, 50),
-      height = opt("repr.plot.height", 7, 0.5, 50), units = "in",
-      res = opt("repr.plot.res", 120, 36, 600), ...)
+    w <- opt("repr.plot.width", 7, 0.5, 50)
+    h <- opt("repr.plot.height", 7, 0.5, 50)
+    # At most MAX_PLOT_SIDE pixels a side (the resolution lowered to fit): the device's
+    # bitmap is width x height x 4 bytes of the session's memory.
+    res <- min(opt("repr.plot.res", 120, 36, 600), MAX_PLOT_SIDE / max(w, h))
+    grDevices::png(filename = pattern, width = w, height = h, units = "in", res = res, ...)
   })
   grDevices::dev.list()
 }
