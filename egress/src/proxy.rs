@@ -350,12 +350,20 @@ const DRAIN_BYTES: u64 = 4 << 20;
 const DRAIN_TIME: Duration = Duration::from_secs(2);
 
 /// Reads and drops up to `max` bytes of `r` until its end of file, charging each read to
-/// session `s` and stopping when its byte cap is reached.
+/// session `s`; never reads past what its byte cap has left.
 async fn drain<R: AsyncRead + Unpin>(r: &mut R, s: &Session, max: u64) {
     let mut buf = [0u8; 16 * 1024];
     let mut seen = 0u64;
     while seen < max {
-        match r.read(&mut buf).await {
+        let left = s
+            .policy
+            .max_bytes
+            .saturating_sub(s.counters.bytes.load(Ordering::Relaxed));
+        let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+        if want == 0 {
+            return;
+        }
+        match r.read(&mut buf[..want]).await {
             Ok(0) | Err(_) => return,
             Ok(n) => {
                 seen += n as u64;
@@ -810,7 +818,7 @@ mod tests {
         assert!(out.contains("host not allowed: other.test"), "{out}");
         drop(writer.await.unwrap());
         // What was read and dropped counts against the session's byte cap (the drain goes on
-        // after the answer: waited for).
+        // after the answer: waited for); a session at its cap has nothing drained.
         let t0 = tokio::time::Instant::now();
         while s.counters.bytes.load(Ordering::Relaxed) < (1 << 20) - (16 << 10) {
             assert!(
@@ -820,6 +828,24 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// A session at its byte cap has nothing of a refused request drained: the cap is never
+    /// passed by what the proxy reads and drops.
+    #[tokio::test]
+    async fn nothing_is_drained_past_the_byte_cap() {
+        let mut p = policy(&["ok.test"]);
+        p.max_bytes = 100;
+        let (port, s, _tx) = start(p, "").await;
+        s.counters.bytes.store(100, Ordering::Relaxed);
+        let mut c = TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        let head = "POST http://other.test/x HTTP/1.1\r\nContent-Length: 65536\r\n\r\n";
+        let _ = c.write_all(head.as_bytes()).await;
+        let _ = c.write_all(&[b'b'; 65536]).await;
+        let mut out = Vec::new();
+        let _ = timeout(Duration::from_secs(10), c.read_to_end(&mut out)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(s.counters.bytes.load(Ordering::Relaxed), 100);
     }
 
     #[test]
