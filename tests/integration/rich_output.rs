@@ -28,9 +28,19 @@ fn daemon() -> Daemon {
 }
 
 async fn open(c: &mut Client, language: &str, env: Option<&str>) -> String {
+    open_limited(c, language, env, None).await
+}
+
+/// [`open`] with lower `limits`.
+async fn open_limited(
+    c: &mut Client,
+    language: &str,
+    env: Option<&str>,
+    limits: Option<Limits>,
+) -> String {
     c.open_with(&OpenParams {
         language: language.into(),
-        limits: None,
+        limits,
         detached_idle_seconds: None,
         environment: env.map(str::to_owned),
         host_calls: None,
@@ -424,23 +434,11 @@ for i in range(25):
 
     // Drawing a figure left open runs user code (a draw callback): it is bound by the cell's
     // wall time and the session survives it, as the cell's own code would.
-    let s = c
-        .open_with(&OpenParams {
-            language: "python".into(),
-            limits: Some(Limits {
-                wall_time_seconds: Some(2.0),
-                ..Limits::default()
-            }),
-            detached_idle_seconds: None,
-            environment: Some("pydata".into()),
-            host_calls: None,
-            display_last_expression: None,
-            rich_output: Some(true),
-            egress: None,
-        })
-        .await
-        .expect("open")
-        .session;
+    let limits = Limits {
+        wall_time_seconds: Some(2.0),
+        ..Limits::default()
+    };
+    let s = open_limited(&mut c, "python", Some("pydata"), Some(limits)).await;
     let fs = frames(
         &mut c,
         &s,
