@@ -589,9 +589,10 @@ def displayhook(value):
 # built through the display protocol of IPython/Jupyter (`_repr_mimebundle_`, then
 # `_repr_html_`, `_repr_markdown_`, `_repr_latex_`, `_repr_png_`, `_repr_jpeg_`, `_repr_svg_`,
 # `_repr_json_`; https://ipython.readthedocs.io/en/stable/config/integrating.html), text/plain
-# always; a method that raises is left out with a line on stderr naming it. stdout and stderr are flushed first, so the bundle follows what the cell printed. A
-# bundle over MAX_DISPLAY_BYTES is replaced by its text/plain (cut) with a note: the reply line
-# must stay under MAX_WORKER_LINE, and the daemon checks and bounds it again.
+# always; a method that raises is left out with a line on stderr naming it. stdout and stderr
+# are flushed first, so the bundle follows what the cell printed. A bundle over
+# MAX_DISPLAY_BYTES is replaced by its text/plain (cut) with a note: the reply line must stay
+# under MAX_WORKER_LINE, and the daemon checks and bounds it again.
 
 REPR_METHODS = (
     ("text/html", "_repr_html_"),
@@ -790,8 +791,7 @@ class DisplayHandle:
     def display(self, obj, **kwargs):
         display(obj, **kwargs)
 
-    def update(self, obj, **kwargs):
-        display(obj, **kwargs)
+    update = display
 
 
 def display(*objs, raw=False, metadata=None, display_id=None, **kwargs):

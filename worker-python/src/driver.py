@@ -453,8 +453,7 @@ class DisplayHandle:
     def display(self, obj, **kwargs):
         display(obj, **kwargs)
 
-    def update(self, obj, **kwargs):
-        display(obj, **kwargs)
+    update = display
 
 
 def display(*objs, raw=False, metadata=None, display_id=None, **kwargs):

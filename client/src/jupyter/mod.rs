@@ -1131,7 +1131,6 @@ fn invalid_reply(req: &Message, count: Option<u64>) -> Option<(String, Value)> {
     Some((format!("{base}_reply"), content))
 }
 
-/// The short name of a client error (`SessionEnded`, `ConnectionFailed`, ...).
 /// Whether a call that failed with `e` means the kernel's session is gone (no such session, its
 /// worker failed, or the connection is in an unknown state): the next cell opens a new one.
 /// Other errors (a limit, a busy session) leave the session as it was.
@@ -1145,6 +1144,7 @@ fn ends_session(e: &ClientError) -> bool {
     }
 }
 
+/// The short name of a client error (`SessionEnded`, `ConnectionFailed`, ...).
 fn error_name(e: &ClientError) -> String {
     e.to_json()["error"]
         .as_str()
@@ -1208,6 +1208,12 @@ impl Shell {
     /// new one), and the cell's error reply.
     async fn session_gone(&mut self, count: u64, e: &ClientError, parent: &Value) -> Value {
         self.drop_session(format!("the session is gone ({e})"));
+        self.call_failed(count, e, parent).await
+    }
+
+    /// Cell `count`'s error reply for a call that failed with `e`: its name, its text and one
+    /// traceback line saying both.
+    async fn call_failed(&self, count: u64, e: &ClientError, parent: &Value) -> Value {
         let name = error_name(e);
         let line = format!("{name}: {e}");
         self.error(count, &name, &e.to_string(), vec![line], parent)
@@ -1458,15 +1464,9 @@ impl Shell {
                     .await;
             }
             Err(e) if ends_session(&e) => return self.session_gone(count, &e, parent).await,
-            Err(e) => {
-                // A refusal that keeps the session (a limit such as max_source_bytes, a busy
-                // session): the cell's error, the session and its variables stay.
-                let name = error_name(&e);
-                let line = format!("{name}: {e}");
-                return self
-                    .error(count, &name, &e.to_string(), vec![line], parent)
-                    .await;
-            }
+            // A refusal that keeps the session (a limit such as max_source_bytes, a busy
+            // session): the cell's error, the session and its variables stay.
+            Err(e) => return self.call_failed(count, &e, parent).await,
         };
         if !silent {
             let mut notes = notices(&r);
