@@ -52,6 +52,16 @@
 //! checks the opt-in itself and raises in the cell without writing a line, so only a forged
 //! line reaches the daemon, and the forger loses only its own session.
 //!
+//! A native worker's `display` line (its stdout and stderr are raw pipes, read apart from the
+//! reply pipe) may carry `"wait":true`: the worker then writes nothing until the daemon answers
+//! with a `displayed <cell> 0` request, which it sends once it has read the raw pipes and
+//! queued the bundle after what they held. That places each bundle exactly between the text
+//! printed before and after the display call; without it, text printed after the call can
+//! reach the daemon first. Both native workers wait from their main thread; the daemon also
+//! sends one `displayed` when it continues a native worker's cell after a restart (its
+//! predecessor may have died before answering), and a worker skips any `displayed` it is not
+//! waiting for.
+//!
 //! An `inspect` request (`inspect 0 0 timeout_ms=T max_items=N nonce=X`) is not a cell: the
 //! worker lists the user's variables without running a cell (no cell number, no history, no
 //! output to the client) and answers with one `inspected` line. The daemon validates every
@@ -133,6 +143,12 @@ pub enum Op {
     /// Help for the name at `cursor` of the payload's code (answered by
     /// [`WorkerMessage::Help`]; see [`crate::query`]).
     Help,
+    /// The `display` line of the running cell that asked for it (`wait`) is placed: what the
+    /// worker wrote to its raw pipes before the line has been read, so what it writes next
+    /// follows the bundle. No payload; not a request to answer. A worker may also receive one
+    /// it did not wait for (from a daemon that continued its cell after a restart, since the
+    /// predecessor may have died before writing its own): it skips it.
+    Displayed,
 }
 
 impl Op {
@@ -145,6 +161,7 @@ impl Op {
             Op::HostReply => "host_reply",
             Op::Complete => "complete",
             Op::Help => "help",
+            Op::Displayed => "displayed",
         }
     }
 }
@@ -279,6 +296,7 @@ impl RequestHeader {
             Some("host_reply") => Op::HostReply,
             Some("complete") => Op::Complete,
             Some("help") => Op::Help,
+            Some("displayed") => Op::Displayed,
             other => return Err(format!("unknown op {other:?}")),
         };
         let num = |v: Option<&str>, what: &str| -> Result<u64, String> {
@@ -434,6 +452,14 @@ pub enum WorkerMessage {
         /// Why the worker replaced the bundle by its text/plain, when it did.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         note: Option<String>,
+        /// A native worker (its stdout and stderr are raw pipes, read apart from this line)
+        /// that sets it waits after the line, writing nothing, for a [`Op::Displayed`]
+        /// request, which the daemon sends once it has read the raw pipes and queued the
+        /// bundle after what they held: so what the cell printed before the display call
+        /// comes before the bundle, and what it prints after comes after it. A worker that
+        /// lies only reorders its own cell's output.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        wait: bool,
     },
     /// Output the worker saw but did not send (past `max_output`), so the daemon's counts of
     /// bytes seen stay exact.
@@ -744,6 +770,10 @@ mod tests {
         let line = h.to_line();
         assert!(line.len() <= MAX_HEADER_LINE, "{} bytes", line.len());
         assert_eq!(RequestHeader::parse(line.trim_end()).unwrap(), h);
+        let mut d = RequestHeader::exec(4, 0);
+        d.op = Op::Displayed;
+        assert_eq!(d.to_line(), "displayed 4 0\n");
+        assert_eq!(RequestHeader::parse(d.to_line().trim_end()).unwrap(), d);
         let mut e = RequestHeader::exec(4, 1);
         e.host_calls = true;
         assert_eq!(e.to_line(), "exec 4 1 host_calls=1\n");

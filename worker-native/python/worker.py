@@ -85,6 +85,7 @@ import os
 import re
 import reprlib
 import select
+import threading
 import signal
 import sys
 import time
@@ -288,7 +289,8 @@ def host_call(name, arguments=None):
         if S.nonce is not None:
             msg["nonce"] = S.nonce
         send(msg)
-        payload = host_wait(call, armed)
+        payload = request_wait(lambda parts: parts[0] == "host_reply" and "call=%d" % call in parts[3:],
+                               armed, "a host call")
     finally:
         S.armed = armed
         S.host_busy = False
@@ -300,9 +302,15 @@ def host_call(name, arguments=None):
     return answer.get("result")
 
 
-def host_wait(call, armed):
-    """The payload of the `host_reply` naming `call`, read from fd 3; waits in select() with
-    SIGINT and SIGALRM armed (when the caller had them armed)."""
+def request_wait(wanted, armed, what):
+    """The payload of the request `wanted(parts)` accepts (`parts`: its header's fields), read
+    from fd 3; waits in select() with SIGINT and SIGALRM armed (when the caller had them
+    armed). While a cell runs the daemon sends only what the worker waits for: a `host_reply`
+    or `displayed` not wanted is stale (the answer to a call given up on, a `displayed` an
+    interrupted display stopped waiting for or a daemon that continued the cell after a
+    restart sent) and skipped. Bytes after a wanted `host_reply` break the protocol; after a
+    wanted `displayed` only another stale `displayed` can follow, and it is dropped. `what`
+    names the wait in a protocol error."""
     buf = b""
     while True:
         nl = buf.find(b"\n")
@@ -310,16 +318,16 @@ def host_wait(call, armed):
             protocol_fail("request header too long")
         if nl >= 0:
             parts = buf[:nl].decode("ascii", "replace").split(" ")
-            if len(parts) < 3 or parts[0] != "host_reply" or not parts[2].isdigit():
-                protocol_fail("unexpected request while a host call waits: %r" % buf[:64])
+            if len(parts) < 3 or parts[0] not in ("host_reply", "displayed") or not parts[2].isdigit():
+                protocol_fail("unexpected request while %s waits: %r" % (what, buf[:64]))
             end = nl + 1 + int(parts[2])
             if len(buf) >= end:
                 payload, buf = buf[nl + 1 : end], buf[end:]
-                if "call=%d" % call in parts[3:]:
-                    if buf:
+                if wanted(parts):
+                    if buf and parts[0] == "host_reply":
                         protocol_fail("bytes after a host reply")
                     return payload
-                continue  # the answer to a call given up on
+                continue
         if armed and S.pending:
             raise KeyboardInterrupt
         S.armed = armed
@@ -329,7 +337,7 @@ def host_wait(call, armed):
             S.armed = False
         chunk = os.read(REQ_FD, 1 << 16)
         if not chunk:
-            protocol_fail("end of input while a host call waits")
+            protocol_fail("end of input while %s waits" % what)
         buf += chunk
 
 
@@ -748,8 +756,11 @@ def clean_json(v):
 
 def send_bundle(kind, data, metadata=None):
     """Sends one `display` line of the running cell (flushing the cell's output first), with
-    `metadata` where metadata_fits() keeps it."""
-    for f in (sys.stdout, sys.stderr):
+    `metadata` where metadata_fits() keeps it. From the worker's main thread the line asks
+    for `displayed` and the worker waits for it (interruptibly, as a host call does): the
+    daemon reads stdout and stderr apart from the line, and sends it once it has placed the
+    bundle after what they held, so what the cell prints next cannot overtake the bundle."""
+    for f in (sys.stdout, sys.stderr, STDOUT, STDERR):
         try:
             f.flush()
         except BaseException:
@@ -769,7 +780,19 @@ def send_bundle(kind, data, metadata=None):
         msg["metadata"] = metadata
     if note:
         msg["note"] = note
-    send(msg)
+    wait = os.getpid() == S.pid and S.in_cell and threading.current_thread() is threading.main_thread()
+    if wait:
+        msg["wait"] = True
+    armed = S.armed
+    try:
+        S.armed = False  # a line is never cut by an interrupt: SIGINT now is kept in S.pending
+        send(msg)
+        if wait:
+            request_wait(lambda parts: parts[0] == "displayed", armed, "a display")
+    finally:
+        S.armed = armed
+    if armed and S.pending:
+        raise KeyboardInterrupt
 
 
 def new_display_id():
@@ -1270,8 +1293,8 @@ def serve():
         if op in ("complete", "help"):
             serve_query(op, payload, opts)
             continue
-        if op == "host_reply":
-            continue  # the answer to a host call the last cell gave up on
+        if op in ("host_reply", "displayed"):
+            continue  # the answer to a host call the last cell gave up on, or a stale `displayed`
         if op != "exec":
             protocol_fail("unknown request %r" % op[:32])
         # The request is whole: a successor daemon learns from this line that it arrived.

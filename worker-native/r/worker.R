@@ -57,9 +57,15 @@
 # the `host_reply` request naming that call; R cannot wait on a pipe interruptibly, so it is
 # read by polling a second, non-blocking connection to fd 3 between short Sys.sleep()s, which
 # the daemon's SIGINT and setTimeLimit() end. Nothing is buffered on the request connection
-# ahead of it (the daemon writes nothing else while a cell runs); a `host_reply` naming
-# another call (one given up on) is skipped, here and between requests. jsonlite must be
-# installed (r-cran-jsonlite), else host_call raises.
+# ahead of it (while a cell runs the daemon writes only what the cell waits for: host
+# replies and `displayed`); a `host_reply` naming another call (one given up on) is skipped,
+# here and between requests. jsonlite must be installed (r-cran-jsonlite), else host_call
+# raises.
+#
+# Rich output: a printed value's `display` line asks the daemon to answer `displayed` once it
+# has read what R wrote to its raw pipes before it, and R waits for that answer (as for a host
+# reply, interruptibly) before it evaluates on: R's console writes cannot be counted from R,
+# and without the wait what the next expression prints could be read before the bundle.
 #
 # Visible top-level values are printed as the REPL prints them, unless the request says
 # `display=0` (a gateway that wants print()-only semantics): then only explicit output shows.
@@ -332,44 +338,56 @@ host_call_error <- function(msg) {
     list(message = bound_text(msg, MAX_ERROR_MESSAGE), call = NULL))
 }
 
-# The payload of the `host_reply` naming `call`: polls a non-blocking connection to fd 3,
-# sleeping between reads (interruptible: the daemon's SIGINT and the cell's time limit end
-# the wait).
-host_wait <- function(call) {
+# Waits for the request that `wanted(parts)` accepts (`parts`: its header's fields) and
+# returns its payload: polls a non-blocking connection to fd 3, sleeping between reads from
+# `pause` seconds up (interruptible: the daemon's SIGINT and the cell's time limit end the
+# wait). During a cell the daemon sends only `host_reply` and `displayed`; one not wanted is
+# stale (an answer to a call given up on, a `displayed` from a daemon that continued the cell
+# after a restart) and skipped. Bytes after a wanted `host_reply` break the protocol; after a
+# wanted `displayed`, only another stale `displayed` can follow, and it is dropped.
+request_wait <- function(wanted, pause) {
   con <- file(IN_PATH, open = "rb", blocking = FALSE, raw = TRUE)
   on.exit(close(con))
   buf <- raw(0)
-  pause <- 0.0005
-  want <- paste0("call=", json_int(call))
+  first <- pause
   repeat {
     nl <- match(as.raw(10L), buf)
     if (is.na(nl) && length(buf) > MAX_HEADER_LINE) protocol_fail("request header too long")
     if (!is.na(nl)) {
       parts <- strsplit(rawToChar(buf[seq_len(nl - 1L)]), " ", fixed = TRUE)[[1L]]
-      if (length(parts) < 3L || !identical(parts[[1L]], "host_reply") ||
+      if (length(parts) < 3L || !(parts[[1L]] %in% c("host_reply", "displayed")) ||
         !grepl("^[0-9]+$", parts[[3L]])) {
-        protocol_fail("unexpected request while a host call waits")
+        protocol_fail("unexpected request while the worker waits")
       }
       end <- nl + as.numeric(parts[[3L]])
       if (length(buf) >= end) {
         payload <- buf[seq.int(nl + 1L, length.out = end - nl)]
         buf <- buf[-seq_len(end)]
-        if (want %in% parts[-(1:3)]) {
-          if (length(buf)) protocol_fail("bytes after a host reply")
+        if (wanted(parts)) {
+          if (length(buf) && identical(parts[[1L]], "host_reply")) {
+            protocol_fail("bytes after a host reply")
+          }
           return(payload)
         }
-        next # the answer to a call given up on
+        next
       }
     }
     chunk <- readBin(con, "raw", n = 65536L)
     if (length(chunk)) {
       buf <- c(buf, chunk)
-      pause <- 0.0005
+      pause <- first
     } else {
       Sys.sleep(pause)
       pause <- min(pause * 2, 0.02)
     }
   }
+}
+
+# The payload of the `host_reply` naming `call`.
+host_wait <- function(call) {
+  want <- paste0("call=", json_int(call))
+  request_wait(function(parts) identical(parts[[1L]], "host_reply") && want %in% parts[-(1:3)],
+    0.0005)
 }
 
 # host_call() as the cells see it.
@@ -670,10 +688,14 @@ send_printed <- function(text, last, html = NULL) {
   s <- bound_text(s, MAX_DISPLAY_TEXT)
   flush(stdout())
   extra <- if (is.null(html)) "" else paste0(",\"text/html\":", json_str(html))
+  # `wait`: R cannot count what its console writes to the raw pipes, so it waits until the
+  # daemon has read them and placed the bundle; what the cell prints next follows it.
   line <- paste0("{\"t\":\"display\",\"cell\":", json_int(state$cell),
     ",\"kind\":", json_str(if (last) "result" else "display"),
-    ",\"data\":{\"text/plain\":", json_str(s), extra, "}}")
+    ",\"data\":{\"text/plain\":", json_str(s), extra, "},\"wait\":true}")
   suspendInterrupts(send_line(line))
+  request_wait(function(parts) identical(parts[[1L]], "displayed"), 0.0001)
+  invisible(NULL)
 }
 
 # Evaluates the parsed cell expression by expression in .GlobalEnv, printing visible values
@@ -1428,7 +1450,8 @@ serve <- function(ready = TRUE) {
       state$nonce <- NULL
       next
     }
-    if (identical(req$op, "host_reply")) next # the answer to a call the last cell gave up on
+    # The answer to a call the last cell gave up on, or a `displayed` it stopped waiting for.
+    if (identical(req$op, "host_reply") || identical(req$op, "displayed")) next
     if (!identical(req$op, "exec")) protocol_fail(paste("unknown request", req$op))
     # The request is whole: a successor daemon learns from this line that it arrived.
     send_line(json_obj(list(t = json_str("started"), cell = req$cell,

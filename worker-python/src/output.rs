@@ -518,6 +518,7 @@ pub fn display_line(cell: u64, data: &[u8]) -> Option<WorkerMessage> {
         data,
         metadata,
         note,
+        wait: false,
     })
 }
 
@@ -591,6 +592,7 @@ mod tests {
                 data,
                 metadata,
                 note,
+                ..
             } => {
                 assert_eq!((cell, kind, note), (3, DisplayKind::Result, None));
                 assert_eq!(data["text/html"], "<b>2</b>");

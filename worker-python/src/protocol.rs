@@ -101,8 +101,8 @@ fn read_payload<R: BufRead>(r: &mut R, len: u64) -> Result<Vec<u8>, ReadError> {
 /// Reads the next request.
 ///
 /// Errors: see [`ReadError`].
-/// A `host_reply` between requests answers a host call the worker no longer waits for: it is
-/// skipped.
+/// A `host_reply` between requests answers a host call the worker no longer waits for, and a
+/// `displayed` is never meant for this worker: both are skipped.
 pub fn read_request<R: BufRead>(r: &mut R) -> Result<Request, ReadError> {
     loop {
         let line = read_header(r)?;
@@ -119,7 +119,8 @@ pub fn read_request<R: BufRead>(r: &mut R) -> Result<Request, ReadError> {
                 header,
                 code: payload,
             }),
-            Op::HostReply => continue,
+            // Neither is sent to this worker between cells; skipped as stale if one is.
+            Op::HostReply | Op::Displayed => continue,
         };
     }
 }

@@ -381,6 +381,16 @@ impl CellRun {
         Ok(())
     }
 
+    /// Queues a request of the running cell for the worker (`op`, with `payload`), written as
+    /// the request pipe takes it.
+    pub(super) fn queue_request(&mut self, op: wire::Op, payload: &[u8]) {
+        let mut header = RequestHeader::exec(self.cell, payload.len() as u64);
+        header.op = op;
+        self.to_worker
+            .extend_from_slice(header.to_line().as_bytes());
+        self.to_worker.extend_from_slice(payload);
+    }
+
     /// Queues output for the client (nothing, once the cell is abandoned).
     pub(super) fn queue(&mut self, stream: Stream, text: String) {
         if !self.abandoned {
@@ -788,6 +798,7 @@ impl Actor {
                 data,
                 metadata,
                 note,
+                wait,
                 ..
             } => {
                 if raw_output {
@@ -795,9 +806,23 @@ impl Actor {
                     // take it now, so the bundle follows it.
                     self.take_raw(run);
                 }
-                run.on_display(kind, data, metadata, note)
-                    .err()
-                    .and_then(violation)
+                if let Err(e) = run.on_display(kind, data, metadata, note) {
+                    return violation(e);
+                }
+                if raw_output && wait {
+                    // An honest worker reads each answer before its next line, so at most a
+                    // host reply and two `displayed` wait here (one after a restart).
+                    if run.to_worker.len() > MAX_UNREAD_REQUEST_BYTES {
+                        return violation(format!(
+                            "{} bytes of requests unread while it asks for more",
+                            run.to_worker.len()
+                        ));
+                    }
+                    // The bundle is placed after everything read so far: the worker, which
+                    // waited since its line (writing nothing), may write on.
+                    run.queue_request(wire::Op::Displayed, &[]);
+                }
+                None
             }
             WorkerMessage::Done { ref nonce, .. } if nonce.as_deref() != Some(&run.nonce) => {
                 violation("done without the request's nonce".into())
@@ -1059,6 +1084,12 @@ pub(super) const REPLY_BYTES_PER_WAKE: usize = 256 * 1024;
 
 /// Reply lines read after the worker exited, looking for its `done`, at most.
 const EXIT_LINES: usize = 1024;
+
+/// Bytes of requests for the worker (host replies, `displayed` answers) that may wait unwritten
+/// when a `display` line asks for another answer: one host reply at its largest and room for
+/// many small answers. A worker that asks faster than it reads is ended as a protocol
+/// violation instead of growing the daemon's buffer.
+const MAX_UNREAD_REQUEST_BYTES: usize = sandcell_proto::kernel::MAX_HOST_CALL_RESULT + 64 * 1024;
 
 /// Reads of a raw output pipe per wake-up at most (of [`RAW_READ_BYTES`] each).
 pub(super) const RAW_READS_PER_WAKE: usize = 16;

@@ -997,6 +997,11 @@ impl Actor {
             .unwrap_or_else(Instant::now);
         run.started_unix_ms = running.started_unix_ms;
         run.cpu0 = running.cpu0;
+        if self.raw_output {
+            // A native worker may wait for the `displayed` of a bundle the predecessor placed
+            // and died before answering; one it did not wait for is skipped.
+            run.queue_request(wire::Op::Displayed, &[]);
+        }
         let t0 = tokio::time::Instant::from_std(run.t0);
         run.deadline = t0 + limits.wall + super::cell::WALL_SLACK;
         match running.phase.as_str() {

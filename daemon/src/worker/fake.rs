@@ -351,7 +351,7 @@ fn fake_worker_main() {
         let nonce = header.nonce.clone().unwrap_or_default();
         match header.op {
             Op::Exit => std::process::exit(0),
-            Op::HostReply => continue,
+            Op::HostReply | Op::Displayed => continue,
             Op::Inspect => {
                 reply(
                     &mut out,
