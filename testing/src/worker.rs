@@ -484,11 +484,19 @@ impl WorkerProcess {
                     kind,
                     data,
                     note,
+                    wait,
                     ..
                 } => {
                     assert_eq!(c, cell);
                     self.drain_output(&mut out, &mut err);
                     displays.push((Shown { kind, data, note }, out.len()));
+                    if wait {
+                        // As the daemon does: the bundle is placed after the output read so
+                        // far; the worker may go on.
+                        let mut h = RequestHeader::exec(cell, 0);
+                        h.op = sandcell_proto::worker::Op::Displayed;
+                        self.send(&h, &[]);
+                    }
                 }
                 WorkerMessage::Dropped {
                     cell: c,
