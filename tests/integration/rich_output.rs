@@ -402,6 +402,32 @@ async fn a_worker_asking_for_answers_it_never_reads_is_ended() {
     .await;
     let r = fs.last().unwrap().result.as_ref().unwrap();
     assert_eq!(r.status, Status::WorkerCrashed, "{r:?}");
+    // A signal handler that displays while the main thread waits for its own answer: the
+    // handler's display does not wait (a nested wait could take the outer one's answer and
+    // leave it waiting until the wall time).
+    let s = open(&mut c, "python", Some("pydata")).await;
+    let fs = frames(
+        &mut c,
+        &s,
+        "import os, signal, threading, time\n\
+         signal.signal(signal.SIGUSR1, lambda *a: display('tick'))\n\
+         stop = False\n\
+         def kick():\n    while not stop:\n        os.kill(os.getpid(), signal.SIGUSR1)\n        \
+         time.sleep(0.005)\n\
+         t = threading.Thread(target=kick)\nt.start()\n\
+         for i in range(3000):\n    display(i)\n\
+         stop = True\nt.join()\nprint('end')",
+    )
+    .await;
+    let r = fs.last().unwrap().result.as_ref().unwrap();
+    assert_eq!(r.status, Status::Ok, "{r:?}");
+    let ds = displays(&fs);
+    assert!(
+        ds.iter().any(|d| text(d) == "'tick'"),
+        "{} bundles",
+        ds.len()
+    );
+    assert_eq!(stdout_stderr(&fs).0, "end\n");
     assert!(r.session_ended, "{r:?}");
     let s = open(&mut c, "python", Some("pydata")).await;
     let fs = frames(&mut c, &s, "print(6 * 7)").await;

@@ -130,6 +130,7 @@ class _State:
         "host_calls",
         "host_seq",
         "host_busy",
+        "waiting",
         "rich",
         "display_ids",
         "figures_drawn",
@@ -150,6 +151,7 @@ S.nonce = None  # the running request's nonce
 S.host_calls = False  # the running cell may make host calls
 S.host_seq = 0  # id of the session's last host call
 S.host_busy = False  # a host call waits for its answer
+S.waiting = False  # a line that wants an answer is out: a signal handler's display does not wait
 S.rich = False  # the running cell has rich output (`rich=1`): MIME bundles as `display` lines
 S.display_ids = 0  # display ids handed out for `display(..., display_id=True)`
 S.figures_drawn = 0  # figures save_figures() drew in the running cell
@@ -276,6 +278,9 @@ def host_call(name, arguments=None):
         raise HostCallError("host calls are not enabled for this session (open it with host_calls)")
     if S.host_busy:
         raise HostCallError("another host call of this cell waits for its answer")
+    if S.waiting:
+        raise HostCallError("a host call cannot be made while the worker waits for the daemon "
+                            "(from a signal handler)")
     args = json.dumps(arguments, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     if len(args.encode("utf-8")) > MAX_HOST_CALL_ARGUMENTS:
         raise ValueError("a host call's arguments are at most %d bytes of JSON" % MAX_HOST_CALL_ARGUMENTS)
@@ -283,6 +288,7 @@ def host_call(name, arguments=None):
     S.host_busy = True
     try:
         S.armed = False  # a line is never cut by an interrupt: SIGINT now is kept in S.pending
+        S.waiting = True
         S.host_seq += 1
         call = S.host_seq
         msg = {"t": "host_call", "cell": S.cell, "call": call, "name": name, "arguments": json.loads(args)}
@@ -294,6 +300,7 @@ def host_call(name, arguments=None):
     finally:
         S.armed = armed
         S.host_busy = False
+        S.waiting = False
     if armed and S.pending:
         raise KeyboardInterrupt
     answer = json.loads(payload)
@@ -310,7 +317,10 @@ def request_wait(wanted, armed, what):
     interrupted display stopped waiting for or a daemon that continued the cell after a
     restart sent) and skipped. Bytes after a wanted `host_reply` break the protocol; after a
     wanted `displayed` only another stale `displayed` can follow, and it is dropped. `what`
-    names the wait in a protocol error."""
+    names the wait in a protocol error. Never re-entered: callers set S.waiting from before
+    their line until the answer, and a signal handler that runs meanwhile displays without
+    waiting (send_bundle) and cannot make a host call (a nested wait could read the outer
+    one's answer and leave it waiting for ever)."""
     buf = b""
     while True:
         nl = buf.find(b"\n")
@@ -780,17 +790,24 @@ def send_bundle(kind, data, metadata=None):
         msg["metadata"] = metadata
     if note:
         msg["note"] = note
-    wait = os.getpid() == S.pid and S.in_cell and threading.current_thread() is threading.main_thread()
+    # A display from another thread, a forked child or a signal handler running inside a wait
+    # does not wait (a nested wait could take the outer one's answer): it is placed where the
+    # daemon reads it.
+    wait = (os.getpid() == S.pid and S.in_cell and not S.waiting
+            and threading.current_thread() is threading.main_thread())
     if wait:
         msg["wait"] = True
     armed = S.armed
     try:
         S.armed = False  # a line is never cut by an interrupt: SIGINT now is kept in S.pending
+        S.waiting = S.waiting or wait
         send(msg)
         if wait:
             request_wait(lambda parts: parts[0] == "displayed", armed, "a display")
     finally:
         S.armed = armed
+        if wait:
+            S.waiting = False
     if armed and S.pending:
         raise KeyboardInterrupt
 
