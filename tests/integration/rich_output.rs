@@ -402,6 +402,7 @@ async fn a_worker_asking_for_answers_it_never_reads_is_ended() {
     .await;
     let r = fs.last().unwrap().result.as_ref().unwrap();
     assert_eq!(r.status, Status::WorkerCrashed, "{r:?}");
+    assert!(r.session_ended, "{r:?}");
     // A signal handler that displays while the main thread waits for its own answer: the
     // handler's display does not wait (a nested wait could take the outer one's answer and
     // leave it waiting until the wall time).
@@ -428,7 +429,6 @@ async fn a_worker_asking_for_answers_it_never_reads_is_ended() {
         ds.len()
     );
     assert_eq!(stdout_stderr(&fs).0, "end\n");
-    assert!(r.session_ended, "{r:?}");
     let s = open(&mut c, "python", Some("pydata")).await;
     let fs = frames(&mut c, &s, "print(6 * 7)").await;
     assert_eq!(stdout_stderr(&fs).0, "42\n");
