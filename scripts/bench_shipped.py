@@ -16,8 +16,14 @@ Beside them: bubblewrap + python3 one-shot, Jupyter ipykernel and IRkernel cells
 jupyter_client), Rscript start; then the ratios, and the memory of each warm worker (its
 session cgroup's memory use and its processes' RSS) and the daemon's idle RSS.
 
-Usage: bench_shipped.py --bin DIR --runtime DIR [--iterations N] [--pace-ms MS]
-                        [--daemon-bin DIR] [--json-out FILE]
+Usage: bench_shipped.py --bin DIR --runtime DIR [--iterations N] [--paced-iterations P]
+                        [--pace-ms MS] [--daemon-bin DIR] [--json-out FILE]
+  --iterations N     samples of each session-cell figure and of each peer (default 10000)
+  --paced-iterations P
+                     samples of each one-shot and open + cell + close figure (default N).
+                     Every such sample takes a new warm worker, and the refill starts at most
+                     4 a second (pool_refill_per_second), so six series of P samples take at
+                     least 6 x P x pace: P = 10000 at 300 ms is five hours
   --json-out FILE    also write the figures as JSON (read by bench_summary.py, whose table
                      ends scripts/bench.sh's output: see summary_table())
   --daemon-bin DIR   sandcelld and its workers from DIR instead of --bin (to compare a build
@@ -177,10 +183,11 @@ def pool_memory(d, envs):
     return per, rss_kib(d.proc.pid)
 
 
-def bench_env(bindir, sock, env, lang, n, pace_ms, daemon_pid):
+def bench_env(bindir, sock, env, lang, n, paced, pace_ms):
     out = subprocess.run(
         [os.path.join(bindir, "sandcell-bench"), "--socket", sock, "--language", lang,
-         "--environment", env, "--iterations", str(n), "--pace-ms", str(pace_ms),
+         "--environment", env, "--iterations", str(paced), "--cells", str(n),
+         "--pace-ms", str(pace_ms),
          "--clients", "0", "--sessions", "0", "--idle-sessions", "0"],
         capture_output=True, text=True)
     figs = {}
@@ -262,15 +269,18 @@ def main():
     ap.add_argument("--bin", required=True)
     ap.add_argument("--runtime", required=True)
     ap.add_argument("--iterations", type=int, default=10000)
+    ap.add_argument("--paced-iterations", type=int)
     ap.add_argument("--pace-ms", type=int, default=300)
     ap.add_argument("--daemon-bin")
     ap.add_argument("--json-out")
     a = ap.parse_args()
     n = a.iterations
+    paced = n if a.paced_iterations is None else a.paced_iterations
 
     load0 = loadavg()
-    print("== sandcelld, shipped defaults (no configuration file), %d iterations, one-shot "
-          "and open paced %d ms; load %s" % (n, a.pace_ms, load0))
+    print("== sandcelld, shipped defaults (no configuration file), %d session cells and peer "
+          "samples, %d one-shot and open samples paced %d ms; load %s"
+          % (n, paced, a.pace_ms, load0))
     d = Daemon(a.daemon_bin or a.bin, a.runtime)
     try:
         idle_rss = rss_kib(d.proc.pid)
@@ -284,7 +294,7 @@ def main():
             idle_rss / 1024.0, rss_pools / 1024.0))
         figs = {}
         for env, lang in ENVS:
-            f = bench_env(a.bin, d.sock, env, lang, n, a.pace_ms, d.proc.pid)
+            f = bench_env(a.bin, d.sock, env, lang, n, paced, a.pace_ms)
             figs[env] = f
             for key, label in [("oneshot_latency", "one-shot Run"),
                                ("open_cell_close_latency", "open + cell + close"),
@@ -300,10 +310,10 @@ def main():
     bw = bench_bwrap(n)
     ipy = bench_jupyter("python3", "print(1)", n)
     ir = bench_jupyter("ir", "cat(1)", n)
-    rs = bench_rscript(max(5, min(n, 20)))
+    rs = bench_rscript(max(5, min(n, 200)))
 
     result = {
-        "iterations": n, "pace_ms": a.pace_ms, "loadavg": load0,
+        "iterations": n, "paced_iterations": paced, "pace_ms": a.pace_ms, "loadavg": load0,
         "envs": {env: {k: {q: f[k].get(q) for q in ("p50", "p99", "max", "samples")}
                        for k in FIGURES if k in f} for env, f in figs.items()},
         "peers": {k: v for k, v in [("bwrap", bw), ("ipykernel", ipy), ("irkernel", ir),
@@ -366,9 +376,10 @@ def summary_table(result):
     """The one table that ends scripts/bench.sh: p50, p99 and max (ms) of each environment's
     one-shot Run, open + cell + close and session cell with the shipped defaults, the peers of
     the same run, then the goals' ratios with met/missed."""
-    print("== summary: shipped defaults, %s iterations, one-shot and open paced %s ms; "
-          "load before the run %s" % (result.get("iterations"), result.get("pace_ms"),
-                                      result.get("loadavg", "?")))
+    print("== summary: shipped defaults, %s session cells and peer samples, %s one-shot and "
+          "open samples paced %s ms; load before the run %s"
+          % (result.get("iterations"), result.get("paced_iterations", result.get("iterations")),
+             result.get("pace_ms"), result.get("loadavg", "?")))
     print("%-40s %9s %9s %9s %8s" % ("figure (ms)", "p50", "p99", "max", "n"))
     for env, _ in ENVS:
         for key, label in FIGURES.items():
