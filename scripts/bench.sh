@@ -12,7 +12,7 @@
 #                    samples of its one-shot and open + cell + close figures only (default N;
 #                    each takes a new warm worker, so at the shipped refill rate of 4 a second
 #                    and a 300 ms pace N = 10000 runs about five hours). Session cells: N in
-#                    one session per environment; Rscript's start: N, at most 200 (a sample
+#                    one session per environment; Rscript's start: N, within 5 to 200 (a sample
 #                    takes a fifth of a second and the figure is a p50)
 #   Exit status: 2 on a bad argument; 1 when the shipped-defaults comparison failed (the
 #   other sections still run and print what they can); 0 otherwise.

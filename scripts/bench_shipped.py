@@ -18,7 +18,8 @@ session cgroup's memory use and its processes' RSS) and the daemon's idle RSS.
 
 Usage: bench_shipped.py --bin DIR --runtime DIR [--iterations N] [--paced-iterations P]
                         [--pace-ms MS] [--daemon-bin DIR] [--json-out FILE]
-  --iterations N     samples of each session-cell figure and of each peer (default 10000)
+  --iterations N     samples of each session-cell figure and of each peer (default 10000;
+                     Rscript's start within 5 to 200)
   --paced-iterations P
                      samples of each one-shot and open + cell + close figure (default N).
                      Every such sample takes a new warm worker, and the refill starts at most
