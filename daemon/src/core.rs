@@ -839,7 +839,14 @@ impl Core {
     /// `action`. Errors: `PermissionDenied` naming the polkit action.
     pub async fn authorize(&self, caller: &Caller, action: Action) -> Result<(), KernelError> {
         let authority = self.authority.read().unwrap().clone();
-        if authority.check(caller, action).await {
+        let mut stages = crate::stages::Stages::new();
+        let allowed = authority.check(caller, action).await;
+        if crate::stages::Stages::enabled() {
+            // Timed on its own too: after a restart, the first check waits for polkit.
+            stages.mark("check");
+            stages.log("authorize", action.id());
+        }
+        if allowed {
             Ok(())
         } else {
             Err(KernelError::PermissionDenied {
@@ -1596,30 +1603,27 @@ impl Core {
         self.keep.get().is_some()
     }
 
-    /// Discards the warm pools' idle workers (each killed, reaped and its group removed) and
-    /// stops refilling them, for at most `bound`: before [`Core::exit_keeping_sessions`]. A
-    /// pooled worker belongs to no session and has no keeper, so no successor adopts it; left
-    /// behind it would be swept (killed) by the next daemon's start, a worker signalled on
-    /// every restart. Returns how many were discarded (0 when `bound` ran out first: the
-    /// successor's sweep then ends them).
-    pub async fn discard_pool(&self, bound: Duration) -> usize {
+    /// Kills the warm pools' idle workers (SIGKILL, not waited for) and stops refilling them:
+    /// before [`Core::exit_keeping_sessions`]. A pooled worker belongs to no session and has
+    /// no keeper, so no successor adopts it. Its reap, cgroup and directory are left to the
+    /// successor (its start sweeps every session group it does not adopt, and the directories
+    /// with them): waiting for them here would hold this process's exit, and with it every
+    /// client waiting on the socket, for as long as the kernel takes to tear the workers down.
+    /// A worker still starting for a pool is not waited for either: the same sweep ends it.
+    /// Returns how many were killed.
+    pub fn kill_pool(&self) -> usize {
         self.stopping.store(true, Ordering::SeqCst);
-        match tokio::time::timeout(bound, self.pool.drain()).await {
-            Ok(n) => n,
-            Err(_) => {
-                tracing::warn!(
-                    bound_seconds = bound.as_secs_f64(),
-                    "warm workers not discarded in time: the next daemon sweeps them"
-                );
-                0
-            }
+        let idle = self.pool.take_idle();
+        for p in &idle {
+            p.kill_now();
         }
+        idle.len()
     }
 
     /// Exits the process keeping every session for the next daemon: each session's record
     /// is current (written on every change), so the process exits at once; the lifelines
     /// close with it and every keeper waits for an adopter (`adopt_timeout_seconds`). Workers
-    /// are not signalled; warm pooled workers are not kept ([`Core::discard_pool`] first). A
+    /// are not signalled; warm pooled workers are not kept ([`Core::kill_pool`] first). A
     /// cell running now goes on in its worker: the next daemon continues it (a retained
     /// cell's output so far is in its journal; an `Execute` whose connection this exit cuts
     /// is interrupted there, its session kept). The call a restart that keeps sessions makes

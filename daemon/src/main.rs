@@ -7,6 +7,7 @@ use sandcelld::cgroup::{self, Backend};
 use sandcelld::config::{Config, DEFAULT_CONFIG_PATH};
 use sandcelld::core::Core;
 use sandcelld::lifecycle::OnTerm;
+use sandcelld::stages::Stages;
 use sandcelld::worker::start::Options;
 use sandcelld::{notify, varlink};
 use std::os::unix::fs::PermissionsExt;
@@ -50,12 +51,16 @@ struct Args {
 }
 
 fn main() -> anyhow::Result<()> {
+    // The start's stage timings (`sandcelld::timing`): from here to "ready to serve".
+    let start_clock = sandcelld::stages::monotonic_us();
+    let mut stages = Stages::new();
     // A session keeper (sandcelld(8), ADOPTION): started by the daemon only, never by hand.
     let argv: Vec<String> = std::env::args().collect();
     if argv.get(1).map(String::as_str) == Some(sandcelld::keeper::SUBCOMMAND) {
         sandcelld::keeper::main(&argv[2..]);
     }
     let args = Args::parse();
+    stages.mark("args");
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("SANDCELL_LOG")
@@ -65,6 +70,7 @@ fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .init();
+    stages.mark("log");
     if args.hold_sessions {
         if let Err(e) = sandcelld::lifecycle::hold_sessions(Path::new("/sys/fs/cgroup")) {
             eprintln!("sandcelld --hold-sessions: {e}");
@@ -72,6 +78,13 @@ fn main() -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    // The confinement self-check forks test children and waits for them: it runs on a thread
+    // of its own while the configuration is read and the runtime built (it needs neither).
+    let self_check = (!args.check_config && !args.check).then(|| {
+        std::thread::Builder::new()
+            .name("self-check".into())
+            .spawn(sandcell_confine::self_check)
+    });
     let (path, required) = match &args.config {
         Some(p) => (p.clone(), true),
         None => (PathBuf::from(DEFAULT_CONFIG_PATH), false),
@@ -101,10 +114,12 @@ fn main() -> anyhow::Result<()> {
     if args.check {
         std::process::exit(check(&config));
     }
+    stages.mark("config");
+    let self_check = self_check.context("no self-check")??;
     let outcome = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
-        .block_on(run(args, config, path));
+        .block_on(run(args, config, path, (stages, start_clock), self_check));
     if let Err(e) = &outcome
         && (e.downcast_ref::<Refusal>().is_some() || e.chain().any(|c| c.is::<Refusal>()))
     {
@@ -200,13 +215,44 @@ fn prepare_state_dir(config: &Config, keep: &[String]) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result<()> {
+/// The thread running [`sandcell_confine::self_check`].
+type SelfCheckThread =
+    std::thread::JoinHandle<Result<sandcell_confine::SelfCheck, sandcell_confine::Error>>;
+
+/// Runs the daemon from the socket to its exit. `start`: the stage timings since `main` and
+/// `CLOCK_MONOTONIC` there (microseconds), logged with "ready to serve"; `self_check`: the
+/// confinement self-check under way.
+async fn run(
+    args: Args,
+    config: Config,
+    config_path: PathBuf,
+    start: (Stages, u64),
+    self_check: SelfCheckThread,
+) -> anyhow::Result<()> {
+    let (mut stages, start_clock) = start;
+    stages.mark("runtime");
     // The capacity file (metrics_file): written from the tick below, removed at a clean exit.
     let mut metrics = sandcelld::metrics::Writer::new();
     let (listener, activated) = take_listener(&args)?;
+    // The system bus and polkit's first answer, made while the daemon starts
+    // (sandcelld::dbus::Early).
+    let early_bus = sandcelld::dbus::connect_early();
+    stages.mark("listener");
     let root = nix::unistd::geteuid().is_root();
-    let check =
-        sandcell_confine::self_check().map_err(|e| refused(e, "confinement self-check failed"))?;
+    // Sessions a previous daemon kept for adoption: their keepers are asked for the workers
+    // (on a thread, while the self-check ends and the cgroups are set up) before anything is
+    // swept, and the sweep spares what passes (sandcelld(8), ADOPTION).
+    let collecting = root.then(|| {
+        let dir = config.daemon.adopt_dir.clone();
+        std::thread::Builder::new()
+            .name("adopt-collect".into())
+            .spawn(move || sandcelld::adopt::collect(&dir))
+    });
+    let check = self_check
+        .join()
+        .map_err(|_| anyhow::anyhow!("the confinement self-check panicked"))?
+        .map_err(|e| refused(e, "confinement self-check failed"))?;
+    stages.mark("self_check");
     if let Some(cap) = check.landlock_test_cap {
         tracing::warn!(
             cap,
@@ -218,33 +264,42 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     }
     let (backend, options) = enforcement(&args, &config, root, &check)?;
     announce_confinement(&check, &backend, &options)?;
-    // Sessions a previous daemon kept for adoption: their keepers are asked for the workers
-    // before anything is swept, and the sweep spares what passes (sandcelld(8), ADOPTION).
-    let found = if root {
-        match sandcelld::adopt::collect(&config.daemon.adopt_dir) {
-            Ok(f) => Some(f),
-            Err(e) => {
+    stages.mark("cgroups");
+    let found = match collecting {
+        Some(t) => match t.context("starting the adoption thread")?.join() {
+            Ok(Ok(f)) => Some(f),
+            Ok(Err(e)) => {
                 tracing::warn!(dir = %config.daemon.adopt_dir.display(), error = %e, "no adoption: sessions will end with this daemon");
                 None
             }
-        }
-    } else {
-        None
+            Err(_) => anyhow::bail!("collecting the kept sessions panicked"),
+        },
+        None => None,
     };
     let keep_ids = found.as_ref().map(|f| f.keep_ids()).unwrap_or_default();
+    stages.mark("collect");
     // Sessions a previous daemon left (it died or stopped with them): their owner markers are
     // read before the sweep removes what they held, so their owners learn daemon_restarted.
     let previous = sandcelld::ended::take_markers(&config.daemon.state_dir);
     let swept = backend
         .sweep_stale_except(&keep_ids)
         .context("sweeping stale session cgroups")?;
-    if swept > 0 {
+    if swept.populated > 0 {
         tracing::warn!(
-            swept,
+            swept = swept.groups,
+            killed = swept.populated,
             "killed and removed session groups left by a previous daemon"
         );
+    } else if swept.groups > 0 {
+        // A predecessor that kept its sessions killed its warm workers and left their groups.
+        tracing::info!(
+            removed = swept.groups,
+            "removed empty session groups left by a previous daemon"
+        );
     }
+    stages.mark("sweep");
     prepare_state_dir(&config, &keep_ids)?;
+    stages.mark("state_dir");
     let idle_exit = config.daemon.idle_exit_seconds;
     let adopt_keep = sandcelld::session::Keep {
         dir: config.daemon.adopt_dir.clone(),
@@ -256,6 +311,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         backend.clone(),
         Arc::new(SocketPermissions),
     );
+    stages.mark("core");
     tracing::info!(cgroups = core.cgroup_mode(), activated, "starting");
     // How session files and the metrics file are opened: openat2, or the equivalent walk
     // where a seccomp filter (systemd's RestrictSUIDSGID=) or the kernel refuses openat2.
@@ -290,6 +346,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     let adopting = found.as_ref().map_or(0, |f| f.adoptable.len());
     if adopting == 0 {
         probe_environments(&core).await?;
+        stages.mark("probe");
     } else {
         tracing::info!(
             sessions = adopting,
@@ -306,6 +363,7 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         }
         None => core.restore_ended(&previous),
     }
+    stages.mark("adopt");
     // The D-Bus control plane and the polkit authority (sandcelld::dbus).
     // Started after the readiness probe and before the Varlink socket is served, so polkit
     // (when the system bus and polkitd answer) decides from the first client on; without a
@@ -319,20 +377,24 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
         config_required: args.config.is_some(),
     };
     let dbus = if adopting > 0 {
-        sandcelld::dbus::start_in_background(core.clone(), settings, stop_rx.clone()).await
+        sandcelld::dbus::start_in_background(core.clone(), settings, stop_rx.clone(), early_bus)
+            .await
     } else {
-        sandcelld::dbus::start(core.clone(), settings, stop_rx.clone()).await
+        sandcelld::dbus::start(core.clone(), settings, stop_rx.clone(), early_bus).await
     };
 
     // With adopted sessions, the warm pools' refill and the readiness probe (worker starts,
     // seconds of CPU each on a slow machine) wait for the first cell to finish, at most
     // ADOPTED_FIRST_WAIT: the adopted sessions' owners come back first.
     let first_cell = (adopting > 0).then(|| core.events());
+    stages.mark("dbus");
     if first_cell.is_none() {
         core.start_pool();
     }
     notify::ready(&status_line(&core));
+    stages.mark("ready");
     tracing::info!("ready to serve");
+    stages.log_daemon("start", start_clock);
 
     let server = tokio::spawn(varlink::serve(core.clone(), listener, stop_rx));
     // What a SIGTERM asks systemd is made ready now, off the stop's critical path.
@@ -365,12 +427,15 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
     .await?;
     // SIGTERM during `systemctl restart` (or the package's restart after an upgrade) keeps
     // the sessions for the next daemon; every other stop ends them (sandcelld::lifecycle).
+    let stop_clock = sandcelld::stages::monotonic_us();
+    let mut stages = Stages::new();
     let on_term = match stopped {
         Stopped::Term => sandcelld::lifecycle::on_term().await,
         Stopped::KeepRequested => OnTerm::KeepSessions,
         Stopped::Interrupt => OnTerm::EndSessions("SIGINT".into()),
         Stopped::Idle => OnTerm::EndSessions("idle exit".into()),
     };
+    stages.mark("ask_systemd");
     match &on_term {
         OnTerm::KeepSessions if core.adoption_enabled() => {
             if stopped == Stopped::Term {
@@ -378,17 +443,20 @@ async fn run(args: Args, config: Config, config_path: PathBuf) -> anyhow::Result
             }
             notify::stopping();
             metrics.finish().await;
-            // Warm workers belong to no session: ended here, not swept by the successor. Ended
-            // while the running cells are handed over, not before: the successor (and every
-            // client waiting on the socket) waits for this process's exit, and a warm start
-            // under way can hold the discard for its whole bound.
-            let (discarded, ()) = tokio::join!(
-                core.discard_pool(Duration::from_secs(2)),
-                core.hand_over_sessions()
-            );
-            if discarded > 0 {
-                tracing::info!(discarded, "warm pooled workers ended (no session to keep)");
+            // Warm workers belong to no session: killed here, their remains swept by the
+            // successor. Not waited for: the successor (and every client waiting on the
+            // socket) waits for this process's exit.
+            let killed = core.kill_pool();
+            if killed > 0 {
+                tracing::info!(
+                    killed,
+                    "warm pooled workers killed (no session to keep); the next daemon removes \
+                     their groups"
+                );
             }
+            core.hand_over_sessions().await;
+            stages.mark("hand_over");
+            stages.log_daemon("stop", stop_clock);
             core.exit_keeping_sessions();
         }
         OnTerm::KeepSessions => tracing::warn!(

@@ -277,6 +277,14 @@ impl<W: Warm> Pool<W> {
         n
     }
 
+    /// Takes every idle worker out of the pools at once, without waiting for a start under
+    /// way (a daemon about to exit kills them and leaves their remains to its successor's
+    /// sweep).
+    pub fn take_idle(&self) -> Vec<W> {
+        let mut lanes = self.lanes.lock().unwrap();
+        lanes.values_mut().flat_map(|l| l.idle.drain(..)).collect()
+    }
+
     fn push(&self, environment: &str, language: Language, p: W) {
         self.lanes
             .lock()

@@ -73,6 +73,22 @@ impl Stages {
         s
     }
 
+    /// Logs the stages of the daemon's own start (`what="start"`) or stop (`what="stop"`) at
+    /// debug level, with `monotonic_us`: `CLOCK_MONOTONIC` at [`Stages::new`], microseconds,
+    /// the clock of systemd's `ExecMainStartTimestampMonotonic` (the fork of the main
+    /// process) and of `journalctl -o short-monotonic`, so that a start's time before `main`
+    /// (the unit's sandbox set-up, the exec) is the difference of the two.
+    pub fn log_daemon(&self, what: &'static str, monotonic_us: u64) {
+        tracing::debug!(
+            target: TARGET,
+            what,
+            monotonic_us,
+            stages = %self.line(),
+            total_us = self.total_us(),
+            "stages"
+        );
+    }
+
     /// Logs the stages of `what` (e.g. `"run"`, `"cell"`) of `session` at debug level.
     pub fn log(&self, what: &'static str, session: &str) {
         tracing::debug!(
@@ -84,6 +100,13 @@ impl Stages {
             "stages"
         );
     }
+}
+
+/// `CLOCK_MONOTONIC` now, microseconds (0 if the clock cannot be read).
+pub fn monotonic_us() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
+        .map(|t| t.tv_sec() as u64 * 1_000_000 + t.tv_nsec() as u64 / 1_000)
+        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -94,12 +94,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     }
     /// Creates the group of session `id` with `limits`. Fails if it exists.
     fn create(&self, id: &str, limits: &GroupLimits) -> Result<Box<dyn SessionGroup>, Error>;
-    /// Kills and removes every session group left by a previous daemon; returns how many.
-    fn sweep_stale(&self) -> Result<usize, Error> {
+    /// Kills and removes every session group left by a previous daemon; says how many, and
+    /// how many of them still held a process.
+    fn sweep_stale(&self) -> Result<Swept, Error> {
         self.sweep_stale_except(&[])
     }
     /// [`Backend::sweep_stale`], sparing the groups of the sessions in `keep` (adopted).
-    fn sweep_stale_except(&self, keep: &[String]) -> Result<usize, Error>;
+    fn sweep_stale_except(&self, keep: &[String]) -> Result<Swept, Error>;
     /// The existing group of session `id` (a session adopted from a previous daemon), with
     /// `limits` as they were set; nothing is created or written.
     ///
@@ -120,6 +121,17 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     fn release(&self) -> Result<(), Error> {
         Ok(())
     }
+}
+
+/// What [`Backend::sweep_stale_except`] removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Swept {
+    /// Session groups removed.
+    pub groups: usize,
+    /// Of those, the groups that still held a process when the sweep found them (killed by
+    /// the sweep); the rest were empty: a daemon that exits keeping sessions kills its warm
+    /// pooled workers without waiting and leaves their groups to its successor.
+    pub populated: usize,
 }
 
 /// One session's group.
@@ -312,8 +324,8 @@ impl Backend for Unconfined {
     fn create(&self, _id: &str, _limits: &GroupLimits) -> Result<Box<dyn SessionGroup>, Error> {
         Ok(Box::new(NoGroup))
     }
-    fn sweep_stale_except(&self, _keep: &[String]) -> Result<usize, Error> {
-        Ok(0)
+    fn sweep_stale_except(&self, _keep: &[String]) -> Result<Swept, Error> {
+        Ok(Swept::default())
     }
     fn adopt(&self, _id: &str, _limits: &GroupLimits) -> Result<Box<dyn SessionGroup>, Error> {
         Ok(Box::new(NoGroup))

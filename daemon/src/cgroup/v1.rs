@@ -316,7 +316,7 @@ impl Backend for V1 {
         Ok(Box::new(group))
     }
 
-    fn sweep_stale_except(&self, keep: &[String]) -> Result<usize, Error> {
+    fn sweep_stale_except(&self, keep: &[String]) -> Result<super::Swept, Error> {
         let mut names: Vec<String> = Vec::new();
         for h in self.hierarchies() {
             names.extend(host::subdirs(&h.base)?);
@@ -326,6 +326,7 @@ impl Backend for V1 {
         names.retain(|n| !keep.contains(n));
         // Every group is tried even if an earlier one fails; the first error is returned.
         let mut first_error = None;
+        let mut populated = 0;
         for name in &names {
             let group = V1Group {
                 host: self.host.clone(),
@@ -344,6 +345,7 @@ impl Backend for V1 {
                     cpu_max: None,
                 },
             };
+            populated += usize::from(!host::listed_pids(&group.procs_files()).is_empty());
             if let Err(e) = group
                 .kill_all(super::KILL_TIMEOUT)
                 .and_then(|()| group.remove())
@@ -351,7 +353,13 @@ impl Backend for V1 {
                 first_error.get_or_insert(e);
             }
         }
-        first_error.map_or(Ok(names.len()), Err)
+        first_error.map_or(
+            Ok(super::Swept {
+                groups: names.len(),
+                populated,
+            }),
+            Err,
+        )
     }
 }
 
@@ -909,7 +917,13 @@ mod tests {
                 "sandcell",
             )
             .unwrap();
-            assert_eq!(fresh.sweep_stale().unwrap(), 2);
+            assert_eq!(
+                fresh.sweep_stale().unwrap(),
+                super::super::Swept {
+                    groups: 2,
+                    populated: 1
+                }
+            );
             let status = survivor.wait().unwrap();
             assert!(!status.success(), "the stale worker survived the sweep");
             for h in v1.hierarchies() {

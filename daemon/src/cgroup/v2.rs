@@ -210,18 +210,35 @@ impl Backend for V2 {
         }))
     }
 
-    fn sweep_stale_except(&self, keep: &[String]) -> Result<usize, Error> {
+    fn sweep_stale_except(&self, keep: &[String]) -> Result<super::Swept, Error> {
         // Every group gets its kill and removal even if an earlier one fails; the first error
         // is returned after all were tried.
-        let mut swept = 0;
+        let mut swept = super::Swept::default();
         let mut first_error = None;
-        for name in host::subdirs(&self.sessions())? {
-            if keep.contains(&name) {
-                continue;
-            }
-            let dir = self.sessions().join(&name);
+        let stale: Vec<(PathBuf, bool)> = host::subdirs(&self.sessions())?
+            .into_iter()
+            .filter(|name| !keep.contains(name))
+            .map(|name| {
+                let dir = self.sessions().join(&name);
+                // `populated` counts the whole subtree (cgroup-v2.rst, "cgroup.events").
+                let populated = host::read(&dir.join("cgroup.events"), "read")
+                    .ok()
+                    .and_then(|t| host::keyed(&t, "populated"))
+                    != Some(0);
+                // Every stale group is killed before any is waited for, so the kernel tears
+                // their processes down together (a crashed daemon leaves its warm workers).
+                if populated {
+                    let _ = host::write(&dir.join("cgroup.kill"), "1");
+                }
+                (dir, populated)
+            })
+            .collect();
+        for (dir, populated) in stale {
             match kill_tree(&dir, super::KILL_TIMEOUT).and_then(|()| remove_tree(&dir)) {
-                Ok(()) => swept += 1,
+                Ok(()) => {
+                    swept.groups += 1;
+                    swept.populated += usize::from(populated);
+                }
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
@@ -726,7 +743,13 @@ mod tests {
                 home_rel: format!("/{name}/root"),
                 cpu: false,
             };
-            assert_eq!(v2.sweep_stale().unwrap(), 2);
+            assert_eq!(
+                v2.sweep_stale().unwrap(),
+                super::super::Swept {
+                    groups: 2,
+                    populated: 1
+                }
+            );
             assert!(!survivor.wait().unwrap().success());
             assert!(host::subdirs(&root.join("sessions")).unwrap().is_empty());
         });

@@ -194,33 +194,102 @@ pub(crate) async fn caller(
     })
 }
 
-/// Starts the control plane if there is a system bus; returns its supervisor task.
+/// The system bus connection begun at the very start of the daemon, before its core exists:
+/// the bus handshake (`Hello`) and polkit's first answer (`BackendVersion`) then overlap the
+/// rest of the start (the confinement self-check, the cgroup set-up, the adoption of kept
+/// sessions) instead of following it. After a restart that kept sessions, their owners' first
+/// calls wait for polkit's first answer, so this is on the path from the restart to the first
+/// adopted cell answered. [`start`] or [`start_in_background`] then serve the control plane
+/// on that connection. Made by [`connect_early`].
+pub struct Early {
+    address: Option<String>,
+    polkit: Arc<Polkit>,
+    first: Option<tokio::task::JoinHandle<Option<FirstBus>>>,
+}
+
+/// The early connection and what polkit answered on it.
+type FirstBus = (zbus::Connection, Result<String, crate::polkit::Error>);
+
+/// Begins the first system bus connection in the background (at most
+/// [`FIRST_CONNECT_TIMEOUT`]) when there is a system bus, and attaches the polkit authority
+/// to it: when polkit is installed, every authorization check waits for this attempt
+/// (`Polkit::connecting`, at most `polkit::FIRST_ATTACH_WAIT`) and never decides without it.
+/// Call from within the daemon's runtime.
+pub fn connect_early() -> Early {
+    let address = system_bus_address();
+    let polkit = Polkit::new();
+    let first = address.clone().map(|address| {
+        if crate::polkit::installed().is_some() {
+            polkit.connecting();
+        }
+        let polkit = polkit.clone();
+        tokio::spawn(async move {
+            let clock = crate::stages::monotonic_us();
+            let mut stages = crate::stages::Stages::new();
+            let made = tokio::time::timeout(FIRST_CONNECT_TIMEOUT, async {
+                let conn = zbus::connection::Builder::address(address.as_str())?
+                    .build()
+                    .await?;
+                stages.mark("connect");
+                let answer = polkit.attach(&conn).await;
+                stages.mark("polkit");
+                Ok::<_, zbus::Error>((conn, answer))
+            })
+            .await;
+            stages.log_daemon("bus", clock);
+            // Checks waiting for the first attempt go on (with polkit, or failing closed).
+            polkit.settle();
+            match made {
+                Ok(Ok(first)) => Some(first),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, %address, "system bus: first connection failed; retrying in the background");
+                    None
+                }
+                Err(_) => {
+                    tracing::warn!(%address, "system bus: first connection timed out; retrying in the background");
+                    None
+                }
+            }
+        })
+    });
+    Early {
+        address,
+        polkit,
+        first,
+    }
+}
+
+/// Starts the control plane on `early`'s connection if there is a system bus; returns its
+/// supervisor task.
 ///
-/// The first connection is tried at once (at most [`FIRST_CONNECT_TIMEOUT`]), so that the
-/// polkit authority is in force before the Varlink socket is served; later attempts run in
-/// the background. The task ends when `stop` turns true.
+/// The first connection is awaited here (begun by [`connect_early`], at most
+/// [`FIRST_CONNECT_TIMEOUT`]), so that the polkit authority is in force before the Varlink
+/// socket is served; later attempts run in the background. The task ends when `stop` turns
+/// true.
 pub async fn start(
     core: Arc<Core>,
     settings: Settings,
     stop: watch::Receiver<bool>,
+    early: Early,
 ) -> Option<tokio::task::JoinHandle<()>> {
-    start_with(core, settings, stop, false).await
+    start_with(core, settings, stop, false, early).await
 }
 
-/// As [`start`], but when polkit is installed the first connection is made in the
-/// background too, and returns at once: polkit is the authority from the first client on
-/// all the same, and each check waits for that first connection (`Polkit::connecting`, at
-/// most `polkit::FIRST_ATTACH_WAIT`) and then decides as it would have with the connection
-/// made first. A daemon that adopted its predecessor's sessions starts this way, so that
-/// their owners' first calls are not held behind the bus handshake and polkit's first
-/// answer (most of a second on a loaded machine). Without polkit installed, as [`start`]
-/// (the socket's permissions must not decide while polkit's presence is unknown).
+/// As [`start`], but when polkit is installed the first connection is not awaited, and
+/// returns at once: polkit is the authority from the first client on all the same, and each
+/// check waits for that first connection (`Polkit::connecting`, at most
+/// `polkit::FIRST_ATTACH_WAIT`) and then decides as it would have with the connection made
+/// first. A daemon that adopted its predecessor's sessions starts this way, so that their
+/// owners' first calls are not held behind the control plane's own set-up (its objects and
+/// name). Without polkit installed, as [`start`] (the socket's permissions must not decide
+/// while polkit's presence is unknown).
 pub async fn start_in_background(
     core: Arc<Core>,
     settings: Settings,
     stop: watch::Receiver<bool>,
+    early: Early,
 ) -> Option<tokio::task::JoinHandle<()>> {
-    start_with(core, settings, stop, true).await
+    start_with(core, settings, stop, true, early).await
 }
 
 async fn start_with(
@@ -228,11 +297,12 @@ async fn start_with(
     settings: Settings,
     stop: watch::Receiver<bool>,
     background: bool,
+    early: Early,
 ) -> Option<tokio::task::JoinHandle<()>> {
-    let Some(address) = system_bus_address() else {
+    let Some(address) = early.address else {
         match crate::polkit::action_file_installed() {
             Some(evidence) => {
-                core.set_authority(Polkit::new());
+                core.set_authority(early.polkit);
                 tracing::error!(
                     evidence,
                     "authorization: FAIL-CLOSED: polkit is installed for sandcell but there is \
@@ -253,7 +323,7 @@ async fn start_with(
         core,
         settings: Arc::new(settings),
         address,
-        polkit: Polkit::new(),
+        polkit: early.polkit,
         polkit_selected: AtomicBool::new(false),
     };
     let installed = crate::polkit::installed();
@@ -267,14 +337,12 @@ async fn start_with(
         );
     }
     if background && installed.is_some() {
-        sup.polkit.connecting();
         return Some(tokio::spawn(async move {
-            let first = sup.first_connection().await;
-            sup.polkit.settle();
+            let first = sup.first_connection(early.first).await;
             sup.run(first, stop).await
         }));
     }
-    let first = sup.first_connection().await;
+    let first = sup.first_connection(early.first).await;
     Some(tokio::spawn(sup.run(first, stop)))
 }
 
@@ -296,33 +364,43 @@ struct Live {
 }
 
 impl Supervisor {
-    /// The first connection, at most [`FIRST_CONNECT_TIMEOUT`]; `None` (logged) when it
-    /// failed (the supervisor retries in the background).
-    async fn first_connection(&self) -> Option<Live> {
-        match tokio::time::timeout(FIRST_CONNECT_TIMEOUT, self.connect()).await {
-            Ok(Ok(c)) => Some(c),
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, address = %self.address, "system bus: first connection failed; retrying in the background");
-                None
-            }
-            Err(_) => {
-                tracing::warn!(address = %self.address, "system bus: first connection timed out; retrying in the background");
+    /// The control plane on the early connection ([`connect_early`]); `None` (logged) when
+    /// there is none or serving on it failed (the supervisor retries in the background).
+    async fn first_connection(
+        &self,
+        early: Option<tokio::task::JoinHandle<Option<FirstBus>>>,
+    ) -> Option<Live> {
+        let (conn, polkit) = early?.await.ok()??;
+        match self.serve_on(conn, polkit).await {
+            Ok(live) => Some(live),
+            Err(e) => {
+                tracing::warn!(error = %e, address = %self.address, "system bus: serving on the first connection failed; retrying in the background");
                 None
             }
         }
     }
 
-    /// Connects, serves the manager, claims the name, registers live sessions, and selects
-    /// polkit if it answers.
+    /// Connects and attaches polkit, then serves on the connection ([`Supervisor::serve_on`]).
     async fn connect(&self) -> Result<Live, zbus::Error> {
+        let conn = zbus::connection::Builder::address(self.address.as_str())?
+            .build()
+            .await?;
+        let polkit = self.polkit.attach(&conn).await;
+        self.serve_on(conn, polkit).await
+    }
+
+    /// Serves the manager on `conn`, claims the name, registers live sessions, and selects
+    /// polkit if it answered (`polkit`: what [`Polkit::attach`] on `conn` returned).
+    async fn serve_on(
+        &self,
+        conn: zbus::Connection,
+        polkit: Result<String, crate::polkit::Error>,
+    ) -> Result<Live, zbus::Error> {
         // Subscribe before taking the snapshot of sessions, so no event falls in between.
         let events = self.core.events();
         let manager = Manager::new(self.core.clone(), self.settings.clone());
-        let conn = zbus::connection::Builder::address(self.address.as_str())?
-            .serve_at(MANAGER_PATH, manager)?
-            .name(BUS_NAME)?
-            .build()
-            .await?;
+        conn.object_server().at(MANAGER_PATH, manager).await?;
+        conn.request_name(BUS_NAME).await?;
         let manager = conn
             .object_server()
             .interface::<_, Manager>(MANAGER_PATH)
@@ -331,7 +409,7 @@ impl Supervisor {
         for s in self.core.sessions() {
             add_session(&conn, &self.core, &exported, s.id.clone()).await;
         }
-        match self.polkit.attach(&conn).await {
+        match polkit {
             Ok(version) => {
                 if !self.polkit_selected.swap(true, Ordering::SeqCst) {
                     self.core.set_authority(self.polkit.clone());

@@ -322,7 +322,11 @@ impl WorkerPidfd {
 
 /// Sends `signal` to the worker `child`: through `pidfd` when there is one, else by pid, and
 /// only while `child` is unreaped (tokio forgets the pid once it reaped the child).
-fn signal_process(child: &tokio::process::Child, pidfd: Option<&WorkerPidfd>, signal: libc::c_int) {
+pub(crate) fn signal_process(
+    child: &tokio::process::Child,
+    pidfd: Option<&WorkerPidfd>,
+    signal: libc::c_int,
+) {
     match (pidfd, child.id()) {
         (Some(fd), _) => fd.signal(signal),
         // Our own unreaped child: nothing else can hold its pid.

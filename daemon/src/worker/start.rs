@@ -73,6 +73,21 @@ impl Prepared {
         drop(self.permit);
     }
 
+    /// Sends SIGKILL to the worker's process group and to the worker (through its pidfd where
+    /// there is one), without waiting: for a daemon about to exit, whose successor's sweep
+    /// removes the worker's cgroup and directory (`Backend::sweep_stale_except`). A warm
+    /// worker has run no cell, so its process group holds every process it has.
+    pub fn kill_now(&self) {
+        // The process group of our own unreaped child: its id cannot be reused until we reap
+        // the child.
+        let _ = crate::sys::kill_group(self.spawned.pid, libc::SIGKILL);
+        super::signal_process(
+            &self.spawned.child,
+            self.spawned.pidfd.as_ref(),
+            libc::SIGKILL,
+        );
+    }
+
     /// Whether the worker process still runs (a dead one is reaped here).
     pub fn alive(&mut self) -> bool {
         matches!(self.spawned.child.try_wait(), Ok(None))
