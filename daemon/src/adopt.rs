@@ -190,6 +190,46 @@ pub fn finish(
     adopted
 }
 
+/// The file in `adopt_dir` where a daemon exiting with its sessions kept lists the warm
+/// pooled workers it killed without waiting (one session id a line), for its successor.
+pub const POOL_KILLED: &str = "pool-killed";
+
+/// Most bytes of [`POOL_KILLED`] read: pools hold tens of workers, 33 bytes a line.
+const POOL_KILLED_MAX_BYTES: u64 = 64 * 1024;
+
+/// Writes [`POOL_KILLED`] (the daemon only: `dir` is root's, mode 0700). Failures are logged:
+/// the list only tells the successor's log an expected leftover from a surprise.
+pub fn note_killed_pool(dir: &Path, ids: &[String]) {
+    if ids.is_empty() {
+        return;
+    }
+    let mut text = ids.join("\n");
+    text.push('\n');
+    if let Err(e) = std::fs::write(dir.join(POOL_KILLED), text) {
+        tracing::warn!(dir = %dir.display(), error = %e, "writing the list of killed pooled workers");
+    }
+}
+
+/// Reads and removes [`POOL_KILLED`]: the session ids of the warm workers a predecessor
+/// killed as it exited keeping its sessions (empty when there is no list). At most
+/// 64 KiB are read; a line that is not a session id is ignored. The list decides nothing but
+/// how the sweep of their groups is logged: every group not adopted is swept either way.
+pub fn take_killed_pool(dir: &Path) -> Vec<String> {
+    use std::io::Read;
+    let path = dir.join(POOL_KILLED);
+    let mut text = String::new();
+    let read = std::fs::File::open(&path)
+        .and_then(|f| f.take(POOL_KILLED_MAX_BYTES).read_to_string(&mut text));
+    let _ = std::fs::remove_file(&path);
+    if read.is_err() {
+        return Vec::new();
+    }
+    text.lines()
+        .filter(|l| sandcell_proto::kernel::SessionId::parse_qualified(l).is_ok())
+        .map(str::to_owned)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

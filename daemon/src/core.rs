@@ -1610,14 +1610,14 @@ impl Core {
     /// with them): waiting for them here would hold this process's exit, and with it every
     /// client waiting on the socket, for as long as the kernel takes to tear the workers down.
     /// A worker still starting for a pool is not waited for either: the same sweep ends it.
-    /// Returns how many were killed.
-    pub fn kill_pool(&self) -> usize {
+    /// Returns their session ids (the names of their groups).
+    pub fn kill_pool(&self) -> Vec<String> {
         self.stopping.store(true, Ordering::SeqCst);
         let idle = self.pool.take_idle();
         for p in &idle {
             p.kill_now();
         }
-        idle.len()
+        idle.iter().map(|p| p.id.clone()).collect()
     }
 
     /// Exits the process keeping every session for the next daemon: each session's record

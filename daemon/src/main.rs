@@ -239,20 +239,21 @@ async fn run(
     let early_bus = sandcelld::dbus::connect_early();
     stages.mark("listener");
     let root = nix::unistd::geteuid().is_root();
-    // Sessions a previous daemon kept for adoption: their keepers are asked for the workers
-    // (on a thread, while the self-check ends and the cgroups are set up) before anything is
-    // swept, and the sweep spares what passes (sandcelld(8), ADOPTION).
-    let collecting = root.then(|| {
-        let dir = config.daemon.adopt_dir.clone();
-        std::thread::Builder::new()
-            .name("adopt-collect".into())
-            .spawn(move || sandcelld::adopt::collect(&dir))
-    });
     let check = self_check
         .join()
         .map_err(|_| anyhow::anyhow!("the confinement self-check panicked"))?
         .map_err(|e| refused(e, "confinement self-check failed"))?;
     stages.mark("self_check");
+    // Sessions a previous daemon kept for adoption: their keepers are asked for the workers
+    // (on a thread, while the cgroups are set up) before anything is swept, and the sweep
+    // spares what passes (sandcelld(8), ADOPTION). Not before the self-check's verdict: a
+    // start it refuses touches no keeper and no record.
+    let collecting = (root && (args.insecure_dev || check.require_strict().is_ok())).then(|| {
+        let dir = config.daemon.adopt_dir.clone();
+        std::thread::Builder::new()
+            .name("adopt-collect".into())
+            .spawn(move || sandcelld::adopt::collect(&dir))
+    });
     if let Some(cap) = check.landlock_test_cap {
         tracing::warn!(
             cap,
@@ -281,20 +282,32 @@ async fn run(
     // Sessions a previous daemon left (it died or stopped with them): their owner markers are
     // read before the sweep removes what they held, so their owners learn daemon_restarted.
     let previous = sandcelld::ended::take_markers(&config.daemon.state_dir);
+    // The warm workers a predecessor that kept its sessions killed as it exited: their groups
+    // are expected here, empty or with a worker the kernel is still tearing down.
+    let pool_killed = if root {
+        sandcelld::adopt::take_killed_pool(&config.daemon.adopt_dir)
+    } else {
+        Vec::new()
+    };
     let swept = backend
         .sweep_stale_except(&keep_ids)
         .context("sweeping stale session cgroups")?;
-    if swept.populated > 0 {
+    let killed = swept
+        .populated
+        .iter()
+        .filter(|id| !pool_killed.contains(id))
+        .count();
+    if killed > 0 {
         tracing::warn!(
             swept = swept.groups,
-            killed = swept.populated,
+            killed,
             "killed and removed session groups left by a previous daemon"
         );
     } else if swept.groups > 0 {
-        // A predecessor that kept its sessions killed its warm workers and left their groups.
         tracing::info!(
             removed = swept.groups,
-            "removed empty session groups left by a previous daemon"
+            "removed session groups left by a previous daemon; no worker was killed (they were \
+             empty, or held the warm workers it killed as it exited)"
         );
     }
     stages.mark("sweep");
@@ -447,9 +460,10 @@ async fn run(
             // successor. Not waited for: the successor (and every client waiting on the
             // socket) waits for this process's exit.
             let killed = core.kill_pool();
-            if killed > 0 {
+            if !killed.is_empty() {
+                sandcelld::adopt::note_killed_pool(&core.config().daemon.adopt_dir, &killed);
                 tracing::info!(
-                    killed,
+                    killed = killed.len(),
                     "warm pooled workers killed (no session to keep); the next daemon removes \
                      their groups"
                 );

@@ -610,7 +610,7 @@ fn traceback_lines(t: Option<&str>) -> Vec<String> {
 }
 
 /// A new connection to sandcelld's socket after a restart cut the old one: attempts as
-/// [`sandcell_client::Reattach::default`] (10, 0.1 s doubling to 4 s, about 20 s in all).
+/// [`sandcell_client::Reattach::default`] (13, 0.01 s doubling to 4 s, about 21 s in all).
 async fn reconnect(socket: &Path) -> Result<Client, ClientError> {
     let policy = sandcell_client::Reattach::default();
     let mut delay = policy.first_delay;

@@ -124,14 +124,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
 }
 
 /// What [`Backend::sweep_stale_except`] removed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Swept {
     /// Session groups removed.
     pub groups: usize,
-    /// Of those, the groups that still held a process when the sweep found them (killed by
-    /// the sweep); the rest were empty: a daemon that exits keeping sessions kills its warm
-    /// pooled workers without waiting and leaves their groups to its successor.
-    pub populated: usize,
+    /// The names (session ids) of those that still held a process when the sweep found them
+    /// (killed by the sweep). A daemon that exits keeping sessions kills its warm pooled
+    /// workers without waiting and leaves their groups to its successor, so these may also be
+    /// workers it killed that the kernel was still tearing down.
+    pub populated: Vec<String>,
 }
 
 /// One session's group.

@@ -326,7 +326,7 @@ impl Backend for V1 {
         names.retain(|n| !keep.contains(n));
         // Every group is tried even if an earlier one fails; the first error is returned.
         let mut first_error = None;
-        let mut populated = 0;
+        let mut populated = Vec::new();
         for name in &names {
             let group = V1Group {
                 host: self.host.clone(),
@@ -345,7 +345,9 @@ impl Backend for V1 {
                     cpu_max: None,
                 },
             };
-            populated += usize::from(!host::listed_pids(&group.procs_files()).is_empty());
+            if !host::listed_pids(&group.procs_files()).is_empty() {
+                populated.push(name.clone());
+            }
             if let Err(e) = group
                 .kill_all(super::KILL_TIMEOUT)
                 .and_then(|()| group.remove())
@@ -921,7 +923,7 @@ mod tests {
                 fresh.sweep_stale().unwrap(),
                 super::super::Swept {
                     groups: 2,
-                    populated: 1
+                    populated: vec!["stale1".to_string()]
                 }
             );
             let status = survivor.wait().unwrap();

@@ -215,7 +215,7 @@ impl Backend for V2 {
         // is returned after all were tried.
         let mut swept = super::Swept::default();
         let mut first_error = None;
-        let stale: Vec<(PathBuf, bool)> = host::subdirs(&self.sessions())?
+        let stale: Vec<(String, PathBuf, bool)> = host::subdirs(&self.sessions())?
             .into_iter()
             .filter(|name| !keep.contains(name))
             .map(|name| {
@@ -230,14 +230,16 @@ impl Backend for V2 {
                 if populated {
                     let _ = host::write(&dir.join("cgroup.kill"), "1");
                 }
-                (dir, populated)
+                (name, dir, populated)
             })
             .collect();
-        for (dir, populated) in stale {
+        for (name, dir, populated) in stale {
             match kill_tree(&dir, super::KILL_TIMEOUT).and_then(|()| remove_tree(&dir)) {
                 Ok(()) => {
                     swept.groups += 1;
-                    swept.populated += usize::from(populated);
+                    if populated {
+                        swept.populated.push(name);
+                    }
                 }
                 Err(e) => {
                     first_error.get_or_insert(e);
@@ -747,7 +749,7 @@ mod tests {
                 v2.sweep_stale().unwrap(),
                 super::super::Swept {
                     groups: 2,
-                    populated: 1
+                    populated: vec!["a".to_string()]
                 }
             );
             assert!(!survivor.wait().unwrap().success());

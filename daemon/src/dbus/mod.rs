@@ -207,6 +207,15 @@ pub struct Early {
     first: Option<tokio::task::JoinHandle<Option<FirstBus>>>,
 }
 
+/// Calls [`Polkit::settle`] when dropped.
+struct Settle(Arc<Polkit>);
+
+impl Drop for Settle {
+    fn drop(&mut self) {
+        self.0.settle();
+    }
+}
+
 /// The early connection and what polkit answered on it.
 type FirstBus = (zbus::Connection, Result<String, crate::polkit::Error>);
 
@@ -224,6 +233,9 @@ pub fn connect_early() -> Early {
         }
         let polkit = polkit.clone();
         tokio::spawn(async move {
+            // Checks waiting for the first attempt go on (with polkit, or failing closed)
+            // however this task ends, a panic included.
+            let _settle = Settle(polkit.clone());
             let clock = crate::stages::monotonic_us();
             let mut stages = crate::stages::Stages::new();
             let made = tokio::time::timeout(FIRST_CONNECT_TIMEOUT, async {
@@ -237,8 +249,6 @@ pub fn connect_early() -> Early {
             })
             .await;
             stages.log_daemon("bus", clock);
-            // Checks waiting for the first attempt go on (with polkit, or failing closed).
-            polkit.settle();
             match made {
                 Ok(Ok(first)) => Some(first),
                 Ok(Err(e)) => {
@@ -370,7 +380,13 @@ impl Supervisor {
         &self,
         early: Option<tokio::task::JoinHandle<Option<FirstBus>>>,
     ) -> Option<Live> {
-        let (conn, polkit) = early?.await.ok()??;
+        let (conn, polkit) = match early?.await {
+            Ok(first) => first?,
+            Err(e) => {
+                tracing::error!(error = %e, "system bus: the first connection's task failed; retrying in the background");
+                return None;
+            }
+        };
         match self.serve_on(conn, polkit).await {
             Ok(live) => Some(live),
             Err(e) => {

@@ -80,7 +80,9 @@ impl Prepared {
     pub fn kill_now(&self) {
         // The process group of our own unreaped child: its id cannot be reused until we reap
         // the child.
-        let _ = crate::sys::kill_group(self.spawned.pid, libc::SIGKILL);
+        if let Some(pid) = self.spawned.child.id() {
+            let _ = crate::sys::kill_group(pid, libc::SIGKILL);
+        }
         super::signal_process(
             &self.spawned.child,
             self.spawned.pidfd.as_ref(),

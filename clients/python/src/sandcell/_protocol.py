@@ -90,11 +90,13 @@ def encode_call(
     return data + b"\0"
 
 
-REATTACH_ATTEMPTS = 10
+REATTACH_ATTEMPTS = 13
 """How many times a detached session's ``execute`` cut by a daemon restart tries ``Attach``
-to its running cell before raising :class:`sandcell.CallCut` (about 20 s in all)."""
-REATTACH_FIRST_DELAY_SECONDS = 0.1
-"""Seconds before the first re-attach attempt; doubled after each failure."""
+to its running cell before raising :class:`sandcell.CallCut` (about 21 s in all)."""
+REATTACH_FIRST_DELAY_SECONDS = 0.01
+"""Seconds before the first re-attach attempt; doubled after each failure. Short: under
+socket activation a connection made while the daemon restarts waits on the socket for the
+successor, so a longer first wait only adds to the restart's gap."""
 REATTACH_MAX_DELAY_SECONDS = 4.0
 """The longest wait between two re-attach attempts, seconds."""
 
