@@ -407,7 +407,7 @@ async fn run(
     notify::ready(&status_line(&core));
     stages.mark("ready");
     tracing::info!("ready to serve");
-    stages.log_daemon("start", start_clock);
+    stages.log_daemon("daemon_start", start_clock);
 
     let server = tokio::spawn(varlink::serve(core.clone(), listener, stop_rx));
     // What a SIGTERM asks systemd is made ready now, off the stop's critical path.
@@ -470,7 +470,7 @@ async fn run(
             }
             core.hand_over_sessions().await;
             stages.mark("hand_over");
-            stages.log_daemon("stop", stop_clock);
+            stages.log_daemon("daemon_stop", stop_clock);
             core.exit_keeping_sessions();
         }
         OnTerm::KeepSessions => tracing::warn!(

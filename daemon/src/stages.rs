@@ -73,13 +73,15 @@ impl Stages {
         s
     }
 
-    /// Logs the stages of the daemon's own start (`what="start"`) or stop (`what="stop"`) at
-    /// debug level, with `monotonic_us`: `CLOCK_MONOTONIC` at [`Stages::new`], microseconds,
-    /// the clock of systemd's `ExecMainStartTimestampMonotonic` (the fork of the main
-    /// process) and of `journalctl -o short-monotonic`, so that a start's time before `main`
-    /// (the unit's sandbox set-up, the exec) is the difference of the two.
+    /// Logs the stages of the daemon's own start (`what="daemon_start"`), first system bus
+    /// connection (`"bus"`) or exit keeping sessions (`"daemon_stop"`) at info level (a line or
+    /// three per daemon: they say where a restart's gap went), with `monotonic_us`:
+    /// `CLOCK_MONOTONIC` at [`Stages::new`], microseconds, the clock of systemd's
+    /// `ExecMainStartTimestampMonotonic` (the fork of the main process) and of
+    /// `journalctl -o short-monotonic`, so that a start's time before `main` (the unit's
+    /// sandbox set-up, the exec) is the difference of the two.
     pub fn log_daemon(&self, what: &'static str, monotonic_us: u64) {
-        tracing::debug!(
+        tracing::info!(
             target: TARGET,
             what,
             monotonic_us,

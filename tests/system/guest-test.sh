@@ -1006,8 +1006,9 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     sed "s/^/    [$ev] probe stderr: /" /tmp/lc-probe.err 2>/dev/null | tail -3
     # Where the gap went: systemd's and the daemons' own lines, on one clock.
     journalctl -b -u sandcelld.service --no-pager -o short-unix --since "@${t0%.*}" 2>/dev/null \
-        | grep -E 'systemd\[1\]|SIGTERM|restarting the unit|pooled workers|exiting; sessions|session groups live|^.* starting |adopting sessions|sessions of the previous daemon adopted|Stopping|Started|Starting' \
-        | head -20 | cut -c1-220 | sed "s/^/    [$ev] timeline: /"
+        | grep -E 'systemd\[1\]|SIGTERM|restarting the unit|pooled workers|exiting; sessions|session groups live|^.* starting |adopting sessions|sessions of the previous daemon adopted|Stopping|Started|Starting|what="(daemon_start|daemon_stop|bus)"' \
+        | head -24 | cut -c1-420 | sed "s/^/    [$ev] timeline: /"
+    echo "    [$ev] the successor's fork by systemd: ExecMainStartTimestampMonotonic=$(systemctl show -p ExecMainStartTimestampMonotonic --value sandcelld.service) us"
     as_gw sandcellctl close "$psid" >/dev/null 2>&1
     for ((k = 0; k < 1200; k++)); do
         main=$(systemctl show -p MainPID --value sandcelld.service)
