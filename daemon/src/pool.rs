@@ -255,20 +255,16 @@ impl<W: Warm> Pool<W> {
     /// workers are discarded all at once (their kills and teardowns overlap) and before that
     /// wait, not after it.
     pub async fn drain(&self) -> usize {
-        let take = || -> Vec<W> {
-            let mut lanes = self.lanes.lock().unwrap();
-            lanes.values_mut().flat_map(|l| l.idle.drain(..)).collect()
-        };
         let mut set = tokio::task::JoinSet::new();
         let mut n = 0;
-        for p in take() {
+        for p in self.take_idle() {
             set.spawn(p.discard());
             n += 1;
         }
         if *self.filling.borrow() > 0 {
             let mut rx = self.filling.subscribe();
             let _ = tokio::time::timeout(DRAIN_START_WAIT, rx.wait_for(|n| *n == 0)).await;
-            for p in take() {
+            for p in self.take_idle() {
                 set.spawn(p.discard());
                 n += 1;
             }
