@@ -183,7 +183,7 @@ if ((want_deb)); then
     chmod 0644 "$root/usr/share/doc/sandcell/changelog.Debian.gz"
     install -Dm 0644 packaging/debian/lintian-overrides "$root/usr/share/lintian/overrides/sandcell"
     install -d "$root/DEBIAN"
-    install -m 0755 packaging/debian/postinst packaging/debian/prerm packaging/debian/postrm "$root/DEBIAN/"
+    install -m 0755 packaging/debian/preinst packaging/debian/postinst packaging/debian/prerm packaging/debian/postrm "$root/DEBIAN/"
     install -m 0644 packaging/debian/conffiles "$root/DEBIAN/conffiles"
     # Shared-library dependencies of the binaries, as dh_shlibdeps would compute them.
     shl=$(mktemp -d)

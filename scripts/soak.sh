@@ -16,8 +16,9 @@
 # from and empties only after pool_empty_seconds, so its workers would count as leaks), then one closing line `soak: C cells, L lost, W wrong,
 # K leaked` (the `soak: daemon log: ...` line follows it); exits non-zero unless all are 0.
 # --restart-every S: the daemon is restarted every S seconds while the clients run, SIGUSR2
-# (a planned exit keeping sessions) and SIGKILL (a crash) alternately, each successor started
-# on the same socket, state and adoption directories as a restart of the unit does; the
+# (a planned exit keeping sessions), SIGKILL (a crash) and SIGUSR1 (a re-exec in place, the
+# package upgrade's path) in turn, each successor started on the same socket, state and
+# adoption directories as a restart of the unit does; the
 # clients then run cells in detached Python sessions and follow a cut cell in the successor,
 # and leaks also count keepers and mounted session file systems.
 # Needs the binaries of scripts/setup.sh; builds sandcell-soak if needed.

@@ -61,7 +61,7 @@ echo "   set and no_new_privs, applied without systemd (tests/integration/common
 echo "   the suites covering every org.sandcell.Kernel method and the metrics file"
 SANDCELL_TEST_UNIT_SANDBOX=1 cargo test "${CARGO_FLAGS[@]}" -p sandcelld --no-fail-fast \
     --test integration -- --test-threads=2 unit_sandbox:: files:: submit_attach:: inspect:: \
-    host_calls:: pydata:: metrics:: --skip python_files::
+    host_calls:: pydata:: metrics:: daemon_restart::a_reexec --skip python_files::
 echo "== python client (clients/python) against a real sandcelld; docs/deploy manifests"
 bash scripts/test-python-client.sh
 echo "== sandcellctl mcp: MCP Python SDK, raw JSON-RPC and MCP Inspector against a real sandcelld"; bash scripts/test-mcp.sh
@@ -72,7 +72,8 @@ bash scripts/test-jupyterlab.sh
 echo "== soak: 8 clients x 100 cells against a socket-activated sandcelld, every result checked"
 bash scripts/soak.sh --clients 8 --cells 100
 echo "== soak with restarts: 4 clients in detached sessions while sandcelld is restarted every 6 s"
-echo "   (SIGUSR2 and SIGKILL alternately, the successor on the same state): 0 lost, 0 wrong, 0 leaked"
+echo "   (SIGUSR2, SIGKILL and SIGUSR1 in turn, a successor on the same state or the same process"
+echo "   re-executed): 0 lost, 0 wrong, 0 leaked"
 bash scripts/soak.sh --clients 4 --cells 100 --seconds 45 --restart-every 6
 echo "== fuzz: every decoder, about a minute (the build is kept in /var/tmp/sandcell-fuzz-target)"
 bash scripts/fuzz.sh 60

@@ -1629,12 +1629,19 @@ impl Core {
     /// is interrupted there, its session kept). The call a restart that keeps sessions makes
     /// (sandcelld(8), ADOPTION).
     pub fn exit_keeping_sessions(&self) -> ! {
+        self.exit_keeping_sessions_with(0)
+    }
+
+    /// [`Core::exit_keeping_sessions`] with exit status `status` (1 after a failed re-exec in
+    /// place, so that `Restart=on-failure` starts the next daemon).
+    pub fn exit_keeping_sessions_with(&self, status: i32) -> ! {
         self.stopping.store(true, Ordering::SeqCst);
         tracing::info!(
             sessions = self.sessions().len(),
+            status,
             "exiting; sessions kept for the next daemon"
         );
-        std::process::exit(0)
+        std::process::exit(status)
     }
 
     /// Before [`Core::exit_keeping_sessions`]: stops taking work and hands every running cell

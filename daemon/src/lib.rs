@@ -16,6 +16,7 @@
 //! - [`cells`]: cells that outlive their client; [`environments`]: environments' reports.
 //! - [`notify`]: systemd readiness, status, watchdog; [`metrics`]: the capacity file
 //!   (Prometheus text format) for node exporters; [`counters`]: the counters it reports.
+//! - [`lifecycle`]: what a SIGTERM means; [`reexec`]: the re-exec in place (SIGUSR1).
 //! - [`memory`]: the daemon's own memory bound, derived from its caps.
 //! - [`stages`]: per-stage timings of a request (debug lines, target `sandcelld::timing`).
 //! - [`sys`]: the safe wrappers of the system calls made by hand (pidfds, random bytes).
@@ -48,6 +49,7 @@ pub mod packages;
 pub mod polkit;
 pub mod pool;
 pub mod records;
+pub mod reexec;
 pub mod resolve;
 pub mod session;
 pub mod session_fs;

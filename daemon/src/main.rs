@@ -54,6 +54,9 @@ fn main() -> anyhow::Result<()> {
     // The start's stage timings (`sandcelld::timing`): from here to "ready to serve".
     let start_clock = sandcelld::stages::monotonic_us();
     let mut stages = Stages::new();
+    // The listening socket of a previous image of this process (a re-exec in place), read
+    // while the process has one thread.
+    let inherited = sandcelld::reexec::take_inherited();
     // A session keeper (sandcelld(8), ADOPTION): started by the daemon only, never by hand.
     let argv: Vec<String> = std::env::args().collect();
     if argv.get(1).map(String::as_str) == Some(sandcelld::keeper::SUBCOMMAND) {
@@ -119,7 +122,14 @@ fn main() -> anyhow::Result<()> {
     let outcome = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
-        .block_on(run(args, config, path, (stages, start_clock), self_check));
+        .block_on(run(
+            args,
+            config,
+            path,
+            (stages, start_clock),
+            self_check,
+            inherited,
+        ));
     if let Err(e) = &outcome
         && (e.downcast_ref::<Refusal>().is_some() || e.chain().any(|c| c.is::<Refusal>()))
     {
@@ -153,7 +163,30 @@ fn refused(e: impl Into<anyhow::Error>, what: &'static str) -> anyhow::Error {
     e.into().context(Refusal(what))
 }
 
-fn take_listener(args: &Args) -> anyhow::Result<(UnixListener, bool)> {
+/// The listening socket: the one a previous image passed on (a re-exec in place), else
+/// systemd's (socket activation; the descriptor named "varlink", else the first), else a
+/// socket bound at `--listen`. The second value: whether systemd's socket activation gave it.
+fn take_listener(
+    args: &Args,
+    inherited: Option<sandcelld::reexec::Inherited>,
+) -> anyhow::Result<(UnixListener, bool)> {
+    if let Some(i) = inherited {
+        use std::os::fd::FromRawFd;
+        // Only a listening Unix socket is taken; anything else refuses the start.
+        let fd = i.fd;
+        if !sandcelld::sys::is_unix_listener(fd) {
+            bail!("descriptor {fd} passed on by the previous image is not a listening Unix socket");
+        }
+        // SAFETY: the previous image of this process passed this descriptor on for this use
+        // alone; it is owned from here on.
+        let l = unsafe { std::os::unix::net::UnixListener::from_raw_fd(fd) };
+        l.set_nonblocking(true)?;
+        nix::fcntl::fcntl(
+            &l,
+            nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::FD_CLOEXEC),
+        )?;
+        return Ok((UnixListener::from_std(l)?, i.activated));
+    }
     let mut fds = listenfd::ListenFd::from_env();
     if fds.len() > 0 {
         // Prefer the descriptor named "varlink" (FileDescriptorName=), else the first.
@@ -228,12 +261,15 @@ async fn run(
     config_path: PathBuf,
     start: (Stages, u64),
     self_check: SelfCheckThread,
+    inherited: Option<sandcelld::reexec::Inherited>,
 ) -> anyhow::Result<()> {
     let (mut stages, start_clock) = start;
     stages.mark("runtime");
     // The capacity file (metrics_file): written from the tick below, removed at a clean exit.
     let mut metrics = sandcelld::metrics::Writer::new();
-    let (listener, activated) = take_listener(&args)?;
+    let (listener, activated) = take_listener(&args, inherited)?;
+    // Kept for a re-exec in place, which passes the socket on to the new image.
+    let listener_fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
     // The system bus and polkit's first answer, made while the daemon starts
     // (sandcelld::dbus::Early).
     let early_bus = sandcelld::dbus::connect_early();
@@ -409,7 +445,10 @@ async fn run(
     tracing::info!("ready to serve");
     stages.log_daemon("daemon_start", start_clock);
 
-    let server = tokio::spawn(varlink::serve(core.clone(), listener, stop_rx));
+    // `hold` stops accepting without closing the socket: an exit or re-exec that keeps the
+    // sessions leaves new connections waiting for the next daemon instead of cutting them.
+    let (hold_tx, hold_rx) = watch::channel(false);
+    let server = tokio::spawn(varlink::serve(core.clone(), listener, stop_rx, hold_rx));
     // What a SIGTERM asks systemd is made ready now, off the stop's critical path.
     tokio::spawn(sandcelld::lifecycle::prepare());
     if let Some(mut events) = first_cell {
@@ -444,17 +483,22 @@ async fn run(
     let mut stages = Stages::new();
     let on_term = match stopped {
         Stopped::Term => sandcelld::lifecycle::on_term().await,
-        Stopped::KeepRequested => OnTerm::KeepSessions,
+        Stopped::KeepRequested | Stopped::Reexec => OnTerm::KeepSessions,
         Stopped::Interrupt => OnTerm::EndSessions("SIGINT".into()),
         Stopped::Idle => OnTerm::EndSessions("idle exit".into()),
     };
     stages.mark("ask_systemd");
     match &on_term {
         OnTerm::KeepSessions if core.adoption_enabled() => {
+            let _ = hold_tx.send(true);
             if stopped == Stopped::Term {
                 tracing::info!("systemd is restarting the unit: keeping every session");
             }
-            notify::stopping();
+            // A re-exec is a reload for systemd (RELOADING=1, sent just before the exec); the
+            // process does not stop.
+            if stopped != Stopped::Reexec {
+                notify::stopping();
+            }
             metrics.finish().await;
             // Warm workers belong to no session: killed here, their remains swept by the
             // successor. Not waited for: the successor (and every client waiting on the
@@ -471,6 +515,14 @@ async fn run(
             core.hand_over_sessions().await;
             stages.mark("hand_over");
             stages.log_daemon("daemon_stop", stop_clock);
+            if stopped == Stopped::Reexec {
+                // Returns only if the exec failed: the sessions are handed over already, so
+                // this image exits keeping them (status 1: Restart=on-failure starts a daemon
+                // that adopts them).
+                let e = sandcelld::reexec::exec_in_place(listener_fd, activated);
+                tracing::error!(error = %e, "re-exec failed: exiting keeping every session; systemd starts the daemon again");
+                core.exit_keeping_sessions_with(1);
+            }
             core.exit_keeping_sessions();
         }
         OnTerm::KeepSessions => tracing::warn!(
@@ -630,6 +682,9 @@ enum Stopped {
     Term,
     /// SIGUSR2 with adoption enabled: exit keeping every session for the next daemon.
     KeepRequested,
+    /// SIGUSR1 with adoption enabled: re-execute the installed binary in place, keeping every
+    /// session for the new image (sandcelld::reexec).
+    Reexec,
     /// SIGINT: an interactive stop.
     Interrupt,
     /// No session and no connection for `idle_exit` seconds.
@@ -647,6 +702,7 @@ async fn serve_until_stopped(
     idle_exit: Option<u64>,
 ) -> anyhow::Result<Stopped> {
     let mut term = signal(SignalKind::terminate())?;
+    let mut usr1 = signal(SignalKind::user_defined1())?;
     let mut usr2 = signal(SignalKind::user_defined2())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut hup = signal(SignalKind::hangup())?;
@@ -664,6 +720,13 @@ async fn serve_until_stopped(
                     return Ok(Stopped::KeepRequested);
                 }
                 tracing::warn!("SIGUSR2: adoption is not enabled; ignored");
+            }
+            _ = usr1.recv() => {
+                if core.adoption_enabled() {
+                    tracing::info!("SIGUSR1: re-executing in place, keeping sessions");
+                    return Ok(Stopped::Reexec);
+                }
+                tracing::warn!("SIGUSR1: adoption is not enabled, so a re-exec would end every session; ignored (restart the unit instead)");
             }
             _ = int.recv() => { tracing::info!("SIGINT: stopping"); return Ok(Stopped::Interrupt); }
             _ = hup.recv() => { let _ = core.reload_from(config_path, config_required, "SIGHUP"); }

@@ -1,5 +1,5 @@
 //! systemd notifications (sd_notify(3)): READY=1 after the readiness probe, STATUS= with live
-//! counts, WATCHDOG=1 at half the watchdog interval, STOPPING=1 on SIGTERM. Without
+//! counts, WATCHDOG=1 at half the watchdog interval, STOPPING=1 on SIGTERM, RELOADING=1 before a re-exec in place. Without
 //! `NOTIFY_SOCKET` every call is a no-op.
 
 use sd_notify::NotifyState;
@@ -8,6 +8,17 @@ use std::time::Duration;
 /// Sends READY=1 and a status line.
 pub fn ready(status: &str) {
     let _ = sd_notify::notify(&[NotifyState::Ready, NotifyState::Status(status)]);
+}
+
+/// Sends RELOADING=1 with MONOTONIC_USEC (systemd 253 and later require the second with the
+/// first) and a status line: the daemon re-executes in place ([`crate::reexec`]); the new
+/// image's READY=1 ends the reload.
+pub fn reloading() {
+    let mut states = vec![NotifyState::Reloading, NotifyState::Status("re-executing")];
+    if let Ok(now) = NotifyState::monotonic_usec_now() {
+        states.push(now);
+    }
+    let _ = sd_notify::notify(&states);
 }
 
 /// Sends a status line.

@@ -215,6 +215,28 @@ pub fn pipe_capacity(fd: BorrowedFd<'_>) -> io::Result<usize> {
     Ok(usize::try_from(r).unwrap_or(0))
 }
 
+/// Whether `fd` is an open, listening Unix socket (`SO_DOMAIN`: `AF_UNIX`; `SO_ACCEPTCONN`:
+/// listening). A descriptor that is not open, or not a socket, is not one.
+pub fn is_unix_listener(fd: std::os::fd::RawFd) -> bool {
+    let int_opt = |opt: libc::c_int| -> Option<libc::c_int> {
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt(2) writes at most `len` bytes into `v`; a descriptor that is not
+        // open or not a socket fails (EBADF, ENOTSOCK).
+        let rc = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                (&mut v as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        (rc == 0).then_some(v)
+    };
+    int_opt(libc::SO_DOMAIN) == Some(libc::AF_UNIX) && int_opt(libc::SO_ACCEPTCONN) == Some(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -321,5 +343,18 @@ mod tests {
         );
         assert_ne!(a, b);
         assert_eq!(random_hex(0).unwrap(), "");
+    }
+
+    #[test]
+    fn only_a_listening_unix_socket_is_a_unix_listener() {
+        use std::os::fd::AsRawFd;
+        let dir = tempfile::tempdir().unwrap();
+        let l = std::os::unix::net::UnixListener::bind(dir.path().join("s")).unwrap();
+        assert!(super::is_unix_listener(l.as_raw_fd()));
+        let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+        assert!(!super::is_unix_listener(a.as_raw_fd()));
+        let f = std::fs::File::open("/dev/null").unwrap();
+        assert!(!super::is_unix_listener(f.as_raw_fd()));
+        assert!(!super::is_unix_listener(-1));
     }
 }

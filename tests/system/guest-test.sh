@@ -798,11 +798,12 @@ fi # not only lifecycle
 # Four events, each with 8 sessions open (Eryx Python, pydata, R; all detached, two with a
 # file, one with host calls opted in) and, in a ninth session, one detached Submit cell
 # running: `systemctl restart`, installing a newer build of the package over the running one
-# (dpkg's upgrade path: postinst try-restart), `systemctl kill -s KILL` (a crash), and the
+# (dpkg's upgrade path: with the unit file unchanged, postinst has the daemon re-execute the
+# new binary in place, SIGUSR1: same process), `systemctl kill -s KILL` (a crash), and the
 # kernel's OOM killer taking the daemon in its own cgroup. Per event: the sessions kept out of
 # 8, the worker pids of those sessions before and after (a keeper, root in the same group, is
-# not a worker), their limits, and the gap: from the event (for the upgrade: the old daemon's
-# SIGTERM, which dpkg sends after unpacking) to the first adopted Execute answered. The checks
+# not a worker), their limits, and the gap: from the event (for the upgrade: the old image's
+# SIGUSR1, which postinst sends after dpkg unpacked) to the first adopted Execute answered. The checks
 # need a daemon that hands its sessions to the next one (SANDCELL_VM_SESSIONS_SURVIVE, on by
 # default; the file sessions-survive in the shared folder); the running cell's checks need one
 # that continues a running cell too (SANDCELL_VM_CELLS_SURVIVE, on by default: the file
@@ -983,10 +984,10 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     t1=$(date +%s.%N)
     # The old daemon's SIGTERM (restart, upgrade: dpkg unpacks for many seconds before its
     # postinst restarts the daemon): the event's time as the daemon sees it.
-    tterm=$(journalctl -b -u sandcelld.service --no-pager -o short-unix --since "@${t0%.*}" 2>/dev/null | awk '/SIGTERM: stopping/ { print $1; exit }')
+    tterm=$(journalctl -b -u sandcelld.service --no-pager -o short-unix --since "@${t0%.*}" 2>/dev/null | awk '/SIGTERM: stopping|SIGUSR1: re-executing/ { print $1; exit }')
     [[ -n $tterm ]] && t_ev=$tterm
     first_gap=$(echo "$t1 - $t_ev" | bc)
-    echo "    [$ev] first Execute on an adopted session answered $(echo "$t1 - $t0" | bc) s after the event's command, ${first_gap} s after the old daemon's end${tterm:+ (its SIGTERM)}: ${first:0:80}"
+    echo "    [$ev] first Execute on an adopted session answered $(echo "$t1 - $t0" | bc) s after the event's command, ${first_gap} s after the old daemon's end${tterm:+ (its SIGTERM or SIGUSR1)}: ${first:0:80}"
     # The probe: its first cell answered after the event, and the longest time between two
     # answered cells (a cell takes milliseconds, so this is the gap it saw).
     for ((k = 0; k < 300; k++)); do
@@ -1006,13 +1007,20 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     sed "s/^/    [$ev] probe stderr: /" /tmp/lc-probe.err 2>/dev/null | tail -3
     # Where the gap went: systemd's and the daemons' own lines, on one clock.
     journalctl -b -u sandcelld.service --no-pager -o short-unix --since "@${t0%.*}" 2>/dev/null \
-        | grep -E 'systemd\[1\]|SIGTERM|restarting the unit|pooled workers|exiting; sessions|session groups live|^.* starting |adopting sessions|sessions of the previous daemon adopted|Stopping|Started|Starting|what="(daemon_start|daemon_stop|bus)"' \
+        | grep -E 'systemd\[1\]|SIGTERM|SIGUSR1|re-executing|restarting the unit|pooled workers|exiting; sessions|session groups live|^.* starting |adopting sessions|sessions of the previous daemon adopted|Stopping|Started|Starting|what="(daemon_start|daemon_stop|bus)"' \
         | head -24 | cut -c1-420 | sed "s/^/    [$ev] timeline: /"
     echo "    [$ev] the successor's fork by systemd: ExecMainStartTimestampMonotonic=$(systemctl show -p ExecMainStartTimestampMonotonic --value sandcelld.service) us"
     as_gw sandcellctl close "$psid" >/dev/null 2>&1
+    # Back: a new daemon (a new main pid), or for the upgrade the same process re-executed
+    # (its new image says "ready to serve" after the event).
     for ((k = 0; k < 1200; k++)); do
         main=$(systemctl show -p MainPID --value sandcelld.service)
-        [[ $(unit_state sandcelld.service) == active && $main != 0 && $main != "$main0" ]] && break
+        if [[ $ev == upgrade ]]; then
+            [[ $(unit_state sandcelld.service) == active && $main != 0 ]] \
+                && journalctl -b -u sandcelld.service --no-pager -o cat --since "@${t0%.*}" 2>/dev/null | grep -q 'ready to serve' && break
+        else
+            [[ $(unit_state sandcelld.service) == active && $main != 0 && $main != "$main0" ]] && break
+        fi
         sleep 0.1
     done
     gap=$(echo "$(date +%s.%N) - $t0" | bc)
@@ -1021,6 +1029,15 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     echo "    [$ev] daemon $main0 -> $main ($(unit_state sandcelld.service)); NRestarts $(systemctl show -p NRestarts --value sandcelld.service)"
     echo "    [$ev] workers of the 8 sessions after: $after; every worker-uid process: $(worker_procs | awk '{ print $2 }' | tr '\n' ' ')"
     journalctl -b -u sandcelld.service --no-pager -o cat --since "@${t0%.*}" 2>/dev/null | grep -iE 'SIGTERM|restarting the unit|ending every session|adopt|kept|oom|killed|swept|warm pooled|not a failure|not ready|continuing the cell|handed over|journal|resynchron' | grep -v 'session adopted session=' | head -24 | cut -c1-300 | sed "s/^/    [$ev] journal: /"
+    if [[ $ev == upgrade ]]; then
+        # postinst chose the re-exec (the unit file did not change): the same process, its
+        # new image from the new package.
+        if [[ $main == "$main0" ]] && journalctl -b -u sandcelld.service --no-pager -o cat --since "@${t0%.*}" 2>/dev/null | grep -q 're-executing in place'; then
+            pass lifecycle-upgrade-reexec-in-place
+        else
+            fail lifecycle-upgrade-reexec-in-place "daemon $main0 -> $main; no 're-executing in place' in the journal"
+        fi
+    fi
     if [[ $ev == oom ]]; then
         local kmsg
         kmsg=$(journalctl -b -k --no-pager -o cat --since "@${t0%.*}" 2>/dev/null | grep -E "Memory cgroup out of memory: Killed process $main0 " | head -1)
@@ -1184,7 +1201,7 @@ if ((daemon_works)); then
     pid0=$(systemctl show -p MainPID --value sandcelld.service)
     check reinstall dpkg -i "$share/sandcell.deb"
     pid1=$(systemctl show -p MainPID --value sandcelld.service)
-    echo "    daemon pid before $pid0, after $pid1 (postinst try-restarts a running daemon; 0: it exited idle meanwhile)"
+    echo "    daemon pid before $pid0, after $pid1 (postinst has a running daemon re-execute in place, the same pid; 0: it exited idle meanwhile)"
     check socket-enabled-after-upgrade systemctl is-enabled sandcelld.socket
     out=$(echo 'print("upgraded")' | as_gw sandcellctl run - 2>&1)
     [[ $out == upgraded ]] && pass cell-after-upgrade || fail cell-after-upgrade "$out"

@@ -17,8 +17,9 @@
 //! sum of what is left over). Exits 1 unless all three are 0.
 //!
 //! With `--restart-every S` the daemon is restarted every S seconds while the clients run
-//! (`restarts`: SIGUSR2 and SIGKILL alternately, the successor started by `--daemon-start` on
-//! the same socket and state); leaks then also count keepers and session file systems.
+//! (`restarts`: SIGUSR2, SIGKILL and SIGUSR1 in turn, the successor started by
+//! `--daemon-start` on the same socket and state, or the same process re-executed in place);
+//! leaks then also count keepers and session file systems.
 
 #[path = "soak/restarts.rs"]
 mod restarts;
@@ -83,8 +84,8 @@ struct Args {
     /// Write every sample as CSV (seconds, rss_bytes, fds, workers, cells, cgroups, dirs).
     #[arg(long)]
     samples_out: Option<PathBuf>,
-    /// Restart the daemon every this many seconds while the clients run (SIGUSR2 and SIGKILL
-    /// alternately; needs `--daemon-pid` and `--daemon-start`). Clients then run cells in
+    /// Restart the daemon every this many seconds while the clients run (SIGUSR2, SIGKILL and
+    /// a re-exec in place, SIGUSR1, in turn; needs `--daemon-pid` and `--daemon-start`). Clients then run cells in
     /// detached Python sessions, followed across restarts.
     #[arg(long, requires_all = ["daemon_pid", "daemon_start"])]
     restart_every: Option<f64>,
@@ -1161,8 +1162,12 @@ async fn main() -> anyhow::Result<()> {
         let max = gaps.iter().cloned().fold(0.0, f64::max);
         let mean = gaps.iter().sum::<f64>() / gaps.len().max(1) as f64;
         println!(
-            "soak: {} restarts (SIGUSR2 and SIGKILL alternately); socket back after {mean:.2} s on average, {max:.2} s at most",
-            gaps.len()
+            "soak: {} restarts (SIGUSR2 and SIGKILL alternately) and {} re-execs in place (SIGUSR1); socket back after {mean:.2} s on average, {max:.2} s at most",
+            gaps.len(),
+            RESTARTED
+                .get()
+                .map_or(0, |d| d.restarts.load(Ordering::SeqCst))
+                .saturating_sub(gaps.len() as u64)
         );
         println!(
             "soak: {} cells followed into a successor after their call was cut, {} Executes sent again while the daemon was away",

@@ -28,19 +28,32 @@ use std::time::Duration;
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, watch};
 
-/// Accepts connections until `stop` turns true; each is served on its own task.
+/// Accepts connections until `stop` turns true; each is served on its own task. From when
+/// `hold` turns true, accepts nothing more but keeps the socket open until `stop`.
 ///
 /// When `stop` fires, connections not yet accepted stay queued in the listening socket
 /// (systemd keeps it), so a socket-activated daemon that exits loses nothing.
-pub async fn serve(core: Arc<Core>, listener: UnixListener, mut stop: watch::Receiver<bool>) {
+pub async fn serve(
+    core: Arc<Core>,
+    listener: UnixListener,
+    mut stop: watch::Receiver<bool>,
+    mut hold: watch::Receiver<bool>,
+) {
     raise_nofile(&core);
     // One descriptor in reserve: when accept fails for want of descriptors, it is given up to
     // accept the waiting client and answer it by name, instead of leaving that client waiting
     // in the backlog until some descriptor is closed (the libev/nginx "reserve fd" idiom).
     let mut reserve = std::fs::File::open("/dev/null").ok();
     loop {
+        if *hold.borrow() {
+            // Held: the socket stays open and connections wait in its backlog for the next
+            // image or daemon (an exit or re-exec that keeps sessions).
+            let _ = stop.wait_for(|s| *s).await;
+            return;
+        }
         tokio::select! {
             _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
+            _ = async { let _ = hold.wait_for(|h| *h).await; } => continue,
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
                     // Counted under the connection caps here, in accept order, before its

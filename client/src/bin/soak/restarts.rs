@@ -1,8 +1,8 @@
 //! The soak with daemon restarts (`--restart-every S`): every S seconds the daemon is ended,
-//! alternately with SIGUSR2 (a planned exit keeping its sessions) and SIGKILL (a crash), and
-//! its successor started on the same socket, state and adoption directories
-//! (`--daemon-start`, a command that starts one and prints its pid), as the unit's restart
-//! does. Meanwhile every client runs cells in one detached Python session: a cell cut by a
+//! in turn with SIGUSR2 (a planned exit keeping its sessions) and SIGKILL (a crash), and its
+//! successor started on the same socket, state and adoption directories (`--daemon-start`, a
+//! command that starts one and prints its pid), as the unit's restart does; every third time
+//! it re-executes in place instead (SIGUSR1, the package upgrade's path: same process). Meanwhile every client runs cells in one detached Python session: a cell cut by a
 //! restart is followed in the successor ([`Client::finish_following`]), a call refused while
 //! the daemon is away is tried again, and every result is checked. Every cell is idempotent
 //! (`assert v in (previous, this)`, then `v = this`), so one sent again after a cut that hid
@@ -67,9 +67,10 @@ fn start(start: &str, socket: &Path) -> anyhow::Result<u32> {
     Ok(pid)
 }
 
-/// Every `every`, until `stop` is set: ends the daemon (SIGUSR2, SIGKILL alternately), waits
-/// for its exit, removes its socket and starts the successor. Returns the gaps (end signal to
-/// the successor's socket), seconds.
+/// Every `every`, until `stop` is set: ends the daemon (SIGUSR2, SIGKILL), waits for its exit,
+/// removes its socket and starts the successor, or (every third time) has it re-execute in
+/// place (SIGUSR1). Returns the gaps of the restarts (end signal to the successor's socket),
+/// seconds.
 pub fn restarter(
     d: Arc<Daemon>,
     every: Duration,
@@ -78,7 +79,7 @@ pub fn restarter(
     stop: Arc<std::sync::atomic::AtomicBool>,
 ) -> anyhow::Result<Vec<f64>> {
     let mut gaps = Vec::new();
-    let mut kill = false;
+    let mut turn = 0u64;
     loop {
         let t = Instant::now();
         while t.elapsed() < every {
@@ -88,9 +89,20 @@ pub fn restarter(
             std::thread::sleep(Duration::from_millis(50));
         }
         let pid = d.pid.load(Ordering::SeqCst);
-        let sig = if kill { libc::SIGKILL } else { libc::SIGUSR2 };
-        kill = !kill;
+        let sig = [libc::SIGUSR2, libc::SIGKILL, libc::SIGUSR1][(turn % 3) as usize];
+        turn += 1;
         let t0 = Instant::now();
+        if sig == libc::SIGUSR1 {
+            // SAFETY: a signal to the daemon this program started (or the script's first one).
+            unsafe { libc::kill(pid as libc::pid_t, sig) };
+            // The same process goes on: its clients' cut calls follow into the new image.
+            d.restarts.fetch_add(1, Ordering::SeqCst);
+            println!(
+                "soak: restart {} (SIGUSR1): daemon {pid} re-executes in place",
+                d.restarts.load(Ordering::SeqCst)
+            );
+            continue;
+        }
         // SAFETY: a signal to the daemon this program started (or the script's first one).
         unsafe { libc::kill(pid as libc::pid_t, sig) };
         while !gone(pid) {
