@@ -141,6 +141,7 @@ pub fn finish(
     found: Found,
     previous: &[(String, u32)],
 ) -> usize {
+    test_delay();
     let now = SystemTime::now();
     let mut adopted = 0;
     let mut ended = found.not_adopted;
@@ -188,6 +189,25 @@ pub fn finish(
         );
     }
     adopted
+}
+
+/// A test seam: with `SANDCELL_TEST_ADOPT_DELAY_MS=N` in its environment the daemon waits N
+/// milliseconds (at most 10 s) before it adopts its predecessor's sessions, so that a test
+/// connects while the adoption is under way (its calls must wait for the end). Workers and
+/// keepers never see the variable (their environments are built from nothing), and the
+/// shipped units do not set it.
+fn test_delay() {
+    let Some(ms) = std::env::var("SANDCELL_TEST_ADOPT_DELAY_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    else {
+        return;
+    };
+    tracing::warn!(
+        ms,
+        "SANDCELL_TEST_ADOPT_DELAY_MS: waiting before the adoption"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(ms.min(10_000)));
 }
 
 /// The file in `adopt_dir` where a daemon exiting with its sessions kept lists the warm

@@ -183,6 +183,9 @@ pub struct Core {
     me: std::sync::Weak<Core>,
     /// How sessions are kept for a successor daemon (`None`: they end with this one).
     keep: std::sync::OnceLock<crate::session::Keep>,
+    /// `false` while client calls are held ([`Core::hold_calls`]): connections are accepted
+    /// and authorized but their calls wait until [`Core::release_calls`].
+    calls_open: tokio::sync::watch::Sender<bool>,
 }
 
 impl std::fmt::Debug for Core {
@@ -279,7 +282,33 @@ impl Core {
             pool: crate::pool::Pool::default(),
             environments: crate::environments::Reports::default(),
             keep: std::sync::OnceLock::new(),
+            calls_open: tokio::sync::watch::Sender::new(true),
         })
+    }
+
+    /// Holds every client call until [`Core::release_calls`]: a daemon that adopts its
+    /// predecessor's sessions serves its socket while it adopts them, so that a connection
+    /// made during the restart is accepted and its authorization asked meanwhile
+    /// (`varlink::serve_connection`), but no call sees the sessions before they are all
+    /// adopted.
+    pub fn hold_calls(&self) {
+        self.calls_open.send_replace(false);
+    }
+
+    /// Lets held calls go on ([`Core::hold_calls`]).
+    pub fn release_calls(&self) {
+        self.calls_open.send_replace(true);
+    }
+
+    /// Whether client calls are held now.
+    pub fn calls_held(&self) -> bool {
+        !*self.calls_open.borrow()
+    }
+
+    /// Waits until client calls are not held.
+    pub async fn calls_released(&self) {
+        let mut rx = self.calls_open.subscribe();
+        let _ = rx.wait_for(|open| *open).await;
     }
 
     /// Keeps every client session opened from now on for adoption by a successor daemon

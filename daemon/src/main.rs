@@ -54,9 +54,16 @@ fn main() -> anyhow::Result<()> {
     // The start's stage timings (`sandcelld::timing`): from here to "ready to serve".
     let start_clock = sandcelld::stages::monotonic_us();
     let mut stages = Stages::new();
-    // The listening socket of a previous image of this process (a re-exec in place), read
-    // while the process has one thread.
-    let inherited = sandcelld::reexec::take_inherited();
+    // The listening socket of a previous image of this process (a re-exec in place), and the
+    // children it left (this image reaps them), read while the process has one thread and
+    // before it starts any child.
+    // SAFETY: no thread has been started yet.
+    let inherited = unsafe { sandcelld::reexec::take_inherited() };
+    let inherited_children = if inherited.is_some() {
+        sandcelld::reexec::inherited_children()
+    } else {
+        Vec::new()
+    };
     // A session keeper (sandcelld(8), ADOPTION): started by the daemon only, never by hand.
     let argv: Vec<String> = std::env::args().collect();
     if argv.get(1).map(String::as_str) == Some(sandcelld::keeper::SUBCOMMAND) {
@@ -80,6 +87,13 @@ fn main() -> anyhow::Result<()> {
             std::process::exit(EX_CONFIG);
         }
         return Ok(());
+    }
+    if inherited.is_some() {
+        // systemd's watchdog clock runs on across a re-exec in place: ping at once.
+        if notify::watchdog_interval().is_some() {
+            notify::watchdog();
+        }
+        sandcelld::reexec::reap_inherited(inherited_children);
     }
     // The confinement self-check forks test children and waits for them: it runs on a thread
     // of its own while the configuration is read and the runtime built (it needs neither).
@@ -264,6 +278,10 @@ async fn run(
     inherited: Option<sandcelld::reexec::Inherited>,
 ) -> anyhow::Result<()> {
     let (mut stages, start_clock) = start;
+    // These signal handlers first: until they are installed SIGHUP, SIGUSR1 and SIGUSR2
+    // would end the process (their default action), which after a re-exec in place a second
+    // SIGUSR1 could do while this image starts.
+    let signals = Signals::new()?;
     stages.mark("runtime");
     // The capacity file (metrics_file): written from the tick below, removed at a clean exit.
     let mut metrics = sandcelld::metrics::Writer::new();
@@ -403,8 +421,38 @@ async fn run(
              client is served, in the background"
         );
     }
+    // `stop` ends the Varlink server and the D-Bus supervisor; `hold` stops accepting without
+    // closing the socket: an exit or re-exec that keeps the sessions leaves new connections
+    // waiting for the next daemon instead of cutting them.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (hold_tx, hold_rx) = watch::channel(false);
+    let (held_tx, mut held_rx) = watch::channel(false);
+    // With sessions to adopt, the socket is served while they are adopted: connections made
+    // during the restart are accepted and their authorization asked (polkit's answer takes
+    // about as long as the adoption), while every call waits for the adoption's end
+    // (Core::hold_calls). The authority is the one the D-Bus start selects first.
+    let mut listener = Some(listener);
+    let early_server = match listener.take() {
+        Some(l) if adopting > 0 => {
+            if let Some(polkit) = early_bus.initial_authority() {
+                core.set_authority(polkit);
+            }
+            core.hold_calls();
+            Some(tokio::spawn(varlink::serve(
+                core.clone(),
+                l,
+                stop_rx.clone(),
+                hold_rx.clone(),
+                held_tx.clone(),
+            )))
+        }
+        other => {
+            listener = other;
+            None
+        }
+    };
     // The kept sessions are adopted after the probes (which need an idle daemon and room in
-    // the budgets) and before the first client is served; their keepers hold them meanwhile.
+    // the budgets) and before any client call is answered; their keepers hold them meanwhile.
     match found {
         Some(found) => {
             core.enable_adoption(adopt_keep);
@@ -412,13 +460,13 @@ async fn run(
         }
         None => core.restore_ended(&previous),
     }
+    core.release_calls();
     stages.mark("adopt");
     // The D-Bus control plane and the polkit authority (sandcelld::dbus).
-    // Started after the readiness probe and before the Varlink socket is served, so polkit
-    // (when the system bus and polkitd answer) decides from the first client on; without a
-    // system bus the socket's permissions stay the only gate. `stop_tx` is created here so
-    // the D-Bus supervisor stops with the rest.
-    let (stop_tx, stop_rx) = watch::channel(false);
+    // Started after the readiness probe and before the Varlink socket is served (or, while
+    // adopting, after the authority it selects first was set), so polkit (when the system bus
+    // and polkitd answer) decides from the first client on; without a system bus the
+    // socket's permissions stay the only gate.
     // With adopted sessions the first connection is made in the background: their owners'
     // first calls wait for polkit's first answer, not for the whole bus start-up as well.
     let settings = sandcelld::dbus::Settings {
@@ -445,10 +493,11 @@ async fn run(
     tracing::info!("ready to serve");
     stages.log_daemon("daemon_start", start_clock);
 
-    // `hold` stops accepting without closing the socket: an exit or re-exec that keeps the
-    // sessions leaves new connections waiting for the next daemon instead of cutting them.
-    let (hold_tx, hold_rx) = watch::channel(false);
-    let server = tokio::spawn(varlink::serve(core.clone(), listener, stop_rx, hold_rx));
+    let server = match (early_server, listener) {
+        (Some(s), _) => s,
+        (None, Some(l)) => tokio::spawn(varlink::serve(core.clone(), l, stop_rx, hold_rx, held_tx)),
+        (None, None) => unreachable!("the listener is served early or here"),
+    };
     // What a SIGTERM asks systemd is made ready now, off the stop's critical path.
     tokio::spawn(sandcelld::lifecycle::prepare());
     if let Some(mut events) = first_cell {
@@ -470,6 +519,7 @@ async fn run(
         });
     }
     let stopped = serve_until_stopped(
+        signals,
         &core,
         &mut metrics,
         &config_path,
@@ -490,7 +540,10 @@ async fn run(
     stages.mark("ask_systemd");
     match &on_term {
         OnTerm::KeepSessions if core.adoption_enabled() => {
+            // No connection is accepted from here on (the server says so, at most 1 s):
+            // new ones wait in the socket's backlog for the next image or daemon.
             let _ = hold_tx.send(true);
+            let _ = tokio::time::timeout(Duration::from_secs(1), held_rx.wait_for(|h| *h)).await;
             if stopped == Stopped::Term {
                 tracing::info!("systemd is restarting the unit: keeping every session");
             }
@@ -691,21 +744,44 @@ enum Stopped {
     Idle,
 }
 
+/// The signals whose default action would end the daemon while it starts, registered at the
+/// start of `run` (one that arrives meanwhile is acted on once it serves). SIGTERM and SIGINT
+/// are registered when it serves: until then they end it at once, as systemd's stop of a
+/// starting unit expects.
+struct Signals {
+    usr1: tokio::signal::unix::Signal,
+    usr2: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Signals> {
+        Ok(Signals {
+            usr1: signal(SignalKind::user_defined1())?,
+            usr2: signal(SignalKind::user_defined2())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+}
+
 /// Serves until SIGTERM or SIGINT, or, with `idle_exit`, until no session or connection was
 /// left for that many seconds, and says which; SIGHUP reloads `config_path`. Every second: the sd_notify
 /// status, the metrics file, the watchdog, and a heap trim every [`TRIM_EVERY`].
 async fn serve_until_stopped(
+    signals: Signals,
     core: &Arc<Core>,
     metrics: &mut sandcelld::metrics::Writer,
     config_path: &Path,
     config_required: bool,
     idle_exit: Option<u64>,
 ) -> anyhow::Result<Stopped> {
+    let Signals {
+        mut usr1,
+        mut usr2,
+        mut hup,
+    } = signals;
     let mut term = signal(SignalKind::terminate())?;
-    let mut usr1 = signal(SignalKind::user_defined1())?;
-    let mut usr2 = signal(SignalKind::user_defined2())?;
     let mut int = signal(SignalKind::interrupt())?;
-    let mut hup = signal(SignalKind::hangup())?;
     let watchdog = notify::watchdog_interval();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut last_busy = Instant::now();

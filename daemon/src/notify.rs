@@ -5,14 +5,19 @@
 use sd_notify::NotifyState;
 use std::time::Duration;
 
-/// Sends READY=1 and a status line.
+/// Sends READY=1 and a status line, with WATCHDOG=1 when systemd watches the daemon (a re-exec in
+/// place is a reload for systemd, which need not restart the watchdog's clock).
 pub fn ready(status: &str) {
-    let _ = sd_notify::notify(&[NotifyState::Ready, NotifyState::Status(status)]);
+    let mut states = vec![NotifyState::Ready, NotifyState::Status(status)];
+    if watchdog_interval().is_some() {
+        states.push(NotifyState::Watchdog);
+    }
+    let _ = sd_notify::notify(&states);
 }
 
-/// Sends RELOADING=1 with MONOTONIC_USEC (systemd 253 and later require the second with the
-/// first) and a status line: the daemon re-executes in place ([`crate::reexec`]); the new
-/// image's READY=1 ends the reload.
+/// Sends RELOADING=1 with MONOTONIC_USEC (which systemd 253 and later expect with it for
+/// `Type=notify-reload` units; others ignore it) and a status line: the daemon re-executes in
+/// place ([`crate::reexec`]); the new image's READY=1 ends the reload.
 pub fn reloading() {
     let mut states = vec![NotifyState::Reloading, NotifyState::Status("re-executing")];
     if let Ok(now) = NotifyState::monotonic_usec_now() {

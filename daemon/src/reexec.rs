@@ -11,16 +11,23 @@
 //! not change): systemd itself re-executes in place for `daemon-reexec` on the same ground.
 //!
 //! Around the exec the daemon tells systemd `RELOADING=1` (sd_notify(3)); the new image's
-//! `READY=1` ends the reload. A new image that does not come up is caught by the unit's
-//! watchdog (`WatchdogSec=`) or exits, and `Restart=on-failure` starts a daemon that adopts
-//! the sessions, which their keepers hold whatever happens to this process.
+//! `READY=1` ends the reload. Both come with `WATCHDOG=1`: a reload need not restart the watchdog's
+//! clock, so the new image pings as soon as it starts and again when ready.
+//! A new image that hangs is caught by the unit's watchdog (`WatchdogSec=`), one that fails
+//! exits, and `Restart=on-failure` starts a daemon that adopts the sessions, which their
+//! keepers hold whatever happens to this process.
+//!
+//! After the exec the previous image's children (workers, keepers, the warm workers it
+//! killed) are still this process's children, not init's as after an exit; the new image
+//! reaps them as they exit ([`reap_inherited`]) and otherwise treats the workers as adopted
+//! ones (their pidfds, never wait(2)).
 //!
 //! Descriptors: every descriptor above 2 is marked close-on-exec before the exec, whatever
 //! opened it, except the listening socket, whose close-on-exec flag is cleared; its number
 //! (and whether systemd's socket activation gave it) pass in [`LISTEN_FD_ENV`] and
 //! [`ACTIVATED_ENV`], read and removed by [`take_inherited`] before any thread starts. The
-//! keepers' lifelines are among those closed, so each keeper waits for an adopter exactly as
-//! after an exit.
+//! keepers' lifelines are among those closed, so each keeper waits for an adopter as after
+//! an exit.
 
 use std::ffi::CString;
 use std::os::fd::RawFd;
@@ -54,19 +61,134 @@ pub struct Inherited {
     pub activated: bool,
 }
 
-/// Reads and removes [`LISTEN_FD_ENV`] and [`ACTIVATED_ENV`]. `None` when the process was not
-/// re-executed, or when the value is not a descriptor number above 2 (ignored: the daemon then
-/// starts as a fresh one would). Call first thing in `main`, while the process has one thread.
-pub fn take_inherited() -> Option<Inherited> {
+/// Reads and removes [`LISTEN_FD_ENV`] and [`ACTIVATED_ENV`], and marks the descriptor
+/// close-on-exec again. `None` when the process was not re-executed, or when the value is not
+/// a descriptor number above 2 (ignored: the daemon then starts as a fresh one would).
+///
+/// # Safety
+///
+/// Call while the process has one thread (first thing in `main`): it removes environment
+/// variables, which no other thread may read or write meanwhile (`std::env::remove_var`).
+pub unsafe fn take_inherited() -> Option<Inherited> {
     let fd = std::env::var(LISTEN_FD_ENV).ok();
     let activated = std::env::var(ACTIVATED_ENV).is_ok_and(|v| v == "1");
-    // SAFETY: called from `main` before any thread is started (the Rust 2024 rule for
-    // `remove_var`: no other thread may read or write the environment meanwhile).
+    // SAFETY: the caller guarantees that the process has one thread.
     unsafe {
         std::env::remove_var(LISTEN_FD_ENV);
         std::env::remove_var(ACTIVATED_ENV);
     }
-    parse_fd(fd.as_deref()?).map(|fd| Inherited { fd, activated })
+    let fd = parse_fd(fd.as_deref()?)?;
+    // Close-on-exec again at once: the self-check's children must not hold the socket.
+    // SAFETY: F_GETFD/F_SETFD only read and set the descriptor's flag; a descriptor that is
+    // not open fails with EBADF, and take_listener then refuses it.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFD);
+        if flags >= 0 {
+            libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+        }
+    }
+    Some(Inherited { fd, activated })
+}
+
+/// The children a previous image of this process left (`/proc/self/task/<pid>/children`, or
+/// the pids whose parent is this process in `/proc/<pid>/stat`): the workers and keepers it started and the warm workers it
+/// killed. After a restart they would be init's to reap; after a re-exec they are still this
+/// process's, and no code of the new image waits for them (it treats every adopted worker as
+/// another process's child). Call first thing in `main`, before this image starts any child.
+pub fn inherited_children() -> Vec<u32> {
+    let me = std::process::id();
+    // One thread now (after the exec, the main one): its children file lists them all where
+    // the kernel has it (CONFIG_PROC_CHILDREN); else every process's parent is read.
+    if let Ok(list) = std::fs::read_to_string(format!("/proc/self/task/{me}/children")) {
+        return list
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect();
+    }
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| parent_of(&s))
+                == Some(me)
+        })
+        .collect()
+}
+
+/// The parent pid in a `/proc/<pid>/stat` line (field 4, after the command in parentheses,
+/// which may itself hold spaces and parentheses: proc(5)).
+fn parent_of(stat: &str) -> Option<u32> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Reaps `children` (from [`inherited_children`]) as each exits, on a thread of its own that
+/// ends with the last: each is pinned by a pidfd (an unreaped child's pid cannot be reused),
+/// polled until it turns readable, then waited for with `WNOHANG`. Without it each would stay
+/// a zombie, holding its pid and (for a worker) its per-session uid, which the uid pool reads
+/// as in use.
+pub fn reap_inherited(children: Vec<u32>) {
+    if children.is_empty() {
+        return;
+    }
+    tracing::info!(
+        children = children.len(),
+        "reaping the previous image's children as they exit"
+    );
+    let spawned = std::thread::Builder::new()
+        .name("reap-inherited".into())
+        .spawn(move || {
+            use std::os::fd::{AsRawFd, OwnedFd};
+            let mut left: Vec<(u32, OwnedFd)> = Vec::new();
+            for pid in children {
+                match crate::sys::pidfd_open(pid) {
+                    Ok(fd) => left.push((pid, fd)),
+                    // Without a pidfd (ESRCH cannot happen to an unreaped child): a last try.
+                    Err(_) => reap(pid),
+                }
+            }
+            while !left.is_empty() {
+                let mut polls: Vec<libc::pollfd> = left
+                    .iter()
+                    .map(|(_, fd)| libc::pollfd {
+                        fd: fd.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    })
+                    .collect();
+                // SAFETY: `polls` is a valid array of `polls.len()` pollfd structures.
+                let n = unsafe { libc::poll(polls.as_mut_ptr(), polls.len() as libc::nfds_t, -1) };
+                if n < 0 {
+                    if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                        continue;
+                    }
+                    return;
+                }
+                let mut i = 0;
+                left.retain(|(pid, _)| {
+                    let exited = polls[i].revents != 0;
+                    i += 1;
+                    if exited {
+                        reap(*pid);
+                    }
+                    !exited
+                });
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start the reaper of the previous image's children");
+    }
+}
+
+fn reap(pid: u32) {
+    let _ = nix::sys::wait::waitpid(
+        nix::unistd::Pid::from_raw(pid as i32),
+        Some(nix::sys::wait::WaitPidFlag::WNOHANG),
+    );
 }
 
 fn parse_fd(v: &str) -> Option<RawFd> {
@@ -111,11 +233,13 @@ fn prepare_descriptors(keep: RawFd) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Tells systemd the daemon is reloading (`RELOADING=1` with `MONOTONIC_USEC`, which systemd
-/// 253 and later require with it; 252 ignores it), then executes the installed binary in place
-/// with the same arguments and environment (minus the socket activation variables), passing
-/// `listener` on as [`LISTEN_FD_ENV`]. Returns only if the exec failed, with its error; the
-/// caller then exits keeping its sessions (the process is no use without a new image).
+/// Tells systemd the daemon is reloading (`RELOADING=1`, with `MONOTONIC_USEC` and a
+/// `WATCHDOG=1`: a reload need not restart the watchdog's clock when the new image's `READY=1`
+/// ends it, so the exec must not start late in the interval), then executes the
+/// installed binary in place with the same arguments and environment (minus the socket
+/// activation variables), passing `listener` on as [`LISTEN_FD_ENV`]. Returns only if the
+/// exec failed, with its error; the caller then exits keeping its sessions (the process is
+/// no use without a new image).
 pub fn exec_in_place(listener: RawFd, activated: bool) -> std::io::Error {
     let path = match executable() {
         Ok(p) => p,
@@ -151,6 +275,7 @@ pub fn exec_in_place(listener: RawFd, activated: bool) -> std::io::Error {
         Err(e) => return e,
     };
     crate::notify::reloading();
+    crate::notify::watchdog();
     tracing::info!(path = %path.display(), "re-executing in place; sessions kept for the new image");
     match nix::unistd::execve(&prog, &args, &env) {
         Err(e) => std::io::Error::from(e),
@@ -168,6 +293,36 @@ mod tests {
         assert_eq!(parse_fd("17"), Some(17));
         for bad in ["0", "2", "-1", "", "x", "3 "] {
             assert_eq!(parse_fd(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_parent_is_read_after_the_command() {
+        assert_eq!(parent_of("42 (sandcelld) S 7 42 42 0"), Some(7));
+        assert_eq!(parent_of("42 (a) b) (c) R 9 1 1"), Some(9));
+        assert_eq!(parent_of("42 (x"), None);
+    }
+
+    #[test]
+    fn an_inherited_child_is_reaped_once_it_exits() {
+        let child = std::process::Command::new("sleep")
+            .arg("0.2")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        // The child is this process's (a test thread forked it, so the main thread's
+        // children file need not list it; its stat names the parent).
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        assert_eq!(parent_of(&stat), Some(std::process::id()));
+        std::mem::forget(child);
+        reap_inherited(vec![pid]);
+        let t0 = std::time::Instant::now();
+        while std::fs::metadata(format!("/proc/{pid}")).is_ok() {
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(10),
+                "{pid} was not reaped"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
         }
     }
 

@@ -215,8 +215,9 @@ pub fn pipe_capacity(fd: BorrowedFd<'_>) -> io::Result<usize> {
     Ok(usize::try_from(r).unwrap_or(0))
 }
 
-/// Whether `fd` is an open, listening Unix socket (`SO_DOMAIN`: `AF_UNIX`; `SO_ACCEPTCONN`:
-/// listening). A descriptor that is not open, or not a socket, is not one.
+/// Whether `fd` is an open, listening Unix stream socket (`SO_DOMAIN`: `AF_UNIX`; `SO_TYPE`:
+/// `SOCK_STREAM`; `SO_ACCEPTCONN`: listening). A descriptor that is not open, or not a
+/// socket, is not one.
 pub fn is_unix_listener(fd: std::os::fd::RawFd) -> bool {
     let int_opt = |opt: libc::c_int| -> Option<libc::c_int> {
         let mut v: libc::c_int = 0;
@@ -234,7 +235,9 @@ pub fn is_unix_listener(fd: std::os::fd::RawFd) -> bool {
         };
         (rc == 0).then_some(v)
     };
-    int_opt(libc::SO_DOMAIN) == Some(libc::AF_UNIX) && int_opt(libc::SO_ACCEPTCONN) == Some(1)
+    int_opt(libc::SO_DOMAIN) == Some(libc::AF_UNIX)
+        && int_opt(libc::SO_TYPE) == Some(libc::SOCK_STREAM)
+        && int_opt(libc::SO_ACCEPTCONN) == Some(1)
 }
 
 #[cfg(test)]

@@ -1784,8 +1784,8 @@ fn wait_ready_times(d: &mut Daemon, n: usize) {
 
 /// SIGUSR1, the package upgrade's path: the daemon re-executes its binary in place. The same
 /// process (pid) serves on; the listening socket passes through the exec, so a connection
-/// made while the new image starts waits in the backlog and is served; and every session is
-/// kept: worker pids, variables (Python and R), files, and a Submit cell running across the
+/// made while the new image starts is served, its call held until every session is adopted;
+/// and every session is kept: worker pids, variables (Python and R), files, and a Submit cell running across the
 /// exec, continued with its whole output.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reexec_in_place_keeps_the_process_its_socket_and_every_session() {
@@ -1794,8 +1794,12 @@ async fn a_reexec_in_place_keeps_the_process_its_socket_and_every_session() {
     if !r {
         eprintln!("note: R is not installed: the R session is left out");
     }
-    let (mut first, setup) =
-        first_daemon(&[("SANDCELL_LANGUAGES", if r { "python,r" } else { "python" })]);
+    // The new image waits 1 s before it adopts (a test seam), so the connection made during
+    // the re-exec is accepted while the adoption is under way: its call must wait for it.
+    let (mut first, setup) = first_daemon(&[
+        ("SANDCELL_LANGUAGES", if r { "python,r" } else { "python" }),
+        ("SANDCELL_TEST_ADOPT_DELAY_MS", "1000"),
+    ]);
     let pid = first.pid();
     let mut c = first.client().await;
     let py = c.open("python", None, Some(600)).await.unwrap().session;
@@ -1840,6 +1844,14 @@ async fn a_reexec_in_place_keeps_the_process_its_socket_and_every_session() {
     let ready_before = first.log_text().matches("ready to serve").count();
     let mut c = first.client().await;
     let st = c.cell_status(&py, cell).await.unwrap();
+    // Answered only once every session was adopted (never NoSuchSession meanwhile).
+    assert!(
+        first
+            .log_text()
+            .contains("sessions of the previous daemon adopted="),
+        "a call was answered before the adoption ended:\n{}",
+        first.log_text()
+    );
     eprintln!(
         "SIGUSR1: CellStatus {:?} {:?} after the signal (the new image was {} when the \
          connection was made)",
@@ -1899,9 +1911,40 @@ async fn a_reexec_in_place_keeps_the_process_its_socket_and_every_session() {
         first.log_text()
     );
     eprintln!("re-exec: pid {pid} kept, worker {worker} kept, twice");
-    kill_daemon(&mut first, libc::SIGTERM);
+    // The first image's children (workers, keepers) are still the daemon's: once their
+    // sessions end, the new image reaps them (no zombie left holding a pid and a uid).
+    d.close(&py).await.unwrap();
+    if let Some(id) = &rs {
+        d.close(id).await.unwrap();
+    }
     assert!(
-        common::eventually(Duration::from_secs(10), || !alive(worker)),
-        "SIGTERM left the worker running"
+        common::eventually(Duration::from_secs(20), || !alive(worker)
+            && zombie_children(pid).is_empty()),
+        "zombie children of the daemon: {:?}\n{}",
+        zombie_children(pid),
+        first.log_text()
     );
+    kill_daemon(&mut first, libc::SIGTERM);
+}
+
+/// The daemon's children that exited and nobody reaped (state `Z` in `/proc/<pid>/stat`).
+fn zombie_children(daemon: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                return false;
+            };
+            let Some((_, rest)) = stat.rsplit_once(')') else {
+                return false;
+            };
+            let mut f = rest.split_whitespace();
+            let state = f.next();
+            let parent = f.next().and_then(|p| p.parse::<u32>().ok());
+            state == Some("Z") && parent == Some(daemon)
+        })
+        .collect()
 }

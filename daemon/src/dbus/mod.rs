@@ -269,6 +269,20 @@ pub fn connect_early() -> Early {
     }
 }
 
+impl Early {
+    /// The polkit authority when the daemon's start selects it at once (what [`start`] and
+    /// [`start_in_background`] do first): polkit is installed and there is a system bus, or
+    /// sandcell's polkit action file is installed and there is none (polkit then refuses
+    /// everyone but root). `None`: the socket's permissions decide until the bus says more.
+    pub fn initial_authority(&self) -> Option<Arc<Polkit>> {
+        let selected = match &self.address {
+            Some(_) => crate::polkit::installed().is_some(),
+            None => crate::polkit::action_file_installed().is_some(),
+        };
+        selected.then(|| self.polkit.clone())
+    }
+}
+
 /// Starts the control plane on `early`'s connection if there is a system bus; returns its
 /// supervisor task.
 ///

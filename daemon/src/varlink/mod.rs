@@ -29,7 +29,8 @@ use tokio::net::UnixListener;
 use tokio::sync::{mpsc, watch};
 
 /// Accepts connections until `stop` turns true; each is served on its own task. From when
-/// `hold` turns true, accepts nothing more but keeps the socket open until `stop`.
+/// `hold` turns true, accepts nothing more (and says so on `held`) but keeps the socket open
+/// until `stop`.
 ///
 /// When `stop` fires, connections not yet accepted stay queued in the listening socket
 /// (systemd keeps it), so a socket-activated daemon that exits loses nothing.
@@ -38,6 +39,7 @@ pub async fn serve(
     listener: UnixListener,
     mut stop: watch::Receiver<bool>,
     mut hold: watch::Receiver<bool>,
+    held: watch::Sender<bool>,
 ) {
     raise_nofile(&core);
     // One descriptor in reserve: when accept fails for want of descriptors, it is given up to
@@ -48,10 +50,13 @@ pub async fn serve(
         if *hold.borrow() {
             // Held: the socket stays open and connections wait in its backlog for the next
             // image or daemon (an exit or re-exec that keeps sessions).
+            held.send_replace(true);
             let _ = stop.wait_for(|s| *s).await;
             return;
         }
         tokio::select! {
+            // Stop and hold before any accept that is ready at the same time.
+            biased;
             _ = async { let _ = stop.wait_for(|s| *s).await; } => return,
             _ = async { let _ = hold.wait_for(|h| *h).await; } => continue,
             accepted = listener.accept() => match accepted {
@@ -248,6 +253,15 @@ async fn serve_connection(core: Arc<Core>, admitted: Admitted) {
     };
     drop(pidfd);
     tracing::debug!(connection = id, uid, pid, "client connected");
+    if core.calls_held() {
+        // The daemon is adopting its predecessor's sessions (a restart that kept them): the
+        // caller's authorization to run code is asked now, beside the adoption, and cached
+        // for this connection; its calls wait for the adoption's end.
+        let ask = async {
+            let _ = core.authorize(&caller, crate::auth::Action::Execute).await;
+        };
+        tokio::join!(ask, core.calls_released());
+    }
     let (mut read, write) = socket::split(stream, uid);
     let write = Arc::new(write);
     let partial = read.partial_flag();

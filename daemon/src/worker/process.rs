@@ -1,8 +1,9 @@
 //! A session's worker process as its actor holds it: the daemon's own child (spawned by this
 //! daemon), or a worker adopted from a previous daemon, which is not this daemon's child.
 //!
-//! An adopted worker cannot be waited for (wait(2) is for a parent; its parent is init now,
-//! which reaps it): its exit is seen on its pidfd, which turns readable when the process
+//! An adopted worker is not waited for (wait(2) is for a parent; after a restart its parent is
+//! init, which reaps it; after a re-exec in place it is still this process's child, and
+//! `reexec::reap_inherited` reaps it): its exit is seen on its pidfd, which turns readable when the process
 //! exits (pidfd_open(2)), and signals go through the pidfd, which never reaches a process
 //! that took the pid over. Its exit status is not known; an OOM kill is still told by the
 //! session cgroup's counters.

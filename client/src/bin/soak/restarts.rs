@@ -95,10 +95,30 @@ pub fn restarter(
         if sig == libc::SIGUSR1 {
             // SAFETY: a signal to the daemon this program started (or the script's first one).
             unsafe { libc::kill(pid as libc::pid_t, sig) };
-            // The same process goes on: its clients' cut calls follow into the new image.
+            // The same process goes on (its clients' cut calls follow into the new image): it
+            // must still be there, and answer on its socket, within 30 s.
+            loop {
+                anyhow::ensure!(
+                    !gone(pid),
+                    "daemon {pid} died on SIGUSR1 (re-exec in place)"
+                );
+                if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+                    break;
+                }
+                anyhow::ensure!(
+                    t0.elapsed() < Duration::from_secs(30),
+                    "daemon {pid}: no socket 30 s after SIGUSR1"
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+            anyhow::ensure!(
+                !gone(pid),
+                "daemon {pid} died after SIGUSR1 (re-exec in place)"
+            );
             d.restarts.fetch_add(1, Ordering::SeqCst);
             println!(
-                "soak: restart {} (SIGUSR1): daemon {pid} re-executes in place",
+                "soak: restart {} (SIGUSR1): daemon {pid} re-executed in place",
                 d.restarts.load(Ordering::SeqCst)
             );
             continue;
