@@ -282,6 +282,22 @@ async fn run(
     // would end the process (their default action), which after a re-exec in place a second
     // SIGUSR1 could do while this image starts.
     let signals = Signals::new()?;
+    // After a re-exec in place systemd's watchdog keeps running while this image starts (a
+    // reload, for systemd), and a start without sessions to adopt runs the readiness probe
+    // first (seconds under load): the watchdog is pinged until the image is ready, after
+    // which the main loop pings it.
+    let starting = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    if inherited.is_some()
+        && let Some(every) = notify::watchdog_interval()
+    {
+        let starting = starting.clone();
+        tokio::spawn(async move {
+            while starting.load(std::sync::atomic::Ordering::SeqCst) {
+                notify::watchdog();
+                tokio::time::sleep(every).await;
+            }
+        });
+    }
     stages.mark("runtime");
     // The capacity file (metrics_file): written from the tick below, removed at a clean exit.
     let mut metrics = sandcelld::metrics::Writer::new();
@@ -430,10 +446,12 @@ async fn run(
     // With sessions to adopt, the socket is served while they are adopted: connections made
     // during the restart are accepted and their authorization asked (polkit's answer takes
     // about as long as the adoption), while every call waits for the adoption's end
-    // (Core::hold_calls). The authority is the one the D-Bus start selects first.
+    // (Core::hold_calls). The authority is the one the D-Bus start selects first; where it
+    // is only known after polkit's first answer, the socket is served after the D-Bus start,
+    // as without sessions to adopt.
     let mut listener = Some(listener);
     let early_server = match listener.take() {
-        Some(l) if adopting > 0 => {
+        Some(l) if adopting > 0 && early_bus.authority_known() => {
             if let Some(polkit) = early_bus.initial_authority() {
                 core.set_authority(polkit);
             }
@@ -489,6 +507,7 @@ async fn run(
         core.start_pool();
     }
     notify::ready(&status_line(&core));
+    starting.store(false, std::sync::atomic::Ordering::SeqCst);
     stages.mark("ready");
     tracing::info!("ready to serve");
     stages.log_daemon("daemon_start", start_clock);

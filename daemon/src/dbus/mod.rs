@@ -281,6 +281,14 @@ impl Early {
         };
         selected.then(|| self.polkit.clone())
     }
+
+    /// Whether the authority of the daemon's first client is known before the D-Bus start:
+    /// polkit is selected at once ([`Early::initial_authority`]), or there is no system bus
+    /// (then nothing later changes it). `false` when there is a bus but polkit's presence is
+    /// only learned from its first answer: no client call may be decided before that.
+    pub fn authority_known(&self) -> bool {
+        self.address.is_none() || self.initial_authority().is_some()
+    }
 }
 
 /// Starts the control plane on `early`'s connection if there is a system bus; returns its

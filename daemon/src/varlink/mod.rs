@@ -256,11 +256,21 @@ async fn serve_connection(core: Arc<Core>, admitted: Admitted) {
     if core.calls_held() {
         // The daemon is adopting its predecessor's sessions (a restart that kept them): the
         // caller's authorization to run code is asked now, beside the adoption, and cached
-        // for this connection; its calls wait for the adoption's end.
-        let ask = async {
-            let _ = core.authorize(&caller, crate::auth::Action::Execute).await;
-        };
-        tokio::join!(ask, core.calls_released());
+        // for this connection (on a task of its own: no call waits for it but the ones that
+        // need it); its calls wait for the adoption's end.
+        tracing::info!(
+            connection = id,
+            uid,
+            pid,
+            "connection accepted while adopting sessions: its calls wait for the adoption"
+        );
+        let (ask_core, ask_caller) = (core.clone(), caller.clone());
+        tokio::spawn(async move {
+            let _ = ask_core
+                .authorize(&ask_caller, crate::auth::Action::Execute)
+                .await;
+        });
+        core.calls_released().await;
     }
     let (mut read, write) = socket::split(stream, uid);
     let write = Arc::new(write);

@@ -96,30 +96,32 @@ pub fn restarter(
             // SAFETY: a signal to the daemon this program started (or the script's first one).
             unsafe { libc::kill(pid as libc::pid_t, sig) };
             // The same process goes on (its clients' cut calls follow into the new image): it
-            // must still be there, and answer on its socket, within 30 s.
+            // must still be there, and answer a call on its socket, within 30 s (asked from
+            // 0.2 s on, when the old image has long stopped accepting).
+            std::thread::sleep(Duration::from_millis(200));
             loop {
                 anyhow::ensure!(
                     !gone(pid),
                     "daemon {pid} died on SIGUSR1 (re-exec in place)"
                 );
-                if std::os::unix::net::UnixStream::connect(&socket).is_ok() {
+                if answers(&socket) {
                     break;
                 }
                 anyhow::ensure!(
                     t0.elapsed() < Duration::from_secs(30),
-                    "daemon {pid}: no socket 30 s after SIGUSR1"
+                    "daemon {pid}: no answer 30 s after SIGUSR1"
                 );
                 std::thread::sleep(Duration::from_millis(10));
             }
-            std::thread::sleep(Duration::from_millis(200));
             anyhow::ensure!(
                 !gone(pid),
                 "daemon {pid} died after SIGUSR1 (re-exec in place)"
             );
             d.restarts.fetch_add(1, Ordering::SeqCst);
             println!(
-                "soak: restart {} (SIGUSR1): daemon {pid} re-executed in place",
-                d.restarts.load(Ordering::SeqCst)
+                "soak: restart {} (SIGUSR1): daemon {pid} re-executed in place, answering after {:.2} s",
+                d.restarts.load(Ordering::SeqCst),
+                t0.elapsed().as_secs_f64()
             );
             continue;
         }
@@ -149,6 +151,30 @@ pub fn restarter(
             t0.elapsed().as_secs_f64()
         );
     }
+}
+
+/// Whether the daemon on `socket` answers `org.varlink.service.GetInfo` within 30 s with a
+/// reply that is not an error.
+fn answers(socket: &Path) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
+    if s.write_all(b"{\"method\":\"org.varlink.service.GetInfo\"}\0")
+        .is_err()
+    {
+        return false;
+    }
+    let mut reply = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !reply.contains(&0) && reply.len() < 1 << 20 {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => reply.extend_from_slice(&buf[..n]),
+        }
+    }
+    reply.contains(&0) && !String::from_utf8_lossy(&reply).contains("\"error\"")
 }
 
 /// Whether `e` says the daemon is away (connect refused or missing, call cut, `ShuttingDown`):
