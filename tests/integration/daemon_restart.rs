@@ -546,6 +546,20 @@ async fn attach_until_end(
 
 /// The cell of the running-cell tests: prints, sleeps across the restart, prints again and
 /// sets a variable.
+/// Waits (at most 20 s) until the journal of session `id`'s running [`ACROSS`] cell holds
+/// its first print; panics with the daemon's log otherwise.
+fn wait_first_print_journaled(d: &Daemon, adopt: &Path, id: &str) {
+    let journal = adopt.join(format!("{id}.cell"));
+    assert!(
+        common::eventually(Duration::from_secs(20), || std::fs::read(&journal)
+            .is_ok_and(|b| b
+                .windows(18)
+                .any(|w| w == b"before the restart".as_slice()))),
+        "the journal never held the first print:\n{}",
+        d.log_text()
+    );
+}
+
 const ACROSS: &str = "import sys, time\nprint('before the restart')\nsys.stdout.flush()\ntime.sleep(3)\nprint('after the restart')\nv = 42";
 
 /// A detached session's `Submit` cell runs while its daemon goes (`signal`) and a successor
@@ -562,15 +576,7 @@ async fn a_submitted_cell_continues_across(signal: i32) {
     let cell = c.submit(&s, ACROSS).await.unwrap();
     // The first print is retained in the cell's journal before the daemon goes: a SIGKILL
     // gives it no chance to write anything at its end.
-    let journal = setup.adopt.join(format!("{s}.cell"));
-    assert!(
-        common::eventually(Duration::from_secs(20), || std::fs::read(&journal)
-            .is_ok_and(|b| b
-                .windows(18)
-                .any(|w| w == b"before the restart".as_slice()))),
-        "the journal never held the first print:\n{}",
-        first.log_text()
-    );
+    wait_first_print_journaled(&first, &setup.adopt, &s);
     assert_eq!(c.cell_status(&s, cell).await.unwrap().state, "running");
     let t_event = Instant::now();
     kill_daemon(&mut first, signal);
@@ -1670,15 +1676,7 @@ async fn gap_across(signal: i32) {
     stdout_of(&mut c, &a, "v = 'kept'").await;
     let (worker, _) = record_pids(&setup.adopt, &a);
     let cell = c.submit(&s, ACROSS).await.unwrap();
-    let journal = setup.adopt.join(format!("{s}.cell"));
-    assert!(
-        common::eventually(Duration::from_secs(20), || std::fs::read(&journal)
-            .is_ok_and(|b| b
-                .windows(18)
-                .any(|w| w == b"before the restart".as_slice()))),
-        "the journal never held the first print:\n{}",
-        first.log_text()
-    );
+    wait_first_print_journaled(&first, &setup.adopt, &s);
     // The prepared systemd connection is made in the background after "ready".
     tokio::time::sleep(Duration::from_millis(300)).await;
     let t0 = Instant::now();
@@ -1817,15 +1815,7 @@ async fn a_reexec_in_place_keeps_the_process_its_socket_and_every_session() {
     let (worker, keeper) = record_pids(&setup.adopt, &py);
     let r_worker = rs.as_ref().map(|id| record_pids(&setup.adopt, id).0);
     let cell = c.submit(&py, ACROSS).await.unwrap();
-    let journal = setup.adopt.join(format!("{py}.cell"));
-    assert!(
-        common::eventually(Duration::from_secs(20), || std::fs::read(&journal)
-            .is_ok_and(|b| b
-                .windows(18)
-                .any(|w| w == b"before the restart".as_slice()))),
-        "the journal never held the first print:\n{}",
-        first.log_text()
-    );
+    wait_first_print_journaled(&first, &setup.adopt, &py);
     let t_event = Instant::now();
     // SAFETY: a signal to our own child, not yet reaped.
     unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
