@@ -449,25 +449,21 @@ async fn run(
     // (Core::hold_calls). The authority is the one the D-Bus start selects first; where it
     // is only known after polkit's first answer, the socket is served after the D-Bus start,
     // as without sessions to adopt.
-    let mut listener = Some(listener);
-    let early_server = match listener.take() {
-        Some(l) if adopting > 0 && early_bus.authority_known() => {
-            if let Some(polkit) = early_bus.initial_authority() {
-                core.set_authority(polkit);
-            }
-            core.hold_calls();
-            Some(tokio::spawn(varlink::serve(
-                core.clone(),
-                l,
-                stop_rx.clone(),
-                hold_rx.clone(),
-                held_tx.clone(),
-            )))
+    let (early_server, listener) = if adopting > 0 && early_bus.authority_known() {
+        if let Some(polkit) = early_bus.initial_authority() {
+            core.set_authority(polkit);
         }
-        other => {
-            listener = other;
-            None
-        }
+        core.hold_calls();
+        let server = tokio::spawn(varlink::serve(
+            core.clone(),
+            listener,
+            stop_rx.clone(),
+            hold_rx.clone(),
+            held_tx.clone(),
+        ));
+        (Some(server), None)
+    } else {
+        (None, Some(listener))
     };
     // The kept sessions are adopted after the probes (which need an idle daemon and room in
     // the budgets) and before any client call is answered; their keepers hold them meanwhile.
