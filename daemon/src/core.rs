@@ -1701,6 +1701,20 @@ impl Core {
         }
         while set.join_next().await.is_some() {}
         self.pool.drain().await;
+        // Every session has ended: a group still here is one a worker start cut short by the
+        // exit left (a client's Open, a probe or a warm start under way). Killed and removed
+        // now, so that a clean stop leaves no group for a successor's sweep.
+        let cgroups = self.cgroups.clone();
+        match tokio::task::spawn_blocking(move || cgroups.sweep_stale()).await {
+            Ok(Ok(swept)) if swept.groups > 0 => tracing::info!(
+                removed = swept.groups,
+                killed = swept.populated.len(),
+                "removed session groups of worker starts the stop cut short"
+            ),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "sweeping session groups at stop"),
+            Err(e) => tracing::warn!(error = %e, "sweeping session groups at stop"),
+        }
         // Every session group is gone; remove the daemon's own parents (v1) too.
         if let Err(e) = self.cgroups.release() {
             tracing::warn!(error = %e, "releasing the cgroup subtree");

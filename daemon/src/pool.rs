@@ -255,6 +255,8 @@ impl<W: Warm> Pool<W> {
     /// workers are discarded all at once (their kills and teardowns overlap) and before that
     /// wait, not after it.
     pub async fn drain(&self) -> usize {
+        // Pairs with the fence in `Refill::round` (the stop flag is set before this runs).
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
         let mut set = tokio::task::JoinSet::new();
         let mut n = 0;
         for p in self.take_idle() {
@@ -456,6 +458,15 @@ impl Refill {
                 };
                 pool.held_back().await;
                 pool.filling.send_modify(|n| *n += 1);
+                // The daemon may have begun to stop while this round waited: `drain` either
+                // saw this start counted (and waits for it) or this sees the stop (and starts
+                // nothing); a start begun after `drain` returned would be cut by the exit and
+                // leave its session group behind.
+                std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+                if source.config().is_none() {
+                    pool.filling.send_modify(|n| *n -= 1);
+                    return started;
+                }
                 let r = source.start(env, cfg.limits.max_guest_memory_bytes).await;
                 if let Ok(p) = &r {
                     tracing::info!(environment = %name, language = lang.as_str(), session = %p.id(), "warm worker ready");

@@ -80,6 +80,117 @@ struct Setup {
     adopt: PathBuf,
 }
 
+impl Setup {
+    /// The test's cgroup name (`SANDCELL_CGROUP_NAME`), unique per test.
+    fn cgroup_name(&self) -> &str {
+        self.env
+            .iter()
+            .find(|(k, _)| k == "SANDCELL_CGROUP_NAME")
+            .map(|(_, v)| v.as_str())
+            .expect("first_daemon sets SANDCELL_CGROUP_NAME")
+    }
+}
+
+/// Where the test daemons' cgroup v1 groups named `name` are: in each v1 hierarchy of memory,
+/// pids or cpu, below this process's own group when that is a systemd unit's and below the
+/// root otherwise, as the v1 backend places them (`cgroup::v1::V1::open`); empty without v1
+/// hierarchies.
+fn v1_groups(name: &str) -> Vec<PathBuf> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let mut dirs = Vec::new();
+    for m in mounts.lines() {
+        let f: Vec<&str> = m.split(' ').collect();
+        if f.len() < 4 || f[2] != "cgroup" {
+            continue;
+        }
+        let opts: Vec<&str> = f[3].split(',').collect();
+        let Some(c) = ["memory", "pids", "cpu"]
+            .into_iter()
+            .find(|c| opts.contains(c))
+        else {
+            continue;
+        };
+        let parent = own
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.splitn(3, ':');
+                let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+                Some((controllers, path))
+            })
+            .find(|(cs, _)| cs.split(',').any(|x| x == c))
+            .map(|(_, p)| p)
+            .filter(|p| {
+                p.rsplit('/')
+                    .next()
+                    .is_some_and(|l| l.ends_with(".service") || l.ends_with(".scope"))
+            })
+            .unwrap_or("/");
+        dirs.push(
+            Path::new(f[1])
+                .join(parent.trim_start_matches('/'))
+                .join(name),
+        );
+    }
+    dirs
+}
+
+/// Every directory below `dir` (itself included), deepest first.
+fn dirs_deepest_first(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                out.extend(dirs_deepest_first(&e.path()));
+            }
+        }
+    }
+    if dir.is_dir() {
+        out.push(dir.to_path_buf());
+    }
+    out
+}
+
+/// Test hygiene: the empty groups a test's daemons left (a daemon that died or exited keeping
+/// its sessions leaves its `supervisor/` and `sessions/`, which under systemd are the unit's
+/// to remove) go when the test ends. Only empty groups can be removed (rmdir(2) of a group
+/// that holds a process fails with EBUSY): a daemon or keeper still alive keeps its own.
+impl Drop for Setup {
+    fn drop(&mut self) {
+        for g in v1_groups(self.cgroup_name()) {
+            for d in dirs_deepest_first(&g) {
+                let _ = std::fs::remove_dir(d);
+            }
+        }
+    }
+}
+
+/// Asserts that the daemons of `setup`, all stopped with SIGTERM (every session ended), left
+/// no cgroup behind: a worker start the stop cut short (a warm worker's, begun by the first
+/// cell after an adoption) left its session group before the daemon swept at its exit.
+fn assert_no_groups_left(setup: &Setup) {
+    let groups = v1_groups(setup.cgroup_name());
+    if groups.is_empty() {
+        eprintln!(
+            "note: no cgroup v1 hierarchy of memory, pids or cpu here: the groups left by the \
+             stop are not checked"
+        );
+        return;
+    }
+    let t0 = Instant::now();
+    loop {
+        let left: Vec<PathBuf> = groups.iter().flat_map(|g| dirs_deepest_first(g)).collect();
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "groups left after the daemon stopped: {left:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// The first daemon, and the settings its successors start with (same cgroup name, state
 /// directory and adoption directory).
 fn first_daemon(extra: &[(&str, &str)]) -> (Daemon, Setup) {
@@ -929,7 +1040,12 @@ async fn a_session_between_cells_is_adopted_idle(point: &str) {
         "the worker changed"
     );
     c.close(&s).await.unwrap();
-    eprintln!("{point}: the session was adopted idle, v = {want}");
+    // The close's cell started the warm pool's refill; the SIGTERM now lands while its
+    // first worker starts, and the stop leaves no group behind.
+    drop(c);
+    drop(second);
+    assert_no_groups_left(&setup);
+    eprintln!("{point}: the session was adopted idle, v = {want}; no cgroup left by the stop");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
