@@ -1832,6 +1832,10 @@ async fn gap_across(signal: i32) {
         second.log_text()
     );
     assert_eq!(got.result.status, sandcell_client::Status::Ok);
+    // The bus still answers "restart", so the successor's SIGTERM at the end would keep the
+    // sessions for a daemon that never comes: they end here instead.
+    c.close(&a).await.unwrap();
+    c.close(&s).await.unwrap();
 }
 
 /// SIGTERM while systemd runs a restart job on the unit (read over the system bus, as
