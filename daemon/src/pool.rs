@@ -671,6 +671,31 @@ mod tests {
         assert_eq!(s.pool.drain().await, 0);
     }
 
+    /// A stop that comes while a round waits for the holds (after it chose to start, before
+    /// the start counts in `filling`): the round starts nothing, so a `drain` that already
+    /// returned leaves no start under way for the exit to cut (its session group stayed).
+    #[tokio::test]
+    async fn a_stop_during_the_hold_wait_starts_nothing() {
+        let s = Arc::new(source(config((1, 1), (0, 0), 60)));
+        let cfg = s.config().unwrap();
+        let hold = s.pool.hold();
+        let task = {
+            let s = s.clone();
+            tokio::spawn(async move { Refill::new().round(&*s, &cfg, Instant::now()).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        s.stopped.store(true, Ordering::SeqCst);
+        assert_eq!(s.pool.drain().await, 0);
+        drop(hold);
+        task.await.unwrap();
+        assert!(
+            s.started.lock().unwrap().is_empty(),
+            "a start after the stop"
+        );
+        assert_eq!(*s.pool.filling.borrow(), 0);
+        assert_eq!(idle(&s, "python"), 0);
+    }
+
     /// Runs `n` rounds at once (no back-off can pass meanwhile); returns the rounds that
     /// started a worker.
     async fn rounds(refill: &mut Refill, s: &FakeSource, n: usize) -> usize {
