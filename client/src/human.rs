@@ -66,6 +66,10 @@ pub fn describe(e: &KernelError) -> String {
             let u = unit(limit);
             let text = format!("{limit} exceeded: {value}{u} asked, at most {max}{u}");
             match limit_key(limit) {
+                None if limit == crate::MESSAGE_LIMIT => format!(
+                    "{text} (the protocol's bound on one call; nothing was sent): send less, or \
+                     pass large inputs as files (sandcellctl put)"
+                ),
                 None => format!("{text} (a fixed bound of the protocol); send less"),
                 Some(key) if key != limit => format!(
                     "{text} (a request may only lower the operator's {key} of \

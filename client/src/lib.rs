@@ -48,6 +48,11 @@ pub fn default_socket() -> PathBuf {
         .unwrap_or_else(|| k::DEFAULT_SOCKET.into())
 }
 
+/// The `limit` of the `LimitExceeded` a call longer than the protocol's message bound
+/// (`sandcell_proto::kernel::MAX_MESSAGE_BYTES`, 4 MiB of JSON) gets, refused before anything
+/// is sent: the daemon would end the connection without an answer.
+pub const MESSAGE_LIMIT: &str = "max_message_bytes";
+
 /// Client errors.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -304,6 +309,16 @@ impl Client {
             call["more"] = Value::Bool(true);
         }
         let mut buf = serde_json::to_vec(&call).expect("a JSON value serialises");
+        // The daemon ends a connection whose message passes the protocol's bound before it
+        // can answer, which would read as a restart: refused here, before anything is sent,
+        // as the Python client does.
+        if buf.len() > k::MAX_MESSAGE_BYTES {
+            return Err(Error::Kernel(KernelError::LimitExceeded {
+                limit: MESSAGE_LIMIT.into(),
+                value: buf.len() as u64,
+                max: k::MAX_MESSAGE_BYTES as u64,
+            }));
+        }
         buf.push(0);
         self.write.write(&buf, fds, None).await?;
         Ok(())

@@ -301,6 +301,33 @@ fn refusals_read_as_sentences_and_as_json_with_json() {
     assert!(v["message"].as_str().unwrap().contains("exceeded"));
 }
 
+/// Code over the protocol's bound on one call (4 MiB of JSON) is refused before anything is
+/// sent, as a `LimitExceeded` naming `max_message_bytes`: sent, the daemon would end the
+/// connection unanswered, which reads as a restart of the daemon.
+#[test]
+fn a_call_over_the_message_bound_is_refused_before_it_is_sent() {
+    let Some(d) = Daemon::start(&[]) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let big = script(
+        dir.path(),
+        "big.py",
+        &format!("# {}\nprint(1)\n", "x".repeat(5 << 20)),
+    );
+    let out = run(d.ctl().arg("run").arg(&big), None);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(
+        err.starts_with("sandcellctl: LimitExceeded: max_message_bytes exceeded: ")
+            && err.contains("nothing was sent")
+            && !err.contains("restarted"),
+        "{err}"
+    );
+    // The connection was never cut: the daemon answers the next call as before.
+    let small = script(dir.path(), "a.py", "print(1)\n");
+    let out = run(d.ctl().arg("run").arg(&small), None);
+    assert_eq!(text(&out.stdout), "1\n", "{}", text(&out.stderr));
+}
+
 /// Opens a detached session with `sandcellctl open`; returns its id.
 fn open_session(d: &Daemon) -> String {
     let out = run(d.ctl().args(["open", "--idle", "120"]), None);
