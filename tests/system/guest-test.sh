@@ -31,6 +31,13 @@ wait_for() { # wait_for SECONDS CMD...: poll until CMD (re-run each time) succee
 }
 # Every client call is bounded: a daemon that never accepts must fail the check, not hang it.
 as_gw() { timeout 600 runuser -u gw -- "$@"; }
+# A command's output without sandcellctl exec's "cell N started" line on standard error (it
+# names the cell for a person at a terminal; the checks compare what the cell printed), and
+# the command's exit status.
+exec_out() {
+    "$@" 2>&1 | grep -v '^sandcellctl: cell [0-9]* started; interrupt it with: '
+    return "${PIPESTATUS[0]}"
+}
 # Processes under a per-session uid (daemon.worker_uid_base = 3000000000 and up): "uid pid
 # command". Read from /proc, since ps prints uids above 2^31 as negative numbers.
 worker_procs() {
@@ -279,7 +286,7 @@ sid=$(as_gw sandcellctl open -l python --idle 300 2>&1)
 rc=$?
 if [[ $rc == 0 && -n $sid ]]; then pass open-session; else fail open-session "exit $rc: $sid"; journal; fi
 echo 'x = 41' | as_gw sandcellctl exec "$sid" - >/dev/null 2>&1
-out=$(echo 'print(x + 1)' | as_gw sandcellctl exec "$sid" - 2>&1)
+out=$(echo 'print(x + 1)' | exec_out as_gw sandcellctl exec "$sid" -)
 [[ $out == 42 ]] && pass session-keeps-state || fail session-keeps-state "output: $out"
 
 root=$(cg)
@@ -420,7 +427,7 @@ out=$(as_gw sandcellctl attach "$msid" "$cell" 2>&1)
 rc=$?
 st=$(cell_state "$cell")
 if [[ $rc == 5 && $st == interrupted ]]; then pass interrupted-cell-status; else fail interrupted-cell-status "attach exit $rc ($out), state $st"; fi
-out=$(echo 'print(x + 1)' | as_gw sandcellctl exec "$msid" - 2>&1)
+out=$(echo 'print(x + 1)' | exec_out as_gw sandcellctl exec "$msid" -)
 [[ $out == 42 ]] && pass session-survives-interrupt || fail session-survives-interrupt "output: $out"
 # Interrupt without a cell: the administrators' D-Bus InterruptSession (root here; polkit).
 cell=$(printf '%s\n' 'import time' 'for i in range(1200):' '    time.sleep(0.5)' | as_gw sandcellctl submit "$msid" - 2>&1)
@@ -434,11 +441,11 @@ if [[ $rc == 0 && $rc2 == 5 ]]; then pass dbus-interrupt-session; else fail dbus
 # HostReply: the cell's host calls are answered by a command (sandcellctl's handler replies
 # over a second connection); a failing tool raises in the cell with its message.
 out=$(echo "from sandcell import host; r = host.call('add', {'a': 2, 'b': 40}); print(r['sum'], r['cell'] > 0)" |
-    as_gw sandcellctl exec --host-call-handler /usr/local/bin/sandcell-test-tool "$msid" - 2>&1)
+    exec_out as_gw sandcellctl exec --host-call-handler /usr/local/bin/sandcell-test-tool "$msid" -)
 rc=$?
 if [[ $rc == 0 && $out == "42 True" ]]; then pass host-call-reply; else fail host-call-reply "exit $rc, output: $out"; journal 20; fi
 out=$(echo "from sandcell import host; host.call('fail', {})" |
-    as_gw sandcellctl exec --host-call-handler /usr/local/bin/sandcell-test-tool "$msid" - 2>&1)
+    exec_out as_gw sandcellctl exec --host-call-handler /usr/local/bin/sandcell-test-tool "$msid" -)
 rc=$?
 if [[ $rc == 1 && $out == *"tool broke"* ]]; then pass host-call-error-raises; else fail host-call-error-raises "exit $rc, output: ${out:0:400}"; fi
 
@@ -468,7 +475,7 @@ sum=$(sha256sum "$gwh/big.bin" | cut -d' ' -f1)
 out=$(as_gw sandcellctl put "$msid" "$gwh/big.bin" data/big.bin 2>&1)
 rc=$?
 if [[ $rc == 0 && $out == "data/big.bin 5242880 bytes" ]]; then pass put-file-5mb; else fail put-file-5mb "exit $rc: $out"; fi
-out=$(printf '%s\n' 'import hashlib' 'print(hashlib.sha256(open("data/big.bin", "rb").read()).hexdigest())' | as_gw sandcellctl exec "$msid" - 2>&1)
+out=$(printf '%s\n' 'import hashlib' 'print(hashlib.sha256(open("data/big.bin", "rb").read()).hexdigest())' | exec_out as_gw sandcellctl exec "$msid" -)
 [[ $out == "$sum" ]] && pass put-file-5mb-seen-by-cell || fail put-file-5mb-seen-by-cell "cell sha256 ${out:0:200}, sent $sum"
 rm -f "$gwh/big.out"
 out=$(as_gw sandcellctl get "$msid" data/big.bin "$gwh/big.out" 2>&1)
@@ -486,13 +493,13 @@ fi
 out=$(py_files data/big.bin 2>&1)
 rc=$?
 echo "$out" | head -20 | sed 's/^/    DeleteFile, then ListFiles: /'
-gone=$(echo 'import os; print(os.path.exists("data/big.bin"))' | as_gw sandcellctl exec "$msid" - 2>&1)
+gone=$(echo 'import os; print(os.path.exists("data/big.bin"))' | exec_out as_gw sandcellctl exec "$msid" -)
 if [[ $rc == 0 && $out == *"deleted data/big.bin"* && $out != *"data/big.bin 5242880"* && $gone == False ]]; then pass delete-file; else fail delete-file "exit $rc, cell sees the file: $gone"; fi
 out=$(as_gw sandcellctl get "$msid" data/big.bin - 2>&1 >/dev/null)
 rc=$?
 if [[ $rc == 3 && $out == *NoSuchFile* ]]; then pass get-deleted-file-no-such-file; else fail get-deleted-file-no-such-file "exit $rc: $out"; fi
 check methods-close-session as_gw sandcellctl close "$msid"
-out=$(echo 'print(1)' | as_gw sandcellctl exec "$msid" - 2>&1)
+out=$(echo 'print(1)' | exec_out as_gw sandcellctl exec "$msid" -)
 rc=$?
 if [[ $rc == 3 && ($out == *SessionEnded* || $out == *NoSuchSession*) ]]; then pass closed-session-refuses-cells; else fail closed-session-refuses-cells "exit $rc: $out"; fi
 rm -f "$gwh/big.bin" "$gwh/big.out" "$gwh/fig.png"
@@ -513,7 +520,7 @@ adv_sid=$(as_gw sandcellctl open -l python "${menv[@]}" --idle 600 2>&1)
 rc=$?
 if [[ $rc == 0 && -n $adv_sid ]]; then
     out=$(printf '%s\n' 'for i in range(1000):' '    globals()["v%04d" % i] = "x" * 180' 'print(len([k for k in globals() if k.startswith("v")]))' |
-        as_gw sandcellctl exec "$adv_sid" - 2>&1)
+        exec_out as_gw sandcellctl exec "$adv_sid" -)
     [[ $out == 1000 ]] && pass memory-adversary-1000-variables || fail memory-adversary-1000-variables "output: ${out:0:300}"
 else
     fail memory-adversary-1000-variables "open: exit $rc: $adv_sid"
@@ -693,11 +700,11 @@ out=$(printf '%s\n' 'import errno, os' 'chunk = b"\0" * (1 << 20)' 'err, n, tota
     'try:' '    while err is None and n < 64:' '        with open("fill%02d" % n, "wb") as f:' '            for _ in range(32):' \
     '                f.write(chunk); f.flush(); total += len(chunk)' '        n += 1' 'except OSError as e:' '    err = e.errno' \
     'for i in range(n + 1):' '    try:' '        os.remove("fill%02d" % i)' '    except FileNotFoundError:' '        pass' \
-    'print("errno", err, "after", total >> 20, "MiB")' | as_gw sandcellctl exec "$adv_sid" - 2>&1)
+    'print("errno", err, "after", total >> 20, "MiB")' | exec_out as_gw sandcellctl exec "$adv_sid" -)
 rc=$?
 echo "    $out"
 if [[ $rc == 0 && $out == "errno 28 after"* ]]; then pass session-files-enospc; else fail session-files-enospc "exit $rc: ${out:0:300}"; journal 10; fi
-out=$(echo 'print("still here", v0999[:3])' | as_gw sandcellctl exec "$adv_sid" - 2>&1)
+out=$(echo 'print("still here", v0999[:3])' | exec_out as_gw sandcellctl exec "$adv_sid" -)
 [[ $out == "still here xxx" ]] && pass session-survives-enospc || fail session-survives-enospc "output: ${out:0:300}"
 
 # ---- the worker's oom_score_adj ---------------------------------------------------------------
@@ -743,7 +750,7 @@ else
 fi
 out=$(printf '%s\n' 'try:' '    with open("/proc/self/oom_score_adj", "w") as f:' '        f.write("0")' '    print("written")' \
     'except OSError as e:' '    print("refused", e.errno, e.strerror)' 'print("now", open("/proc/self/oom_score_adj").read().strip())' |
-    as_gw sandcellctl exec "$adv_sid" - 2>&1)
+    exec_out as_gw sandcellctl exec "$adv_sid" -)
 rc=$?
 echo "    $(tr '\n' ' ' <<<"$out")"
 after=""
@@ -1071,7 +1078,7 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
         out=$(as_gw sandcellctl get "${ids[3]}" kept.txt - 2>/dev/null)
         [[ $out == "kept-$ev" ]] && pass "lifecycle-$ev-files-kept" || fail "lifecycle-$ev-files-kept" "got: ${out:0:80}"
         # Owners: another member of the group does not see the adopted sessions.
-        out=$(echo 'print(v)' | timeout 120 runuser -u gw2 -- sandcellctl exec "${ids[0]}" - 2>&1)
+        out=$(echo 'print(v)' | exec_out timeout 120 runuser -u gw2 -- sandcellctl exec "${ids[0]}" -)
         [[ $out == *NoSuchSession* ]] && pass "lifecycle-$ev-owner-kept" || fail "lifecycle-$ev-owner-kept" "another uid got: ${out:0:80}"
     else
         skip "lifecycle-$ev-keeps-8-sessions" "SANDCELL_VM_SESSIONS_SURVIVE is 0 (figures above)"
