@@ -120,11 +120,7 @@ fn v1_groups(name: &str) -> Vec<PathBuf> {
             })
             .find(|(cs, _)| cs.split(',').any(|x| x == c))
             .map(|(_, p)| p)
-            .filter(|p| {
-                p.rsplit('/')
-                    .next()
-                    .is_some_and(|l| l.ends_with(".service") || l.ends_with(".scope"))
-            })
+            .filter(|p| sandcelld::cgroup::v1::is_systemd_unit_group(p))
             .unwrap_or("/");
         dirs.push(
             Path::new(f[1])
