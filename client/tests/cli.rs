@@ -788,6 +788,17 @@ fn exec_names_its_cell_and_interrupt_and_list_need_no_bus() {
     assert_eq!(out.status.code(), Some(1));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["reason"], "not_running", "{v}");
+    // Without --json: the bare reason on standard output for scripts, a sentence on standard
+    // error for people.
+    let out = run(d.ctl().args(["interrupt", &session, "1"]), None);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(text(&out.stdout), "not_running\n");
+    assert!(
+        text(&out.stderr).contains("sandcellctl: not interrupted: cell 1 of session")
+            && text(&out.stderr).contains("is not running"),
+        "{}",
+        text(&out.stderr)
+    );
     let _ = run(d.ctl().args(["close", &session]), None);
 }
 

@@ -147,6 +147,30 @@ impl Inspect {
     }
 }
 
+/// A sentence on standard error for an interrupt that was not delivered (`reason` one of
+/// the protocol's `InterruptReason` strings); standard output keeps the bare reason for
+/// scripts. Nothing for `delivered` or a reason this version does not know.
+fn explain_undelivered(reason: &str, session: &str, cell: Option<u64>) {
+    use sandcell_proto::kernel::InterruptReason as R;
+    let which = cell.map_or_else(|| "the running cell".to_owned(), |n| format!("cell {n}"));
+    let why = match R::parse(reason) {
+        Some(R::NotRunning) => {
+            format!("{which} of session {session:?} is not running (it finished, or none started)")
+        }
+        Some(R::OtherCell) => format!(
+            "{which} of session {session:?} is not the one running; nothing was interrupted"
+        ),
+        Some(R::AlreadyInterrupted) => format!(
+            "{which} of session {session:?} was already interrupted; sandcelld escalates on its own (SIGINT again, then SIGKILL)"
+        ),
+        Some(R::SessionEnding) => {
+            format!("session {session:?} is ending (closed, expired, or its worker died)")
+        }
+        Some(R::Delivered) | None => return,
+    };
+    errln!("sandcellctl: not interrupted: {why}");
+}
+
 /// `interrupt SESSION [CELL]`.
 #[derive(Debug, clap::Args)]
 pub struct Interrupt {
@@ -171,6 +195,7 @@ impl Interrupt {
             out::json(&r);
         } else {
             outln!("{}", r.reason);
+            explain_undelivered(&r.reason, &self.session, Some(cell));
         }
         Ok(if r.delivered { 0 } else { 1 })
     }
@@ -191,6 +216,7 @@ impl Interrupt {
                             Some(n) => outln!("{} (cell {n})", r.reason),
                             None => outln!("{}", r.reason),
                         }
+                        explain_undelivered(&r.reason, &self.session, r.cell);
                     }
                     return Ok(if r.delivered { 0 } else { 1 });
                 }
