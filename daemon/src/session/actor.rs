@@ -7,6 +7,11 @@
 
 use super::*;
 
+/// Most commands an actor keeps unanswered between its session's hand-over and the daemon's
+/// exit ([`Actor::hold_until_exit`]); later ones are dropped (their callers are told the
+/// session ended, which the exit makes moot).
+const HELD_AT_EXIT: usize = 16;
+
 pub(super) struct Actor {
     pub(super) session: Arc<Session>,
     pub(super) child: crate::worker::process::WorkerProcess,
@@ -197,6 +202,41 @@ impl Actor {
         }
     }
 
+    /// After [`Session::hand_over`], instead of a cell: keeps `call` (the cell's frame sender,
+    /// or the whole cell) unanswered until the daemon's exit cuts its caller's connection,
+    /// and answers only what the exit path waits for (`HandOver`) or what needs no cell
+    /// (`Interrupt`: not running; `HostReply`: no call waits). Never returns.
+    async fn hold_until_exit<T: Send>(
+        &mut self,
+        call: T,
+        cmds: &mut mpsc::Receiver<Command>,
+    ) -> Option<(Ending, Option<oneshot::Sender<()>>)> {
+        let _call = call;
+        // Commands whose callers get no answer either; the session is Running, so Session
+        // refuses Execute, Inspect and Query before they reach the actor, and these few are
+        // bounded by the exit that follows within the hand-over's 2 s.
+        let mut held: Vec<Command> = Vec::new();
+        while let Some(cmd) = cmds.recv().await {
+            match cmd {
+                Command::HandOver { done } => {
+                    let _ = done.send(());
+                }
+                Command::Interrupt { reply, .. } => {
+                    let _ = reply.send(InterruptReply {
+                        delivered: false,
+                        reason: InterruptReason::NotRunning.into(),
+                    });
+                }
+                Command::HostReply { reply, .. } => {
+                    let _ = reply.send(false);
+                }
+                other if held.len() < HELD_AT_EXIT => held.push(other),
+                _ => {}
+            }
+        }
+        std::future::pending().await
+    }
+
     pub(super) fn signal_interrupt(&self) {
         // R: the whole process group; native Python: its main thread (tgkill); Eryx: the
         // process. See `InterruptTarget`.
@@ -216,6 +256,9 @@ impl Actor {
         retained: bool,
         cmds: &mut mpsc::Receiver<Command>,
     ) -> Option<(Ending, Option<oneshot::Sender<()>>)> {
+        if self.session.handed_over() {
+            return self.hold_until_exit(frames, cmds).await;
+        }
         let mut stages = crate::stages::Stages::new();
         let cell = self.next_cell;
         self.next_cell += 1;
@@ -305,6 +348,11 @@ impl Actor {
             request.extend_from_slice(code.as_bytes());
             drop(code);
             keep::kill_seam("before_request", cell);
+            if self.session.handed_over() {
+                // The record says the request was not written (`BeforeRequest`): the
+                // successor adopts the session idle at once.
+                return self.hold_until_exit(run, cmds).await;
+            }
             let wait = limits.wall + limits.grace;
             match self
                 .write_request(&mut run, &request, retained, files_before.as_ref(), wait)

@@ -682,3 +682,36 @@ async fn a_worker_that_dies_is_reported_with_its_exit() {
     assert_eq!(ending.reason, EndReason::WorkerCrashed);
     assert!(ending.detail.ends_with("while idle"), "{ending:?}");
 }
+
+#[tokio::test]
+async fn after_the_hand_over_no_cell_starts_and_the_exit_path_is_answered() {
+    let s = open(
+        Script::eryx(vec![vec![Step::Done(WorkerStatus::Ok)]]),
+        limits(10_000, 1_000),
+    )
+    .await;
+    assert_eq!(s.run().await.result.status, Status::Ok);
+    // The daemon exits keeping the (idle) session; a cell queued after that must not reach
+    // the worker, nor be answered: the exit cuts its caller's call.
+    s.session.hand_over().await;
+    assert!(s.session.handed_over());
+    let mut rx = s.submit(16).await;
+    let got = tokio::time::timeout(Duration::from_millis(500), rx.recv()).await;
+    assert!(
+        got.is_err(),
+        "a cell after the hand-over got a frame: {got:?}"
+    );
+    assert_eq!(s.state(), SessionState::Running);
+    // What the exit path and other callers still get: the hand-over's acknowledgement (this
+    // one reaches the actor, since the session shows Running) and "not running".
+    tokio::time::timeout(PATIENCE, s.session.hand_over())
+        .await
+        .expect("the held actor acknowledges a hand-over");
+    let r = tokio::time::timeout(PATIENCE, s.session.interrupt(2))
+        .await
+        .expect("the held actor answers an interrupt");
+    assert!(!r.delivered);
+    assert_eq!(r.reason, InterruptReason::NotRunning.as_str());
+    // Still nothing for the held cell.
+    assert!(rx.try_recv().is_err());
+}

@@ -167,6 +167,9 @@ pub struct Session {
     /// Bumped after every change the daemon makes to the session directory (`PutFile`,
     /// `DeleteFile`), so the actor knows when its last listing is out of date.
     files_generation: std::sync::atomic::AtomicU64,
+    /// Set by [`Session::hand_over`]: the daemon exits keeping the session, and its actor
+    /// starts no cell and writes no request from then on ([`Session::handed_over`]).
+    handed_over: std::sync::atomic::AtomicBool,
     /// Records of the cells started by `Submit` (or by `Execute` on a detached session):
     /// retained output and results for `Attach` and `CellStatus` (`cells.rs`).
     pub cells: crate::cells::CellLog,
@@ -414,6 +417,7 @@ impl Session {
             _dir_view: l.dir_view,
             worker_ids: l.uid.as_ref().map(|u| (u.uid(), u.uid())),
             files_generation: std::sync::atomic::AtomicU64::new(0),
+            handed_over: std::sync::atomic::AtomicBool::new(false),
             cells: Default::default(),
             cmds: tx,
             group: l.group.clone(),
@@ -596,6 +600,10 @@ impl Session {
     /// it is (or at once when the session runs no cell or is ending). After it the session
     /// serves nothing more: the daemon exits.
     pub async fn hand_over(&self) {
+        // First, whatever the state: an Execute queued around this moment must not start, or
+        // the exit could cut it between its record and its request (see `handed_over`).
+        self.handed_over
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         if self.info.lock().unwrap().state != SessionState::Running {
             return;
         }
@@ -603,6 +611,17 @@ impl Session {
         if self.cmds.send(Command::HandOver { done: tx }).await.is_ok() {
             let _ = rx.await;
         }
+    }
+
+    /// Whether [`Session::hand_over`] was called: the daemon is exiting keeping this session
+    /// for a successor. A cell not yet written to the worker then never is: had the exit
+    /// come between the cell's record (which offers it to the successor as running,
+    /// unconfirmed) and its request, the successor would wait `records::UNCONFIRMED_WAIT`
+    /// (2 s, holding up every adoption) to learn that the request never arrived. Its caller's
+    /// call gets no answer from this daemon: the exit cuts it, and the caller sends it again
+    /// to the successor.
+    pub fn handed_over(&self) -> bool {
+        self.handed_over.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Records that the daemon changed the session directory (after `PutFile` or
