@@ -619,6 +619,14 @@ t=$(date +%s%N)
 out=$(echo 'print("calm")' | timeout 120 runuser -u gw2 -- sandcellctl run - 2>&1)
 calm_ms=$((($(date +%s%N) - t) / 1000000))
 echo "    gw2 sandcellctl run before the adversary: ${calm_ms} ms ($out)"
+# Once more at once: the first took the warm worker, and with the adversary's session open
+# the pool has no room to start another, so this one (like the run during the adversary)
+# starts its worker cold. The slower of the two is the baseline.
+t=$(date +%s%N)
+out=$(echo 'print("calm")' | timeout 120 runuser -u gw2 -- sandcellctl run - 2>&1)
+calm2_ms=$((($(date +%s%N) - t) / 1000000))
+echo "    gw2 sandcellctl run before the adversary, again: ${calm2_ms} ms ($out)"
+((calm2_ms > calm_ms)) && calm_ms=$calm2_ms
 t=$(date +%s%N)
 timeout 60 runuser -u gw2 -- sandcellctl environments >/dev/null 2>&1
 calm_env_ms=$((($(date +%s%N) - t) / 1000000))
