@@ -256,7 +256,9 @@ mod tests {
         let file = std::fs::File::open("/proc/self/stat").unwrap();
         assert!(pipe_capacity(file.as_fd()).is_err());
         assert!(readable_within(r.as_fd(), std::time::Duration::ZERO));
-        let (r2, w2) = nix::unistd::pipe().unwrap();
+        // Close-on-exec: a child another test forks meanwhile must not keep the write end
+        // open past its exec, or the end of file below would never come.
+        let (r2, w2) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
         let t0 = std::time::Instant::now();
         assert!(!readable_within(
             r2.as_fd(),
@@ -268,7 +270,12 @@ mod tests {
             t0.elapsed()
         );
         drop(w2);
-        assert!(readable_within(r2.as_fd(), std::time::Duration::ZERO));
+        // Bounded, not immediate: a child forked by another test between our pipe2 and its
+        // exec holds a copy of the write end until that exec.
+        assert!(readable_within(
+            r2.as_fd(),
+            std::time::Duration::from_secs(10)
+        ));
     }
 
     #[test]
