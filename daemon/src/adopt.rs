@@ -152,10 +152,15 @@ pub fn finish(
         })
         .cloned()
         .collect();
-    for a in found.adoptable {
+    let mut adoptable = found.adoptable;
+    adoptable.sort_by_key(|a| std::cmp::Reverse(last_active_ms(&a.record)));
+    for a in adoptable {
         let (id, owner) = (a.record.id.clone(), a.record.owner_uid);
         match core.adopt(a) {
-            Ok(_) => adopted += 1,
+            Ok(_) => {
+                adopted += 1;
+                test_step_delay();
+            }
             Err(why) => {
                 tracing::warn!(session = %id, why, "session not adopted (adoption_refused)");
                 // The worker was checked to be the session's own: its group is killed.
@@ -189,6 +194,35 @@ pub fn finish(
         );
     }
     adopted
+}
+
+/// When record `r`'s session was last active, ms since the Unix epoch: its last cell's end
+/// (or its open), or the start of the cell it was running if later. [`finish`] adopts the
+/// sessions in this order, latest first: a client that was running cells when the daemon went
+/// away is the one most likely to be waiting, and its calls wait for its session's adoption
+/// only (`varlink::kernel::wait_for_adoption`).
+fn last_active_ms(r: &crate::records::Record) -> u64 {
+    let running = r.running.as_ref().map_or(0, |c| c.started_unix_ms);
+    r.last_activity_unix_ms.max(running)
+}
+
+/// A test seam: with `SANDCELL_TEST_ADOPT_STEP_MS=N` in its environment the daemon waits N
+/// milliseconds (at most 10 s) after each session it adopts, so that a test sees a call on an
+/// adopted session answered while the others are still being adopted. Like
+/// [`test_delay`]'s variable, workers and keepers never see it and the shipped units do not
+/// set it.
+fn test_step_delay() {
+    let Some(ms) = std::env::var("SANDCELL_TEST_ADOPT_STEP_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    else {
+        return;
+    };
+    tracing::warn!(
+        ms,
+        "SANDCELL_TEST_ADOPT_STEP_MS: waiting after adopting a session"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(ms.min(10_000)));
 }
 
 /// A test seam: with `SANDCELL_TEST_ADOPT_DELAY_MS=N` in its environment the daemon waits N

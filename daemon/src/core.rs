@@ -286,11 +286,12 @@ impl Core {
         })
     }
 
-    /// Holds every client call until [`Core::release_calls`]: a daemon that adopts its
+    /// Holds client calls until [`Core::release_calls`]: a daemon that adopts its
     /// predecessor's sessions serves its socket while it adopts them, so that a connection
     /// made during the restart is accepted and its authorization asked meanwhile
-    /// (`varlink::serve_connection`), but no call sees the sessions before they are all
-    /// adopted.
+    /// (`varlink::serve_connection`). A cell's call on one session goes on once that session
+    /// is adopted ([`Core::session_calls_released`]); every other call sees the daemon only
+    /// once every session is adopted or recorded as ended.
     pub fn hold_calls(&self) {
         self.calls_open.send_replace(false);
     }
@@ -309,6 +310,20 @@ impl Core {
     pub async fn calls_released(&self) {
         let mut rx = self.calls_open.subscribe();
         let _ = rx.wait_for(|open| *open).await;
+    }
+
+    /// Waits until a call on session `id` (as the client gave it, node-qualified or not) may
+    /// go on: at once when calls are not held; while they are ([`Core::hold_calls`]), as soon
+    /// as `id` is adopted ([`Core::adopt`] wakes the waiters of each session it registers) or
+    /// calls are released, whichever comes first.
+    pub async fn session_calls_released(&self, id: &str) {
+        let local = self.resolve(id).ok();
+        let mut rx = self.calls_open.subscribe();
+        let _ = rx
+            .wait_for(|open| {
+                *open || local.is_some_and(|l| self.sessions.lock().unwrap().contains_key(l))
+            })
+            .await;
     }
 
     /// Keeps every client session opened from now on for adoption by a successor daemon
@@ -431,6 +446,8 @@ impl Core {
             .lock()
             .unwrap()
             .insert(r.id.clone(), session.clone());
+        // Its owner's calls held for it go on now (Core::session_calls_released).
+        self.calls_open.send_modify(|_| {});
         tracing::info!(session = %r.id, uid = owner, worker = r.worker.pid, keeper = r.keeper.pid, "session adopted");
         crate::counters::counters().session_opened();
         Ok(session)

@@ -445,10 +445,11 @@ async fn run(
     let (held_tx, mut held_rx) = watch::channel(false);
     // With sessions to adopt, the socket is served while they are adopted: connections made
     // during the restart are accepted and their authorization asked (polkit's answer takes
-    // about as long as the adoption), while every call waits for the adoption's end
-    // (Core::hold_calls). The authority is the one the D-Bus start selects first; where it
-    // is only known after polkit's first answer, the socket is served after the D-Bus start,
-    // as without sessions to adopt.
+    // about as long as the adoption), while calls wait for the adoption (Core::hold_calls): a
+    // cell's call on one session for that session's, any other call for the end. The
+    // authority is the one the D-Bus start selects first; where it is only known after
+    // polkit's first answer, the socket is served after the D-Bus start, as without sessions
+    // to adopt.
     let (early_server, listener) = if adopting > 0 && early_bus.authority_known() {
         if let Some(polkit) = early_bus.initial_authority() {
             core.set_authority(polkit);
@@ -466,7 +467,8 @@ async fn run(
         (None, Some(listener))
     };
     // The kept sessions are adopted after the probes (which need an idle daemon and room in
-    // the budgets) and before any client call is answered; their keepers hold them meanwhile.
+    // the budgets), most recently active first, each before any call on it is answered and
+    // all before any other call; their keepers hold them meanwhile.
     match found {
         Some(found) => {
             core.enable_adoption(adopt_keep);

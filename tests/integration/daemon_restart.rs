@@ -2055,3 +2055,73 @@ fn zombie_children(daemon: u32) -> Vec<u32> {
         })
         .collect()
 }
+
+/// While a daemon adopts its predecessor's sessions, a cell's call on a session waits for that
+/// session's adoption only, and the most recently active session is adopted first: the owner
+/// who was running cells at the restart is answered while the others are still being
+/// adopted. A call on a session not yet adopted waits for it (never `NoSuchSession`), and a
+/// call that is not about one session (`ListSessions`) waits for the whole adoption.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_on_an_adopted_session_waits_for_that_session_only() {
+    skip_unless_root!();
+    // The new image waits 3 s after each session it adopts (a test seam).
+    let (mut first, _setup) = first_daemon(&[("SANDCELL_TEST_ADOPT_STEP_MS", "3000")]);
+    let pid = first.pid();
+    let mut c = first.client().await;
+    let older = c.open("python", None, Some(600)).await.unwrap().session;
+    stdout_of(&mut c, &older, "v = 'older'").await;
+    let recent = c.open("python", None, Some(600)).await.unwrap().session;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    stdout_of(&mut c, &recent, "v = 'recent'").await;
+    // SAFETY: a signal to our own child, not yet reaped.
+    unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
+    drop(c);
+    let t0 = Instant::now();
+    while !first.log_text().contains("re-executing in place") {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no re-exec:\n{}",
+            first.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let mut c = first.client().await;
+    let t_call = Instant::now();
+    assert_eq!(
+        stdout_of(&mut c, &recent, "print(v)").await.trim(),
+        "recent"
+    );
+    let answered = t_call.elapsed();
+    let log = first.log_text();
+    let after_exec = &log[log.find("re-executing in place").unwrap()..];
+    assert!(
+        !after_exec.contains("sessions of the previous daemon adopted="),
+        "the call on the session adopted first waited for the whole adoption:\n{log}"
+    );
+    let adopted_at = |id: &str| {
+        after_exec
+            .lines()
+            .position(|l| l.contains("session adopted") && l.contains(id))
+    };
+    assert!(
+        adopted_at(&recent).is_some() && adopted_at(&older).is_none(),
+        "the most recently active session was not adopted first:\n{log}"
+    );
+    // The session not yet adopted: its call waits for it.
+    assert_eq!(stdout_of(&mut c, &older, "print(v)").await.trim(), "older");
+    let (listed, _) = c.list_sessions().await.unwrap();
+    let log = first.log_text();
+    assert!(
+        log[log.find("re-executing in place").unwrap()..]
+            .contains("sessions of the previous daemon adopted=2"),
+        "ListSessions was answered before the adoption ended:\n{log}"
+    );
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    eprintln!(
+        "adoption step 3 s: the most recent session's Execute answered {answered:?} after the \
+         connection, before the other session was adopted"
+    );
+    c.close(&recent).await.unwrap();
+    c.close(&older).await.unwrap();
+    kill_daemon(&mut first, libc::SIGTERM);
+}

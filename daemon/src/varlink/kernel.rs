@@ -276,6 +276,9 @@ async fn kernel(
     name: &str,
     fds: PassedFds,
 ) -> Sent {
+    if core.calls_held() {
+        wait_for_adoption(core, call, name).await;
+    }
     match name {
         "Run" | "Execute" | "Attach" if !call.more() => {
             send_error(w, call, service_error("ExpectedMore", json!({}))).await
@@ -377,6 +380,41 @@ async fn kernel(
             )
             .await
         }
+    }
+}
+
+/// The methods whose whole effect is on the one session their `session` parameter names
+/// (its actor and its cells): while the daemon adopts its predecessor's sessions, such a call
+/// waits for that session's adoption only. Every other call (`Open`, `Run`, `Close`,
+/// `ListSessions`, the file methods, `HostReply`, ...) touches budgets, listings or files
+/// that the rest of the adoption still changes, and waits for its end.
+const ONE_SESSION_METHODS: &[&str] = &[
+    "Execute",
+    "Submit",
+    "Attach",
+    "CellStatus",
+    "Interrupt",
+    "InterruptSession",
+    "Inspect",
+];
+
+/// Waits while calls are held for the adoption of a predecessor's sessions
+/// ([`Core::hold_calls`]): a call of [`ONE_SESSION_METHODS`] until its session is adopted (or
+/// the adoption ends: an id that was not adopted then gets the answer any lookup gives, never
+/// `NoSuchSession` before the end), any other call until the adoption ends. The adoption takes
+/// the most recently active sessions first (`adopt::finish`), so the owner who was running
+/// cells at the restart is answered before the others are adopted.
+async fn wait_for_adoption(core: &Core, call: &Call<RawCall>, name: &str) {
+    #[derive(serde::Deserialize)]
+    struct Named {
+        session: String,
+    }
+    if ONE_SESSION_METHODS.contains(&name)
+        && let Ok(n) = serde_json::from_str::<Named>(call.method().parameters_text())
+    {
+        core.session_calls_released(&n.session).await;
+    } else {
+        core.calls_released().await;
     }
 }
 

@@ -257,7 +257,8 @@ async fn serve_connection(core: Arc<Core>, admitted: Admitted) {
         // The daemon is adopting its predecessor's sessions (a restart that kept them): the
         // caller's authorization to run code is asked now, beside the adoption, and cached
         // for this connection (on a task of its own: no call waits for it but the ones that
-        // need it); its calls wait for the adoption's end.
+        // need it). Each call waits for the adoption (`kernel::wait_for_adoption`): a cell's
+        // call on one session only for that session's, any other call for its end.
         tracing::info!(
             connection = id,
             uid,
@@ -270,7 +271,6 @@ async fn serve_connection(core: Arc<Core>, admitted: Admitted) {
                 .authorize(&ask_caller, crate::auth::Action::Execute)
                 .await;
         });
-        core.calls_released().await;
     }
     let (mut read, write) = socket::split(stream, uid);
     let write = Arc::new(write);
