@@ -186,6 +186,20 @@ pub struct Core {
     /// `false` while client calls are held ([`Core::hold_calls`]): connections are accepted
     /// and authorized but their calls wait until [`Core::release_calls`].
     calls_open: tokio::sync::watch::Sender<bool>,
+    /// Connections accepted while calls were held whose first call is not answered yet
+    /// ([`Core::early_caller`]).
+    early_callers: Arc<tokio::sync::watch::Sender<usize>>,
+}
+
+/// A connection accepted while the daemon adopted its predecessor's sessions, counted until
+/// its first call is answered or it closes (dropping this).
+#[derive(Debug)]
+pub struct EarlyCaller(Arc<tokio::sync::watch::Sender<usize>>);
+
+impl Drop for EarlyCaller {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
 }
 
 impl std::fmt::Debug for Core {
@@ -283,6 +297,7 @@ impl Core {
             environments: crate::environments::Reports::default(),
             keep: std::sync::OnceLock::new(),
             calls_open: tokio::sync::watch::Sender::new(true),
+            early_callers: Arc::new(tokio::sync::watch::Sender::new(0)),
         })
     }
 
@@ -304,6 +319,22 @@ impl Core {
     /// Whether client calls are held now.
     pub fn calls_held(&self) -> bool {
         !*self.calls_open.borrow()
+    }
+
+    /// Counts a connection accepted while calls are held ([`Core::hold_calls`]) until the
+    /// returned guard is dropped: when its first call is answered, or it closes.
+    pub fn early_caller(&self) -> EarlyCaller {
+        self.early_callers.send_modify(|n| *n += 1);
+        EarlyCaller(self.early_callers.clone())
+    }
+
+    /// Waits until every connection accepted while calls were held has had its first call
+    /// answered or closed ([`Core::early_caller`]): a daemon that adopted sessions holds back
+    /// its warm pools' refill and readiness probe (worker starts, CPU their owners' first
+    /// calls would wait behind) until then, for a bounded time.
+    pub async fn early_callers_answered(&self) {
+        let mut rx = self.early_callers.subscribe();
+        let _ = rx.wait_for(|n| *n == 0).await;
     }
 
     /// Waits until client calls are not held.

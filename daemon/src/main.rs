@@ -497,7 +497,8 @@ async fn run(
     };
 
     // With adopted sessions, the warm pools' refill and the readiness probe (worker starts,
-    // seconds of CPU each on a slow machine) wait for the first cell to finish, at most
+    // seconds of CPU each on a slow machine) wait for the first cell to finish and for the
+    // first call of every connection accepted during the adoption to be answered, at most
     // ADOPTED_FIRST_WAIT: the adopted sessions' owners come back first.
     let first_cell = (adopting > 0).then(|| core.events());
     stages.mark("dbus");
@@ -523,11 +524,12 @@ async fn run(
             let first = async {
                 loop {
                     match events.recv().await {
-                        Ok(sandcelld::session::Event::CellFinished { .. }) => return,
-                        Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                        Ok(sandcelld::session::Event::CellFinished { .. }) => break,
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
                         _ => {}
                     }
                 }
+                core.early_callers_answered().await;
             };
             let _ = tokio::time::timeout(ADOPTED_FIRST_WAIT, first).await;
             drop(events);
@@ -1048,7 +1050,8 @@ fn status_line(core: &Core) -> String {
 /// needs; or the daemon is stopping) says nothing about the environment: it is logged at
 /// info with the reason, nothing is cached, and the next `ListEnvironments` checks again.
 /// How long a daemon that adopted sessions holds back its warm pools' refill and its
-/// readiness probe for the first cell to finish: 5 seconds.
+/// readiness probe for the first cell to finish and the first call of each connection
+/// accepted during the adoption to be answered: 5 seconds.
 const ADOPTED_FIRST_WAIT: Duration = Duration::from_secs(5);
 
 async fn probe_in_background(core: Arc<Core>) {

@@ -2125,3 +2125,71 @@ async fn a_call_on_an_adopted_session_waits_for_that_session_only() {
     c.close(&older).await.unwrap();
     kill_daemon(&mut first, libc::SIGTERM);
 }
+
+/// After an adoption the warm pools' refill (worker starts, CPU the returning clients would
+/// wait behind) waits until every connection accepted during the adoption has had its first
+/// call answered, not only for the first cell to finish: a client that connected during the
+/// restart and has not been answered yet holds it back (for at most 5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pool_refill_waits_for_the_first_call_of_each_connection_made_during_the_adoption() {
+    skip_unless_root!();
+    let (mut first, _setup) = first_daemon(&[
+        ("SANDCELL_POOLS", "true"),
+        ("SANDCELL_POOL_PYTHON_MIN", "1"),
+        ("SANDCELL_POOL_PYTHON_MAX", "1"),
+        ("SANDCELL_TEST_ADOPT_DELAY_MS", "1500"),
+    ]);
+    let pid = first.pid();
+    assert!(
+        common::eventually(Duration::from_secs(60), || first
+            .log_text()
+            .contains("warm worker ready")),
+        "the pool was never filled:\n{}",
+        first.log_text()
+    );
+    let mut c = first.client().await;
+    let s = c.open("python", None, Some(600)).await.unwrap().session;
+    stdout_of(&mut c, &s, "v = 1").await;
+    // SAFETY: a signal to our own child, not yet reaped.
+    unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
+    drop(c);
+    let t0 = Instant::now();
+    while !first.log_text().contains("re-executing in place") {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no re-exec:\n{}",
+            first.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let mark = first.log_text().len();
+    // Both connect during the adoption's 1.5 s delay: one stays silent, the other runs a cell
+    // (the first cell to finish after the adoption).
+    let mut quiet = first.client().await;
+    let mut busy = first.client().await;
+    assert_eq!(stdout_of(&mut busy, &s, "print(v)").await.trim(), "1");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let log = first.log_text();
+    assert!(
+        log[mark..]
+            .matches("connection accepted while adopting sessions")
+            .count()
+            == 2,
+        "the connections were not made during the adoption:\n{log}"
+    );
+    assert!(
+        !log[mark..].contains("warm worker ready"),
+        "the refill ran while a connection made during the adoption had no answer yet:\n{log}"
+    );
+    let (listed, _) = quiet.list_sessions().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert!(
+        common::eventually(Duration::from_secs(60), || first.log_text()[mark..]
+            .contains("warm worker ready")),
+        "the pool was not refilled after every early connection was answered:\n{}",
+        first.log_text()
+    );
+    eprintln!("the refill waited for the silent connection's first call");
+    busy.close(&s).await.unwrap();
+    kill_daemon(&mut first, libc::SIGTERM);
+}

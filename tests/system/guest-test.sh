@@ -1014,12 +1014,20 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     touch /tmp/lc-probe.stop
     sleep 0.5
     local probe
-    probe=$(awk -v t="$t_ev" '
-        $1 == "ok" { if (prev && $2 - prev > worst) { worst = $2 - prev; wfrom = prev } ; prev = $2; n++
+    # The event's gap is the interval that ends with the first cell the successor answered
+    # (after its "adopting sessions" line); the longest interval of the whole run (cells
+    # before the event, or the successor's pool refill competing for the CPUs after it) is
+    # printed beside it with where it lay, so that one is never taken for the other.
+    local t_new
+    t_new=$(journalctl -b -u sandcelld.service --no-pager -o short-unix --since "@${t0%.*}" 2>/dev/null | awk '/adopting sessions of the previous daemon/ { print $1; exit }')
+    probe=$(awk -v t="$t_ev" -v s="${t_new:-$t_ev}" '
+        $1 == "ok" { if (prev && $2 - prev > worst) { worst = $2 - prev; wfrom = prev }
+                     if (prev && $2 > s && !gap) { gap = $2 - prev; gfrom = prev }
+                     prev = $2; n++
                      if ($2 > t && !first) first = $2 - t }
-        $1 == "err" { errs[$3]++ }
+        $1 == "err" { errs[$3]++; errat = errat sprintf(" %+.3f", $2 - t) }
         END { e = ""; for (k in errs) e = e k "x" errs[k] " "
-              printf "%d cells; first answered %.3f s after the old daemon'"'"'s end; longest interval between two answered cells %.3f s; failed calls: %s", n, first, worst, (e == "" ? "none" : e) }' /tmp/lc-probe.out 2>/dev/null)
+              printf "%d cells; first answered %.3f s after the old daemon'"'"'s end; the event'"'"'s gap (the interval ending with the first cell the successor answered) %.3f s, from %+.3f s; longest interval of the run %.3f s, from %+.3f s; failed calls: %s%s", n, first, gap, gfrom - t, worst, wfrom - t, (e == "" ? "none" : e), (errat == "" ? "" : "(at" errat " s)") }' /tmp/lc-probe.out 2>/dev/null)
     echo "    [$ev] probe (the installed Python client, one process): $probe"
     sed "s/^/    [$ev] probe stderr: /" /tmp/lc-probe.err 2>/dev/null | tail -3
     # Where the gap went: systemd's and the daemons' own lines, on one clock.

@@ -253,7 +253,9 @@ async fn serve_connection(core: Arc<Core>, admitted: Admitted) {
     };
     drop(pidfd);
     tracing::debug!(connection = id, uid, pid, "client connected");
-    if core.calls_held() {
+    // Counted until its first call is answered: the adopting daemon's pool refill waits.
+    let mut early = core.calls_held().then(|| core.early_caller());
+    if early.is_some() {
         // The daemon is adopting its predecessor's sessions (a restart that kept them): the
         // caller's authorization to run code is asked now, beside the adoption, and cached
         // for this connection (on a task of its own: no call waits for it but the ones that
@@ -360,6 +362,7 @@ async fn serve_connection(core: Arc<Core>, admitted: Admitted) {
             // the session actor sees that and cancels the cell (kill, reap, release).
             _ = async { let _ = closed.wait_for(|c| *c).await; } => Err(std::io::ErrorKind::BrokenPipe.into()),
         };
+        early.take();
         if let Err(e) = handled {
             if e.kind() == std::io::ErrorKind::TimedOut {
                 tracing::info!(
