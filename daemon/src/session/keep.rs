@@ -521,6 +521,14 @@ impl Session {
             .running
             .clone()
             .filter(|_| r.running_cell.is_some() && ended.is_none());
+        // A cell whose request never reached the worker: its `started` frame may have reached
+        // its client (it goes out before the request is written) and the client follows it.
+        let never_ran = r.running_cell.filter(|_| {
+            ended.is_none()
+                && r.running.is_none()
+                && r.pending
+                    .is_some_and(|p| p.stage == records::PendingStage::BeforeRequest && !p.one_shot)
+        });
         if ended.is_some() {
             super::spool::remove(&w.keep.dir, &r.id);
         }
@@ -622,6 +630,23 @@ impl Session {
                 }
             }
         }
+        if let Some(cell) = never_ran {
+            // Answered as `cancelled` with nothing run, so that an `Attach` or `CellStatus` of
+            // its client gets a definite answer instead of `NoSuchCell`. The record's next
+            // cell number is past it already.
+            match session.cells.reserve() {
+                Ok(charge) => crate::cells::ended(
+                    &session,
+                    cell,
+                    Default::default(),
+                    never_ran_result(cell),
+                    charge,
+                ),
+                Err(err) => {
+                    tracing::warn!(session = %session.id, cell, in_use = err.in_use, "no room to retain the result of the cell that never ran");
+                }
+            }
+        }
         if let Some((cell, rx, streams)) = relay {
             // Joins the session's log before the session is listed, so an `Attach` or
             // `CellStatus` finds it. No room in the daemon-wide retention budget (a fresh
@@ -652,6 +677,32 @@ pub(super) fn ended_cell(dir: &Path, id: &str) -> Option<EndedCell> {
         streams: j.retention(),
         result,
     })
+}
+
+/// The result a successor gives cell `cell`, whose request never reached the worker when
+/// its predecessor went away: `cancelled` (the call that started it was cut), no usage and
+/// no output, the variables kept (the worker never saw the cell), and a warning saying so.
+fn never_ran_result(cell: u64) -> sandcell_proto::kernel::CellResult {
+    use sandcell_proto::kernel::{CellResult, State, Status};
+    CellResult {
+        cell,
+        status: Status::Cancelled,
+        error: None,
+        exit_code: None,
+        usage: Default::default(),
+        stdout: Default::default(),
+        stderr: Default::default(),
+        state: State::Kept,
+        session_ended: false,
+        warnings: vec![
+            "the daemon went away before this cell's code reached the worker: none of it ran, \
+             and the session's variables are as they were"
+                .into(),
+        ],
+        files: Vec::new(),
+        displays: None,
+        retained: None,
+    }
 }
 
 /// A retained cell that had ended when its daemon went away ([`ended_cell`]).
