@@ -208,39 +208,33 @@ fn last_active_ms(r: &crate::records::Record) -> u64 {
 
 /// A test seam: with `SANDCELL_TEST_ADOPT_STEP_MS=N` in its environment the daemon waits N
 /// milliseconds (at most 10 s) after each session it adopts, so that a test sees a call on an
-/// adopted session answered while the others are still being adopted. Like
-/// [`test_delay`]'s variable, workers and keepers never see it and the shipped units do not
-/// set it.
+/// adopted session answered while the others are still being adopted.
 fn test_step_delay() {
-    let Some(ms) = std::env::var("SANDCELL_TEST_ADOPT_STEP_MS")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-    else {
-        return;
-    };
-    tracing::warn!(
-        ms,
-        "SANDCELL_TEST_ADOPT_STEP_MS: waiting after adopting a session"
+    test_seam_wait(
+        "SANDCELL_TEST_ADOPT_STEP_MS",
+        "SANDCELL_TEST_ADOPT_STEP_MS: waiting after adopting a session",
     );
-    std::thread::sleep(std::time::Duration::from_millis(ms.min(10_000)));
 }
 
 /// A test seam: with `SANDCELL_TEST_ADOPT_DELAY_MS=N` in its environment the daemon waits N
 /// milliseconds (at most 10 s) before it adopts its predecessor's sessions, so that a test
-/// connects while the adoption is under way (its calls must wait for the end). Workers and
-/// keepers never see the variable (their environments are built from nothing), and the
-/// shipped units do not set it.
+/// connects while the adoption is under way (its calls must wait for the adoption).
 fn test_delay() {
-    let Some(ms) = std::env::var("SANDCELL_TEST_ADOPT_DELAY_MS")
-        .ok()
-        .and_then(|v| v.parse::<u64>().ok())
-    else {
+    test_seam_wait(
+        "SANDCELL_TEST_ADOPT_DELAY_MS",
+        "SANDCELL_TEST_ADOPT_DELAY_MS: waiting before the adoption",
+    );
+}
+
+/// Sleeps the milliseconds the environment variable `var` gives (at most 10 s), saying `why`
+/// in a warning; nothing when it is unset or not a number. Workers and keepers never see
+/// these variables (their environments are built from nothing), and the shipped units do not
+/// set them.
+fn test_seam_wait(var: &str, why: &'static str) {
+    let Some(ms) = std::env::var(var).ok().and_then(|v| v.parse::<u64>().ok()) else {
         return;
     };
-    tracing::warn!(
-        ms,
-        "SANDCELL_TEST_ADOPT_DELAY_MS: waiting before the adoption"
-    );
+    tracing::warn!(ms, "{why}");
     std::thread::sleep(std::time::Duration::from_millis(ms.min(10_000)));
 }
 

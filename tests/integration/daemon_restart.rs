@@ -1949,15 +1949,7 @@ async fn a_reexec_in_place_keeps_the_process_its_socket_and_every_session() {
     drop(c);
     // Once the old image says it re-executes it accepts nothing more: a connection made now
     // is the new image's.
-    let t0 = Instant::now();
-    while !first.log_text().contains("re-executing in place") {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "no re-exec:\n{}",
-            first.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_reexec_begun(&first);
     let ready_before = first.log_text().matches("ready to serve").count();
     let mut c = first.client().await;
     let st = c.cell_status(&py, cell).await.unwrap();
@@ -2088,15 +2080,7 @@ async fn a_call_on_an_adopted_session_waits_for_that_session_only() {
     // SAFETY: a signal to our own child, not yet reaped.
     unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
     drop(c);
-    let t0 = Instant::now();
-    while !first.log_text().contains("re-executing in place") {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "no re-exec:\n{}",
-            first.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_reexec_begun(&first);
     let mut c = first.client().await;
     let t_call = Instant::now();
     assert_eq!(
@@ -2165,15 +2149,7 @@ async fn the_pool_refill_waits_for_the_first_call_of_each_connection_made_during
     // SAFETY: a signal to our own child, not yet reaped.
     unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
     drop(c);
-    let t0 = Instant::now();
-    while !first.log_text().contains("re-executing in place") {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "no re-exec:\n{}",
-            first.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_reexec_begun(&first);
     let mark = first.log_text().len();
     // Both connect during the adoption's 1.5 s delay: one stays silent, the other runs a cell
     // (the first cell to finish after the adoption).
@@ -2204,4 +2180,18 @@ async fn the_pool_refill_waits_for_the_first_call_of_each_connection_made_during
     eprintln!("the refill waited for the silent connection's first call");
     busy.close(&s).await.unwrap();
     kill_daemon(&mut first, libc::SIGTERM);
+}
+
+/// Waits (at most 30 s) until the daemon `d` says it re-executes in place: from then on it
+/// accepts nothing, so a connection made now is the new image's.
+fn wait_reexec_begun(d: &Daemon) {
+    let t0 = Instant::now();
+    while !d.log_text().contains("re-executing in place") {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no re-exec:\n{}",
+            d.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
 }
