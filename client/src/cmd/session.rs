@@ -154,9 +154,12 @@ fn explain_undelivered(reason: &str, session: &str, cell: Option<u64>) {
     use sandcell_proto::kernel::InterruptReason as R;
     let which = cell.map_or_else(|| "the running cell".to_owned(), |n| format!("cell {n}"));
     let why = match R::parse(reason) {
-        Some(R::NotRunning) => {
-            format!("{which} of session {session:?} is not running (it finished, or none started)")
-        }
+        Some(R::NotRunning) => match cell {
+            Some(n) => format!(
+                "cell {n} of session {session:?} is not running (it finished, or never started)"
+            ),
+            None => format!("no cell is running in session {session:?}"),
+        },
         Some(R::OtherCell) => format!(
             "{which} of session {session:?} is not the one running; nothing was interrupted"
         ),
