@@ -191,17 +191,6 @@ pub struct Core {
     early_callers: Arc<tokio::sync::watch::Sender<usize>>,
 }
 
-/// A connection accepted while the daemon adopted its predecessor's sessions, counted until
-/// its first call is answered or it closes (dropping this).
-#[derive(Debug)]
-pub struct EarlyCaller(Arc<tokio::sync::watch::Sender<usize>>);
-
-impl Drop for EarlyCaller {
-    fn drop(&mut self) {
-        self.0.send_modify(|n| *n = n.saturating_sub(1));
-    }
-}
-
 impl std::fmt::Debug for Core {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Core")
@@ -323,9 +312,8 @@ impl Core {
 
     /// Counts a connection accepted while calls are held ([`Core::hold_calls`]) until the
     /// returned guard is dropped: when its first call is answered, or it closes.
-    pub fn early_caller(&self) -> EarlyCaller {
-        self.early_callers.send_modify(|n| *n += 1);
-        EarlyCaller(self.early_callers.clone())
+    pub fn early_caller(&self) -> crate::pool::RefillHold {
+        crate::pool::RefillHold::on(&self.early_callers)
     }
 
     /// Waits until every connection accepted while calls were held has had its first call

@@ -143,9 +143,18 @@ pub struct Pool<W> {
     holds: Arc<tokio::sync::watch::Sender<usize>>,
 }
 
-/// Holds the refill back while it lives ([`Pool::hold`]).
+/// Holds the refill back while it lives: one count of a counter the refill waits to see at
+/// zero ([`Pool::hold`]; the adopting daemon's connections, `Core::early_caller`).
 #[derive(Debug)]
 pub struct RefillHold(Arc<tokio::sync::watch::Sender<usize>>);
+
+impl RefillHold {
+    /// Counts one more on `counter` until the returned hold is dropped.
+    pub fn on(counter: &Arc<tokio::sync::watch::Sender<usize>>) -> RefillHold {
+        counter.send_modify(|n| *n += 1);
+        RefillHold(counter.clone())
+    }
+}
 
 impl Drop for RefillHold {
     fn drop(&mut self) {
@@ -170,8 +179,7 @@ impl<W> Pool<W> {
     /// worker it took runs its cell without a replacement's start (the interpreter loading,
     /// R's or pandas' imports: hundreds of milliseconds of CPU) beside it on the same CPUs.
     pub fn hold(&self) -> RefillHold {
-        self.holds.send_modify(|n| *n += 1);
-        RefillHold(self.holds.clone())
+        RefillHold::on(&self.holds)
     }
 
     /// Waits until no [`RefillHold`] lives, at most [`MAX_HOLD`].
