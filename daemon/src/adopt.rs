@@ -90,17 +90,18 @@ pub fn collect(dir: &Path) -> std::io::Result<Found> {
         }
     }
     let mut found = Found::default();
+    let mut readable = Vec::new();
     for (id, record) in crate::records::read_all(dir) {
-        let r = match record {
-            Ok(r) => r,
+        match record {
+            Ok(r) => readable.push(r),
             Err(why) => {
                 tracing::warn!(session = %id, why, "session record unreadable: not adopted");
                 crate::records::remove(dir, &id);
-                continue;
             }
-        };
-        let owner = r.owner_uid;
-        match crate::session::connect_keeper(dir, r) {
+        }
+    }
+    for (id, owner, checked) in connect_keepers(dir, readable) {
+        match checked {
             Ok(a) => found.adoptable.push(a),
             Err(NotAdopted::Gone(why)) => {
                 tracing::warn!(session = %id, why, "session of the previous daemon not adopted (daemon_restarted)");
@@ -130,6 +131,45 @@ pub fn collect(dir: &Path) -> std::io::Result<Found> {
         }
     }
     Ok(found)
+}
+
+/// Most keepers [`collect`] asks at once. Each answer is a round trip with a keeper process
+/// that must be scheduled to answer, so asking several at a time shortens a restart's start
+/// (the returning clients wait for it); bounded, so that thousands of kept sessions do not
+/// mean thousands of threads.
+pub const COLLECT_THREADS: usize = 8;
+
+/// [`crate::session::connect_keeper`] for every record, on at most [`COLLECT_THREADS`]
+/// threads: `(id, owner uid, outcome)` per record, in no particular order.
+fn connect_keepers(
+    dir: &Path,
+    records: Vec<crate::records::Record>,
+) -> Vec<(String, u32, Result<Adoptable, NotAdopted>)> {
+    let threads = records.len().clamp(1, COLLECT_THREADS);
+    let mut shares: Vec<Vec<crate::records::Record>> = (0..threads).map(|_| Vec::new()).collect();
+    for (i, r) in records.into_iter().enumerate() {
+        shares[i % threads].push(r);
+    }
+    std::thread::scope(|scope| {
+        let asked: Vec<_> = shares
+            .into_iter()
+            .map(|share| {
+                scope.spawn(move || {
+                    share
+                        .into_iter()
+                        .map(|r| {
+                            let (id, owner) = (r.id.clone(), r.owner_uid);
+                            (id, owner, crate::session::connect_keeper(dir, r))
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        asked
+            .into_iter()
+            .flat_map(|t| t.join().expect("a keeper check panicked"))
+            .collect()
+    })
 }
 
 /// Adopts what [`collect`] found into `core`; records the rest as ended. `previous` are the

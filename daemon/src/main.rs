@@ -95,13 +95,25 @@ fn main() -> anyhow::Result<()> {
         }
         sandcelld::reexec::reap_inherited(inherited_children);
     }
+    let serving = !args.check_config && !args.check;
     // The confinement self-check forks test children and waits for them: it runs on a thread
     // of its own while the configuration is read and the runtime built (it needs neither).
-    let self_check = (!args.check_config && !args.check).then(|| {
+    let self_check = serving.then(|| {
         std::thread::Builder::new()
             .name("self-check".into())
             .spawn(sandcell_confine::self_check)
     });
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    // The system bus and polkit's first answer (sandcelld::dbus::Early), begun before the
+    // configuration is read (neither depends on it): after a restart that kept sessions the
+    // returning clients' first calls wait for polkit, so this is the start's longest path.
+    let early_bus = serving.then(|| {
+        let _in_runtime = runtime.enter();
+        sandcelld::dbus::connect_early()
+    });
+    stages.mark("runtime");
     let (path, required) = match &args.config {
         Some(p) => (p.clone(), true),
         None => (PathBuf::from(DEFAULT_CONFIG_PATH), false),
@@ -133,17 +145,15 @@ fn main() -> anyhow::Result<()> {
     }
     stages.mark("config");
     let self_check = self_check.context("no self-check")??;
-    let outcome = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?
-        .block_on(run(
-            args,
-            config,
-            path,
-            (stages, start_clock),
-            self_check,
-            inherited,
-        ));
+    let early_bus = early_bus.context("no system bus attempt")?;
+    let outcome = runtime.block_on(run(
+        args,
+        config,
+        path,
+        (stages, start_clock),
+        (self_check, early_bus),
+        inherited,
+    ));
     if let Err(e) = &outcome
         && (e.downcast_ref::<Refusal>().is_some() || e.chain().any(|c| c.is::<Refusal>()))
     {
@@ -267,17 +277,18 @@ type SelfCheckThread =
     std::thread::JoinHandle<Result<sandcell_confine::SelfCheck, sandcell_confine::Error>>;
 
 /// Runs the daemon from the socket to its exit. `start`: the stage timings since `main` and
-/// `CLOCK_MONOTONIC` there (microseconds), logged with "ready to serve"; `self_check`: the
-/// confinement self-check under way.
+/// `CLOCK_MONOTONIC` there (microseconds), logged with "ready to serve"; `under_way`: the
+/// confinement self-check and the first system bus connection, both begun in `main`.
 async fn run(
     args: Args,
     config: Config,
     config_path: PathBuf,
     start: (Stages, u64),
-    self_check: SelfCheckThread,
+    under_way: (SelfCheckThread, sandcelld::dbus::Early),
     inherited: Option<sandcelld::reexec::Inherited>,
 ) -> anyhow::Result<()> {
     let (mut stages, start_clock) = start;
+    let (self_check, early_bus) = under_way;
     // These signal handlers first: until they are installed SIGHUP, SIGUSR1 and SIGUSR2
     // would end the process (their default action), which after a re-exec in place a second
     // SIGUSR1 could do while this image starts.
@@ -298,17 +309,25 @@ async fn run(
             }
         });
     }
-    stages.mark("runtime");
+    stages.mark("signals");
     // The capacity file (metrics_file): written from the tick below, removed at a clean exit.
     let mut metrics = sandcelld::metrics::Writer::new();
     let (listener, activated) = take_listener(&args, inherited)?;
     // Kept for a re-exec in place, which passes the socket on to the new image.
     let listener_fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
-    // The system bus and polkit's first answer, made while the daemon starts
-    // (sandcelld::dbus::Early).
-    let early_bus = sandcelld::dbus::connect_early();
-    stages.mark("listener");
     let root = nix::unistd::geteuid().is_root();
+    // With sessions kept by a previous daemon (records in the root-only adoption directory)
+    // and polkit as the authority, the clients coming back are accepted from here on and
+    // polkit is asked about each while the cgroups, the sweep and the adoption run
+    // (varlink::early); their calls are served once the core exists. The records are only a
+    // hint here: a connection taken early gets nothing a later one would not.
+    let early_accept = match early_bus.initial_authority() {
+        Some(polkit) if root && sandcelld::records::any(&config.daemon.adopt_dir) => {
+            Ok(varlink::early::accept_early(listener, polkit))
+        }
+        _ => Err(listener),
+    };
+    stages.mark("listener");
     let check = self_check
         .join()
         .map_err(|_| anyhow::anyhow!("the confinement self-check panicked"))?
@@ -450,6 +469,10 @@ async fn run(
     // authority is the one the D-Bus start selects first; where it is only known after
     // polkit's first answer, the socket is served after the D-Bus start, as without sessions
     // to adopt.
+    let (listener, early) = match early_accept {
+        Ok(accepting) => accepting.finish().await?,
+        Err(listener) => (listener, Vec::new()),
+    };
     let (early_server, listener) = if adopting > 0 && early_bus.authority_known() {
         if let Some(polkit) = early_bus.initial_authority() {
             core.set_authority(polkit);
@@ -458,13 +481,14 @@ async fn run(
         let server = tokio::spawn(varlink::serve(
             core.clone(),
             listener,
+            early,
             stop_rx.clone(),
             hold_rx.clone(),
             held_tx.clone(),
         ));
         (Some(server), None)
     } else {
-        (None, Some(listener))
+        (None, Some((listener, early)))
     };
     // The kept sessions are adopted after the probes (which need an idle daemon and room in
     // the budgets), most recently active first, each before any call on it is answered and
@@ -513,7 +537,14 @@ async fn run(
 
     let server = match (early_server, listener) {
         (Some(s), _) => s,
-        (None, Some(l)) => tokio::spawn(varlink::serve(core.clone(), l, stop_rx, hold_rx, held_tx)),
+        (None, Some((l, early))) => tokio::spawn(varlink::serve(
+            core.clone(),
+            l,
+            early,
+            stop_rx,
+            hold_rx,
+            held_tx,
+        )),
         (None, None) => unreachable!("the listener is served early or here"),
     };
     // What a SIGTERM asks systemd is made ready now, off the stop's critical path.

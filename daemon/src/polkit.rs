@@ -16,7 +16,10 @@
 //!
 //! Answers for Varlink callers are cached per connection (key: connection id, which is unique
 //! for the daemon's lifetime, and action), at most [`CACHE_MAX`] entries; D-Bus calls are
-//! never cached. The cache is emptied whenever the bus connection is replaced.
+//! never cached. The cache is emptied whenever the bus connection is replaced. A second check
+//! of a connection and action while the first is being asked waits for the first's answer
+//! instead of asking polkit again (each check costs polkitd a run of its rules; after a
+//! restart every returning connection's first call arrives while its check is under way).
 //!
 //! A caller whose start time cannot be read (it exited, or its pid names another process
 //! now) is refused before polkit is asked: polkit reads a start time of 0 as "whatever
@@ -154,6 +157,18 @@ pub struct Decision {
     pub challenge: bool,
 }
 
+/// A proxy for polkit's authority on `conn` that reads each property with one `Get` call
+/// when asked. zbus's default (properties cached lazily) makes the first property read
+/// subscribe to `PropertiesChanged` and the owner's name changes and then call `GetAll`:
+/// several bus round trips, on the path of the first check after the daemon starts, for
+/// values read once.
+async fn authority_proxy(conn: &zbus::Connection) -> zbus::Result<PolkitAuthorityProxy<'static>> {
+    PolkitAuthorityProxy::builder(conn)
+        .cache_properties(zbus::proxy::CacheProperties::No)
+        .build()
+        .await
+}
+
 #[zbus::proxy(
     interface = "org.freedesktop.PolicyKit1.Authority",
     default_service = "org.freedesktop.PolicyKit1",
@@ -184,6 +199,10 @@ pub struct Polkit {
     bus: RwLock<Option<zbus::Connection>>,
     pidfd_subjects: AtomicBool,
     cache: Mutex<HashMap<(u64, Action), bool>>,
+    /// Checks of a cacheable (connection, action) being asked now: a second check of the pair
+    /// waits for the first. An entry lives while some check of it runs or waits (removed by
+    /// the last one, [`AskingGuard`]), so the map is bounded by the checks under way.
+    asking: Mutex<HashMap<(u64, Action), Asking>>,
     /// Places for calls in flight, daemon-wide ([`IN_FLIGHT_MAX`]).
     in_flight: Arc<Semaphore>,
     /// Places for calls in flight per caller uid ([`IN_FLIGHT_PER_UID`]); an entry lives
@@ -200,6 +219,7 @@ impl Default for Polkit {
             bus: RwLock::new(None),
             pidfd_subjects: AtomicBool::new(false),
             cache: Mutex::new(HashMap::new()),
+            asking: Mutex::new(HashMap::new()),
             in_flight: Arc::new(Semaphore::new(IN_FLIGHT_MAX)),
             per_uid: Mutex::new(HashMap::new()),
             settled: tokio::sync::watch::Sender::new(true),
@@ -225,9 +245,7 @@ impl Polkit {
         *self.bus.write().unwrap() = Some(conn.clone());
         self.cache.lock().unwrap().clear();
         self.pidfd_subjects.store(false, Ordering::SeqCst);
-        let proxy = PolkitAuthorityProxy::new(conn)
-            .await
-            .map_err(Error::Unreachable)?;
+        let proxy = authority_proxy(conn).await.map_err(Error::Unreachable)?;
         let version = tokio::time::timeout(CHECK_TIMEOUT, proxy.backend_version())
             .await
             .map_err(|_| {
@@ -282,7 +300,7 @@ impl Polkit {
         let conn = self.bus.read().unwrap().clone().ok_or(Error::NoBus)?;
         let id = action.id();
         let call = |source| Error::Call { action: id, source };
-        let proxy = PolkitAuthorityProxy::new(&conn).await.map_err(call)?;
+        let proxy = authority_proxy(&conn).await.map_err(call)?;
         let flags = if interactive {
             ALLOW_USER_INTERACTION
         } else {
@@ -388,13 +406,47 @@ impl Polkit {
 
     async fn decide(&self, caller: &Caller, action: Action) -> bool {
         let cacheable = matches!(caller.subject, Subject::Process { .. }) && caller.connection != 0;
-        if cacheable && let Some(&ok) = self.cache.lock().unwrap().get(&(caller.connection, action))
-        {
-            return ok;
-        }
         if caller.subject == Subject::Daemon {
             return true;
         }
+        if !cacheable {
+            return self
+                .ask_once(caller, action, false)
+                .await
+                .unwrap_or_else(|ok| ok);
+        }
+        let key = (caller.connection, action);
+        if let Some(&ok) = self.cache.lock().unwrap().get(&key) {
+            return ok;
+        }
+        // One question to polkit per (connection, action) at a time: a check that finds one
+        // being asked waits for its answer. A failure is not shared (nor cached): each waiter
+        // then asks in turn.
+        let cell = self.asking.lock().unwrap().entry(key).or_default().clone();
+        let guard = AskingGuard {
+            polkit: self,
+            key,
+            cell,
+        };
+        match guard
+            .cell
+            .get_or_try_init(|| self.ask_once(caller, action, true))
+            .await
+        {
+            Ok(&ok) => ok,
+            Err(ok) => ok,
+        }
+    }
+
+    /// Asks polkit once and logs the answer. `Ok`: polkit's answer (cached under the caller's
+    /// connection when `cacheable`); `Err`: the fail-closed decision when polkit could not
+    /// answer or the caller could not be identified (never cached).
+    async fn ask_once(
+        &self,
+        caller: &Caller,
+        action: Action,
+        cacheable: bool,
+    ) -> Result<bool, bool> {
         match self.ask(caller, action).await {
             Ok(d) => {
                 tracing::debug!(
@@ -422,12 +474,12 @@ impl Polkit {
                     }
                     c.insert((caller.connection, action), d.authorized);
                 }
-                d.authorized
+                Ok(d.authorized)
             }
             Err(e @ Error::Unidentified { .. }) => {
                 tracing::warn!(error = %e, action = action.id(), uid = caller.uid,
                     gid = caller.gid, pid = caller.pid, "authorization refused: caller not identified");
-                false
+                Err(false)
             }
             Err(e) => {
                 // Fail closed; root would be allowed by polkit in any case.
@@ -435,8 +487,32 @@ impl Polkit {
                 tracing::warn!(error = %e, action = action.id(), uid = caller.uid,
                     gid = caller.gid, pid = caller.pid, subject = subject_kind(caller),
                     allowed = ok, "polkit unavailable: refusing everyone but root");
-                ok
+                Err(ok)
             }
+        }
+    }
+}
+
+/// The answer of a check being asked, shared by the checks that wait for it.
+type Asking = Arc<tokio::sync::OnceCell<bool>>;
+
+/// Held by each check of a (connection, action) in [`Polkit::decide`]; the last one to go
+/// (answered, failed or cancelled with its connection) removes the pair's entry.
+struct AskingGuard<'a> {
+    polkit: &'a Polkit,
+    key: (u64, Action),
+    cell: Asking,
+}
+
+impl Drop for AskingGuard<'_> {
+    fn drop(&mut self) {
+        let mut asking = self.polkit.asking.lock().unwrap();
+        // Two references left (the map's and this guard's): no other check holds it.
+        if asking
+            .get(&self.key)
+            .is_some_and(|c| Arc::ptr_eq(c, &self.cell) && Arc::strong_count(c) == 2)
+        {
+            asking.remove(&self.key);
         }
     }
 }
@@ -661,6 +737,91 @@ mod tests {
             t.elapsed() < Duration::from_millis(500),
             "{:?}",
             t.elapsed()
+        );
+    }
+
+    /// A fake `org.freedesktop.PolicyKit1.Authority`: counts `CheckAuthorization` calls and
+    /// answers each after 200 ms, allowing everyone.
+    struct FakeAuthority {
+        asked: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    #[zbus::interface(name = "org.freedesktop.PolicyKit1.Authority")]
+    impl FakeAuthority {
+        async fn check_authorization(
+            &self,
+            _subject: (String, HashMap<String, zbus::zvariant::OwnedValue>),
+            _action_id: String,
+            _details: HashMap<String, String>,
+            _flags: u32,
+            _cancellation_id: String,
+        ) -> (bool, bool, HashMap<String, String>) {
+            self.asked.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            (true, false, HashMap::new())
+        }
+
+        #[zbus(property)]
+        async fn backend_version(&self) -> String {
+            "122".into()
+        }
+    }
+
+    /// The first call of a connection accepted during an adoption arrives while the check
+    /// begun at its accept is under way: polkit is asked once per connection and action, and
+    /// both get its answer; another connection is asked about on its own.
+    #[tokio::test]
+    async fn concurrent_checks_of_one_connection_ask_polkit_once() {
+        let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
+        let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let fake = FakeAuthority {
+            asked: asked.clone(),
+        };
+        let server = tokio::spawn(async move {
+            zbus::connection::Builder::unix_stream(theirs)
+                .server(zbus::Guid::generate())
+                .unwrap()
+                .p2p()
+                .serve_at("/org/freedesktop/PolicyKit1/Authority", fake)
+                .unwrap()
+                .build()
+                .await
+                .unwrap()
+        });
+        let conn = zbus::connection::Builder::unix_stream(ours)
+            .p2p()
+            .build()
+            .await
+            .unwrap();
+        let _server = server.await.unwrap();
+        let p = Polkit::new();
+        assert_eq!(p.attach(&conn).await.unwrap(), "122");
+        let me = std::process::id();
+        let mut c = caller(
+            nix::unistd::getuid().as_raw(),
+            11,
+            Subject::Process {
+                pid: me,
+                start_time: start_time(me).unwrap(),
+                pidfd: None,
+            },
+        );
+        c.gid = nix::unistd::getgid().as_raw();
+        let (a, b) = tokio::join!(p.check(&c, Action::Execute), p.check(&c, Action::Execute));
+        assert!(a && b);
+        assert_eq!(asked.load(Ordering::SeqCst), 1, "polkit was asked twice");
+        assert!(p.asking.lock().unwrap().is_empty(), "an entry was left");
+        // Cached now; another connection of the same process is a question of its own.
+        assert!(p.check(&c, Action::Execute).await);
+        c.connection = 12;
+        assert!(p.check(&c, Action::Execute).await);
+        assert_eq!(asked.load(Ordering::SeqCst), 2);
+        // A check dropped while it waits (its connection went) leaves nothing behind.
+        c.connection = 13;
+        let _ = tokio::time::timeout(Duration::from_millis(50), p.check(&c, Action::Execute)).await;
+        assert!(
+            p.asking.lock().unwrap().is_empty(),
+            "a cancelled check left an entry"
         );
     }
 

@@ -397,6 +397,19 @@ pub fn remove(dir: &Path, id: &str) {
     let _ = std::fs::remove_file(keeper_socket(dir, id));
 }
 
+/// Whether `dir` holds a file named like a record (`<session id>.json`), read or not: a hint
+/// that the previous daemon kept sessions, trusted for nothing else.
+pub fn any(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries.flatten().any(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|n| n.strip_suffix(".json"))
+                .is_some_and(|id| sandcell_proto::kernel::SessionId::parse(id).is_ok())
+        })
+    })
+}
+
 /// Every record in `dir`: `(id, record or why it is unreadable)`. A file that is not a
 /// regular root-owned file of at most [`MAX_RECORD_BYTES`] is unreadable.
 pub fn read_all(dir: &Path) -> Vec<(String, Result<Record, String>)> {

@@ -2195,3 +2195,63 @@ fn wait_reexec_begun(d: &Daemon) {
         std::thread::sleep(Duration::from_millis(2));
     }
 }
+
+/// A client that reconnects while the successor starts (here: a re-exec in place, the
+/// listening socket passed through the exec; a restart by systemd keeps it the same way) is
+/// accepted before the new image has set up its cgroups, and polkit (a real polkitd on a
+/// private bus) is asked about it then; its call on a kept session is answered after that
+/// session's adoption, as any other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_waiting_while_the_successor_starts_is_accepted_early() {
+    skip_unless_root!();
+    if !Path::new(common::polkit::POLKITD).exists() {
+        sandcell_testing::skip!(
+            "integration",
+            "polkitd is not installed ({}); scripts/setup.sh installs it",
+            common::polkit::POLKITD
+        );
+    }
+    let bus = common::bus::Bus::start();
+    let _pk = common::polkit::Polkit::start(&bus, &format!("scte{}", rand_hex(3)));
+    let (mut first, _setup) = first_daemon(&[("DBUS_SYSTEM_BUS_ADDRESS", bus.address.as_str())]);
+    assert!(
+        first.log_text().contains("polkit decides authorization"),
+        "polkit not selected:\n{}",
+        first.log_text()
+    );
+    let pid = first.pid();
+    let mut c = first.client().await;
+    let py = c.open("python", None, Some(600)).await.unwrap().session;
+    stdout_of(&mut c, &py, "w = 'set before'").await;
+    // SAFETY: a signal to our own child, not yet reaped.
+    unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
+    drop(c);
+    // The old image accepts nothing more once it says it re-executes: this connection waits
+    // in the socket's backlog for the new image.
+    wait_reexec_begun(&first);
+    let mut c = first.client().await;
+    assert_eq!(
+        stdout_of(&mut c, &py, "print(w)").await.trim(),
+        "set before"
+    );
+    let log = first.log_text();
+    let after = &log[log.find("re-executing in place").unwrap()..];
+    let early = after.find("connection accepted while the daemon starts");
+    let cgroups = after.find("starting cgroups=");
+    assert!(
+        matches!((early, cgroups), (Some(e), Some(g)) if e < g),
+        "the waiting connection was not accepted before the cgroups were set up:\n{log}"
+    );
+    assert!(
+        after.contains("connection accepted while adopting sessions: its calls wait for the adoption connection=1"),
+        "the early connection was not served as connection 1:\n{log}"
+    );
+    // A connection made after the start is served too.
+    wait_ready_times(&mut first, 2);
+    let mut c2 = first.client().await;
+    assert_eq!(
+        stdout_of(&mut c2, &py, "print(w)").await.trim(),
+        "set before"
+    );
+    c2.close(&py).await.unwrap();
+}

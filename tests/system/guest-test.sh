@@ -843,7 +843,9 @@ newer_deb || echo "    (could not build the newer package)"
 # 9 sessions of one uid: above the per-uid defaults this 2-CPU guest derives. 256 MiB per
 # worker and 128 MiB of guest memory per Eryx session: the guest's derived budgets (3 GiB of
 # worker memory, 2.2 GiB per uid, 256 MiB of guest memory) are raised above what 9 sessions
-# and the warm pools need (the workers' real use is far below their limits).
+# and the warm pools need (the workers' real use is far below their limits). The stages of
+# each authorization check and cell are logged too (sandcelld::timing at debug level), for the
+# events' timelines.
 cat >/etc/systemd/system/sandcelld.service.d/60-lifecycle.conf <<'CONF'
 [Service]
 Environment=SANDCELL_MAX_CONCURRENT_SESSIONS=24 SANDCELL_MAX_SESSIONS_PER_UID=16 SANDCELL_MAX_DETACHED_SESSIONS_PER_UID=16 SANDCELL_MAX_START_BURST_PER_UID=200
@@ -851,6 +853,7 @@ Environment=SANDCELL_MAX_WORKER_MEMORY_BYTES=268435456 SANDCELL_MAX_SESSION_FILE
 Environment=SANDCELL_EXECUTION_WALL_TIME_SECONDS=600
 Environment=SANDCELL_MAX_AGGREGATE_GUEST_MEMORY_BYTES=3221225472 SANDCELL_MAX_GUEST_MEMORY_BYTES_PER_UID=3221225472
 Environment=SANDCELL_MAX_AGGREGATE_WORKER_MEMORY_BYTES=8589934592 SANDCELL_MAX_WORKER_MEMORY_BYTES_PER_UID=8589934592
+Environment=SANDCELL_LOG=info,sandcelld::timing=debug
 CONF
 systemctl daemon-reload
 systemctl stop sandcelld.service
@@ -1032,8 +1035,13 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     sed "s/^/    [$ev] probe stderr: /" /tmp/lc-probe.err 2>/dev/null | tail -3
     # Where the gap went: systemd's and the daemons' own lines, on one clock.
     journalctl -b -u sandcelld.service --no-pager -o short-unix --since "@${t0%.*}" 2>/dev/null \
-        | grep -E 'systemd\[1\]|SIGTERM|SIGUSR1|re-executing|restarting the unit|pooled workers|exiting; sessions|session groups live|^.* starting |adopting sessions|sessions of the previous daemon adopted|Stopping|Started|Starting|what="(daemon_start|daemon_stop|bus)"' \
-        | head -24 | cut -c1-420 | sed "s/^/    [$ev] timeline: /"
+        | grep -E 'systemd\[1\]|SIGTERM|SIGUSR1|re-executing|restarting the unit|pooled workers|exiting; sessions|session groups live|^.* starting |adopting sessions|accepted while the daemon starts|sessions of the previous daemon adopted|Stopping|Started|Starting|what="(daemon_start|daemon_stop|bus)"' \
+        | head -28 | cut -c1-420 | sed "s/^/    [$ev] timeline: /"
+    # The successor's first authorization checks (polkit) and cells, with their stages (the
+    # drop-in above logs sandcelld::timing at debug level): where the rest of the gap went.
+    journalctl -b -u sandcelld.service --no-pager -o short-unix --since "@${t0%.*}" 2>/dev/null \
+        | awk -v s="${t_new:-0}" '$1 >= s && /what="authorize"/ && a < 3 { a++; print } $1 >= s && /what="cell"/ && c < 2 { c++; print }' \
+        | cut -c1-300 | sed "s/^/    [$ev] successor's first checks and cells: /"
     echo "    [$ev] the successor's fork by systemd: ExecMainStartTimestampMonotonic=$(systemctl show -p ExecMainStartTimestampMonotonic --value sandcelld.service) us"
     as_gw sandcellctl close "$psid" >/dev/null 2>&1
     # Back: a new daemon (a new main pid), or for the upgrade the same process re-executed

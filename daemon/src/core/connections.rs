@@ -97,6 +97,18 @@ impl Core {
         uid: u32,
         pid: u32,
     ) -> Result<ConnectionGuard, ConnectionRefused> {
+        self.connection_opened_as(uid, pid, None)
+    }
+
+    /// [`Core::connection_opened`] for a connection numbered `id` before the core existed
+    /// (`varlink::early`: ids from 1, in accept order, before any the core gives out), or
+    /// numbered now (`None`). Later ids follow the highest given.
+    pub fn connection_opened_as(
+        &self,
+        uid: u32,
+        pid: u32,
+        id: Option<u64>,
+    ) -> Result<ConnectionGuard, ConnectionRefused> {
         let cfg = self.config();
         let mut per_uid = self.connections_per_uid.lock().unwrap();
         let total = self.connections.load(Ordering::SeqCst);
@@ -124,10 +136,14 @@ impl Core {
         }
         *per_uid.entry(uid).or_default() += 1;
         self.connections.fetch_add(1, Ordering::SeqCst);
-        Ok(ConnectionGuard {
-            id: self.next_connection.fetch_add(1, Ordering::SeqCst),
-            uid,
-        })
+        let id = match id {
+            Some(id) => {
+                self.next_connection.fetch_max(id + 1, Ordering::SeqCst);
+                id
+            }
+            None => self.next_connection.fetch_add(1, Ordering::SeqCst),
+        };
+        Ok(ConnectionGuard { id, uid })
     }
 }
 

@@ -15,6 +15,7 @@
 //! naming the budget on its first call, and closed. A connection with no call in flight, no partial message and no session it owns is
 //! closed after `daemon.connection_idle_seconds`.
 
+pub mod early;
 mod kernel;
 pub mod socket;
 
@@ -34,14 +35,24 @@ use tokio::sync::{mpsc, watch};
 ///
 /// When `stop` fires, connections not yet accepted stay queued in the listening socket
 /// (systemd keeps it), so a socket-activated daemon that exits loses nothing.
+///
+/// `early`: connections accepted before the core existed ([`early::accept_early`]); they are
+/// counted under the connection caps and served first, in their accept order.
 pub async fn serve(
     core: Arc<Core>,
     listener: UnixListener,
+    early: Vec<early::EarlyConnection>,
     mut stop: watch::Receiver<bool>,
     mut hold: watch::Receiver<bool>,
     held: watch::Sender<bool>,
 ) {
     raise_nofile(&core);
+    for e in early {
+        let credentials = (e.uid, e.gid, e.pid, e.pidfd);
+        if let Some(admitted) = admit_connection(&core, e.stream, Ok(credentials), Some(e.id)) {
+            tokio::spawn(serve_connection(core.clone(), admitted));
+        }
+    }
     // One descriptor in reserve: when accept fails for want of descriptors, it is given up to
     // accept the waiting client and answer it by name, instead of leaving that client waiting
     // in the backlog until some descriptor is closed (the libev/nginx "reserve fd" idiom).
@@ -64,7 +75,8 @@ pub async fn serve(
                     // Counted under the connection caps here, in accept order, before its
                     // task runs: tasks run in any order, and a connection accepted later must
                     // never take the place of one accepted before it.
-                    if let Some(admitted) = admit_connection(&core, stream) {
+                    let credentials = socket::peer_credentials(&stream);
+                    if let Some(admitted) = admit_connection(&core, stream, credentials, None) {
                         tokio::spawn(serve_connection(core.clone(), admitted));
                     }
                 }
@@ -203,18 +215,24 @@ struct Admitted {
     guard: crate::core::ConnectionGuard,
 }
 
-/// Reads the peer's credentials and counts the connection under the caps; a refused one is
+/// Counts the connection with the peer's `credentials` (uid, gid, pid, pidfd) under the caps
+/// (as connection `id` when it was numbered before the core existed); a refused one is
 /// answered on its own task (the client is told why on its first call), one without
 /// credentials is dropped. Synchronous, so connections are counted in accept order.
-fn admit_connection(core: &Arc<Core>, stream: tokio::net::UnixStream) -> Option<Admitted> {
-    let (uid, gid, pid, pidfd) = match socket::peer_credentials(&stream) {
+fn admit_connection(
+    core: &Arc<Core>,
+    stream: tokio::net::UnixStream,
+    credentials: std::io::Result<(u32, u32, u32, Option<std::os::fd::OwnedFd>)>,
+    id: Option<u64>,
+) -> Option<Admitted> {
+    let (uid, gid, pid, pidfd) = match credentials {
         Ok(c) => c,
         Err(e) => {
             tracing::warn!(error = %e, "no peer credentials; dropping connection");
             return None;
         }
     };
-    match core.connection_opened(uid, pid) {
+    match core.connection_opened_as(uid, pid, id) {
         Ok(guard) => Some(Admitted {
             stream,
             uid,
