@@ -139,37 +139,35 @@ pub fn collect(dir: &Path) -> std::io::Result<Found> {
 /// mean thousands of threads.
 pub const COLLECT_THREADS: usize = 8;
 
-/// [`crate::session::connect_keeper`] for every record, on at most [`COLLECT_THREADS`]
-/// threads: `(id, owner uid, outcome)` per record, in no particular order.
+/// [`crate::session::connect_keeper`] for every record, on this thread and at most
+/// `COLLECT_THREADS - 1` others (fewer when no thread can be had: this one then asks the
+/// rest): `(id, owner uid, outcome)` per record, in no particular order.
 fn connect_keepers(
     dir: &Path,
     records: Vec<crate::records::Record>,
 ) -> Vec<(String, u32, Result<Adoptable, NotAdopted>)> {
-    let threads = records.len().clamp(1, COLLECT_THREADS);
-    let mut shares: Vec<Vec<crate::records::Record>> = (0..threads).map(|_| Vec::new()).collect();
-    for (i, r) in records.into_iter().enumerate() {
-        shares[i % threads].push(r);
-    }
+    let helpers = records.len().min(COLLECT_THREADS).saturating_sub(1);
+    let queue = std::sync::Mutex::new(records);
+    let done = std::sync::Mutex::new(Vec::new());
+    let work = || {
+        loop {
+            let Some(r) = queue.lock().unwrap().pop() else {
+                break;
+            };
+            let (id, owner) = (r.id.clone(), r.owner_uid);
+            let checked = crate::session::connect_keeper(dir, r);
+            done.lock().unwrap().push((id, owner, checked));
+        }
+    };
     std::thread::scope(|scope| {
-        let asked: Vec<_> = shares
-            .into_iter()
-            .map(|share| {
-                scope.spawn(move || {
-                    share
-                        .into_iter()
-                        .map(|r| {
-                            let (id, owner) = (r.id.clone(), r.owner_uid);
-                            (id, owner, crate::session::connect_keeper(dir, r))
-                        })
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        asked
-            .into_iter()
-            .flat_map(|t| t.join().expect("a keeper check panicked"))
-            .collect()
-    })
+        for _ in 0..helpers {
+            let _ = std::thread::Builder::new()
+                .name("adopt-keeper".into())
+                .spawn_scoped(scope, work);
+        }
+        work();
+    });
+    done.into_inner().unwrap()
 }
 
 /// Adopts what [`collect`] found into `core`; records the rest as ended. `previous` are the

@@ -421,15 +421,16 @@ impl Polkit {
         }
         // One question to polkit per (connection, action) at a time: a check that finds one
         // being asked waits for its answer. A failure is not shared (nor cached): each waiter
-        // then asks in turn.
+        // then asks in turn, so while polkit does not answer the calls of one connection wait
+        // one check timeout each (a connection's calls are answered in order anyway).
         let cell = self.asking.lock().unwrap().entry(key).or_default().clone();
         let guard = AskingGuard {
             polkit: self,
             key,
-            cell,
+            cell: Some(cell),
         };
-        match guard
-            .cell
+        let cell = guard.cell.as_ref().expect("set above");
+        match cell
             .get_or_try_init(|| self.ask_once(caller, action, true))
             .await
         {
@@ -497,20 +498,28 @@ impl Polkit {
 type Asking = Arc<tokio::sync::OnceCell<bool>>;
 
 /// Held by each check of a (connection, action) in [`Polkit::decide`]; the last one to go
-/// (answered, failed or cancelled with its connection) removes the pair's entry.
+/// (answered, failed or cancelled with its connection) removes the pair's entry. Every
+/// reference to an entry's cell is taken and dropped under the map's lock, so the count read
+/// there is exact.
 struct AskingGuard<'a> {
     polkit: &'a Polkit,
     key: (u64, Action),
-    cell: Asking,
+    cell: Option<Asking>,
 }
 
 impl Drop for AskingGuard<'_> {
     fn drop(&mut self) {
         let mut asking = self.polkit.asking.lock().unwrap();
-        // Two references left (the map's and this guard's): no other check holds it.
-        if asking
-            .get(&self.key)
-            .is_some_and(|c| Arc::ptr_eq(c, &self.cell) && Arc::strong_count(c) == 2)
+        let Some(cell) = self.cell.take() else {
+            return;
+        };
+        let ours = asking.get(&self.key).is_some_and(|c| Arc::ptr_eq(c, &cell));
+        drop(cell);
+        // Only the map's reference left: no other check holds or waits on it.
+        if ours
+            && asking
+                .get(&self.key)
+                .is_some_and(|c| Arc::strong_count(c) == 1)
         {
             asking.remove(&self.key);
         }
@@ -770,7 +779,7 @@ mod tests {
     /// The first call of a connection accepted during an adoption arrives while the check
     /// begun at its accept is under way: polkit is asked once per connection and action, and
     /// both get its answer; another connection is asked about on its own.
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn concurrent_checks_of_one_connection_ask_polkit_once() {
         let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
         let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -823,6 +832,21 @@ mod tests {
             p.asking.lock().unwrap().is_empty(),
             "a cancelled check left an entry"
         );
+        // Many checks of one new connection on several threads: one question, no entry left.
+        let p = Arc::new(p);
+        c.connection = 14;
+        let checks: Vec<_> = (0..32)
+            .map(|_| {
+                let (p, c) = (p.clone(), c.clone());
+                tokio::spawn(async move { p.check(&c, Action::Execute).await })
+            })
+            .collect();
+        for t in checks {
+            assert!(t.await.unwrap());
+        }
+        // Connections 11, 12, 13 (asked, then cancelled) and 14 once.
+        assert_eq!(asked.load(Ordering::SeqCst), 4);
+        assert!(p.asking.lock().unwrap().is_empty(), "an entry was left");
     }
 
     #[tokio::test]

@@ -100,15 +100,24 @@ impl Core {
         self.connection_opened_as(uid, pid, None)
     }
 
+    /// Keeps connection ids `1..=last` from the ids the core gives out (they were given before
+    /// the core existed, `varlink::early`): later connections are numbered after `last`.
+    pub fn reserve_connection_ids(&self, last: u64) {
+        self.next_connection.fetch_max(last + 1, Ordering::SeqCst);
+    }
+
     /// [`Core::connection_opened`] for a connection numbered `id` before the core existed
-    /// (`varlink::early`: ids from 1, in accept order, before any the core gives out), or
-    /// numbered now (`None`). Later ids follow the highest given.
+    /// (`varlink::early`: ids from 1, in accept order, reserved first with
+    /// [`Core::reserve_connection_ids`]), or numbered now (`None`).
     pub fn connection_opened_as(
         &self,
         uid: u32,
         pid: u32,
         id: Option<u64>,
     ) -> Result<ConnectionGuard, ConnectionRefused> {
+        if let Some(id) = id {
+            self.reserve_connection_ids(id);
+        }
         let cfg = self.config();
         let mut per_uid = self.connections_per_uid.lock().unwrap();
         let total = self.connections.load(Ordering::SeqCst);
@@ -136,13 +145,7 @@ impl Core {
         }
         *per_uid.entry(uid).or_default() += 1;
         self.connections.fetch_add(1, Ordering::SeqCst);
-        let id = match id {
-            Some(id) => {
-                self.next_connection.fetch_max(id + 1, Ordering::SeqCst);
-                id
-            }
-            None => self.next_connection.fetch_add(1, Ordering::SeqCst),
-        };
+        let id = id.unwrap_or_else(|| self.next_connection.fetch_add(1, Ordering::SeqCst));
         Ok(ConnectionGuard { id, uid })
     }
 }

@@ -32,8 +32,9 @@ pub const MAX_EARLY: usize = 64;
 /// Most connections of one uid whose authorization is asked before the core exists.
 pub const MAX_EARLY_PER_UID: usize = 8;
 
-/// A connection accepted before the core existed, with its peer's credentials and the id the
-/// server gives it (`1..=MAX_EARLY`, in accept order; the core numbers later ones after).
+/// A connection accepted before the core existed, with its peer's credentials and its id
+/// (`1..=MAX_EARLY`, in accept order; the server reserves them all, admitted or refused, and
+/// the core numbers later connections after them).
 pub struct EarlyConnection {
     pub(super) stream: UnixStream,
     pub(super) uid: u32,
@@ -73,7 +74,8 @@ pub fn accept_early(listener: UnixListener, polkit: Arc<Polkit>) -> EarlyAccept 
                     };
                     let id = taken.len() as u64 + 1;
                     let n = asked.entry(uid).or_default();
-                    if *n < MAX_EARLY_PER_UID {
+                    let ask = *n < MAX_EARLY_PER_UID;
+                    if ask {
                         *n += 1;
                         let caller = Caller {
                             uid,
@@ -94,7 +96,8 @@ pub fn accept_early(listener: UnixListener, polkit: Arc<Polkit>) -> EarlyAccept 
                         connection = id,
                         uid,
                         pid,
-                        "connection accepted while the daemon starts: its authorization is asked now"
+                        polkit_asked = ask,
+                        "connection accepted while the daemon starts"
                     );
                     taken.push(EarlyConnection { stream, uid, gid, pid, pidfd, id });
                 }

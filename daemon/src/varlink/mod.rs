@@ -47,6 +47,11 @@ pub async fn serve(
     held: watch::Sender<bool>,
 ) {
     raise_nofile(&core);
+    // Every early id is the connection's for good, admitted or refused: polkit may already
+    // have answered under it, so the core never gives it to another connection.
+    if let Some(last) = early.iter().map(|e| e.id).max() {
+        core.reserve_connection_ids(last);
+    }
     for e in early {
         let credentials = (e.uid, e.gid, e.pid, e.pidfd);
         if let Some(admitted) = admit_connection(&core, e.stream, Ok(credentials), Some(e.id)) {
