@@ -465,9 +465,10 @@ impl Core {
             .lock()
             .unwrap()
             .insert(r.id.clone(), session.clone());
+        // Logged before its held calls go on, so the line precedes any answer on it.
+        tracing::info!(session = %r.id, uid = owner, worker = r.worker.pid, keeper = r.keeper.pid, "session adopted");
         // Its owner's calls held for it go on now (Core::session_calls_released).
         self.calls_open.send_modify(|_| {});
-        tracing::info!(session = %r.id, uid = owner, worker = r.worker.pid, keeper = r.keeper.pid, "session adopted");
         crate::counters::counters().session_opened();
         Ok(session)
     }
