@@ -17,10 +17,9 @@
 //! ([`super::serve`]), in accept order; one over a cap is refused then, as any other.
 
 use crate::auth::{Action, Authority};
-use crate::identity::Caller;
 use crate::polkit::Polkit;
 use std::collections::HashMap;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
@@ -77,16 +76,7 @@ pub fn accept_early(listener: UnixListener, polkit: Arc<Polkit>) -> EarlyAccept 
                     let ask = *n < MAX_EARLY_PER_UID;
                     if ask {
                         *n += 1;
-                        let caller = Caller {
-                            uid,
-                            gid,
-                            pid,
-                            connection: id,
-                            subject: crate::polkit::process_subject(
-                                pid,
-                                pidfd.as_ref().map(|f| f.as_fd()),
-                            ),
-                        };
+                        let caller = super::peer_caller(uid, gid, pid, id, pidfd.as_ref());
                         let polkit = polkit.clone();
                         tokio::spawn(async move {
                             let _ = polkit.check(&caller, Action::Execute).await;

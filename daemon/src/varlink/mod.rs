@@ -255,6 +255,26 @@ fn admit_connection(
     }
 }
 
+/// The caller on connection `id` from its peer's credentials (`SO_PEERCRED`, and the peer's
+/// pidfd where the kernel gives one). pid + start time + pidfd make the polkit subject, never
+/// a bare pid (polkit CVE-2013-4288: a bare pid can be reused between the connection and the
+/// check).
+fn peer_caller(
+    uid: u32,
+    gid: u32,
+    pid: u32,
+    id: u64,
+    pidfd: Option<&std::os::fd::OwnedFd>,
+) -> Caller {
+    Caller {
+        uid,
+        gid,
+        pid,
+        connection: id,
+        subject: crate::polkit::process_subject(pid, pidfd.map(|f| f.as_fd())),
+    }
+}
+
 async fn serve_connection(core: Arc<Core>, admitted: Admitted) {
     let Admitted {
         stream,
@@ -265,15 +285,7 @@ async fn serve_connection(core: Arc<Core>, admitted: Admitted) {
         guard,
     } = admitted;
     let id = guard.id();
-    let caller = Caller {
-        uid,
-        gid,
-        pid,
-        connection: id,
-        // pid + start time + pidfd make the polkit subject, never a bare pid (polkit
-        // CVE-2013-4288: a bare pid can be reused between the connection and the check).
-        subject: crate::polkit::process_subject(pid, pidfd.as_ref().map(|f| f.as_fd())),
-    };
+    let caller = peer_caller(uid, gid, pid, id, pidfd.as_ref());
     drop(pidfd);
     tracing::debug!(connection = id, uid, pid, "client connected");
     // Counted until its first call is answered: the adopting daemon's pool refill waits.
