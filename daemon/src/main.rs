@@ -292,7 +292,17 @@ async fn run(
     // These signal handlers first: until they are installed SIGHUP, SIGUSR1 and SIGUSR2
     // would end the process (their default action), which after a re-exec in place a second
     // SIGUSR1 could do while this image starts.
-    let signals = Signals::new()?;
+    // With sessions a previous daemon kept (records in the root-only adoption directory),
+    // SIGTERM and SIGINT are registered now as well: a stop or a restart that arrives while
+    // they are adopted is acted on once the daemon serves (ending or keeping every session,
+    // as at any other time) instead of ending this process at once, which would leave the
+    // sessions to their keepers until `adopt_timeout_seconds`. An adopting start does not
+    // wait for the readiness probe, so that takes no longer than the adoption (when no
+    // record passes, the start runs the probe first and the stop waits for it, seconds).
+    // Without records a stop ends the start at once.
+    let records_left =
+        nix::unistd::geteuid().is_root() && sandcelld::records::any(&config.daemon.adopt_dir);
+    let signals = Signals::new(records_left)?;
     // After a re-exec in place systemd's watchdog keeps running while this image starts (a
     // reload, for systemd), and a start without sessions to adopt runs the readiness probe
     // first (seconds under load): the watchdog is pinged until the image is ready, after
@@ -322,9 +332,7 @@ async fn run(
     // (varlink::early); their calls are served once the core exists. The records are only a
     // hint here: a connection taken early gets nothing a later one would not.
     let early_accept = match early_bus.initial_authority() {
-        Some(polkit) if root && sandcelld::records::any(&config.daemon.adopt_dir) => {
-            Ok(varlink::early::accept_early(listener, polkit))
-        }
+        Some(polkit) if records_left => Ok(varlink::early::accept_early(listener, polkit)),
         _ => Err(listener),
     };
     stages.mark("listener");
@@ -796,20 +804,32 @@ enum Stopped {
 
 /// The signals whose default action would end the daemon while it starts, registered at the
 /// start of `run` (one that arrives meanwhile is acted on once it serves). SIGTERM and SIGINT
-/// are registered when it serves: until then they end it at once, as systemd's stop of a
-/// starting unit expects.
+/// (`term`, `int`) are registered there too when the start adopts sessions, so that a stop
+/// during the adoption ends them (or a restart keeps them) as the daemon decides, not their
+/// keepers' timeout; otherwise they are registered when it serves and until then end it at
+/// once, as systemd's stop of a starting unit expects (the start has no session to lose).
+/// A signal that arrives before `run` (the first milliseconds of `main`) ends the process as
+/// a crash does: the keepers hold the sessions for the next daemon, at most
+/// `adopt_timeout_seconds`.
 struct Signals {
     usr1: tokio::signal::unix::Signal,
     usr2: tokio::signal::unix::Signal,
     hup: tokio::signal::unix::Signal,
+    term: Option<tokio::signal::unix::Signal>,
+    int: Option<tokio::signal::unix::Signal>,
 }
 
 impl Signals {
-    fn new() -> std::io::Result<Signals> {
+    /// Registers SIGUSR1, SIGUSR2 and SIGHUP, and with `adopting` SIGTERM and SIGINT.
+    /// Errors: tokio cannot install a handler (no signal driver).
+    fn new(adopting: bool) -> std::io::Result<Signals> {
+        let early = |kind: SignalKind| adopting.then(|| signal(kind)).transpose();
         Ok(Signals {
             usr1: signal(SignalKind::user_defined1())?,
             usr2: signal(SignalKind::user_defined2())?,
             hup: signal(SignalKind::hangup())?,
+            term: early(SignalKind::terminate())?,
+            int: early(SignalKind::interrupt())?,
         })
     }
 }
@@ -829,9 +849,17 @@ async fn serve_until_stopped(
         mut usr1,
         mut usr2,
         mut hup,
+        term,
+        int,
     } = signals;
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
+    let mut term = match term {
+        Some(t) => t,
+        None => signal(SignalKind::terminate())?,
+    };
+    let mut int = match int {
+        Some(i) => i,
+        None => signal(SignalKind::interrupt())?,
+    };
     let watchdog = notify::watchdog_interval();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut last_busy = Instant::now();

@@ -2257,3 +2257,64 @@ async fn a_client_waiting_while_the_successor_starts_is_accepted_early() {
     );
     c2.close(&py).await.unwrap();
 }
+
+/// A stop that arrives while the daemon adopts sessions (here: SIGTERM during a re-exec's
+/// adoption, held for 1.5 s) is acted on once the adoption is done: without systemd's restart
+/// job it ends every session at once, as at any other time. Before, SIGTERM was registered
+/// only when the daemon served, so it ended the starting process and left the sessions to
+/// their keepers until the adoption timeout (here 120 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_the_adoption_ends_every_session_at_once() {
+    skip_unless_root!();
+    let (mut first, setup) = first_daemon(&[
+        ("SANDCELL_TEST_ADOPT_DELAY_MS", "1500"),
+        ("SANDCELL_ADOPT_TIMEOUT_SECONDS", "120"),
+    ]);
+    let pid = first.pid();
+    let mut c = first.client().await;
+    let s = c.open("python", None, Some(600)).await.unwrap().session;
+    stdout_of(&mut c, &s, "v = 1").await;
+    let (worker, keeper) = record_pids(&setup.adopt, &s);
+    // SAFETY: a signal to our own child, not yet reaped.
+    unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
+    drop(c);
+    wait_reexec_begun(&first);
+    let mark = first.log_text().len();
+    let t0 = Instant::now();
+    while !first.log_text()[mark..].contains("adopting sessions of the previous daemon") {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the new image did not begin the adoption:\n{}",
+            first.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(
+        !first.log_text()[mark..].contains("sessions of the previous daemon adopted="),
+        "the adoption ended before the stop was sent:\n{}",
+        first.log_text()
+    );
+    kill_daemon(&mut first, libc::SIGTERM);
+    let status = first.child.try_wait().unwrap().expect("exited");
+    let log = first.log_text();
+    assert!(
+        status.success(),
+        "SIGTERM during the adoption ended the process ({status:?}) instead of stopping it:\n{log}"
+    );
+    let after = &log[mark..];
+    let adopted = after
+        .find("sessions of the previous daemon adopted=1")
+        .unwrap();
+    let stopping = after.find("stopping: ending every session").unwrap();
+    assert!(adopted < stopping, "{after}");
+    assert!(
+        common::eventually(Duration::from_secs(20), || !alive(worker) && !alive(keeper)),
+        "the session's worker or keeper lives on after the stop"
+    );
+    assert!(!setup.adopt.join(format!("{s}.json")).exists());
+    assert_no_groups_left(&setup);
+    eprintln!(
+        "SIGTERM {} ms into the adoption's delay: the adoption finished, then every session ended",
+        t0.elapsed().as_millis()
+    );
+}

@@ -253,9 +253,17 @@ impl Backend for V1 {
             })?
             .join("cgroup.procs");
         if from.ends_with("/supervisor") && self.memory.path_of(&from).as_deref() == Some(&*dir) {
-            // Already there (a restarted daemon); its way back is unknown: the parent. The
-            // bound follows this configuration, which may differ from the last one's.
+            // Already there (a re-exec in place, or a daemon started inside the group). The
+            // bound follows this configuration, which may differ from the last one's. The way
+            // back at the end is the group the groups were made below (the daemon's first
+            // group, a unit's or the hierarchy's root), so that its stop can remove them.
             set_supervisor_limits(&dir, max, high)?;
+            if let Some(parent) = name_dir.parent() {
+                *self.supervisor.lock().unwrap_or_else(|e| e.into_inner()) = Some(Supervisor {
+                    dir: dir.clone(),
+                    back: parent.join("cgroup.procs"),
+                });
+            }
             return Ok(Some(dir));
         }
         host::mkdir(&dir, true)?;
