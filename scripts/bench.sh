@@ -4,7 +4,8 @@
 # p99 and max of one-shot Run, open + cell + close and a session cell, with the ratios and the
 # memory of each warm worker (scripts/bench_shipped.py); then the engines alone (Eryx in
 # process, Rscript), and sandcelld through its socket, confined (as root), without and with
-# warm pools of chosen sizes.
+# warm pools of chosen sizes; the gap a client sees across a restart, a crash and a re-exec
+# (scripts/bench_restart.py, root only).
 # Usage: scripts/bench.sh [--iterations N] [--paced-iterations P] [--pace-ms MS] [--shipped-only]
 #                         [--no-setup] [DETAIL_N]
 #   --iterations N   samples per figure of the shipped-defaults comparison (default 10000)
@@ -124,6 +125,10 @@ echo "== the pydata environment beside Jupyter (ipykernel, IRkernel) and bubblew
 echo "== MCP: run_code through the MCP Python SDK beside Run through the Python client (print(1))"
 PYTHONPATH=clients/python/src "$SANDCELL_CACHE/mcp-venv/bin/python" scripts/bench_mcp.py \
     --iterations "$n" || echo "(mcp bench failed)"
+
+echo "== restart gap: SIGUSR2 + successor, SIGKILL + successor, SIGUSR1 re-exec (8 sessions, this machine)"
+/usr/bin/python3 scripts/bench_restart.py --bin "$BIN" --runtime "$SANDCELL_TEST_PYTHON_RUNTIME" \
+    --rounds 5 || echo "(restart bench failed)"
 
 echo
 # The shipped-defaults table last, so that the run ends with it.
