@@ -264,6 +264,16 @@ fn test_delay() {
     );
 }
 
+/// A test seam: with `SANDCELL_TEST_HAND_OVER_DELAY_MS=N` in its environment a daemon that
+/// re-executes in place waits N milliseconds (at most 10 s) after handing its sessions over,
+/// before the exec, so that a test can send a stop signal during the hand-over.
+pub fn test_hand_over_delay() {
+    test_seam_wait(
+        "SANDCELL_TEST_HAND_OVER_DELAY_MS",
+        "SANDCELL_TEST_HAND_OVER_DELAY_MS: waiting after the hand-over, before the exec",
+    );
+}
+
 /// Sleeps the milliseconds the environment variable `var` gives (at most 10 s), saying `why`
 /// in a warning; nothing when it is unset or not a number. Workers and keepers never see
 /// these variables (their environments are built from nothing), and the shipped units do not

@@ -302,7 +302,18 @@ async fn run(
     // Without records a stop ends the start at once.
     let records_left =
         nix::unistd::geteuid().is_root() && sandcelld::records::any(&config.daemon.adopt_dir);
-    let signals = Signals::new(records_left)?;
+    let mut signals = Signals::new(records_left)?;
+    // A stop that reached the previous image of this process while it handed its sessions
+    // over for this exec: raised again now that it is handled (acted on once serving).
+    if let Some(sig) = inherited.and_then(|i| i.pending_signal) {
+        tracing::info!(
+            signal = sig,
+            "a stop arrived during the re-exec's hand-over: acted on once the sessions are adopted"
+        );
+        if let Ok(sig) = nix::sys::signal::Signal::try_from(sig) {
+            let _ = nix::sys::signal::raise(sig);
+        }
+    }
     // After a re-exec in place systemd's watchdog keeps running while this image starts (a
     // reload, for systemd), and a start without sessions to adopt runs the readiness probe
     // first (seconds under load): the watchdog is pinged until the image is ready, after
@@ -455,7 +466,16 @@ async fn run(
     // adopted workers are the evidence that the environments start.
     let adopting = found.as_ref().map_or(0, |f| f.adoptable.len());
     if adopting == 0 {
-        probe_environments(&core).await?;
+        // With records that no session passed, SIGTERM and SIGINT are handled already: a
+        // stop during the probe (seconds) ends the start, which has nothing to keep, at once.
+        tokio::select! {
+            probed = probe_environments(&core) => probed?,
+            sig = signals.stop_requested() => {
+                tracing::info!(signal = sig, "stop requested during the readiness probe: exiting");
+                core.shutdown().await;
+                return Ok(());
+            }
+        }
         stages.mark("probe");
     } else {
         tracing::info!(
@@ -577,7 +597,7 @@ async fn run(
         });
     }
     let stopped = serve_until_stopped(
-        signals,
+        &mut signals,
         &core,
         &mut metrics,
         &config_path,
@@ -630,7 +650,11 @@ async fn run(
                 // Returns only if the exec failed: the sessions are handed over already, so
                 // this image exits keeping them (status 1: Restart=on-failure starts a daemon
                 // that adopts them).
-                let e = sandcelld::reexec::exec_in_place(listener_fd, activated);
+                sandcelld::adopt::test_hand_over_delay();
+                // A stop that arrived during the hand-over goes to the new image, which acts
+                // on it once it has adopted the sessions (ending them, for a stop).
+                let pending = signals.stop_pending();
+                let e = sandcelld::reexec::exec_in_place(listener_fd, activated, pending);
                 tracing::error!(error = %e, "re-exec failed: exiting keeping every session; systemd starts the daemon again");
                 core.exit_keeping_sessions_with(1);
             }
@@ -832,33 +856,68 @@ impl Signals {
             int: early(SignalKind::interrupt())?,
         })
     }
+
+    /// Registers SIGTERM and SIGINT if they are not yet.
+    fn register_stops(&mut self) -> std::io::Result<()> {
+        if self.term.is_none() {
+            self.term = Some(signal(SignalKind::terminate())?);
+        }
+        if self.int.is_none() {
+            self.int = Some(signal(SignalKind::interrupt())?);
+        }
+        Ok(())
+    }
+
+    /// SIGTERM or SIGINT (their numbers) when one arrived and was not taken yet; does not
+    /// wait.
+    fn stop_pending(&mut self) -> Option<i32> {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        for (stream, sig) in [
+            (self.term.as_mut(), libc::SIGTERM),
+            (self.int.as_mut(), libc::SIGINT),
+        ] {
+            if let Some(s) = stream
+                && s.poll_recv(&mut cx).is_ready()
+            {
+                return Some(sig);
+            }
+        }
+        None
+    }
+
+    /// Waits for SIGTERM or SIGINT (their numbers), if registered; never returns otherwise.
+    async fn stop_requested(&mut self) -> i32 {
+        match (self.term.as_mut(), self.int.as_mut()) {
+            (Some(term), Some(int)) => tokio::select! {
+                _ = term.recv() => libc::SIGTERM,
+                _ = int.recv() => libc::SIGINT,
+            },
+            _ => std::future::pending().await,
+        }
+    }
 }
 
 /// Serves until SIGTERM or SIGINT, or, with `idle_exit`, until no session or connection was
 /// left for that many seconds, and says which; SIGHUP reloads `config_path`. Every second: the sd_notify
 /// status, the metrics file, the watchdog, and a heap trim every [`TRIM_EVERY`].
 async fn serve_until_stopped(
-    signals: Signals,
+    signals: &mut Signals,
     core: &Arc<Core>,
     metrics: &mut sandcelld::metrics::Writer,
     config_path: &Path,
     config_required: bool,
     idle_exit: Option<u64>,
 ) -> anyhow::Result<Stopped> {
+    signals.register_stops()?;
     let Signals {
-        mut usr1,
-        mut usr2,
-        mut hup,
-        term,
-        int,
-    } = signals;
-    let mut term = match term {
-        Some(t) => t,
-        None => signal(SignalKind::terminate())?,
-    };
-    let mut int = match int {
-        Some(i) => i,
-        None => signal(SignalKind::interrupt())?,
+        usr1,
+        usr2,
+        hup,
+        term: Some(term),
+        int: Some(int),
+    } = signals
+    else {
+        anyhow::bail!("SIGTERM and SIGINT are not registered");
     };
     let watchdog = notify::watchdog_interval();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -867,7 +926,11 @@ async fn serve_until_stopped(
     let mut last_trim = Instant::now();
     loop {
         tokio::select! {
+            // A stop comes first when several signals are pending (the select is otherwise
+            // random): a SIGTERM is never dropped for a SIGUSR1 or SIGUSR2 that arrived with it.
+            biased;
             _ = term.recv() => { tracing::info!("SIGTERM: stopping"); return Ok(Stopped::Term); }
+            _ = int.recv() => { tracing::info!("SIGINT: stopping"); return Ok(Stopped::Interrupt); }
             _ = usr2.recv() => {
                 if core.adoption_enabled() {
                     tracing::info!("SIGUSR2: exiting, keeping sessions for the next daemon");
@@ -882,7 +945,6 @@ async fn serve_until_stopped(
                 }
                 tracing::warn!("SIGUSR1: adoption is not enabled, so a re-exec would end every session; ignored (restart the unit instead)");
             }
-            _ = int.recv() => { tracing::info!("SIGINT: stopping"); return Ok(Stopped::Interrupt); }
             _ = hup.recv() => { let _ = core.reload_from(config_path, config_required, "SIGHUP"); }
             _ = tick.tick() => {
                 notify::status(&status_line(core));

@@ -629,6 +629,82 @@ pub fn process_subject(pid: u32, pidfd: Option<BorrowedFd<'_>>) -> Subject {
     }
 }
 
+/// A fake polkit authority for unit tests (here and in the early acceptor's).
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A fake `org.freedesktop.PolicyKit1.Authority`: counts `CheckAuthorization` calls and
+    /// answers each after 200 ms, allowing everyone.
+    struct FakeAuthority {
+        asked: Arc<AtomicUsize>,
+    }
+
+    #[zbus::interface(name = "org.freedesktop.PolicyKit1.Authority")]
+    impl FakeAuthority {
+        async fn check_authorization(
+            &self,
+            _subject: (String, HashMap<String, zbus::zvariant::OwnedValue>),
+            _action_id: String,
+            _details: HashMap<String, String>,
+            _flags: u32,
+            _cancellation_id: String,
+        ) -> (bool, bool, HashMap<String, String>) {
+            self.asked.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            (true, false, HashMap::new())
+        }
+
+        #[zbus(property)]
+        async fn backend_version(&self) -> String {
+            "122".into()
+        }
+    }
+
+    /// A [`Polkit`] attached to a [`FakeAuthority`] over a peer-to-peer connection (the zbus
+    /// `p2p` feature), and the count of questions it was asked.
+    pub(crate) struct FakePolkit {
+        pub(crate) polkit: Arc<Polkit>,
+        pub(crate) asked: Arc<AtomicUsize>,
+        _connections: (zbus::Connection, zbus::Connection),
+    }
+
+    impl FakePolkit {
+        pub(crate) async fn start() -> FakePolkit {
+            let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
+            let asked = Arc::new(AtomicUsize::new(0));
+            let fake = FakeAuthority {
+                asked: asked.clone(),
+            };
+            let server = tokio::spawn(async move {
+                zbus::connection::Builder::unix_stream(theirs)
+                    .server(zbus::Guid::generate())
+                    .unwrap()
+                    .p2p()
+                    .serve_at("/org/freedesktop/PolicyKit1/Authority", fake)
+                    .unwrap()
+                    .build()
+                    .await
+                    .unwrap()
+            });
+            let conn = zbus::connection::Builder::unix_stream(ours)
+                .p2p()
+                .build()
+                .await
+                .unwrap();
+            let server = server.await.unwrap();
+            let polkit = Polkit::new();
+            assert_eq!(polkit.attach(&conn).await.unwrap(), "122");
+            FakePolkit {
+                polkit,
+                asked,
+                _connections: (conn, server),
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -749,62 +825,13 @@ mod tests {
         );
     }
 
-    /// A fake `org.freedesktop.PolicyKit1.Authority`: counts `CheckAuthorization` calls and
-    /// answers each after 200 ms, allowing everyone.
-    struct FakeAuthority {
-        asked: Arc<std::sync::atomic::AtomicUsize>,
-    }
-
-    #[zbus::interface(name = "org.freedesktop.PolicyKit1.Authority")]
-    impl FakeAuthority {
-        async fn check_authorization(
-            &self,
-            _subject: (String, HashMap<String, zbus::zvariant::OwnedValue>),
-            _action_id: String,
-            _details: HashMap<String, String>,
-            _flags: u32,
-            _cancellation_id: String,
-        ) -> (bool, bool, HashMap<String, String>) {
-            self.asked.fetch_add(1, Ordering::SeqCst);
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            (true, false, HashMap::new())
-        }
-
-        #[zbus(property)]
-        async fn backend_version(&self) -> String {
-            "122".into()
-        }
-    }
-
     /// The first call of a connection accepted during an adoption arrives while the check
     /// begun at its accept is under way: polkit is asked once per connection and action, and
     /// both get its answer; another connection is asked about on its own.
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn concurrent_checks_of_one_connection_ask_polkit_once() {
-        let (ours, theirs) = tokio::net::UnixStream::pair().unwrap();
-        let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let fake = FakeAuthority {
-            asked: asked.clone(),
-        };
-        let server = tokio::spawn(async move {
-            zbus::connection::Builder::unix_stream(theirs)
-                .server(zbus::Guid::generate())
-                .unwrap()
-                .p2p()
-                .serve_at("/org/freedesktop/PolicyKit1/Authority", fake)
-                .unwrap()
-                .build()
-                .await
-                .unwrap()
-        });
-        let conn = zbus::connection::Builder::unix_stream(ours)
-            .p2p()
-            .build()
-            .await
-            .unwrap();
-        let _server = server.await.unwrap();
-        let p = Polkit::new();
-        assert_eq!(p.attach(&conn).await.unwrap(), "122");
+        let fake = test_support::FakePolkit::start().await;
+        let (p, asked) = (fake.polkit, fake.asked.clone());
         let me = std::process::id();
         let mut c = caller(
             nix::unistd::getuid().as_raw(),

@@ -41,6 +41,12 @@ pub const LISTEN_FD_ENV: &str = "SANDCELL_REEXEC_LISTEN_FD";
 /// only then), `0` otherwise.
 pub const ACTIVATED_ENV: &str = "SANDCELL_REEXEC_ACTIVATED";
 
+/// The stop signal (`15`, SIGTERM, or `2`, SIGINT) that arrived while the previous image
+/// handed its sessions over for the exec: the new image raises it again once its handlers
+/// exist, so the stop is acted on (after the adoption) instead of being lost with the old
+/// image's handlers.
+pub const PENDING_SIGNAL_ENV: &str = "SANDCELL_REEXEC_PENDING_SIGNAL";
+
 /// Variables a re-exec drops from the environment it passes on: systemd's socket activation
 /// variables name descriptors by position, which the exec does not keep.
 const DROPPED: &[&str] = &[
@@ -49,6 +55,7 @@ const DROPPED: &[&str] = &[
     "LISTEN_FDNAMES",
     LISTEN_FD_ENV,
     ACTIVATED_ENV,
+    PENDING_SIGNAL_ENV,
 ];
 
 /// The listening socket a previous image of this process passed on, read from
@@ -59,6 +66,9 @@ pub struct Inherited {
     pub fd: RawFd,
     /// Whether systemd's socket activation gave it.
     pub activated: bool,
+    /// SIGTERM or SIGINT, when one arrived during the previous image's hand-over
+    /// ([`PENDING_SIGNAL_ENV`]).
+    pub pending_signal: Option<i32>,
 }
 
 /// Reads and removes [`LISTEN_FD_ENV`] and [`ACTIVATED_ENV`], and marks the descriptor
@@ -72,10 +82,14 @@ pub struct Inherited {
 pub unsafe fn take_inherited() -> Option<Inherited> {
     let fd = std::env::var(LISTEN_FD_ENV).ok();
     let activated = std::env::var(ACTIVATED_ENV).is_ok_and(|v| v == "1");
+    let pending_signal = std::env::var(PENDING_SIGNAL_ENV)
+        .ok()
+        .and_then(|v| parse_stop_signal(&v));
     // SAFETY: the caller guarantees that the process has one thread.
     unsafe {
         std::env::remove_var(LISTEN_FD_ENV);
         std::env::remove_var(ACTIVATED_ENV);
+        std::env::remove_var(PENDING_SIGNAL_ENV);
     }
     let fd = parse_fd(fd.as_deref()?)?;
     // Close-on-exec again at once: the self-check's children must not hold the socket.
@@ -87,7 +101,18 @@ pub unsafe fn take_inherited() -> Option<Inherited> {
             libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
         }
     }
-    Some(Inherited { fd, activated })
+    Some(Inherited {
+        fd,
+        activated,
+        pending_signal,
+    })
+}
+
+/// SIGTERM or SIGINT from its number; any other value is ignored.
+fn parse_stop_signal(v: &str) -> Option<i32> {
+    v.parse::<i32>()
+        .ok()
+        .filter(|s| *s == libc::SIGTERM || *s == libc::SIGINT)
 }
 
 /// The children a previous image of this process left (`/proc/self/task/<pid>/children`, or
@@ -237,10 +262,15 @@ fn prepare_descriptors(keep: RawFd) -> std::io::Result<()> {
 /// `WATCHDOG=1`: a reload need not restart the watchdog's clock when the new image's `READY=1`
 /// ends it, so the exec must not start late in the interval), then executes the
 /// installed binary in place with the same arguments and environment (minus the socket
-/// activation variables), passing `listener` on as [`LISTEN_FD_ENV`]. Returns only if the
-/// exec failed, with its error; the caller then exits keeping its sessions (the process is
-/// no use without a new image).
-pub fn exec_in_place(listener: RawFd, activated: bool) -> std::io::Error {
+/// activation variables), passing `listener` on as [`LISTEN_FD_ENV`] and a stop signal that
+/// arrived meanwhile (`pending_signal`) as [`PENDING_SIGNAL_ENV`]. Returns only if the exec
+/// failed, with its error; the caller then exits keeping its sessions (the process is no use
+/// without a new image).
+pub fn exec_in_place(
+    listener: RawFd,
+    activated: bool,
+    pending_signal: Option<i32>,
+) -> std::io::Error {
     let path = match executable() {
         Ok(p) => p,
         Err(e) => return e,
@@ -268,6 +298,9 @@ pub fn exec_in_place(listener: RawFd, activated: bool) -> std::io::Error {
         env.push(cstr(
             format!("{ACTIVATED_ENV}={}", if activated { 1 } else { 0 }).as_bytes(),
         )?);
+        if let Some(sig) = pending_signal {
+            env.push(cstr(format!("{PENDING_SIGNAL_ENV}={sig}").as_bytes())?);
+        }
         Ok((prog, args, env))
     };
     let (prog, args, env) = match build() {
@@ -293,6 +326,15 @@ mod tests {
         assert_eq!(parse_fd("17"), Some(17));
         for bad in ["0", "2", "-1", "", "x", "3 "] {
             assert_eq!(parse_fd(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn only_sigterm_and_sigint_are_carried_across_the_exec() {
+        assert_eq!(parse_stop_signal("15"), Some(libc::SIGTERM));
+        assert_eq!(parse_stop_signal("2"), Some(libc::SIGINT));
+        for bad in ["9", "10", "0", "-15", "", "x", "15 "] {
+            assert_eq!(parse_stop_signal(bad), None, "{bad:?}");
         }
     }
 

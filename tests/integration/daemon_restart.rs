@@ -2318,3 +2318,57 @@ async fn a_stop_during_the_adoption_ends_every_session_at_once() {
         t0.elapsed().as_millis()
     );
 }
+
+/// A stop that reaches a re-exec in place while the old image hands its sessions over (held
+/// here for 1.5 s after the hand-over) is not lost with the old image's handlers: the new
+/// image gets it (`SANDCELL_REEXEC_PENDING_SIGNAL`), adopts the sessions and then ends every
+/// one of them at once, not after the keepers' adoption timeout (here 120 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_a_reexecs_hand_over_reaches_the_new_image() {
+    skip_unless_root!();
+    let (mut first, setup) = first_daemon(&[
+        ("SANDCELL_TEST_HAND_OVER_DELAY_MS", "1500"),
+        ("SANDCELL_ADOPT_TIMEOUT_SECONDS", "120"),
+    ]);
+    let pid = first.pid();
+    let mut c = first.client().await;
+    let s = c.open("python", None, Some(600)).await.unwrap().session;
+    stdout_of(&mut c, &s, "v = 1").await;
+    let (worker, keeper) = record_pids(&setup.adopt, &s);
+    let mark = first.log_text().len();
+    // SAFETY: a signal to our own child, not yet reaped.
+    unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
+    drop(c);
+    let t0 = Instant::now();
+    while !first.log_text()[mark..].contains("SANDCELL_TEST_HAND_OVER_DELAY_MS") {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no hand-over:\n{}",
+            first.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    kill_daemon(&mut first, libc::SIGTERM);
+    let status = first.child.try_wait().unwrap().expect("exited");
+    let log = first.log_text();
+    assert!(status.success(), "{status:?}:\n{log}");
+    let after = &log[mark..];
+    let order = [
+        "re-executing in place",
+        "a stop arrived during the re-exec's hand-over",
+        "sessions of the previous daemon adopted=1",
+        "stopping: ending every session",
+    ];
+    let mut at = 0;
+    for line in order {
+        at += after[at..]
+            .find(line)
+            .unwrap_or_else(|| panic!("no {line:?} after the previous step:\n{after}"));
+    }
+    assert!(
+        common::eventually(Duration::from_secs(20), || !alive(worker) && !alive(keeper)),
+        "the session's worker or keeper lives on after the stop"
+    );
+    assert!(!setup.adopt.join(format!("{s}.json")).exists());
+    assert_no_groups_left(&setup);
+}

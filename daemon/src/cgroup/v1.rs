@@ -104,7 +104,7 @@ impl V1 {
                 None => own
                     .iter()
                     .find(|m| m.controllers.iter().any(|c| c == controller))
-                    .map(|m| m.path.clone())
+                    .map(|m| without_own_supervisor(&m.path, name))
                     .filter(|p| is_systemd_unit_group(p))
                     .unwrap_or_else(|| "/".into()),
             };
@@ -255,8 +255,8 @@ impl Backend for V1 {
         if from.ends_with("/supervisor") && self.memory.path_of(&from).as_deref() == Some(&*dir) {
             // Already there (a re-exec in place, or a daemon started inside the group). The
             // bound follows this configuration, which may differ from the last one's. The way
-            // back at the end is the group the groups were made below (the daemon's first
-            // group, a unit's or the hierarchy's root), so that its stop can remove them.
+            // back at the end is the group the groups were made below (a systemd unit's
+            // group, else the hierarchy's root), so that its stop can remove them.
             set_supervisor_limits(&dir, max, high)?;
             if let Some(parent) = name_dir.parent() {
                 *self.supervisor.lock().unwrap_or_else(|e| e.into_inner()) = Some(Supervisor {
@@ -404,6 +404,18 @@ struct Dir {
 /// nothing) and its soft limit to `high`. The kernel refuses a memory limit above the
 /// memory+swap one and the other way round (`EINVAL`, cgroup-v1/memory.rst), so when the
 /// first write of the pair fails it is retried after the second.
+/// `path` without a trailing `/<name>/supervisor`: where a daemon already in its own
+/// supervisor group (a re-exec in place moved nothing) made its groups below, so that a
+/// re-executed daemon under a systemd unit finds the same layout as its first image.
+fn without_own_supervisor(path: &str, name: &str) -> String {
+    path.strip_suffix("/supervisor")
+        .and_then(|p| p.strip_suffix(name))
+        .and_then(|p| p.strip_suffix('/'))
+        .map(|p| if p.is_empty() { "/" } else { p })
+        .unwrap_or(path)
+        .to_string()
+}
+
 fn set_supervisor_limits(dir: &Path, max: u64, high: u64) -> Result<(), Error> {
     let limit = max.to_string();
     let mem = dir.join("memory.limit_in_bytes");
@@ -577,6 +589,35 @@ mod tests {
     use std::os::unix::process::CommandExt;
     use std::process::{Command, Stdio};
     use std::time::Instant;
+
+    /// A re-executed daemon is still in `<unit>/<name>/supervisor` of the memory hierarchy:
+    /// its groups go below the unit again, as its first image's did.
+    #[test]
+    fn a_daemon_in_its_supervisor_group_finds_the_group_below_which_it_made_them() {
+        let unit = "/system.slice/sandcelld.service";
+        assert_eq!(
+            without_own_supervisor(&format!("{unit}/sandcell/supervisor"), "sandcell"),
+            unit
+        );
+        assert!(is_systemd_unit_group(&without_own_supervisor(
+            &format!("{unit}/sandcell/supervisor"),
+            "sandcell"
+        )));
+        assert_eq!(
+            without_own_supervisor("/sandcell/supervisor", "sandcell"),
+            "/"
+        );
+        // Anything else is left as it is.
+        for other in [
+            unit,
+            "/",
+            "/other/supervisor",
+            "/x-sandcell/supervisor",
+            "/sandcell/supervisor/more",
+        ] {
+            assert_eq!(without_own_supervisor(other, "sandcell"), other);
+        }
+    }
 
     /// Fake hierarchies and procfs in a temp dir.
     struct Fake {

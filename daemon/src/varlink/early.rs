@@ -112,3 +112,61 @@ impl EarlyAccept {
             .map_err(|e| anyhow::anyhow!("the early acceptor failed: {e}"))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::polkit::test_support::FakePolkit;
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    /// 100 clients wait in the backlog when the acceptor starts: it takes [`MAX_EARLY`] of
+    /// them (ids 1 to 64 in accept order) and leaves the rest queued on the listener, and
+    /// polkit is asked about [`MAX_EARLY_PER_UID`] of them (all are this test's uid).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_flood_is_taken_up_to_its_bounds_and_the_rest_stays_queued() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("socket");
+        let listener = UnixListener::bind(&path).unwrap();
+        let clients: Vec<std::os::unix::net::UnixStream> = (0..100)
+            .map(|_| std::os::unix::net::UnixStream::connect(&path).unwrap())
+            .collect();
+        let fake = FakePolkit::start().await;
+        let accepting = accept_early(listener, fake.polkit.clone());
+        // Taking 64 queued connections is a matter of milliseconds; polkit's questions are
+        // sent as each is taken.
+        let t0 = std::time::Instant::now();
+        while fake.asked.load(Ordering::SeqCst) < MAX_EARLY_PER_UID {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "polkit was asked {} times",
+                fake.asked.load(Ordering::SeqCst)
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (listener, early) = accepting.finish().await.unwrap();
+        assert_eq!(early.len(), MAX_EARLY);
+        let ids: Vec<u64> = early.iter().map(|c| c.id).collect();
+        assert_eq!(ids, (1..=MAX_EARLY as u64).collect::<Vec<_>>());
+        let me = nix::unistd::getuid().as_raw();
+        assert!(
+            early
+                .iter()
+                .all(|c| c.uid == me && c.pid == std::process::id())
+        );
+        assert_eq!(
+            fake.asked.load(Ordering::SeqCst),
+            MAX_EARLY_PER_UID,
+            "polkit was asked about more than one uid's bound"
+        );
+        // The rest are still queued, for the server's accept loop.
+        let mut rest = 0;
+        while let Ok(Ok(_)) =
+            tokio::time::timeout(Duration::from_millis(200), listener.accept()).await
+        {
+            rest += 1;
+        }
+        assert_eq!(rest, clients.len() - MAX_EARLY);
+    }
+}
