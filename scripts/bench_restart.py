@@ -5,10 +5,11 @@ on this machine without emulation; figures only, no assertions.
 This script plays the socket unit: it binds the socket once and hands it to every daemon it
 starts (``LISTEN_FDS``, as systemd's socket activation does), so connections made while no
 daemon runs wait in the listen backlog. One daemon at a time runs with the shipped defaults
-(warm pools on; 8 detached sessions allowed to one uid), its session records on tmpfs as the shipped ``adopt_dir`` is. It opens 8
+(warm pools on; 8 detached sessions allowed to one uid, and a wall time long enough for the
+cell below), its session records on tmpfs as the shipped ``adopt_dir`` is. It opens 8
 detached sessions (3 Eryx ``python``, 2 ``pydata``, 3 ``r``; fewer languages when the
-machine lacks one), sets a variable in each and submits one cell that prints 36 ticks, a
-quarter of a second apart. Then, ``--rounds`` times each, in turn:
+machine lacks one), sets a variable in each and submits one cell that prints a tick every
+quarter of a second for as long as the run lasts. Then, ``--rounds`` times each, in turn:
 
 - ``restart``: SIGUSR2 (a planned exit that keeps every session, what the daemon does when
   systemd restarts the unit), the successor started as soon as the old process has exited;
@@ -19,10 +20,12 @@ quarter of a second apart. Then, ``--rounds`` times each, in turn:
   path).
 
 Per event it prints the gap (from the signal to the first ``Execute`` answered on a kept
-session, through a new connection as a returning client makes), the sessions kept (their
-variable seen again) out of 8, whether every worker kept its pid, and the successor's
-``daemon_start`` stages (microseconds, from its log). At the end: p50 and max of the gap per
-event, and whether the submitted cell's 36 ticks were all retrievable with ``Attach``.
+session by the new daemon or image, through a new connection as a returning client makes),
+the sessions kept (their variable seen again; the running cell's session by its
+``CellStatus``) out of 8, whether every worker kept its pid, whether the cell was running
+when the signal was sent, and the successor's ``daemon_start`` stages (microseconds, from its
+log). At the end: p50 and max of the gap per event; then the cell is interrupted and its
+output read back with ``Attach``, every tick from the first without a gap.
 
 systemd's own share of a restart under the shipped unit (its stop job, the fork and the
 unit's namespaces before the daemon's ``main``) is not in these figures: this machine's
@@ -52,9 +55,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
                                 "python", "src"))
 import sandcell  # noqa: E402
 
-# The submitted cell: TICKS lines, TICK_SECONDS apart (within the shipped 10 s wall time).
-TICKS = 36
+# The submitted cell prints a tick every TICK_SECONDS for at most CELL_SECONDS (its wall
+# time is raised to fit); the run interrupts it at the end.
 TICK_SECONDS = 0.25
+CELL_SECONDS = 1800
 
 
 class Daemons:
@@ -73,8 +77,10 @@ class Daemons:
         self.cgroup = "sandcell-bench-restart-%d" % os.getpid()
         self.conf = os.path.join(self.dir, "sandcelld.toml")
         with open(self.conf, "w") as f:
-            # Shipped defaults but one: 8 detached sessions of one uid (the default allows 6).
-            f.write("[limits]\nmax_detached_sessions_per_uid = 8\n")
+            # Shipped defaults but two: 8 detached sessions of one uid (the default allows 6),
+            # and a wall time that lets the ticking cell run through every event.
+            f.write("[limits]\nmax_detached_sessions_per_uid = 8\n"
+                    "execution_wall_time_seconds = %d\n" % (CELL_SECONDS + 60))
         self.env = {
             "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
             "SANDCELL_WORKER_DIR": bindir,
@@ -89,11 +95,15 @@ class Daemons:
         }
         self.log_path = os.path.join(self.dir, "daemon.log")
         self.proc = None
-        self.starts = 0
+        # Images started so far (each start and each re-exec logs "ready to serve" once).
+        self.images = 0
 
     def start(self):
         """Starts a daemon on the held socket (descriptor 3, LISTEN_PID its own pid)."""
         fd = self.listener.fileno()
+        # The shell below names the descriptor in a redirection, where dash takes one digit.
+        if fd > 9:
+            raise SystemExit("bench_restart: the socket got descriptor %d (more than 9)" % fd)
         # The shell moves the socket to descriptor 3 and sets LISTEN_PID to its own pid,
         # which exec keeps for sandcelld.
         script = ('[ "$0" = 3 ] || eval "exec 3<&$0 $0<&-"; '
@@ -102,8 +112,9 @@ class Daemons:
             self.proc = subprocess.Popen(
                 ["/bin/sh", "-c", script, str(fd), os.path.join(self.bindir, "sandcelld"),
                  "--config", self.conf],
-                env=self.env, pass_fds=[fd], stdout=subprocess.DEVNULL, stderr=log)
-        self.starts += 1
+                env=self.env, pass_fds=[fd], stdout=subprocess.DEVNULL, stderr=log,
+                start_new_session=True)
+        self.images += 1
 
     def text(self):
         with open(self.log_path, errors="replace") as f:
@@ -127,8 +138,15 @@ class Daemons:
         return (m.group(1), int(m.group(2))) if m else None
 
     def stop(self):
-        """Ends the daemon and its sessions (SIGTERM without systemd: nothing is kept)."""
+        """Ends the daemon and its sessions (SIGTERM without systemd: nothing is kept). With
+        no daemon running while sessions are kept (an error between an exit and the next
+        start), one is started first, so that its stop ends them."""
+        kept = glob.glob(os.path.join(self.adopt, "*.json"))
+        if (self.proc is None or self.proc.poll() is not None) and kept:
+            self.start()
         if self.proc is not None and self.proc.poll() is None:
+            # Not in the first milliseconds of a start, before its handlers exist.
+            self.wait_log("ready to serve", self.images, 120)
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(60)
@@ -142,11 +160,13 @@ class Daemons:
         shutil.rmtree(self.adopt, ignore_errors=True)
 
 
-def worker_pids(cgroup, sid):
-    """The processes of session `sid`'s cgroup (the memory hierarchy's, on cgroup v1 or v2)."""
+def worker_pids(sid):
+    """The processes of session `sid`'s cgroup (its worker and keeper): on cgroup v1 the
+    memory hierarchy's group, on v2 the unified one's."""
     pids = set()
     local = sid.rsplit(".", 1)[-1]  # the id without its node
-    for path in glob.glob("/sys/fs/cgroup/**/%s/cgroup.procs" % local, recursive=True):
+    root = "/sys/fs/cgroup/memory" if os.path.isdir("/sys/fs/cgroup/memory") else "/sys/fs/cgroup"
+    for path in glob.glob("%s/**/%s/cgroup.procs" % (root, local), recursive=True):
         try:
             with open(path) as f:
                 pids.update(int(p) for p in f.read().split())
@@ -155,24 +175,32 @@ def worker_pids(cgroup, sid):
     return sorted(pids)
 
 
-def first_answer(sock, sid, lang, want, t0, timeout=60.0):
-    """Seconds from `t0` to the first Execute on `sid` that shows `want`, through a new
-    client (retrying while the call is cut, or while a cut call's cell still runs)."""
+def first_answer(sock, sid, lang, want, t0, timeout=60.0, fresh=lambda: True):
+    """Seconds from `t0` to the first Execute on `sid` that shows `want` and is answered once
+    `fresh()` holds (the answering daemon is the new one), through a new client, retrying
+    while the call is cut, refused for a shutdown or times out, or while a cut call's cell
+    still runs. A session that ended or answered something else ends the run."""
     code = "print(v)" if lang == "python" else "cat(v, '\\n')"
-    while time.perf_counter() - t0 < timeout:
+    while True:
+        left = timeout - (time.perf_counter() - t0)
+        if left <= 0:
+            raise SystemExit("no Execute on %s answered within %.0f s" % (sid, timeout))
         try:
-            c = sandcell.Client(sock)
+            c = sandcell.Client(sock, timeout=left)
             try:
                 r = c.session_by_id(sid, lang).execute(code)
             finally:
                 c.close()
-            if r.stdout.strip() == want:
-                return time.perf_counter() - t0
-            raise SystemExit("session %s answered %r, not %r" % (sid, r.stdout, want))
-        except (sandcell.ConnectionFailed, sandcell.SessionBusy):
-            # Cut by the event, or the cell such a cut call began is still finishing.
+        except sandcell.NoSuchSession as e:
+            raise SystemExit("session %s is gone: %s" % (sid, e))
+        except sandcell.SandcellError:
             time.sleep(0.002)
-    raise SystemExit("no Execute on %s answered within %.0f s" % (sid, timeout))
+            continue
+        if r.stdout.strip() != want:
+            raise SystemExit("session %s answered %r, not %r" % (sid, r.stdout, want))
+        if fresh():
+            return time.perf_counter() - t0
+        time.sleep(0.002)  # the old image answered: it had not stopped accepting yet
 
 
 def pct(samples, p):
@@ -215,13 +243,17 @@ def run(d, rounds):
     # The cell that runs through every event, in the last Python session.
     runner = next((x for x in reversed(sessions) if x[1] == "python"), None)
     sessions_probe = [x for x in sessions if x is not runner]
+    if not sessions_probe:
+        print("bench_restart: no environment to open sessions in")
+        return 1
     cell = None
     if runner is not None:
         cell = c.submit(runner[0], "import time\nfor i in range(%d):\n    print('tick', i, "
-                                   "flush=True)\n    time.sleep(%s)\n" % (TICKS, TICK_SECONDS))
+                                   "flush=True)\n    time.sleep(%s)\n"
+                        % (int(CELL_SECONDS / TICK_SECONDS), TICK_SECONDS))
     c.close()
-    print("bench_restart: %d sessions (%s), one detached cell of %d ticks running in %s"
-          % (len(sessions), " ".join(x[2] for x in sessions), TICKS,
+    print("bench_restart: %d sessions (%s), one detached cell ticking in %s"
+          % (len(sessions), " ".join(x[2] for x in sessions),
              runner[0] if runner else "none"))
     gaps = {"restart": [], "crash": [], "reexec": []}
     events = [("restart", signal.SIGUSR2), ("crash", signal.SIGKILL),
@@ -229,48 +261,71 @@ def run(d, rounds):
     n = 0
     for r in range(rounds):
         for name, sig in events:
-            before = {sid: worker_pids(d.cgroup, sid) for sid, *_ in sessions}
+            before = {sid: worker_pids(sid) for sid, *_ in sessions}
+            running = runner is not None and cell_running(d.sock_path, runner[0], cell)
             probe = sessions_probe[n % len(sessions_probe)]
             n += 1
             starts = d.text().count('what="daemon_start"')
+            reexecs = d.text().count("re-executing in place")
             t0 = time.perf_counter()
             d.proc.send_signal(sig)
-            if name != "reexec":
+            if name == "reexec":
+                d.images += 1
+                fresh = lambda: d.text().count("re-executing in place") > reexecs  # noqa: E731
+            else:
                 d.proc.wait(60)
                 d.start()
-            gap = first_answer(d.sock_path, probe[0], probe[1], probe[3], t0)
+                fresh = lambda: True  # noqa: E731
+            gap = first_answer(d.sock_path, probe[0], probe[1], probe[3], t0, fresh=fresh)
             gaps[name].append(gap)
-            d.wait_log('what="daemon_start"', starts + 1, 120)
+            started = d.wait_log('what="daemon_start"', starts + 1, 120)
             kept = 0
             for sid, lang, _env, want in sessions:
-                if sid == (runner[0] if runner else None):
-                    kept += 1  # its cell is running: checked with Attach at the end
-                    continue
                 try:
-                    first_answer(d.sock_path, sid, lang, want, time.perf_counter(), 30)
+                    if runner is not None and sid == runner[0]:
+                        # Its cell runs on: the session is kept if the cell is known.
+                        cell_running(d.sock_path, sid, cell)
+                    else:
+                        first_answer(d.sock_path, sid, lang, want, time.perf_counter(), 30)
                     kept += 1
-                except SystemExit as e:
+                except (SystemExit, sandcell.SandcellError) as e:
                     print("  lost %s: %s" % (sid, e))
-            after = {sid: worker_pids(d.cgroup, sid) for sid, *_ in sessions}
+            after = {sid: worker_pids(sid) for sid, *_ in sessions}
             same = sum(1 for sid in before if before[sid] and before[sid] == after[sid])
-            st = d.last_stages("daemon_start")
+            st = d.last_stages("daemon_start") if started else None
             print("bench_restart: %-7s round %d: gap %7.1f ms (Execute on %s %s), kept %d of "
-                  "%d, workers with the same pids %d of %d; successor's start %s us: %s"
-                  % (name, r + 1, gap * 1000, probe[2], probe[0].rsplit(".", 1)[-1][:8], kept, len(sessions),
-                     same, len(sessions), st[1] if st else "?", st[0] if st else "?"))
+                  "%d, workers with the same pids %d of %d, cell running before: %s; "
+                  "successor's start %s us: %s"
+                  % (name, r + 1, gap * 1000, probe[2], probe[0].rsplit(".", 1)[-1][:8], kept,
+                     len(sessions), same, len(sessions), "yes" if running else "no",
+                     st[1] if st else "?", st[0] if st else "(no daemon_start line)"))
     for name, g in gaps.items():
         if g:
             print("bench_restart: %-7s gap p50 %7.1f ms, max %7.1f ms (n=%d)"
                   % (name, pct(g, 0.5) * 1000, max(g) * 1000, len(g)))
     if runner is not None:
-        c = sandcell.Client(d.sock_path)
+        c = sandcell.Client(d.sock_path, timeout=60)
+        c.interrupt(runner[0], cell)
         out = []
         res = c.attach(runner[0], cell, lambda o: out.append(getattr(o, "text", "")))
-        ticks = sum(1 for ln in "".join(out).splitlines() if ln.startswith("tick "))
-        print("bench_restart: the detached cell: status %s, %d of %d ticks retrievable"
-              % (res.status, ticks, TICKS))
+        ticks = [ln.split()[1] for ln in "".join(out).splitlines() if ln.startswith("tick ")]
+        whole = ticks == [str(i) for i in range(len(ticks))]
+        print("bench_restart: the detached cell, interrupted at the end: status %s, %d ticks "
+              "read back with Attach, %s" % (res.status, len(ticks),
+                                             "every one from 0 without a gap" if whole
+                                             else "SOME MISSING OR OUT OF ORDER"))
         c.close()
     return 0
+
+
+def cell_running(sock, sid, cell):
+    """Whether cell `cell` of `sid` is running (CellStatus); raises when the daemon does not
+    know the cell or the session."""
+    c = sandcell.Client(sock, timeout=30)
+    try:
+        return c.cell_status(sid, cell)["state"] == "running"
+    finally:
+        c.close()
 
 
 if __name__ == "__main__":
