@@ -306,6 +306,15 @@ async fn run(
     // A stop that reached the previous image of this process while it handed its sessions
     // over for this exec: raised again now that it is handled (acted on once serving).
     if let Some(sig) = inherited.and_then(|i| i.pending_signal) {
+        if !records_left {
+            // Nothing was handed over: the stop ends this image at once.
+            tracing::info!(
+                signal = sig,
+                "a stop arrived during the re-exec: no session to keep; exiting"
+            );
+            notify::stopping();
+            return Ok(());
+        }
         tracing::info!(
             signal = sig,
             "a stop arrived during the re-exec's hand-over: acted on once the sessions are adopted"
@@ -472,6 +481,12 @@ async fn run(
             probed = probe_environments(&core) => probed?,
             sig = signals.stop_requested() => {
                 tracing::info!(signal = sig, "stop requested during the readiness probe: exiting");
+                notify::stopping();
+                // Connections taken early are closed (their clients reconnect to the next
+                // daemon), as at any stop.
+                if let Ok(accepting) = early_accept {
+                    let _ = accepting.finish().await;
+                }
                 core.shutdown().await;
                 return Ok(());
             }
@@ -652,9 +667,13 @@ async fn run(
                 // that adopts them).
                 sandcelld::adopt::test_hand_over_delay();
                 // A stop that arrived during the hand-over goes to the new image, which acts
-                // on it once it has adopted the sessions (ending them, for a stop).
-                let pending = signals.stop_pending();
-                let e = sandcelld::reexec::exec_in_place(listener_fd, activated, pending);
+                // on it once it has adopted the sessions (ending them, for a stop). Asked just
+                // before the exec's environment is built: one that arrives in the few
+                // instructions after that (or is still in tokio's signal pipe then) is lost
+                // with this image's handler, and the keepers hold the sessions.
+                let e = sandcelld::reexec::exec_in_place(listener_fd, activated, &mut || {
+                    signals.stop_pending()
+                });
                 tracing::error!(error = %e, "re-exec failed: exiting keeping every session; systemd starts the daemon again");
                 core.exit_keeping_sessions_with(1);
             }
@@ -931,21 +950,8 @@ async fn serve_until_stopped(
             biased;
             _ = term.recv() => { tracing::info!("SIGTERM: stopping"); return Ok(Stopped::Term); }
             _ = int.recv() => { tracing::info!("SIGINT: stopping"); return Ok(Stopped::Interrupt); }
-            _ = usr2.recv() => {
-                if core.adoption_enabled() {
-                    tracing::info!("SIGUSR2: exiting, keeping sessions for the next daemon");
-                    return Ok(Stopped::KeepRequested);
-                }
-                tracing::warn!("SIGUSR2: adoption is not enabled; ignored");
-            }
-            _ = usr1.recv() => {
-                if core.adoption_enabled() {
-                    tracing::info!("SIGUSR1: re-executing in place, keeping sessions");
-                    return Ok(Stopped::Reexec);
-                }
-                tracing::warn!("SIGUSR1: adoption is not enabled, so a re-exec would end every session; ignored (restart the unit instead)");
-            }
-            _ = hup.recv() => { let _ = core.reload_from(config_path, config_required, "SIGHUP"); }
+            // Before the other signals, so that a flood of them cannot hold back the watchdog
+            // (it is ready at most once a second).
             _ = tick.tick() => {
                 notify::status(&status_line(core));
                 metrics.tick(core).await;
@@ -966,6 +972,21 @@ async fn serve_until_stopped(
                     last_busy = Instant::now();
                 }
             }
+            _ = usr2.recv() => {
+                if core.adoption_enabled() {
+                    tracing::info!("SIGUSR2: exiting, keeping sessions for the next daemon");
+                    return Ok(Stopped::KeepRequested);
+                }
+                tracing::warn!("SIGUSR2: adoption is not enabled; ignored");
+            }
+            _ = usr1.recv() => {
+                if core.adoption_enabled() {
+                    tracing::info!("SIGUSR1: re-executing in place, keeping sessions");
+                    return Ok(Stopped::Reexec);
+                }
+                tracing::warn!("SIGUSR1: adoption is not enabled, so a re-exec would end every session; ignored (restart the unit instead)");
+            }
+            _ = hup.recv() => { let _ = core.reload_from(config_path, config_required, "SIGHUP"); }
         }
     }
 }

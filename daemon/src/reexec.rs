@@ -262,14 +262,15 @@ fn prepare_descriptors(keep: RawFd) -> std::io::Result<()> {
 /// `WATCHDOG=1`: a reload need not restart the watchdog's clock when the new image's `READY=1`
 /// ends it, so the exec must not start late in the interval), then executes the
 /// installed binary in place with the same arguments and environment (minus the socket
-/// activation variables), passing `listener` on as [`LISTEN_FD_ENV`] and a stop signal that
-/// arrived meanwhile (`pending_signal`) as [`PENDING_SIGNAL_ENV`]. Returns only if the exec
-/// failed, with its error; the caller then exits keeping its sessions (the process is no use
-/// without a new image).
+/// activation variables), passing `listener` on as [`LISTEN_FD_ENV`] and the stop signal that
+/// `pending_signal` says arrived meanwhile (asked as late as possible, just before the exec's
+/// environment is built) as [`PENDING_SIGNAL_ENV`]. Returns only if the exec failed, with its
+/// error; the caller then exits keeping its sessions (the process is no use without a new
+/// image).
 pub fn exec_in_place(
     listener: RawFd,
     activated: bool,
-    pending_signal: Option<i32>,
+    pending_signal: &mut dyn FnMut() -> Option<i32>,
 ) -> std::io::Error {
     let path = match executable() {
         Ok(p) => p,
@@ -279,7 +280,7 @@ pub fn exec_in_place(
         return e;
     }
     let cstr = |b: &[u8]| CString::new(b).map_err(std::io::Error::other);
-    let build = || -> std::io::Result<(CString, Vec<CString>, Vec<CString>)> {
+    let mut build = || -> std::io::Result<(CString, Vec<CString>, Vec<CString>)> {
         let prog = cstr(path.as_os_str().as_bytes())?;
         let args = std::env::args_os()
             .map(|a| cstr(a.as_bytes()))
@@ -298,7 +299,7 @@ pub fn exec_in_place(
         env.push(cstr(
             format!("{ACTIVATED_ENV}={}", if activated { 1 } else { 0 }).as_bytes(),
         )?);
-        if let Some(sig) = pending_signal {
+        if let Some(sig) = pending_signal() {
             env.push(cstr(format!("{PENDING_SIGNAL_ENV}={sig}").as_bytes())?);
         }
         Ok((prog, args, env))

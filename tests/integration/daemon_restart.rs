@@ -2259,7 +2259,7 @@ async fn a_client_waiting_while_the_successor_starts_is_accepted_early() {
 }
 
 /// A stop that arrives while the daemon adopts sessions (here: SIGTERM during a re-exec's
-/// adoption, held for 1.5 s) is acted on once the adoption is done: without systemd's restart
+/// adoption, held for 4 s) is acted on once the adoption is done: without systemd's restart
 /// job it ends every session at once, as at any other time. Before, SIGTERM was registered
 /// only when the daemon served, so it ended the starting process and left the sessions to
 /// their keepers until the adoption timeout (here 120 s).
@@ -2267,7 +2267,7 @@ async fn a_client_waiting_while_the_successor_starts_is_accepted_early() {
 async fn a_stop_during_the_adoption_ends_every_session_at_once() {
     skip_unless_root!();
     let (mut first, setup) = first_daemon(&[
-        ("SANDCELL_TEST_ADOPT_DELAY_MS", "1500"),
+        ("SANDCELL_TEST_ADOPT_DELAY_MS", "4000"),
         ("SANDCELL_ADOPT_TIMEOUT_SECONDS", "120"),
     ]);
     let pid = first.pid();
@@ -2320,14 +2320,14 @@ async fn a_stop_during_the_adoption_ends_every_session_at_once() {
 }
 
 /// A stop that reaches a re-exec in place while the old image hands its sessions over (held
-/// here for 1.5 s after the hand-over) is not lost with the old image's handlers: the new
+/// here for 5 s after the hand-over, room for a stalled test thread on a loaded machine) is not lost with the old image's handlers: the new
 /// image gets it (`SANDCELL_REEXEC_PENDING_SIGNAL`), adopts the sessions and then ends every
 /// one of them at once, not after the keepers' adoption timeout (here 120 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_during_a_reexecs_hand_over_reaches_the_new_image() {
     skip_unless_root!();
     let (mut first, setup) = first_daemon(&[
-        ("SANDCELL_TEST_HAND_OVER_DELAY_MS", "1500"),
+        ("SANDCELL_TEST_HAND_OVER_DELAY_MS", "5000"),
         ("SANDCELL_ADOPT_TIMEOUT_SECONDS", "120"),
     ]);
     let pid = first.pid();

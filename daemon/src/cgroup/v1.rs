@@ -400,10 +400,6 @@ struct Dir {
     rel: String,
 }
 
-/// Sets the daemon's memory group `dir` to `max` bytes (memory and memory+swap, so swap adds
-/// nothing) and its soft limit to `high`. The kernel refuses a memory limit above the
-/// memory+swap one and the other way round (`EINVAL`, cgroup-v1/memory.rst), so when the
-/// first write of the pair fails it is retried after the second.
 /// `path` without a trailing `/<name>/supervisor`: where a daemon already in its own
 /// supervisor group (a re-exec in place moved nothing) made its groups below, so that a
 /// re-executed daemon under a systemd unit finds the same layout as its first image.
@@ -416,6 +412,10 @@ fn without_own_supervisor(path: &str, name: &str) -> String {
         .to_string()
 }
 
+/// Sets the daemon's memory group `dir` to `max` bytes (memory and memory+swap, so swap adds
+/// nothing) and its soft limit to `high`. The kernel refuses a memory limit above the
+/// memory+swap one and the other way round (`EINVAL`, cgroup-v1/memory.rst), so when the
+/// first write of the pair fails it is retried after the second.
 fn set_supervisor_limits(dir: &Path, max: u64, high: u64) -> Result<(), Error> {
     let limit = max.to_string();
     let mem = dir.join("memory.limit_in_bytes");
