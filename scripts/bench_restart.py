@@ -54,6 +54,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "clients",
                                 "python", "src"))
 import sandcell  # noqa: E402
+from bench_shipped import LogWatch  # noqa: E402
 
 # The submitted cell prints a tick every TICK_SECONDS for at most CELL_SECONDS (its wall
 # time is raised to fit); the run interrupts it at the end.
@@ -61,7 +62,7 @@ TICK_SECONDS = 0.25
 CELL_SECONDS = 1800
 
 
-class Daemons:
+class Daemons(LogWatch):
     """The socket (held here) and the daemon running now."""
 
     def __init__(self, bindir, runtime):
@@ -93,7 +94,7 @@ class Daemons:
             "LISTEN_FDS": "1",
             "LISTEN_FDNAMES": "varlink",
         }
-        self.log_path = os.path.join(self.dir, "daemon.log")
+        self.log = os.path.join(self.dir, "daemon.log")
         self.proc = None
         # Images started so far (each start and each re-exec logs "ready to serve" once).
         self.images = 0
@@ -108,27 +109,13 @@ class Daemons:
         # which exec keeps for sandcelld.
         script = ('[ "$0" = 3 ] || eval "exec 3<&$0 $0<&-"; '
                   'LISTEN_PID=$$ exec "$@"')
-        with open(self.log_path, "a") as log:
+        with open(self.log, "a") as log:
             self.proc = subprocess.Popen(
                 ["/bin/sh", "-c", script, str(fd), os.path.join(self.bindir, "sandcelld"),
                  "--config", self.conf],
                 env=self.env, pass_fds=[fd], stdout=subprocess.DEVNULL, stderr=log,
                 start_new_session=True)
         self.images += 1
-
-    def text(self):
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def wait_log(self, text, count, timeout):
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if self.text().count(text) >= count:
-                return True
-            if self.proc.poll() is not None:
-                return False
-            time.sleep(0.05)
-        return False
 
     def last_stages(self, what):
         lines = re.findall(r'what="%s".*' % what, self.text())

@@ -96,7 +96,27 @@ def group_rss_kib(path):
     return total
 
 
-class Daemon:
+class LogWatch:
+    """Reading a daemon's log file (`self.log`) while its process (`self.proc`) runs."""
+
+    def text(self):
+        with open(self.log, errors="replace") as f:
+            return f.read()
+
+    def wait_log(self, text, count, timeout):
+        """Whether `text` appears `count` times within `timeout` seconds (False at once when
+        the process has exited)."""
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.text().count(text) >= count:
+                return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.05)
+        return False
+
+
+class Daemon(LogWatch):
     """sandcelld with the shipped defaults: no configuration file; only the paths of this
     checkout, a private state directory and cgroup name, and the socket are set."""
 
@@ -131,20 +151,6 @@ class Daemon:
             self.proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=log)
         if not self.wait_log("ready to serve", 1, 60):
             raise SystemExit("sandcelld did not start: " + self.text()[-2000:])
-
-    def text(self):
-        with open(self.log, errors="replace") as f:
-            return f.read()
-
-    def wait_log(self, text, count, timeout):
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if self.text().count(text) >= count:
-                return True
-            if self.proc.poll() is not None:
-                return False
-            time.sleep(0.05)
-        return False
 
     def warm(self):
         """session id -> environment of the warm workers started so far."""

@@ -2266,20 +2266,9 @@ async fn a_client_waiting_while_the_successor_starts_is_accepted_early() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_during_the_adoption_ends_every_session_at_once() {
     skip_unless_root!();
-    let (mut first, setup) = first_daemon(&[
-        ("SANDCELL_TEST_ADOPT_DELAY_MS", "4000"),
-        ("SANDCELL_ADOPT_TIMEOUT_SECONDS", "120"),
-    ]);
-    let pid = first.pid();
-    let mut c = first.client().await;
-    let s = c.open("python", None, Some(600)).await.unwrap().session;
-    stdout_of(&mut c, &s, "v = 1").await;
-    let (worker, keeper) = record_pids(&setup.adopt, &s);
-    // SAFETY: a signal to our own child, not yet reaped.
-    unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
-    drop(c);
+    let (mut first, setup, s, (worker, keeper), mark) =
+        reexec_with_one_session(&[("SANDCELL_TEST_ADOPT_DELAY_MS", "4000")]).await;
     wait_reexec_begun(&first);
-    let mark = first.log_text().len();
     let t0 = Instant::now();
     while !first.log_text()[mark..].contains("adopting sessions of the previous daemon") {
         assert!(
@@ -2320,25 +2309,15 @@ async fn a_stop_during_the_adoption_ends_every_session_at_once() {
 }
 
 /// A stop that reaches a re-exec in place while the old image hands its sessions over (held
-/// here for 5 s after the hand-over, room for a stalled test thread on a loaded machine) is not lost with the old image's handlers: the new
-/// image gets it (`SANDCELL_REEXEC_PENDING_SIGNAL`), adopts the sessions and then ends every
-/// one of them at once, not after the keepers' adoption timeout (here 120 s).
+/// here for 5 s after the hand-over, room for a stalled test thread on a loaded machine) is
+/// not lost with the old image's handlers: the new image gets it
+/// (`SANDCELL_REEXEC_PENDING_SIGNAL`), adopts the sessions and then ends every one of them at
+/// once, not after the keepers' adoption timeout (here 120 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_during_a_reexecs_hand_over_reaches_the_new_image() {
     skip_unless_root!();
-    let (mut first, setup) = first_daemon(&[
-        ("SANDCELL_TEST_HAND_OVER_DELAY_MS", "5000"),
-        ("SANDCELL_ADOPT_TIMEOUT_SECONDS", "120"),
-    ]);
-    let pid = first.pid();
-    let mut c = first.client().await;
-    let s = c.open("python", None, Some(600)).await.unwrap().session;
-    stdout_of(&mut c, &s, "v = 1").await;
-    let (worker, keeper) = record_pids(&setup.adopt, &s);
-    let mark = first.log_text().len();
-    // SAFETY: a signal to our own child, not yet reaped.
-    unsafe { libc::kill(pid as i32, libc::SIGUSR1) };
-    drop(c);
+    let (mut first, setup, s, (worker, keeper), mark) =
+        reexec_with_one_session(&[("SANDCELL_TEST_HAND_OVER_DELAY_MS", "5000")]).await;
     let t0 = Instant::now();
     while !first.log_text()[mark..].contains("SANDCELL_TEST_HAND_OVER_DELAY_MS") {
         assert!(
@@ -2371,4 +2350,24 @@ async fn a_stop_during_a_reexecs_hand_over_reaches_the_new_image() {
     );
     assert!(!setup.adopt.join(format!("{s}.json")).exists());
     assert_no_groups_left(&setup);
+}
+
+/// A first daemon started with `extra` and an adoption timeout of 120 s, one detached Python
+/// session in it with `v = 1`, then SIGUSR1 (a re-exec in place). Returns the daemon, its
+/// settings, the session, its (worker, keeper) pids and the log's length before the signal.
+async fn reexec_with_one_session(
+    extra: &[(&str, &str)],
+) -> (Daemon, Setup, String, (u32, u32), usize) {
+    let mut env = vec![("SANDCELL_ADOPT_TIMEOUT_SECONDS", "120")];
+    env.extend_from_slice(extra);
+    let (first, setup) = first_daemon(&env);
+    let mut c = first.client().await;
+    let s = c.open("python", None, Some(600)).await.unwrap().session;
+    stdout_of(&mut c, &s, "v = 1").await;
+    let pids = record_pids(&setup.adopt, &s);
+    let mark = first.log_text().len();
+    // SAFETY: a signal to our own child, not yet reaped.
+    unsafe { libc::kill(first.pid() as i32, libc::SIGUSR1) };
+    drop(c);
+    (first, setup, s, pids, mark)
 }
