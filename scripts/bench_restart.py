@@ -54,7 +54,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "clients",
                                 "python", "src"))
 import sandcell  # noqa: E402
-from bench_shipped import LogWatch  # noqa: E402
+from bench_shipped import LogWatch, daemon_env  # noqa: E402
 
 # The submitted cell prints a tick every TICK_SECONDS for at most CELL_SECONDS (its wall
 # time is raised to fit); the run interrupts it at the end.
@@ -82,18 +82,9 @@ class Daemons(LogWatch):
             # and a wall time that lets the ticking cell run through every event.
             f.write("[limits]\nmax_detached_sessions_per_uid = 8\n"
                     "execution_wall_time_seconds = %d\n" % (CELL_SECONDS + 60))
-        self.env = {
-            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
-            "SANDCELL_WORKER_DIR": bindir,
-            "SANDCELL_PYTHON_RUNTIME_DIR": runtime,
-            "SANDCELL_STATE_DIR": os.path.join(self.dir, "state"),
-            "SANDCELL_CGROUP_NAME": self.cgroup,
-            "SANDCELL_METRICS_FILE": os.path.join(self.dir, "metrics.prom"),
-            "SANDCELL_ADOPT_DIR": self.adopt,
-            "SANDCELL_LOG": "info,sandcelld::timing=debug",
-            "LISTEN_FDS": "1",
-            "LISTEN_FDNAMES": "varlink",
-        }
+        self.env = daemon_env(bindir, runtime, self.dir, self.cgroup, self.adopt,
+                              "info,sandcelld::timing=debug")
+        self.env.update({"LISTEN_FDS": "1", "LISTEN_FDNAMES": "varlink"})
         self.log = os.path.join(self.dir, "daemon.log")
         self.proc = None
         # Images started so far (each start and each re-exec logs "ready to serve" once).

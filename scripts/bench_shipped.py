@@ -96,6 +96,22 @@ def group_rss_kib(path):
     return total
 
 
+def daemon_env(bindir, runtime, run_dir, cgroup, adopt, log):
+    """The environment of a bench's sandcelld: this checkout's workers and Python runtime, the
+    state directory and metrics file in `run_dir`, the cgroup name `cgroup`, the adoption
+    directory `adopt` and the log filter `log`."""
+    return {
+        "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+        "SANDCELL_WORKER_DIR": bindir,
+        "SANDCELL_PYTHON_RUNTIME_DIR": runtime,
+        "SANDCELL_STATE_DIR": os.path.join(run_dir, "state"),
+        "SANDCELL_CGROUP_NAME": cgroup,
+        "SANDCELL_METRICS_FILE": os.path.join(run_dir, "metrics.prom"),
+        "SANDCELL_ADOPT_DIR": adopt,
+        "SANDCELL_LOG": log,
+    }
+
+
 class LogWatch:
     """Reading a daemon's log file (`self.log`) while its process (`self.proc`) runs."""
 
@@ -130,16 +146,7 @@ class Daemon(LogWatch):
         # (rename over the old record, which starts its writeback) cost milliseconds and made
         # the session cells' p50 and p99 five to ten times what they are on tmpfs.
         self.adopt = tempfile.mkdtemp(prefix="sandcell-bench-adopt.", dir="/dev/shm")
-        env = {
-            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
-            "SANDCELL_WORKER_DIR": bindir,
-            "SANDCELL_PYTHON_RUNTIME_DIR": runtime,
-            "SANDCELL_STATE_DIR": os.path.join(self.dir, "state"),
-            "SANDCELL_CGROUP_NAME": self.cgroup,
-            "SANDCELL_METRICS_FILE": os.path.join(self.dir, "metrics.prom"),
-            "SANDCELL_ADOPT_DIR": self.adopt,
-            "SANDCELL_LOG": "info",
-        }
+        env = daemon_env(bindir, runtime, self.dir, self.cgroup, self.adopt, "info")
         conf = os.path.join(self.dir, "sandcelld.toml")
         with open(conf, "w") as f:
             f.write("# empty: every key at its shipped default\n")
