@@ -300,8 +300,8 @@ async fn run(
     // wait for the readiness probe, so that takes no longer than the adoption (when no
     // record passes, the start runs the probe first and the stop waits for it, seconds).
     // Without records a stop ends the start at once.
-    let records_left =
-        nix::unistd::geteuid().is_root() && sandcelld::records::any(&config.daemon.adopt_dir);
+    let root = nix::unistd::geteuid().is_root();
+    let records_left = root && sandcelld::records::any(&config.daemon.adopt_dir);
     let mut signals = Signals::new(records_left)?;
     // A stop that reached the previous image of this process while it handed its sessions
     // over for this exec: raised again now that it is handled (acted on once serving).
@@ -345,7 +345,6 @@ async fn run(
     let (listener, activated) = take_listener(&args, inherited)?;
     // Kept for a re-exec in place, which passes the socket on to the new image.
     let listener_fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
-    let root = nix::unistd::geteuid().is_root();
     // With sessions kept by a previous daemon (records in the root-only adoption directory)
     // and polkit as the authority, the clients coming back are accepted from here on and
     // polkit is asked about each while the cgroups, the sweep and the adoption run

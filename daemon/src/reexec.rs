@@ -71,9 +71,10 @@ pub struct Inherited {
     pub pending_signal: Option<i32>,
 }
 
-/// Reads and removes [`LISTEN_FD_ENV`] and [`ACTIVATED_ENV`], and marks the descriptor
-/// close-on-exec again. `None` when the process was not re-executed, or when the value is not
-/// a descriptor number above 2 (ignored: the daemon then starts as a fresh one would).
+/// Reads and removes [`LISTEN_FD_ENV`], [`ACTIVATED_ENV`] and [`PENDING_SIGNAL_ENV`], and
+/// marks the descriptor close-on-exec again. `None` when the process was not re-executed, or
+/// when the value is not a descriptor number above 2 (ignored: the daemon then starts as a
+/// fresh one would).
 ///
 /// # Safety
 ///
