@@ -29,7 +29,9 @@
 # continued, its whole output and result retrievable; 0: only print its figures),
 # SANDCELL_VM_ONLY=lifecycle (run only the install, the first cell, those four events and the
 # stop: about a third of the guest run), SANDCELL_VM_ONLY=egress (the install, the first cell
-# and the egress checks: the packages' drop-ins under the real units).
+# and the egress checks: the packages' drop-ins under the real units), SANDCELL_VM_ONLY=floor
+# (the install, the first cell and systemd's own share of a restart: a unit doing nothing in
+# sandcelld.service's sandbox, restarted and killed 5 times each; figures, no check).
 # Needs root; installs what it needs (scripts/setup.sh, then mmdebstrap, qemu-system-x86, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,7 +49,7 @@ while (($#)); do
         case $r in bookworm) which=both ;; trixie) which=trixie ;;
         *) echo "vm-test: --release must be bookworm or trixie" >&2; exit 2 ;; esac ;;
     --keep) keep=1; shift ;;
-    -h | --help) sed -n '2,34p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,35p' "$0"; exit 0 ;;
     *) echo "vm-test: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -144,8 +146,8 @@ boot() {
     # Whether a cell running across those events must be continued (its output and result).
     echo "${SANDCELL_VM_CELLS_SURVIVE:-1}" >"$run/cells-survive"
     # A subset of the guest's checks (lifecycle: install, the first cell, the four daemon
-    # events and the stop; egress: install, the first cell, the egress checks), for a
-    # quicker run.
+    # events, systemd's floor and the stop; egress: install, the first cell, the egress
+    # checks; floor: install, the first cell, systemd's floor), for a quicker run.
     echo "${SANDCELL_VM_ONLY:-}" >"$run/only"
     if [[ -f $cache/python-runtime.tar && ${SANDCELL_VM_FRESH_RUNTIME:-0} != 1 ]]; then
         cp "$cache/python-runtime.tar" "$run/"
@@ -191,6 +193,7 @@ boot() {
     check=$(guest_value "$run" "sandcelld --check")
     summary[$k]="kernel ${release:-$(cat "$cache/release-$k") (not seen in the guest)}; lsm $(guest_value "$run" lsm); landlock abi ${abi:-?}; sandcelld --check: ${check:-?}
     checks: ${passed:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped; guest exit ${guest_rc:-none (qemu $rc)}
+    systemd's floor (ms, a unit doing nothing, 5 rounds): in sandcelld.service's sandbox restart [$(guest_value "$run" "floor sandboxed restart ms")] kill [$(guest_value "$run" "floor sandboxed kill ms")]; without it restart [$(guest_value "$run" "floor plain restart ms")] kill [$(guest_value "$run" "floor plain kill ms")]
     times: image ${t_image[$(release_of "$k")]}s, boot ${booted:-?}s, guest run $(if [[ -n $booted && -n $finished ]]; then awk -v a="$booted" -v b="$finished" 'BEGIN { printf "%.0f", b - a }'; else echo "?"; fi)s, VM total ${t_vm}s (boot + run + power off)"
     echo "vm-test[$k]: ${summary[$k]}"
     if [[ $guest_rc == 0 && $keep == 0 ]]; then

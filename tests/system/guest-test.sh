@@ -196,6 +196,80 @@ daemon_works=1
 # Egress under the shipped units with the packages' drop-ins (tests/system/guest-egress.sh):
 # run here alone for SANDCELL_VM_ONLY=egress, else before the removal checks below.
 . "$share/guest-egress.sh"
+# ---- figure: systemd's own share of a restart's gap ---------------------------------------
+# The same two events (`systemctl restart`, `systemctl kill -s KILL` and Restart=on-failure)
+# on a unit whose process does nothing (Type=exec, /bin/sleep): once with every [Service]
+# directive of the installed sandcelld.service but its type, commands and environment (the
+# same sandbox, cgroup delegation, restart policy, state and configuration directories), once
+# with none. What systemd needs to stop and start that unit is the floor under the lifecycle
+# events' gaps (below): no daemon behind this unit could answer sooner. Figures only, no
+# check. Run after the lifecycle events, or alone (SANDCELL_VM_ONLY=floor).
+floor_event() { # floor_event UNIT restart|kill: prints "STOP_TO_FORK FORK_TO_EXEC TOTAL" (ms)
+    local u=$1 ev=$2 t0 main0 k tstop tfork tact path
+    main0=$(systemctl show -p MainPID --value "$u")
+    t0=$(date +%s%6N)
+    case $ev in
+    restart) systemctl restart "$u" ;;
+    kill) systemctl kill -s KILL "$u" ;;
+    esac
+    for ((k = 0; k < 300; k++)); do
+        [[ $(unit_state "$u") == active && $(systemctl show -p MainPID --value "$u") != "$main0" ]] && break
+        sleep 0.1
+    done
+    path=$(busctl call org.freedesktop.systemd1 /org/freedesktop/systemd1 org.freedesktop.systemd1.Manager GetUnit s "$u" | awk '{ gsub(/"/, "", $2); print $2 }')
+    tfork=$(busctl get-property org.freedesktop.systemd1 "$path" org.freedesktop.systemd1.Service ExecMainStartTimestamp | awk '{ print $2 }')
+    tact=$(busctl get-property org.freedesktop.systemd1 "$path" org.freedesktop.systemd1.Unit ActiveEnterTimestamp | awk '{ print $2 }')
+    # The stop's start: systemd's "Stopping" line for a restart (the moment the daemon's
+    # SIGTERM is sent, as the gaps above count from it), the command itself for a kill.
+    tstop=$t0
+    if [[ $ev == restart ]]; then
+        k=$(journalctl -u "$u" --no-pager -o short-unix --since "@$((t0 / 1000000))" 2>/dev/null | awk '/Stopping / { print $1; exit }')
+        [[ -n $k ]] && tstop=$(echo "$k * 1000000 / 1" | bc)
+    fi
+    echo "$(((tfork - tstop) / 1000)) $(((tact - tfork) / 1000)) $(((tact - tstop) / 1000))"
+}
+systemd_floor() { # prints the floor figures ("guest: floor VARIANT EVENT ms: ...")
+    local frag variant u ev line round r
+    frag=$(systemctl show -p FragmentPath --value sandcelld.service)
+    for variant in sandboxed plain; do
+        u=sandcell-floor-$variant.service
+        {
+            echo '[Unit]'
+            # Ten starts in a few seconds: no start rate limit.
+            echo 'StartLimitIntervalSec=0'
+            echo "Description=systemd's share of a restart ($variant)"
+            echo '[Service]'
+            if [[ $variant == sandboxed ]]; then
+                awk '/^\[Service\]/ { s = 1; next } /^\[/ { s = 0 } s' "$frag" \
+                    | grep -vE '^(#|$|Type=|NotifyAccess=|ExecStart=|ExecReload=|WatchdogSec=|TimeoutStartSec=|Environment=)'
+            fi
+            echo 'Type=exec'
+            echo 'ExecStart=/bin/sleep infinity'
+            echo 'Restart=on-failure'
+            echo 'RestartSec=0'
+        } >"/etc/systemd/system/$u"
+        systemctl daemon-reload
+        systemctl start "$u"
+        for ev in restart kill; do
+            line=""
+            for round in 1 2 3 4 5; do
+                r=$(floor_event "$u" "$ev")
+                echo "    [floor] $variant $ev round $round: stop to fork, fork to exec, total (ms): $r"
+                line+="$(awk '{ print $3 }' <<<"$r") "
+            done
+            echo "guest: floor $variant $ev ms: $line"
+        done
+        systemctl stop "$u"
+        rm -f "/etc/systemd/system/$u"
+        systemctl daemon-reload
+    done
+}
+
+if [[ $only == floor ]]; then
+    systemd_floor
+    echo "guest: $failures failed checks, $(el) s"
+    exit 0
+fi
 if [[ $only == egress ]]; then
     if ((daemon_works)); then egress_checks; else skip egress "the first cell failed"; fi
     echo "guest: $failures failed checks, $(el) s"
@@ -1133,6 +1207,8 @@ if ((daemon_works)); then
     out=$(journalctl -b -u sandcelld.service --no-pager -o cat | grep 'environment not ready after adoption' | grep CapacityExceeded | head -2)
     [[ -z $out ]] && pass adoption-probe-no-false-error || fail adoption-probe-no-false-error "${out:0:300}"
 fi
+
+systemd_floor
 
 # ---- stop leaves no worker ------------------------------------------------------------------
 sid=$(as_gw sandcellctl open -l "$(has_r && echo r || echo python)" --idle 300 2>/dev/null)
