@@ -11,6 +11,7 @@
 //! | fuel ran out | `fuel_exhausted` | rebuilt |
 //! | SIGINT (see [`crate::interrupt`]) | `interrupted` | rebuilt (kept if it came before the guest started) |
 //! | a trap (stack overflow, abort) | `error`, type `SandboxTrap` | rebuilt |
+//! | the guest called WASI's `exit` (`os._exit`, a C-level `exit`) | `exited`, code 0 or 1, a warning | rebuilt |
 //!
 //! # State across rebuilds: snapshot after every completed cell
 //!
@@ -180,6 +181,27 @@ fn cell_error(kind: &str, message: &str, traceback: Option<&str>, line: Option<u
         line,
         call: None,
     }
+}
+
+/// The warning beside an exit the guest made through WASI rather than `SystemExit`.
+const GUEST_EXIT_WARNING: &str = "the cell ended the interpreter (os._exit or a C-level exit); \
+WASI preview 2's exit carries only success or failure, so any non-zero code reads as 1; \
+sys.exit(n) keeps n";
+
+/// The exit status of a guest that called WASI's `exit` (`os._exit`, libc `exit`), from the
+/// text of Eryx's execution error: wasmtime reports it as `Exited with i32 exit status N`
+/// (`wasmtime_wasi::I32Exit`, an `i32`) in the error chain, and Eryx keeps only the chain's text. WASI
+/// preview 2's `wasi:cli/exit.exit` takes a result, not a code, so N is 0 or 1. `None` when the
+/// text has no such line (a trap).
+fn guest_exit_code(text: &str) -> Option<i64> {
+    const MARK: &str = "Exited with i32 exit status ";
+    let at = text.rfind(MARK)? + MARK.len();
+    let rest = &text[at..];
+    let end = rest
+        .char_indices()
+        .find(|&(i, c)| !(c.is_ascii_digit() || (i == 0 && c == '-')))
+        .map_or(rest.len(), |(i, _)| i);
+    rest[..end].parse::<i32>().ok().map(i64::from)
 }
 
 /// Best-effort type and message from CPython's formatted traceback text (last line
@@ -646,6 +668,21 @@ impl PySession {
                 RunEnd::Returned(Err(EryxError::Cancelled), _) => {
                     (WorkerStatus::Interrupted, None, None, fuel_used, true)
                 }
+                RunEnd::Returned(Err(EryxError::Execution(ref text)), _)
+                    if guest_exit_code(text).is_some() =>
+                {
+                    // The cell ended the interpreter itself (`os._exit`, a C-level `exit`):
+                    // the guest called WASI's `exit`, which ends the instance. Told as an
+                    // exit, as `sys.exit` is; the instance is rebuilt from the last snapshot.
+                    warnings.push(GUEST_EXIT_WARNING.to_string());
+                    (
+                        WorkerStatus::Exited,
+                        None,
+                        guest_exit_code(text),
+                        fuel_used,
+                        true,
+                    )
+                }
                 RunEnd::Returned(Err(e), _) => {
                     // A trap (stack overflow, abort, ...): the first line says what, the rest
                     // is wasmtime's backtrace.
@@ -952,6 +989,23 @@ mod query;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_guest_exit_is_read_from_the_error_chain_and_a_trap_is_not() {
+        let exit = "WASM execution error: error while executing at wasm backtrace:\n    \
+                    0: 0xeced2e - libc.so!exit_exit\n\nCaused by:\n    Exited with i32 exit status 1";
+        assert_eq!(guest_exit_code(exit), Some(1));
+        assert_eq!(guest_exit_code("Exited with i32 exit status 0\n"), Some(0));
+        assert_eq!(guest_exit_code("Exited with i32 exit status -2"), Some(-2));
+        let trap = "WASM execution error: error while executing at wasm backtrace:\n\nCaused by:\n    \
+                    wasm trap: call stack exhausted";
+        assert_eq!(guest_exit_code(trap), None);
+        assert_eq!(guest_exit_code("Exited with i32 exit status x"), None);
+        assert_eq!(
+            guest_exit_code("Exited with i32 exit status 99999999999"),
+            None
+        );
+    }
 
     #[test]
     fn exception_text_gives_type_and_message() {

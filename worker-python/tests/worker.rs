@@ -163,6 +163,23 @@ fn sys_exit_is_exited_not_a_crash() {
 }
 
 #[test]
+fn os_exit_is_exited_not_a_trap_and_the_variables_come_back() {
+    let mut w = Worker::start();
+    w.cell(1, "keep = 7");
+    let r = w.cell(2, "import os\nprint('bye', flush=True)\nos._exit(3)\n");
+    assert_eq!(r.status, WorkerStatus::Exited, "{r:?}");
+    // WASI preview 2's exit carries success or failure only: 3 reads as 1, and a warning
+    // says so.
+    assert_eq!(r.exit_code, Some(1), "{r:?}");
+    assert!(r.error.is_none(), "{r:?}");
+    assert!(r.warnings.iter().any(|w| w.contains("os._exit")), "{r:?}");
+    assert_eq!(r.stdout, "bye\n");
+    assert_eq!(r.state, SessionState::Restored, "{r:?}");
+    assert_eq!(w.cell(3, "import os\nos._exit(0)").exit_code, Some(0));
+    assert_eq!(w.cell(4, "print(keep)").stdout, "7\n");
+}
+
+#[test]
 fn timeout_stops_a_busy_loop_and_restores_variables() {
     let mut w = Worker::start();
     w.cell(
