@@ -23,6 +23,15 @@ pub fn limit_key(limit: &str) -> Option<&'static str> {
     })
 }
 
+/// Limits on what a whole session directory holds: their `value` is what the session would
+/// hold after the call (in use plus the call's own), not what the call alone asked for.
+pub fn is_session_total(limit: &str) -> bool {
+    matches!(
+        limit,
+        "max_session_files_bytes" | "max_session_entries" | "max_listed_entries"
+    )
+}
+
 /// The unit suffix of a limit or budget name: ` bytes`, ` s` or nothing.
 fn unit(name: &str) -> &'static str {
     if name.ends_with("_bytes") || name == "max_bytes" {
@@ -64,6 +73,18 @@ pub fn describe(e: &KernelError) -> String {
         ),
         K::LimitExceeded { limit, value, max } => {
             let u = unit(limit);
+            if is_session_total(limit) {
+                let text = format!(
+                    "{limit} exceeded: the session would hold {value}{u}, at most {max}{u}"
+                );
+                let raise = match limit_key(limit) {
+                    Some(key) => format!(", or have an operator raise {key} in sandcelld.toml"),
+                    None => " (a fixed bound of the protocol)".into(),
+                };
+                return format!(
+                    "{text}; delete files from the session (they count until removed){raise}"
+                );
+            }
             let text = format!("{limit} exceeded: {value}{u} asked, at most {max}{u}");
             match limit_key(limit) {
                 None if limit == crate::MESSAGE_LIMIT => format!(
@@ -250,6 +271,30 @@ mod tests {
             max: 10,
         };
         assert!(describe(&e).contains("execution_wall_time_seconds"));
+        // A session total is what the session would hold, not what the call asked.
+        let e = KernelError::LimitExceeded {
+            limit: "max_session_entries".into(),
+            value: 4097,
+            max: 4096,
+        };
+        assert_eq!(
+            describe(&e),
+            "max_session_entries exceeded: the session would hold 4097, at most 4096; delete \
+             files from the session (they count until removed) (a fixed bound of the protocol)"
+        );
+        let e = KernelError::LimitExceeded {
+            limit: "max_session_files_bytes".into(),
+            value: 300,
+            max: 256,
+        };
+        assert!(
+            describe(&e).starts_with(
+                "max_session_files_bytes exceeded: the session would hold 300 bytes, at most 256 \
+                 bytes; delete files"
+            ) && describe(&e).ends_with("raise max_session_files_bytes in sandcelld.toml"),
+            "{}",
+            describe(&e)
+        );
         let e = KernelError::CapacityExceeded {
             budget: "max_concurrent_sessions".into(),
             in_use: 8,

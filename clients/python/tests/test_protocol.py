@@ -420,6 +420,17 @@ def test_every_error_reads_as_one_human_sentence():
     e = sandcell.error_from_reply(
         "org.sandcell.Kernel.LimitExceeded", {"limit": "wall_time_seconds", "value": 90, "max": 10})
     assert "execution_wall_time_seconds" in str(e)
+    # A session total is what the session would hold after the call, not what it asked.
+    t = sandcell.error_from_reply(
+        "org.sandcell.Kernel.LimitExceeded",
+        {"limit": "max_session_entries", "value": 4097, "max": 4096})
+    assert str(t).startswith("max_session_entries exceeded: the session would hold 4097, "
+                             "at most 4096; delete files from the session"), str(t)
+    assert "asked" not in str(t) and "fixed bound" in str(t)
+    t = sandcell.error_from_reply(
+        "org.sandcell.Kernel.LimitExceeded",
+        {"limit": "max_session_files_bytes", "value": 300, "max": 256})
+    assert "would hold 300 bytes" in str(t) and "raise max_session_files_bytes" in str(t)
     # The machine form stays available.
     assert "org.sandcell.Kernel.LimitExceeded" in repr(e) and e.parameters["max"] == 10
 

@@ -164,6 +164,11 @@ LIMIT_KEYS = {
 }
 
 
+# Limits on what a whole session directory holds: their value is what the session would hold
+# after the call (in use plus the call's own), not what the call alone asked for.
+SESSION_TOTALS = frozenset({"max_session_files_bytes", "max_session_entries", "max_listed_entries"})
+
+
 def _unit(name: str) -> str:
     if name.endswith("_bytes") or name == "max_bytes":
         return " bytes"
@@ -224,8 +229,14 @@ class LimitExceeded(VarlinkError):
     def describe(self) -> str | None:
         name = str(self.limit)
         unit = _unit(name)
-        text = f"{name} exceeded: {self.value}{unit} asked, at most {self.max}{unit}"
         key = LIMIT_KEYS.get(name)
+        if name in SESSION_TOTALS:
+            raise_it = (f", or have an operator raise {key} in sandcelld.toml" if key
+                        else " (a fixed bound of the protocol)")
+            return (f"{name} exceeded: the session would hold {self.value}{unit}, at most "
+                    f"{self.max}{unit}; delete files from the session (they count until "
+                    f"removed){raise_it}")
+        text = f"{name} exceeded: {self.value}{unit} asked, at most {self.max}{unit}"
         if name == "max_message_bytes":
             return (text + " in one call (a fixed bound of the protocol: the daemon closes a "
                     "connection on a longer message; nothing was sent); send less, and pass "
