@@ -44,6 +44,9 @@ systemd-socket-activate -l "$sock" --fdname=varlink \
     "$BIN/sandcelld" "${mode[@]}" 2>"$run/daemon.log" &
 activator=$!
 trap 'kill -TERM $activator 2>/dev/null; wait $activator 2>/dev/null; echo "demo: daemon log: $run/daemon.log"' EXIT
+# Ctrl-C (or a SIGTERM) ends the script through its EXIT trap above, which says where the
+# daemon's log is.
+trap 'exit 130' INT TERM
 for _ in $(seq 100); do [[ -S $sock ]] && break; sleep 0.1; done
 chmod 0660 "$sock"
 export SANDCELL_SOCKET="$sock"
