@@ -25,7 +25,7 @@ pub fn limit_key(limit: &str) -> Option<&'static str> {
 
 /// Limits on what a whole session directory holds: their `value` is what the session would
 /// hold after the call (in use plus the call's own), not what the call alone asked for.
-pub fn is_session_total(limit: &str) -> bool {
+fn is_session_total(limit: &str) -> bool {
     matches!(
         limit,
         "max_session_files_bytes" | "max_session_entries" | "max_listed_entries"

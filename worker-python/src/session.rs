@@ -190,9 +190,9 @@ sys.exit(n) keeps n";
 
 /// The exit status of a guest that called WASI's `exit` (`os._exit`, libc `exit`), from the
 /// text of Eryx's execution error: wasmtime reports it as `Exited with i32 exit status N`
-/// (`wasmtime_wasi::I32Exit`, an `i32`) in the error chain, and Eryx keeps only the chain's text. WASI
-/// preview 2's `wasi:cli/exit.exit` takes a result, not a code, so N is 0 or 1. `None` when the
-/// text has no such line (a trap).
+/// (`wasmtime_wasi::I32Exit`, an `i32`) in the error chain, and Eryx keeps only the chain's
+/// text. WASI preview 2's `wasi:cli/exit.exit` takes a result, not a code, so N is 0 or 1.
+/// `None` when the text has no such line (a trap) or N is no `i32`.
 fn guest_exit_code(text: &str) -> Option<i64> {
     const MARK: &str = "Exited with i32 exit status ";
     let at = text.rfind(MARK)? + MARK.len();
