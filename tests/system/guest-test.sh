@@ -188,7 +188,8 @@ journalctl -b -u sandcelld.service --no-pager -o cat 2>/dev/null | grep -iE 'lan
 timeout 120 sandcellctl status 2>&1 | head -40 | sed 's/^/    sandcellctl status: /'
 
 # A run of the lifecycle checks alone (the harness's SANDCELL_VM_ONLY=lifecycle: the file
-# "only" in the shared folder): install, the first cell, the four daemon events, the stop.
+# "only" in the shared folder): install, the first cell, the four daemon events, the stop;
+# floor and egress runs are described where they branch off below.
 only=$(cat "$share/only" 2>/dev/null || true)
 [[ -n $only ]] && echo "guest: only: $only (the other checks are not run)"
 daemon_works=1
@@ -220,7 +221,8 @@ floor_event() { # floor_event UNIT restart|kill: prints "STOP_TO_FORK FORK_TO_EX
     tfork=$(busctl get-property org.freedesktop.systemd1 "$path" org.freedesktop.systemd1.Service ExecMainStartTimestamp | awk '{ print $2 }')
     tact=$(busctl get-property org.freedesktop.systemd1 "$path" org.freedesktop.systemd1.Unit ActiveEnterTimestamp | awk '{ print $2 }')
     # The stop's start: systemd's "Stopping" line for a restart (the moment the daemon's
-    # SIGTERM is sent, as the gaps above count from it), the command itself for a kill.
+    # SIGTERM is sent, as the lifecycle events' gaps count from it), the command itself for a
+    # kill.
     tstop=$t0
     if [[ $ev == restart ]]; then
         k=$(journalctl -u "$u" --no-pager -o short-unix --since "@$((t0 / 1000000))" 2>/dev/null | awk '/Stopping / { print $1; exit }')
@@ -268,7 +270,7 @@ systemd_floor() { # prints the floor figures ("guest: floor VARIANT EVENT ms: ..
 if [[ $only == floor ]]; then
     systemd_floor
     echo "guest: $failures failed checks, $(el) s"
-    exit 0
+    exit $((failures > 100 ? 100 : failures))
 fi
 if [[ $only == egress ]]; then
     if ((daemon_works)); then egress_checks; else skip egress "the first cell failed"; fi
