@@ -31,7 +31,8 @@
 # stop: about a third of the guest run), SANDCELL_VM_ONLY=egress (the install, the first cell
 # and the egress checks: the packages' drop-ins under the real units), SANDCELL_VM_ONLY=floor
 # (the install, the first cell and systemd's own share of a restart: a unit doing nothing in
-# sandcelld.service's sandbox, restarted and killed 5 times each; figures, no check).
+# sandcelld.service's sandbox, restarted and killed 5 times each, then the same sandbox without
+# one part each (seccomp, the network namespace, the mounts...), 3 times; figures, no check).
 # Needs root; installs what it needs (scripts/setup.sh, then mmdebstrap, qemu-system-x86, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -193,7 +194,7 @@ boot() {
     check=$(guest_value "$run" "sandcelld --check")
     summary[$k]="kernel ${release:-$(cat "$cache/release-$k") (not seen in the guest)}; lsm $(guest_value "$run" lsm); landlock abi ${abi:-?}; sandcelld --check: ${check:-?}
     checks: ${passed:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped; guest exit ${guest_rc:-none (qemu $rc)}
-    systemd's floor (ms, a unit doing nothing, 5 rounds): in sandcelld.service's sandbox restart [$(guest_value "$run" "floor sandboxed restart ms")] kill [$(guest_value "$run" "floor sandboxed kill ms")]; without it restart [$(guest_value "$run" "floor plain restart ms")] kill [$(guest_value "$run" "floor plain kill ms")]
+    systemd's floor (ms, a unit doing nothing, 5 rounds): in sandcelld.service's sandbox restart [$(guest_value "$run" "floor sandboxed restart ms")] kill [$(guest_value "$run" "floor sandboxed kill ms")]; without it restart [$(guest_value "$run" "floor plain restart ms")] kill [$(guest_value "$run" "floor plain kill ms")]$(sed -n 's/^guest: floor \(no-[a-z]*\|mounts-[A-Za-z]*\) \([a-z]*\) ms: /\1 \2 [/p' "$run/guest.log" 2>/dev/null | sed 's/ *$/]/' | paste -sd';' | sed 's/;/; /g; s/^./; the sandbox without one part, or with one mount directive only (3 rounds): &/')
     times: image ${t_image[$(release_of "$k")]}s, boot ${booted:-?}s, guest run $(if [[ -n $booted && -n $finished ]]; then awk -v a="$booted" -v b="$finished" 'BEGIN { printf "%.0f", b - a }'; else echo "?"; fi)s, VM total ${t_vm}s (boot + run + power off)"
     echo "vm-test[$k]: ${summary[$k]}"
     if [[ $guest_rc == 0 && $keep == 0 ]]; then

@@ -194,7 +194,13 @@ pub fn finish(
     adoptable.sort_by_key(|a| std::cmp::Reverse(last_active_ms(&a.record)));
     for a in adoptable {
         let (id, owner) = (a.record.id.clone(), a.record.owner_uid);
-        match core.adopt(a) {
+        // One timing line per session (`what="adopted"`, debug level): the order the sessions
+        // were adopted in and what each took.
+        let mut stages = crate::stages::Stages::new();
+        let outcome = core.adopt(a);
+        stages.mark("adopt");
+        stages.log("adopted", &id);
+        match outcome {
             Ok(_) => {
                 adopted += 1;
                 test_step_delay();

@@ -230,20 +230,46 @@ floor_event() { # floor_event UNIT restart|kill: prints "STOP_TO_FORK FORK_TO_EX
     fi
     echo "$(((tfork - tstop) / 1000)) $(((tact - tfork) / 1000)) $(((tact - tstop) / 1000))"
 }
-systemd_floor() { # prints the floor figures ("guest: floor VARIANT EVENT ms: ...")
-    local frag variant u ev line round r
+# The sandbox's parts: the sandboxed variant without one group of directives each, so that
+# the floor's cost is told per part. FLOOR_PARTS[name] is the extended regular expression of
+# the directives the variant drops.
+declare -A FLOOR_PARTS=(
+    [no-syscallfilter]='SystemCallFilter'
+    [no-seccomp]='SystemCallFilter|SystemCallArchitectures|SystemCallErrorNumber|RestrictAddressFamilies|RestrictNamespaces|LockPersonality|RestrictRealtime|RestrictSUIDSGID|MemoryDenyWriteExecute'
+    [no-network]='PrivateNetwork|IPAddressDeny'
+    [no-ipdeny]='IPAddressDeny'
+    [no-mounts]='ProtectSystem|ReadWritePaths|ProtectHome|PrivateTmp|PrivateDevices|PrivateMounts|ProtectKernelTunables|ProtectKernelModules|ProtectKernelLogs|ProtectControlGroups|ProtectProc|ProcSubset|ProtectClock|ProtectHostname'
+    [no-directories]='StateDirectory|StateDirectoryMode|ConfigurationDirectory|ConfigurationDirectoryMode'
+)
+# The mount namespace's directives one at a time: "mounts-X" is the sandbox without every
+# directive of no-mounts but X (and ProtectSystem's ReadWritePaths).
+FLOOR_MOUNTS=(ProtectSystem ProtectHome PrivateTmp PrivateDevices PrivateMounts ProtectKernelTunables ProtectKernelModules ProtectKernelLogs ProtectClock ProtectHostname)
+for d in "${FLOOR_MOUNTS[@]}"; do
+    FLOOR_PARTS[mounts-$d]=$(tr '|' '\n' <<<"${FLOOR_PARTS[no-mounts]}" | grep -vxE "$d$([[ $d == ProtectSystem ]] && echo '|ReadWritePaths')" | paste -sd'|')
+done
+systemd_floor() { # systemd_floor [parts]: prints the floor figures ("guest: floor VARIANT EVENT ms: ...")
+    local frag variant u ev line round r rounds=5 drop variants=(sandboxed plain)
     frag=$(systemctl show -p FragmentPath --value sandcelld.service)
-    for variant in sandboxed plain; do
+    # With "parts" (a floor-only run): each part's variant too, 3 rounds each.
+    [[ ${1:-} == parts ]] && variants+=(no-syscallfilter no-seccomp no-network no-ipdeny no-mounts no-directories "${FLOOR_MOUNTS[@]/#/mounts-}")
+    for variant in "${variants[@]}"; do
         u=sandcell-floor-$variant.service
+        rounds=5
+        drop='^$'
+        if [[ -n ${FLOOR_PARTS[$variant]:-} ]]; then
+            rounds=3
+            drop="^(${FLOOR_PARTS[$variant]})="
+        fi
         {
             echo '[Unit]'
             # Ten starts in a few seconds: no start rate limit.
             echo 'StartLimitIntervalSec=0'
             echo "Description=systemd's share of a restart ($variant)"
             echo '[Service]'
-            if [[ $variant == sandboxed ]]; then
+            if [[ $variant != plain ]]; then
                 awk '/^\[Service\]/ { s = 1; next } /^\[/ { s = 0 } s' "$frag" \
-                    | grep -vE '^(#|$|Type=|NotifyAccess=|ExecStart=|ExecReload=|WatchdogSec=|TimeoutStartSec=|Environment=)'
+                    | grep -vE '^(#|$|Type=|NotifyAccess=|ExecStart=|ExecReload=|WatchdogSec=|TimeoutStartSec=|Environment=)' \
+                    | grep -vE "$drop"
             fi
             echo 'Type=exec'
             echo 'ExecStart=/bin/sleep infinity'
@@ -254,7 +280,7 @@ systemd_floor() { # prints the floor figures ("guest: floor VARIANT EVENT ms: ..
         systemctl start "$u"
         for ev in restart kill; do
             line=""
-            for round in 1 2 3 4 5; do
+            for ((round = 1; round <= rounds; round++)); do
                 r=$(floor_event "$u" "$ev")
                 echo "    [floor] $variant $ev round $round: stop to fork, fork to exec, total (ms): $r"
                 line+="$(awk '{ print $3 }' <<<"$r") "
@@ -268,7 +294,7 @@ systemd_floor() { # prints the floor figures ("guest: floor VARIANT EVENT ms: ..
 }
 
 if [[ $only == floor ]]; then
-    systemd_floor
+    systemd_floor parts
     echo "guest: $failures failed checks, $(el) s"
     exit $((failures > 100 ? 100 : failures))
 fi
@@ -988,6 +1014,24 @@ with open(out, "w", buffering=1) as f:
             s = c.session_by_id(sid, language="python")
 PY
 chmod 0644 /tmp/lc-probe.py
+# CPU time by cgroup (cgroup v2 cpu.stat usage_usec, which counts every descendant, exited
+# processes and removed groups included): who had the two CPUs during an event's gap.
+cg_cpu() { # prints "GROUP USEC" per line (one awk: a process costs tens of ms under TCG)
+    local f=() d
+    for d in /sys/fs/cgroup /sys/fs/cgroup/init.scope /sys/fs/cgroup/system.slice \
+        /sys/fs/cgroup/system.slice/*.service /sys/fs/cgroup/system.slice/sandcell-sessions.service/sessions \
+        /sys/fs/cgroup/user.slice; do
+        [[ -r $d/cpu.stat ]] && f+=("$d/cpu.stat")
+    done
+    ((${#f[@]})) || return 0
+    awk '/^usage_usec/ { n = FILENAME; sub(/^\/sys\/fs\/cgroup/, "", n); sub(/cpu\.stat$/, "", n); print n, $2 }' "${f[@]}"
+}
+cg_cpu_delta() { # cg_cpu_delta BEFORE AFTER: "GROUP MS" for the groups that used 5 ms or more
+    # A group that was removed and made again (sandcelld.service after a restart or a kill)
+    # counts from zero: its "after" is smaller than its "before".
+    awk 'NR == FNR { b[$1] = $2; next } { d = ($1 in b && $2 >= b[$1]) ? $2 - b[$1] : $2; if (d >= 5000) printf "%s %d; ", $1, d / 1000 }' \
+        <(echo "$1") <(echo "$2")
+}
 lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report and check
     local ev=$1 ids=() kinds=() i k id cell before after t0 t_ev gap main0 main kept=0 out rc
     local lr=python; has_r && lr=r
@@ -1050,7 +1094,10 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     rm -f /tmp/lc-probe.stop /tmp/lc-probe.out
     (as_gw /usr/bin/python3 /tmp/lc-probe.py "$psid" /tmp/lc-probe.stop /tmp/lc-probe.out 2>/tmp/lc-probe.err &)
     for ((k = 0; k < 300; k++)); do [[ $(grep -c '^ok' /tmp/lc-probe.out 2>/dev/null) -ge 5 ]] && break; sleep 0.1; done
-    t0=$(date +%s.%N)
+    local cpu0 cpu1 tc0 tc1
+    cpu0=$(cg_cpu)
+    tc0=$(date +%s.%N)
+    t0=$tc0
     t_ev=$t0
     case $ev in
     restart) systemctl restart sandcelld.service ;;
@@ -1078,6 +1125,9 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     local first first_gap t1 tterm
     first=$(lc_print "${kinds[0]}" "${ids[0]}")
     t1=$(date +%s.%N)
+    cpu1=$(cg_cpu)
+    tc1=$(date +%s.%N)
+    echo "    [$ev] CPU ms by cgroup from the event's command to the first adopted Execute answered ($(echo "($tc1 - $tc0) * 1000 / 1" | bc) ms of two CPUs; a sandcelld.service made again counts from its new start): $(cg_cpu_delta "$cpu0" "$cpu1")"
     # The old daemon's SIGTERM (restart, upgrade: dpkg unpacks for many seconds before its
     # postinst restarts the daemon): the event's time as the daemon sees it.
     tterm=$(journalctl -b -u sandcelld.service --no-pager -o short-unix --since "@${t0%.*}" 2>/dev/null | awk '/SIGTERM: stopping|SIGUSR1: re-executing/ { print $1; exit }')
@@ -1111,14 +1161,17 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     sed "s/^/    [$ev] probe stderr: /" /tmp/lc-probe.err 2>/dev/null | tail -3
     # Where the gap went: systemd's and the daemons' own lines, on one clock.
     journalctl -b -u sandcelld.service --no-pager -o short-unix --since "@${t0%.*}" 2>/dev/null \
-        | grep -E 'systemd\[1\]|SIGTERM|SIGUSR1|re-executing|restarting the unit|pooled workers|exiting; sessions|session groups live|^.* starting |adopting sessions|accepted while the daemon starts|sessions of the previous daemon adopted|Stopping|Started|Starting|what="(daemon_start|daemon_stop|bus)"' \
-        | head -28 | cut -c1-420 | sed "s/^/    [$ev] timeline: /"
-    # The successor's first authorization checks (polkit) and cells, with their stages (the
-    # drop-in above logs sandcelld::timing at debug level): where the rest of the gap went.
+        | grep -E 'systemd\[1\]|SIGTERM|SIGUSR1|re-executing|restarting the unit|pooled workers|exiting; sessions|session groups live|^.* starting |adopting sessions|accepted while the daemon starts|sessions of the previous daemon adopted|Stopping|Started|Starting|Failed|Error|refusing|what="(daemon_start|daemon_stop|bus)"' \
+        | head -36 | cut -c1-420 | sed "s/^/    [$ev] timeline: /"
+    # The successor's first authorization checks (polkit) and cells, with their stages, and each
+    # adopted session in the order of its adoption (the drop-in above logs sandcelld::timing at
+    # debug level): where the rest of the gap went.
     journalctl -b -u sandcelld.service --no-pager -o short-unix --since "@${t0%.*}" 2>/dev/null \
-        | awk -v s="${t_new:-0}" '$1 >= s && /what="authorize"/ && a < 3 { a++; print } $1 >= s && /what="cell"/ && c < 2 { c++; print }' \
+        | awk -v s="${t_new:-0}" '$1 >= s && /what="authorize"/ && a < 3 { a++; print } $1 >= s && /what="cell"/ && c < 2 { c++; print } $1 >= s && /what="adopted"/ && d < 12 { d++; print }' \
         | cut -c1-300 | sed "s/^/    [$ev] successor's first checks and cells: /"
-    echo "    [$ev] the successor's fork by systemd: ExecMainStartTimestampMonotonic=$(systemctl show -p ExecMainStartTimestampMonotonic --value sandcelld.service) us"
+    # systemd's own clock (CLOCK_MONOTONIC, as the daemons' stage lines): the unit inactive
+    # ("Stopped"), its start job begun ("Starting"), the successor's fork, its READY=1.
+    echo "    [$ev] systemd (monotonic us): $(systemctl show -p InactiveEnterTimestampMonotonic -p InactiveExitTimestampMonotonic -p ExecMainStartTimestampMonotonic -p ActiveEnterTimestampMonotonic sandcelld.service | paste -sd' ')"
     as_gw sandcellctl close "$psid" >/dev/null 2>&1
     # Back: a new daemon (a new main pid), or for the upgrade the same process re-executed
     # (its new image says "ready to serve" after the event).
