@@ -32,7 +32,8 @@
 # and the egress checks: the packages' drop-ins under the real units), SANDCELL_VM_ONLY=floor
 # (the install, the first cell and systemd's own share of a restart: a unit doing nothing in
 # sandcelld.service's sandbox, restarted and killed 5 times each, then the same sandbox without
-# one part each (seccomp, the network namespace, the mounts...), 3 times; figures, no check).
+# one part each (seccomp, the network namespace, the mounts...) and with one mount-namespace
+# directive alone, 3 times each; figures, no check).
 # Needs root; installs what it needs (scripts/setup.sh, then mmdebstrap, qemu-system-x86, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
