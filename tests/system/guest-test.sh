@@ -248,7 +248,7 @@ for d in "${FLOOR_MOUNTS[@]}"; do
     FLOOR_PARTS[mounts-$d]=$(tr '|' '\n' <<<"${FLOOR_PARTS[no-mounts]}" | grep -vxE "$d$([[ $d == ProtectSystem ]] && echo '|ReadWritePaths')" | paste -sd'|')
 done
 systemd_floor() { # systemd_floor [parts]: prints the floor figures ("guest: floor VARIANT EVENT ms: ...")
-    local frag variant u ev line round r rounds=5 drop variants=(sandboxed plain)
+    local frag variant u ev line round r rounds drop variants=(sandboxed plain)
     frag=$(systemctl show -p FragmentPath --value sandcelld.service)
     # With "parts" (a floor-only run): each part's variant too, 3 rounds each.
     [[ ${1:-} == parts ]] && variants+=(no-syscallfilter no-seccomp no-network no-ipdeny no-mounts no-directories "${FLOOR_MOUNTS[@]/#/mounts-}")
@@ -1094,10 +1094,9 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     rm -f /tmp/lc-probe.stop /tmp/lc-probe.out
     (as_gw /usr/bin/python3 /tmp/lc-probe.py "$psid" /tmp/lc-probe.stop /tmp/lc-probe.out 2>/tmp/lc-probe.err &)
     for ((k = 0; k < 300; k++)); do [[ $(grep -c '^ok' /tmp/lc-probe.out 2>/dev/null) -ge 5 ]] && break; sleep 0.1; done
-    local cpu0 cpu1 tc0 tc1
+    local cpu0 cpu1 tc1
     cpu0=$(cg_cpu)
-    tc0=$(date +%s.%N)
-    t0=$tc0
+    t0=$(date +%s.%N)
     t_ev=$t0
     case $ev in
     restart) systemctl restart sandcelld.service ;;
@@ -1127,7 +1126,7 @@ lifecycle_event() { # lifecycle_event NAME: open 8 sessions, cause NAME, report 
     t1=$(date +%s.%N)
     cpu1=$(cg_cpu)
     tc1=$(date +%s.%N)
-    echo "    [$ev] CPU ms by cgroup from the event's command to the first adopted Execute answered ($(echo "($tc1 - $tc0) * 1000 / 1" | bc) ms of two CPUs; a sandcelld.service made again counts from its new start): $(cg_cpu_delta "$cpu0" "$cpu1")"
+    echo "    [$ev] CPU ms by cgroup from the event's command to the first adopted Execute answered ($(echo "($tc1 - $t0) * 1000 / 1" | bc) ms of two CPUs; a sandcelld.service made again counts from its new start): $(cg_cpu_delta "$cpu0" "$cpu1")"
     # The old daemon's SIGTERM (restart, upgrade: dpkg unpacks for many seconds before its
     # postinst restarts the daemon): the event's time as the daemon sees it.
     tterm=$(journalctl -b -u sandcelld.service --no-pager -o short-unix --since "@${t0%.*}" 2>/dev/null | awk '/SIGTERM: stopping|SIGUSR1: re-executing/ { print $1; exit }')
