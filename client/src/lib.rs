@@ -29,6 +29,13 @@ mod reattach;
 
 pub use reattach::{CellTrack, Reattach};
 
+/// A fresh cell token for [`Client::execute_with_token`] and [`Client::submit_with_token`]:
+/// 32 lowercase hex digits of a random (version 4) UUID, so that no other call in the
+/// session repeats it by chance.
+pub fn cell_token() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
 use sandcell_proto::kernel::{self as k, FrameReply};
 pub use sandcell_proto::kernel::{
     CellResult, CellStatusReply, EndReason, EnvironmentLimits, FileInfo, FileKind, Frame, HostCall,
@@ -397,9 +404,23 @@ impl Client {
 
     /// Starts a cell in an open session; read it with [`Client::next_frame`].
     pub async fn execute(&mut self, session: &str, code: &str) -> Result<(), Error> {
+        self.execute_with_token(session, code, None).await
+    }
+
+    /// [`Client::execute`] with a cell token (1 to 64 characters of `[A-Za-z0-9._-]`): on a
+    /// detached session, repeating the call with the same token after a cut (a daemon
+    /// restart before the started frame arrived) follows the cell the first call started,
+    /// if it did, instead of running the code twice.
+    pub async fn execute_with_token(
+        &mut self,
+        session: &str,
+        code: &str,
+        token: Option<&str>,
+    ) -> Result<(), Error> {
         let p = k::ExecuteParams {
             session: session.into(),
             code: code.into(),
+            token: token.map(Into::into),
         };
         self.start_cell("Execute", params(&p)).await
     }
@@ -408,9 +429,21 @@ impl Client {
     /// its number; follow it with [`Client::attach`] or ask [`Client::cell_status`].
     /// Errors: as `execute`, and `CapacityExceeded` (`retained_output_bytes`).
     pub async fn submit(&mut self, session: &str, code: &str) -> Result<u64, Error> {
+        self.submit_with_token(session, code, None).await
+    }
+
+    /// [`Client::submit`] with a cell token: a repeat with the same token answers the number
+    /// of the cell the first call started instead of starting another.
+    pub async fn submit_with_token(
+        &mut self,
+        session: &str,
+        code: &str,
+        token: Option<&str>,
+    ) -> Result<u64, Error> {
         let p = k::SubmitParams {
             session: session.into(),
             code: code.into(),
+            token: token.map(Into::into),
         };
         let r: k::SubmitReply = self.call("Submit", params(&p)).await?;
         Ok(r.cell)

@@ -4,7 +4,10 @@
 //! session) goes on in the successor, which adopts the session. [`Client::next_frame_following`]
 //! then connects again to the same socket and follows the cell with `Attach`, with bounded
 //! retries and backoff ([`Reattach`]) while the daemon is not back, and hands on only what it
-//! had not delivered yet.
+//! had not delivered yet. A cell started with a token ([`CellTrack::executing`]) is followed
+//! by sending its `Execute` again with the same token instead, which also covers a cut before
+//! the `started` frame: the daemon follows the cell the first call started, or starts it if
+//! none did, so the code runs once.
 
 use crate::{Client, Error, Frame, KernelError};
 use std::collections::HashSet;
@@ -57,6 +60,8 @@ pub struct CellTrack {
     /// Whether the cell was started by `Execute` (a cell of a session that is not detached
     /// is not retained, so an `Attach` after the cut finds no cell: the cut is reported).
     executed: bool,
+    /// The `Execute` to send again after a cut: session, code, token.
+    repeat: Option<(String, String, String)>,
 }
 
 impl CellTrack {
@@ -67,6 +72,18 @@ impl CellTrack {
             policy,
             executed: true,
             ..CellTrack::default()
+        }
+    }
+
+    /// A follower of an `Execute` of `code` in `session` sent with `token`
+    /// ([`Client::execute_with_token`]): after a cut, even one before the `started` frame, the
+    /// same call is sent again; the daemon follows the cell the first one started, or starts
+    /// it if none did. On a session that is not detached the repeat finds no retained cell
+    /// and the cut is reported.
+    pub fn executing(policy: Reattach, session: &str, code: &str, token: &str) -> CellTrack {
+        CellTrack {
+            repeat: Some((session.to_owned(), code.to_owned(), token.to_owned())),
+            ..CellTrack::new(policy)
         }
     }
 
@@ -89,6 +106,8 @@ impl CellTrack {
     fn filter(&mut self, mut f: Frame) -> Option<Frame> {
         if let Some(s) = &f.started {
             if self.started {
+                // A repeat of a cell that never ran started it under a new number.
+                self.cell = Some(s.cell);
                 f.started = None;
             } else {
                 self.started = true;
@@ -161,7 +180,7 @@ impl Client {
                         return Ok(f);
                     }
                 }
-                Err(e) if e.is_call_cut() && track.cell.is_some() => {
+                Err(e) if e.is_call_cut() && (track.cell.is_some() || track.repeat.is_some()) => {
                     self.reattach(track, e).await?
                 }
                 Err(e) => return Err(e),
@@ -171,9 +190,10 @@ impl Client {
 
     /// Follows the cell again on a new connection ([`Client::next_frame_following`]).
     async fn reattach(&mut self, track: &mut CellTrack, cut: Error) -> Result<(), Error> {
-        let (Some(session), Some(cell)) = (track.session.clone(), track.cell) else {
+        let attach = track.session.clone().zip(track.cell);
+        if attach.is_none() && track.repeat.is_none() {
             return Err(cut);
-        };
+        }
         let mut delay = track.policy.first_delay;
         for _ in 0..track.policy.attempts {
             tokio::time::sleep(delay).await;
@@ -183,7 +203,14 @@ impl Client {
                 Err(e) if not_back(&e) => continue,
                 Err(e) => return Err(e),
             };
-            match c.attach(&session, cell).await {
+            let sent = match (&track.repeat, &attach) {
+                (Some((session, code, token)), _) => {
+                    c.execute_with_token(session, code, Some(token)).await
+                }
+                (None, Some((session, cell))) => c.attach(session, *cell).await,
+                (None, None) => return Err(cut),
+            };
+            match sent {
                 Ok(()) => {}
                 Err(e) if not_back(&e) => continue,
                 Err(e) => return Err(e),

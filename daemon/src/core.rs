@@ -139,6 +139,47 @@ pub fn session_egress(
 /// Frames a cell's channel holds (the actor waits when it is full).
 pub(crate) const FRAME_QUEUE: usize = 64;
 
+/// Why [`Core::start_cell`] started nothing.
+enum Started {
+    /// The call's token names this cell of the session.
+    Repeated(u64),
+    /// The error to answer.
+    Refused(KernelError),
+}
+
+/// An `Execute` whose token names `cell` of `s`: followed as `Attach` follows it (the
+/// frames to replay; live ones go to `to`).
+///
+/// Errors: `NoSuchCell` when the cell's record was dropped.
+fn follow_repeat(
+    s: &Session,
+    session: &str,
+    cell: u64,
+    to: crate::cells::Attachment,
+) -> Result<Option<(u64, Vec<Frame>)>, KernelError> {
+    tracing::info!(session = %s.id, cell, "a repeated Execute follows the cell that has its token");
+    s.cells
+        .attach(&s.id, cell, to)
+        .map(|replay| Some((cell, replay)))
+        .ok_or_else(|| KernelError::NoSuchCell {
+            session: echo_id(session),
+            cell,
+        })
+}
+
+/// Checks `Execute`'s and `Submit`'s optional cell token.
+///
+/// Errors: `InvalidParameter` (`token`), for a token that `check_cell_token` refuses.
+fn check_token(token: Option<&str>) -> Result<(), KernelError> {
+    match token.map(sandcell_proto::kernel::check_cell_token) {
+        Some(Err(reason)) => Err(KernelError::InvalidParameter {
+            parameter: "token".into(),
+            reason: reason.into(),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Reserves retention for a new cell record of `s`.
 ///
 /// Errors: `CapacityExceeded` (`retained_output_bytes`).
@@ -1250,34 +1291,65 @@ impl Core {
     /// hangs up leaves it running with its output retained (or interrupted, with the
     /// operator's `interrupt_on_hangup`), and `CellStatus`/`Attach` tell how it ended.
     ///
-    /// Errors: as `Submit` for a detached session; else `LimitExceeded`, `NoSuchSession`,
-    /// `SessionEnded`, `PermissionDenied`, `SessionBusy`.
+    /// With a `token` the detached session remembers ([`crate::session::Info::tokens`]),
+    /// nothing runs: the call follows the cell that has it, as `Attach` does, and the answer
+    /// is `Some` of the cell's number and the frames to replay (live frames then go to `to`).
+    /// `None`: the cell
+    /// started and its frames go to `to`.
+    ///
+    /// Errors: as `Submit` for a detached session; else `InvalidParameter` (`token`),
+    /// `LimitExceeded`, `NoSuchSession`, `SessionEnded`, `PermissionDenied`, `SessionBusy`;
+    /// for a repeat, `NoSuchCell` when the cell's record was dropped.
     pub async fn execute(
         &self,
         caller: &Caller,
         session: &str,
         code: String,
+        token: Option<String>,
         to: crate::cells::Attachment,
-    ) -> Result<(), KernelError> {
+    ) -> Result<Option<(u64, Vec<Frame>)>, KernelError> {
+        check_token(token.as_deref())?;
         self.check_source(&code)?;
         let s = self.lookup(caller, session)?;
         self.authorize(caller, Action::Execute).await?;
         if s.detached_idle.is_none() {
-            // Not retained: nobody can attach to it, so nobody replaces `to`.
-            return self
-                .start_cell(caller, &s, session, code, to.frames, false)
-                .await;
+            // Not retained: nobody can attach to it, so nobody replaces `to`. A repeat names
+            // a cell whose output nobody kept: NoSuchCell, and nothing runs twice.
+            return match self
+                .start_cell(caller, &s, session, code, to.frames, false, token)
+                .await
+            {
+                Ok(()) => Ok(None),
+                Err(Started::Repeated(cell)) => Err(KernelError::NoSuchCell {
+                    session: echo_id(session),
+                    cell,
+                }),
+                Err(Started::Refused(e)) => Err(e),
+            };
+        }
+        // A repeat needs no retention of its own (checked again as the cell is queued).
+        if let Some(cell) = token.as_deref().and_then(|t| s.cell_with_token(t)) {
+            return follow_repeat(&s, session, cell, to);
         }
         let charge = retention_charge(&s)?;
         let (tx, rx) = mpsc::channel(FRAME_QUEUE);
-        self.start_cell(caller, &s, session, code, tx, true).await?;
+        match self
+            .start_cell(caller, &s, session, code, tx, true, token)
+            .await
+        {
+            Ok(()) => {}
+            Err(Started::Repeated(cell)) => return follow_repeat(&s, session, cell, to),
+            Err(Started::Refused(e)) => return Err(e),
+        }
         let hangup = self.config().daemon.interrupt_on_hangup;
         drop(crate::cells::relay(s, rx, Some(to), hangup, charge));
-        Ok(())
+        Ok(None)
     }
 
     /// Hands `code` to the session's actor; frames go to `frames`, a relay that retains
-    /// them when `retained` (a successor daemon then continues the cell).
+    /// them when `retained` (a successor daemon then continues the cell). `token`: the
+    /// caller's name for the cell, which the session remembers.
+    #[allow(clippy::too_many_arguments)]
     async fn start_cell(
         &self,
         caller: &Caller,
@@ -1286,19 +1358,23 @@ impl Core {
         code: String,
         frames: mpsc::Sender<Frame>,
         retained: bool,
-    ) -> Result<(), KernelError> {
+        token: Option<String>,
+    ) -> Result<(), Started> {
         let queued = if retained {
-            s.execute_retained(code, frames).await
+            s.execute_retained(code, frames, token).await
         } else {
-            s.execute(code, frames, false).await
+            s.execute(code, frames, false, token).await
         };
         match queued {
             Ok(()) => Ok(()),
-            Err(ExecuteRefused::Busy(cell)) => Err(KernelError::SessionBusy {
+            Err(ExecuteRefused::Busy(cell)) => Err(Started::Refused(KernelError::SessionBusy {
                 session: session.into(),
                 cell,
-            }),
-            Err(ExecuteRefused::Ended) => Err(self.gone_after(caller, s, session).await),
+            })),
+            Err(ExecuteRefused::Repeated(cell)) => Err(Started::Repeated(cell)),
+            Err(ExecuteRefused::Ended) => {
+                Err(Started::Refused(self.gone_after(caller, s, session).await))
+            }
         }
     }
 
@@ -1315,13 +1391,29 @@ impl Core {
         caller: &Caller,
         session: &str,
         code: String,
+        token: Option<String>,
     ) -> Result<u64, KernelError> {
+        check_token(token.as_deref())?;
         self.check_source(&code)?;
         let s = self.lookup(caller, session)?;
         self.authorize(caller, Action::Execute).await?;
+        if let Some(cell) = token.as_deref().and_then(|t| s.cell_with_token(t)) {
+            tracing::info!(session = %s.id, cell, "a repeated Submit answers the cell that has its token");
+            return Ok(cell);
+        }
         let charge = retention_charge(&s)?;
         let (tx, rx) = mpsc::channel(FRAME_QUEUE);
-        self.start_cell(caller, &s, session, code, tx, true).await?;
+        match self
+            .start_cell(caller, &s, session, code, tx, true, token)
+            .await
+        {
+            Ok(()) => {}
+            Err(Started::Repeated(cell)) => {
+                tracing::info!(session = %s.id, cell, "a repeated Submit answers the cell that has its token");
+                return Ok(cell);
+            }
+            Err(Started::Refused(e)) => return Err(e),
+        }
         match crate::cells::relay(s.clone(), rx, None, false, charge).await {
             Ok(cell) => Ok(cell),
             // The actor dropped the cell: the session ended before it started.
@@ -1419,7 +1511,7 @@ impl Core {
         // refill resumes when the session ends, or after `pool::MAX_HOLD`.
         let hold = self.pool.hold();
         let s = self.open_timed(caller, request, true, &mut stages).await?;
-        let queued = s.execute(code, frames, true).await;
+        let queued = s.execute(code, frames, true, None).await;
         stages.mark("queued");
         stages.log("run", &s.id);
         if queued.is_ok() {
@@ -1433,10 +1525,12 @@ impl Core {
             s.close(EndReason::WorkerCrashed, "one-shot run could not start")
                 .await;
             return Err(match e {
-                ExecuteRefused::Busy(cell) => KernelError::SessionBusy {
-                    session: s.id.clone(),
-                    cell,
-                },
+                ExecuteRefused::Busy(cell) | ExecuteRefused::Repeated(cell) => {
+                    KernelError::SessionBusy {
+                        session: s.id.clone(),
+                        cell,
+                    }
+                }
                 ExecuteRefused::Ended => KernelError::WorkerFailed {
                     reason: "worker ended before the cell".into(),
                 },

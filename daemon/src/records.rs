@@ -130,6 +130,11 @@ pub struct Record {
     pub cells_run: u64,
     /// Host calls made so far (the next must be one more).
     pub host_calls_made: u64,
+    /// The tokens of the newest cells started with one (`Info::tokens`): cell number and
+    /// token, oldest first. A successor keeps those that pass `check_cell_token`, at most
+    /// `CELL_TOKENS_KEPT`. Absent in records of older daemons.
+    #[serde(default)]
+    pub tokens: Vec<(u64, String)>,
     /// The cell running when the record was written, if any.
     pub running_cell: Option<u64>,
     /// What a successor needs to continue that cell, once its request reached the worker

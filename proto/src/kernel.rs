@@ -167,6 +167,28 @@ pub fn check_node_id(node: &str) -> Result<(), InvalidSessionId> {
     Ok(())
 }
 
+/// Longest cell token (`Execute`'s and `Submit`'s `token`), in characters.
+pub const MAX_CELL_TOKEN_LEN: usize = 64;
+
+/// How many cells' tokens a session remembers: its newest 8 cells started with one, the
+/// number of finished cells whose results it retains.
+pub const CELL_TOKENS_KEPT: usize = 8;
+
+/// Checks a cell token: 1 to [`MAX_CELL_TOKEN_LEN`] characters of `[A-Za-z0-9._-]`; the
+/// error is the reason, for `InvalidParameter`.
+pub fn check_cell_token(token: &str) -> Result<(), &'static str> {
+    if token.is_empty() || token.len() > MAX_CELL_TOKEN_LEN {
+        return Err("a cell token has 1 to 64 characters");
+    }
+    if !token
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
+        return Err("a cell token has only the characters A-Z a-z 0-9 . _ -");
+    }
+    Ok(())
+}
+
 /// Languages a session can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -442,6 +464,14 @@ pub struct ExecuteParams {
     pub session: String,
     /// The cell's source, UTF-8.
     pub code: String,
+    /// The caller's name for this cell, 1 to [`MAX_CELL_TOKEN_LEN`] characters of
+    /// `[A-Za-z0-9._-]` ([`check_cell_token`]): a call repeated with the same token does not
+    /// run the code again while the session remembers the token (its newest
+    /// [`CELL_TOKENS_KEPT`] cells', across a daemon restart too) but follows the cell that has
+    /// it; on a session that ends with its connection, whose cells' output is not retained,
+    /// the repeat is `NoSuchCell`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
 }
 
 /// Parameters of `Submit`.
@@ -452,6 +482,13 @@ pub struct SubmitParams {
     pub session: String,
     /// The cell's source, UTF-8.
     pub code: String,
+    /// The caller's name for this cell, 1 to [`MAX_CELL_TOKEN_LEN`] characters of
+    /// `[A-Za-z0-9._-]` ([`check_cell_token`]): a call repeated with the same token does not
+    /// start another cell while the session remembers the token (its newest
+    /// [`CELL_TOKENS_KEPT`] cells', across a daemon restart too) but answers the number of
+    /// the cell that has it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
 }
 
 /// Reply of `Submit`.
@@ -1614,6 +1651,27 @@ impl RawError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cell_tokens_are_short_and_plain() {
+        assert!(check_cell_token("a1.B_-").is_ok());
+        assert!(check_cell_token(&"x".repeat(MAX_CELL_TOKEN_LEN)).is_ok());
+        assert!(check_cell_token("").is_err());
+        assert!(check_cell_token(&"x".repeat(MAX_CELL_TOKEN_LEN + 1)).is_err());
+        for bad in ["a b", "a/b", "é", "a\n", "a\0"] {
+            assert!(check_cell_token(bad).is_err(), "{bad:?}");
+        }
+        // Absent from the wire when unset: a call without a token is what it always was.
+        let p = ExecuteParams {
+            session: "s".into(),
+            code: "1".into(),
+            token: None,
+        };
+        assert_eq!(
+            serde_json::to_string(&p).unwrap(),
+            r#"{"session":"s","code":"1"}"#
+        );
+    }
 
     #[test]
     fn display_bundles_are_checked_and_replaced_by_their_text() {

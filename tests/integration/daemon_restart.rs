@@ -1123,6 +1123,151 @@ async fn a_crash_just_after_the_request_is_written_continues_the_cell() {
     c.close(&s).await.unwrap();
 }
 
+/// An `Execute` with a token on a detached session, cut by the daemon's death at `point` of
+/// its cell (`request_written`: the worker has the code; `before_request`: it never got
+/// it), and repeated with the same token on the successor as a client does when its
+/// `started` frame never came: the code runs exactly once either way. A repeat of a cell
+/// that reached the worker follows it (its whole output and result); one that never
+/// reached it runs now. A repeat after the cell ended runs nothing, and a new token runs
+/// again.
+async fn a_repeated_token_runs_its_code_once(point: &str) {
+    let seam = "SANDCELL_TEST_KILL_AT";
+    let (mut first, mut setup) = first_daemon(&[(seam, &format!("{point}:2"))]);
+    setup.env.retain(|(k, _)| k != seam);
+    let mut c = first.client().await;
+    let s = c.open("python", None, Some(600)).await.unwrap().session;
+    assert_eq!(stdout_of(&mut c, &s, "n = 0\nprint(n)").await, "0\n");
+    let (worker, _) = record_pids(&setup.adopt, &s);
+    let code =
+        "import time\nprint('in the cell', flush=True)\ntime.sleep(1)\nn += 1\nprint('n', n)";
+    let token = "repeat-me.1";
+    let cut = match c.execute_with_token(&s, code, Some(token)).await {
+        Ok(()) => c.finish(|_| {}).await,
+        Err(e) => Err(e),
+    };
+    assert!(
+        matches!(&cut, Err(e) if e.is_call_cut()),
+        "{cut:?}\n{}",
+        first.log_text()
+    );
+    wait_dead(&mut first);
+    assert!(alive(worker), "the worker died with the daemon");
+    let second = successor(&first, &setup);
+    let mut c = second.client().await;
+    c.execute_with_token(&s, code, Some(token)).await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(30), c.finish(|_| {}))
+        .await
+        .expect("the repeated cell ended")
+        .unwrap();
+    assert_eq!(got.stdout, "in the cell\nn 1\n", "{}", second.log_text());
+    // A cell that never ran keeps its number (answered `cancelled`); its repeat is cell 3.
+    let cell = if point == "request_written" { 2 } else { 3 };
+    assert_eq!(got.cell, cell, "{got:?}");
+    if point == "request_written" {
+        assert!(
+            second
+                .log_text()
+                .contains("follows the cell that has its token"),
+            "{}",
+            second.log_text()
+        );
+    }
+    // After its end: the same token answers the same cell again, running nothing.
+    c.execute_with_token(&s, code, Some(token)).await.unwrap();
+    let again = c.finish(|_| {}).await.unwrap();
+    assert_eq!(
+        (again.cell, again.stdout.as_str()),
+        (cell, "in the cell\nn 1\n")
+    );
+    assert_eq!(
+        c.submit_with_token(&s, code, Some(token)).await.unwrap(),
+        cell,
+        "a Submit with the token names the same cell"
+    );
+    assert_eq!(stdout_of(&mut c, &s, "print(n)").await.trim(), "1");
+    // A malformed token is refused before anything runs.
+    let bad = c.execute_with_token(&s, code, Some("not a token")).await;
+    let bad = match bad {
+        Ok(()) => c.finish(|_| {}).await.map(|_| ()),
+        Err(e) => Err(e),
+    };
+    assert!(
+        matches!(&bad, Err(sandcell_client::Error::Kernel(KernelError::InvalidParameter { parameter, .. })) if parameter == "token"),
+        "{bad:?}"
+    );
+    assert_eq!(stdout_of(&mut c, &s, "print(n)").await.trim(), "1");
+    assert_eq!(
+        record_pids(&setup.adopt, &s).0,
+        worker,
+        "the worker changed"
+    );
+    c.close(&s).await.unwrap();
+    eprintln!("{point}: the cut Execute repeated with its token ran its code once (n = 1)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_token_follows_a_cell_that_reached_the_worker() {
+    skip_unless_root!();
+    a_repeated_token_runs_its_code_once("request_written").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_token_runs_a_cell_that_never_reached_the_worker() {
+    skip_unless_root!();
+    a_repeated_token_runs_its_code_once("before_request").await;
+}
+
+/// `sandcellctl exec` on a detached session whose daemon dies (its test seam) before the
+/// cell's request reaches the worker, after the `started` frame may have gone out: it sends
+/// its call again with the cell's token once the successor is up, which runs the code that
+/// never ran, once (an `Attach` to the cut cell would have found it `cancelled`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandcellctl_exec_repeats_a_cut_call_with_its_token() {
+    skip_unless_root!();
+    let ctl = common::bin_dir().join("sandcellctl");
+    if !ctl.exists() {
+        sandcell_testing::skip!("built", "{} not built", ctl.display());
+    }
+    let seam = "SANDCELL_TEST_KILL_AT";
+    let (mut first, mut setup) = first_daemon(&[(seam, "before_request:2")]);
+    setup.env.retain(|(k, _)| k != seam);
+    let mut c = first.client().await;
+    let s = c.open("python", None, Some(600)).await.unwrap().session;
+    assert_eq!(stdout_of(&mut c, &s, "n = 0\nprint(n)").await, "0\n");
+    drop(c);
+    let work = tempfile::tempdir().unwrap();
+    let code = work.path().join("cell.py");
+    std::fs::write(&code, "n += 1\nprint('n', n)\n").unwrap();
+    let (out, err) = (work.path().join("out"), work.path().join("err"));
+    let mut exec = std::process::Command::new(&ctl)
+        .arg("--socket")
+        .arg(&first.socket)
+        .args(["exec", &s, code.to_str().unwrap()])
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    wait_dead(&mut first);
+    let second = successor(&first, &setup);
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = exec.try_wait().unwrap() {
+            break st.code();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "sandcellctl never ended after the restart"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let err = std::fs::read_to_string(&err).unwrap();
+    assert_eq!(status, Some(0), "{err}\n{}", second.log_text());
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), "n 1\n", "{err}");
+    let mut c = second.client().await;
+    assert_eq!(stdout_of(&mut c, &s, "print(n)").await.trim(), "1");
+    c.close(&s).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_a_cell_ended_keeps_the_session() {
     skip_unless_root!();

@@ -191,13 +191,18 @@ impl Exec {
             None => HostHandler::refusing(ctx.socket.clone()),
         };
         let following = ctrlc::install(ctx.socket.clone(), Leaving::CellRunsOn);
-        c.execute(&self.session, &code).await?;
+        // With a token: a cut by a daemon restart, even before the cell's number arrived, is
+        // followed by sending the same call again, which never runs the code twice.
+        let token = sandcell_client::cell_token();
+        c.execute_with_token(&self.session, &code, Some(&token))
+            .await?;
+        let track = CellTrack::executing(Reattach::default(), &self.session, &code, &token);
         let follow = Follow {
             json: ctx.json,
             host: Some(&mut host),
             following: Some(&following),
             announce: true,
-            track: Some(CellTrack::new(Reattach::default())),
+            track: Some(track),
         };
         Ok(follow.status(&mut c).await?)
     }

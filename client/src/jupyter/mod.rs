@@ -1375,9 +1375,17 @@ impl Shell {
                 Err(e) => return self.session_gone(count, &e, parent).await,
             }
         }
-        let mut track = sandcell_client::CellTrack::new(sandcell_client::Reattach::default());
+        // The cell's token: a cut by a daemon restart, even before the cell's number arrived,
+        // is followed by sending the same call again, which never runs the code twice.
+        let token = sandcell_client::cell_token();
+        let mut track = sandcell_client::CellTrack::executing(
+            sandcell_client::Reattach::default(),
+            &id,
+            &code,
+            &token,
+        );
         let outcome = async {
-            client.execute(&id, &code).await?;
+            client.execute_with_token(&id, &code, Some(&token)).await?;
             loop {
                 let f = client.next_frame_following(&mut track).await?;
                 if silent {

@@ -17,9 +17,10 @@ from conftest import ROOMY, Daemon
 
 
 def _restart(d: Daemon, sig: int) -> None:
-    """Ends ``d``'s sandcelld with ``sig`` and starts its successor on the same socket,
+    """Ends ``d``'s sandcelld with ``sig`` (0: it has ended) and starts its successor on the same socket,
     state and adoption directories (as a restart of the unit does)."""
-    os.kill(d.proc.pid, sig)
+    if sig:
+        os.kill(d.proc.pid, sig)
     d.proc.wait(30)
     d.log.close()
     try:
@@ -107,3 +108,44 @@ def test_a_cut_call_is_typed(daemon_factory):
         else:
             pytest.fail(f"the interrupted cell never ended; log: {d.tail()}")
         kept.close()
+
+
+@pytest.mark.parametrize("point", ["request_written", "before_request"])
+def test_a_cut_execute_runs_its_code_once(daemon_factory, point):
+    """The daemon dies (its test seam, SIGKILL) while cell 2's request is written to the
+    worker, or before it is: ``execute`` repeats the cut call with its cell token on the
+    successor by itself, which follows the cell that reached the worker or runs the one
+    that did not. Either way the code runs once."""
+    seam = "SANDCELL_TEST_KILL_AT"
+    d = daemon_factory(f"token-{point}", {**ROOMY, seam: f"{point}:2"})
+    got: list[str] = []
+    done: list[object] = []
+    with sandcell.Client(d.socket, timeout=120) as c:
+        s = c.session("python", detached_idle_seconds=600)
+        assert s.execute("n = 0").status == "ok"
+        code = "import time\nprint('in the cell', flush=True)\ntime.sleep(1)\nn += 1\nprint('n', n)"
+
+        def run() -> None:
+            try:
+                done.append(s.execute(code, lambda o: got.append(o.text)))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                done.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        d.proc.wait(30)
+        assert d.proc.returncode == -signal.SIGKILL, d.tail()
+        # The successor, without the seam, on the same socket and state.
+        args = list(d.proc.args)
+        i = args.index(f"{seam}={point}:2")
+        del args[i - 1:i + 1]
+        d.proc.args = args
+        _restart(d, 0)
+        t.join(60)
+        assert not t.is_alive(), "execute never returned after the restart"
+        r = done[0]
+        assert isinstance(r, sandcell.CellResult), f"{r!r}\n{d.tail()}"
+        assert r.status == "ok", f"{r}\n{d.tail()}"
+        assert "".join(got) == "in the cell\nn 1\n", got
+        assert s.execute("print(n)").stdout.strip() == "1"
+        s.close()

@@ -96,10 +96,11 @@ impl Actor {
                 frames,
                 one_shot,
                 retained,
+                token,
             }) = self.deferred.take()
             {
                 if let Some(end) = self
-                    .execute_cell(code, frames, one_shot, retained, &mut cmds)
+                    .execute_cell(code, frames, one_shot, retained, token, &mut cmds)
                     .await
                 {
                     reason = end.0;
@@ -113,8 +114,8 @@ impl Actor {
             tokio::select! {
                 cmd = cmds.recv() => match cmd {
                     None => { reason = Ending::new(EndReason::Disconnected, "abandoned"); break; }
-                    Some(Command::Execute { code, frames, one_shot, retained }) => {
-                        if let Some(end) = self.execute_cell(code, frames, one_shot, retained, &mut cmds).await {
+                    Some(Command::Execute { code, frames, one_shot, retained, token }) => {
+                        if let Some(end) = self.execute_cell(code, frames, one_shot, retained, token, &mut cmds).await {
                             reason = end.0;
                             close_done = end.1;
                             break;
@@ -254,6 +255,7 @@ impl Actor {
         frames: mpsc::Sender<Frame>,
         one_shot: bool,
         retained: bool,
+        token: Option<String>,
         cmds: &mut mpsc::Receiver<Command>,
     ) -> Option<(Ending, Option<oneshot::Sender<()>>)> {
         if self.session.handed_over() {
@@ -267,6 +269,9 @@ impl Actor {
             info.running_cell = Some(cell);
             info.cells_started = cell;
             info.state = SessionState::Running;
+            if let Some(t) = token {
+                remember_token(&mut info.tokens, cell, t);
+            }
         }
         self.pending = Some(crate::records::PendingCell {
             stage: crate::records::PendingStage::BeforeRequest,
@@ -296,6 +301,8 @@ impl Actor {
             info.running_cell = None;
             info.state = SessionState::Idle;
             info.last_activity = Instant::now();
+            // It never ran: a repeat of its call runs it.
+            info.tokens.retain(|(c, _)| *c != cell);
             drop(info);
             self.pending = None;
             self.persist();
@@ -495,6 +502,18 @@ impl Actor {
             code: reason.reason,
         });
     }
+}
+
+/// Adds `cell`'s `token` to `tokens` (oldest first), dropping the oldest past
+/// [`sandcell_proto::kernel::CELL_TOKENS_KEPT`] and any older cell with the same token (the
+/// newest cell answers a repeat).
+pub(super) fn remember_token(tokens: &mut Vec<(u64, String)>, cell: u64, token: String) {
+    tokens.retain(|(_, t)| *t != token);
+    tokens.push((cell, token));
+    let over = tokens
+        .len()
+        .saturating_sub(sandcell_proto::kernel::CELL_TOKENS_KEPT);
+    tokens.drain(..over);
 }
 
 /// A fresh request nonce: 64 bits from `getrandom(2)` as 16 lowercase hex digits.

@@ -96,7 +96,7 @@ impl Open {
     async fn submit(&self, capacity: usize) -> mpsc::Receiver<Frame> {
         let (tx, rx) = mpsc::channel(capacity);
         self.session
-            .execute("cell".into(), tx, false)
+            .execute("cell".into(), tx, false, None)
             .await
             .expect("the session takes a cell");
         rx
@@ -318,7 +318,7 @@ async fn a_cell_that_ignores_its_deadline_is_killed_and_its_session_ends() {
     assert_eq!(ending.reason, EndReason::Killed);
     assert_eq!(
         s.session
-            .execute("x".into(), mpsc::channel(1).0, false)
+            .execute("x".into(), mpsc::channel(1).0, false, None)
             .await,
         Err(ExecuteRefused::Ended)
     );
@@ -714,4 +714,85 @@ async fn after_the_hand_over_no_cell_starts_and_the_exit_path_is_answered() {
     assert_eq!(r.reason, InterruptReason::NotRunning.as_str());
     // Still nothing for the held cell.
     assert!(rx.try_recv().is_err());
+}
+
+#[tokio::test]
+async fn a_repeated_token_names_its_cell_and_starts_nothing() {
+    let s = open(
+        Script::eryx(vec![vec![
+            Step::Output(Stream::Stdout, "once\n".into()),
+            Step::UntilInterrupt,
+            Step::Done(WorkerStatus::Interrupted),
+        ]]),
+        limits(30_000, 10_000),
+    )
+    .await;
+    let retained = |token: &str| {
+        let (tx, rx) = mpsc::channel(16);
+        let session = s.session.clone();
+        let token = token.to_owned();
+        async move {
+            session
+                .execute_retained("cell".into(), tx, Some(token))
+                .await
+                .map(|()| rx)
+        }
+    };
+    let mut rx = retained("t-1").await.expect("the first call starts cell 1");
+    assert!(rx.recv().await.unwrap().started.is_some());
+    // While cell 1 runs: its token names it (not SessionBusy), another token is busy.
+    assert_eq!(
+        retained("t-1").await.err(),
+        Some(ExecuteRefused::Repeated(1))
+    );
+    assert_eq!(retained("t-2").await.err(), Some(ExecuteRefused::Busy(1)));
+    s.session.interrupt(1).await;
+    let c = collect(&mut rx, false).await;
+    assert_eq!(c.text(Stream::Stdout), "once\n");
+    until("the session is idle again", || {
+        s.state() == SessionState::Idle
+    })
+    .await;
+    // After its end too: the repeat starts nothing, cell 2 is still to come.
+    assert_eq!(
+        retained("t-1").await.err(),
+        Some(ExecuteRefused::Repeated(1))
+    );
+    assert_eq!(s.session.info.lock().unwrap().cells_started, 1);
+    let mut rx = retained("t-2").await.expect("a new token starts cell 2");
+    let c = collect(&mut rx, true).await;
+    assert_eq!(c.result.cell, 2);
+    // A session remembers its newest CELL_TOKENS_KEPT tokens.
+    for n in 3..=(2 + sandcell_proto::kernel::CELL_TOKENS_KEPT as u64) {
+        let mut rx = retained(&format!("t-{n}")).await.expect("a new token");
+        assert_eq!(collect(&mut rx, true).await.result.cell, n);
+    }
+    let tokens = s.session.info.lock().unwrap().tokens.clone();
+    assert_eq!(tokens.len(), sandcell_proto::kernel::CELL_TOKENS_KEPT);
+    assert_eq!(tokens[0], (3, "t-3".to_owned()), "{tokens:?}");
+    let mut rx = retained("t-1").await.expect("a forgotten token runs again");
+    assert_eq!(collect(&mut rx, true).await.result.cell, 11);
+    s.session.close(EndReason::Closed, "test").await;
+    s.end().await;
+}
+
+#[test]
+fn tokens_kept_from_a_record_are_well_formed_and_bounded() {
+    let recorded: Vec<(u64, String)> = (1..=12)
+        .map(|n| (n, format!("t{n}")))
+        .chain([
+            (13, "bad token".into()),
+            (14, "t1".into()),
+            (15, "x".into()),
+        ])
+        .collect();
+    let kept = super::keep::recorded_tokens_for_test(&recorded, Some(15));
+    // t1 moved to cell 14 (the newest cell answers), "bad token" and cell 15 (never ran)
+    // are dropped; then the newest 8.
+    let want: Vec<(u64, String)> = [(6, "t6"), (7, "t7"), (8, "t8"), (9, "t9")]
+        .into_iter()
+        .chain([(10, "t10"), (11, "t11"), (12, "t12"), (14, "t1")])
+        .map(|(c, t)| (c, t.to_owned()))
+        .collect();
+    assert_eq!(kept, want);
 }

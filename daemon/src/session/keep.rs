@@ -179,6 +179,7 @@ impl Actor {
             next_cell: self.next_cell,
             cells_run: info.cells_run,
             host_calls_made: self.host_calls_made,
+            tokens: info.tokens.clone(),
             running_cell: info.running_cell,
             running: self.running.clone(),
             pending: self.pending,
@@ -608,6 +609,7 @@ impl Session {
             raw_output: r.raw_output,
             next_cell: r.next_cell,
             cells_run: r.cells_run,
+            tokens: recorded_tokens(&r.tokens, never_ran),
             host_calls_made: r.host_calls_made,
             last_activity,
             started: std::time::UNIX_EPOCH + Duration::from_millis(r.started_unix_ms),
@@ -682,6 +684,27 @@ pub(super) fn ended_cell(dir: &Path, id: &str) -> Option<EndedCell> {
 /// The result a successor gives cell `cell`, whose request never reached the worker when
 /// its predecessor went away: `cancelled` (the call that started it was cut), no usage and
 /// no output, the variables kept (the worker never saw the cell), and a warning saying so.
+/// The tokens a successor keeps from a record: well-formed ones of cells other than
+/// `never_ran` (a repeat of that call runs its code: it never reached the worker), the
+/// newest [`sandcell_proto::kernel::CELL_TOKENS_KEPT`], each token once.
+fn recorded_tokens(recorded: &[(u64, String)], never_ran: Option<u64>) -> Vec<(u64, String)> {
+    let mut tokens = Vec::new();
+    for (cell, token) in recorded {
+        if Some(*cell) != never_ran && sandcell_proto::kernel::check_cell_token(token).is_ok() {
+            super::actor::remember_token(&mut tokens, *cell, token.clone());
+        }
+    }
+    tokens
+}
+
+#[cfg(test)]
+pub(super) fn recorded_tokens_for_test(
+    recorded: &[(u64, String)],
+    never_ran: Option<u64>,
+) -> Vec<(u64, String)> {
+    recorded_tokens(recorded, never_ran)
+}
+
 fn never_ran_result(cell: u64) -> sandcell_proto::kernel::CellResult {
     use sandcell_proto::kernel::{CellResult, State, Status};
     CellResult {

@@ -124,6 +124,11 @@ pub struct Info {
     pub cells_run: u64,
     /// The number of the newest cell started (0: none yet); cells are numbered from 1.
     pub cells_started: u64,
+    /// The tokens of the newest cells started with one, oldest first, at most
+    /// [`sandcell_proto::kernel::CELL_TOKENS_KEPT`]: a call repeated with one of them
+    /// starts nothing ([`ExecuteRefused::Repeated`]); it follows that cell when its output
+    /// is retained (`Submit`, `Execute` on a detached session).
+    pub tokens: Vec<(u64, String)>,
     /// What it is doing (a worker still starting is not a session yet: listings show it as
     /// `starting` from `Core::starting_sessions`).
     pub state: SessionState,
@@ -220,6 +225,9 @@ pub enum Command {
         /// `frames` go to a relay that retains them (`cells.rs`): a successor daemon
         /// continues the cell if this one goes away (`keep.rs`).
         retained: bool,
+        /// The caller's token for the cell: kept in [`Info::tokens`] with the cell's
+        /// number.
+        token: Option<String>,
     },
     /// Interrupt `cell` if it is running.
     Interrupt {
@@ -375,6 +383,7 @@ impl Session {
             raw_output,
             next_cell: 1,
             cells_run: 0,
+            tokens: Vec::new(),
             host_calls_made: 0,
             last_activity: Instant::now(),
             started: SystemTime::now(),
@@ -403,6 +412,7 @@ impl Session {
                 running_cell: l.resume.as_ref().map(|r| r.running.cell),
                 cells_run: l.cells_run,
                 cells_started: l.next_cell.saturating_sub(1),
+                tokens: l.tokens,
                 state: if l.resume.is_some() {
                     SessionState::Running
                 } else {
@@ -461,24 +471,38 @@ impl Session {
         session
     }
 
-    /// Queues a cell. Fails with the running cell's number when one is running.
+    /// The cell whose token is `token`, while the session remembers it ([`Info::tokens`]).
+    pub fn cell_with_token(&self, token: &str) -> Option<u64> {
+        let info = self.info.lock().unwrap();
+        info.tokens
+            .iter()
+            .find(|(_, t)| t == token)
+            .map(|(c, _)| *c)
+    }
+
+    /// Queues a cell. Fails with the running cell's number when one is running. With a
+    /// `token` the session remembers, nothing starts: [`ExecuteRefused::Repeated`] names
+    /// the cell that has it (checked before `Busy`, so a repeat finds its own running cell).
     pub async fn execute(
         &self,
         code: String,
         frames: mpsc::Sender<Frame>,
         one_shot: bool,
+        token: Option<String>,
     ) -> Result<(), ExecuteRefused> {
-        self.queue_cell(code, frames, one_shot, false).await
+        self.queue_cell(code, frames, one_shot, false, token).await
     }
 
     /// [`Session::execute`] of a cell whose `frames` go to a relay that retains them
     /// (`cells.rs`): a successor daemon continues it when this one goes away (`keep.rs`).
+    /// `token` as for [`Session::execute`].
     pub async fn execute_retained(
         &self,
         code: String,
         frames: mpsc::Sender<Frame>,
+        token: Option<String>,
     ) -> Result<(), ExecuteRefused> {
-        self.queue_cell(code, frames, false, true).await
+        self.queue_cell(code, frames, false, true, token).await
     }
 
     async fn queue_cell(
@@ -487,9 +511,15 @@ impl Session {
         frames: mpsc::Sender<Frame>,
         one_shot: bool,
         retained: bool,
+        token: Option<String>,
     ) -> Result<(), ExecuteRefused> {
         {
             let mut info = self.info.lock().unwrap();
+            if let Some(t) = &token
+                && let Some((cell, _)) = info.tokens.iter().find(|(_, k)| k == t)
+            {
+                return Err(ExecuteRefused::Repeated(*cell));
+            }
             match info.state {
                 SessionState::Running => {
                     return Err(ExecuteRefused::Busy(info.running_cell.unwrap_or(0)));
@@ -504,6 +534,7 @@ impl Session {
                 frames,
                 one_shot,
                 retained,
+                token,
             })
             .await
             .map_err(|_| ExecuteRefused::Ended)
@@ -668,6 +699,8 @@ impl crate::cells::Host for Session {
 pub enum ExecuteRefused {
     /// A cell is running.
     Busy(u64),
+    /// The call's token is the token of this cell: nothing was started.
+    Repeated(u64),
     /// The session has ended.
     Ended,
 }
@@ -711,6 +744,8 @@ struct Launch {
     raw_output: bool,
     next_cell: u64,
     cells_run: u64,
+    /// [`Info::tokens`] as recorded (adoption) or empty (a new session).
+    tokens: Vec<(u64, String)>,
     host_calls_made: u64,
     last_activity: Instant,
     started: SystemTime,

@@ -287,7 +287,7 @@ async fn kernel(
         "Execute" => execute(core, caller, w, call).await,
         "Submit" => {
             let p = parse!(w, call, k::SubmitParams);
-            let r = core.submit(caller, &p.session, p.code).await;
+            let r = core.submit(caller, &p.session, p.code, p.token).await;
             answer(w, call, r.map(|cell| k::SubmitReply { cell })).await
         }
         "CellStatus" => {
@@ -447,8 +447,18 @@ async fn run(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) -> 
 async fn execute(core: &Core, caller: &Caller, w: &Writer, call: &Call<RawCall>) -> Sent {
     let (to, rx, replaced) = attachment();
     let p = parse!(w, call, ExecuteParams);
-    let started = core.execute(caller, &p.session, p.code, to).await;
-    stream_cell(core, caller, w, call, rx, Some(replaced), started).await
+    match core.execute(caller, &p.session, p.code, p.token, to).await {
+        // A repeat (its token names a cell of the session): followed as `Attach` follows it.
+        Ok(Some((cell, replay))) => {
+            let charge = match socket::ReplyCharge::new(caller.uid, ATTACH_REPLY_CHARGE) {
+                Ok(c) => c,
+                Err(r) => return send_kernel_error(w, call, reply_refused(r)).await,
+            };
+            let at = (p.session.as_str(), cell);
+            follow(core, caller, w, call, at, replay, charge, rx, replaced).await
+        }
+        started => stream_cell(core, caller, w, call, rx, Some(replaced), started.map(drop)).await,
+    }
 }
 
 /// A new attachment for a cell's live frames: the side the cell's relay holds, the frames'
@@ -777,6 +787,26 @@ async fn attach(
         Ok(r) => r,
         Err(e) => return send_kernel_error(w, call, e).await,
     };
+    let at = (p.session.as_str(), p.cell);
+    follow(core, caller, w, call, at, replay, charge, rx, replaced).await
+}
+
+/// An attachment's answer: the `replay` (charged up front by `charge`, then at its encoded
+/// size), then the cell's live frames from `rx` until its result, or the error that ends
+/// them (`AttachmentReplaced` when a newer `Attach` took the cell over). `at`: the session
+/// as the caller named it, and the cell.
+#[allow(clippy::too_many_arguments)]
+async fn follow(
+    core: &Core,
+    caller: &Caller,
+    w: &Writer,
+    call: &Call<RawCall>,
+    (session, cell): (&str, u64),
+    replay: Vec<Frame>,
+    charge: socket::ReplyCharge,
+    rx: mpsc::Receiver<Frame>,
+    replaced: oneshot::Receiver<()>,
+) -> Sent {
     let mut buf = Vec::new();
     let mut last = false;
     for frame in replay {
@@ -794,10 +824,10 @@ async fn attach(
     let e = match stream_frames(w, call, rx, Some(replaced), core).await? {
         Streamed::Result => return Ok(()),
         Streamed::Replaced(_) => KernelError::AttachmentReplaced {
-            session: p.session,
-            cell: p.cell,
+            session: session.into(),
+            cell,
         },
-        Streamed::Stopped => core.stream_lost(caller, &p.session).await,
+        Streamed::Stopped => core.stream_lost(caller, session).await,
     };
     send_kernel_error(w, call, e).await
 }

@@ -299,9 +299,10 @@ impl std::fmt::Display for CellFailure {
     }
 }
 
-/// Runs `code` in `session` to its result, across restarts: the `Execute` is sent again
-/// while the daemon is away (and while the session is busy with the same cell continued
-/// from before a cut), the started cell is followed across restarts. `want`: the whole
+/// Runs `code` in `session` to its result, across restarts: the `Execute` is sent with one
+/// cell token, and again with it while the daemon is away (the daemon then follows the cell
+/// the token names, if one started, so the code runs once), the started cell is followed
+/// across restarts. `want`: the whole
 /// stdout expected (empty: not checked); the status must be ok.
 async fn run_cell(
     ctx: &Ctx,
@@ -313,6 +314,7 @@ async fn run_cell(
     let t0 = Instant::now();
     let mut delay = Duration::from_millis(50);
     let mut sent = 0u32;
+    let token = sandcell_client::cell_token();
     loop {
         if t0.elapsed() > AWAY * 2 {
             return Err(CellFailure::Lost("no result within 120 s".into()));
@@ -334,12 +336,13 @@ async fn run_cell(
         }
         sent += 1;
         let r = tokio::time::timeout(ctx.timeout, async {
-            conn.execute(session, code).await?;
-            let mut track = CellTrack::new(Reattach {
+            conn.execute_with_token(session, code, Some(&token)).await?;
+            let policy = Reattach {
                 attempts: 40,
                 first_delay: Duration::from_millis(50),
                 max_delay: Duration::from_secs(1),
-            });
+            };
+            let mut track = CellTrack::executing(policy, session, code, &token);
             let got = conn.finish_following(&mut track, |_| {}).await;
             if track.reattached() > 0 {
                 FOLLOWED.fetch_add(1, Ordering::Relaxed);
@@ -380,7 +383,7 @@ async fn run_cell(
                 return Ok(());
             }
             Err(Error::Kernel(KernelError::SessionBusy { .. })) => {
-                // The cell sent before a cut runs on in the successor: wait for its end.
+                // Another cell runs (not this token's): wait for its end.
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
             Err(e) if away(&e) => {

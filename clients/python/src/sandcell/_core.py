@@ -17,6 +17,7 @@ import errno
 import functools
 import inspect
 import os
+import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
@@ -677,10 +678,38 @@ class ClientCore(Generic[S]):
     async def _submit(self, session: str, code: str) -> int:
         """Starts ``code`` as the next cell of ``session`` and returns its number at once
         (``Submit``). The cell runs on without this client; its output is retained (the first
-        and last 64 KiB of each stream) for ``attach``. Raises :class:`SessionBusy`,
-        :class:`NoSuchSession`, :class:`CapacityExceeded` (``retained_output_bytes``), ..."""
-        params = {"session": P.local_session_id(session, self.node), "code": code}
-        return int((await self._call(P.op_simple("Submit", params)))["cell"])
+        and last 64 KiB of each stream) for ``attach``. A call cut by a daemon restart is
+        repeated with the same cell token, so the code is started once. Raises
+        :class:`SessionBusy`, :class:`NoSuchSession`, :class:`CapacityExceeded`
+        (``retained_output_bytes``), ..."""
+        params = {"session": P.local_session_id(session, self.node), "code": code,
+                  "token": secrets.token_hex(16)}
+        try:
+            return int((await self._call(P.op_simple("Submit", params)))["cell"])
+        except CallCut:
+            pass
+        r = await self._repeat(lambda: self._call(P.op_simple("Submit", params)))
+        return int(r["cell"])
+
+    async def _repeat(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Repeats ``call`` (a cell call whose ``token`` names its cell) after a daemon restart
+        cut it, on a new connection to the same socket: up to :data:`P.REATTACH_ATTEMPTS`
+        attempts, waiting :data:`P.REATTACH_FIRST_DELAY_SECONDS` doubled after each failure
+        (at most :data:`P.REATTACH_MAX_DELAY_SECONDS`) while the daemon is not back
+        (:class:`ConnectionFailed`, :class:`ShuttingDown`). The daemon follows the cell the
+        cut call started, or starts it if none did. Raises the last :class:`CallCut` once the
+        attempts are spent, and any other error (:class:`SessionEnded`, ...) at once."""
+        delay = P.REATTACH_FIRST_DELAY_SECONDS
+        last: SandcellError | None = None
+        for _ in range(P.REATTACH_ATTEMPTS):
+            await self.backend.sleep(delay)
+            delay = min(delay * 2, P.REATTACH_MAX_DELAY_SECONDS)
+            try:
+                return await call()
+            except (ConnectionFailed, ShuttingDown) as e:
+                last = e
+        assert last is not None
+        raise last
 
     async def _attach(
         self,
@@ -801,9 +830,18 @@ class SessionCore:
 
         async def started(s: Started) -> None:
             self.last_cell = s.cell
+            if self._started.is_set():
+                return  # the repeat of a cut call: the caller heard of its cell already
             self._started.set()
             if on_started is not None:
                 await backend.result(on_started(s))
+
+        # A detached session's cell gets a token: a call cut by a daemon restart is repeated
+        # with it, and the daemon follows the cell it started (if it did) instead of running
+        # the code twice.
+        params: dict[str, Any] = {"session": self._local, "code": code}
+        if self.detached:
+            params["token"] = secrets.token_hex(16)
 
         # What was delivered, so that the replay of a re-attach repeats nothing: characters
         # per stream (the replay may chunk them differently) and display frames by number.
@@ -824,12 +862,11 @@ class SessionCore:
         try:
             try:
                 return await self.client._cell(
-                    "Execute", {"session": self._local, "code": code}, output, started,
-                    host_call_handler, timeout, self.language or "python")
+                    "Execute", params, output, started, host_call_handler, timeout,
+                    self.language or "python")
             except CallCut:
-                if not self.detached or not self._started.is_set() or self.last_cell is None:
+                if "token" not in params:
                     raise
-                cell = self.last_cell
 
             skip = dict(chars)
 
@@ -845,32 +882,12 @@ class SessionCore:
                     return
                 await output(o)
 
-            return await self._reattach(cell, fresh)
+            return await self.client._repeat(
+                lambda: self.client._cell("Execute", params, fresh, started, host_call_handler,
+                                          timeout, self.language or "python"))
         finally:
             self._running.clear()
             self._cell_done.set()
-
-    async def _reattach(self, cell: int, on_output: Callable[[Any], Any]) -> CellResult:
-        """Follows cell ``cell`` (``Attach``) after a restart cut the call that ran it, on a
-        new connection to the same socket: up to :data:`P.REATTACH_ATTEMPTS` attempts, waiting
-        :data:`P.REATTACH_FIRST_DELAY_SECONDS` doubled after each failure (at most
-        :data:`P.REATTACH_MAX_DELAY_SECONDS`) while the daemon is not back
-        (:class:`ConnectionFailed`, :class:`ShuttingDown`). Frames already delivered are not
-        repeated. Raises the last :class:`CallCut` once the attempts are spent, and a typed
-        error of a cell or session that really ended (:class:`NoSuchCell`,
-        :class:`SessionEnded`) at once."""
-        backend = self.client.backend
-        delay = P.REATTACH_FIRST_DELAY_SECONDS
-        last: SandcellError | None = None
-        for _ in range(P.REATTACH_ATTEMPTS):
-            await backend.sleep(delay)
-            delay = min(delay * 2, P.REATTACH_MAX_DELAY_SECONDS)
-            try:
-                return await self.client._attach(self._local, cell, on_output)
-            except (ConnectionFailed, ShuttingDown) as e:
-                last = e
-        assert last is not None
-        raise last
 
     async def _interrupt(self, cell: int | None = None,
                          wait_seconds: float = 5.0) -> InterruptResult:

@@ -91,14 +91,15 @@ def encode_call(
 
 
 REATTACH_ATTEMPTS = 13
-"""How many times a detached session's ``execute`` cut by a daemon restart tries ``Attach``
-to its running cell before raising :class:`sandcell.CallCut` (about 21 s in all)."""
+"""How many times a detached session's ``execute`` (or a ``submit``) cut by a daemon restart
+is repeated with its cell token, which follows the cell it started, before raising
+:class:`sandcell.CallCut` (about 21 s in all)."""
 REATTACH_FIRST_DELAY_SECONDS = 0.01
-"""Seconds before the first re-attach attempt; doubled after each failure. Short: under
+"""Seconds before the first repeat; doubled after each failure. Short: under
 socket activation a connection made while the daemon restarts waits on the socket for the
 successor, so a longer first wait only adds to the restart's gap."""
 REATTACH_MAX_DELAY_SECONDS = 4.0
-"""The longest wait between two re-attach attempts, seconds."""
+"""The longest wait between two repeats, seconds."""
 
 
 def broken_note(sent_bytes: int) -> str:
