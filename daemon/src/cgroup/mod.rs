@@ -268,6 +268,9 @@ fn detect_layout(config: &DetectConfig) -> Result<Box<dyn Backend>, Error> {
                 ),
                 None => {}
             }
+            if let Some((max, high)) = config.supervisor_memory {
+                v2::V2::preset_supervisor(&root, max, high);
+            }
             return Ok(Box::new(v2::V2::open_with(host, root, rel, home)?));
         }
     }

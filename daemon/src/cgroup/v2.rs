@@ -65,6 +65,21 @@ impl V2 {
             .unwrap_or(false)
     }
 
+    /// Before the daemon moves into an existing `<root>/supervisor` (a restart in the same
+    /// unit, whose group systemd may keep between a crash and the next start): writes that
+    /// group's `memory.max` and `memory.high` (bytes) first, so the daemon never runs, even
+    /// briefly, under a limit anything else left there (an operator's or a test's write that
+    /// OOM-killed its predecessor). Nothing to do when the group or its memory files do not
+    /// exist yet (a first start); a write that fails is left to [`Backend::bound_supervisor`],
+    /// which writes the same values after the move and reports its errors.
+    pub fn preset_supervisor(root: &Path, max: u64, high: u64) {
+        let supervisor = root.join("supervisor");
+        if supervisor.join("memory.max").exists() {
+            let _ = host::write(&supervisor.join("memory.max"), &max.to_string());
+            let _ = host::write(&supervisor.join("memory.high"), &high.min(max).to_string());
+        }
+    }
+
     /// Sets up the delegated root at `root` (file-system path; `root_rel` as in
     /// `/proc/<pid>/cgroup`): moves every process of the root into `supervisor/`, enables the
     /// controllers for `sessions/`'s children.
@@ -477,6 +492,27 @@ mod tests {
         std::fs::write(root.join("cgroup.controllers"), controllers).unwrap();
         std::fs::write(root.join("cgroup.procs"), "101\n102\n").unwrap();
         root
+    }
+
+    #[test]
+    fn a_kept_supervisor_group_gets_its_bound_before_the_move() {
+        let root = fake_root("memory pids\n");
+        // A first start: no supervisor/ yet, nothing is made.
+        V2::preset_supervisor(&root, 64 << 20, 48 << 20);
+        assert!(!root.join("supervisor").exists());
+        // The group a predecessor was OOM-killed in, its limit lowered to 1 MiB.
+        std::fs::create_dir_all(root.join("supervisor")).unwrap();
+        std::fs::write(root.join("supervisor/memory.max"), "1048576").unwrap();
+        std::fs::write(root.join("supervisor/memory.high"), "max").unwrap();
+        V2::preset_supervisor(&root, 64 << 20, 96 << 20);
+        let read = |f: &str| std::fs::read_to_string(root.join("supervisor").join(f)).unwrap();
+        assert_eq!(read("memory.max"), (64u64 << 20).to_string());
+        assert_eq!(
+            read("memory.high"),
+            (64u64 << 20).to_string(),
+            "high at most max"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
