@@ -611,7 +611,19 @@ impl CellLog {
     /// running cell, `to` becomes its attachment; an older one is told it was replaced
     /// (its `replaced` fires). `None` for a cell without a record.
     pub fn attach(&self, session: &str, cell: u64, to: Attachment) -> Option<Vec<Frame>> {
-        let rec = self.get(cell)?;
+        self.attach_or_return(session, cell, to).ok()
+    }
+
+    /// [`CellLog::attach`], giving `to` back when the cell has no record.
+    pub fn attach_or_return(
+        &self,
+        session: &str,
+        cell: u64,
+        to: Attachment,
+    ) -> Result<Vec<Frame>, Attachment> {
+        let Some(rec) = self.get(cell) else {
+            return Err(to);
+        };
         let mut r = rec.lock().unwrap();
         let replay = r.replay(session);
         if !r.done() {
@@ -622,7 +634,7 @@ impl CellLog {
             r.hangup_interrupts = false;
             r.wake.notify_one();
         }
-        Some(replay)
+        Ok(replay)
     }
 }
 

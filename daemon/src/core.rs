@@ -148,24 +148,49 @@ enum Started {
 }
 
 /// An `Execute` whose token names `cell` of `s`: followed as `Attach` follows it (the
-/// frames to replay; live ones go to `to`).
+/// frames to replay; live ones go to `to`). A cell that has just started may not have its
+/// record yet (the actor remembers the token first, the relay registers the record when its
+/// `started` frame passes): while it is the running cell, the record is waited for, at most
+/// [`REPEAT_RECORD_WAIT`].
 ///
-/// Errors: `NoSuchCell` when the cell's record was dropped.
-fn follow_repeat(
+/// Errors: `NoSuchCell` when nothing of the cell is retained (an `Execute` on a session that
+/// ends with its connection, a record already dropped); `SessionBusy` for a running cell
+/// of a detached session whose record did not come in time.
+async fn follow_repeat(
     s: &Session,
     session: &str,
     cell: u64,
-    to: crate::cells::Attachment,
+    mut to: crate::cells::Attachment,
 ) -> Result<Option<(u64, Vec<Frame>)>, KernelError> {
     tracing::info!(session = %s.id, cell, "a repeated Execute follows the cell that has its token");
-    s.cells
-        .attach(&s.id, cell, to)
-        .map(|replay| Some((cell, replay)))
-        .ok_or_else(|| KernelError::NoSuchCell {
-            session: echo_id(session),
-            cell,
-        })
+    let t0 = std::time::Instant::now();
+    loop {
+        match s.cells.attach_or_return(&s.id, cell, to) {
+            Ok(replay) => return Ok(Some((cell, replay))),
+            Err(back) => to = back,
+        }
+        // Only a detached session's Execute gets its record after its token; a cell that is
+        // not running anymore has its record by now, or never had one.
+        let running = s.info.lock().unwrap().running_cell == Some(cell);
+        if !running || s.detached_idle.is_none() {
+            return Err(KernelError::NoSuchCell {
+                session: echo_id(session),
+                cell,
+            });
+        }
+        if t0.elapsed() >= REPEAT_RECORD_WAIT {
+            return Err(KernelError::SessionBusy {
+                session: echo_id(session),
+                cell,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
+
+/// How long a repeated `Execute` waits for the record of the running cell its token names
+/// (registered within microseconds of the cell's start, unless the daemon is starved).
+const REPEAT_RECORD_WAIT: Duration = Duration::from_secs(1);
 
 /// Checks `Execute`'s and `Submit`'s optional cell token.
 ///
@@ -1291,15 +1316,15 @@ impl Core {
     /// hangs up leaves it running with its output retained (or interrupted, with the
     /// operator's `interrupt_on_hangup`), and `CellStatus`/`Attach` tell how it ended.
     ///
-    /// With a `token` the detached session remembers ([`crate::session::Info::tokens`]),
-    /// nothing runs: the call follows the cell that has it, as `Attach` does, and the answer
-    /// is `Some` of the cell's number and the frames to replay (live frames then go to `to`).
-    /// `None`: the cell
-    /// started and its frames go to `to`.
+    /// With a `token` the session remembers ([`crate::session::Info::tokens`]), nothing runs:
+    /// the call follows the cell that has it, as `Attach` does, and the answer is `Some` of
+    /// the cell's number and the frames to replay (live frames then go to `to`). `None`: the
+    /// cell started and its frames go to `to`.
     ///
     /// Errors: as `Submit` for a detached session; else `InvalidParameter` (`token`),
     /// `LimitExceeded`, `NoSuchSession`, `SessionEnded`, `PermissionDenied`, `SessionBusy`;
-    /// for a repeat, `NoSuchCell` when the cell's record was dropped.
+    /// for a repeat, `NoSuchCell` when nothing of the cell is retained (an `Execute` on a
+    /// session that ends with its connection, or a record already dropped).
     pub async fn execute(
         &self,
         caller: &Caller,
@@ -1312,9 +1337,14 @@ impl Core {
         self.check_source(&code)?;
         let s = self.lookup(caller, session)?;
         self.authorize(caller, Action::Execute).await?;
+        // A repeat needs no retention of its own (checked again as the cell is queued).
+        if let Some(cell) = token.as_deref().and_then(|t| s.cell_with_token(t)) {
+            return follow_repeat(&s, session, cell, to).await;
+        }
         if s.detached_idle.is_none() {
-            // Not retained: nobody can attach to it, so nobody replaces `to`. A repeat names
-            // a cell whose output nobody kept: NoSuchCell, and nothing runs twice.
+            // Not retained: nobody can attach to it, so nobody replaces `to`. A repeat that
+            // raced the check above names a cell whose output nobody kept: NoSuchCell, and
+            // nothing runs twice.
             return match self
                 .start_cell(caller, &s, session, code, to.frames, false, token)
                 .await
@@ -1327,10 +1357,6 @@ impl Core {
                 Err(Started::Refused(e)) => Err(e),
             };
         }
-        // A repeat needs no retention of its own (checked again as the cell is queued).
-        if let Some(cell) = token.as_deref().and_then(|t| s.cell_with_token(t)) {
-            return follow_repeat(&s, session, cell, to);
-        }
         let charge = retention_charge(&s)?;
         let (tx, rx) = mpsc::channel(FRAME_QUEUE);
         match self
@@ -1338,7 +1364,7 @@ impl Core {
             .await
         {
             Ok(()) => {}
-            Err(Started::Repeated(cell)) => return follow_repeat(&s, session, cell, to),
+            Err(Started::Repeated(cell)) => return follow_repeat(&s, session, cell, to).await,
             Err(Started::Refused(e)) => return Err(e),
         }
         let hangup = self.config().daemon.interrupt_on_hangup;

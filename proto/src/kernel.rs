@@ -468,8 +468,8 @@ pub struct ExecuteParams {
     /// `[A-Za-z0-9._-]` ([`check_cell_token`]): a call repeated with the same token does not
     /// run the code again while the session remembers the token (its newest
     /// [`CELL_TOKENS_KEPT`] cells', across a daemon restart too) but follows the cell that has
-    /// it; on a session that ends with its connection, whose cells' output is not retained,
-    /// the repeat is `NoSuchCell`.
+    /// it; a repeat whose cell has nothing retained to follow (an `Execute`'s cell on a
+    /// session that ends with its connection, or a record already dropped) is `NoSuchCell`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
 }

@@ -214,6 +214,24 @@ fn first_daemon_in(extra: &[(&str, &str)], private_mounts: bool) -> (Daemon, Set
     (d, Setup { env, adopt })
 }
 
+/// After a call that `first`'s death at its test seam cut (`cut` must say so): waits for the
+/// daemon's end, checks that the session's `worker` outlived it, and starts the successor.
+fn successor_after_cut<T: std::fmt::Debug>(
+    first: &mut Daemon,
+    setup: &Setup,
+    worker: u32,
+    cut: &Result<T, Error>,
+) -> Daemon {
+    assert!(
+        matches!(cut, Err(e) if e.is_call_cut()),
+        "{cut:?}\n{}",
+        first.log_text()
+    );
+    wait_dead(first);
+    assert!(alive(worker), "the worker died with the daemon");
+    successor(first, setup)
+}
+
 fn successor(first: &Daemon, s: &Setup) -> Daemon {
     let borrowed: Vec<(&str, &str)> = s
         .env
@@ -1007,14 +1025,7 @@ async fn a_session_between_cells_is_adopted_idle(point: &str) {
     let (worker, _) = record_pids(&setup.adopt, &s);
     // Cell 2: the daemon dies at the seam, and the call is cut.
     let cut = c.execute_collect(&s, "v = 2").await;
-    assert!(
-        matches!(&cut, Err(e) if e.is_call_cut()),
-        "{cut:?}\n{}",
-        first.log_text()
-    );
-    wait_dead(&mut first);
-    assert!(alive(worker), "the worker died with the daemon");
-    let second = successor(&first, &setup);
+    let second = successor_after_cut(&mut first, &setup, worker, &cut);
     assert!(
         second.log_text().contains("adopted idle"),
         "{}",
@@ -1145,14 +1156,7 @@ async fn a_repeated_token_runs_its_code_once(point: &str) {
         Ok(()) => c.finish(|_| {}).await,
         Err(e) => Err(e),
     };
-    assert!(
-        matches!(&cut, Err(e) if e.is_call_cut()),
-        "{cut:?}\n{}",
-        first.log_text()
-    );
-    wait_dead(&mut first);
-    assert!(alive(worker), "the worker died with the daemon");
-    let second = successor(&first, &setup);
+    let second = successor_after_cut(&mut first, &setup, worker, &cut);
     let mut c = second.client().await;
     c.execute_with_token(&s, code, Some(token)).await.unwrap();
     let got = tokio::time::timeout(Duration::from_secs(30), c.finish(|_| {}))
@@ -1203,6 +1207,34 @@ async fn a_repeated_token_runs_its_code_once(point: &str) {
     );
     c.close(&s).await.unwrap();
     eprintln!("{point}: the cut Execute repeated with its token ran its code once (n = 1)");
+}
+
+/// On a session that ends with its connection, a repeated token never runs code twice
+/// either: the repeat of a `Submit` cell (retained) follows it; the repeat of an `Execute`
+/// cell (nothing retained to follow) is `NoSuchCell`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_token_on_a_session_that_is_not_detached() {
+    skip_unless_root!();
+    let (first, _setup) = first_daemon(&[]);
+    let mut c = first.client().await;
+    let s = c.open("python", None, None).await.unwrap().session;
+    assert_eq!(stdout_of(&mut c, &s, "n = 0\nprint(n)").await, "0\n");
+    let code = "n += 1\nprint('n', n)";
+    let cell = c.submit_with_token(&s, code, Some("sub-1")).await.unwrap();
+    c.execute_with_token(&s, code, Some("sub-1")).await.unwrap();
+    let got = c.finish(|_| {}).await.unwrap();
+    assert_eq!((got.cell, got.stdout.as_str()), (cell, "n 1\n"));
+    c.execute_with_token(&s, code, Some("exe-1")).await.unwrap();
+    assert_eq!(c.finish(|_| {}).await.unwrap().stdout, "n 2\n");
+    let again = match c.execute_with_token(&s, code, Some("exe-1")).await {
+        Ok(()) => c.finish(|_| {}).await.map(|_| ()),
+        Err(e) => Err(e),
+    };
+    assert!(
+        matches!(&again, Err(Error::Kernel(KernelError::NoSuchCell { .. }))),
+        "{again:?}"
+    );
+    assert_eq!(stdout_of(&mut c, &s, "print(n)").await.trim(), "2");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

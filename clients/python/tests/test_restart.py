@@ -37,6 +37,23 @@ def _restart(d: Daemon, sig: int) -> None:
     pytest.fail(f"the successor's socket did not appear; log: {d.log_path}")
 
 
+def _execute_in_thread(s: sandcell.Session, code: str,
+                       got: list[str]) -> tuple[threading.Thread, list[object]]:
+    """Starts ``s.execute(code)`` on a thread of its own, its output appended to ``got``;
+    returns the thread and the list that receives its result or exception."""
+    done: list[object] = []
+
+    def run() -> None:
+        try:
+            done.append(s.execute(code, lambda o: got.append(o.text)))
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            done.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, done
+
+
 @pytest.mark.parametrize("sig", [signal.SIGUSR2, signal.SIGKILL], ids=["usr2", "kill"])
 def test_execute_cut_by_a_restart_reattaches(daemon_factory, sig):
     d = daemon_factory(f"restart-{sig.name.lower()}", ROOMY)
@@ -46,16 +63,7 @@ def test_execute_cut_by_a_restart_reattaches(daemon_factory, sig):
         assert s.execute("w = 7").status == "ok"
         code = ("import time\nfor i in range(6):\n    print(i, flush=True)\n"
                 "    time.sleep(0.5)\nw = 8")
-        done: list[object] = []
-
-        def run() -> None:
-            try:
-                done.append(s.execute(code, lambda o: got.append(o.text)))
-            except BaseException as e:  # noqa: BLE001 - reported below
-                done.append(e)
-
-        t = threading.Thread(target=run)
-        t.start()
+        t, done = _execute_in_thread(s, code, got)
         deadline = time.monotonic() + 30
         while not got and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -119,20 +127,11 @@ def test_a_cut_execute_runs_its_code_once(daemon_factory, point):
     seam = "SANDCELL_TEST_KILL_AT"
     d = daemon_factory(f"token-{point}", {**ROOMY, seam: f"{point}:2"})
     got: list[str] = []
-    done: list[object] = []
     with sandcell.Client(d.socket, timeout=120) as c:
         s = c.session("python", detached_idle_seconds=600)
         assert s.execute("n = 0").status == "ok"
         code = "import time\nprint('in the cell', flush=True)\ntime.sleep(1)\nn += 1\nprint('n', n)"
-
-        def run() -> None:
-            try:
-                done.append(s.execute(code, lambda o: got.append(o.text)))
-            except BaseException as e:  # noqa: BLE001 - reported below
-                done.append(e)
-
-        t = threading.Thread(target=run)
-        t.start()
+        t, done = _execute_in_thread(s, code, got)
         d.proc.wait(30)
         assert d.proc.returncode == -signal.SIGKILL, d.tail()
         # The successor, without the seam, on the same socket and state.
@@ -148,4 +147,38 @@ def test_a_cut_execute_runs_its_code_once(daemon_factory, point):
         assert r.status == "ok", f"{r}\n{d.tail()}"
         assert "".join(got) == "in the cell\nn 1\n", got
         assert s.execute("print(n)").stdout.strip() == "1"
+        s.close()
+
+
+def test_a_cut_execute_with_nothing_to_follow_stays_cut(daemon_factory):
+    """A session that is not detached, used through ``session_by_id`` (which cannot know
+    that): its cut ``execute`` repeats the call with its token, the successor has nothing of
+    the cell to follow (it interrupts the cut cell) and answers ``NoSuchCell``, and the
+    caller gets the :class:`CallCut`, not that ``NoSuchCell``; the code did not run twice."""
+    seam = "SANDCELL_TEST_KILL_AT"
+    d = daemon_factory("token-not-detached", {**ROOMY, seam: "request_written:2"})
+    with sandcell.Client(d.socket, timeout=120) as owner, \
+            sandcell.Client(d.socket, timeout=120) as c:
+        s0 = owner.session("python")
+        assert s0.execute("n = 0").status == "ok"
+        s = c.session_by_id(s0.id, "python")
+        t, done = _execute_in_thread(s, "import time\ntime.sleep(2)\nn += 1", [])
+        d.proc.wait(30)
+        assert d.proc.returncode == -signal.SIGKILL, d.tail()
+        args = list(d.proc.args)
+        i = args.index(f"{seam}=request_written:2")
+        del args[i - 1:i + 1]
+        d.proc.args = args
+        _restart(d, 0)
+        t.join(60)
+        assert not t.is_alive(), "execute never returned after the restart"
+        assert isinstance(done[0], sandcell.CallCut), f"{done[0]!r}\n{d.tail()}"
+        for _ in range(100):
+            try:
+                assert s.execute("print(n)").stdout.strip() in ("0", "1")
+                break
+            except sandcell.SessionBusy:
+                time.sleep(0.2)
+        else:
+            pytest.fail(f"the interrupted cell never ended; log: {d.tail()}")
         s.close()

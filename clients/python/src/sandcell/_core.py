@@ -29,10 +29,12 @@ from .errors import (
     CallCut,
     CapacityExceeded,
     ConnectionFailed,
+    NoSuchCell,
     NoSuchHostCall,
     NoSuchSession,
     ProtocolError,
     SandcellError,
+    SessionBusy,
     ShuttingDown,
     Timeout,
     VarlinkError,
@@ -864,9 +866,10 @@ class SessionCore:
                 return await self.client._cell(
                     "Execute", params, output, started, host_call_handler, timeout,
                     self.language or "python")
-            except CallCut:
+            except CallCut as e:
                 if "token" not in params:
                     raise
+                cut = e
 
             skip = dict(chars)
 
@@ -882,9 +885,15 @@ class SessionCore:
                     return
                 await output(o)
 
-            return await self.client._repeat(
-                lambda: self.client._cell("Execute", params, fresh, started, host_call_handler,
-                                          timeout, self.language or "python"))
+            try:
+                return await self.client._repeat(
+                    lambda: self.client._cell("Execute", params, fresh, started,
+                                              host_call_handler, timeout,
+                                              self.language or "python"))
+            except (NoSuchCell, SessionBusy):
+                # The cell ran, but nothing of it is kept to follow (a session that ends with
+                # its connection, opened here by id): the cut stands.
+                raise cut from None
         finally:
             self._running.clear()
             self._cell_done.set()
