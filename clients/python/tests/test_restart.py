@@ -37,6 +37,19 @@ def _restart(d: Daemon, sig: int) -> None:
     pytest.fail(f"the successor's socket did not appear; log: {d.log_path}")
 
 
+def _successor_after_seam(d: Daemon, setting: str) -> None:
+    """Waits for ``d``'s sandcelld to kill itself at its test seam (``setting``, the
+    ``NAME=VALUE`` it was started with) and starts the successor without it, on the same
+    socket and state."""
+    d.proc.wait(30)
+    assert d.proc.returncode == -signal.SIGKILL, d.tail()
+    args = list(d.proc.args)
+    i = args.index(setting)
+    del args[i - 1:i + 1]
+    d.proc.args = args
+    _restart(d, 0)
+
+
 def _execute_in_thread(s: sandcell.Session, code: str,
                        got: list[str]) -> tuple[threading.Thread, list[object]]:
     """Starts ``s.execute(code)`` on a thread of its own, its output appended to ``got``;
@@ -132,14 +145,7 @@ def test_a_cut_execute_runs_its_code_once(daemon_factory, point):
         assert s.execute("n = 0").status == "ok"
         code = "import time\nprint('in the cell', flush=True)\ntime.sleep(1)\nn += 1\nprint('n', n)"
         t, done = _execute_in_thread(s, code, got)
-        d.proc.wait(30)
-        assert d.proc.returncode == -signal.SIGKILL, d.tail()
-        # The successor, without the seam, on the same socket and state.
-        args = list(d.proc.args)
-        i = args.index(f"{seam}={point}:2")
-        del args[i - 1:i + 1]
-        d.proc.args = args
-        _restart(d, 0)
+        _successor_after_seam(d, f"{seam}={point}:2")
         t.join(60)
         assert not t.is_alive(), "execute never returned after the restart"
         r = done[0]
@@ -163,13 +169,7 @@ def test_a_cut_execute_with_nothing_to_follow_stays_cut(daemon_factory):
         assert s0.execute("n = 0").status == "ok"
         s = c.session_by_id(s0.id, "python")
         t, done = _execute_in_thread(s, "import time\ntime.sleep(2)\nn += 1", [])
-        d.proc.wait(30)
-        assert d.proc.returncode == -signal.SIGKILL, d.tail()
-        args = list(d.proc.args)
-        i = args.index(f"{seam}=request_written:2")
-        del args[i - 1:i + 1]
-        d.proc.args = args
-        _restart(d, 0)
+        _successor_after_seam(d, f"{seam}=request_written:2")
         t.join(60)
         assert not t.is_alive(), "execute never returned after the restart"
         assert isinstance(done[0], sandcell.CallCut), f"{done[0]!r}\n{d.tail()}"
