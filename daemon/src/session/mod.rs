@@ -109,6 +109,16 @@ impl SessionState {
     }
 }
 
+impl Info {
+    /// The cell whose token is `token`, if it is among [`Info::tokens`].
+    pub fn cell_with_token(&self, token: &str) -> Option<u64> {
+        self.tokens
+            .iter()
+            .find(|(_, t)| t == token)
+            .map(|(c, _)| *c)
+    }
+}
+
 impl std::fmt::Display for SessionState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
@@ -473,11 +483,7 @@ impl Session {
 
     /// The cell whose token is `token`, while the session remembers it ([`Info::tokens`]).
     pub fn cell_with_token(&self, token: &str) -> Option<u64> {
-        let info = self.info.lock().unwrap();
-        info.tokens
-            .iter()
-            .find(|(_, t)| t == token)
-            .map(|(c, _)| *c)
+        self.info.lock().unwrap().cell_with_token(token)
     }
 
     /// Queues a cell. Fails with the running cell's number when one is running. With a
@@ -515,10 +521,8 @@ impl Session {
     ) -> Result<(), ExecuteRefused> {
         {
             let mut info = self.info.lock().unwrap();
-            if let Some(t) = &token
-                && let Some((cell, _)) = info.tokens.iter().find(|(_, k)| k == t)
-            {
-                return Err(ExecuteRefused::Repeated(*cell));
+            if let Some(cell) = token.as_deref().and_then(|t| info.cell_with_token(t)) {
+                return Err(ExecuteRefused::Repeated(cell));
             }
             match info.state {
                 SessionState::Running => {
