@@ -32,6 +32,9 @@
 //!   interrupts its cell (`Interrupt`); the SDK sends no response to a cancelled request (MCP
 //!   "Cancellation"), so with a progress token a last progress notification carries
 //!   `[status: interrupted]`;
+//! - `execute` sends a fresh cell token; a call cut by a restart of sandcelld is sent again
+//!   with it ([`Client::next_frame_following`]), so a detached session's cell is followed into
+//!   the successor and its code runs once;
 //! - plots a session cell wrote (PNG files it created or changed, e.g. matplotlib's
 //!   `plot-<cell>-NNN.png`) come back as image content, each at most [`MAX_IMAGE_BYTES`],
 //!   at most [`MAX_IMAGES`] per result.
@@ -44,7 +47,7 @@ use rmcp::model::{
 };
 use rmcp::service::{RequestContext, RoleServer};
 use rmcp::{ErrorData, ServerHandler, ServiceExt};
-use sandcell_client::{Client, Error, KernelError, Limits, Status};
+use sandcell_client::{CellTrack, Client, Error, KernelError, Limits, Reattach, Status};
 use sandcell_proto::kernel as k;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
@@ -746,15 +749,24 @@ impl Server {
                     rich_output: None,
                     egress: None,
                 };
-                self.cell(ctx, None, async |c: &mut Client| c.run_with(&params).await)
-                    .await
+                // A one-shot run ends with a restart of sandcelld: nothing to follow.
+                self.cell(ctx, None, None, async |c: &mut Client| {
+                    c.run_with(&params).await
+                })
+                .await
             }
             "execute" => {
                 let i: ExecuteIn = args(a)?;
                 self.check_code(&i.code).await?;
                 let s = i.session.clone();
-                self.cell(ctx, Some(&s), async |c: &mut Client| {
-                    c.execute(&i.session, &i.code).await
+                // A cell token: a restart of sandcelld that cuts the call (even before the
+                // cell's number arrived) is followed by sending the same call again, which
+                // follows the cell the first one started and never runs the code twice.
+                let token = sandcell_client::cell_token();
+                let track = CellTrack::executing(Reattach::default(), &s, &i.code, &token);
+                self.cell(ctx, Some(&s), Some(track), async |c: &mut Client| {
+                    c.execute_with_token(&i.session, &i.code, Some(&token))
+                        .await
                 })
                 .await
             }
@@ -954,19 +966,27 @@ impl Server {
     }
 
     /// Runs a cell started by `start` on a connection of its own: streams progress, turns a
-    /// cancellation into `Interrupt`, and collects the result with the cell's images.
+    /// cancellation into `Interrupt`, and collects the result with the cell's images. With a
+    /// `track` ([`CellTrack::executing`]), a call cut by a restart of sandcelld is followed
+    /// into the successor ([`Client::next_frame_following`]): output already sent as progress
+    /// is not sent again, and the result is the continued cell's.
     async fn cell(
         &self,
         ctx: &RequestContext<RoleServer>,
         session: Option<&str>,
+        mut track: Option<CellTrack>,
         start: impl AsyncFnOnce(&mut Client) -> Result<(), Error>,
     ) -> Reply {
         let mut c = self.conn().await?;
         if let Err(e) = start(&mut c).await {
-            if matches!(e, Error::Kernel(_)) {
-                self.put_back(c);
+            // A call cut while it was sent is followed like one cut later: its repeat
+            // starts the cell if the first never reached the daemon.
+            if !(track.is_some() && e.is_call_cut()) {
+                if matches!(e, Error::Kernel(_)) {
+                    self.put_back(c);
+                }
+                return Err(e.into());
             }
-            return Err(e.into());
         }
         // The cell's (session, cell), once `started` arrives; a cancellation waits for it.
         let (started_tx, mut started_rx) = watch::channel(None::<(String, u64)>);
@@ -990,7 +1010,22 @@ impl Server {
         let mut stderr = String::new();
         let mut ids = (String::new(), 0u64);
         let result = loop {
-            let f = match c.next_frame().await {
+            let got = match track.as_mut() {
+                Some(t) => c.next_frame_following(t).await,
+                None => c.next_frame().await,
+            };
+            // A repeat of a cell that never ran starts it under a new number, which the
+            // follower passes on without a second `started` frame.
+            if let (Some(t), Some(cell)) = (&track, track.as_ref().and_then(CellTrack::cell))
+                && t.reattached() > 0
+                && !ids.0.is_empty()
+                && cell != ids.1
+            {
+                ids.1 = cell;
+                self.set_running(session, Some(cell));
+                let _ = started_tx.send(Some((ids.0.clone(), cell)));
+            }
+            let f = match got {
                 Ok(f) => f,
                 Err(e) => {
                     interrupter.abort();

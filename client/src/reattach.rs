@@ -97,6 +97,12 @@ impl CellTrack {
         }
     }
 
+    /// The followed cell's number, once known (from its `started` frame, or the one a repeat
+    /// of a cell that never ran started).
+    pub fn cell(&self) -> Option<u64> {
+        self.cell
+    }
+
     /// How many times the cell was followed again after a cut.
     pub fn reattached(&self) -> u32 {
         self.reattached

@@ -1300,6 +1300,83 @@ async fn sandcellctl_exec_repeats_a_cut_call_with_its_token() {
     c.close(&s).await.unwrap();
 }
 
+/// `sandcellctl mcp`'s `execute` tool on a detached session, cut by a crash before its
+/// request reached the worker: the server sends the call again with its cell token, and the
+/// tool call's result is the cell's, run once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_execute_repeats_a_cut_call_with_its_token() {
+    skip_unless_root!();
+    use std::io::{BufRead, Write};
+    let ctl = common::bin_dir().join("sandcellctl");
+    if !ctl.exists() {
+        sandcell_testing::skip!("built", "{} not built", ctl.display());
+    }
+    let seam = "SANDCELL_TEST_KILL_AT";
+    let (mut first, mut setup) = first_daemon(&[(seam, "before_request:2")]);
+    setup.env.retain(|(k, _)| k != seam);
+    let mut c = first.client().await;
+    let s = c.open("python", None, Some(600)).await.unwrap().session;
+    assert_eq!(stdout_of(&mut c, &s, "n = 0\nprint(n)").await, "0\n");
+    drop(c);
+    let mut mcp = std::process::Command::new(&ctl)
+        .arg("--socket")
+        .arg(&first.socket)
+        .arg("mcp")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = mcp.stdin.take().unwrap();
+    let output = mcp.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<serde_json::Value>();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(output).lines() {
+            let Ok(line) = line else { return };
+            if let Ok(v) = serde_json::from_str(&line)
+                && tx.send(v).is_err()
+            {
+                return;
+            }
+        }
+    });
+    let reply = |id: u64| -> serde_json::Value {
+        let t0 = Instant::now();
+        loop {
+            let left = Duration::from_secs(90).saturating_sub(t0.elapsed());
+            let v = rx
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("no answer to request {id}"));
+            if v["id"] == id {
+                return v;
+            }
+        }
+    };
+    for m in [
+        serde_json::json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": "2025-06-18", "capabilities": {},
+            "clientInfo": {"name": "test", "version": "0"}}}),
+        serde_json::json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+        serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+            "name": "execute", "arguments": {"session": s, "code": "n += 1\nprint('n', n)"}}}),
+    ] {
+        writeln!(input, "{m}").unwrap();
+    }
+    input.flush().unwrap();
+    assert_eq!(reply(0)["result"]["serverInfo"]["name"], "sandcell");
+    wait_dead(&mut first);
+    let second = successor(&first, &setup);
+    let r = reply(1);
+    let out = &r["result"]["structuredContent"];
+    assert_eq!(out["status"], "ok", "{r}\n{}", second.log_text());
+    assert_eq!(out["stdout"], "n 1\n", "{r}");
+    assert_eq!(out["session"], s.as_str(), "{r}");
+    drop(input);
+    let _ = mcp.wait();
+    let mut c = second.client().await;
+    assert_eq!(stdout_of(&mut c, &s, "print(n)").await.trim(), "1");
+    c.close(&s).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_a_cell_ended_keeps_the_session() {
     skip_unless_root!();
