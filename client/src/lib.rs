@@ -111,6 +111,43 @@ impl Error {
     }
 }
 
+impl Client {
+    /// Whether sandcelld has closed this connection, found without waiting (a peek that reads
+    /// end of stream or fails other than with `EAGAIN`). A connection kept idle across a
+    /// restart of sandcelld is closed by it, and a call sent on it would be cut
+    /// ([`Error::is_unsent`]). A connection with bytes waiting is not closed.
+    pub fn is_closed(&self) -> bool {
+        use std::os::fd::{AsFd, AsRawFd};
+        let fd = self.write.as_fd().as_raw_fd();
+        let mut b = [0u8; 1];
+        // SAFETY: recv(2) writes at most one byte into `b`; MSG_PEEK leaves it unread and
+        // MSG_DONTWAIT never blocks.
+        let n = unsafe {
+            libc::recv(
+                fd,
+                b.as_mut_ptr().cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        match n {
+            0 => true,
+            n if n > 0 => false,
+            _ => std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock,
+        }
+    }
+}
+
+impl Error {
+    /// Whether the call never reached sandcelld: writing it failed with `EPIPE` because the
+    /// daemon had closed the connection first (a connection kept idle across a restart of
+    /// sandcelld). Nothing acted on such a call, so it may be sent again on a new connection;
+    /// a call cut after it was written (end of stream, `ECONNRESET`) may have been acted on.
+    pub fn is_unsent(&self) -> bool {
+        matches!(self, Error::Protocol(zlink::Error::Io(io)) if io.kind() == std::io::ErrorKind::BrokenPipe)
+    }
+}
+
 /// What [`Error`]'s text adds for a call the daemon cut by closing the connection.
 const CUT_NOTE: &str = " (the call was cut: sandcelld restarted or crashed; reconnect, and follow a running cell with Attach)";
 

@@ -640,10 +640,17 @@ fn status_text(s: Status) -> String {
 }
 
 impl Server {
+    /// A pooled connection, or a new one. A pooled connection that sandcelld has closed (a
+    /// restart while it was idle: [`Client::is_closed`]) is dropped with the rest of the pool,
+    /// which dates from the same daemon, so that no call is sent on it and cut.
     async fn conn(&self) -> Result<Client, Refusal> {
         let pooled = self.pool.lock().unwrap().pop();
         match pooled {
-            Some(c) => Ok(c),
+            Some(c) if !c.is_closed() => Ok(c),
+            Some(_) => {
+                self.pool.lock().unwrap().clear();
+                Ok(Client::connect(&self.socket).await?)
+            }
             None => Ok(Client::connect(&self.socket).await?),
         }
     }
@@ -926,10 +933,18 @@ impl Server {
             egress: None,
         };
         let mut owner = self.owner.lock().await;
+        if owner.as_ref().is_some_and(Client::is_closed) {
+            // Closed by a restart of sandcelld while idle: see below.
+            *owner = None;
+            self.sessions
+                .lock()
+                .unwrap()
+                .retain(|_, t| t.detached_idle_seconds.is_some());
+        }
         if owner.is_none() {
             *owner = Some(Client::connect(&self.socket).await?);
         }
-        let r = owner
+        let mut r = owner
             .as_mut()
             .expect("connected above")
             .open_with(&params)
@@ -937,12 +952,24 @@ impl Server {
         if let Err(e) = &r
             && !matches!(e, Error::Kernel(_))
         {
-            // The owner connection broke: its sessions are gone with it.
+            // The owner connection broke. After a restart of sandcelld its sessions live on
+            // in the successor without an owner (until `max_detached_idle_seconds` idle,
+            // sandcelld(8)); after a stop they are gone. Either way they no longer end with
+            // this server, so they are no longer listed as its own.
             *owner = None;
             self.sessions
                 .lock()
                 .unwrap()
                 .retain(|_, t| t.detached_idle_seconds.is_some());
+            // An open that never reached the daemon (the connection was closed by a restart
+            // while idle) is sent once more, on a new owner connection.
+            if e.is_unsent() {
+                let mut c = Client::connect(&self.socket).await?;
+                r = c.open_with(&params).await;
+                if matches!(&r, Ok(_) | Err(Error::Kernel(_))) {
+                    *owner = Some(c);
+                }
+            }
         }
         let r = r?;
         drop(owner);

@@ -303,6 +303,10 @@ async fn run(
     let root = nix::unistd::geteuid().is_root();
     let records_left = root && sandcelld::records::any(&config.daemon.adopt_dir);
     let mut signals = Signals::new(records_left)?;
+    // A re-exec in place blocked them across its execve; one that arrived since is pending
+    // and now reaches these handlers (or, for SIGTERM and SIGINT without records, its
+    // default action, as in any start).
+    sandcelld::reexec::unblock_signals()?;
     // A stop that reached the previous image of this process while it handed its sessions
     // over for this exec: raised again now that it is handled (acted on once serving).
     if let Some(sig) = inherited.and_then(|i| i.pending_signal) {

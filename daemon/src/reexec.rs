@@ -29,6 +29,7 @@
 //! keepers' lifelines are among those closed, so each keeper waits for an adopter as after
 //! an exit.
 
+use nix::sys::signal::{self, SigSet, SigmaskHow, Signal};
 use std::ffi::CString;
 use std::os::fd::RawFd;
 use std::os::unix::ffi::OsStrExt;
@@ -312,10 +313,53 @@ pub fn exec_in_place(
     crate::notify::reloading();
     crate::notify::watchdog();
     tracing::info!(path = %path.display(), "re-executing in place; sessions kept for the new image");
-    match nix::unistd::execve(&prog, &args, &env) {
+    // execve(2) resets every handled signal to its default action, and the new image handles
+    // them again only once it has a runtime: a SIGUSR1, SIGUSR2 or SIGHUP in between (a second
+    // `systemctl kill -s USR1` a few milliseconds after the first) would end the process
+    // with its sessions handed over and no image to adopt them, and a SIGTERM or SIGINT would
+    // end it without the stop the new image would act on. They are blocked here instead: the
+    // mask and pending signals survive execve (signal(7), "Signal mask and pending signals"),
+    // and the new image unblocks them once its handlers are installed ([`unblock_signals`]).
+    let mut old = SigSet::empty();
+    let blocked =
+        signal::pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(&held_signals()), Some(&mut old));
+    let e = match nix::unistd::execve(&prog, &args, &env) {
         Err(e) => std::io::Error::from(e),
         Ok(never) => match never {},
+    };
+    if blocked.is_ok() {
+        let _ = signal::pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&old), None);
     }
+    e
+}
+
+/// The signals the daemon handles (SIGUSR1, SIGUSR2, SIGHUP, SIGTERM, SIGINT), which a
+/// re-exec in place holds blocked from just before its execve until the new image handles
+/// them.
+fn held_signals() -> SigSet {
+    let mut set = SigSet::empty();
+    for s in [
+        Signal::SIGUSR1,
+        Signal::SIGUSR2,
+        Signal::SIGHUP,
+        Signal::SIGTERM,
+        Signal::SIGINT,
+    ] {
+        set.add(s);
+    }
+    set
+}
+
+/// Unblocks, in the calling thread, the signals a re-exec in place blocked across its execve
+/// (a no-op in a process started any other way): called once the new image's handlers are
+/// installed, so that one that arrived meanwhile, held pending, is delivered to them. Threads
+/// made before this keep them blocked; the kernel delivers a process's signal to a thread
+/// that does not block it (signal(7)), here the caller, and children get an empty mask
+/// (the standard library's spawn resets it). Errors: those of pthread_sigmask(3), which are
+/// for invalid arguments only.
+pub fn unblock_signals() -> std::io::Result<()> {
+    signal::pthread_sigmask(SigmaskHow::SIG_UNBLOCK, Some(&held_signals()), None)
+        .map_err(std::io::Error::from)
 }
 
 #[cfg(test)]

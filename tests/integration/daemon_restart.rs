@@ -1302,7 +1302,8 @@ async fn sandcellctl_exec_repeats_a_cut_call_with_its_token() {
 
 /// `sandcellctl mcp`'s `execute` tool on a detached session, cut by a crash before its
 /// request reached the worker: the server sends the call again with its cell token, and the
-/// tool call's result is the cell's, run once.
+/// tool call's result is the cell's, run once. Its pooled connections that the crash closed
+/// are not used for later calls.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mcp_execute_repeats_a_cut_call_with_its_token() {
     skip_unless_root!();
@@ -1356,13 +1357,36 @@ async fn mcp_execute_repeats_a_cut_call_with_its_token() {
             "protocolVersion": "2025-06-18", "capabilities": {},
             "clientInfo": {"name": "test", "version": "0"}}}),
         serde_json::json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
-        serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
-            "name": "execute", "arguments": {"session": s, "code": "n += 1\nprint('n', n)"}}}),
     ] {
         writeln!(input, "{m}").unwrap();
     }
     input.flush().unwrap();
     assert_eq!(reply(0)["result"]["serverInfo"]["name"], "sandcell");
+    // Calls at once before the crash leave connections in the server's pool, which the
+    // crash closes.
+    let both = |input: &mut std::process::ChildStdin, ids: [u64; 2]| {
+        for id in ids {
+            let m = serde_json::json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+                "params": {"name": "list_files", "arguments": {"session": s}}});
+            writeln!(input, "{m}").unwrap();
+        }
+        input.flush().unwrap();
+        let mut answered = 0;
+        while answered < 2 {
+            let r = rx
+                .recv_timeout(Duration::from_secs(90))
+                .expect("no answer to the list_files calls");
+            if ids.iter().any(|id| r["id"] == *id) {
+                assert_ne!(r["result"]["isError"], true, "{r}");
+                answered += 1;
+            }
+        }
+    };
+    both(&mut input, [10, 11]);
+    let m = serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+        "name": "execute", "arguments": {"session": s, "code": "n += 1\nprint('n', n)"}}});
+    writeln!(input, "{m}").unwrap();
+    input.flush().unwrap();
     wait_dead(&mut first);
     let second = successor(&first, &setup);
     let r = reply(1);
@@ -1370,6 +1394,9 @@ async fn mcp_execute_repeats_a_cut_call_with_its_token() {
     assert_eq!(out["status"], "ok", "{r}\n{}", second.log_text());
     assert_eq!(out["stdout"], "n 1\n", "{r}");
     assert_eq!(out["session"], s.as_str(), "{r}");
+    // Two calls at once again take both pooled connections, one of them from before the
+    // crash: neither is sent on a closed connection.
+    both(&mut input, [2, 3]);
     drop(input);
     let _ = mcp.wait();
     let mut c = second.client().await;
@@ -2604,6 +2631,62 @@ async fn a_stop_during_a_reexecs_hand_over_reaches_the_new_image() {
     );
     assert!(!setup.adopt.join(format!("{s}.json")).exists());
     assert_no_groups_left(&setup);
+}
+
+/// A second SIGUSR1 that arrives while the first re-exec's new image starts (a second
+/// `systemctl kill -s USR1` moments after the first): the process lives on, re-executes again
+/// once it handles signals, and keeps the session. Without the signals held blocked across
+/// the execve, their default action ended the process before its handlers were installed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signals_during_a_reexecs_start_do_not_end_the_process() {
+    skip_unless_root!();
+    let (mut first, _setup, s, (worker, _keeper), mark) = reexec_with_one_session(&[]).await;
+    let pid = first.pid();
+    let t0 = Instant::now();
+    while !first.log_text()[mark..].contains("re-executing in place; sessions kept") {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no re-exec:\n{}",
+            first.log_text()
+        );
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    // SIGUSR1 then SIGHUP every millisecond for 30 ms: some reach the new image before its
+    // handlers are installed.
+    for i in 0..30 {
+        let sig = if i % 2 == 0 {
+            libc::SIGUSR1
+        } else {
+            libc::SIGHUP
+        };
+        // SAFETY: signals to our own child, not yet reaped.
+        unsafe { libc::kill(pid as i32, sig) };
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let t0 = Instant::now();
+    let out = loop {
+        assert!(
+            first.child.try_wait().unwrap().is_none(),
+            "the daemon died during the re-exec:\n{}",
+            first.log_text()
+        );
+        if let Ok(mut c) = Client::connect(&first.socket).await
+            && let Ok(r) = c.execute_collect(&s, "print(v)").await
+        {
+            break r.stdout;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the session was never served again:\n{}",
+            first.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(out, "1\n");
+    assert_eq!(first.pid(), pid);
+    assert!(alive(worker), "the worker died");
+    let mut c = first.client().await;
+    c.close(&s).await.unwrap();
 }
 
 /// A first daemon started with `extra` and an adoption timeout of 120 s, one detached Python
