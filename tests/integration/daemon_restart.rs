@@ -1249,6 +1249,19 @@ async fn a_repeated_token_runs_a_cell_that_never_reached_the_worker() {
     a_repeated_token_runs_its_code_once("before_request").await;
 }
 
+/// A first daemon that dies (its test seam) just before the request of its second cell
+/// reaches the worker, with a detached Python session whose first cell set `n = 0`. Returns
+/// the daemon, the settings a successor starts with (without the seam) and the session.
+async fn dies_before_the_second_request() -> (Daemon, Setup, String) {
+    let seam = "SANDCELL_TEST_KILL_AT";
+    let (first, mut setup) = first_daemon(&[(seam, "before_request:2")]);
+    setup.env.retain(|(k, _)| k != seam);
+    let mut c = first.client().await;
+    let s = c.open("python", None, Some(600)).await.unwrap().session;
+    assert_eq!(stdout_of(&mut c, &s, "n = 0\nprint(n)").await, "0\n");
+    (first, setup, s)
+}
+
 /// `sandcellctl exec` on a detached session whose daemon dies (its test seam) before the
 /// cell's request reaches the worker, after the `started` frame may have gone out: it sends
 /// its call again with the cell's token once the successor is up, which runs the code that
@@ -1260,13 +1273,7 @@ async fn sandcellctl_exec_repeats_a_cut_call_with_its_token() {
     if !ctl.exists() {
         sandcell_testing::skip!("built", "{} not built", ctl.display());
     }
-    let seam = "SANDCELL_TEST_KILL_AT";
-    let (mut first, mut setup) = first_daemon(&[(seam, "before_request:2")]);
-    setup.env.retain(|(k, _)| k != seam);
-    let mut c = first.client().await;
-    let s = c.open("python", None, Some(600)).await.unwrap().session;
-    assert_eq!(stdout_of(&mut c, &s, "n = 0\nprint(n)").await, "0\n");
-    drop(c);
+    let (mut first, setup, s) = dies_before_the_second_request().await;
     let work = tempfile::tempdir().unwrap();
     let code = work.path().join("cell.py");
     std::fs::write(&code, "n += 1\nprint('n', n)\n").unwrap();
@@ -1312,13 +1319,7 @@ async fn mcp_execute_repeats_a_cut_call_with_its_token() {
     if !ctl.exists() {
         sandcell_testing::skip!("built", "{} not built", ctl.display());
     }
-    let seam = "SANDCELL_TEST_KILL_AT";
-    let (mut first, mut setup) = first_daemon(&[(seam, "before_request:2")]);
-    setup.env.retain(|(k, _)| k != seam);
-    let mut c = first.client().await;
-    let s = c.open("python", None, Some(600)).await.unwrap().session;
-    assert_eq!(stdout_of(&mut c, &s, "n = 0\nprint(n)").await, "0\n");
-    drop(c);
+    let (mut first, setup, s) = dies_before_the_second_request().await;
     let mut mcp = std::process::Command::new(&ctl)
         .arg("--socket")
         .arg(&first.socket)
