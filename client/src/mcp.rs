@@ -934,12 +934,8 @@ impl Server {
         };
         let mut owner = self.owner.lock().await;
         if owner.as_ref().is_some_and(Client::is_closed) {
-            // Closed by a restart of sandcelld while idle: see below.
-            *owner = None;
-            self.sessions
-                .lock()
-                .unwrap()
-                .retain(|_, t| t.detached_idle_seconds.is_some());
+            // Closed by a restart of sandcelld while idle.
+            self.lose_owner(&mut owner);
         }
         if owner.is_none() {
             *owner = Some(Client::connect(&self.socket).await?);
@@ -952,15 +948,7 @@ impl Server {
         if let Err(e) = &r
             && !matches!(e, Error::Kernel(_))
         {
-            // The owner connection broke. After a restart of sandcelld its sessions live on
-            // in the successor without an owner (until `max_detached_idle_seconds` idle,
-            // sandcelld(8)); after a stop they are gone. Either way they no longer end with
-            // this server, so they are no longer listed as its own.
-            *owner = None;
-            self.sessions
-                .lock()
-                .unwrap()
-                .retain(|_, t| t.detached_idle_seconds.is_some());
+            self.lose_owner(&mut owner);
             // An open that never reached the daemon (the connection was closed by a restart
             // while idle) is sent once more, on a new owner connection.
             if e.is_unsent() {
@@ -990,6 +978,18 @@ impl Server {
                 detached_idle_seconds: i.detached_idle_seconds,
             },
         ))
+    }
+
+    /// Forgets the owner connection, which broke, and the sessions it owned. After a restart
+    /// of sandcelld those live on in the successor without an owner (until
+    /// `max_detached_idle_seconds` idle, sandcelld(8)); after a stop they are gone. Either way
+    /// they no longer end with this server, so they are no longer listed as its own.
+    fn lose_owner(&self, owner: &mut Option<Client>) {
+        *owner = None;
+        self.sessions
+            .lock()
+            .unwrap()
+            .retain(|_, t| t.detached_idle_seconds.is_some());
     }
 
     /// Runs a cell started by `start` on a connection of its own: streams progress, turns a
