@@ -37,6 +37,17 @@ def _restart(d: Daemon, sig: int) -> None:
     pytest.fail(f"the successor's socket did not appear; log: {d.log_path}")
 
 
+def _stdout_once_idle(session, code, d):
+    """The stripped stdout of `code` in `session` once its interrupted cell has ended (tried
+    while the session answers SessionBusy, for about 20 s)."""
+    for _ in range(100):
+        try:
+            return session.execute(code).stdout.strip()
+        except sandcell.SessionBusy:
+            time.sleep(0.2)
+    pytest.fail(f"the interrupted cell never ended; log: {d.tail()}")
+
+
 def _successor_after_seam(d: Daemon, setting: str) -> None:
     """Waits for ``d``'s sandcelld to kill itself at its test seam (``setting``, the
     ``NAME=VALUE`` it was started with) and starts the successor without it, on the same
@@ -120,14 +131,7 @@ def test_a_cut_call_is_typed(daemon_factory):
     # worker would outlive the test until the keeper's adoption timeout.
     with sandcell.Client(d.socket, timeout=120) as c:
         kept = c.session_by_id(s.id, "python")
-        for _ in range(100):
-            try:
-                assert kept.execute("print(w)").stdout.strip() == "3"
-                break
-            except sandcell.SessionBusy:
-                time.sleep(0.2)
-        else:
-            pytest.fail(f"the interrupted cell never ended; log: {d.tail()}")
+        assert _stdout_once_idle(kept, "print(w)", d) == "3"
         kept.close()
 
 
@@ -173,12 +177,5 @@ def test_a_cut_execute_with_nothing_to_follow_stays_cut(daemon_factory):
         t.join(60)
         assert not t.is_alive(), "execute never returned after the restart"
         assert isinstance(done[0], sandcell.CallCut), f"{done[0]!r}\n{d.tail()}"
-        for _ in range(100):
-            try:
-                assert s.execute("print(n)").stdout.strip() in ("0", "1")
-                break
-            except sandcell.SessionBusy:
-                time.sleep(0.2)
-        else:
-            pytest.fail(f"the interrupted cell never ended; log: {d.tail()}")
+        assert _stdout_once_idle(s, "print(n)", d) in ("0", "1")
         s.close()
