@@ -8,7 +8,10 @@
 //!
 //! - one *owner* connection opens every session; sessions opened without
 //!   `detached_idle_seconds` belong to it and end when this process ends (the MCP client
-//!   closed stdin or killed it); detached ones outlive it for their idle time;
+//!   closed stdin, sent SIGTERM or killed it); detached ones outlive it for their idle time.
+//!   A restart of sandcelld breaks the owner connection and the successor keeps its
+//!   sessions without an owner; this server closes those when it exits (stdin closed,
+//!   SIGTERM, SIGINT), so they still end with it, except after a SIGKILL;
 //! - every other call, cells included, takes a connection from a small pool ([`POOL_IDLE`]
 //!   kept idle) or opens one, and gives it back once answered (a cell: after its result);
 //! - at most [`MAX_IN_FLIGHT`] tool calls run at once; more are refused at once with the tool
@@ -581,15 +584,19 @@ struct Tracked {
     environment: String,
     detached_idle_seconds: Option<u64>,
     running_cell: Option<u64>,
+    /// Opened without `detached_idle_seconds` on an owner connection that a restart of
+    /// sandcelld broke: the successor keeps the session without an owner, so this server
+    /// closes it when it exits ([`close_ownerless`]).
+    owner_lost: bool,
 }
 
 /// The MCP server's state, shared by the calls in flight.
 struct Server {
     socket: PathBuf,
-    owner: tokio::sync::Mutex<Option<Client>>,
+    owner: Arc<tokio::sync::Mutex<Option<Client>>>,
     pool: Mutex<Vec<Client>>,
     in_flight: Arc<Semaphore>,
-    sessions: Mutex<BTreeMap<String, Tracked>>,
+    sessions: Arc<Mutex<BTreeMap<String, Tracked>>>,
     environments: tokio::sync::OnceCell<Vec<k::Environment>>,
     /// The daemon's `max_source_bytes` as last listed ([`source_cap`]); 0 before any listing.
     source_cap: AtomicU64,
@@ -935,7 +942,7 @@ impl Server {
         let mut owner = self.owner.lock().await;
         if owner.as_ref().is_some_and(Client::is_closed) {
             // Closed by a restart of sandcelld while idle.
-            self.lose_owner(&mut owner);
+            lose_owner(&mut owner, &self.sessions);
         }
         if owner.is_none() {
             *owner = Some(Client::connect(&self.socket).await?);
@@ -948,7 +955,7 @@ impl Server {
         if let Err(e) = &r
             && !matches!(e, Error::Kernel(_))
         {
-            self.lose_owner(&mut owner);
+            lose_owner(&mut owner, &self.sessions);
             // An open that never reached the daemon (the connection was closed by a restart
             // while idle) is sent once more, on a new owner connection.
             if e.is_unsent() {
@@ -967,6 +974,7 @@ impl Server {
                 environment: env.clone(),
                 detached_idle_seconds: i.detached_idle_seconds,
                 running_cell: None,
+                owner_lost: false,
             },
         );
         Ok(structured(
@@ -978,18 +986,6 @@ impl Server {
                 detached_idle_seconds: i.detached_idle_seconds,
             },
         ))
-    }
-
-    /// Forgets the owner connection, which broke, and the sessions it owned. After a restart
-    /// of sandcelld those live on in the successor without an owner (until
-    /// `max_detached_idle_seconds` idle, sandcelld(8)); after a stop they are gone. Either way
-    /// they no longer end with this server, so they are no longer listed as its own.
-    fn lose_owner(&self, owner: &mut Option<Client>) {
-        *owner = None;
-        self.sessions
-            .lock()
-            .unwrap()
-            .retain(|_, t| t.detached_idle_seconds.is_some());
     }
 
     /// Runs a cell started by `start` on a connection of its own: streams progress, turns a
@@ -1384,23 +1380,103 @@ pub fn describe_failure(e: &anyhow::Error) -> String {
     }
 }
 
-/// Serves MCP over stdin and stdout until the client closes stdin; sessions opened without
-/// `detached_idle_seconds` end then (their owner connection closes with this process).
-/// Errors: the transport failed to start or ended abnormally.
+/// Forgets the owner connection, which broke. The sessions it owned live on after a restart
+/// of sandcelld, in the successor and without an owner (until `max_detached_idle_seconds`
+/// idle, sandcelld(8)); after a stop they are gone. They stay listed, and this server closes
+/// them when it exits ([`close_ownerless`]), so that they still end with it.
+fn lose_owner(owner: &mut Option<Client>, sessions: &Mutex<BTreeMap<String, Tracked>>) {
+    *owner = None;
+    for t in sessions.lock().unwrap().values_mut() {
+        t.owner_lost |= t.detached_idle_seconds.is_none();
+    }
+}
+
+/// How long the exit may spend closing sessions whose owner connection was lost; the MCP
+/// client that closed stdin waits before it sends SIGTERM (MCP "Lifecycle", stdio shutdown).
+pub const EXIT_CLOSE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// At exit: closes, on one new connection, each session opened without
+/// `detached_idle_seconds` whose owner connection a restart of sandcelld broke (the owner is
+/// checked here too, for a restart no later call noticed). Sessions of an intact owner end
+/// as it closes with this process. Best effort within [`EXIT_CLOSE`]: a session already gone
+/// (the daemon was stopped, not restarted) or a daemon that does not answer is skipped.
+/// Returns how many were closed.
+async fn close_ownerless(
+    socket: &std::path::Path,
+    owner: &tokio::sync::Mutex<Option<Client>>,
+    sessions: &Mutex<BTreeMap<String, Tracked>>,
+) -> usize {
+    let mut owner = owner.lock().await;
+    if owner.as_ref().is_some_and(Client::is_closed) {
+        lose_owner(&mut owner, sessions);
+    }
+    drop(owner);
+    let ids: Vec<String> = sessions
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, t)| t.owner_lost)
+        .map(|(id, _)| id.clone())
+        .collect();
+    if ids.is_empty() {
+        return 0;
+    }
+    let close = async {
+        let mut closed = 0;
+        let Ok(mut c) = Client::connect(socket).await else {
+            return closed;
+        };
+        for id in &ids {
+            if c.close(id).await.is_ok() {
+                closed += 1;
+            }
+        }
+        closed
+    };
+    tokio::time::timeout(EXIT_CLOSE, close).await.unwrap_or(0)
+}
+
+/// Serves MCP over stdin and stdout until the client closes stdin, or SIGTERM or SIGINT
+/// arrives; sessions opened without `detached_idle_seconds` end then (their owner connection
+/// closes with this process, and those a restart of sandcelld left without an owner are
+/// closed: [`close_ownerless`]). Errors: the transport failed to start or ended abnormally.
 pub async fn serve(socket: PathBuf) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let owner = Arc::new(tokio::sync::Mutex::new(None));
+    let sessions = Arc::new(Mutex::new(BTreeMap::new()));
     let server = Server {
-        socket,
-        owner: tokio::sync::Mutex::new(None),
+        socket: socket.clone(),
+        owner: owner.clone(),
         pool: Mutex::new(Vec::new()),
         in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
-        sessions: Mutex::new(BTreeMap::new()),
+        sessions: sessions.clone(),
         environments: tokio::sync::OnceCell::new(),
         source_cap: AtomicU64::new(0),
         tools: tools(),
     };
     let (r, w) = rmcp::transport::io::stdio_pipes();
     let transport = transport::LineTransport::new(r, w, MAX_LINE_BYTES);
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
     let running = server.serve(transport).await?;
-    running.waiting().await?;
+    let stop = running.cancellation_token();
+    tokio::spawn(async move {
+        // The first signal stops serving and lets the exit close what it must; a second one
+        // ends the process at once (a read of a terminal's stdin cannot be cancelled).
+        let mut stop = Some(stop);
+        loop {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            match stop.take() {
+                Some(s) => s.cancel(),
+                None => std::process::exit(130),
+            }
+        }
+    });
+    let ended = running.waiting().await;
+    close_ownerless(&socket, &owner, &sessions).await;
+    ended?;
     Ok(())
 }

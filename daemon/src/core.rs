@@ -1185,6 +1185,8 @@ impl Core {
         }
         let s = self.start_session(prepared, caller, limits, detached, from_pool, one_shot);
         stages.mark("session_start");
+        s.recorded().await;
+        stages.mark("recorded");
         Ok(s)
     }
 

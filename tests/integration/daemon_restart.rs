@@ -1066,6 +1066,44 @@ async fn a_session_between_cells_is_adopted_idle(point: &str) {
     eprintln!("{point}: the session was adopted idle, v = {want}; no cgroup left by the stop");
 }
 
+/// A session whose `Open` was answered has its record and its keeper already: a crash right
+/// after the answer, before any cell, keeps it (with the same worker), detached or not,
+/// Python and R; an `Open` answered before the record was written ended such a session
+/// `daemon_restarted`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_right_after_open_keeps_the_session() {
+    skip_unless_root!();
+    let r = common::r_available();
+    if !r {
+        eprintln!("note: R is not installed: the R session is replaced by a Python one");
+    }
+    let languages = if r { "python,r" } else { "python" };
+    let (mut first, setup) = first_daemon(&[("SANDCELL_LANGUAGES", languages)]);
+    let mut c = first.client().await;
+    let mut opened = Vec::new();
+    let third = if r { "r" } else { "python" };
+    for (language, detached) in [("python", None), ("python", Some(600)), (third, Some(600))] {
+        let s = c.open(language, None, detached).await.unwrap().session;
+        // The answer comes after the record: it is there now.
+        let (worker, _) = record_pids(&setup.adopt, &s);
+        opened.push((s, worker));
+    }
+    kill_daemon(&mut first, libc::SIGKILL);
+    let second = successor(&first, &setup);
+    let mut c = second.client().await;
+    for (s, worker) in &opened {
+        let out = c.execute_collect(s, "print(6 * 7)").await;
+        let out = out.unwrap_or_else(|e| panic!("{s}: {e:?}\n{}", second.log_text()));
+        assert_eq!(out.stdout.trim().trim_start_matches("[1] "), "42");
+        assert_eq!(
+            record_pids(&setup.adopt, s).0,
+            *worker,
+            "the worker changed"
+        );
+        c.close(s).await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_before_a_request_reaches_the_worker_keeps_the_session() {
     skip_unless_root!();
@@ -1307,74 +1345,98 @@ async fn sandcellctl_exec_repeats_a_cut_call_with_its_token() {
     c.close(&s).await.unwrap();
 }
 
-/// `sandcellctl mcp`'s `execute` tool on a detached session, cut by a crash before its
-/// request reached the worker: the server sends the call again with its cell token, and the
-/// tool call's result is the cell's, run once. Its pooled connections that the crash closed
-/// are not used for later calls.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mcp_execute_repeats_a_cut_call_with_its_token() {
-    skip_unless_root!();
-    use std::io::{BufRead, Write};
-    let ctl = common::bin_dir().join("sandcellctl");
-    if !ctl.exists() {
-        sandcell_testing::skip!("built", "{} not built", ctl.display());
-    }
-    let (mut first, setup, s) = dies_before_the_second_request().await;
-    let mut mcp = std::process::Command::new(&ctl)
-        .arg("--socket")
-        .arg(&first.socket)
-        .arg("mcp")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut input = mcp.stdin.take().unwrap();
-    let output = mcp.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel::<serde_json::Value>();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(output).lines() {
-            let Ok(line) = line else { return };
-            if let Ok(v) = serde_json::from_str(&line)
-                && tx.send(v).is_err()
-            {
-                return;
-            }
+/// A `sandcellctl mcp` process on the daemon's socket, initialized, with its answers read
+/// by a thread. `None` (after printing why) when sandcellctl is not built.
+struct Mcp {
+    child: std::process::Child,
+    input: Option<std::process::ChildStdin>,
+    rx: std::sync::mpsc::Receiver<serde_json::Value>,
+}
+
+impl Mcp {
+    fn start(socket: &Path) -> Option<Mcp> {
+        use std::io::BufRead;
+        let ctl = common::bin_dir().join("sandcellctl");
+        if !ctl.exists() {
+            eprintln!("SKIP: {} not built", ctl.display());
+            return None;
         }
-    });
-    let reply = |id: u64| -> serde_json::Value {
+        let mut child = std::process::Command::new(&ctl)
+            .arg("--socket")
+            .arg(socket)
+            .arg("mcp")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let input = child.stdin.take();
+        let output = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<serde_json::Value>();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(output).lines() {
+                let Ok(line) = line else { return };
+                if let Ok(v) = serde_json::from_str(&line)
+                    && tx.send(v).is_err()
+                {
+                    return;
+                }
+            }
+        });
+        let mut m = Mcp { child, input, rx };
+        m.send(&[
+            serde_json::json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+                "protocolVersion": "2025-06-18", "capabilities": {},
+                "clientInfo": {"name": "test", "version": "0"}}}),
+            serde_json::json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+        ]);
+        assert_eq!(m.reply(0)["result"]["serverInfo"]["name"], "sandcell");
+        Some(m)
+    }
+
+    fn send(&mut self, messages: &[serde_json::Value]) {
+        use std::io::Write;
+        let input = self.input.as_mut().expect("stdin open");
+        for m in messages {
+            writeln!(input, "{m}").unwrap();
+        }
+        input.flush().unwrap();
+    }
+
+    /// Sends `tools/call` requests of `name` with `arguments`, one per id, at once.
+    fn call(&mut self, ids: &[u64], name: &str, arguments: serde_json::Value) {
+        let calls: Vec<_> = ids
+            .iter()
+            .map(|id| {
+                serde_json::json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+                    "params": {"name": name, "arguments": arguments}})
+            })
+            .collect();
+        self.send(&calls);
+    }
+
+    /// The answer to request `id` (other messages are dropped), within 90 s.
+    fn reply(&self, id: u64) -> serde_json::Value {
         let t0 = Instant::now();
         loop {
             let left = Duration::from_secs(90).saturating_sub(t0.elapsed());
-            let v = rx
+            let v = self
+                .rx
                 .recv_timeout(left)
                 .unwrap_or_else(|_| panic!("no answer to request {id}"));
             if v["id"] == id {
                 return v;
             }
         }
-    };
-    for m in [
-        serde_json::json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-            "protocolVersion": "2025-06-18", "capabilities": {},
-            "clientInfo": {"name": "test", "version": "0"}}}),
-        serde_json::json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
-    ] {
-        writeln!(input, "{m}").unwrap();
     }
-    input.flush().unwrap();
-    assert_eq!(reply(0)["result"]["serverInfo"]["name"], "sandcell");
-    // Calls at once before the crash leave connections in the server's pool, which the
-    // crash closes.
-    let both = |input: &mut std::process::ChildStdin, ids: [u64; 2]| {
-        for id in ids {
-            let m = serde_json::json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
-                "params": {"name": "list_files", "arguments": {"session": s}}});
-            writeln!(input, "{m}").unwrap();
-        }
-        input.flush().unwrap();
+
+    /// Two `list_files` calls at once, both answered without a tool error: they take two
+    /// connections of the server's pool at once.
+    fn two_list_files(&mut self, session: &str, ids: [u64; 2]) {
+        self.call(&ids, "list_files", serde_json::json!({"session": session}));
         let mut answered = 0;
         while answered < 2 {
-            let r = rx
+            let r = self
+                .rx
                 .recv_timeout(Duration::from_secs(90))
                 .expect("no answer to the list_files calls");
             if ids.iter().any(|id| r["id"] == *id) {
@@ -1382,27 +1444,150 @@ async fn mcp_execute_repeats_a_cut_call_with_its_token() {
                 answered += 1;
             }
         }
+    }
+
+    /// Closes its standard input, as an MCP client does to stop it (or, with `sigterm`, sends
+    /// SIGTERM, as one does to a server that did not exit), and waits (at most 60 s) for its
+    /// exit status.
+    fn end(mut self, sigterm: bool) -> Option<i32> {
+        if sigterm {
+            // SAFETY: a signal to our own child, not yet reaped.
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        } else {
+            self.input = None;
+        }
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st.code();
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "sandcellctl mcp did not exit after its stdin closed"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Mcp {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `sandcellctl mcp`'s `execute` tool on a detached session, cut by a crash before its
+/// request reached the worker: the server sends the call again with its cell token, and the
+/// tool call's result is the cell's, run once. Its pooled connections that the crash closed
+/// are not used for later calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_execute_repeats_a_cut_call_with_its_token() {
+    skip_unless_root!();
+    let (mut first, setup, s) = dies_before_the_second_request().await;
+    let Some(mut mcp) = Mcp::start(&first.socket) else {
+        sandcell_testing::skip!("built", "sandcellctl not built");
     };
-    both(&mut input, [10, 11]);
-    let m = serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
-        "name": "execute", "arguments": {"session": s, "code": "n += 1\nprint('n', n)"}}});
-    writeln!(input, "{m}").unwrap();
-    input.flush().unwrap();
+    // Calls at once before the crash leave connections in the server's pool, which the
+    // crash closes.
+    mcp.two_list_files(&s, [10, 11]);
+    mcp.call(
+        &[1],
+        "execute",
+        serde_json::json!({"session": s, "code": "n += 1\nprint('n', n)"}),
+    );
     wait_dead(&mut first);
     let second = successor(&first, &setup);
-    let r = reply(1);
+    let r = mcp.reply(1);
     let out = &r["result"]["structuredContent"];
     assert_eq!(out["status"], "ok", "{r}\n{}", second.log_text());
     assert_eq!(out["stdout"], "n 1\n", "{r}");
     assert_eq!(out["session"], s.as_str(), "{r}");
     // Two calls at once again take both pooled connections, one of them from before the
     // crash: neither is sent on a closed connection.
-    both(&mut input, [2, 3]);
-    drop(input);
-    let _ = mcp.wait();
+    mcp.two_list_files(&s, [2, 3]);
+    assert_eq!(mcp.end(false), Some(0));
     let mut c = second.client().await;
     assert_eq!(stdout_of(&mut c, &s, "print(n)").await.trim(), "1");
     c.close(&s).await.unwrap();
+}
+
+/// A session `sandcellctl mcp` opened without `detached_idle_seconds` survives a crash of
+/// sandcelld without an owner (its owner connection died with the daemon); the server keeps
+/// using and listing it, and closes it when its stdin closes, so that it still ends with the
+/// server instead of living on for `max_detached_idle_seconds`. Its other session, detached,
+/// is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_closes_the_sessions_a_crash_left_without_an_owner_when_it_exits() {
+    skip_unless_root!();
+    mcp_closes_ownerless_sessions_at_exit(false).await;
+}
+
+/// As above, the server stopped with SIGTERM instead of by the end of its stdin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_closes_the_sessions_a_crash_left_without_an_owner_on_sigterm() {
+    skip_unless_root!();
+    mcp_closes_ownerless_sessions_at_exit(true).await;
+}
+
+async fn mcp_closes_ownerless_sessions_at_exit(sigterm: bool) {
+    let (mut first, setup) = first_daemon(&[]);
+    let Some(mut mcp) = Mcp::start(&first.socket) else {
+        sandcell_testing::skip!("built", "sandcellctl not built");
+    };
+    let open = |mcp: &mut Mcp, id: u64, args: serde_json::Value| -> String {
+        mcp.call(&[id], "open_session", args);
+        let r = mcp.reply(id);
+        r["result"]["structuredContent"]["session"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{r}"))
+            .to_owned()
+    };
+    let owned = open(&mut mcp, 1, serde_json::json!({}));
+    let detached = open(
+        &mut mcp,
+        2,
+        serde_json::json!({"detached_idle_seconds": 600}),
+    );
+    mcp.call(
+        &[3],
+        "execute",
+        serde_json::json!({"session": owned, "code": "x = 41"}),
+    );
+    assert_eq!(mcp.reply(3)["result"]["structuredContent"]["status"], "ok");
+    kill_daemon(&mut first, libc::SIGKILL);
+    let second = successor(&first, &setup);
+    mcp.call(
+        &[4],
+        "execute",
+        serde_json::json!({"session": owned, "code": "print(x + 1)"}),
+    );
+    let r = mcp.reply(4);
+    assert_eq!(
+        r["result"]["structuredContent"]["stdout"],
+        "42\n",
+        "{r}\n{}",
+        second.log_text()
+    );
+    mcp.call(&[5], "list_sessions", serde_json::json!({}));
+    let r = mcp.reply(5);
+    let listed: Vec<_> = r["result"]["structuredContent"]["sessions"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{r}"))
+        .iter()
+        .map(|s| s["session"].as_str().unwrap().to_owned())
+        .collect();
+    assert!(listed.contains(&owned), "{r}");
+    assert!(listed.contains(&detached), "{r}");
+    assert_eq!(mcp.end(sigterm), Some(0));
+    let mut c = second.client().await;
+    match execute_error(&mut c, &owned).await {
+        KernelError::SessionEnded { reason, .. } => assert_eq!(reason, "closed"),
+        other => panic!("{other:?}"),
+    }
+    let out = c.execute_collect(&detached, "print(1)").await;
+    assert!(out.is_ok(), "{out:?}\n{}", second.log_text());
+    c.close(&detached).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

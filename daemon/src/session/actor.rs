@@ -79,6 +79,12 @@ impl Actor {
         let mut close_done: Option<oneshot::Sender<()>> = None;
         let mut stages = crate::stages::Stages::new();
         self.start_keeper().await;
+        // An adopted session's record is already there, and one continuing a cell is
+        // rewritten only once that cell is resumed (`resume_cell`).
+        if self.resume.is_none() {
+            self.persist();
+        }
+        self.session.recorded.send_replace(true);
         stages.mark("keeper");
         stages.log("actor_start", &self.session.id);
         loop {

@@ -190,6 +190,9 @@ pub struct Session {
     pub cells: crate::cells::CellLog,
     cmds: mpsc::Sender<Command>,
     group: Arc<dyn SessionGroup>,
+    /// True once the actor has started the session's keeper and written its record (or
+    /// knows it has none): see [`Session::recorded`].
+    recorded: tokio::sync::watch::Sender<bool>,
 }
 
 /// Called once when a session has released everything: (session id, why it ended).
@@ -441,6 +444,7 @@ impl Session {
             cells: Default::default(),
             cmds: tx,
             group: l.group.clone(),
+            recorded: tokio::sync::watch::Sender::new(false),
         });
         let oom_seen = l.group.oom_kills();
         let actor = Actor {
@@ -479,6 +483,17 @@ impl Session {
         };
         tokio::spawn(actor.run(rx));
         session
+    }
+
+    /// Waits until a successor daemon would adopt this session: its keeper runs and its record
+    /// is written. At once for a session that is not kept (a one-shot `Run`, a daemon that
+    /// keeps no sessions) or whose keeper could not start (logged). `Open` answers only after
+    /// this, so a session whose id a client has learned survives a crash of the daemon from
+    /// then on; before, a crash ends it `daemon_restarted` (its owner marker).
+    pub async fn recorded(&self) {
+        let mut rx = self.recorded.subscribe();
+        // The sender lives in `self`: `wait_for` ends only when the value turns true.
+        let _ = rx.wait_for(|r| *r).await;
     }
 
     /// The cell whose token is `token`, while the session remembers it ([`Info::tokens`]).

@@ -999,10 +999,16 @@ class SessionCore:
         self._closed = True
         try:
             if self._owner is not None and not self._owner.closed:
-                await drive(self._owner, P.op_simple("Close", {"session": self._local}),
-                            self.client.backend, self.client._clock())
-            else:
-                await self.client._call(P.op_simple("Close", {"session": self._local}))
+                try:
+                    await drive(self._owner, P.op_simple("Close", {"session": self._local}),
+                                self.client.backend, self.client._clock())
+                    return
+                except ConnectionFailed:
+                    # The owner connection broke: a restart of sandcelld, whose successor
+                    # keeps the session without an owner (until max_detached_idle_seconds
+                    # idle). The Close goes over another connection instead.
+                    pass
+            await self.client._call(P.op_simple("Close", {"session": self._local}))
         except (NoSuchSession, ConnectionFailed, Timeout):
             # NoSuchSession: it already ended (expired, crashed, closed elsewhere).
             pass
