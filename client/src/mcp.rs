@@ -11,7 +11,7 @@
 //!   closed stdin, sent SIGTERM or killed it); detached ones outlive it for their idle time.
 //!   A restart of sandcelld breaks the owner connection and the successor keeps its
 //!   sessions without an owner; this server closes those when it exits (stdin closed,
-//!   SIGTERM, SIGINT), so they still end with it, except after a SIGKILL;
+//!   SIGTERM, SIGINT: [`serve`]), so they still end with it, except after a SIGKILL;
 //! - every other call, cells included, takes a connection from a small pool ([`POOL_IDLE`]
 //!   kept idle) or opens one, and gives it back once answered (a cell: after its result);
 //! - at most [`MAX_IN_FLIGHT`] tool calls run at once; more are refused at once with the tool
@@ -1436,11 +1436,26 @@ async fn close_ownerless(
     tokio::time::timeout(EXIT_CLOSE, close).await.unwrap_or(0)
 }
 
+/// How [`serve`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// The MCP client closed stdin.
+    Eof,
+    /// SIGTERM or SIGINT arrived. The caller should end the process at once: a blocking
+    /// read of a terminal's stdin cannot be cancelled, and the runtime's shutdown would wait
+    /// for it.
+    Signal,
+}
+
 /// Serves MCP over stdin and stdout until the client closes stdin, or SIGTERM or SIGINT
-/// arrives; sessions opened without `detached_idle_seconds` end then (their owner connection
-/// closes with this process, and those a restart of sandcelld left without an owner are
-/// closed: [`close_ownerless`]). Errors: the transport failed to start or ended abnormally.
-pub async fn serve(socket: PathBuf) -> anyhow::Result<()> {
+/// arrives (at any time, before `initialize` too). Sessions opened without
+/// `detached_idle_seconds` end then: their owner connection closes with this process, and
+/// those a restart of sandcelld left without an owner are closed ([`close_ownerless`], at
+/// most [`EXIT_CLOSE`]). After the end of stdin the SDK first lets calls in flight finish,
+/// for at most 5 s; a signal drops them at once. A second signal ends the process at once,
+/// with status 128 + its number (143 for SIGTERM, 130 for SIGINT).
+/// Errors: the transport failed to start or ended abnormally.
+pub async fn serve(socket: PathBuf) -> anyhow::Result<Ended> {
     use tokio::signal::unix::{SignalKind, signal};
     let owner = Arc::new(tokio::sync::Mutex::new(None));
     let sessions = Arc::new(Mutex::new(BTreeMap::new()));
@@ -1454,29 +1469,35 @@ pub async fn serve(socket: PathBuf) -> anyhow::Result<()> {
         source_cap: AtomicU64::new(0),
         tools: tools(),
     };
-    let (r, w) = rmcp::transport::io::stdio_pipes();
-    let transport = transport::LineTransport::new(r, w, MAX_LINE_BYTES);
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    let running = server.serve(transport).await?;
-    let stop = running.cancellation_token();
+    let (first_tx, first_rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {
-        // The first signal stops serving and lets the exit close what it must; a second one
-        // ends the process at once (a read of a terminal's stdin cannot be cancelled).
-        let mut stop = Some(stop);
+        let mut first = Some(first_tx);
         loop {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
-            match stop.take() {
-                Some(s) => s.cancel(),
-                None => std::process::exit(130),
+            let n = tokio::select! {
+                _ = term.recv() => 15,
+                _ = int.recv() => 2,
+            };
+            match first.take() {
+                Some(tx) => {
+                    let _ = tx.send(());
+                }
+                None => std::process::exit(128 + n),
             }
         }
     });
-    let ended = running.waiting().await;
+    let (r, w) = rmcp::transport::io::stdio_pipes();
+    let transport = transport::LineTransport::new(r, w, MAX_LINE_BYTES);
+    let serving = async move {
+        let running = server.serve(transport).await?;
+        running.waiting().await?;
+        anyhow::Ok(())
+    };
+    let ended = tokio::select! {
+        r = serving => r.map(|()| Ended::Eof),
+        _ = first_rx => Ok(Ended::Signal),
+    };
     close_ownerless(&socket, &owner, &sessions).await;
-    ended?;
-    Ok(())
+    ended
 }

@@ -671,3 +671,32 @@ def test_inspector_cli_lists_and_calls_tools(sandcellctl, socket_path):
     )
     assert unknown.returncode != 0, unknown.stdout
     assert "-32602" in unknown.stdout + unknown.stderr, unknown.stderr[-2000:]
+
+
+@pytest.mark.parametrize("stdin", ["pipe", "terminal"])
+def test_sigterm_ends_the_server_before_initialize_and_on_a_terminal(sandcellctl, socket_path,
+                                                                     stdin):
+    """SIGTERM ends `sandcellctl mcp` with status 0 at any time, before `initialize` too, and
+    when its stdin is a terminal (whose blocking read cannot be cancelled)."""
+    import pty
+
+    master = slave = None
+    if stdin == "terminal":
+        master, slave = pty.openpty()
+    p = subprocess.Popen([sandcellctl, "--socket", socket_path, "mcp"],
+                         stdin=slave if slave is not None else subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        time.sleep(0.5)
+        assert p.poll() is None, p.stderr.read()
+        p.send_signal(15)
+        try:
+            assert p.wait(10) == 0, p.stderr.read()
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"sandcellctl mcp ({stdin}) still runs 10 s after SIGTERM")
+    finally:
+        p.kill()
+        p.wait()
+        for fd in (master, slave):
+            if fd is not None:
+                os.close(fd)

@@ -179,3 +179,27 @@ def test_a_cut_execute_with_nothing_to_follow_stays_cut(daemon_factory):
         assert isinstance(done[0], sandcell.CallCut), f"{done[0]!r}\n{d.tail()}"
         assert _stdout_once_idle(s, "print(n)", d) in ("0", "1")
         s.close()
+
+
+def test_sessions_a_crash_left_without_an_owner_end_with_their_client(daemon_factory):
+    """Sessions that are not detached outlive a crash of sandcelld without an owner. One
+    closed while no daemon runs raises :class:`ConnectionFailed` and may be closed again once
+    the successor is up; one never closed is closed by the client's own ``close``. Neither
+    lives on in the successor."""
+    d = daemon_factory("restart-ownerless", ROOMY)
+    with sandcell.Client(d.socket, timeout=120) as c:
+        s = c.session("python")
+        t = c.session("python")
+        assert s.execute("w = 5").status == "ok"
+        assert t.execute("w = 6").status == "ok"
+        os.kill(d.proc.pid, signal.SIGKILL)
+        d.proc.wait(30)
+        with pytest.raises(sandcell.ConnectionFailed):
+            t.close()
+        _restart(d, 0)
+        assert s.execute("print(w)").stdout.strip() == "5"
+        t.close()
+    with sandcell.Client(d.socket, timeout=120) as c:
+        for sid in (s.id, t.id):
+            with pytest.raises(sandcell.NoSuchSession):
+                c.session_by_id(sid, "python").execute("print(w)")

@@ -20,6 +20,7 @@ import os
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, cast
 
@@ -329,6 +330,8 @@ class ClientCore(Generic[S]):
         self._idle: list[ConnBase] = []
         self._lock = threading.Lock()
         self._closed = False
+        # Sessions this client opened that end with their owner connection (not detached).
+        self._owned: weakref.WeakSet[Any] = weakref.WeakSet()
 
     # -- connections ------------------------------------------------------------------------
 
@@ -359,6 +362,22 @@ class ClientCore(Generic[S]):
                 conn.close()
             else:
                 self._idle.append(conn)
+
+    async def _close_ownerless(self) -> None:
+        """Before the client closes: each session it opened without ``detached_idle_seconds``
+        whose owner connection broke (a restart of sandcelld, whose successor keeps the session
+        without an owner until ``max_detached_idle_seconds`` idle) is closed over another
+        connection, so it still ends with this client. Sessions whose owner connection is
+        intact end when it closes, as before. Best effort: a daemon that cannot be reached
+        leaves them to their idle timeout."""
+        for s in list(self._owned):
+            owner = s._owner
+            if s._closed or owner is None or owner.closed or P.idle_connection_alive(owner.sock):
+                continue
+            try:
+                await s._close()
+            except SandcellError:
+                pass
 
     def _close_idle(self) -> None:
         with self._lock:
@@ -646,8 +665,11 @@ class ClientCore(Generic[S]):
         except BaseException:
             owner.close()
             raise
-        return self.session_type(self, r["session"], r.get("engine", ""), language, owner,
-                                 detached=detached_idle_seconds is not None)
+        session = self.session_type(self, r["session"], r.get("engine", ""), language, owner,
+                                    detached=detached_idle_seconds is not None)
+        if detached_idle_seconds is None:
+            self._owned.add(session)
+        return session
 
     def session_by_id(self, session: str, language: str = "") -> S:
         """A session object for an existing session of the same user, by id (for example a
@@ -804,6 +826,8 @@ class SessionCore:
         self._cell_done = client.backend.event()
         self._cell_done.set()
         self._closed = False
+        # Its owner connection broke (a restart of sandcelld) before a Close was delivered.
+        self._owner_lost = False
 
     def __repr__(self) -> str:
         return f"<sandcell.{type(self).__name__} {self.id} {self.language} {self.engine!r}>"
@@ -993,26 +1017,32 @@ class SessionCore:
 
     async def _close(self) -> None:
         """Ends the session: its worker and everything it started are killed and reaped.
-        Idempotent; a session that is already gone is not an error."""
+        Idempotent; a session that is already gone is not an error.
+
+        When the session's owner connection broke (a restart of sandcelld: the successor
+        keeps the session without an owner, until ``max_detached_idle_seconds`` idle), the
+        ``Close`` goes over another connection; if that cannot reach the daemon either, it
+        raises :class:`ConnectionFailed` and a later ``close`` tries again."""
         if self._closed:
             return
-        self._closed = True
         try:
             if self._owner is not None and not self._owner.closed:
                 try:
                     await drive(self._owner, P.op_simple("Close", {"session": self._local}),
                                 self.client.backend, self.client._clock())
+                    self._closed = True
                     return
                 except ConnectionFailed:
-                    # The owner connection broke: a restart of sandcelld, whose successor
-                    # keeps the session without an owner (until max_detached_idle_seconds
-                    # idle). The Close goes over another connection instead.
-                    pass
+                    self._owner_lost = True
             await self.client._call(P.op_simple("Close", {"session": self._local}))
-        except (NoSuchSession, ConnectionFailed, Timeout):
-            # NoSuchSession: it already ended (expired, crashed, closed elsewhere).
+        except NoSuchSession:
+            # It already ended (expired, crashed, closed elsewhere).
             pass
+        except (ConnectionFailed, Timeout):
+            if self._owner_lost:
+                raise
         finally:
             if self._owner is not None:
                 self._owner.close()
+        self._closed = True
 

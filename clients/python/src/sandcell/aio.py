@@ -266,7 +266,11 @@ class AsyncClient(C.ClientCore[AsyncSession]):
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Closes every idle connection; later calls raise :class:`ConnectionFailed`."""
+        """Closes every idle connection; later calls raise :class:`ConnectionFailed`. A
+        session it opened without ``detached_idle_seconds`` whose owner connection a restart
+        of sandcelld broke is closed first, so it still ends with this client."""
+        if not self._closed:
+            await self._close_ownerless()
         self._close_idle()
 
     run = C.coroutine(C.ClientCore[AsyncSession]._run)

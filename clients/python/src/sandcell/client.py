@@ -146,7 +146,8 @@ class Client(C.ClientCore[Session]):
 
     Raises :class:`sandcell.ConnectionFailed` when the socket cannot be reached. Usable as a
     context manager; :meth:`close` closes every connection (sessions that are not detached
-    end with them). Safe to share between threads.
+    end with them; one whose owner connection a restart of sandcelld broke is closed
+    explicitly). Safe to share between threads.
     """
 
     backend = _Blocking()
@@ -161,7 +162,11 @@ class Client(C.ClientCore[Session]):
         self._release(C.run_blocking(self._connect()))
 
     def close(self) -> None:
-        """Closes every idle connection; later calls raise :class:`ConnectionFailed`."""
+        """Closes every idle connection; later calls raise :class:`ConnectionFailed`. A
+        session it opened without ``detached_idle_seconds`` whose owner connection a restart
+        of sandcelld broke is closed first, so it still ends with this client."""
+        if not self._closed:
+            C.run_blocking(self._close_ownerless())
         self._close_idle()
 
     def __enter__(self) -> Client:
