@@ -1398,10 +1398,22 @@ pub const EXIT_CLOSE: std::time::Duration = std::time::Duration::from_secs(5);
 /// At exit: closes, on one new connection, each session opened without
 /// `detached_idle_seconds` whose owner connection a restart of sandcelld broke (the owner is
 /// checked here too, for a restart no later call noticed). Sessions of an intact owner end
-/// as it closes with this process. Best effort within [`EXIT_CLOSE`]: a session already gone
-/// (the daemon was stopped, not restarted) or a daemon that does not answer is skipped.
-/// Returns how many were closed.
+/// as it closes with this process. Best effort within [`EXIT_CLOSE`] (waiting for an
+/// `open_session` still in flight included): a session already gone (the daemon was
+/// stopped, not restarted) or a daemon that does not answer is skipped. Returns how many
+/// were closed.
 async fn close_ownerless(
+    socket: &std::path::Path,
+    owner: &tokio::sync::Mutex<Option<Client>>,
+    sessions: &Mutex<BTreeMap<String, Tracked>>,
+) -> usize {
+    tokio::time::timeout(EXIT_CLOSE, close_ownerless_now(socket, owner, sessions))
+        .await
+        .unwrap_or(0)
+}
+
+/// [`close_ownerless`] without its time bound.
+async fn close_ownerless_now(
     socket: &std::path::Path,
     owner: &tokio::sync::Mutex<Option<Client>>,
     sessions: &Mutex<BTreeMap<String, Tracked>>,
@@ -1421,19 +1433,16 @@ async fn close_ownerless(
     if ids.is_empty() {
         return 0;
     }
-    let close = async {
-        let mut closed = 0;
-        let Ok(mut c) = Client::connect(socket).await else {
-            return closed;
-        };
-        for id in &ids {
-            if c.close(id).await.is_ok() {
-                closed += 1;
-            }
-        }
-        closed
+    let Ok(mut c) = Client::connect(socket).await else {
+        return 0;
     };
-    tokio::time::timeout(EXIT_CLOSE, close).await.unwrap_or(0)
+    let mut closed = 0;
+    for id in &ids {
+        if c.close(id).await.is_ok() {
+            closed += 1;
+        }
+    }
+    closed
 }
 
 /// How [`serve`] ended.
