@@ -1792,8 +1792,8 @@ impl Core {
     }
 
     /// Kills the warm pools' idle workers (SIGKILL, not waited for) and stops refilling them:
-    /// before [`Core::exit_keeping_sessions`]. A pooled worker belongs to no session and has
-    /// no keeper, so no successor adopts it. Its reap, cgroup and directory are left to the
+    /// before [`Core::exit_keeping_sessions`]. A pooled worker belongs to no session, so no
+    /// successor adopts it (its warm keeper is told to end). Its reap, cgroup and directory are left to the
     /// successor (its start sweeps every session group it does not adopt, and the directories
     /// with them): waiting for them here would hold this process's exit, and with it every
     /// client waiting on the socket, for as long as the kernel takes to tear the workers down.
@@ -1893,9 +1893,14 @@ impl crate::pool::Source for Core {
     }
 
     async fn start(&self, env: &Environment, guest_memory: u64) -> Result<Prepared, StartError> {
-        self.starter
+        let mut p = self
+            .starter
             .start(&Core::config(self), env, guest_memory, None)
-            .await
+            .await?;
+        if let Some(keep) = self.keep.get() {
+            p.start_warm_keeper(keep).await;
+        }
+        Ok(p)
     }
 
     fn pool(&self) -> &crate::pool::Pool<Prepared> {

@@ -24,6 +24,11 @@
 //!   orphan lives for ever, and nothing of it stays behind when no daemon comes back. A
 //!   worker that exits while the keeper waits for an adopter is released the same way.
 //!
+//! A warm pooled worker's keeper is started in the pool ([`start_warm`]): its first message
+//! is [`WARM`] instead of [`HOLD`], and until the daemon sends [`KEEP`] (a session took the
+//! worker) a lifeline that closes without [`END`] makes it kill the worker and release at
+//! once, since no successor adopts a pooled worker.
+//!
 //! The keeper holds the worker's pipes open, so the worker never sees end of file on its
 //! request pipe while its daemon is away, and its writes wait in the pipe buffers (a worker
 //! that fills them blocks until a daemon reads). Everything here is synchronous (poll(2)); it
@@ -50,6 +55,13 @@ pub const LIFELINE_FD: RawFd = 3;
 
 /// Daemon to keeper, with the descriptors: hold them.
 pub const HOLD: &[u8] = b"hold";
+/// Daemon to keeper, with the descriptors of a warm pooled worker: hold them, but only for a
+/// session to come ([`KEEP`]). Until then the worker belongs to no session, so a lifeline
+/// that closes without [`END`] ends it at once (a successor adopts no pooled worker).
+pub const WARM: &[u8] = b"warm";
+/// Daemon to a [`WARM`] keeper, with the session's egress listener when it has one: the
+/// worker is a session's now; keep it for an adopter from here on. Answered with [`HELD`].
+pub const KEEP: &[u8] = b"keep";
 /// Keeper to daemon: the descriptors are held.
 pub const HELD: &[u8] = b"held";
 /// Daemon to keeper: the session ends; exit now without waiting for an adopter.
@@ -330,13 +342,59 @@ fn wait_lifeline(lifeline: BorrowedFd<'_>, pidfd: BorrowedFd<'_>) -> std::io::Re
     }
 }
 
+/// What ended a warm keeper's wait.
+enum Warmed {
+    /// [`KEEP`], with the egress listener when one came.
+    Keep(Option<OwnedFd>),
+    /// [`END`], the worker's exit, or the lifeline closed: the keeper's work is over.
+    Over(Wait),
+}
+
+/// A [`WARM`] keeper waits for its worker to become a session's ([`KEEP`]) or to be
+/// discarded ([`END`]).
+fn wait_warm(lifeline: BorrowedFd<'_>, pidfd: BorrowedFd<'_>) -> std::io::Result<Warmed> {
+    loop {
+        let p = poll_in(&[lifeline, pidfd], -1)?;
+        if p[1] {
+            return Ok(Warmed::Over(Wait::WorkerGone));
+        }
+        if p[0] {
+            return Ok(match recv(lifeline) {
+                Ok((m, mut fds)) if m == KEEP && fds.len() <= 1 => Warmed::Keep(fds.pop()),
+                Ok((m, _)) if m == END => Warmed::Over(Wait::End),
+                Ok((m, _)) if m.is_empty() => Warmed::Over(Wait::Orphaned),
+                Ok(_) => continue,
+                Err(_) => Warmed::Over(Wait::Orphaned),
+            });
+        }
+    }
+}
+
 fn keep(a: &Args, lifeline: OwnedFd, listener: &OwnedFd) -> std::io::Result<i32> {
     let (m, fds) = recv(lifeline.as_fd())?;
-    if m != HOLD {
+    if m != HOLD && m != WARM {
         return Err(std::io::Error::other("the daemon did not send hold"));
     }
-    let held = Held::from_fds(fds)?;
+    let mut held = Held::from_fds(fds)?;
     send(lifeline.as_fd(), HELD, &[])?;
+    if m == WARM {
+        match wait_warm(lifeline.as_fd(), held.pidfd.as_fd())? {
+            Warmed::Keep(egress) => {
+                if egress.is_some() {
+                    held.egress = egress;
+                }
+                send(lifeline.as_fd(), HELD, &[])?;
+            }
+            Warmed::Over(Wait::Orphaned) => {
+                // The daemon died with this worker in its pool: no successor adopts it, so
+                // it ends now, and what it held is released as for a session nobody adopted.
+                kill_session(held.pidfd.as_fd(), &a.procs);
+                release(a, held);
+                return Ok(0);
+            }
+            Warmed::Over(_) => return Ok(0),
+        }
+    }
     let mut lifeline = lifeline;
     loop {
         match wait_lifeline(lifeline.as_fd(), held.pidfd.as_fd())? {
@@ -573,6 +631,84 @@ pub struct Spec {
 ///
 /// Errors: the socket pair, the cgroup files, the spawn, or the handshake failed.
 pub fn start(spec: &Spec, held: &Held) -> std::io::Result<(Lifeline, std::process::Child)> {
+    spawn(spec, held, HOLD)
+}
+
+/// Starts the keeper of a warm pooled worker ([`WARM`]): [`start`] for a session to come,
+/// off the path of the `Open` that takes the worker. The keeper is started as any other (its
+/// process, its cgroups, its socket: the session id is the worker's already); the session
+/// that takes the worker makes it its keeper with [`WarmKeeper::keep`], and a worker
+/// discarded from the pool ends it with [`WarmKeeper::end`].
+///
+/// Errors: as [`start`].
+pub fn start_warm(spec: &Spec, held: &Held) -> std::io::Result<WarmKeeper> {
+    let (lifeline, child) = spawn(spec, held, WARM)?;
+    Ok(WarmKeeper {
+        lifeline,
+        child,
+        socket: spec.socket.clone(),
+    })
+}
+
+/// A keeper started for a warm pooled worker ([`start_warm`]), this daemon's child.
+#[derive(Debug)]
+pub struct WarmKeeper {
+    /// Its lifeline (pid and start time included).
+    pub lifeline: Lifeline,
+    /// The process, reaped by whoever ends it.
+    pub child: std::process::Child,
+    socket: PathBuf,
+}
+
+impl WarmKeeper {
+    /// Makes it the session's keeper: sends [`KEEP`] with `egress` (the session's egress
+    /// listener, duplicated into it) and waits for [`HELD`], at most [`ANSWER_TIMEOUT`].
+    /// Blocks. From then on it is any session's keeper: the lifeline and child are the
+    /// caller's.
+    ///
+    /// Errors: the send, or no [`HELD`] in time (the keeper is then not the session's; end
+    /// it with [`WarmKeeper::end`]).
+    pub fn keep(&self, egress: Option<BorrowedFd<'_>>) -> std::io::Result<()> {
+        let fds: Vec<RawFd> = egress.iter().map(|f| f.as_raw_fd()).collect();
+        send(self.lifeline.sock.as_fd(), KEEP, &fds)?;
+        set_timeout(&self.lifeline.sock)?;
+        let (m, _) = recv(self.lifeline.sock.as_fd())?;
+        setsockopt_timeout(&self.lifeline.sock, nix::sys::time::TimeVal::new(0, 0))?;
+        if m != HELD {
+            return Err(std::io::Error::other("the keeper did not answer held"));
+        }
+        Ok(())
+    }
+
+    /// Sends [`END`] without waiting: the keeper exits (removing its socket) and leaves the
+    /// worker alone. For a daemon about to exit, whose successor reaps nothing of it.
+    pub fn end_now(&self) {
+        self.lifeline.end();
+    }
+
+    /// Ends it and reaps it: [`END`], then its exit waited for at most [`ANSWER_TIMEOUT`],
+    /// after which it is killed (a signal to this daemon's unreaped child, whose pid cannot
+    /// have been reused) and its socket removed. Blocks.
+    pub fn end(mut self) {
+        self.lifeline.end();
+        let t0 = Instant::now();
+        while t0.elapsed() < ANSWER_TIMEOUT {
+            match self.child.try_wait() {
+                Ok(None) => std::thread::sleep(Duration::from_millis(2)),
+                _ => return,
+            }
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+fn spawn(
+    spec: &Spec,
+    held: &Held,
+    first: &'static [u8],
+) -> std::io::Result<(Lifeline, std::process::Child)> {
     use std::os::unix::process::CommandExt;
     let (mine, theirs) = socketpair(
         AddressFamily::Unix,
@@ -647,7 +783,7 @@ pub fn start(spec: &Spec, held: &Held) -> std::io::Result<(Lifeline, std::proces
     drop((theirs, procs));
     let pid = child.id();
     let handshake = (|| {
-        send(mine.as_fd(), HOLD, &held.borrowed())?;
+        send(mine.as_fd(), first, &held.borrowed())?;
         set_timeout(&mine)?;
         let (m, _) = recv(mine.as_fd())?;
         if m != HELD {
@@ -856,5 +992,127 @@ mod tests {
             dir.path().join("u.json").exists(),
             "another session's record went"
         );
+    }
+
+    fn warm_parts(
+        dir: &Path,
+    ) -> (
+        std::process::Child,
+        Held,
+        (OwnedFd, OwnedFd),
+        OwnedFd,
+        OwnedFd,
+        Args,
+    ) {
+        let sleeper = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pidfd = crate::sys::pidfd_open(sleeper.id()).unwrap();
+        let (req_r, req_w) = pipe();
+        let (rep_r, rep_w) = pipe();
+        let session_dir = dir.join("session");
+        std::fs::create_dir(&session_dir).unwrap();
+        let held = Held {
+            pidfd,
+            dir: std::fs::File::open(&session_dir).unwrap().into(),
+            requests: req_w,
+            replies: rep_r,
+            raw: None,
+            egress: None,
+        };
+        let (mine, theirs) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .unwrap();
+        let a = Args {
+            session: "w".into(),
+            socket: dir.join("w.sock"),
+            timeout: Duration::from_secs(20),
+            session_dir,
+            procs: Vec::new(),
+        };
+        (sleeper, held, (req_r, rep_w), mine, theirs, a)
+    }
+
+    /// A warm keeper made a session's keeper (`keep`, with an egress listener) is one like
+    /// any other: orphaned, it waits, and its adopter gets the pipes and the listener.
+    #[test]
+    fn warm_then_keep_is_adopted_with_its_egress_listener() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut sleeper, held, (_req_r, rep_w), mine, theirs, a) = warm_parts(dir.path());
+        let sock = a.socket.clone();
+        let listener = listen_at(&sock).unwrap();
+        let keeper = std::thread::spawn(move || keep(&a, theirs, &listener).unwrap());
+        send(mine.as_fd(), WARM, &held.borrowed()).unwrap();
+        assert_eq!(recv(mine.as_fd()).unwrap().0, HELD);
+        let (egress, _egress_peer) = pipe();
+        send(mine.as_fd(), KEEP, &[egress.as_raw_fd()]).unwrap();
+        assert_eq!(recv(mine.as_fd()).unwrap().0, HELD);
+        drop(held);
+        drop(mine);
+        nix::unistd::write(&rep_w, b"kept\n").unwrap();
+        let (life, got) = adopt(&sock).unwrap();
+        let mut buf = [0u8; 16];
+        let n = nix::unistd::read(&got.replies, &mut buf).unwrap();
+        assert_eq!(&buf[..n], b"kept\n");
+        assert!(got.egress.is_some(), "the egress listener was not held");
+        assert!(
+            sleeper.try_wait().unwrap().is_none(),
+            "the worker was ended"
+        );
+        life.end();
+        assert_eq!(keeper.join().unwrap(), 0);
+        let _ = sleeper.kill();
+        let _ = sleeper.wait();
+    }
+
+    /// A warm keeper whose daemon dies before any session took the worker ends the worker at
+    /// once and releases its directory: no successor adopts a pooled worker.
+    #[test]
+    fn warm_keeper_orphaned_ends_its_worker_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut sleeper, held, _pipes, mine, theirs, a) = warm_parts(dir.path());
+        let session_dir = a.session_dir.clone();
+        let listener = listen_at(&a.socket).unwrap();
+        let keeper = std::thread::spawn(move || keep(&a, theirs, &listener).unwrap());
+        send(mine.as_fd(), WARM, &held.borrowed()).unwrap();
+        assert_eq!(recv(mine.as_fd()).unwrap().0, HELD);
+        drop(held);
+        let t0 = Instant::now();
+        drop(mine);
+        assert_eq!(keeper.join().unwrap(), 0);
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "it waited for an adopter"
+        );
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(sleeper.wait().unwrap().signal(), Some(libc::SIGKILL));
+        assert!(!session_dir.exists(), "the session directory stayed");
+    }
+
+    /// A warm keeper told `end` (its worker discarded from the pool, or taken by a one-shot
+    /// `Run`) exits and leaves the worker alone.
+    #[test]
+    fn warm_keeper_ended_leaves_the_worker() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut sleeper, held, _pipes, mine, theirs, a) = warm_parts(dir.path());
+        let session_dir = a.session_dir.clone();
+        let listener = listen_at(&a.socket).unwrap();
+        let keeper = std::thread::spawn(move || keep(&a, theirs, &listener).unwrap());
+        send(mine.as_fd(), WARM, &held.borrowed()).unwrap();
+        assert_eq!(recv(mine.as_fd()).unwrap().0, HELD);
+        send(mine.as_fd(), END, &[]).unwrap();
+        assert_eq!(keeper.join().unwrap(), 0);
+        assert!(
+            sleeper.try_wait().unwrap().is_none(),
+            "the worker was ended"
+        );
+        assert!(session_dir.exists(), "the session directory went");
+        let _ = sleeper.kill();
+        let _ = sleeper.wait();
     }
 }

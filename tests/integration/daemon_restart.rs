@@ -1864,6 +1864,127 @@ async fn a_kept_restart_kills_the_pooled_workers_and_the_successor_kills_nothing
     assert_eq!(record_pids(&setup.adopt, &a).0, w);
 }
 
+/// The ids of the keepers in `adopt` that serve no recorded session: warm pooled workers'.
+fn warm_keepers(adopt: &Path) -> std::collections::BTreeSet<String> {
+    std::fs::read_dir(adopt.join("keepers"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    let id = name.strip_suffix(".sock")?.to_string();
+                    (!adopt.join(format!("{id}.json")).exists()).then_some(id)
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A warm pooled worker comes with its keeper: the session that takes it has the keeper
+/// that was started in the pool (its socket was there before the `Open`), no process is
+/// started on the `Open`'s path, and the session survives a crash like any other. A
+/// one-shot `Run` on a warm worker ends its keeper. The pooled workers a crash leaves are
+/// ended by their own keepers at once, and their directories released, before any successor
+/// starts: no successor adopts a pooled worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_worker_comes_with_its_keeper_which_ends_it_when_the_daemon_dies() {
+    skip_unless_root!();
+    let (mut first, setup) = first_daemon(&[
+        ("SANDCELL_POOLS", "true"),
+        ("SANDCELL_POOL_PYTHON_MIN", "2"),
+        ("SANDCELL_POOL_PYTHON_MAX", "2"),
+    ]);
+    let state = PathBuf::from(
+        &setup
+            .env
+            .iter()
+            .find(|(k, _)| k == "SANDCELL_STATE_DIR")
+            .unwrap()
+            .1,
+    );
+    assert!(
+        common::eventually(Duration::from_secs(60), || warm_keepers(&setup.adopt).len()
+            >= 2),
+        "no warm keepers: {:?}\n{}",
+        warm_keepers(&setup.adopt),
+        first.log_text()
+    );
+    let mut c = first.client().await;
+    // A one-shot Run takes a warm worker and ends its keeper.
+    let before = warm_keepers(&setup.adopt);
+    let out = c.run_collect("python", "print(6 * 7)", None).await.unwrap();
+    assert_eq!(out.stdout.trim(), "42");
+    assert!(
+        common::eventually(Duration::from_secs(10), || {
+            let now = warm_keepers(&setup.adopt);
+            before.iter().filter(|id| !now.contains(*id)).count() == 1
+        }),
+        "the Run's warm keeper stayed: {before:?} {:?}",
+        warm_keepers(&setup.adopt)
+    );
+    assert!(
+        common::eventually(Duration::from_secs(60), || warm_keepers(&setup.adopt).len()
+            >= 2),
+        "the pool did not refill"
+    );
+    let before = warm_keepers(&setup.adopt);
+    let a = c.open("python", None, None).await.unwrap().session;
+    let b = c.open("python", None, Some(600)).await.unwrap().session;
+    for s in [&a, &b] {
+        assert!(
+            before.contains(s),
+            "{s} did not come with its warm keeper: {before:?}\n{}",
+            first.log_text()
+        );
+    }
+    stdout_of(&mut c, &a, "x = 'a'").await;
+    stdout_of(&mut c, &b, "y = 'b'").await;
+    let (wa, ka) = record_pids(&setup.adopt, &a);
+    let (wb, kb) = record_pids(&setup.adopt, &b);
+    assert!(
+        common::eventually(Duration::from_secs(60), || warm_keepers(&setup.adopt).len()
+            >= 2),
+        "the pool did not refill"
+    );
+    // Let a refill in flight settle: the pool holds two idle workers and starts no more.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let warm = warm_keepers(&setup.adopt);
+    let pooled: Vec<u32> = first
+        .descendants()
+        .into_iter()
+        .filter(|p| ![wa, wb].contains(p) && is_worker(*p))
+        .collect();
+    assert!(!pooled.is_empty(), "no pooled worker");
+    kill_daemon(&mut first, libc::SIGKILL);
+    drop(c);
+    for p in &pooled {
+        assert!(
+            common::eventually(Duration::from_secs(10), || !alive(*p) || !is_worker(*p)),
+            "pooled worker {p} outlived its daemon"
+        );
+    }
+    assert!(
+        common::eventually(Duration::from_secs(10), || warm_keepers(&setup.adopt)
+            .is_empty()),
+        "warm keepers stayed after their daemon: {:?}",
+        warm_keepers(&setup.adopt)
+    );
+    for id in &warm {
+        let dir = state.join("sessions").join(id);
+        assert!(
+            common::eventually(Duration::from_secs(10), || !dir.exists()),
+            "{} stayed",
+            dir.display()
+        );
+    }
+    assert!(alive(wa) && alive(ka) && alive(wb) && alive(kb));
+    let second = successor(&first, &setup);
+    let mut c = second.client().await;
+    assert_eq!(stdout_of(&mut c, &a, "print(x)").await.trim(), "a");
+    assert_eq!(stdout_of(&mut c, &b, "print(y)").await.trim(), "b");
+    assert_eq!(record_pids(&setup.adopt, &a), (wa, ka));
+    assert_eq!(record_pids(&setup.adopt, &b), (wb, kb));
+}
+
 /// Whether this process holds CAP_SYS_RESOURCE (needed to lower an oom_score_adj, proc(5)).
 fn has_sys_resource() -> bool {
     std::fs::read_to_string("/proc/self/status")

@@ -29,18 +29,27 @@ pub(super) struct Kept {
     lifeline: Option<Lifeline>,
     /// The keeper, when this daemon started it (its parent reaps it).
     child: Option<std::process::Child>,
+    /// The keeper the session's warm worker came with, until [`Actor::start_keeper`] makes it
+    /// the session's.
+    warm: Option<keeper::WarmKeeper>,
     worker: Option<ProcId>,
     /// The last record written, and the idle clock it was written with.
     last: Option<(Record, Instant)>,
 }
 
 impl Kept {
-    pub(super) fn new(keep: Keep, environment: String, lifeline: Option<Lifeline>) -> Kept {
+    pub(super) fn new(
+        keep: Keep,
+        environment: String,
+        lifeline: Option<Lifeline>,
+        warm: Option<keeper::WarmKeeper>,
+    ) -> Kept {
         Kept {
             keep,
             environment,
             lifeline,
             child: None,
+            warm,
             worker: None,
             last: None,
         }
@@ -62,6 +71,13 @@ fn interrupt_of(s: &str) -> Option<crate::worker::InterruptTarget> {
         "main_thread" => crate::worker::InterruptTarget::MainThread,
         _ => return None,
     })
+}
+
+/// Opens a session directory as a keeper holds it (`O_DIRECTORY`, not following a symlink).
+///
+/// Errors: the open failed.
+pub fn open_session_dir(path: &Path) -> std::io::Result<OwnedFd> {
+    open_dir(path)
 }
 
 fn open_dir(path: &Path) -> std::io::Result<OwnedFd> {
@@ -101,7 +117,8 @@ impl Actor {
     }
 
     /// Starts the session's keeper (a session adopted with its keeper's lifeline only marks
-    /// it). A keeper that cannot start leaves the session running without one: it then ends
+    /// it; one whose warm worker came with a keeper makes that one its own, `keep`, and
+    /// starts another only if it does not answer). A keeper that cannot start leaves the session running without one: it then ends
     /// with its daemon, as before adoption existed (logged).
     pub(super) async fn start_keeper(&mut self) {
         let Some(k) = self.kept.as_ref() else { return };
@@ -116,6 +133,40 @@ impl Actor {
             }
             return;
         }
+        if let Some(w) = self.kept.as_mut().and_then(|k| k.warm.take()) {
+            let egress = match &self.egress {
+                Some((l, _)) => l.try_clone().ok(),
+                None => None,
+            };
+            let joined = tokio::task::spawn_blocking(move || {
+                let r = w.keep(egress.as_ref().map(|f| f.as_fd()));
+                (w, r)
+            })
+            .await;
+            match joined {
+                Ok((w, Ok(()))) => {
+                    let keeper::WarmKeeper {
+                        lifeline, child, ..
+                    } = w;
+                    crate::cgroup::host::protect_keeper(lifeline.pid, lifeline.start_time);
+                    tracing::debug!(session = %self.session.id, keeper = lifeline.pid, "warm keeper kept");
+                    if let Some(k) = self.kept.as_mut() {
+                        k.lifeline = Some(lifeline);
+                        k.child = Some(child);
+                        k.worker = worker;
+                    }
+                    return;
+                }
+                Ok((w, Err(e))) => {
+                    tracing::warn!(session = %self.session.id, error = %e, "the warm worker's keeper did not take the session; starting another");
+                    let _ = tokio::task::spawn_blocking(move || w.end()).await;
+                }
+                Err(e) => {
+                    tracing::warn!(session = %self.session.id, error = %e, "the warm worker's keeper was lost; starting another");
+                }
+            }
+        }
+        let Some(k) = self.kept.as_ref() else { return };
         let spec = keeper::Spec {
             session: self.session.id.clone(),
             socket: records::keeper_socket(&k.keep.dir, &self.session.id),
@@ -615,6 +666,7 @@ impl Session {
             started: std::time::UNIX_EPOCH + Duration::from_millis(r.started_unix_ms),
             keep: Some(w.keep),
             lifeline: Some(lifeline),
+            warm: None,
             dir_view,
             resume,
             egress,

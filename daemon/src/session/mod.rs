@@ -365,8 +365,18 @@ impl Session {
             lease: uid,
             permit,
             environment,
+            keeper: warm,
             ..
         } = prepared;
+        // A warm keeper serves a kept session; any other ends it, off the caller's path.
+        let warm = match (warm, &keep) {
+            (Some(w), Some(_)) => Some(w),
+            (Some(w), None) => {
+                tokio::task::spawn_blocking(move || w.end());
+                None
+            }
+            (None, _) => None,
+        };
         let pid = spawned.pid;
         let (interrupt, raw_output) = (spawned.interrupt, spawned.stdout.is_some());
         let egress = spawned.egress_listener.zip(spawned.egress_hosts);
@@ -402,6 +412,7 @@ impl Session {
             started: SystemTime::now(),
             keep,
             lifeline: None,
+            warm,
             dir_view: None,
             resume: None,
             egress,
@@ -475,7 +486,7 @@ impl Session {
             disk_scan: None,
             kept: l
                 .keep
-                .map(|k| keep::Kept::new(k, l.environment, l.lifeline)),
+                .map(|k| keep::Kept::new(k, l.environment, l.lifeline, l.warm)),
             running: None,
             pending: None,
             resume: l.resume,
@@ -770,6 +781,8 @@ struct Launch {
     started: SystemTime,
     keep: Option<keep::Keep>,
     lifeline: Option<crate::keeper::Lifeline>,
+    /// The keeper a warm pooled worker came with ([`crate::keeper::start_warm`]).
+    warm: Option<crate::keeper::WarmKeeper>,
     /// The session directory's descriptor, when its mount is not in this daemon's namespace.
     dir_view: Option<std::os::fd::OwnedFd>,
     /// The cell a predecessor daemon was running, continued first (`keep.rs`).
@@ -803,7 +816,9 @@ mod keep;
 mod spool;
 
 pub mod query;
-pub use keep::{AdoptWith, Adoptable, Keep, NotAdopted, connect as connect_keeper};
+pub use keep::{
+    AdoptWith, Adoptable, Keep, NotAdopted, connect as connect_keeper, open_session_dir,
+};
 
 #[cfg(test)]
 mod actor_tests;

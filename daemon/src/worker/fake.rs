@@ -194,6 +194,7 @@ pub async fn start(script: &Script) -> (Prepared, Admission) {
         session_dir,
         lease: None,
         permit,
+        keeper: None,
     };
     (prepared, admission)
 }

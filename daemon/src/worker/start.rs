@@ -56,12 +56,19 @@ pub struct Prepared {
     pub lease: Option<UidLease>,
     /// Its admission charge.
     pub permit: Permit,
+    /// Its keeper, started while it waited in a warm pool when the daemon keeps sessions for
+    /// adoption ([`crate::keeper::start_warm`]): the session that takes it has its keeper
+    /// without a process start on its `Open`.
+    pub keeper: Option<crate::keeper::WarmKeeper>,
 }
 
 impl Prepared {
     /// Kills and releases an unused worker in the session release order: kill, reap, remove
     /// cgroup and directory, then uid and permit.
     pub async fn discard(mut self) {
+        if let Some(k) = self.keeper.take() {
+            let _ = tokio::task::spawn_blocking(move || k.end()).await;
+        }
         super::kill_and_reap(
             &mut self.spawned.child,
             self.spawned.pidfd.as_ref(),
@@ -78,6 +85,9 @@ impl Prepared {
     /// removes the worker's cgroup and directory (`Backend::sweep_stale_except`). A warm
     /// worker has run no cell, so its process group holds every process it has.
     pub fn kill_now(&self) {
+        if let Some(k) = &self.keeper {
+            k.end_now();
+        }
         // The process group of our own unreaped child: its id cannot be reused until we reap
         // the child.
         if let Some(pid) = self.spawned.child.id() {
@@ -88,6 +98,65 @@ impl Prepared {
             self.spawned.pidfd.as_ref(),
             libc::SIGKILL,
         );
+    }
+
+    /// Starts this warm worker's keeper ([`crate::keeper::start_warm`]) for the sessions that
+    /// `keep` keeps, so that the `Open` that takes the worker does not start one: the start
+    /// moves a process into the worker's cgroups, and each such move waits for an RCU grace
+    /// period (the cgroup threadgroup semaphore taken for writing, kernel
+    /// `kernel/cgroup/cgroup.c`), most of the keeper's start. A keeper that cannot start
+    /// is logged and left to the session (which then starts its own, as a cold worker's does).
+    /// The egress listener is not held yet: it is granted with the session ([`KEEP`]).
+    ///
+    /// [`KEEP`]: crate::keeper::KEEP
+    pub async fn start_warm_keeper(&mut self, keep: &crate::session::Keep) {
+        use std::os::fd::AsFd;
+        let spec = crate::keeper::Spec {
+            session: self.id.clone(),
+            socket: crate::records::keeper_socket(&keep.dir, &self.id),
+            timeout: keep.timeout,
+            session_dir: self.session_dir.clone(),
+            procs: self.group.procs_files(),
+        };
+        let held = (|| {
+            let s = &self.spawned;
+            let pidfd = s
+                .pidfd
+                .as_ref()
+                .ok_or_else(|| std::io::Error::other("the kernel gave no pidfd (Linux 5.3+)"))?;
+            let raw = match (&s.stdout, &s.stderr) {
+                (Some(o), Some(e)) => Some((
+                    o.as_fd().try_clone_to_owned()?,
+                    e.as_fd().try_clone_to_owned()?,
+                )),
+                _ => None,
+            };
+            Ok::<_, std::io::Error>(crate::keeper::Held {
+                pidfd: pidfd.try_clone_fd()?,
+                dir: crate::session::open_session_dir(&self.session_dir)?,
+                requests: s.requests.as_fd().try_clone_to_owned()?,
+                replies: s.replies.get_ref().as_fd().try_clone_to_owned()?,
+                raw,
+                egress: None,
+            })
+        })();
+        let started = match held {
+            Ok(held) => {
+                tokio::task::spawn_blocking(move || crate::keeper::start_warm(&spec, &held))
+                    .await
+                    .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
+            }
+            Err(e) => Err(e),
+        };
+        match started {
+            Ok(k) => {
+                tracing::debug!(session = %self.id, keeper = k.lifeline.pid, "warm worker's keeper started");
+                self.keeper = Some(k);
+            }
+            Err(e) => {
+                tracing::warn!(session = %self.id, error = %e, "warm worker's keeper did not start; its session will start one")
+            }
+        }
     }
 
     /// Whether the worker process still runs (a dead one is reaped here).
@@ -475,6 +544,7 @@ impl Starter {
                 session_dir: spec.session_dir,
                 lease,
                 permit,
+                keeper: None,
             }),
             Err(e) => {
                 let _ = spawned.child.start_kill();
