@@ -877,51 +877,26 @@ mod tests {
     fn hold_orphan_adopt_end() {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("k.sock");
-        let mut sleeper = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        let pidfd = crate::sys::pidfd_open(sleeper.id()).unwrap();
-        let (req_r, req_w) = pipe();
-        let (rep_r, rep_w) = pipe();
-        let held = Held {
-            pidfd,
-            dir: std::fs::File::open(dir.path()).unwrap().into(),
-            requests: req_w,
-            replies: rep_r,
-            raw: None,
-            egress: None,
-        };
-        let (mine, theirs) = socketpair(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            None,
-            SockFlag::SOCK_CLOEXEC,
+        let Running {
+            mut sleeper,
+            held,
+            req_r,
+            rep_w,
+            mine,
+            keeper,
+            ..
+        } = fixture(
+            sock.clone(),
+            dir.path(),
+            dir.path().join("no-such-session"),
+            Duration::from_secs(20),
         )
-        .unwrap();
-        let a = Args {
-            session: "t".into(),
-            socket: sock.clone(),
-            timeout: Duration::from_secs(20),
-            session_dir: dir.path().join("no-such-session"),
-            procs: Vec::new(),
-        };
-        let listener = listen_at(&sock).unwrap();
-        let keeper = std::thread::spawn(move || keep(&a, theirs, &listener).unwrap());
-        send(mine.as_fd(), HOLD, &held.borrowed()).unwrap();
-        let (m, _) = recv(mine.as_fd()).unwrap();
-        assert_eq!(m, HELD);
-        // The daemon's own ends go; only the keeper holds the pipes now.
-        drop(held);
-        // The daemon dies: the lifeline closes without `end`.
-        drop(mine);
-        // The worker's reply written meanwhile waits in the pipe.
-        nix::unistd::write(&rep_w, b"line\n").unwrap();
-        let (life, got) = adopt(&sock).unwrap();
+        .run(HOLD);
+        // The daemon's own ends go (only the keeper holds the pipes now) and it dies: the
+        // lifeline closes without `end`.
+        let (life, got) = orphan_and_adopt(held, mine, &rep_w, &sock);
         assert_eq!(life.pid, std::process::id());
         let mut buf = [0u8; 16];
-        let n = nix::unistd::read(&got.replies, &mut buf).unwrap();
-        assert_eq!(&buf[..n], b"line\n");
         nix::unistd::write(&got.requests, b"x").unwrap();
         assert_eq!(nix::unistd::read(&req_r, &mut buf).unwrap(), 1);
         assert_eq!(pidfd_pid(got.pidfd.as_fd()), Some(sleeper.id()));
@@ -945,39 +920,18 @@ mod tests {
         for f in ["t.json", "t.cell", "t.rest", "u.json"] {
             std::fs::write(dir.path().join(f), b"{}").unwrap();
         }
-        let mut sleeper = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        let pidfd = crate::sys::pidfd_open(sleeper.id()).unwrap();
-        let (_req_r, req_w) = pipe();
-        let (rep_r, _rep_w) = pipe();
-        let held = Held {
-            pidfd,
-            dir: std::fs::File::open(&session_dir).unwrap().into(),
-            requests: req_w,
-            replies: rep_r,
-            raw: None,
-            egress: None,
-        };
-        let (mine, theirs) = socketpair(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            None,
-            SockFlag::SOCK_CLOEXEC,
+        let Running {
+            mut sleeper,
+            mine,
+            keeper,
+            ..
+        } = fixture(
+            sock.clone(),
+            &session_dir,
+            session_dir.clone(),
+            Duration::from_secs(1),
         )
-        .unwrap();
-        let a = Args {
-            session: "t".into(),
-            socket: sock.clone(),
-            timeout: Duration::from_secs(1),
-            session_dir: session_dir.clone(),
-            procs: Vec::new(),
-        };
-        let listener = listen_at(&sock).unwrap();
-        let keeper = std::thread::spawn(move || keep(&a, theirs, &listener).unwrap());
-        send(mine.as_fd(), HOLD, &held.borrowed()).unwrap();
-        assert_eq!(recv(mine.as_fd()).unwrap().0, HELD);
+        .run(HOLD);
         drop(mine);
         let t0 = Instant::now();
         assert_eq!(keeper.join().unwrap(), 0);
@@ -994,16 +948,27 @@ mod tests {
         );
     }
 
-    fn warm_parts(
-        dir: &Path,
-    ) -> (
-        std::process::Child,
-        Held,
-        (OwnedFd, OwnedFd),
-        OwnedFd,
-        OwnedFd,
-        Args,
-    ) {
+    /// A keeper's test set-up: a `sleep` as its worker, the worker's pipes (the ends the
+    /// test keeps: the request pipe's read end, the reply pipe's write end), the lifeline pair
+    /// and the keeper's arguments (session `t`, no cgroups).
+    struct Fixture {
+        sleeper: std::process::Child,
+        held: Held,
+        req_r: OwnedFd,
+        rep_w: OwnedFd,
+        mine: OwnedFd,
+        theirs: OwnedFd,
+        args: Args,
+    }
+
+    /// [`Fixture`] whose held directory is `held_dir`, its keeper listening on `socket` and
+    /// releasing `session_dir`, adopted within `timeout`.
+    fn fixture(
+        socket: PathBuf,
+        held_dir: &Path,
+        session_dir: PathBuf,
+        timeout: Duration,
+    ) -> Fixture {
         let sleeper = std::process::Command::new("sleep")
             .arg("30")
             .spawn()
@@ -1011,11 +976,9 @@ mod tests {
         let pidfd = crate::sys::pidfd_open(sleeper.id()).unwrap();
         let (req_r, req_w) = pipe();
         let (rep_r, rep_w) = pipe();
-        let session_dir = dir.join("session");
-        std::fs::create_dir(&session_dir).unwrap();
         let held = Held {
             pidfd,
-            dir: std::fs::File::open(&session_dir).unwrap().into(),
+            dir: std::fs::File::open(held_dir).unwrap().into(),
             requests: req_w,
             replies: rep_r,
             raw: None,
@@ -1028,14 +991,96 @@ mod tests {
             SockFlag::SOCK_CLOEXEC,
         )
         .unwrap();
-        let a = Args {
-            session: "w".into(),
-            socket: dir.join("w.sock"),
-            timeout: Duration::from_secs(20),
+        let args = Args {
+            session: "t".into(),
+            socket,
+            timeout,
             session_dir,
             procs: Vec::new(),
         };
-        (sleeper, held, (req_r, rep_w), mine, theirs, a)
+        Fixture {
+            sleeper,
+            held,
+            req_r,
+            rep_w,
+            mine,
+            theirs,
+            args,
+        }
+    }
+
+    /// A keeper running on a thread of the test, past its first message's answer.
+    struct Running {
+        sleeper: std::process::Child,
+        held: Held,
+        req_r: OwnedFd,
+        rep_w: OwnedFd,
+        mine: OwnedFd,
+        keeper: std::thread::JoinHandle<i32>,
+        socket: PathBuf,
+        session_dir: PathBuf,
+    }
+
+    impl Fixture {
+        /// Starts the keeper (listening first, as its process does) and sends it `first`
+        /// ([`HOLD`] or [`WARM`]) with the descriptors; it answered [`HELD`].
+        fn run(self, first: &'static [u8]) -> Running {
+            let Fixture {
+                sleeper,
+                held,
+                req_r,
+                rep_w,
+                mine,
+                theirs,
+                args,
+            } = self;
+            let (socket, session_dir) = (args.socket.clone(), args.session_dir.clone());
+            let listener = listen_at(&socket).unwrap();
+            let keeper = std::thread::spawn(move || keep(&args, theirs, &listener).unwrap());
+            send(mine.as_fd(), first, &held.borrowed()).unwrap();
+            assert_eq!(recv(mine.as_fd()).unwrap().0, HELD);
+            Running {
+                sleeper,
+                held,
+                req_r,
+                rep_w,
+                mine,
+                keeper,
+                socket,
+                session_dir,
+            }
+        }
+    }
+
+    /// The daemon's ends (`held`) go and its lifeline (`mine`) closes without `end`; a reply
+    /// the worker writes meanwhile on `rep_w` waits in the pipe, and the adopter on `socket`
+    /// reads it. Returns the adopter's lifeline and descriptors.
+    fn orphan_and_adopt(
+        held: Held,
+        mine: OwnedFd,
+        rep_w: &OwnedFd,
+        socket: &Path,
+    ) -> (Lifeline, Held) {
+        drop(held);
+        drop(mine);
+        nix::unistd::write(rep_w, b"line\n").unwrap();
+        let (life, got) = adopt(socket).unwrap();
+        let mut buf = [0u8; 16];
+        let n = nix::unistd::read(&got.replies, &mut buf).unwrap();
+        assert_eq!(&buf[..n], b"line\n");
+        (life, got)
+    }
+
+    /// A [`Fixture`] for a warm keeper, its session directory made under `dir`.
+    fn warm_fixture(dir: &Path) -> Fixture {
+        let session_dir = dir.join("session");
+        std::fs::create_dir(&session_dir).unwrap();
+        fixture(
+            dir.join("t.sock"),
+            &session_dir,
+            session_dir.clone(),
+            Duration::from_secs(20),
+        )
     }
 
     /// A warm keeper made a session's keeper (`keep`, with an egress listener) is one like
@@ -1043,22 +1088,19 @@ mod tests {
     #[test]
     fn warm_then_keep_is_adopted_with_its_egress_listener() {
         let dir = tempfile::tempdir().unwrap();
-        let (mut sleeper, held, (_req_r, rep_w), mine, theirs, a) = warm_parts(dir.path());
-        let sock = a.socket.clone();
-        let listener = listen_at(&sock).unwrap();
-        let keeper = std::thread::spawn(move || keep(&a, theirs, &listener).unwrap());
-        send(mine.as_fd(), WARM, &held.borrowed()).unwrap();
-        assert_eq!(recv(mine.as_fd()).unwrap().0, HELD);
+        let Running {
+            mut sleeper,
+            held,
+            rep_w,
+            mine,
+            socket: sock,
+            keeper,
+            ..
+        } = warm_fixture(dir.path()).run(WARM);
         let (egress, _egress_peer) = pipe();
         send(mine.as_fd(), KEEP, &[egress.as_raw_fd()]).unwrap();
         assert_eq!(recv(mine.as_fd()).unwrap().0, HELD);
-        drop(held);
-        drop(mine);
-        nix::unistd::write(&rep_w, b"kept\n").unwrap();
-        let (life, got) = adopt(&sock).unwrap();
-        let mut buf = [0u8; 16];
-        let n = nix::unistd::read(&got.replies, &mut buf).unwrap();
-        assert_eq!(&buf[..n], b"kept\n");
+        let (life, got) = orphan_and_adopt(held, mine, &rep_w, &sock);
         assert!(got.egress.is_some(), "the egress listener was not held");
         assert!(
             sleeper.try_wait().unwrap().is_none(),
@@ -1075,12 +1117,14 @@ mod tests {
     #[test]
     fn warm_keeper_orphaned_ends_its_worker_at_once() {
         let dir = tempfile::tempdir().unwrap();
-        let (mut sleeper, held, _pipes, mine, theirs, a) = warm_parts(dir.path());
-        let session_dir = a.session_dir.clone();
-        let listener = listen_at(&a.socket).unwrap();
-        let keeper = std::thread::spawn(move || keep(&a, theirs, &listener).unwrap());
-        send(mine.as_fd(), WARM, &held.borrowed()).unwrap();
-        assert_eq!(recv(mine.as_fd()).unwrap().0, HELD);
+        let Running {
+            mut sleeper,
+            held,
+            mine,
+            session_dir,
+            keeper,
+            ..
+        } = warm_fixture(dir.path()).run(WARM);
         drop(held);
         let t0 = Instant::now();
         drop(mine);
@@ -1099,12 +1143,13 @@ mod tests {
     #[test]
     fn warm_keeper_ended_leaves_the_worker() {
         let dir = tempfile::tempdir().unwrap();
-        let (mut sleeper, held, _pipes, mine, theirs, a) = warm_parts(dir.path());
-        let session_dir = a.session_dir.clone();
-        let listener = listen_at(&a.socket).unwrap();
-        let keeper = std::thread::spawn(move || keep(&a, theirs, &listener).unwrap());
-        send(mine.as_fd(), WARM, &held.borrowed()).unwrap();
-        assert_eq!(recv(mine.as_fd()).unwrap().0, HELD);
+        let Running {
+            mut sleeper,
+            mine,
+            session_dir,
+            keeper,
+            ..
+        } = warm_fixture(dir.path()).run(WARM);
         send(mine.as_fd(), END, &[]).unwrap();
         assert_eq!(keeper.join().unwrap(), 0);
         assert!(

@@ -10,7 +10,7 @@
 use super::*;
 use crate::keeper::{self, Held, Lifeline};
 use crate::records::{self, ProcId, Record};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
 /// How this daemon keeps its sessions for a successor.
@@ -73,11 +73,34 @@ fn interrupt_of(s: &str) -> Option<crate::worker::InterruptTarget> {
     })
 }
 
-/// Opens a session directory as a keeper holds it (`O_DIRECTORY`, not following a symlink).
+/// Duplicates of a worker's descriptors as its keeper holds them ([`Held`]): its pidfd, its
+/// session directory opened `O_DIRECTORY` (not following a symlink), the daemon's ends of its
+/// request and reply pipes, of a native worker's stdout and stderr, and the session's egress
+/// listener.
 ///
-/// Errors: the open failed.
-pub fn open_session_dir(path: &Path) -> std::io::Result<OwnedFd> {
-    open_dir(path)
+/// Errors: no pidfd (Linux before 5.3), a `dup(2)` or the open failed.
+pub fn held_of(
+    pidfd: Option<&crate::worker::WorkerPidfd>,
+    session_dir: &Path,
+    requests: BorrowedFd<'_>,
+    replies: BorrowedFd<'_>,
+    raw: Option<(BorrowedFd<'_>, BorrowedFd<'_>)>,
+    egress: Option<BorrowedFd<'_>>,
+) -> std::io::Result<Held> {
+    let pidfd =
+        pidfd.ok_or_else(|| std::io::Error::other("the kernel gave no pidfd (Linux 5.3+)"))?;
+    let raw = match raw {
+        Some((o, e)) => Some((o.try_clone_to_owned()?, e.try_clone_to_owned()?)),
+        None => None,
+    };
+    Ok(Held {
+        pidfd: pidfd.try_clone_fd()?,
+        dir: open_dir(session_dir)?,
+        requests: requests.try_clone_to_owned()?,
+        replies: replies.try_clone_to_owned()?,
+        raw,
+        egress: egress.map(|l| l.try_clone_to_owned()).transpose()?,
+    })
 }
 
 fn open_dir(path: &Path) -> std::io::Result<OwnedFd> {
@@ -92,28 +115,17 @@ fn open_dir(path: &Path) -> std::io::Result<OwnedFd> {
 impl Actor {
     /// Duplicates of the descriptors a keeper holds.
     fn held(&self) -> std::io::Result<Held> {
-        let pidfd = self
-            .pidfd
-            .as_ref()
-            .ok_or_else(|| std::io::Error::other("the kernel gave no pidfd (Linux 5.3+)"))?;
-        let raw = match (&self.stdout, &self.stderr) {
-            (Some(o), Some(e)) => Some((
-                o.as_fd().try_clone_to_owned()?,
-                e.as_fd().try_clone_to_owned()?,
-            )),
-            _ => None,
-        };
-        Ok(Held {
-            pidfd: pidfd.try_clone_fd()?,
-            dir: open_dir(&self.session_dir)?,
-            requests: self.requests.as_fd().try_clone_to_owned()?,
-            replies: self.replies.get_ref().as_fd().try_clone_to_owned()?,
-            raw,
-            egress: match &self.egress {
-                Some((l, _)) => Some(l.try_clone()?),
-                None => None,
-            },
-        })
+        held_of(
+            self.pidfd.as_ref(),
+            &self.session_dir,
+            self.requests.as_fd(),
+            self.replies.get_ref().as_fd(),
+            self.stdout
+                .as_ref()
+                .zip(self.stderr.as_ref())
+                .map(|(o, e)| (o.as_fd(), e.as_fd())),
+            self.egress.as_ref().map(|(l, _)| l.as_fd()),
+        )
     }
 
     /// Starts the session's keeper (a session adopted with its keeper's lifeline only marks

@@ -816,9 +816,7 @@ mod keep;
 mod spool;
 
 pub mod query;
-pub use keep::{
-    AdoptWith, Adoptable, Keep, NotAdopted, connect as connect_keeper, open_session_dir,
-};
+pub use keep::{AdoptWith, Adoptable, Keep, NotAdopted, connect as connect_keeper, held_of};
 
 #[cfg(test)]
 mod actor_tests;

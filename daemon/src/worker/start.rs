@@ -118,28 +118,18 @@ impl Prepared {
             session_dir: self.session_dir.clone(),
             procs: self.group.procs_files(),
         };
-        let held = (|| {
-            let s = &self.spawned;
-            let pidfd = s
-                .pidfd
+        let s = &self.spawned;
+        let held = crate::session::held_of(
+            s.pidfd.as_ref(),
+            &self.session_dir,
+            s.requests.as_fd(),
+            s.replies.get_ref().as_fd(),
+            s.stdout
                 .as_ref()
-                .ok_or_else(|| std::io::Error::other("the kernel gave no pidfd (Linux 5.3+)"))?;
-            let raw = match (&s.stdout, &s.stderr) {
-                (Some(o), Some(e)) => Some((
-                    o.as_fd().try_clone_to_owned()?,
-                    e.as_fd().try_clone_to_owned()?,
-                )),
-                _ => None,
-            };
-            Ok::<_, std::io::Error>(crate::keeper::Held {
-                pidfd: pidfd.try_clone_fd()?,
-                dir: crate::session::open_session_dir(&self.session_dir)?,
-                requests: s.requests.as_fd().try_clone_to_owned()?,
-                replies: s.replies.get_ref().as_fd().try_clone_to_owned()?,
-                raw,
-                egress: None,
-            })
-        })();
+                .zip(s.stderr.as_ref())
+                .map(|(o, e)| (o.as_fd(), e.as_fd())),
+            None,
+        );
         let started = match held {
             Ok(held) => {
                 tokio::task::spawn_blocking(move || crate::keeper::start_warm(&spec, &held))
