@@ -688,18 +688,20 @@ impl WarmKeeper {
 
     /// Ends it and reaps it: [`END`], then its exit waited for at most [`ANSWER_TIMEOUT`],
     /// after which it is killed (a signal to this daemon's unreaped child, whose pid cannot
-    /// have been reused) and its socket removed. Blocks.
+    /// have been reused). Its socket is removed in any case: a keeper that did not exit by
+    /// itself (killed by its session group's kill before it read [`END`], or by hand) leaves
+    /// it, and no other keeper binds its path (the session id is this worker's). Blocks.
     pub fn end(mut self) {
         self.lifeline.end();
         let t0 = Instant::now();
-        while t0.elapsed() < ANSWER_TIMEOUT {
-            match self.child.try_wait() {
-                Ok(None) => std::thread::sleep(Duration::from_millis(2)),
-                _ => return,
+        while matches!(self.child.try_wait(), Ok(None)) {
+            if t0.elapsed() >= ANSWER_TIMEOUT {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                break;
             }
+            std::thread::sleep(Duration::from_millis(2));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.socket);
     }
 }
@@ -1159,5 +1161,39 @@ mod tests {
         assert!(session_dir.exists(), "the session directory went");
         let _ = sleeper.kill();
         let _ = sleeper.wait();
+    }
+
+    /// A warm keeper that died before it read `end` (its session group's kill took it, as
+    /// when a one-shot `Run` on its worker ended at once) leaves its socket: `end` removes it.
+    #[test]
+    fn ending_a_warm_keeper_that_died_removes_its_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("t.sock");
+        let bound = listen_at(&socket).unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        child.kill().unwrap();
+        let (mine, _theirs) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .unwrap();
+        let w = WarmKeeper {
+            lifeline: Lifeline {
+                sock: mine,
+                pid: child.id(),
+                start_time: 0,
+            },
+            child,
+            socket: socket.clone(),
+        };
+        drop(bound);
+        assert!(socket.exists());
+        w.end();
+        assert!(!socket.exists(), "the dead keeper's socket stayed");
     }
 }
