@@ -1793,10 +1793,11 @@ impl Core {
 
     /// Kills the warm pools' idle workers (SIGKILL, not waited for) and stops refilling them:
     /// before [`Core::exit_keeping_sessions`]. A pooled worker belongs to no session, so no
-    /// successor adopts it (its warm keeper is told to end). Its reap, cgroup and directory are left to the
-    /// successor (its start sweeps every session group it does not adopt, and the directories
-    /// with them): waiting for them here would hold this process's exit, and with it every
-    /// client waiting on the socket, for as long as the kernel takes to tear the workers down.
+    /// successor adopts it (its warm keeper is told to end). Its reap, cgroup and directory
+    /// are left to the successor (its start sweeps every session group it does not adopt, and
+    /// the directories with them): waiting for them here would hold this process's exit, and
+    /// with it every client waiting on the socket, for as long as the kernel takes to tear the
+    /// workers down.
     /// A worker still starting for a pool is not waited for either: the same sweep ends it.
     /// Returns their session ids (the names of their groups).
     pub fn kill_pool(&self) -> Vec<String> {

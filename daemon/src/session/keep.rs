@@ -130,8 +130,9 @@ impl Actor {
 
     /// Starts the session's keeper (a session adopted with its keeper's lifeline only marks
     /// it; one whose warm worker came with a keeper makes that one its own, `keep`, and
-    /// starts another only if it does not answer). A keeper that cannot start leaves the session running without one: it then ends
-    /// with its daemon, as before adoption existed (logged).
+    /// starts another only if it does not answer). A keeper that cannot start leaves the
+    /// session running without one: it then ends with its daemon, as before adoption existed
+    /// (logged).
     pub(super) async fn start_keeper(&mut self) {
         let Some(k) = self.kept.as_ref() else { return };
         let worker = keeper::start_time(self.pid).map(|t| ProcId {
