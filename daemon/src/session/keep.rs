@@ -146,52 +146,24 @@ impl Actor {
             }
             return;
         }
-        if let Some(w) = self.kept.as_mut().and_then(|k| k.warm.take()) {
-            let egress = match &self.egress {
-                Some((l, _)) => l.try_clone().ok(),
-                None => None,
-            };
-            let joined = tokio::task::spawn_blocking(move || {
-                let r = w.keep(egress.as_ref().map(|f| f.as_fd()));
-                (w, r)
-            })
-            .await;
-            match joined {
-                Ok((w, Ok(()))) => {
-                    let keeper::WarmKeeper {
-                        lifeline, child, ..
-                    } = w;
-                    crate::cgroup::host::protect_keeper(lifeline.pid, lifeline.start_time);
-                    tracing::debug!(session = %self.session.id, keeper = lifeline.pid, "warm keeper kept");
-                    if let Some(k) = self.kept.as_mut() {
-                        k.lifeline = Some(lifeline);
-                        k.child = Some(child);
-                        k.worker = worker;
-                    }
-                    return;
-                }
-                Ok((w, Err(e))) => {
-                    tracing::warn!(session = %self.session.id, error = %e, "the warm worker's keeper did not take the session; starting another");
-                    let _ = tokio::task::spawn_blocking(move || w.end()).await;
-                }
-                Err(e) => {
-                    tracing::warn!(session = %self.session.id, error = %e, "the warm worker's keeper was lost; starting another");
+        let started = match self.take_warm_keeper().await {
+            Some(kept) => Ok(kept),
+            None => {
+                let Some(k) = self.kept.as_ref() else { return };
+                let spec = keeper::Spec {
+                    session: self.session.id.clone(),
+                    socket: records::keeper_socket(&k.keep.dir, &self.session.id),
+                    timeout: k.keep.timeout,
+                    session_dir: self.session_dir.clone(),
+                    procs: self.group.procs_files(),
+                };
+                match self.held() {
+                    Ok(held) => tokio::task::spawn_blocking(move || keeper::start(&spec, &held))
+                        .await
+                        .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string()))),
+                    Err(e) => Err(e),
                 }
             }
-        }
-        let Some(k) = self.kept.as_ref() else { return };
-        let spec = keeper::Spec {
-            session: self.session.id.clone(),
-            socket: records::keeper_socket(&k.keep.dir, &self.session.id),
-            timeout: k.keep.timeout,
-            session_dir: self.session_dir.clone(),
-            procs: self.group.procs_files(),
-        };
-        let started = match self.held() {
-            Ok(held) => tokio::task::spawn_blocking(move || keeper::start(&spec, &held))
-                .await
-                .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string()))),
-            Err(e) => Err(e),
         };
         match started {
             Ok((life, child)) => {
@@ -206,6 +178,39 @@ impl Actor {
             Err(e) => {
                 tracing::warn!(session = %self.session.id, error = %e, "no keeper: the session will not survive the daemon");
                 self.kept = None;
+            }
+        }
+    }
+
+    /// Makes the keeper the session's warm worker came with the session's (`keep`, with the
+    /// egress listener): its lifeline and process, or `None` when there is none or it did not
+    /// answer (then it is ended, logged).
+    async fn take_warm_keeper(&mut self) -> Option<(Lifeline, std::process::Child)> {
+        let w = self.kept.as_mut().and_then(|k| k.warm.take())?;
+        let egress = match &self.egress {
+            Some((l, _)) => l.try_clone().ok(),
+            None => None,
+        };
+        let joined = tokio::task::spawn_blocking(move || {
+            let r = w.keep(egress.as_ref().map(|f| f.as_fd()));
+            (w, r)
+        })
+        .await;
+        match joined {
+            Ok((w, Ok(()))) => {
+                let keeper::WarmKeeper {
+                    lifeline, child, ..
+                } = w;
+                Some((lifeline, child))
+            }
+            Ok((w, Err(e))) => {
+                tracing::warn!(session = %self.session.id, error = %e, "the warm worker's keeper did not take the session; starting another");
+                let _ = tokio::task::spawn_blocking(move || w.end()).await;
+                None
+            }
+            Err(e) => {
+                tracing::warn!(session = %self.session.id, error = %e, "the warm worker's keeper was lost; starting another");
+                None
             }
         }
     }
